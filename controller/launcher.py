@@ -1,0 +1,102 @@
+"""Starts worker processes on this host and stops exactly those, by PID.
+
+Used by `flexmarl run`, `Experiment` and the integration tests. Each worker is a child
+process in its own process group (so a Ctrl-C in the terminal reaches the controller,
+which then shuts workers down in order); `stop()` escalates SIGTERM -> SIGKILL under a
+time limit and never touches a process it did not start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("flexmarl.launcher")
+
+
+@dataclass
+class WorkerProcess:
+    worker_id: str
+    role: str
+    proc: subprocess.Popen
+    log_path: Path | None
+
+
+class LocalWorkers:
+    def __init__(self, address: str, log_dir: Path | None = None, *,
+                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
+                 curve_dir: str = "", threads: int = 1, extra_env: dict[str, str] | None = None) -> None:
+        self.address = address
+        self.log_dir = log_dir
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.curve_dir = curve_dir
+        self.threads = threads
+        self.extra_env = extra_env or {}
+        self.procs: list[WorkerProcess] = []
+
+    def start(self, role: str, worker_id: str) -> WorkerProcess:
+        cmd = [sys.executable, "-m", "flexmarl.workers.main", "--role", role,
+               "--connect", self.address, "--worker-id", worker_id,
+               "--heartbeat-interval", str(self.heartbeat_interval_s),
+               "--heartbeat-timeout", str(self.heartbeat_timeout_s),
+               "--threads", str(self.threads)]
+        if self.curve_dir:
+            cmd += ["--curve-dir", self.curve_dir]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   **self.extra_env)
+        log_path = None
+        stdout = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"{worker_id}.log"
+            stdout = open(log_path, "ab")
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        if stdout is not None:
+            stdout.close()
+        wp = WorkerProcess(worker_id, role, proc, log_path)
+        self.procs.append(wp)
+        log.info("started %s worker %s (pid %d)", role, worker_id, proc.pid)
+        return wp
+
+    def pids(self) -> list[int]:
+        return [wp.proc.pid for wp in self.procs]
+
+    def running(self) -> list[WorkerProcess]:
+        return [wp for wp in self.procs if wp.proc.poll() is None]
+
+    def wait(self, timeout: float) -> bool:
+        """True if every started process has exited within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.running():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the survivors, then SIGKILL whatever is left after `timeout`."""
+        for wp in self.running():
+            _signal(wp, signal.SIGTERM)
+        if not self.wait(timeout):
+            for wp in self.running():
+                log.warning("worker %s (pid %d) ignored SIGTERM; killing it", wp.worker_id, wp.proc.pid)
+                _signal(wp, signal.SIGKILL)
+            self.wait(5.0)
+        for wp in self.procs:
+            if wp.proc.returncode is None:
+                wp.proc.wait(timeout=1.0)
+
+
+def _signal(wp: WorkerProcess, sig: int) -> None:
+    try:
+        wp.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass

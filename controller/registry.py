@@ -1,0 +1,79 @@
+"""The registry of workers: who joined, what they offer, whether they are alive.
+
+Plain synchronous data and decisions (accept or refuse a HELLO, who has expired), so it
+is tested without sockets and replayed without processes. It never sends anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flexmarl.runtime import protocol
+
+ROLES = ("rollout", "trainer")
+
+
+class RegistrationRefused(Exception):
+    """A HELLO was refused; the message is sent back to the worker in a REJECT."""
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    identity: bytes
+    role: str
+    host: str
+    pid: int
+    devices: list[str]
+    capacity: dict[str, float]
+    joined_at: float
+    last_seen: float
+    alive: bool = True
+    why_gone: str = ""
+    load: dict[str, float] = field(default_factory=dict)
+
+
+class WorkerRegistry:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerInfo] = {}
+        self._by_identity: dict[bytes, str] = {}
+
+    def register(self, hello: protocol.Hello, identity: bytes, now: float) -> WorkerInfo:
+        if hello.protocol_version != protocol.PROTOCOL_VERSION:
+            raise RegistrationRefused(
+                f"protocol version {hello.protocol_version} is not supported (controller speaks "
+                f"{protocol.PROTOCOL_VERSION}); run the same FlexMARL version everywhere")
+        if hello.role not in ROLES:
+            raise RegistrationRefused(f"unknown role {hello.role!r} (expected one of {ROLES})")
+        if not hello.worker_id:
+            raise RegistrationRefused("empty worker id")
+        current = self.workers.get(hello.worker_id)
+        if current is not None and current.alive:
+            raise RegistrationRefused(
+                f"worker id {hello.worker_id!r} is already registered (pid {current.pid} on "
+                f"{current.host}); give each worker a unique --worker-id")
+        if identity in self._by_identity:
+            raise RegistrationRefused("this connection has already registered")
+        info = WorkerInfo(hello.worker_id, identity, hello.role, hello.host, hello.pid,
+                          list(hello.devices), dict(hello.capacity), now, now)
+        self.workers[hello.worker_id] = info
+        self._by_identity[identity] = hello.worker_id
+        return info
+
+    def by_identity(self, identity: bytes) -> WorkerInfo | None:
+        worker_id = self._by_identity.get(identity)
+        return self.workers.get(worker_id) if worker_id is not None else None
+
+    def seen(self, info: WorkerInfo, now: float) -> None:
+        info.last_seen = now
+
+    def expired(self, now: float, timeout_s: float) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.alive and now - w.last_seen > timeout_s]
+
+    def mark_gone(self, info: WorkerInfo, why: str) -> None:
+        info.alive = False
+        info.why_gone = why
+        self._by_identity.pop(info.identity, None)
+
+    def alive(self, role: str | None = None) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]

@@ -1,0 +1,283 @@
+"""The controller's end of the control plane: one ROUTER, the worker registry, liveness.
+
+`ControllerServer` accepts workers (HELLO -> WELCOME or REJECT), exchanges heartbeats with
+every live worker, declares a silent one dead, and turns request/reply pairs into awaitable
+calls. A malformed or unexpected message is logged with its reason, counted in `rejected`,
+and dropped; it never stops the loop.
+
+It knows nothing about agents, samples or training: the experiment drives it through
+`call`, `stream`, `workers` and the joined/died listeners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from flexmarl.runtime import protocol
+from flexmarl.runtime.config import TransportConfig
+from flexmarl.runtime.transport import Inbound, RouterSocket
+
+from .registry import RegistrationRefused, WorkerInfo, WorkerRegistry
+
+log = logging.getLogger("flexmarl.controller")
+
+
+class WorkerDied(Exception):
+    """The worker handling a request was declared dead; the request may be re-issued."""
+
+    def __init__(self, worker_id: str, why: str) -> None:
+        super().__init__(f"worker {worker_id} is gone: {why}")
+        self.worker_id = worker_id
+
+
+class RemoteError(Exception):
+    """A worker reported that one request failed (the worker itself is fine)."""
+
+
+# A streaming reply handler returns True when the reply it was given is the last one.
+ReplyHandler = Callable[[protocol.Message, list[Any]], bool]
+
+
+@dataclass
+class _Pending:
+    worker_id: str
+    future: asyncio.Future
+    on_reply: ReplyHandler | None
+
+
+class ControllerServer:
+    def __init__(self, cfg: TransportConfig) -> None:
+        self.cfg = cfg
+        self.socket = RouterSocket(cfg)
+        self.registry = WorkerRegistry()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.on_joined: list[Callable[[WorkerInfo], None]] = []
+        self.on_died: list[Callable[[WorkerInfo], None]] = []
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._changed = asyncio.Event()
+        self._hb_seq = 0
+        self.address = ""
+
+    # ------------------------------------------------------------ lifecycle
+
+    def bind(self) -> str:
+        self.address = self.socket.bind()
+        log.info("controller listening on %s", self.address)
+        return self.address
+
+    async def serve(self) -> None:
+        """Receive loop. Consumes every inbound message; never returns while running."""
+        while True:
+            inbound = await self.socket.recv()
+            try:
+                await self._dispatch(inbound)
+            except Exception:  # a handler bug must not take the control plane down
+                log.exception("error while handling a message from %r", inbound.identity)
+
+    async def heartbeat(self) -> None:
+        """Sends a heartbeat to every live worker each interval; declares silent ones dead."""
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            now = time.monotonic()
+            for info in self.registry.expired(now, self.cfg.heartbeat_timeout_s):
+                self._declare_dead(info, f"no heartbeat for {now - info.last_seen:.1f}s "
+                                         f"(timeout {self.cfg.heartbeat_timeout_s}s)")
+            self._hb_seq += 1
+            for info in self.registry.alive():
+                await self._send(info.identity, protocol.Heartbeat(self._hb_seq))
+
+    def close(self) -> None:
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(WorkerDied(pending.worker_id, "controller closed"))
+        self._pending.clear()
+        self.socket.close()
+
+    # ------------------------------------------------------------ requests
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    async def call(self, worker_id: str, msg: protocol.Message, buffers: Sequence[Any] = (),
+                   timeout: float | None = None) -> tuple[protocol.Message, list[Any]]:
+        """Sends `msg` (which carries a request_id) and waits for its single reply."""
+        future = self.stream(worker_id, msg, None, buffers)
+        await self._send_request(worker_id, msg, buffers)
+        return await asyncio.wait_for(future, timeout)
+
+    def stream(self, worker_id: str, msg: protocol.Message, on_reply: ReplyHandler | None,
+               buffers: Sequence[Any] = ()) -> asyncio.Future:
+        """Registers a request whose replies go to `on_reply`; the caller then sends it
+        with `send_request`. The future resolves at the last reply or fails with
+        WorkerDied/RemoteError."""
+        info = self.registry.workers.get(worker_id)
+        future = asyncio.get_running_loop().create_future()
+        if info is None or not info.alive:
+            future.set_exception(WorkerDied(worker_id, "not registered or already dead"))
+            return future
+        self._pending[msg.request_id] = _Pending(worker_id, future, on_reply)
+        return future
+
+    async def send_request(self, worker_id: str, msg: protocol.Message,
+                           buffers: Sequence[Any] = ()) -> None:
+        await self._send_request(worker_id, msg, buffers)
+
+    async def _send_request(self, worker_id: str, msg: protocol.Message, buffers: Sequence[Any]) -> None:
+        info = self.registry.workers.get(worker_id)
+        if info is None or not info.alive:
+            return  # the future already carries WorkerDied
+        await self._send(info.identity, msg, buffers)
+
+    async def broadcast_shutdown(self, reason: str) -> None:
+        for info in self.registry.alive():
+            await self._send(info.identity, protocol.Shutdown(reason))
+
+    async def wait_for_workers(self, counts: dict[str, int], timeout: float) -> None:
+        """Returns once at least counts[role] workers of each role are alive."""
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = {r: n - len(self.registry.alive(r)) for r, n in counts.items()}
+            missing = {r: n for r, n in missing.items() if n > 0}
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"workers did not join within {timeout:.0f}s; still missing "
+                                   f"{missing} (is `flexmarl worker --connect {self.address}` running?)")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def wait_until_gone(self, worker_ids: Sequence[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while any(self.registry.workers[w].alive for w in worker_ids if w in self.registry.workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    # ------------------------------------------------------------ internals
+
+    async def _send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
+        try:
+            await self.socket.send(identity, msg, buffers)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected
+            info = self.registry.by_identity(identity)
+            if info is not None and exc.errno == zmq.EHOSTUNREACH:
+                self._declare_dead(info, "connection lost")
+            else:
+                log.warning("cannot send %s to %r: %s", type(msg).__name__, identity, exc)
+
+    def _reject(self, identity: bytes, reason: str) -> None:
+        self.rejected[reason.split(":")[0]] += 1
+        log.warning("dropped message from %r: %s", identity, reason)
+
+    async def _dispatch(self, inbound: Inbound) -> None:
+        now = time.monotonic()
+        info = self.registry.by_identity(inbound.identity)
+        if inbound.error:
+            self._reject(inbound.identity, inbound.error)
+            if info is not None:
+                await self._send(info.identity, protocol.Error(0, f"message dropped: {inbound.error}"))
+            return
+        msg = inbound.msg
+        if info is None:
+            await self._handle_unregistered(inbound, now)
+            return
+        self.registry.seen(info, now)
+        if isinstance(msg, protocol.Heartbeat):
+            info.load = dict(msg.load)
+        elif isinstance(msg, protocol.Bye):
+            self._declare_dead(info, f"left: {msg.reason}")
+        elif isinstance(msg, protocol.Hello):
+            self._reject(inbound.identity, "duplicate HELLO on a registered connection")
+        elif hasattr(msg, "request_id"):
+            self._deliver(info, msg, inbound.buffers)
+        else:
+            self._reject(inbound.identity, f"unexpected {type(msg).__name__} from worker {info.worker_id}")
+
+    async def _handle_unregistered(self, inbound: Inbound, now: float) -> None:
+        msg = inbound.msg
+        if not isinstance(msg, protocol.Hello):
+            self._reject(inbound.identity, f"unregistered peer sent {type(msg).__name__} before HELLO")
+            await self._send_raw_reject(inbound.identity, "not registered: send HELLO first (or restart the worker)")
+            return
+        try:
+            info = self.registry.register(msg, inbound.identity, now)
+        except RegistrationRefused as exc:
+            self._reject(inbound.identity, f"registration refused: {exc}")
+            await self._send_raw_reject(inbound.identity, str(exc))
+            return
+        await self._send(info.identity, protocol.Welcome(
+            protocol.PROTOCOL_VERSION, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_timeout_s))
+        log.info("worker %s joined: role=%s host=%s pid=%d devices=%s",
+                 info.worker_id, info.role, info.host, info.pid, info.devices)
+        for listener in self.on_joined:
+            listener(info)
+        self._changed.set()
+
+    async def _send_raw_reject(self, identity: bytes, reason: str) -> None:
+        try:
+            await self.socket.send(identity, protocol.Reject(reason))
+        except zmq.ZMQError:
+            pass
+
+    def _deliver(self, info: WorkerInfo, msg: Any, buffers: list[Any]) -> None:
+        pending = self._pending.get(msg.request_id)
+        if pending is None or pending.worker_id != info.worker_id:
+            if isinstance(msg, protocol.Error) and msg.request_id == 0:
+                log.warning("worker %s reports: %s", info.worker_id, msg.message)
+            else:
+                self._reject(info.identity, f"reply {type(msg).__name__} for unknown request "
+                                            f"{msg.request_id} from {info.worker_id}")
+            return
+        if pending.future.done():  # cancelled by the caller
+            del self._pending[msg.request_id]
+            return
+        if isinstance(msg, protocol.Error):
+            del self._pending[msg.request_id]
+            pending.future.set_exception(RemoteError(f"{info.worker_id}: {msg.message}"))
+            return
+        if pending.on_reply is None:
+            del self._pending[msg.request_id]
+            pending.future.set_result((msg, buffers))
+            return
+        try:
+            finished = pending.on_reply(msg, buffers)
+        except Exception as exc:
+            del self._pending[msg.request_id]
+            pending.future.set_exception(exc)
+            return
+        if finished:
+            del self._pending[msg.request_id]
+            pending.future.set_result((msg, buffers))
+
+    def _declare_dead(self, info: WorkerInfo, why: str) -> None:
+        if not info.alive:
+            return
+        self.registry.mark_gone(info, why)
+        log.warning("worker %s declared dead: %s", info.worker_id, why)
+        for request_id, pending in list(self._pending.items()):
+            if pending.worker_id == info.worker_id:
+                del self._pending[request_id]
+                if not pending.future.done():
+                    pending.future.set_exception(WorkerDied(info.worker_id, why))
+        for listener in self.on_died:
+            listener(info)
+        self._changed.set()

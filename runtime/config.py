@@ -1,0 +1,217 @@
+"""Typed configuration: one small dataclass per component, loaded from TOML.
+
+`load_config(path, overrides)` reads a TOML file (or the defaults), applies command-line
+overrides written as ``section.key=value`` and checks every key and type. An error names
+the offending key and what would have been accepted, so a typo never silently falls back
+to a default.
+
+This module knows the shape of the configuration, not what any component does with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+@dataclass
+class TransportConfig:
+    # tcp://HOST:PORT; port 0 picks a free port (the chosen address is logged and written
+    # to the run directory). Any host but loopback requires CURVE keys in `curve_dir`.
+    address: str = "tcp://127.0.0.1:0"
+    heartbeat_interval_s: float = 1.0
+    # A peer silent for this long is declared dead. Generous because workers run heavy
+    # compute on 2-core machines; the liveness check only needs to beat a real crash.
+    heartbeat_timeout_s: float = 10.0
+    handshake_timeout_s: float = 30.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    curve_dir: str = ""  # holds server.key(_secret) and client.key(_secret); see `flexmarl keys`
+
+
+@dataclass
+class ClusterConfig:
+    rollout_workers: int = 3
+    trainer_workers: int = 1
+    worker_start_timeout_s: float = 300.0
+    shutdown_timeout_s: float = 15.0
+    threads_per_worker: int = 1
+
+
+@dataclass
+class AgentConfig:
+    model: str = ""  # a built-in tiny model name, or a path to a Hugging Face model dir
+    group_size: int = 4  # samples per prompt (n); advantages are normalised in a group
+    max_tokens: int = 8
+    temperature: float = 1.0
+    lr: float = 2e-3
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class PipelineConfig:
+    mode: str = "sync"  # "sync" | "async"
+    max_staleness: int = 0
+    queries_per_step: int = 8  # episodes per global batch (every agent steps once per batch)
+    micro_batch: int = 16  # samples per micro-batch, per agent
+    max_concurrent_episodes: int = 16
+    episode_timeout_s: float = 120.0
+    clip_ratio: float = 2.0
+
+
+@dataclass
+class RunConfig:
+    workflow: str = "digit_chain"
+    steps: int = 20
+    seed: int = 0
+    out: str = ""  # run directory; empty -> runs/<timestamp>
+    checkpoint_every: int = 0  # 0 -> only at the end
+    env_latency_ms: float = 0.0  # mean latency of the simulated environment/tool call
+    progress: bool = True
+
+
+@dataclass
+class ExperimentConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    agents: dict[str, AgentConfig] = field(default_factory=dict)
+
+    def validate(self) -> "ExperimentConfig":
+        if self.pipeline.mode not in ("sync", "async"):
+            raise ConfigError(f"pipeline.mode must be 'sync' or 'async', got {self.pipeline.mode!r}")
+        if self.pipeline.max_staleness < 0:
+            raise ConfigError("pipeline.max_staleness must be >= 0")
+        if self.pipeline.micro_batch < 1 or self.pipeline.queries_per_step < 1:
+            raise ConfigError("pipeline.micro_batch and pipeline.queries_per_step must be >= 1")
+        if self.cluster.rollout_workers < 1 or self.cluster.trainer_workers < 1:
+            raise ConfigError("cluster needs at least one rollout and one trainer worker")
+        for name, agent in self.agents.items():
+            if agent.group_size < 1 or agent.max_tokens < 1:
+                raise ConfigError(f"agents.{name}: group_size and max_tokens must be >= 1")
+        if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
+            raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
+        return self
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
+        return _build(hint, value, key)
+    if origin is dict:
+        _, val_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
+        return {k: _coerce(v, val_hint, f"{key}.{k}") for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool):
+        if type(value) is not hint:
+            raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in known:
+            raise ConfigError(f"unknown key '{full}' (known keys here: {', '.join(sorted(known))})")
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def _parse_literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word is a string: mode=async
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Set ``section.key=value`` in the raw TOML dict (validated later by `_build`)."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like section.key=value")
+    path, text = assignment.split("=", 1)
+    parts = [p for p in path.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override {assignment!r} has no key")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {assignment!r}: '{part}' is not a table")
+    node[parts[-1]] = _parse_literal(text.strip())
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                defaults: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Defaults, then the TOML file, then overrides; every key checked."""
+    data: dict[str, Any] = _deep_copy(defaults or {})
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                _merge(data, tomllib.load(fh))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return _build(ExperimentConfig, data, "").validate()
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_toml(cfg: ExperimentConfig) -> str:
+    """The resolved config as TOML (written into every run directory)."""
+    lines: list[str] = []
+
+    def emit_table(name: str, table: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        lines.append(f"[{name}]")
+        for k, v in scalars.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit_table(f"{name}.{k}", v)
+
+    for section, table in to_dict(cfg).items():
+        emit_table(section, table)
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}

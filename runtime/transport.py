@@ -1,0 +1,176 @@
+"""ZeroMQ sockets for the control plane: the controller's ROUTER, each worker's DEALER.
+
+Both wrap zmq.asyncio sockets and speak `protocol` frames. What they add:
+- a size cap checked on every inbound message (a larger one is dropped with a reason),
+- decoding that turns garbage into an `Inbound` carrying the reason instead of raising,
+- CURVE authentication, mandatory for any bind address other than loopback.
+
+Heartbeat timing and the registry of workers live above this layer (controller/server.py,
+workers/session.py); these classes only move frames.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from . import protocol
+from .config import ConfigError, TransportConfig
+
+log = logging.getLogger("flexmarl.transport")
+
+
+@dataclass
+class Inbound:
+    """One received message; `error` is set (and `msg` is None) when it was malformed."""
+
+    identity: bytes
+    msg: protocol.Message | None
+    buffers: list[Any]
+    error: str = ""
+
+
+def _is_loopback(address: str) -> bool:
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = urlsplit(address).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _curve_keys(curve_dir: str, name: str) -> tuple[bytes, bytes]:
+    import zmq.auth
+
+    path = Path(curve_dir) / f"{name}.key_secret"
+    if not path.exists():
+        raise ConfigError(f"CURVE key {path} is missing; create keys with `flexmarl keys {curve_dir}`")
+    public, secret = zmq.auth.load_certificate(str(path))
+    return public, secret
+
+
+def create_curve_keys(curve_dir: str) -> None:
+    """Writes server and client key pairs into `curve_dir` (copy it to every host)."""
+    import zmq.auth
+
+    os.makedirs(curve_dir, exist_ok=True)
+    for name in ("server", "client"):
+        if not (Path(curve_dir) / f"{name}.key_secret").exists():
+            zmq.auth.create_certificates(curve_dir, name)
+
+
+class _Socket:
+    def __init__(self, cfg: TransportConfig, sock_type: int) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(sock_type)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # zmq's own cap is a backstop against memory exhaustion (it silently disconnects);
+        # the logged rejection happens in `_check` at `max_message_bytes`.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_message_bytes)
+
+    def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
+        size = protocol.frames_nbytes(frames)
+        if size > self.cfg.max_message_bytes:
+            return Inbound(identity, None, [], f"oversized message: {size} bytes > limit "
+                                                f"{self.cfg.max_message_bytes}")
+        try:
+            msg, buffers = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
+        except protocol.ProtocolError as exc:
+            return Inbound(identity, None, [], str(exc))
+        return Inbound(identity, msg, buffers)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RouterSocket(_Socket):
+    """The controller's socket: one ROUTER that every worker's DEALER connects to."""
+
+    def __init__(self, cfg: TransportConfig) -> None:
+        super().__init__(cfg, zmq.ROUTER)
+        # An unknown identity is an error, not a silent drop: we learn a peer is gone.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.authenticator = None
+        self.address = ""
+
+    def bind(self) -> str:
+        address = self.cfg.address
+        if not _is_loopback(address) and not self.cfg.curve_dir:
+            raise ConfigError(
+                f"refusing to bind {address} without authentication: a non-loopback address "
+                "needs CURVE keys. Run `flexmarl keys DIR` and set transport.curve_dir=DIR, "
+                "or bind tcp://127.0.0.1:PORT")
+        if self.cfg.curve_dir:
+            self._enable_curve_server()
+        self.sock.bind(address)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.address.startswith("tcp://0.0.0.0:"):
+            self.address = self.address.replace("0.0.0.0", socket.gethostname(), 1)
+        return self.address
+
+    def _enable_curve_server(self) -> None:
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        public, secret = _curve_keys(self.cfg.curve_dir, "server")
+        self.authenticator = AsyncioAuthenticator(self.ctx)
+        self.authenticator.start()
+        # Only clients whose public keys are in curve_dir may connect.
+        self.authenticator.configure_curve(domain="*", location=self.cfg.curve_dir)
+        self.sock.curve_secretkey = secret
+        self.sock.curve_publickey = public
+        self.sock.curve_server = True
+
+    async def recv(self) -> Inbound:
+        frames = await self.sock.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        return self._check(identity, frames[1:])
+
+    async def send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
+        await self.sock.send_multipart([identity, *protocol.encode(msg, buffers)], copy=False)
+
+    def close(self) -> None:
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        super().close()
+
+
+class DealerSocket(_Socket):
+    """A worker's socket to the controller; its identity is unique per connection."""
+
+    def __init__(self, cfg: TransportConfig, identity: bytes) -> None:
+        super().__init__(cfg, zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.identity = identity
+
+    def connect(self, address: str) -> None:
+        if self.cfg.curve_dir:
+            server_public, _ = _curve_keys(self.cfg.curve_dir, "server")
+            public, secret = _curve_keys(self.cfg.curve_dir, "client")
+            self.sock.curve_serverkey = server_public
+            self.sock.curve_publickey = public
+            self.sock.curve_secretkey = secret
+        self.sock.connect(address)
+
+    async def recv(self) -> Inbound:
+        frames = await self.sock.recv_multipart(copy=False)
+        return self._check(b"", frames)
+
+    async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
+        await self.sock.send_multipart(protocol.encode(msg, buffers), copy=False)
+
+    async def send_raw(self, frames: Sequence[Any]) -> None:
+        """Sends frames exactly as given (tests and fuzzing use it to send garbage)."""
+        await self.sock.send_multipart(list(frames))

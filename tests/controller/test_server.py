@@ -1,0 +1,197 @@
+"""The controller's control plane over real ZeroMQ sockets, with in-process peers."""
+
+import asyncio
+import contextlib
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from flexmarl.controller.server import ControllerServer, RemoteError, WorkerDied
+from flexmarl.runtime import protocol as p
+from flexmarl.runtime.config import ConfigError, TransportConfig
+from flexmarl.runtime.transport import DealerSocket, create_curve_keys
+from flexmarl.workers.session import CommandHandler, WorkerSession
+
+class EchoHandler(CommandHandler):
+    role = "trainer"  # the base handler answers Echo and refuses everything else
+
+
+CFG = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6, handshake_timeout_s=2.0,
+                      max_message_bytes=1024 * 1024)
+
+
+@contextlib.asynccontextmanager
+async def controller(cfg=CFG):
+    server = ControllerServer(cfg)
+    server.bind()
+    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(server.heartbeat())]
+    try:
+        yield server
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        server.close()
+
+
+@contextlib.asynccontextmanager
+async def healthy_worker(server, worker_id="healthy", cfg=CFG):
+    session = WorkerSession(cfg, server.address, EchoHandler(), worker_id=worker_id)
+    task = asyncio.create_task(session.run())
+    await server.wait_for_workers({"trainer": 1}, 2)
+    try:
+        yield session, task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def echo(server, worker_id, payload=b"ping"):
+    rid = server.next_request_id()
+    reply, buffers = await server.call(worker_id, p.Echo(rid, payload), [b"buf"], timeout=2)
+    assert isinstance(reply, p.EchoReply) and reply.payload == payload
+    assert bytes(buffers[0]) == b"buf"
+
+
+def raw_dealer(server, identity=b"raw"):
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    return sock
+
+
+def hello(worker_id, version=p.PROTOCOL_VERSION):
+    return p.encode(p.Hello(version, worker_id, "trainer", "h", 1))
+
+
+async def wait_for(predicate, timeout=2.0):
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+async def test_worker_registers_and_answers_commands():
+    async with controller() as server, healthy_worker(server):
+        await echo(server, "healthy")
+        info = server.registry.workers["healthy"]
+        assert info.alive and info.role == "trainer" and info.devices == ["cpu"]
+
+
+BAD_INPUTS = {
+    "garbage frames": [b"\x00\x01\x02"],
+    "unknown kind": [bytes([250]), b"\x90"],
+    "undecodable body": [bytes([p.Kind.HELLO]), b"\xc1not msgpack"],
+    "wrong body for kind": [bytes([p.Kind.HELLO]), msgspec.msgpack.encode(p.Shutdown("x"))],
+    "oversized message": [bytes([p.Kind.ECHO]), b"x" * (CFG.max_message_bytes + 1)],
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+async def test_bad_input_is_rejected_while_a_healthy_worker_keeps_working(name, caplog):
+    async with controller() as server, healthy_worker(server):
+        bad = raw_dealer(server)
+        try:
+            await bad.send_multipart(BAD_INPUTS[name])
+            assert await wait_for(lambda: sum(server.rejected.values()) >= 1)
+            await echo(server, "healthy")
+        finally:
+            bad.close()
+        assert "dropped message" in caplog.text
+        assert server.registry.workers["healthy"].alive
+
+
+async def test_wrong_protocol_version_is_refused_with_a_reason():
+    async with controller() as server, healthy_worker(server):
+        bad = raw_dealer(server)
+        try:
+            await bad.send_multipart(hello("old", version=p.PROTOCOL_VERSION + 1))
+            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), 2))
+            assert isinstance(reply, p.Reject) and "protocol version" in reply.reason
+            assert "old" not in server.registry.workers
+            await echo(server, "healthy")
+        finally:
+            bad.close()
+
+
+async def test_duplicate_worker_id_is_refused_and_the_first_keeps_working():
+    async with controller() as server, healthy_worker(server):
+        bad = raw_dealer(server, b"impostor")
+        try:
+            await bad.send_multipart(hello("healthy"))
+            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), 2))
+            assert isinstance(reply, p.Reject) and "already registered" in reply.reason
+            await echo(server, "healthy")
+        finally:
+            bad.close()
+
+
+async def test_worker_session_exits_with_code_2_when_refused():
+    async with controller() as server, healthy_worker(server):
+        dup = WorkerSession(CFG, server.address, EchoHandler(), worker_id="healthy")
+        assert await asyncio.wait_for(dup.run(), 5) == 2
+        await echo(server, "healthy")
+
+
+async def test_silent_worker_is_declared_dead_and_its_requests_fail():
+    async with controller() as server:
+        silent = raw_dealer(server, b"silent")
+        try:
+            await silent.send_multipart(hello("silent"))
+            await asyncio.wait_for(silent.recv_multipart(), 2)  # WELCOME
+            rid = server.next_request_id()
+            call = asyncio.create_task(server.call("silent", p.Echo(rid)))
+            with pytest.raises(WorkerDied, match="no heartbeat"):
+                await asyncio.wait_for(call, 3)
+            assert not server.registry.workers["silent"].alive
+        finally:
+            silent.close()
+
+
+async def test_request_failure_reported_by_worker_raises_remote_error():
+    async with controller() as server, healthy_worker(server):
+        rid = server.next_request_id()
+        with pytest.raises(RemoteError, match="cannot handle OptimStep"):
+            await server.call("healthy", p.OptimStep(rid, "a", 1), timeout=2)
+
+
+async def test_worker_exits_when_the_controller_is_gone():
+    async with controller() as server:
+        session = WorkerSession(CFG, server.address, EchoHandler(), worker_id="orphan")
+        task = asyncio.create_task(session.run())
+        assert await wait_for(lambda: "orphan" in server.registry.workers)
+    # the controller's sockets are closed now: the worker must notice and exit by itself
+    assert await asyncio.wait_for(task, 5) == 3
+
+
+def test_binding_a_public_address_without_curve_keys_is_refused():
+    server = ControllerServer(TransportConfig(address="tcp://0.0.0.0:0"))
+    try:
+        with pytest.raises(ConfigError, match="CURVE"):
+            server.bind()
+    finally:
+        server.close()
+
+
+async def test_curve_authenticated_worker_connects_and_an_unkeyed_one_cannot(tmp_path):
+    keys = str(tmp_path / "keys")
+    create_curve_keys(keys)
+    cfg = TransportConfig(address="tcp://0.0.0.0:0", heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6,
+                          handshake_timeout_s=1.0, curve_dir=keys)
+    async with controller(cfg) as server:
+        address = server.address.rsplit(":", 1)
+        address = f"tcp://127.0.0.1:{address[1]}"
+        session = WorkerSession(cfg, address, EchoHandler(), worker_id="keyed")
+        task = asyncio.create_task(session.run())
+        assert await wait_for(lambda: "keyed" in server.registry.workers, 5)
+        await echo(server, "keyed")
+        plain_cfg = TransportConfig(address=address, handshake_timeout_s=1.0)
+        plain = WorkerSession(plain_cfg, address, EchoHandler(), worker_id="plain")
+        assert await asyncio.wait_for(plain.run(), 5) == 3  # never welcomed
+        assert "plain" not in server.registry.workers
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,45 @@
+import pytest
+
+from flexmarl.runtime.config import ConfigError, dump_toml, load_config
+
+
+def test_defaults_load_and_validate():
+    cfg = load_config()
+    assert cfg.pipeline.mode == "sync"
+    assert cfg.transport.address.startswith("tcp://127.0.0.1")
+
+
+def test_file_then_overrides_win(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[pipeline]\nmode = "async"\nmicro_batch = 8\n[agents.a]\nmodel = "m"\n')
+    cfg = load_config(path, ["pipeline.micro_batch=4", "agents.a.lr=0.5", "run.seed=3"])
+    assert cfg.pipeline.mode == "async"
+    assert cfg.pipeline.micro_batch == 4
+    assert cfg.agents["a"].lr == 0.5 and cfg.agents["a"].model == "m"
+    assert cfg.run.seed == 3
+
+
+def test_unknown_key_is_named_in_the_error(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[pipeline]\nmdoe = 'async'\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'pipeline.mdoe'.*mode"):
+        load_config(path)
+
+
+def test_wrong_type_is_named_in_the_error():
+    with pytest.raises(ConfigError, match=r"pipeline.micro_batch: expected int"):
+        load_config(None, ["pipeline.micro_batch=lots"])
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ConfigError, match="pipeline.mode"):
+        load_config(None, ["pipeline.mode=fast"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/x.toml")
+
+
+def test_resolved_config_dumps_to_toml_that_loads_back(tmp_path):
+    cfg = load_config(None, ["agents.x.model=tiny", "run.steps=3"])
+    path = tmp_path / "resolved.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_config(path) == cfg

@@ -1,0 +1,73 @@
+import msgspec
+import numpy as np
+import pytest
+
+from flexmarl.runtime import protocol as p
+
+EXAMPLES = [
+    p.Hello(p.PROTOCOL_VERSION, "w1", "rollout", "host", 123, ["cpu"], {"slots": 4.0}),
+    p.Welcome(p.PROTOCOL_VERSION, 1.0, 5.0),
+    p.Reject("duplicate"),
+    p.Heartbeat(7, {"queued": 3.0}),
+    p.Shutdown("done"),
+    p.Bye("bye"),
+    p.Error(9, "boom", recoverable=False),
+    p.Echo(1, b"abc"),
+    p.EchoReply(1, b"abc"),
+    p.LoadModel(2, "planner", "/tmp/m", 0, seed=3),
+    p.ModelLoaded(2, "planner", 0, 1.5),
+    p.Generate(3, "solver", [p.GenRequest("s1", [1, 2, 3], 6, 1.0, 42)]),
+    p.Generated(3, "solver", [p.GenResult("s1", [4, 5], [-0.1, -0.2], 0)], True, {"queued": 0.0}),
+    p.LoadWeights(4, "solver", 1, b"handle"),
+    p.WeightsLoaded(4, "solver", 1, 0.01),
+    p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
+    p.AgentReady(5, "checker", 0, 1000),
+    p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0])], 1 / 64),
+    p.MicroBatchDone(6, "checker", 0.1, 10, 0.2),
+    p.OptimStep(7, "checker", 1),
+    p.StepDone(7, "checker", 1, 0.9, 0.01),
+    p.PublishWeights(8, "checker", 1, "shm", ["r1"]),
+    p.WeightsPublished(8, "checker", 1, b"h", 100, 0.1),
+    p.SaveCheckpoint(9, "checker", "/tmp/ck"),
+    p.CheckpointSaved(9, "checker", "/tmp/ck", 1),
+]
+
+
+def test_examples_cover_every_message_kind():
+    assert {int(m.KIND) for m in EXAMPLES} == {int(k) for k in p.Kind}
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_kind_round_trips(msg):
+    buf = np.arange(10, dtype=np.float32)
+    frames = p.encode(msg, [buf])
+    assert frames[0] == bytes([int(msg.KIND)])
+    decoded, buffers = p.decode(frames)
+    assert decoded == msg
+    assert np.frombuffer(buffers[0], dtype=np.float32).tolist() == buf.tolist()
+
+
+def test_unknown_kind_is_a_protocol_error():
+    with pytest.raises(p.ProtocolError, match="unknown message kind 200"):
+        p.decode([bytes([200]), b"\x90"])
+
+
+def test_body_that_does_not_match_its_kind_is_a_protocol_error():
+    wrong = msgspec.msgpack.encode(p.Shutdown("x"))
+    with pytest.raises(p.ProtocolError, match="bad HELLO body"):
+        p.decode([bytes([p.Kind.HELLO]), wrong])
+
+
+def test_garbage_and_missing_frames_are_protocol_errors():
+    with pytest.raises(p.ProtocolError, match="at least 2 frames"):
+        p.decode([b"\x01"])
+    with pytest.raises(p.ProtocolError, match="one byte"):
+        p.decode([b"\x01\x02", b""])
+    with pytest.raises(p.ProtocolError, match="bad HEARTBEAT body"):
+        p.decode([bytes([p.Kind.HEARTBEAT]), b"\xc1\xff\x00garbage"])
+
+
+def test_no_pickle_on_the_wire():
+    import pickle
+    with pytest.raises(p.ProtocolError):
+        p.decode([bytes([p.Kind.ECHO]), pickle.dumps({"x": 1})])

@@ -1,0 +1,75 @@
+"""`flexmarl worker`: one worker process (rollout or trainer) connected to a controller."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
+from flexmarl.runtime.config import TransportConfig
+
+from .session import CommandHandler, WorkerSession
+
+log = logging.getLogger("flexmarl.worker")
+
+
+def make_handler(role: str) -> CommandHandler:
+    # Imported lazily: a trainer never needs vLLM, and neither needs the other's deps.
+    if role == "rollout":
+        from .rollout import RolloutHandler
+        return RolloutHandler()
+    if role == "trainer":
+        from .trainer import TrainerHandler
+        return TrainerHandler()
+    raise SystemExit(f"unknown role {role!r}; use --role rollout or --role trainer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", required=True, choices=["rollout", "trainer"])
+    parser.add_argument("--connect", required=True, metavar="ADDR",
+                        help="the controller's address, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--worker-id", default="", help="unique name (default: role-host-pid)")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    parser.add_argument("--handshake-timeout", type=float, default=30.0)
+    parser.add_argument("--curve-dir", default="", help="CURVE keys (needed for non-loopback controllers)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    limit_threads(args.threads)
+    setup_logging(args.log_level, name=args.worker_id or f"{args.role}:{os.getpid()}")
+    cfg = TransportConfig(address=args.connect, heartbeat_interval_s=args.heartbeat_interval,
+                          heartbeat_timeout_s=args.heartbeat_timeout,
+                          handshake_timeout_s=args.handshake_timeout, curve_dir=args.curve_dir)
+
+    async def main() -> int:
+        handler = make_handler(args.role)
+        session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id)
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # An orderly exit: the session's finally-block closes the socket and engine.
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await session.run()
+        except asyncio.CancelledError:
+            log.info("worker %s stopped by signal", session.worker_id)
+            return 0
+
+    return run_async(main)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flexmarl worker")
+    add_arguments(parser)
+    sys.exit(run_worker(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""A worker's session with the controller: register, heartbeat, execute, leave.
+
+`WorkerSession.run()` connects a DEALER, sends HELLO and waits (bounded) for WELCOME,
+then runs three named tasks: receiving commands, sending heartbeats, and the handler's
+own loop (if any). It ends when the controller says SHUTDOWN, refuses the worker, or
+falls silent for longer than the heartbeat timeout; the first task to fail ends them all.
+
+Workers make no decisions: a `CommandHandler` executes each command and replies. The
+session knows nothing about engines or models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from flexmarl.runtime import protocol
+from flexmarl.runtime.config import TransportConfig
+from flexmarl.runtime.transport import DealerSocket
+
+log = logging.getLogger("flexmarl.worker")
+
+
+class SessionEnded(Exception):
+    def __init__(self, reason: str, exit_code: int) -> None:
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
+class CommandHandler:
+    """Executes commands for one role. Subclasses override `handle`, `run`, `load`."""
+
+    role = "worker"
+
+    def __init__(self) -> None:
+        self.session: WorkerSession | None = None
+
+    async def reply(self, msg: protocol.Message, buffers: list[Any] = ()) -> None:
+        assert self.session is not None
+        await self.session.send(msg, buffers)
+
+    async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
+        """Called from the receive loop: must return quickly (queue long work for `run`)."""
+        if isinstance(msg, protocol.Echo):
+            await self.reply(protocol.EchoReply(msg.request_id, msg.payload), buffers)
+        else:
+            await self.reply(protocol.Error(getattr(msg, "request_id", 0),
+                                            f"{self.role} worker cannot handle {type(msg).__name__}"))
+
+    async def run(self) -> None:
+        """The handler's own loop (an engine's step loop, say). Default: nothing to do."""
+        await asyncio.Event().wait()
+
+    def load(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerSession:
+    def __init__(self, cfg: TransportConfig, address: str, handler: CommandHandler,
+                 worker_id: str = "", devices: list[str] = (), capacity: dict[str, float] = None) -> None:
+        self.cfg = cfg
+        self.address = address
+        self.handler = handler
+        handler.session = self
+        self.worker_id = worker_id or f"{handler.role}-{socket.gethostname()}-{os.getpid()}"
+        self.devices = list(devices) or ["cpu"]
+        self.capacity = capacity or {}
+        # Unique per connection so a restarted worker with the same id is a new peer.
+        identity = f"{self.worker_id}/{uuid.uuid4().hex[:8]}".encode()
+        self.sock = DealerSocket(cfg, identity)
+        self.heartbeat_interval_s = cfg.heartbeat_interval_s
+        self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
+        self._last_heard = time.monotonic()
+
+    async def send(self, msg: protocol.Message, buffers: list[Any] = ()) -> None:
+        await self.sock.send(msg, buffers)
+
+    async def run(self) -> int:
+        """Returns the process exit code: 0 on SHUTDOWN, 2 if refused, 3 if the controller is lost."""
+        self.sock.connect(self.address)
+        try:
+            await self._handshake()
+            tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+                ("receive", self._receive()), ("heartbeat", self._heartbeat()),
+                ("handler", self.handler.run()))]
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                exc = task.exception()
+                if isinstance(exc, SessionEnded):
+                    log.info("worker %s: %s", self.worker_id, exc)
+                    return exc.exit_code
+                if exc is not None:
+                    log.error("worker %s: task %s failed: %r", self.worker_id, task.get_name(), exc)
+                    await self._say_bye(f"task {task.get_name()} failed: {exc!r}")
+                    return 1
+                log.error("worker %s: task %s ended early", self.worker_id, task.get_name())
+                return 1
+            return 1
+        except SessionEnded as exc:
+            log.error("worker %s: %s", self.worker_id, exc)
+            return exc.exit_code
+        finally:
+            self.handler.close()
+            self.sock.close()
+
+    async def _say_bye(self, reason: str) -> None:
+        try:
+            await asyncio.wait_for(self.send(protocol.Bye(reason)), 1.0)
+        except Exception:
+            pass
+
+    async def _handshake(self) -> None:
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.worker_id, self.handler.role,
+                               socket.gethostname(), os.getpid(), self.devices, self.capacity)
+        await self.send(hello)
+        try:
+            inbound = await asyncio.wait_for(self.sock.recv(), self.cfg.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            raise SessionEnded(f"no WELCOME from {self.address} within "
+                               f"{self.cfg.handshake_timeout_s:.0f}s; is the controller running?", 3) from None
+        if isinstance(inbound.msg, protocol.Reject):
+            raise SessionEnded(f"controller refused registration: {inbound.msg.reason}", 2)
+        if not isinstance(inbound.msg, protocol.Welcome):
+            raise SessionEnded(f"expected WELCOME, got {inbound.msg or inbound.error}", 2)
+        self.heartbeat_interval_s = inbound.msg.heartbeat_interval_s
+        self.heartbeat_timeout_s = inbound.msg.heartbeat_timeout_s
+        self._last_heard = time.monotonic()
+        log.info("worker %s registered with %s", self.worker_id, self.address)
+
+    async def _receive(self) -> None:
+        while True:
+            inbound = await self.sock.recv()
+            self._last_heard = time.monotonic()
+            if inbound.error:
+                log.warning("worker %s dropped a message: %s", self.worker_id, inbound.error)
+                continue
+            msg = inbound.msg
+            if isinstance(msg, protocol.Heartbeat):
+                continue
+            if isinstance(msg, protocol.Shutdown):
+                raise SessionEnded(f"shutdown requested: {msg.reason}", 0)
+            if isinstance(msg, protocol.Reject):
+                raise SessionEnded(f"controller dropped this worker: {msg.reason}", 2)
+            if isinstance(msg, protocol.Error):
+                log.warning("controller reports: %s", msg.message)
+                continue
+            await self.handler.handle(msg, inbound.buffers)
+
+    async def _heartbeat(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            silent = time.monotonic() - self._last_heard
+            if silent > self.heartbeat_timeout_s:
+                raise SessionEnded(f"controller silent for {silent:.1f}s; exiting", 3)
+            seq += 1
+            await self.send(protocol.Heartbeat(seq, self.handler.load()))
