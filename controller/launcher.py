@@ -81,8 +81,11 @@ class LocalWorkers:
             time.sleep(0.05)
         return True
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the survivors, then SIGKILL whatever is left after `timeout`."""
+    def stop(self, timeout: float = 10.0, grace: float = 0.0) -> None:
+        """Waits `grace` seconds for workers already told to shut down, then SIGTERMs
+        the survivors and SIGKILLs whatever is left after `timeout`."""
+        if grace > 0 and self.wait(grace):
+            return
         for wp in self.running():
             _signal(wp, signal.SIGTERM)
         if not self.wait(timeout):

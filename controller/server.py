@@ -66,6 +66,7 @@ class ControllerServer:
         self._changed = asyncio.Event()
         self._hb_seq = 0
         self.address = ""
+        self.closing = False  # after SHUTDOWN, a vanishing worker is expected, not an alarm
 
     # ------------------------------------------------------------ lifecycle
 
@@ -138,6 +139,7 @@ class ControllerServer:
         await self._send(info.identity, msg, buffers)
 
     async def broadcast_shutdown(self, reason: str) -> None:
+        self.closing = True
         for info in self.registry.alive():
             await self._send(info.identity, protocol.Shutdown(reason))
 
@@ -272,7 +274,8 @@ class ControllerServer:
         if not info.alive:
             return
         self.registry.mark_gone(info, why)
-        log.warning("worker %s declared dead: %s", info.worker_id, why)
+        log.log(logging.INFO if self.closing else logging.WARNING,
+                "worker %s %s: %s", info.worker_id, "left" if self.closing else "declared dead", why)
         for request_id, pending in list(self._pending.items()):
             if pending.worker_id == info.worker_id:
                 del self._pending[request_id]

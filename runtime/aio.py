@@ -34,4 +34,4 @@ def run_async(main: Callable[[], Awaitable[T]]) -> T:
         import uvloop
     except ImportError:
         return asyncio.run(main())
-    return asyncio.run(main(), loop_factory=uvloop.new_event_loop)
+    return uvloop.run(main())

@@ -1,0 +1,125 @@
+"""The `flexmarl` command line.
+
+    flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
+    flexmarl controller --config CONFIG [--bind ADDR]
+    flexmarl worker --role rollout|trainer --connect ADDR
+    flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
+    flexmarl keys DIR
+
+`run` puts everything on this host (workers are child processes); `controller` and
+`worker` are the pieces for several hosts. Any config key can be overridden with
+``--set section.key=value``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
+from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
+
+log = logging.getLogger("flexmarl")
+
+
+def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    from .workflows import default_config
+
+    overrides = list(args.set or [])
+    for flag, key in (("mode", "pipeline.mode"), ("max_staleness", "pipeline.max_staleness"),
+                      ("steps", "run.steps"), ("seed", "run.seed"), ("out", "run.out"),
+                      ("bind", "transport.address")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if getattr(args, "no_progress", False):
+        overrides.append("run.progress=false")
+    return load_config(args.config, overrides, defaults=default_config())
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=["sync", "async"])
+    p.add_argument("--max-staleness", type=int, metavar="K")
+    p.add_argument("--steps", type=int, metavar="N")
+    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--out", metavar="DIR")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _train(cfg: ExperimentConfig, spawn_workers: bool) -> int:
+    from .experiment import Experiment
+
+    async def main() -> int:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            async with Experiment(cfg, spawn_workers=spawn_workers) as exp:
+                summary = await exp.train()
+        except asyncio.CancelledError:
+            log.warning("interrupted: workers were shut down; the run directory keeps what was written")
+            return 130
+        print(summary.report())
+        return 0
+
+    return run_async(main)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_run = sub.add_parser("run", help="train on this host (controller and workers as child processes)")
+    p_run.add_argument("config", nargs="?", help="TOML config (default: the embedded default job)")
+    _add_run_options(p_run)
+
+    p_ctl = sub.add_parser("controller", help="run only the controller; workers connect to it")
+    p_ctl.add_argument("--config", help="TOML config")
+    p_ctl.add_argument("--bind", metavar="ADDR", help="e.g. tcp://127.0.0.1:5555")
+    _add_run_options(p_ctl)
+
+    from flexmarl.workers.main import add_arguments as add_worker_arguments
+    p_wrk = sub.add_parser("worker", help="run one worker process")
+    add_worker_arguments(p_wrk)
+
+    p_rep = sub.add_parser("replay", help="summarise, trace, plot or check a run's event log")
+    p_rep.add_argument("log", help="RUN_DIR/events.log")
+    p_rep.add_argument("--trace", metavar="FILE.json")
+    p_rep.add_argument("--plot", metavar="FILE.png")
+    p_rep.add_argument("--check", action="store_true")
+
+    p_keys = sub.add_parser("keys", help="create CURVE keys for non-loopback controllers")
+    p_keys.add_argument("dir")
+
+    args = parser.parse_args(argv)
+    if args.command == "worker":
+        from flexmarl.workers.main import run_worker
+        sys.exit(run_worker(args))
+    if args.command == "keys":
+        from flexmarl.runtime.transport import create_curve_keys
+        create_curve_keys(args.dir)
+        print(f"CURVE keys written to {args.dir}; copy the folder to every host and set "
+              f"transport.curve_dir (controller) and --curve-dir (workers)")
+        return
+    if args.command == "replay":
+        from .replay import main as replay_main
+        sys.exit(replay_main(args))
+
+    limit_threads(1)
+    setup_logging(args.log_level, name="controller")
+    try:
+        cfg = _config_from_args(args)
+    except ConfigError as exc:
+        sys.exit(f"flexmarl: bad configuration: {exc}")
+    sys.exit(_train(cfg, spawn_workers=args.command == "run"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""`Experiment`: the controller process's lifetime, shared by the CLI and the Python API.
+
+    async with Experiment(config) as exp:
+        result = await exp.train()
+
+Entering binds the controller socket, starts its named background tasks (receive loop,
+heartbeats) and either starts local worker processes or waits for remote ones to connect.
+`train()` runs the training driver next to those tasks: the first task to fail or end
+early stops the others, so a dead receive loop can never leave training hanging. Leaving
+tells every worker to shut down, waits for them under a time limit, stops the local
+processes it started (by PID) and closes the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from flexmarl.runtime.config import ExperimentConfig, dump_toml
+
+from .launcher import LocalWorkers
+from .server import ControllerServer
+
+log = logging.getLogger("flexmarl.controller")
+
+
+class Experiment:
+    def __init__(self, config: ExperimentConfig, *, run_dir: str | Path | None = None,
+                 spawn_workers: bool = True) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir or config.run.out or _default_run_dir())
+        self.spawn_workers = spawn_workers
+        self.server = ControllerServer(config.transport)
+        self.local: LocalWorkers | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def worker_ids(self, role: str) -> list[str]:
+        return sorted(w.worker_id for w in self.server.registry.alive(role))
+
+    async def __aenter__(self) -> "Experiment":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(dump_toml(self.config))
+        address = self.server.bind()
+        (self.run_dir / "controller.address").write_text(address + "\n")
+        self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
+                       asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
+        try:
+            await self._start_workers()
+        except BaseException:
+            await self._teardown()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._teardown()
+
+    async def _start_workers(self) -> None:
+        cluster = self.config.cluster
+        counts = {"rollout": cluster.rollout_workers, "trainer": cluster.trainer_workers}
+        if self.spawn_workers:
+            t = self.config.transport
+            self.local = LocalWorkers(self.address, self.run_dir / "logs",
+                                      heartbeat_interval_s=t.heartbeat_interval_s,
+                                      heartbeat_timeout_s=t.heartbeat_timeout_s,
+                                      curve_dir=t.curve_dir, threads=cluster.threads_per_worker)
+            for role, n in counts.items():
+                for i in range(n):
+                    self.local.start(role, f"{role}-{i}")
+        else:
+            log.info("waiting for %s to connect to %s", counts, self.address)
+        waiter = asyncio.create_task(self.server.wait_for_workers(counts, cluster.worker_start_timeout_s))
+        while not waiter.done():
+            await asyncio.wait([waiter], timeout=0.5)
+            self._check_local_processes()
+        waiter.result()
+
+    def _check_local_processes(self) -> None:
+        if self.local is None:
+            return
+        for wp in self.local.procs:
+            code = wp.proc.poll()
+            if code is not None and not self.server.registry.workers.get(wp.worker_id):
+                tail = wp.log_path.read_text()[-2000:] if wp.log_path and wp.log_path.exists() else ""
+                raise RuntimeError(f"worker {wp.worker_id} (pid {wp.proc.pid}) exited with code {code} "
+                                   f"before registering; its log ({wp.log_path}) ends with:\n{tail}")
+
+    async def supervise(self, driver: Callable[[], Awaitable[Any]], name: str = "driver") -> Any:
+        """Runs `driver()` alongside the background tasks; the first failure stops all."""
+        main = asyncio.create_task(driver(), name=name)
+        done, _ = await asyncio.wait([main, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        if main in done:
+            return main.result()
+        main.cancel()
+        await asyncio.gather(main, return_exceptions=True)
+        for task in done:
+            exc = task.exception()
+            raise RuntimeError(f"controller task {task.get_name()!r} "
+                               f"{'failed: ' + repr(exc) if exc else 'ended early'}") from exc
+        raise AssertionError("unreachable")
+
+    async def train(self) -> Any:
+        from .training import TrainingRun
+
+        run = TrainingRun(self)
+        return await self.supervise(run.run, name="training")
+
+    async def _teardown(self) -> None:
+        timeout = self.config.cluster.shutdown_timeout_s
+        started = time.monotonic()
+        alive = [w.worker_id for w in self.server.registry.alive()]
+        try:
+            await self.server.broadcast_shutdown("experiment finished")
+            await self.server.wait_until_gone(alive, timeout)
+        except Exception:
+            log.exception("error while shutting workers down")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.server.close()
+        if self.local is not None:
+            left = max(1.0, timeout - (time.monotonic() - started))
+            await asyncio.to_thread(self.local.stop, left, min(5.0, left))
+
+
+def _default_run_dir() -> str:
+    return time.strftime("runs/%Y%m%d-%H%M%S")

@@ -1,0 +1,54 @@
+"""A real controller and real worker processes over real ZeroMQ."""
+
+import asyncio
+import os
+import signal
+import time
+
+from flexmarl.controller.experiment import Experiment
+from flexmarl.runtime import protocol as p
+from flexmarl.runtime.config import load_config
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); the launcher reaps its children, so check status
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_three_workers_run_commands_one_is_killed_and_declared_dead_then_all_shut_down(tmp_path):
+    cfg = load_config(None, ["cluster.rollout_workers=2", "cluster.trainer_workers=1",
+                             "transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=2.0",
+                             "cluster.worker_start_timeout_s=60"])
+    async with Experiment(cfg, run_dir=tmp_path) as exp:
+        pids = exp.local.pids()
+        assert len(pids) == 3 and all(_alive(pid) for pid in pids)
+        ids = exp.worker_ids("rollout") + exp.worker_ids("trainer")
+        assert ids == ["rollout-0", "rollout-1", "trainer-0"]
+        for worker_id in ids:
+            rid = exp.server.next_request_id()
+            reply, buffers = await exp.server.call(worker_id, p.Echo(rid, worker_id.encode()),
+                                                   [b"x" * 1000], timeout=10)
+            assert reply.payload == worker_id.encode() and len(buffers[0]) == 1000
+
+        victim = exp.local.procs[1]
+        killed_at = time.monotonic()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        while exp.server.registry.workers[victim.worker_id].alive:
+            assert time.monotonic() - killed_at < cfg.transport.heartbeat_timeout_s + 2.0, \
+                "killed worker was not declared dead within the heartbeat timeout"
+            await asyncio.sleep(0.05)
+        assert sorted(w.worker_id for w in exp.server.registry.alive()) == ["rollout-0", "trainer-0"]
+        rid = exp.server.next_request_id()
+        reply, _ = await exp.server.call("trainer-0", p.Echo(rid, b"still"), timeout=10)
+        assert reply.payload == b"still"
+    assert not any(_alive(pid) for pid in pids), "a worker process outlived the experiment"
+    codes = [wp.proc.returncode for wp in exp.local.procs]
+    assert codes[0] == 0 and codes[2] == 0, f"survivors should exit cleanly on SHUTDOWN: {codes}"
