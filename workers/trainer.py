@@ -1,9 +1,207 @@
-"""Trainer worker: owns agents' torch models and optimizers and executes training commands."""
+"""Trainer worker: owns agents' torch models and optimizers; executes training commands.
+
+Commands run one at a time, in arrival order, on a worker thread (so heartbeats keep
+flowing while a backward pass runs): INIT_AGENT, TRAIN_MICROBATCH (forward/backward,
+gradients accumulate), OPTIM_STEP (one step, zero the gradients, bump the version),
+PUBLISH_WEIGHTS (hand the weights to the parameter channel; the bytes go straight to the
+rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors).
+
+It decides nothing: which samples, when to step and where weights go all come from the
+controller.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flexmarl.runtime import protocol
+
 from .session import CommandHandler
+
+log = logging.getLogger("flexmarl.trainer")
+
+
+@dataclass
+class AgentState:
+    name: str
+    model: Any
+    optimizer: Any
+    model_path: str
+    version: int
+    max_grad_norm: float
+    accumulated: int = 0  # samples whose gradients are accumulated since the last step
+    published: Any = None  # the parameter-channel handle of the latest published weights
+
+
+def grpo_loss(model: Any, samples: list[protocol.TrainSample], loss_scale: float,
+              off_policy: bool, clip_ratio: float) -> tuple[Any, int]:
+    """Policy-gradient loss of one micro-batch, scaled so that summing micro-batches gives
+    the full-batch loss: sum_i loss_scale * (-A_i * mean_t w_it * logp_it).
+
+    On-policy (max_staleness 0) w = 1 and this is the exact GRPO gradient. Off-policy,
+    w_it = min(exp(logp_it - logp_rollout_it), clip_ratio), detached: truncated importance
+    sampling against the sampler's logprobs corrects for the policy lag."""
+    import torch
+
+    pad = 0
+    lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
+    width = max(lengths)
+    ids = torch.full((len(samples), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    out_mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)
+    rollout_lp = torch.zeros((len(samples), width - 1), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        seq = list(s.prompt_ids) + list(s.output_ids)
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
+        start = len(s.prompt_ids) - 1  # logits at t predict token t + 1
+        out_mask[i, start:start + len(s.output_ids)] = 1.0
+        if s.rollout_logprobs:
+            rollout_lp[i, start:start + len(s.output_ids)] = torch.tensor(s.rollout_logprobs)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if off_policy:
+        weight = torch.exp(logp.detach() - rollout_lp).clamp(max=clip_ratio) * out_mask
+    else:
+        weight = out_mask
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    per_sample = (logp * weight).sum(-1) / out_mask.sum(-1).clamp(min=1.0)
+    loss = -(adv * per_sample).sum() * loss_scale
+    return loss, int(out_mask.sum().item())
 
 
 class TrainerHandler(CommandHandler):
     role = "trainer"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agents: dict[str, AgentState] = {}
+        # Unbounded on purpose: the controller bounds what it sends (one global batch of
+        # micro-batches per agent at most), and dropping a command would lose gradients.
+        self._commands: asyncio.Queue[protocol.Message] = asyncio.Queue()
+        self.busy_s = 0.0
+
+    async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
+        if isinstance(msg, (protocol.InitAgent, protocol.TrainMicroBatch, protocol.OptimStep,
+                            protocol.PublishWeights, protocol.SaveCheckpoint)):
+            await self._commands.put(msg)
+        else:
+            await super().handle(msg, buffers)
+
+    async def run(self) -> None:
+        while True:
+            msg = await self._commands.get()
+            started = time.perf_counter()
+            try:
+                reply = await asyncio.to_thread(self._execute, msg)
+            except Exception as exc:  # one failed command is reported, the worker lives on
+                log.exception("command %s failed", type(msg).__name__)
+                reply = protocol.Error(msg.request_id, f"{type(msg).__name__} for "
+                                                       f"{getattr(msg, 'agent', '?')} failed: {exc!r}")
+            self.busy_s += time.perf_counter() - started
+            await self.reply(reply)
+
+    def load(self) -> dict[str, float]:
+        return {"queued_commands": float(self._commands.qsize()), "busy_s": self.busy_s}
+
+    def _execute(self, msg: protocol.Message) -> protocol.Message:
+        if isinstance(msg, protocol.InitAgent):
+            return self._init_agent(msg)
+        state = self.agents.get(msg.agent)
+        if state is None:
+            raise KeyError(f"agent {msg.agent!r} is not resident on this trainer "
+                           f"(resident: {sorted(self.agents)})")
+        if isinstance(msg, protocol.TrainMicroBatch):
+            return self._train(state, msg)
+        if isinstance(msg, protocol.OptimStep):
+            return self._step(state, msg)
+        if isinstance(msg, protocol.PublishWeights):
+            return self._publish(state, msg)
+        if isinstance(msg, protocol.SaveCheckpoint):
+            return self._save(state, msg)
+        raise TypeError(f"unexpected command {type(msg).__name__}")
+
+    def _init_agent(self, msg: protocol.InitAgent) -> protocol.AgentReady:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(msg.seed)
+        model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=torch.float32)
+        model.train()
+        # Dropout-free tiny models: train() vs eval() only matters for dropout layers.
+        optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
+        self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm)
+        n = sum(p.numel() for p in model.parameters())
+        log.info("agent %s resident: %d parameters from %s", msg.agent, n, msg.model_path)
+        return protocol.AgentReady(msg.request_id, msg.agent, 0, n)
+
+    def _train(self, state: AgentState, msg: protocol.TrainMicroBatch) -> protocol.MicroBatchDone:
+        t0 = time.perf_counter()
+        if msg.version != state.version + 1:
+            raise ValueError(f"micro-batch for version {msg.version} but {state.name} is at "
+                             f"{state.version}; it can only accumulate towards {state.version + 1}")
+        too_old = [s.sample_id for s in msg.samples if min(s.versions) < state.version - msg.max_staleness]
+        if too_old:  # the controller guarantees this never happens; refuse rather than trust
+            raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
+                             f"{msg.max_staleness}")
+        loss, tokens = grpo_loss(state.model, msg.samples, msg.loss_scale,
+                                 off_policy=msg.max_staleness > 0, clip_ratio=msg.clip_ratio)
+        loss.backward()
+        state.accumulated += len(msg.samples)
+        return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), tokens,
+                                       time.perf_counter() - t0)
+
+    def _step(self, state: AgentState, msg: protocol.OptimStep) -> protocol.StepDone:
+        import torch
+
+        t0 = time.perf_counter()
+        if msg.version != state.version + 1:
+            raise ValueError(f"optimizer step to version {msg.version} but {state.name} is at {state.version}")
+        norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.max_grad_norm)
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.version = msg.version
+        state.accumulated = 0
+        return protocol.StepDone(msg.request_id, state.name, state.version, float(norm),
+                                 time.perf_counter() - t0)
+
+    def _publish(self, state: AgentState, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
+        from flexmarl.runtime import param_channel
+
+        t0 = time.perf_counter()
+        if msg.version != state.version:
+            raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
+        tensors = {k: v.detach() for k, v in state.model.state_dict().items()}
+        handle = param_channel.publish(tensors, agent=state.name, version=state.version,
+                                       transport=msg.transport)
+        if state.published is not None:
+            param_channel.release(state.published)
+        state.published = handle
+        return protocol.WeightsPublished(msg.request_id, state.name, state.version,
+                                         param_channel.encode_handle(handle), handle.total_bytes,
+                                         time.perf_counter() - t0)
+
+    def _save(self, state: AgentState, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
+        path = Path(msg.path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        state.model.save_pretrained(tmp, safe_serialization=True)
+        for extra in Path(state.model_path).iterdir():  # tokenizer files travel with the weights
+            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(extra, tmp / extra.name)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)  # a crash mid-save never leaves a half-written checkpoint under `path`
+        return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version)
+
+    def close(self) -> None:
+        if any(s.published is not None for s in self.agents.values()):
+            from flexmarl.runtime import param_channel
+            for s in self.agents.values():
+                if s.published is not None:
+                    param_channel.release(s.published)

@@ -1,0 +1,86 @@
+"""Run outputs a person reads: metrics.jsonl, a progress line per step, reward plots.
+
+metrics.jsonl holds one JSON object per agent per optimizer step with at least `step`,
+`agent`, `version`, `reward_mean`, `samples` and `time` (seconds since the run started);
+each line is flushed as it is written, so a crashed run keeps every finished step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+log = logging.getLogger("flexmarl.metrics")
+
+
+class MetricsLog:
+    def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.agents = list(agents)
+        self.progress = progress
+        self.started = time.monotonic()
+        self._fh = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.rows: list[dict[str, Any]] = []
+        self.step_times: list[Any] = []
+
+    def record(self, step: int, agent: str, version: int, samples: list[Any], times: Any, **extra: Any) -> None:
+        rewards = [s.reward for s in samples]
+        lags = [version - 1 - s.min_version for s in samples]
+        row = {"step": step, "agent": agent, "version": version,
+               "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+               "samples": len(samples), "time": round(time.monotonic() - self.started, 3),
+               "max_lag": max(lags) if lags else None,
+               **{k: round(v, 4) for k, v in vars(times).items()}, **extra}
+        self.rows.append(row)
+        self._fh.write(json.dumps(row) + "\n")
+
+    def end_step(self, step: int, total: int, times: Any) -> None:
+        self.step_times.append(times)
+        if not self.progress:
+            return
+        last = {r["agent"]: r["reward_mean"] for r in self.rows if r["step"] == step}
+        rewards = "  ".join(f"{a} {last[a]:.3f}" if last.get(a) is not None else f"{a} -" for a in self.agents)
+        elapsed = time.monotonic() - self.started
+        width = 20
+        done = int(width * step / total)
+        bar = "#" * done + "." * (width - done)
+        eta = elapsed / step * (total - step)
+        print(f"[{bar}] step {step}/{total}  reward: {rewards}  "
+              f"{elapsed:.0f}s elapsed, ~{eta:.0f}s left", file=sys.stderr, flush=True)
+
+    def reward_history(self) -> dict[str, list[float]]:
+        return {a: [r["reward_mean"] for r in self.rows if r["agent"] == a and r["reward_mean"] is not None]
+                for a in self.agents}
+
+    def close(self) -> None:
+        self._fh.close()
+        if self.rows:
+            try:
+                plot_rewards(self.rows, self.agents, self.run_dir / "rewards.png")
+            except Exception:  # a plot must never turn a finished run into a failure
+                log.exception("could not draw the reward plot")
+
+
+def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for agent in agents:
+        pts = [(r["step"], r["reward_mean"]) for r in rows if r["agent"] == agent and r["reward_mean"] is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=agent)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("reward per agent")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

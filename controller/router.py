@@ -1,0 +1,156 @@
+"""Rollout routing: which instance generates which requests.
+
+Two parts, kept apart on purpose:
+- decision functions (`route_batch`), plain Python over plain numbers, unit-tested and
+  replayable without sockets;
+- `RolloutClient`, the asyncio side: it coalesces every request an agent receives in one
+  event-loop turn into a batch (never one message per sample), asks `route_batch` where
+  the batch goes, sends GENERATE messages, and resolves each sample's future as partial
+  GENERATED replies stream back. If an instance dies, its unfinished samples are sent
+  again to another instance of the same agent; the experience store refuses a second
+  result for a sample, so a re-issue can never add a sample twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from typing import Callable
+
+from flexmarl.runtime import protocol
+
+from .server import ControllerServer, RemoteError, WorkerDied
+
+log = logging.getLogger("flexmarl.router")
+
+
+def route_batch(sizes: list[int], outstanding: dict[str, float], min_split: int = 8) -> dict[str, list[int]]:
+    """Assigns request indices (with token costs `sizes`) to instances.
+
+    Each request goes to the instance with the least outstanding work after the requests
+    already placed (greedy, in order); a batch smaller than `min_split` stays on one
+    instance, since splitting tiny batches only adds messages."""
+    if not outstanding:
+        raise ValueError("no instance to route to")
+    load = dict(outstanding)
+    if len(sizes) < min_split or len(load) == 1:
+        target = min(load, key=lambda w: (load[w], w))
+        return {target: list(range(len(sizes)))}
+    plan: dict[str, list[int]] = defaultdict(list)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        target = min(load, key=lambda w: (load[w], w))
+        plan[target].append(i)
+        load[target] += sizes[i]
+    return {w: sorted(ix) for w, ix in plan.items()}
+
+
+class NoInstance(Exception):
+    """No live rollout instance serves the agent."""
+
+
+class RolloutClient:
+    def __init__(self, server: ControllerServer, *, on_result: Callable[[str, protocol.GenResult], None] | None = None,
+                 instance_wait_s: float = 60.0) -> None:
+        self.server = server
+        self.assignment: dict[str, list[str]] = {}  # agent -> worker ids
+        self.outstanding: dict[str, float] = defaultdict(float)  # worker -> tokens in flight
+        self.on_result = on_result
+        self.instance_wait_s = instance_wait_s
+        self.max_attempts = 3  # a request that fails on this many instances fails its episode
+        self._queued: dict[str, list[tuple[protocol.GenRequest, asyncio.Future]]] = defaultdict(list)
+        self._flush_scheduled: set[str] = set()
+        self.messages_sent = 0
+        self.reissued = 0
+
+    def instances(self, agent: str) -> list[str]:
+        alive = {w.worker_id for w in self.server.registry.alive("rollout")}
+        return [w for w in self.assignment.get(agent, []) if w in alive]
+
+    async def generate(self, agent: str, requests: list[protocol.GenRequest]) -> list[protocol.GenResult]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for req in requests:
+            fut = loop.create_future()
+            self._queued[agent].append((req, fut))
+            futures.append(fut)
+        if agent not in self._flush_scheduled:
+            self._flush_scheduled.add(agent)
+            loop.call_soon(self._flush_soon, agent)
+        return list(await asyncio.gather(*futures))
+
+    def _flush_soon(self, agent: str) -> None:
+        self._flush_scheduled.discard(agent)
+        batch, self._queued[agent] = self._queued[agent], []
+        if batch:
+            task = asyncio.ensure_future(self._dispatch(agent, batch))
+            task.add_done_callback(lambda t: _fail_all(batch, t))
+
+    async def _dispatch(self, agent: str, batch: list[tuple[protocol.GenRequest, asyncio.Future]],
+                        attempt: int = 1) -> None:
+        instances = await self._wait_for_instances(agent)
+        costs = [len(r.prompt_ids) + r.max_tokens for r, _ in batch]
+        plan = route_batch(costs, {w: self.outstanding[w] for w in instances})
+        await asyncio.gather(*(self._send(agent, w, [batch[i] for i in ix], attempt) for w, ix in plan.items()))
+
+    async def _wait_for_instances(self, agent: str) -> list[str]:
+        deadline = asyncio.get_running_loop().time() + self.instance_wait_s
+        while not (instances := self.instances(agent)):
+            if asyncio.get_running_loop().time() > deadline:
+                raise NoInstance(f"no live rollout instance serves agent {agent!r}")
+            await asyncio.sleep(0.1)
+        return instances
+
+    async def _send(self, agent: str, worker: str, part: list[tuple[protocol.GenRequest, asyncio.Future]],
+                    attempt: int) -> None:
+        waiting = {req.sample_id: (req, fut) for req, fut in part}
+        cost = {req.sample_id: len(req.prompt_ids) + req.max_tokens for req, _ in part}
+        self.outstanding[worker] += sum(cost.values())
+
+        def on_reply(msg: protocol.Message, _buffers: list) -> bool:
+            assert isinstance(msg, protocol.Generated)
+            for result in msg.results:
+                entry = waiting.pop(result.sample_id, None)
+                if entry is None:
+                    log.warning("%s returned unknown or repeated sample %s", worker, result.sample_id)
+                    continue
+                self.outstanding[worker] -= cost[result.sample_id]
+                if self.on_result is not None:
+                    self.on_result(worker, result)
+                if not entry[1].done():
+                    entry[1].set_result(result)
+            return msg.done
+
+        msg = protocol.Generate(self.server.next_request_id(), agent, [req for req, _ in part])
+        future = self.server.stream(worker, msg, on_reply)
+        self.messages_sent += 1
+        await self.server.send_request(worker, msg)
+        try:
+            await future
+        except WorkerDied as exc:
+            log.warning("re-issuing %d unfinished samples of %s: %s", len(waiting), agent, exc)
+        except RemoteError as exc:
+            if attempt >= self.max_attempts:
+                for _, fut in waiting.values():
+                    if not fut.done():
+                        fut.set_exception(exc)
+                waiting.clear()
+            else:
+                log.warning("generation on %s failed (%s); re-issuing %d samples", worker, exc, len(waiting))
+        finally:
+            self.outstanding[worker] -= sum(cost[s] for s in waiting)
+        if waiting:  # died or failed before finishing: send the rest elsewhere
+            self.reissued += len(waiting)
+            await self._dispatch(agent, list(waiting.values()), attempt + 1)
+
+
+def _fail_all(batch: list[tuple[protocol.GenRequest, asyncio.Future]], task: asyncio.Task) -> None:
+    if task.cancelled():
+        exc: BaseException = asyncio.CancelledError()
+    else:
+        exc = task.exception()
+    if exc is None:
+        return
+    for _, fut in batch:
+        if not fut.done():
+            fut.set_exception(exc)

@@ -1,0 +1,76 @@
+import pytest
+
+from flexmarl.controller.store import (CONSUMED, DROPPED, DuplicateResult, ExperienceStore,
+                                       group_advantages)
+
+
+def fill(store, agent, group_id, rewards, version=0, tag=0):
+    samples = store.open_group(agent, group_id, [1, 2], len(rewards), tag)
+    for s, r in zip(samples, rewards):
+        store.record_output(s.sample_id, [3], [-0.5], [version])
+        store.set_reward(s.sample_id, r)
+    return samples
+
+
+def test_group_is_trainable_only_when_every_member_has_output_and_reward():
+    store = ExperienceStore(["a"])
+    samples = store.open_group("a", "g", [1], 3, 0)
+    store.record_output(samples[0].sample_id, [2], [-1.0], [0])
+    store.set_reward(samples[0].sample_id, 1.0)
+    store.record_output(samples[1].sample_id, [2], [-1.0], [0])
+    store.set_reward(samples[1].sample_id, 0.0)
+    store.record_output(samples[2].sample_id, [2], [-1.0], [0])
+    assert store.ready_samples("a") == 0
+    store.set_reward(samples[2].sample_id, 0.5)
+    assert store.ready_samples("a") == 3
+
+
+def test_advantages_are_group_normalised():
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert group_advantages([0.3, 0.3]) == [0.0, 0.0]
+
+
+def test_a_duplicated_result_is_refused_and_never_trained_twice():
+    store = ExperienceStore(["a"])
+    samples = fill(store, "a", "g", [1.0, 0.0])
+    with pytest.raises(DuplicateResult):
+        store.record_output(samples[0].sample_id, [9], [-0.1], [0])
+    taken = store.take("a", 100)
+    assert [s.sample_id for s in taken] == [s.sample_id for s in samples]
+    assert all(s.status == CONSUMED for s in taken)
+    assert store.take("a", 100) == []
+    with pytest.raises(DuplicateResult):
+        store.record_output(samples[1].sample_id, [9], [-0.1], [0])
+
+
+def test_take_returns_whole_groups_oldest_first():
+    store = ExperienceStore(["a"])
+    fill(store, "a", "g1", [1.0, 0.0, 0.5])
+    fill(store, "a", "g2", [1.0, 0.0, 0.5])
+    fill(store, "a", "g3", [1.0, 0.0, 0.5])
+    first = store.take("a", 4)  # a group is never split: 3 fit, the next 3 would not
+    assert {s.group_id for s in first} == {"g1"}
+    second = store.take("a", 6)
+    assert [s.group_id for s in second] == ["g2"] * 3 + ["g3"] * 3
+
+
+def test_dropped_group_is_never_trained_and_counted():
+    store = ExperienceStore(["a"])
+    samples = store.open_group("a", "g", [1], 2, 0)
+    store.record_output(samples[0].sample_id, [2], [-1.0], [0])
+    store.drop_group("g", "episode failed")
+    store.set_reward(samples[0].sample_id, 1.0)  # late reward for a dropped sample: ignored
+    assert store.ready_samples("a") == 0
+    assert all(s.status == DROPPED for s in samples)
+    assert store.counts[("a", DROPPED)] == 2
+
+
+def test_unknown_agent_and_non_finite_reward_are_clear_errors():
+    store = ExperienceStore(["a"])
+    with pytest.raises(KeyError, match="unknown agent 'b'"):
+        store.open_group("b", "g", [1], 1, 0)
+    s = store.open_group("a", "g", [1], 1, 0)[0]
+    store.record_output(s.sample_id, [2], [-1.0], [0])
+    with pytest.raises(ValueError, match="not finite"):
+        store.set_reward(s.sample_id, float("nan"))
