@@ -1,0 +1,87 @@
+"""The workflow API with a fake rollout side (the other end of the socket)."""
+
+import asyncio
+import random
+
+from flexmarl.controller.store import DROPPED, READY, ExperienceStore
+from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, request_seed, run_episode
+from flexmarl.runtime import protocol
+
+
+class FakeGenerator:
+    def __init__(self, delay=0.0):
+        self.delay = delay
+        self.batches = []
+
+    async def generate(self, agent, requests):
+        self.batches.append((agent, [r.sample_id for r in requests]))
+        await asyncio.sleep(self.delay)
+        return [protocol.GenResult(r.sample_id, [r.seed % 10] * r.max_tokens, [-1.0] * r.max_tokens, 0)
+                for r in requests]
+
+
+def make_ctx(store, gen, episode_id="e0"):
+    agents = {"a": AgentDefaults(2, 1.0, 3), "b": AgentDefaults(1, 1.0, 2)}
+    return EpisodeContext(episode_id, 0, random.Random(0), store, gen, agents, run_seed=7)
+
+
+async def chain(ctx):
+    first = await ctx.generate("a", [1, 2])
+    for s in first:
+        ctx.reward(s, 1.0 if s.output_ids[0] % 2 else 0.0)
+    seconds = await asyncio.gather(*(ctx.generate("b", s.output_ids) for s in first))
+    for group in seconds:
+        for s in group:
+            ctx.reward(s, 0.5)
+
+
+async def test_episode_chains_agents_and_makes_every_group_trainable():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    assert await run_episode(chain, make_ctx(store, gen), 5.0) == ""
+    assert store.ready_samples("a") == 3 and store.ready_samples("b") == 6
+    assert all(s.status == READY and s.versions == [0] for s in store.samples.values())
+
+
+async def test_a_reward_function_that_raises_drops_the_episode_and_the_run_goes_on():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def broken(ctx):
+        await ctx.generate("a", [1])
+        raise ZeroDivisionError("reward bug")
+
+    why = await run_episode(broken, make_ctx(store, gen), 5.0)
+    assert "ZeroDivisionError: reward bug" in why
+    assert all(s.status == DROPPED for s in store.samples.values())
+    assert await run_episode(chain, make_ctx(store, gen, "e1"), 5.0) == ""
+
+
+async def test_an_episode_that_hangs_past_its_timeout_is_dropped():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator(delay=10.0)
+    why = await run_episode(chain, make_ctx(store, gen), 0.2)
+    assert "timed out" in why
+    assert store.counts[("a", DROPPED)] == 3
+
+
+async def test_asking_for_an_unconfigured_agent_names_it():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def typo(ctx):
+        await ctx.generate("plannr", [1])
+
+    assert "'plannr', which is not configured" in await run_episode(typo, make_ctx(store, gen), 5.0)
+
+
+async def test_an_episode_that_forgets_a_reward_is_dropped_not_reported_as_success():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def forgetful(ctx):
+        await ctx.generate("a", [1])
+
+    assert "without rewarding" in await run_episode(forgetful, make_ctx(store, gen), 5.0)
+    assert store.counts[("a", DROPPED)] == 3
+
+
+def test_request_seeds_depend_only_on_run_seed_and_sample_id():
+    assert request_seed(1, "e0/a0/1") == request_seed(1, "e0/a0/1")
+    assert request_seed(1, "e0/a0/1") != request_seed(2, "e0/a0/1")
+    assert request_seed(1, "e0/a0/1") != request_seed(1, "e0/a0/2")
