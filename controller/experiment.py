@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig, dump_toml
+from flexmarl.runtime.eventlog import EventLog
 
 from .launcher import LocalWorkers
 from .server import ControllerServer
@@ -36,6 +38,11 @@ class Experiment:
         self.server = ControllerServer(config.transport)
         self.local: LocalWorkers | None = None
         self._tasks: list[asyncio.Task] = []
+        self.events: EventLog | None = None
+
+    def emit(self, event: ev.Event) -> None:
+        if self.events is not None:
+            self.events.emit(event)
 
     @property
     def address(self) -> str:
@@ -49,8 +56,12 @@ class Experiment:
         (self.run_dir / "config.toml").write_text(dump_toml(self.config))
         address = self.server.bind()
         (self.run_dir / "controller.address").write_text(address + "\n")
+        self.events = EventLog(self.run_dir / "events.log")
+        self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
+        self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
-                       asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
+                       asyncio.create_task(self.server.heartbeat(), name="heartbeat"),
+                       asyncio.create_task(self.events.run(), name="event-log")]
         try:
             await self._start_workers()
         except BaseException:
@@ -120,6 +131,11 @@ class Experiment:
             await self.server.wait_until_gone(alive, timeout)
         except Exception:
             log.exception("error while shutting workers down")
+        if self.events is not None:
+            try:
+                await asyncio.wait_for(self.events.close(), timeout)
+            except Exception:
+                log.exception("the event log could not be closed cleanly")
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -18,6 +18,7 @@ import logging
 from collections import defaultdict
 from typing import Callable
 
+from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
 from .server import ControllerServer, RemoteError, WorkerDied
@@ -51,8 +52,9 @@ class NoInstance(Exception):
 
 class RolloutClient:
     def __init__(self, server: ControllerServer, *, on_result: Callable[[str, protocol.GenResult], None] | None = None,
-                 instance_wait_s: float = 60.0) -> None:
+                 instance_wait_s: float = 60.0, emit: Callable[[ev.Event], object] | None = None) -> None:
         self.server = server
+        self.emit = emit or (lambda event: None)
         self.assignment: dict[str, list[str]] = {}  # agent -> worker ids
         self.outstanding: dict[str, float] = defaultdict(float)  # worker -> tokens in flight
         self.on_result = on_result
@@ -109,6 +111,9 @@ class RolloutClient:
 
         def on_reply(msg: protocol.Message, _buffers: list) -> bool:
             assert isinstance(msg, protocol.Generated)
+            fresh = [r for r in msg.results if r.sample_id in waiting]
+            self.emit(ev.RequestsCompleted(worker, agent, msg.request_id, [r.sample_id for r in fresh],
+                                           [r.version for r in fresh], sum(len(r.token_ids) for r in fresh)))
             for result in msg.results:
                 entry = waiting.pop(result.sample_id, None)
                 if entry is None:
@@ -122,6 +127,8 @@ class RolloutClient:
             return msg.done
 
         msg = protocol.Generate(self.server.next_request_id(), agent, [req for req, _ in part])
+        self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, list(waiting),
+                                        sum(len(r.prompt_ids) for r, _ in part)))
         future = self.server.stream(worker, msg, on_reply)
         self.messages_sent += 1
         await self.server.send_request(worker, msg)

@@ -3,8 +3,8 @@
 A group is the `n` samples one agent produced for one prompt. Samples arrive from the
 rollout side (tokens, the sampler's logprobs, the policy version of every turn), rewards
 arrive from the workflow, and a group becomes *trainable* only when every member has both;
-then its group-normalised advantages are fixed. Trainable groups queue per agent in
-arrival order; `take` hands out whole groups' samples and marks them consumed, so a sample
+then its group-normalised advantages are fixed. Trainable groups queue per agent and per
+global batch (`tag`) in arrival order; `take` hands out whole groups' samples and marks them consumed, so a sample
 can be trained at most once, and a duplicate or late result for a sample that already has
 its output is refused.
 
@@ -16,7 +16,9 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Callable, Iterable
+
+from flexmarl.runtime import events as ev
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 
@@ -55,10 +57,12 @@ class Group:
 
 
 class ExperienceStore:
-    def __init__(self, agents: Iterable[str]) -> None:
+    def __init__(self, agents: Iterable[str], emit: Callable[[ev.Event], Any] | None = None) -> None:
+        self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         self.samples: dict[str, Sample] = {}
         self.groups: dict[str, Group] = {}
-        self.ready: dict[str, collections.deque[str]] = {a: collections.deque() for a in agents}
+        self.ready: dict[str, dict[int, collections.deque[str]]] = {a: {} for a in agents}
+        self.on_ready: list[Callable[[Group], None]] = []
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (agent, status)
 
     # ---------------------------------------------------------------- rollout side
@@ -69,6 +73,7 @@ class ExperienceStore:
         if group_id in self.groups:
             raise DuplicateResult(f"group {group_id} already exists")
         members = [Sample(f"{group_id}/{i}", agent, group_id, list(prompt_ids), tag=tag) for i in range(n)]
+        self.emit(ev.GroupOpened(agent, group_id, [s.sample_id for s in members], tag))
         for s in members:
             self.samples[s.sample_id] = s
         self.groups[group_id] = Group(group_id, agent, [s.sample_id for s in members], tag)
@@ -100,6 +105,7 @@ class ExperienceStore:
         group = self.groups[group_id]
         if group.status != PENDING:
             return
+        self.emit(ev.SamplesDropped(group.agent, list(group.sample_ids), why))
         group.status = DROPPED
         group.why_dropped = why
         for sid in group.sample_ids:
@@ -110,21 +116,25 @@ class ExperienceStore:
         members = [self.samples[s] for s in group.sample_ids]
         if group.status != PENDING or any(s.output_ids is None or s.reward is None for s in members):
             return
+        self.emit(ev.GroupComplete(group.agent, group.group_id, [s.reward for s in members]))
         for s, adv in zip(members, group_advantages([s.reward for s in members])):
             s.advantage = adv
             s.status = READY
         group.status = READY
-        self.ready[group.agent].append(group.group_id)
+        self.ready[group.agent].setdefault(group.tag, collections.deque()).append(group.group_id)
+        for listener in self.on_ready:
+            listener(group)
 
     # ---------------------------------------------------------------- training side
 
-    def ready_samples(self, agent: str) -> int:
-        return sum(len(self.groups[g].sample_ids) for g in self.ready[agent])
+    def ready_samples(self, agent: str, tag: int) -> int:
+        return sum(len(self.groups[g].sample_ids) for g in self.ready[agent].get(tag, ()))
 
-    def take(self, agent: str, max_samples: int) -> list[Sample]:
-        """Whole ready groups, oldest first, up to `max_samples` (at least one group)."""
+    def take(self, agent: str, tag: int, max_samples: int) -> list[Sample]:
+        """Whole ready groups of global batch `tag`, oldest first, up to `max_samples`
+        (at least one group if any is ready: a group is never split)."""
         taken: list[Sample] = []
-        queue = self.ready[agent]
+        queue = self.ready[agent].get(tag, collections.deque())
         while queue:
             group = self.groups[queue[0]]
             if taken and len(taken) + len(group.sample_ids) > max_samples:
@@ -138,6 +148,19 @@ class ExperienceStore:
                 taken.append(sample)
             self.counts[(agent, CONSUMED)] += len(group.sample_ids)
         return taken
+
+    def reject(self, samples: list[Sample], why: str) -> None:
+        """Marks taken samples dropped instead of trained (e.g. found too stale)."""
+        if samples:
+            self.emit(ev.SamplesDropped(samples[0].agent, [s.sample_id for s in samples], why))
+        for s in samples:
+            s.status = DROPPED
+        agent = samples[0].agent if samples else ""
+        self.counts[(agent, CONSUMED)] -= len(samples)
+        self.counts[(agent, DROPPED)] += len(samples)
+        for group_id in {s.group_id for s in samples}:
+            self.groups[group_id].status = DROPPED
+            self.groups[group_id].why_dropped = why
 
     def forget(self, samples: Iterable[Sample]) -> None:
         """Frees trained samples' token lists (the ids and counts stay)."""

@@ -1,22 +1,27 @@
 """The embedded default task, "digit chain": three agents of different sizes in a chain.
 
-A query is three random digits. The chain, one agent's output the next one's input:
+A query is three random digits. Each agent reads what the agents before it wrote:
 
-    planner (small)   reads the query,               writes 3 tokens: the digits sorted
-    solver  (large)   reads the planner's plan,      writes 6 tokens: each plan digit x
-                                                     followed by (x + 1) % 10
-    checker (medium)  reads the plan and the answer, writes 1 token: how many of the three
-                                                     (x, x + 1) pairs the solver got right
+    planner (small)   reads the query,                writes 3 tokens: the digits sorted
+    solver  (large)   reads the planner's plan,       writes 6 tokens: each plan digit x
+                                                      followed by (x + 1) % 10
+    checker (medium)  reads the plan and the answer,  writes 1 token: the answer's largest
+                                                      digit, the chain's final result
 
 Every reward is in [0, 1] and checked exactly against the agent's own input, so each agent
-is judged on its own job even when the agent before it erred. The checker reports a count
-rather than yes/no because while the chain is still poor almost no answer is fully right,
-and "always no" would score well without checking anything.
+is judged on its own job even when an agent before it erred.
+
+Why the checker reports the largest digit instead of judging the answer right or wrong:
+the tiny models cannot learn to compare two digits for equality within the warm-up budget
+(a 2-layer d=96 model stays at chance after 2000 steps on clean labels, whether it counts
+right pairs, judges the whole answer or only its first token), while copying, successor
+and order statistics (sorting, maximum) are learned in a few hundred steps. A yes/no
+verdict would also be rewarded for answering "no" to everything while the chain is poor.
 
 Warm-up examples carry deliberately noisy targets: each target token is right with
-probability WARMUP_CORRECT_PROB, otherwise random. A model fitted to them puts its largest
-probability on the right token, yet sampling at temperature 1 is often wrong, which leaves
-room for policy-gradient RL to raise the reward visibly within minutes.
+probability WARMUP_CORRECT_PROB, otherwise a random digit. A model fitted to them puts its
+largest probability on the right token, yet sampling at temperature 1 is often wrong, which
+leaves room for policy-gradient RL to raise the reward visibly within minutes.
 
 Plain functions over token-id lists; this module does no I/O and knows nothing about
 engines, workers or how the controller schedules the chain.
@@ -35,6 +40,7 @@ from flexmarl.workers.models import (
     PLAN_ID,
     QUERY_ID,
     TinyModelSpec,
+    WarmupSchedule,
     digit_of,
 )
 
@@ -54,9 +60,11 @@ OUTPUT_LEN: dict[str, int] = {PLANNER: 3, SOLVER: 6, CHECKER: 1}
 QUERY_LEN = 3
 
 WARMUP_CORRECT_PROB = 0.5
+WARMUP_EXAMPLES = 4096
+WARMUP_SCHEDULE = WarmupSchedule(steps=300, batch_size=64, lr=3e-3)
 # Names what warmup_examples produces; part of the model cache key, so bump it whenever
-# the prompts, targets or noise change.
-WARMUP_VERSION = "digit-chain-1"
+# the prompts, targets, noise or vocabulary change.
+WARMUP_VERSION = "digit-chain-2"
 
 Tokens = list[int]
 
@@ -84,13 +92,17 @@ def checker_prompt(plan: Sequence[int], answer: Sequence[int]) -> Tokens:
 # ---- the right outputs ---------------------------------------------------------------
 
 
-def expected_plan(query: Sequence[int]) -> Tokens:
-    return sorted(query, key=digit_of)
+def expected_plan(query: Sequence[int]) -> list[int | None]:
+    """The query's digits sorted; None everywhere if the query holds a non-digit."""
+    digits = [digit_of(t) for t in query]
+    if None in digits:
+        return [None] * len(query)
+    return [DIGIT_IDS[d] for d in sorted(digits)]
 
 
 def expected_answer(plan: Sequence[int]) -> list[int | None]:
     """Per position the right answer token; None where the plan token is not a digit,
-    because such a token has no right expansion."""
+    because such a token has no right expansion and no output earns credit for it."""
     out: list[int | None] = []
     for token in plan:
         digit = digit_of(token)
@@ -101,81 +113,70 @@ def expected_answer(plan: Sequence[int]) -> list[int | None]:
     return out
 
 
-def correct_pairs(plan: Sequence[int], answer: Sequence[int]) -> int:
-    """How many (x, x + 1) pairs of the answer are right for the plan."""
-    expected = expected_answer(plan)
-    return sum(
-        expected[i] is not None and answer[i] == expected[i] and answer[i + 1] == expected[i + 1]
-        for i in range(0, 2 * len(plan), 2)
-    )
-
-
-def expected_verdict(plan: Sequence[int], answer: Sequence[int]) -> Tokens:
-    return [DIGIT_IDS[correct_pairs(plan, answer)]]
+def expected_verdict(answer: Sequence[int]) -> list[int | None]:
+    """The largest digit in the answer; non-digit tokens are skipped."""
+    digits = [d for d in map(digit_of, answer) if d is not None]
+    return [DIGIT_IDS[max(digits)] if digits else None]
 
 
 # ---- rewards -------------------------------------------------------------------------
 
 
-def _fraction_equal(output: Sequence[int], expected: Sequence[int | None]) -> float:
+def _fraction_right(output: Sequence[int], expected: Sequence[int | None]) -> float:
     if len(output) != len(expected):
         return 0.0
-    return sum(o == e for o, e in zip(output, expected)) / len(expected)
+    return sum(e is not None and o == e for o, e in zip(output, expected)) / len(expected)
 
 
 def planner_reward(query: Sequence[int], plan: Sequence[int]) -> float:
     """Fraction of plan positions holding the right sorted digit."""
-    return _fraction_equal(plan, expected_plan(query))
+    return _fraction_right(plan, expected_plan(query))
 
 
 def solver_reward(plan: Sequence[int], answer: Sequence[int]) -> float:
     """Fraction of answer positions right for the plan the solver was given."""
-    return _fraction_equal(answer, expected_answer(plan))
+    return _fraction_right(answer, expected_answer(plan))
 
 
 def checker_reward(plan: Sequence[int], answer: Sequence[int], verdict: Sequence[int]) -> float:
-    """1 if the checker counted the right pairs exactly, else 0."""
-    return float(list(verdict) == expected_verdict(plan, answer))
+    """1 if the verdict is the largest digit of the answer the checker was given, else 0.
+    The plan is in the checker's prompt but does not change the right verdict."""
+    return _fraction_right(verdict, expected_verdict(answer))
 
 
 # ---- warm-up -------------------------------------------------------------------------
 
 
-def _noisy(target: Sequence[int], rng: random.Random, choices: Sequence[int]) -> Tokens:
-    return [t if rng.random() < WARMUP_CORRECT_PROB else rng.choice(choices) for t in target]
+def _noisy(target: Sequence[int], rng: random.Random) -> Tokens:
+    return [t if rng.random() < WARMUP_CORRECT_PROB else rng.choice(DIGIT_IDS) for t in target]
 
 
-def _corrupted_answer(plan: Sequence[int], rng: random.Random) -> Tokens:
-    """A solver-like answer: right tokens mixed with random digits at a random error rate,
-    so the checker sees every pair count from 0 to 3 during warm-up."""
+def _solver_like_answer(plan: Sequence[int], rng: random.Random) -> Tokens:
+    """Right tokens mixed with random digits at a random error rate: what a partly
+    trained solver writes, so the checker warms up on the inputs it will see."""
     error_rate = rng.random()
-    return [
-        t if t is not None and rng.random() >= error_rate else rng.choice(DIGIT_IDS)
-        for t in expected_answer(plan)
-    ]
+    return [t if rng.random() >= error_rate else rng.choice(DIGIT_IDS)
+            for t in expected_answer(plan)]
 
 
 def warmup_examples(agent: str, rng: random.Random, n: int) -> list[tuple[Tokens, Tokens]]:
     """n (prompt_ids, noisy target_ids) pairs for agent's supervised warm-up.
 
-    Solver and checker inputs are random, not produced by the chain, so each agent learns
-    its job for any input the agent before it may write.
+    Solver and checker inputs are random rather than produced by the chain, so each agent
+    learns its job for any input an agent before it may write.
     """
+    if agent not in AGENTS:
+        raise ValueError(f"unknown agent {agent!r}; the digit chain has {list(AGENTS)}")
     examples = []
     for _ in range(n):
+        query = make_query(rng)
         if agent == PLANNER:
-            query = make_query(rng)
-            examples.append((planner_prompt(query), _noisy(expected_plan(query), rng, DIGIT_IDS)))
+            prompt, target = planner_prompt(query), expected_plan(query)
         elif agent == SOLVER:
-            plan = make_query(rng)
-            examples.append((solver_prompt(plan), _noisy(expected_answer(plan), rng, DIGIT_IDS)))
-        elif agent == CHECKER:
-            plan = make_query(rng)
-            answer = _corrupted_answer(plan, rng)
-            examples.append((
-                checker_prompt(plan, answer),
-                _noisy(expected_verdict(plan, answer), rng, DIGIT_IDS[:4]),
-            ))
+            prompt, target = solver_prompt(query), expected_answer(query)
         else:
-            raise ValueError(f"unknown agent {agent!r}; the digit chain has {list(AGENTS)}")
+            plan = query  # any three digits, sorted or not, as a partly trained planner writes
+            answer = _solver_like_answer(plan, rng)
+            prompt, target = checker_prompt(plan, answer), expected_verdict(answer)
+        examples.append((prompt, _noisy(target, rng)))
     return examples

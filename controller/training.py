@@ -6,14 +6,19 @@ Components it wires together (none of them refers back to it):
 - the workflow (workflow.py, workflows.py): user episodes that call agents and reward them;
 - `MetricsLog` (metrics.py): metrics.jsonl, progress line, reward plot.
 
-This module holds the sync schedule: roll out the whole global batch, then train each
-agent on it (micro-batches, one optimizer step), then publish weights to that agent's
-rollout instances. Model resolution and the placement of agents on workers live here too.
+The schedule: global batch t (`queries_per_step` episodes) trains every agent from
+version t - 1 to t with one optimizer step and one weight sync per agent. In sync mode
+batch t's episodes start when every agent's rollout weights are at t - 1 and micro-batches
+are formed once the batch is complete. In async mode episodes start at once, each turn
+waits at the staleness gate, and each agent's micro-batches go to its trainer as soon as
+they are ready, so agents train while rollout continues and move independently. The
+rules themselves are in decisions.py. Model resolution and placement live here too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 import time
@@ -21,8 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.config import dump_toml
 
+from . import decisions
 from .metrics import MetricsLog
 from .router import RolloutClient
 from .store import ExperienceStore, Sample
@@ -95,7 +103,7 @@ class RunSummary:
         return sum(r[:w]) / w, sum(r[-w:]) / w
 
     def report(self) -> str:
-        lines = [f"{self.steps} steps in {self.wall_s:.1f}s: {self.samples / self.wall_s:.1f} samples/s, "
+        lines = [f"{self.steps} steps in {self.wall_s:.1f}s (after set-up): {self.samples / self.wall_s:.1f} samples/s, "
                  f"{self.tokens / self.wall_s:.0f} tokens/s, {self.episodes_failed} failed episodes"]
         for agent in self.rewards:
             start, end = self.reward_change(agent)
@@ -113,8 +121,9 @@ class TrainingRun:
         if not self.agents:
             raise ValueError("the config defines no agents ([agents.NAME] tables)")
         self.workflow = get_workflow(self.cfg.run.workflow)
-        self.store = ExperienceStore(self.agents)
-        self.client = RolloutClient(self.server)
+        self.emit = exp.emit
+        self.store = ExperienceStore(self.agents, emit=self.emit)
+        self.client = RolloutClient(self.server, emit=self.emit)
         self.trainer_of: dict[str, str] = {}
         self.version = {a: 0 for a in self.agents}
         self.model_path: dict[str, str] = {}
@@ -122,6 +131,20 @@ class TrainingRun:
         self.failed_episodes = 0
         self.samples_trained = 0
         self.tokens_trained = 0
+        self.overlap = self.cfg.pipeline.mode == "async"
+        self.synced = {a: 0 for a in self.agents}  # version every rollout instance of the agent holds
+        steps = self.cfg.run.steps
+        self.batch_done = {t: asyncio.Event() for t in range(1, steps + 1)}
+        self._episodes_left = {t: self.cfg.pipeline.queries_per_step for t in range(1, steps + 1)}
+        self._steps_done = collections.Counter()
+        self.stage_start: dict[int, float] = {}
+        self.stage_end: dict[int, float] = {}
+        self._wake = {a: asyncio.Event() for a in self.agents}
+        self._version_changed = asyncio.Event()
+        self.store.on_ready.append(self._on_group_ready)
+        self._loads_at_start: dict[str, float] = {}
+        self.started = self.wall_s = 0.0
+        self.busy: dict[str, float] = {}
 
     # ------------------------------------------------------------ setup
 
@@ -133,6 +156,9 @@ class TrainingRun:
         self.client.assignment = place_agents(self.agents, self.exp.worker_ids("rollout"), weight)
         trainers = self.exp.worker_ids("trainer")
         self.trainer_of = {a: trainers[i % len(trainers)] for i, a in enumerate(self.agents)}
+        for agent in self.agents:
+            self.emit(ev.AllocationChanged("rollout", agent, list(self.client.assignment[agent]), "initial placement"))
+            self.emit(ev.AllocationChanged("trainer", agent, [self.trainer_of[agent]], "initial placement"))
         log.info("placement: rollout %s, trainers %s", self.client.assignment, self.trainer_of)
         await asyncio.gather(*(self._load_model(a, w) for a, ws in self.client.assignment.items() for w in ws),
                              *(self._init_agent(a) for a in self.agents))
@@ -158,82 +184,174 @@ class TrainingRun:
     # ------------------------------------------------------------ the loop
 
     async def run(self) -> RunSummary:
-        started = time.monotonic()
+        p = self.cfg.pipeline
+        self.emit(ev.RunStarted(dump_toml(self.cfg), self.agents, p.mode, p.max_staleness, self.cfg.run.seed))
         try:
             await self.setup()
-            for step in range(1, self.cfg.run.steps + 1):
-                await self.iteration(step)
-                if self.cfg.run.checkpoint_every and step % self.cfg.run.checkpoint_every == 0:
-                    await self.checkpoint(f"step-{step}")
+            self._loads_at_start = self._worker_loads()
+            self.started = time.monotonic()
+            loops = [asyncio.create_task(self.produce_episodes(), name="episodes"),
+                     *(asyncio.create_task(self.agent_loop(a), name=f"train-{a}") for a in self.agents)]
+            await _all_or_first_failure(loops)
             await self.checkpoint("final")
         finally:
             self.metrics.close()
-        return RunSummary(self.cfg.run.steps, time.monotonic() - started, self.samples_trained,
+        self.wall_s = time.monotonic() - self.started
+        self.emit(ev.RunFinished(self.cfg.run.steps, self.wall_s))
+        self.busy = self._busy_fractions()
+        return RunSummary(self.cfg.run.steps, self.wall_s, self.samples_trained,
                           self.tokens_trained, self.failed_episodes, self.metrics.reward_history(),
                           self.metrics.step_times, str(self.exp.run_dir))
 
-    async def iteration(self, step: int) -> None:
-        times = StepTimes()
-        t0 = time.monotonic()
-        await self.rollout(step)
-        t1 = time.monotonic()
-        times.rollout_s = t1 - t0
-        trained = await asyncio.gather(*(self.train_agent(a) for a in self.agents))
-        t2 = time.monotonic()
-        times.train_s = t2 - t1
-        await asyncio.gather(*(self.sync_agent(a) for a in self.agents))
-        times.sync_s = time.monotonic() - t2
-        for agent, samples in zip(self.agents, trained):
-            self.metrics.record(step, agent, self.version[agent], samples, times)
-        self.metrics.end_step(step, self.cfg.run.steps, times)
-
-    async def rollout(self, step: int) -> None:
+    async def produce_episodes(self) -> None:
+        """Starts every episode of every global batch, in order, bounded by
+        max_concurrent_episodes. Sync mode waits for all agents' weights of the previous
+        batch first; async mode starts at once and each turn waits at the gate."""
         p = self.cfg.pipeline
         limit = asyncio.Semaphore(p.max_concurrent_episodes)
         defaults = {a: AgentDefaults(c.max_tokens, c.temperature, c.group_size) for a, c in self.cfg.agents.items()}
+        running: list[asyncio.Task] = []
 
-        async def one(i: int) -> None:
-            async with limit:
-                ctx = EpisodeContext(f"s{step}q{i}", step, random.Random(f"{self.cfg.run.seed}-{step}-{i}"),
+        async def one(tag: int, i: int) -> None:
+            try:
+                ctx = EpisodeContext(f"s{tag}q{i}", tag, random.Random(f"{self.cfg.run.seed}-{tag}-{i}"),
                                      self.store, self.client, defaults, self.cfg.run.seed,
-                                     self.cfg.run.env_latency_ms)
+                                     self.cfg.run.env_latency_ms, gate=self.gate)
                 if await run_episode(self.workflow, ctx, p.episode_timeout_s):
                     self.failed_episodes += 1
+            finally:
+                limit.release()
+                self._episodes_left[tag] -= 1
+                if self._episodes_left[tag] == 0:
+                    self.batch_done[tag].set()
+                    self.stage_end[tag] = time.monotonic()
+                    self._wake_all()
 
-        await asyncio.gather(*(one(i) for i in range(p.queries_per_step)))
+        for tag in range(1, self.cfg.run.steps + 1):
+            while not decisions.may_start_episode(tag, self.synced, self.overlap):
+                await self._changed()
+            self.stage_start.setdefault(tag, time.monotonic())
+            for i in range(p.queries_per_step):
+                await limit.acquire()
+                running.append(asyncio.create_task(one(tag, i), name=f"episode-s{tag}q{i}"))
+        await asyncio.gather(*running)
 
-    async def train_agent(self, agent: str) -> list[Sample]:
-        samples: list[Sample] = []
-        while self.store.ready_samples(agent):
-            samples += self.store.take(agent, 1 << 30)
-        if not samples:
-            log.warning("agent %s has no trainable samples this step (all episodes failed?)", agent)
-            return []
+    async def gate(self, agent: str, tag: int) -> None:
+        while not decisions.may_generate(tag, self.synced[agent], self.cfg.pipeline.max_staleness):
+            await self._changed()
+
+    async def agent_loop(self, agent: str) -> None:
+        """Per agent: for each global batch, send micro-batches to the trainer as they form
+        (async) or once the batch is complete (sync); then one optimizer step and one
+        weight sync. Consumes the store's ready groups; unblocks the gate."""
         p = self.cfg.pipeline
-        version = self.version[agent] + 1
         trainer = self.trainer_of[agent]
-        calls = []
-        for i in range(0, len(samples), p.micro_batch):
-            mb = samples[i:i + p.micro_batch]
-            msg = protocol.TrainMicroBatch(self.server.next_request_id(), agent, version,
-                                           [_train_sample(s) for s in mb], 1.0 / len(samples),
-                                           p.max_staleness, p.clip_ratio)
-            calls.append(self.server.call(trainer, msg))
-        for reply, _ in await asyncio.gather(*calls):
-            self.tokens_trained += reply.tokens
-        await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), agent, version))
-        self.version[agent] = version
-        self.samples_trained += len(samples)
-        self.store.forget(samples)
-        return samples
+        last_end = time.monotonic()
+        for tag in range(1, self.cfg.run.steps + 1):
+            version = tag  # trains version tag - 1 into tag
+            calls, trained = [], []
+            while True:
+                complete = self.batch_done[tag].is_set()
+                ready = self.store.ready_samples(agent, tag)
+                if decisions.cut_micro_batch(ready, p.micro_batch, complete, self.overlap):
+                    mb = self._checked(self.store.take(agent, tag, p.micro_batch), tag - 1)
+                    if mb:
+                        trained += mb
+                        self.emit(ev.MicroBatchFormed(agent, trainer, version, [s.sample_id for s in mb],
+                                                      [s.min_version for s in mb]))
+                        calls.append(asyncio.ensure_future(self._train_micro_batch(trainer, agent, version, mb)))
+                    continue
+                if complete:
+                    break
+                await self._wake_for(agent)
+            train_s = sum(await asyncio.gather(*calls))
+            if not trained:
+                log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", agent, tag)
+            scale = 1.0 / len(trained) if trained else 0.0
+            await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), agent, version, scale))
+            self.emit(ev.OptimizerStep(agent, trainer, version, len(trained)))
+            await self.exp.events.flush()  # a crash loses nothing that led to a step
+            self.version[agent] = version
+            self.samples_trained += len(trained)
+            t_sync = time.monotonic()
+            await self.sync_agent(agent)
+            now = time.monotonic()
+            self.synced[agent] = version
+            self._notify()
+            times = StepTimes(rollout_s=self.stage_end[tag] - self.stage_start[tag], train_s=train_s,
+                              sync_s=now - t_sync)
+            self.metrics.record(tag, agent, version, trained, times, step_s=round(now - last_end, 4))
+            last_end = now
+            self.store.forget(trained)
+            self._steps_done[tag] += 1
+            if self._steps_done[tag] == len(self.agents):
+                self.metrics.end_step(tag, self.cfg.run.steps, times)
+
+    async def _train_micro_batch(self, trainer: str, agent: str, version: int, mb: list[Sample]) -> float:
+        p = self.cfg.pipeline
+        reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
+            self.server.next_request_id(), agent, version, [_train_sample(s) for s in mb],
+            p.max_staleness, p.clip_ratio))
+        self.emit(ev.MicroBatchTrained(agent, trainer, version, len(mb), reply.seconds))
+        self.tokens_trained += reply.tokens
+        return reply.seconds
+
+    def _checked(self, samples: list[Sample], trainer_version: int) -> list[Sample]:
+        """The staleness bound, enforced where samples meet the trainer: groups with any
+        turn too old are dropped (the gate should make this impossible)."""
+        k = self.cfg.pipeline.max_staleness
+        stale = {s.group_id for s in samples if decisions.too_stale(trainer_version, s.versions, k)}
+        if stale:
+            bad = [s for s in samples if s.group_id in stale]
+            log.error("dropping %d samples older than the staleness bound %d", len(bad), k)
+            self.store.reject(bad, f"lag above max_staleness={k}")
+        return [s for s in samples if s.group_id not in stale]
+
+    # -- wake-ups: one event per agent (ready groups, batch completion) and one for versions
+
+    def _on_group_ready(self, group) -> None:
+        self._wake[group.agent].set()
+
+    def _wake_all(self) -> None:
+        for event in self._wake.values():
+            event.set()
+
+    async def _wake_for(self, agent: str) -> None:
+        await self._wake[agent].wait()
+        self._wake[agent].clear()
+
+    def _notify(self) -> None:
+        self._version_changed.set()
+        self._version_changed = asyncio.Event()
+
+    async def _changed(self) -> None:
+        await self._version_changed.wait()
+
+    def _worker_loads(self) -> dict[str, float]:
+        return {w.worker_id: w.load.get("busy_s", 0.0) for w in self.server.registry.alive()}
+
+    def _busy_fractions(self) -> dict[str, float]:
+        end = self._worker_loads()
+        return {w: round((end[w] - self._loads_at_start.get(w, 0.0)) / self.wall_s, 3)
+                for w in end if self.wall_s > 0}
+
+    def transport_between(self, src: str, dsts: list[str]) -> str:
+        """Shared memory when every receiver is on the publisher's host, TCP otherwise."""
+        workers = self.server.registry.workers
+        same_host = all(workers[d].host == workers[src].host for d in dsts)
+        return "shm" if same_host else "tcp"
 
     async def sync_agent(self, agent: str) -> None:
         instances = self.client.instances(agent)
         version = self.version[agent]
-        reply, _ = await self.server.call(self.trainer_of[agent], protocol.PublishWeights(
-            self.server.next_request_id(), agent, version, "auto", instances))
+        trainer = self.trainer_of[agent]
+        t0 = time.monotonic()
+        self.emit(ev.WeightSyncStarted(agent, version, list(instances)))
+        reply, _ = await self.server.call(trainer, protocol.PublishWeights(
+            self.server.next_request_id(), agent, version, self.transport_between(trainer, instances), instances))
         await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
             self.server.next_request_id(), agent, version, reply.handle)) for w in instances))
+        self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
     async def checkpoint(self, name: str) -> None:
         root = Path(self.exp.run_dir) / "checkpoints"
@@ -244,3 +362,19 @@ class TrainingRun:
 
 def _train_sample(s: Sample) -> protocol.TrainSample:
     return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.logprobs, s.versions)
+
+
+async def _all_or_first_failure(tasks: list[asyncio.Task]) -> None:
+    """Waits for every task; the first one to fail cancels the rest and re-raises."""
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        raise
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for t in done:
+        if t.exception() is not None:
+            raise t.exception()

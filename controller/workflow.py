@@ -58,6 +58,9 @@ class EpisodeContext:
     agents: dict[str, AgentDefaults]
     run_seed: int
     env_latency_ms: float = 0.0
+    # Awaited before every turn: blocks until the agent's rollout weights are recent
+    # enough for this global batch (the staleness bound, checked per turn).
+    gate: Callable[[str, int], Awaitable[None]] | None = None
     groups: list[str] = field(default_factory=list)
     _next_group: int = 0
 
@@ -67,6 +70,8 @@ class EpisodeContext:
             raise KeyError(f"workflow asked for agent {agent!r}, which is not configured "
                            f"(agents: {', '.join(self.agents)})")
         defaults = self.agents[agent]
+        if self.gate is not None:
+            await self.gate(agent, self.tag)
         group_id = f"{self.episode_id}/{agent}{self._next_group}"
         self._next_group += 1
         samples = self.store.open_group(agent, group_id, prompt_ids, n or defaults.group_size, self.tag)

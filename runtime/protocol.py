@@ -254,7 +254,6 @@ class TrainMicroBatch(Message):
     agent: str
     version: int  # the version these gradients will produce (current + 1)
     samples: list[TrainSample]
-    loss_scale: float  # 1 / (samples in the global batch): accumulation gives the full-batch gradient
     max_staleness: int = 0
     clip_ratio: float = 2.0  # truncated importance sampling cap for off-policy samples
 
@@ -271,10 +270,14 @@ class MicroBatchDone(Message):
 
 class OptimStep(Message):
     # Controller -> Trainer: apply the accumulated gradients; the agent becomes `version`.
+    # Micro-batch losses are sums over samples; scaling the summed gradient once by
+    # 1 / (samples in the global batch) gives the full-batch mean whatever the split, and
+    # the batch size need only be known when the last micro-batch is in.
     KIND = Kind.OPTIM_STEP
     request_id: int
     agent: str
     version: int
+    grad_scale: float = 1.0
 
 
 class StepDone(Message):

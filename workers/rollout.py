@@ -53,6 +53,7 @@ class RolloutHandler(CommandHandler):
         self.tokens_done = 0
         self.busy_s = 0.0
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
+        self._channel: Any = None
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         if isinstance(msg, protocol.Generate):
@@ -117,12 +118,18 @@ class RolloutHandler(CommandHandler):
         log.info("serving %s version %d from %s", msg.agent, msg.version, msg.model_path)
 
     def _load_weights(self, msg: protocol.LoadWeights) -> None:
-        from flexmarl.runtime import param_channel
+        import msgspec
+
+        from flexmarl.runtime.param_channel import ParamChannel, ParamHandle
 
         if msg.agent != self.agent:
             raise ValueError(f"weights for {msg.agent} sent to an instance serving {self.agent}")
-        handle = param_channel.decode_handle(msg.handle)
-        tensors = param_channel.receive(handle)  # raises on a short or corrupt transfer
+        handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
+        if self._channel is None:
+            self._channel = ParamChannel()
+        # Verified before any tensor is handed out: a short or corrupt transfer raises here
+        # and the engine keeps its previous weights.
+        tensors = self._channel.receive(handle)
         self.engine.load_weights(tensors.items())
         self.version = msg.version
 
@@ -162,3 +169,5 @@ class RolloutHandler(CommandHandler):
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self._channel is not None:
+            self._channel.close()

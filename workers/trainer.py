@@ -39,10 +39,11 @@ class AgentState:
     published: Any = None  # the parameter-channel handle of the latest published weights
 
 
-def grpo_loss(model: Any, samples: list[protocol.TrainSample], loss_scale: float,
-              off_policy: bool, clip_ratio: float) -> tuple[Any, int]:
-    """Policy-gradient loss of one micro-batch, scaled so that summing micro-batches gives
-    the full-batch loss: sum_i loss_scale * (-A_i * mean_t w_it * logp_it).
+def grpo_loss(model: Any, samples: list[protocol.TrainSample], off_policy: bool,
+              clip_ratio: float) -> tuple[Any, int]:
+    """Policy-gradient loss of one micro-batch, a sum over its samples so that micro-batch
+    gradients add up to the global batch's: sum_i -A_i * mean_t (w_it * logp_it).
+    The optimizer step divides by the global batch size.
 
     On-policy (max_staleness 0) w = 1 and this is the exact GRPO gradient. Off-policy,
     w_it = min(exp(logp_it - logp_rollout_it), clip_ratio), detached: truncated importance
@@ -72,7 +73,7 @@ def grpo_loss(model: Any, samples: list[protocol.TrainSample], loss_scale: float
         weight = out_mask
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     per_sample = (logp * weight).sum(-1) / out_mask.sum(-1).clamp(min=1.0)
-    loss = -(adv * per_sample).sum() * loss_scale
+    loss = -(adv * per_sample).sum()
     return loss, int(out_mask.sum().item())
 
 
@@ -86,6 +87,7 @@ class TrainerHandler(CommandHandler):
         # micro-batches per agent at most), and dropping a command would lose gradients.
         self._commands: asyncio.Queue[protocol.Message] = asyncio.Queue()
         self.busy_s = 0.0
+        self._channel: Any = None
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         if isinstance(msg, (protocol.InitAgent, protocol.TrainMicroBatch, protocol.OptimStep,
@@ -150,8 +152,8 @@ class TrainerHandler(CommandHandler):
         if too_old:  # the controller guarantees this never happens; refuse rather than trust
             raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
-        loss, tokens = grpo_loss(state.model, msg.samples, msg.loss_scale,
-                                 off_policy=msg.max_staleness > 0, clip_ratio=msg.clip_ratio)
+        loss, tokens = grpo_loss(state.model, msg.samples, off_policy=msg.max_staleness > 0,
+                                 clip_ratio=msg.clip_ratio)
         loss.backward()
         state.accumulated += len(msg.samples)
         return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), tokens,
@@ -163,8 +165,13 @@ class TrainerHandler(CommandHandler):
         t0 = time.perf_counter()
         if msg.version != state.version + 1:
             raise ValueError(f"optimizer step to version {msg.version} but {state.name} is at {state.version}")
-        norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.max_grad_norm)
-        state.optimizer.step()
+        norm = torch.zeros(())
+        if msg.grad_scale > 0:  # 0: the global batch had no samples; the version still advances
+            for p in state.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(msg.grad_scale)
+            norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.max_grad_norm)
+            state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         state.version = msg.version
         state.accumulated = 0
@@ -172,20 +179,27 @@ class TrainerHandler(CommandHandler):
                                  time.perf_counter() - t0)
 
     def _publish(self, state: AgentState, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
-        from flexmarl.runtime import param_channel
+        import msgspec
 
         t0 = time.perf_counter()
         if msg.version != state.version:
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
         tensors = {k: v.detach() for k, v in state.model.state_dict().items()}
-        handle = param_channel.publish(tensors, agent=state.name, version=state.version,
-                                       transport=msg.transport)
+        handle = self.channel().publish(tensors, agent=state.name, version=state.version,
+                                        transport=msg.transport, receivers=max(1, len(msg.targets)))
+        # The controller publishes version v + 1 only after every receiver loaded v.
         if state.published is not None:
-            param_channel.release(state.published)
+            self.channel().release(state.published)
         state.published = handle
         return protocol.WeightsPublished(msg.request_id, state.name, state.version,
-                                         param_channel.encode_handle(handle), handle.total_bytes,
+                                         msgspec.msgpack.encode(handle), handle.total_bytes,
                                          time.perf_counter() - t0)
+
+    def channel(self) -> Any:
+        if self._channel is None:
+            from flexmarl.runtime.param_channel import ParamChannel
+            self._channel = ParamChannel()
+        return self._channel
 
     def _save(self, state: AgentState, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
         path = Path(msg.path)
@@ -200,8 +214,5 @@ class TrainerHandler(CommandHandler):
         return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version)
 
     def close(self) -> None:
-        if any(s.published is not None for s in self.agents.values()):
-            from flexmarl.runtime import param_channel
-            for s in self.agents.values():
-                if s.published is not None:
-                    param_channel.release(s.published)
+        if self._channel is not None:
+            self._channel.close()  # unlinks every shared-memory segment it published

@@ -20,9 +20,9 @@ def test_group_is_trainable_only_when_every_member_has_output_and_reward():
     store.record_output(samples[1].sample_id, [2], [-1.0], [0])
     store.set_reward(samples[1].sample_id, 0.0)
     store.record_output(samples[2].sample_id, [2], [-1.0], [0])
-    assert store.ready_samples("a") == 0
+    assert store.ready_samples("a", 0) == 0
     store.set_reward(samples[2].sample_id, 0.5)
-    assert store.ready_samples("a") == 3
+    assert store.ready_samples("a", 0) == 3
 
 
 def test_advantages_are_group_normalised():
@@ -36,10 +36,10 @@ def test_a_duplicated_result_is_refused_and_never_trained_twice():
     samples = fill(store, "a", "g", [1.0, 0.0])
     with pytest.raises(DuplicateResult):
         store.record_output(samples[0].sample_id, [9], [-0.1], [0])
-    taken = store.take("a", 100)
+    taken = store.take("a", 0, 100)
     assert [s.sample_id for s in taken] == [s.sample_id for s in samples]
     assert all(s.status == CONSUMED for s in taken)
-    assert store.take("a", 100) == []
+    assert store.take("a", 0, 100) == []
     with pytest.raises(DuplicateResult):
         store.record_output(samples[1].sample_id, [9], [-0.1], [0])
 
@@ -49,9 +49,9 @@ def test_take_returns_whole_groups_oldest_first():
     fill(store, "a", "g1", [1.0, 0.0, 0.5])
     fill(store, "a", "g2", [1.0, 0.0, 0.5])
     fill(store, "a", "g3", [1.0, 0.0, 0.5])
-    first = store.take("a", 4)  # a group is never split: 3 fit, the next 3 would not
+    first = store.take("a", 0, 4)  # a group is never split: 3 fit, the next 3 would not
     assert {s.group_id for s in first} == {"g1"}
-    second = store.take("a", 6)
+    second = store.take("a", 0, 6)
     assert [s.group_id for s in second] == ["g2"] * 3 + ["g3"] * 3
 
 
@@ -61,7 +61,7 @@ def test_dropped_group_is_never_trained_and_counted():
     store.record_output(samples[0].sample_id, [2], [-1.0], [0])
     store.drop_group("g", "episode failed")
     store.set_reward(samples[0].sample_id, 1.0)  # late reward for a dropped sample: ignored
-    assert store.ready_samples("a") == 0
+    assert store.ready_samples("a", 0) == 0
     assert all(s.status == DROPPED for s in samples)
     assert store.counts[("a", DROPPED)] == 2
 
@@ -74,3 +74,11 @@ def test_unknown_agent_and_non_finite_reward_are_clear_errors():
     store.record_output(s.sample_id, [2], [-1.0], [0])
     with pytest.raises(ValueError, match="not finite"):
         store.set_reward(s.sample_id, float("nan"))
+
+
+def test_take_only_hands_out_groups_of_the_requested_global_batch():
+    store = ExperienceStore(["a"])
+    fill(store, "a", "old", [1.0, 0.0], tag=1)
+    fill(store, "a", "new", [1.0, 0.0], tag=2)
+    assert {s.group_id for s in store.take("a", 2, 100)} == {"new"}
+    assert {s.group_id for s in store.take("a", 1, 100)} == {"old"}

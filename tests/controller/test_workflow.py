@@ -38,7 +38,7 @@ async def chain(ctx):
 async def test_episode_chains_agents_and_makes_every_group_trainable():
     store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
     assert await run_episode(chain, make_ctx(store, gen), 5.0) == ""
-    assert store.ready_samples("a") == 3 and store.ready_samples("b") == 6
+    assert store.ready_samples("a", 0) == 3 and store.ready_samples("b", 0) == 6
     assert all(s.status == READY and s.versions == [0] for s in store.samples.values())
 
 

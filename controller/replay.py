@@ -1,0 +1,548 @@
+"""`flexmarl replay`: what a run did, read back from its event log.
+
+    flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
+
+- ``summarize(events)``: every worker's busy and idle time, per-agent throughput, the
+  staleness histogram, and sample accounting (generated = trained + dropped + in flight,
+  per agent and per generating version). Accounting that does not reconcile, or a sample
+  past the staleness bound, is an error: ``main`` prints it and exits 1.
+- ``trace_json(summary)``: a Chrome / Perfetto trace, one named track per worker and agent.
+- ``write_plot(summary, path)``: a timeline of busy spans and utilization per worker.
+- ``check(events)``: re-drives the decision code (``decisions.redrive``) from the logged
+  inputs and reports the first decision that differs from the log.
+
+Busy means: a rollout worker while it has a dispatched request not yet completed, or while
+it loads weights; a trainer while it runs a micro-batch or publishes weights.
+
+Works on the event list alone: it knows no sockets, processes or config files, and it
+never trusts the log to be consistent (that is what it checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flexmarl.runtime.eventlog import EventLogVersionError, read_events
+from flexmarl.runtime.events import (DECISION_TYPES, Event, GroupComplete, GroupOpened,
+                                     MicroBatchFormed, MicroBatchTrained, OptimizerStep,
+                                     RequestsCompleted, RequestsDispatched, RunStarted,
+                                     SamplesDropped, WeightSyncFinished, WeightSyncStarted,
+                                     WorkerDied, WorkerJoined, without_stamp)
+
+GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
+
+
+@dataclass
+class Span:
+    start: float
+    end: float
+    kind: str  # GENERATE | TRAIN | SYNC | STEP | ITERATION
+    name: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class WorkerUsage:
+    worker: str
+    role: str
+    start: float  # joined (or first seen)
+    end: float  # died, or the end of the log
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def busy_s(self) -> float:
+        return sum(b - a for a, b in _union(self.spans, self.start, self.end))
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.end - self.start - self.busy_s)
+
+    @property
+    def utilization(self) -> float:
+        life = self.end - self.start
+        return self.busy_s / life if life > 0 else 0.0
+
+
+@dataclass
+class AgentStats:
+    agent: str
+    samples_trained: int = 0  # sum of MicroBatchTrained.n
+    micro_batches: int = 0
+    optimizer_steps: int = 0
+    version: int = 0  # the last version an optimizer step produced
+    rewards: list[float] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)  # iterations and weight syncs
+
+
+@dataclass
+class AccountRow:
+    agent: str
+    version: int | None  # the generating policy version; None: not generated yet
+    generated: int = 0
+    trained: int = 0  # with multiplicity, so a double-trained sample breaks the sum
+    dropped: int = 0
+    in_flight: int = 0
+    total: bool = False  # the agent's row over all versions
+
+    @property
+    def reconciles(self) -> bool:
+        return self.generated == self.trained + self.dropped + self.in_flight
+
+
+@dataclass
+class Summary:
+    run: RunStarted | None
+    t_start: float
+    t_end: float
+    events: int
+    workers: dict[str, WorkerUsage]
+    agents: dict[str, AgentStats]
+    staleness: dict[str, collections.Counter]  # agent -> lag -> samples
+    accounting: list[AccountRow]  # per agent and version, then one total row per agent
+    errors: list[str]
+
+    @property
+    def wall_s(self) -> float:
+        return self.t_end - self.t_start
+
+
+# ---------------------------------------------------------------- summary
+
+
+def summarize(events: list[Event]) -> Summary:
+    """Everything the log says about the run. Never raises on inconsistent logs: the
+    inconsistencies are in ``errors`` (the table is what helps find them)."""
+    run = next((e for e in events if isinstance(e, RunStarted)), None)
+    t_start = run.t if run else (events[0].t if events else 0.0)
+    t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
+    workers = _worker_usage(events, t_start, t_end)
+    agents = _agent_stats(events, run)
+    rows, staleness, errors = _accounting(events, run)
+    return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors)
+
+
+def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
+    workers: dict[str, WorkerUsage] = {}
+
+    def worker(name: str, role: str, t: float) -> WorkerUsage:
+        if name not in workers:
+            workers[name] = WorkerUsage(name, role, t, t_end)
+        return workers[name]
+
+    outstanding: dict[tuple[str, int], RequestsDispatched] = {}
+    sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
+    trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
+    for e in events:
+        if isinstance(e, WorkerJoined):
+            w = worker(e.worker, e.role, e.t)
+            w.role, w.end = e.role, t_end  # a worker back after dying: its downtime is idle
+        elif isinstance(e, WorkerDied):
+            w = worker(e.worker, "?", t_start)
+            w.end = e.t
+            for key in [k for k in outstanding if k[0] == e.worker]:
+                d = outstanding.pop(key)
+                w.spans.append(_request_span(d, e.t, lost=True))
+        elif isinstance(e, RequestsDispatched):
+            worker(e.worker, "rollout", e.t)
+            outstanding[(e.worker, e.request_id)] = e
+        elif isinstance(e, RequestsCompleted):
+            d = outstanding.pop((e.worker, e.request_id), None)
+            if d is not None:
+                worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
+        elif isinstance(e, MicroBatchTrained):
+            span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
+                        {"agent": e.agent, "version": e.version, "samples": e.n})
+            worker(e.trainer, "trainer", span.start).spans.append(span)
+            trainer_of[e.agent] = e.trainer
+        elif isinstance(e, OptimizerStep):
+            worker(e.trainer, "trainer", e.t).spans.append(
+                Span(e.t, e.t, STEP, f"{e.agent} step -> v{e.version}", {"samples": e.samples}))
+            trainer_of[e.agent] = e.trainer
+        elif isinstance(e, WeightSyncStarted):
+            sync_started[(e.agent, e.version)] = e
+        elif isinstance(e, WeightSyncFinished):
+            started = sync_started.pop((e.agent, e.version), None)
+            start = started.t if started else e.t - e.seconds
+            span = Span(start, e.t, SYNC, f"{e.agent} weights v{e.version}", {"bytes": e.nbytes})
+            publishers = [trainer_of[e.agent]] if e.agent in trainer_of else []
+            for name in publishers + (started.targets if started else []):
+                worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
+    for (name, _), d in outstanding.items():  # still generating when the log ends
+        workers[name].spans.append(_request_span(d, t_end))
+    return workers
+
+
+def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
+                  lost: bool = False) -> Span:
+    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids),
+            "prompt_tokens": d.tokens}
+    if tokens is not None:
+        args["output_tokens"] = tokens
+    if lost:
+        args["lost"] = True  # the worker died with it outstanding
+    return Span(d.t, end, GENERATE, f"{d.agent} generate", args)
+
+
+def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, AgentStats]:
+    agents = {a: AgentStats(a) for a in (run.agents if run else [])}
+    iteration_start: dict[tuple[str, int], float] = {}
+    sync_start: dict[tuple[str, int], float] = {}
+    for e in events:
+        agent = getattr(e, "agent", None)
+        if agent is None:
+            continue
+        stats = agents.setdefault(agent, AgentStats(agent))
+        if isinstance(e, MicroBatchFormed):
+            iteration_start.setdefault((agent, e.version), e.t)
+        elif isinstance(e, MicroBatchTrained):
+            stats.samples_trained += e.n
+            stats.micro_batches += 1
+        elif isinstance(e, OptimizerStep):
+            stats.optimizer_steps += 1
+            stats.version = max(stats.version, e.version)
+            start = iteration_start.pop((agent, e.version), e.t)
+            stats.spans.append(Span(start, e.t, ITERATION, f"train -> v{e.version}",
+                                    {"samples": e.samples, "trainer": e.trainer}))
+        elif isinstance(e, GroupComplete):
+            stats.rewards.extend(e.rewards)
+        elif isinstance(e, WeightSyncStarted):
+            sync_start[(agent, e.version)] = e.t
+        elif isinstance(e, WeightSyncFinished):
+            start = sync_start.pop((agent, e.version), e.t - e.seconds)
+            stats.spans.append(Span(start, e.t, SYNC, f"sync v{e.version}", {"bytes": e.nbytes}))
+    return agents
+
+
+def _accounting(events: list[Event], run: RunStarted | None):
+    """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
+    so that every way of breaking exactly-once also breaks generated = trained + dropped
+    + in flight; the error then says which way it broke."""
+    owner: dict[str, str] = {}  # sample -> agent whose group opened it
+    made_by: dict[str, int] = {}  # sample -> oldest policy version that generated it
+    trained: collections.Counter = collections.Counter()
+    dropped: collections.Counter = collections.Counter()
+    trained_by: dict[str, str] = {}
+    dropped_by: dict[str, str] = {}
+    staleness: dict[str, collections.Counter] = {}
+    errors: list[str] = []
+    stale: collections.Counter = collections.Counter()
+    for e in events:
+        if isinstance(e, GroupOpened):
+            for sid in e.sample_ids:
+                if sid in owner:
+                    errors.append(f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})")
+                owner.setdefault(sid, e.agent)
+        elif isinstance(e, RequestsCompleted):
+            for sid, v in zip(e.sample_ids, e.versions):
+                made_by[sid] = min(v, made_by.get(sid, v))
+        elif isinstance(e, MicroBatchFormed):
+            if len(e.min_versions) != len(e.sample_ids):
+                errors.append(f"agent {e.agent!r}: micro-batch at seq {e.seq} has {len(e.sample_ids)} "
+                              f"samples but {len(e.min_versions)} versions")
+            hist = staleness.setdefault(e.agent, collections.Counter())
+            for sid, v in zip(e.sample_ids, e.min_versions):
+                trained[sid] += 1
+                trained_by[sid] = e.agent
+                made_by.setdefault(sid, v)
+                lag = e.version - 1 - v
+                hist[lag] += 1
+                if lag < 0 or (run is not None and lag > run.max_staleness):
+                    stale[e.agent] += 1
+        elif isinstance(e, SamplesDropped):
+            for sid in e.sample_ids:
+                dropped[sid] += 1
+                dropped_by[sid] = e.agent
+
+    rows: dict[tuple[str, int | None], AccountRow] = {}
+
+    def row(agent: str, sid: str) -> AccountRow:
+        key = (agent, made_by.get(sid))
+        return rows.setdefault(key, AccountRow(*key))
+
+    for sid, agent in owner.items():
+        row(agent, sid).generated += 1
+        if not trained[sid] and not dropped[sid]:
+            row(agent, sid).in_flight += 1
+    for sid, n in trained.items():
+        row(owner.get(sid, trained_by[sid]), sid).trained += n
+    for sid, n in dropped.items():
+        row(owner.get(sid, dropped_by[sid]), sid).dropped += n
+
+    totals: dict[str, AccountRow] = {}
+    for r in rows.values():
+        t = totals.setdefault(r.agent, AccountRow(r.agent, None, total=True))
+        t.generated += r.generated
+        t.trained += r.trained
+        t.dropped += r.dropped
+        t.in_flight += r.in_flight
+    for agent, t in sorted(totals.items()):
+        why = _why_unreconciled(agent, owner, trained, dropped, trained_by, dropped_by)
+        if not t.reconciles or why:
+            errors.append(f"agent {agent!r}: samples do not reconcile: generated {t.generated} != "
+                          f"trained {t.trained} + dropped {t.dropped} + in flight {t.in_flight}"
+                          + (f" ({'; '.join(why)})" if why else ""))
+    for agent, n in sorted(stale.items()):
+        bound = run.max_staleness if run else "?"
+        errors.append(f"agent {agent!r}: {n} trained sample(s) outside the staleness bound "
+                      f"0 <= lag <= {bound} (see the staleness histogram)")
+    ordered = sorted(rows.values(), key=lambda r: (r.agent, r.version is None, r.version or 0))
+    ordered += [t for _, t in sorted(totals.items())]
+    return ordered, staleness, errors
+
+
+def _why_unreconciled(agent, owner, trained, dropped, trained_by, dropped_by) -> list[str]:
+    def mine(sid, by):
+        return owner.get(sid, by.get(sid)) == agent
+
+    checks = [
+        ("trained twice", [s for s, n in trained.items() if n > 1 and mine(s, trained_by)]),
+        ("trained and dropped", [s for s in trained if dropped[s] and mine(s, trained_by)]),
+        ("dropped twice", [s for s, n in dropped.items() if n > 1 and mine(s, dropped_by)]),
+        ("trained without being generated", [s for s in trained if s not in owner
+                                             and trained_by[s] == agent]),
+        ("dropped without being generated", [s for s in dropped if s not in owner
+                                             and dropped_by[s] == agent]),
+        ("trained by another agent", [s for s in trained if owner.get(s) == agent
+                                      and trained_by[s] != agent]),
+    ]
+    return [f"{len(ids)} sample(s) {what}, e.g. {', '.join(sorted(ids)[:3])}"
+            for what, ids in checks if ids]
+
+
+# ---------------------------------------------------------------- text
+
+
+def format_summary(s: Summary) -> str:
+    head = f"run: {s.wall_s:.1f} s, {s.events} events"
+    if s.run:
+        head += (f", mode {s.run.mode}, max_staleness {s.run.max_staleness}, seed {s.run.seed}, "
+                 f"agents {', '.join(s.run.agents)}")
+    out = [head]
+    out.append(_table(["worker", "role", "busy s", "idle s", "util"],
+                      [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}"]
+                       for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
+    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward"],
+                      [[a.agent, a.samples_trained,
+                        f"{a.samples_trained / s.wall_s:.2f}" if s.wall_s > 0 else "-",
+                        a.micro_batches, a.optimizer_steps, a.version,
+                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-"]
+                       for a in s.agents.values()]))
+    lags = sorted({lag for h in s.staleness.values() for lag in h})
+    if lags:
+        out.append("staleness: trained samples per lag (policy versions behind the trainer)\n" + _table(
+            ["agent"] + [f"lag {lag}" for lag in lags],
+            [[a] + [h.get(lag, 0) for lag in lags] for a, h in sorted(s.staleness.items())]))
+    rows = sorted(s.accounting, key=lambda r: (r.agent, r.total))  # stable: versions, then total
+    out.append("sample accounting: generated = trained + dropped + in flight\n" + _table(
+        ["agent", "version", "generated", "trained", "dropped", "in flight", ""],
+        [[r.agent, "total" if r.total else "-" if r.version is None else r.version,
+          r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
+         for r in rows]))
+    return "\n\n".join(out)
+
+
+def _table(headers: list[str], rows: list[list], left: int = 1) -> str:
+    """Plain text columns: the first `left` columns left-aligned, the rest right-aligned."""
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# ---------------------------------------------------------------- trace and plot
+
+
+def trace_json(s: Summary) -> dict:
+    """Chrome trace-event JSON (Perfetto opens it): a process per role, a thread per worker
+    and per agent, "X" complete events in microseconds since the run started."""
+    groups = {"rollout": (1, "rollout workers"), "trainer": (2, "trainer workers")}
+    agents_pid, other_pid = 3, 4
+    events: list[dict] = []
+    named: set[int] = set()
+
+    def meta(name: str, pid: int, tid: int, args: dict) -> None:
+        events.append({"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args})
+
+    def track(pid: int, pname: str, tid: int, tname: str) -> None:
+        if pid not in named:
+            named.add(pid)
+            meta("process_name", pid, 0, {"name": pname})
+        meta("thread_name", pid, tid, {"name": tname})
+        meta("thread_sort_index", pid, tid, {"sort_index": tid})
+
+    def spans(pid: int, tid: int, spans: list[Span]) -> None:
+        for sp in spans:
+            events.append({"ph": "X", "name": sp.name, "cat": sp.kind, "pid": pid, "tid": tid,
+                           "ts": _us(sp.start - s.t_start), "dur": _us(sp.end - sp.start),
+                           "args": sp.args})
+
+    for tid, w in enumerate(sorted(s.workers.values(), key=lambda w: (w.role, w.worker)), start=1):
+        pid, pname = groups.get(w.role, (other_pid, "workers"))
+        track(pid, pname, tid, w.worker)
+        # Overlapping requests would not nest on one track; merge them into busy stretches.
+        generating = [sp for sp in w.spans if sp.kind == GENERATE]
+        spans(pid, tid, _merge_requests(generating) + [sp for sp in w.spans if sp.kind != GENERATE])
+    for tid, a in enumerate(s.agents.values(), start=1):
+        track(agents_pid, "agents", tid, a.agent)
+        spans(agents_pid, tid, a.spans)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+def _merge_requests(spans: list[Span]) -> list[Span]:
+    merged: list[Span] = []
+    for sp in sorted(spans, key=lambda sp: sp.start):
+        if merged and sp.start <= merged[-1].end:
+            m = merged[-1]
+            m.end = max(m.end, sp.end)
+            m.args["requests"] += 1
+            m.args["samples"] += sp.args["samples"]
+            m.name = "generate"
+        else:
+            merged.append(Span(sp.start, sp.end, GENERATE, sp.name,
+                               {"requests": 1, "samples": sp.args["samples"]}))
+    return merged
+
+
+def write_trace(s: Summary, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(trace_json(s)))
+
+
+def write_plot(s: Summary, path: str | Path) -> None:
+    """A PNG: busy spans per worker over time (left) and utilization per worker (right)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = {GENERATE: "tab:blue", TRAIN: "tab:orange", SYNC: "tab:green"}
+    workers = sorted(s.workers.values(), key=lambda w: (w.role, w.worker))
+    fig, (ax, ax_util) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * max(1, len(workers))),
+                                      gridspec_kw={"width_ratios": [4, 1]}, sharey=True)
+    for row, w in enumerate(workers):
+        for kind, color in colors.items():
+            busy = _union([sp for sp in w.spans if sp.kind == kind], w.start, w.end)
+            bars = [(a - s.t_start, b - a) for a, b in busy]
+            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, label=kind if row == 0 else None)
+        ax.hlines(row, w.start - s.t_start, w.end - s.t_start, colors="lightgrey", linewidth=0.5,
+                  zorder=0)  # the worker's lifetime, so idle stretches show
+    ax.set_yticks(range(len(workers)), [f"{w.worker} ({w.role})" for w in workers])
+    ax.set_xlabel("seconds since the run started")
+    ax.set_title("busy spans per worker", loc="left")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(colors), fontsize="small",
+              frameon=False)
+    ax.invert_yaxis()
+    util = [100 * w.utilization for w in workers]
+    ax_util.barh(range(len(workers)), util, color="tab:grey")
+    for row, u in enumerate(util):
+        ax_util.text(min(u, 75) + 2, row, f"{u:.0f}%", va="center", fontsize="small")
+    ax_util.set_xlim(0, 100)
+    ax_util.set_xlabel("busy %")
+    ax_util.set_title("utilization")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The union of the spans' intervals, clipped to [lo, hi], as sorted disjoint pairs."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((max(sp.start, lo), min(sp.end, hi)) for sp in spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+# ---------------------------------------------------------------- check
+
+
+class CheckUnavailable(Exception):
+    """The decision code cannot be re-driven yet (no ``decisions.redrive``)."""
+
+
+def check(events: list[Event]) -> str | None:
+    """Re-drives the controller's decision code from the logged inputs; returns a message
+    naming the first decision that differs from the log, or None when all agree.
+
+    Contract with ``flexmarl.controller.decisions``: ``redrive(events)`` returns the
+    decision events (seq and t are ignored) the code makes for these inputs, in order;
+    an optional ``REDRIVEN_TYPES`` says which event types it re-derives (default: every
+    type in ``events.DECISION_TYPES``), so it can grow one decision at a time.
+    """
+    try:
+        decisions = importlib.import_module("flexmarl.controller.decisions")
+    except ModuleNotFoundError as exc:
+        if exc.name != "flexmarl.controller.decisions":
+            raise
+        raise CheckUnavailable("there is no flexmarl.controller.decisions module") from None
+    redrive = getattr(decisions, "redrive", None)
+    if redrive is None:
+        raise CheckUnavailable("flexmarl.controller.decisions has no redrive(events) yet")
+    types = tuple(getattr(decisions, "REDRIVEN_TYPES", DECISION_TYPES))
+    logged = [e for e in events if isinstance(e, types)]
+    again = list(redrive(events))
+    for i, (a, b) in enumerate(zip(logged, again)):
+        if without_stamp(a) != without_stamp(b):
+            return (f"decision {i} differs: the log has (seq {a.seq}, t {a.t:.3f} s) {without_stamp(a)}; "
+                    f"re-driving made {without_stamp(b)}")
+    if len(logged) != len(again):
+        n = min(len(logged), len(again))
+        extra = without_stamp(logged[n]) if len(logged) > n else without_stamp(again[n])
+        return (f"the log has {len(logged)} decisions, re-driving made {len(again)}; "
+                f"first unmatched: {extra}")
+    return None
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit codes: 0 fine, 1 the log is unreadable or inconsistent or the check found a
+    difference, 2 the check was asked for but cannot run yet."""
+    try:
+        events, problem = read_events(args.log)
+    except (OSError, EventLogVersionError) as exc:
+        print(f"flexmarl replay: {exc}", file=sys.stderr)
+        return 1
+    if problem:
+        # Expected after a crash (a torn last frame); everything before it is intact.
+        print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
+    summary = summarize(events)
+    print(format_summary(summary))
+    if getattr(args, "trace", None):
+        write_trace(summary, args.trace)
+        print(f"\ntrace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    if getattr(args, "plot", None):
+        write_plot(summary, args.plot)
+        print(f"plot written to {args.plot}")
+    code = 0
+    for error in summary.errors:
+        print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
+        code = 1
+    if getattr(args, "check", False):
+        try:
+            diff = check(events)
+        except CheckUnavailable as exc:
+            print(f"check unavailable: {exc}", file=sys.stderr)
+            return code or 2
+        if diff is None:
+            print("check: re-driving the decision code reproduces every logged decision")
+        else:
+            print(f"CHECK FAILED: {diff}", file=sys.stderr)
+            code = 1
+    return code

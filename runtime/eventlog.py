@@ -1,0 +1,375 @@
+"""The event log on disk: an append-only writer for the controller's event loop, and a reader.
+
+File format (all integers little-endian u32)::
+
+    header   b"FLXEVLOG" + format version
+    frame    [length][msgpack body of one event][crc32 of length bytes + body]
+    frame    ...
+
+When a segment would pass ``max_bytes_per_segment`` the writer continues in ``events.log.1``,
+``events.log.2``, ... (each with its own header); the reader reads the base path and then
+every numbered segment in order. A frame never straddles two segments.
+
+Writing: ``emit`` is synchronous and cheap (stamp, encode, append to a memory buffer), so
+the controller can log a transition right before acting on it without awaiting. The disk
+is touched only by ``run()`` (a background task the controller owns) and ``flush()``, both
+through ``asyncio.to_thread``, one write at a time and in emit order. A write error is
+fatal: a run whose log has holes can be neither replayed nor audited, so ``run()``,
+``flush()`` and later ``emit`` calls raise ``EventLogError`` instead of dropping events.
+
+Reading: ``read_events`` returns every event up to the first damage (a torn tail after a
+crash, a flipped bit) plus a message naming the file, byte offset and reason.
+
+This module knows the framing, not what events mean; event types live in ``events``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import msgspec
+
+from .events import EVENT_NAMES, FORMAT_VERSION, AnyEvent, Event
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"FLXEVLOG"
+_HEADER = struct.Struct("<8sI")
+_U32 = struct.Struct("<I")
+HEADER_BYTES = _HEADER.size
+FRAME_OVERHEAD = 2 * _U32.size
+# No event comes near this; a larger length field means the frame is damaged, and
+# refusing it keeps a flipped bit from making the reader allocate gigabytes.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class EventLogError(Exception):
+    """The event log cannot be written. Fatal for the run: events would be lost."""
+
+
+class EventLogVersionError(Exception):
+    """The log was written in a newer format than this FlexMARL can read."""
+
+
+def segment_path(path: str | Path, index: int) -> Path:
+    path = Path(path)
+    return path if index == 0 else path.with_name(f"{path.name}.{index}")
+
+
+def segment_paths(path: str | Path) -> list[Path]:
+    """The base log and its numbered segments, in order, up to the first missing one."""
+    paths, index = [], 0
+    while segment_path(path, index).exists():
+        paths.append(segment_path(path, index))
+        index += 1
+    return paths
+
+
+def encode_frame(body: bytes) -> bytes:
+    length = _U32.pack(len(body))
+    return length + body + _U32.pack(zlib.crc32(body, zlib.crc32(length)))
+
+
+# ---------------------------------------------------------------- writer
+
+
+class EventLog:
+    """Append-only event log writer. Use from one event loop::
+
+        log = EventLog(run_dir / "events.log")
+        writer = asyncio.create_task(log.run(), name="event-log")
+        log.emit(RunStarted(...))      # sync; stamps seq and t
+        await log.flush()              # on disk and fsynced (every optimizer step)
+        await log.close()              # flushes; run() then returns
+
+    Buffering: emit never waits, so the buffer is bounded by failing instead:
+    past ``max_buffered_bytes`` not yet written (the disk stalls, or nobody runs ``run()``)
+    emit raises EventLogError.
+
+    An existing log at ``path`` (and its numbered segments) is replaced when the first
+    write happens, so a reused run directory never mixes two runs in one log.
+    """
+
+    def __init__(self, path: str | Path, *, max_bytes_per_segment: int = 64 * 1024 * 1024,
+                 max_buffered_bytes: int = 256 * 1024 * 1024,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_bytes_per_segment <= HEADER_BYTES:
+            raise ValueError(f"max_bytes_per_segment must exceed the {HEADER_BYTES}-byte header")
+        self.path = Path(path)
+        self.max_bytes_per_segment = max_bytes_per_segment
+        self.max_buffered_bytes = max_buffered_bytes
+        self._clock = clock
+        self._t0 = clock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._seq = 0
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._wake = asyncio.Event()
+        self._disk = asyncio.Lock()  # one write at a time keeps frames in emit order
+        self._inflight: asyncio.Future | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        # Touched only inside the writer thread (under _thread_lock):
+        self._thread_lock = threading.Lock()
+        self._file: BinaryIO | None = None
+        self._segment = 0
+        self._segment_bytes = 0
+        self._dir_dirty = False
+        self.segments_written = 0
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def emit(self, event: Event) -> Event:
+        """Stamps ``event`` with the next ``seq`` and the time, buffers it, returns it."""
+        if self._error is not None:
+            raise self._failed()
+        if self._closed:
+            raise EventLogError(f"event log {self.path} is closed; {type(event).__name__} not logged")
+        event.seq = self._seq
+        event.t = self._clock() - self._t0
+        frame = encode_frame(self._encoder.encode(event))
+        self._seq += 1
+        self._pending.append(frame)
+        self._pending_bytes += len(frame)
+        self._wake.set()
+        if self._pending_bytes > self.max_buffered_bytes:
+            raise EventLogError(
+                f"event log {self.path}: {self._pending_bytes} bytes emitted but not written; "
+                f"the disk is stalled or the log's run() task is not running")
+        return event
+
+    async def run(self) -> None:
+        """Writes buffered events as they come. Returns after ``close()``; raises
+        EventLogError when a write fails (the caller should stop the run)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._error is not None:
+                raise self._failed()
+            if self._closed:
+                return
+            await self._drain(fsync=False)
+
+    async def flush(self) -> None:
+        """Everything emitted so far is written and fsynced when this returns."""
+        await self._drain(fsync=True)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._drain(fsync=True)  # also leaves a header-only log when nothing was emitted
+        finally:
+            async with self._disk:
+                await asyncio.to_thread(self._close_file)
+            self._wake.set()  # lets run() return
+
+    async def _drain(self, fsync: bool) -> None:
+        async with self._disk:
+            # A write whose awaiting task was cancelled goes on in its thread; wait for it
+            # so frames still reach the file in emit order.
+            if self._inflight is not None and not self._inflight.done():
+                await asyncio.wait([self._inflight])
+            if self._error is not None:
+                raise self._failed()
+            frames, self._pending, self._pending_bytes = self._pending, [], 0
+            if not frames and not fsync:
+                return
+            self._inflight = asyncio.ensure_future(asyncio.to_thread(self._write, frames, fsync))
+            self._inflight.add_done_callback(self._note_failure)
+            await asyncio.shield(self._inflight)
+
+    def _failed(self) -> EventLogError:
+        error = EventLogError(f"event log {self.path} failed earlier: {self._error}")
+        error.__cause__ = self._error
+        return error
+
+    def _note_failure(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._error = fut.exception()
+            self._wake.set()  # run() raises even when flush() was the one that failed
+
+    # -- everything below runs in the writer thread
+
+    def _write(self, frames: list[bytes], fsync: bool) -> None:
+        with self._thread_lock:
+            current = segment_path(self.path, self._segment)
+            try:
+                if self._file is None:
+                    self._start()
+                for frame in frames:
+                    if (self._segment_bytes + len(frame) > self.max_bytes_per_segment
+                            and self._segment_bytes > HEADER_BYTES):
+                        self._rotate()
+                        current = segment_path(self.path, self._segment)
+                    self._file.write(frame)
+                    self._segment_bytes += len(frame)
+                self._file.flush()  # in the OS after every batch: survives a controller crash
+                if fsync:
+                    os.fsync(self._file.fileno())
+                    self._sync_dir()
+            except OSError as exc:
+                raise EventLogError(
+                    f"cannot write the event log {current}: {exc.strerror or exc}; "
+                    f"the run stops since it could not be replayed (free disk space?)") from exc
+
+    def _start(self) -> None:
+        stale = segment_paths(self.path)
+        for old in reversed(stale[1:]):
+            old.unlink()
+        if stale:
+            log.warning("replacing the existing event log %s (%d segments)", self.path, len(stale))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._open_segment(0)
+
+    def _open_segment(self, index: int) -> None:
+        self._segment = index
+        self._file = open(segment_path(self.path, index), "wb")
+        self._file.write(_HEADER.pack(MAGIC, FORMAT_VERSION))
+        self._segment_bytes = HEADER_BYTES
+        self.segments_written = index + 1
+        self._dir_dirty = True
+
+    def _rotate(self) -> None:
+        # The finished segment is made durable before the next exists, so a reader never
+        # finds a segment N+1 after a segment N that lost its tail.
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._open_segment(self._segment + 1)
+
+    def _sync_dir(self) -> None:
+        if not self._dir_dirty or os.name != "posix":
+            return
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._dir_dirty = False
+
+    def _close_file(self) -> None:
+        with self._thread_lock:
+            f, self._file = self._file, None
+            if f is None:
+                return
+            try:
+                f.close()
+            except OSError as exc:
+                # After a failed write the buffer still holds what could not be written;
+                # that failure was reported already.
+                if self._error is None:
+                    raise EventLogError(f"cannot close the event log {f.name}: {exc}") from exc
+
+
+# ---------------------------------------------------------------- reader
+
+
+def read_events(path: str | Path) -> tuple[list[Event], str | None]:
+    """All events of the log at ``path`` (base file and numbered segments), in order.
+
+    Stops at the first damage and says where in the second element (None when the log
+    is whole). Events of kinds this version does not know are skipped and mentioned.
+    Raises FileNotFoundError when there is no log, EventLogVersionError when it was
+    written by a newer FlexMARL.
+    """
+    paths = segment_paths(path)
+    if not paths:
+        raise FileNotFoundError(f"no event log at {path}")
+    reader = _SegmentReader()
+    for seg in paths:
+        problem = reader.read(seg)
+        if problem is not None:
+            return reader.events, reader.with_skipped_note(problem)
+    return reader.events, reader.with_skipped_note(None)
+
+
+class _SegmentReader:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.decoder = msgspec.msgpack.Decoder(AnyEvent)
+        self.next_seq = 0
+        self.skipped: dict[str, int] = {}
+
+    def with_skipped_note(self, problem: str | None) -> str | None:
+        if not self.skipped:
+            return problem
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(self.skipped.items()))
+        note = f"skipped events of kinds this FlexMARL does not know ({kinds}); upgrade to see them"
+        return note if problem is None else f"{problem}; {note}"
+
+    def read(self, seg: Path) -> str | None:
+        data = memoryview(seg.read_bytes())
+        where = f"{seg}: byte offset"
+        if len(data) < HEADER_BYTES:
+            return f"{where} 0: header truncated ({len(data)} of {HEADER_BYTES} bytes)"
+        magic, version = _HEADER.unpack_from(data, 0)
+        if magic != MAGIC:
+            return f"{where} 0: not a FlexMARL event log (magic bytes {bytes(magic)!r})"
+        if version > FORMAT_VERSION:
+            raise EventLogVersionError(
+                f"{seg} was written by a newer FlexMARL (format {version}); upgrade to read it "
+                f"(this one reads formats up to {FORMAT_VERSION})")
+        if version < 1:
+            return f"{where} 8: unknown format version {version}"
+        off = HEADER_BYTES
+        while off < len(data):
+            problem = self._read_frame(data, off)
+            if isinstance(problem, str):
+                return f"{where} {off}: {problem}; {len(self.events)} events read before it"
+            off = problem
+        return None
+
+    def _read_frame(self, data: memoryview, off: int) -> int | str:
+        """The offset of the next frame, or why the frame at ``off`` is damaged."""
+        left = len(data) - off
+        if left < _U32.size:
+            return f"truncated frame: {left} bytes where a frame length belongs"
+        (length,) = _U32.unpack_from(data, off)
+        if length > MAX_FRAME_BYTES:
+            return f"damaged frame: implausible length {length}"
+        end = off + _U32.size + length + _U32.size
+        if end > len(data):
+            return f"truncated frame: needs {end - off} bytes, the file ends after {left}"
+        body = data[off + _U32.size:end - _U32.size]
+        (crc,) = _U32.unpack_from(data, end - _U32.size)
+        if zlib.crc32(body, zlib.crc32(data[off:off + _U32.size])) != crc:
+            return "damaged frame: checksum mismatch"
+        try:
+            event = self.decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            unknown = _unknown_kind(body)
+            if unknown is None:
+                return f"undecodable event body: {exc}"
+            kind, seq = unknown
+            self.skipped[kind] = self.skipped.get(kind, 0) + 1
+            self.next_seq = seq + 1
+            return end
+        if event.seq != self.next_seq:
+            return f"sequence gap: expected seq {self.next_seq}, found {event.seq}"
+        self.next_seq += 1
+        self.events.append(event)
+        return end
+
+
+def _unknown_kind(body: memoryview) -> tuple[str, int] | None:
+    """(kind, seq) when ``body`` is a well-formed event of a kind added after this version."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if (isinstance(raw, dict) and isinstance(raw.get("event"), str)
+            and raw["event"] not in EVENT_NAMES and isinstance(raw.get("seq"), int)):
+        return raw["event"], raw["seq"]
+    return None

@@ -1,0 +1,170 @@
+"""Event types of the run's event log: every state transition the controller acts on, declared once.
+
+Each event is a msgspec Struct in one tagged union: encoded, the ``event`` field holds the
+class name, so a decoder picks the type from the body alone. Every event carries ``seq``
+(0, 1, 2, ... in log order) and ``t`` (monotonic seconds since the run started); the log
+writer stamps both, so code that emits an event never sets them.
+
+To add an event type, declare another subclass of ``Event`` below: ``EVENT_TYPES`` collects
+every subclass, and readers skip types they do not know. Adding fields with defaults to an
+existing type is compatible too. Anything a reader of the current ``FORMAT_VERSION`` would
+misread (renaming or retyping a field, changing the framing) bumps ``FORMAT_VERSION``.
+
+This module knows nothing about files, the controller or workers: it is plain data.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+# Version of the log format (framing and event schemas). Readers refuse newer logs.
+FORMAT_VERSION = 1
+
+
+class Event(msgspec.Struct, tag_field="event", tag=True, kw_only=True):
+    """Base of every event. ``seq`` and ``t`` are keyword-only and set by the log writer."""
+
+    seq: int = -1
+    t: float = 0.0
+
+
+# ---------------------------------------------------------------- run and workers
+
+
+class RunStarted(Event):
+    config_toml: str  # the resolved config, so a log is self-describing
+    agents: list[str]
+    mode: str  # "sync" | "async"
+    max_staleness: int
+    seed: int
+
+
+class WorkerJoined(Event):
+    worker: str
+    role: str  # "rollout" | "trainer"
+    host: str
+    pid: int
+
+
+class WorkerDied(Event):
+    worker: str
+    why: str
+
+
+class RunFinished(Event):
+    steps: int
+    wall_s: float
+
+
+# ---------------------------------------------------------------- rollout
+
+
+class RequestsDispatched(Event):
+    # One GENERATE batch sent to a rollout instance (the router's decision).
+    worker: str
+    agent: str
+    request_id: int
+    sample_ids: list[str]
+    tokens: int  # prompt tokens sent
+
+
+class RequestsCompleted(Event):
+    # A GENERATED reply: these samples got outputs.
+    worker: str
+    agent: str
+    request_id: int
+    sample_ids: list[str]
+    versions: list[int]  # per sample: the policy version that generated it
+    tokens: int  # output tokens received
+
+
+class GroupOpened(Event):
+    # The n samples of one prompt exist from here on (this is what "generated" counts).
+    agent: str
+    group_id: str
+    sample_ids: list[str]
+    tag: int  # the global batch (iteration) that started it
+
+
+class GroupComplete(Event):
+    # Every member has output and reward: the group is trainable.
+    agent: str
+    group_id: str
+    rewards: list[float]
+
+
+class SamplesDropped(Event):
+    # Samples that will never train (too stale, failed, abandoned at shutdown).
+    agent: str
+    sample_ids: list[str]
+    why: str
+
+
+# ---------------------------------------------------------------- training
+
+
+class MicroBatchFormed(Event):
+    # The pipeline's decision: these samples train `agent` into policy `version`.
+    agent: str
+    trainer: str
+    version: int  # the version the optimizer step after this micro-batch produces
+    sample_ids: list[str]
+    min_versions: list[int]  # per sample: the oldest policy version in any of its turns
+
+
+class MicroBatchTrained(Event):
+    # A trainer finished forward/backward of one micro-batch; ``t`` is when it finished.
+    agent: str
+    trainer: str
+    version: int
+    n: int  # samples in the micro-batch
+    seconds: float  # trainer-side duration
+
+
+class OptimizerStep(Event):
+    agent: str
+    trainer: str
+    version: int  # the version the step produced
+    samples: int
+
+
+class WeightSyncStarted(Event):
+    agent: str
+    version: int
+    targets: list[str]  # rollout workers that load the new weights
+
+
+class WeightSyncFinished(Event):
+    agent: str
+    version: int
+    seconds: float
+    nbytes: int
+
+
+class AllocationChanged(Event):
+    # Which workers serve `agent` from now on (the router's or allocator's decision).
+    kind: str  # "rollout" | "trainer"
+    agent: str
+    workers: list[str]
+    why: str
+
+
+# Every event type, in declaration order; a new subclass above is picked up here.
+EVENT_TYPES: tuple[type[Event], ...] = tuple(Event.__subclasses__())
+EVENT_NAMES: frozenset[str] = frozenset(cls.__name__ for cls in EVENT_TYPES)
+AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]
+
+# Events that record a decision of the controller (rather than a report from a worker);
+# `flexmarl replay --check` re-drives the decision code and compares these.
+DECISION_TYPES: tuple[type[Event], ...] = (
+    RequestsDispatched, MicroBatchFormed, SamplesDropped, WeightSyncStarted, AllocationChanged)
+
+
+def without_stamp(event: Event) -> dict:
+    """The event as a dict without ``seq`` and ``t``: what two runs of the same decision
+    code must agree on (times and positions in the log differ between runs)."""
+    fields = msgspec.structs.asdict(event)
+    del fields["seq"], fields["t"]
+    return {"event": type(event).__name__, **fields}

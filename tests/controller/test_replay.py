@@ -1,0 +1,223 @@
+import argparse
+import json
+import sys
+import types
+
+import pytest
+
+from flexmarl.controller import replay
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.eventlog import EventLog
+
+
+def synthetic_run():
+    """A small consistent two-agent run, with times chosen so busy spans are easy to sum.
+
+    r0 serves agent a: two overlapping requests busy 1..4, then loads a's weights 8..9.
+    r1 serves agent b: one request busy 1..5. t0 trains a 6..8, publishes a 8..9,
+    trains b 9..10. b: 2 trained, 1 dropped, 1 still in flight. The run ends at 12.
+    """
+    a = [f"a{i}" for i in range(4)]
+    b = [f"b{i}" for i in range(4)]
+    script = [
+        (0, ev.RunStarted("", ["a", "b"], "async", 1, 0)),
+        (0, ev.WorkerJoined("r0", "rollout", "h", 1)),
+        (0, ev.WorkerJoined("r1", "rollout", "h", 2)),
+        (0, ev.WorkerJoined("t0", "trainer", "h", 3)),
+        (0, ev.AllocationChanged("rollout", "a", ["r0"], "start")),
+        (0, ev.AllocationChanged("rollout", "b", ["r1"], "start")),
+        (0.5, ev.GroupOpened("a", "ga", a, 1)),
+        (0.5, ev.GroupOpened("b", "gb", b, 1)),
+        (1, ev.RequestsDispatched("r0", "a", 1, a[:2], 10)),
+        (1, ev.RequestsDispatched("r1", "b", 2, b, 20)),
+        (1.5, ev.RequestsDispatched("r0", "a", 3, a[2:], 10)),
+        (3, ev.RequestsCompleted("r0", "a", 1, a[:2], [0, 0], 5)),
+        (4, ev.RequestsCompleted("r0", "a", 3, a[2:], [0, 0], 5)),
+        (4, ev.GroupComplete("a", "ga", [1.0, 0.0, 1.0, 0.0])),
+        (5, ev.RequestsCompleted("r1", "b", 2, b, [0, 0, 0, 0], 9)),
+        (5, ev.GroupComplete("b", "gb", [1.0, 1.0, 0.0, 0.0])),
+        (6, ev.MicroBatchFormed("a", "t0", 1, a, [0, 0, 0, 0])),
+        (8, ev.MicroBatchTrained("a", "t0", 1, 4, 2.0)),
+        (8, ev.OptimizerStep("a", "t0", 1, 4)),
+        (8, ev.WeightSyncStarted("a", 1, ["r0"])),
+        (9, ev.WeightSyncFinished("a", 1, 1.0, 1000)),
+        (9, ev.MicroBatchFormed("b", "t0", 1, b[:2], [0, 0])),
+        (9.5, ev.SamplesDropped("b", [b[2]], "too stale")),
+        (10, ev.MicroBatchTrained("b", "t0", 1, 2, 1.0)),
+        (10, ev.OptimizerStep("b", "t0", 1, 2)),
+        (12, ev.RunFinished(1, 12.0)),
+    ]
+    for seq, (t, e) in enumerate(script):
+        e.seq, e.t = seq, float(t)
+    return [e for _, e in script]
+
+
+def stamped(events, *extra):
+    """`events` plus `extra` appended at the end of the log (before nothing else)."""
+    out = list(events)
+    for e in extra:
+        e.seq, e.t = len(out), out[-1].t
+        out.append(e)
+    return out
+
+
+async def write_log(path, events):
+    """Writes `events` through the real writer, keeping their times."""
+    clock = {"now": 0.0}
+    log = EventLog(path, clock=lambda: clock["now"])
+    for e in events:
+        clock["now"] = e.t
+        log.emit(e)
+    await log.close()
+    return path
+
+
+def args(log, **kw):
+    return argparse.Namespace(log=str(log), trace=kw.get("trace"), plot=kw.get("plot"),
+                              check=kw.get("check", False))
+
+
+def test_workers_are_busy_while_requests_are_outstanding_while_training_and_while_syncing():
+    s = replay.summarize(synthetic_run())
+    assert s.wall_s == 12
+    r0, r1, t0 = s.workers["r0"], s.workers["r1"], s.workers["t0"]
+    assert (r0.busy_s, r0.idle_s) == (4.0, 8.0)  # 1..4 (overlapping requests count once) + 8..9
+    assert (r1.busy_s, r1.idle_s) == (4.0, 8.0)
+    assert (t0.busy_s, t0.idle_s) == (4.0, 8.0)  # 6..8 train a, 8..9 publish a, 9..10 train b
+    assert r0.utilization == pytest.approx(1 / 3)
+
+
+def test_per_agent_throughput_and_staleness_histogram_come_from_training_events():
+    s = replay.summarize(synthetic_run())
+    a, b = s.agents["a"], s.agents["b"]
+    assert (a.samples_trained, a.optimizer_steps, a.version) == (4, 1, 1)
+    assert (b.samples_trained, b.micro_batches) == (2, 1)
+    assert s.staleness == {"a": {0: 4}, "b": {0: 2}}
+
+
+def test_accounting_reconciles_on_a_consistent_log():
+    s = replay.summarize(synthetic_run())
+    assert s.errors == []
+    totals = {r.agent: r for r in s.accounting if r.total}
+    assert (totals["a"].generated, totals["a"].trained, totals["a"].dropped, totals["a"].in_flight) == (4, 4, 0, 0)
+    assert (totals["b"].generated, totals["b"].trained, totals["b"].dropped, totals["b"].in_flight) == (4, 2, 1, 1)
+    per_version = [(r.agent, r.version, r.generated) for r in s.accounting if not r.total]
+    assert per_version == [("a", 0, 4), ("b", 0, 4)]
+
+
+async def test_a_double_trained_sample_fails_loudly_naming_the_agent_and_counts(tmp_path, capsys):
+    events = stamped(synthetic_run(), ev.MicroBatchFormed("a", "t0", 2, ["a1"], [0]))
+    s = replay.summarize(events)
+    assert len(s.errors) == 1
+    assert "agent 'a'" in s.errors[0]
+    assert "generated 4 != trained 5 + dropped 0 + in flight 0" in s.errors[0]
+    assert "1 sample(s) trained twice, e.g. a1" in s.errors[0]
+    log = await write_log(tmp_path / "events.log", events)
+    assert replay.main(args(log)) == 1
+    err = capsys.readouterr().err
+    assert "ACCOUNTING FAILED: agent 'a'" in err and "trained twice" in err
+
+
+@pytest.mark.parametrize("extra, why", [
+    (ev.SamplesDropped("a", ["a2"], "late"), "trained and dropped, e.g. a2"),
+    (ev.MicroBatchFormed("b", "t0", 2, ["zz"], [0]), "trained without being generated, e.g. zz"),
+    (ev.SamplesDropped("b", ["b2", "b2"], "twice"), "dropped twice, e.g. b2"),
+])
+def test_every_way_of_breaking_exactly_once_is_reported(extra, why):
+    s = replay.summarize(stamped(synthetic_run(), extra))
+    assert any(why in e for e in s.errors), s.errors
+
+
+def test_a_sample_past_the_staleness_bound_is_an_error():
+    # max_staleness is 1: b3 generated by version 0 must not train version 3 (lag 2).
+    s = replay.summarize(stamped(synthetic_run(), ev.MicroBatchFormed("b", "t0", 3, ["b3"], [0])))
+    assert s.staleness["b"] == {0: 2, 2: 1}
+    assert any("agent 'b': 1 trained sample(s) outside the staleness bound" in e for e in s.errors)
+
+
+def test_the_summary_prints_as_a_table():
+    text = replay.format_summary(replay.summarize(synthetic_run()))
+    assert "mode async, max_staleness 1" in text
+    assert "sample accounting: generated = trained + dropped + in flight" in text
+    assert "MISMATCH" not in text
+    assert any(line.split()[:2] == ["r0", "rollout"] and line.endswith("33%") for line in text.splitlines())
+
+
+def test_the_trace_json_loads_and_has_one_named_track_per_worker_and_per_agent(tmp_path):
+    path = tmp_path / "trace.json"
+    replay.write_trace(replay.summarize(synthetic_run()), path)
+    with open(path) as f:
+        trace = json.load(f)
+    names = {e["args"]["name"]: (e["pid"], e["tid"]) for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert set(names) == {"r0", "r1", "t0", "a", "b"}
+    assert len(set(names.values())) == 5
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    by_track = {name: [e for e in spans if (e["pid"], e["tid"]) == track] for name, track in names.items()}
+    assert all(by_track.values())
+    r0 = [(e["cat"], e["ts"], e["dur"]) for e in by_track["r0"]]
+    assert ("generate", 1e6, 3e6) in r0 and ("sync", 8e6, 1e6) in r0
+    assert {e["cat"] for e in by_track["t0"]} == {"train", "step", "sync"}
+    assert {e["cat"] for e in by_track["a"]} == {"iteration", "sync"}
+
+
+def test_the_plot_file_is_written_as_a_png(tmp_path):
+    path = tmp_path / "timeline.png"
+    replay.write_plot(replay.summarize(synthetic_run()), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_main_writes_trace_and_plot_and_exits_zero_for_a_consistent_log(tmp_path, capsys):
+    log = await write_log(tmp_path / "events.log", synthetic_run())
+    code = replay.main(args(log, trace=tmp_path / "t.json", plot=tmp_path / "p.png"))
+    assert code == 0
+    assert (tmp_path / "t.json").exists() and (tmp_path / "p.png").exists()
+    assert "sample accounting" in capsys.readouterr().out
+
+
+async def test_main_summarizes_a_damaged_log_up_to_the_damage_and_says_where(tmp_path, capsys):
+    log = await write_log(tmp_path / "events.log", synthetic_run())
+    log.write_bytes(log.read_bytes()[:-2])
+    assert replay.main(args(log)) == 0
+    assert f"then stopped: {log}: byte offset" in capsys.readouterr().err
+
+
+def test_check_is_unavailable_until_decisions_has_redrive(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flexmarl.controller.decisions", types.ModuleType("decisions"))
+    with pytest.raises(replay.CheckUnavailable):
+        replay.check(synthetic_run())
+
+
+async def test_main_exits_2_when_the_check_cannot_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flexmarl.controller.decisions", types.ModuleType("decisions"))
+    log = await write_log(tmp_path / "events.log", synthetic_run())
+    assert replay.main(args(log, check=True)) == 2
+    assert "check unavailable" in capsys.readouterr().err
+
+
+def test_check_reports_the_first_decision_the_redriven_code_makes_differently(monkeypatch):
+    events = synthetic_run()
+    decisions = types.ModuleType("decisions")
+    decisions.REDRIVEN_TYPES = (ev.MicroBatchFormed,)
+    monkeypatch.setitem(sys.modules, "flexmarl.controller.decisions", decisions)
+
+    decisions.redrive = lambda evs: [e for e in evs if isinstance(e, ev.MicroBatchFormed)]
+    assert replay.check(events) is None
+
+    def redrive_differently(evs):
+        formed = [ev.MicroBatchFormed(**{**_fields(e), "sample_ids": list(e.sample_ids)})
+                  for e in evs if isinstance(e, ev.MicroBatchFormed)]
+        formed[1].sample_ids = ["b0", "b3"]
+        return formed
+
+    decisions.redrive = redrive_differently
+    diff = replay.check(events)
+    assert diff.startswith("decision 1 differs: the log has (seq 21, t 9.000 s)")
+    assert "'b3'" in diff
+
+    decisions.redrive = lambda evs: []
+    assert replay.check(events).startswith("the log has 2 decisions, re-driving made 0")
+
+
+def _fields(e):
+    return {f: getattr(e, f) for f in e.__struct_fields__ if f not in ("seq", "t")}

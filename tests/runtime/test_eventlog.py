@@ -1,0 +1,239 @@
+import asyncio
+import os
+import time
+
+import msgspec
+import pytest
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.eventlog import (HEADER_BYTES, MAGIC, EventLog, EventLogError,
+                                       EventLogVersionError, encode_frame, read_events,
+                                       segment_path, segment_paths)
+
+EXAMPLES = [
+    ev.RunStarted("[run]\nseed = 1\n", ["planner", "solver"], "async", 1, 7),
+    ev.WorkerJoined("r0", "rollout", "host", 1234),
+    ev.WorkerDied("r0", "missed 3 heartbeats"),
+    ev.RunFinished(10, 123.5),
+    ev.RequestsDispatched("r0", "solver", 3, ["s1", "s2"], 40),
+    ev.RequestsCompleted("r0", "solver", 3, ["s1", "s2"], [0, 1], 17),
+    ev.GroupOpened("solver", "g1", ["s1", "s2"], 2),
+    ev.GroupComplete("solver", "g1", [1.0, 0.0]),
+    ev.SamplesDropped("solver", ["s3"], "too stale"),
+    ev.MicroBatchFormed("solver", "t0", 2, ["s1", "s2"], [0, 1]),
+    ev.MicroBatchTrained("solver", "t0", 2, 2, 0.25),
+    ev.OptimizerStep("solver", "t0", 2, 64),
+    ev.WeightSyncStarted("solver", 2, ["r0", "r1"]),
+    ev.WeightSyncFinished("solver", 2, 0.5, 1 << 20),
+    ev.AllocationChanged("rollout", "solver", ["r0", "r1"], "load disparity 6.1 > 5"),
+]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        self.now += 0.5
+        return self.now
+
+
+async def write(path, events, **kwargs):
+    log = EventLog(path, **kwargs)
+    for e in events:
+        log.emit(e)
+    await log.close()
+    return log
+
+
+def test_examples_cover_every_event_type():
+    assert {type(e) for e in EXAMPLES} == set(ev.EVENT_TYPES)
+
+
+async def test_every_event_type_survives_a_round_trip_through_the_file(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, EXAMPLES, clock=FakeClock())
+    events, problem = read_events(path)
+    assert problem is None
+    assert events == EXAMPLES
+    assert [e.seq for e in events] == list(range(len(EXAMPLES)))
+    assert [e.t for e in events] == [0.5 * (i + 1) for i in range(len(EXAMPLES))]
+
+
+async def test_rotation_produces_several_segments_and_the_reader_returns_all_events_in_order(tmp_path):
+    path = tmp_path / "events.log"
+    log = EventLog(path, max_bytes_per_segment=400)
+    for i in range(60):
+        log.emit(ev.SamplesDropped("a", [f"s{i}"], "test"))
+        if i % 7 == 0:
+            await log.flush()
+    await log.close()
+    segments = segment_paths(path)
+    assert len(segments) > 3
+    assert segments[1] == segment_path(path, 1) == tmp_path / "events.log.1"
+    for seg in segments:
+        data = seg.read_bytes()
+        assert data.startswith(MAGIC) and HEADER_BYTES < len(data) <= 400
+    events, problem = read_events(path)
+    assert problem is None
+    assert [e.sample_ids[0] for e in events] == [f"s{i}" for i in range(60)]
+    assert [e.seq for e in events] == list(range(60))
+
+
+async def test_an_existing_log_and_its_segments_are_replaced_not_appended_to(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, [ev.WorkerDied(f"w{i}", "old run") for i in range(40)], max_bytes_per_segment=200)
+    assert len(segment_paths(path)) > 2
+    await write(path, EXAMPLES[:2])
+    assert segment_paths(path) == [path]
+    assert read_events(path) == (EXAMPLES[:2], None)
+
+
+async def test_a_truncated_file_is_read_up_to_the_torn_frame_naming_the_offset(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, EXAMPLES)
+    data = path.read_bytes()
+    last_frame_at = len(data) - len(encode_frame(msgspec.msgpack.encode(EXAMPLES[-1])))
+    path.write_bytes(data[:-3])
+    events, problem = read_events(path)
+    assert events == EXAMPLES[:-1]
+    assert f"{path}: byte offset {last_frame_at}: truncated frame" in problem
+
+
+async def test_a_corrupted_byte_stops_reading_at_the_damaged_frame(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, EXAMPLES)
+    data = bytearray(path.read_bytes())
+    fifth_frame_at = HEADER_BYTES + sum(len(encode_frame(msgspec.msgpack.encode(e))) for e in EXAMPLES[:4])
+    data[fifth_frame_at + 10] ^= 0x40
+    path.write_bytes(bytes(data))
+    events, problem = read_events(path)
+    assert events == EXAMPLES[:4]
+    assert f"byte offset {fifth_frame_at}: damaged frame: checksum mismatch" in problem
+    assert str(path) in problem
+
+
+async def test_damage_in_a_later_segment_keeps_the_events_before_it(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, [ev.WorkerDied(f"w{i}", "x") for i in range(30)], max_bytes_per_segment=200)
+    second = segment_path(path, 1)
+    second.write_bytes(second.read_bytes()[:HEADER_BYTES + 5])
+    events, problem = read_events(path)
+    assert 0 < len(events) < 30
+    assert [e.worker for e in events] == [f"w{i}" for i in range(len(events))]
+    assert f"{second}: byte offset {HEADER_BYTES}: truncated frame" in problem
+
+
+async def test_a_log_in_a_newer_format_is_refused(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, EXAMPLES[:1])
+    newer = ev.FORMAT_VERSION + 1
+    path.write_bytes(MAGIC + newer.to_bytes(4, "little") + path.read_bytes()[HEADER_BYTES:])
+    with pytest.raises(EventLogVersionError, match=rf"newer FlexMARL \(format {newer}\); upgrade to read it"):
+        read_events(path)
+
+
+async def test_events_of_a_kind_added_later_are_skipped_and_mentioned(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, EXAMPLES[:1])
+    future = msgspec.msgpack.encode({"event": "AgentCloned", "seq": 1, "t": 1.0, "agent": "x"})
+    later = ev.WorkerDied("r0", "gone")
+    later.seq, later.t = 2, 2.0
+    with open(path, "ab") as f:
+        f.write(encode_frame(future) + encode_frame(msgspec.msgpack.encode(later)))
+    events, problem = read_events(path)
+    assert events == [EXAMPLES[0], later]
+    assert "AgentCloned x1" in problem
+
+
+async def test_emit_is_synchronous_and_only_flush_or_run_touches_the_disk(tmp_path, monkeypatch):
+    path = tmp_path / "events.log"
+    log = EventLog(path)
+    threads = []
+    real_to_thread = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda *a, **k: threads.append(a) or real_to_thread(*a, **k))
+    returned = log.emit(ev.WorkerJoined("r0", "rollout", "h", 1))
+    assert returned.seq == 0 and not asyncio.iscoroutine(returned)
+    assert not path.exists() and threads == []
+    await log.flush()
+    assert read_events(path) == ([returned], None)
+    await log.close()
+
+
+async def test_the_writer_never_blocks_the_loop_while_the_disk_is_slow(tmp_path, monkeypatch):
+    path = tmp_path / "events.log"
+    log = EventLog(path)
+    real_write = log._write
+
+    def slow_write(frames, fsync):
+        time.sleep(0.3)
+        real_write(frames, fsync)
+
+    monkeypatch.setattr(log, "_write", slow_write)
+    writer = asyncio.create_task(log.run(), name="event-log")
+    gaps, last = [], time.monotonic()
+    started = last
+    log.emit(ev.WorkerJoined("r0", "rollout", "h", 1))
+    while time.monotonic() - started < 0.5:
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        log.emit(ev.WorkerDied("r0", "tick"))  # emits keep landing while a write is under way
+    assert max(gaps) < 0.15
+    await log.close()
+    await asyncio.wait_for(writer, 5)
+    events, problem = read_events(path)
+    assert problem is None and len(events) == log.next_seq > 10
+
+
+async def test_cancelling_the_writer_mid_write_loses_and_reorders_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "events.log"
+    log = EventLog(path)
+    real_write, calls = log._write, []
+
+    def first_write_is_slow(frames, fsync):
+        calls.append(frames)
+        if len(calls) == 1:
+            time.sleep(0.2)
+        real_write(frames, fsync)
+
+    monkeypatch.setattr(log, "_write", first_write_is_slow)
+    writer = asyncio.create_task(log.run(), name="event-log")
+    log.emit(EXAMPLES[0])
+    await asyncio.sleep(0.05)  # the first write is now sleeping in its thread
+    writer.cancel()
+    log.emit(EXAMPLES[1])
+    await log.close()
+    assert read_events(path) == (EXAMPLES[:2], None)
+
+
+async def test_the_background_task_writes_without_flush_and_returns_after_close(tmp_path):
+    path = tmp_path / "events.log"
+    log = EventLog(path)
+    writer = asyncio.create_task(log.run(), name="event-log")
+    log.emit(EXAMPLES[0])
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if path.exists() and path.stat().st_size > HEADER_BYTES:
+            break
+    assert read_events(path)[0] == [EXAMPLES[0]]
+    await log.close()
+    await asyncio.wait_for(writer, 5)
+    with pytest.raises(EventLogError, match="closed"):
+        log.emit(EXAMPLES[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+async def test_a_full_disk_stops_the_writer_with_a_clear_error():
+    log = EventLog("/dev/full")
+    writer = asyncio.create_task(log.run(), name="event-log")
+    log.emit(EXAMPLES[0])
+    with pytest.raises(EventLogError, match="cannot write the event log /dev/full: No space left"):
+        await asyncio.wait_for(writer, 5)
+    with pytest.raises(EventLogError, match="failed earlier"):
+        log.emit(EXAMPLES[1])
+    with pytest.raises(EventLogError):
+        await log.flush()
+    with pytest.raises(EventLogError):
+        await log.close()  # still closes the file
