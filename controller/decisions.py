@@ -43,3 +43,87 @@ def may_start_episode(tag: int, synced_versions: dict[str, int], overlap: bool) 
     """Sync mode starts global batch t only when every agent's rollout weights are at
     t - 1; async mode starts it at once and gates each turn with `may_generate`."""
     return overlap or all(v >= tag - 1 for v in synced_versions.values())
+
+
+# ---------------------------------------------------------------- re-driving from a log
+
+def partition_groups(group_sizes: list[int], micro_batch: int) -> list[list[int]]:
+    """The micro-batches the store's `take` forms from ready groups in arrival order:
+    consecutive whole groups, each micro-batch as full as fits (at least one group)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, size in enumerate(group_sizes):
+        if current and filled + size > micro_batch:
+            batches.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current:
+        batches.append(current)
+    return batches
+
+
+def redrive(log: list) -> list:
+    """Recomputes the training decisions (which samples form each micro-batch, which
+    groups the staleness bound drops, each optimizer step) from the logged inputs (groups
+    opened and completed, the versions that generated each sample, the config) with the
+    same rules the controller used. `flexmarl replay --check` compares the result with
+    the decisions the log recorded; ordering across agents is taken from the log, since
+    it depends on timing, not on the rules."""
+    import tomllib
+
+    from flexmarl.runtime import events as ev
+
+    start = next(e for e in log if isinstance(e, ev.RunStarted))
+    micro_batch = tomllib.loads(start.config_toml)["pipeline"]["micro_batch"]
+    k = start.max_staleness
+    tag_of: dict[str, int] = {}
+    members: dict[str, list[str]] = {}
+    version_of: dict[str, int] = {}
+    completed: dict[tuple[str, int], list[str]] = {}
+    trainer_of: dict[str, str] = {}
+    for e in log:
+        if isinstance(e, ev.GroupOpened):
+            tag_of[e.group_id], members[e.group_id] = e.tag, list(e.sample_ids)
+        elif isinstance(e, ev.RequestsCompleted):
+            version_of.update(zip(e.sample_ids, e.versions))
+        elif isinstance(e, ev.GroupComplete):
+            completed.setdefault((e.agent, tag_of[e.group_id]), []).append(e.group_id)
+        elif isinstance(e, ev.AllocationChanged) and e.kind == "trainer":
+            trainer_of[e.agent] = e.workers[0]
+    made: dict[str, list] = {}
+    for (agent, tag), groups in sorted(completed.items(), key=lambda kv: kv[0][1]):
+        out = made.setdefault(agent, [])
+        trained = 0
+        for chunk in partition_groups([len(members[g]) for g in groups], micro_batch):
+            sample_ids, min_versions = [], []
+            for g in (groups[i] for i in chunk):
+                versions = [version_of[s] for s in members[g]]
+                if any(too_stale(tag - 1, [v], k) for v in versions):
+                    continue  # the controller drops this group (SamplesDropped)
+                sample_ids += members[g]
+                min_versions += versions
+            if sample_ids:
+                trained += len(sample_ids)
+                out.append(ev.MicroBatchFormed(agent, trainer_of.get(agent, ""), tag, sample_ids, min_versions))
+        out.append(ev.OptimizerStep(agent, trainer_of.get(agent, ""), tag, trained))
+    # Interleave agents in the order the log shows (timing), keeping each agent's own order.
+    order = [e.agent for e in log if isinstance(e, REDRIVEN_TYPES)]
+    cursor = {a: 0 for a in made}
+    result = []
+    for agent in order:
+        if cursor.get(agent, 0) < len(made.get(agent, [])):
+            result.append(made[agent][cursor[agent]])
+            cursor[agent] += 1
+    for agent, items in made.items():
+        result += items[cursor[agent]:]
+    return result
+
+
+def _redriven_types() -> tuple:
+    from flexmarl.runtime import events as ev
+    return (ev.MicroBatchFormed, ev.OptimizerStep)
+
+
+REDRIVEN_TYPES = _redriven_types()
