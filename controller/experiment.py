@@ -39,6 +39,7 @@ class Experiment:
         self.local: LocalWorkers | None = None
         self._tasks: list[asyncio.Task] = []
         self.events: EventLog | None = None
+        self.training = None  # the TrainingRun while train() runs
 
     def emit(self, event: ev.Event) -> None:
         if self.events is not None:
@@ -119,8 +120,8 @@ class Experiment:
     async def train(self) -> Any:
         from .training import TrainingRun
 
-        run = TrainingRun(self)
-        return await self.supervise(run.run, name="training")
+        self.training = TrainingRun(self)
+        return await self.supervise(self.training.run, name="training")
 
     async def _teardown(self) -> None:
         timeout = self.config.cluster.shutdown_timeout_s

@@ -33,6 +33,7 @@ from flexmarl.runtime.config import dump_toml
 from . import decisions
 from .metrics import MetricsLog
 from .router import RolloutClient
+from .server import WorkerDied
 from .store import ExperienceStore, Sample
 from .workflow import AgentDefaults, EpisodeContext, run_episode
 from .workflows import get_workflow
@@ -142,6 +143,8 @@ class TrainingRun:
         self._wake = {a: asyncio.Event() for a in self.agents}
         self._version_changed = asyncio.Event()
         self.store.on_ready.append(self._on_group_ready)
+        self.ready = asyncio.Event()  # set once agents are placed and loaded
+        self.server.on_died.append(self._on_worker_died)
         self._loads_at_start: dict[str, float] = {}
         self.started = self.wall_s = 0.0
         self.busy: dict[str, float] = {}
@@ -162,6 +165,17 @@ class TrainingRun:
         log.info("placement: rollout %s, trainers %s", self.client.assignment, self.trainer_of)
         await asyncio.gather(*(self._load_model(a, w) for a, ws in self.client.assignment.items() for w in ws),
                              *(self._init_agent(a) for a in self.agents))
+        self.ready.set()
+
+    def _on_worker_died(self, info) -> None:
+        for agent, workers in self.client.assignment.items():
+            if info.worker_id in workers:
+                workers.remove(info.worker_id)
+                self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{info.worker_id} died"))
+                if not workers:
+                    log.error("agent %s has no rollout instance left", agent)
+        if info.worker_id in self.trainer_of.values():
+            log.error("trainer %s died; the agents it held cannot continue", info.worker_id)
 
     def _expected_tokens(self, agent: str) -> float:
         # Rough demand for the initial placement: requests multiply down a chain, so use
@@ -349,8 +363,14 @@ class TrainingRun:
         self.emit(ev.WeightSyncStarted(agent, version, list(instances)))
         reply, _ = await self.server.call(trainer, protocol.PublishWeights(
             self.server.next_request_id(), agent, version, self.transport_between(trainer, instances), instances))
-        await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
-            self.server.next_request_id(), agent, version, reply.handle)) for w in instances))
+        results = await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
+            self.server.next_request_id(), agent, version, reply.handle)) for w in instances),
+            return_exceptions=True)
+        for worker, result in zip(instances, results):
+            if isinstance(result, WorkerDied):
+                log.warning("%s died during the weight sync of %s; it leaves the agent", worker, agent)
+            elif isinstance(result, BaseException):
+                raise result
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
     async def checkpoint(self, name: str) -> None:
