@@ -98,7 +98,7 @@ class RunSummary:
     times: list[StepTimes] = field(default_factory=list)
     run_dir: str = ""
 
-    def reward_change(self, agent: str, window: int = 3) -> tuple[float, float]:
+    def reward_change(self, agent: str, window: int = 5) -> tuple[float, float]:
         r = self.rewards[agent]
         w = max(1, min(window, len(r) // 2))
         return sum(r[:w]) / w, sum(r[-w:]) / w
@@ -139,7 +139,8 @@ class TrainingRun:
         self._episodes_left = {t: self.cfg.pipeline.queries_per_step for t in range(1, steps + 1)}
         self._steps_done = collections.Counter()
         self.stage_start: dict[int, float] = {}
-        self.stage_end: dict[int, float] = {}
+        self.stage_end: dict[int, float] = {}  # the batch's last episode finished
+        self.batch_trained: dict[int, float] = {}  # every agent stepped and synced the batch
         self._wake = {a: asyncio.Event() for a in self.agents}
         self._version_changed = asyncio.Event()
         self.store.on_ready.append(self._on_group_ready)
@@ -266,15 +267,12 @@ class TrainingRun:
             calls, trained = [], []
             while True:
                 complete = self.batch_done[tag].is_set()
-                ready = self.store.ready_samples(agent, tag)
-                if decisions.cut_micro_batch(ready, p.micro_batch, complete, self.overlap):
-                    mb = self._checked(self.store.take(agent, tag, p.micro_batch), tag - 1)
-                    if mb:
-                        trained += mb
-                        self.emit(ev.MicroBatchFormed(agent, trainer, version, [s.sample_id for s in mb],
-                                                      [s.min_version for s in mb]))
-                        calls.append(asyncio.ensure_future(self._train_micro_batch(trainer, agent, version, mb)))
-                    continue
+                for mb in form_micro_batches(self.store, agent, tag, p.micro_batch, complete, self.overlap,
+                                             p.max_staleness):
+                    trained += mb
+                    self.emit(ev.MicroBatchFormed(agent, trainer, version, [s.sample_id for s in mb],
+                                                  [s.min_version for s in mb]))
+                    calls.append(asyncio.ensure_future(self._train_micro_batch(trainer, agent, version, mb)))
                 if complete:
                     break
                 await self._wake_for(agent)
@@ -299,6 +297,7 @@ class TrainingRun:
             self.store.forget(trained)
             self._steps_done[tag] += 1
             if self._steps_done[tag] == len(self.agents):
+                self.batch_trained[tag] = now
                 self.metrics.end_step(tag, self.cfg.run.steps, times)
 
     async def _train_micro_batch(self, trainer: str, agent: str, version: int, mb: list[Sample]) -> float:
@@ -309,17 +308,6 @@ class TrainingRun:
         self.emit(ev.MicroBatchTrained(agent, trainer, version, len(mb), reply.seconds))
         self.tokens_trained += reply.tokens
         return reply.seconds
-
-    def _checked(self, samples: list[Sample], trainer_version: int) -> list[Sample]:
-        """The staleness bound, enforced where samples meet the trainer: groups with any
-        turn too old are dropped (the gate should make this impossible)."""
-        k = self.cfg.pipeline.max_staleness
-        stale = {s.group_id for s in samples if decisions.too_stale(trainer_version, s.versions, k)}
-        if stale:
-            bad = [s for s in samples if s.group_id in stale]
-            log.error("dropping %d samples older than the staleness bound %d", len(bad), k)
-            self.store.reject(bad, f"lag above max_staleness={k}")
-        return [s for s in samples if s.group_id not in stale]
 
     # -- wake-ups: one event per agent (ready groups, batch completion) and one for versions
 
@@ -340,6 +328,16 @@ class TrainingRun:
 
     async def _changed(self) -> None:
         await self._version_changed.wait()
+
+    def stage_times(self) -> dict[str, float]:
+        """Mean seconds per global batch from its first episode to its last (rollout) and
+        from there to the last agent's synced weights (train + sync). Back to back in sync
+        mode; overlapped (and then less meaningful) in async mode."""
+        tags = [t for t in self.batch_trained if t in self.stage_start]
+        if not tags:
+            return {"rollout_s": 0.0, "train_sync_s": 0.0}
+        return {"rollout_s": sum(self.stage_end[t] - self.stage_start[t] for t in tags) / len(tags),
+                "train_sync_s": sum(self.batch_trained[t] - self.stage_end[t] for t in tags) / len(tags)}
 
     def _worker_loads(self) -> dict[str, float]:
         return {w.worker_id: w.load.get("busy_s", 0.0) for w in self.server.registry.alive()}
@@ -398,3 +396,24 @@ async def _all_or_first_failure(tasks: list[asyncio.Task]) -> None:
     for t in done:
         if t.exception() is not None:
             raise t.exception()
+
+
+def form_micro_batches(store: ExperienceStore, agent: str, tag: int, micro_batch: int, complete: bool,
+                       overlap: bool, max_staleness: int) -> list[list[Sample]]:
+    """Every micro-batch the rules allow now for `agent`'s global batch `tag`.
+
+    The staleness bound is enforced here, where samples meet the trainer (at version
+    tag - 1): a group with any turn too old is dropped, never trained. The gate makes
+    that impossible in normal runs; this is the guarantee, the gate the mechanism."""
+    formed = []
+    while decisions.cut_micro_batch(store.ready_samples(agent, tag), micro_batch, complete, overlap):
+        taken = store.take(agent, tag, micro_batch)
+        stale = {s.group_id for s in taken if decisions.too_stale(tag - 1, s.versions, max_staleness)}
+        if stale:
+            bad = [s for s in taken if s.group_id in stale]
+            log.error("dropping %d samples of %s older than the staleness bound %d", len(bad), agent, max_staleness)
+            store.reject(bad, f"lag above max_staleness={max_staleness}")
+        mb = [s for s in taken if s.group_id not in stale]
+        if mb:
+            formed.append(mb)
+    return formed

@@ -50,9 +50,9 @@ def default_config() -> dict[str, Any]:
     group = {tasks.PLANNER: 4, tasks.SOLVER: 4, tasks.CHECKER: 2}
     lr = {tasks.PLANNER: 3e-3, tasks.SOLVER: 2e-3, tasks.CHECKER: 3e-3}
     return {
-        "run": {"workflow": "digit_chain", "steps": 30},
+        "run": {"workflow": "digit_chain", "steps": 40},
         "cluster": {"rollout_workers": 3, "trainer_workers": 1},
-        "pipeline": {"queries_per_step": 8, "micro_batch": 32},
+        "pipeline": {"queries_per_step": 16, "micro_batch": 32},
         "agents": {name: {"model": f"tiny:{name}", "group_size": group[name],
                           "max_tokens": tasks.OUTPUT_LEN[name], "lr": lr[name]}
                    for name in tasks.AGENTS},
