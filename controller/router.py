@@ -52,7 +52,8 @@ class NoInstance(Exception):
 
 class RolloutClient:
     def __init__(self, server: ControllerServer, *, on_result: Callable[[str, protocol.GenResult], None] | None = None,
-                 instance_wait_s: float = 60.0, emit: Callable[[ev.Event], object] | None = None) -> None:
+                 instance_wait_s: float = 60.0, emit: Callable[[ev.Event], object] | None = None,
+                 within_agent: str = "least_loaded") -> None:
         self.server = server
         self.emit = emit or (lambda event: None)
         self.assignment: dict[str, list[str]] = {}  # agent -> worker ids
@@ -60,6 +61,9 @@ class RolloutClient:
         self.on_result = on_result
         self.instance_wait_s = instance_wait_s
         self.max_attempts = 3  # a request that fails on this many instances fails its episode
+        self.within_agent = within_agent
+        self._turn: dict[str, int] = defaultdict(int)  # round-robin position per agent
+        self.dispatched_tokens: dict[str, float] = defaultdict(float)  # per agent, for demand
         self._queued: dict[str, list[tuple[protocol.GenRequest, asyncio.Future]]] = defaultdict(list)
         self._flush_scheduled: set[str] = set()
         self.messages_sent = 0
@@ -92,7 +96,14 @@ class RolloutClient:
                         attempt: int = 1) -> None:
         instances = await self._wait_for_instances(agent)
         costs = [len(r.prompt_ids) + r.max_tokens for r, _ in batch]
-        plan = route_batch(costs, {w: self.outstanding[w] for w in instances})
+        if attempt == 1:
+            self.dispatched_tokens[agent] += sum(costs)
+        if self.within_agent == "round_robin":
+            target = instances[self._turn[agent] % len(instances)]
+            self._turn[agent] += 1
+            plan = {target: list(range(len(batch)))}
+        else:
+            plan = route_batch(costs, {w: self.outstanding[w] for w in instances})
         await asyncio.gather(*(self._send(agent, w, [batch[i] for i in ix], attempt) for w, ix in plan.items()))
 
     async def _wait_for_instances(self, agent: str) -> list[str]:

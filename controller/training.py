@@ -124,7 +124,7 @@ class TrainingRun:
         self.workflow = get_workflow(self.cfg.run.workflow)
         self.emit = exp.emit
         self.store = ExperienceStore(self.agents, emit=self.emit)
-        self.client = RolloutClient(self.server, emit=self.emit)
+        self.client = RolloutClient(self.server, emit=self.emit, within_agent=self.cfg.router.within_agent)
         self.trainer_of: dict[str, str] = {}
         self.version = {a: 0 for a in self.agents}
         self.model_path: dict[str, str] = {}
@@ -145,6 +145,10 @@ class TrainingRun:
         self._version_changed = asyncio.Event()
         self.store.on_ready.append(self._on_group_ready)
         self.ready = asyncio.Event()  # set once agents are placed and loaded
+        # Held while an agent's weights are published and loaded, so an instance joining
+        # the agent (reassignment) never loads a handle the trainer is about to release.
+        self.sync_lock = {a: asyncio.Lock() for a in self.agents}
+        self.published: dict[str, bytes] = {}  # agent -> handle of its synced version
         self.server.on_died.append(self._on_worker_died)
         self._loads_at_start: dict[str, float] = {}
         self.started = self.wall_s = 0.0
@@ -354,6 +358,10 @@ class TrainingRun:
         return "shm" if same_host else "tcp"
 
     async def sync_agent(self, agent: str) -> None:
+        async with self.sync_lock[agent]:
+            await self._sync_agent(agent)
+
+    async def _sync_agent(self, agent: str) -> None:
         instances = self.client.instances(agent)
         version = self.version[agent]
         trainer = self.trainer_of[agent]
@@ -369,6 +377,7 @@ class TrainingRun:
                 log.warning("%s died during the weight sync of %s; it leaves the agent", worker, agent)
             elif isinstance(result, BaseException):
                 raise result
+        self.published[agent] = reply.handle
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
     async def checkpoint(self, name: str) -> None:

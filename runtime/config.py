@@ -67,6 +67,19 @@ class PipelineConfig:
 
 
 @dataclass
+class RouterConfig:
+    # Level 2 (within an agent): "least_loaded" sends each batch to the instance with the
+    # least outstanding work and splits large batches; "round_robin" is the static baseline.
+    within_agent: str = "least_loaded"
+    # Level 1 (across agents): move rollout instances between agents from measured demand.
+    across_agents: bool = False
+    disparity_threshold: float = 5.0  # per-instance demand ratio that triggers a move
+    patience: int = 3  # consecutive observations above the threshold before moving
+    cooldown_s: float = 5.0  # after a move, no other move for this long (no thrashing)
+    interval_s: float = 0.5  # how often demand is observed
+
+
+@dataclass
 class RunConfig:
     workflow: str = "digit_chain"
     steps: int = 20
@@ -83,6 +96,7 @@ class ExperimentConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     agents: dict[str, AgentConfig] = field(default_factory=dict)
 
     def validate(self) -> "ExperimentConfig":
@@ -97,6 +111,9 @@ class ExperimentConfig:
         for name, agent in self.agents.items():
             if agent.group_size < 1 or agent.max_tokens < 1:
                 raise ConfigError(f"agents.{name}: group_size and max_tokens must be >= 1")
+        if self.router.within_agent not in ("least_loaded", "round_robin"):
+            raise ConfigError("router.within_agent must be 'least_loaded' or 'round_robin', "
+                              f"got {self.router.within_agent!r}")
         if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
             raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self
