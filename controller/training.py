@@ -58,8 +58,9 @@ def resolve_model(name: str, cache_root: Path = MODEL_CACHE) -> str:
         if key not in tasks.AGENTS:
             raise KeyError(f"unknown built-in model {name!r} (built in: "
                            f"{', '.join('tiny:' + a for a in tasks.AGENTS)})")
-        examples = lambda: tasks.warmup_examples(key, random.Random(f"warmup-{key}"), 4096)  # noqa: E731
-        return str(models.ensure_model(tasks.AGENTS[key], cache_root, examples, tasks.WARMUP_VERSION))
+        examples = lambda: tasks.warmup_examples(key, random.Random(f"warmup-{key}"), tasks.WARMUP_EXAMPLES)  # noqa: E731
+        return str(models.ensure_model(tasks.AGENTS[key], cache_root, examples, tasks.WARMUP_VERSION,
+                                       tasks.WARMUP_SCHEDULE))
     path = Path(name)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model {name!r} is neither a built-in (tiny:NAME) nor a directory "

@@ -1,7 +1,8 @@
 """Built-in workflows and the embedded default job.
 
-`digit_chain` is the default: three agents of different sizes in a chain (planner ->
-solver -> checker), branch factors that multiply requests down the chain (4 plans per
+`digit_chain` is the default: three agents of different sizes in a chain (the planner
+sorts the query's digits, the solver expands the plan, the checker reports the answer's
+largest digit), branch factors that multiply requests down the chain (4 plans per
 query, 4 answers per plan, 2 checks per answer: 4 / 16 / 32 requests per query),
 different output lengths (3 / 6 / 1 tokens) and exact, verifiable rewards (see tasks.py).
 """
@@ -48,12 +49,11 @@ def get_workflow(name: str) -> Episode:
 def default_config() -> dict[str, Any]:
     """The embedded default job, as the raw dict a TOML file would give."""
     group = {tasks.PLANNER: 4, tasks.SOLVER: 4, tasks.CHECKER: 2}
-    lr = {tasks.PLANNER: 3e-3, tasks.SOLVER: 2e-3, tasks.CHECKER: 3e-3}
     return {
         "run": {"workflow": "digit_chain", "steps": 40},
         "cluster": {"rollout_workers": 3, "trainer_workers": 1},
         "pipeline": {"queries_per_step": 16, "micro_batch": 32},
         "agents": {name: {"model": f"tiny:{name}", "group_size": group[name],
-                          "max_tokens": tasks.OUTPUT_LEN[name], "lr": lr[name]}
+                          "max_tokens": tasks.OUTPUT_LEN[name], "lr": 1e-3}
                    for name in tasks.AGENTS},
     }

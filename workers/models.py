@@ -19,10 +19,8 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +28,8 @@ from pathlib import Path
 # Special tokens first, so <pad> is 0 and ids never move when tags are added at the end.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 DIGIT_TOKENS = tuple(str(d) for d in range(10))
-# Tags mark the sections of a prompt; yes/no are the checker's verdicts.
-TAG_TOKENS = ("<query>", "<plan>", "<answer>", "<check>", "yes", "no")
+# Tags mark the sections of a prompt and say what the model is to write next.
+TAG_TOKENS = ("<query>", "<plan>", "<answer>", "<check>")
 VOCAB: tuple[str, ...] = SPECIAL_TOKENS + DIGIT_TOKENS + TAG_TOKENS
 TOKEN_ID: dict[str, int] = {token: index for index, token in enumerate(VOCAB)}
 
@@ -43,8 +41,6 @@ QUERY_ID = TOKEN_ID["<query>"]
 PLAN_ID = TOKEN_ID["<plan>"]
 ANSWER_ID = TOKEN_ID["<answer>"]
 CHECK_ID = TOKEN_ID["<check>"]
-YES_ID = TOKEN_ID["yes"]
-NO_ID = TOKEN_ID["no"]
 # DIGIT_IDS[d] is the token id of digit d.
 DIGIT_IDS: tuple[int, ...] = tuple(TOKEN_ID[t] for t in DIGIT_TOKENS)
 
@@ -108,13 +104,12 @@ def _check_spec(spec: TinyModelSpec) -> None:
 
 def build_tokenizer():
     """A word-level PreTrainedTokenizerFast over VOCAB; splits on whitespace only."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel(vocab=dict(TOKEN_ID), unk_token="<unk>"))
     # WhitespaceSplit, not Whitespace: the latter would cut "<bos>" into "<", "bos", ">".
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<bos>",
@@ -147,14 +142,6 @@ def llama_config(spec: TinyModelSpec):
     )
 
 
-def _set_torch_single_thread() -> None:
-    import torch
-
-    # The default job shares two cores among many processes; more threads only thrash.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-
-
 def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: int) -> None:
     """Next-token loss on target tokens only, Adam, random minibatches of the examples."""
     import torch
@@ -162,17 +149,15 @@ def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: 
     rows = [(list(p), list(t)) for p, t in examples]
     if not rows:
         return
-    width = max(len(p) + len(t) for p, t in rows)
+    lengths = torch.tensor([len(p) + len(t) for p, t in rows])
+    width = int(lengths.max())
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # -100: no loss here
     for row, (prompt, target) in enumerate(rows):
-        sequence = prompt + target
-        input_ids[row, : len(sequence)] = torch.tensor(sequence)
-        labels[row, len(prompt) : len(sequence)] = torch.tensor(target)
+        input_ids[row, : len(prompt) + len(target)] = torch.tensor(prompt + target)
+        labels[row, len(prompt) : len(prompt) + len(target)] = torch.tensor(target)
     # Right padding is harmless under causal attention: pads come after every label.
-    attention_mask = (labels != -100) | (torch.arange(width) < torch.tensor(
-        [len(p) for p, _ in rows]
-    )[:, None])
+    attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
 
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr)
@@ -181,7 +166,7 @@ def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: 
         batch = torch.randint(len(rows), (schedule.batch_size,), generator=generator)
         loss = model(
             input_ids=input_ids[batch],
-            attention_mask=attention_mask[batch].long(),
+            attention_mask=attention_mask[batch],
             labels=labels[batch],
         ).loss
         optimizer.zero_grad(set_to_none=True)
@@ -200,11 +185,11 @@ def build_model(
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
-    _set_torch_single_thread()
+    # The default job shares two cores among many processes; more threads only thrash.
+    torch.set_num_threads(1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
-    random.seed(spec.seed)
     model = LlamaForCausalLM(llama_config(spec)).to(torch.float32)
     if warmup:
         warm_up(model, warmup, schedule, spec.seed)
@@ -266,10 +251,3 @@ def ensure_model(
         shutil.rmtree(staging, ignore_errors=True)
     return final
 
-
-def build_seconds(spec: TinyModelSpec, examples: Sequence[Example], schedule: WarmupSchedule) -> float:
-    """Wall time of one uncached build, for the benchmarks."""
-    with tempfile.TemporaryDirectory() as scratch:
-        start = time.perf_counter()
-        build_model(spec, scratch, examples, schedule)
-        return time.perf_counter() - start
