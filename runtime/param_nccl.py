@@ -1,0 +1,152 @@
+"""GPU transports of the parameter channel: "cuda_ipc" (same host) and "nccl" (any host).
+
+param_channel imports this module only when a GPU transport is named, and this module
+imports CuPy only for nccl, so CPU-only installs never load either. Buckets are packed
+and checksummed on the GPU (the same `checksum` as every other transport).
+
+cuda_ipc: the publisher's bucket is shared through torch's CUDA IPC (the fields of
+UntypedStorage._share_cuda_, carried in the handle as plain bytes and ints: no pickle);
+receivers open it in place, so their tensors are views of the publisher's GPU memory.
+
+nccl: a one-shot communicator per publication. The unique id travels inside the handle;
+the publisher is rank 0 and broadcasts from a thread of its own once all receivers
+(ranks 1..receivers) have joined; each receiver broadcasts into a fresh bucket.
+
+This module does not know who the receivers are or how ranks are assigned: the
+controller assigns them and passes each receiver its rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from flexmarl.runtime.param_channel import (
+    ALIGN,
+    CudaIpcInfo,
+    NcclInfo,
+    ParamHandle,
+    ParamTransferError,
+    _describe,
+    pack_into,
+)
+
+log = logging.getLogger(__name__)
+
+
+def publish(tensors, fields: dict, transport: str, receivers: int, timeout_s: float) -> tuple[ParamHandle, object]:
+    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
+    if len(devices) != 1:
+        raise ValueError(f"{transport} publishes tensors from one CUDA device; these are on {sorted(map(str, devices)) or 'the CPU'}")
+    device = devices.pop()
+    # At least ALIGN bytes: an empty CUDA storage has no IPC handle and no address to broadcast.
+    bucket = torch.empty(max(fields["total_bytes"], ALIGN), dtype=torch.uint8, device=device)
+    data = bucket[: fields["total_bytes"]]
+    fields["checksum"] = pack_into(data, tensors, fields["layout"])  # returns after a device sync
+    if transport == "cuda_ipc":
+        return ParamHandle(**fields, cuda_ipc=_share(bucket)), bucket
+    if receivers < 1:
+        raise ValueError(f"nccl needs receivers >= 1, got {receivers}")
+    handle = ParamHandle(**fields, nccl=NcclInfo(_new_unique_id(), receivers + 1))
+    return handle, _Broadcast(handle, bucket)
+
+
+def receive(handle: ParamHandle, rank: int | None, device: str, timeout_s: float) -> torch.Tensor:
+    """The handle's bucket (uint8, total_bytes long) on a GPU, not yet verified."""
+    if not torch.cuda.is_available():
+        raise ParamTransferError(f"{_describe(handle)}: this process has no CUDA device")
+    if handle.transport == "cuda_ipc":
+        return _open(handle)[: handle.total_bytes]
+    world = handle.nccl.world_size
+    if rank is None or not 1 <= rank < world:
+        raise ValueError(f"nccl receive needs rank= in 1..{world - 1} (the publisher is rank 0), got {rank}")
+    target = torch.device(device if device.startswith("cuda") else "cuda")
+    bucket = torch.empty(max(handle.total_bytes, ALIGN), dtype=torch.uint8, device=target)
+    done, errors = threading.Event(), []
+
+    def join_broadcast() -> None:
+        try:
+            _broadcast(bucket, handle.nccl, rank)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=join_broadcast, name=f"nccl-recv-{handle.key}", daemon=True).start()
+    # CuPy cannot cancel ncclCommInitRank: on timeout the thread stays blocked until its peers appear.
+    if not done.wait(timeout_s):
+        raise ParamTransferError(f"{_describe(handle)}: the NCCL broadcast did not complete within {timeout_s:.0f} s "
+                                 f"(rank {rank} of {world}); the publisher or another receiver is missing")
+    if errors:
+        raise ParamTransferError(f"{_describe(handle)}: NCCL broadcast failed: {errors[0]!r}") from errors[0]
+    return bucket[: handle.total_bytes]
+
+
+def release(resource: object) -> None:
+    if isinstance(resource, _Broadcast):
+        resource.close()
+
+
+def _share(bucket: torch.Tensor) -> CudaIpcInfo:
+    (device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = bucket.untyped_storage()._share_cuda_()
+    return CudaIpcInfo(device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync, bucket.storage_offset())
+
+
+def _open(handle: ParamHandle) -> torch.Tensor:
+    info = handle.cuda_ipc
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        info.device, info.handle, info.storage_size, info.storage_offset, info.ref_counter_handle,
+        info.ref_counter_offset, info.event_handle, info.event_sync_required)
+    bucket = torch.empty(0, dtype=torch.uint8, device=f"cuda:{info.device}")
+    return bucket.set_(storage, info.tensor_offset, (max(handle.total_bytes, ALIGN),), (1,))
+
+
+def _new_unique_id() -> bytes:
+    from cupy.cuda import nccl
+
+    return bytes(b & 0xFF for b in nccl.get_unique_id())
+
+
+def _broadcast(bucket: torch.Tensor, info: NcclInfo, rank: int) -> None:
+    import cupy
+    from cupy.cuda import nccl
+
+    # CuPy hands ncclUniqueId out as C chars: signed on x86, unsigned on ARM.
+    signed = tuple(b - 256 if b > 127 else b for b in info.unique_id)
+    with cupy.cuda.Device(bucket.device.index), torch.cuda.device(bucket.device):
+        try:
+            comm = nccl.NcclCommunicator(info.world_size, signed, rank)
+        except OverflowError:
+            comm = nccl.NcclCommunicator(info.world_size, tuple(info.unique_id), rank)
+        try:
+            stream = torch.cuda.Stream(bucket.device)  # off the compute stream the trainer uses
+            stream.wait_stream(torch.cuda.current_stream(bucket.device))
+            comm.broadcast(bucket.data_ptr(), bucket.data_ptr(), bucket.numel(), nccl.NCCL_UINT8, 0, stream.cuda_stream)
+            stream.synchronize()
+        finally:
+            comm.destroy()
+
+
+class _Broadcast:
+    """Rank 0 of a publication's communicator: waits for the receivers, sends, tears down."""
+
+    def __init__(self, handle: ParamHandle, bucket: torch.Tensor):
+        self.bucket, self.error = bucket, None
+        self._thread = threading.Thread(target=self._run, args=(handle,), name=f"nccl-send-{handle.key}", daemon=True)
+        self._thread.start()
+
+    def _run(self, handle: ParamHandle) -> None:
+        try:
+            _broadcast(self.bucket, handle.nccl, 0)
+        except BaseException as exc:
+            self.error = exc
+            log.error("%s: NCCL broadcast from rank 0 failed: %r", _describe(handle), exc)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("released an nccl publication whose receivers never all joined; its sender "
+                        "thread stays blocked in ncclCommInitRank (CuPy cannot cancel it)")
