@@ -82,7 +82,9 @@ def redrive(log: list) -> list:
     members: dict[str, list[str]] = {}
     version_of: dict[str, int] = {}
     completed: dict[tuple[str, int], list[str]] = {}
-    trainer_of: dict[str, str] = {}
+    # Which trainer runs a step is the allocator's choice, not re-derived here: take it
+    # from the log.
+    step_trainer = {(e.agent, e.version): e.trainer for e in log if isinstance(e, ev.OptimizerStep)}
     for e in log:
         if isinstance(e, ev.GroupOpened):
             tag_of[e.group_id], members[e.group_id] = e.tag, list(e.sample_ids)
@@ -90,8 +92,6 @@ def redrive(log: list) -> list:
             version_of.update(zip(e.sample_ids, e.versions))
         elif isinstance(e, ev.GroupComplete):
             completed.setdefault((e.agent, tag_of[e.group_id]), []).append(e.group_id)
-        elif isinstance(e, ev.AllocationChanged) and e.kind == "trainer":
-            trainer_of[e.agent] = e.workers[0]
     made: dict[str, list] = {}
     for (agent, tag), groups in sorted(completed.items(), key=lambda kv: kv[0][1]):
         out = made.setdefault(agent, [])
@@ -106,8 +106,8 @@ def redrive(log: list) -> list:
                 min_versions += versions
             if sample_ids:
                 trained += len(sample_ids)
-                out.append(ev.MicroBatchFormed(agent, trainer_of.get(agent, ""), tag, sample_ids, min_versions))
-        out.append(ev.OptimizerStep(agent, trainer_of.get(agent, ""), tag, trained))
+                out.append(ev.MicroBatchFormed(agent, "", tag, sample_ids, min_versions))
+        out.append(ev.OptimizerStep(agent, step_trainer.get((agent, tag), ""), tag, trained))
     # Interleave agents in the order the log shows (timing), keeping each agent's own order.
     order = [e.agent for e in log if isinstance(e, REDRIVEN_TYPES)]
     cursor = {a: 0 for a in made}

@@ -30,7 +30,8 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import dump_toml
 
-from . import decisions
+from . import decisions, rebalance
+from .allocator import TrainerAllocator
 from .metrics import MetricsLog
 from .router import RolloutClient
 from .server import WorkerDied
@@ -126,7 +127,7 @@ class TrainingRun:
         self.emit = exp.emit
         self.store = ExperienceStore(self.agents, emit=self.emit)
         self.client = RolloutClient(self.server, emit=self.emit, within_agent=self.cfg.router.within_agent)
-        self.trainer_of: dict[str, str] = {}
+        self.allocator: TrainerAllocator | None = None
         self.version = {a: 0 for a in self.agents}
         self.model_path: dict[str, str] = {}
         self.metrics = MetricsLog(exp.run_dir, self.agents, progress=self.cfg.run.progress)
@@ -154,6 +155,7 @@ class TrainingRun:
         self._loads_at_start: dict[str, float] = {}
         self.started = self.wall_s = 0.0
         self.busy: dict[str, float] = {}
+        self.reassignments: list[rebalance.Reassignment] = []  # rollout instances moved between agents
 
     # ------------------------------------------------------------ setup
 
@@ -163,25 +165,37 @@ class TrainingRun:
             self.model_path[agent] = await asyncio.to_thread(resolve_model, spec)
         weight = {a: self._expected_tokens(a) for a in self.agents}
         self.client.assignment = place_agents(self.agents, self.exp.worker_ids("rollout"), weight)
-        trainers = self.exp.worker_ids("trainer")
-        self.trainer_of = {a: trainers[i % len(trainers)] for i, a in enumerate(self.agents)}
         for agent in self.agents:
             self.emit(ev.AllocationChanged("rollout", agent, list(self.client.assignment[agent]), "initial placement"))
-            self.emit(ev.AllocationChanged("trainer", agent, [self.trainer_of[agent]], "initial placement"))
-        log.info("placement: rollout %s, trainers %s", self.client.assignment, self.trainer_of)
+        log.info("rollout placement: %s", self.client.assignment)
+        self.allocator = TrainerAllocator(self.server, self.exp.worker_ids("trainer"), self.cfg.cluster.trainer_capacity,
+                                          self.cfg.agents, self.model_path, self.cfg.run.seed,
+                                          self._ready_work, self.emit)
         await asyncio.gather(*(self._load_model(a, w) for a, ws in self.client.assignment.items() for w in ws),
-                             *(self._init_agent(a) for a in self.agents))
+                             self._init_agents())
         self.ready.set()
 
+    async def _init_agents(self) -> None:
+        for agent in self.agents:  # in order: with limited capacity, later ones park earlier ones
+            await self.allocator.acquire(agent)
+            self.allocator.release(agent)
+
+    def _ready_work(self, agent: str) -> int:
+        return sum(len(q) for q in self.store.ready[agent].values())
+
     def _on_worker_died(self, info) -> None:
+        if self.server.closing:  # workers leaving after SHUTDOWN
+            return
         for agent, workers in self.client.assignment.items():
             if info.worker_id in workers:
                 workers.remove(info.worker_id)
                 self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{info.worker_id} died"))
                 if not workers:
                     log.error("agent %s has no rollout instance left", agent)
-        if info.worker_id in self.trainer_of.values():
-            log.error("trainer %s died; the agents it held cannot continue", info.worker_id)
+        if self.allocator is not None and info.worker_id in self.allocator.resident.values():
+            lost = sorted(a for a, t in self.allocator.resident.items() if t == info.worker_id)
+            log.error("trainer %s died holding %s; their training states since the last checkpoint "
+                      "are lost and the run stops", info.worker_id, lost)
 
     def _expected_tokens(self, agent: str) -> float:
         # Rough demand for the initial placement: requests multiply down a chain, so use
@@ -195,12 +209,6 @@ class TrainingRun:
         reply, _ = await self.server.call(worker, msg)
         log.info("%s serves %s (%.1fs to start the engine)", worker, agent, reply.seconds)
 
-    async def _init_agent(self, agent: str) -> None:
-        a = self.cfg.agents[agent]
-        msg = protocol.InitAgent(self.server.next_request_id(), agent, self.model_path[agent], a.lr,
-                                 self.cfg.run.seed, a.max_grad_norm)
-        await self.server.call(self.trainer_of[agent], msg)
-
     # ------------------------------------------------------------ the loop
 
     async def run(self) -> RunSummary:
@@ -212,6 +220,8 @@ class TrainingRun:
             self.started = time.monotonic()
             loops = [asyncio.create_task(self.produce_episodes(), name="episodes"),
                      *(asyncio.create_task(self.agent_loop(a), name=f"train-{a}") for a in self.agents)]
+            if self.cfg.router.across_agents:  # level 1 balancing; ends once every batch is trained
+                loops.append(asyncio.create_task(rebalance.balance_loop(self), name="balance"))
             await _all_or_first_failure(loops)
             await self.checkpoint("final")
         finally:
@@ -265,7 +275,6 @@ class TrainingRun:
         (async) or once the batch is complete (sync); then one optimizer step and one
         weight sync. Consumes the store's ready groups; unblocks the gate."""
         p = self.cfg.pipeline
-        trainer = self.trainer_of[agent]
         last_end = time.monotonic()
         for tag in range(1, self.cfg.run.steps + 1):
             version = tag  # trains version tag - 1 into tag
@@ -275,23 +284,30 @@ class TrainingRun:
                 for mb in form_micro_batches(self.store, agent, tag, p.micro_batch, complete, self.overlap,
                                              p.max_staleness):
                     trained += mb
-                    self.emit(ev.MicroBatchFormed(agent, trainer, version, [s.sample_id for s in mb],
+                    # The trainer is bound when the micro-batch is sent (see MicroBatchTrained).
+                    self.emit(ev.MicroBatchFormed(agent, "", version, [s.sample_id for s in mb],
                                                   [s.min_version for s in mb]))
-                    calls.append(asyncio.ensure_future(self._train_micro_batch(trainer, agent, version, mb)))
+                    calls.append(asyncio.ensure_future(self._train_micro_batch(agent, version, mb)))
                 if complete:
                     break
+                if self.store.ready_samples(agent, tag):
+                    self.allocator.prefetch(agent)  # work is coming: swap in while rollout runs
                 await self._wake_for(agent)
             train_s = sum(await asyncio.gather(*calls))
             if not trained:
                 log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", agent, tag)
             scale = 1.0 / len(trained) if trained else 0.0
-            await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), agent, version, scale))
-            self.emit(ev.OptimizerStep(agent, trainer, version, len(trained)))
-            await self.exp.events.flush()  # a crash loses nothing that led to a step
-            self.version[agent] = version
-            self.samples_trained += len(trained)
-            t_sync = time.monotonic()
-            await self.sync_agent(agent)
+            trainer = await self.allocator.acquire(agent)
+            try:
+                await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), agent, version, scale))
+                self.emit(ev.OptimizerStep(agent, trainer, version, len(trained)))
+                await self.exp.events.flush()  # a crash loses nothing that led to a step
+                self.version[agent] = version
+                self.samples_trained += len(trained)
+                t_sync = time.monotonic()
+                await self.sync_agent(agent, trainer)
+            finally:
+                self.allocator.release(agent)
             now = time.monotonic()
             self.synced[agent] = version
             self._notify()
@@ -305,11 +321,15 @@ class TrainingRun:
                 self.batch_trained[tag] = now
                 self.metrics.end_step(tag, self.cfg.run.steps, times)
 
-    async def _train_micro_batch(self, trainer: str, agent: str, version: int, mb: list[Sample]) -> float:
+    async def _train_micro_batch(self, agent: str, version: int, mb: list[Sample]) -> float:
         p = self.cfg.pipeline
-        reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
-            self.server.next_request_id(), agent, version, [_train_sample(s) for s in mb],
-            p.max_staleness, p.clip_ratio))
+        trainer = await self.allocator.acquire(agent)
+        try:
+            reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
+                self.server.next_request_id(), agent, version, [_train_sample(s) for s in mb],
+                p.max_staleness, p.clip_ratio))
+        finally:
+            self.allocator.release(agent)
         self.emit(ev.MicroBatchTrained(agent, trainer, version, len(mb), reply.seconds))
         self.tokens_trained += reply.tokens
         return reply.seconds
@@ -358,14 +378,13 @@ class TrainingRun:
         same_host = all(workers[d].host == workers[src].host for d in dsts)
         return "shm" if same_host else "tcp"
 
-    async def sync_agent(self, agent: str) -> None:
+    async def sync_agent(self, agent: str, trainer: str) -> None:
         async with self.sync_lock[agent]:
-            await self._sync_agent(agent)
+            await self._sync_agent(agent, trainer)
 
-    async def _sync_agent(self, agent: str) -> None:
+    async def _sync_agent(self, agent: str, trainer: str) -> None:
         instances = self.client.instances(agent)
         version = self.version[agent]
-        trainer = self.trainer_of[agent]
         t0 = time.monotonic()
         self.emit(ev.WeightSyncStarted(agent, version, list(instances)))
         reply, _ = await self.server.call(trainer, protocol.PublishWeights(
@@ -383,8 +402,13 @@ class TrainingRun:
 
     async def checkpoint(self, name: str) -> None:
         root = Path(self.exp.run_dir) / "checkpoints"
-        await asyncio.gather(*(self.server.call(self.trainer_of[a], protocol.SaveCheckpoint(
-            self.server.next_request_id(), a, str((root / name / a).resolve()))) for a in self.agents))
+        for agent in self.agents:
+            trainer = await self.allocator.acquire(agent)
+            try:
+                await self.server.call(trainer, protocol.SaveCheckpoint(
+                    self.server.next_request_id(), agent, str((root / name / agent).resolve())))
+            finally:
+                self.allocator.release(agent)
         log.info("checkpoint %s written to %s", name, root / name)
 
 

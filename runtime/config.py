@@ -40,6 +40,9 @@ class TransportConfig:
 class ClusterConfig:
     rollout_workers: int = 3
     trainer_workers: int = 1
+    # Agents resident at once per trainer; 0 = no limit. Below the number of agents per
+    # trainer, idle agents' training states are parked in host memory and swapped back in.
+    trainer_capacity: int = 0
     worker_start_timeout_s: float = 300.0
     shutdown_timeout_s: float = 15.0
     threads_per_worker: int = 1

@@ -57,6 +57,11 @@ class Kind(enum.IntEnum):
     WEIGHTS_PUBLISHED = 27
     SAVE_CHECKPOINT = 28
     CHECKPOINT_SAVED = 29
+    OFFLOAD_AGENT = 30
+    AGENT_OFFLOADED = 31
+    LOAD_AGENT = 32
+    RELEASE_STATE = 33
+    STATE_RELEASED = 34
 
 
 class Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -326,6 +331,57 @@ class CheckpointSaved(Message):
     agent: str
     path: str
     version: int
+
+
+class OffloadAgent(Message):
+    # Controller -> Trainer: publish the agent's whole training state (weights, pending
+    # gradients, optimizer state) over the parameter channel and stop holding it live.
+    # The published copy stays with this trainer until RELEASE_STATE.
+    KIND = Kind.OFFLOAD_AGENT
+    request_id: int
+    agent: str
+    transport: str = "shm"
+
+
+class AgentOffloaded(Message):
+    # Trainer -> Controller: the state is parked; `handle` lets any trainer load it.
+    KIND = Kind.AGENT_OFFLOADED
+    request_id: int
+    agent: str
+    version: int
+    accumulated: int
+    handle: bytes
+    nbytes: int
+    seconds: float
+
+
+class LoadAgent(Message):
+    # Controller -> Trainer: rebuild an agent's training state from a parked copy. The
+    # agent becomes resident only after the whole state arrived and its checksum matched.
+    KIND = Kind.LOAD_AGENT
+    request_id: int
+    agent: str
+    model_path: str
+    lr: float
+    max_grad_norm: float
+    version: int
+    accumulated: int
+    handle: bytes
+
+
+class ReleaseState(Message):
+    # Controller -> Trainer: drop a parked copy (its new owner has loaded it).
+    KIND = Kind.RELEASE_STATE
+    request_id: int
+    agent: str
+    handle: bytes
+
+
+class StateReleased(Message):
+    # Trainer -> Controller: the parked copy is gone.
+    KIND = Kind.STATE_RELEASED
+    request_id: int
+    agent: str
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

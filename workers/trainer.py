@@ -4,7 +4,10 @@ Commands run one at a time, in arrival order, on a worker thread (so heartbeats 
 flowing while a backward pass runs): INIT_AGENT, TRAIN_MICROBATCH (forward/backward,
 gradients accumulate), OPTIM_STEP (one step, zero the gradients, bump the version),
 PUBLISH_WEIGHTS (hand the weights to the parameter channel; the bytes go straight to the
-rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors).
+rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors), and the swaps of
+agent-centric training: OFFLOAD_AGENT (park the whole training state in the channel and
+stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
+RELEASE_STATE (drop a parked copy once its new owner has it).
 
 It decides nothing: which samples, when to step and where weights go all come from the
 controller.
@@ -77,6 +80,31 @@ def grpo_loss(model: Any, samples: list[protocol.TrainSample], off_policy: bool,
     return loss, int(out_mask.sum().item())
 
 
+def training_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """Everything needed to resume training exactly: weights, pending gradients and the
+    optimizer's per-parameter state, as one flat name -> tensor map."""
+    tensors = {f"param/{k}": v.detach() for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            tensors[f"grad/{name}"] = p.grad.detach()
+        for key, value in optimizer.state.get(p, {}).items():
+            tensors[f"optim/{name}/{key}"] = value.detach()
+    return tensors
+
+
+def restore_training_state(model: Any, optimizer: Any, tensors: dict[str, Any]) -> None:
+    """Inverse of `training_state`; copies, so the source may be read-only shared memory."""
+    weights = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
+    model.load_state_dict(weights, strict=True)
+    for name, p in model.named_parameters():
+        grad = tensors.get(f"grad/{name}")
+        p.grad = grad.clone() if grad is not None else None
+        prefix = f"optim/{name}/"
+        state = {k[len(prefix):]: v.clone() for k, v in tensors.items() if k.startswith(prefix)}
+        if state:
+            optimizer.state[p] = state
+
+
 class TrainerHandler(CommandHandler):
     role = "trainer"
 
@@ -88,10 +116,12 @@ class TrainerHandler(CommandHandler):
         self._commands: asyncio.Queue[protocol.Message] = asyncio.Queue()
         self.busy_s = 0.0
         self._channel: Any = None
+        self.parked: dict[str, Any] = {}  # handle key -> parked training state this trainer serves
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         if isinstance(msg, (protocol.InitAgent, protocol.TrainMicroBatch, protocol.OptimStep,
-                            protocol.PublishWeights, protocol.SaveCheckpoint)):
+                            protocol.PublishWeights, protocol.SaveCheckpoint, protocol.OffloadAgent,
+                            protocol.LoadAgent, protocol.ReleaseState)):
             await self._commands.put(msg)
         else:
             await super().handle(msg, buffers)
@@ -115,6 +145,10 @@ class TrainerHandler(CommandHandler):
     def _execute(self, msg: protocol.Message) -> protocol.Message:
         if isinstance(msg, protocol.InitAgent):
             return self._init_agent(msg)
+        if isinstance(msg, protocol.LoadAgent):
+            return self._load_agent(msg)
+        if isinstance(msg, protocol.ReleaseState):
+            return self._release_state(msg)
         state = self.agents.get(msg.agent)
         if state is None:
             raise KeyError(f"agent {msg.agent!r} is not resident on this trainer "
@@ -127,6 +161,8 @@ class TrainerHandler(CommandHandler):
             return self._publish(state, msg)
         if isinstance(msg, protocol.SaveCheckpoint):
             return self._save(state, msg)
+        if isinstance(msg, protocol.OffloadAgent):
+            return self._offload(state, msg)
         raise TypeError(f"unexpected command {type(msg).__name__}")
 
     def _init_agent(self, msg: protocol.InitAgent) -> protocol.AgentReady:
@@ -201,6 +237,56 @@ class TrainerHandler(CommandHandler):
             self._channel = ParamChannel()
         return self._channel
 
+    def _offload(self, state: AgentState, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
+        import msgspec
+
+        t0 = time.perf_counter()
+        tensors = training_state(state.model, state.optimizer)
+        handle = self.channel().publish(tensors, agent=state.name, version=state.version, transport=msg.transport)
+        # The parked copy is complete and checksummed; only now is the live state dropped.
+        if state.published is not None:
+            self.channel().release(state.published)
+        del self.agents[state.name]
+        self.parked[handle.key] = handle
+        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated,
+                                       msgspec.msgpack.encode(handle), handle.total_bytes,
+                                       time.perf_counter() - t0)
+
+    def _load_agent(self, msg: protocol.LoadAgent) -> protocol.AgentReady:
+        import msgspec
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from flexmarl.runtime.param_channel import ParamHandle
+
+        if msg.agent in self.agents:
+            raise ValueError(f"agent {msg.agent!r} is already resident here")
+        handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
+        # Verified in full before anything is built: a short or corrupt copy raises here
+        # and leaves this trainer (and the parked copy) exactly as they were.
+        tensors = self.channel().receive(handle)
+        config = AutoConfig.from_pretrained(msg.model_path)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
+        restore_training_state(model, optimizer, tensors)
+        model.train()
+        self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
+                                            msg.max_grad_norm, msg.accumulated)
+        return protocol.AgentReady(msg.request_id, msg.agent, msg.version,
+                                   sum(p.numel() for p in model.parameters()))
+
+    def _release_state(self, msg: protocol.ReleaseState) -> protocol.StateReleased:
+        import msgspec
+
+        from flexmarl.runtime.param_channel import ParamHandle
+
+        handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
+        parked = self.parked.pop(handle.key, None)
+        if parked is None:
+            raise KeyError(f"no parked state {handle.key} for {msg.agent} on this trainer")
+        self.channel().release(parked)
+        return protocol.StateReleased(msg.request_id, msg.agent)
+
     def _save(self, state: AgentState, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
         path = Path(msg.path)
         tmp = path.with_name(path.name + ".tmp")
@@ -215,4 +301,4 @@ class TrainerHandler(CommandHandler):
 
     def close(self) -> None:
         if self._channel is not None:
-            self._channel.close()  # unlinks every shared-memory segment it published
+            self._channel.close()  # unlinks every shared-memory segment it published or parked

@@ -30,6 +30,11 @@ EXAMPLES = [
     p.WeightsPublished(8, "checker", 1, b"h", 100, 0.1),
     p.SaveCheckpoint(9, "checker", "/tmp/ck"),
     p.CheckpointSaved(9, "checker", "/tmp/ck", 1),
+    p.OffloadAgent(10, "solver", "shm"),
+    p.AgentOffloaded(10, "solver", 3, 0, b"h", 1000, 0.01),
+    p.LoadAgent(11, "solver", "/tmp/m", 1e-3, 1.0, 3, 0, b"h"),
+    p.ReleaseState(12, "solver", b"h"),
+    p.StateReleased(12, "solver"),
 ]
 
 

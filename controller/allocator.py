@@ -1,0 +1,162 @@
+"""Agent-centric trainer allocation: trainers are a pool; an agent holds one only while it
+has training work, and idle agents' training states are parked in host memory.
+
+`choose_placement` is the decision (plain data in, a placement out). `TrainerAllocator`
+applies it: `acquire(agent)` returns the trainer the agent is resident on, swapping it in
+first if needed (parking an idle agent to make room); `release(agent)` ends one piece of
+work. An agent with work in flight is never swapped out, and its state has exactly one
+owner at any moment: a trainer while resident, else the parked copy, which is released
+only after the new owner has loaded it (so a trainer dying mid-swap leaves the last good
+copy where it was). `prefetch(agent)` starts a swap early, while rollout still runs.
+
+It knows trainers by id and talks to them only through the controller server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+
+log = logging.getLogger("flexmarl.allocator")
+
+
+@dataclass
+class Parked:
+    holder: str  # the trainer whose channel serves the parked copy
+    handle: bytes
+    version: int
+    accumulated: int
+    nbytes: int
+
+
+def choose_placement(agent: str, trainers: list[str], capacity: int, resident: dict[str, str],
+                     in_flight: dict[str, int], ready: dict[str, int],
+                     last_used: dict[str, float]) -> tuple[str, str | None] | None:
+    """Where `agent` should go: (trainer, None) for a free slot, (trainer, victim) to park
+    an idle agent first, or None to wait. Free slots go to the least loaded trainer; the
+    victim is the idle resident agent with the least ready work, longest unused."""
+    load = collections.Counter(resident.values())
+    free = [t for t in trainers if capacity <= 0 or load[t] < capacity]
+    if free:
+        return min(free, key=lambda t: (load[t], t)), None
+    idle = [a for a in resident if a != agent and in_flight.get(a, 0) == 0]
+    if not idle:
+        return None
+    victim = min(idle, key=lambda a: (ready.get(a, 0), last_used.get(a, 0.0), a))
+    return resident[victim], victim
+
+
+class TrainerAllocator:
+    def __init__(self, server: Any, trainers: list[str], capacity: int, agent_config: dict[str, Any],
+                 model_path: dict[str, str], seed: int, ready_work: Callable[[str], int],
+                 emit: Callable[[ev.Event], Any]) -> None:
+        self.server = server
+        self.trainers = list(trainers)
+        self.capacity = capacity
+        self.agent_config = agent_config
+        self.model_path = model_path
+        self.seed = seed
+        self.ready_work = ready_work
+        self.emit = emit
+        self.resident: dict[str, str] = {}
+        self.parked: dict[str, Parked] = {}
+        self.in_flight: collections.Counter[str] = collections.Counter()
+        self.last_used: dict[str, float] = {}
+        self.swaps = 0
+        self.swap_s = 0.0
+        self._lock = asyncio.Lock()  # one placement change at a time
+        self._changed = asyncio.Event()
+        self._prefetches: set[asyncio.Task] = set()
+
+    async def acquire(self, agent: str) -> str:
+        """The trainer holding `agent`, which stays there until the matching release()."""
+        while True:
+            if agent in self.resident:
+                self.in_flight[agent] += 1
+                self.last_used[agent] = time.monotonic()
+                return self.resident[agent]
+            async with self._lock:
+                if agent in self.resident:
+                    continue
+                placement = choose_placement(agent, self.trainers, self.capacity, self.resident,
+                                             self.in_flight, {a: self.ready_work(a) for a in self.agent_config},
+                                             self.last_used)
+                if placement is not None:
+                    await self._place(agent, *placement)
+                    continue
+            self._changed.clear()
+            await self._changed.wait()
+
+    def release(self, agent: str) -> None:
+        self.in_flight[agent] -= 1
+        assert self.in_flight[agent] >= 0, f"release without acquire for {agent}"
+        self._changed.set()
+
+    def prefetch(self, agent: str) -> None:
+        """Swap `agent` in now if that needs no waiting, so the swap overlaps rollout."""
+        if agent in self.resident or self._lock.locked() or any(not t.done() for t in self._prefetches):
+            return
+        placement = choose_placement(agent, self.trainers, self.capacity, self.resident, self.in_flight,
+                                     {a: self.ready_work(a) for a in self.agent_config}, self.last_used)
+        if placement is None:
+            return
+
+        async def swap_in() -> None:
+            await self.acquire(agent)
+            self.release(agent)
+
+        task = asyncio.ensure_future(swap_in())
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetch_done)
+
+    def _prefetch_done(self, task: asyncio.Task) -> None:
+        self._prefetches.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("prefetch swap failed: %r (the agent will be swapped in on demand)", task.exception())
+
+    async def _place(self, agent: str, trainer: str, victim: str | None) -> None:
+        t0 = time.monotonic()
+        if victim is not None:
+            await self._park(victim)
+        cfg = self.agent_config[agent]
+        if agent in self.parked:
+            parked = self.parked[agent]
+            await self.server.call(trainer, protocol.LoadAgent(
+                self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
+                parked.version, parked.accumulated, parked.handle))
+            # The new owner has the state; only now may the parked copy go.
+            await self.server.call(parked.holder, protocol.ReleaseState(
+                self.server.next_request_id(), agent, parked.handle))
+            del self.parked[agent]
+            why = f"swapped in from {parked.holder}'s host memory ({parked.nbytes / 1e6:.1f} MB)"
+        else:
+            await self.server.call(trainer, protocol.InitAgent(
+                self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, self.seed, cfg.max_grad_norm))
+            why = "initial placement"
+        self.resident[agent] = trainer
+        if victim is not None or why != "initial placement":
+            self.swaps += 1
+            self.swap_s += time.monotonic() - t0
+        self.emit(ev.AllocationChanged("trainer", agent, [trainer], f"{why}, {time.monotonic() - t0:.3f}s"))
+        log.info("%s bound to %s (%s)", agent, trainer, why)
+        self._changed.set()
+
+    async def _park(self, agent: str) -> None:
+        trainer = self.resident[agent]
+        reply, _ = await self.server.call(trainer, protocol.OffloadAgent(self.server.next_request_id(), agent))
+        del self.resident[agent]
+        self.parked[agent] = Parked(trainer, reply.handle, reply.version, reply.accumulated, reply.nbytes)
+        self.emit(ev.AllocationChanged("trainer", agent, [], f"parked in {trainer}'s host memory "
+                                                            f"({reply.nbytes / 1e6:.1f} MB, {reply.seconds:.3f}s)"))
+
+    async def close(self) -> None:
+        for task in list(self._prefetches):
+            task.cancel()
+        await asyncio.gather(*self._prefetches, return_exceptions=True)
