@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -74,6 +77,42 @@ class TrainerAllocator:
         self._lock = asyncio.Lock()  # one placement change at a time
         self._changed = asyncio.Event()
         self._prefetches: set[asyncio.Task] = set()
+        # Commands each trainer holds at once: one running, one queued, so it never idles
+        # on a round trip, while everything else waits here, where priority can reorder it.
+        self.depth = 2
+        self._running: collections.Counter[str] = collections.Counter()
+        self._queue: dict[str, list] = collections.defaultdict(list)
+        self._seq = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, trainer: str, priority: tuple):
+        """Holds one of the trainer's command slots. Lower `priority` goes first: an
+        optimizer step or weight sync (on the critical path of the next rollout) passes
+        other agents' queued micro-batches; equal priorities keep their order."""
+        if self._running[trainer] < self.depth and not self._queue[trainer]:
+            self._running[trainer] += 1
+        else:
+            granted = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._queue[trainer], (priority, next(self._seq), granted))
+            try:
+                await granted
+            except asyncio.CancelledError:
+                if granted.done() and not granted.cancelled():
+                    self._free(trainer)
+                raise
+        try:
+            yield
+        finally:
+            self._free(trainer)
+
+    def _free(self, trainer: str) -> None:
+        queue = self._queue[trainer]
+        while queue:
+            _, _, granted = heapq.heappop(queue)
+            if not granted.done():
+                granted.set_result(None)  # the slot passes on; the running count is unchanged
+                return
+        self._running[trainer] -= 1
 
     async def acquire(self, agent: str) -> str:
         """The trainer holding `agent`, which stays there until the matching release()."""

@@ -299,13 +299,16 @@ class TrainingRun:
             scale = 1.0 / len(trained) if trained else 0.0
             trainer = await self.allocator.acquire(agent)
             try:
-                await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), agent, version, scale))
+                async with self.allocator.slot(trainer, (0, version)):
+                    await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), agent,
+                                                                       version, scale))
                 self.emit(ev.OptimizerStep(agent, trainer, version, len(trained)))
                 await self.exp.events.flush()  # a crash loses nothing that led to a step
                 self.version[agent] = version
                 self.samples_trained += len(trained)
                 t_sync = time.monotonic()
-                await self.sync_agent(agent, trainer)
+                async with self.allocator.slot(trainer, (0, version)):
+                    await self.sync_agent(agent, trainer)
             finally:
                 self.allocator.release(agent)
             now = time.monotonic()
@@ -325,9 +328,10 @@ class TrainingRun:
         p = self.cfg.pipeline
         trainer = await self.allocator.acquire(agent)
         try:
-            reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
-                self.server.next_request_id(), agent, version, [_train_sample(s) for s in mb],
-                p.max_staleness, p.clip_ratio))
+            async with self.allocator.slot(trainer, (1, version)):
+                reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
+                    self.server.next_request_id(), agent, version, [_train_sample(s) for s in mb],
+                    p.max_staleness, p.clip_ratio))
         finally:
             self.allocator.release(agent)
         self.emit(ev.MicroBatchTrained(agent, trainer, version, len(mb), reply.seconds))
