@@ -188,9 +188,14 @@ class TrainerAllocator:
         self._changed.set()
 
     async def _park(self, agent: str) -> None:
-        trainer = self.resident[agent]
-        reply, _ = await self.server.call(trainer, protocol.OffloadAgent(self.server.next_request_id(), agent))
-        del self.resident[agent]
+        # Unbound before the first await: from here on acquire(agent) queues behind this
+        # swap instead of sending work that would reach the trainer after the offload.
+        trainer = self.resident.pop(agent)
+        try:
+            reply, _ = await self.server.call(trainer, protocol.OffloadAgent(self.server.next_request_id(), agent))
+        except BaseException:
+            self.resident[agent] = trainer  # the offload did not happen; it is still there
+            raise
         self.parked[agent] = Parked(trainer, reply.handle, reply.version, reply.accumulated, reply.nbytes)
         self.emit(ev.AllocationChanged("trainer", agent, [], f"parked in {trainer}'s host memory "
                                                             f"({reply.nbytes / 1e6:.1f} MB, {reply.seconds:.3f}s)"))

@@ -45,6 +45,10 @@ class Experiment:
         if self.events is not None:
             self.events.emit(event)
 
+    async def flush_events(self) -> None:
+        if self.events is not None:
+            await self.events.flush()
+
     @property
     def address(self) -> str:
         return self.server.address
@@ -57,12 +61,14 @@ class Experiment:
         (self.run_dir / "config.toml").write_text(dump_toml(self.config))
         address = self.server.bind()
         (self.run_dir / "controller.address").write_text(address + "\n")
-        self.events = EventLog(self.run_dir / "events.log")
+        if self.config.run.event_log:
+            self.events = EventLog(self.run_dir / "events.log")
         self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
         self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
-                       asyncio.create_task(self.server.heartbeat(), name="heartbeat"),
-                       asyncio.create_task(self.events.run(), name="event-log")]
+                       asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
+        if self.events is not None:
+            self._tasks.append(asyncio.create_task(self.events.run(), name="event-log"))
         try:
             await self._start_workers()
         except BaseException:

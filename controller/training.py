@@ -303,7 +303,7 @@ class TrainingRun:
                     await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), agent,
                                                                        version, scale))
                 self.emit(ev.OptimizerStep(agent, trainer, version, len(trained)))
-                await self.exp.events.flush()  # a crash loses nothing that led to a step
+                await self.exp.flush_events()  # a crash loses nothing that led to a step
                 self.version[agent] = version
                 self.samples_trained += len(trained)
                 t_sync = time.monotonic()

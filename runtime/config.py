@@ -91,6 +91,7 @@ class RunConfig:
     checkpoint_every: int = 0  # 0 -> only at the end
     env_latency_ms: float = 0.0  # mean latency of the simulated environment/tool call
     progress: bool = True
+    event_log: bool = True  # RUN_DIR/events.log; off only to measure its overhead
 
 
 @dataclass

@@ -1,0 +1,184 @@
+"""Level 1 load balancing, the asyncio side: observe demand, move rollout instances.
+
+`balance_loop(run)` runs next to the training loops when `router.across_agents` is on.
+Consumes: the rollout client's counters (tokens outstanding per instance, tokens
+dispatched per agent) and the rollout workers' heartbeat loads (`busy_s`). Produces:
+moves, each carried out by `reassign`. Waits for: `run.ready` (agents placed and loaded),
+then `router.interval_s` between observations, and for a move to finish before the next
+observation. Ends by itself once every global batch is trained.
+
+`reassign(run, worker, src, dst)` moves one instance: it leaves `src`'s assignment (no
+new requests), its outstanding work drains (bounded wait; if it does not drain, the
+instance goes back to `src`), then, holding `dst`'s sync lock so no weight sync of `dst`
+runs meanwhile, it loads `dst`'s model (an engine restart: agents' architectures differ)
+and `dst`'s synced weights, and joins `dst`'s assignment. Every change is an
+AllocationChanged event whose `why` carries the cost in seconds; `run.reassignments`
+counts them. An agent is never left without an instance.
+
+The decisions are in balancer.py; this module only gathers numbers and executes.
+It does not know how demand is weighed or when a move is warranted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+
+from .balancer import AgentDemand, RolloutBalancer
+from .server import RemoteError, WorkerDied
+
+if TYPE_CHECKING:
+    from .training import TrainingRun
+
+log = logging.getLogger("flexmarl.rebalance")
+
+DRAIN_TIMEOUT_S = 30.0  # an instance whose work has not drained by then stays where it was
+# What a move is assumed to cost until one has been measured: a vLLM engine restart on a
+# CPU host took 4-10 s in bench/load_balance.py. Measured costs replace it.
+FIRST_MOVE_COST_S = 5.0
+
+
+@dataclass
+class Reassignment:
+    worker: str
+    src: str
+    dst: str
+    drain_s: float
+    load_s: float
+    restarted: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.drain_s + self.load_s
+
+
+def demand_snapshot(run: "TrainingRun") -> dict[str, AgentDemand]:
+    client = run.client
+    workers = run.server.registry.workers
+    snapshot = {}
+    for agent in run.agents:
+        instances = client.instances(agent)
+        snapshot[agent] = AgentDemand(
+            outstanding={w: max(0.0, client.outstanding[w]) for w in instances},
+            dispatched_tokens=client.dispatched_tokens[agent],
+            busy_s={w: workers[w].load["busy_s"] for w in instances if "busy_s" in workers[w].load})
+    return snapshot
+
+
+async def balance_loop(run: "TrainingRun") -> None:
+    """Observes demand every interval and carries out the balancer's moves (see module doc)."""
+    cfg = run.cfg.router
+    balancer = RolloutBalancer.from_config(cfg, move_cost_s=FIRST_MOVE_COST_S)
+    await run.ready.wait()
+    while len(run.batch_trained) < run.cfg.run.steps:
+        await asyncio.sleep(cfg.interval_s)
+        move = balancer.observe(demand_snapshot(run), time.monotonic())
+        if move is None:
+            continue
+        log.info("moving %s from %s to %s: %s", ", ".join(move.instances), move.src, move.dst, move.why)
+        await asyncio.gather(*(reassign(run, w, move.src, move.dst, move.why) for w in move.instances))
+        if run.reassignments:  # the balancer weighs the next move by what moves really cost
+            balancer.move_cost_s = sum(r.seconds for r in run.reassignments) / len(run.reassignments)
+
+
+async def reassign(run: "TrainingRun", worker: str, src: str, dst: str, why: str = "",
+                   drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Reassignment | None:
+    """Moves `worker` from agent `src` to agent `dst` (see module doc); None if it did not."""
+    client = run.client
+    t0 = time.monotonic()
+    async with run.sync_lock[src]:  # no weight sync of src is addressing this instance now
+        if worker not in client.assignment.get(src, []) or len(client.instances(src)) < 2:
+            log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
+            return None
+        client.assignment[src].remove(worker)
+        run.emit(ev.AllocationChanged("rollout", src, list(client.assignment[src]),
+                                      f"{worker} leaves for {dst}: {why}"))
+    if not await _drained(client, worker, drain_timeout_s):
+        client.assignment[src].append(worker)
+        run.emit(ev.AllocationChanged("rollout", src, list(client.assignment[src]),
+                                      f"{worker} stays: its work did not drain within {drain_timeout_s:.0f}s"))
+        log.warning("%s did not drain within %.0fs; it keeps serving %s", worker, drain_timeout_s, src)
+        return None
+    t_drained = time.monotonic()
+    try:
+        async with run.sync_lock[dst]:  # the published handle stays valid while we load it
+            restarted = await _switch_engine(run, worker, src, dst)
+            client.assignment.setdefault(dst, []).append(worker)
+            done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
+            run.emit(ev.AllocationChanged(
+                "rollout", dst, list(client.assignment[dst]),
+                f"{worker} joins from {src}: {done.seconds:.2f}s (drain {done.drain_s:.2f}s, "
+                f"{'engine restart' if restarted else 'weights in place'} {done.load_s:.2f}s)"))
+    except WorkerDied as exc:
+        log.warning("%s died while moving to %s: %s", worker, dst, exc)
+        return None
+    except RemoteError as exc:
+        log.error("%s could not load %s (%s); it serves no agent now. Check its log in the run "
+                  "directory's logs/ folder.", worker, dst, exc)
+        return None
+    run.reassignments.append(done)
+    log.info("%s now serves %s (from %s) after %.2fs", worker, dst, src, done.seconds)
+    return done
+
+
+async def _drained(client, worker: str, timeout_s: float) -> bool:
+    """True once no request is outstanding on `worker`. Waits one loop turn first: a batch
+    planned for it just before it left the assignment is counted only when it is sent."""
+    deadline = time.monotonic() + timeout_s
+    await asyncio.sleep(0)
+    while client.outstanding[worker] > 0.5:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _switch_engine(run: "TrainingRun", worker: str, src: str, dst: str) -> bool:
+    """Makes `worker` serve `dst` at its synced version; True if the engine restarted.
+
+    An engine restart (LoadModel, then LoadWeights past version 0) is needed when the
+    agents' models differ. When they are the same architecture, loading `dst`'s published
+    weights in place is enough; an instance that refuses it (workers that bind an engine to
+    one agent do) gets the restart instead."""
+    server = run.server
+    version = run.synced[dst]
+    handle = run.published.get(dst)
+    if version > 0 and handle is not None and same_architecture(run.model_path[src], run.model_path[dst]):
+        try:
+            await server.call(worker, protocol.LoadWeights(server.next_request_id(), dst, version, handle))
+            return False
+        except RemoteError as exc:
+            log.info("%s cannot swap weights in place (%s); restarting its engine", worker, exc)
+    await server.call(worker, protocol.LoadModel(server.next_request_id(), dst, run.model_path[dst], 0,
+                                                 seed=run.cfg.run.seed))
+    if version > 0 and handle is not None:
+        await server.call(worker, protocol.LoadWeights(server.next_request_id(), dst, version, handle))
+    return True
+
+
+def same_architecture(model_a: str, model_b: str) -> bool:
+    """Whether two Hugging Face model directories share the engine shape: identical
+    config.json (ignoring private `_` keys) and identical tokenizer files."""
+    if model_a == model_b:
+        return True
+    a, b = Path(model_a), Path(model_b)
+    try:
+        ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    except (OSError, ValueError):
+        return False
+    strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+    if strip(ca) != strip(cb):
+        return False
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        fa, fb = a / name, b / name
+        if fa.exists() != fb.exists() or (fa.exists() and fa.read_bytes() != fb.read_bytes()):
+            return False
+    return True
