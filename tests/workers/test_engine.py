@@ -181,9 +181,9 @@ def test_a_partial_set_of_weights_is_refused_and_the_old_weights_stay(engine, re
 
 
 def test_seeded_requests_beyond_one_steps_token_budget_run_without_splitting_prompts(engine):
-    # 2000 prompts of 6 tokens exceed one step's 16384-token budget: they must run in
+    # 3000 prompts of 6 tokens exceed one step's 16384-token budget: they must run in
     # waves. (vLLM on CPU fails seeded sampling for a prompt whose prefill was split.)
-    batch = [(f"wave-{i}", p, i) for i, p in enumerate(prompts(2000, seed=7))]
+    batch = [(f"wave-{i}", p, i) for i, p in enumerate(prompts(3000, seed=7))]
     assert sum(len(p) for _, p, _ in batch) > 16384
     done = run(engine, batch)
-    assert len(done) == 2000 and all(len(c.token_ids) == MAX_TOKENS for c in done.values())
+    assert len(done) == 3000 and all(len(c.token_ids) == MAX_TOKENS for c in done.values())
