@@ -49,9 +49,11 @@ def run_mode(mode: str, k: int, args: argparse.Namespace) -> dict:
                 return summary, exp.training
 
         summary, training = asyncio.run(main())
-        events, problem = read_events(f"{run_dir}/events.log")
-        assert problem is None, problem
-        usage = replay.summarize(events)
+        busy = {}
+        if cfg.run.event_log:  # busy fractions come from the log (absent when it is off)
+            events, problem = read_events(f"{run_dir}/events.log")
+            assert problem is None, problem
+            busy = {w: round(u.utilization, 3) for w, u in replay.summarize(events).workers.items()}
     # Steady state: the first `--warmup` global batches pay for first-time engine work
     # (every new batch shape costs vLLM seconds once), in every mode alike.
     w = args.warmup
@@ -62,8 +64,7 @@ def run_mode(mode: str, k: int, args: argparse.Namespace) -> dict:
     stage = {"rollout_s": statistics.median(training.stage_end[t] - training.stage_start[t] for t in tags),
              "train_sync_s": statistics.median(done[t] - training.stage_end[t] for t in tags)}
     rewards = {a: round(statistics.mean(r[-3:]), 4) for a, r in summary.rewards.items()}
-    busy = {w: round(u.utilization, 3) for w, u in usage.workers.items()}
-    return {"mode": mode, "max_staleness": k, "steps": args.steps,
+    return {"mode": mode, "max_staleness": k, "steps": args.steps, "event_log": cfg.run.event_log,
             "warmup_steps": w, "iter_s": round(steady_s / (args.steps - w), 4),
             "samples_per_s": round(steady_samples / steady_s, 1),
             "samples_per_s_incl_warmup": round(summary.samples / summary.wall_s, 1),
