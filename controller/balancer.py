@@ -76,6 +76,8 @@ class _AgentEstimate:
 
 
 class RolloutBalancer:
+    """Decides level 1 moves from a stream of demand snapshots (see the module doc)."""
+
     def __init__(self, threshold: float = 5.0, patience: int = 3, cooldown_s: float = 5.0,
                  horizon_s: float = 1.0, smoothing_s: float = 5.0, move_cost_s: float = 0.0) -> None:
         if threshold < 1.0 or patience < 1:
@@ -101,6 +103,7 @@ class RolloutBalancer:
         return cls(cfg.disparity_threshold, cfg.patience, cfg.cooldown_s, **kw)
 
     def observe(self, snapshot: dict[str, AgentDemand], now: float) -> Move | None:
+        """One observation (`now` in seconds on any monotonic clock); the move to make, if any."""
         self._update_estimates(snapshot, now)
         self.loads = self.per_instance_loads(snapshot)
         choice = self._candidate(snapshot)
@@ -115,7 +118,7 @@ class RolloutBalancer:
         if self._streak_len < self.patience or now - self._last_move_t < self.cooldown_s:
             return None
         donors = sorted(snapshot[src].outstanding, key=lambda w: (snapshot[src].outstanding[w], w))
-        why = (f"{dst} {self.loads[dst]:.3g} vs {src} {self.loads[src]:.3g} per instance "
+        why = (f"{dst} {self.loads[dst]:.3g}s vs {src} {self.loads[src]:.3g}s of work per instance "
                f"(disparity {disparity:.1f} >= {self.threshold:g} for {self._streak_len} observations)")
         self._last_move_t = now
         self._streak, self._streak_len = None, 0

@@ -9,9 +9,9 @@ observation. Ends by itself once every global batch is trained.
 
 `reassign(run, worker, src, dst)` moves one instance: it leaves `src`'s assignment (no
 new requests), its outstanding work drains (bounded wait; if it does not drain, the
-instance goes back to `src`), then, holding `dst`'s sync lock so no weight sync of `dst`
-runs meanwhile, it loads `dst`'s model (an engine restart: agents' architectures differ)
-and `dst`'s synced weights, and joins `dst`'s assignment. Every change is an
+instance goes back to `src`), it loads `dst`'s model (an engine restart: agents'
+architectures differ), then, holding `dst`'s sync lock so no weight sync of `dst` runs in
+between, `dst`'s synced weights, and joins `dst`'s assignment. Every change is an
 AllocationChanged event whose `why` carries the cost in seconds; `run.reassignments`
 counts them. An agent is never left without an instance.
 
@@ -109,14 +109,12 @@ async def reassign(run: "TrainingRun", worker: str, src: str, dst: str, why: str
         return None
     t_drained = time.monotonic()
     try:
-        async with run.sync_lock[dst]:  # the published handle stays valid while we load it
-            restarted = await _switch_engine(run, worker, src, dst)
-            client.assignment.setdefault(dst, []).append(worker)
-            done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
-            run.emit(ev.AllocationChanged(
-                "rollout", dst, list(client.assignment[dst]),
-                f"{worker} joins from {src}: {done.seconds:.2f}s (drain {done.drain_s:.2f}s, "
-                f"{'engine restart' if restarted else 'weights in place'} {done.load_s:.2f}s)"))
+        restarted = await _join(run, worker, src, dst)
+        done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
+        run.emit(ev.AllocationChanged(
+            "rollout", dst, list(client.assignment[dst]),
+            f"{worker} joins from {src}: {done.seconds:.2f}s (drain {done.drain_s:.2f}s, "
+            f"{'engine restart' if restarted else 'weights in place'} {done.load_s:.2f}s)"))
     except WorkerDied as exc:
         log.warning("%s died while moving to %s: %s", worker, dst, exc)
         return None
@@ -141,27 +139,42 @@ async def _drained(client, worker: str, timeout_s: float) -> bool:
     return True
 
 
-async def _switch_engine(run: "TrainingRun", worker: str, src: str, dst: str) -> bool:
-    """Makes `worker` serve `dst` at its synced version; True if the engine restarted.
+async def _join(run: "TrainingRun", worker: str, src: str, dst: str) -> bool:
+    """Makes `worker` serve `dst` at its synced version and adds it to `dst`'s assignment;
+    True if its engine restarted.
 
-    An engine restart (LoadModel, then LoadWeights past version 0) is needed when the
-    agents' models differ. When they are the same architecture, loading `dst`'s published
-    weights in place is enough; an instance that refuses it (workers that bind an engine to
-    one agent do) gets the restart instead."""
+    Agents' models differ, so the engine restarts on `dst`'s model (LoadModel at version
+    0, then LoadWeights of `dst`'s synced version past 0). The restart happens outside
+    `dst`'s sync lock: it needs none of `dst`'s weights, and `dst` keeps syncing meanwhile.
+    The weights are loaded and the instance joins under the lock, so the published handle
+    stays valid and no sync of `dst` runs in between. With the same architecture, loading
+    `dst`'s weights in place is enough; an instance that refuses (a worker that binds its
+    engine to one agent does) restarts instead."""
     server = run.server
-    version = run.synced[dst]
-    handle = run.published.get(dst)
-    if version > 0 and handle is not None and same_architecture(run.model_path[src], run.model_path[dst]):
-        try:
-            await server.call(worker, protocol.LoadWeights(server.next_request_id(), dst, version, handle))
-            return False
-        except RemoteError as exc:
-            log.info("%s cannot swap weights in place (%s); restarting its engine", worker, exc)
-    await server.call(worker, protocol.LoadModel(server.next_request_id(), dst, run.model_path[dst], 0,
-                                                 seed=run.cfg.run.seed))
-    if version > 0 and handle is not None:
-        await server.call(worker, protocol.LoadWeights(server.next_request_id(), dst, version, handle))
-    return True
+    restarted = False
+    if not same_architecture(run.model_path[src], run.model_path[dst]):
+        await server.call(worker, protocol.LoadModel(server.next_request_id(), dst, run.model_path[dst], 0,
+                                                     seed=run.cfg.run.seed))
+        restarted = True
+    async with run.sync_lock[dst]:
+        version, handle = run.synced[dst], run.published.get(dst)
+        if version > 0 and handle is not None:
+            try:
+                await server.call(worker, protocol.LoadWeights(server.next_request_id(), dst, version, handle))
+            except RemoteError as exc:
+                if restarted:
+                    raise
+                log.info("%s cannot swap weights in place (%s); restarting its engine", worker, exc)
+                await server.call(worker, protocol.LoadModel(server.next_request_id(), dst,
+                                                             run.model_path[dst], 0, seed=run.cfg.run.seed))
+                await server.call(worker, protocol.LoadWeights(server.next_request_id(), dst, version, handle))
+                restarted = True
+        elif not restarted:  # dst is still at version 0: its weights are the model directory's
+            await server.call(worker, protocol.LoadModel(server.next_request_id(), dst, run.model_path[dst], 0,
+                                                         seed=run.cfg.run.seed))
+            restarted = True
+        run.client.assignment.setdefault(dst, []).append(worker)
+    return restarted
 
 
 def same_architecture(model_a: str, model_b: str) -> bool:

@@ -98,6 +98,9 @@ class _Instance:
 
 
 class Simulation:
+    """One configuration on one workload: equal split at the start, then `run()` to the
+    last query. `router` supplies level 1's threshold, patience, cooldown and interval."""
+
     def __init__(self, workload: SimWorkload, instances: int, config: str = "hierarchical", *,
                  router: RouterConfig | None = None, max_batch: int = 32, reload_s: float = 5.0) -> None:
         if config not in CONFIGS:

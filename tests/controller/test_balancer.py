@@ -1,0 +1,325 @@
+import asyncio
+import itertools
+import types
+
+import pytest
+
+from flexmarl.controller.balancer import AgentDemand, Move, RolloutBalancer, instances_to_move, reroute
+from flexmarl.controller.rebalance import reassign, same_architecture
+from flexmarl.controller.registry import WorkerInfo, WorkerRegistry
+from flexmarl.controller.router import RolloutClient
+from flexmarl.controller.server import RemoteError, WorkerDied
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+
+
+def demand(**per_agent: list[float]) -> dict[str, AgentDemand]:
+    """agent=[outstanding tokens of each instance]; instance names are agent + index."""
+    return {a: AgentDemand({f"{a}{i}": tokens for i, tokens in enumerate(load)}) for a, load in per_agent.items()}
+
+
+def at(snapshot: dict[str, AgentDemand], t: float) -> dict[str, AgentDemand]:
+    """The snapshot at time t of agents that each finish 1 token per busy instance-second
+    (so loads in seconds equal loads in tokens) and receive 1 token/s."""
+    return {a: AgentDemand(d.outstanding, t, {w: t / len(d.outstanding) for w in d.outstanding})
+            for a, d in snapshot.items()}
+
+
+def observe_many(balancer: RolloutBalancer, snapshots, step: float = 0.5) -> list:
+    """Observations every `step` seconds; the first only starts the measurements."""
+    return [balancer.observe(at(s, i * step), i * step) for i, s in enumerate(snapshots)]
+
+
+def test_skewed_demand_moves_an_instance_from_the_idlest_agent_to_the_busiest():
+    balancer = RolloutBalancer(threshold=5.0, patience=3, cooldown_s=5.0)
+    skewed = demand(solver=[1000, 1000], planner=[0, 0], checker=[10, 10])
+    moves = observe_many(balancer, [skewed] * 4)
+    assert moves[:3] == [None, None, None]  # patience: the third measured observation in a row decides
+    assert moves[3] == Move(("planner0",), "planner", "solver", moves[3].why)
+    assert "disparity" in moves[3].why
+
+
+def test_equal_demand_moves_nothing():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    equal = demand(solver=[500, 500], planner=[500, 500], checker=[500, 500])
+    assert observe_many(balancer, [equal] * 20) == [None] * 20
+
+
+def test_nothing_moves_before_the_receivers_service_rate_is_measured():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    skewed = demand(solver=[1000, 1000], planner=[0, 0])
+    assert [balancer.observe(skewed, t) for t in range(5)] == [None] * 5  # never seen busy
+
+
+def test_a_receiver_with_less_work_than_a_move_costs_gets_nothing():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0, move_cost_s=600.0)
+    assert observe_many(balancer, [demand(solver=[500, 500], planner=[0, 0])] * 5) == [None] * 5
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0, move_cost_s=400.0)
+    assert observe_many(balancer, [demand(solver=[500, 500], planner=[0, 0])] * 5)[1] is not None
+
+
+def test_idle_system_moves_nothing():
+    balancer = RolloutBalancer(patience=1, cooldown_s=0.0)
+    idle = demand(solver=[0, 0], planner=[0, 0])
+    assert observe_many(balancer, [idle] * 5) == [None] * 5
+
+
+def test_oscillating_demand_never_flip_flops():
+    balancer = RolloutBalancer(threshold=2.0, patience=3, cooldown_s=5.0)
+    a_heavy = demand(a=[900, 900], b=[10, 10])
+    b_heavy = demand(a=[10, 10], b=[900, 900])
+    assert observe_many(balancer, [a_heavy, b_heavy] * 20) == [None] * 40
+
+
+def test_no_second_move_within_the_cooldown_even_if_the_skew_persists():
+    balancer = RolloutBalancer(threshold=2.0, patience=1, cooldown_s=5.0)
+    skewed = demand(a=[900, 900, 900], b=[0, 0, 0, 0, 0, 0])
+    moves = observe_many(balancer, [skewed] * 30, step=0.5)  # 15 s
+    times = [i * 0.5 for i, m in enumerate(moves) if m is not None]
+    assert times and all(t2 - t1 >= 5.0 for t1, t2 in itertools.pairwise(times))
+
+
+def test_an_agent_is_never_left_without_an_instance():
+    balancer = RolloutBalancer(threshold=2.0, patience=1, cooldown_s=0.0)
+    # Every other agent has a single instance: there is no donor, however skewed the load.
+    assert observe_many(balancer, [demand(a=[10_000], b=[0], c=[0])] * 5) == [None] * 5
+    assert instances_to_move(work_dst=1e9, n_dst=1, work_src=0.0, n_src=5) == 4
+    assert instances_to_move(work_dst=1e9, n_dst=1, work_src=0.0, n_src=1) == 0
+
+
+def test_a_move_happens_only_if_it_lowers_the_larger_per_instance_load():
+    # dst 10/instance, src 6/instance: taking one of src's two would leave src at 12 > 10.
+    assert instances_to_move(work_dst=10, n_dst=1, work_src=12, n_src=2) == 0
+    balancer = RolloutBalancer(threshold=1.0, patience=1, cooldown_s=0.0)
+    assert observe_many(balancer, [demand(a=[10], b=[6, 6])] * 3) == [None] * 3
+
+
+def test_at_scale_several_instances_move_at_once_to_even_out_the_load():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    move = observe_many(balancer, [demand(a=[1000] * 10, b=[0] * 10)] * 2)[1]
+    assert move is not None and len(move.instances) == 9 and move.src == "b" and move.dst == "a"
+
+
+def test_token_demand_is_weighed_by_each_agents_measured_service_rate():
+    # Equal tokens outstanding, but agent `slow` finishes ten times fewer tokens per busy
+    # second: its work takes ten times longer, so it is the one that needs instances.
+    balancer = RolloutBalancer(threshold=5.0, patience=2, cooldown_s=0.0, smoothing_s=1.0)
+    def snap(t: int) -> dict[str, AgentDemand]:
+        return {"fast": AgentDemand({"f0": 1000, "f1": 1000}, 1000.0 * t, {"f0": 0.1 * t, "f1": 0.1 * t}),
+                "slow": AgentDemand({"s0": 1000, "s1": 1000}, 1000.0 * t, {"s0": 1.0 * t, "s1": 1.0 * t})}
+    moves = [balancer.observe(snap(t), float(t)) for t in range(4)]
+    move = next(m for m in moves if m is not None)
+    assert (move.src, move.dst) == ("fast", "slow")
+    assert balancer.loads["slow"] == pytest.approx(10 * balancer.loads["fast"])
+
+
+def test_an_agent_that_lost_every_instance_gets_one_back():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    move = balancer.observe({"a": AgentDemand({}, 0.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 0.0)
+    # a has nothing outstanding but also no instance: no demand, no move.
+    assert move is None
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    balancer.observe({"a": AgentDemand({}, 0.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 0.0)
+    move = balancer.observe({"a": AgentDemand({}, 800.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 1.0)
+    assert move is not None and move.dst == "a" and move.instances[0] == "b1"  # the least outstanding
+
+
+def test_a_dead_instances_requests_are_rerouted_to_the_live_ones_evenly():
+    plan = reroute([5.0] * 4, {"r0": 0.0, "r1": 10.0, "r2": 0.0}, dead={"r0"})
+    assert "r0" not in plan and sorted(i for ix in plan.values() for i in ix) == [0, 1, 2, 3]
+    assert sorted(len(ix) for ix in plan.values()) == [1, 3]  # r2 takes 3 (15 = r1's 10 + 5)
+    with pytest.raises(ValueError, match="no live instance"):
+        reroute([5.0], {"r0": 0.0}, dead={"r0"})
+
+
+class FakeServer:
+    """The methods RolloutClient uses, with workers that never answer on their own."""
+
+    def __init__(self, workers: list[str]) -> None:
+        self.registry = WorkerRegistry()
+        for w in workers:
+            self.registry.workers[w] = WorkerInfo(w, w.encode(), "rollout", "host", 1, [], {}, 0.0, 0.0)
+        self.sent: list[tuple[str, protocol.Generate]] = []
+        self.streams: dict[int, tuple] = {}
+        self._ids = itertools.count(1)
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def stream(self, worker, msg, on_reply):
+        future = asyncio.get_running_loop().create_future()
+        self.streams[msg.request_id] = (worker, on_reply, future)
+        return future
+
+    async def send_request(self, worker, msg):
+        self.sent.append((worker, msg))
+
+    def kill(self, worker: str) -> None:
+        self.registry.workers[worker].alive = False
+        for w, _, future in self.streams.values():
+            if w == worker and not future.done():
+                future.set_exception(WorkerDied(worker, "killed by the test"))
+
+    def answer(self, request_id: int) -> None:
+        worker, on_reply, future = self.streams[request_id]
+        msg = next(m for w, m in self.sent if m.request_id == request_id)
+        results = [protocol.GenResult(it.sample_id, [7], [-0.1], 0) for it in msg.items]
+        if on_reply(protocol.Generated(request_id, msg.agent, results, True, {}), []):
+            future.set_result((None, []))
+
+
+async def until(condition, turns: int = 100) -> None:
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+async def test_requests_on_a_dead_instance_are_reissued_to_a_live_instance_of_the_agent():
+    server = FakeServer(["r0", "r1"])
+    client = RolloutClient(server)
+    client.assignment = {"a": ["r0", "r1"]}
+    requests = [protocol.GenRequest(f"s{i}", [1, 2], 4, 1.0, i) for i in range(3)]
+    task = asyncio.ensure_future(client.generate("a", requests))
+    await until(lambda: len(server.sent) == 1)
+    assert server.sent[0][0] == "r0"  # a small batch goes whole to one instance
+    server.kill("r0")
+    await until(lambda: len(server.sent) == 2)
+    worker, msg = server.sent[1]
+    assert worker == "r1" and sorted(it.sample_id for it in msg.items) == ["s0", "s1", "s2"]
+    server.answer(msg.request_id)
+    results = await task
+    assert [r.sample_id for r in results] == ["s0", "s1", "s2"]
+    assert client.reissued == 3 and client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
+
+
+async def test_an_instance_removed_from_the_assignment_gets_no_new_requests():
+    server = FakeServer(["r0", "r1"])
+    client = RolloutClient(server)
+    client.assignment = {"a": ["r1"]}  # r0 is draining for a move
+    requests = [protocol.GenRequest(f"s{i}", [1], 2, 1.0, i) for i in range(16)]
+    task = asyncio.ensure_future(client.generate("a", requests))
+    await until(lambda: len(server.sent) >= 1)
+    assert {w for w, _ in server.sent} == {"r1"}
+    for _, msg in list(server.sent):
+        server.answer(msg.request_id)
+    assert len(await task) == 16
+
+
+# ---------------------------------------------------------------- carrying out a move
+
+
+class FakeRun:
+    """What reassign() uses of a TrainingRun, over a FakeServer whose workers answer
+    LoadModel and LoadWeights at once (refusing another agent's weights, like the
+    rollout worker does)."""
+
+    def __init__(self, tmp_path, assignment: dict[str, list[str]], same_model: bool = False) -> None:
+        workers = [w for ws in assignment.values() for w in ws]
+        self.server = FakeServer(workers)
+        self.server.calls = []
+        self.serving = {w: a for a, ws in assignment.items() for w in ws}
+
+        async def call(worker, msg, buffers=(), timeout=None):
+            self.server.calls.append((worker, msg))
+            if isinstance(msg, protocol.LoadWeights) and msg.agent != self.serving[worker]:
+                raise RemoteError(f"{worker}: weights for {msg.agent} sent to an instance serving "
+                                  f"{self.serving[worker]}")
+            if isinstance(msg, protocol.LoadModel):
+                self.serving[worker] = msg.agent
+            return msg, []
+
+        self.server.call = call
+        self.client = RolloutClient(self.server)
+        self.client.assignment = {a: list(ws) for a, ws in assignment.items()}
+        self.sync_lock = {a: asyncio.Lock() for a in assignment}
+        self.synced = {a: 0 for a in assignment}
+        self.published: dict[str, bytes] = {}
+        self.model_path = {}
+        for a in assignment:
+            d = tmp_path / a
+            d.mkdir()
+            d.joinpath("config.json").write_text('{"hidden_size": %d}' % (64 if same_model else ord(a[0])))
+            self.model_path[a] = str(d)
+        self.cfg = types.SimpleNamespace(run=types.SimpleNamespace(seed=0))
+        self.events: list = []
+        self.reassignments: list = []
+
+    def emit(self, event) -> None:
+        self.events.append(event)
+
+    def sent(self) -> list[tuple[str, str, str, int]]:
+        return [(w, type(m).__name__, m.agent, m.version) for w, m in self.server.calls]
+
+
+async def test_a_moved_instance_restarts_on_the_new_agents_model_and_loads_its_synced_weights(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
+    run.synced["b"], run.published["b"] = 3, b"handle-b3"
+    done = await reassign(run, "r0", "a", "b")
+    assert done is not None and done.restarted and done.seconds >= 0
+    assert run.sent() == [("r0", "LoadModel", "b", 0), ("r0", "LoadWeights", "b", 3)]
+    assert run.server.calls[1][1].handle == b"handle-b3"
+    assert run.client.assignment == {"a": ["r1"], "b": ["r2", "r0"]}
+    changes = [(e.agent, e.workers) for e in run.events if isinstance(e, ev.AllocationChanged)]
+    assert changes == [("a", ["r1"]), ("b", ["r2", "r0"])]
+    assert "s (drain" in run.events[-1].why and run.reassignments == [done]
+
+
+async def test_an_instance_joining_an_agent_still_at_version_zero_only_loads_the_model(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
+    await reassign(run, "r1", "a", "b")
+    assert run.sent() == [("r1", "LoadModel", "b", 0)]
+
+
+async def test_a_move_waits_until_the_instances_outstanding_work_drains(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
+    run.client.outstanding["r0"] = 40.0
+    task = asyncio.ensure_future(reassign(run, "r0", "a", "b"))
+    await asyncio.sleep(0.2)
+    assert run.sent() == [] and run.client.assignment["a"] == ["r1"]  # left a, not loaded yet
+    run.client.outstanding["r0"] = 0.0
+    assert (await task) is not None and run.client.assignment["b"] == ["r2", "r0"]
+
+
+async def test_an_instance_that_does_not_drain_in_time_stays_with_its_agent(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
+    run.client.outstanding["r0"] = 40.0
+    assert await reassign(run, "r0", "a", "b", drain_timeout_s=0.1) is None
+    assert run.client.assignment == {"a": ["r1", "r0"], "b": ["r2"]} and run.sent() == []
+
+
+async def test_the_last_instance_of_an_agent_never_moves(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0"], "b": ["r1"]})
+    assert await reassign(run, "r0", "a", "b") is None
+    assert run.client.assignment == {"a": ["r0"], "b": ["r1"]} and run.sent() == []
+
+
+async def test_same_architecture_swaps_weights_in_place_or_restarts_if_the_instance_refuses(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]}, same_model=True)
+    assert same_architecture(run.model_path["a"], run.model_path["b"])
+    run.serving["r0"] = "b"  # an instance that accepts the other agent's weights
+    run.synced["b"], run.published["b"] = 2, b"h"
+    done = await reassign(run, "r0", "a", "b")
+    assert not done.restarted and run.sent() == [("r0", "LoadWeights", "b", 2)]
+    run.server.calls.clear()
+    run.client.assignment["a"].append("r3")
+    run.server.registry.workers["r3"] = WorkerInfo("r3", b"r3", "rollout", "host", 1, [], {}, 0.0, 0.0)
+    run.serving["r3"] = "a"  # today's rollout worker: refuses, so it restarts
+    done = await reassign(run, "r3", "a", "b")
+    assert done.restarted
+    assert run.sent() == [("r3", "LoadWeights", "b", 2), ("r3", "LoadModel", "b", 0), ("r3", "LoadWeights", "b", 2)]
+
+
+async def test_the_engine_restarts_while_the_new_agent_syncs_but_joins_only_between_syncs(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
+    run.synced["b"], run.published["b"] = 1, b"h1"
+    await run.sync_lock["b"].acquire()  # b is publishing version 2
+    task = asyncio.ensure_future(reassign(run, "r0", "a", "b"))
+    await until(lambda: len(run.server.calls) == 1)
+    await asyncio.sleep(0.1)
+    assert run.sent() == [("r0", "LoadModel", "b", 0)] and "r0" not in run.client.assignment["b"]
+    run.synced["b"], run.published["b"] = 2, b"h2"
+    run.sync_lock["b"].release()
+    await task
+    assert run.sent()[-1] == ("r0", "LoadWeights", "b", 2) and run.client.assignment["b"] == ["r2", "r0"]
