@@ -88,7 +88,7 @@ class VllmEngine:
             disable_log_stats=True,
         )
         self._engine = self._llm.llm_engine
-        self._weight_names = checkpoint_weight_names(model_path)
+        self._weight_shapes = checkpoint_weight_shapes(model_path)
         # request_id -> prompt tokens + max_tokens: the work it may still cost.
         self._outstanding: dict[str, int] = {}
         self.startup_seconds = time.perf_counter() - start
@@ -187,15 +187,22 @@ class VllmEngine:
                 "before load_weights so no sample mixes two policy versions"
             )
         weights = list(named_tensors)
-        if self._weight_names is not None:
+        if self._weight_shapes is not None:
             given = {name for name, _ in weights}
-            missing, unknown = self._weight_names - given, given - self._weight_names
+            expected = set(self._weight_shapes)
+            missing, unknown = expected - given, given - expected
             if missing or unknown:
                 raise ValueError(
                     f"load_weights needs exactly the checkpoint's weights; missing "
                     f"{sorted(missing)[:5]}, unknown {sorted(unknown)[:5]} (first five each); "
                     "the engine keeps its previous weights"
                 )
+            # A shape mismatch would fail halfway through the reload, leaving a model that
+            # is part old, part new: refuse it before touching anything.
+            wrong = [n for n, t in weights if tuple(t.shape) != self._weight_shapes[n]]
+            if wrong:
+                raise ValueError(f"load_weights got tensors of the wrong shape for {wrong[:5]} "
+                                 "(another architecture?); the engine keeps its previous weights")
         start = time.perf_counter()
         self._engine.collective_rpc(
             "reload_weights",
@@ -214,13 +221,14 @@ class VllmEngine:
             engine.engine_core.shutdown()
 
 
-def checkpoint_weight_names(model_path: str | os.PathLike) -> set[str] | None:
-    """Tensor names in the directory's safetensors files; None if it has none."""
+def checkpoint_weight_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Tensor names and shapes in the directory's safetensors files; None if it has none."""
     from safetensors import safe_open
 
-    names: set[str] = set()
+    shapes: dict[str, tuple[int, ...]] = {}
     files = sorted(Path(model_path).glob("*.safetensors"))
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            names.update(handle.keys())
-    return names if files else None
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes if files else None

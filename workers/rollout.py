@@ -128,16 +128,21 @@ class RolloutHandler(CommandHandler):
 
         from flexmarl.runtime.param_channel import ParamChannel, ParamHandle
 
-        if msg.agent != self.agent:
-            raise ValueError(f"weights for {msg.agent} sent to an instance serving {self.agent}")
+        if msg.agent != self.agent and self._batches:
+            raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
         handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
         if self._channel is None:
             self._channel = ParamChannel()
         # Verified before any tensor is handed out: a short or corrupt transfer raises here
         # and the engine keeps its previous weights.
         tensors = self._channel.receive(handle)
+        # Another agent's weights load in place only when they are a complete set for this
+        # engine's architecture (the engine refuses any other set and keeps its weights);
+        # the controller then restarts the engine on that agent's model instead.
         self.engine.load_weights(tensors.items())
-        self.version = msg.version
+        if msg.agent != self.agent:
+            log.info("now serving %s (weights swapped in place, was %s)", msg.agent, self.agent)
+        self.agent, self.version = msg.agent, msg.version
 
     def _start(self, msg: protocol.Generate) -> None:
         batch = _Batch(msg.request_id, msg.agent, {it.sample_id for it in msg.items},

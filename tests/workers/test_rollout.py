@@ -1,0 +1,66 @@
+"""The rollout worker's weight handling, run directly on a real vLLM engine."""
+
+import random
+
+import msgspec
+import pytest
+import torch
+
+from flexmarl.controller import tasks
+from flexmarl.runtime import protocol as p
+from flexmarl.runtime.param_channel import ParamChannel
+from flexmarl.workers import models
+from flexmarl.workers.rollout import RolloutHandler
+
+pytestmark = pytest.mark.slow
+
+
+def greedy(handler, prompt):
+    handler.engine.add("greedy", prompt, 6, 0.0, 0)
+    out = []
+    while handler.engine.has_unfinished():
+        out += handler.engine.step()
+    return out[0].token_ids
+
+
+def transformers_greedy(model_dir, prompt):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             min_new_tokens=6)
+    return out[0, len(prompt):].tolist()
+
+
+def test_an_idle_instance_switches_agents_in_place_when_architectures_match(tmp_path):
+    spec = tasks.AGENTS["planner"]
+    first = models.build_model(spec, tmp_path / "a")
+    other_spec = type(spec)(**{**spec.__dict__, "name": "other", "seed": spec.seed + 100})
+    other = models.build_model(other_spec, tmp_path / "b")
+    handler = RolloutHandler()
+    handler._load_model(p.LoadModel(1, "planner", str(first), 0))
+    prompt = tasks.planner_prompt(tasks.make_query(random.Random(3)))
+    from safetensors.torch import load_file
+    with ParamChannel() as channel:
+        handle = channel.publish(load_file(str(other / "model.safetensors")), agent="other", version=4,
+                                 transport="shm")
+        handler._load_weights(p.LoadWeights(2, "other", 4, msgspec.msgpack.encode(handle)))
+        assert (handler.agent, handler.version) == ("other", 4)
+        assert greedy(handler, prompt) == transformers_greedy(other, prompt)
+        # a set that does not fit this engine is refused, and the instance is unchanged
+        solver = models.build_model(tasks.AGENTS["solver"], tmp_path / "c")
+        bad = channel.publish(load_file(str(solver / "model.safetensors")), agent="solver", version=1,
+                              transport="shm")
+        with pytest.raises(ValueError):
+            handler._load_weights(p.LoadWeights(3, "solver", 1, msgspec.msgpack.encode(bad)))
+        assert (handler.agent, handler.version) == ("other", 4)
+        assert greedy(handler, prompt) == transformers_greedy(other, prompt)
+        # same names, other shapes (checker: 2 layers, wider): refused before any change
+        checker = models.build_model(tasks.AGENTS["checker"], tmp_path / "d")
+        wide = channel.publish(load_file(str(checker / "model.safetensors")), agent="checker", version=1,
+                               transport="shm")
+        with pytest.raises(ValueError, match="wrong shape"):
+            handler._load_weights(p.LoadWeights(4, "checker", 1, msgspec.msgpack.encode(wide)))
+        assert greedy(handler, prompt) == transformers_greedy(other, prompt)
+    handler.close()
