@@ -51,14 +51,12 @@ class NoInstance(Exception):
 
 
 class RolloutClient:
-    def __init__(self, server: ControllerServer, *, on_result: Callable[[str, protocol.GenResult], None] | None = None,
-                 instance_wait_s: float = 60.0, emit: Callable[[ev.Event], object] | None = None,
-                 within_agent: str = "least_loaded") -> None:
+    def __init__(self, server: ControllerServer, *, instance_wait_s: float = 60.0,
+                 emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded") -> None:
         self.server = server
         self.emit = emit or (lambda event: None)
         self.assignment: dict[str, list[str]] = {}  # agent -> worker ids
         self.outstanding: dict[str, float] = defaultdict(float)  # worker -> tokens in flight
-        self.on_result = on_result
         self.instance_wait_s = instance_wait_s
         self.max_attempts = 3  # a request that fails on this many instances fails its episode
         self.within_agent = within_agent
@@ -131,8 +129,6 @@ class RolloutClient:
                     log.warning("%s returned unknown or repeated sample %s", worker, result.sample_id)
                     continue
                 self.outstanding[worker] -= cost[result.sample_id]
-                if self.on_result is not None:
-                    self.on_result(worker, result)
                 if not entry[1].done():
                     entry[1].set_result(result)
             return msg.done
