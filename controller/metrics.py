@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import decisions
+
 log = logging.getLogger("flexmarl.metrics")
 
 
@@ -25,11 +27,10 @@ class MetricsLog:
         self.started = time.monotonic()
         self._fh = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.rows: list[dict[str, Any]] = []
-        self.step_times: list[Any] = []
 
     def record(self, step: int, agent: str, version: int, samples: list[Any], times: Any, **extra: Any) -> None:
         rewards = [s.reward for s in samples]
-        lags = [version - 1 - s.min_version for s in samples]
+        lags = [decisions.lag(version - 1, s.versions) for s in samples]
         row = {"step": step, "agent": agent, "version": version,
                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                "samples": len(samples), "time": round(time.monotonic() - self.started, 3),
@@ -38,8 +39,7 @@ class MetricsLog:
         self.rows.append(row)
         self._fh.write(json.dumps(row) + "\n")
 
-    def end_step(self, step: int, total: int, times: Any) -> None:
-        self.step_times.append(times)
+    def end_step(self, step: int, total: int) -> None:
         if not self.progress:
             return
         last = {r["agent"]: r["reward_mean"] for r in self.rows if r["step"] == step}

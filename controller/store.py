@@ -72,7 +72,8 @@ class ExperienceStore:
             raise KeyError(f"unknown agent {agent!r} (configured: {', '.join(self.ready)})")
         if group_id in self.groups:
             raise DuplicateResult(f"group {group_id} already exists")
-        members = [Sample(f"{group_id}/{i}", agent, group_id, list(prompt_ids), tag=tag) for i in range(n)]
+        prompt = list(prompt_ids)  # one list for the whole group: members never modify it
+        members = [Sample(f"{group_id}/{i}", agent, group_id, prompt, tag=tag) for i in range(n)]
         self.emit(ev.GroupOpened(agent, group_id, [s.sample_id for s in members], tag))
         for s in members:
             self.samples[s.sample_id] = s

@@ -22,7 +22,7 @@ import collections
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,7 +97,6 @@ class RunSummary:
     tokens: int
     episodes_failed: int
     rewards: dict[str, list[float]]
-    times: list[StepTimes] = field(default_factory=list)
     run_dir: str = ""
 
     def reward_change(self, agent: str, window: int = 5) -> tuple[float, float]:
@@ -231,7 +230,7 @@ class TrainingRun:
         self.busy = self._busy_fractions()
         return RunSummary(self.cfg.run.steps, self.wall_s, self.samples_trained,
                           self.tokens_trained, self.failed_episodes, self.metrics.reward_history(),
-                          self.metrics.step_times, str(self.exp.run_dir))
+                          str(self.exp.run_dir))
 
     async def produce_episodes(self) -> None:
         """Starts every episode of every global batch, in order, bounded by
@@ -322,7 +321,7 @@ class TrainingRun:
             self._steps_done[tag] += 1
             if self._steps_done[tag] == len(self.agents):
                 self.batch_trained[tag] = now
-                self.metrics.end_step(tag, self.cfg.run.steps, times)
+                self.metrics.end_step(tag, self.cfg.run.steps)
 
     async def _train_micro_batch(self, agent: str, version: int, mb: list[Sample]) -> float:
         p = self.cfg.pipeline

@@ -76,7 +76,7 @@ class EpisodeContext:
         self._next_group += 1
         samples = self.store.open_group(agent, group_id, prompt_ids, n or defaults.group_size, self.tag)
         self.groups.append(group_id)
-        requests = [protocol.GenRequest(s.sample_id, list(prompt_ids), max_tokens or defaults.max_tokens,
+        requests = [protocol.GenRequest(s.sample_id, s.prompt_ids, max_tokens or defaults.max_tokens,
                                         defaults.temperature if temperature is None else temperature,
                                         request_seed(self.run_seed, s.sample_id)) for s in samples]
         results = await self.generator.generate(agent, requests)
