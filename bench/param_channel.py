@@ -3,21 +3,26 @@
     python bench/param_channel.py [--sizes 10MB,100MB,1GB] [--transports inproc,shm,tcp,disk]
 
 For each size, a publisher process holds a model-like state (float32 matrices, small
-biases, a bf16 tensor); this process receives it and materialises it into its own
-preallocated "destination model" tensors. One rep is the full path, timed here:
+biases, a bf16 tensor); this process receives it into its own preallocated "destination
+model" tensors. One rep is the full path, timed here:
 
-    ask the publisher to publish -> handle back -> receive (views, checksum verified)
-    -> copy views into the destination tensors -> (release, not timed)
+    ask the publisher to publish -> handle back -> receive_into(destination)
+    -> (release, not timed)
 
-so shm counts pack into shm + checksum + receiver's verified view + materialising copy.
-handoff_s is the rest: the command and handle crossing the pipe and the processes waking.
+The publisher holds the state either as ordinary tensors, which publish packs into the
+transport's buffer (a copy plus a checksum), or in a SharedBucket, which publish over shm
+seals in place (a checksum, no copy). The receiver either verifies the checksum and then
+copies ("atomic": a corrupt transfer leaves the destination untouched), verifies while
+copying ("fused": one pass; a corrupt transfer spoils the destination, for one that is
+built to be replaced), or skips verification ("unverified", for comparison).
+handoff_s is the command and handle crossing the pipe and the processes waking.
+
 The first rep (page faults of fresh segments and buffers) is reported as cold_s and left
 out of the medians. Right before every rep, a plain memcpy of the same number of bytes is
 timed: the faster of torch `dst.copy_(src)` and `np.copyto` over flat preallocated,
 prefaulted buffers. memcpy_gb_per_s is the median of those; ratio is the median of the
-per-rep ratios, so load from other work on a shared machine cancels out. shm is run
-twice: with the default full verification, and with verify=False (trusted same host).
-One JSON line per transport and size.
+per-rep ratios, so load from other work on a shared machine cancels out. One JSON line
+per transport, mode and size.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -58,23 +64,33 @@ def model_like_state(total_bytes: int, *, materialise: bool = True) -> dict[str,
 
 
 def publisher_main(conn, total_bytes: int, disk_dir: str) -> None:
-    """Child process: holds the state, publishes on request, releases on request."""
+    """Child process: holds the state, publishes on request, releases on request.
+
+    The state is held twice: as ordinary tensors, and in a SharedBucket, as a trainer
+    whose parameters live in shared memory holds it. Before each bucket publish it makes
+    a training-like write (prepare_write, then one in-place update), so a copy-on-write
+    would show up in publish_s; the bench releases every publication before the next, so
+    none should happen, and the reply says how many did."""
     torch.set_num_threads(1)
     state = model_like_state(total_bytes)
     handles: dict[str, ParamHandle] = {}
     with ParamChannel() as channel:
+        bucket = channel.shared_bucket(state)
         conn.send("ready")
         while True:
             cmd, arg = conn.recv()
             if cmd == "publish":
-                transport, version = arg
+                transport, version, from_bucket = arg
+                if from_bucket:
+                    bucket.prepare_write()
+                    bucket.tensors["layers.0.bias"].add_(1.0)
                 t0 = time.perf_counter()
-                h = channel.publish(state, agent="bench", version=version, transport=transport,
-                                    path=os.path.join(disk_dir, f"bench-v{version}.params"))
+                h = channel.publish(bucket if from_bucket else state, agent="bench", version=version,
+                                    transport=transport, path=os.path.join(disk_dir, f"bench-v{version}.params"))
                 publish_s = time.perf_counter() - t0
                 handles[h.key] = h
                 conn.send_bytes(msgspec.msgpack.encode(h))
-                conn.send(publish_s)
+                conn.send((publish_s, bucket.moves))
             elif cmd == "release":
                 channel.release(handles.pop(arg))
                 conn.send("ok")
@@ -100,28 +116,23 @@ class Memcpy:
         return best
 
 
-def run_transport(conn, channel: ParamChannel, transport: str, dst: dict, reps: int, verify: bool,
-                  version: int, memcpy: Memcpy) -> dict:
+def run_transport(conn, channel: ParamChannel, point: Point, dst: dict, reps: int, version: int,
+                  memcpy: Memcpy) -> dict:
     rows = []
     for rep in range(reps + 1):
         memcpy_s = memcpy.seconds()
         t0 = time.perf_counter()
-        conn.send(("publish", (transport, version + rep)))
+        conn.send(("publish", (point.transport, version + rep, point.publisher == "bucket")))
         handle = msgspec.msgpack.decode(conn.recv_bytes(), type=ParamHandle)
-        publish_s = conn.recv()
+        publish_s, moves = conn.recv()
         t1 = time.perf_counter()
-        views = channel.receive(handle, verify=verify)
+        channel.receive_into(handle, dst, verify=point.receive != "unverified", atomic=point.receive != "fused")
         t2 = time.perf_counter()
-        with torch.no_grad():
-            for name, view in views.items():
-                dst[name].copy_(view)
-        t3 = time.perf_counter()
-        del views
         channel.release(handle)
         conn.send(("release", handle.key))
         conn.recv()
-        rows.append(dict(total_s=t3 - t0, publish_s=publish_s, handoff_s=t1 - t0 - publish_s, view_s=t2 - t1,
-                         materialise_s=t3 - t2, memcpy_s=memcpy_s, ratio=memcpy_s / (t3 - t0)))
+        rows.append(dict(total_s=t2 - t0, publish_s=publish_s, handoff_s=t1 - t0 - publish_s, receive_s=t2 - t1,
+                         memcpy_s=memcpy_s, ratio=memcpy_s / (t2 - t0), moves=moves))
     return summarise(rows)
 
 
@@ -157,13 +168,11 @@ def main() -> None:
             try:
                 assert parent.recv() == "ready"
                 with ParamChannel() as channel:
-                    points = [(t, True) for t in transports if t != "inproc"]
-                    points += [("shm", False)] if "shm" in transports else []
-                    for i, (transport, verify) in enumerate(points):
-                        r = run_transport(parent, channel, transport, dst, reps, verify, 100 * i, memcpy)
-                        emit(transport, nbytes, r, verify, reps)
+                    for i, point in enumerate(points_for(transports)):
+                        emit(point, nbytes, run_transport(parent, channel, point, dst, reps, 100 * i, memcpy), reps)
                     if "inproc" in transports:
-                        emit("inproc", nbytes, inproc_point(channel, dst, reps, memcpy), True, reps)
+                        emit(Point("inproc", "tensors", "atomic"), nbytes,
+                             inproc_point(channel, dst, reps, memcpy), reps)
             finally:
                 parent.send(("stop", None))
                 proc.join(30)
@@ -171,8 +180,25 @@ def main() -> None:
                     proc.kill()
 
 
+class Point(NamedTuple):
+    transport: str
+    publisher: str  # "tensors": ordinary tensors, packed on publish; "bucket": a SharedBucket
+    receive: str  # "atomic": verified, then copied; "fused": verified while copying; "unverified"
+
+
+def points_for(transports: list[str]) -> list[Point]:
+    points = []
+    for t in transports:
+        if t == "shm":
+            points += [Point("shm", "tensors", "atomic"), Point("shm", "tensors", "unverified"),
+                       Point("shm", "bucket", "atomic"), Point("shm", "bucket", "fused")]
+        elif t != "inproc":
+            points.append(Point(t, "tensors", "atomic"))
+    return points
+
+
 def inproc_point(channel: ParamChannel, dst: dict, reps: int, memcpy: Memcpy) -> dict:
-    """Same process: publish hands over the tensors themselves; the copy is the materialise."""
+    """Same process: publish hands over the tensors themselves; the copy is the receive."""
     state = model_like_state(sum(t.numel() * t.element_size() for t in dst.values()))
     rows = []
     for rep in range(reps + 1):
@@ -180,26 +206,21 @@ def inproc_point(channel: ParamChannel, dst: dict, reps: int, memcpy: Memcpy) ->
         t0 = time.perf_counter()
         handle = channel.publish(state, agent="bench", version=rep, transport="inproc")
         t1 = time.perf_counter()
-        views = channel.receive(handle)
+        channel.receive_into(handle, dst)
         t2 = time.perf_counter()
-        with torch.no_grad():
-            for name, view in views.items():
-                dst[name].copy_(view)
-        t3 = time.perf_counter()
         channel.release(handle)
-        rows.append(dict(total_s=t3 - t0, publish_s=t1 - t0, handoff_s=0.0, view_s=t2 - t1, materialise_s=t3 - t2,
-                         memcpy_s=memcpy_s, ratio=memcpy_s / (t3 - t0)))
+        rows.append(dict(total_s=t2 - t0, publish_s=t1 - t0, handoff_s=0.0, receive_s=t2 - t1,
+                         memcpy_s=memcpy_s, ratio=memcpy_s / (t2 - t0), moves=0))
     return summarise(rows)
 
 
-def emit(transport: str, nbytes: int, r: dict, verify: bool, reps: int) -> None:
+def emit(point: Point, nbytes: int, r: dict, reps: int) -> None:
     print(json.dumps({
-        "transport": transport, "bytes": nbytes, "verify": verify,
+        "transport": point.transport, "bytes": nbytes, "publisher": point.publisher, "receive": point.receive,
         "gb_per_s": round(nbytes / r["total_s"] / 1e9, 3), "memcpy_gb_per_s": round(nbytes / r["memcpy_s"] / 1e9, 3),
         "ratio": round(r["ratio"], 3), "seconds": round(r["total_s"], 5), "publish_s": round(r["publish_s"], 5),
-        "handoff_s": round(r["handoff_s"], 5),
-        "view_s": round(r["view_s"], 5), "view_gb_per_s": round(nbytes / max(r["view_s"], 1e-9) / 1e9, 2),
-        "materialise_s": round(r["materialise_s"], 5), "cold_s": round(r["cold_s"], 4), "reps": reps,
+        "handoff_s": round(r["handoff_s"], 5), "receive_s": round(r["receive_s"], 5),
+        "cold_s": round(r["cold_s"], 4), "copy_on_write_moves": int(r["moves"]), "reps": reps,
     }), flush=True)
 
 

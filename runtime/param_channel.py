@@ -17,6 +17,12 @@ and receivers verify before handing out a single tensor, so a receiver never see
 half-written, truncated or corrupted bucket, and a failed receive leaves its previous
 tensors untouched.
 
+A publisher whose tensors already live in shared memory (a `SharedBucket`, e.g. a
+trainer's parameters) publishes over shm without any copy: it seals the segment and a
+thread writes the checksum into its header moments later, while receivers already read.
+The one copy left is the receiver's; `receive_into(..., atomic=False)` also folds the
+verification into it, for destinations that are discarded on error.
+
 This module deliberately does not know what the tensors are (weights or optimizer state),
 who asked for the transfer, or when a handle may be released: the controller decides and
 tells both ends. Parameters never pass through the controller. Every call blocks; async
@@ -33,6 +39,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -46,7 +53,7 @@ import zmq
 __all__ = [
     "TRANSPORTS", "ParamChannel", "ParamChannelConfig", "ParamHandle", "ParamTransferError", "Location",
     "TensorSpec", "CudaIpcInfo", "NcclInfo", "choose_transport", "plan_layout", "pack_into", "unpack",
-    "checksum", "read_handle", "remove_orphan_segments",
+    "checksum", "read_handle", "remove_orphan_segments", "SharedBucket",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,7 +62,8 @@ TRANSPORTS = ("inproc", "shm", "tcp", "disk", "cuda_ipc", "nccl")
 ALIGN = 64  # tensor offsets are cache-line aligned, so a view of any dtype is aligned
 CHECKSUM_BLOCK = 1 << 20  # part of the checksum's definition: changing it changes every sum
 _PACK_CHUNK = 512 << 10  # copy-then-sum granularity: the chunk is still in L2 when summed
-_SHM_HEADER = 4096  # one page: magic, seal, size, checksum; the bucket starts page-aligned
+_SHM_HEADER = 4096  # one page: magic, seal, size, checksum, ready; the bucket starts page-aligned
+_SHM_FIELDS = struct.Struct("<8sQQQQ")  # ready: 1 once the checksum field is final
 _SHM_MAGIC = b"FLXPSHM1"
 _DISK_MAGIC = b"FLXPDSK1"
 _SEGMENT_PREFIX = "flexmarl-param-"
@@ -122,7 +130,8 @@ class ParamHandle(msgspec.Struct, frozen=True, kw_only=True):
     key: str  # unique per publication
     layout: list[TensorSpec]
     total_bytes: int
-    checksum: int | None  # None for inproc only: those bytes never leave the process
+    checksum: int | None  # None for inproc (never leaves the process) and for a SharedBucket
+    # over shm, whose publisher writes it into the segment's header just after sealing
     publisher: Location
     path: str | None = None  # shm segment or disk file
     endpoint: str | None = None  # tcp: where the publisher serves chunks
@@ -291,8 +300,21 @@ def _check_layout(handle: ParamHandle) -> None:
                 or spec.offset < 0 or spec.offset + spec.nbytes > handle.total_bytes):
             raise ParamTransferError(f"{_describe(handle)}: layout entry {spec!r} does not fit a "
                                      f"{handle.total_bytes}-byte bucket; the handle is malformed")
-    if handle.total_bytes % 8 or (handle.transport != "inproc" and handle.checksum is None):
+    if handle.total_bytes % 8 or (handle.transport not in ("inproc", "shm") and handle.checksum is None):
         raise ParamTransferError(f"{_describe(handle)}: malformed handle (size {handle.total_bytes}, checksum {handle.checksum})")
+
+
+def _alive(location: Location) -> bool:
+    """False only when `location`'s process is known to be gone (this host only)."""
+    if location.host != socket.gethostname():
+        return True
+    try:
+        os.kill(location.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _describe(handle: ParamHandle) -> str:
@@ -300,12 +322,35 @@ def _describe(handle: ParamHandle) -> str:
 
 
 def _verify(handle: ParamHandle, data: torch.Tensor) -> None:
-    got = checksum(data)
-    if got != handle.checksum:
+    _compare(handle, handle.checksum, checksum(data))
+
+
+def _compare(handle: ParamHandle, expected: int, got: int) -> None:
+    if got != expected:
         raise ParamTransferError(
             f"{_describe(handle)}: checksum mismatch over {handle.total_bytes} bytes "
-            f"(expected {handle.checksum:#018x}, got {got:#018x}); the bytes were corrupted or "
+            f"(expected {expected:#018x}, got {got:#018x}); the bytes were corrupted or "
             f"changed after publish. Nothing was overwritten; ask the publisher to publish again.")
+
+
+def _copy_summing(handle: ParamHandle, data: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> int:
+    """Copy `data`'s tensors into `dst` and return `data`'s checksum, computed on the
+    way: each chunk is summed right after it is copied, while it is still in cache."""
+    running = _RunningChecksum(data)
+    src = data.numpy()
+    with torch.no_grad():
+        for spec in handle.layout:
+            t = dst[spec.name].detach()
+            if t.device.type == "cpu" and t.is_contiguous() and spec.nbytes:
+                out = t.reshape(-1).view(torch.uint8).numpy()
+                for start in range(0, spec.nbytes, _PACK_CHUNK):
+                    stop = min(start + _PACK_CHUNK, spec.nbytes)
+                    out[start:stop] = src[spec.offset + start : spec.offset + stop]
+                    running.advance(spec.offset + stop)
+            elif spec.nbytes:
+                t.copy_(_typed_view(data, spec))
+                running.advance(spec.offset + spec.nbytes)
+    return running.value()
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -353,11 +398,27 @@ class _Segment:
             os.close(fd)
         self.path, self.total = path, total
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_SHM_HEADER) if total else torch.empty(0, dtype=torch.uint8)
+        self.live_key: str | None = None  # the publication sealed into it; at most one
+        self.bucket: SharedBucket | None = None  # the bucket whose tensors live here, if any
+        self.finisher: threading.Thread | None = None  # computing the live publication's checksum
 
-    def seal(self, key: str, checksum_: int) -> None:
-        struct.pack_into("<8sQQQ", self.mm, 0, _SHM_MAGIC, _seal_of(key), self.total, checksum_)
+    def seal(self, key: str, checksum_: int | None) -> None:
+        """checksum_ None: it follows (`finish_checksum`); receivers wait for it."""
+        _SHM_FIELDS.pack_into(self.mm, 0, _SHM_MAGIC, _seal_of(key), self.total, checksum_ or 0,
+                              int(checksum_ is not None))
+
+    def finish_checksum(self, value: int) -> None:
+        struct.pack_into("<Q", self.mm, 24, value)
+        struct.pack_into("<Q", self.mm, 32, 1)  # after the value: x86 keeps stores in order
+
+    def wait_for_checksum(self) -> None:
+        """Wait for a checksum still being computed for this segment, if any."""
+        if self.finisher is not None:
+            self.finisher.join()
+            self.finisher = None
 
     def unseal(self) -> None:
+        self.wait_for_checksum()
         struct.pack_into("<Q", self.mm, 8, 0)
 
 
@@ -376,24 +437,54 @@ class _ShmPublisher:
         self._spares = _SparePool(spares, free=lambda segment: self._unlink(segment.path))
         self._finalizer = weakref.finalize(self, _unlink_quietly, self._paths)
 
-    def publish(self, tensors: Mapping[str, torch.Tensor], fields: dict) -> tuple[ParamHandle, _Segment]:
+    def allocate(self, total: int) -> _Segment:
+        """A segment of `total` bytes under a fresh name: a spare if one fits, else new."""
         path = self._new_path("")
-        segment = self._spares.take(fields["total_bytes"])
+        segment = self._spares.take(total)
         if segment is None:
-            segment = _Segment(path, fields["total_bytes"])
+            segment = _Segment(path, total)
             self._paths.add(path)
         else:
             self._rename(segment, path)  # same memory, new name: a stale handle cannot open it
+        return segment
+
+    def publish(self, tensors: Mapping[str, torch.Tensor], fields: dict) -> tuple[ParamHandle, _Segment]:
+        segment = self.allocate(fields["total_bytes"])
         try:
-            handle = ParamHandle(**fields, checksum=pack_into(segment.data, tensors, fields["layout"]), path=path)
+            handle = ParamHandle(**fields, checksum=pack_into(segment.data, tensors, fields["layout"]), path=segment.path)
         except BaseException:
             self._unlink(segment.path)
             raise
-        segment.seal(handle.key, handle.checksum)  # last: receivers only trust sealed segments
+        self._seal(segment, handle)
         return handle, segment
+
+    def publish_bucket(self, bucket: SharedBucket, fields: dict) -> tuple[ParamHandle, _Segment]:
+        """Seal the bucket's own segment, with no copy, and return at once: a thread
+        computes the checksum and writes it into the header, while receivers already copy
+        or checksum the bytes themselves; they compare once it is there. A segment holds
+        one publication, so a bucket published again while its last one is live moves."""
+        if bucket.segment.live_key is not None:
+            bucket.prepare_write()
+        segment = bucket.segment
+        handle = ParamHandle(**fields, checksum=None, path=segment.path)
+        self._seal(segment, handle)
+        segment.finisher = threading.Thread(target=lambda: segment.finish_checksum(checksum(segment.data)),
+                                            name="param-checksum", daemon=True)
+        segment.finisher.start()
+        return handle, segment
+
+    @staticmethod
+    def _seal(segment: _Segment, handle: ParamHandle) -> None:
+        segment.live_key = handle.key
+        segment.seal(handle.key, handle.checksum)  # last: receivers only trust sealed segments
 
     def release(self, segment: _Segment) -> None:
         segment.unseal()
+        segment.live_key = None
+        if segment.bucket is None:  # a bucket's own segment stays its, unsealed
+            self.free(segment)
+
+    def free(self, segment: _Segment) -> None:
         if self._keep:
             self._rename(segment, self._new_path("spare-"))
             self._spares.give(segment.total, segment)
@@ -418,34 +509,104 @@ class _ShmPublisher:
         self._paths.discard(path)
 
 
+class SharedBucket:
+    """Tensors that live in a shared-memory segment their channel owns, so that publishing
+    them over shm copies nothing: publish checksums the segment in place and seals it.
+    Make one with `ParamChannel.shared_bucket` and keep working on `tensors` (a trainer
+    points its parameters at them).
+
+    A published segment must not change until it is released, so call `prepare_write()`
+    before every modification: when a publication of the segment is still live it moves
+    the tensors to a fresh segment (one copy, into a reused spare after the first time),
+    leaves the old one to the publication, and returns True; `tensors` then holds new
+    views and whoever pointed at the old ones must re-point. Not thread-safe.
+    """
+
+    def __init__(self, shm: _ShmPublisher, tensors: Mapping[str, torch.Tensor], copy: bool):
+        self.layout, self.total_bytes = plan_layout(tensors)
+        self._shm = shm
+        self.segment = shm.allocate(self.total_bytes)
+        self.segment.bucket = self
+        if copy:
+            pack_into(self.segment.data, tensors, self.layout)
+        self.tensors = unpack(self.segment.data, self.layout)
+        self.moves = 0  # copy-on-write moves so far
+
+    def prepare_write(self) -> bool:
+        """Make `tensors` safe to modify; True if they moved (re-point your references)."""
+        if self.segment is None:
+            raise RuntimeError("prepare_write() on a closed SharedBucket")
+        if self.segment.live_key is None:
+            return False
+        old, new = self.segment, self._shm.allocate(self.total_bytes)
+        np.copyto(new.data.numpy(), old.data.numpy())
+        old.bucket, new.bucket = None, self  # the live publication frees the old one on release
+        self.segment, self.tensors = new, unpack(new.data, self.layout)
+        self.moves += 1
+        return True
+
+    def close(self) -> None:
+        """Give the segment back (now, or when its live publication is released). The
+        tensors must not be used afterwards."""
+        segment, self.segment, self.tensors = self.segment, None, {}
+        if segment is not None:
+            segment.bucket = None
+            if segment.live_key is None:
+                self._shm.free(segment)
+
+
 class _ShmReceiver:
     """Maps segments read-only and keeps the mappings between receives: mapping a fresh
     1 GB costs about two memcpys in page faults, and a recycled segment keeps its inode."""
 
-    def __init__(self, limit: int):
-        self._limit = max(limit, 1)
+    def __init__(self, limit: int, timeout_s: float):
+        self._limit, self._timeout_s = max(limit, 1), timeout_s
         self._maps: OrderedDict[tuple[int, int], tuple[int, mmap.mmap]] = OrderedDict()
 
     def receive(self, handle: ParamHandle, verify: bool) -> dict[str, torch.Tensor]:
+        data = self.bucket(handle)
+        if verify:
+            got = checksum(data)  # meanwhile a bucket's publisher may still compute its own
+            _compare(handle, self.expected_checksum(handle), got)
+        self.check_still_published(handle)  # released and reused while we were reading?
+        return unpack(data, handle.layout)
+
+    def expected_checksum(self, handle: ParamHandle) -> int:
+        """The handle's checksum, or the one its publisher writes into the header after
+        sealing (a SharedBucket's): waited for while the publisher lives."""
+        if handle.checksum is not None:
+            return handle.checksum
+        mm, deadline, pause = self._open(handle), time.monotonic() + self._timeout_s, 20e-6
+        while True:
+            self._check_seal(handle, mm)
+            value, ready = struct.unpack_from("<QQ", mm, 24)
+            if ready:
+                return value
+            if not _alive(handle.publisher) or time.monotonic() > deadline:
+                raise ParamTransferError(f"{_describe(handle)}: the publisher (pid {handle.publisher.pid}) died or "
+                                         f"stalled before it finished the checksum of {handle.path}. "
+                                         f"Ask for a fresh publish.")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+    def bucket(self, handle: ParamHandle) -> torch.Tensor:
+        """The sealed bucket's bytes, mapped read-only; not yet verified."""
         mm = self._open(handle)
         self._check_seal(handle, mm)
-        if handle.total_bytes:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                data = torch.frombuffer(mm, dtype=torch.uint8, count=handle.total_bytes, offset=_SHM_HEADER)
-        else:
-            data = torch.empty(0, dtype=torch.uint8)
-        if verify:
-            _verify(handle, data)
-        self._check_seal(handle, mm)  # released and reused while we were reading?
-        return unpack(data, handle.layout)
+        if not handle.total_bytes:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(mm, dtype=torch.uint8, count=handle.total_bytes, offset=_SHM_HEADER)
 
     def check_still_published(self, handle: ParamHandle) -> None:
         self._check_seal(handle, self._open(handle))
 
     @staticmethod
     def _check_seal(handle: ParamHandle, mm: mmap.mmap) -> None:
-        if struct.unpack_from("<8sQQQ", mm, 0) != (_SHM_MAGIC, _seal_of(handle.key), handle.total_bytes, handle.checksum):
+        magic, seal, total, value, ready = _SHM_FIELDS.unpack_from(mm, 0)
+        if ((magic, seal, total) != (_SHM_MAGIC, _seal_of(handle.key), handle.total_bytes)
+                or (handle.checksum is not None and (value, ready) != (handle.checksum, 1))):
             raise ParamTransferError(f"{_describe(handle)}: segment {handle.path} no longer holds this publication "
                                      f"(released and reused, or overwritten). Ask for a fresh publish.")
 
@@ -760,7 +921,7 @@ class ParamChannel:
         self._received: dict[str, list[tuple[int, torch.Tensor]]] = {}  # key -> staging buffers behind views
         self._host_spares = _SparePool(config.spare_buffers, free=lambda _: None)
         self._shm = _ShmPublisher(config.shm_dir, config.spare_buffers)
-        self._maps = _ShmReceiver(config.cached_maps)
+        self._maps = _ShmReceiver(config.cached_maps, config.timeout_s)
         self._ctx: zmq.Context | None = None
         self._server: _TcpServer | None = None
         self._closed = False
@@ -771,19 +932,32 @@ class ParamChannel:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def publish(self, tensors: Mapping[str, torch.Tensor], *, agent: str, version: int, transport: str,
-                path: str | os.PathLike | None = None, receivers: int = 1) -> ParamHandle:
+    def shared_bucket(self, tensors: Mapping[str, torch.Tensor], *, copy: bool = True) -> SharedBucket:
+        """A SharedBucket holding `tensors`' names, shapes and dtypes, and their values
+        unless copy=False (then the contents are undefined until written)."""
+        if self._closed:
+            raise RuntimeError("shared_bucket() on a closed ParamChannel")
+        return SharedBucket(self._shm, tensors, copy)
+
+    def publish(self, tensors: Mapping[str, torch.Tensor] | SharedBucket, *, agent: str, version: int,
+                transport: str, path: str | os.PathLike | None = None, receivers: int = 1) -> ParamHandle:
         """Make `tensors` receivable and return their handle. The bytes are complete and
         checksummed before this returns. `path` is the file for "disk"; `receivers` is how
         many ranks will join an "nccl" broadcast. For "inproc" the tensors themselves are
-        shared: do not modify them until release."""
+        shared: do not modify them until release. A SharedBucket published over "shm" is
+        sealed in place, without a copy; over any other transport it is its tensors."""
         if self._closed:
             raise RuntimeError("publish() on a closed ParamChannel")
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
         if transport == "disk" and path is None:
             raise ValueError("publish(transport='disk') needs path=")
-        layout, total = plan_layout(tensors)
+        bucket = tensors if isinstance(tensors, SharedBucket) else None
+        if bucket is not None:
+            if bucket.segment is None:
+                raise RuntimeError("publish() of a closed SharedBucket")
+            tensors = bucket.tensors
+        layout, total = (bucket.layout, bucket.total_bytes) if bucket is not None else plan_layout(tensors)
         key = f"{agent}-v{version}-{os.getpid()}-{secrets.token_hex(6)}"
         fields = dict(transport=transport, agent=agent, version=version, key=key, layout=layout,
                       total_bytes=total, publisher=self.location)
@@ -792,6 +966,8 @@ class ParamChannel:
             handle = ParamHandle(**fields, checksum=None)
             with _inproc_lock:
                 _inproc[key] = {name: t.detach() for name, t in tensors.items()}
+        elif transport == "shm" and bucket is not None:
+            handle, resource = self._shm.publish_bucket(bucket, fields)
         elif transport == "shm":
             handle, resource = self._shm.publish(tensors, fields)
         elif transport == "tcp":
@@ -827,9 +1003,14 @@ class ParamChannel:
         return tensors
 
     def receive_into(self, handle: ParamHandle, dst: Mapping[str, torch.Tensor], *, verify: bool = True,
-                     rank: int | None = None) -> None:
+                     atomic: bool = True, rank: int | None = None) -> None:
         """Copy the published tensors into `dst` (same names, shapes and dtypes; any
-        device). All or nothing: every check runs before the first byte is written."""
+        device). All or nothing: every check runs before the first byte is written.
+
+        atomic=False, for a destination that is thrown away on error (a model being
+        built): over shm the checksum is then computed during the copy, one pass over the
+        bytes instead of two. Every other check still runs first, but a checksum mismatch
+        is found after `dst` was written: it raises and `dst` must be discarded."""
         expected = {spec.name: spec for spec in handle.layout}
         problems = [f"{name!r} missing from dst" for name in expected.keys() - dst.keys()]
         problems += [f"{name!r} not in the handle" for name in dst.keys() - expected.keys()]
@@ -839,6 +1020,17 @@ class ParamChannel:
                 problems.append(f"{name!r} is {t.dtype}{list(t.shape)} in dst, {spec.dtype}{list(spec.shape)} in the handle")
         if problems:
             raise ValueError(f"receive_into({_describe(handle)}): dst does not match: " + "; ".join(sorted(problems)))
+        if handle.transport == "shm" and verify and not atomic:
+            _check_layout(handle)
+            got = _copy_summing(handle, self._maps.bucket(handle), dst)
+            expected = self._maps.expected_checksum(handle)
+            if got != expected:
+                raise ParamTransferError(
+                    f"{_describe(handle)}: checksum mismatch over {handle.total_bytes} bytes (expected "
+                    f"{expected:#018x}, got {got:#018x}), found while copying (atomic=False): the "
+                    f"destination holds part of these bytes and must be discarded. Ask for a fresh publish.")
+            self._maps.check_still_published(handle)
+            return
         received, staging = self._receive(handle, verify, rank)
         try:
             with torch.no_grad():

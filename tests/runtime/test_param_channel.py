@@ -468,6 +468,141 @@ def test_orphan_segments_of_dead_publishers_are_removed(shm_dir, processes):
     assert os.listdir(shm_dir) == [os.path.basename(mine)]
 
 
+# --- shared buckets: a publisher whose tensors already live in shared memory -----------
+
+
+def test_a_shared_bucket_is_published_in_place_and_received_byte_exactly(channels, shm_dir):
+    publisher, receiver = channels(), channels()
+    state = trained_state(seed=3)
+    bucket = publisher.shared_bucket(state)
+    assert_byte_exact(bucket.tensors, state)
+    handle = publisher.publish(bucket, agent="a", version=1, transport="shm")
+    assert handle.path == bucket.segment.path  # sealed where the tensors live: nothing copied
+    assert_byte_exact(receiver.receive(handle), state)
+    dst = {k: torch.zeros_like(v) for k, v in state.items()}
+    receiver.receive_into(handle, dst, atomic=False)
+    assert_byte_exact(dst, state)
+    assert len(os.listdir(shm_dir)) == 1
+    # Over any other transport a bucket is just its tensors.
+    tcp = publisher.publish(bucket, agent="a", version=1, transport="tcp")
+    assert_byte_exact(receiver.receive(tcp), state)
+
+
+def test_writing_to_a_published_bucket_moves_it_and_the_publication_stays_frozen(channels, shm_dir):
+    publisher, receiver = channels(), channels()
+    state = trained_state(seed=4)
+    bucket = publisher.shared_bucket(state)
+    assert bucket.prepare_write() is False  # nothing published: write in place
+    v1 = publisher.publish(bucket, agent="a", version=1, transport="shm")
+    assert bucket.prepare_write() is True and bucket.moves == 1
+    assert bucket.segment.path != v1.path
+    for t in bucket.tensors.values():
+        t.add_(1) if t.is_floating_point() else None
+    assert_byte_exact(receiver.receive(v1), state)  # the receiver still gets version 1 exactly
+    v2 = publisher.publish(bucket, agent="a", version=2, transport="shm")
+    assert_byte_exact(receiver.receive(v2), bucket.tensors)
+    assert bucket.prepare_write() is True  # v2 is live: moves again, into a fresh segment
+    publisher.release(v1)  # v1's segment was left to it: released, it becomes a spare
+    publisher.release(v2)
+    assert bucket.prepare_write() is False  # released: written in place from now on
+    bucket.close()
+    publisher.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_bucket_published_twice_while_live_keeps_both_publications_valid(channels):
+    publisher, receiver = channels(), channels()
+    state = trained_state(seed=5)
+    bucket = publisher.shared_bucket(state)
+    first = publisher.publish(bucket, agent="a", version=1, transport="shm")
+    second = publisher.publish(bucket, agent="a", version=1, transport="shm")
+    assert first.path != second.path
+    assert_byte_exact(receiver.receive(first), state)
+    assert_byte_exact(receiver.receive(second), state)
+
+
+def test_closing_a_bucket_under_a_live_publication_keeps_it_until_released(channels, shm_dir):
+    publisher, receiver = channels(spare_buffers=0), channels()
+    state = trained_state(seed=6)
+    bucket = publisher.shared_bucket(state)
+    handle = publisher.publish(bucket, agent="a", version=1, transport="shm")
+    bucket.close()
+    assert_byte_exact(receiver.receive(handle), state)
+    publisher.release(handle)
+    assert os.listdir(shm_dir) == []
+    with pytest.raises(RuntimeError, match="closed SharedBucket"):
+        publisher.publish(bucket, agent="a", version=2, transport="shm")
+
+
+def test_a_bucket_moves_between_two_processes_byte_exactly(processes, shm_dir, channels):
+    proc, handle, digests = start_bucket_publisher(processes, shm_dir)
+    dst = {spec.name: torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in handle.layout}
+    channels().receive_into(handle, dst, atomic=False)
+    assert {k: digest(v) for k, v in dst.items()} == digests
+    tell(proc, "close")
+
+
+def test_a_fused_receive_catches_corruption_and_says_the_destination_is_spoilt(channels):
+    publisher, receiver = channels(), channels()
+    state = trained_state(seed=7)
+    handle = publisher.publish(publisher.shared_bucket(state), agent="a", version=1, transport="shm")
+    receiver.receive(handle)  # returns once the publisher's checksum is in the header
+    flip_byte(handle.path, os.path.getsize(handle.path) - handle.total_bytes // 3)
+    dst = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(ParamTransferError, match="checksum mismatch.*must be discarded"):
+        receiver.receive_into(handle, dst, atomic=False)
+    with pytest.raises(ParamTransferError, match="checksum mismatch"):  # the atomic default, too
+        receiver.receive_into(handle, dst)
+
+
+def test_a_fused_receive_still_refuses_released_segments_and_wrong_destinations(channels):
+    publisher, receiver = channels(), channels()
+    state = trained_state(seed=8)
+    handle = publisher.publish(publisher.shared_bucket(state), agent="a", version=1, transport="shm")
+    dst = {k: torch.zeros_like(v) for k, v in state.items()}
+    wrong = dict(dst, extra=torch.zeros(1))
+    with pytest.raises(ValueError, match="extra"):
+        receiver.receive_into(handle, wrong, atomic=False)
+    assert all(not t.any() for t in dst.values())
+    publisher.release(handle)
+    with pytest.raises(ParamTransferError, match="no longer holds|is gone"):
+        receiver.receive_into(handle, dst, atomic=False)
+    assert all(not t.any() for t in dst.values())
+
+
+BUCKET_PUBLISHER_SCRIPT = r"""
+import importlib.util, json, sys, torch, msgspec
+torch.set_num_threads(1)
+spec = importlib.util.spec_from_file_location("param_tests", sys.argv[1])
+tests = importlib.util.module_from_spec(spec); spec.loader.exec_module(tests)
+from flexmarl.runtime.param_channel import ParamChannel, ParamChannelConfig
+channel = ParamChannel(ParamChannelConfig(shm_dir=sys.argv[2]))
+bucket = channel.shared_bucket(tests.trained_state(seed=1))
+bucket.prepare_write()
+for t in bucket.tensors.values():
+    t.mul_(2) if t.is_floating_point() else None
+handle = channel.publish(bucket, agent="planner", version=1, transport="shm")
+print(json.dumps({"handle": msgspec.msgpack.encode(handle).hex(),
+                  "digests": {k: tests.digest(v) for k, v in bucket.tensors.items()}}), flush=True)
+for line in sys.stdin:
+    print(json.dumps(line.strip()), flush=True)
+    if line.strip() == "close":
+        channel.close()
+        break
+"""
+
+
+def start_bucket_publisher(processes, shm_dir: str):
+    proc = subprocess.Popen([sys.executable, "-c", BUCKET_PUBLISHER_SCRIPT, __file__, shm_dir],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    processes.append(proc)
+    line = proc.stdout.readline()
+    assert line, f"publisher exited with {proc.wait(10)}"
+    message = json.loads(line)
+    return proc, msgspec.msgpack.decode(bytes.fromhex(message["handle"]), type=ParamHandle), message["digests"]
+
+
 # --- tcp security -----------------------------------------------------------------------
 
 
