@@ -1,6 +1,7 @@
 """Parameter channel bandwidth vs a plain memory copy of the same bytes, in one run.
 
     python bench/param_channel.py [--sizes 10MB,100MB,1GB] [--transports inproc,shm,tcp,disk]
+    python bench/param_channel.py --weight-sync-steps 15 [--set key=value ...]
 
 For each size, a publisher process holds a model-like state (float32 matrices, small
 biases, a bf16 tensor); this process receives it into its own preallocated "destination
@@ -23,6 +24,11 @@ timed: the faster of torch `dst.copy_(src)` and `np.copyto` over flat preallocat
 prefaulted buffers. memcpy_gb_per_s is the median of those; ratio is the median of the
 per-rep ratios, so load from other work on a shared machine cancels out. One JSON line
 per transport, mode and size.
+
+--weight-sync-steps N instead runs the default job for N steps (real workers, vLLM
+engines) and prints, per agent, the median weight-sync latency (trainer publish, then
+every rollout instance loading the weights into vLLM, control messages included) read
+from the run's WeightSyncFinished events, leaving out the first sync of each agent.
 """
 
 from __future__ import annotations
@@ -149,8 +155,14 @@ def main() -> None:
     parser.add_argument("--transports", default="inproc,shm,tcp,disk")
     parser.add_argument("--reps", type=int, default=0, help="steady-state reps per point (default: 9/5/3 by size)")
     parser.add_argument("--disk-dir", default="/tmp", help="where disk buckets are written (a real disk, not tmpfs)")
+    parser.add_argument("--weight-sync-steps", type=int, default=0,
+                        help="measure the default job's weight-sync latency over this many steps instead")
+    parser.add_argument("--set", action="append", default=[], help="config override for --weight-sync-steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.weight_sync_steps:
+        weight_sync_latency(args.weight_sync_steps, args.set)
+        return
     sizes = [int(float(s[:-2]) * UNITS[s[-2:].upper()]) for s in args.sizes.split(",")]
     transports = args.transports.split(",")
     ctx = mp.get_context("spawn")
@@ -222,6 +234,36 @@ def emit(point: Point, nbytes: int, r: dict, reps: int) -> None:
         "handoff_s": round(r["handoff_s"], 5), "receive_s": round(r["receive_s"], 5),
         "cold_s": round(r["cold_s"], 4), "copy_on_write_moves": int(r["moves"]), "reps": reps,
     }), flush=True)
+
+
+def weight_sync_latency(steps: int, overrides: list[str]) -> None:
+    import asyncio
+
+    from flexmarl.controller import Experiment
+    from flexmarl.controller.workflows import default_config
+    from flexmarl.runtime import events as ev
+    from flexmarl.runtime.config import load_config
+    from flexmarl.runtime.eventlog import read_events
+
+    cfg = load_config(None, [f"run.steps={steps}", "run.progress=false", *overrides], defaults=default_config())
+    with tempfile.TemporaryDirectory() as run_dir:
+        async def run() -> None:
+            async with Experiment(cfg, run_dir=run_dir) as exp:
+                await exp.train()
+
+        asyncio.run(run())
+        events, problem = read_events(os.path.join(run_dir, "events.log"))
+    if problem is not None:
+        raise SystemExit(f"the run's event log is damaged: {problem}")
+    syncs: dict[str, list] = {}
+    for e in events:
+        if isinstance(e, ev.WeightSyncFinished):
+            syncs.setdefault(e.agent, []).append(e)
+    for agent, done in syncs.items():
+        steady = done[1:] or done  # the first sync of an agent pays one-time costs
+        print(json.dumps({"measure": "weight_sync", "agent": agent, "bytes": steady[-1].nbytes,
+                          "median_s": round(statistics.median(e.seconds for e in steady), 5),
+                          "min_s": round(min(e.seconds for e in steady), 5), "syncs": len(steady)}), flush=True)
 
 
 if __name__ == "__main__":

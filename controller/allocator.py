@@ -9,6 +9,10 @@ owner at any moment: a trainer while resident, else the parked copy, which is re
 only after the new owner has loaded it (so a trainer dying mid-swap leaves the last good
 copy where it was). `prefetch(agent)` starts a swap early, while rollout still runs.
 
+A trainer that dies leaves the pool (`trainer_died`). States resident on it are lost, and
+asking for those agents raises; an agent it was loading stays parked and is placed on
+another trainer; a parked copy it held is loaded from where it is if it still can be.
+
 It knows trainers by id and talks to them only through the controller server.
 """
 
@@ -26,6 +30,8 @@ from typing import Any, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+
+from .server import WorkerDied
 
 log = logging.getLogger("flexmarl.allocator")
 
@@ -73,6 +79,7 @@ class TrainerAllocator:
         self.in_flight: collections.Counter[str] = collections.Counter()
         self.last_used: dict[str, float] = {}
         self.swaps = 0
+        self.lost: dict[str, str] = {}  # agent -> the dead trainer its training state died with
         self.swap_s = 0.0
         self._lock = asyncio.Lock()  # one placement change at a time
         self._changed = asyncio.Event()
@@ -117,6 +124,12 @@ class TrainerAllocator:
     async def acquire(self, agent: str) -> str:
         """The trainer holding `agent`, which stays there until the matching release()."""
         while True:
+            if agent in self.lost:
+                raise RuntimeError(f"the training state of {agent} died with trainer {self.lost[agent]}; "
+                                   f"restart from the last checkpoint")
+            if not self.trainers:
+                where = f"; its state is parked with {self.parked[agent].holder}" if agent in self.parked else ""
+                raise RuntimeError(f"no trainer is left in the pool to train {agent}{where}")
             if agent in self.resident:
                 self.in_flight[agent] += 1
                 self.last_used[agent] = time.monotonic()
@@ -167,13 +180,25 @@ class TrainerAllocator:
         cfg = self.agent_config[agent]
         if agent in self.parked:
             parked = self.parked[agent]
-            await self.server.call(trainer, protocol.LoadAgent(
-                self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
-                parked.version, parked.accumulated, parked.handle))
+            try:
+                await self.server.call(trainer, protocol.LoadAgent(
+                    self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
+                    parked.version, parked.accumulated, parked.handle))
+            except WorkerDied:
+                # Nothing was trained on a half-loaded state: the parked copy is still the
+                # owner, and acquire() places the agent on a trainer that is alive.
+                self.trainer_died(trainer)
+                self.emit(ev.AllocationChanged("trainer", agent, [], f"{trainer} died while loading it; "
+                                                                    f"still parked with {parked.holder}"))
+                return
             # The new owner has the state; only now may the parked copy go.
-            await self.server.call(parked.holder, protocol.ReleaseState(
-                self.server.next_request_id(), agent, parked.handle))
             del self.parked[agent]
+            try:
+                await self.server.call(parked.holder, protocol.ReleaseState(
+                    self.server.next_request_id(), agent, parked.handle))
+            except WorkerDied:
+                log.warning("%s, which held the parked copy of %s, died after the copy was loaded; "
+                            "remove_orphan_segments() clears what it left", parked.holder, agent)
             why = f"swapped in from {parked.holder}'s host memory ({parked.nbytes / 1e6:.1f} MB)"
         else:
             await self.server.call(trainer, protocol.InitAgent(
@@ -193,12 +218,28 @@ class TrainerAllocator:
         trainer = self.resident.pop(agent)
         try:
             reply, _ = await self.server.call(trainer, protocol.OffloadAgent(self.server.next_request_id(), agent))
+        except WorkerDied:
+            self.resident[agent] = trainer
+            self.trainer_died(trainer)
+            raise
         except BaseException:
             self.resident[agent] = trainer  # the offload did not happen; it is still there
             raise
         self.parked[agent] = Parked(trainer, reply.handle, reply.version, reply.accumulated, reply.nbytes)
         self.emit(ev.AllocationChanged("trainer", agent, [], f"parked in {trainer}'s host memory "
                                                             f"({reply.nbytes / 1e6:.1f} MB, {reply.seconds:.3f}s)"))
+
+    def trainer_died(self, trainer: str) -> list[str]:
+        """Take a dead trainer out of the pool; returns the agents whose states died with it."""
+        if trainer in self.trainers:
+            self.trainers.remove(trainer)
+        lost = sorted(a for a, t in self.resident.items() if t == trainer)
+        for agent in lost:
+            del self.resident[agent]
+            self.lost[agent] = trainer
+            self.emit(ev.AllocationChanged("trainer", agent, [], f"lost: {trainer} died"))
+        self._changed.set()  # waiters re-check: the pool changed
+        return lost
 
     async def close(self) -> None:
         for task in list(self._prefetches):

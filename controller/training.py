@@ -191,10 +191,11 @@ class TrainingRun:
                 self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{info.worker_id} died"))
                 if not workers:
                     log.error("agent %s has no rollout instance left", agent)
-        if self.allocator is not None and info.worker_id in self.allocator.resident.values():
-            lost = sorted(a for a, t in self.allocator.resident.items() if t == info.worker_id)
-            log.error("trainer %s died holding %s; their training states since the last checkpoint "
-                      "are lost and the run stops", info.worker_id, lost)
+        if self.allocator is not None and info.worker_id in self.allocator.trainers:
+            lost = self.allocator.trainer_died(info.worker_id)
+            if lost:
+                log.error("trainer %s died holding %s; their training states since the last checkpoint "
+                          "are lost and the run stops", info.worker_id, lost)
 
     def _expected_tokens(self, agent: str) -> float:
         # Rough demand for the initial placement: requests multiply down a chain, so use

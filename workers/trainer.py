@@ -40,6 +40,7 @@ class AgentState:
     max_grad_norm: float
     accumulated: int = 0  # samples whose gradients are accumulated since the last step
     published: Any = None  # the parameter-channel handle of the latest published weights
+    bucket: Any = None  # a SharedBucket holding the parameters, once they are published over shm
 
 
 def grpo_loss(model: Any, samples: list[protocol.TrainSample], off_policy: bool,
@@ -92,17 +93,38 @@ def training_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return tensors
 
 
-def restore_training_state(model: Any, optimizer: Any, tensors: dict[str, Any]) -> None:
-    """Inverse of `training_state`; copies, so the source may be read-only shared memory."""
-    weights = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
-    model.load_state_dict(weights, strict=True)
-    for name, p in model.named_parameters():
-        grad = tensors.get(f"grad/{name}")
-        p.grad = grad.clone() if grad is not None else None
+def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any) -> None:
+    """Inverse of `training_state`: the parked state named by `handle` goes straight into a
+    freshly built model (weights) and new tensors (gradients, optimizer state), one copy,
+    verified on the way. On any error the half-filled model must be thrown away."""
+    import torch
+
+    from flexmarl.runtime.param_channel import ParamTransferError
+
+    params = dict(model.named_parameters())
+    dst = {}
+    for spec in handle.layout:
+        kind, _, rest = spec.name.partition("/")
+        name = rest.split("/", 1)[0]
+        if name not in params or kind not in ("param", "grad", "optim"):
+            raise ParamTransferError(f"parked state of {handle.agent!r} has {spec.name!r}, "
+                                     "which this model does not have")
+        dst[spec.name] = params[name] if kind == "param" else torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+    missing = [f"param/{name}" for name in params if f"param/{name}" not in dst]
+    if missing:
+        raise ParamTransferError(f"parked state of {handle.agent!r} lacks {missing[:5]}")
+    channel.receive_into(handle, dst, atomic=False)
+    for name, p in params.items():
+        p.grad = dst.get(f"grad/{name}")
         prefix = f"optim/{name}/"
-        state = {k[len(prefix):]: v.clone() for k, v in tensors.items() if k.startswith(prefix)}
+        state = {k[len(prefix):]: v for k, v in dst.items() if k.startswith(prefix)}
         if state:
             optimizer.state[p] = state
+
+
+def _point_parameters_at(model: Any, tensors: dict[str, Any]) -> None:
+    for name, p in model.named_parameters():
+        p.data = tensors[name]
 
 
 class TrainerHandler(CommandHandler):
@@ -202,6 +224,8 @@ class TrainerHandler(CommandHandler):
         if msg.version != state.version + 1:
             raise ValueError(f"optimizer step to version {msg.version} but {state.name} is at {state.version}")
         norm = torch.zeros(())
+        if state.bucket is not None and state.bucket.prepare_write():
+            _point_parameters_at(state.model, state.bucket.tensors)  # the published copy stays frozen
         if msg.grad_scale > 0:  # 0: the global batch had no samples; the version still advances
             for p in state.model.parameters():
                 if p.grad is not None:
@@ -221,7 +245,12 @@ class TrainerHandler(CommandHandler):
         if msg.version != state.version:
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
         tensors = {k: v.detach() for k, v in state.model.state_dict().items()}
-        handle = self.channel().publish(tensors, agent=state.name, version=state.version,
+        if msg.transport == "shm" and state.bucket is None and tensors.keys() == dict(state.model.named_parameters()).keys():
+            # From now on the parameters live in shared memory and a publish copies nothing.
+            state.bucket = self.channel().shared_bucket(tensors)
+            _point_parameters_at(state.model, state.bucket.tensors)
+        source = state.bucket if msg.transport == "shm" and state.bucket is not None else tensors
+        handle = self.channel().publish(source, agent=state.name, version=state.version,
                                         transport=msg.transport, receivers=max(1, len(msg.targets)))
         # The controller publishes version v + 1 only after every receiver loaded v.
         if state.published is not None:
@@ -246,6 +275,8 @@ class TrainerHandler(CommandHandler):
         # The parked copy is complete and checksummed; only now is the live state dropped.
         if state.published is not None:
             self.channel().release(state.published)
+        if state.bucket is not None:
+            state.bucket.close()
         del self.agents[state.name]
         self.parked[handle.key] = handle
         return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated,
@@ -262,13 +293,12 @@ class TrainerHandler(CommandHandler):
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
         handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
-        # Verified in full before anything is built: a short or corrupt copy raises here
-        # and leaves this trainer (and the parked copy) exactly as they were.
-        tensors = self.channel().receive(handle)
         config = AutoConfig.from_pretrained(msg.model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
-        restore_training_state(model, optimizer, tensors)
+        # Into a model built for it, verified on the way: a short or corrupt copy raises
+        # and the model is dropped, so this trainer and the parked copy stay as they were.
+        receive_training_state(self.channel(), handle, model, optimizer)
         model.train()
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
                                             msg.max_grad_norm, msg.accumulated)

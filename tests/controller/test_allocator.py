@@ -1,4 +1,5 @@
 from flexmarl.controller.allocator import choose_placement
+from flexmarl.runtime import events as ev
 
 TRAINERS = ["t0", "t1"]
 
@@ -53,3 +54,102 @@ async def test_trainer_slots_let_steps_pass_queued_micro_batches_and_keep_order_
     await asyncio.gather(first, *queued)
     assert order == ["mb-a1", "step-a", "mb-b1", "mb-b2", "mb-c1"]
     assert alloc._running["t0"] == 0
+
+
+# --- trainers dying during swaps (a fake for the other side of the sockets) -------------
+
+
+class FakeTrainers:
+    """Answers the allocator's commands like trainers would; `die` maps (trainer, command
+    name) to a death: that call raises WorkerDied, as the server does for a dead worker."""
+
+    def __init__(self, die=()):
+        import itertools
+
+        self.die, self.calls, self._ids = set(die), [], itertools.count(1)
+
+    def next_request_id(self):
+        return next(self._ids)
+
+    async def call(self, worker, msg):
+        from flexmarl.controller.server import WorkerDied
+        from flexmarl.runtime import protocol as p
+
+        name = type(msg).__name__
+        self.calls.append((worker, name, getattr(msg, "handle", None)))
+        if (worker, name) in self.die:
+            raise WorkerDied(worker, "killed")
+        if isinstance(msg, p.OffloadAgent):
+            return p.AgentOffloaded(msg.request_id, msg.agent, 3, 0, f"parked-{msg.agent}".encode(), 100, 0.0), []
+        if isinstance(msg, p.ReleaseState):
+            return p.StateReleased(msg.request_id, msg.agent), []
+        return p.AgentReady(msg.request_id, msg.agent, getattr(msg, "version", 0), 10), []
+
+
+def make_allocator(server, trainers, capacity=1):
+    from types import SimpleNamespace
+
+    from flexmarl.controller.allocator import TrainerAllocator
+
+    cfg = {a: SimpleNamespace(lr=1e-3, max_grad_norm=1.0) for a in ("a", "b", "c")}
+    events = []
+    alloc = TrainerAllocator(server, trainers, capacity, cfg, {a: f"/models/{a}" for a in cfg}, 0,
+                             lambda a: 0, events.append)
+    return alloc, events
+
+
+async def place(alloc, agent):
+    trainer = await alloc.acquire(agent)
+    alloc.release(agent)
+    return trainer
+
+
+async def test_a_trainer_dying_while_loading_leaves_the_parked_copy_as_owner_and_another_trainer_loads_it():
+    server = FakeTrainers(die={("t1", "LoadAgent")})
+    alloc, events = make_allocator(server, ["t0", "t1"])
+    await place(alloc, "a")  # t0
+    await place(alloc, "b")  # t1
+    alloc.last_used.update(a=2.0, b=1.0)
+    # c needs a slot: b (longest unused) is parked off t1; c is initialised there.
+    assert await place(alloc, "c") == "t1"
+    assert alloc.parked["b"].holder == "t1"
+    # b comes back: c is parked off t1 and t1 dies loading b.
+    alloc.last_used.update(a=5.0, c=1.0)
+    server.die.add(("t1", "LoadAgent"))
+    trainer = await place(alloc, "b")
+    assert trainer == "t0" and alloc.trainers == ["t0"]
+    loads = [(w, h) for w, name, h in server.calls if name == "LoadAgent" and h == b"parked-b"]
+    assert loads == [("t1", b"parked-b"), ("t0", b"parked-b")]  # the same kept copy, twice
+    # The copy was released only after the live trainer had loaded it.
+    released = [i for i, (w, name, h) in enumerate(server.calls) if name == "ReleaseState" and h == b"parked-b"]
+    assert len(released) == 1 and released[0] > server.calls.index(("t0", "LoadAgent", b"parked-b"))
+    assert any("died while loading" in e.why for e in events if isinstance(e, ev.AllocationChanged))
+
+
+async def test_a_dead_holder_of_a_parked_copy_does_not_fail_a_swap_that_already_loaded_it():
+    server = FakeTrainers()
+    alloc, _ = make_allocator(server, ["t0", "t1"])
+    await place(alloc, "a")
+    await place(alloc, "b")
+    alloc.last_used.update(a=2.0, b=1.0)
+    await place(alloc, "c")  # parks b with t1
+    server.die.add(("t1", "ReleaseState"))
+    alloc.last_used.update(a=1.0, c=5.0)
+    assert await place(alloc, "b") == "t0"  # parks a off t0, loads b there; t1's release fails
+    assert "b" not in alloc.parked and alloc.resident["b"] == "t0"
+
+
+async def test_states_resident_on_a_dead_trainer_are_reported_lost_never_reinitialised():
+    import pytest
+
+    server = FakeTrainers()
+    alloc, _ = make_allocator(server, ["t0", "t1"])
+    await place(alloc, "a")
+    await place(alloc, "b")
+    assert alloc.trainer_died("t1") == ["b"]
+    with pytest.raises(RuntimeError, match="training state of b died with trainer t1"):
+        await alloc.acquire("b")
+    assert not any(name == "InitAgent" and w == "t0" and "b" in str(h) for w, name, h in server.calls[2:])
+    alloc.trainer_died("t0")
+    with pytest.raises(RuntimeError, match="no trainer is left"):
+        await alloc.acquire("c")

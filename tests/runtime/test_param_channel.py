@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -729,3 +730,23 @@ def test_nccl_broadcast_moves_a_model_state_between_processes_byte_exactly(proce
         receiver.close()
     tell(proc, "close")
     assert proc.wait(30) == 0
+
+
+def test_a_receiver_waiting_for_a_dead_publishers_checksum_fails_clearly(channels, processes):
+    publisher, receiver = channels(), channels()
+    bucket = publisher.shared_bucket(trained_state())
+    handle = publisher.publish(bucket, agent="a", version=1, transport="shm")
+    receiver.receive(handle)  # the checksum is in the header now
+    # As if the publisher had died between sealing the segment and writing its checksum.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    processes.append(dead)
+    dead.wait(10)
+    struct.pack_into("<Q", bucket.segment.mm, 32, 0)
+    orphan = msgspec.structs.replace(handle, publisher=Location(handle.publisher.host, dead.pid))
+    dst = {spec.name: torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in handle.layout}
+    with pytest.raises(ParamTransferError, match="died or stalled before it finished the checksum"):
+        receiver.receive_into(orphan, dst)
+    assert not any(t.any() for t in dst.values())  # atomic: nothing written
+    for receive in (lambda: receiver.receive(orphan), lambda: receiver.receive_into(orphan, dst, atomic=False)):
+        with pytest.raises(ParamTransferError, match="died or stalled before it finished the checksum"):
+            receive()

@@ -83,3 +83,33 @@ def test_a_corrupted_parked_copy_is_refused_and_nothing_is_trained_on_it(model_d
     other._execute(p.LoadAgent(8, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
     assert "planner" in other.agents
     h.close(), other.close()
+
+
+def test_weights_published_over_shm_stay_frozen_while_the_trainer_steps_on(model_dir):
+    from flexmarl.runtime.param_channel import ParamChannel
+
+    shm, plain = trained_handler(model_dir), trained_handler(model_dir)
+    for h in (shm, plain):
+        h._execute(p.OptimStep(5, "planner", 3, 1 / 8))
+    v3 = msgspec.msgpack.decode(shm._execute(p.PublishWeights(6, "planner", 3, "shm", ["r"])).handle, type=ParamHandle)
+    plain._execute(p.PublishWeights(6, "planner", 3, "tcp", ["r"]))
+    state = shm.agents["planner"]
+    assert v3.path == state.bucket.segment.path  # sealed where the parameters live: no copy
+    want_v3 = {k: v.clone() for k, v in state.model.state_dict().items()}
+    batch = [sample(i, random.Random(1), 3) for i in range(8)]
+    for h in (shm, plain):
+        h._execute(p.TrainMicroBatch(7, "planner", 4, batch))
+        h._execute(p.OptimStep(8, "planner", 4, 1 / 8))
+    assert state.bucket.moves == 1  # v3 was still live: the step wrote to a fresh copy
+    with ParamChannel() as receiver:
+        got = receiver.receive(v3)
+        assert all(torch.equal(got[k], want_v3[k]) for k in want_v3)
+        # Living in shared memory changes nothing in the arithmetic.
+        assert all(torch.equal(a, b) for a, b in zip(state.model.state_dict().values(),
+                                                     plain.agents["planner"].model.state_dict().values()))
+        assert not all(torch.equal(a, want_v3[k]) for k, a in state.model.state_dict().items())
+        v4 = msgspec.msgpack.decode(shm._execute(p.PublishWeights(9, "planner", 4, "shm", ["r"])).handle,
+                                    type=ParamHandle)
+        got = receiver.receive(v4)
+        assert all(torch.equal(got[k], v) for k, v in state.model.state_dict().items())
+    shm.close(), plain.close()
