@@ -35,6 +35,7 @@ import hashlib
 import logging
 import mmap
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -346,7 +347,8 @@ def _copy_summing(handle: ParamHandle, data: torch.Tensor, dst: Mapping[str, tor
                 for start in range(0, spec.nbytes, _PACK_CHUNK):
                     stop = min(start + _PACK_CHUNK, spec.nbytes)
                     out[start:stop] = src[spec.offset + start : spec.offset + stop]
-                    running.advance(spec.offset + stop)
+                    if spec.offset + stop - running.cursor >= _PACK_CHUNK:  # small ones in batches
+                        running.advance(spec.offset + stop)
             elif spec.nbytes:
                 t.copy_(_typed_view(data, spec))
                 running.advance(spec.offset + spec.nbytes)
@@ -400,7 +402,7 @@ class _Segment:
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_SHM_HEADER) if total else torch.empty(0, dtype=torch.uint8)
         self.live_key: str | None = None  # the publication sealed into it; at most one
         self.bucket: SharedBucket | None = None  # the bucket whose tensors live here, if any
-        self.finisher: threading.Thread | None = None  # computing the live publication's checksum
+        self.checksummed: threading.Event | None = None  # set once a pending checksum is written
 
     def seal(self, key: str, checksum_: int | None) -> None:
         """checksum_ None: it follows (`finish_checksum`); receivers wait for it."""
@@ -413,9 +415,9 @@ class _Segment:
 
     def wait_for_checksum(self) -> None:
         """Wait for a checksum still being computed for this segment, if any."""
-        if self.finisher is not None:
-            self.finisher.join()
-            self.finisher = None
+        if self.checksummed is not None:
+            self.checksummed.wait()
+            self.checksummed = None
 
     def unseal(self) -> None:
         self.wait_for_checksum()
@@ -435,6 +437,8 @@ class _ShmPublisher:
         self._dir, self._keep = shm_dir, spares > 0
         self._paths: set[str] = set()  # every file owned, live or spare
         self._spares = _SparePool(spares, free=lambda segment: self._unlink(segment.path))
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._checksummer: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, _unlink_quietly, self._paths)
 
     def allocate(self, total: int) -> _Segment:
@@ -468,10 +472,22 @@ class _ShmPublisher:
         segment = bucket.segment
         handle = ParamHandle(**fields, checksum=None, path=segment.path)
         self._seal(segment, handle)
-        segment.finisher = threading.Thread(target=lambda: segment.finish_checksum(checksum(segment.data)),
-                                            name="param-checksum", daemon=True)
-        segment.finisher.start()
+        segment.checksummed = done = threading.Event()
+        if self._checksummer is None:  # one long-lived thread: starting one per publish costs 0.1 ms
+            self._checksummer = threading.Thread(target=self._checksum_loop, args=(self._pending,),
+                                                 name="param-checksum", daemon=True)
+            self._checksummer.start()
+        self._pending.put((segment, done))
         return handle, segment
+
+    @staticmethod
+    def _checksum_loop(pending: queue.SimpleQueue) -> None:
+        while True:
+            segment, done = pending.get()
+            try:
+                segment.finish_checksum(checksum(segment.data))
+            finally:
+                done.set()
 
     @staticmethod
     def _seal(segment: _Segment, handle: ParamHandle) -> None:
