@@ -155,6 +155,9 @@ class ParamChannelConfig(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float = 30.0  # a transfer with no progress for this long has failed
     spare_buffers: int = 2  # released buffers kept for reuse, per kind; 0 frees at once
     cached_maps: int = 4  # shm segments a receiver keeps mapped between receives
+    # A SharedBucket at least this large is checksummed on a thread while receivers read;
+    # a smaller one in publish() (about 0.5 ms at the default, here).
+    defer_checksum_bytes: int = 16 << 20
 
 
 def choose_transport(src: Location, dst: Location) -> str:
@@ -433,8 +436,8 @@ class _ShmPublisher:
     is renamed to a spare for the next publish of the same size, because faulting in a
     fresh 1 GB segment costs ~15 memcpys here. All are unlinked on close() or at exit."""
 
-    def __init__(self, shm_dir: str, spares: int):
-        self._dir, self._keep = shm_dir, spares > 0
+    def __init__(self, shm_dir: str, spares: int, defer_checksum_bytes: int):
+        self._dir, self._keep, self._defer_bytes = shm_dir, spares > 0, defer_checksum_bytes
         self._paths: set[str] = set()  # every file owned, live or spare
         self._spares = _SparePool(spares, free=lambda segment: self._unlink(segment.path))
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
@@ -463,13 +466,18 @@ class _ShmPublisher:
         return handle, segment
 
     def publish_bucket(self, bucket: SharedBucket, fields: dict) -> tuple[ParamHandle, _Segment]:
-        """Seal the bucket's own segment, with no copy, and return at once: a thread
-        computes the checksum and writes it into the header, while receivers already copy
-        or checksum the bytes themselves; they compare once it is there. A segment holds
-        one publication, so a bucket published again while its last one is live moves."""
+        """Seal the bucket's own segment, with no copy. A large one returns at once: a
+        thread computes the checksum and writes it into the header while receivers already
+        copy or checksum the bytes themselves, and they compare once it is there. A small
+        one is checksummed here (faster than waking a thread that may wait for the GIL).
+        A segment holds one publication: a bucket published again while live moves first."""
         if bucket.segment.live_key is not None:
             bucket.prepare_write()
         segment = bucket.segment
+        if segment.total < self._defer_bytes:
+            handle = ParamHandle(**fields, checksum=checksum(segment.data), path=segment.path)
+            self._seal(segment, handle)
+            return handle, segment
         handle = ParamHandle(**fields, checksum=None, path=segment.path)
         self._seal(segment, handle)
         segment.checksummed = done = threading.Event()
@@ -936,7 +944,7 @@ class ParamChannel:
         self._published: dict[str, _Publication] = {}
         self._received: dict[str, list[tuple[int, torch.Tensor]]] = {}  # key -> staging buffers behind views
         self._host_spares = _SparePool(config.spare_buffers, free=lambda _: None)
-        self._shm = _ShmPublisher(config.shm_dir, config.spare_buffers)
+        self._shm = _ShmPublisher(config.shm_dir, config.spare_buffers, config.defer_checksum_bytes)
         self._maps = _ShmReceiver(config.cached_maps, config.timeout_s)
         self._ctx: zmq.Context | None = None
         self._server: _TcpServer | None = None

@@ -472,13 +472,18 @@ def test_orphan_segments_of_dead_publishers_are_removed(shm_dir, processes):
 # --- shared buckets: a publisher whose tensors already live in shared memory -----------
 
 
-def test_a_shared_bucket_is_published_in_place_and_received_byte_exactly(channels, shm_dir):
-    publisher, receiver = channels(), channels()
+CHECKSUM_ON_A_THREAD = pytest.mark.parametrize("defer", [0, 1 << 40], ids=["checksum-on-thread", "checksum-in-publish"])
+
+
+@CHECKSUM_ON_A_THREAD
+def test_a_shared_bucket_is_published_in_place_and_received_byte_exactly(channels, shm_dir, defer):
+    publisher, receiver = channels(defer_checksum_bytes=defer), channels()
     state = trained_state(seed=3)
     bucket = publisher.shared_bucket(state)
     assert_byte_exact(bucket.tensors, state)
     handle = publisher.publish(bucket, agent="a", version=1, transport="shm")
     assert handle.path == bucket.segment.path  # sealed where the tensors live: nothing copied
+    assert (handle.checksum is None) == (defer == 0)  # on a thread, it follows in the header
     assert_byte_exact(receiver.receive(handle), state)
     dst = {k: torch.zeros_like(v) for k, v in state.items()}
     receiver.receive_into(handle, dst, atomic=False)
@@ -489,8 +494,9 @@ def test_a_shared_bucket_is_published_in_place_and_received_byte_exactly(channel
     assert_byte_exact(receiver.receive(tcp), state)
 
 
-def test_writing_to_a_published_bucket_moves_it_and_the_publication_stays_frozen(channels, shm_dir):
-    publisher, receiver = channels(), channels()
+@CHECKSUM_ON_A_THREAD
+def test_writing_to_a_published_bucket_moves_it_and_the_publication_stays_frozen(channels, shm_dir, defer):
+    publisher, receiver = channels(defer_checksum_bytes=defer), channels()
     state = trained_state(seed=4)
     bucket = publisher.shared_bucket(state)
     assert bucket.prepare_write() is False  # nothing published: write in place
@@ -536,6 +542,7 @@ def test_closing_a_bucket_under_a_live_publication_keeps_it_until_released(chann
 
 
 def test_a_bucket_moves_between_two_processes_byte_exactly(processes, shm_dir, channels):
+    """The publisher checksums on a thread (defer_checksum_bytes=0); the receiver waits for it."""
     proc, handle, digests = start_bucket_publisher(processes, shm_dir)
     dst = {spec.name: torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in handle.layout}
     channels().receive_into(handle, dst, atomic=False)
@@ -543,8 +550,9 @@ def test_a_bucket_moves_between_two_processes_byte_exactly(processes, shm_dir, c
     tell(proc, "close")
 
 
-def test_a_fused_receive_catches_corruption_and_says_the_destination_is_spoilt(channels):
-    publisher, receiver = channels(), channels()
+@CHECKSUM_ON_A_THREAD
+def test_a_fused_receive_catches_corruption_and_says_the_destination_is_spoilt(channels, defer):
+    publisher, receiver = channels(defer_checksum_bytes=defer), channels()
     state = trained_state(seed=7)
     handle = publisher.publish(publisher.shared_bucket(state), agent="a", version=1, transport="shm")
     receiver.receive(handle)  # returns once the publisher's checksum is in the header
@@ -577,7 +585,7 @@ torch.set_num_threads(1)
 spec = importlib.util.spec_from_file_location("param_tests", sys.argv[1])
 tests = importlib.util.module_from_spec(spec); spec.loader.exec_module(tests)
 from flexmarl.runtime.param_channel import ParamChannel, ParamChannelConfig
-channel = ParamChannel(ParamChannelConfig(shm_dir=sys.argv[2]))
+channel = ParamChannel(ParamChannelConfig(shm_dir=sys.argv[2], defer_checksum_bytes=0))
 bucket = channel.shared_bucket(tests.trained_state(seed=1))
 bucket.prepare_write()
 for t in bucket.tensors.values():
@@ -733,7 +741,7 @@ def test_nccl_broadcast_moves_a_model_state_between_processes_byte_exactly(proce
 
 
 def test_a_receiver_waiting_for_a_dead_publishers_checksum_fails_clearly(channels, processes):
-    publisher, receiver = channels(), channels()
+    publisher, receiver = channels(defer_checksum_bytes=0), channels()
     bucket = publisher.shared_bucket(trained_state())
     handle = publisher.publish(bucket, agent="a", version=1, transport="shm")
     receiver.receive(handle)  # the checksum is in the header now
