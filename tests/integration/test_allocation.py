@@ -51,3 +51,38 @@ def test_three_agents_swapping_on_one_trainer_match_three_dedicated_trainers(tmp
         if isinstance(e, ev.AllocationChanged) and e.kind == "trainer":
             bound[e.agent] = bool(e.workers)
             assert sum(bound.values()) <= 1
+
+
+def test_a_trainer_killed_while_agents_swap_stops_the_run_clearly_and_revives_no_lost_state(tmp_path):
+    import os
+    import signal
+
+    cfg = load_config(None, ["run.steps=8", "pipeline.queries_per_step=4", "run.progress=false",
+                             "pipeline.mode='sync'", "cluster.trainer_workers=2", "cluster.trainer_capacity=1",
+                             "transport.heartbeat_timeout_s=3.0"], defaults=default_config())
+    killed = {}
+
+    async def main():
+        async with Experiment(cfg, run_dir=tmp_path) as exp:
+            train = asyncio.create_task(exp.train())
+            while exp.training is None or exp.training.allocator is None or exp.training.allocator.swaps < 2:
+                await asyncio.sleep(0.05)
+                assert not train.done(), train.exception()
+            victim = "trainer-1"
+            killed["agents"] = sorted(a for a, t in exp.training.allocator.resident.items() if t == victim)
+            os.kill(next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim), signal.SIGKILL)
+            with pytest.raises(Exception) as failure:
+                await train
+            return failure.value, exp.training.allocator
+
+    error, allocator = asyncio.run(main())
+    assert "trainer-1" in str(error)
+    assert "trainer-1" not in allocator.trainers
+    events, problem = read_events(tmp_path / "events.log")
+    assert problem is None
+    died = next(i for i, e in enumerate(events) if isinstance(e, ev.WorkerDied) and e.worker == "trainer-1")
+    lost = {e.agent for e in events[died:] if isinstance(e, ev.AllocationChanged) and e.why.startswith("lost")}
+    assert lost and lost <= set(AGENTS)
+    # A lost state is never rebuilt from scratch or bound again.
+    assert not [e for e in events[died:] if isinstance(e, ev.AllocationChanged) and e.kind == "trainer"
+                and e.agent in lost and e.workers]
