@@ -67,8 +67,9 @@ def partition_groups(group_sizes: list[int], micro_batch: int) -> list[list[int]
 def redrive(log: list) -> list:
     """Recomputes the training decisions (which samples form each micro-batch, which
     groups the staleness bound drops, each optimizer step) from the logged inputs (groups
-    opened and completed, the versions that generated each sample, the config) with the
-    same rules the controller used. `flexmarl replay --check` compares the result with
+    opened and completed, the versions that generated each sample, the config), and the
+    level 1 balancer's moves from the logged demand observations, with the same rules
+    and code the controller used. `flexmarl replay --check` compares the result with
     the decisions the log recorded; ordering across agents is taken from the log, since
     it depends on timing, not on the rules."""
     import tomllib
@@ -108,22 +109,49 @@ def redrive(log: list) -> list:
                 trained += len(sample_ids)
                 out.append(ev.MicroBatchFormed(agent, "", tag, sample_ids, min_versions))
         out.append(ev.OptimizerStep(agent, step_trainer.get((agent, tag), ""), tag, trained))
-    # Interleave agents in the order the log shows (timing), keeping each agent's own order.
-    order = [e.agent for e in log if isinstance(e, REDRIVEN_TYPES)]
+    moves = _redrive_balancer(log, tomllib.loads(start.config_toml)["router"])
+    # Interleave agents and balancer moves in the order the log shows (timing), keeping
+    # each one's own order.
     cursor = {a: 0 for a in made}
     result = []
-    for agent in order:
-        if cursor.get(agent, 0) < len(made.get(agent, [])):
-            result.append(made[agent][cursor[agent]])
-            cursor[agent] += 1
+    for e in log:
+        if isinstance(e, ev.RebalanceDecided):
+            if moves:
+                result.append(moves.pop(0))
+        elif isinstance(e, REDRIVEN_TYPES) and cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
+            result.append(made[e.agent][cursor[e.agent]])
+            cursor[e.agent] += 1
     for agent, items in made.items():
         result += items[cursor[agent]:]
-    return result
+    return result + moves
+
+
+def _redrive_balancer(log: list, router: dict) -> list:
+    """The level 1 balancer's moves for the logged demand observations, in order."""
+    from flexmarl.runtime import events as ev
+
+    from flexmarl.runtime.config import RouterConfig
+
+    from .balancer import AgentDemand, RolloutBalancer
+
+    balancer, moves = None, []
+    for e in log:
+        if not isinstance(e, ev.DemandObserved):
+            continue
+        if balancer is None:  # built as balance_loop builds it, from the logged config
+            balancer = RolloutBalancer.from_config(RouterConfig(**router))
+        balancer.move_cost_s = e.move_cost_s
+        snapshot = {a: AgentDemand(e.outstanding[a], e.dispatched_tokens[a], e.busy_s.get(a, {}))
+                    for a in e.outstanding}
+        move = balancer.observe(snapshot, e.now)
+        if move is not None:
+            moves.append(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
+    return moves
 
 
 def _redriven_types() -> tuple:
     from flexmarl.runtime import events as ev
-    return (ev.MicroBatchFormed, ev.OptimizerStep)
+    return (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
 
 
 REDRIVEN_TYPES = _redriven_types()

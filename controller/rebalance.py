@@ -80,9 +80,15 @@ async def balance_loop(run: "TrainingRun") -> None:
     await run.ready.wait()
     while len(run.batch_trained) < run.cfg.run.steps:
         await asyncio.sleep(cfg.interval_s)
-        move = balancer.observe(demand_snapshot(run), time.monotonic())
+        snapshot, now = demand_snapshot(run), time.monotonic()
+        # The balancer's inputs and decisions are logged, so `replay --check` re-drives it.
+        run.emit(ev.DemandObserved(
+            now, balancer.move_cost_s, {a: dict(d.outstanding) for a, d in snapshot.items()},
+            {a: d.dispatched_tokens for a, d in snapshot.items()}, {a: dict(d.busy_s) for a, d in snapshot.items()}))
+        move = balancer.observe(snapshot, now)
         if move is None:
             continue
+        run.emit(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
         log.info("moving %s from %s to %s: %s", ", ".join(move.instances), move.src, move.dst, move.why)
         await asyncio.gather(*(reassign(run, w, move.src, move.dst, move.why) for w in move.instances))
         if run.reassignments:  # the balancer weighs the next move by what moves really cost

@@ -151,6 +151,23 @@ class AllocationChanged(Event):
     why: str
 
 
+class DemandObserved(Event):
+    # One input of the level 1 balancer: every agent's rollout demand at one observation.
+    now: float  # the controller's monotonic clock, as the balancer was given it
+    move_cost_s: float  # what the balancer assumed a move costs at this observation
+    outstanding: dict[str, dict[str, float]]  # agent -> instance -> tokens queued or in flight
+    dispatched_tokens: dict[str, float]  # agent -> tokens ever dispatched
+    busy_s: dict[str, dict[str, float]]  # agent -> instance -> cumulative busy seconds
+
+
+class RebalanceDecided(Event):
+    # The level 1 balancer's decision: move `instances` from agent `src` to agent `dst`.
+    instances: list[str]
+    src: str
+    dst: str
+    why: str
+
+
 # Every event type, in declaration order; a new subclass above is picked up here.
 EVENT_TYPES: tuple[type[Event], ...] = tuple(Event.__subclasses__())
 EVENT_NAMES: frozenset[str] = frozenset(cls.__name__ for cls in EVENT_TYPES)
@@ -159,7 +176,7 @@ AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]
 # Events that record a decision of the controller (rather than a report from a worker);
 # `flexmarl replay --check` re-drives the decision code and compares these.
 DECISION_TYPES: tuple[type[Event], ...] = (
-    RequestsDispatched, MicroBatchFormed, SamplesDropped, WeightSyncStarted, AllocationChanged)
+    RequestsDispatched, MicroBatchFormed, SamplesDropped, WeightSyncStarted, AllocationChanged, RebalanceDecided)
 
 
 def without_stamp(event: Event) -> dict:

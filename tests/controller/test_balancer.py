@@ -323,3 +323,71 @@ async def test_the_engine_restarts_while_the_new_agent_syncs_but_joins_only_betw
     run.sync_lock["b"].release()
     await task
     assert run.sent()[-1] == ("r0", "LoadWeights", "b", 2) and run.client.assignment["b"] == ["r2", "r0"]
+
+
+# --- the level 1 loop's log re-drives to the same moves ---------------------------------
+
+
+async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves(monkeypatch, tmp_path):
+    import collections
+    import time
+
+    from flexmarl.controller import rebalance, replay
+    from flexmarl.controller.workflows import default_config
+    from flexmarl.runtime.config import dump_toml, load_config
+    from flexmarl.runtime.eventlog import EventLog, read_events
+
+    cfg = load_config(None, ["router.across_agents=true", "router.interval_s=0.01", "router.patience=2",
+                             "router.cooldown_s=0.05", "run.steps=1"], defaults=default_config())
+    agents = ["planner", "solver", "checker"]
+    log = EventLog(tmp_path / "events.log")
+    log.emit(ev.RunStarted(dump_toml(cfg), agents, "async", 0, 0))
+    assignment = {a: [f"{a}{i}" for i in range(2)] for a in agents}
+    client = types.SimpleNamespace(assignment=assignment, instances=lambda a: list(assignment[a]),
+                                   outstanding=collections.defaultdict(float), dispatched_tokens=dict.fromkeys(agents, 0.0))
+    workers = {w: types.SimpleNamespace(load={"busy_s": 0.0}) for ws in assignment.values() for w in ws}
+    run = types.SimpleNamespace(cfg=cfg, agents=agents, ready=asyncio.Event(), batch_trained={}, emit=log.emit,
+                                reassignments=[], client=client,
+                                server=types.SimpleNamespace(registry=types.SimpleNamespace(workers=workers)))
+
+    async def fake_reassign(run, worker, src, dst, why=""):  # the move itself is not under test
+        assignment[src].remove(worker)
+        assignment[dst].append(worker)
+        run.reassignments.append(rebalance.Reassignment(worker, src, dst, 0.01, 0.02, False))
+
+    monkeypatch.setattr(rebalance, "reassign", fake_reassign)
+
+    async def skewed_demand():
+        """The solver's instances stay busy with a deep queue; the others idle."""
+        t0 = time.monotonic()
+        while len(run.reassignments) < 2 and time.monotonic() - t0 < 20:
+            for w in assignment["solver"]:
+                client.outstanding[w] = 200000.0  # seconds of work: more than a move costs
+                workers[w].load["busy_s"] = time.monotonic() - t0
+            client.dispatched_tokens["solver"] += 100.0
+            for a in ("planner", "checker"):
+                for w in assignment[a]:
+                    client.outstanding[w] = 0.0
+            await asyncio.sleep(0.003)
+        run.batch_trained[1] = time.monotonic()  # ends the loop
+
+    run.ready.set()
+    await asyncio.gather(rebalance.balance_loop(run), skewed_demand())
+    await log.close()
+    events, problem = read_events(tmp_path / "events.log")
+    assert problem is None
+    moves = [e for e in events if isinstance(e, ev.RebalanceDecided)]
+    assert len(moves) >= 2 and all(m.dst == "solver" for m in moves)
+    assert sum(isinstance(e, ev.DemandObserved) for e in events) > len(moves)
+    assert replay.check(events) is None
+
+    altered = [msgspec_replace(e, src="checker" if e.src != "checker" else "planner") if e is moves[0] else e
+               for e in events]
+    assert "differs" in replay.check(altered)
+    assert "re-driving made" in replay.check([e for e in events if e is not moves[-1]])
+
+
+def msgspec_replace(event, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(event, **changes)
