@@ -63,9 +63,6 @@ class EqualSplitRun(TrainingRun):
 
     async def setup(self) -> None:
         await super().setup()
-        # The busy baseline is read from heartbeats right after set-up; wait for ones sent
-        # after the engines started, or the start-up time would count as busy in the run.
-        await asyncio.sleep(1.5 * self.cfg.transport.heartbeat_interval_s)
         self.cpu_at_start = time.process_time()
 
     async def run(self):

@@ -216,7 +216,7 @@ class TrainingRun:
         self.emit(ev.RunStarted(dump_toml(self.cfg), self.agents, p.mode, p.max_staleness, self.cfg.run.seed))
         try:
             await self.setup()
-            self._loads_at_start = self._worker_loads()
+            self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
             loops = [asyncio.create_task(self.produce_episodes(), name="episodes"),
                      *(asyncio.create_task(self.agent_loop(a), name=f"train-{a}") for a in self.agents)]
@@ -228,7 +228,7 @@ class TrainingRun:
             self.metrics.close()
         self.wall_s = time.monotonic() - self.started
         self.emit(ev.RunFinished(self.cfg.run.steps, self.wall_s))
-        self.busy = self._busy_fractions()
+        self.busy = await self._busy_fractions()
         return RunSummary(self.cfg.run.steps, self.wall_s, self.samples_trained,
                           self.tokens_trained, self.failed_episodes, self.metrics.reward_history(),
                           str(self.exp.run_dir))
@@ -368,13 +368,18 @@ class TrainingRun:
         return {"rollout_s": sum(self.stage_end[t] - self.stage_start[t] for t in tags) / len(tags),
                 "train_sync_s": sum(self.batch_trained[t] - self.stage_end[t] for t in tags) / len(tags)}
 
-    def _worker_loads(self) -> dict[str, float]:
-        return {w.worker_id: w.load.get("busy_s", 0.0) for w in self.server.registry.alive()}
+    async def _worker_loads(self) -> dict[str, float]:
+        """Each live worker's busy seconds, asked for now (a heartbeat's may be a second
+        old, and one from before set-up ended would count set-up as work)."""
+        workers = [w.worker_id for w in self.server.registry.alive()]
+        replies = await asyncio.gather(*(self.server.call(w, protocol.Echo(self.server.next_request_id()))
+                                         for w in workers), return_exceptions=True)
+        return {w: r[0].load.get("busy_s", 0.0) for w, r in zip(workers, replies) if not isinstance(r, BaseException)}
 
-    def _busy_fractions(self) -> dict[str, float]:
-        end = self._worker_loads()
+    async def _busy_fractions(self) -> dict[str, float]:
+        end = await self._worker_loads()
         return {w: round((end[w] - self._loads_at_start.get(w, 0.0)) / self.wall_s, 3)
-                for w in end if self.wall_s > 0}
+                for w in end if self.wall_s > 0 and w in self._loads_at_start}
 
     def transport_between(self, src: str, dsts: list[str]) -> str:
         """Shared memory when every receiver is on the publisher's host, TCP otherwise."""

@@ -134,10 +134,12 @@ class Echo(Message):
 
 
 class EchoReply(Message):
-    # Worker -> Controller: the Echo's payload (and buffers) unchanged.
+    # Worker -> Controller: the Echo's payload (and buffers) unchanged, and the worker's
+    # load counters as of now (a heartbeat's may be a second old).
     KIND = Kind.ECHO_REPLY
     request_id: int
     payload: bytes = b""
+    load: dict[str, float] = {}
 
 
 # ---------------------------------------------------------------- rollout

@@ -47,7 +47,7 @@ class CommandHandler:
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         """Called from the receive loop: must return quickly (queue long work for `run`)."""
         if isinstance(msg, protocol.Echo):
-            await self.reply(protocol.EchoReply(msg.request_id, msg.payload), buffers)
+            await self.reply(protocol.EchoReply(msg.request_id, msg.payload, self.load()), buffers)
         else:
             await self.reply(protocol.Error(getattr(msg, "request_id", 0),
                                             f"{self.role} worker cannot handle {type(msg).__name__}"))

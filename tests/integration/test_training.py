@@ -35,13 +35,17 @@ def small_config(*overrides):
                               *overrides], defaults=default_config())
 
 
-def run_training(cfg, run_dir, during=None):
+def run_training(cfg, run_dir, during=None, out=None):
+    """(summary, worker pids); `out`, a dict, also receives the TrainingRun as "training"."""
     async def main():
         async with Experiment(cfg, run_dir=run_dir) as exp:
             train = asyncio.create_task(exp.train())
             if during is not None:
                 await during(exp)
-            return await train, exp.local.pids()
+            summary = await train
+            if out is not None:
+                out["training"] = exp.training
+            return summary, exp.local.pids()
 
     return asyncio.run(main())
 
@@ -53,8 +57,20 @@ def weights(path):
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sync")
-    summary, pids = run_training(small_config("pipeline.mode='sync'"), run_dir)
+    summary, pids = run_training(small_config("pipeline.mode='sync'"), run_dir, out=SYNC_RUN)
     return run_dir, summary, pids
+
+
+SYNC_RUN = {}  # the sync_run fixture's TrainingRun, as "training"
+
+
+def test_busy_fractions_are_measured_for_every_worker(sync_run):
+    """Asked of every worker at the end of set-up and at the end of the run (not read
+    from heartbeats, which may predate the end of set-up)."""
+    busy = SYNC_RUN["training"].busy
+    workers = SYNC_RUN["training"].server.registry.workers
+    assert set(busy) == {w for w in workers if w.startswith(("rollout", "trainer"))}
+    assert all(0.0 < b < 1.0 for b in busy.values()), busy
 
 
 def test_versions_advance_weights_change_and_rewards_are_finite(sync_run):

@@ -14,6 +14,7 @@ EXAMPLES = [
     p.Error(9, "boom", recoverable=False),
     p.Echo(1, b"abc"),
     p.EchoReply(1, b"abc"),
+    p.EchoReply(2, b"", {"busy_s": 1.5, "queued_commands": 0.0}),
     p.LoadModel(2, "planner", "/tmp/m", 0, seed=3),
     p.ModelLoaded(2, "planner", 0, 1.5),
     p.Generate(3, "solver", [p.GenRequest("s1", [1, 2, 3], 6, 1.0, 42)]),
