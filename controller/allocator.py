@@ -230,7 +230,10 @@ class TrainerAllocator:
                                                             f"({reply.nbytes / 1e6:.1f} MB, {reply.seconds:.3f}s)"))
 
     def trainer_died(self, trainer: str) -> list[str]:
-        """Take a dead trainer out of the pool; returns the agents whose states died with it."""
+        """Take a dead trainer out of the pool; returns the agents whose states died with it.
+        After shutdown was sent, trainers leaving is expected and changes nothing."""
+        if getattr(self.server, "closing", False):
+            return []
         if trainer in self.trainers:
             self.trainers.remove(trainer)
         lost = sorted(a for a, t in self.resident.items() if t == trainer)

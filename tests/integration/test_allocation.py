@@ -81,8 +81,11 @@ def test_a_trainer_killed_while_agents_swap_stops_the_run_clearly_and_revives_no
     events, problem = read_events(tmp_path / "events.log")
     assert problem is None
     died = next(i for i, e in enumerate(events) if isinstance(e, ev.WorkerDied) and e.worker == "trainer-1")
-    lost = {e.agent for e in events[died:] if isinstance(e, ev.AllocationChanged) and e.why.startswith("lost")}
-    assert lost and lost <= set(AGENTS)
+    lost = {e.agent for e in events[died:] if isinstance(e, ev.AllocationChanged) and e.why == "lost: trainer-1 died"}
+    assert lost == set(killed["agents"]) and lost <= set(AGENTS)
+    # Shutting the other workers down afterwards is not mistaken for more deaths.
+    assert all(e.why == "lost: trainer-1 died" for e in events if isinstance(e, ev.AllocationChanged)
+               and e.why.startswith("lost"))
     # A lost state is never rebuilt from scratch or bound again.
     assert not [e for e in events[died:] if isinstance(e, ev.AllocationChanged) and e.kind == "trainer"
                 and e.agent in lost and e.workers]

@@ -26,6 +26,9 @@ EXAMPLES = [
     ev.WeightSyncStarted("solver", 2, ["r0", "r1"]),
     ev.WeightSyncFinished("solver", 2, 0.5, 1 << 20),
     ev.AllocationChanged("rollout", "solver", ["r0", "r1"], "load disparity 6.1 > 5"),
+    ev.DemandObserved(812.25, 5.0, {"solver": {"r0": 900.0}, "planner": {"r1": 0.0, "r2": 12.5}},
+                      {"solver": 4000.0, "planner": 80.0}, {"solver": {"r0": 3.5}, "planner": {}}),
+    ev.RebalanceDecided(["r1"], "planner", "solver", "disparity 7.2 >= 5"),
 ]
 
 
