@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flexmarl.runtime.shm_segments import remove_orphan_segments
+
 log = logging.getLogger("flexmarl.launcher")
 
 
@@ -83,7 +85,17 @@ class LocalWorkers:
 
     def stop(self, timeout: float = 10.0, grace: float = 0.0) -> None:
         """Waits `grace` seconds for workers already told to shut down, then SIGTERMs
-        the survivors and SIGKILLs whatever is left after `timeout`."""
+        the survivors and SIGKILLs whatever is left after `timeout`; then removes the
+        shared-memory segments of workers that died without removing them."""
+        try:
+            self._stop(timeout, grace)
+        finally:
+            gone = [wp.proc.pid for wp in self.procs if wp.proc.returncode is not None]
+            removed = remove_orphan_segments(pids=gone)
+            if removed:
+                log.info("removed %d shared-memory segments left by dead workers", len(removed))
+
+    def _stop(self, timeout: float, grace: float) -> None:
         if grace > 0 and self.wait(grace):
             return
         for wp in self.running():

@@ -51,6 +51,8 @@ import numpy as np
 import torch
 import zmq
 
+from .shm_segments import SEGMENT_PREFIX, remove_orphan_segments
+
 __all__ = [
     "TRANSPORTS", "ParamChannel", "ParamChannelConfig", "ParamHandle", "ParamTransferError", "Location",
     "TensorSpec", "CudaIpcInfo", "NcclInfo", "choose_transport", "plan_layout", "pack_into", "unpack",
@@ -67,7 +69,6 @@ _SHM_HEADER = 4096  # one page: magic, seal, size, checksum, ready; the bucket s
 _SHM_FIELDS = struct.Struct("<8sQQQQ")  # ready: 1 once the checksum field is final
 _SHM_MAGIC = b"FLXPSHM1"
 _DISK_MAGIC = b"FLXPDSK1"
-_SEGMENT_PREFIX = "flexmarl-param-"
 _MASK = (1 << 64) - 1
 
 
@@ -520,7 +521,7 @@ class _ShmPublisher:
         self._finalizer()
 
     def _new_path(self, kind: str) -> str:
-        return os.path.join(self._dir, f"{_SEGMENT_PREFIX}{os.getpid()}-{kind}{secrets.token_hex(6)}")
+        return os.path.join(self._dir, f"{SEGMENT_PREFIX}{os.getpid()}-{kind}{secrets.token_hex(6)}")
 
     def _rename(self, segment: _Segment, path: str) -> None:
         os.rename(segment.path, path)
@@ -680,24 +681,6 @@ def _unlink_quietly(paths: set[str]) -> None:
         except FileNotFoundError:
             pass
         paths.discard(path)
-
-
-def remove_orphan_segments(shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink segments whose publisher died without close(); returns what was removed.
-    Call it where workers are launched; it trusts this host's pid namespace."""
-    removed = []
-    for entry in os.scandir(shm_dir):
-        pid = entry.name.removeprefix(_SEGMENT_PREFIX).split("-")[0]
-        if not entry.name.startswith(_SEGMENT_PREFIX) or not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            _unlink_quietly({entry.path})
-            removed.append(entry.path)
-        except PermissionError:
-            pass  # alive, owned by someone else
-    return removed
 
 
 # --- tcp --------------------------------------------------------------------------------

@@ -70,12 +70,15 @@ def test_a_trainer_killed_while_agents_swap_stops_the_run_clearly_and_revives_no
                 assert not train.done(), train.exception()
             victim = "trainer-1"
             killed["agents"] = sorted(a for a, t in exp.training.allocator.resident.items() if t == victim)
-            os.kill(next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim), signal.SIGKILL)
+            killed["pid"] = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
+            os.kill(killed["pid"], signal.SIGKILL)
             with pytest.raises(Exception) as failure:
                 await train
             return failure.value, exp.training.allocator
 
     error, allocator = asyncio.run(main())
+    # The killed trainer could not unlink its shared-memory segments; the launcher did.
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"flexmarl-param-{killed['pid']}-")]
     assert "trainer-1" in str(error)
     assert "trainer-1" not in allocator.trainers
     events, problem = read_events(tmp_path / "events.log")

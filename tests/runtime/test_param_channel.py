@@ -465,7 +465,10 @@ def test_orphan_segments_of_dead_publishers_are_removed(shm_dir, processes):
     mine = os.path.join(shm_dir, f"flexmarl-param-{os.getpid()}-0-abcd")
     for path in (orphan, mine):
         open(path, "wb").close()
-    assert remove_orphan_segments(shm_dir) == [orphan]
+    other_orphan = os.path.join(shm_dir, f"flexmarl-param-{dead.pid + 100000000}-0-abcd")  # no such pid
+    open(other_orphan, "wb").close()
+    assert remove_orphan_segments(shm_dir, pids=[dead.pid]) == [orphan]  # only the pids named
+    assert remove_orphan_segments(shm_dir) == [other_orphan]
     assert os.listdir(shm_dir) == [os.path.basename(mine)]
 
 
