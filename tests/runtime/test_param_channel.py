@@ -165,8 +165,9 @@ for line in sys.stdin:
 """
 
 
-def start_publisher(processes, transport: str, shm_dir: str, device: str = "cpu"):
-    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER_SCRIPT, __file__, transport, shm_dir, device],
+def start_publisher(processes, transport: str, shm_dir: str, device: str = "cpu", script: str = PUBLISHER_SCRIPT):
+    """Runs a publisher script; returns the process, the handle it published and digests."""
+    proc = subprocess.Popen([sys.executable, "-c", script, __file__, transport, shm_dir, device],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     processes.append(proc)
@@ -546,7 +547,7 @@ def test_closing_a_bucket_under_a_live_publication_keeps_it_until_released(chann
 
 def test_a_bucket_moves_between_two_processes_byte_exactly(processes, shm_dir, channels):
     """The publisher checksums on a thread (defer_checksum_bytes=0); the receiver waits for it."""
-    proc, handle, digests = start_bucket_publisher(processes, shm_dir)
+    proc, handle, digests = start_publisher(processes, "shm", shm_dir, script=BUCKET_PUBLISHER_SCRIPT)
     dst = {spec.name: torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in handle.layout}
     channels().receive_into(handle, dst, atomic=False)
     assert {k: digest(v) for k, v in dst.items()} == digests
@@ -588,7 +589,7 @@ torch.set_num_threads(1)
 spec = importlib.util.spec_from_file_location("param_tests", sys.argv[1])
 tests = importlib.util.module_from_spec(spec); spec.loader.exec_module(tests)
 from flexmarl.runtime.param_channel import ParamChannel, ParamChannelConfig
-channel = ParamChannel(ParamChannelConfig(shm_dir=sys.argv[2], defer_checksum_bytes=0))
+channel = ParamChannel(ParamChannelConfig(shm_dir=sys.argv[3], defer_checksum_bytes=0))
 bucket = channel.shared_bucket(tests.trained_state(seed=1))
 bucket.prepare_write()
 for t in bucket.tensors.values():
@@ -602,17 +603,6 @@ for line in sys.stdin:
         channel.close()
         break
 """
-
-
-def start_bucket_publisher(processes, shm_dir: str):
-    proc = subprocess.Popen([sys.executable, "-c", BUCKET_PUBLISHER_SCRIPT, __file__, shm_dir],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    processes.append(proc)
-    line = proc.stdout.readline()
-    assert line, f"publisher exited with {proc.wait(10)}"
-    message = json.loads(line)
-    return proc, msgspec.msgpack.decode(bytes.fromhex(message["handle"]), type=ParamHandle), message["digests"]
 
 
 # --- tcp security -----------------------------------------------------------------------
