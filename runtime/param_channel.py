@@ -604,9 +604,9 @@ class _ShmReceiver:
         mm, deadline, pause = self._open(handle), time.monotonic() + self._timeout_s, 20e-6
         while True:
             self._check_seal(handle, mm)
-            value, ready = struct.unpack_from("<QQ", mm, 24)
-            if ready:
-                return value
+            # `ready` first, then the value: the publisher writes them in the other order.
+            if struct.unpack_from("<Q", mm, 32)[0]:
+                return struct.unpack_from("<Q", mm, 24)[0]
             if not _alive(handle.publisher) or time.monotonic() > deadline:
                 raise ParamTransferError(f"{_describe(handle)}: the publisher (pid {handle.publisher.pid}) died or "
                                          f"stalled before it finished the checksum of {handle.path}. "
