@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import zmq
 
-from .shm_segments import SEGMENT_PREFIX, remove_orphan_segments
+from .shm_segments import SEGMENT_PREFIX, pid_alive, remove_orphan_segments
 
 __all__ = [
     "TRANSPORTS", "ParamChannel", "ParamChannelConfig", "ParamHandle", "ParamTransferError", "Location",
@@ -264,11 +264,8 @@ def pack_into(data: torch.Tensor, tensors: Mapping[str, torch.Tensor], layout: l
         flat[end : spec.offset] = 0
         t = t.detach().resolve_conj().resolve_neg()
         if t.device.type == "cpu" and t.is_contiguous() and spec.nbytes:
-            src = t.reshape(-1).view(torch.uint8).numpy()
-            for start in range(0, spec.nbytes, _PACK_CHUNK):
-                stop = min(start + _PACK_CHUNK, spec.nbytes)
-                flat[spec.offset + start : spec.offset + stop] = src[start:stop]
-                running.advance(spec.offset + stop)
+            bucket_range = flat[spec.offset : spec.offset + spec.nbytes]
+            _copy_in_chunks(bucket_range, t.reshape(-1).view(torch.uint8).numpy(), running, spec.offset)
         elif spec.nbytes:
             _typed_view(data, spec).copy_(t)  # strided or on a GPU: torch does the gather
         end = spec.offset + spec.nbytes
@@ -311,15 +308,7 @@ def _check_layout(handle: ParamHandle) -> None:
 
 def _alive(location: Location) -> bool:
     """False only when `location`'s process is known to be gone (this host only)."""
-    if location.host != socket.gethostname():
-        return True
-    try:
-        os.kill(location.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return location.host != socket.gethostname() or pid_alive(location.pid)
 
 
 def _describe(handle: ParamHandle) -> str:
@@ -347,16 +336,23 @@ def _copy_summing(handle: ParamHandle, data: torch.Tensor, dst: Mapping[str, tor
         for spec in handle.layout:
             t = dst[spec.name].detach()
             if t.device.type == "cpu" and t.is_contiguous() and spec.nbytes:
-                out = t.reshape(-1).view(torch.uint8).numpy()
-                for start in range(0, spec.nbytes, _PACK_CHUNK):
-                    stop = min(start + _PACK_CHUNK, spec.nbytes)
-                    out[start:stop] = src[spec.offset + start : spec.offset + stop]
-                    if spec.offset + stop - running.cursor >= _PACK_CHUNK:  # small ones in batches
-                        running.advance(spec.offset + stop)
+                bucket_range = src[spec.offset : spec.offset + spec.nbytes]
+                _copy_in_chunks(t.reshape(-1).view(torch.uint8).numpy(), bucket_range, running, spec.offset)
             elif spec.nbytes:
                 t.copy_(_typed_view(data, spec))
                 running.advance(spec.offset + spec.nbytes)
     return running.value()
+
+
+def _copy_in_chunks(out: np.ndarray, src: np.ndarray, running: _RunningChecksum, bucket_offset: int) -> None:
+    """out[:] = src in cache-sized chunks (one of the two is the bucket's range starting at
+    `bucket_offset`), summing the bucket up to each chunk's end while it is still in cache;
+    small tensors are summed together once a chunk's worth has accumulated."""
+    for start in range(0, len(src), _PACK_CHUNK):
+        stop = min(start + _PACK_CHUNK, len(src))
+        out[start:stop] = src[start:stop]
+        if bucket_offset + stop - running.cursor >= _PACK_CHUNK:
+            running.advance(bucket_offset + stop)
 
 
 def _round_up(n: int, multiple: int) -> int:

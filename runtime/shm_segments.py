@@ -29,14 +29,21 @@ def remove_orphan_segments(shm_dir: str = "/dev/shm", pids: Iterable[int] | None
         pid = entry.name.removeprefix(SEGMENT_PREFIX).split("-")[0]
         if not entry.name.startswith(SEGMENT_PREFIX) or not pid.isdigit() or (only is not None and int(pid) not in only):
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if not pid_alive(int(pid)):
             try:
                 os.unlink(entry.path)
                 removed.append(entry.path)
             except FileNotFoundError:
                 pass
-        except PermissionError:
-            pass  # alive, owned by someone else
     return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (a zombie counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by someone else
+    return True
