@@ -198,7 +198,7 @@ class TrainerAllocator:
                     self.server.next_request_id(), agent, parked.handle))
             except WorkerDied:
                 log.warning("%s, which held the parked copy of %s, died after the copy was loaded; "
-                            "remove_orphan_segments() clears what it left", parked.holder, agent)
+                            "the launcher removes its segments once it is reaped", parked.holder, agent)
             why = f"swapped in from {parked.holder}'s host memory ({parked.nbytes / 1e6:.1f} MB)"
         else:
             await self.server.call(trainer, protocol.InitAgent(
@@ -218,12 +218,10 @@ class TrainerAllocator:
         trainer = self.resident.pop(agent)
         try:
             reply, _ = await self.server.call(trainer, protocol.OffloadAgent(self.server.next_request_id(), agent))
-        except WorkerDied:
-            self.resident[agent] = trainer
-            self.trainer_died(trainer)
-            raise
-        except BaseException:
+        except BaseException as exc:
             self.resident[agent] = trainer  # the offload did not happen; it is still there
+            if isinstance(exc, WorkerDied):
+                self.trainer_died(trainer)  # ... unless it died with its trainer
             raise
         self.parked[agent] = Parked(trainer, reply.handle, reply.version, reply.accumulated, reply.nbytes)
         self.emit(ev.AllocationChanged("trainer", agent, [], f"parked in {trainer}'s host memory "

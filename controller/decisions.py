@@ -113,23 +113,23 @@ def redrive(log: list) -> list:
     # Interleave agents and balancer moves in the order the log shows (timing), keeping
     # each one's own order.
     cursor = {a: 0 for a in made}
-    result = []
+    result, next_move = [], iter(moves)
     for e in log:
         if isinstance(e, ev.RebalanceDecided):
-            if moves:
-                result.append(moves.pop(0))
+            move = next(next_move, None)
+            if move is not None:
+                result.append(move)
         elif isinstance(e, REDRIVEN_TYPES) and cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
             result.append(made[e.agent][cursor[e.agent]])
             cursor[e.agent] += 1
     for agent, items in made.items():
         result += items[cursor[agent]:]
-    return result + moves
+    return result + list(next_move)
 
 
 def _redrive_balancer(log: list, router: dict) -> list:
     """The level 1 balancer's moves for the logged demand observations, in order."""
     from flexmarl.runtime import events as ev
-
     from flexmarl.runtime.config import RouterConfig
 
     from .balancer import AgentDemand, RolloutBalancer

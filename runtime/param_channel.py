@@ -56,7 +56,7 @@ from .shm_segments import SEGMENT_PREFIX, pid_alive, remove_orphan_segments
 __all__ = [
     "TRANSPORTS", "ParamChannel", "ParamChannelConfig", "ParamHandle", "ParamTransferError", "Location",
     "TensorSpec", "CudaIpcInfo", "NcclInfo", "choose_transport", "plan_layout", "pack_into", "unpack",
-    "checksum", "read_handle", "remove_orphan_segments", "SharedBucket",
+    "checksum", "read_handle", "remove_orphan_segments", "SharedBucket", "torch_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -281,10 +281,11 @@ def unpack(data: torch.Tensor, layout: list[TensorSpec]) -> dict[str, torch.Tens
 
 
 def _typed_view(data: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    return data[spec.offset : spec.offset + spec.nbytes].view(_dtype(spec.dtype)).view(spec.shape)
+    return data[spec.offset : spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a TensorSpec names ("bfloat16" -> torch.bfloat16)."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ParamTransferError(f"unknown dtype {name!r} in a handle's layout; publisher and receiver run different torch versions?")
@@ -297,7 +298,7 @@ def _check_layout(handle: ParamHandle) -> None:
         count = 1
         for dim in spec.shape:
             count *= dim
-        itemsize = _dtype(spec.dtype).itemsize
+        itemsize = torch_dtype(spec.dtype).itemsize
         if (min(spec.shape, default=0) < 0 or spec.offset % ALIGN or count * itemsize != spec.nbytes
                 or spec.offset < 0 or spec.offset + spec.nbytes > handle.total_bytes):
             raise ParamTransferError(f"{_describe(handle)}: layout entry {spec!r} does not fit a "
@@ -319,12 +320,13 @@ def _verify(handle: ParamHandle, data: torch.Tensor) -> None:
     _compare(handle, handle.checksum, checksum(data))
 
 
-def _compare(handle: ParamHandle, expected: int, got: int) -> None:
+def _compare(handle: ParamHandle, expected: int, got: int,
+             outcome: str = "Nothing was overwritten; ask the publisher to publish again.") -> None:
     if got != expected:
         raise ParamTransferError(
             f"{_describe(handle)}: checksum mismatch over {handle.total_bytes} bytes "
             f"(expected {expected:#018x}, got {got:#018x}); the bytes were corrupted or "
-            f"changed after publish. Nothing was overwritten; ask the publisher to publish again.")
+            f"changed after publish. {outcome}")
 
 
 def _copy_summing(handle: ParamHandle, data: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> int:
@@ -1026,12 +1028,9 @@ class ParamChannel:
         if handle.transport == "shm" and verify and not atomic:
             _check_layout(handle)
             got = _copy_summing(handle, self._maps.bucket(handle), dst)
-            expected = self._maps.expected_checksum(handle)
-            if got != expected:
-                raise ParamTransferError(
-                    f"{_describe(handle)}: checksum mismatch over {handle.total_bytes} bytes (expected "
-                    f"{expected:#018x}, got {got:#018x}), found while copying (atomic=False): the "
-                    f"destination holds part of these bytes and must be discarded. Ask for a fresh publish.")
+            _compare(handle, self._maps.expected_checksum(handle), got,
+                     "Found while copying (atomic=False): the destination holds part of these bytes "
+                     "and must be discarded. Ask for a fresh publish.")
             self._maps.check_still_published(handle)
             return
         received, staging = self._receive(handle, verify, rank)

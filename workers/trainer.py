@@ -99,7 +99,7 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
     verified on the way. On any error the half-filled model must be thrown away."""
     import torch
 
-    from flexmarl.runtime.param_channel import ParamTransferError
+    from flexmarl.runtime.param_channel import ParamTransferError, torch_dtype
 
     params = dict(model.named_parameters())
     dst = {}
@@ -109,7 +109,7 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
         if name not in params or kind not in ("param", "grad", "optim"):
             raise ParamTransferError(f"parked state of {handle.agent!r} has {spec.name!r}, "
                                      "which this model does not have")
-        dst[spec.name] = params[name] if kind == "param" else torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+        dst[spec.name] = params[name] if kind == "param" else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
     missing = [f"param/{name}" for name in params if f"param/{name}" not in dst]
     if missing:
         raise ParamTransferError(f"parked state of {handle.agent!r} lacks {missing[:5]}")
@@ -244,12 +244,13 @@ class TrainerHandler(CommandHandler):
         t0 = time.perf_counter()
         if msg.version != state.version:
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
-        tensors = {k: v.detach() for k, v in state.model.state_dict().items()}
-        if msg.transport == "shm" and state.bucket is None and tensors.keys() == dict(state.model.named_parameters()).keys():
-            # From now on the parameters live in shared memory and a publish copies nothing.
-            state.bucket = self.channel().shared_bucket(tensors)
-            _point_parameters_at(state.model, state.bucket.tensors)
-        source = state.bucket if msg.transport == "shm" and state.bucket is not None else tensors
+        source = {k: v.detach() for k, v in state.model.state_dict().items()}
+        if msg.transport == "shm":
+            if state.bucket is None and source.keys() == dict(state.model.named_parameters()).keys():
+                # From now on the parameters live in shared memory and a publish copies nothing.
+                state.bucket = self.channel().shared_bucket(source)
+                _point_parameters_at(state.model, state.bucket.tensors)
+            source = state.bucket or source
         handle = self.channel().publish(source, agent=state.name, version=state.version,
                                         transport=msg.transport, receivers=max(1, len(msg.targets)))
         # The controller publishes version v + 1 only after every receiver loaded v.
