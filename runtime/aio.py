@@ -1,4 +1,5 @@
-"""Process start-up shared by the controller and workers: uvloop, one thread, logging."""
+"""Process start-up and task supervision shared by the controller and workers: uvloop,
+one thread, logging, and `supervise` (the first failure stops everything)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -35,3 +36,53 @@ def run_async(main: Callable[[], Awaitable[T]]) -> T:
     except ImportError:
         return asyncio.run(main())
     return uvloop.run(main())
+
+
+class TaskEnded(Exception):
+    """A supervised task that should have kept running ended, or failed."""
+
+    def __init__(self, name: str, cause: BaseException | None) -> None:
+        self.name = name
+        self.cause = cause
+        super().__init__(f"task {name!r} " + (f"failed: {cause!r}" if cause is not None else "ended early"))
+
+
+async def supervise(tasks: Sequence[asyncio.Task], *, watch: Sequence[asyncio.Task] = (),
+                    forever: bool = False) -> list[Any]:
+    """The one "first failure stops everything" rule of every FlexMARL process.
+
+    Waits for every task in `tasks` and returns their results in order. The first of them
+    to raise cancels the others (and waits for them) and its exception is raised as is.
+    With `forever`, the tasks are loops meant to run until cancelled: any of them ending,
+    with or without an exception, is a failure and raises `TaskEnded` naming it.
+    A task in `watch` (a background loop the caller owns, such as a receive loop) ending
+    while `tasks` run is a failure too: `tasks` are cancelled and `TaskEnded` is raised;
+    `watch` tasks are never cancelled here, their owner tears them down. If the caller is
+    cancelled, `tasks` are cancelled with it."""
+    tasks = list(tasks)
+    pending = set(tasks)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending | set(watch), return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task in watch:
+                    raise _ended(task)
+                pending.discard(task)
+                if task.cancelled() or task.exception() is not None or forever:
+                    raise _ended(task) if forever else _exception_of(task)
+        return [t.result() for t in tasks]
+    finally:
+        live = [t for t in tasks if not t.done()]
+        for task in live:
+            task.cancel()
+        if live:
+            await asyncio.gather(*live, return_exceptions=True)
+
+
+def _exception_of(task: asyncio.Task) -> BaseException:
+    return asyncio.CancelledError(f"task {task.get_name()!r} was cancelled") if task.cancelled() else task.exception()
+
+
+def _ended(task: asyncio.Task) -> TaskEnded:
+    cause = _exception_of(task) if task.cancelled() or task.exception() is not None else None
+    return TaskEnded(task.get_name(), cause)
