@@ -78,7 +78,8 @@ def run_real(config: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         async def main():
             async with Experiment(cfg, run_dir=run_dir) as exp:
-                exp.training = EqualSplitRun(exp)
+                exp.training = EqualSplitRun(exp.config, exp.server, exp.run_dir, emit=exp.emit,
+                                             flush_events=exp.flush_events, worker_ids=exp.worker_ids)
                 summary = await exp.supervise(exp.training.run, name="training")
                 return summary, exp.training
 

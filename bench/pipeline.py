@@ -57,12 +57,12 @@ def run_mode(mode: str, k: int, args: argparse.Namespace) -> dict:
     # Steady state: the first `--warmup` global batches pay for first-time engine work
     # (every new batch shape costs vLLM seconds once), in every mode alike.
     w = args.warmup
-    done = training.batch_trained
-    steady_s = done[args.steps] - done[w]
+    batches = training.schedule.batches
+    steady_s = batches[args.steps].trained - batches[w].trained
     steady_samples = sum(r["samples"] for r in training.metrics.rows if r["step"] > w)
-    tags = [t for t in range(w + 1, args.steps + 1)]
-    stage = {"rollout_s": statistics.median(training.stage_end[t] - training.stage_start[t] for t in tags),
-             "train_sync_s": statistics.median(done[t] - training.stage_end[t] for t in tags)}
+    steady = [batches[t] for t in range(w + 1, args.steps + 1)]
+    stage = {"rollout_s": statistics.median(b.rollout_s for b in steady),
+             "train_sync_s": statistics.median(b.trained - b.rollout_end for b in steady)}
     rewards = {a: round(statistics.mean(r[-3:]), 4) for a, r in summary.rewards.items()}
     return {"mode": mode, "max_staleness": k, "steps": args.steps, "event_log": cfg.run.event_log,
             "warmup_steps": w, "iter_s": round(steady_s / (args.steps - w), 4),

@@ -20,7 +20,6 @@ been chosen for `patience` consecutive observations, and never within `cooldown_
 previous move. Oscillating demand therefore moves nothing. Several instances may move at once
 (as many as keep lowering the pair's maximum), which matters at hundreds of instances.
 
-`reroute` is the level 2 rule for requests an instance left unfinished when it died.
 
 Plain synchronous Python over plain data: no sockets, no asyncio, no clocks of its own.
 It does not know how a move is carried out (controller/rebalance.py does it for real,
@@ -34,7 +33,6 @@ from dataclasses import dataclass, field
 
 from flexmarl.runtime.config import RouterConfig
 
-from .router import route_batch
 
 
 @dataclass(frozen=True)
@@ -210,12 +208,3 @@ def instances_to_move(work_dst: float, n_dst: int, work_src: float, n_src: int) 
         k += 1
     return k
 
-
-def reroute(costs: list[float], outstanding: dict[str, float], dead: set[str] | frozenset[str] = frozenset(),
-            ) -> dict[str, list[int]]:
-    """Where the unfinished requests of dead instances go: the agent's live instances,
-    least outstanding work first, split one by one (a re-issue is urgent, not tiny)."""
-    live = {w: load for w, load in outstanding.items() if w not in dead}
-    if not live:
-        raise ValueError(f"no live instance left to take over {len(costs)} requests")
-    return route_batch(costs, live, min_split=1)

@@ -1,25 +1,33 @@
-"""The pipeline's decision rules, as plain functions over plain numbers.
+"""The pipeline's decision rules, as plain synchronous functions over plain data.
 
 Kept apart from the asyncio code that applies them so they are unit-tested directly,
 re-driven from the event log by `flexmarl replay --check`, and shared by sync and async
-modes (sync mode is the same rules with the overlap switched off).
+modes (sync mode is the same rules with the overlap switched off). Each rule exists once:
+the live pipeline, the store and the re-drive (redrive.py) all call the functions here.
 
 Versions: an agent at version v trains a global batch into version v + 1. Global batch
-(iteration) `tag` = t trains every agent from version t - 1 to t. A sample's *lag* is the
-trainer's version when it is trained minus the oldest policy version that produced any
-turn of it; the bound `max_staleness` (k) says lag <= k. k = 0 is exactly on-policy.
+`batch` = t trains every agent from version t - 1 to t. A sample's *lag* is the trainer's
+version when it is trained minus the oldest policy version that produced any turn of it;
+the bound `max_staleness` (k) says lag <= k. k = 0 is exactly on-policy.
+
+This module does not know about sockets, workers or asyncio.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
 
-def min_generation_version(tag: int, max_staleness: int) -> int:
-    """The oldest policy version allowed to generate any turn for global batch `tag`."""
-    return tag - 1 - max_staleness
+log = logging.getLogger("flexmarl.decisions")
 
 
-def may_generate(tag: int, rollout_version: int, max_staleness: int) -> bool:
-    return rollout_version >= min_generation_version(tag, max_staleness)
+def min_generation_version(batch: int, max_staleness: int) -> int:
+    """The oldest policy version allowed to generate any turn for global batch `batch`."""
+    return batch - 1 - max_staleness
+
+
+def may_generate(batch: int, rollout_version: int, max_staleness: int) -> bool:
+    return rollout_version >= min_generation_version(batch, max_staleness)
 
 
 def lag(trainer_version: int, sample_versions: list[int]) -> int:
@@ -30,6 +38,27 @@ def too_stale(trainer_version: int, sample_versions: list[int], max_staleness: i
     return lag(trainer_version, sample_versions) > max_staleness
 
 
+def may_start_episode(batch: int, synced_versions: dict[str, int], overlap: bool) -> bool:
+    """Sync mode starts global batch t only when every agent's rollout weights are at
+    t - 1; async mode starts it at once and gates each turn with `may_generate`."""
+    return overlap or all(v >= batch - 1 for v in synced_versions.values())
+
+
+def place_agents(agents: list[str], instances: list[str], weight: dict[str, float]) -> dict[str, list[str]]:
+    """Initial placement: every agent gets one instance, spare instances go to the agents
+    with the most expected work per instance."""
+    if len(instances) < len(agents):
+        raise ValueError(f"{len(agents)} agents need at least {len(agents)} rollout workers, "
+                         f"have {len(instances)}")
+    plan = {a: [w] for a, w in zip(agents, instances)}
+    for w in instances[len(agents):]:
+        busiest = max(agents, key=lambda a: (weight[a] / len(plan[a]), a))
+        plan[busiest].append(w)
+    return plan
+
+
+# ---------------------------------------------------------------- micro-batches and steps
+
 def cut_micro_batch(ready_samples: int, micro_batch: int, batch_complete: bool, overlap: bool) -> bool:
     """Whether to form a micro-batch now. With overlap (async), as soon as a full one is
     ready; always once the global batch is complete. Cutting only at >= micro_batch
@@ -39,119 +68,42 @@ def cut_micro_batch(ready_samples: int, micro_batch: int, batch_complete: bool, 
     return batch_complete or (overlap and ready_samples >= micro_batch)
 
 
-def may_start_episode(tag: int, synced_versions: dict[str, int], overlap: bool) -> bool:
-    """Sync mode starts global batch t only when every agent's rollout weights are at
-    t - 1; async mode starts it at once and gates each turn with `may_generate`."""
-    return overlap or all(v >= tag - 1 for v in synced_versions.values())
-
-
-# ---------------------------------------------------------------- re-driving from a log
-
-def partition_groups(group_sizes: list[int], micro_batch: int) -> list[list[int]]:
-    """The micro-batches the store's `take` forms from ready groups in arrival order:
-    consecutive whole groups, each micro-batch as full as fits (at least one group)."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for i, size in enumerate(group_sizes):
-        if current and filled + size > micro_batch:
-            batches.append(current)
-            current, filled = [], 0
-        current.append(i)
+def groups_in_micro_batch(group_sizes: list[int], micro_batch: int) -> int:
+    """How many of the ready groups (oldest first, with these sizes) the next micro-batch
+    takes: consecutive whole groups, as many as fit in `micro_batch` samples, at least one
+    (a group is never split: its advantages are normalised together)."""
+    taken = filled = 0
+    for size in group_sizes:
+        if taken and filled + size > micro_batch:
+            break
+        taken += 1
         filled += size
-    if current:
-        batches.append(current)
-    return batches
+    return taken
 
 
-def redrive(log: list) -> list:
-    """Recomputes the training decisions (which samples form each micro-batch, which
-    groups the staleness bound drops, each optimizer step) from the logged inputs (groups
-    opened and completed, the versions that generated each sample, the config), and the
-    level 1 balancer's moves from the logged demand observations, with the same rules
-    and code the controller used. `flexmarl replay --check` compares the result with
-    the decisions the log recorded; ordering across agents is taken from the log, since
-    it depends on timing, not on the rules."""
-    import tomllib
-
-    from flexmarl.runtime import events as ev
-
-    start = next(e for e in log if isinstance(e, ev.RunStarted))
-    micro_batch = tomllib.loads(start.config_toml)["pipeline"]["micro_batch"]
-    k = start.max_staleness
-    tag_of: dict[str, int] = {}
-    members: dict[str, list[str]] = {}
-    version_of: dict[str, int] = {}
-    completed: dict[tuple[str, int], list[str]] = {}
-    # Which trainer runs a step is the allocator's choice, not re-derived here: take it
-    # from the log.
-    step_trainer = {(e.agent, e.version): e.trainer for e in log if isinstance(e, ev.OptimizerStep)}
-    for e in log:
-        if isinstance(e, ev.GroupOpened):
-            tag_of[e.group_id], members[e.group_id] = e.tag, list(e.sample_ids)
-        elif isinstance(e, ev.RequestsCompleted):
-            version_of.update(zip(e.sample_ids, e.versions))
-        elif isinstance(e, ev.GroupComplete):
-            completed.setdefault((e.agent, tag_of[e.group_id]), []).append(e.group_id)
-    made: dict[str, list] = {}
-    for (agent, tag), groups in sorted(completed.items(), key=lambda kv: kv[0][1]):
-        out = made.setdefault(agent, [])
-        trained = 0
-        for chunk in partition_groups([len(members[g]) for g in groups], micro_batch):
-            sample_ids, min_versions = [], []
-            for g in (groups[i] for i in chunk):
-                versions = [version_of[s] for s in members[g]]
-                if any(too_stale(tag - 1, [v], k) for v in versions):
-                    continue  # the controller drops this group (SamplesDropped)
-                sample_ids += members[g]
-                min_versions += versions
-            if sample_ids:
-                trained += len(sample_ids)
-                out.append(ev.MicroBatchFormed(agent, "", tag, sample_ids, min_versions))
-        out.append(ev.OptimizerStep(agent, step_trainer.get((agent, tag), ""), tag, trained))
-    moves = _redrive_balancer(log, tomllib.loads(start.config_toml)["router"])
-    # Interleave agents and balancer moves in the order the log shows (timing), keeping
-    # each one's own order.
-    cursor = {a: 0 for a in made}
-    result, next_move = [], iter(moves)
-    for e in log:
-        if isinstance(e, ev.RebalanceDecided):
-            move = next(next_move, None)
-            if move is not None:
-                result.append(move)
-        elif isinstance(e, REDRIVEN_TYPES) and cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
-            result.append(made[e.agent][cursor[e.agent]])
-            cursor[e.agent] += 1
-    for agent, items in made.items():
-        result += items[cursor[agent]:]
-    return result + list(next_move)
+def step_due(batch_complete: bool, ready_samples: int) -> bool:
+    """One optimizer step (and one weight sync) per agent per global batch: once every
+    episode of the batch has ended and every ready sample has gone into a micro-batch."""
+    return batch_complete and ready_samples == 0
 
 
-def _redrive_balancer(log: list, router: dict) -> list:
-    """The level 1 balancer's moves for the logged demand observations, in order."""
-    from flexmarl.runtime import events as ev
-    from flexmarl.runtime.config import RouterConfig
+def form_micro_batches(store: Any, agent: str, batch: int, micro_batch: int, complete: bool,
+                       overlap: bool, max_staleness: int) -> list[list[Any]]:
+    """Every micro-batch the rules allow now for `agent`'s global batch `batch`, taken
+    from `store` (an `ExperienceStore`: `ready_samples`, `take`, `reject`).
 
-    from .balancer import AgentDemand, RolloutBalancer
-
-    balancer, moves = None, []
-    for e in log:
-        if not isinstance(e, ev.DemandObserved):
-            continue
-        if balancer is None:  # built as balance_loop builds it, from the logged config
-            balancer = RolloutBalancer.from_config(RouterConfig(**router))
-        balancer.move_cost_s = e.move_cost_s
-        snapshot = {a: AgentDemand(e.outstanding[a], e.dispatched_tokens[a], e.busy_s.get(a, {}))
-                    for a in e.outstanding}
-        move = balancer.observe(snapshot, e.now)
-        if move is not None:
-            moves.append(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
-    return moves
-
-
-def _redriven_types() -> tuple:
-    from flexmarl.runtime import events as ev
-    return (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
-
-
-REDRIVEN_TYPES = _redriven_types()
+    The staleness bound is enforced here, where samples meet the trainer (at version
+    batch - 1): a group with any turn too old is dropped, never trained. The gate makes
+    that impossible in normal runs; this is the guarantee, the gate the mechanism."""
+    formed = []
+    while cut_micro_batch(store.ready_samples(agent, batch), micro_batch, complete, overlap):
+        taken = store.take(agent, batch, micro_batch)
+        stale = {s.group_id for s in taken if too_stale(batch - 1, s.versions, max_staleness)}
+        if stale:
+            bad = [s for s in taken if s.group_id in stale]
+            log.error("dropping %d samples of %s older than the staleness bound %d", len(bad), agent, max_staleness)
+            store.reject(bad, f"lag above max_staleness={max_staleness}")
+        mb = [s for s in taken if s.group_id not in stale]
+        if mb:
+            formed.append(mb)
+    return formed

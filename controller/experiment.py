@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.config import ExperimentConfig, dump_toml
 from flexmarl.runtime.eventlog import EventLog
 
 from .launcher import LocalWorkers
 from .server import ControllerServer
+from .training import TrainingRun
 
 log = logging.getLogger("flexmarl.controller")
 
@@ -39,7 +41,7 @@ class Experiment:
         self.local: LocalWorkers | None = None
         self._tasks: list[asyncio.Task] = []
         self.events: EventLog | None = None
-        self.training = None  # the TrainingRun while train() runs
+        self.training: TrainingRun | None = None  # while train() runs
 
     def emit(self, event: ev.Event) -> None:
         if self.events is not None:
@@ -110,23 +112,15 @@ class Experiment:
                                    f"before registering; its log ({wp.log_path}) ends with:\n{tail}")
 
     async def supervise(self, driver: Callable[[], Awaitable[Any]], name: str = "driver") -> Any:
-        """Runs `driver()` alongside the background tasks; the first failure stops all."""
+        """Runs `driver()` next to the background tasks; the first failure stops all: a
+        background task that ends (or fails) cancels the driver and raises `TaskEnded`."""
         main = asyncio.create_task(driver(), name=name)
-        done, _ = await asyncio.wait([main, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
-        if main in done:
-            return main.result()
-        main.cancel()
-        await asyncio.gather(main, return_exceptions=True)
-        for task in done:
-            exc = task.exception()
-            raise RuntimeError(f"controller task {task.get_name()!r} "
-                               f"{'failed: ' + repr(exc) if exc else 'ended early'}") from exc
-        raise AssertionError("unreachable")
+        (result,) = await supervise([main], watch=self._tasks)
+        return result
 
     async def train(self) -> Any:
-        from .training import TrainingRun
-
-        self.training = TrainingRun(self)
+        self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
+                                    flush_events=self.flush_events, worker_ids=self.worker_ids)
         return await self.supervise(self.training.run, name="training")
 
     async def _teardown(self) -> None:

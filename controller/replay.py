@@ -8,7 +8,7 @@
   past the staleness bound, is an error: ``main`` prints it and exits 1.
 - ``trace_json(summary)``: a Chrome / Perfetto trace, one named track per worker and agent.
 - ``write_plot(summary, path)``: a timeline of busy spans and utilization per worker.
-- ``check(events)``: re-drives the decision code (``decisions.redrive``) from the logged
+- ``check(events)``: re-drives the decision code (redrive.py) from the logged
   inputs and reports the first decision that differs from the log.
 
 Busy means: a rollout worker while it has a dispatched request not yet completed, or while
@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
-from flexmarl.runtime.events import (DECISION_TYPES, Event, GroupComplete, GroupOpened,
+from flexmarl.runtime.events import (Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
                                      WorkerDied, WorkerJoined, without_stamp)
+
+from .redrive import REDRIVEN_TYPES
+from .redrive import redrive as redrive_decisions
 
 GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
 
@@ -471,31 +474,14 @@ def _union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]
 # ---------------------------------------------------------------- check
 
 
-class CheckUnavailable(Exception):
-    """The decision code cannot be re-driven yet (no ``decisions.redrive``)."""
-
-
-def check(events: list[Event]) -> str | None:
-    """Re-drives the controller's decision code from the logged inputs; returns a message
-    naming the first decision that differs from the log, or None when all agree.
-
-    Contract with ``flexmarl.controller.decisions``: ``redrive(events)`` returns the
-    decision events (seq and t are ignored) the code makes for these inputs, in order;
-    an optional ``REDRIVEN_TYPES`` says which event types it re-derives (default: every
-    type in ``events.DECISION_TYPES``), so it can grow one decision at a time.
-    """
-    try:
-        decisions = importlib.import_module("flexmarl.controller.decisions")
-    except ModuleNotFoundError as exc:
-        if exc.name != "flexmarl.controller.decisions":
-            raise
-        raise CheckUnavailable("there is no flexmarl.controller.decisions module") from None
-    redrive = getattr(decisions, "redrive", None)
-    if redrive is None:
-        raise CheckUnavailable("flexmarl.controller.decisions has no redrive(events) yet")
-    types = tuple(getattr(decisions, "REDRIVEN_TYPES", DECISION_TYPES))
+def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = redrive_decisions,
+          types: tuple = REDRIVEN_TYPES) -> str | None:
+    """Re-drives the controller's decision code from the logged inputs (redrive.py);
+    returns a message naming the first decision of `types` that differs from the log, or
+    None when all agree. Stamps (seq and t) are ignored."""
+    types = tuple(types)
     logged = [e for e in events if isinstance(e, types)]
-    again = list(redrive(events))
+    again = [e for e in redrive(events) if isinstance(e, types)]
     for i, (a, b) in enumerate(zip(logged, again)):
         if without_stamp(a) != without_stamp(b):
             return (f"decision {i} differs: the log has (seq {a.seq}, t {a.t:.3f} s) {without_stamp(a)}; "
@@ -513,7 +499,7 @@ def check(events: list[Event]) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     """Exit codes: 0 fine, 1 the log is unreadable or inconsistent or the check found a
-    difference, 2 the check was asked for but cannot run yet."""
+    difference."""
     try:
         events, problem = read_events(args.log)
     except (OSError, EventLogVersionError) as exc:
@@ -535,11 +521,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
         code = 1
     if getattr(args, "check", False):
-        try:
-            diff = check(events)
-        except CheckUnavailable as exc:
-            print(f"check unavailable: {exc}", file=sys.stderr)
-            return code or 2
+        diff = check(events)
         if diff is None:
             print("check: re-driving the decision code reproduces every logged decision")
         else:

@@ -1,10 +1,10 @@
 """Rollout routing: which instance generates which requests.
 
 Two parts, kept apart on purpose:
-- decision functions (`route_batch`), plain Python over plain numbers, unit-tested and
+- decision functions (`plan_routes` over the `ROUTING_POLICIES` table), plain Python over plain numbers, unit-tested and
   replayable without sockets;
 - `RolloutClient`, the asyncio side: it coalesces every request an agent receives in one
-  event-loop turn into a batch (never one message per sample), asks `route_batch` where
+  event-loop turn into a batch (never one message per sample), asks `plan_routes` where
   the batch goes, sends GENERATE messages, and resolves each sample's future as partial
   GENERATED replies stream back. If an instance dies, its unfinished samples are sent
   again to another instance of the same agent; the experience store refuses a second
@@ -46,6 +46,36 @@ def route_batch(sizes: list[int], outstanding: dict[str, float], min_split: int 
     return {w: sorted(ix) for w, ix in plan.items()}
 
 
+def _least_loaded(costs: list[int], outstanding: dict[str, float], turn: int) -> dict[str, list[int]]:
+    return route_batch(costs, outstanding)
+
+
+def _round_robin(costs: list[int], outstanding: dict[str, float], turn: int) -> dict[str, list[int]]:
+    instances = list(outstanding)
+    return {instances[turn % len(instances)]: list(range(len(costs)))}
+
+
+# Level 2 policies (`router.within_agent`): the static baseline and least outstanding work.
+ROUTING_POLICIES: dict[str, Callable[[list[int], dict[str, float], int], dict[str, list[int]]]] = {
+    "least_loaded": _least_loaded,
+    "round_robin": _round_robin,
+}
+
+
+def plan_routes(policy: str, costs: list[int], outstanding: dict[str, float], turn: int) -> dict[str, list[int]]:
+    """Where one coalesced batch of an agent's requests goes: instance -> request indices.
+    `outstanding` lists the agent's live instances (in assignment order) with their
+    outstanding tokens; `turn` counts the agent's earlier batches (round robin uses it).
+    The live `RolloutClient` and the simulator both route through here."""
+    if not outstanding:
+        raise ValueError("no instance to route to")
+    try:
+        rule = ROUTING_POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(ROUTING_POLICIES)})") from None
+    return rule(costs, outstanding, turn)
+
+
 class NoInstance(Exception):
     """No live rollout instance serves the agent."""
 
@@ -66,6 +96,15 @@ class RolloutClient:
         self._flush_scheduled: set[str] = set()
         self.messages_sent = 0
         self.reissued = 0
+
+    def worker_died(self, worker: str) -> None:
+        """A dead instance leaves every assignment (its unfinished work is re-issued by `_send`)."""
+        for agent, workers in self.assignment.items():
+            if worker in workers:
+                workers.remove(worker)
+                self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{worker} died"))
+                if not workers:
+                    log.error("agent %s has no rollout instance left", agent)
 
     def instances(self, agent: str) -> list[str]:
         alive = {w.worker_id for w in self.server.registry.alive("rollout")}
@@ -96,12 +135,8 @@ class RolloutClient:
         costs = [len(r.prompt_ids) + r.max_tokens for r, _ in batch]
         if attempt == 1:
             self.dispatched_tokens[agent] += sum(costs)
-        if self.within_agent == "round_robin":
-            target = instances[self._turn[agent] % len(instances)]
-            self._turn[agent] += 1
-            plan = {target: list(range(len(batch)))}
-        else:
-            plan = route_batch(costs, {w: self.outstanding[w] for w in instances})
+        plan = plan_routes(self.within_agent, costs, {w: self.outstanding[w] for w in instances}, self._turn[agent])
+        self._turn[agent] += 1
         await asyncio.gather(*(self._send(agent, w, [batch[i] for i in ix], attempt) for w, ix in plan.items()))
 
     async def _wait_for_instances(self, agent: str) -> list[str]:

@@ -10,8 +10,8 @@ controller's coalescing (requests for one agent that arise at the same virtual i
 out as one batch); level 1 moves (the instance leaves its agent, drains, restarts for
 `reload_s`, then joins the other agent).
 
-Reused unchanged: level 2 `route_batch` (or round robin, the static baseline, exactly as
-RolloutClient does it) and level 1 `RolloutBalancer`.
+Reused unchanged: level 2 `plan_routes` (the function RolloutClient routes with) and
+level 1 `RolloutBalancer`.
 
 No sockets, processes or real time: a heap of events ordered by (virtual time, sequence).
 Deterministic for a seed: each sample's output length derives from the seed and its place
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from flexmarl.runtime.config import RouterConfig
 
 from .balancer import AgentDemand, RolloutBalancer
-from .router import route_batch
+from .router import plan_routes
 
 # name -> (within-agent routing, level 1 on?)
 CONFIGS = {"static": ("round_robin", False), "intra": ("least_loaded", False), "hierarchical": ("least_loaded", True)}
@@ -191,11 +191,8 @@ class Simulation:
         names = self.assignment[agent]
         costs = [r[3] for r in batch]
         self.dispatched[agent] += sum(costs)
-        if self.within == "round_robin":
-            plan = {names[self._turn[agent] % len(names)]: range(len(batch))}
-            self._turn[agent] += 1
-        else:
-            plan = route_batch(costs, {w: self.by_name[w].outstanding for w in names})
+        plan = plan_routes(self.within, costs, {w: self.by_name[w].outstanding for w in names}, self._turn[agent])
+        self._turn[agent] += 1
         for w, ix in plan.items():
             inst = self.by_name[w]
             for i in ix:

@@ -4,8 +4,9 @@ A group is the `n` samples one agent produced for one prompt. Samples arrive fro
 rollout side (tokens, the sampler's logprobs, the policy version of every turn), rewards
 arrive from the workflow, and a group becomes *trainable* only when every member has both;
 then its group-normalised advantages are fixed. Trainable groups queue per agent and per
-global batch (`tag`) in arrival order; `take` hands out whole groups' samples and marks them consumed, so a sample
-can be trained at most once, and a duplicate or late result for a sample that already has
+global batch in arrival order; `take` hands out whole groups' samples (as many as
+`decisions.groups_in_micro_batch` says) and marks them consumed, so a sample can be
+trained at most once, and a duplicate or late result for a sample that already has
 its output is refused.
 
 Plain synchronous Python: no sockets, no asyncio, no knowledge of workers.
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from flexmarl.runtime import events as ev
+
+from . import decisions
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 
@@ -39,7 +42,7 @@ class Sample:
     reward: float | None = None
     advantage: float | None = None
     status: str = PENDING
-    tag: int = 0  # which global batch (iteration) started it
+    batch: int = 0  # which global batch (iteration) started it
 
     @property
     def min_version(self) -> int:
@@ -51,7 +54,7 @@ class Group:
     group_id: str
     agent: str
     sample_ids: list[str]
-    tag: int
+    batch: int
     status: str = PENDING
     why_dropped: str = ""
 
@@ -67,17 +70,17 @@ class ExperienceStore:
 
     # ---------------------------------------------------------------- rollout side
 
-    def open_group(self, agent: str, group_id: str, prompt_ids: list[int], n: int, tag: int) -> list[Sample]:
+    def open_group(self, agent: str, group_id: str, prompt_ids: list[int], n: int, batch: int) -> list[Sample]:
         if agent not in self.ready:
             raise KeyError(f"unknown agent {agent!r} (configured: {', '.join(self.ready)})")
         if group_id in self.groups:
             raise DuplicateResult(f"group {group_id} already exists")
         prompt = list(prompt_ids)  # one list for the whole group: members never modify it
-        members = [Sample(f"{group_id}/{i}", agent, group_id, prompt, tag=tag) for i in range(n)]
-        self.emit(ev.GroupOpened(agent, group_id, [s.sample_id for s in members], tag))
+        members = [Sample(f"{group_id}/{i}", agent, group_id, prompt, batch=batch) for i in range(n)]
+        self.emit(ev.GroupOpened(agent, group_id, [s.sample_id for s in members], batch))
         for s in members:
             self.samples[s.sample_id] = s
-        self.groups[group_id] = Group(group_id, agent, [s.sample_id for s in members], tag)
+        self.groups[group_id] = Group(group_id, agent, [s.sample_id for s in members], batch)
         self.counts[(agent, "generated")] += n
         return members
 
@@ -122,25 +125,23 @@ class ExperienceStore:
             s.advantage = adv
             s.status = READY
         group.status = READY
-        self.ready[group.agent].setdefault(group.tag, collections.deque()).append(group.group_id)
+        self.ready[group.agent].setdefault(group.batch, collections.deque()).append(group.group_id)
         for listener in self.on_ready:
             listener(group)
 
     # ---------------------------------------------------------------- training side
 
-    def ready_samples(self, agent: str, tag: int) -> int:
-        return sum(len(self.groups[g].sample_ids) for g in self.ready[agent].get(tag, ()))
+    def ready_samples(self, agent: str, batch: int) -> int:
+        return sum(len(self.groups[g].sample_ids) for g in self.ready[agent].get(batch, ()))
 
-    def take(self, agent: str, tag: int, max_samples: int) -> list[Sample]:
-        """Whole ready groups of global batch `tag`, oldest first, up to `max_samples`
+    def take(self, agent: str, batch: int, max_samples: int) -> list[Sample]:
+        """Whole ready groups of global batch `batch`, oldest first, up to `max_samples`
         (at least one group if any is ready: a group is never split)."""
         taken: list[Sample] = []
-        queue = self.ready[agent].get(tag, collections.deque())
-        while queue:
-            group = self.groups[queue[0]]
-            if taken and len(taken) + len(group.sample_ids) > max_samples:
-                break
-            queue.popleft()
+        queue = self.ready[agent].get(batch, collections.deque())
+        sizes = [len(self.groups[g].sample_ids) for g in queue]
+        for _ in range(decisions.groups_in_micro_batch(sizes, max_samples)):
+            group = self.groups[queue.popleft()]
             group.status = CONSUMED
             for sid in group.sample_ids:
                 sample = self.samples[sid]
@@ -167,9 +168,6 @@ class ExperienceStore:
         """Frees trained samples' token lists (the ids and counts stay)."""
         for s in samples:
             s.prompt_ids = s.output_ids = s.logprobs = []
-
-    def pending_groups(self, agent: str | None = None) -> list[Group]:
-        return [g for g in self.groups.values() if g.status == PENDING and (agent is None or g.agent == agent)]
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:

@@ -51,7 +51,7 @@ def request_seed(run_seed: int, sample_id: str) -> int:
 @dataclass
 class EpisodeContext:
     episode_id: str
-    tag: int  # the global batch this episode belongs to
+    batch: int  # the global batch this episode belongs to
     rng: random.Random
     store: ExperienceStore
     generator: Generator
@@ -71,10 +71,10 @@ class EpisodeContext:
                            f"(agents: {', '.join(self.agents)})")
         defaults = self.agents[agent]
         if self.gate is not None:
-            await self.gate(agent, self.tag)
+            await self.gate(agent, self.batch)
         group_id = f"{self.episode_id}/{agent}{self._next_group}"
         self._next_group += 1
-        samples = self.store.open_group(agent, group_id, prompt_ids, n or defaults.group_size, self.tag)
+        samples = self.store.open_group(agent, group_id, prompt_ids, n or defaults.group_size, self.batch)
         self.groups.append(group_id)
         requests = [protocol.GenRequest(s.sample_id, s.prompt_ids, max_tokens or defaults.max_tokens,
                                         defaults.temperature if temperature is None else temperature,

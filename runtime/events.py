@@ -85,7 +85,8 @@ class GroupOpened(Event):
     agent: str
     group_id: str
     sample_ids: list[str]
-    tag: int  # the global batch (iteration) that started it
+    # The global batch (iteration) that started it; stored under its first name, "tag".
+    batch: int = msgspec.field(name="tag")
 
 
 class GroupComplete(Event):
@@ -172,12 +173,6 @@ class RebalanceDecided(Event):
 EVENT_TYPES: tuple[type[Event], ...] = tuple(Event.__subclasses__())
 EVENT_NAMES: frozenset[str] = frozenset(cls.__name__ for cls in EVENT_TYPES)
 AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]
-
-# Events that record a decision of the controller (rather than a report from a worker);
-# `flexmarl replay --check` re-drives the decision code and compares these.
-DECISION_TYPES: tuple[type[Event], ...] = (
-    RequestsDispatched, MicroBatchFormed, SamplesDropped, WeightSyncStarted, AllocationChanged, RebalanceDecided)
-
 
 def without_stamp(event: Event) -> dict:
     """The event as a dict without ``seq`` and ``t``: what two runs of the same decision

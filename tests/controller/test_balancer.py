@@ -4,11 +4,13 @@ import types
 
 import pytest
 
-from flexmarl.controller.balancer import AgentDemand, Move, RolloutBalancer, instances_to_move, reroute
-from flexmarl.controller.rebalance import reassign, same_architecture
+from flexmarl.controller.balancer import AgentDemand, Move, RolloutBalancer, instances_to_move
+from flexmarl.controller.rebalance import Rebalancer, same_architecture
 from flexmarl.controller.registry import WorkerInfo, WorkerRegistry
 from flexmarl.controller.router import RolloutClient
 from flexmarl.controller.server import RemoteError, WorkerDied
+from flexmarl.controller.weight_sync import WeightSync
+from flexmarl.runtime.config import RouterConfig
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
@@ -124,14 +126,6 @@ def test_an_agent_that_lost_every_instance_gets_one_back():
     assert move is not None and move.dst == "a" and move.instances[0] == "b1"  # the least outstanding
 
 
-def test_a_dead_instances_requests_are_rerouted_to_the_live_ones_evenly():
-    plan = reroute([5.0] * 4, {"r0": 0.0, "r1": 10.0, "r2": 0.0}, dead={"r0"})
-    assert "r0" not in plan and sorted(i for ix in plan.values() for i in ix) == [0, 1, 2, 3]
-    assert sorted(len(ix) for ix in plan.values()) == [1, 3]  # r2 takes 3 (15 = r1's 10 + 5)
-    with pytest.raises(ValueError, match="no live instance"):
-        reroute([5.0], {"r0": 0.0}, dead={"r0"})
-
-
 class FakeServer:
     """The methods RolloutClient uses, with workers that never answer on their own."""
 
@@ -211,9 +205,9 @@ async def test_an_instance_removed_from_the_assignment_gets_no_new_requests():
 
 
 class FakeRun:
-    """What reassign() uses of a TrainingRun, over a FakeServer whose workers answer
-    LoadModel and LoadWeights at once (refusing another agent's weights, like the
-    rollout worker does)."""
+    """A Rebalancer handed what it uses (a rollout client, a real WeightSync), over a
+    FakeServer whose workers answer LoadModel and LoadWeights at once (refusing another
+    agent's weights, like the rollout worker does)."""
 
     def __init__(self, tmp_path, assignment: dict[str, list[str]], same_model: bool = False) -> None:
         workers = [w for ws in assignment.values() for w in ws]
@@ -233,24 +227,29 @@ class FakeRun:
         self.server.call = call
         self.client = RolloutClient(self.server)
         self.client.assignment = {a: list(ws) for a, ws in assignment.items()}
-        self.sync_lock = {a: asyncio.Lock() for a in assignment}
-        self.synced = {a: 0 for a in assignment}
-        self.published: dict[str, bytes] = {}
         self.model_path = {}
         for a in assignment:
             d = tmp_path / a
             d.mkdir()
             d.joinpath("config.json").write_text('{"hidden_size": %d}' % (64 if same_model else ord(a[0])))
             self.model_path[a] = str(d)
-        self.cfg = types.SimpleNamespace(run=types.SimpleNamespace(seed=0))
         self.events: list = []
-        self.reassignments: list = []
+        self.weights = WeightSync(list(assignment), self.server, self.client.instances, self.emit, lambda a, v: None)
+        # the weight sync's own tables, under the names the tests use
+        self.sync_lock, self.synced, self.published = self.weights.locks, self.weights.synced, self.weights.published
+        self.rebalancer = Rebalancer(RouterConfig(), list(assignment), self.client, self.server, self.weights,
+                                     self.model_path, 0, self.emit, lambda: False)
+        self.reassignments = self.rebalancer.reassignments
 
     def emit(self, event) -> None:
         self.events.append(event)
 
     def sent(self) -> list[tuple[str, str, str, int]]:
         return [(w, type(m).__name__, m.agent, m.version) for w, m in self.server.calls]
+
+
+def reassign(run: FakeRun, worker: str, src: str, dst: str, **kw):
+    return run.rebalancer.reassign(worker, src, dst, **kw)
 
 
 async def test_a_moved_instance_restarts_on_the_new_agents_model_and_loads_its_synced_weights(tmp_path):
@@ -328,7 +327,7 @@ async def test_the_engine_restarts_while_the_new_agent_syncs_but_joins_only_betw
 # --- the level 1 loop's log re-drives to the same moves ---------------------------------
 
 
-async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves(monkeypatch, tmp_path):
+async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves(tmp_path):
     import collections
     import time
 
@@ -346,21 +345,22 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
     client = types.SimpleNamespace(assignment=assignment, instances=lambda a: list(assignment[a]),
                                    outstanding=collections.defaultdict(float), dispatched_tokens=dict.fromkeys(agents, 0.0))
     workers = {w: types.SimpleNamespace(load={"busy_s": 0.0}) for ws in assignment.values() for w in ws}
-    run = types.SimpleNamespace(cfg=cfg, agents=agents, ready=asyncio.Event(), batch_trained={}, emit=log.emit,
-                                reassignments=[], client=client,
-                                server=types.SimpleNamespace(registry=types.SimpleNamespace(workers=workers)))
+    server = types.SimpleNamespace(registry=types.SimpleNamespace(workers=workers))
+    done = {"trained": False}
+    balancer = rebalance.Rebalancer(cfg.router, agents, client, server, weights=None, model_path={}, seed=0,
+                                    emit=log.emit, finished=lambda: done["trained"])
 
-    async def fake_reassign(run, worker, src, dst, why=""):  # the move itself is not under test
+    async def fake_reassign(worker, src, dst, why=""):  # the move itself is not under test
         assignment[src].remove(worker)
         assignment[dst].append(worker)
-        run.reassignments.append(rebalance.Reassignment(worker, src, dst, 0.01, 0.02, False))
+        balancer.reassignments.append(rebalance.Reassignment(worker, src, dst, 0.01, 0.02, False))
 
-    monkeypatch.setattr(rebalance, "reassign", fake_reassign)
+    balancer.reassign = fake_reassign
 
     async def skewed_demand():
         """The solver's instances stay busy with a deep queue; the others idle."""
         t0 = time.monotonic()
-        while len(run.reassignments) < 2 and time.monotonic() - t0 < 20:
+        while len(balancer.reassignments) < 2 and time.monotonic() - t0 < 20:
             for w in assignment["solver"]:
                 client.outstanding[w] = 200000.0  # seconds of work: more than a move costs
                 workers[w].load["busy_s"] = time.monotonic() - t0
@@ -369,10 +369,9 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
                 for w in assignment[a]:
                     client.outstanding[w] = 0.0
             await asyncio.sleep(0.003)
-        run.batch_trained[1] = time.monotonic()  # ends the loop
+        done["trained"] = True  # ends the loop
 
-    run.ready.set()
-    await asyncio.gather(rebalance.balance_loop(run), skewed_demand())
+    await asyncio.gather(balancer.run(), skewed_demand())
     await log.close()
     events, problem = read_events(tmp_path / "events.log")
     assert problem is None

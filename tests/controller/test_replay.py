@@ -1,7 +1,5 @@
 import argparse
 import json
-import sys
-import types
 
 import pytest
 
@@ -182,27 +180,14 @@ async def test_main_summarizes_a_damaged_log_up_to_the_damage_and_says_where(tmp
     assert f"then stopped: {log}: byte offset" in capsys.readouterr().err
 
 
-def test_check_is_unavailable_until_decisions_has_redrive(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "flexmarl.controller.decisions", types.ModuleType("decisions"))
-    with pytest.raises(replay.CheckUnavailable):
-        replay.check(synthetic_run())
-
-
-async def test_main_exits_2_when_the_check_cannot_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "flexmarl.controller.decisions", types.ModuleType("decisions"))
-    log = await write_log(tmp_path / "events.log", synthetic_run())
-    assert replay.main(args(log, check=True)) == 2
-    assert "check unavailable" in capsys.readouterr().err
-
-
-def test_check_reports_the_first_decision_the_redriven_code_makes_differently(monkeypatch):
+def test_check_reports_the_first_decision_the_redriven_code_makes_differently():
     events = synthetic_run()
-    decisions = types.ModuleType("decisions")
-    decisions.REDRIVEN_TYPES = (ev.MicroBatchFormed,)
-    monkeypatch.setitem(sys.modules, "flexmarl.controller.decisions", decisions)
+    only = (ev.MicroBatchFormed,)
 
-    decisions.redrive = lambda evs: [e for e in evs if isinstance(e, ev.MicroBatchFormed)]
-    assert replay.check(events) is None
+    def check(redrive):
+        return replay.check(events, redrive, only)
+
+    assert check(lambda evs: [e for e in evs if isinstance(e, ev.MicroBatchFormed)]) is None
 
     def redrive_differently(evs):
         formed = [ev.MicroBatchFormed(**{**_fields(e), "sample_ids": list(e.sample_ids)})
@@ -210,13 +195,11 @@ def test_check_reports_the_first_decision_the_redriven_code_makes_differently(mo
         formed[1].sample_ids = ["b0", "b3"]
         return formed
 
-    decisions.redrive = redrive_differently
-    diff = replay.check(events)
+    diff = check(redrive_differently)
     assert diff.startswith("decision 1 differs: the log has (seq 21, t 9.000 s)")
     assert "'b3'" in diff
 
-    decisions.redrive = lambda evs: []
-    assert replay.check(events).startswith("the log has 2 decisions, re-driving made 0")
+    assert check(lambda evs: []).startswith("the log has 2 decisions, re-driving made 0")
 
 
 def _fields(e):

@@ -1,5 +1,5 @@
 from flexmarl.controller.router import route_batch
-from flexmarl.controller.training import place_agents
+from flexmarl.controller.decisions import place_agents
 
 
 def test_small_batch_goes_whole_to_the_least_loaded_instance():

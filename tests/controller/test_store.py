@@ -4,8 +4,8 @@ from flexmarl.controller.store import (CONSUMED, DROPPED, DuplicateResult, Exper
                                        group_advantages)
 
 
-def fill(store, agent, group_id, rewards, version=0, tag=0):
-    samples = store.open_group(agent, group_id, [1, 2], len(rewards), tag)
+def fill(store, agent, group_id, rewards, version=0, batch=0):
+    samples = store.open_group(agent, group_id, [1, 2], len(rewards), batch)
     for s, r in zip(samples, rewards):
         store.record_output(s.sample_id, [3], [-0.5], [version])
         store.set_reward(s.sample_id, r)
@@ -78,7 +78,7 @@ def test_unknown_agent_and_non_finite_reward_are_clear_errors():
 
 def test_take_only_hands_out_groups_of_the_requested_global_batch():
     store = ExperienceStore(["a"])
-    fill(store, "a", "old", [1.0, 0.0], tag=1)
-    fill(store, "a", "new", [1.0, 0.0], tag=2)
+    fill(store, "a", "old", [1.0, 0.0], batch=1)
+    fill(store, "a", "new", [1.0, 0.0], batch=2)
     assert {s.group_id for s in store.take("a", 2, 100)} == {"new"}
     assert {s.group_id for s in store.take("a", 1, 100)} == {"old"}

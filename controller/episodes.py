@@ -1,0 +1,65 @@
+"""The episode producer: starts every episode of every global batch, in order.
+
+`EpisodeProducer.run()` consumes the workflow and the batch schedule; for batch t it
+waits for `schedule.wait_to_start(t)` (sync mode: every agent's weights at t - 1; async
+mode: at once), then starts the batch's `queries_per_step` episodes, at most
+`max_concurrent_episodes` running at once (the bound is the semaphore below). Each turn
+of an episode waits at the schedule's staleness gate. Produces: samples in the store
+(through the episode context) and `episode_ended(t)` for every episode, failed or not;
+a failed episode is counted and its groups dropped (see workflow.run_episode). It ends
+when the last episode has.
+
+It does not know trainers, weight syncs or how micro-batches are formed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from flexmarl.runtime.config import ExperimentConfig
+
+from .schedule import BatchSchedule
+from .store import ExperienceStore
+from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+
+
+class EpisodeProducer:
+    def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: Any,
+                 schedule: BatchSchedule) -> None:
+        self.cfg = cfg
+        self.workflow = workflow
+        self.store = store
+        self.client = client  # generate(agent, requests)
+        self.schedule = schedule
+        self.defaults = {a: AgentDefaults(c.max_tokens, c.temperature, c.group_size) for a, c in cfg.agents.items()}
+        self.failed = 0
+
+    async def run(self) -> None:
+        p, seed = self.cfg.pipeline, self.cfg.run.seed
+        limit = asyncio.Semaphore(p.max_concurrent_episodes)
+        running: list[asyncio.Task] = []
+
+        async def one(batch: int, i: int) -> None:
+            try:
+                ctx = EpisodeContext(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"),
+                                     self.store, self.client, self.defaults, seed,
+                                     self.cfg.run.env_latency_ms, gate=self.schedule.gate)
+                if await run_episode(self.workflow, ctx, p.episode_timeout_s):
+                    self.failed += 1
+            finally:
+                limit.release()
+                self.schedule.episode_ended(batch)
+
+        try:
+            for batch in range(1, self.schedule.steps + 1):
+                await self.schedule.wait_to_start(batch)
+                for i in range(p.queries_per_step):
+                    await limit.acquire()
+                    running.append(asyncio.create_task(one(batch, i), name=f"episode-s{batch}q{i}"))
+            await asyncio.gather(*running)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)

@@ -1,0 +1,97 @@
+"""Re-driving the controller's decisions from an event log (`flexmarl replay --check`).
+
+`redrive(events)` feeds the logged inputs (groups opened, the versions that generated
+each sample, rewards, demand observations) to the very code the controller ran: a fresh
+`ExperienceStore` cut by `decisions.form_micro_batches` and `decisions.step_due`, and a
+`RolloutBalancer` observing the logged demand. It returns the decision events that code
+makes, for replay to compare with the ones the log recorded.
+
+It does not read files or know how decisions are carried out.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.config import RouterConfig
+
+from . import decisions
+from .balancer import AgentDemand, RolloutBalancer
+from .store import ExperienceStore
+
+# The decision events the re-drive derives; replay compares these, in order.
+REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
+
+
+def redrive(log: list) -> list:
+    """Recomputes the training decisions (which samples form each micro-batch, which
+    groups the staleness bound drops, each optimizer step) and the level 1 balancer's
+    moves from the logged inputs, by calling the same code the controller ran: an
+    `ExperienceStore` is refilled from the logged groups, versions and rewards, and
+    `form_micro_batches` / `step_due` cut it; `RolloutBalancer.observe` sees the logged
+    demand. `flexmarl replay --check` compares the result with the decisions the log
+    recorded; ordering across agents is taken from the log, since it depends on timing,
+    not on the rules."""
+    start = next(e for e in log if isinstance(e, ev.RunStarted))
+    config = tomllib.loads(start.config_toml)
+    micro_batch, k = config["pipeline"]["micro_batch"], start.max_staleness
+    store = ExperienceStore(start.agents)
+    # Which trainer runs a step is the allocator's choice, not re-derived here.
+    step_trainer = {(e.agent, e.version): e.trainer for e in log if isinstance(e, ev.OptimizerStep)}
+    for e in log:  # the store's inputs, in the order the controller saw them
+        if isinstance(e, ev.GroupOpened):
+            store.open_group(e.agent, e.group_id, [], len(e.sample_ids), e.batch)
+        elif isinstance(e, ev.RequestsCompleted):
+            for sid, version in zip(e.sample_ids, e.versions):
+                if sid in store.samples and store.samples[sid].output_ids is None:
+                    store.record_output(sid, [], [], [version])
+        elif isinstance(e, ev.GroupComplete):
+            members = store.groups[e.group_id].sample_ids
+            for sid, reward in zip(members, e.rewards):
+                store.set_reward(sid, reward)
+    made: dict[str, list] = {a: [] for a in start.agents}
+    # Every agent steps every batch, up to the last batch the log reached.
+    last = max([g.batch for g in store.groups.values()] + [v for _, v in step_trainer], default=0)
+    for batch in range(1, last + 1):
+        for agent in start.agents:
+            trained = 0
+            for mb in decisions.form_micro_batches(store, agent, batch, micro_batch, True, False, k):
+                trained += len(mb)
+                made[agent].append(ev.MicroBatchFormed(agent, "", batch, [s.sample_id for s in mb],
+                                                       [s.min_version for s in mb]))
+            assert decisions.step_due(True, store.ready_samples(agent, batch))
+            made[agent].append(ev.OptimizerStep(agent, step_trainer.get((agent, batch), ""), batch, trained))
+    moves = _redrive_balancer(log, config["router"])
+    # Interleave agents and balancer moves in the order the log shows (timing), keeping
+    # each one's own order.
+    cursor = {a: 0 for a in made}
+    result, next_move = [], iter(moves)
+    for e in log:
+        if isinstance(e, ev.RebalanceDecided):
+            move = next(next_move, None)
+            if move is not None:
+                result.append(move)
+        elif isinstance(e, REDRIVEN_TYPES) and cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
+            result.append(made[e.agent][cursor[e.agent]])
+            cursor[e.agent] += 1
+    for agent, items in made.items():
+        result += items[cursor[agent]:]
+    return result + list(next_move)
+
+
+def _redrive_balancer(log: list, router: dict) -> list:
+    """The level 1 balancer's moves for the logged demand observations, in order."""
+    balancer, moves = None, []
+    for e in log:
+        if not isinstance(e, ev.DemandObserved):
+            continue
+        if balancer is None:  # built as the rebalancer builds it, from the logged config
+            balancer = RolloutBalancer.from_config(RouterConfig(**router))
+        balancer.move_cost_s = e.move_cost_s
+        snapshot = {a: AgentDemand(e.outstanding[a], e.dispatched_tokens[a], e.busy_s.get(a, {}))
+                    for a in e.outstanding}
+        move = balancer.observe(snapshot, e.now)
+        if move is not None:
+            moves.append(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
+    return moves

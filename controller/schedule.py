@@ -1,0 +1,122 @@
+"""The batch schedule: where every global batch stands, the staleness gate, wake-ups.
+
+One `BatchProgress` record per global batch (episodes left, when its rollout started and
+ended, how many agents have stepped it, when the last one synced). `BatchSchedule` holds
+them with the version every agent's rollout instances are synced to, and the events the
+loops wait on:
+- the episode producer waits in `wait_to_start(batch)` (sync mode: until every agent's
+  weights are at batch - 1; async mode: never) and reports `episode_ended(batch)`;
+- every turn of an episode waits at `gate(agent, batch)` until the agent's rollout weights
+  are within the staleness bound for the batch;
+- each agent's pipeline waits in `wait_for_work(agent)`, woken by `work_arrived(agent)`
+  (a group became trainable) or by any batch's rollout ending, and reports
+  `agent_stepped(batch)`;
+- the weight sync reports `synced_to(agent, version)`, which unblocks the gate and the
+  producer.
+
+The rules themselves are in decisions.py. It does not know the store, workers or
+trainers, only counts, versions and times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import decisions
+
+
+@dataclass
+class BatchProgress:
+    batch: int
+    episodes_left: int
+    rollout_done: asyncio.Event = field(default_factory=asyncio.Event)  # every episode ended
+    started: float | None = None  # its first episode started
+    rollout_end: float | None = None  # its last episode ended
+    agents_stepped: int = 0
+    trained: float | None = None  # every agent stepped and synced it
+
+    @property
+    def rollout_s(self) -> float:
+        return (self.rollout_end or 0.0) - (self.started or 0.0)
+
+
+class BatchSchedule:
+    def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
+                 max_staleness: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.agents = list(agents)
+        self.steps = steps
+        self.overlap = overlap
+        self.max_staleness = max_staleness
+        self.clock = clock
+        self.batches = {t: BatchProgress(t, episodes_per_batch) for t in range(1, steps + 1)}
+        self.synced = {a: 0 for a in agents}  # the version every rollout instance of the agent holds
+        self._work = {a: asyncio.Event() for a in agents}
+        self._versions = asyncio.Event()
+
+    # -- the episode producer and the gate
+
+    async def wait_to_start(self, batch: int) -> None:
+        while not decisions.may_start_episode(batch, self.synced, self.overlap):
+            await self._versions.wait()
+        progress = self.batches[batch]
+        if progress.started is None:
+            progress.started = self.clock()
+
+    def episode_ended(self, batch: int) -> None:
+        progress = self.batches[batch]
+        progress.episodes_left -= 1
+        if progress.episodes_left == 0:
+            progress.rollout_end = self.clock()
+            progress.rollout_done.set()
+            for event in self._work.values():  # pipelines waiting for the batch's end
+                event.set()
+
+    async def gate(self, agent: str, batch: int) -> None:
+        while not decisions.may_generate(batch, self.synced[agent], self.max_staleness):
+            await self._versions.wait()
+
+    # -- the per-agent pipelines
+
+    def rollout_complete(self, batch: int) -> bool:
+        return self.batches[batch].rollout_done.is_set()
+
+    def work_arrived(self, agent: str) -> None:
+        self._work[agent].set()
+
+    async def wait_for_work(self, agent: str) -> None:
+        await self._work[agent].wait()
+        self._work[agent].clear()
+
+    def agent_stepped(self, batch: int) -> bool:
+        """Counts one agent's step (and sync) of `batch`; True when it was the last."""
+        progress = self.batches[batch]
+        progress.agents_stepped += 1
+        if progress.agents_stepped == len(self.agents):
+            progress.trained = self.clock()
+            return True
+        return False
+
+    def synced_to(self, agent: str, version: int) -> None:
+        self.synced[agent] = version
+        self._versions.set()
+        self._versions = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return all(p.trained is not None for p in self.batches.values())
+
+    def trained_batches(self) -> list[BatchProgress]:
+        return [p for p in self.batches.values() if p.trained is not None and p.started is not None]
+
+    def stage_times(self) -> dict[str, float]:
+        """Mean seconds per global batch from its first episode to its last (rollout) and
+        from there to the last agent's synced weights (train + sync). Back to back in sync
+        mode; overlapped (and then less meaningful) in async mode."""
+        done = self.trained_batches()
+        if not done:
+            return {"rollout_s": 0.0, "train_sync_s": 0.0}
+        return {"rollout_s": sum(p.rollout_s for p in done) / len(done),
+                "train_sync_s": sum(p.trained - p.rollout_end for p in done) / len(done)}

@@ -1,0 +1,90 @@
+"""Weight sync: an agent's trainer publishes its weights, every rollout instance of the
+agent loads them, worker to worker; the controller only passes the handle.
+
+`WeightSync.sync(agent, trainer, version)` consumes a stepped agent and produces every
+live instance of the agent at `version`, then reports `on_synced(agent, version)` (the
+schedule's gate and producer wait on that). Per agent it holds the sync lock (held while
+a version is published and loaded, so an instance joining the agent never loads a handle
+the trainer is about to release, and no sync runs in the middle of a join), the handle of
+the synced version, and the version each instance holds. The transport is chosen by
+`choose_transport` from where the two ends are (host, process, device).
+
+It does not decide when to sync (the pipeline does) or which instances serve an agent
+(the rollout client's assignment, read through `instances`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+from flexmarl.runtime.param_channel import Location, ParamHandle, choose_transport
+
+from .server import WorkerDied
+
+log = logging.getLogger("flexmarl.weight_sync")
+
+
+def location_of(worker: Any) -> Location:
+    """Where a registered worker's parameters live: its host, process and first device."""
+    return Location(worker.host, worker.pid, worker.devices[0] if worker.devices else "cpu")
+
+
+def transport_between(src: Location, dsts: list[Location]) -> str:
+    """One transport that serves every receiver of a publication: the pair choice when all
+    receivers agree, else the one that reaches every kind of receiver (NCCL between GPUs,
+    TCP otherwise)."""
+    chosen = {choose_transport(src, d) for d in dsts}
+    if len(chosen) == 1:
+        return chosen.pop()
+    return "nccl" if chosen <= {"nccl", "cuda_ipc"} else "tcp"
+
+
+class WeightSync:
+    def __init__(self, agents: list[str], server: Any, instances: Callable[[str], list[str]],
+                 emit: Callable[[ev.Event], Any], on_synced: Callable[[str, int], None]) -> None:
+        self.server = server  # call(), next_request_id(), registry.workers
+        self.instances = instances
+        self.emit = emit
+        self.on_synced = on_synced
+        self.locks = {a: asyncio.Lock() for a in agents}
+        self.synced = {a: 0 for a in agents}
+        self.published: dict[str, ParamHandle] = {}  # agent -> handle of its synced version
+        self.holds: dict[str, tuple[str, int]] = {}  # instance -> (agent, version) it serves
+
+    def transport(self, trainer: str, instances: list[str]) -> str:
+        workers = self.server.registry.workers
+        return transport_between(location_of(workers[trainer]), [location_of(workers[w]) for w in instances])
+
+    async def sync(self, agent: str, trainer: str, version: int) -> None:
+        async with self.locks[agent]:
+            await self._publish_and_load(agent, trainer, version)
+        self.on_synced(agent, version)
+
+    async def _publish_and_load(self, agent: str, trainer: str, version: int) -> None:
+        instances = self.instances(agent)
+        t0 = time.monotonic()
+        self.emit(ev.WeightSyncStarted(agent, version, list(instances)))
+        reply, _ = await self.server.call(trainer, protocol.PublishWeights(
+            self.server.next_request_id(), agent, version, self.transport(trainer, instances), instances))
+        results = await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
+            self.server.next_request_id(), agent, version, reply.handle)) for w in instances),
+            return_exceptions=True)
+        for worker, result in zip(instances, results):
+            if isinstance(result, WorkerDied):
+                log.warning("%s died during the weight sync of %s; it leaves the agent", worker, agent)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self.holds[worker] = (agent, version)
+        self.published[agent] = reply.handle
+        self.synced[agent] = version
+        self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
+
+    def served(self, worker: str, agent: str, version: int) -> None:
+        """Records that `worker` now serves `agent` at `version` (a join or a restart)."""
+        self.holds[worker] = (agent, version)

@@ -1,0 +1,125 @@
+"""One agent's pipeline with fakes of what it is handed (allocator, weight sync, trainer
+server, metrics): micro-batches go out while rollout runs (async) or after it (sync),
+then exactly one optimizer step over every sample, then one sync."""
+
+import asyncio
+import contextlib
+
+from flexmarl.controller.pipeline import AgentPipeline
+from flexmarl.controller.schedule import BatchSchedule
+from flexmarl.controller.store import ExperienceStore
+from flexmarl.runtime import protocol
+from flexmarl.runtime.config import PipelineConfig
+
+
+class FakeAllocator:
+    def __init__(self):
+        self.held = 0
+
+    async def acquire(self, agent):
+        self.held += 1
+        return "t0"
+
+    def release(self, agent):
+        self.held -= 1
+
+    def prefetch(self, agent):
+        pass
+
+    @contextlib.asynccontextmanager
+    async def slot(self, trainer, priority):
+        yield
+
+
+class FakeTrainer:
+    def __init__(self):
+        self.log, self._id = [], 0
+
+    def next_request_id(self):
+        self._id += 1
+        return self._id
+
+    async def call(self, worker, msg, buffers=(), timeout=None):
+        if isinstance(msg, protocol.TrainMicroBatch):
+            self.log.append(("train", sorted(s.sample_id for s in msg.samples)))
+            return protocol.MicroBatchDone(msg.request_id, msg.agent, 0.0, 3 * len(msg.samples), 0.01), []
+        self.log.append(("step", msg.version, msg.grad_scale))
+        return protocol.StepDone(msg.request_id, msg.agent, msg.version, 0.0, 0.01), []
+
+
+class FakeWeights:
+    def __init__(self, schedule):
+        self.schedule, self.synced = schedule, []
+
+    async def sync(self, agent, trainer, version):
+        self.synced.append(version)
+        self.schedule.synced_to(agent, version)
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.rows, self.ended = [], []
+
+    def record(self, step, agent, version, samples, times, **extra):
+        self.rows.append((step, len(samples)))
+
+    def end_step(self, step, total):
+        self.ended.append(step)
+
+
+def make(mode, micro_batch=4, steps=1, episodes=1):
+    store = ExperienceStore(["a"])
+    schedule = BatchSchedule(["a"], steps, episodes, overlap=mode == "async", max_staleness=0)
+    store.on_ready.append(lambda g: schedule.work_arrived(g.agent))
+    trainer, metrics, events = FakeTrainer(), FakeMetrics(), []
+    weights = FakeWeights(schedule)
+
+    async def flush():
+        events.append("flushed")
+
+    pipeline = AgentPipeline("a", PipelineConfig(mode=mode, micro_batch=micro_batch), store, schedule,
+                             FakeAllocator(), weights, trainer, metrics, events.append, flush)
+    return pipeline, store, schedule, trainer, weights, metrics, events
+
+
+def complete_group(store, gid, n=2, batch=1):
+    for s in store.open_group("a", gid, [1], n, batch):
+        store.record_output(s.sample_id, [2], [-0.5], [batch - 1])
+        store.set_reward(s.sample_id, float(s.sample_id.endswith("0")))
+
+
+async def test_async_micro_batches_train_while_rollout_runs_then_one_step_and_one_sync():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async")
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "g0")
+    complete_group(store, "g1")
+    await asyncio.sleep(0.05)
+    assert trainer.log == [("train", ["g0/0", "g0/1", "g1/0", "g1/1"])]  # before the batch ended
+    complete_group(store, "g2")
+    schedule.episode_ended(1)
+    await asyncio.wait_for(task, 2)
+    assert trainer.log[1:] == [("train", ["g2/0", "g2/1"]), ("step", 1, 1 / 6)]
+    assert weights.synced == [1] and schedule.synced["a"] == 1
+    assert metrics.rows == [(1, 6)] and metrics.ended == [1] and pipeline.samples_trained == 6
+    assert pipeline.tokens_trained == 18 and "flushed" in events
+    assert store.ready_samples("a", 1) == 0
+
+
+async def test_sync_mode_forms_micro_batches_only_after_the_batch_rollout_ended():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync")
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "g0")
+    complete_group(store, "g1")
+    await asyncio.sleep(0.05)
+    assert trainer.log == []
+    schedule.episode_ended(1)
+    await asyncio.wait_for(task, 2)
+    assert [entry[0] for entry in trainer.log] == ["train", "step"]
+
+
+async def test_a_batch_with_no_trainable_samples_still_steps_so_versions_advance():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async")
+    task = asyncio.ensure_future(pipeline.run())
+    schedule.episode_ended(1)
+    await asyncio.wait_for(task, 2)
+    assert trainer.log == [("step", 1, 0.0)] and weights.synced == [1]

@@ -1,0 +1,71 @@
+"""The one supervisor: the first failure stops everything, a loop that ends is a crash."""
+
+import asyncio
+
+import pytest
+
+from flexmarl.runtime.aio import TaskEnded, supervise
+
+
+async def test_finite_tasks_return_their_results_in_order():
+    async def value(x, delay):
+        await asyncio.sleep(delay)
+        return x
+
+    tasks = [asyncio.create_task(value(i, 0.01 * (3 - i))) for i in range(3)]
+    assert await supervise(tasks) == [0, 1, 2]
+
+
+async def test_the_first_failure_cancels_the_others_and_is_raised_as_is():
+    cancelled = asyncio.Event()
+
+    async def forever():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def boom():
+        await asyncio.sleep(0.01)
+        raise ValueError("bad")
+
+    slow = asyncio.create_task(forever())
+    with pytest.raises(ValueError, match="bad"):
+        await supervise([slow, asyncio.create_task(boom())])
+    assert cancelled.is_set() and slow.cancelled()
+
+
+async def test_a_loop_meant_to_run_forever_that_ends_is_a_failure_naming_it():
+    async def ends():
+        return None
+
+    other = asyncio.create_task(asyncio.sleep(3600))
+    with pytest.raises(TaskEnded, match="'receive' ended early"):
+        await supervise([asyncio.create_task(ends(), name="receive"), other], forever=True)
+    assert other.cancelled()
+
+
+async def test_a_watched_background_task_ending_cancels_the_work_but_is_left_to_its_owner():
+    async def fails():
+        await asyncio.sleep(0.01)
+        raise OSError("socket closed")
+
+    background = asyncio.create_task(fails(), name="heartbeat")
+    keeps_running = asyncio.create_task(asyncio.sleep(3600), name="event-log")
+    work = asyncio.create_task(asyncio.sleep(3600), name="training")
+    with pytest.raises(TaskEnded) as info:
+        await supervise([work], watch=[background, keeps_running])
+    assert info.value.name == "heartbeat" and isinstance(info.value.cause, OSError)
+    assert work.cancelled() and not keeps_running.done()
+    keeps_running.cancel()
+
+
+async def test_cancelling_the_caller_cancels_the_supervised_tasks():
+    work = asyncio.create_task(asyncio.sleep(3600))
+    outer = asyncio.create_task(supervise([work]))
+    await asyncio.sleep(0.01)
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert work.cancelled()
