@@ -201,11 +201,11 @@ class TrainerAllocator:
                             "the launcher removes its segments once it is reaped", parked.holder, agent)
             why = f"swapped in from {parked.holder}'s host memory ({parked.nbytes / 1e6:.1f} MB)"
         else:
-            await self.server.call(trainer, protocol.InitAgent(
+            reply, _ = await self.server.call(trainer, protocol.InitAgent(
                 self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, self.seed, cfg.max_grad_norm))
-            why = "initial placement"
+            why = f"initial placement ({reply.num_params / 1e6:.2f}M parameters)"
         self.resident[agent] = trainer
-        if victim is not None or why != "initial placement":
+        if victim is not None or not why.startswith("initial placement"):
             self.swaps += 1
             self.swap_s += time.monotonic() - t0
         self.emit(ev.AllocationChanged("trainer", agent, [trainer], f"{why}, {time.monotonic() - t0:.3f}s"))

@@ -203,16 +203,17 @@ class ControllerServer:
             await self._handle_unregistered(inbound, now)
             return
         self.registry.seen(info, now)
-        if isinstance(msg, protocol.Heartbeat):
-            info.load = dict(msg.load)
-        elif isinstance(msg, protocol.Bye):
-            self._declare_dead(info, f"left: {msg.reason}")
-        elif isinstance(msg, protocol.Hello):
-            self._reject(inbound.identity, "duplicate HELLO on a registered connection")
-        elif hasattr(msg, "request_id"):
-            self._deliver(info, msg, inbound.buffers)
-        else:
-            self._reject(inbound.identity, f"unexpected {type(msg).__name__} from worker {info.worker_id}")
+        match msg:
+            case protocol.Heartbeat():
+                info.load = dict(msg.load)
+            case protocol.Bye():
+                self._declare_dead(info, f"left: {msg.reason}")
+            case protocol.Hello():
+                self._reject(inbound.identity, "duplicate HELLO on a registered connection")
+            case _ if hasattr(msg, "request_id"):
+                self._deliver(info, msg, inbound.buffers)
+            case _:
+                self._reject(inbound.identity, f"unexpected {type(msg).__name__} from worker {info.worker_id}")
 
     async def _handle_unregistered(self, inbound: Inbound, now: float) -> None:
         msg = inbound.msg
