@@ -98,8 +98,14 @@ class ExperienceStore:
 
     def set_reward(self, sample_id: str, reward: float) -> None:
         sample = self.samples[sample_id]
+        if sample.status == DROPPED:
+            return  # its group was dropped meanwhile (its episode failed)
         if sample.status != PENDING:
-            return  # its group was dropped meanwhile
+            raise ValueError(f"reward for {sample_id} arrived after its group was complete ({sample.status}): "
+                             f"its advantages are already fixed, so this reward would be ignored. Set every "
+                             f"sample's reward before the last one of its group")
+        if sample.reward is not None:
+            raise ValueError(f"reward for {sample_id} set twice ({sample.reward} then {reward})")
         if not math.isfinite(reward):
             raise ValueError(f"reward for {sample_id} is not finite: {reward}")
         sample.reward = float(reward)

@@ -11,8 +11,15 @@ the requests through the rollout client and returns the samples with their outpu
 Concurrency inside an episode (branches) and across episodes is plain asyncio; the
 episode runner bounds it. `ctx.env` stands in for a slow tool or environment call.
 
-If an episode raises or overruns its timeout, every group it opened that is not yet
-trainable is dropped with the reason, counted, and logged; the run goes on.
+If an episode raises or overruns its timeout, it is closed: its other branches still
+running are cancelled, any later `generate` in it raises `EpisodeClosed`, and every group
+it opened that is not yet trainable is dropped with the reason, counted and logged; the
+run goes on.
+
+Group ids (and with them the per-sample sampling seeds) follow from the episode, the
+agent, the prompt and how many identical calls came before in the episode, never from
+which branch happens to finish first, so the same episode draws the same tokens in sync
+and async mode, with any latency and any number of instances.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import logging
 import random
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
@@ -29,6 +37,10 @@ from flexmarl.runtime import protocol
 from .store import ExperienceStore, Sample
 
 log = logging.getLogger("flexmarl.workflow")
+
+
+class EpisodeClosed(Exception):
+    """The episode already failed; its remaining branches may not generate."""
 
 
 class Generator(Protocol):
@@ -62,19 +74,39 @@ class EpisodeContext:
     # enough for this global batch (the staleness bound, checked per turn).
     gate: Callable[[str, int], Awaitable[None]] | None = None
     groups: list[str] = field(default_factory=list)
-    _next_group: int = 0
+    closed: str = ""  # why the episode failed, once it has
+    _calls: Counter = field(default_factory=Counter)  # (agent, prompt) -> calls so far
+    _branches: set = field(default_factory=set)  # tasks that called generate
+
+    def group_id(self, agent: str, prompt_ids: list[int]) -> str:
+        """The next group's id: the same call in the same place of the workflow gets the
+        same id in every run, whatever the timing."""
+        key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()))
+        occurrence = self._calls[key]
+        self._calls[key] += 1
+        return f"{self.episode_id}/{agent}-{key[1]:08x}-{occurrence}"
 
     async def generate(self, agent: str, prompt_ids: list[int], n: int | None = None,
                        max_tokens: int | None = None, temperature: float | None = None) -> list[Sample]:
+        if self.closed:
+            raise EpisodeClosed(self.closed)
         if agent not in self.agents:
             raise KeyError(f"workflow asked for agent {agent!r}, which is not configured "
                            f"(agents: {', '.join(self.agents)})")
         defaults = self.agents[agent]
+        n = defaults.group_size if n is None else n
+        if n < 2:
+            raise ValueError(f"generate({agent!r}, n={n}): a group needs at least 2 samples, since "
+                             f"advantages are rewards relative to the group's other samples")
+        task = asyncio.current_task()
+        if task is not None:
+            self._branches.add(task)
         if self.gate is not None:
             await self.gate(agent, self.batch)
-        group_id = f"{self.episode_id}/{agent}{self._next_group}"
-        self._next_group += 1
-        samples = self.store.open_group(agent, group_id, prompt_ids, n or defaults.group_size, self.batch)
+        if self.closed:  # failed while this branch waited at the gate
+            raise EpisodeClosed(self.closed)
+        group_id = self.group_id(agent, prompt_ids)
+        samples = self.store.open_group(agent, group_id, prompt_ids, n, self.batch)
         self.groups.append(group_id)
         requests = [protocol.GenRequest(s.sample_id, s.prompt_ids, max_tokens or defaults.max_tokens,
                                         defaults.temperature if temperature is None else temperature,
@@ -85,6 +117,18 @@ class EpisodeContext:
             r = by_id[s.sample_id]
             self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version])
         return samples
+
+    async def close(self, why: str) -> None:
+        """Fails the episode: cancels its other branches and drops every group it opened
+        that is not yet trainable (including ones a branch opened after the failure)."""
+        self.closed = why
+        me = asyncio.current_task()
+        branches = [t for t in self._branches if t is not me and not t.done()]
+        for task in branches:
+            task.cancel()
+        await asyncio.gather(*branches, return_exceptions=True)
+        for group_id in self.groups:
+            self.store.drop_group(group_id, why)
 
     def reward(self, sample: Sample, value: float) -> None:
         self.store.set_reward(sample.sample_id, value)
@@ -114,6 +158,5 @@ async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -
     except Exception as exc:  # a user's reward function or workflow bug: drop, count, go on
         why = f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}"
     log.warning("%s; dropping its unfinished groups", why)
-    for group_id in ctx.groups:
-        ctx.store.drop_group(group_id, why)
+    await ctx.close(why)
     return why

@@ -113,8 +113,12 @@ class ExperimentConfig:
         if self.cluster.rollout_workers < 1 or self.cluster.trainer_workers < 1:
             raise ConfigError("cluster needs at least one rollout and one trainer worker")
         for name, agent in self.agents.items():
-            if agent.group_size < 1 or agent.max_tokens < 1:
-                raise ConfigError(f"agents.{name}: group_size and max_tokens must be >= 1")
+            if agent.group_size < 2:
+                raise ConfigError(f"agents.{name}.group_size must be >= 2, got {agent.group_size}: advantages "
+                                  f"are rewards relative to the other samples of the same prompt, so a "
+                                  f"group of 1 has all-zero advantages and nothing would be learned")
+            if agent.max_tokens < 1:
+                raise ConfigError(f"agents.{name}.max_tokens must be >= 1")
         if self.router.within_agent not in ("least_loaded", "round_robin"):
             raise ConfigError("router.within_agent must be 'least_loaded' or 'round_robin', "
                               f"got {self.router.within_agent!r}")

@@ -82,3 +82,19 @@ def test_take_only_hands_out_groups_of_the_requested_global_batch():
     fill(store, "a", "new", [1.0, 0.0], batch=2)
     assert {s.group_id for s in store.take("a", 2, 100)} == {"new"}
     assert {s.group_id for s in store.take("a", 1, 100)} == {"old"}
+
+
+def test_a_reward_after_the_group_completed_is_a_clear_error_not_silently_ignored():
+    store = ExperienceStore(["a"])
+    fill(store, "a", "g", [1.0, 0.0])
+    with pytest.raises(ValueError, match="after its group was complete"):
+        store.set_reward("g/0", 0.5)
+
+
+def test_a_reward_set_twice_is_an_error():
+    store = ExperienceStore(["a"])
+    samples = store.open_group("a", "g", [1], 2, 0)
+    store.record_output(samples[0].sample_id, [2], [-1.0], [0])
+    store.set_reward(samples[0].sample_id, 1.0)
+    with pytest.raises(ValueError, match="set twice"):
+        store.set_reward(samples[0].sample_id, 0.0)

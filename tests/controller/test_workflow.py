@@ -3,6 +3,8 @@
 import asyncio
 import random
 
+import pytest
+
 from flexmarl.controller.store import DROPPED, READY, ExperienceStore
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, request_seed, run_episode
 from flexmarl.runtime import protocol
@@ -85,3 +87,73 @@ def test_request_seeds_depend_only_on_run_seed_and_sample_id():
     assert request_seed(1, "e0/a0/1") == request_seed(1, "e0/a0/1")
     assert request_seed(1, "e0/a0/1") != request_seed(2, "e0/a0/1")
     assert request_seed(1, "e0/a0/1") != request_seed(1, "e0/a0/2")
+
+
+# ---------------------------------------------------------------- failures and determinism
+
+
+async def test_a_failing_episode_cancels_its_other_branches_and_leaves_nothing_in_flight():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator(delay=0.05)
+    opened_after_failure = []
+
+    async def branching(ctx):
+        async def failing():
+            await ctx.generate("a", [1])
+            raise RuntimeError("tool crashed")
+
+        async def slow():
+            await ctx.generate("a", [2])
+            await asyncio.sleep(0.2)  # still running when its sibling fails
+            opened_after_failure.append(True)
+            for s in await ctx.generate("b", [3]):
+                ctx.reward(s, 1.0)
+
+        await asyncio.gather(failing(), slow())
+
+    why = await run_episode(branching, make_ctx(store, gen), 5.0)
+    assert "tool crashed" in why
+    await asyncio.sleep(0.4)  # a surviving branch would open its group by now
+    assert opened_after_failure == []
+    assert all(g.status == DROPPED for g in store.groups.values())
+    assert not [s for s in store.samples.values() if s.status not in (DROPPED,)]
+
+
+async def test_a_closed_episode_refuses_to_generate():
+    from flexmarl.controller.workflow import EpisodeClosed
+
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    ctx = make_ctx(store, gen)
+    await ctx.close("failed earlier")
+    with pytest.raises(EpisodeClosed, match="failed earlier"):
+        await ctx.generate("a", [1])
+
+
+async def test_group_ids_and_seeds_follow_the_call_not_which_branch_finishes_first():
+    def run(delays):
+        store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+        async def episode(ctx):
+            async def branch(prompt, delay):
+                await asyncio.sleep(delay)  # an environment call of varying latency
+                for s in await ctx.generate("b", prompt):
+                    ctx.reward(s, 0.0)
+
+            await asyncio.gather(branch([4, 4], delays[0]), branch([5, 5], delays[1]), branch([4, 4], 0.0))
+
+        return store, gen, episode
+
+    seen = []
+    for delays in ((0.01, 0.05), (0.05, 0.01)):
+        store, gen, episode = run(delays)
+        assert await run_episode(episode, make_ctx(store, gen), 5.0) == ""
+        seen.append({(tuple(g_prompt), gid) for gid, g_prompt in
+                     ((g.group_id, store.samples[g.sample_ids[0]].prompt_ids) for g in store.groups.values())})
+        seeds = {sid: request_seed(7, sid) for sid in store.samples}
+        assert len(set(seeds.values())) == len(seeds)
+    assert seen[0] == seen[1]
+
+
+async def test_a_group_of_one_is_refused():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    with pytest.raises(ValueError, match="at least 2"):
+        await make_ctx(store, gen).generate("a", [1], n=1)

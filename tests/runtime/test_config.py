@@ -43,3 +43,10 @@ def test_resolved_config_dumps_to_toml_that_loads_back(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(dump_toml(cfg))
     assert load_config(path) == cfg
+
+
+def test_a_group_size_of_one_is_refused_with_the_reason(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[agents.a]\nmodel = "m"\ngroup_size = 1\n')
+    with pytest.raises(ConfigError, match="agents.a.group_size must be >= 2.*all-zero advantages"):
+        load_config(path)
