@@ -90,6 +90,7 @@ class TrainerAllocator:
         self._running: collections.Counter[str] = collections.Counter()
         self._queue: dict[str, list] = collections.defaultdict(list)
         self._seq = itertools.count()
+        self.on_parked: list[Callable[[str], None]] = []  # told once an agent's state is parked
 
     @contextlib.asynccontextmanager
     async def slot(self, trainer: str, priority: tuple):
@@ -224,6 +225,8 @@ class TrainerAllocator:
                 self.trainer_died(trainer)  # ... unless it died with its trainer
             raise
         self.parked[agent] = Parked(trainer, reply.handle, reply.version, reply.accumulated, reply.nbytes)
+        for listener in self.on_parked:  # parking released the agent's published weights
+            listener(agent)
         self.emit(ev.AllocationChanged("trainer", agent, [], f"parked in {trainer}'s host memory "
                                                             f"({reply.nbytes / 1e6:.1f} MB, {reply.seconds:.3f}s)"))
 

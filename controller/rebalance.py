@@ -68,7 +68,7 @@ class Rebalancer:
         self.agents = list(agents)
         self.client = client  # assignment, instances(), outstanding, dispatched_tokens
         self.server = server  # call(), next_request_id(), registry.workers (heartbeat loads)
-        self.weights = weights  # locks, synced, published, served()
+        self.weights = weights  # locks, synced, served(), bring_up_to_date()
         self.model_path = model_path
         self.seed = seed
         self.emit = emit
@@ -117,7 +117,10 @@ class Rebalancer:
             self.emit(ev.AllocationChanged("rollout", src, list(client.assignment[src]),
                                            f"{worker} leaves for {dst}: {why}"))
         if not await _drained(client, worker, drain_timeout_s):
-            client.assignment[src].append(worker)
+            async with self.weights.locks[src]:  # src may have synced while the instance was out
+                if self.weights.synced[src] > 0:
+                    await self.weights.bring_up_to_date(worker, src)
+                client.assignment[src].append(worker)
             self.emit(ev.AllocationChanged("rollout", src, list(client.assignment[src]),
                                            f"{worker} stays: its work did not drain within {drain_timeout_s:.0f}s"))
             log.warning("%s did not drain within %.0fs; it keeps serving %s", worker, drain_timeout_s, src)
@@ -146,10 +149,6 @@ class Rebalancer:
                                                           self.model_path[agent], 0, seed=self.seed))
         self.weights.served(worker, agent, 0)
 
-    async def _load_weights(self, worker: str, agent: str, version: int, handle: Any) -> None:
-        await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, version, handle))
-        self.weights.served(worker, agent, version)
-
     async def _join(self, worker: str, src: str, dst: str) -> bool:
         """Makes `worker` serve `dst` at its synced version and adds it to `dst`'s
         assignment; True if its engine restarted.
@@ -166,16 +165,15 @@ class Rebalancer:
             await self._load_model(worker, dst)
             restarted = True
         async with self.weights.locks[dst]:
-            version, handle = self.weights.synced[dst], self.weights.published.get(dst)
-            if version > 0 and handle is not None:
+            if self.weights.synced[dst] > 0:
                 try:
-                    await self._load_weights(worker, dst, version, handle)
+                    await self.weights.bring_up_to_date(worker, dst)
                 except RemoteError as exc:
                     if restarted:
                         raise
                     log.info("%s cannot swap weights in place (%s); restarting its engine", worker, exc)
                     await self._load_model(worker, dst)
-                    await self._load_weights(worker, dst, version, handle)
+                    await self.weights.bring_up_to_date(worker, dst)
                     restarted = True
             elif not restarted:  # dst is still at version 0: its weights are the model directory's
                 await self._load_model(worker, dst)

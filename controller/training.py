@@ -25,6 +25,7 @@ rollout client (router.py), the trainer allocator (allocator.py), the metrics lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ class TrainingRun:
                                       overlap=p.mode == "async", max_staleness=p.max_staleness)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
         self.client = RolloutClient(server, emit=emit, within_agent=cfg.router.within_agent)
-        self.weights = WeightSync(self.agents, server, self.client.instances, emit, self.schedule.synced_to)
+        self.weights = WeightSync(self.agents, server, self.client.instances, emit, self.schedule.synced_to,
+                                  trainer_for=self._trainer_for)
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress)
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule)
         self.model_path: dict[str, str] = {}
@@ -162,6 +164,7 @@ class TrainingRun:
         log.info("rollout placement: %s", self.client.assignment)
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
                                           cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit)
+        self.allocator.on_parked.append(self.weights.forget)
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
                                            self.server, self.metrics, self.emit, self.flush_events)
                           for a in self.agents}
@@ -175,6 +178,14 @@ class TrainingRun:
     async def _init_agents(self) -> None:
         for agent in self.agents:  # in order: with limited capacity, later ones park earlier ones
             await self.allocator.acquire(agent)
+            self.allocator.release(agent)
+
+    @contextlib.asynccontextmanager
+    async def _trainer_for(self, agent: str):
+        trainer = await self.allocator.acquire(agent)
+        try:
+            yield trainer
+        finally:
             self.allocator.release(agent)
 
     def _ready_work(self, agent: str) -> int:

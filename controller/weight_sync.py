@@ -9,6 +9,11 @@ the trainer is about to release, and no sync runs in the middle of a join), the 
 the synced version, and the version each instance holds. The transport is chosen by
 `choose_transport` from where the two ends are (host, process, device).
 
+An instance that (re)joins an agent between syncs is brought to the agent's synced
+version by `bring_up_to_date`; if the handle was released meanwhile (the trainer parked
+the agent, which frees its published weights: `forget`), the weights are published
+again from the agent's trainer, obtained through `trainer_for`.
+
 It does not decide when to sync (the pipeline does) or which instances serve an agent
 (the rollout client's assignment, read through `instances`).
 """
@@ -16,9 +21,10 @@ It does not decide when to sync (the pipeline does) or which instances serve an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, AsyncContextManager, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
@@ -46,9 +52,11 @@ def transport_between(src: Location, dsts: list[Location]) -> str:
 
 class WeightSync:
     def __init__(self, agents: list[str], server: Any, instances: Callable[[str], list[str]],
-                 emit: Callable[[ev.Event], Any], on_synced: Callable[[str, int], None]) -> None:
+                 emit: Callable[[ev.Event], Any], on_synced: Callable[[str, int], None],
+                 trainer_for: Callable[[str], AsyncContextManager[str]] | None = None) -> None:
         self.server = server  # call(), next_request_id(), registry.workers
         self.instances = instances
+        self.trainer_for = trainer_for or _no_trainer
         self.emit = emit
         self.on_synced = on_synced
         self.locks = {a: asyncio.Lock() for a in agents}
@@ -88,3 +96,36 @@ class WeightSync:
     def served(self, worker: str, agent: str, version: int) -> None:
         """Records that `worker` now serves `agent` at `version` (a join or a restart)."""
         self.holds[worker] = (agent, version)
+
+    def forget(self, agent: str) -> None:
+        """The agent's published weights were released (its trainer parked it): the handle
+        must never be sent again."""
+        self.published.pop(agent, None)
+
+    async def bring_up_to_date(self, worker: str, agent: str) -> None:
+        """Loads `agent`'s synced weights into `worker` unless it holds them already. The
+        caller holds the agent's lock (no sync can run in between)."""
+        version = self.synced[agent]
+        if self.holds.get(worker) == (agent, version):
+            return
+        handle = self.published.get(agent)
+        if handle is None:
+            handle = await self._republish(agent, [worker])
+        await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, version, handle))
+        self.holds[worker] = (agent, version)
+
+    async def _republish(self, agent: str, instances: list[str]) -> Any:
+        async with self.trainer_for(agent) as trainer:
+            reply, _ = await self.server.call(trainer, protocol.PublishWeights(
+                self.server.next_request_id(), agent, self.synced[agent], self.transport(trainer, instances),
+                instances))
+        self.published[agent] = reply.handle
+        log.info("published %s version %d again for %s (the last publication was released)",
+                 agent, self.synced[agent], ", ".join(instances))
+        return reply.handle
+
+
+@contextlib.asynccontextmanager
+async def _no_trainer(agent: str):
+    raise RuntimeError(f"the weights of {agent} were released and no trainer can publish them again")
+    yield  # pragma: no cover

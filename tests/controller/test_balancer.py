@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import itertools
 import types
 
@@ -222,6 +223,9 @@ class FakeRun:
                                   f"{self.serving[worker]}")
             if isinstance(msg, protocol.LoadModel):
                 self.serving[worker] = msg.agent
+            if isinstance(msg, protocol.PublishWeights):
+                return protocol.WeightsPublished(msg.request_id, msg.agent, msg.version,
+                                                 f"republished-{msg.agent}{msg.version}", 1, 0.0), []
             return msg, []
 
         self.server.call = call
@@ -234,7 +238,9 @@ class FakeRun:
             d.joinpath("config.json").write_text('{"hidden_size": %d}' % (64 if same_model else ord(a[0])))
             self.model_path[a] = str(d)
         self.events: list = []
-        self.weights = WeightSync(list(assignment), self.server, self.client.instances, self.emit, lambda a, v: None)
+        self.weights = WeightSync(list(assignment), self.server, self.client.instances, self.emit, lambda a, v: None,
+                                  trainer_for=self.trainer_for)
+        self.server.registry.workers["t0"] = WorkerInfo("t0", b"t0", "trainer", "host", 2, [], {}, 0.0, 0.0)
         # the weight sync's own tables, under the names the tests use
         self.sync_lock, self.synced, self.published = self.weights.locks, self.weights.synced, self.weights.published
         self.rebalancer = Rebalancer(RouterConfig(), list(assignment), self.client, self.server, self.weights,
@@ -243,6 +249,10 @@ class FakeRun:
 
     def emit(self, event) -> None:
         self.events.append(event)
+
+    @contextlib.asynccontextmanager
+    async def trainer_for(self, agent):
+        yield "t0"
 
     def sent(self) -> list[tuple[str, str, str, int]]:
         return [(w, type(m).__name__, m.agent, m.version) for w, m in self.server.calls]
@@ -390,3 +400,45 @@ def msgspec_replace(event, **changes):
     import msgspec
 
     return msgspec.structs.replace(event, **changes)
+
+
+async def test_an_instance_whose_drain_timed_out_rejoins_with_its_agents_current_weights(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
+    run.synced["a"], run.published["a"] = 1, "handle-a1"
+    run.weights.served("r0", "a", 1)
+    run.client.outstanding["r0"] = 40.0  # never drains
+    task = asyncio.ensure_future(reassign(run, "r0", "a", "b", drain_timeout_s=0.3))
+    await asyncio.sleep(0.05)
+    run.synced["a"], run.published["a"] = 2, "handle-a2"  # a synced while r0 was out
+    assert await task is None
+    assert run.sent() == [("r0", "LoadWeights", "a", 2)]
+    assert run.client.assignment["a"] == ["r1", "r0"] and run.weights.holds["r0"] == ("a", 2)
+
+
+async def test_after_parking_released_an_agents_weights_a_joining_instance_gets_them_published_again(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
+    run.synced["b"], run.published["b"] = 3, "handle-b3"
+    run.weights.forget("b")  # the trainer parked b: handle-b3 is gone
+    done = await reassign(run, "r0", "a", "b")
+    assert done is not None
+    assert run.sent() == [("r0", "LoadModel", "b", 0), ("t0", "PublishWeights", "b", 3), ("r0", "LoadWeights", "b", 3)]
+    assert run.server.calls[-1][1].handle == "republished-b3"
+
+
+async def test_parking_an_agent_makes_the_weight_sync_forget_its_released_handle():
+    from flexmarl.controller.allocator import TrainerAllocator
+
+    class Server:
+        def next_request_id(self):
+            return 1
+
+        async def call(self, worker, msg, buffers=(), timeout=None):
+            return protocol.AgentOffloaded(msg.request_id, msg.agent, 2, 0, "parked-state", 10, 0.0), []
+
+    alloc = TrainerAllocator(Server(), ["t0"], 1, {"a": None}, {}, 0, lambda a: 0, lambda e: None)
+    weights = WeightSync(["a"], Server(), lambda a: [], lambda e: None, lambda a, v: None)
+    weights.published["a"] = "handle-a2"
+    alloc.on_parked.append(weights.forget)
+    alloc.resident["a"] = "t0"
+    await alloc._park("a")
+    assert "a" not in weights.published and "a" in alloc.parked
