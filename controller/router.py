@@ -80,6 +80,10 @@ class NoInstance(Exception):
     """No live rollout instance serves the agent."""
 
 
+class RequestsFailed(Exception):
+    """Requests failed (or lost their instance) on `max_attempts` instances in a row."""
+
+
 class RolloutClient:
     def __init__(self, server: ControllerServer, *, instance_wait_s: float = 60.0,
                  emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded") -> None:
@@ -176,16 +180,20 @@ class RolloutClient:
         await self.server.send_request(worker, msg)
         try:
             await future
-        except WorkerDied as exc:
-            log.warning("re-issuing %d unfinished samples of %s: %s", len(waiting), agent, exc)
-        except RemoteError as exc:
+        except (WorkerDied, RemoteError) as exc:
+            # A batch that fails, or whose instance dies, on max_attempts instances in a row
+            # fails its episodes instead of taking down instance after instance.
             if attempt >= self.max_attempts:
+                failure = RequestsFailed(f"{len(waiting)} requests of {agent} failed on {attempt} instances "
+                                         f"in a row; the last, {worker}: {exc}")
+                log.error("%s", failure)
                 for _, fut in waiting.values():
                     if not fut.done():
-                        fut.set_exception(exc)
+                        fut.set_exception(failure)
                 waiting.clear()
             else:
-                log.warning("generation on %s failed (%s); re-issuing %d samples", worker, exc, len(waiting))
+                log.warning("re-issuing %d unfinished samples of %s after %s: %s", len(waiting), agent,
+                            "a worker death" if isinstance(exc, WorkerDied) else "an error", exc)
         finally:
             self.outstanding[worker] -= sum(cost[s] for s in waiting)
         if waiting:  # died or failed before finishing: send the rest elsewhere

@@ -189,6 +189,23 @@ async def test_requests_on_a_dead_instance_are_reissued_to_a_live_instance_of_th
     assert client.reissued == 3 and client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
 
 
+async def test_a_batch_whose_instances_keep_dying_fails_its_requests_instead_of_being_reissued_forever():
+    from flexmarl.controller.router import RequestsFailed
+
+    workers = [f"r{i}" for i in range(5)]
+    server = FakeServer(workers)
+    client = RolloutClient(server)
+    client.assignment = {"a": list(workers)}
+    task = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("s0", [1], 2, 1.0, 0)]))
+    for attempt in range(client.max_attempts):
+        await until(lambda: len(server.sent) == attempt + 1)
+        server.kill(server.sent[-1][0])  # e.g. a request that crashes every engine it reaches
+    with pytest.raises(RequestsFailed, match=f"failed on {client.max_attempts} instances in a row"):
+        await task
+    assert len(server.sent) == client.max_attempts  # never sent to a fourth instance
+    assert sum(w.alive for w in server.registry.workers.values()) == 5 - client.max_attempts
+
+
 async def test_an_instance_removed_from_the_assignment_gets_no_new_requests():
     server = FakeServer(["r0", "r1"])
     client = RolloutClient(server)
