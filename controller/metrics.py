@@ -20,8 +20,10 @@ log = logging.getLogger("flexmarl.metrics")
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
+                 trackers: Iterable[Any] = ()) -> None:
         self.run_dir = Path(run_dir)
+        self.trackers = list(trackers)  # see trackers.py: each gets every row
         self.agents = list(agents)
         self.progress = progress
         self.started = time.monotonic()
@@ -36,8 +38,14 @@ class MetricsLog:
                "samples": len(samples), "time": round(time.monotonic() - self.started, 3),
                "max_lag": max(lags) if lags else None,
                **{k: round(v, 4) for k, v in vars(times).items()}, **extra}
+        self.write(row)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One row to metrics.jsonl (flushed) and to every tracker."""
         self.rows.append(row)
         self._fh.write(json.dumps(row) + "\n")
+        for tracker in self.trackers:
+            tracker.log(row)
 
     def end_step(self, step: int, total: int) -> None:
         if not self.progress:
@@ -58,6 +66,11 @@ class MetricsLog:
 
     def close(self) -> None:
         self._fh.close()
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception:  # a tracker must never turn a finished run into a failure
+                log.exception("could not close the %s tracker", type(tracker).__name__)
         if self.rows:
             try:
                 plot_rewards(self.rows, self.agents, self.run_dir / "rewards.png")

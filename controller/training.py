@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Callable
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.aio import supervise
-from flexmarl.runtime.config import ExperimentConfig, dump_toml
+from flexmarl.runtime.config import ExperimentConfig, dump_toml, to_dict
 
 from . import decisions
 from .allocator import TrainerAllocator
@@ -47,6 +47,7 @@ from .rebalance import Rebalancer
 from .router import RolloutClient
 from .schedule import BatchSchedule
 from .store import ExperienceStore
+from .trackers import open_trackers
 from .weight_sync import WeightSync
 from .workflows import get_workflow
 
@@ -100,7 +101,8 @@ class TrainingRun:
         self.client = RolloutClient(server, emit=emit, within_agent=cfg.router.within_agent)
         self.weights = WeightSync(self.agents, server, self.client.instances, emit, self.schedule.synced_to,
                                   trainer_for=self._trainer_for)
-        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress)
+        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
+                                  trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents))
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule)
         self.model_path: dict[str, str] = {}
         self.allocator: TrainerAllocator | None = None

@@ -82,6 +82,9 @@ class RouterConfig:
     interval_s: float = 0.5  # how often demand is observed
 
 
+TRACKERS = ("tensorboard", "wandb")  # metrics destinations besides metrics.jsonl
+
+
 @dataclass
 class RunConfig:
     workflow: str = "digit_chain"
@@ -92,6 +95,10 @@ class RunConfig:
     env_latency_ms: float = 0.0  # mean latency of the simulated environment/tool call
     progress: bool = True
     event_log: bool = True  # RUN_DIR/events.log; off only to measure its overhead
+    # Where metrics rows go besides metrics.jsonl: any of TRACKERS. W&B runs offline unless
+    # WANDB_MODE says otherwise (its files land in RUN_DIR/wandb; `wandb sync` uploads them).
+    trackers: list[str] = field(default_factory=list)
+    wandb_project: str = "flexmarl"
 
 
 @dataclass
@@ -119,6 +126,9 @@ class ExperimentConfig:
                                   f"group of 1 has all-zero advantages and nothing would be learned")
             if agent.max_tokens < 1:
                 raise ConfigError(f"agents.{name}.max_tokens must be >= 1")
+        for name in self.run.trackers:
+            if name not in TRACKERS:
+                raise ConfigError(f"run.trackers: unknown tracker {name!r} (known: {', '.join(TRACKERS)})")
         if self.router.within_agent not in ("least_loaded", "round_robin"):
             raise ConfigError("router.within_agent must be 'least_loaded' or 'round_robin', "
                               f"got {self.router.within_agent!r}")
@@ -133,6 +143,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
         return _build(hint, value, key)
+    if origin is list:
+        (item_hint,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_hint, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _, val_hint = typing.get_args(hint)
         if not isinstance(value, dict):
@@ -227,6 +242,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
 
 

@@ -1,0 +1,43 @@
+"""Metrics rows reach TensorBoard and Weights & Biases (offline) when the config asks."""
+
+import types
+
+from flexmarl.controller.metrics import MetricsLog
+from flexmarl.controller.trackers import open_trackers
+
+
+def rows():
+    sample = types.SimpleNamespace(reward=1.0, versions=[0])
+    times = types.SimpleNamespace(rollout_s=0.1, train_s=0.2, sync_s=0.01)
+    return sample, times
+
+
+def test_tensorboard_receives_each_agents_rows_on_its_own_step_axis(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = MetricsLog(tmp_path, ["a", "b"], progress=False,
+                         trackers=open_trackers(["tensorboard"], tmp_path, {}, ["a", "b"]))
+    sample, times = rows()
+    for step in (1, 2):
+        metrics.record(step, "a", step, [sample], times, grad_norm=0.5 * step)
+    metrics.record(1, "b", 1, [sample], times)
+    metrics.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("a/grad_norm")] == [1, 2]
+    assert [e.value for e in acc.Scalars("a/grad_norm")] == [0.5, 1.0]
+    assert [e.value for e in acc.Scalars("b/reward_mean")] == [1.0]
+
+
+def test_wandb_writes_an_offline_run_with_the_rows(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    metrics = MetricsLog(tmp_path, ["a"], progress=False,
+                         trackers=open_trackers(["wandb"], tmp_path, {"run": {"wandb_project": "t"}}, ["a"]))
+    sample, times = rows()
+    metrics.record(1, "a", 1, [sample], times, grad_norm=0.25)
+    metrics.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    data = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+    assert b"a/grad_norm" in data and b"a/reward_mean" in data
