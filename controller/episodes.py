@@ -2,7 +2,8 @@
 
 `EpisodeProducer.run()` consumes the workflow and the batch schedule; for batch t it
 waits for `schedule.wait_to_start(t)` (sync mode: every agent's weights at t - 1; async
-mode: at once), then starts the batch's `queries_per_step` episodes, at most
+mode: at once), logs `BatchStarted` (with a dataset: which row each episode gets), then
+starts the batch's `queries_per_step` episodes, at most
 `max_concurrent_episodes` running at once (the bound is the semaphore below). Each turn
 of an episode waits at the schedule's staleness gate. Produces: samples in the store
 (through the episode context) and `episode_ended(t)` for every episode, failed or not;
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from concurrent.futures import Executor
+from typing import Any, Callable
 
+from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
+from .data import Dataset
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
@@ -27,8 +31,12 @@ from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
 
 class EpisodeProducer:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: Any,
-                 schedule: BatchSchedule) -> None:
+                 schedule: BatchSchedule, emit: Callable[[ev.Event], Any], dataset: Dataset | None = None,
+                 tools: Executor | None = None) -> None:
         self.cfg = cfg
+        self.tools = tools  # the pool ctx.call runs blocking functions in
+        self.emit = emit
+        self.dataset = dataset  # episode g (over the run) gets row dataset.item(g)
         self.workflow = workflow
         self.store = store
         self.client = client  # generate(agent, requests)
@@ -43,9 +51,12 @@ class EpisodeProducer:
 
         async def one(batch: int, i: int) -> None:
             try:
+                g = (batch - 1) * p.queries_per_step + i
                 ctx = EpisodeContext(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"),
                                      self.store, self.client, self.defaults, seed,
-                                     self.cfg.run.env_latency_ms, gate=self.schedule.gate)
+                                     self.cfg.run.env_latency_ms, gate=self.schedule.gate,
+                                     item=self.dataset.item(g) if self.dataset else None,
+                                     tools=self.tools, tool_timeout_s=p.tool_timeout_s)
                 if await run_episode(self.workflow, ctx, p.episode_timeout_s):
                     self.failed += 1
             finally:
@@ -55,6 +66,7 @@ class EpisodeProducer:
         try:
             for batch in range(1, self.schedule.steps + 1):
                 await self.schedule.wait_to_start(batch)
+                self.emit(self.batch_started(batch))
                 for i in range(p.queries_per_step):
                     await limit.acquire()
                     running.append(asyncio.create_task(one(batch, i), name=f"episode-s{batch}q{i}"))
@@ -63,3 +75,11 @@ class EpisodeProducer:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+    def batch_started(self, batch: int) -> ev.BatchStarted:
+        q = self.cfg.pipeline.queries_per_step
+        first = (batch - 1) * q
+        if self.dataset is None:
+            return ev.BatchStarted(batch, first)
+        positions = [self.dataset.position(first + i) for i in range(q)]
+        return ev.BatchStarted(batch, first, positions[0].epoch, [pos.index for pos in positions])

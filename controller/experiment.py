@@ -61,6 +61,9 @@ class Experiment:
     async def __aenter__(self) -> "Experiment":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(self.config))
+        # Built before any worker starts: a bad workflow path or dataset fails here, at once.
+        self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
+                                    flush_events=self.flush_events, worker_ids=self.worker_ids)
         address = self.server.bind()
         (self.run_dir / "controller.address").write_text(address + "\n")
         if self.config.run.event_log:
@@ -119,8 +122,6 @@ class Experiment:
         return result
 
     async def train(self) -> Any:
-        self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
-                                    flush_events=self.flush_events, worker_ids=self.worker_ids)
         return await self.supervise(self.training.run, name="training")
 
     async def _teardown(self) -> None:

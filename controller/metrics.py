@@ -50,7 +50,7 @@ class MetricsLog:
     def end_step(self, step: int, total: int) -> None:
         if not self.progress:
             return
-        last = {r["agent"]: r["reward_mean"] for r in self.rows if r["step"] == step}
+        last = {r["agent"]: r["reward_mean"] for r in self.rows if r["step"] == step and "kind" not in r}
         rewards = "  ".join(f"{a} {last[a]:.3f}" if last.get(a) is not None else f"{a} -" for a in self.agents)
         elapsed = time.monotonic() - self.started
         width = 20
@@ -61,8 +61,26 @@ class MetricsLog:
               f"{elapsed:.0f}s elapsed, ~{eta:.0f}s left", file=sys.stderr, flush=True)
 
     def reward_history(self) -> dict[str, list[float]]:
-        return {a: [r["reward_mean"] for r in self.rows if r["agent"] == a and r["reward_mean"] is not None]
+        return {a: [r["reward_mean"] for r in self.rows
+                    if r["agent"] == a and r["reward_mean"] is not None and "kind" not in r]
                 for a in self.agents}
+
+    def record_eval(self, step: int, agent: str, samples: list[Any], failed: int, episodes: int) -> dict[str, Any]:
+        """One evaluation row (`"kind": "eval"`): held-out rewards at the weights after `step`."""
+        rewards = [s.reward for s in samples if s.reward is not None]
+        row = {"kind": "eval", "step": step, "agent": agent,
+               "version": min((min(s.versions) for s in samples if s.versions), default=None),
+               "reward_mean": sum(rewards) / len(rewards) if rewards else None, "samples": len(rewards),
+               "episodes": episodes, "episodes_failed": failed,
+               "time": round(time.monotonic() - self.started, 3)}
+        self.write(row)
+        return row
+
+    def eval_line(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if self.progress:
+            rewards = "  ".join(f"{r['agent']} {r['reward_mean']:.3f}" if r["reward_mean"] is not None
+                                else f"{r['agent']} -" for r in rows)
+            print(f"eval after step {step}: reward {rewards}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._fh.close()
@@ -86,9 +104,14 @@ def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> N
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for agent in agents:
-        pts = [(r["step"], r["reward_mean"]) for r in rows if r["agent"] == agent and r["reward_mean"] is not None]
+        mine = [r for r in rows if r["agent"] == agent and r["reward_mean"] is not None]
+        pts = [(r["step"], r["reward_mean"]) for r in mine if "kind" not in r]
+        evals = [(r["step"], r["reward_mean"]) for r in mine if r.get("kind") == "eval"]
         if pts:
-            ax.plot(*zip(*pts), marker="o", markersize=3, label=agent)
+            line, = ax.plot(*zip(*pts), marker="o", markersize=3, label=agent)
+            if evals:
+                ax.plot(*zip(*evals), linestyle="--", marker="s", markersize=4, color=line.get_color(),
+                        label=f"{agent} (eval)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward")
     ax.set_title("reward per agent")

@@ -33,6 +33,7 @@ class BatchProgress:
     batch: int
     episodes_left: int
     rollout_done: asyncio.Event = field(default_factory=asyncio.Event)  # every episode ended
+    trained_done: asyncio.Event = field(default_factory=asyncio.Event)  # every agent stepped and synced
     started: float | None = None  # its first episode started
     rollout_end: float | None = None  # its last episode ended
     agents_stepped: int = 0
@@ -96,8 +97,12 @@ class BatchSchedule:
         progress.agents_stepped += 1
         if progress.agents_stepped == len(self.agents):
             progress.trained = self.clock()
+            progress.trained_done.set()
             return True
         return False
+
+    async def wait_trained(self, batch: int) -> None:
+        await self.batches[batch].trained_done.wait()
 
     def synced_to(self, agent: str, version: int) -> None:
         self.synced[agent] = version

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -39,7 +40,9 @@ from flexmarl.runtime.config import ExperimentConfig, dump_toml, to_dict
 
 from . import decisions
 from .allocator import TrainerAllocator
+from .data import Dataset
 from .episodes import EpisodeProducer
+from .evaluation import Evaluator
 from .metrics import MetricsLog
 from .models import resolve_model
 from .pipeline import AgentPipeline
@@ -79,6 +82,22 @@ class RunSummary:
         return "\n".join(lines)
 
 
+def data_of(path: str, cfg: ExperimentConfig, what: str, episodes: int, shuffle: bool | None = None) -> Dataset | None:
+    """The dataset at `path` (None if empty), checked to serve `episodes` episodes."""
+    if not path:
+        return None
+    d = cfg.data
+    data = Dataset.from_path(path, cfg.run.seed, d.shuffle if shuffle is None else shuffle,
+                             d.epochs if shuffle is None else 0)
+    if episodes:
+        data.check_serves(episodes, what)
+    return data
+
+
+def cfg_eval_on(cfg: ExperimentConfig) -> bool:
+    return cfg.eval.every > 0
+
+
 class TrainingRun:
     def __init__(self, cfg: ExperimentConfig, server: Any, run_dir: str | Path, *,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
@@ -103,7 +122,14 @@ class TrainingRun:
                                   trainer_for=self._trainer_for)
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
                                   trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents))
-        self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule)
+        self.dataset = data_of(cfg.data.train, cfg, "run.steps x pipeline.queries_per_step",
+                               cfg.run.steps * p.queries_per_step)
+        eval_data = data_of(cfg.data.eval, cfg, "", 0, shuffle=False)
+        self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
+        self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
+                                        self.dataset, self.tools)
+        self.evaluator = Evaluator(cfg, self.workflow, self.client, self.schedule, self.metrics, emit, eval_data,
+                                   self.tools)
         self.model_path: dict[str, str] = {}
         self.allocator: TrainerAllocator | None = None
         self.pipelines: dict[str, AgentPipeline] = {}
@@ -133,9 +159,12 @@ class TrainingRun:
                      *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in self.pipelines.items())]
             if self.rebalancer is not None:
                 loops.append(asyncio.create_task(self.rebalancer.run(), name="balance"))
+            if cfg_eval_on(self.cfg):
+                loops.append(asyncio.create_task(self.evaluator.run(), name="eval"))
             await supervise(loops)
             await self.checkpoint("final")
         finally:
+            self.tools.shutdown(wait=False, cancel_futures=True)
             self.metrics.close()
             if self.allocator is not None:
                 await self.allocator.close()

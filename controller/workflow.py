@@ -25,12 +25,14 @@ and async mode, with any latency and any number of instances.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import zlib
 from collections import Counter
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
 
@@ -73,6 +75,11 @@ class EpisodeContext:
     # Awaited before every turn: blocks until the agent's rollout weights are recent
     # enough for this global batch (the staleness bound, checked per turn).
     gate: Callable[[str, int], Awaitable[None]] | None = None
+    item: Any = None  # the episode's dataset row (None without a dataset)
+    tools: Executor | None = None  # the bounded pool `call` runs blocking functions in
+    tool_timeout_s: float = 60.0
+    # Evaluation: one greedy (or eval.temperature) sample per call, never trained.
+    eval_temperature: float | None = None
     groups: list[str] = field(default_factory=list)
     closed: str = ""  # why the episode failed, once it has
     _calls: Counter = field(default_factory=Counter)  # (agent, prompt) -> calls so far
@@ -95,7 +102,9 @@ class EpisodeContext:
                            f"(agents: {', '.join(self.agents)})")
         defaults = self.agents[agent]
         n = defaults.group_size if n is None else n
-        if n < 2:
+        if self.eval_temperature is not None:
+            n, temperature = 1, self.eval_temperature
+        elif n < 2:
             raise ValueError(f"generate({agent!r}, n={n}): a group needs at least 2 samples, since "
                              f"advantages are rewards relative to the group's other samples")
         task = asyncio.current_task()
@@ -130,6 +139,27 @@ class EpisodeContext:
         for group_id in self.groups:
             self.store.drop_group(group_id, why)
 
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Runs a tool, environment or reward function off the event loop and returns its
+        result. A plain (blocking) function runs in the controller's bounded tool pool
+        (`pipeline.tool_threads` threads); an async one is awaited. Past `timeout` seconds
+        (default `pipeline.tool_timeout_s`) it raises TimeoutError, which fails this
+        episode only: other episodes never wait for it. (A thread cannot be stopped: a
+        timed-out blocking call keeps its pool thread until it returns.)"""
+        if self.closed:
+            raise EpisodeClosed(self.closed)
+        limit = self.tool_timeout_s if timeout is None else timeout
+        if asyncio.iscoroutinefunction(fn):
+            work = fn(*args, **kwargs)
+        else:
+            loop = asyncio.get_running_loop()
+            work = loop.run_in_executor(self.tools, functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.wait_for(work, limit)
+        except asyncio.TimeoutError:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise TimeoutError(f"{name} did not return within {limit:.1f}s") from None
+
     def reward(self, sample: Sample, value: float) -> None:
         self.store.set_reward(sample.sample_id, value)
 
@@ -145,18 +175,21 @@ Episode = Callable[[EpisodeContext], Awaitable[None]]
 
 async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> str:
     """Runs one episode; returns "" on success or the reason it failed (groups dropped)."""
+    deadline = asyncio.timeout(timeout_s)
     try:
-        await asyncio.wait_for(episode(ctx), timeout_s)
+        async with deadline:
+            await episode(ctx)
         unfinished = [g for g in ctx.groups if ctx.store.groups[g].status == "pending"]
         if unfinished:
             raise RuntimeError(f"episode ended without rewarding every sample of {unfinished[:3]}")
         return ""
-    except asyncio.TimeoutError:
-        why = f"episode {ctx.episode_id} timed out after {timeout_s:.0f}s"
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a user's reward function or workflow bug: drop, count, go on
-        why = f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}"
+        if isinstance(exc, TimeoutError) and deadline.expired():
+            why = f"episode {ctx.episode_id} timed out after {timeout_s:.0f}s"
+        else:  # a tool's own timeout (ctx.call) is the episode's failure, not its deadline
+            why = f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}"
     log.warning("%s; dropping its unfinished groups", why)
     await ctx.close(why)
     return why

@@ -66,6 +66,10 @@ class PipelineConfig:
     micro_batch: int = 16  # samples per micro-batch, per agent
     max_concurrent_episodes: int = 16
     episode_timeout_s: float = 120.0
+    # ctx.call: blocking tool, environment and reward functions run in a pool this big,
+    # each limited to tool_timeout_s unless the call says otherwise.
+    tool_threads: int = 4
+    tool_timeout_s: float = 60.0
     clip_ratio: float = 2.0
 
 
@@ -102,12 +106,33 @@ class RunConfig:
 
 
 @dataclass
+class DataConfig:
+    # Rows a user's episodes receive as `ctx.item`: a .jsonl / .json / .parquet / .csv file
+    # or a directory written by `datasets.Dataset.save_to_disk`. Empty: no dataset (the
+    # workflow makes its own queries, like the built-in digit chain).
+    train: str = ""
+    eval: str = ""  # held-out rows for [eval]; never trained
+    shuffle: bool = True  # a new order every epoch, from run.seed
+    epochs: int = 0  # 0: as many passes as the run needs
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate after every N optimizer steps (0: never)
+    episodes: int = 16  # held-out episodes per evaluation (eval rows, cycled)
+    temperature: float = 0.0  # greedy by default
+    at_start: bool = False  # also evaluate the initial weights
+
+
+@dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     agents: dict[str, AgentConfig] = field(default_factory=dict)
 
     def validate(self) -> "ExperimentConfig":
@@ -126,6 +151,8 @@ class ExperimentConfig:
                                   f"group of 1 has all-zero advantages and nothing would be learned")
             if agent.max_tokens < 1:
                 raise ConfigError(f"agents.{name}.max_tokens must be >= 1")
+        if self.data.epochs < 0 or self.eval.every < 0 or self.eval.episodes < 1:
+            raise ConfigError("data.epochs and eval.every must be >= 0 and eval.episodes >= 1")
         for name in self.run.trackers:
             if name not in TRACKERS:
                 raise ConfigError(f"run.trackers: unknown tracker {name!r} (known: {', '.join(TRACKERS)})")

@@ -58,6 +58,22 @@ class RunFinished(Event):
     wall_s: float
 
 
+class BatchStarted(Event):
+    # The first episode of a global batch starts; with a dataset, where the run is in it.
+    batch: int
+    first_episode: int  # episodes are numbered over the whole run: batch b starts at (b - 1) x queries
+    data_epoch: int = -1  # -1: no dataset
+    data_rows: list[int] = []  # the dataset row of each episode of the batch, in order
+
+
+class EvaluationDone(Event):
+    # Held-out episodes at the weights after `step` optimizer steps; nothing of them trains.
+    step: int
+    episodes: int
+    failed: int
+    rewards: dict[str, float]  # agent -> mean reward over its eval samples
+
+
 # ---------------------------------------------------------------- rollout
 
 

@@ -157,3 +157,51 @@ async def test_a_group_of_one_is_refused():
     store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
     with pytest.raises(ValueError, match="at least 2"):
         await make_ctx(store, gen).generate("a", [1], n=1)
+
+
+# ---------------------------------------------------------------- tools off the event loop
+
+
+async def test_a_slow_blocking_tool_times_out_its_episode_without_stalling_the_others():
+    import concurrent.futures
+    import time
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    finished = []
+
+    def slow_tool(seconds):
+        time.sleep(seconds)  # blocking: would freeze every episode if run on the loop
+        return "done"
+
+    async def uses_tool(ctx, seconds):
+        result = await ctx.call(slow_tool, seconds, timeout=0.3)
+        for s in await ctx.generate("a", [1]):
+            ctx.reward(s, 1.0)
+        finished.append((ctx.episode_id, result, time.monotonic()))
+
+    def ctx(i):
+        c = make_ctx(store, gen, episode_id=f"e{i}")
+        c.tools = pool
+        return c
+
+    t0 = time.monotonic()
+    slow, fast = await asyncio.gather(run_episode(lambda c: uses_tool(c, 2.0), ctx(0), 5.0),
+                                      run_episode(lambda c: uses_tool(c, 0.01), ctx(1), 5.0))
+    assert "did not return within 0.3s" in slow and fast == ""
+    assert [f[:2] for f in finished] == [("e1", "done")]
+    assert finished[0][2] - t0 < 1.0  # the fast episode never waited for the slow tool
+    pool.shutdown(wait=False)
+
+
+async def test_an_async_tool_is_awaited_with_its_timeout():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    ctx = make_ctx(store, gen)
+
+    async def tool(x):
+        await asyncio.sleep(0.01)
+        return x * 2
+
+    assert await ctx.call(tool, 21) == 42
+    with pytest.raises(TimeoutError):
+        await ctx.call(asyncio.sleep, 1.0, timeout=0.05)

@@ -1,0 +1,115 @@
+"""Datasets: the rows episodes receive as `ctx.item`, in a reproducible order.
+
+`load_rows(path)` reads a .jsonl / .json / .parquet / .csv file or a directory saved by
+`datasets.Dataset.save_to_disk`, through the Hugging Face `datasets` library, into a list
+of plain dicts (the controller keeps them in memory: prompts are small next to models).
+
+`DataOrder` says which row episode number g (counted over the whole run) gets: epoch
+g // n, position g % n of that epoch's order (shuffled per epoch from the run's seed when
+asked). `position(g)` is what the event log records, so a run can say where it is in the
+data and a resumed run can continue from there.
+
+It does not know episodes, batches or workers.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# file suffix -> the `datasets` builder that reads it
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot serve the run; the message says what to change."""
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    import datasets
+
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset {str(path)!r} does not exist")
+    if path.is_dir():
+        try:
+            table = datasets.load_from_disk(str(path))
+        except Exception as exc:  # the library's errors vary by what it found there
+            raise DataError(f"{path} is a directory but not one saved by datasets' save_to_disk: {exc}") from None
+        if isinstance(table, datasets.DatasetDict):
+            raise DataError(f"{path} holds several splits ({', '.join(table)}); point at one split's directory")
+    else:
+        builder = BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(f"{path}: unknown dataset format {path.suffix!r} (known: {', '.join(BUILDERS)}, "
+                            f"or a save_to_disk directory)")
+        try:
+            table = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as exc:
+            raise DataError(f"{path} could not be read as {builder}: {exc}") from None
+    rows = table.to_list()
+    if not rows:
+        raise DataError(f"dataset {path} has no rows")
+    return rows
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    epoch: int
+    index: int  # the row's index in the file
+
+
+class DataOrder:
+    def __init__(self, n_rows: int, seed: int, shuffle: bool = True, epochs: int = 0) -> None:
+        if n_rows < 1:
+            raise DataError("a dataset needs at least one row")
+        self.n, self.seed, self.shuffle, self.epochs = n_rows, seed, shuffle, epochs
+        self._orders: dict[int, list[int]] = {}
+
+    def capacity(self) -> int | None:
+        """How many episodes the data can serve (None: unbounded)."""
+        return self.n * self.epochs if self.epochs else None
+
+    def position(self, g: int) -> DataPosition:
+        epoch, offset = divmod(g, self.n)
+        if self.epochs and epoch >= self.epochs:
+            raise DataError(f"the data is used up: {self.n} rows x {self.epochs} epochs")
+        return DataPosition(epoch, self._order(epoch)[offset])
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(self.n))
+            if self.shuffle:
+                random.Random(f"data-{self.seed}-{epoch}").shuffle(order)
+            # Episodes go forward: keep this epoch and the one before (episodes straddling
+            # the boundary), not every epoch's order.
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+
+class Dataset:
+    """Rows plus their order: `item(g)` is episode g's row, `position(g)` where it is."""
+
+    def __init__(self, rows: list[dict[str, Any]], order: DataOrder) -> None:
+        self.rows, self.order = rows, order
+
+    @classmethod
+    def from_path(cls, path: str | Path, seed: int, shuffle: bool = True, epochs: int = 0) -> "Dataset":
+        rows = load_rows(path)
+        return cls(rows, DataOrder(len(rows), seed, shuffle, epochs))
+
+    def position(self, g: int) -> DataPosition:
+        return self.order.position(g)
+
+    def item(self, g: int) -> dict[str, Any]:
+        return self.rows[self.order.position(g).index]
+
+    def check_serves(self, episodes: int, what: str) -> None:
+        capacity = self.order.capacity()
+        if capacity is not None and episodes > capacity:
+            raise DataError(f"{what} needs {episodes} episodes but the data serves {capacity} "
+                            f"({self.order.n} rows x {self.order.epochs} epochs): raise data.epochs "
+                            f"(0 = as many as needed) or shorten the run")

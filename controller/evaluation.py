@@ -1,0 +1,88 @@
+"""Evaluation: held-out episodes every `eval.every` optimizer steps, never trained.
+
+`Evaluator.run()` consumes the batch schedule (it waits until every agent has stepped and
+synced batch t, for each evaluation step t) and produces one metrics row per agent per
+evaluation (`"kind": "eval"`), an `EvaluationDone` event and a progress line. Each
+evaluation runs `eval.episodes` episodes of the run's workflow over the eval rows
+(`data.eval`, in file order, cycled; without it, the workflow's own queries from a fixed
+seed, the same at every evaluation), at `eval.temperature` (greedy by default) with one
+sample per call. Its samples live in a store of their own that nothing trains from.
+
+It does not know trainers or how micro-batches are formed; in async mode later batches
+keep rolling out meanwhile, and each row records the oldest policy version it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import Executor
+from typing import Any, Callable
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.config import ExperimentConfig
+
+from .data import Dataset
+from .schedule import BatchSchedule
+from .store import ExperienceStore
+from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+
+
+def evaluation_steps(every: int, steps: int, at_start: bool) -> list[int]:
+    if every <= 0:
+        return []
+    points = list(range(every, steps + 1, every))
+    if points[-1:] != [steps]:
+        points.append(steps)  # always evaluate the final weights
+    return ([0] if at_start else []) + points
+
+
+class Evaluator:
+    def __init__(self, cfg: ExperimentConfig, workflow: Episode, client: Any, schedule: BatchSchedule,
+                 metrics: Any, emit: Callable[[ev.Event], Any], dataset: Dataset | None,
+                 tools: Executor | None = None) -> None:
+        self.cfg = cfg
+        self.tools = tools
+        self.workflow = workflow
+        self.client = client  # generate(agent, requests)
+        self.schedule = schedule
+        self.metrics = metrics
+        self.emit = emit
+        self.dataset = dataset
+        self.defaults = {a: AgentDefaults(c.max_tokens, c.temperature, c.group_size) for a, c in cfg.agents.items()}
+        self.results: list[dict[str, Any]] = []
+
+    async def run(self) -> None:
+        e = self.cfg.eval
+        for step in evaluation_steps(e.every, self.cfg.run.steps, e.at_start):
+            if step > 0:
+                await self.schedule.wait_trained(step)
+            await self.evaluate(step)
+
+    async def evaluate(self, step: int) -> list[dict[str, Any]]:
+        e, seed = self.cfg.eval, self.cfg.run.seed
+        store = ExperienceStore(list(self.cfg.agents))  # nothing is ever taken from it
+        limit = asyncio.Semaphore(self.cfg.pipeline.max_concurrent_episodes)
+        failed = 0
+
+        async def one(i: int) -> None:
+            nonlocal failed
+            async with limit:
+                ctx = EpisodeContext(f"eval{step}q{i}", step + 1, random.Random(f"eval-{seed}-{i}"), store,
+                                     self.client, self.defaults, seed, self.cfg.run.env_latency_ms,
+                                     item=self.dataset.item(i) if self.dataset else None,
+                                     eval_temperature=e.temperature, tools=self.tools,
+                                     tool_timeout_s=self.cfg.pipeline.tool_timeout_s)
+                if await run_episode(self.workflow, ctx, self.cfg.pipeline.episode_timeout_s):
+                    failed += 1
+
+        await asyncio.gather(*(one(i) for i in range(e.episodes)))
+        rows = []
+        for agent in self.cfg.agents:
+            samples = [s for s in store.samples.values() if s.agent == agent and s.status != "dropped"]
+            rows.append(self.metrics.record_eval(step, agent, samples, failed, e.episodes))
+        self.emit(ev.EvaluationDone(step, e.episodes, failed,
+                                    {r["agent"]: r["reward_mean"] for r in rows if r["reward_mean"] is not None}))
+        self.metrics.eval_line(step, rows)
+        self.results += rows
+        return rows
