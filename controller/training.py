@@ -52,7 +52,7 @@ from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .trackers import open_trackers
 from .weight_sync import WeightSync
-from .workflows import get_workflow
+from .user_code import load_workflow
 
 log = logging.getLogger("flexmarl.training")
 
@@ -112,7 +112,7 @@ class TrainingRun:
         if not self.agents:
             raise ValueError("the config defines no agents ([agents.NAME] tables)")
         p = cfg.pipeline
-        self.workflow = get_workflow(cfg.run.workflow)
+        self.workflow = load_workflow(cfg.run.workflow)
         self.store = ExperienceStore(self.agents, emit=emit)
         self.schedule = BatchSchedule(self.agents, cfg.run.steps, p.queries_per_step,
                                       overlap=p.mode == "async", max_staleness=p.max_staleness)
