@@ -33,6 +33,8 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset {str(path)!r} does not exist")
+    if path.is_file() and path.stat().st_size == 0:
+        raise DataError(f"dataset {path} has no rows (the file is empty)")
     if path.is_dir():
         try:
             table = datasets.load_from_disk(str(path))
