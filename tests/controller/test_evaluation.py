@@ -1,0 +1,60 @@
+"""Evaluation with a fake rollout side: held-out rows, one greedy sample per call, eval
+rows in metrics.jsonl, nothing trained."""
+
+import asyncio
+import json
+
+from flexmarl.controller.data import DataOrder, Dataset
+from flexmarl.controller.evaluation import Evaluator, evaluation_steps
+from flexmarl.controller.metrics import MetricsLog
+from flexmarl.controller.schedule import BatchSchedule
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+from flexmarl.runtime.config import load_config
+
+
+class FakeGenerator:
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, agent, requests):
+        self.requests += requests
+        return [protocol.GenResult(r.sample_id, [3], [-0.1], 2) for r in requests]
+
+
+def test_evaluation_steps_include_the_final_weights_and_optionally_the_start():
+    assert evaluation_steps(0, 10, True) == []
+    assert evaluation_steps(4, 10, False) == [4, 8, 10]
+    assert evaluation_steps(5, 10, True) == [0, 5, 10]
+
+
+async def test_eval_episodes_run_greedy_on_held_out_rows_and_write_eval_rows(tmp_path):
+    cfg = load_config(None, ["run.steps=2", "eval.every=1", "eval.episodes=3", "agents.a.model='m'",
+                             "agents.a.group_size=4", "agents.a.temperature=1.0"])
+    rows = [{"x": 10}, {"x": 20}]
+    data = Dataset(rows, DataOrder(2, 0, shuffle=False))
+    seen = []
+
+    async def episode(ctx):
+        seen.append(ctx.item["x"])
+        for s in await ctx.generate("a", [ctx.item["x"]]):
+            ctx.reward(s, ctx.item["x"] / 20)
+
+    gen, events = FakeGenerator(), []
+    schedule = BatchSchedule(["a"], 2, 1, overlap=True, max_staleness=0)
+    metrics = MetricsLog(tmp_path, ["a"], progress=False)
+    evaluator = Evaluator(cfg, episode, gen, schedule, metrics, events.append, data)
+    task = asyncio.ensure_future(evaluator.run())
+    await asyncio.sleep(0.05)
+    assert gen.requests == []  # waits for step 1 to be trained
+    for batch in (1, 2):
+        schedule.agent_stepped(batch)
+    await asyncio.wait_for(task, 5)
+    metrics.close()
+    assert seen == [10, 20, 10] * 2  # eval rows in file order, cycled, at every evaluation
+    assert len(gen.requests) == 6 and all(r.temperature == 0.0 for r in gen.requests)  # one greedy sample each
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["samples"]) for r in written] == [("eval", 1, 3), ("eval", 2, 3)]
+    assert abs(written[0]["reward_mean"] - (0.5 + 1.0 + 0.5) / 3) < 1e-9
+    assert metrics.reward_history() == {"a": []}  # eval rows are not training rewards
+    assert [e.step for e in events if isinstance(e, ev.EvaluationDone)] == [1, 2]
