@@ -41,7 +41,7 @@ class EpisodeProducer:
         self.store = store
         self.client = client  # generate(agent, requests)
         self.schedule = schedule
-        self.defaults = {a: AgentDefaults(c.max_tokens, c.temperature, c.group_size) for a, c in cfg.agents.items()}
+        self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
         self.failed = 0
 
     async def run(self) -> None:

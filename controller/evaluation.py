@@ -49,7 +49,7 @@ class Evaluator:
         self.metrics = metrics
         self.emit = emit
         self.dataset = dataset
-        self.defaults = {a: AgentDefaults(c.max_tokens, c.temperature, c.group_size) for a, c in cfg.agents.items()}
+        self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
         self.results: list[dict[str, Any]] = []
 
     async def run(self) -> None:

@@ -116,7 +116,8 @@ def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> N
     ax.set_ylabel("mean reward")
     ax.set_title("reward per agent")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

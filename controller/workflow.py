@@ -1,15 +1,24 @@
 """The workflow API: a multi-agent episode is a user-written async function.
 
     async def episode(ctx: EpisodeContext) -> None:
-        plans = await ctx.generate("planner", prompt_ids, n=4)
+        plans = await ctx.generate("planner", "Sort 3 1 2", n=4)      # text or token ids
         for plan in plans:
-            ctx.reward(plan, score(plan.output_ids))
-        ...
+            ctx.reward(plan, score(plan.text))
+        answers = await ctx.chat("solver", [{"role": "user", "content": ctx.item["question"]}])
+        for a in answers:                                              # a conversation each
+            verdict = await ctx.generate("verifier", f"Q: ... A: {a.text} Verdict:")
+            await ctx.continue_chat(a, [{"role": "user", "content": f"A reviewer says {verdict[0].text}"}])
+            ctx.reward(a, await ctx.call(check, a.text, timeout=5))    # blocking code off the loop
 
-`ctx.generate` opens one group in the experience store (n samples of one prompt), sends
-the requests through the rollout client and returns the samples with their outputs.
+`ctx.generate` / `ctx.chat` open one group in the experience store (n samples of one
+prompt; their advantages are relative to each other), send the requests through the
+rollout client and return the samples with their outputs. `ctx.continue_chat` (or
+`ctx.continue_ids`) adds another turn to a sample: the new messages' ids are appended
+(not trained), then the agent's next turn is generated (trained); every turn records the
+policy version that produced it and waits at the staleness gate first. Token ids are the
+source of truth: `sample.output_ids` are the engine's ids, `sample.text` only decodes them.
 Concurrency inside an episode (branches) and across episodes is plain asyncio; the
-episode runner bounds it. `ctx.env` stands in for a slow tool or environment call.
+episode runner bounds it.
 
 If an episode raises or overruns its timeout, it is closed: its other branches still
 running are cancelled, any later `generate` in it raises `EpisodeClosed`, and every group
@@ -41,6 +50,9 @@ from .store import ExperienceStore, Sample
 log = logging.getLogger("flexmarl.workflow")
 
 
+SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos"})
+
+
 class EpisodeClosed(Exception):
     """The episode already failed; its remaining branches may not generate."""
 
@@ -51,9 +63,20 @@ class Generator(Protocol):
 
 @dataclass
 class AgentDefaults:
+    """An agent's sampling settings from the config; every call may override them."""
     max_tokens: int
     temperature: float
     group_size: int
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @classmethod
+    def of(cls, c: Any) -> "AgentDefaults":
+        return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
+                   list(c.stop_token_ids), c.ignore_eos)
 
 
 def request_seed(run_seed: int, sample_id: str) -> int:
@@ -76,6 +99,7 @@ class EpisodeContext:
     # enough for this global batch (the staleness bound, checked per turn).
     gate: Callable[[str, int], Awaitable[None]] | None = None
     item: Any = None  # the episode's dataset row (None without a dataset)
+    tokenizers: dict[str, Any] = field(default_factory=dict)  # agent -> AgentTokenizer (tokens.py)
     tools: Executor | None = None  # the bounded pool `call` runs blocking functions in
     tool_timeout_s: float = 60.0
     # Evaluation: one greedy (or eval.temperature) sample per call, never trained.
@@ -93,39 +117,114 @@ class EpisodeContext:
         self._calls[key] += 1
         return f"{self.episode_id}/{agent}-{key[1]:08x}-{occurrence}"
 
-    async def generate(self, agent: str, prompt_ids: list[int], n: int | None = None,
-                       max_tokens: int | None = None, temperature: float | None = None) -> list[Sample]:
+    async def generate(self, agent: str, prompt: str | list[int], n: int | None = None, **sampling: Any) -> list[Sample]:
+        """n samples of `agent` for one prompt (text, tokenized with the agent's tokenizer,
+        or token ids). `sampling` overrides the agent's settings for this call:
+        max_tokens, temperature, top_p, top_k, stop, stop_token_ids, ignore_eos."""
+        prompt_ids = self.tokenizer(agent).encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return await self._open(agent, prompt_ids, n, sampling, None)
+
+    async def chat(self, agent: str, messages: list[dict], n: int | None = None, **sampling: Any) -> list[Sample]:
+        """n conversations of `agent` starting from `messages` (the agent's chat template
+        makes the prompt); each sample's `messages` ends with the assistant's reply."""
+        prompt_ids = self.tokenizer(agent).chat_prompt(messages)
+        return await self._open(agent, prompt_ids, n, sampling, messages)
+
+    async def continue_chat(self, sample: Sample, messages: list[dict], **sampling: Any) -> Sample:
+        """Another turn of a `chat` sample: `messages` (other agents' words, tool results)
+        are appended, then the agent replies. The trained sample stays one sequence whose
+        loss covers only the agent's own turns."""
+        if sample.messages is None:
+            raise ValueError(f"{sample.sample_id} was not made by ctx.chat; use ctx.continue_ids")
+        tok = self.tokenizer(sample.agent)
+        ended_with_eos = bool(sample.output_ids) and sample.output_ids[-1] == tok.eos_token_id
+        appended = tok.chat_delta(sample.messages, sample.messages + list(messages), ended_with_eos)
+        sample.messages = sample.messages + list(messages)
+        return await self._turn(sample, appended, sampling)
+
+    async def continue_ids(self, sample: Sample, appended_ids: list[int], **sampling: Any) -> Sample:
+        """Another turn of any sample: `appended_ids` (not trained), then the agent's turn."""
+        return await self._turn(sample, list(appended_ids), sampling)
+
+    def tokenizer(self, agent: str) -> Any:
+        if agent not in self.tokenizers:
+            raise ValueError(f"agent {agent!r} has no tokenizer here (is it configured?); pass token ids instead")
+        return self.tokenizers[agent]
+
+    # ---------------------------------------------------------------- one turn
+
+    async def _open(self, agent: str, prompt_ids: list[int], n: int | None, sampling: dict,
+                    messages: list[dict] | None) -> list[Sample]:
         if self.closed:
             raise EpisodeClosed(self.closed)
         if agent not in self.agents:
             raise KeyError(f"workflow asked for agent {agent!r}, which is not configured "
                            f"(agents: {', '.join(self.agents)})")
-        defaults = self.agents[agent]
-        n = defaults.group_size if n is None else n
+        n = self.agents[agent].group_size if n is None else n
         if self.eval_temperature is not None:
-            n, temperature = 1, self.eval_temperature
+            n = 1
         elif n < 2:
             raise ValueError(f"generate({agent!r}, n={n}): a group needs at least 2 samples, since "
                              f"advantages are rewards relative to the group's other samples")
+        await self._wait_at_gate(agent)
+        group_id = self.group_id(agent, prompt_ids)
+        samples = self.store.open_group(agent, group_id, prompt_ids, n, self.batch)
+        self.groups.append(group_id)
+        for s in samples:
+            if messages is not None:
+                s.messages = list(messages)
+        results = await self._generate(agent, [(s, s.sample_id, list(s.prompt_ids)) for s in samples], sampling)
+        for s, r in zip(samples, results):
+            self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version])
+            self._after_turn(s, r.token_ids)
+        return samples
+
+    async def _turn(self, sample: Sample, appended: list[int], sampling: dict) -> Sample:
+        if self.closed:
+            raise EpisodeClosed(self.closed)
+        if sample.group_id not in self.groups:
+            raise ValueError(f"{sample.sample_id} belongs to another episode")
+        await self._wait_at_gate(sample.agent)
+        request_id = f"{sample.sample_id}@{len(sample.versions)}"  # one request per turn
+        context = list(sample.prompt_ids) + list(sample.output_ids) + appended
+        (r,) = await self._generate(sample.agent, [(sample, request_id, context)], sampling)
+        self.store.record_turn(sample.sample_id, appended, r.token_ids, r.logprobs, r.version)
+        self._after_turn(sample, r.token_ids)
+        return sample
+
+    async def _wait_at_gate(self, agent: str) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._branches.add(task)
         if self.gate is not None:
-            await self.gate(agent, self.batch)
+            await self.gate(agent, self.batch)  # every turn: the staleness bound
         if self.closed:  # failed while this branch waited at the gate
             raise EpisodeClosed(self.closed)
-        group_id = self.group_id(agent, prompt_ids)
-        samples = self.store.open_group(agent, group_id, prompt_ids, n, self.batch)
-        self.groups.append(group_id)
-        requests = [protocol.GenRequest(s.sample_id, s.prompt_ids, max_tokens or defaults.max_tokens,
-                                        defaults.temperature if temperature is None else temperature,
-                                        request_seed(self.run_seed, s.sample_id)) for s in samples]
+
+    async def _generate(self, agent: str, items: list[tuple[Sample, str, list[int]]],
+                        sampling: dict) -> list[protocol.GenResult]:
+        d = self.agents[agent]
+        unknown = set(sampling) - SAMPLING_KEYS
+        if unknown:
+            raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: {', '.join(sorted(SAMPLING_KEYS))})")
+        get = lambda key: sampling[key] if sampling.get(key) is not None else getattr(d, key)  # noqa: E731
+        temperature = self.eval_temperature if self.eval_temperature is not None else get("temperature")
+        requests = []
+        for sample, request_id, context in items:
+            sample.temperature = temperature
+            requests.append(protocol.GenRequest(
+                request_id, context, get("max_tokens"), temperature, request_seed(self.run_seed, request_id),
+                get("top_p"), get("top_k"), list(get("stop")), list(get("stop_token_ids")), get("ignore_eos")))
         results = await self.generator.generate(agent, requests)
         by_id = {r.sample_id: r for r in results}
-        for s in samples:
-            r = by_id[s.sample_id]
-            self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version])
-        return samples
+        return [by_id[request_id] for _, request_id, _ in items]
+
+    def _after_turn(self, sample: Sample, token_ids: list[int]) -> None:
+        tok = self.tokenizers.get(sample.agent)
+        if tok is not None:
+            sample.text = tok.decode(token_ids)
+            if sample.messages is not None:
+                sample.messages = sample.messages + [{"role": "assistant", "content": sample.text}]
 
     async def close(self, why: str) -> None:
         """Fails the episode: cancels its other branches and drops every group it opened

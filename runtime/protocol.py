@@ -173,6 +173,11 @@ class GenRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     max_tokens: int
     temperature: float
     seed: int
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    stop: list[str] = []  # generation ends before any of these strings (not included)
+    stop_token_ids: list[int] = []  # ... or at any of these tokens (included)
+    ignore_eos: bool = False  # True: always write max_tokens tokens
 
 
 class Generate(Message):
