@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flexmarl.runtime.protocol import LossAggregation, LossOptions, OffPolicyCorrection
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or of the wrong type."""
@@ -56,6 +58,17 @@ class AgentConfig:
     temperature: float = 1.0
     lr: float = 2e-3
     max_grad_norm: float = 1.0
+    # The loss (protocol.LossOptions says what each name means). Defaults: plain GRPO.
+    loss_agg: LossAggregation = "seq_mean"  # "seq_mean" | "token_mean" | "constant"
+    loss_constant: float = 0.0  # divisor of "constant" aggregation; 0 means max_tokens
+    normalize_adv_std: bool = True  # advantages divided by their group's std (off: Dr. GRPO)
+    off_policy: OffPolicyCorrection = "tis"  # correction when max_staleness > 0: "tis" | "ppo_clip"
+    kl_coef: float = 0.0  # KL penalty towards the initial weights; 0: none
+
+    def loss_options(self) -> LossOptions:
+        """The loss settings the trainer is sent with each of this agent's micro-batches."""
+        return LossOptions(self.loss_agg, self.loss_constant or float(self.max_tokens), self.off_policy,
+                           self.kl_coef)
 
 
 @dataclass
@@ -115,6 +128,8 @@ class ExperimentConfig:
         for name, agent in self.agents.items():
             if agent.group_size < 1 or agent.max_tokens < 1:
                 raise ConfigError(f"agents.{name}: group_size and max_tokens must be >= 1")
+            if agent.kl_coef < 0 or agent.loss_constant < 0:
+                raise ConfigError(f"agents.{name}: kl_coef and loss_constant must be >= 0")
         if self.router.within_agent not in ("least_loaded", "round_robin"):
             raise ConfigError("router.within_agent must be 'least_loaded' or 'round_robin', "
                               f"got {self.router.within_agent!r}")
@@ -134,6 +149,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
         return {k: _coerce(v, val_hint, f"{key}.{k}") for k, v in value.items()}
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{key}: expected one of {', '.join(map(repr, typing.get_args(hint)))}, got {value!r}")
+        return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool):
