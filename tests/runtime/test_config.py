@@ -43,3 +43,17 @@ def test_resolved_config_dumps_to_toml_that_loads_back(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(dump_toml(cfg))
     assert load_config(path) == cfg
+
+
+def test_loss_options_are_checked_by_name_and_reach_the_trainer_resolved():
+    cfg = load_config(None, ["agents.a.loss_agg=constant", "agents.a.max_tokens=12", "agents.a.off_policy=ppo_clip",
+                             "agents.a.kl_coef=0.05"])
+    opts = cfg.agents["a"].loss_options()
+    assert (opts.agg, opts.constant, opts.off_policy, opts.kl_coef) == ("constant", 12.0, "ppo_clip", 0.05)
+    assert load_config(None, ["agents.b.model=m"]).agents["b"].loss_options() == type(opts)(constant=8.0)
+    with pytest.raises(ConfigError, match=r"agents.a.loss_agg: expected one of 'seq_mean', 'token_mean', 'constant'"):
+        load_config(None, ["agents.a.loss_agg=mean"])
+    with pytest.raises(ConfigError, match=r"agents.a.off_policy: expected one of 'tis', 'ppo_clip'"):
+        load_config(None, ["agents.a.off_policy=cispo"])
+    with pytest.raises(ConfigError, match="kl_coef"):
+        load_config(None, ["agents.a.kl_coef=-1"])
