@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flexmarl.runtime.protocol import LossAggregation, LossOptions, OffPolicyCorrection
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or of the wrong type."""
@@ -63,6 +65,17 @@ class AgentConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # ... or at these tokens
     ignore_eos: bool = False  # true: always write max_tokens tokens (fixed-length outputs)
     max_model_len: int = 0  # the engine's context length (prompt + output); 0: 64, or the model's if shorter
+    # The loss (protocol.LossOptions says what each name means). Defaults: plain GRPO.
+    loss_agg: LossAggregation = "seq_mean"  # "seq_mean" | "token_mean" | "constant"
+    loss_constant: float = 0.0  # divisor of "constant" aggregation; 0 means max_tokens
+    normalize_adv_std: bool = True  # advantages divided by their group's std (off: Dr. GRPO)
+    off_policy: OffPolicyCorrection = "tis"  # correction when max_staleness > 0: "tis" | "ppo_clip"
+    kl_coef: float = 0.0  # KL penalty towards the initial weights; 0: none
+
+    def loss_options(self) -> LossOptions:
+        """The loss settings the trainer is sent with each of this agent's micro-batches."""
+        return LossOptions(self.loss_agg, self.loss_constant or float(self.max_tokens), self.off_policy,
+                           self.kl_coef)
 
 
 @dataclass
@@ -158,6 +171,8 @@ class ExperimentConfig:
                                   f"group of 1 has all-zero advantages and nothing would be learned")
             if agent.max_tokens < 1:
                 raise ConfigError(f"agents.{name}.max_tokens must be >= 1")
+            if agent.kl_coef < 0 or agent.loss_constant < 0:
+                raise ConfigError(f"agents.{name}: kl_coef and loss_constant must be >= 0")
         if self.data.epochs < 0 or self.eval.every < 0 or self.eval.episodes < 1:
             raise ConfigError("data.epochs and eval.every must be >= 0 and eval.episodes >= 1")
         for name in self.run.trackers:
@@ -187,6 +202,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
         return {k: _coerce(v, val_hint, f"{key}.{k}") for k, v in value.items()}
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{key}: expected one of {', '.join(map(repr, typing.get_args(hint)))}, got {value!r}")
+        return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool):

@@ -16,7 +16,7 @@ This module knows nothing about sockets, workers or the controller's state.
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import msgspec
 
@@ -228,6 +228,50 @@ class WeightsLoaded(Message):
 # ---------------------------------------------------------------- trainer
 
 
+# How a sample's per-token loss terms become one number, and what the optimizer step
+# divides the global batch's sum by (workers/loss.py holds the table):
+#   seq_mean    mean over the sample's tokens; the step divides by the samples
+#   token_mean  sum over the sample's tokens; the step divides by the global batch's tokens
+#   constant    sum over the sample's tokens / `constant`; the step divides by the samples
+LossAggregation = Literal["seq_mean", "token_mean", "constant"]
+# How a token sampled by an older policy is weighted (only when max_staleness > 0):
+#   tis       truncated importance sampling, weight min(ratio, clip_ratio), detached
+#   ppo_clip  PPO's clipped surrogate with the ratio clipped to [2 - clip_ratio, clip_ratio]
+OffPolicyCorrection = Literal["tis", "ppo_clip"]
+
+
+class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """An agent's loss settings, carried by every TrainMicroBatch (so they need no
+    parking when the agent's state moves between trainers). Defaults: plain GRPO."""
+
+    agg: LossAggregation = "seq_mean"
+    constant: float = 1.0  # the divisor of "constant" aggregation (Dr. GRPO: max tokens)
+    off_policy: OffPolicyCorrection = "tis"
+    # KL penalty against the agent's initial weights (the model at its model_path);
+    # 0 builds no reference model at all.
+    kl_coef: float = 0.0
+
+
+class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """What one optimizer step trained on and how it went; means are over the step's
+    trained tokens unless said otherwise."""
+
+    loss: float = 0.0  # the objective whose gradient was applied (KL penalty included)
+    grad_norm: float = 0.0  # before clipping
+    entropy: float = 0.0  # of the trained (temperature-scaled) policy
+    response_len_mean: float = 0.0  # output tokens per sample
+    response_len_max: int = 0
+    # Sampler vs trainer on the same tokens, d = trainer_logprob - sampler_logprob, over
+    # the tokens that came with sampler logprobs: mean |d|, and KL(sampler || trainer)
+    # by the k3 estimator mean(exp(d) - 1 - d) (non-negative, unbiased under the sampler).
+    logprob_abs_diff: float = 0.0
+    rollout_kl: float = 0.0
+    clip_frac: float = 0.0  # tokens whose importance weight the off-policy correction clipped
+    ref_kl: float = 0.0  # KL(policy || reference) by k3; 0 without a KL penalty
+    samples: int = 0
+    tokens: int = 0
+
+
 class InitAgent(Message):
     # Controller -> Trainer: build an agent's training state (model + optimizer).
     KIND = Kind.INIT_AGENT
@@ -257,6 +301,9 @@ class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     advantage: float
     rollout_logprobs: list[float]
     versions: list[int]  # policy version of every turn that produced the sample
+    # The temperature it was sampled at: the trainer scores tokens under logits /
+    # temperature, the distribution the sampler's logprobs are of (0, greedy: unscaled).
+    temperature: float = 1.0
 
 
 class TrainMicroBatch(Message):
@@ -266,8 +313,9 @@ class TrainMicroBatch(Message):
     agent: str
     version: int  # the version these gradients will produce (current + 1)
     samples: list[TrainSample]
-    max_staleness: int = 0
-    clip_ratio: float = 2.0  # truncated importance sampling cap for off-policy samples
+    max_staleness: int = 0  # above 0, samples are corrected as `loss.off_policy` says
+    clip_ratio: float = 2.0  # importance ratio cap for off-policy samples
+    loss: LossOptions = msgspec.field(default_factory=LossOptions)
 
 
 class MicroBatchDone(Message):
@@ -282,14 +330,18 @@ class MicroBatchDone(Message):
 
 class OptimStep(Message):
     # Controller -> Trainer: apply the accumulated gradients; the agent becomes `version`.
-    # Micro-batch losses are sums over samples; scaling the summed gradient once by
-    # 1 / (samples in the global batch) gives the full-batch mean whatever the split, and
-    # the batch size need only be known when the last micro-batch is in.
+    # Micro-batch losses are sums over samples; the trainer divides the summed gradient
+    # once by what the aggregation names (the global batch's samples or tokens, which it
+    # counts itself), so the step is the full-batch mean whatever the split. `samples` is
+    # how many samples the controller meant the step to cover: a trainer that accumulated
+    # a different number refuses the step. A sender without `samples` (-1) states it as
+    # grad_scale = 1 / samples (0: none).
     KIND = Kind.OPTIM_STEP
     request_id: int
     agent: str
     version: int
     grad_scale: float = 1.0
+    samples: int = -1
 
 
 class StepDone(Message):
@@ -298,8 +350,9 @@ class StepDone(Message):
     request_id: int
     agent: str
     version: int
-    grad_norm: float
+    grad_norm: float  # before clipping (also in `stats`)
     seconds: float
+    stats: StepStats = msgspec.field(default_factory=StepStats)
 
 
 class PublishWeights(Message):

@@ -9,8 +9,13 @@ agent-centric training: OFFLOAD_AGENT (park the whole training state in the chan
 stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
 RELEASE_STATE (drop a parked copy once its new owner has it).
 
+Each command type maps to one method in `TrainerHandler.COMMANDS`. The loss itself is in
+`loss.py`.
+
 It decides nothing: which samples, when to step and where weights go all come from the
-controller.
+controller. It does check what it is told: a micro-batch for the wrong version, a sample
+past the staleness bound, or a step that would cover other samples than the controller
+meant is refused, and nothing is trained on it.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import asyncio
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flexmarl.runtime import protocol
 
+from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
 from .session import CommandHandler
 
 log = logging.getLogger("flexmarl.trainer")
@@ -38,53 +44,25 @@ class AgentState:
     model_path: str
     version: int
     max_grad_norm: float
-    accumulated: int = 0  # samples whose gradients are accumulated since the last step
+    sums: StepSums = field(default_factory=StepSums)  # what the gradients accumulated since the last step cover
     published: Any = None  # the parameter-channel handle of the latest published weights
     bucket: Any = None  # a SharedBucket holding the parameters, once they are published over shm
+    # The frozen initial weights a KL penalty pulls towards. Never parked: they are the
+    # model at `model_path`, rebuilt from there on first use after the agent moves.
+    reference: Any = None
+
+    @property
+    def accumulated(self) -> int:
+        """Samples whose gradients are accumulated since the last step."""
+        return int(self.sums.samples)
 
 
-def grpo_loss(model: Any, samples: list[protocol.TrainSample], off_policy: bool,
-              clip_ratio: float) -> tuple[Any, int]:
-    """Policy-gradient loss of one micro-batch, a sum over its samples so that micro-batch
-    gradients add up to the global batch's: sum_i -A_i * mean_t (w_it * logp_it).
-    The optimizer step divides by the global batch size.
-
-    On-policy (max_staleness 0) w = 1 and this is the exact GRPO gradient. Off-policy,
-    w_it = min(exp(logp_it - logp_rollout_it), clip_ratio), detached: truncated importance
-    sampling against the sampler's logprobs corrects for the policy lag."""
-    import torch
-
-    pad = 0
-    lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
-    width = max(lengths)
-    ids = torch.full((len(samples), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(samples), width), dtype=torch.long)
-    out_mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)
-    rollout_lp = torch.zeros((len(samples), width - 1), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        seq = list(s.prompt_ids) + list(s.output_ids)
-        ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(seq)] = 1
-        start = len(s.prompt_ids) - 1  # logits at t predict token t + 1
-        out_mask[i, start:start + len(s.output_ids)] = 1.0
-        if s.rollout_logprobs:
-            rollout_lp[i, start:start + len(s.output_ids)] = torch.tensor(s.rollout_logprobs)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    if off_policy:
-        weight = torch.exp(logp.detach() - rollout_lp).clamp(max=clip_ratio) * out_mask
-    else:
-        weight = out_mask
-    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    per_sample = (logp * weight).sum(-1) / out_mask.sum(-1).clamp(min=1.0)
-    loss = -(adv * per_sample).sum()
-    return loss, int(out_mask.sum().item())
-
-
-def training_state(model: Any, optimizer: Any) -> dict[str, Any]:
-    """Everything needed to resume training exactly: weights, pending gradients and the
-    optimizer's per-parameter state, as one flat name -> tensor map."""
+def training_state(model: Any, optimizer: Any, sums: StepSums | None = None) -> dict[str, Any]:
+    """Everything needed to resume training exactly: weights, pending gradients, the
+    optimizer's per-parameter state and the sums of the step in progress, as one flat
+    name -> tensor map."""
     tensors = {f"param/{k}": v.detach() for k, v in model.state_dict().items()}
+    tensors.update({f"step/{k}": v for k, v in (sums.to_tensors() if sums else {}).items()})
     for name, p in model.named_parameters():
         if p.grad is not None:
             tensors[f"grad/{name}"] = p.grad.detach()
@@ -93,10 +71,10 @@ def training_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return tensors
 
 
-def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any) -> None:
+def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any) -> StepSums:
     """Inverse of `training_state`: the parked state named by `handle` goes straight into a
-    freshly built model (weights) and new tensors (gradients, optimizer state), one copy,
-    verified on the way. On any error the half-filled model must be thrown away."""
+    freshly built model (weights) and new tensors (gradients, optimizer state, step sums),
+    one copy, verified on the way. On any error the half-filled model must be thrown away."""
     import torch
 
     from flexmarl.runtime.param_channel import ParamTransferError, torch_dtype
@@ -106,7 +84,8 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
     for spec in handle.layout:
         kind, _, rest = spec.name.partition("/")
         name = rest.split("/", 1)[0]
-        if name not in params or kind not in ("param", "grad", "optim"):
+        known = name in STEP_SUM_FIELDS if kind == "step" else name in params and kind in ("param", "grad", "optim")
+        if not known:
             raise ParamTransferError(f"parked state of {handle.agent!r} has {spec.name!r}, "
                                      "which this model does not have")
         dst[spec.name] = params[name] if kind == "param" else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
@@ -120,6 +99,7 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
         state = {k[len(prefix):]: v for k, v in dst.items() if k.startswith(prefix)}
         if state:
             optimizer.state[p] = state
+    return StepSums.from_tensors({k[len("step/"):]: v for k, v in dst.items() if k.startswith("step/")})
 
 
 def _point_parameters_at(model: Any, tensors: dict[str, Any]) -> None:
@@ -141,9 +121,7 @@ class TrainerHandler(CommandHandler):
         self.parked: dict[str, Any] = {}  # handle key -> parked training state this trainer serves
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
-        if isinstance(msg, (protocol.InitAgent, protocol.TrainMicroBatch, protocol.OptimStep,
-                            protocol.PublishWeights, protocol.SaveCheckpoint, protocol.OffloadAgent,
-                            protocol.LoadAgent, protocol.ReleaseState)):
+        if type(msg) in self.COMMANDS:
             await self._commands.put(msg)
         else:
             await super().handle(msg, buffers)
@@ -165,27 +143,14 @@ class TrainerHandler(CommandHandler):
         return {"queued_commands": float(self._commands.qsize()), "busy_s": self.busy_s}
 
     def _execute(self, msg: protocol.Message) -> protocol.Message:
-        if isinstance(msg, protocol.InitAgent):
-            return self._init_agent(msg)
-        if isinstance(msg, protocol.LoadAgent):
-            return self._load_agent(msg)
-        if isinstance(msg, protocol.ReleaseState):
-            return self._release_state(msg)
-        state = self.agents.get(msg.agent)
+        return self.COMMANDS[type(msg)](self, msg)
+
+    def _resident(self, agent: str) -> AgentState:
+        state = self.agents.get(agent)
         if state is None:
-            raise KeyError(f"agent {msg.agent!r} is not resident on this trainer "
+            raise KeyError(f"agent {agent!r} is not resident on this trainer "
                            f"(resident: {sorted(self.agents)})")
-        if isinstance(msg, protocol.TrainMicroBatch):
-            return self._train(state, msg)
-        if isinstance(msg, protocol.OptimStep):
-            return self._step(state, msg)
-        if isinstance(msg, protocol.PublishWeights):
-            return self._publish(state, msg)
-        if isinstance(msg, protocol.SaveCheckpoint):
-            return self._save(state, msg)
-        if isinstance(msg, protocol.OffloadAgent):
-            return self._offload(state, msg)
-        raise TypeError(f"unexpected command {type(msg).__name__}")
+        return state
 
     def _init_agent(self, msg: protocol.InitAgent) -> protocol.AgentReady:
         import torch
@@ -201,8 +166,9 @@ class TrainerHandler(CommandHandler):
         log.info("agent %s resident: %d parameters from %s", msg.agent, n, msg.model_path)
         return protocol.AgentReady(msg.request_id, msg.agent, 0, n)
 
-    def _train(self, state: AgentState, msg: protocol.TrainMicroBatch) -> protocol.MicroBatchDone:
+    def _train(self, msg: protocol.TrainMicroBatch) -> protocol.MicroBatchDone:
         t0 = time.perf_counter()
+        state = self._resident(msg.agent)
         if msg.version != state.version + 1:
             raise ValueError(f"micro-batch for version {msg.version} but {state.name} is at "
                              f"{state.version}; it can only accumulate towards {state.version + 1}")
@@ -210,38 +176,60 @@ class TrainerHandler(CommandHandler):
         if too_old:  # the controller guarantees this never happens; refuse rather than trust
             raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
-        loss, tokens = grpo_loss(state.model, msg.samples, off_policy=msg.max_staleness > 0,
-                                 clip_ratio=msg.clip_ratio)
+        if msg.loss.kl_coef > 0 and state.reference is None:
+            state.reference = self._reference_model(state.model_path)
+        loss, sums = policy_loss(state.model, msg.samples, msg.loss, off_policy=msg.max_staleness > 0,
+                                 clip_ratio=msg.clip_ratio, reference=state.reference)
         loss.backward()
-        state.accumulated += len(msg.samples)
-        return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), tokens,
+        state.sums.add(sums)
+        return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), int(sums.tokens),
                                        time.perf_counter() - t0)
 
-    def _step(self, state: AgentState, msg: protocol.OptimStep) -> protocol.StepDone:
+    @staticmethod
+    def _reference_model(model_path: str) -> Any:
+        """The agent's initial weights, frozen. Loaded from its model path rather than
+        copied and parked with the state: the path's weights never change during a run,
+        and a swap then moves no extra bytes."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        return reference.eval().requires_grad_(False)
+
+    def _step(self, msg: protocol.OptimStep) -> protocol.StepDone:
         import torch
 
         t0 = time.perf_counter()
+        state = self._resident(msg.agent)
         if msg.version != state.version + 1:
             raise ValueError(f"optimizer step to version {msg.version} but {state.name} is at {state.version}")
+        expected = msg.samples if msg.samples >= 0 else round(1 / msg.grad_scale) if msg.grad_scale > 0 else 0
+        if expected != state.accumulated:  # refused before anything changes: gradients are kept
+            raise ValueError(f"optimizer step to {state.name} version {msg.version} should cover {expected} "
+                             f"samples, but {state.accumulated} were trained since the last step; not "
+                             "applied: the controller and this trainer disagree on what was trained "
+                             "(a micro-batch lost or sent twice?)")
         norm = torch.zeros(())
         if state.bucket is not None and state.bucket.prepare_write():
             _point_parameters_at(state.model, state.bucket.tensors)  # the published copy stays frozen
-        if msg.grad_scale > 0:  # 0: the global batch had no samples; the version still advances
+        sums = state.sums
+        if sums.denominator > 0:  # 0: the global batch had no samples; the version still advances
             for p in state.model.parameters():
                 if p.grad is not None:
-                    p.grad.mul_(msg.grad_scale)
+                    p.grad.mul_(1 / sums.denominator)
             norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.max_grad_norm)
             state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         state.version = msg.version
-        state.accumulated = 0
+        state.sums = StepSums()
         return protocol.StepDone(msg.request_id, state.name, state.version, float(norm),
-                                 time.perf_counter() - t0)
+                                 time.perf_counter() - t0, sums.stats(float(norm)))
 
-    def _publish(self, state: AgentState, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
+    def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
         import msgspec
 
         t0 = time.perf_counter()
+        state = self._resident(msg.agent)
         if msg.version != state.version:
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
         source = {k: v.detach() for k, v in state.model.state_dict().items()}
@@ -267,11 +255,12 @@ class TrainerHandler(CommandHandler):
             self._channel = ParamChannel()
         return self._channel
 
-    def _offload(self, state: AgentState, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
+    def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
         import msgspec
 
         t0 = time.perf_counter()
-        tensors = training_state(state.model, state.optimizer)
+        state = self._resident(msg.agent)
+        tensors = training_state(state.model, state.optimizer, state.sums)
         handle = self.channel().publish(tensors, agent=state.name, version=state.version, transport=msg.transport)
         # The parked copy is complete and checksummed; only now is the live state dropped.
         if state.published is not None:
@@ -299,10 +288,13 @@ class TrainerHandler(CommandHandler):
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped, so this trainer and the parked copy stay as they were.
-        receive_training_state(self.channel(), handle, model, optimizer)
+        sums = receive_training_state(self.channel(), handle, model, optimizer)
+        if int(sums.samples) != msg.accumulated:
+            raise ValueError(f"parked state of {msg.agent} holds gradients of {int(sums.samples)} samples, "
+                             f"the controller says {msg.accumulated}; not loaded")
         model.train()
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
-                                            msg.max_grad_norm, msg.accumulated)
+                                            msg.max_grad_norm, sums)
         return protocol.AgentReady(msg.request_id, msg.agent, msg.version,
                                    sum(p.numel() for p in model.parameters()))
 
@@ -318,7 +310,8 @@ class TrainerHandler(CommandHandler):
         self.channel().release(parked)
         return protocol.StateReleased(msg.request_id, msg.agent)
 
-    def _save(self, state: AgentState, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
+    def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
+        state = self._resident(msg.agent)
         path = Path(msg.path)
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -329,6 +322,18 @@ class TrainerHandler(CommandHandler):
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # a crash mid-save never leaves a half-written checkpoint under `path`
         return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version)
+
+    # One table from command to method; `handle` queues exactly these.
+    COMMANDS = {
+        protocol.InitAgent: _init_agent,
+        protocol.TrainMicroBatch: _train,
+        protocol.OptimStep: _step,
+        protocol.PublishWeights: _publish,
+        protocol.SaveCheckpoint: _save,
+        protocol.OffloadAgent: _offload,
+        protocol.LoadAgent: _load_agent,
+        protocol.ReleaseState: _release_state,
+    }
 
     def close(self) -> None:
         if self._channel is not None:

@@ -50,3 +50,17 @@ def test_a_group_size_of_one_is_refused_with_the_reason(tmp_path):
     path.write_text('[agents.a]\nmodel = "m"\ngroup_size = 1\n')
     with pytest.raises(ConfigError, match="agents.a.group_size must be >= 2.*all-zero advantages"):
         load_config(path)
+
+
+def test_loss_options_are_checked_by_name_and_reach_the_trainer_resolved():
+    cfg = load_config(None, ["agents.a.loss_agg=constant", "agents.a.max_tokens=12", "agents.a.off_policy=ppo_clip",
+                             "agents.a.kl_coef=0.05"])
+    opts = cfg.agents["a"].loss_options()
+    assert (opts.agg, opts.constant, opts.off_policy, opts.kl_coef) == ("constant", 12.0, "ppo_clip", 0.05)
+    assert load_config(None, ["agents.b.model=m"]).agents["b"].loss_options() == type(opts)(constant=8.0)
+    with pytest.raises(ConfigError, match=r"agents.a.loss_agg: expected one of 'seq_mean', 'token_mean', 'constant'"):
+        load_config(None, ["agents.a.loss_agg=mean"])
+    with pytest.raises(ConfigError, match=r"agents.a.off_policy: expected one of 'tis', 'ppo_clip'"):
+        load_config(None, ["agents.a.off_policy=cispo"])
+    with pytest.raises(ConfigError, match="kl_coef"):
+        load_config(None, ["agents.a.kl_coef=-1"])

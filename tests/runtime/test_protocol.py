@@ -77,3 +77,15 @@ def test_no_pickle_on_the_wire():
     import pickle
     with pytest.raises(p.ProtocolError):
         p.decode([bytes([p.Kind.ECHO]), pickle.dumps({"x": 1})])
+
+
+def test_loss_options_sample_temperatures_and_step_stats_round_trip():
+    batch = p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0], 0.7)], 1, 1.2,
+                              p.LossOptions("token_mean", 8.0, "ppo_clip", 0.1))
+    step = p.OptimStep(7, "checker", 1, samples=64)
+    done = p.StepDone(7, "checker", 1, 0.9, 0.01, p.StepStats(0.1, 0.9, 2.3, 5.5, 8, 0.01, 0.001, 0.2, 0.0, 64, 352))
+    for msg in (batch, step, done):
+        assert p.decode(p.encode(msg))[0] == msg
+    bad = p.encode(p.TrainMicroBatch(6, "checker", 1, [], loss=p.LossOptions(agg="mean")))
+    with pytest.raises(p.ProtocolError, match="bad TRAIN_MICROBATCH body"):
+        p.decode(bad)

@@ -1,5 +1,7 @@
 """The trainer's command handlers, run directly (no processes): training states swap
-byte-exactly, and a damaged parked copy is refused without side effects."""
+byte-exactly (the step in progress with them), a damaged parked copy is refused without side
+effects, a step covering other samples than the controller meant is refused, and each step
+reports what it trained on."""
 
 import random
 from pathlib import Path
@@ -113,3 +115,144 @@ def test_weights_published_over_shm_stay_frozen_while_the_trainer_steps_on(model
         got = receiver.receive(v4)
         assert all(torch.equal(got[k], v) for k, v in state.model.state_dict().items())
     shm.close(), plain.close()
+
+
+def fresh_handler(model_dir, max_grad_norm=1.0):
+    h = TrainerHandler()
+    h._execute(p.InitAgent(1, "planner", str(model_dir), 1e-3, 0, max_grad_norm))
+    return h
+
+
+def grads(h):
+    return {n: q.grad.clone() for n, q in h.agents["planner"].model.named_parameters() if q.grad is not None}
+
+
+def test_a_step_covering_other_samples_than_the_controller_meant_is_refused_and_not_applied(model_dir):
+    h = fresh_handler(model_dir)
+    rng = random.Random(0)
+    h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(8)]))
+    weights, pending = snapshot(h), grads(h)
+    for wrong in (p.OptimStep(3, "planner", 1, samples=7), p.OptimStep(3, "planner", 1, samples=9),
+                  p.OptimStep(3, "planner", 1, 1 / 4)):  # a sender stating it as grad_scale = 1 / samples
+        with pytest.raises(ValueError, match="should cover .* samples, but 8 were trained"):
+            h._execute(wrong)
+    state = h.agents["planner"]
+    assert state.version == 0 and state.accumulated == 8
+    assert all(torch.equal(weights[k], v) for k, v in snapshot(h).items())
+    assert all(torch.equal(pending[k], v) for k, v in grads(h).items())
+    done = h._execute(p.OptimStep(4, "planner", 1, samples=8))
+    assert done.version == 1 and done.stats.samples == 8 and state.accumulated == 0
+    h.close()
+
+
+def test_what_a_step_in_progress_covers_survives_a_swap(model_dir):
+    """Half the batch trained here, half on another trainer after a swap: the step there
+    covers all of it, token-mean normalised over all of its tokens, exactly as if the
+    whole batch had been one micro-batch on one trainer."""
+    rng = random.Random(3)
+    batch = [sample(i, rng, 0) for i in range(8)]
+    for i in range(0, 8, 2):  # outputs of different lengths, so token_mean differs from seq_mean
+        batch[i] = p.TrainSample(batch[i].sample_id, batch[i].prompt_ids, batch[i].output_ids[:1],
+                                 batch[i].advantage, [-1.0], [0])
+    token_mean = p.LossOptions("token_mean")
+    whole = fresh_handler(model_dir)
+    whole._execute(p.TrainMicroBatch(2, "planner", 1, batch, loss=token_mean))
+    want = whole._execute(p.OptimStep(3, "planner", 1, samples=8))
+
+    h = fresh_handler(model_dir)
+    h._execute(p.TrainMicroBatch(2, "planner", 1, batch[:4], loss=token_mean))
+    out = h._execute(p.OffloadAgent(5, "planner"))
+    assert out.accumulated == 4
+    other = TrainerHandler()
+    other._execute(p.LoadAgent(6, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
+    other._execute(p.TrainMicroBatch(7, "planner", 1, batch[4:], loss=token_mean))
+    with pytest.raises(ValueError, match="should cover 4 samples, but 8"):
+        other._execute(p.OptimStep(8, "planner", 1, samples=4))
+    got = other._execute(p.OptimStep(8, "planner", 1, samples=8))
+    assert got.stats.samples == 8 and got.stats.tokens == want.stats.tokens == 4 * 1 + 4 * 3
+    assert got.stats.response_len_max == 3 and got.stats.response_len_mean == 2.0
+    assert got.stats.loss == pytest.approx(want.stats.loss, rel=1e-5)
+    for a, b in zip(whole.agents["planner"].model.parameters(), other.agents["planner"].model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # a parked copy whose count disagrees with the controller's is not loaded
+    with pytest.raises(ValueError, match="gradients of 4 samples, the controller says 3"):
+        TrainerHandler()._execute(p.LoadAgent(9, "planner", str(model_dir), 1e-3, 1.0, out.version, 3, out.handle))
+    h._execute(p.ReleaseState(10, "planner", out.handle))
+    whole.close(), h.close(), other.close()
+
+
+def test_step_stats_report_the_gradient_norm_before_clipping(model_dir):
+    h = fresh_handler(model_dir, max_grad_norm=1e-4)
+    rng = random.Random(1)
+    h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(8)]))
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g / 8) for g in grads(h).values()]))
+    done = h._execute(p.OptimStep(3, "planner", 1, samples=8))
+    assert done.stats.grad_norm == pytest.approx(float(want), rel=1e-5) and done.grad_norm == done.stats.grad_norm
+    assert done.stats.grad_norm > 1e-4
+    h.close()
+
+
+def test_samples_are_scored_under_the_temperature_they_were_sampled_at(model_dir):
+    h = fresh_handler(model_dir)
+    model = h.agents["planner"].model
+    rng = random.Random(2)
+    batch = []
+    for i in range(4):
+        s = sample(i, rng, 0)
+        ids = torch.tensor([s.prompt_ids + s.output_ids])
+        with torch.no_grad():  # what a sampler at temperature 0.7 reports for these tokens
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / 0.7, -1)
+        start = len(s.prompt_ids) - 1
+        sampler_lp = [lp[start + j, t].item() for j, t in enumerate(s.output_ids)]
+        batch.append(p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, sampler_lp, [0], 0.7))
+    h._execute(p.TrainMicroBatch(2, "planner", 1, batch, max_staleness=1))
+    stats = h._execute(p.OptimStep(3, "planner", 1, samples=4)).stats
+    assert stats.logprob_abs_diff < 1e-5 and abs(stats.rollout_kl) < 1e-5 and stats.clip_frac == 0
+    h.close()
+
+
+def test_a_sample_from_a_sender_without_temperatures_is_scored_at_temperature_one():
+    old = msgspec.msgpack.encode(["s", [1], [2], 0.5, [-0.3], [0]])  # the six fields it knew
+    assert msgspec.msgpack.decode(old, type=p.TrainSample).temperature == 1.0
+
+
+def test_the_kl_reference_is_the_initial_weights_even_after_a_swap(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    h = fresh_handler(model_dir)
+    rng = random.Random(4)
+    kl = p.LossOptions(kl_coef=0.1)
+    h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(4)], loss=kl))
+    assert h._execute(p.OptimStep(3, "planner", 1, samples=4)).stats.ref_kl == 0.0  # policy = reference
+    out = h._execute(p.OffloadAgent(4, "planner"))  # the reference is not parked ...
+    other = TrainerHandler()
+    other._execute(p.LoadAgent(5, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
+    other._execute(p.TrainMicroBatch(6, "planner", 2, [sample(i, rng, 1) for i in range(4)], loss=kl))
+    assert other._execute(p.OptimStep(7, "planner", 2, samples=4)).stats.ref_kl > 0
+    reference = other.agents["planner"].reference.state_dict()  # ... but rebuilt from the model path
+    assert all(torch.equal(reference[k], v) for k, v in initial.items())
+    h._execute(p.ReleaseState(8, "planner", out.handle))
+    h.close(), other.close()
+
+
+def test_every_trainer_command_is_queued_and_dispatched_through_one_table(model_dir):
+    import asyncio
+
+    to_trainer = {p.InitAgent, p.TrainMicroBatch, p.OptimStep, p.PublishWeights, p.SaveCheckpoint,
+                  p.OffloadAgent, p.LoadAgent, p.ReleaseState}
+    assert set(TrainerHandler.COMMANDS) == to_trainer
+    sent = []
+
+    class Session:  # what a handler is handed to reply through
+        async def send(self, msg, buffers):
+            sent.append(msg)
+
+    h = TrainerHandler()
+    h.session = Session()
+    asyncio.run(h.handle(p.OptimStep(1, "planner", 1), []))
+    asyncio.run(h.handle(p.LoadModel(2, "planner", "/m", 0), []))  # a rollout command
+    assert h._commands.qsize() == 1
+    assert isinstance(sent[0], p.Error) and "cannot handle LoadModel" in sent[0].message
+    with pytest.raises(KeyError, match="not resident"):
+        h._execute(h._commands.get_nowait())

@@ -1,0 +1,209 @@
+"""The loss on a tiny bigram model (logits of a token = one row of a table), against
+gradients worked out by hand: d(-A logp(y | x)) / d row_x = -A (onehot(y) - softmax(row_x / T)) / T.
+Each option's hand gradient only needs d(term) / d(logp) per token, written below as `coef`."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flexmarl.runtime import protocol as p
+from flexmarl.workers.loss import AGGREGATIONS, OFF_POLICY, StepSums, policy_loss
+
+V = 5
+
+
+class Bigram(torch.nn.Module):
+    """Called like a Hugging Face causal LM; the next token depends on the current one only."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(V, V, generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def hand_logprob(table, x, y, temperature=1.0):
+    row = [v / (temperature or 1.0) for v in table[x].tolist()]
+    top = max(row)
+    return row[y] - top - math.log(sum(math.exp(v - top) for v in row))
+
+
+def tokens(s):
+    """(sample index, position, context token, target token) of every output token."""
+    seq = s.prompt_ids + s.output_ids
+    return [(j, seq[len(s.prompt_ids) - 1 + j], y) for j, y in enumerate(s.output_ids)]
+
+
+def hand_gradient(table, samples, coef):
+    """Sum over tokens of coef(i, j, logp) * d logp / d table."""
+    grad = torch.zeros(V, V, dtype=torch.float64)
+    for i, s in enumerate(samples):
+        t = s.temperature or 1.0
+        for j, x, y in tokens(s):
+            probs = torch.softmax(table[x].double() / t, -1)
+            onehot = torch.nn.functional.one_hot(torch.tensor(y), V).double()
+            grad[x] += coef(i, j, hand_logprob(table, x, y, s.temperature)) * (onehot - probs) / t
+    return grad
+
+
+def make_samples(model, shift=(), temperature=1.0):
+    """Three samples of different lengths; rollout logprobs are the model's own minus `shift`
+    (per sample index and position), so the ratio exp(logp - rollout) is exp(shift)."""
+    rows = [([1], [2, 3], 1.0), ([4, 0], [1, 1, 2], -0.5), ([3], [0], 0.25)]
+    out = []
+    for i, (prompt, output, adv) in enumerate(rows):
+        s = p.TrainSample(f"s{i}", prompt, output, adv, [], [0], temperature)
+        lps = [hand_logprob(model.table, x, y, temperature) - dict(shift).get((i, j), 0.0)
+               for j, x, y in tokens(s)]
+        out.append(p.TrainSample(f"s{i}", prompt, output, adv, lps, [0], temperature))
+    return out
+
+
+def step_gradient(model, batches, options, off_policy=False, clip_ratio=2.0, reference=None):
+    """What the optimizer step applies: summed micro-batch gradients / summed denominators."""
+    model.zero_grad()
+    total = StepSums()
+    for batch in batches:
+        loss, sums = policy_loss(model, batch, options, off_policy, clip_ratio, reference)
+        loss.backward()
+        total.add(sums)
+    return model.table.grad.double() / total.denominator, total
+
+
+@pytest.mark.parametrize("agg", ["seq_mean", "token_mean", "constant"])
+def test_each_aggregation_matches_its_hand_gradient_however_the_batch_is_split(agg):
+    model = Bigram()
+    samples = make_samples(model)
+    n_tokens = sum(len(s.output_ids) for s in samples)
+    coef = {  # d(objective) / d(logp of token j of sample i); the objective is a mean over the batch
+        "seq_mean": lambda i, j, lp: -samples[i].advantage / len(samples[i].output_ids) / len(samples),
+        "token_mean": lambda i, j, lp: -samples[i].advantage / n_tokens,
+        "constant": lambda i, j, lp: -samples[i].advantage / 8.0 / len(samples),
+    }[agg]
+    want = hand_gradient(model.table.detach(), samples, coef)
+    options = p.LossOptions(agg, constant=8.0)
+    for batches in ([samples], [samples[:2], samples[2:]], [[s] for s in samples]):
+        got, _ = step_gradient(model, batches, options)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_tables_cover_exactly_the_names_the_protocol_accepts():
+    assert set(AGGREGATIONS) == set(p.LossAggregation.__args__)
+    assert set(OFF_POLICY) == set(p.OffPolicyCorrection.__args__)
+
+
+def test_truncated_importance_sampling_caps_the_ratio_and_counts_the_capped_tokens():
+    model = Bigram()
+    shift = {(0, 0): 1.0, (1, 2): -0.5, (2, 0): 0.3}  # ratios e^1 (capped at 2), e^-0.5, e^0.3
+    samples = make_samples(model, shift)
+
+    def coef(i, j, lp):
+        ratio = min(math.exp(shift.get((i, j), 0.0)), 2.0)
+        return -samples[i].advantage * ratio / len(samples[i].output_ids) / len(samples)
+
+    got, sums = step_gradient(model, [samples], p.LossOptions(off_policy="tis"), off_policy=True, clip_ratio=2.0)
+    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+    assert sums.clipped == 1 and sums.stats(0.0).clip_frac == pytest.approx(1 / 6)
+
+
+def test_ppo_clip_zeroes_the_gradient_only_where_the_clipped_branch_wins():
+    model = Bigram()
+    # sample 0 (A > 0): ratio e^0.5 > 1.2 is clipped; sample 1 (A < 0): e^0.5 is not (the
+    # pessimistic unclipped branch wins), e^-0.5 < 0.8 is; sample 2 (A > 0): e^-0.5 is not.
+    shift = {(0, 1): 0.5, (1, 0): 0.5, (1, 1): -0.5, (2, 0): -0.5}
+    samples = make_samples(model, shift)
+    clipped = {(0, 1), (1, 1)}
+
+    def coef(i, j, lp):
+        if (i, j) in clipped:
+            return 0.0
+        return -samples[i].advantage * math.exp(shift.get((i, j), 0.0)) / len(samples[i].output_ids) / len(samples)
+
+    got, sums = step_gradient(model, [samples], p.LossOptions(off_policy="ppo_clip"), off_policy=True,
+                              clip_ratio=1.2)
+    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+    assert sums.clipped == 2
+    with pytest.raises(ValueError, match="clip_ratio > 1"):
+        policy_loss(model, samples, p.LossOptions(off_policy="ppo_clip"), True, 1.0)
+
+
+def test_on_policy_batches_are_not_corrected_whatever_the_option():
+    model = Bigram()
+    samples = make_samples(model, {(0, 0): 1.0})
+    plain, _ = step_gradient(model, [samples], p.LossOptions(), off_policy=False)
+    for name in OFF_POLICY:
+        got, sums = step_gradient(model, [samples], p.LossOptions(off_policy=name), off_policy=False)
+        assert torch.equal(got, plain) and sums.clipped == 0
+
+
+def test_kl_penalty_pulls_towards_the_reference_by_the_k3_gradient():
+    model, reference = Bigram(seed=0), Bigram(seed=1)
+    samples = make_samples(model)
+    beta = 0.3
+
+    def coef(i, j, lp):
+        _, x, y = tokens(samples[i])[j]
+        ref_lp = hand_logprob(reference.table, x, y)
+        # d/dlp of beta * (exp(ref - lp) - (ref - lp) - 1) is beta * (1 - exp(ref - lp))
+        per_token = -samples[i].advantage + beta * (1 - math.exp(ref_lp - lp))
+        return per_token / len(samples[i].output_ids) / len(samples)
+
+    got, sums = step_gradient(model, [samples], p.LossOptions(kl_coef=beta), reference=reference)
+    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+    assert reference.table.grad is None  # the reference stays frozen
+    ref_kl = sum(math.exp(d) - 1 - d for d in (
+        hand_logprob(reference.table, x, y) - hand_logprob(model.table, x, y)
+        for s in samples for _, x, y in tokens(s)))
+    assert sums.ref_kl == pytest.approx(ref_kl, rel=1e-5)
+
+
+def test_tokens_are_scored_at_the_temperature_they_were_sampled_at():
+    model = Bigram()
+    samples = make_samples(model, temperature=0.7)  # the sampler's logprobs are of logits / 0.7
+    got, sums = step_gradient(model, [samples], p.LossOptions(), off_policy=True)
+    stats = sums.stats(0.0)
+    # The trainer's logprobs equal the sampler's: every importance ratio is 1.
+    assert stats.logprob_abs_diff < 1e-6 and abs(stats.rollout_kl) < 1e-6 and stats.clip_frac == 0
+    coef = lambda i, j, lp: -samples[i].advantage / len(samples[i].output_ids) / len(samples)
+    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+    # Scored at temperature 1 instead, they would not match.
+    unscaled = [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs,
+                              s.versions) for s in samples]
+    _, sums = step_gradient(model, [unscaled], p.LossOptions(), off_policy=True)
+    assert sums.stats(0.0).logprob_abs_diff > 0.1
+
+
+def test_greedy_samples_are_scored_unscaled():
+    model = Bigram()
+    greedy = make_samples(model, temperature=0.0)
+    _, sums = step_gradient(model, [greedy], p.LossOptions(), off_policy=True)
+    assert sums.stats(0.0).logprob_abs_diff < 1e-6
+
+
+def test_step_stats_on_a_tiny_batch_are_what_they_say():
+    model = Bigram()
+    shift = {(0, 0): 0.6, (1, 1): -0.4}  # trainer minus sampler logprob, d, on two tokens
+    samples = make_samples(model, shift)
+    samples[2] = p.TrainSample("s2", [3], [0], 0.25, [], [0])  # no sampler logprobs: not compared
+    loss, sums = policy_loss(model, samples, p.LossOptions(), True, 2.0)
+    stats = sums.stats(grad_norm=1.5)
+    table = model.table.detach()
+    ents = [-(torch.softmax(table[x], -1) * torch.log_softmax(table[x], -1)).sum().item()
+            for s in samples for _, x, _ in tokens(s)]
+    ds = [shift.get((i, j), 0.0) for i in range(2) for j in range(len(samples[i].output_ids))]
+    assert stats.samples == 3 and stats.tokens == 6
+    assert stats.response_len_mean == 2.0 and stats.response_len_max == 3
+    assert stats.entropy == pytest.approx(sum(ents) / 6, rel=1e-5)
+    assert stats.logprob_abs_diff == pytest.approx(sum(map(abs, ds)) / 5, rel=1e-5)
+    assert stats.rollout_kl == pytest.approx(sum(math.exp(d) - 1 - d for d in ds) / 5, rel=1e-5)
+    assert stats.clip_frac == 0.0  # e^0.6 < 2
+    assert stats.loss == pytest.approx(loss.item() / 3) and stats.grad_norm == 1.5
+    assert stats.ref_kl == 0.0
+
+
+def test_step_sums_survive_the_round_trip_through_tensors():
+    sums = StepSums(samples=3, tokens=7, denominator=3, loss=-0.25, length_max=4, clipped=1)
+    assert StepSums.from_tensors(sums.to_tensors()) == sums
