@@ -1,8 +1,12 @@
 """Run outputs a person reads: metrics.jsonl, a progress line per step, reward plots.
 
 metrics.jsonl holds one JSON object per agent per optimizer step with at least `step`,
-`agent`, `version`, `reward_mean`, `samples` and `time` (seconds since the run started);
-each line is flushed as it is written, so a crashed run keeps every finished step.
+`agent`, `version`, `reward_mean`, `samples` and `time` (seconds since the run started),
+plus the signals a researcher reads to trust a run: the trained samples' staleness (mean,
+max), the stage times, and the trainer's step statistics (loss, grad_norm, entropy,
+response lengths, logprob_abs_diff and rollout_kl between sampler and trainer, clip_frac,
+ref_kl). Evaluations add rows with `"kind": "eval"`. Each line is flushed as it is
+written, so a crashed run keeps every finished step.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ class MetricsLog:
         row = {"step": step, "agent": agent, "version": version,
                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                "samples": len(samples), "time": round(time.monotonic() - self.started, 3),
-               "max_lag": max(lags) if lags else None,
+               "staleness_mean": round(sum(lags) / len(lags), 3) if lags else None,
+               "staleness_max": max(lags) if lags else None,
                **{k: round(v, 4) for k, v in vars(times).items()}, **extra}
         self.write(row)
 

@@ -46,8 +46,10 @@ class StepTimes:
 class AgentPipeline:
     def __init__(self, agent: str, cfg: PipelineConfig, store: ExperienceStore, schedule: BatchSchedule,
                  allocator: Any, weights: WeightSync, server: Any, metrics: Any,
-                 emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]]) -> None:
+                 emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
+                 loss: protocol.LossOptions | None = None) -> None:
         self.agent = agent
+        self.loss = loss or protocol.LossOptions()
         self.cfg = cfg
         self.store = store
         self.schedule = schedule
@@ -66,10 +68,11 @@ class AgentPipeline:
         for batch in range(1, self.schedule.steps + 1):
             trained, train_s = await self._train_batch(batch)
             t_sync = time.monotonic()
-            await self._step_and_sync(batch, trained)
+            stats = await self._step_and_sync(batch, trained)
             now = time.monotonic()
             times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
-            self.metrics.record(batch, self.agent, batch, trained, times, step_s=round(now - last_end, 4))
+            self.metrics.record(batch, self.agent, batch, trained, times, step_s=round(now - last_end, 4),
+                                **step_signals(stats))
             last_end = now
             self.store.forget(trained)
             if self.schedule.agent_stepped(batch):
@@ -111,22 +114,23 @@ class AgentPipeline:
             async with self.allocator.slot(trainer, (1, version)):
                 reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                     self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
-                    self.cfg.max_staleness, self.cfg.clip_ratio))
+                    self.cfg.max_staleness, self.cfg.clip_ratio, self.loss))
         finally:
             self.allocator.release(self.agent)
         self.emit(ev.MicroBatchTrained(self.agent, trainer, version, len(mb), reply.seconds))
         self.tokens_trained += reply.tokens
         return reply.seconds
 
-    async def _step_and_sync(self, batch: int, trained: list[Sample]) -> None:
+    async def _step_and_sync(self, batch: int, trained: list[Sample]) -> protocol.StepStats:
         version = batch
         scale = 1.0 / len(trained) if trained else 0.0
         trainer = await self.allocator.acquire(self.agent)
         try:
             # Priority 0: the step and sync are on the next rollout's critical path.
             async with self.allocator.slot(trainer, (0, version)):
-                await self.server.call(trainer, protocol.OptimStep(self.server.next_request_id(), self.agent,
-                                                                   version, scale))
+                # The trainer refuses the step unless it accumulated exactly these samples.
+                reply, _ = await self.server.call(trainer, protocol.OptimStep(
+                    self.server.next_request_id(), self.agent, version, scale, samples=len(trained)))
             self.emit(ev.OptimizerStep(self.agent, trainer, version, len(trained)))
             await self.flush_events()
             self.samples_trained += len(trained)
@@ -134,7 +138,19 @@ class AgentPipeline:
                 await self.weights.sync(self.agent, trainer, version)
         finally:
             self.allocator.release(self.agent)
+        return reply.stats
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:
-    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.logprobs, s.versions)
+    mask = [] if all(s.mask) else list(s.mask)  # all generated: the default, sent as nothing
+    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.logprobs, s.versions,
+                                s.temperature, mask)
+
+
+def step_signals(stats: protocol.StepStats) -> dict[str, float]:
+    """The trainer's step statistics as metrics columns (trainer side of the signals:
+    loss, gradient norm, entropy, response lengths, sampler-vs-trainer mismatch, clipping)."""
+    return {"loss": stats.loss, "grad_norm": stats.grad_norm, "entropy": stats.entropy,
+            "response_len_mean": stats.response_len_mean, "response_len_max": stats.response_len_max,
+            "logprob_abs_diff": stats.logprob_abs_diff, "rollout_kl": stats.rollout_kl,
+            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "tokens": stats.tokens}

@@ -66,8 +66,11 @@ class Group:
 
 
 class ExperienceStore:
-    def __init__(self, agents: Iterable[str], emit: Callable[[ev.Event], Any] | None = None) -> None:
+    def __init__(self, agents: Iterable[str], emit: Callable[[ev.Event], Any] | None = None,
+                 std_normalized: dict[str, bool] | None = None) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
+        # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
+        self.std_normalized = std_normalized or {}
         self.samples: dict[str, Sample] = {}
         self.groups: dict[str, Group] = {}
         self.ready: dict[str, dict[int, collections.deque[str]]] = {a: {} for a in agents}
@@ -150,7 +153,8 @@ class ExperienceStore:
         if group.status != PENDING or any(s.output_ids is None or s.reward is None for s in members):
             return
         self.emit(ev.GroupComplete(group.agent, group.group_id, [s.reward for s in members]))
-        for s, adv in zip(members, group_advantages([s.reward for s in members])):
+        rewards = [s.reward for s in members]
+        for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(group.agent, True))):
             s.advantage = adv
             s.status = READY
         group.status = READY
@@ -199,9 +203,12 @@ class ExperienceStore:
             s.prompt_ids = s.output_ids = s.logprobs = s.mask = []
 
 
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO: reward minus the group mean, over the group's standard deviation."""
+def group_advantages(rewards: list[float], eps: float = 1e-6, by_std: bool = True) -> list[float]:
+    """GRPO: reward minus the group mean, over the group's standard deviation (by_std);
+    without the division (Dr. GRPO) when by_std is False."""
     mean = sum(rewards) / len(rewards)
+    if not by_std:
+        return [r - mean for r in rewards]
     var = sum((r - mean) ** 2 for r in rewards) / len(rewards)
     std = math.sqrt(var)
     return [(r - mean) / (std + eps) for r in rewards]

@@ -113,7 +113,8 @@ class TrainingRun:
             raise ValueError("the config defines no agents ([agents.NAME] tables)")
         p = cfg.pipeline
         self.workflow = load_workflow(cfg.run.workflow)
-        self.store = ExperienceStore(self.agents, emit=emit)
+        self.store = ExperienceStore(self.agents, emit=emit,
+                                     std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
         self.schedule = BatchSchedule(self.agents, cfg.run.steps, p.queries_per_step,
                                       overlap=p.mode == "async", max_staleness=p.max_staleness)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
@@ -197,7 +198,8 @@ class TrainingRun:
                                           cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit)
         self.allocator.on_parked.append(self.weights.forget)
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
-                                           self.server, self.metrics, self.emit, self.flush_events)
+                                           self.server, self.metrics, self.emit, self.flush_events,
+                                           cfg.agents[a].loss_options())
                           for a in self.agents}
         if cfg.router.across_agents:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.client, self.server, self.weights,

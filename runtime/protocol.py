@@ -304,6 +304,9 @@ class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # The temperature it was sampled at: the trainer scores tokens under logits /
     # temperature, the distribution the sampler's logprobs are of (0, greedy: unscaled).
     temperature: float = 1.0
+    # Per output id: 1 where the agent generated it (trained), 0 where it was appended
+    # between turns of a conversation (other agents' messages, tool results). Empty: all 1.
+    loss_mask: list[int] = []
 
 
 class TrainMicroBatch(Message):

@@ -154,10 +154,12 @@ def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protoc
         ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, :len(seq)] = 1
         start = len(s.prompt_ids) - 1  # logits at t predict token t + 1
-        out_mask[i, start:start + len(s.output_ids)] = 1.0
+        # Only the agent's own tokens are trained (and compared with the sampler's).
+        own = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1.0
+        out_mask[i, start:start + len(s.output_ids)] = own
         if s.rollout_logprobs:
             rollout_lp[i, start:start + len(s.output_ids)] = torch.tensor(s.rollout_logprobs)
-            compared[i, start:start + len(s.output_ids)] = 1.0
+            compared[i, start:start + len(s.output_ids)] = own
     # The sampler's logprobs are of logits / temperature; greedy (0) is scored unscaled.
     temperature = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in samples]).view(n, 1, 1)
     targets = ids[:, 1:].unsqueeze(-1)
@@ -180,7 +182,7 @@ def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protoc
         sums = StepSums(
             samples=n, tokens=tokens, denominator=aggregation.denominator(n, tokens), loss=float(loss),
             entropy=float((-(log_probs.exp() * log_probs).sum(-1) * out_mask).sum()),
-            length_max=max(len(s.output_ids) for s in samples),
+            length_max=int(out_mask.sum(-1).max().item()),
             compared=float(compared.sum()), abs_diff=float(d.abs().sum()),
             rollout_kl=float((k3(d) * compared).sum()), clipped=float((clipped.float() * out_mask).sum()),
             ref_kl=float(ref_kl.sum()))

@@ -41,10 +41,13 @@ class FakeTrainer:
 
     async def call(self, worker, msg, buffers=(), timeout=None):
         if isinstance(msg, protocol.TrainMicroBatch):
+            self.sent_samples = getattr(self, "sent_samples", []) + list(msg.samples)
             self.log.append(("train", sorted(s.sample_id for s in msg.samples)))
             return protocol.MicroBatchDone(msg.request_id, msg.agent, 0.0, 3 * len(msg.samples), 0.01), []
         self.log.append(("step", msg.version, msg.grad_scale))
-        return protocol.StepDone(msg.request_id, msg.agent, msg.version, 0.0, 0.01), []
+        self.step_samples = msg.samples
+        stats = protocol.StepStats(loss=0.5, grad_norm=1.5, entropy=0.7, samples=msg.samples)
+        return protocol.StepDone(msg.request_id, msg.agent, msg.version, 1.5, 0.01, stats), []
 
 
 class FakeWeights:
@@ -62,6 +65,7 @@ class FakeMetrics:
 
     def record(self, step, agent, version, samples, times, **extra):
         self.rows.append((step, len(samples)))
+        self.extra = extra
 
     def end_step(self, step, total):
         self.ended.append(step)
@@ -123,3 +127,28 @@ async def test_a_batch_with_no_trainable_samples_still_steps_so_versions_advance
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
     assert trainer.log == [("step", 1, 0.0)] and weights.synced == [1]
+
+
+async def test_the_step_states_its_sample_count_and_the_trainers_signals_reach_the_metrics():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async")
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "g0", n=3)
+    store.samples["g0/1"].temperature = 0.7
+    schedule.episode_ended(1)
+    await asyncio.wait_for(task, 2)
+    assert trainer.step_samples == 3
+    assert {s.sample_id: s.temperature for s in trainer.sent_samples}["g0/1"] == 0.7
+    assert all(s.loss_mask == [] for s in trainer.sent_samples)  # single-turn: every token trained
+    assert (metrics.extra["loss"], metrics.extra["grad_norm"], metrics.extra["entropy"]) == (0.5, 1.5, 0.7)
+
+
+def test_a_conversations_loss_mask_travels_with_it():
+    from flexmarl.controller.pipeline import train_sample
+
+    store = ExperienceStore(["a"])
+    (s, _) = store.open_group("a", "g", [1], 2, 1)
+    store.record_output(s.sample_id, [5, 6], [-0.1, -0.2], [0])
+    store.record_turn(s.sample_id, [7, 8], [9], [-0.3], 1)
+    sent = train_sample(s)
+    assert sent.output_ids == [5, 6, 7, 8, 9] and sent.loss_mask == [1, 1, 0, 0, 1]
+    assert sent.rollout_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3] and sent.versions == [0, 1]

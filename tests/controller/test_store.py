@@ -98,3 +98,12 @@ def test_a_reward_set_twice_is_an_error():
     store.set_reward(samples[0].sample_id, 1.0)
     with pytest.raises(ValueError, match="set twice"):
         store.set_reward(samples[0].sample_id, 0.0)
+
+
+def test_advantages_skip_the_std_division_when_the_agent_asks_for_it():
+    store = ExperienceStore(["a"], std_normalized={"a": False})
+    fill(store, "a", "g", [1.0, 0.0, 0.5])
+    assert [store.samples[f"g/{i}"].advantage for i in range(3)] == [0.5, -0.5, 0.0]
+    normalized = ExperienceStore(["a"])
+    fill(normalized, "a", "g", [1.0, 0.0, 0.5])
+    assert normalized.samples["g/0"].advantage == pytest.approx(0.5 / (1 / 6) ** 0.5, rel=1e-5)

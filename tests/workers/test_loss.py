@@ -207,3 +207,15 @@ def test_step_stats_on_a_tiny_batch_are_what_they_say():
 def test_step_sums_survive_the_round_trip_through_tensors():
     sums = StepSums(samples=3, tokens=7, denominator=3, loss=-0.25, length_max=4, clipped=1)
     assert StepSums.from_tensors(sums.to_tensors()) == sums
+
+
+def test_a_conversation_trains_only_the_agents_own_tokens_under_its_loss_mask():
+    """Output [2, 3, 1, 4]: the agent wrote 2 and 4; 3, 1 were appended between its turns
+    (another agent's message). Only the masked-in tokens carry gradient and count."""
+    model = Bigram(seed=3)
+    full = p.TrainSample("c", [1], [2, 3, 1, 4], 1.0, [], [0, 0], 1.0, [1, 0, 0, 1])
+    grad, sums = step_gradient(model, [[full]], p.LossOptions(agg="token_mean"))
+    own = {0, 3}
+    expected = hand_gradient(model.table, [full], lambda i, j, lp: -1.0 if j in own else 0.0) / len(own)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    assert sums.tokens == 2 and sums.length_max == 2
