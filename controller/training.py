@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import dump_toml
+from flexmarl.runtime.param_types import ParamHandle
 
 from . import decisions, rebalance
 from .allocator import TrainerAllocator
@@ -149,7 +150,7 @@ class TrainingRun:
         # Held while an agent's weights are published and loaded, so an instance joining
         # the agent (reassignment) never loads a handle the trainer is about to release.
         self.sync_lock = {a: asyncio.Lock() for a in self.agents}
-        self.published: dict[str, bytes] = {}  # agent -> handle of its synced version
+        self.published: dict[str, ParamHandle] = {}  # agent -> handle of its synced version
         self.server.on_died.append(self._on_worker_died)
         self._loads_at_start: dict[str, float] = {}
         self.started = self.wall_s = 0.0

@@ -2,7 +2,6 @@
 
 import random
 
-import msgspec
 import pytest
 import torch
 
@@ -45,7 +44,7 @@ def test_an_idle_instance_switches_agents_in_place_when_architectures_match(tmp_
     with ParamChannel() as channel:
         handle = channel.publish(load_file(str(other / "model.safetensors")), agent="other", version=4,
                                  transport="shm")
-        handler._load_weights(p.LoadWeights(2, "other", 4, msgspec.msgpack.encode(handle)))
+        handler._load_weights(p.LoadWeights(2, "other", 4, handle))
         assert (handler.agent, handler.version) == ("other", 4)
         assert greedy(handler, prompt) == transformers_greedy(other, prompt)
         # a set that does not fit this engine is refused, and the instance is unchanged:
@@ -55,7 +54,7 @@ def test_an_idle_instance_switches_agents_in_place_when_architectures_match(tmp_
             bad = channel.publish(load_file(str(model_dir / "model.safetensors")), agent=agent, version=1,
                                   transport="shm")
             with pytest.raises(ValueError, match=match):
-                handler._load_weights(p.LoadWeights(3, agent, 1, msgspec.msgpack.encode(bad)))
+                handler._load_weights(p.LoadWeights(3, agent, 1, bad))
             assert (handler.agent, handler.version) == ("other", 4)
             assert greedy(handler, prompt) == transformers_greedy(other, prompt)
     handler.close()
