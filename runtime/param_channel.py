@@ -64,7 +64,8 @@ __all__ = [
 ]
 
 # Transport name (as handles and commands carry it) -> its implementation. Adding a
-# transport is adding a row; nothing else in the channel names one.
+# transport is adding a row; the channel never branches on a name (shared_bucket asks
+# the shm row for its segments, since a SharedBucket lives in one).
 TRANSPORTS: dict[str, type[Transport]] = {
     "inproc": InprocTransport,
     "shm": ShmTransport,
