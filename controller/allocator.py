@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.param_types import ParamHandle
 
 from .server import WorkerDied
 
@@ -39,7 +40,7 @@ log = logging.getLogger("flexmarl.allocator")
 @dataclass
 class Parked:
     holder: str  # the trainer whose channel serves the parked copy
-    handle: bytes
+    handle: ParamHandle  # passed on to LoadAgent and ReleaseState, never looked into
     version: int
     accumulated: int
     nbytes: int

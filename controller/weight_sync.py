@@ -28,7 +28,7 @@ from typing import Any, AsyncContextManager, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
-from flexmarl.runtime.param_channel import Location, ParamHandle, choose_transport
+from flexmarl.runtime.param_types import Location, ParamHandle, choose_transport
 
 from .server import WorkerDied
 

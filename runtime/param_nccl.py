@@ -1,19 +1,12 @@
-"""GPU transports of the parameter channel: "cuda_ipc" (same host) and "nccl" (any host).
+"""NCCL broadcast for the parameter channel's "nccl" transport (param_gpu), via CuPy.
 
-param_channel imports this module only when a GPU transport is named, and this module
-imports CuPy only for nccl, so CPU-only installs never load either. Buckets are packed
-and checksummed on the GPU (the same `checksum` as every other transport).
+A one-shot communicator per publication. The unique id travels inside the handle; the
+publisher is rank 0 and broadcasts from a thread of its own once all receivers (ranks
+1..receivers) have joined; each receiver broadcasts into a fresh bucket.
 
-cuda_ipc: the publisher's bucket is shared through torch's CUDA IPC (the fields of
-UntypedStorage._share_cuda_, carried in the handle as plain bytes and ints: no pickle);
-receivers open it in place, so their tensors are views of the publisher's GPU memory.
-
-nccl: a one-shot communicator per publication. The unique id travels inside the handle;
-the publisher is rank 0 and broadcasts from a thread of its own once all receivers
-(ranks 1..receivers) have joined; each receiver broadcasts into a fresh bucket.
-
-This module does not know who the receivers are or how ranks are assigned: the
-controller assigns them and passes each receiver its rank.
+CuPy is imported only when a broadcast runs, so CPU-only installs never load it. This
+module does not know who the receivers are or how ranks are assigned: the controller
+assigns them and passes each receiver its rank.
 """
 
 from __future__ import annotations
@@ -23,42 +16,16 @@ import threading
 
 import torch
 
-from flexmarl.runtime.param_channel import (
-    ALIGN,
-    CudaIpcInfo,
-    NcclInfo,
-    ParamHandle,
-    ParamTransferError,
-    _describe,
-    pack_into,
-)
+from .param_bucket import ALIGN
+from .param_types import NcclInfo, ParamHandle, ParamTransferError, describe
+
+__all__ = ["Broadcast", "new_unique_id", "receive"]
 
 log = logging.getLogger(__name__)
 
 
-def publish(tensors, fields: dict, transport: str, receivers: int, timeout_s: float) -> tuple[ParamHandle, object]:
-    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
-    if len(devices) != 1:
-        raise ValueError(f"{transport} publishes tensors from one CUDA device; these are on {sorted(map(str, devices)) or 'the CPU'}")
-    device = devices.pop()
-    # At least ALIGN bytes: an empty CUDA storage has no IPC handle and no address to broadcast.
-    bucket = torch.empty(max(fields["total_bytes"], ALIGN), dtype=torch.uint8, device=device)
-    data = bucket[: fields["total_bytes"]]
-    fields["checksum"] = pack_into(data, tensors, fields["layout"])  # returns after a device sync
-    if transport == "cuda_ipc":
-        return ParamHandle(**fields, cuda_ipc=_share(bucket)), bucket
-    if receivers < 1:
-        raise ValueError(f"nccl needs receivers >= 1, got {receivers}")
-    handle = ParamHandle(**fields, nccl=NcclInfo(_new_unique_id(), receivers + 1))
-    return handle, _Broadcast(handle, bucket)
-
-
 def receive(handle: ParamHandle, rank: int | None, device: str, timeout_s: float) -> torch.Tensor:
     """The handle's bucket (uint8, total_bytes long) on a GPU, not yet verified."""
-    if not torch.cuda.is_available():
-        raise ParamTransferError(f"{_describe(handle)}: this process has no CUDA device")
-    if handle.transport == "cuda_ipc":
-        return _open(handle)[: handle.total_bytes]
     world = handle.nccl.world_size
     if rank is None or not 1 <= rank < world:
         raise ValueError(f"nccl receive needs rank= in 1..{world - 1} (the publisher is rank 0), got {rank}")
@@ -77,34 +44,14 @@ def receive(handle: ParamHandle, rank: int | None, device: str, timeout_s: float
     threading.Thread(target=join_broadcast, name=f"nccl-recv-{handle.key}", daemon=True).start()
     # CuPy cannot cancel ncclCommInitRank: on timeout the thread stays blocked until its peers appear.
     if not done.wait(timeout_s):
-        raise ParamTransferError(f"{_describe(handle)}: the NCCL broadcast did not complete within {timeout_s:.0f} s "
+        raise ParamTransferError(f"{describe(handle)}: the NCCL broadcast did not complete within {timeout_s:.0f} s "
                                  f"(rank {rank} of {world}); the publisher or another receiver is missing")
     if errors:
-        raise ParamTransferError(f"{_describe(handle)}: NCCL broadcast failed: {errors[0]!r}") from errors[0]
+        raise ParamTransferError(f"{describe(handle)}: NCCL broadcast failed: {errors[0]!r}") from errors[0]
     return bucket[: handle.total_bytes]
 
 
-def release(resource: object) -> None:
-    if isinstance(resource, _Broadcast):
-        resource.close()
-
-
-def _share(bucket: torch.Tensor) -> CudaIpcInfo:
-    (device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = bucket.untyped_storage()._share_cuda_()
-    return CudaIpcInfo(device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync, bucket.storage_offset())
-
-
-def _open(handle: ParamHandle) -> torch.Tensor:
-    info = handle.cuda_ipc
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        info.device, info.handle, info.storage_size, info.storage_offset, info.ref_counter_handle,
-        info.ref_counter_offset, info.event_handle, info.event_sync_required)
-    bucket = torch.empty(0, dtype=torch.uint8, device=f"cuda:{info.device}")
-    return bucket.set_(storage, info.tensor_offset, (max(handle.total_bytes, ALIGN),), (1,))
-
-
-def _new_unique_id() -> bytes:
+def new_unique_id() -> bytes:
     from cupy.cuda import nccl
 
     return bytes(b & 0xFF for b in nccl.get_unique_id())
@@ -130,7 +77,7 @@ def _broadcast(bucket: torch.Tensor, info: NcclInfo, rank: int) -> None:
             comm.destroy()
 
 
-class _Broadcast:
+class Broadcast:
     """Rank 0 of a publication's communicator: waits for the receivers, sends, tears down."""
 
     def __init__(self, handle: ParamHandle, bucket: torch.Tensor):
@@ -143,7 +90,7 @@ class _Broadcast:
             _broadcast(self.bucket, handle.nccl, 0)
         except BaseException as exc:
             self.error = exc
-            log.error("%s: NCCL broadcast from rank 0 failed: %r", _describe(handle), exc)
+            log.error("%s: NCCL broadcast from rank 0 failed: %r", describe(handle), exc)
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._thread.join(timeout_s)

@@ -9,6 +9,8 @@ A message on the wire is a ZeroMQ multipart message:
 Each Struct names its direction in a comment (sender -> receiver). Decoding is typed:
 the kind byte picks the Struct, and msgspec validates field types, so a body that does
 not match its kind is an error, never a half-filled object. Nothing here ever uses pickle.
+Parameter handles (`ParamHandle`, from the torch-free runtime.param_types) travel typed
+inside the messages, so a worker gets them decoded and the controller never imports torch.
 
 This module knows nothing about sockets, workers or the controller's state.
 """
@@ -20,7 +22,10 @@ from typing import Any, Literal, Sequence
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from .param_types import ParamHandle
+
+# Bumped on every wire-format change: the controller refuses workers of another version.
+PROTOCOL_VERSION = 2
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -213,7 +218,7 @@ class LoadWeights(Message):
     request_id: int
     agent: str
     version: int
-    handle: bytes  # an encoded runtime.param_channel handle; opaque to the controller
+    handle: ParamHandle  # from WeightsPublished; the controller passes it on, never reads it
 
 
 class WeightsLoaded(Message):
@@ -374,7 +379,7 @@ class WeightsPublished(Message):
     request_id: int
     agent: str
     version: int
-    handle: bytes
+    handle: ParamHandle
     nbytes: int
     seconds: float
 
@@ -413,7 +418,7 @@ class AgentOffloaded(Message):
     agent: str
     version: int
     accumulated: int
-    handle: bytes
+    handle: ParamHandle  # the parked state; the controller passes it on, never reads it
     nbytes: int
     seconds: float
 
@@ -429,7 +434,7 @@ class LoadAgent(Message):
     max_grad_norm: float
     version: int
     accumulated: int
-    handle: bytes
+    handle: ParamHandle  # from AgentOffloaded
 
 
 class ReleaseState(Message):
@@ -437,7 +442,7 @@ class ReleaseState(Message):
     KIND = Kind.RELEASE_STATE
     request_id: int
     agent: str
-    handle: bytes
+    handle: ParamHandle  # from AgentOffloaded
 
 
 class StateReleased(Message):

@@ -124,22 +124,25 @@ class RolloutHandler(CommandHandler):
         log.info("serving %s version %d from %s", msg.agent, msg.version, msg.model_path)
 
     def _load_weights(self, msg: protocol.LoadWeights) -> None:
-        import msgspec
-
-        from flexmarl.runtime.param_channel import ParamChannel, ParamHandle
+        from flexmarl.runtime.param_channel import ParamChannel
 
         if msg.agent != self.agent and self._batches:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
-        handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
         if self._channel is None:
             self._channel = ParamChannel()
         # Verified before any tensor is handed out: a short or corrupt transfer raises here
         # and the engine keeps its previous weights.
-        tensors = self._channel.receive(handle)
-        # Another agent's weights load in place only when they are a complete set for this
-        # engine's architecture (the engine refuses any other set and keeps its weights);
-        # the controller then restarts the engine on that agent's model instead.
-        self.engine.load_weights(tensors.items())
+        tensors = self._channel.receive(msg.handle)
+        try:
+            # Another agent's weights load in place only when they are a complete set for this
+            # engine's architecture (the engine refuses any other set and keeps its weights);
+            # the controller then restarts the engine on that agent's model instead.
+            self.engine.load_weights(tensors.items())
+        finally:
+            # The engine copied them (or refused them). Over tcp the tensors are views of a
+            # buffer the channel keeps until release: freed here, or each sync pins a model copy.
+            del tensors
+            self._channel.release(msg.handle)
         if msg.agent != self.agent:
             log.info("now serving %s (weights swapped in place, was %s)", msg.agent, self.agent)
         self.agent, self.version = msg.agent, msg.version

@@ -226,8 +226,6 @@ class TrainerHandler(CommandHandler):
                                  time.perf_counter() - t0, sums.stats(float(norm)))
 
     def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
-        import msgspec
-
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
         if msg.version != state.version:
@@ -245,8 +243,7 @@ class TrainerHandler(CommandHandler):
         if state.published is not None:
             self.channel().release(state.published)
         state.published = handle
-        return protocol.WeightsPublished(msg.request_id, state.name, state.version,
-                                         msgspec.msgpack.encode(handle), handle.total_bytes,
+        return protocol.WeightsPublished(msg.request_id, state.name, state.version, handle, handle.total_bytes,
                                          time.perf_counter() - t0)
 
     def channel(self) -> Any:
@@ -256,8 +253,6 @@ class TrainerHandler(CommandHandler):
         return self._channel
 
     def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
-        import msgspec
-
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
         tensors = training_state(state.model, state.optimizer, state.sums)
@@ -269,26 +264,21 @@ class TrainerHandler(CommandHandler):
             state.bucket.close()
         del self.agents[state.name]
         self.parked[handle.key] = handle
-        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated,
-                                       msgspec.msgpack.encode(handle), handle.total_bytes,
-                                       time.perf_counter() - t0)
+        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handle,
+                                       handle.total_bytes, time.perf_counter() - t0)
 
     def _load_agent(self, msg: protocol.LoadAgent) -> protocol.AgentReady:
-        import msgspec
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from flexmarl.runtime.param_channel import ParamHandle
-
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
-        handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
         config = AutoConfig.from_pretrained(msg.model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped, so this trainer and the parked copy stay as they were.
-        sums = receive_training_state(self.channel(), handle, model, optimizer)
+        sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
         if int(sums.samples) != msg.accumulated:
             raise ValueError(f"parked state of {msg.agent} holds gradients of {int(sums.samples)} samples, "
                              f"the controller says {msg.accumulated}; not loaded")
@@ -299,14 +289,9 @@ class TrainerHandler(CommandHandler):
                                    sum(p.numel() for p in model.parameters()))
 
     def _release_state(self, msg: protocol.ReleaseState) -> protocol.StateReleased:
-        import msgspec
-
-        from flexmarl.runtime.param_channel import ParamHandle
-
-        handle = msgspec.msgpack.decode(msg.handle, type=ParamHandle)
-        parked = self.parked.pop(handle.key, None)
+        parked = self.parked.pop(msg.handle.key, None)
         if parked is None:
-            raise KeyError(f"no parked state {handle.key} for {msg.agent} on this trainer")
+            raise KeyError(f"no parked state {msg.handle.key} for {msg.agent} on this trainer")
         self.channel().release(parked)
         return protocol.StateReleased(msg.request_id, msg.agent)
 

@@ -9,7 +9,7 @@ import pytest
 from flexmarl.controller.server import RemoteError, WorkerDied
 from flexmarl.controller.weight_sync import WeightSync, transport_between
 from flexmarl.runtime import protocol
-from flexmarl.runtime.param_channel import Location
+from flexmarl.runtime.param_types import Location
 
 
 class FakeServer:

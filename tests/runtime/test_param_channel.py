@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from flexmarl.runtime.param_channel import (
     CHECKSUM_BLOCK,
+    TRANSPORTS,
     CudaIpcInfo,
     NcclInfo,
     Location,
@@ -40,6 +41,7 @@ from flexmarl.runtime.param_channel import (
     read_handle,
     remove_orphan_segments,
 )
+from flexmarl.runtime.param_inproc import InprocTransport
 
 torch.set_num_threads(1)
 CPU_TRANSPORTS = ["inproc", "shm", "tcp", "disk"]
@@ -274,6 +276,62 @@ def test_receive_into_refuses_a_mismatched_destination_before_writing(channels):
     with pytest.raises(ValueError, match="decoder.norm.weight"):
         channels().receive_into(handle, dst)
     assert_byte_exact(dst, before)
+
+
+def test_a_receivers_tcp_buffer_is_freed_on_release_and_reused_by_the_next_receive(channels):
+    publisher, receiver = channels(), channels()
+    for version in range(4):
+        state = trained_state(seed=version)
+        handle = publisher.publish(state, agent="a", version=version, transport="tcp")
+        got = receiver.receive(handle)
+        assert_byte_exact(got, state)
+        assert receiver.held_receive_buffers() == 1  # behind `got`: the spare of the last sync, reused
+        del got
+        receiver.release(handle)
+        publisher.release(handle)
+        assert receiver.held_receive_buffers() == 1  # kept as a spare, not one per receive
+
+
+# --- the transport table: the one place a transport is chosen ------------------------
+
+
+def test_an_unknown_transport_is_refused_naming_every_known_one(channels):
+    channel = channels()
+    known = "expected one of inproc, shm, tcp, disk, cuda_ipc, nccl"
+    with pytest.raises(ValueError, match=f"unknown transport 'pigeon'; {known}"):
+        channel.publish({"w": torch.randn(4)}, agent="a", version=1, transport="pigeon")
+    handle = channel.publish({"w": torch.randn(4)}, agent="a", version=1, transport="shm")
+    with pytest.raises(ParamTransferError, match=f"unknown transport 'pigeon'; {known}"):
+        channel.receive(msgspec.structs.replace(handle, transport="pigeon"))
+
+
+def test_a_transport_added_to_the_table_serves_publish_receive_release_and_close(channels, monkeypatch):
+    calls = []
+
+    class Recording(InprocTransport):
+        def publish(self, tensors, fields, **options):
+            calls.append("publish")
+            return super().publish(tensors, fields, **options)
+
+        def receive(self, handle, *, verify, rank):
+            calls.append("receive")
+            return super().receive(handle, verify=verify, rank=rank)
+
+        def release(self, handle, resource):
+            calls.append("release")
+            super().release(handle, resource)
+
+        def close(self):
+            calls.append("close")
+
+    monkeypatch.setitem(TRANSPORTS, "recording", Recording)
+    channel, tensors = channels(), {"w": torch.randn(4)}
+    handle = channel.publish(tensors, agent="a", version=1, transport="recording")
+    assert handle.transport == "recording"
+    assert_byte_exact(channel.receive(handle), tensors)
+    channel.release(handle)
+    channel.close()
+    assert calls == ["publish", "receive", "release", "close"]
 
 
 # --- damage: the receiver raises and keeps what it had ---------------------------------

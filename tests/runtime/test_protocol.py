@@ -3,6 +3,11 @@ import numpy as np
 import pytest
 
 from flexmarl.runtime import protocol as p
+from flexmarl.runtime.param_types import Location, ParamHandle, TensorSpec
+
+HANDLE = ParamHandle(transport="shm", agent="solver", version=1, key="solver-v1-42-abc", total_bytes=128,
+                     layout=[TensorSpec("w", "bfloat16", (2, 3), 0, 12), TensorSpec("b", "float32", (), 64, 4)],
+                     checksum=2**64 - 1, publisher=Location("host", 42), path="/dev/shm/flexmarl-param-42-abc")
 
 EXAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "w1", "rollout", "host", 123, ["cpu"], {"slots": 4.0}),
@@ -19,7 +24,7 @@ EXAMPLES = [
     p.ModelLoaded(2, "planner", 0, 1.5),
     p.Generate(3, "solver", [p.GenRequest("s1", [1, 2, 3], 6, 1.0, 42)]),
     p.Generated(3, "solver", [p.GenResult("s1", [4, 5], [-0.1, -0.2], 0)], True, {"queued": 0.0}),
-    p.LoadWeights(4, "solver", 1, b"handle"),
+    p.LoadWeights(4, "solver", 1, HANDLE),
     p.WeightsLoaded(4, "solver", 1, 0.01),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),
@@ -28,13 +33,13 @@ EXAMPLES = [
     p.OptimStep(7, "checker", 1, 1 / 64),
     p.StepDone(7, "checker", 1, 0.9, 0.01),
     p.PublishWeights(8, "checker", 1, "shm", ["r1"]),
-    p.WeightsPublished(8, "checker", 1, b"h", 100, 0.1),
+    p.WeightsPublished(8, "checker", 1, HANDLE, 100, 0.1),
     p.SaveCheckpoint(9, "checker", "/tmp/ck"),
     p.CheckpointSaved(9, "checker", "/tmp/ck", 1),
     p.OffloadAgent(10, "solver", "shm"),
-    p.AgentOffloaded(10, "solver", 3, 0, b"h", 1000, 0.01),
-    p.LoadAgent(11, "solver", "/tmp/m", 1e-3, 1.0, 3, 0, b"h"),
-    p.ReleaseState(12, "solver", b"h"),
+    p.AgentOffloaded(10, "solver", 3, 0, HANDLE, 1000, 0.01),
+    p.LoadAgent(11, "solver", "/tmp/m", 1e-3, 1.0, 3, 0, HANDLE),
+    p.ReleaseState(12, "solver", HANDLE),
     p.StateReleased(12, "solver"),
 ]
 
@@ -89,3 +94,36 @@ def test_loss_options_sample_temperatures_and_step_stats_round_trip():
     bad = p.encode(p.TrainMicroBatch(6, "checker", 1, [], loss=p.LossOptions(agg="mean")))
     with pytest.raises(p.ProtocolError, match="bad TRAIN_MICROBATCH body"):
         p.decode(bad)
+
+
+HANDLE_CARRIERS = [m for m in EXAMPLES if "handle" in m.__struct_fields__]
+
+
+@pytest.mark.parametrize("msg", HANDLE_CARRIERS, ids=lambda m: type(m).__name__)
+def test_a_message_carrying_a_handle_decodes_it_as_a_typed_param_handle(msg):
+    decoded, _ = p.decode(p.encode(msg))
+    assert type(decoded.handle) is ParamHandle and decoded.handle == HANDLE
+    assert decoded.handle.layout[0].shape == (2, 3) and decoded.handle.publisher.pid == 42
+
+
+def test_every_message_that_names_a_parameter_handle_carries_it_typed():
+    assert {type(m).__name__ for m in HANDLE_CARRIERS} == {
+        "LoadWeights", "WeightsPublished", "AgentOffloaded", "LoadAgent", "ReleaseState"}
+    assert all(cls.__annotations__.get("handle") in (ParamHandle, "ParamHandle") for cls in map(type, HANDLE_CARRIERS))
+
+
+def test_a_malformed_handle_is_a_protocol_error_not_a_half_filled_message():
+    body = msgspec.msgpack.encode([4, "solver", 1, {"transport": "shm", "agent": "solver"}])
+    with pytest.raises(p.ProtocolError, match="bad LOAD_WEIGHTS body"):
+        p.decode([bytes([p.Kind.LOAD_WEIGHTS]), body])
+
+
+def test_the_protocol_and_its_handles_import_without_torch():
+    """The controller imports the protocol; handles inside it must not pull torch in."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from flexmarl.runtime import protocol, param_types\n"
+            "assert protocol.LoadWeights.__annotations__['handle'] in ('ParamHandle', param_types.ParamHandle)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -66,7 +66,8 @@ def test_a_swapped_training_state_comes_back_byte_exact(model_dir):
 def test_a_corrupted_parked_copy_is_refused_and_nothing_is_trained_on_it(model_dir):
     h = trained_handler(model_dir)
     out = h._execute(p.OffloadAgent(5, "planner"))
-    handle = msgspec.msgpack.decode(out.handle, type=ParamHandle)
+    handle = out.handle
+    assert isinstance(handle, ParamHandle)  # typed in the reply, as the controller receives it
     segment = Path(handle.path)  # the shared-memory file holding the parked copy
     with open(segment, "r+b") as fh:
         fh.seek(segment.stat().st_size - 100)
@@ -93,7 +94,7 @@ def test_weights_published_over_shm_stay_frozen_while_the_trainer_steps_on(model
     shm, plain = trained_handler(model_dir), trained_handler(model_dir)
     for h in (shm, plain):
         h._execute(p.OptimStep(5, "planner", 3, 1 / 8))
-    v3 = msgspec.msgpack.decode(shm._execute(p.PublishWeights(6, "planner", 3, "shm", ["r"])).handle, type=ParamHandle)
+    v3 = shm._execute(p.PublishWeights(6, "planner", 3, "shm", ["r"])).handle
     plain._execute(p.PublishWeights(6, "planner", 3, "tcp", ["r"]))
     state = shm.agents["planner"]
     assert v3.path == state.bucket.segment.path  # sealed where the parameters live: no copy
@@ -110,8 +111,7 @@ def test_weights_published_over_shm_stay_frozen_while_the_trainer_steps_on(model
         assert all(torch.equal(a, b) for a, b in zip(state.model.state_dict().values(),
                                                      plain.agents["planner"].model.state_dict().values()))
         assert not all(torch.equal(a, want_v3[k]) for k, a in state.model.state_dict().items())
-        v4 = msgspec.msgpack.decode(shm._execute(p.PublishWeights(9, "planner", 4, "shm", ["r"])).handle,
-                                    type=ParamHandle)
+        v4 = shm._execute(p.PublishWeights(9, "planner", 4, "shm", ["r"])).handle
         got = receiver.receive(v4)
         assert all(torch.equal(got[k], v) for k, v in state.model.state_dict().items())
     shm.close(), plain.close()

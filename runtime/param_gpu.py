@@ -1,0 +1,90 @@
+"""The GPU transports of the parameter channel: "cuda_ipc" (same host) and "nccl" (any host).
+
+Buckets are packed and checksummed on the GPU (the same `checksum` as every other
+transport). Importing this module touches no GPU and no CuPy: CUDA is initialised by the
+first GPU transfer and CuPy is imported by param_nccl only when a broadcast runs, so
+CPU-only installs never load either.
+
+cuda_ipc: the publisher's bucket is shared through torch's CUDA IPC (the fields of
+UntypedStorage._share_cuda_, carried in the handle as plain bytes and ints: no pickle);
+receivers open it in place, so their tensors are views of the publisher's GPU memory.
+
+nccl: a one-shot communicator per publication (param_nccl), the publisher as rank 0.
+
+This module does not know who the receivers are or how ranks are assigned: the
+controller assigns them and passes each receiver its rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import param_nccl
+from .param_bucket import ALIGN, pack_into, unpack, verify_bucket
+from .param_transport import Transport
+from .param_types import CudaIpcInfo, NcclInfo, ParamHandle, ParamTransferError, describe
+
+__all__ = ["CudaIpcTransport", "NcclTransport"]
+
+
+def _gpu_bucket(tensors, fields: dict, transport: str) -> torch.Tensor:
+    """A bucket on the tensors' one CUDA device, packed; sets fields["checksum"]. At least
+    ALIGN bytes: an empty CUDA storage has no IPC handle and no address to broadcast."""
+    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
+    if len(devices) != 1:
+        raise ValueError(f"{transport} publishes tensors from one CUDA device; these are on {sorted(map(str, devices)) or 'the CPU'}")
+    bucket = torch.empty(max(fields["total_bytes"], ALIGN), dtype=torch.uint8, device=devices.pop())
+    fields["checksum"] = pack_into(bucket[: fields["total_bytes"]], tensors, fields["layout"])  # after a device sync
+    return bucket
+
+
+def _require_cuda(handle: ParamHandle) -> None:
+    if not torch.cuda.is_available():
+        raise ParamTransferError(f"{describe(handle)}: this process has no CUDA device")
+
+
+class CudaIpcTransport(Transport):
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
+        gpu = _gpu_bucket(tensors, fields, "cuda_ipc")
+        return ParamHandle(**fields, cuda_ipc=_share(gpu)), gpu  # the bucket lives until release
+
+    def receive(self, handle, *, verify, rank):
+        _require_cuda(handle)
+        bucket = _open(handle)[: handle.total_bytes]
+        if verify:
+            verify_bucket(handle, bucket)
+        return unpack(bucket, handle.layout), None
+
+
+class NcclTransport(Transport):
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
+        gpu = _gpu_bucket(tensors, fields, "nccl")
+        if receivers < 1:
+            raise ValueError(f"nccl needs receivers >= 1, got {receivers}")
+        handle = ParamHandle(**fields, nccl=NcclInfo(param_nccl.new_unique_id(), receivers + 1))
+        return handle, param_nccl.Broadcast(handle, gpu)
+
+    def receive(self, handle, *, verify, rank):
+        _require_cuda(handle)
+        bucket = param_nccl.receive(handle, rank, self.location.device, self.config.timeout_s)
+        if verify:
+            verify_bucket(handle, bucket)
+        return unpack(bucket, handle.layout), None
+
+    def release(self, handle, resource):
+        resource.close()
+
+
+def _share(bucket: torch.Tensor) -> CudaIpcInfo:
+    (device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = bucket.untyped_storage()._share_cuda_()
+    return CudaIpcInfo(device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync, bucket.storage_offset())
+
+
+def _open(handle: ParamHandle) -> torch.Tensor:
+    info = handle.cuda_ipc
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        info.device, info.handle, info.storage_size, info.storage_offset, info.ref_counter_handle,
+        info.ref_counter_offset, info.event_handle, info.event_sync_required)
+    bucket = torch.empty(0, dtype=torch.uint8, device=f"cuda:{info.device}")
+    return bucket.set_(storage, info.tensor_offset, (max(handle.total_bytes, ALIGN),), (1,))

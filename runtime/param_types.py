@@ -1,0 +1,124 @@
+"""The parameter channel's data that travels, and its settings: importable without torch.
+
+A `ParamHandle` names one published tensor set: which transport holds the bytes, where,
+their layout and checksum. It rides typed inside the controller's protocol messages, so
+the controller (which never imports torch) can hold and forward handles, and every worker
+gets them back already decoded.
+
+This module knows nothing about how bytes move: the transports (param_shm, param_tcp,
+param_disk, param_gpu, ...) and the channel (param_channel) do that.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import msgspec
+
+__all__ = [
+    "CudaIpcInfo", "Location", "NcclInfo", "ParamChannelConfig", "ParamHandle", "ParamTransferError",
+    "TensorSpec", "choose_transport", "describe",
+]
+
+
+class ParamTransferError(RuntimeError):
+    """A tensor set could not be received intact. The receiver's earlier tensors are
+    untouched; the remedy is to ask the publisher for a fresh publish."""
+
+
+class Location(msgspec.Struct, frozen=True):
+    """Where one end of a transfer lives."""
+
+    host: str
+    pid: int
+    device: str = "cpu"  # torch device string: "cpu", "cuda:0", ...
+
+    @classmethod
+    def here(cls, device: str = "cpu") -> Location:
+        return cls(socket.gethostname(), os.getpid(), str(device))
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor's place in a bucket."""
+
+    name: str
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the bucket, a multiple of param_bucket.ALIGN
+    nbytes: int
+
+
+class CudaIpcInfo(msgspec.Struct, frozen=True, array_like=True):
+    """torch's CUDA IPC description of a bucket (UntypedStorage._share_cuda_), pickle-free."""
+
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    tensor_offset: int
+
+
+class NcclInfo(msgspec.Struct, frozen=True, array_like=True):
+    """A one-shot NCCL communicator: the publisher is rank 0, receivers 1..world_size-1."""
+
+    unique_id: bytes  # ncclUniqueId (128 bytes), passed out of band inside the handle
+    world_size: int
+
+
+class ParamHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """A published tensor set. Publisher -> controller -> receivers, inside their commands."""
+
+    transport: str
+    agent: str
+    version: int
+    key: str  # unique per publication
+    layout: list[TensorSpec]
+    total_bytes: int
+    checksum: int | None  # None for inproc (never leaves the process) and for a SharedBucket
+    # over shm, whose publisher writes it into the segment's header just after sealing
+    publisher: Location
+    path: str | None = None  # shm segment or disk file
+    endpoint: str | None = None  # tcp: where the publisher serves chunks
+    server_key: str | None = None  # tcp: the publisher's CURVE public key (z85)
+    cuda_ipc: CudaIpcInfo | None = None
+    nccl: NcclInfo | None = None
+
+
+class ParamChannelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's channel settings (a [param_channel] table in the config TOML)."""
+
+    shm_dir: str = "/dev/shm"
+    disk_fsync: bool = True  # a checkpoint survives a crash once publish() returns
+    tcp_bind_host: str = "127.0.0.1"  # anything but loopback needs the CURVE keys below
+    tcp_advertise_host: str | None = None  # what receivers connect to; default bind host
+    curve_public_key: str | None = None  # z85, from zmq.curve_keypair()
+    curve_secret_key: str | None = None
+    tcp_chunk_bytes: int = 1 << 20  # measured: 1-2 MiB chunks stay in cache on loopback, 4+ do not
+    tcp_window: int = 4  # chunks in flight per receiver: bounds queues on both ends
+    timeout_s: float = 30.0  # a transfer with no progress for this long has failed
+    spare_buffers: int = 2  # released buffers kept for reuse, per kind; 0 frees at once
+    cached_maps: int = 4  # shm segments a receiver keeps mapped between receives
+    # A SharedBucket at least this large is checksummed on a thread while receivers read;
+    # a smaller one in publish() (about 0.5 ms at the default, here).
+    defer_checksum_bytes: int = 16 << 20
+
+
+def choose_transport(src: Location, dst: Location) -> str:
+    """The cheapest transport between two locations. Never "disk": that is a destination
+    the controller names, not a peer."""
+    on_gpus = src.device.startswith("cuda") and dst.device.startswith("cuda")
+    if src.host != dst.host:
+        return "nccl" if on_gpus else "tcp"
+    if src.pid == dst.pid:
+        return "inproc"
+    return "cuda_ipc" if on_gpus else "shm"
+
+
+def describe(handle: ParamHandle) -> str:
+    """How errors name a transfer."""
+    return f"{handle.transport} transfer of agent {handle.agent!r} version {handle.version}"
