@@ -3,7 +3,8 @@
 import pytest
 
 from flexmarl.controller import cli
-from flexmarl.controller.training import place_agents, resolve_model
+from flexmarl.controller.models import resolve_model
+from flexmarl.controller.training import place_agents
 from flexmarl.controller.workflows import get_workflow
 
 
