@@ -1,7 +1,7 @@
 """Reference: GRPO on the digit chain in one process, plain torch sampling, no system.
 
 Answers one question before any distributed machinery is involved: do the three tiny
-agents of flexmarl.controller.tasks learn under plain GRPO with the default job's shape
+agents of flexmarl.controller.digit_chain learn under plain GRPO with the default job's shape
 (queries per step, branch factors, learning rates)? It builds (or reuses) the same cached
 models the default job uses, then each step runs the chain with branching, scores every
 sample, and takes one Adam step per agent on the whole batch:
@@ -25,10 +25,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from flexmarl.controller import tasks  # noqa: E402
+from flexmarl.controller import digit_chain  # noqa: E402
+from flexmarl.controller.digit_chain import CHECKER, PLANNER, SOLVER  # noqa: E402
 from flexmarl.workers import models  # noqa: E402
 
-AGENTS = list(tasks.AGENTS)
+AGENTS = list(digit_chain.AGENTS)
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,14 +46,10 @@ def parse_args() -> argparse.Namespace:
 
 def load_models(cache: str) -> dict[str, torch.nn.Module]:
     loaded = {}
-    for name, spec in tasks.AGENTS.items():
+    for name, recipe in digit_chain.TINY_MODELS.items():
         start = time.perf_counter()
-        # Same examples and key as controller.training.resolve_model, so the cache is shared.
-        path = models.ensure_model(
-            spec, cache,
-            lambda name=name: tasks.warmup_examples(name, random.Random(f"warmup-{name}"), 4096),
-            tasks.WARMUP_VERSION,
-        )
+        # The recipes controller.models.resolve_model builds, so the cache is shared.
+        path = models.ensure_model(recipe, cache)
         print(f"{name}: ready in {time.perf_counter() - start:.1f}s ({path})", flush=True)
         loaded[name] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return loaded
@@ -76,12 +73,12 @@ def mean_token_logprob(model, prompts: list[list[int]], outputs: list[list[int]]
 
 
 def prompt_and_reward(name: str, context, output: list[int]) -> tuple[list[int], float]:
-    if name == tasks.PLANNER:
-        return tasks.planner_prompt(context), tasks.planner_reward(context, output)
-    if name == tasks.SOLVER:
-        return tasks.solver_prompt(context), tasks.solver_reward(context, output)
+    if name == PLANNER:
+        return digit_chain.planner_prompt(context), digit_chain.planner_reward(context, output)
+    if name == SOLVER:
+        return digit_chain.solver_prompt(context), digit_chain.solver_reward(context, output)
     plan, answer = context
-    return tasks.checker_prompt(plan, answer), tasks.checker_reward(plan, answer, output)
+    return digit_chain.checker_prompt(plan, answer), digit_chain.checker_reward(plan, answer, output)
 
 
 def prompt_of(name: str, context) -> list[int]:
@@ -91,35 +88,33 @@ def prompt_of(name: str, context) -> list[int]:
 def rollout(policy, contexts: dict[str, list], name: str, group: int):
     """group samples for each context; returns contexts, outputs, rewards, all flattened."""
     ctxs = [c for c in contexts[name] for _ in range(group)]
-    outs = sample(policy[name], [prompt_of(name, c) for c in ctxs], tasks.OUTPUT_LEN[name])
+    outs = sample(policy[name], [prompt_of(name, c) for c in ctxs], digit_chain.OUTPUT_LEN[name])
     rewards = [prompt_and_reward(name, c, o)[1] for c, o in zip(ctxs, outs)]
     return ctxs, outs, rewards
 
 
 def run_chain(policy, queries: list[list[int]], groups: dict[str, int]) -> dict[str, tuple]:
     batches = {}
-    batches[tasks.PLANNER] = rollout(policy, {tasks.PLANNER: queries}, tasks.PLANNER,
-                                     groups[tasks.PLANNER])
-    plans = batches[tasks.PLANNER][1]
-    batches[tasks.SOLVER] = rollout(policy, {tasks.SOLVER: plans}, tasks.SOLVER, groups[tasks.SOLVER])
-    plan_answer = list(zip(batches[tasks.SOLVER][0], batches[tasks.SOLVER][1]))
-    batches[tasks.CHECKER] = rollout(policy, {tasks.CHECKER: plan_answer}, tasks.CHECKER,
-                                     groups[tasks.CHECKER])
+    batches[PLANNER] = rollout(policy, {PLANNER: queries}, PLANNER, groups[PLANNER])
+    plans = batches[PLANNER][1]
+    batches[SOLVER] = rollout(policy, {SOLVER: plans}, SOLVER, groups[SOLVER])
+    plan_answer = list(zip(batches[SOLVER][0], batches[SOLVER][1]))
+    batches[CHECKER] = rollout(policy, {CHECKER: plan_answer}, CHECKER, groups[CHECKER])
     return batches
 
 
 def evaluate(policy, rng: random.Random, n: int = 256) -> dict[str, tuple[float, float]]:
     """Sampled and greedy mean reward per agent on contexts the current chain produces."""
-    queries = [tasks.make_query(rng) for _ in range(n)]
-    plans = sample(policy[tasks.PLANNER], [tasks.planner_prompt(q) for q in queries], 3)
-    answers = sample(policy[tasks.SOLVER], [tasks.solver_prompt(p) for p in plans], 6)
-    contexts = {tasks.PLANNER: queries, tasks.SOLVER: plans, tasks.CHECKER: list(zip(plans, answers))}
+    queries = [digit_chain.make_query(rng) for _ in range(n)]
+    plans = sample(policy[PLANNER], [digit_chain.planner_prompt(q) for q in queries], 3)
+    answers = sample(policy[SOLVER], [digit_chain.solver_prompt(p) for p in plans], 6)
+    contexts = {PLANNER: queries, SOLVER: plans, CHECKER: list(zip(plans, answers))}
     result = {}
     for name in AGENTS:
         prompts = [prompt_of(name, c) for c in contexts[name]]
         scores = []
         for greedy in (False, True):
-            outs = sample(policy[name], prompts, tasks.OUTPUT_LEN[name], greedy)
+            outs = sample(policy[name], prompts, digit_chain.OUTPUT_LEN[name], greedy)
             rewards = [prompt_and_reward(name, c, o)[1] for c, o in zip(contexts[name], outs)]
             scores.append(round(sum(rewards) / n, 3))
         result[name] = tuple(scores)
@@ -140,7 +135,7 @@ def main() -> None:
     optimizers = {n: torch.optim.Adam(m.parameters(), lr=lrs[n]) for n, m in policy.items()}
     start = time.perf_counter()
     for step in range(args.steps):
-        batches = run_chain(policy, [tasks.make_query(rng) for _ in range(args.queries)], groups)
+        batches = run_chain(policy, [digit_chain.make_query(rng) for _ in range(args.queries)], groups)
         line = []
         for name, (ctxs, outs, rewards) in batches.items():
             r = torch.tensor(rewards).view(-1, groups[name])

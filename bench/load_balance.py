@@ -43,7 +43,7 @@ import time
 from flexmarl.controller import Experiment, rebalance
 from flexmarl.controller.simulator import simulate, skewed_workload
 from flexmarl.controller.training import TrainingRun
-from flexmarl.controller.workflows import default_config
+from flexmarl.controller.digit_chain import default_config
 from flexmarl.runtime.aio import limit_threads, setup_logging
 from flexmarl.runtime.config import load_config
 

@@ -240,7 +240,7 @@ def weight_sync_latency(steps: int, overrides: list[str]) -> None:
     import asyncio
 
     from flexmarl.controller import Experiment
-    from flexmarl.controller.workflows import default_config
+    from flexmarl.controller.digit_chain import default_config
     from flexmarl.runtime import events as ev
     from flexmarl.runtime.config import load_config
     from flexmarl.runtime.eventlog import read_events

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 
 from flexmarl.controller import Experiment, replay
-from flexmarl.controller.workflows import default_config
+from flexmarl.controller.digit_chain import default_config
 from flexmarl.runtime.aio import limit_threads, setup_logging
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events

@@ -26,7 +26,7 @@ log = logging.getLogger("flexmarl")
 
 
 def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
-    from .workflows import default_config
+    from .digit_chain import default_config
 
     overrides = list(args.set or [])
     for flag, key in (("mode", "pipeline.mode"), ("max_staleness", "pipeline.max_staleness"),

@@ -1,131 +1,75 @@
-"""Tiny causal language models built locally, for the embedded default job.
+"""Builds tiny causal language models locally from a recipe, and caches them.
 
-No model hub can be reached, so every model the default job trains is created here from a
-config and a seed: a fixed word-level vocabulary, a `tokenizers` tokenizer saved in Hugging
-Face format, a small Llama config, an optional short supervised warm-up, and a directory
-that transformers (`AutoModelForCausalLM`, `AutoTokenizer`) and vLLM both load.
+No model hub can be reached, so a built-in model is created here from a
+`TinyModelRecipe` (flexmarl.runtime.model_specs): a word-level `tokenizers` tokenizer over
+the vocabulary handed in, saved in Hugging Face format, a small Llama config from the spec
+and its seed, an optional short supervised warm-up, and a directory that transformers
+(`AutoModelForCausalLM`, `AutoTokenizer`) and vLLM both load.
 
-`ensure_model` caches built directories under a key derived from everything that shapes the
-weights, and publishes an entry with one atomic `os.rename`, so a crash never leaves a
-half-written entry and concurrent builders of the same entry cannot corrupt it.
+`ensure_model` caches built directories under the recipe's cache key and publishes an entry
+with one atomic `os.rename`, so a crash never leaves a half-written entry and concurrent
+builders of the same entry cannot corrupt it.
 
-This module knows nothing about any task: warm-up examples are plain
-`(prompt_ids, target_ids)` pairs handed in by the caller (see flexmarl.controller.tasks).
+Run as a program it builds (or finds) one agent's model of a job module and prints the
+directory as the last line of its output; the controller starts it as a child process so
+that it never loads torch itself:
+
+    python -m flexmarl.workers.models --job flexmarl.controller.digit_chain \\
+        --agent planner --cache-root .cache/models
+
+This module knows nothing about any task: the vocabulary, the warm-up examples and what
+they mean all come from the recipe.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
+import argparse
+import importlib
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-# Special tokens first, so <pad> is 0 and ids never move when tags are added at the end.
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-DIGIT_TOKENS = tuple(str(d) for d in range(10))
-# Tags mark the sections of a prompt and say what the model is to write next.
-TAG_TOKENS = ("<query>", "<plan>", "<answer>", "<check>")
-VOCAB: tuple[str, ...] = SPECIAL_TOKENS + DIGIT_TOKENS + TAG_TOKENS
-TOKEN_ID: dict[str, int] = {token: index for index, token in enumerate(VOCAB)}
+from flexmarl.runtime.model_specs import (
+    SPECIAL_TOKENS,
+    Example,
+    TinyModelRecipe,
+    TinyModelSpec,
+    WarmupSchedule,
+    cached_model_dir,
+    check_spec,
+)
 
-PAD_ID = TOKEN_ID["<pad>"]
-BOS_ID = TOKEN_ID["<bos>"]
-EOS_ID = TOKEN_ID["<eos>"]
-UNK_ID = TOKEN_ID["<unk>"]
-QUERY_ID = TOKEN_ID["<query>"]
-PLAN_ID = TOKEN_ID["<plan>"]
-ANSWER_ID = TOKEN_ID["<answer>"]
-CHECK_ID = TOKEN_ID["<check>"]
-# DIGIT_IDS[d] is the token id of digit d.
-DIGIT_IDS: tuple[int, ...] = tuple(TOKEN_ID[t] for t in DIGIT_TOKENS)
-
-# Bump when the warm-up loop itself changes, so cached models built by the old loop are
-# not silently reused.
-BUILD_VERSION = "1"
-
-Example = tuple[Sequence[int], Sequence[int]]
+PAD, BOS, EOS, UNK = SPECIAL_TOKENS
 
 
-def digit_of(token_id: int) -> int | None:
-    """The digit a token id stands for, or None for any other token."""
-    offset = token_id - DIGIT_IDS[0]
-    return offset if 0 <= offset < 10 else None
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    """Shape and seed of one tiny Llama model; head size is hidden_size / num_heads."""
-
-    name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_position_embeddings: int = 64
-    seed: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-@dataclass(frozen=True)
-class WarmupSchedule:
-    """How the optional supervised warm-up trains; part of the cache key."""
-
-    steps: int = 300
-    batch_size: int = 64
-    lr: float = 3e-3
-
-
-# vLLM's CPU attention backend accepts only these head sizes; checked up front so a bad
-# spec fails here with a clear message, not deep inside vLLM start-up.
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def _check_spec(spec: TinyModelSpec) -> None:
-    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
-        raise ValueError(
-            f"{spec.name}: hidden_size must divide by num_heads and num_heads by "
-            f"num_kv_heads, got {spec.hidden_size}/{spec.num_heads}/{spec.num_kv_heads}"
-        )
-    if spec.head_dim not in VLLM_CPU_HEAD_SIZES:
-        raise ValueError(
-            f"{spec.name}: head size {spec.head_dim} is not one vLLM's CPU attention "
-            f"accepts {VLLM_CPU_HEAD_SIZES}; change hidden_size or num_heads"
-        )
-
-
-def build_tokenizer():
-    """A word-level PreTrainedTokenizerFast over VOCAB; splits on whitespace only."""
+def build_tokenizer(vocab: Sequence[str]):
+    """A word-level PreTrainedTokenizerFast over vocab (token i gets id i); splits on
+    whitespace only."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(vocab=dict(TOKEN_ID), unk_token="<unk>"))
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token=UNK))
     # WhitespaceSplit, not Whitespace: the latter would cut "<bos>" into "<", "bos", ">".
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
         model_max_length=4096,
     )
 
 
-def llama_config(spec: TinyModelSpec):
+def llama_config(spec: TinyModelSpec, vocab: Sequence[str]):
     from transformers import LlamaConfig
 
-    _check_spec(spec)
+    check_spec(spec)
     return LlamaConfig(
-        vocab_size=len(VOCAB),
+        vocab_size=len(vocab),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -135,14 +79,15 @@ def llama_config(spec: TinyModelSpec):
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        bos_token_id=vocab.index(BOS),
+        eos_token_id=vocab.index(EOS),
+        pad_token_id=vocab.index(PAD),
         dtype="float32",
     )
 
 
-def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: int) -> None:
+def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: int,
+            pad_id: int) -> None:
     """Next-token loss on target tokens only, Adam, random minibatches of the examples."""
     import torch
 
@@ -151,7 +96,7 @@ def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: 
         return
     lengths = torch.tensor([len(p) + len(t) for p, t in rows])
     width = int(lengths.max())
-    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)  # -100: no loss here
     for row, (prompt, target) in enumerate(rows):
         input_ids[row, : len(prompt) + len(target)] = torch.tensor(prompt + target)
@@ -177,70 +122,48 @@ def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: 
 
 def build_model(
     spec: TinyModelSpec,
+    vocab: Sequence[str],
     out_dir: str | os.PathLike,
     warmup: Sequence[Example] | None = None,
     schedule: WarmupSchedule = WarmupSchedule(),
 ) -> Path:
-    """Create the model from `spec.seed`, optionally warm it up, and save it to out_dir."""
+    """Create the model from `spec.seed`, optionally warm it up, and save it with a
+    tokenizer over vocab to out_dir."""
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
+    vocab = list(vocab)
     # The default job shares two cores among many processes; more threads only thrash.
     torch.set_num_threads(1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(llama_config(spec)).to(torch.float32)
+    model = LlamaForCausalLM(llama_config(spec, vocab)).to(torch.float32)
     if warmup:
-        warm_up(model, warmup, schedule, spec.seed)
+        warm_up(model, warmup, schedule, spec.seed, vocab.index(PAD))
     model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer().save_pretrained(out)
+    build_tokenizer(vocab).save_pretrained(out)
     # Explicit generation defaults, so neither loader guesses sampling settings.
     GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=True,
-        temperature=1.0, top_p=1.0, top_k=0,
+        bos_token_id=vocab.index(BOS), eos_token_id=vocab.index(EOS),
+        pad_token_id=vocab.index(PAD), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
     ).save_pretrained(out)
     return out
 
 
-def cache_key(spec: TinyModelSpec, warmup_version: str, schedule: WarmupSchedule) -> str:
-    """A name for everything that shapes the saved weights and files."""
-    payload = json.dumps(
-        {
-            "spec": dataclasses.asdict(spec),
-            "vocab": VOCAB,
-            "warmup_version": warmup_version,
-            "schedule": dataclasses.asdict(schedule) if warmup_version else None,
-            "build_version": BUILD_VERSION,
-        },
-        sort_keys=True,
-    )
-    return f"{spec.name}-{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
-
-
-def ensure_model(
-    spec: TinyModelSpec,
-    cache_root: str | os.PathLike,
-    warmup_fn: Callable[[], Sequence[Example]] | None = None,
-    warmup_version: str = "",
-    schedule: WarmupSchedule = WarmupSchedule(),
-) -> Path:
-    """The cached model directory for spec, building it first if it is not there.
-
-    `warmup_fn` is only called on a miss; `warmup_version` names what it produces (change it
-    whenever the examples change, or a stale model is reused).
-    """
-    if warmup_fn is not None and not warmup_version:
-        raise ValueError("ensure_model needs a warmup_version when warmup_fn is given")
+def ensure_model(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> Path:
+    """The cached model directory for recipe, building it first if it is not there.
+    The recipe's warm-up examples are only made on a miss."""
+    found = cached_model_dir(recipe, cache_root)
+    if found is not None:
+        return found
     root = Path(cache_root)
-    final = root / cache_key(spec, warmup_version if warmup_fn else "", schedule)
-    # An entry exists only after its rename, so existing means complete.
-    if final.is_dir():
-        return final
+    final = root / recipe.cache_key()
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=root))
     try:
-        build_model(spec, staging, warmup_fn() if warmup_fn else None, schedule)
+        examples = recipe.warmup() if recipe.warmup else None
+        build_model(recipe.spec, recipe.vocab, staging, examples, recipe.schedule)
         try:
             os.rename(staging, final)
         except OSError:
@@ -251,3 +174,33 @@ def ensure_model(
         shutil.rmtree(staging, ignore_errors=True)
     return final
 
+
+def job_recipes(job: str) -> dict[str, TinyModelRecipe]:
+    """The TINY_MODELS table of the job module named `job` (a dotted import path)."""
+    module = importlib.import_module(job)
+    recipes = getattr(module, "TINY_MODELS", None)
+    if not isinstance(recipes, dict):
+        raise ValueError(f"job module {job!r} has no TINY_MODELS table (agent name -> "
+                         f"TinyModelRecipe); it ships no built-in models")
+    return recipes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flexmarl.workers.models",
+        description="Build (or find in the cache) one agent's built-in tiny model of a job "
+                    "module; prints the model directory as the last line.")
+    parser.add_argument("--job", required=True, help="dotted module path exposing TINY_MODELS")
+    parser.add_argument("--agent", required=True)
+    parser.add_argument("--cache-root", required=True, type=Path)
+    args = parser.parse_args(argv)
+    recipes = job_recipes(args.job)
+    if args.agent not in recipes:
+        parser.error(f"job {args.job!r} has no built-in model for agent {args.agent!r} "
+                     f"(it has: {', '.join(recipes)})")
+    print(ensure_model(recipes[args.agent], args.cache_root), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

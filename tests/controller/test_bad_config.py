@@ -5,7 +5,7 @@ import pytest
 from flexmarl.controller import cli
 from flexmarl.controller.decisions import place_agents
 from flexmarl.controller.models import resolve_model
-from flexmarl.controller.workflows import get_workflow
+from flexmarl.controller.user_code import WorkflowError, load_workflow
 
 
 def test_unknown_built_in_model_is_named(tmp_path):
@@ -19,8 +19,8 @@ def test_a_model_path_without_a_config_is_named(tmp_path):
 
 
 def test_unknown_workflow_is_named():
-    with pytest.raises(KeyError, match="unknown workflow 'chain'.*digit_chain"):
-        get_workflow("chain")
+    with pytest.raises(WorkflowError, match="'chain' is not a built-in \\(digit_chain"):
+        load_workflow("chain")
 
 
 def test_more_agents_than_rollout_workers_is_refused():

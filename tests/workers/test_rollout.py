@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from flexmarl.controller import tasks
+from flexmarl.controller import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.param_channel import ParamChannel
 from flexmarl.workers import models
@@ -33,13 +33,13 @@ def transformers_greedy(model_dir, prompt):
 
 @pytest.mark.slow
 def test_an_idle_instance_switches_agents_in_place_when_architectures_match(tmp_path):
-    spec = tasks.AGENTS["planner"]
-    first = models.build_model(spec, tmp_path / "a")
+    spec = digit_chain.AGENTS["planner"]
+    first = models.build_model(spec, digit_chain.VOCAB, tmp_path / "a")
     other_spec = type(spec)(**{**spec.__dict__, "name": "other", "seed": spec.seed + 100})
-    other = models.build_model(other_spec, tmp_path / "b")
+    other = models.build_model(other_spec, digit_chain.VOCAB, tmp_path / "b")
     handler = RolloutHandler()
     handler._load_model(p.LoadModel(1, "planner", str(first), 0))
-    prompt = tasks.planner_prompt(tasks.make_query(random.Random(3)))
+    prompt = digit_chain.planner_prompt(digit_chain.make_query(random.Random(3)))
     from safetensors.torch import load_file
     with ParamChannel() as channel:
         handle = channel.publish(load_file(str(other / "model.safetensors")), agent="other", version=4,
@@ -50,7 +50,7 @@ def test_an_idle_instance_switches_agents_in_place_when_architectures_match(tmp_
         # a set that does not fit this engine is refused, and the instance is unchanged:
         # other names (solver: 4 layers), or the same names with other shapes (checker)
         for agent, match in (("solver", None), ("checker", "wrong shape")):
-            model_dir = models.build_model(tasks.AGENTS[agent], tmp_path / agent)
+            model_dir = models.build_model(digit_chain.AGENTS[agent], digit_chain.VOCAB, tmp_path / agent)
             bad = channel.publish(load_file(str(model_dir / "model.safetensors")), agent=agent, version=1,
                                   transport="shm")
             with pytest.raises(ValueError, match=match):

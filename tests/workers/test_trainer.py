@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from flexmarl.controller import tasks
+from flexmarl.controller import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.param_channel import ParamHandle, ParamTransferError
 from flexmarl.workers import models
@@ -19,13 +19,14 @@ from flexmarl.workers.trainer import TrainerHandler, training_state
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return models.build_model(tasks.AGENTS["planner"], tmp_path_factory.mktemp("planner"))
+    return models.build_model(digit_chain.AGENTS["planner"], digit_chain.VOCAB,
+                              tmp_path_factory.mktemp("planner"))
 
 
 def sample(i, rng, version):
-    query = tasks.make_query(rng)
-    return p.TrainSample(f"s{i}", tasks.planner_prompt(query), tasks.make_query(rng), rng.uniform(-1, 1),
-                         [-1.0, -1.0, -1.0], [version])
+    query = digit_chain.make_query(rng)
+    return p.TrainSample(f"s{i}", digit_chain.planner_prompt(query), digit_chain.make_query(rng),
+                         rng.uniform(-1, 1), [-1.0, -1.0, -1.0], [version])
 
 
 def trained_handler(model_dir, steps=2):

@@ -1,12 +1,17 @@
-"""The embedded default task, "digit chain": three agents of different sizes in a chain.
+"""The built-in digit-chain job: vocabulary, task rules, tiny models, workflow, default config.
 
-A query is three random digits. Each agent reads what the agents before it wrote:
+Three agents of different sizes in a chain. A query is three random digits; each agent
+reads what the agents before it wrote:
 
     planner (small)   reads the query,                writes 3 tokens: the digits sorted
     solver  (large)   reads the planner's plan,       writes 6 tokens: each plan digit x
                                                       followed by (x + 1) % 10
     checker (medium)  reads the plan and the answer,  writes 1 token: the answer's largest
                                                       digit, the chain's final result
+
+The workflow (`episode`) branches: 4 plans per query, 4 answers per plan, 2 checks per
+answer, so 4 / 16 / 32 requests per query with output lengths 3 / 6 / 1: the skew the load
+balancer and allocator must absorb.
 
 Every reward is in [0, 1] and checked exactly against the agent's own input, so each agent
 is judged on its own job even when an agent before it erred.
@@ -23,26 +28,54 @@ probability WARMUP_CORRECT_PROB, otherwise a random digit. A model fitted to the
 largest probability on the right token, yet sampling at temperature 1 is often wrong, which
 leaves room for policy-gradient RL to raise the reward visibly within minutes.
 
-Plain functions over token-id lists; this module does no I/O and knows nothing about
-engines, workers or how the controller schedules the chain.
+The agents' models are described as `TINY_MODELS` recipes (see
+flexmarl.runtime.model_specs); `python -m flexmarl.workers.models --job
+flexmarl.controller.digit_chain --agent NAME` builds one. This module does no I/O, imports
+no torch and nothing from the workers, and knows nothing about engines or how the
+controller schedules the chain.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import random
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from flexmarl.workers.models import (
-    ANSWER_ID,
-    BOS_ID,
-    CHECK_ID,
-    DIGIT_IDS,
-    PLAN_ID,
-    QUERY_ID,
-    TinyModelSpec,
-    WarmupSchedule,
-    digit_of,
-)
+from flexmarl.runtime.model_specs import SPECIAL_TOKENS, TinyModelRecipe, TinyModelSpec, WarmupSchedule
+
+if TYPE_CHECKING:
+    from .workflow import EpisodeContext
+
+# ---- vocabulary ----------------------------------------------------------------------
+
+DIGIT_TOKENS = tuple(str(d) for d in range(10))
+# Tags mark the sections of a prompt and say what the model is to write next.
+TAG_TOKENS = ("<query>", "<plan>", "<answer>", "<check>")
+# Special tokens first, so <pad> is 0 and ids never move when tags are added at the end.
+VOCAB: tuple[str, ...] = SPECIAL_TOKENS + DIGIT_TOKENS + TAG_TOKENS
+TOKEN_ID: dict[str, int] = {token: index for index, token in enumerate(VOCAB)}
+
+PAD_ID = TOKEN_ID["<pad>"]
+BOS_ID = TOKEN_ID["<bos>"]
+EOS_ID = TOKEN_ID["<eos>"]
+UNK_ID = TOKEN_ID["<unk>"]
+QUERY_ID = TOKEN_ID["<query>"]
+PLAN_ID = TOKEN_ID["<plan>"]
+ANSWER_ID = TOKEN_ID["<answer>"]
+CHECK_ID = TOKEN_ID["<check>"]
+# DIGIT_IDS[d] is the token id of digit d.
+DIGIT_IDS: tuple[int, ...] = tuple(TOKEN_ID[t] for t in DIGIT_TOKENS)
+
+
+def digit_of(token_id: int) -> int | None:
+    """The digit a token id stands for, or None for any other token."""
+    offset = token_id - DIGIT_IDS[0]
+    return offset if 0 <= offset < 10 else None
+
+
+# ---- agents --------------------------------------------------------------------------
 
 PLANNER, SOLVER, CHECKER = "planner", "solver", "checker"
 
@@ -180,3 +213,57 @@ def warmup_examples(agent: str, rng: random.Random, n: int) -> list[tuple[Tokens
             prompt, target = checker_prompt(plan, answer), expected_verdict(answer)
         examples.append((prompt, _noisy(target, rng)))
     return examples
+
+
+def _seeded_warmup(agent: str) -> list[tuple[Tokens, Tokens]]:
+    # Seeded by the agent's name, so every builder of a recipe makes the same examples.
+    return warmup_examples(agent, random.Random(f"warmup-{agent}"), WARMUP_EXAMPLES)
+
+
+# What flexmarl.workers.models builds for `tiny:AGENT` (see flexmarl.runtime.model_specs).
+TINY_MODELS: dict[str, TinyModelRecipe] = {
+    name: TinyModelRecipe(spec, VOCAB, functools.partial(_seeded_warmup, name), WARMUP_VERSION,
+                          WARMUP_SCHEDULE)
+    for name, spec in AGENTS.items()
+}
+
+
+# ---- the workflow --------------------------------------------------------------------
+
+
+async def episode(ctx: EpisodeContext) -> None:
+    """One query down the chain; every branch runs concurrently."""
+    query = make_query(ctx.rng)
+    plans = await ctx.generate(PLANNER, planner_prompt(query))
+    for plan in plans:
+        ctx.reward(plan, planner_reward(query, plan.output_ids))
+
+    async def solve(plan_ids: list[int]) -> None:
+        answers = await ctx.generate(SOLVER, solver_prompt(plan_ids))
+        for answer in answers:
+            ctx.reward(answer, solver_reward(plan_ids, answer.output_ids))
+        await asyncio.gather(*(check(plan_ids, a.output_ids) for a in answers))
+
+    async def check(plan_ids: list[int], answer_ids: list[int]) -> None:
+        await ctx.env()  # e.g. running the answer in a sandbox before judging it
+        verdicts = await ctx.generate(CHECKER, checker_prompt(plan_ids, answer_ids))
+        for v in verdicts:
+            ctx.reward(v, checker_reward(plan_ids, answer_ids, v.output_ids))
+
+    await asyncio.gather(*(solve(p.output_ids) for p in plans))
+
+
+# ---- the embedded default job --------------------------------------------------------
+
+
+def default_config() -> dict[str, Any]:
+    """The embedded default job, as the raw dict a TOML file would give."""
+    group = {PLANNER: 4, SOLVER: 4, CHECKER: 2}
+    return {
+        "run": {"workflow": "digit_chain", "steps": 40},
+        "cluster": {"rollout_workers": 3, "trainer_workers": 1},
+        "pipeline": {"queries_per_step": 16, "micro_batch": 32},
+        "agents": {name: {"model": f"tiny:{name}", "group_size": group[name],
+                          "max_tokens": OUTPUT_LEN[name], "lr": 1e-3}
+                   for name in AGENTS},
+    }
