@@ -273,6 +273,8 @@ class VllmEngine:
             "reload_weights",
             kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
         )
+        if self.tied_embeddings:
+            self._engine.apply_model(_refresh_tied_head)
         # Cached prefixes hold keys and values computed by the old weights.
         self._engine.reset_prefix_cache()
         return time.perf_counter() - start
@@ -284,6 +286,21 @@ class VllmEngine:
         self._outstanding.clear()
         if engine is not None:
             engine.engine_core.shutdown()
+
+
+def _refresh_tied_head(model: torch.nn.Module) -> None:
+    """Re-derive a tied output head's kernel-side state from the new embedding matrix.
+
+    vLLM reloads layer by layer and rebuilds a layer's derived copies (on CPU, a matrix
+    repacked for the matmul kernel) only when that layer is given a weight. A tied head is
+    never given one (its weight arrives as the embedding's), so without this it would go on
+    computing logits from the old matrix. Rebuilding is idempotent; on GPU it is a no-op."""
+    head = model.get_submodule(TIED_HEAD.rpartition(".")[0])
+    embedding = model.get_submodule(TIED_EMBEDDING.rpartition(".")[0])
+    if head.weight is not embedding.weight:
+        raise RuntimeError("the engine's output head is no longer tied to its input embedding "
+                           "after a weight reload; restart the engine (LoadModel)")
+    head.quant_method.process_weights_after_loading(head)
 
 
 def without_tied_head(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
