@@ -90,8 +90,6 @@ class Experiment:
         if self.spawn_workers:
             t = self.config.transport
             self.local = LocalWorkers(self.address, self.run_dir / "logs",
-                                      heartbeat_interval_s=t.heartbeat_interval_s,
-                                      heartbeat_timeout_s=t.heartbeat_timeout_s,
                                       curve_dir=t.curve_dir, threads=cluster.threads_per_worker)
             for role, n in counts.items():
                 for i in range(n):

@@ -32,12 +32,9 @@ class WorkerProcess:
 
 class LocalWorkers:
     def __init__(self, address: str, log_dir: Path | None = None, *,
-                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
                  curve_dir: str = "", threads: int = 1, extra_env: dict[str, str] | None = None) -> None:
         self.address = address
         self.log_dir = log_dir
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.curve_dir = curve_dir
         self.threads = threads
         self.extra_env = extra_env or {}
@@ -46,8 +43,6 @@ class LocalWorkers:
     def start(self, role: str, worker_id: str) -> WorkerProcess:
         cmd = [sys.executable, "-m", "flexmarl.workers.main", "--role", role,
                "--connect", self.address, "--worker-id", worker_id,
-               "--heartbeat-interval", str(self.heartbeat_interval_s),
-               "--heartbeat-timeout", str(self.heartbeat_timeout_s),
                "--threads", str(self.threads)]
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]

@@ -80,6 +80,11 @@ class NoInstance(Exception):
     """No live rollout instance serves the agent."""
 
 
+class RequestRefused(Exception):
+    """The engine refused one request (empty, too long for the model, ids outside the
+    vocabulary, settings it rejects); only that request's episode fails."""
+
+
 class RequestsFailed(Exception):
     """Requests failed (or lost their instance) on `max_attempts` instances in a row."""
 
@@ -100,6 +105,7 @@ class RolloutClient:
         self._flush_scheduled: set[str] = set()
         self.messages_sent = 0
         self.reissued = 0
+        self.refused = 0
 
     def worker_died(self, worker: str) -> None:
         """A dead instance leaves every assignment (its unfinished work is re-issued by `_send`)."""
@@ -170,6 +176,16 @@ class RolloutClient:
                 self.outstanding[worker] -= cost[result.sample_id]
                 if not entry[1].done():
                     entry[1].set_result(result)
+            for refusal in msg.refused:  # fails its episode alone; never re-issued (same model, same refusal)
+                entry = waiting.pop(refusal.sample_id, None)
+                if entry is None:
+                    log.warning("%s refused unknown or repeated sample %s", worker, refusal.sample_id)
+                    continue
+                self.outstanding[worker] -= cost[refusal.sample_id]
+                self.refused += 1
+                if not entry[1].done():
+                    entry[1].set_exception(RequestRefused(f"{agent} on {worker} refused {refusal.sample_id}: "
+                                                          f"{refusal.reason}"))
             return msg.done
 
         msg = protocol.Generate(self.server.next_request_id(), agent, [req for req, _ in part])

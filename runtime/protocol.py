@@ -202,14 +202,26 @@ class GenResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     version: int
 
 
+class GenRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One sample the engine refused to run (empty prompt, too long for the model, a token
+    id outside the vocabulary, settings the engine rejects). Only this sample failed: the
+    worker is up and the rest of its batch runs. Retrying it on an instance of the same
+    model fails the same way."""
+
+    sample_id: str
+    reason: str
+
+
 class Generated(Message):
     # Rollout -> Controller: results of (part of) a Generate batch, plus current load.
+    # Every sample of the batch comes back exactly once, in `results` or in `refused`.
     KIND = Kind.GENERATED
     request_id: int
     agent: str
     results: list[GenResult]
     done: bool  # the last reply for this request_id
     load: dict[str, float] = {}
+    refused: list[GenRefused] = []
 
 
 class LoadWeights(Message):

@@ -6,6 +6,11 @@ finished completions with the sampled tokens' logprobs, abort, and replace the w
 place without restarting. New requests may be added between steps and join the running
 batch (continuous batching).
 
+A request the engine cannot run (empty prompt, prompt plus max_tokens over the model length,
+a token id outside the vocabulary, settings vLLM rejects) raises `RequestRefused` from
+`add` and leaves the engine and every other request untouched; any other exception means
+the engine itself is broken.
+
 Every call is synchronous and short (one engine step is milliseconds for the tiny models),
 except the constructor (seconds) and `load_weights`; a caller on an asyncio loop runs those
 two in a thread. The engine is not thread-safe: one caller at a time.
@@ -31,6 +36,41 @@ import torch
 # Read by vLLM when the engine is built; set before so in-process mode is the default here.
 # The engine core in a separate process would double the processes on a 2-core machine.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+# Checkpoint names of a tied output head and the input embedding it shares its matrix with
+# (Llama, Qwen2, Mistral, Qwen3, Gemma all use these names).
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+class RequestRefused(ValueError):
+    """One request cannot run in this engine; the engine and other requests are fine.
+
+    The message says what was wrong with the request. Retrying it elsewhere cannot help
+    unless the other engine has a larger max_model_len or vocabulary."""
+
+
+def refusal_reason(prompt_ids: Sequence[int], max_tokens: int, max_model_len: int,
+                   vocab_size: int) -> str | None:
+    """Why a request cannot run on an engine of this length and vocabulary, or None.
+
+    Checked before vLLM sees the request: with token-id prompts vLLM does not check the
+    ids at all (an id past the vocabulary fails the whole engine step, every request in it
+    with it), and it would silently cut an output short at max_model_len."""
+    if not prompt_ids:
+        return "the prompt is empty; a request needs at least one prompt token"
+    if max_tokens < 1:
+        return f"max_tokens is {max_tokens}; it must be at least 1"
+    if len(prompt_ids) + max_tokens > max_model_len:
+        return (f"the prompt's {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceed the "
+                f"engine's max_model_len {max_model_len}; shorten the prompt, lower max_tokens, "
+                "or load the model with a larger max_model_len")
+    low, high = min(prompt_ids), max(prompt_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        return (f"token id {bad} at position {list(prompt_ids).index(bad)} is outside the "
+                f"model's vocabulary [0, {vocab_size})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -88,6 +128,12 @@ class VllmEngine:
             disable_log_stats=True,
         )
         self._engine = self._llm.llm_engine
+        model_config = self._engine.model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        # A tied head is the embedding matrix itself: vLLM skips `lm_head.weight` when
+        # loading such a model, and Hugging Face checkpoints usually leave it out.
+        self.tied_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
         self._weight_shapes = checkpoint_weight_shapes(model_path)
         # request_id -> prompt tokens + max_tokens: the work it may still cost.
         self._outstanding: dict[str, int] = {}
@@ -107,25 +153,36 @@ class VllmEngine:
 
         The same prompt, seed and weights give the same tokens, whatever else is batched.
         Temperature 0 is greedy; its logprobs are then those of the unscaled distribution.
+        Raises `RequestRefused` (nothing queued, the engine unchanged) for a request that
+        cannot run here.
         """
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         if request_id in self._outstanding:
-            raise ValueError(f"request {request_id!r} is already in this engine")
-        params = SamplingParams(
-            n=1,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-            logprobs=0,  # only the sampled token's logprob
-            # Fixed-length outputs; without a tokenizer vLLM knows no EOS anyway.
-            ignore_eos=True,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        self._engine.add_request(request_id, tokens_input(list(prompt_ids)), params)
+            raise RequestRefused(f"request {request_id!r} is already in this engine")
+        reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
+        if reason is not None:
+            raise RequestRefused(f"request {request_id!r} refused: {reason}")
+        try:
+            params = SamplingParams(
+                n=1,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,
+                logprobs=0,  # only the sampled token's logprob
+                # Fixed-length outputs; without a tokenizer vLLM knows no EOS anyway.
+                ignore_eos=True,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            # vLLM validates the request completely before registering any of it, so a
+            # refusal here leaves nothing behind.
+            self._engine.add_request(request_id, tokens_input(list(prompt_ids)), params)
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            raise RequestRefused(f"vLLM refused request {request_id!r}: {exc}") from exc
         self._outstanding[request_id] = len(prompt_ids) + max_tokens
 
     def step(self) -> list[Completion]:
@@ -180,6 +237,10 @@ class VllmEngine:
         of its weights computes NaNs from then on, so a partial set is refused up front.
         Requests in flight would finish on a mix of old and new weights, so finish or abort
         them first.
+
+        With tied embeddings, `lm_head.weight` may be given or not (a `state_dict()` has
+        it, `named_parameters()` and the checkpoint usually do not): it is the embedding
+        matrix under a second name, so it is checked equal to it and dropped.
         """
         if self._outstanding:
             raise RuntimeError(
@@ -187,9 +248,13 @@ class VllmEngine:
                 "before load_weights so no sample mixes two policy versions"
             )
         weights = list(named_tensors)
+        if self.tied_embeddings:
+            weights = without_tied_head(weights)
         if self._weight_shapes is not None:
             given = {name for name, _ in weights}
             expected = set(self._weight_shapes)
+            if self.tied_embeddings:
+                expected.discard(TIED_HEAD)
             missing, unknown = expected - given, given - expected
             if missing or unknown:
                 raise ValueError(
@@ -208,6 +273,8 @@ class VllmEngine:
             "reload_weights",
             kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
         )
+        if self.tied_embeddings:
+            self._engine.apply_model(_refresh_tied_head)
         # Cached prefixes hold keys and values computed by the old weights.
         self._engine.reset_prefix_cache()
         return time.perf_counter() - start
@@ -219,6 +286,41 @@ class VllmEngine:
         self._outstanding.clear()
         if engine is not None:
             engine.engine_core.shutdown()
+
+
+def _refresh_tied_head(model: torch.nn.Module) -> None:
+    """Re-derive a tied output head's kernel-side state from the new embedding matrix.
+
+    vLLM reloads layer by layer and rebuilds a layer's derived copies (on CPU, a matrix
+    repacked for the matmul kernel) only when that layer is given a weight. A tied head is
+    never given one (its weight arrives as the embedding's), so without this it would go on
+    computing logits from the old matrix. Rebuilding is idempotent; on GPU it is a no-op."""
+    head = model.get_submodule(TIED_HEAD.rpartition(".")[0])
+    embedding = model.get_submodule(TIED_EMBEDDING.rpartition(".")[0])
+    if head.weight is not embedding.weight:
+        raise RuntimeError("the engine's output head is no longer tied to its input embedding "
+                           "after a weight reload; restart the engine (LoadModel)")
+    head.quant_method.process_weights_after_loading(head)
+
+
+def without_tied_head(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The weights of a tied-embedding model minus the head's alias of the embedding.
+
+    Dropped rather than loaded: vLLM's loader skips a tied alias anyway, so a head that
+    differed from the embedding would be ignored without a word; it is refused instead,
+    because it means the sender's model is not tied the way this one is."""
+    by_name = dict(weights)
+    head, embedding = by_name.get(TIED_HEAD), by_name.get(TIED_EMBEDDING)
+    if head is None:
+        return weights
+    same = embedding is not None and (
+        (head.data_ptr() == embedding.data_ptr() and head.shape == embedding.shape)
+        or torch.equal(head, embedding))
+    if embedding is not None and not same:
+        raise ValueError(f"this model ties {TIED_HEAD} to {TIED_EMBEDDING}, but the two given "
+                         "differ (was the sender's model built untied?); the engine keeps its "
+                         "previous weights")
+    return [(name, tensor) for name, tensor in weights if name != TIED_HEAD]
 
 
 def checkpoint_weight_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:

@@ -33,9 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect", required=True, metavar="ADDR",
                         help="the controller's address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--worker-id", default="", help="unique name (default: role-host-pid)")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
-    parser.add_argument("--handshake-timeout", type=float, default=30.0)
+    parser.add_argument("--handshake-timeout", type=float, default=30.0,
+                        help="seconds to wait for the controller's WELCOME (which sets the heartbeat)")
     parser.add_argument("--curve-dir", default="", help="CURVE keys (needed for non-loopback controllers)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-level", default="INFO")
@@ -44,9 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_worker(args: argparse.Namespace) -> int:
     limit_threads(args.threads)
     setup_logging(args.log_level, name=args.worker_id or f"{args.role}:{os.getpid()}")
-    cfg = TransportConfig(address=args.connect, heartbeat_interval_s=args.heartbeat_interval,
-                          heartbeat_timeout_s=args.heartbeat_timeout,
-                          handshake_timeout_s=args.handshake_timeout, curve_dir=args.curve_dir)
+    cfg = TransportConfig(address=args.connect, handshake_timeout_s=args.handshake_timeout,
+                          curve_dir=args.curve_dir)
 
     async def main() -> int:
         handler = make_handler(args.role)

@@ -1,9 +1,11 @@
 """A worker's session with the controller: register, heartbeat, execute, leave.
 
 `WorkerSession.run()` connects a DEALER, sends HELLO and waits (bounded) for WELCOME,
-then runs three named tasks: receiving commands, sending heartbeats, and the handler's
-own loop (if any). It ends when the controller says SHUTDOWN, refuses the worker, or
-falls silent for longer than the heartbeat timeout; the first task to fail ends them all.
+then runs three named tasks under `runtime.aio.supervise`: receiving commands, sending
+heartbeats, and the handler's own loop (if any). It ends when the controller says SHUTDOWN,
+refuses the worker, or falls silent for longer than the heartbeat timeout; the first task
+to end, for whatever reason, ends them all. Heartbeat interval and timeout are the
+controller's, from WELCOME; only the wait for WELCOME itself is the worker's setting.
 
 Workers make no decisions: a `CommandHandler` executes each command and replies. The
 session knows nothing about engines or models.
@@ -20,6 +22,7 @@ import uuid
 from typing import Any
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.aio import TaskEnded, supervise
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.transport import DealerSocket
 
@@ -46,11 +49,12 @@ class CommandHandler:
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         """Called from the receive loop: must return quickly (queue long work for `run`)."""
-        if isinstance(msg, protocol.Echo):
-            await self.reply(protocol.EchoReply(msg.request_id, msg.payload, self.load()), buffers)
-        else:
-            await self.reply(protocol.Error(getattr(msg, "request_id", 0),
-                                            f"{self.role} worker cannot handle {type(msg).__name__}"))
+        match msg:
+            case protocol.Echo():
+                await self.reply(protocol.EchoReply(msg.request_id, msg.payload, self.load()), buffers)
+            case _:
+                await self.reply(protocol.Error(getattr(msg, "request_id", 0),
+                                                f"{self.role} worker cannot handle {type(msg).__name__}"))
 
     async def run(self) -> None:
         """The handler's own loop (an engine's step loop, say). Default: nothing to do."""
@@ -76,8 +80,9 @@ class WorkerSession:
         # Unique per connection so a restarted worker with the same id is a new peer.
         identity = f"{self.worker_id}/{uuid.uuid4().hex[:8]}".encode()
         self.sock = DealerSocket(cfg, identity)
-        self.heartbeat_interval_s = cfg.heartbeat_interval_s
-        self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
+        # The controller's, from WELCOME: both ends must agree on when a peer is dead.
+        self.heartbeat_interval_s = 0.0
+        self.heartbeat_timeout_s = 0.0
         self._last_heard = time.monotonic()
 
     async def send(self, msg: protocol.Message, buffers: list[Any] = ()) -> None:
@@ -91,21 +96,15 @@ class WorkerSession:
             tasks = [asyncio.create_task(coro, name=name) for name, coro in (
                 ("receive", self._receive()), ("heartbeat", self._heartbeat()),
                 ("handler", self.handler.run()))]
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for task in done:
-                exc = task.exception()
-                if isinstance(exc, SessionEnded):
-                    log.info("worker %s: %s", self.worker_id, exc)
-                    return exc.exit_code
-                if exc is not None:
-                    log.error("worker %s: task %s failed: %r", self.worker_id, task.get_name(), exc)
-                    await self._say_bye(f"task {task.get_name()} failed: {exc!r}")
-                    return 1
-                log.error("worker %s: task %s ended early", self.worker_id, task.get_name())
-                return 1
+            await supervise(tasks, forever=True)
+            return 1  # not reached: with forever=True, supervise only ever raises
+        except TaskEnded as ended:
+            if isinstance(ended.cause, SessionEnded):
+                log.info("worker %s: %s", self.worker_id, ended.cause)
+                return ended.cause.exit_code
+            log.error("worker %s: %s", self.worker_id, ended)
+            if ended.cause is not None:
+                await self._say_bye(str(ended))
             return 1
         except SessionEnded as exc:
             log.error("worker %s: %s", self.worker_id, exc)
@@ -145,17 +144,17 @@ class WorkerSession:
             if inbound.error:
                 log.warning("worker %s dropped a message: %s", self.worker_id, inbound.error)
                 continue
-            msg = inbound.msg
-            if isinstance(msg, protocol.Heartbeat):
-                continue
-            if isinstance(msg, protocol.Shutdown):
-                raise SessionEnded(f"shutdown requested: {msg.reason}", 0)
-            if isinstance(msg, protocol.Reject):
-                raise SessionEnded(f"controller dropped this worker: {msg.reason}", 2)
-            if isinstance(msg, protocol.Error):
-                log.warning("controller reports: %s", msg.message)
-                continue
-            await self.handler.handle(msg, inbound.buffers)
+            match inbound.msg:
+                case protocol.Heartbeat():
+                    pass
+                case protocol.Shutdown(reason=reason):
+                    raise SessionEnded(f"shutdown requested: {reason}", 0)
+                case protocol.Reject(reason=reason):
+                    raise SessionEnded(f"controller dropped this worker: {reason}", 2)
+                case protocol.Error(message=message):
+                    log.warning("controller reports: %s", message)
+                case msg:
+                    await self.handler.handle(msg, inbound.buffers)
 
     async def _heartbeat(self) -> None:
         seq = 0

@@ -61,7 +61,8 @@ def training_state(model: Any, optimizer: Any, sums: StepSums | None = None) -> 
     """Everything needed to resume training exactly: weights, pending gradients, the
     optimizer's per-parameter state and the sums of the step in progress, as one flat
     name -> tensor map."""
-    tensors = {f"param/{k}": v.detach() for k, v in model.state_dict().items()}
+    # Parameters, not the state dict: a tied head is the embedding itself, listed once.
+    tensors = {f"param/{k}": v.detach() for k, v in model.named_parameters()}
     tensors.update({f"step/{k}": v for k, v in (sums.to_tensors() if sums else {}).items()})
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -230,9 +231,10 @@ class TrainerHandler(CommandHandler):
         state = self._resident(msg.agent)
         if msg.version != state.version:
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
-        source = {k: v.detach() for k, v in state.model.state_dict().items()}
+        # The parameters (a tied head is sent once, as the embedding; receivers know the tie).
+        source = {k: v.detach() for k, v in state.model.named_parameters()}
         if msg.transport == "shm":
-            if state.bucket is None and source.keys() == dict(state.model.named_parameters()).keys():
+            if state.bucket is None:
                 # From now on the parameters live in shared memory and a publish copies nothing.
                 state.bucket = self.channel().shared_bucket(source)
                 _point_parameters_at(state.model, state.bucket.tensors)

@@ -155,11 +155,12 @@ class FakeServer:
             if w == worker and not future.done():
                 future.set_exception(WorkerDied(worker, "killed by the test"))
 
-    def answer(self, request_id: int) -> None:
+    def answer(self, request_id: int, refuse: frozenset = frozenset()) -> None:
         worker, on_reply, future = self.streams[request_id]
         msg = next(m for w, m in self.sent if m.request_id == request_id)
-        results = [protocol.GenResult(it.sample_id, [7], [-0.1], 0) for it in msg.items]
-        if on_reply(protocol.Generated(request_id, msg.agent, results, True, {}), []):
+        results = [protocol.GenResult(it.sample_id, [7], [-0.1], 0) for it in msg.items if it.sample_id not in refuse]
+        refused = [protocol.GenRefused(it.sample_id, "prompt too long") for it in msg.items if it.sample_id in refuse]
+        if on_reply(protocol.Generated(request_id, msg.agent, results, True, {}, refused), []):
             future.set_result((None, []))
 
 
@@ -204,6 +205,24 @@ async def test_a_batch_whose_instances_keep_dying_fails_its_requests_instead_of_
         await task
     assert len(server.sent) == client.max_attempts  # never sent to a fourth instance
     assert sum(w.alive for w in server.registry.workers.values()) == 5 - client.max_attempts
+
+
+async def test_a_refused_request_fails_alone_and_is_never_reissued():
+    from flexmarl.controller.router import RequestRefused
+
+    server = FakeServer(["r0", "r1"])
+    client = RolloutClient(server)
+    client.assignment = {"a": ["r0", "r1"]}
+    good = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("ok", [1], 2, 1.0, 0)]))
+    bad = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("long", [1] * 99, 2, 1.0, 0)]))
+    await until(lambda: len(server.sent) == 1)  # both coalesced into one batch
+    server.answer(server.sent[0][1].request_id, refuse=frozenset({"long"}))
+    assert [r.sample_id for r in await good] == ["ok"]
+    with pytest.raises(RequestRefused, match="refused long: prompt too long"):
+        await bad
+    await asyncio.sleep(0.01)
+    assert len(server.sent) == 1 and client.refused == 1 and client.reissued == 0
+    assert client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
 
 
 async def test_an_instance_removed_from_the_assignment_gets_no_new_requests():

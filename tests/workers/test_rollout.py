@@ -1,6 +1,7 @@
 """The rollout worker's weight handling, run directly: on a real vLLM engine, and on a
 stand-in for the engine where only what the handler does with the channel matters."""
 
+import asyncio
 import random
 
 import pytest
@@ -91,3 +92,60 @@ def test_weights_synced_over_tcp_free_their_receive_buffer_once_loaded():
             assert handler.version == version
             assert handler._channel.held_receive_buffers() <= 1  # one spare, reused by the next sync
     handler.close()
+
+
+class Outbox:
+    """Stands in for the session: collects what the handler sends."""
+
+    def __init__(self):
+        self.sent = []
+        self.arrived = asyncio.Event()
+
+    async def send(self, msg, buffers=()):
+        self.sent.append(msg)
+        self.arrived.set()
+
+
+async def generate(handler, outbox, request_id, items):
+    await handler.handle(p.Generate(request_id, handler.agent, items), [])
+    while not any(isinstance(m, p.Generated) and m.request_id == request_id and m.done for m in outbox.sent):
+        outbox.arrived.clear()
+        await asyncio.wait_for(outbox.arrived.wait(), 60)
+    replies = [m for m in outbox.sent if isinstance(m, p.Generated) and m.request_id == request_id]
+    return ({r.sample_id: r for m in replies for r in m.results},
+            {r.sample_id: r.reason for m in replies for r in m.refused})
+
+
+async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path):
+    spec = digit_chain.AGENTS["planner"]
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler._load_model(p.LoadModel(1, "planner", str(models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")), 0,
+                                    max_model_len=64))
+    rng = random.Random(5)
+    good = [p.GenRequest(f"good-{i}", digit_chain.planner_prompt(digit_chain.make_query(rng)), 6, 1.0, i) for i in range(4)]
+    bad = [
+        p.GenRequest("empty", [], 6, 1.0, 0),
+        p.GenRequest("too-long", [digit_chain.BOS_ID] * 60, 6, 1.0, 0),  # 60 + 6 > max_model_len 64
+        p.GenRequest("oov", [digit_chain.BOS_ID, len(digit_chain.VOCAB) + 7], 6, 1.0, 0),
+        p.GenRequest("bad-temperature", good[0].prompt_ids, 6, -1.0, 0),  # refused by vLLM itself
+    ]
+    loop = asyncio.create_task(handler.run())
+    try:
+        results, refused = await generate(handler, outbox, 2, [good[0], bad[0], good[1], bad[1], good[2],
+                                                               bad[2], bad[3], good[3]])
+        assert sorted(results) == [f"good-{i}" for i in range(4)]
+        assert sorted(refused) == sorted(b.sample_id for b in bad)
+        assert "empty" in refused["empty"] and "max_model_len 64" in refused["too-long"]
+        assert f"token id {len(digit_chain.VOCAB) + 7}" in refused["oov"]
+        assert "vLLM refused" in refused["bad-temperature"]
+        # the refusals changed nothing for the others: alone they sample the same tokens
+        again, none = await generate(handler, outbox, 3, [
+            p.GenRequest(f"again-{i}", r.prompt_ids, r.max_tokens, r.temperature, r.seed) for i, r in enumerate(good)])
+        assert not none and not loop.done()
+        assert [again[f"again-{i}"].token_ids for i in range(4)] == [results[f"good-{i}"].token_ids for i in range(4)]
+        assert handler.engine.num_queued_requests == 0
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        handler.close()
