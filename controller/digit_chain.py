@@ -263,7 +263,9 @@ def default_config() -> dict[str, Any]:
         "run": {"workflow": "digit_chain", "steps": 40},
         "cluster": {"rollout_workers": 3, "trainer_workers": 1},
         "pipeline": {"queries_per_step": 16, "micro_batch": 32},
+        # Fixed-length outputs (the rewards score each position): the end-of-sequence
+        # token does not end them.
         "agents": {name: {"model": f"tiny:{name}", "group_size": group[name],
-                          "max_tokens": OUTPUT_LEN[name], "lr": 1e-3}
+                          "max_tokens": OUTPUT_LEN[name], "lr": 1e-3, "ignore_eos": True}
                    for name in AGENTS},
     }

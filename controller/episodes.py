@@ -32,8 +32,9 @@ from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
 class EpisodeProducer:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: Any,
                  schedule: BatchSchedule, emit: Callable[[ev.Event], Any], dataset: Dataset | None = None,
-                 tools: Executor | None = None) -> None:
+                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
+        self.tokenizers = tokenizers if tokenizers is not None else {}  # agent -> AgentTokenizer
         self.tools = tools  # the pool ctx.call runs blocking functions in
         self.emit = emit
         self.dataset = dataset  # episode g (over the run) gets row dataset.item(g)
@@ -56,7 +57,8 @@ class EpisodeProducer:
                                      self.store, self.client, self.defaults, seed,
                                      self.cfg.run.env_latency_ms, gate=self.schedule.gate,
                                      item=self.dataset.item(g) if self.dataset else None,
-                                     tools=self.tools, tool_timeout_s=p.tool_timeout_s)
+                                     tools=self.tools, tool_timeout_s=p.tool_timeout_s,
+                                     tokenizers=self.tokenizers)
                 if await run_episode(self.workflow, ctx, p.episode_timeout_s):
                     self.failed += 1
             finally:

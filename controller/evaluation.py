@@ -40,8 +40,9 @@ def evaluation_steps(every: int, steps: int, at_start: bool) -> list[int]:
 class Evaluator:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, client: Any, schedule: BatchSchedule,
                  metrics: Any, emit: Callable[[ev.Event], Any], dataset: Dataset | None,
-                 tools: Executor | None = None) -> None:
+                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
+        self.tokenizers = tokenizers if tokenizers is not None else {}  # agent -> AgentTokenizer
         self.tools = tools
         self.workflow = workflow
         self.client = client  # generate(agent, requests)
@@ -72,7 +73,7 @@ class Evaluator:
                                      self.client, self.defaults, seed, self.cfg.run.env_latency_ms,
                                      item=self.dataset.item(i) if self.dataset else None,
                                      eval_temperature=e.temperature, tools=self.tools,
-                                     tool_timeout_s=self.cfg.pipeline.tool_timeout_s)
+                                     tool_timeout_s=self.cfg.pipeline.tool_timeout_s, tokenizers=self.tokenizers)
                 if await run_episode(self.workflow, ctx, self.cfg.pipeline.episode_timeout_s):
                     failed += 1
 

@@ -62,15 +62,15 @@ class Reassignment:
 
 class Rebalancer:
     def __init__(self, cfg: RouterConfig, agents: list[str], client: Any, server: Any, weights: Any,
-                 model_path: dict[str, str], seed: int, emit: Callable[[ev.Event], Any],
-                 finished: Callable[[], bool]) -> None:
+                 model_path: dict[str, str], load_model_message: Callable[[str], protocol.LoadModel],
+                 emit: Callable[[ev.Event], Any], finished: Callable[[], bool]) -> None:
         self.cfg = cfg
         self.agents = list(agents)
         self.client = client  # assignment, instances(), outstanding, dispatched_tokens
         self.server = server  # call(), next_request_id(), registry.workers (heartbeat loads)
         self.weights = weights  # locks, synced, served(), bring_up_to_date()
-        self.model_path = model_path
-        self.seed = seed
+        self.model_path = model_path  # to tell whether two agents' engines have the same shape
+        self.load_model_message = load_model_message  # agent -> the LoadModel that starts its engine
         self.emit = emit
         self.finished = finished
         self.reassignments: list[Reassignment] = []
@@ -145,8 +145,7 @@ class Rebalancer:
         return done
 
     async def _load_model(self, worker: str, agent: str) -> None:
-        await self.server.call(worker, protocol.LoadModel(self.server.next_request_id(), agent,
-                                                          self.model_path[agent], 0, seed=self.seed))
+        await self.server.call(worker, self.load_model_message(agent))
         self.weights.served(worker, agent, 0)
 
     async def _join(self, worker: str, src: str, dst: str) -> bool:

@@ -50,6 +50,7 @@ from .rebalance import Rebalancer
 from .router import RolloutClient
 from .schedule import BatchSchedule
 from .store import ExperienceStore
+from .tokens import AgentTokenizer, has_tokenizer
 from .trackers import open_trackers
 from .weight_sync import WeightSync
 from .user_code import load_workflow
@@ -127,10 +128,11 @@ class TrainingRun:
                                cfg.run.steps * p.queries_per_step)
         eval_data = data_of(cfg.data.eval, cfg, "", 0, shuffle=False)
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
+        self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
-                                        self.dataset, self.tools)
+                                        self.dataset, self.tools, self.tokenizers)
         self.evaluator = Evaluator(cfg, self.workflow, self.client, self.schedule, self.metrics, emit, eval_data,
-                                   self.tools)
+                                   self.tools, self.tokenizers)
         self.model_path: dict[str, str] = {}
         self.allocator: TrainerAllocator | None = None
         self.pipelines: dict[str, AgentPipeline] = {}
@@ -189,6 +191,8 @@ class TrainingRun:
         cfg = self.cfg
         for agent in self.agents:
             self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model)
+            if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
+                self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
         weight = {a: self._expected_tokens(a) for a in self.agents}
         self.client.assignment = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
         for agent in self.agents:
@@ -203,7 +207,8 @@ class TrainingRun:
                           for a in self.agents}
         if cfg.router.across_agents:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.client, self.server, self.weights,
-                                         self.model_path, cfg.run.seed, self.emit, lambda: self.schedule.finished)
+                                         self.model_path, self.load_model_message, self.emit,
+                                         lambda: self.schedule.finished)
         await asyncio.gather(*(self._load_model(a, w) for a, ws in self.client.assignment.items() for w in ws),
                              self._init_agents())
         self.ready.set()
@@ -231,11 +236,14 @@ class TrainingRun:
         return a.group_size * a.max_tokens * (1 + self.agents.index(agent))
 
     async def _load_model(self, agent: str, worker: str) -> None:
-        msg = protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
-                                 seed=self.cfg.run.seed)
-        reply, _ = await self.server.call(worker, msg)
+        reply, _ = await self.server.call(worker, self.load_model_message(agent))
         self.weights.served(worker, agent, 0)
         log.info("%s serves %s (%.1fs to start the engine)", worker, agent, reply.seconds)
+
+    def load_model_message(self, agent: str) -> protocol.LoadModel:
+        """What starts an engine on `agent`'s model (at version 0, the model directory's weights)."""
+        return protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
+                                  seed=self.cfg.run.seed, max_model_len=self.cfg.agents[agent].max_model_len or 64)
 
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN

@@ -174,9 +174,10 @@ class EpisodeContext:
             if messages is not None:
                 s.messages = list(messages)
         results = await self._generate(agent, [(s, s.sample_id, list(s.prompt_ids)) for s in samples], sampling)
+        stop = sampling.get("stop") or self.agents[agent].stop
         for s, r in zip(samples, results):
             self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version])
-            self._after_turn(s, r.token_ids)
+            self._after_turn(s, r, stop)
         return samples
 
     async def _turn(self, sample: Sample, appended: list[int], sampling: dict) -> Sample:
@@ -189,7 +190,7 @@ class EpisodeContext:
         context = list(sample.prompt_ids) + list(sample.output_ids) + appended
         (r,) = await self._generate(sample.agent, [(sample, request_id, context)], sampling)
         self.store.record_turn(sample.sample_id, appended, r.token_ids, r.logprobs, r.version)
-        self._after_turn(sample, r.token_ids)
+        self._after_turn(sample, r, sampling.get("stop") or self.agents[sample.agent].stop)
         return sample
 
     async def _wait_at_gate(self, agent: str) -> None:
@@ -219,10 +220,14 @@ class EpisodeContext:
         by_id = {r.sample_id: r for r in results}
         return [by_id[request_id] for _, request_id, _ in items]
 
-    def _after_turn(self, sample: Sample, token_ids: list[int]) -> None:
+    def _after_turn(self, sample: Sample, result: protocol.GenResult, stop: list[str]) -> None:
         tok = self.tokenizers.get(sample.agent)
         if tok is not None:
-            sample.text = tok.decode(token_ids)
+            sample.text = tok.decode(result.token_ids)
+            if result.finish_reason == "stop" and stop:  # the ids keep a stop string's last token; the text does not
+                cut = min((i for i in (sample.text.find(x) for x in stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    sample.text = sample.text[:cut]
             if sample.messages is not None:
                 sample.messages = sample.messages + [{"role": "assistant", "content": sample.text}]
 

@@ -61,7 +61,7 @@ class AgentConfig:
     # Sampling (every ctx.generate / ctx.chat call may override these).
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
-    stop: list[str] = field(default_factory=list)  # generation ends before these strings
+    stop: list[str] = field(default_factory=list)  # generation ends at these strings (cut from sample.text)
     stop_token_ids: list[int] = field(default_factory=list)  # ... or at these tokens
     ignore_eos: bool = False  # true: always write max_tokens tokens (fixed-length outputs)
     max_model_len: int = 0  # the engine's context length (prompt + output); 0: 64, or the model's if shorter

@@ -180,7 +180,7 @@ class GenRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     seed: int
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
-    stop: list[str] = []  # generation ends before any of these strings (not included)
+    stop: list[str] = []  # generation ends at any of these strings (cut from the text; the ids keep its last token)
     stop_token_ids: list[int] = []  # ... or at any of these tokens (included)
     ignore_eos: bool = False  # True: always write max_tokens tokens
 
@@ -200,6 +200,9 @@ class GenResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     token_ids: list[int]
     logprobs: list[float]
     version: int
+    # Why it ended: "length" (max_tokens), "stop" (end of sequence, a stop token or a stop
+    # string; the ids keep the token that completed a stop string), "" if not said.
+    finish_reason: str = ""
 
 
 class GenRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

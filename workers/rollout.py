@@ -166,7 +166,9 @@ class RolloutHandler(CommandHandler):
         refused = []
         for it in msg.items:
             try:
-                self.engine.add(it.sample_id, it.prompt_ids, it.max_tokens, it.temperature, it.seed)
+                self.engine.add(it.sample_id, it.prompt_ids, it.max_tokens, it.temperature, it.seed,
+                                top_p=it.top_p, top_k=it.top_k, stop=it.stop, stop_token_ids=it.stop_token_ids,
+                                ignore_eos=it.ignore_eos)
             except RequestRefused as exc:
                 log.warning("%s: %s", msg.agent, exc)
                 refused.append(protocol.GenRefused(it.sample_id, str(exc)))
@@ -192,7 +194,8 @@ class RolloutHandler(CommandHandler):
             request_id = self._sample_batch.pop(c.request_id)
             version = self._sample_version.pop(c.request_id)
             done_by_batch[request_id].append(protocol.GenResult(c.request_id, list(c.token_ids),
-                                                                [float(x) for x in c.logprobs], version))
+                                                                [float(x) for x in c.logprobs], version,
+                                                                c.finish_reason or ""))
             tokens += len(c.token_ids)
         self.tokens_done += tokens
         if dt > 0:

@@ -280,7 +280,8 @@ class FakeRun:
         # the weight sync's own tables, under the names the tests use
         self.sync_lock, self.synced, self.published = self.weights.locks, self.weights.synced, self.weights.published
         self.rebalancer = Rebalancer(RouterConfig(), list(assignment), self.client, self.server, self.weights,
-                                     self.model_path, 0, self.emit, lambda: False)
+                                     self.model_path, lambda a: protocol.LoadModel(1, a, self.model_path[a], 0),
+                                     self.emit, lambda: False)
         self.reassignments = self.rebalancer.reassignments
 
     def emit(self, event) -> None:
@@ -393,8 +394,8 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
     workers = {w: types.SimpleNamespace(load={"busy_s": 0.0}) for ws in assignment.values() for w in ws}
     server = types.SimpleNamespace(registry=types.SimpleNamespace(workers=workers))
     done = {"trained": False}
-    balancer = rebalance.Rebalancer(cfg.router, agents, client, server, weights=None, model_path={}, seed=0,
-                                    emit=log.emit, finished=lambda: done["trained"])
+    balancer = rebalance.Rebalancer(cfg.router, agents, client, server, weights=None, model_path={},
+                                    load_model_message=None, emit=log.emit, finished=lambda: done["trained"])
 
     async def fake_reassign(worker, src, dst, why=""):  # the move itself is not under test
         assignment[src].remove(worker)

@@ -37,7 +37,7 @@ def build(arch: str, tied: bool, out) -> None:
     model = AutoModelForCausalLM.from_config(config(arch, tied), dtype=torch.float32)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     examples = tasks.warmup_examples(tasks.SOLVER, random.Random(0), 1024)
-    models.warm_up(model, examples, models.WarmupSchedule(steps=80, batch_size=32, lr=3e-3), 0)
+    models.warm_up(model, examples, models.WarmupSchedule(steps=80, batch_size=32, lr=3e-3), 0, tasks.PAD_ID)
     model.save_pretrained(out, safe_serialization=True)
     models.build_tokenizer(tasks.VOCAB).save_pretrained(out)
 

@@ -35,7 +35,7 @@ class FakeEngine:
     def __init__(self):
         self.queued: dict[str, int] = {}
 
-    def add(self, request_id, prompt_ids, max_tokens, temperature, seed):
+    def add(self, request_id, prompt_ids, max_tokens, temperature, seed, **sampling):
         reason = refusal_reason(prompt_ids, max_tokens, MAX_MODEL_LEN, VOCAB)
         if reason:
             raise RequestRefused(f"request {request_id!r} refused: {reason}")

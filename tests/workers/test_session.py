@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import contextlib
 
+import pytest
+
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.transport import RouterSocket
