@@ -78,8 +78,9 @@ class AgentTokenizer:
         content_end = old.rfind(before[-1]["content"]) + len(before[-1]["content"])
         delta = old[content_end:] + delta
         eos_text = self.tok.eos_token or ""
-        if ended_with_eos and eos_text and delta.startswith(eos_text):
-            delta = delta[len(eos_text):]
+        at = delta.find(eos_text) if ended_with_eos and eos_text else -1
+        if at >= 0 and not delta[:at].strip():  # the engine's turn already ends with it
+            delta = delta[:at] + delta[at + len(eos_text):]
         return self._encode_rendered(delta)
 
     def _encode_rendered(self, text: str) -> list[int]:
