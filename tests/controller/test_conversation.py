@@ -67,7 +67,7 @@ async def test_text_and_chat_prompts_use_the_agents_tokenizer_and_outputs_are_th
                                            add_generation_prompt=True, tokenize=True)
     assert engine.requests[2].prompt_ids == list(expected["input_ids"] if "input_ids" in expected else expected)
     assert [s.output_ids for s in texts + chats] == [[12, 2], [13, 2], [12, 2], [14, 2]]
-    assert [s.text for s in chats] == ["three", "four"]
+    assert [s.text for s in chats] == ["three", "wrong"]
     assert chats[0].messages[-1] == {"role": "assistant", "content": "three"}
 
 
