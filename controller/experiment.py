@@ -61,6 +61,9 @@ class Experiment:
     async def __aenter__(self) -> "Experiment":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(self.config))
+        # The log says a worker died before anything reacts to it.
+        self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
+        self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         # Built before any worker starts: a bad workflow path or dataset fails here, at once.
         self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
                                     flush_events=self.flush_events, worker_ids=self.worker_ids)
@@ -68,8 +71,6 @@ class Experiment:
         (self.run_dir / "controller.address").write_text(address + "\n")
         if self.config.run.event_log:
             self.events = EventLog(self.run_dir / "events.log")
-        self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
-        self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
                        asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
         if self.events is not None:

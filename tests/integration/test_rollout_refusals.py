@@ -50,7 +50,8 @@ async def test_a_worker_process_refuses_bad_prompts_alone_and_keeps_serving(tmp_
         await until(router, 1, p.ModelLoaded)
 
         rng = random.Random(1)
-        good = [p.GenRequest(f"good-{i}", tasks.planner_prompt(tasks.make_query(rng)), 6, 1.0, i) for i in range(3)]
+        good = [p.GenRequest(f"good-{i}", tasks.planner_prompt(tasks.make_query(rng)), 6, 1.0, i, ignore_eos=True)
+                for i in range(3)]
         bad = [p.GenRequest("empty", [], 6, 1.0, 0), p.GenRequest("oov", [tasks.BOS_ID, 10_000], 6, 1.0, 0)]
         await router.send(identity, p.Generate(2, "planner", [bad[0], *good, bad[1]]))
         replies = await until(router, 2, p.Generated)
