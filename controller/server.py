@@ -88,6 +88,9 @@ class ControllerServer:
             except Exception:  # a handler bug must not take the control plane down
                 self.rejected["handler error"] += 1
                 log.exception("error while handling a message from %r", inbound.identity)
+            # A recv whose message is already queued completes without suspending: under a
+            # flood this loop would never give the heartbeats or the driver a turn.
+            await asyncio.sleep(0)
 
     async def heartbeat(self) -> None:
         """Sends a heartbeat to every live worker each interval; declares silent ones dead."""

@@ -154,6 +154,7 @@ class WorkerSession:
 
     async def _receive(self) -> None:
         while True:
+            await asyncio.sleep(0)  # a queued message is received without suspending: yield
             inbound = await self.sock.recv()
             self._last_heard = time.monotonic()
             if inbound.error:

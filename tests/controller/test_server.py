@@ -165,6 +165,38 @@ async def test_a_peer_that_never_reads_cannot_stall_the_controller():
             deaf.close()
 
 
+async def test_a_flood_of_queued_garbage_does_not_starve_the_other_tasks():
+    # Frames already queued make each receive complete at once; the receive loop must
+    # still let other tasks (heartbeats, the training driver) run between messages.
+    server = ControllerServer(CFG)
+    server.bind()
+    ctx = zmq.Context()
+    flooder = ctx.socket(zmq.DEALER)
+    flooder.setsockopt(zmq.LINGER, 0)
+    flooder.connect(server.address)
+    for _ in range(200):
+        flooder.send_multipart([b"\x00\x01"])
+    await asyncio.sleep(0.5)  # let them reach the controller's queues
+    seen = []
+
+    async def ticker():
+        while True:
+            seen.append(sum(server.rejected.values()))
+            await asyncio.sleep(0)
+
+    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(ticker())]
+    try:
+        assert await wait_for(lambda: sum(server.rejected.values()) == 200, 5)
+        assert len({n for n in seen if 0 < n < 200}) >= 100
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        flooder.close()
+        ctx.term()
+        server.close()
+
+
 async def test_wrong_protocol_version_is_refused_with_a_reason():
     async with controller() as server, healthy_worker(server):
         bad = raw_dealer(server)
