@@ -63,6 +63,7 @@ class ControllerServer:
         self.registry = WorkerRegistry()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.undelivered: collections.Counter[str] = collections.Counter()
+        self._not_reading: set[bytes] = set()  # peers already warned about (one line each)
         self.on_joined: list[Callable[[WorkerInfo], None]] = []
         self.on_died: list[Callable[[WorkerInfo], None]] = []
         self._pending: dict[int, _Pending] = {}
@@ -207,6 +208,8 @@ class ControllerServer:
             await self.socket.send(identity, msg, buffers)
         except zmq.ZMQError as exc:
             self._send_failed(identity, msg, exc)
+        else:
+            self._not_reading.discard(identity)
 
     def _send_failed(self, identity: bytes, msg: protocol.Message, exc: zmq.ZMQError) -> None:
         info = self.registry.by_identity(identity)
@@ -217,8 +220,12 @@ class ControllerServer:
             return
         if exc.errno == zmq.EAGAIN:  # its queue is full: it is not reading
             self.undelivered["peer not reading"] += 1
-            log.log(logging.WARNING if info is not None else logging.DEBUG,
-                    "dropped %s to %r: its queue is full (it is not reading)", type(msg).__name__, identity)
+            warn = info is not None and identity not in self._not_reading
+            if info is not None:
+                self._not_reading.add(identity)
+            log.log(logging.WARNING if warn else logging.DEBUG,
+                    "dropping messages to %r: its queue is full (it is not reading); counted in "
+                    "undelivered until it reads again", identity)
             return
         self.undelivered["send error"] += 1
         log.warning("cannot send %s to %r: %s", type(msg).__name__, identity, exc)

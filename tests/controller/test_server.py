@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 
 import msgspec
 import pytest
@@ -55,10 +56,12 @@ async def echo(server, worker_id, payload=b"ping"):
     assert bytes(buffers[0]) == b"buf"
 
 
-def raw_dealer(server, identity=b"raw"):
+def raw_dealer(server, identity=b"raw", options=()):
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)
+    for option, value in options:
+        sock.setsockopt(option, value)
     sock.connect(server.address)
     return sock
 
@@ -141,9 +144,9 @@ async def test_a_peer_that_never_reads_cannot_stall_the_controller():
     # Each malformed message from a registered peer earns it an Error notice; this one
     # never reads them, so its queue fills. The controller must drop further notices to
     # it rather than wait, and go on accepting and serving other workers.
-    async with controller() as server:
-        deaf = raw_dealer(server, b"deaf")
-        deaf.setsockopt(zmq.RCVHWM, 1)
+    async with controller(dataclasses.replace(CFG, heartbeat_timeout_s=60.0)) as server:
+        # Small queues and kernel buffer on its side: the controller's queue fills sooner.
+        deaf = raw_dealer(server, b"deaf", [(zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)])
         try:
             await deaf.send_multipart(hello("deaf"))
             await asyncio.wait_for(deaf.recv_multipart(), 2)  # WELCOME
