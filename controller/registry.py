@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from flexmarl.runtime import protocol
 
 ROLES = ("rollout", "trainer")
+# Worker ids name files, log lines and metrics; a longer one is a malformed HELLO.
+MAX_WORKER_ID_CHARS = 128
 
 
 class RegistrationRefused(Exception):
@@ -44,9 +46,13 @@ class WorkerRegistry:
                 f"protocol version {hello.protocol_version} is not supported (controller speaks "
                 f"{protocol.PROTOCOL_VERSION}); run the same FlexMARL version everywhere")
         if hello.role not in ROLES:
-            raise RegistrationRefused(f"unknown role {hello.role!r} (expected one of {ROLES})")
+            raise RegistrationRefused(f"unknown role {protocol.shorten(repr(hello.role), 60)} "
+                                      f"(expected one of {ROLES})")
         if not hello.worker_id:
             raise RegistrationRefused("empty worker id")
+        if len(hello.worker_id) > MAX_WORKER_ID_CHARS:
+            raise RegistrationRefused(f"worker id of {len(hello.worker_id)} characters is longer than "
+                                      f"{MAX_WORKER_ID_CHARS}; choose a shorter --worker-id")
         current = self.workers.get(hello.worker_id)
         if current is not None and current.alive:
             raise RegistrationRefused(

@@ -2,8 +2,11 @@
 
 `ControllerServer` accepts workers (HELLO -> WELCOME or REJECT), exchanges heartbeats with
 every live worker, declares a silent one dead, and turns request/reply pairs into awaitable
-calls. A malformed or unexpected message is logged with its reason, counted in `rejected`,
-and dropped; it never stops the loop.
+calls. A malformed or unexpected message is logged with its reason, counted in `rejected`
+(by a fixed category, so a flood of distinct garbage cannot grow it), and dropped; it never
+stops the loop. Sends never wait on a peer that does not read: a notice to it is dropped
+(counted in `undelivered`), a request waits at most the heartbeat timeout and then the
+worker is declared dead.
 
 It knows nothing about agents, samples or training: the experiment drives it through
 `call`, `stream`, `workers` and the joined/died listeners.
@@ -59,6 +62,8 @@ class ControllerServer:
         self.socket = RouterSocket(cfg)
         self.registry = WorkerRegistry()
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.undelivered: collections.Counter[str] = collections.Counter()
+        self._not_reading: set[bytes] = set()  # peers already warned about (one line each)
         self.on_joined: list[Callable[[WorkerInfo], None]] = []
         self.on_died: list[Callable[[WorkerInfo], None]] = []
         self._pending: dict[int, _Pending] = {}
@@ -82,7 +87,11 @@ class ControllerServer:
             try:
                 await self._dispatch(inbound)
             except Exception:  # a handler bug must not take the control plane down
+                self.rejected["handler error"] += 1
                 log.exception("error while handling a message from %r", inbound.identity)
+            # A recv whose message is already queued completes without suspending: under a
+            # flood this loop would never give the heartbeats or the driver a turn.
+            await asyncio.sleep(0)
 
     async def heartbeat(self) -> None:
         """Sends a heartbeat to every live worker each interval; declares silent ones dead."""
@@ -136,7 +145,24 @@ class ControllerServer:
         info = self.registry.workers.get(worker_id)
         if info is None or not info.alive:
             return  # the future already carries WorkerDied
-        await self._send(info.identity, msg, buffers)
+        # Its queue is full only if it has not read SEND_HWM messages: wait for it, bounded
+        # like silence is, then treat it as dead (which fails this request's future).
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+        pause = 0.001
+        while info.alive:
+            try:
+                await self.socket.send(info.identity, msg, buffers)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    self._declare_dead(info, f"not reading: its queue stayed full for "
+                                             f"{self.cfg.heartbeat_timeout_s}s")
+                    return
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.05)
+            except zmq.ZMQError as exc:
+                self._send_failed(info.identity, msg, exc)
+                return
 
     async def broadcast_shutdown(self, reason: str) -> None:
         self.closing = True
@@ -177,26 +203,46 @@ class ControllerServer:
     # ------------------------------------------------------------ internals
 
     async def _send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
+        """A notice (heartbeat, error, welcome, reject): sent now or dropped, never awaited."""
         try:
             await self.socket.send(identity, msg, buffers)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected
-            info = self.registry.by_identity(identity)
-            if info is not None and exc.errno == zmq.EHOSTUNREACH:
-                self._declare_dead(info, "connection lost")
-            else:
-                log.warning("cannot send %s to %r: %s", type(msg).__name__, identity, exc)
+        except zmq.ZMQError as exc:
+            self._send_failed(identity, msg, exc)
+        else:
+            self._not_reading.discard(identity)
 
-    def _reject(self, identity: bytes, reason: str) -> None:
-        self.rejected[reason.split(":")[0]] += 1
-        log.warning("dropped message from %r: %s", identity, reason)
+    def _send_failed(self, identity: bytes, msg: protocol.Message, exc: zmq.ZMQError) -> None:
+        info = self.registry.by_identity(identity)
+        if exc.errno == zmq.EHOSTUNREACH:  # the peer disconnected
+            self.undelivered["peer gone"] += 1
+            if info is not None:
+                self._declare_dead(info, "connection lost")
+            return
+        if exc.errno == zmq.EAGAIN:  # its queue is full: it is not reading
+            self.undelivered["peer not reading"] += 1
+            warn = info is not None and identity not in self._not_reading
+            if info is not None:
+                self._not_reading.add(identity)
+            log.log(logging.WARNING if warn else logging.DEBUG,
+                    "dropping messages to %r: its queue is full (it is not reading); counted in "
+                    "undelivered until it reads again", identity)
+            return
+        self.undelivered["send error"] += 1
+        log.warning("cannot send %s to %r: %s", type(msg).__name__, identity, exc)
+
+    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
+        """Counts a dropped inbound message under `reason` (a fixed category) and logs why."""
+        self.rejected[reason] += 1
+        log.warning("dropped message from %r: %s", identity, protocol.shorten(detail, 300))
 
     async def _dispatch(self, inbound: Inbound) -> None:
         now = time.monotonic()
         info = self.registry.by_identity(inbound.identity)
         if inbound.error:
-            self._reject(inbound.identity, inbound.error)
+            self._reject(inbound.identity, inbound.reason, inbound.error)
             if info is not None:
-                await self._send(info.identity, protocol.Error(0, f"message dropped: {inbound.error}"))
+                await self._send(info.identity, protocol.Error(
+                    0, f"message dropped: {protocol.shorten(inbound.error, 300)}"))
             return
         msg = inbound.msg
         if info is None:
@@ -209,28 +255,30 @@ class ControllerServer:
             case protocol.Bye():
                 self._declare_dead(info, f"left: {msg.reason}")
             case protocol.Hello():
-                self._reject(inbound.identity, "duplicate HELLO on a registered connection")
+                self._reject(inbound.identity, "duplicate HELLO", "duplicate HELLO on a registered connection")
             case _ if hasattr(msg, "request_id"):
                 self._deliver(info, msg, inbound.buffers)
             case _:
-                self._reject(inbound.identity, f"unexpected {type(msg).__name__} from worker {info.worker_id}")
+                self._reject(inbound.identity, "unexpected kind",
+                             f"unexpected {type(msg).__name__} from worker {info.worker_id}")
 
     async def _handle_unregistered(self, inbound: Inbound, now: float) -> None:
         msg = inbound.msg
         if not isinstance(msg, protocol.Hello):
-            self._reject(inbound.identity, f"unregistered peer sent {type(msg).__name__} before HELLO")
+            self._reject(inbound.identity, "before HELLO", f"unregistered peer sent {type(msg).__name__} before HELLO")
             await self._send_raw_reject(inbound.identity, "not registered: send HELLO first (or restart the worker)")
             return
         try:
             info = self.registry.register(msg, inbound.identity, now)
         except RegistrationRefused as exc:
-            self._reject(inbound.identity, f"registration refused: {exc}")
+            self._reject(inbound.identity, "registration refused", f"registration refused: {exc}")
             await self._send_raw_reject(inbound.identity, str(exc))
             return
         await self._send(info.identity, protocol.Welcome(
             protocol.PROTOCOL_VERSION, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_timeout_s))
         log.info("worker %s joined: role=%s host=%s pid=%d devices=%s",
-                 info.worker_id, info.role, info.host, info.pid, info.devices)
+                 info.worker_id, info.role, protocol.shorten(info.host, 100), info.pid,
+                 protocol.shorten(str(info.devices), 200))
         for listener in self.on_joined:
             listener(info)
         self._changed.set()
@@ -238,17 +286,17 @@ class ControllerServer:
     async def _send_raw_reject(self, identity: bytes, reason: str) -> None:
         try:
             await self.socket.send(identity, protocol.Reject(reason))
-        except zmq.ZMQError:
-            pass
+        except zmq.ZMQError:  # gone or not reading: an unregistered peer is owed nothing
+            self.undelivered["reject to unregistered peer"] += 1
 
     def _deliver(self, info: WorkerInfo, msg: Any, buffers: list[Any]) -> None:
         pending = self._pending.get(msg.request_id)
         if pending is None or pending.worker_id != info.worker_id:
             if isinstance(msg, protocol.Error) and msg.request_id == 0:
-                log.warning("worker %s reports: %s", info.worker_id, msg.message)
+                log.warning("worker %s reports: %s", info.worker_id, protocol.shorten(msg.message, 300))
             else:
-                self._reject(info.identity, f"reply {type(msg).__name__} for unknown request "
-                                            f"{msg.request_id} from {info.worker_id}")
+                self._reject(info.identity, "unknown request", f"reply {type(msg).__name__} for unknown "
+                                                               f"request {msg.request_id} from {info.worker_id}")
             return
         if pending.future.done():  # cancelled by the caller
             del self._pending[msg.request_id]

@@ -33,7 +33,14 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ProtocolError(Exception):
-    """A message could not be decoded: unknown kind, bad body, wrong frame count."""
+    """A message could not be decoded: unknown kind, bad body, wrong frame count.
+
+    `reason` is a short fixed category ("bad body", "unknown kind", ...) that receivers
+    count by; the message text adds the details, which come from the peer and vary."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Kind(enum.IntEnum):
@@ -484,19 +491,27 @@ def encode(msg: Message, buffers: Sequence[Any] = ()) -> list[Any]:
 def decode(frames: Sequence[Any]) -> tuple[Message, list[Any]]:
     """Inverse of `encode`. Raises ProtocolError naming what was wrong."""
     if len(frames) < 2:
-        raise ProtocolError(f"expected at least 2 frames (kind, body), got {len(frames)}")
+        raise ProtocolError(f"expected at least 2 frames (kind, body), got {len(frames)}",
+                            "too few frames")
     kind_frame = memoryview(frames[0])
     if kind_frame.nbytes != 1:
-        raise ProtocolError(f"frame 0 must be one byte (the kind), got {kind_frame.nbytes} bytes")
+        raise ProtocolError(f"frame 0 must be one byte (the kind), got {kind_frame.nbytes} bytes",
+                            "bad kind frame")
     kind = kind_frame[0]
     decoder = _decoders.get(kind)
     if decoder is None:
-        raise ProtocolError(f"unknown message kind {kind}")
+        raise ProtocolError(f"unknown message kind {kind}", "unknown kind")
     try:
         msg = decoder.decode(frames[1])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"bad {Kind(kind).name} body: {exc}") from None
+    # msgspec reports a string that is not UTF-8 as UnicodeDecodeError, not DecodeError.
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"bad {Kind(kind).name} body: {shorten(str(exc))}", "bad body") from None
     return msg, list(frames[2:])
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """Peer-controlled text in a log line or reason, cut to a bounded length."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 def frames_nbytes(frames: Sequence[Any]) -> int:

@@ -1,9 +1,20 @@
 """ZeroMQ sockets for the control plane: the controller's ROUTER, each worker's DEALER.
 
 Both wrap zmq.asyncio sockets and speak `protocol` frames. What they add:
-- a size cap checked on every inbound message (a larger one is dropped with a reason),
+- a size cap and a frame-count cap checked on every inbound message (a larger one is
+  dropped with a reason),
 - decoding that turns garbage into an `Inbound` carrying the reason instead of raising,
+- bounded queues (below), and sends from the controller that never wait on one peer,
 - CURVE authentication, mandatory for any bind address other than loopback.
+
+Backpressure: a receiver holds one message at a time in Python (no Python-side queue);
+at most RECV_HWM whole messages per peer wait inside libzmq, after which libzmq stops
+reading that peer's connection and TCP pushes back on the sender, so a peer that floods
+slows itself down, not the receiver. Outbound, at most SEND_HWM messages per peer wait;
+the ROUTER then refuses (zmq.Again) instead of blocking, so one peer that never reads
+cannot stall messages to the others. libzmq bounds each frame (MAXMSGSIZE) but not the
+number of frames in one message while it is being received; off loopback, CURVE keeps
+unknown peers from sending anything at all.
 
 Heartbeat timing and the registry of workers live above this layer (controller/server.py,
 workers/session.py); these classes only move frames.
@@ -28,15 +39,24 @@ from .config import ConfigError, TransportConfig
 
 log = logging.getLogger("flexmarl.transport")
 
+# Whole messages per peer that may wait in libzmq's queues (see the module docstring).
+RECV_HWM = 100
+SEND_HWM = 1000
+# Frames in one message: kind, body and up to this many buffers. Control messages carry
+# a few buffers at most (parameters use the parameter channel).
+MAX_BUFFERS = 256
+
 
 @dataclass
 class Inbound:
-    """One received message; `error` is set (and `msg` is None) when it was malformed."""
+    """One received message. When it was malformed, `msg` is None, `reason` is a short
+    fixed category to count by ("oversized", "bad body", ...) and `error` the details."""
 
     identity: bytes
     msg: protocol.Message | None
     buffers: list[Any]
     error: str = ""
+    reason: str = ""
 
 
 def _is_loopback(address: str) -> bool:
@@ -80,16 +100,23 @@ class _Socket:
         # zmq's own cap is a backstop against memory exhaustion (it silently disconnects);
         # the logged rejection happens in `_check` at `max_message_bytes`.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_message_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
+        if len(frames) > 2 + MAX_BUFFERS:
+            return Inbound(identity, None, [], f"too many frames: {len(frames)} > limit {2 + MAX_BUFFERS} "
+                                               f"(kind, body and {MAX_BUFFERS} buffers)", "too many frames")
         size = protocol.frames_nbytes(frames)
         if size > self.cfg.max_message_bytes:
             return Inbound(identity, None, [], f"oversized message: {size} bytes > limit "
-                                                f"{self.cfg.max_message_bytes}")
+                                               f"{self.cfg.max_message_bytes}", "oversized")
         try:
             msg, buffers = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
         except protocol.ProtocolError as exc:
-            return Inbound(identity, None, [], str(exc))
+            return Inbound(identity, None, [], str(exc), exc.reason)
+        except Exception as exc:  # a decoder surprise is still the peer's garbage, not our crash
+            return Inbound(identity, None, [], f"undecodable message: {exc!r}", "undecodable")
         return Inbound(identity, msg, buffers)
 
     def close(self) -> None:
@@ -139,7 +166,12 @@ class RouterSocket(_Socket):
         return self._check(identity, frames[1:])
 
     async def send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
-        await self.sock.send_multipart([identity, *protocol.encode(msg, buffers)], copy=False)
+        """Queues `msg` for one peer without waiting: raises zmq.Again when that peer's
+        queue is full (it is not reading) and EHOSTUNREACH when it is not connected.
+        Every send is DONTWAIT so pyzmq never parks one, which would hold back the sends
+        to every other peer behind it."""
+        await self.sock.send_multipart([identity, *protocol.encode(msg, buffers)],
+                                       flags=zmq.DONTWAIT, copy=False)
 
     def close(self) -> None:
         if self.authenticator is not None:
@@ -154,6 +186,12 @@ class DealerSocket(_Socket):
         super().__init__(cfg, zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity)
         self.identity = identity
+        self.set_send_timeout(cfg.heartbeat_timeout_s)
+
+    def set_send_timeout(self, seconds: float) -> None:
+        """A send waits at most this long for the controller to read (then zmq.Again):
+        a controller that stops reading is as lost as one that stops talking."""
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(seconds * 1000)))
 
     def connect(self, address: str) -> None:
         if self.cfg.curve_dir:

@@ -9,17 +9,25 @@ controller's, from WELCOME; only the wait for WELCOME itself is the worker's set
 
 Workers make no decisions: a `CommandHandler` executes each command and replies. The
 session knows nothing about engines or models.
+
+Nothing a peer sends stops the receive loop: a malformed message is logged and counted in
+`rejected` (by category), a command whose handler raises is answered with an Error. A send
+waits at most the heartbeat timeout for the controller to read, then the session ends as
+if the controller were lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
 import time
 import uuid
 from typing import Any
+
+import zmq
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.aio import TaskEnded, supervise
@@ -84,9 +92,14 @@ class WorkerSession:
         self.heartbeat_interval_s = 0.0
         self.heartbeat_timeout_s = 0.0
         self._last_heard = time.monotonic()
+        self.rejected: collections.Counter[str] = collections.Counter()
 
     async def send(self, msg: protocol.Message, buffers: list[Any] = ()) -> None:
-        await self.sock.send(msg, buffers)
+        try:
+            await self.sock.send(msg, buffers)
+        except zmq.Again:
+            raise SessionEnded(f"the controller has not read for {self.heartbeat_timeout_s:.1f}s "
+                               f"(the send queue stayed full); exiting", 3) from None
 
     async def run(self) -> int:
         """Returns the process exit code: 0 on SHUTDOWN, 2 if refused, 3 if the controller is lost."""
@@ -134,15 +147,19 @@ class WorkerSession:
             raise SessionEnded(f"expected WELCOME, got {inbound.msg or inbound.error}", 2)
         self.heartbeat_interval_s = inbound.msg.heartbeat_interval_s
         self.heartbeat_timeout_s = inbound.msg.heartbeat_timeout_s
+        self.sock.set_send_timeout(self.heartbeat_timeout_s)
         self._last_heard = time.monotonic()
         log.info("worker %s registered with %s", self.worker_id, self.address)
 
     async def _receive(self) -> None:
         while True:
+            await asyncio.sleep(0)  # a queued message is received without suspending: yield
             inbound = await self.sock.recv()
             self._last_heard = time.monotonic()
             if inbound.error:
-                log.warning("worker %s dropped a message: %s", self.worker_id, inbound.error)
+                self.rejected[inbound.reason] += 1
+                log.warning("worker %s dropped a message: %s", self.worker_id,
+                            protocol.shorten(inbound.error, 300))
                 continue
             match inbound.msg:
                 case protocol.Heartbeat():
@@ -152,9 +169,21 @@ class WorkerSession:
                 case protocol.Reject(reason=reason):
                     raise SessionEnded(f"controller dropped this worker: {reason}", 2)
                 case protocol.Error(message=message):
-                    log.warning("controller reports: %s", message)
+                    log.warning("controller reports: %s", protocol.shorten(message, 300))
                 case msg:
-                    await self.handler.handle(msg, inbound.buffers)
+                    await self._hand_over(msg, inbound.buffers)
+
+    async def _hand_over(self, msg: protocol.Message, buffers: list[Any]) -> None:
+        try:
+            await self.handler.handle(msg, buffers)
+        except SessionEnded:
+            raise
+        except Exception as exc:  # one bad command fails alone; the worker stays up
+            self.rejected["handler error"] += 1
+            log.exception("worker %s could not take %s", self.worker_id, type(msg).__name__)
+            await self.send(protocol.Error(getattr(msg, "request_id", 0),
+                                           f"{self.handler.role} worker could not take "
+                                           f"{type(msg).__name__}: {protocol.shorten(repr(exc))}"))
 
     async def _heartbeat(self) -> None:
         seq = 0

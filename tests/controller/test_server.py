@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 
 import msgspec
 import pytest
@@ -11,7 +12,7 @@ import zmq.asyncio
 from flexmarl.controller.server import ControllerServer, RemoteError, WorkerDied
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import ConfigError, TransportConfig
-from flexmarl.runtime.transport import DealerSocket, create_curve_keys
+from flexmarl.runtime.transport import MAX_BUFFERS, DealerSocket, create_curve_keys
 from flexmarl.workers.session import CommandHandler, WorkerSession
 
 class EchoHandler(CommandHandler):
@@ -55,10 +56,12 @@ async def echo(server, worker_id, payload=b"ping"):
     assert bytes(buffers[0]) == b"buf"
 
 
-def raw_dealer(server, identity=b"raw"):
+def raw_dealer(server, identity=b"raw", options=()):
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)
+    for option, value in options:
+        sock.setsockopt(option, value)
     sock.connect(server.address)
     return sock
 
@@ -88,6 +91,8 @@ BAD_INPUTS = {
     "undecodable body": [bytes([p.Kind.HELLO]), b"\xc1not msgpack"],
     "wrong body for kind": [bytes([p.Kind.HELLO]), msgspec.msgpack.encode(p.Shutdown("x"))],
     "oversized message": [bytes([p.Kind.ECHO]), b"x" * (CFG.max_message_bytes + 1)],
+    "string that is not UTF-8": [bytes([p.Kind.BYE]), b"\x91\xa1\xff"],
+    "too many frames": [*p.encode(p.Echo(1)), *[b""] * (MAX_BUFFERS + 1)],
 }
 
 
@@ -103,6 +108,96 @@ async def test_bad_input_is_rejected_while_a_healthy_worker_keeps_working(name, 
             bad.close()
         assert "dropped message" in caplog.text
         assert server.registry.workers["healthy"].alive
+
+
+async def test_rejections_are_counted_by_category_so_distinct_garbage_cannot_grow_the_counter():
+    async with controller() as server, healthy_worker(server):
+        intruder = raw_dealer(server, b"intruder")
+        try:
+            await intruder.send_multipart(hello("intruder"))
+            await asyncio.wait_for(intruder.recv_multipart(), 2)  # WELCOME
+            for rid in range(1000, 1050):
+                await intruder.send_multipart(p.encode(p.EchoReply(rid)))
+            for kind in range(200, 220):
+                await intruder.send_multipart([bytes([kind]), b"\x90"])
+            assert await wait_for(lambda: sum(server.rejected.values()) == 70)
+            assert server.rejected == {"unknown request": 50, "unknown kind": 20}
+            await echo(server, "healthy")
+        finally:
+            intruder.close()
+
+
+async def test_an_overlong_worker_id_is_refused_and_not_logged_in_full(caplog):
+    async with controller() as server:
+        bad = raw_dealer(server)
+        try:
+            await bad.send_multipart(hello("w" * 100_000))
+            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), 2))
+            assert isinstance(reply, p.Reject) and "longer than" in reply.reason
+            assert not server.registry.workers
+        finally:
+            bad.close()
+        assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+async def test_a_peer_that_never_reads_cannot_stall_the_controller():
+    # Each malformed message from a registered peer earns it an Error notice; this one
+    # never reads them, so its queue fills. The controller must drop further notices to
+    # it rather than wait, and go on accepting and serving other workers.
+    async with controller(dataclasses.replace(CFG, heartbeat_timeout_s=60.0)) as server:
+        # Small queues and kernel buffer on its side: the controller's queue fills sooner.
+        deaf = raw_dealer(server, b"deaf", [(zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)])
+        try:
+            await deaf.send_multipart(hello("deaf"))
+            await asyncio.wait_for(deaf.recv_multipart(), 2)  # WELCOME
+            sent = 0
+            while not server.undelivered["peer not reading"]:
+                await deaf.send_multipart(p.encode(p.Heartbeat(sent)))  # alive, only deaf
+                for _ in range(500):
+                    await asyncio.wait_for(deaf.send_multipart([bytes([p.Kind.ECHO_REPLY]), b"x" * 2000]), 5)
+                sent += 500
+                assert sent < 100_000, "the controller never found the deaf peer's queue full"
+                await asyncio.sleep(0.01)
+            healthy = WorkerSession(CFG, server.address, EchoHandler(), worker_id="healthy")
+            task = asyncio.create_task(healthy.run())
+            assert await wait_for(lambda: "healthy" in server.registry.workers)
+            await echo(server, "healthy")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            deaf.close()
+
+
+async def test_a_flood_of_queued_garbage_does_not_starve_the_other_tasks():
+    # Frames already queued make each receive complete at once; the receive loop must
+    # still let other tasks (heartbeats, the training driver) run between messages.
+    server = ControllerServer(CFG)
+    server.bind()
+    ctx = zmq.Context()
+    flooder = ctx.socket(zmq.DEALER)
+    flooder.setsockopt(zmq.LINGER, 0)
+    flooder.connect(server.address)
+    for _ in range(200):
+        flooder.send_multipart([b"\x00\x01"])
+    await asyncio.sleep(0.5)  # let them reach the controller's queues
+    seen = []
+
+    async def ticker():
+        while True:
+            seen.append(sum(server.rejected.values()))
+            await asyncio.sleep(0)
+
+    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(ticker())]
+    try:
+        assert await wait_for(lambda: sum(server.rejected.values()) == 200, 5)
+        assert len({n for n in seen if 0 < n < 200}) >= 100
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        flooder.close()
+        ctx.term()
+        server.close()
 
 
 async def test_wrong_protocol_version_is_refused_with_a_reason():

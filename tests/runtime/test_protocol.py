@@ -78,6 +78,18 @@ def test_garbage_and_missing_frames_are_protocol_errors():
         p.decode([bytes([p.Kind.HEARTBEAT]), b"\xc1\xff\x00garbage"])
 
 
+def test_a_string_that_is_not_utf8_is_a_protocol_error():
+    with pytest.raises(p.ProtocolError, match="bad BYE body") as caught:
+        p.decode([bytes([p.Kind.BYE]), b"\x91\xa1\xff"])  # ["\xff"]
+    assert caught.value.reason == "bad body"
+
+
+def test_peer_text_in_an_error_is_cut_short():
+    with pytest.raises(p.ProtocolError) as caught:
+        p.decode([bytes([p.Kind.HELLO]), msgspec.msgpack.encode(["x" * 100_000])])
+    assert len(str(caught.value)) < 400
+
+
 def test_no_pickle_on_the_wire():
     import pickle
     with pytest.raises(p.ProtocolError):
