@@ -66,19 +66,22 @@ def test_vllm_loads_each_model_and_answers_a_chat_prompt(model_dirs):
 
     from flexmarl.workers.engine import VllmEngine
 
-    folder = model_dirs["solver"]
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 4 + 4?"}], tokenize=False,
-                                           add_generation_prompt=True)
-    engine = VllmEngine(folder, seed=0, max_model_len=64)
-    try:
-        engine.add("q", tokenizer.encode(prompt, add_special_tokens=False), 6, 0.0, 0)
-        done = []
-        while engine.has_unfinished():
-            done += engine.step()
-    finally:
-        engine.close()
-    (completion,) = done
-    ids = completion.token_ids
-    answer = ids[:ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
-    assert tokenizer.decode(answer) == "8"
+    asked = {"solver": ("What is 4 + 4?", "8"),
+             "verifier": ("Question: What is 4 + 4? Answer: 9", "It is 8, wrong.")}
+    for agent, (content, expected) in asked.items():
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[agent])
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                               add_generation_prompt=True)
+        engine = VllmEngine(model_dirs[agent], seed=0, max_model_len=64)
+        try:
+            engine.add("q", tokenizer.encode(prompt, add_special_tokens=False), 10, 0.0, 0)
+            done = []
+            while engine.has_unfinished():
+                done += engine.step()
+        finally:
+            engine.close()
+        (completion,) = done
+        ids = completion.token_ids
+        # Up to the EOS the model wrote (an engine that ignores EOS writes on past it).
+        reply = ids[:ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+        assert tokenizer.decode(reply) == expected, agent
