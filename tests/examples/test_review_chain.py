@@ -1,6 +1,7 @@
 """The review-chain example job as a user wrote it: its data, its rules, and its workflow
 driven over a scripted generator (no engine) with the job's own trained tokenizer."""
 
+import argparse
 import json
 import random
 import subprocess
@@ -149,3 +150,12 @@ def test_the_jobs_tokenizer_is_trained_on_its_own_text_and_keeps_every_number_on
     assert tok.chat_prompt([{"role": "user", "content": "What is 7 + 5?"}])[-1] == \
         tok.tok.convert_tokens_to_ids("<|assistant|>")
     assert job_models.TINY_MODELS["solver"].cache_key() != job_models.TINY_MODELS["verifier"].cache_key()
+
+
+def test_the_command_line_runs_the_jobs_own_agents_and_not_the_embedded_defaults_too():
+    from flexmarl.controller import cli
+
+    cfg = cli._config_from_args(argparse.Namespace(config=str(ROOT / "examples" / "review_chain.toml"), steps=2, set=None))
+    assert set(cfg.agents) == {"solver", "verifier"}
+    assert cfg.agents["solver"].max_tokens == 6 and cfg.run.steps == 2
+    assert set(cli._config_from_args(argparse.Namespace(config=None, set=None)).agents) == {"planner", "solver", "checker"}
