@@ -37,7 +37,12 @@ def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
             overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
     if getattr(args, "no_progress", False):
         overrides.append("run.progress=false")
-    return load_config(args.config, overrides, defaults=default_config())
+    defaults = default_config()
+    if args.config is not None:
+        # A config file is a whole job: its [agents] are the agents, never added to the
+        # embedded default's (the file may still leave other keys to the defaults).
+        del defaults["agents"]
+    return load_config(args.config, overrides, defaults=defaults)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,13 @@
 """Model names in a config -> model directories the workers load.
 
-`tiny:AGENT` names one of the digit chain's built-in tiny models (digit_chain.TINY_MODELS).
-A cached build is found with the torch-free cache key; on a miss the model is built by
-`python -m flexmarl.workers.models` in a child process, under a time limit, so the
-controller never imports torch or the workers' code. Anything else must be a Hugging Face
-model directory.
+`tiny:AGENT` names one of the digit chain's built-in tiny models (digit_chain.TINY_MODELS);
+`tiny:JOB:AGENT` one of a user's job module's TINY_MODELS, JOB being a dotted module
+(`tiny:mypkg.models:solver`) or a .py file (`tiny:examples/review_chain/models.py:solver`,
+relative to the working directory). A cached build is found with the torch-free cache key;
+on a miss the model is built by `python -m flexmarl.workers.models` in a child process,
+under a time limit, so the controller never imports torch or the workers' code (the job
+module itself is imported here, to read its recipes: it must not import torch at the top).
+Anything else must be a Hugging Face model directory.
 
 This module knows nothing about how a model is built or what its vocabulary means.
 """
@@ -15,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flexmarl.runtime.model_specs import cached_model_dir
+from flexmarl.runtime.model_specs import cached_model_dir, job_recipes
 
 from . import digit_chain
 
@@ -33,29 +36,47 @@ class ModelBuildError(RuntimeError):
 
 
 def resolve_model(name: str, cache_root: Path = MODEL_CACHE) -> str:
-    """`tiny:AGENT` builds (once, cached) a built-in tiny model; anything else is a path
-    to a Hugging Face model directory."""
+    """`tiny:AGENT` / `tiny:JOB:AGENT` builds (once, cached) a job's tiny model; anything
+    else is a path to a Hugging Face model directory."""
     if name.startswith(TINY_PREFIX):
-        return str(_tiny_model(name[len(TINY_PREFIX):], Path(cache_root)))
+        job, agent = tiny_model_name(name)
+        return str(_tiny_model(name, job, agent, Path(cache_root)))
     path = Path(name)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model {name!r} is neither a built-in (tiny:NAME) nor a directory "
-                                f"with a config.json")
+        raise FileNotFoundError(f"model {name!r} is neither a built-in (tiny:NAME or tiny:JOB:NAME) nor "
+                                f"a directory with a config.json")
     return str(path)
 
 
-def _tiny_model(agent: str, cache_root: Path) -> Path:
-    recipes = digit_chain.TINY_MODELS
+def tiny_model_name(name: str) -> tuple[str, str]:
+    """(job, agent) of `tiny:AGENT` (the digit chain's) or `tiny:JOB:AGENT`. A job file is
+    made absolute, so the builder child finds it whatever its working directory."""
+    rest = name[len(TINY_PREFIX):]
+    if ":" not in rest:
+        return digit_chain.__name__, rest
+    job, agent = rest.rsplit(":", 1)
+    if job.endswith(".py") or "/" in job:
+        job = str(Path(job).expanduser().resolve())
+    return job, agent
+
+
+def _tiny_model(name: str, job: str, agent: str, cache_root: Path) -> Path:
+    try:
+        recipes = job_recipes(job)
+    except (ImportError, OSError, ValueError) as exc:
+        raise ModelBuildError(f"model {name!r}: the job module {job!r} could not be read: "
+                              f"{type(exc).__name__}: {exc}") from None
     if agent not in recipes:
-        raise KeyError(f"unknown built-in model {TINY_PREFIX + agent!r} (built in: "
-                       f"{', '.join(TINY_PREFIX + a for a in recipes)})")
+        prefix = TINY_PREFIX if job == digit_chain.__name__ else f"{name.rsplit(':', 1)[0]}:"
+        raise KeyError(f"unknown built-in model {name!r} (built in: "
+                       f"{', '.join(prefix + a for a in recipes)})")
     cached = cached_model_dir(recipes[agent], cache_root)
     if cached is not None:
         return cached
-    return _build_in_child(digit_chain.__name__, agent, cache_root)
+    return _build_in_child(job, name, agent, cache_root)
 
 
-def _build_in_child(job: str, agent: str, cache_root: Path) -> Path:
+def _build_in_child(job: str, name: str, agent: str, cache_root: Path) -> Path:
     command = [sys.executable, "-m", "flexmarl.workers.models", "--job", job, "--agent", agent,
                "--cache-root", str(cache_root)]
     shown = " ".join(command[1:])
@@ -64,14 +85,14 @@ def _build_in_child(job: str, agent: str, cache_root: Path) -> Path:
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         raise ModelBuildError(
-            f"building the built-in model {TINY_PREFIX + agent!r} did not finish within "
+            f"building the built-in model {name!r} did not finish within "
             f"{BUILD_TIMEOUT_S:.0f} s and was stopped; its last output:\n{_tail(exc.stdout, exc.stderr)}\n"
             f"Run `python {shown}` to watch it.") from None
     lines = done.stdout.strip().splitlines()
     built = Path(lines[-1]) if lines else None
     if done.returncode != 0 or built is None or not built.is_dir():
         raise ModelBuildError(
-            f"building the built-in model {TINY_PREFIX + agent!r} failed (exit status "
+            f"building the built-in model {name!r} failed (exit status "
             f"{done.returncode}); its last output:\n{_tail(done.stdout, done.stderr)}\n"
             f"Fix the cause and run `python {shown}` to retry.")
     return built

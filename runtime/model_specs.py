@@ -1,12 +1,18 @@
 """What a built-in tiny model is, and where its cached build lives: plain data, no torch.
 
-A job that ships its own tiny models (the embedded digit chain does) describes each one as a
-`TinyModelRecipe`: the model's shape and seed (`TinyModelSpec`), the word-level vocabulary
-its tokenizer is built from, and an optional supervised warm-up (an example function, a
-version naming what it produces, and a `WarmupSchedule`). The job module exposes them under
-one name the builder looks for:
+A job that ships its own tiny models (the embedded digit chain does, and so may a user's
+job) describes each one as a `TinyModelRecipe`: the model's shape and seed
+(`TinyModelSpec`), its tokenizer, and an optional supervised warm-up (an example function, a
+version naming what it produces, and a `WarmupSchedule`). The tokenizer is either a
+word-level vocabulary (`vocab`, one token per whitespace-separated word) or a
+`TrainedTokenizer`: the JSON of a tokenizer the job trained with the `tokenizers` library
+on its own text, its special tokens and a Jinja chat template. The job module exposes the
+recipes under one name the builder looks for:
 
     TINY_MODELS: dict[str, TinyModelRecipe]   # agent name -> recipe
+
+A config names one as `tiny:AGENT` (the built-in digit chain) or `tiny:JOB:AGENT`, where JOB
+is a dotted module or a path to a .py file (`import_job` loads either).
 
 `flexmarl.workers.models` builds a recipe into a Hugging Face directory under
 `cache_root / cache_key(...)`. The controller only needs to know whether that directory is
@@ -18,17 +24,23 @@ build in progress lives under a dot-prefixed staging name that `cached_model_dir
 returns.
 
 This module knows nothing about any task, any vocabulary's meaning, or how models are built.
+It imports neither `tokenizers` nor transformers: a trained tokenizer is plain JSON here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 # Every tiny vocabulary holds these; the tokenizer and model config take pad, bos, eos and
 # unk from them. Putting them first keeps <pad> at id 0.
@@ -44,6 +56,10 @@ BUILD_VERSION = "1"
 
 # One warm-up example: (prompt_ids, target_ids); the loss covers the target only.
 Example = tuple[Sequence[int], Sequence[int]]
+# A recipe's warm-up: no argument for a word vocabulary (its ids are known up front); the
+# built Hugging Face tokenizer for a TrainedTokenizer (its ids, and its chat template, are
+# only known once it is loaded).
+Warmup = Callable[..., Sequence[Example]]
 
 
 @dataclass(frozen=True)
@@ -74,23 +90,74 @@ class WarmupSchedule:
 
 
 @dataclass(frozen=True)
+class TrainedTokenizer:
+    """A tokenizer a job trained itself, as the files it becomes; all of it is in the cache key.
+
+    `json` is `tokenizers.Tokenizer.to_str()` of the trained tokenizer. The special tokens
+    must be in it (pass them to the trainer's `special_tokens`); `eos` ends every output,
+    `pad` pads batches. `chat_template` is the Jinja template `apply_chat_template` renders
+    (messages with `role` and `content`; `add_generation_prompt` asks for the assistant's
+    turn); empty: no chat, only `ctx.generate` with text or ids.
+    """
+
+    json: str
+    eos: str
+    pad: str
+    bos: str = ""
+    unk: str = ""
+    chat_template: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            data = json.loads(self.json)
+        except ValueError as exc:
+            raise ValueError(f"TrainedTokenizer.json is not a tokenizer's JSON ({exc}); pass "
+                             f"tokenizers.Tokenizer.to_str()") from None
+        known = set(self.vocabulary(data))
+        named = {"eos": self.eos, "pad": self.pad, "bos": self.bos, "unk": self.unk}
+        missing = {role: token for role, token in named.items() if token and token not in known}
+        if missing:
+            raise ValueError(f"the trained tokenizer lacks the special tokens {missing}; pass them to "
+                             f"the trainer's special_tokens so each is one token")
+
+    @staticmethod
+    def vocabulary(data: dict[str, Any]) -> list[str]:
+        """Every token of a tokenizer's JSON: its model's vocabulary and its added tokens."""
+        vocab = data.get("model", {}).get("vocab", {})
+        tokens = list(vocab) if isinstance(vocab, dict) else [entry[0] for entry in vocab]  # Unigram: pairs
+        return tokens + [added["content"] for added in data.get("added_tokens", [])]
+
+    def key_fields(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class TinyModelRecipe:
     """Everything that decides one built-in model's files.
 
-    `warmup` is called only when the model is actually built; `warmup_version` names what
-    it produces and must change whenever the examples change, or a stale model is reused.
+    The tokenizer is `vocab` (a word-level vocabulary holding SPECIAL_TOKENS) or
+    `tokenizer` (a TrainedTokenizer), never both. `warmup` is called only when the model is
+    actually built (with the built tokenizer as its argument when `tokenizer` is given, see
+    `Warmup`); `warmup_version` names what it produces and must change whenever the
+    examples change, or a stale model is reused.
     """
 
     spec: TinyModelSpec
-    vocab: tuple[str, ...]
-    warmup: Callable[[], Sequence[Example]] | None = None
+    vocab: tuple[str, ...] = ()
+    warmup: Warmup | None = None
     warmup_version: str = ""
     schedule: WarmupSchedule = WarmupSchedule()
+    tokenizer: TrainedTokenizer | None = None
 
     def __post_init__(self) -> None:
         if self.warmup is not None and not self.warmup_version:
             raise ValueError(f"{self.spec.name}: a recipe with a warm-up needs a warmup_version "
                              f"naming what the warm-up examples are")
+        if self.tokenizer is not None:
+            if self.vocab:
+                raise ValueError(f"{self.spec.name}: give a recipe either a vocab or a trained "
+                                 f"tokenizer, not both")
+            return
         missing = [t for t in SPECIAL_TOKENS if t not in self.vocab]
         if missing:
             raise ValueError(f"{self.spec.name}: the vocabulary lacks the special tokens {missing}; "
@@ -98,7 +165,7 @@ class TinyModelRecipe:
 
     def cache_key(self) -> str:
         return cache_key(self.spec, self.vocab, self.warmup_version if self.warmup else "",
-                         self.schedule)
+                         self.schedule, self.tokenizer)
 
 
 def check_spec(spec: TinyModelSpec) -> None:
@@ -116,19 +183,20 @@ def check_spec(spec: TinyModelSpec) -> None:
 
 
 def cache_key(spec: TinyModelSpec, vocab: Sequence[str], warmup_version: str,
-              schedule: WarmupSchedule) -> str:
+              schedule: WarmupSchedule, tokenizer: TrainedTokenizer | None = None) -> str:
     """A name for everything that shapes the saved weights and files. An empty
     warmup_version means no warm-up, and then the schedule does not matter."""
-    payload = json.dumps(
-        {
-            "spec": dataclasses.asdict(spec),
-            "vocab": list(vocab),
-            "warmup_version": warmup_version,
-            "schedule": dataclasses.asdict(schedule) if warmup_version else None,
-            "build_version": BUILD_VERSION,
-        },
-        sort_keys=True,
-    )
+    fields: dict[str, Any] = {
+        "spec": dataclasses.asdict(spec),
+        "vocab": list(vocab),
+        "warmup_version": warmup_version,
+        "schedule": dataclasses.asdict(schedule) if warmup_version else None,
+        "build_version": BUILD_VERSION,
+    }
+    # Only present when used, so the keys of word-vocabulary recipes stay what they were.
+    if tokenizer is not None:
+        fields["tokenizer"] = tokenizer.key_fields()
+    payload = json.dumps(fields, sort_keys=True)
     return f"{spec.name}-{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
 
 
@@ -137,3 +205,38 @@ def cached_model_dir(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> 
     An entry exists only after its atomic rename, so existing means complete."""
     entry = Path(cache_root) / recipe.cache_key()
     return entry if entry.is_dir() else None
+
+
+def import_job(job: str) -> ModuleType:
+    """The job module `job` names: a dotted import path, or a path to a .py file (ending in
+    .py or holding a "/"; relative to the working directory). A file's folder joins
+    sys.path, so it can import its neighbours; the same file is imported once per process."""
+    if not (job.endswith(".py") or "/" in job):
+        return importlib.import_module(job)
+    path = Path(job).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"job file {job!r} does not exist (looked at {path}); paths are "
+                                f"relative to the working directory")
+    name = f"flexmarl_job_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def job_recipes(job: str) -> dict[str, TinyModelRecipe]:
+    """The TINY_MODELS table of the job module `job` (see `import_job`)."""
+    recipes = getattr(import_job(job), "TINY_MODELS", None)
+    if not isinstance(recipes, dict):
+        raise ValueError(f"job module {job!r} has no TINY_MODELS table (agent name -> "
+                         f"TinyModelRecipe); it ships no built-in models")
+    return recipes

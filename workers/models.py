@@ -1,21 +1,24 @@
 """Builds tiny causal language models locally from a recipe, and caches them.
 
 No model hub can be reached, so a built-in model is created here from a
-`TinyModelRecipe` (flexmarl.runtime.model_specs): a word-level `tokenizers` tokenizer over
-the vocabulary handed in, saved in Hugging Face format, a small Llama config from the spec
-and its seed, an optional short supervised warm-up, and a directory that transformers
-(`AutoModelForCausalLM`, `AutoTokenizer`) and vLLM both load.
+`TinyModelRecipe` (flexmarl.runtime.model_specs): its tokenizer (a word-level `tokenizers`
+tokenizer over the vocabulary handed in, or the job's own trained tokenizer with its chat
+template) saved in Hugging Face format, a small Llama config from the spec and its seed, an
+optional short supervised warm-up, and a directory that transformers
+(`AutoModelForCausalLM`, `AutoTokenizer` with `apply_chat_template`) and vLLM both load.
 
 `ensure_model` caches built directories under the recipe's cache key and publishes an entry
 with one atomic `os.rename`, so a crash never leaves a half-written entry and concurrent
 builders of the same entry cannot corrupt it.
 
-Run as a program it builds (or finds) one agent's model of a job module and prints the
-directory as the last line of its output; the controller starts it as a child process so
-that it never loads torch itself:
+Run as a program it builds (or finds) one agent's model of a job module (a dotted module or
+a .py file) and prints the directory as the last line of its output; the controller starts
+it as a child process so that it never loads torch itself:
 
     python -m flexmarl.workers.models --job flexmarl.controller.digit_chain \\
         --agent planner --cache-root .cache/models
+    python -m flexmarl.workers.models --job examples/review_chain/models.py \\
+        --agent solver --cache-root .cache/models
 
 This module knows nothing about any task: the vocabulary, the warm-up examples and what
 they mean all come from the recipe.
@@ -24,7 +27,6 @@ they mean all come from the recipe.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shutil
 import sys
@@ -37,9 +39,11 @@ from flexmarl.runtime.model_specs import (
     Example,
     TinyModelRecipe,
     TinyModelSpec,
+    TrainedTokenizer,
     WarmupSchedule,
     cached_model_dir,
     check_spec,
+    job_recipes,
 )
 
 PAD, BOS, EOS, UNK = SPECIAL_TOKENS
@@ -64,12 +68,41 @@ def build_tokenizer(vocab: Sequence[str]):
     )
 
 
-def llama_config(spec: TinyModelSpec, vocab: Sequence[str]):
+def load_trained_tokenizer(trained: TrainedTokenizer):
+    """A PreTrainedTokenizerFast from a job's trained tokenizer JSON, its special tokens and
+    chat template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    named = {"bos_token": trained.bos, "eos_token": trained.eos, "pad_token": trained.pad,
+             "unk_token": trained.unk}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(trained.json),
+        chat_template=trained.chat_template or None,
+        model_max_length=4096,
+        **{role: token for role, token in named.items() if token},
+    )
+
+
+def recipe_tokenizer(recipe: TinyModelRecipe):
+    """The Hugging Face tokenizer a recipe's model is saved with."""
+    if recipe.tokenizer is not None:
+        return load_trained_tokenizer(recipe.tokenizer)
+    return build_tokenizer(recipe.vocab)
+
+
+def llama_config(spec: TinyModelSpec, tokenizer):
+    """The model config for spec over tokenizer's vocabulary and special ids (a word
+    vocabulary is accepted too, for callers that have no tokenizer built)."""
     from transformers import LlamaConfig
 
+    if not hasattr(tokenizer, "convert_tokens_to_ids"):
+        tokenizer = build_tokenizer(tokenizer)
     check_spec(spec)
+    special = {f"{role}_token_id": getattr(tokenizer, f"{role}_token_id")
+               for role in ("bos", "eos", "pad")}
     return LlamaConfig(
-        vocab_size=len(vocab),
+        vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -79,10 +112,8 @@ def llama_config(spec: TinyModelSpec, vocab: Sequence[str]):
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-        bos_token_id=vocab.index(BOS),
-        eos_token_id=vocab.index(EOS),
-        pad_token_id=vocab.index(PAD),
         dtype="float32",
+        **special,
     )
 
 
@@ -122,33 +153,42 @@ def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: 
 
 def build_model(
     spec: TinyModelSpec,
-    vocab: Sequence[str],
+    tokenizer,
     out_dir: str | os.PathLike,
     warmup: Sequence[Example] | None = None,
     schedule: WarmupSchedule = WarmupSchedule(),
 ) -> Path:
-    """Create the model from `spec.seed`, optionally warm it up, and save it with a
-    tokenizer over vocab to out_dir."""
+    """Create the model from `spec.seed`, optionally warm it up, and save it with its
+    tokenizer (a Hugging Face tokenizer, or a word vocabulary to build one over) to out_dir."""
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
-    vocab = list(vocab)
+    if not hasattr(tokenizer, "convert_tokens_to_ids"):
+        tokenizer = build_tokenizer(tokenizer)
     # The default job shares two cores among many processes; more threads only thrash.
     torch.set_num_threads(1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(llama_config(spec, vocab)).to(torch.float32)
+    config = llama_config(spec, tokenizer)
+    model = LlamaForCausalLM(config).to(torch.float32)
     if warmup:
-        warm_up(model, warmup, schedule, spec.seed, vocab.index(PAD))
+        warm_up(model, warmup, schedule, spec.seed, config.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer(vocab).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     # Explicit generation defaults, so neither loader guesses sampling settings.
     GenerationConfig(
-        bos_token_id=vocab.index(BOS), eos_token_id=vocab.index(EOS),
-        pad_token_id=vocab.index(PAD), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
     ).save_pretrained(out)
     return out
+
+
+def warmup_examples(recipe: TinyModelRecipe, tokenizer) -> Sequence[Example] | None:
+    """The recipe's warm-up examples; a trained tokenizer's recipe is handed the tokenizer."""
+    if recipe.warmup is None:
+        return None
+    return recipe.warmup(tokenizer) if recipe.tokenizer is not None else recipe.warmup()
 
 
 def ensure_model(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> Path:
@@ -162,8 +202,9 @@ def ensure_model(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> Path
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=root))
     try:
-        examples = recipe.warmup() if recipe.warmup else None
-        build_model(recipe.spec, recipe.vocab, staging, examples, recipe.schedule)
+        tokenizer = recipe_tokenizer(recipe)
+        examples = warmup_examples(recipe, tokenizer)
+        build_model(recipe.spec, tokenizer, staging, examples, recipe.schedule)
         try:
             os.rename(staging, final)
         except OSError:
@@ -175,22 +216,13 @@ def ensure_model(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> Path
     return final
 
 
-def job_recipes(job: str) -> dict[str, TinyModelRecipe]:
-    """The TINY_MODELS table of the job module named `job` (a dotted import path)."""
-    module = importlib.import_module(job)
-    recipes = getattr(module, "TINY_MODELS", None)
-    if not isinstance(recipes, dict):
-        raise ValueError(f"job module {job!r} has no TINY_MODELS table (agent name -> "
-                         f"TinyModelRecipe); it ships no built-in models")
-    return recipes
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flexmarl.workers.models",
         description="Build (or find in the cache) one agent's built-in tiny model of a job "
                     "module; prints the model directory as the last line.")
-    parser.add_argument("--job", required=True, help="dotted module path exposing TINY_MODELS")
+    parser.add_argument("--job", required=True,
+                        help="the job module exposing TINY_MODELS: a dotted module path or a .py file")
     parser.add_argument("--agent", required=True)
     parser.add_argument("--cache-root", required=True, type=Path)
     args = parser.parse_args(argv)

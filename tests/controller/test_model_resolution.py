@@ -98,3 +98,65 @@ def test_a_model_path_must_be_a_directory_with_a_config(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path / "mine"), tmp_path) == str(tmp_path / "mine")
+
+
+# ---- a user's job: tiny:JOB:AGENT ----------------------------------------------------
+
+USER_JOB = """
+from flexmarl.runtime.model_specs import SPECIAL_TOKENS, TinyModelRecipe, TinyModelSpec
+from neighbour import SEED
+TINY_MODELS = {name: TinyModelRecipe(TinyModelSpec(name, 64, 1, 2, 1, 64, seed=SEED), SPECIAL_TOKENS)
+               for name in ("writer", "judge")}
+"""
+
+
+@pytest.fixture
+def user_job(tmp_path, monkeypatch):
+    """A job folder with models.py (importing a neighbour), named relative to the cwd."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "neighbour.py").write_text("SEED = 5\n")
+    (tmp_path / "job" / "models.py").write_text(USER_JOB)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "job" / "models.py"
+
+
+def test_a_users_job_file_names_its_cached_models_without_starting_a_process(user_job, tmp_path, builder):
+    from flexmarl.runtime.model_specs import job_recipes
+
+    entry = tmp_path / "cache" / job_recipes(str(user_job))["judge"].cache_key()
+    entry.mkdir(parents=True)
+    assert resolve_model("tiny:job/models.py:judge", tmp_path / "cache") == str(entry)
+    assert builder.starts == []
+
+
+def test_a_users_job_model_is_built_by_the_builder_given_the_absolute_job_file(user_job, tmp_path, builder):
+    built = tmp_path / "cache" / "writer-built"
+    built.mkdir(parents=True)
+    builder.reply = subprocess.CompletedProcess([], 0, f"{built}\n", "")
+    assert resolve_model("tiny:job/models.py:writer", tmp_path / "cache") == str(built)
+    (command,) = builder.starts
+    assert command[command.index("--job") + 1] == str(user_job.resolve())
+    assert command[command.index("--agent") + 1] == "writer"
+
+
+def test_a_dotted_job_module_names_its_models_too(tmp_path, builder):
+    entry = tmp_path / digit_chain.TINY_MODELS["checker"].cache_key()
+    entry.mkdir()
+    assert resolve_model("tiny:flexmarl.controller.digit_chain:checker", tmp_path) == str(entry)
+    assert builder.starts == []
+
+
+def test_an_unknown_agent_of_a_users_job_lists_the_jobs_models(user_job, tmp_path, builder):
+    with pytest.raises(KeyError, match=r"'tiny:job/models.py:critic'.*tiny:job/models.py:writer, "
+                                       r"tiny:job/models.py:judge"):
+        resolve_model("tiny:job/models.py:critic", tmp_path)
+    assert builder.starts == []
+
+
+def test_a_job_file_that_is_missing_or_fails_to_import_is_a_clear_error(user_job, tmp_path, builder):
+    with pytest.raises(ModelBuildError, match="job module .*nowhere.py' could not be read: FileNotFoundError"):
+        resolve_model("tiny:job/nowhere.py:writer", tmp_path)
+    (tmp_path / "job" / "broken.py").write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ModelBuildError, match="ModuleNotFoundError: No module named 'not_a_module_anywhere'"):
+        resolve_model("tiny:job/broken.py:writer", tmp_path)
+    assert builder.starts == []

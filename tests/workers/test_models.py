@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexmarl.runtime.model_specs import SPECIAL_TOKENS, TinyModelRecipe, TinyModelSpec, WarmupSchedule
+from flexmarl.runtime.model_specs import SPECIAL_TOKENS, TinyModelRecipe, TinyModelSpec, TrainedTokenizer, WarmupSchedule
 from flexmarl.workers import models
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -145,3 +145,79 @@ def test_the_command_line_names_the_agents_a_job_has(tmp_path, capsys):
 def test_a_job_module_without_tiny_models_is_named():
     with pytest.raises(ValueError, match="'flexmarl.controller.workflows' has no TINY_MODELS"):
         models.job_recipes("flexmarl.controller.workflows")
+
+
+# ---- a recipe with the job's own trained tokenizer and chat template ------------------
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+JOB_TEXT = ["copy red", "red", "copy blue", "blue", "copy green", "green"]
+
+
+def trained_tokenizer():
+    from tokenizers import Tokenizer, decoders, models as bpe_models, pre_tokenizers, trainers
+
+    core = Tokenizer(bpe_models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(JOB_TEXT, trainers.BpeTrainer(
+        vocab_size=64, special_tokens=["<pad>", "<eos>", "<|user|>", "<|assistant|>"], show_progress=False))
+    return TrainedTokenizer(core.to_str(), eos="<eos>", pad="<pad>", chat_template=CHAT)
+
+
+def chat_copy_task(tokenizer):
+    """Handed the built tokenizer: user says `copy W`, the assistant answers `W` and EOS."""
+    examples = []
+    for word in ("red", "blue", "green"):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"copy {word}"}],
+                                               tokenize=False, add_generation_prompt=True)
+        examples.append((tokenizer.encode(prompt, add_special_tokens=False),
+                         tokenizer.encode(word, add_special_tokens=False) + [tokenizer.eos_token_id]))
+    return examples * 8
+
+
+@pytest.fixture(scope="module")
+def chat_built(tmp_path_factory):
+    recipe = TinyModelRecipe(TINY, warmup=chat_copy_task, warmup_version="chat-copy-1", schedule=QUICK,
+                             tokenizer=trained_tokenizer())
+    return models.ensure_model(recipe, tmp_path_factory.mktemp("chat"))
+
+
+def test_a_trained_tokenizer_recipe_saves_a_tokenizer_transformers_loads_with_its_chat_template(chat_built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_built)
+    model = AutoModelForCausalLM.from_pretrained(chat_built)
+    assert model.config.vocab_size == len(tokenizer)
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id) == "<eos>"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "copy red"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert rendered == "<|user|>copy red<eos><|assistant|>"
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == "<|user|>"  # one token per special
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "copy red"
+
+
+def test_the_warm_up_of_a_trained_tokenizer_recipe_is_handed_the_tokenizer_and_learns_eos(chat_built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_built)
+    model = AutoModelForCausalLM.from_pretrained(chat_built).eval()
+    for prompt, target in chat_copy_task(tokenizer)[:3]:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        assert out[0, len(prompt):].tolist() == target  # the word, then EOS, then nothing
+
+
+def test_the_command_line_takes_a_job_file_path(tmp_path, capsys):
+    job = tmp_path / "my_job" / "models.py"
+    job.parent.mkdir()
+    job.write_text(textwrap.dedent(f"""
+        from flexmarl.runtime.model_specs import TinyModelRecipe, TinyModelSpec
+        TINY_MODELS = {{"copier": TinyModelRecipe(TinyModelSpec("copier", hidden_size=64, num_layers=1,
+            num_heads=2, num_kv_heads=1, intermediate_size=64), {VOCAB!r})}}
+    """))
+    assert models.main(["--job", str(job), "--agent", "copier", "--cache-root", str(tmp_path / "cache")]) == 0
+    path = Path(capsys.readouterr().out.splitlines()[-1])
+    assert path.parent == tmp_path / "cache" and (path / "config.json").exists()
