@@ -8,7 +8,7 @@ import time
 from flexmarl.controller.experiment import Experiment
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import load_config
-from flexmarl.controller.workflows import default_config
+from flexmarl.controller.digit_chain import default_config
 
 
 def _alive(pid: int) -> bool:
