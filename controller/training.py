@@ -95,10 +95,6 @@ def data_of(path: str, cfg: ExperimentConfig, what: str, episodes: int, shuffle:
     return data
 
 
-def cfg_eval_on(cfg: ExperimentConfig) -> bool:
-    return cfg.eval.every > 0
-
-
 class TrainingRun:
     def __init__(self, cfg: ExperimentConfig, server: Any, run_dir: str | Path, *,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
@@ -162,7 +158,7 @@ class TrainingRun:
                      *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in self.pipelines.items())]
             if self.rebalancer is not None:
                 loops.append(asyncio.create_task(self.rebalancer.run(), name="balance"))
-            if cfg_eval_on(self.cfg):
+            if self.cfg.eval.every > 0:
                 loops.append(asyncio.create_task(self.evaluator.run(), name="eval"))
             await supervise(loops)
             await self.checkpoint("final")

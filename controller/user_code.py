@@ -14,13 +14,12 @@ It does not run the workflow or know what it does.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from typing import Callable
+
+from flexmarl.runtime.user_modules import import_file
 
 from .workflows import WORKFLOWS
 
@@ -65,18 +64,7 @@ def _import_file(path_text: str, spec: str):
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
         raise WorkflowError(f"run.workflow = {spec!r}: no file {path}")
-    # A stable name per file, so loading it twice gives the same module.
-    name = f"flexmarl_workflow_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
+        return import_file(path, "flexmarl_workflow")
     except Exception as exc:
-        del sys.modules[name]
         raise WorkflowError(f"run.workflow = {spec!r}: running {path} failed: {type(exc).__name__}: {exc}") from exc
-    return module

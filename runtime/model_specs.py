@@ -32,15 +32,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
-import importlib.util
 import json
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from .user_modules import import_file
 
 # Every tiny vocabulary holds these; the tokenizer and model config take pad, bos, eos and
 # unk from them. Putting them first keeps <pad> at id 0.
@@ -217,20 +217,7 @@ def import_job(job: str) -> ModuleType:
     if not path.is_file():
         raise FileNotFoundError(f"job file {job!r} does not exist (looked at {path}); paths are "
                                 f"relative to the working directory")
-    name = f"flexmarl_job_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return import_file(path, "flexmarl_job")
 
 
 def job_recipes(job: str) -> dict[str, TinyModelRecipe]:
