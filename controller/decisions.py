@@ -16,7 +16,7 @@ This module does not know about sockets, workers or asyncio.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 log = logging.getLogger("flexmarl.decisions")
 
@@ -68,7 +68,7 @@ def cut_micro_batch(ready_samples: int, micro_batch: int, batch_complete: bool, 
     return batch_complete or (overlap and ready_samples >= micro_batch)
 
 
-def groups_in_micro_batch(group_sizes: list[int], micro_batch: int) -> int:
+def groups_in_micro_batch(group_sizes: Iterable[int], micro_batch: int) -> int:
     """How many of the ready groups (oldest first, with these sizes) the next micro-batch
     takes: consecutive whole groups, as many as fit in `micro_batch` samples, at least one
     (a group is never split: its advantages are normalised together)."""

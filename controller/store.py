@@ -172,7 +172,7 @@ class ExperienceStore:
         (at least one group if any is ready: a group is never split)."""
         taken: list[Sample] = []
         queue = self.ready[agent].get(batch, collections.deque())
-        sizes = [len(self.groups[g].sample_ids) for g in queue]
+        sizes = (len(self.groups[g].sample_ids) for g in queue)  # read lazily: stops at the cut
         for _ in range(decisions.groups_in_micro_batch(sizes, max_samples)):
             group = self.groups[queue.popleft()]
             group.status = CONSUMED

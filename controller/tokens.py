@@ -17,14 +17,9 @@ It does not know engines, samples or the store.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 Messages = list[dict[str, Any]]
-
-
-def has_tokenizer(model_dir: str) -> bool:
-    return any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 class TokenizerError(ValueError):

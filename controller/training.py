@@ -37,6 +37,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, to_dict
+from flexmarl.runtime.model_specs import has_tokenizer
 
 from . import decisions
 from .allocator import TrainerAllocator
@@ -50,7 +51,7 @@ from .rebalance import Rebalancer
 from .router import RolloutClient
 from .schedule import BatchSchedule
 from .store import ExperienceStore
-from .tokens import AgentTokenizer, has_tokenizer
+from .tokens import AgentTokenizer
 from .trackers import open_trackers
 from .weight_sync import WeightSync
 from .user_code import load_workflow
@@ -83,18 +84,6 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def data_of(path: str, cfg: ExperimentConfig, what: str, episodes: int, shuffle: bool | None = None) -> Dataset | None:
-    """The dataset at `path` (None if empty), checked to serve `episodes` episodes."""
-    if not path:
-        return None
-    d = cfg.data
-    data = Dataset.from_path(path, cfg.run.seed, d.shuffle if shuffle is None else shuffle,
-                             d.epochs if shuffle is None else 0)
-    if episodes:
-        data.check_serves(episodes, what)
-    return data
-
-
 class TrainingRun:
     def __init__(self, cfg: ExperimentConfig, server: Any, run_dir: str | Path, *,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
@@ -120,9 +109,12 @@ class TrainingRun:
                                   trainer_for=self._trainer_for)
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
                                   trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents))
-        self.dataset = data_of(cfg.data.train, cfg, "run.steps x pipeline.queries_per_step",
-                               cfg.run.steps * p.queries_per_step)
-        eval_data = data_of(cfg.data.eval, cfg, "", 0, shuffle=False)
+        d = cfg.data
+        self.dataset = Dataset.from_path(d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
+        if self.dataset is not None:
+            self.dataset.check_serves(cfg.run.steps * p.queries_per_step, "run.steps x pipeline.queries_per_step")
+        # Held-out rows in file order, cycled as often as evaluations ask.
+        eval_data = Dataset.from_path(d.eval, cfg.run.seed, shuffle=False) if d.eval else None
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
         self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,

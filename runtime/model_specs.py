@@ -207,6 +207,11 @@ def cached_model_dir(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> 
     return entry if entry.is_dir() else None
 
 
+def has_tokenizer(model_dir: str | os.PathLike) -> bool:
+    """Whether a Hugging Face model directory ships a tokenizer."""
+    return any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def import_job(job: str) -> ModuleType:
     """The job module `job` names: a dotted import path, or a path to a .py file (ending in
     .py or holding a "/"; relative to the working directory). A file's folder joins

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from flexmarl.runtime.model_specs import has_tokenizer
+
 # Read by vLLM when the engine is built; set before so in-process mode is the default here.
 # The engine core in a separate process would double the processes on a 2-core machine.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -341,10 +343,6 @@ def without_tied_head(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str
                          "differ (was the sender's model built untied?); the engine keeps its "
                          "previous weights")
     return [(name, tensor) for name, tensor in weights if name != TIED_HEAD]
-
-
-def has_tokenizer(model_path: str | os.PathLike) -> bool:
-    return any((Path(model_path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def eos_token_ids(model_path: str | os.PathLike) -> list[int]:
