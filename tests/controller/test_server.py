@@ -41,7 +41,7 @@ async def controller(cfg=CFG):
 async def healthy_worker(server, worker_id="healthy", cfg=CFG):
     session = WorkerSession(cfg, server.address, EchoHandler(), worker_id=worker_id)
     task = asyncio.create_task(session.run())
-    await server.wait_for_workers({"trainer": 1}, 2)
+    await server.wait_for_workers({"trainer": 1}, PATIENCE)
     try:
         yield session, task
     finally:
@@ -66,11 +66,16 @@ def raw_dealer(server, identity=b"raw", options=()):
     return sock
 
 
+# How long a test waits for something that should happen at once: a bound on a stall,
+# not a timing, generous because CI machines are slow and shared.
+PATIENCE = 20.0
+
+
 def hello(worker_id, version=p.PROTOCOL_VERSION):
     return p.encode(p.Hello(version, worker_id, "trainer", "h", 1))
 
 
-async def wait_for(predicate, timeout=2.0):
+async def wait_for(predicate, timeout=PATIENCE):
     for _ in range(int(timeout / 0.02)):
         if predicate():
             return True
@@ -115,7 +120,7 @@ async def test_rejections_are_counted_by_category_so_distinct_garbage_cannot_gro
         intruder = raw_dealer(server, b"intruder")
         try:
             await intruder.send_multipart(hello("intruder"))
-            await asyncio.wait_for(intruder.recv_multipart(), 2)  # WELCOME
+            await asyncio.wait_for(intruder.recv_multipart(), PATIENCE)  # WELCOME
             for rid in range(1000, 1050):
                 await intruder.send_multipart(p.encode(p.EchoReply(rid)))
             for kind in range(200, 220):
@@ -132,7 +137,7 @@ async def test_an_overlong_worker_id_is_refused_and_not_logged_in_full(caplog):
         bad = raw_dealer(server)
         try:
             await bad.send_multipart(hello("w" * 100_000))
-            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), 2))
+            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), PATIENCE))
             assert isinstance(reply, p.Reject) and "longer than" in reply.reason
             assert not server.registry.workers
         finally:
@@ -149,12 +154,12 @@ async def test_a_peer_that_never_reads_cannot_stall_the_controller():
         deaf = raw_dealer(server, b"deaf", [(zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)])
         try:
             await deaf.send_multipart(hello("deaf"))
-            await asyncio.wait_for(deaf.recv_multipart(), 2)  # WELCOME
+            await asyncio.wait_for(deaf.recv_multipart(), PATIENCE)  # WELCOME
             sent = 0
             while not server.undelivered["peer not reading"]:
                 await deaf.send_multipart(p.encode(p.Heartbeat(sent)))  # alive, only deaf
                 for _ in range(500):
-                    await asyncio.wait_for(deaf.send_multipart([bytes([p.Kind.ECHO_REPLY]), b"x" * 2000]), 5)
+                    await asyncio.wait_for(deaf.send_multipart([bytes([p.Kind.ECHO_REPLY]), b"x" * 2000]), PATIENCE)
                 sent += 500
                 assert sent < 100_000, "the controller never found the deaf peer's queue full"
                 await asyncio.sleep(0.01)
@@ -189,7 +194,7 @@ async def test_a_flood_of_queued_garbage_does_not_starve_the_other_tasks():
 
     tasks = [asyncio.create_task(server.serve()), asyncio.create_task(ticker())]
     try:
-        assert await wait_for(lambda: sum(server.rejected.values()) == 200, 5)
+        assert await wait_for(lambda: sum(server.rejected.values()) == 200)
         assert len({n for n in seen if 0 < n < 200}) >= 100
     finally:
         for t in tasks:
@@ -205,7 +210,7 @@ async def test_wrong_protocol_version_is_refused_with_a_reason():
         bad = raw_dealer(server)
         try:
             await bad.send_multipart(hello("old", version=p.PROTOCOL_VERSION + 1))
-            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), 2))
+            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), PATIENCE))
             assert isinstance(reply, p.Reject) and "protocol version" in reply.reason
             assert "old" not in server.registry.workers
             await echo(server, "healthy")
@@ -218,7 +223,7 @@ async def test_duplicate_worker_id_is_refused_and_the_first_keeps_working():
         bad = raw_dealer(server, b"impostor")
         try:
             await bad.send_multipart(hello("healthy"))
-            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), 2))
+            reply, _ = p.decode(await asyncio.wait_for(bad.recv_multipart(), PATIENCE))
             assert isinstance(reply, p.Reject) and "already registered" in reply.reason
             await echo(server, "healthy")
         finally:
@@ -228,7 +233,7 @@ async def test_duplicate_worker_id_is_refused_and_the_first_keeps_working():
 async def test_worker_session_exits_with_code_2_when_refused():
     async with controller() as server, healthy_worker(server):
         dup = WorkerSession(CFG, server.address, EchoHandler(), worker_id="healthy")
-        assert await asyncio.wait_for(dup.run(), 5) == 2
+        assert await asyncio.wait_for(dup.run(), PATIENCE) == 2
         await echo(server, "healthy")
 
 
@@ -237,11 +242,11 @@ async def test_silent_worker_is_declared_dead_and_its_requests_fail():
         silent = raw_dealer(server, b"silent")
         try:
             await silent.send_multipart(hello("silent"))
-            await asyncio.wait_for(silent.recv_multipart(), 2)  # WELCOME
+            await asyncio.wait_for(silent.recv_multipart(), PATIENCE)  # WELCOME
             rid = server.next_request_id()
             call = asyncio.create_task(server.call("silent", p.Echo(rid)))
             with pytest.raises(WorkerDied, match="no heartbeat"):
-                await asyncio.wait_for(call, 3)
+                await asyncio.wait_for(call, PATIENCE)
             assert not server.registry.workers["silent"].alive
         finally:
             silent.close()
@@ -260,7 +265,7 @@ async def test_worker_exits_when_the_controller_is_gone():
         task = asyncio.create_task(session.run())
         assert await wait_for(lambda: "orphan" in server.registry.workers)
     # the controller's sockets are closed now: the worker must notice and exit by itself
-    assert await asyncio.wait_for(task, 5) == 3
+    assert await asyncio.wait_for(task, PATIENCE) == 3
 
 
 def test_binding_a_public_address_without_curve_keys_is_refused():
@@ -282,11 +287,11 @@ async def test_curve_authenticated_worker_connects_and_an_unkeyed_one_cannot(tmp
         address = f"tcp://127.0.0.1:{address[1]}"
         session = WorkerSession(cfg, address, EchoHandler(), worker_id="keyed")
         task = asyncio.create_task(session.run())
-        assert await wait_for(lambda: "keyed" in server.registry.workers, 5)
+        assert await wait_for(lambda: "keyed" in server.registry.workers)
         await echo(server, "keyed")
         plain_cfg = TransportConfig(address=address, handshake_timeout_s=1.0)
         plain = WorkerSession(plain_cfg, address, EchoHandler(), worker_id="plain")
-        assert await asyncio.wait_for(plain.run(), 5) == 3  # never welcomed
+        assert await asyncio.wait_for(plain.run(), PATIENCE) == 3  # never welcomed
         assert "plain" not in server.registry.workers
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
