@@ -39,7 +39,7 @@ log = logging.getLogger("flexmarl.allocator")
 
 @dataclass
 class Parked:
-    holder: str  # the trainer whose channel serves the parked copy
+    holder: str  # the trainer whose channel serves the parked copy; "" for a checkpoint file
     handle: ParamHandle  # passed on to LoadAgent and ReleaseState, never looked into
     version: int
     accumulated: int
@@ -193,25 +193,42 @@ class TrainerAllocator:
                 self.emit(ev.AllocationChanged("trainer", agent, [], f"{trainer} died while loading it; "
                                                                     f"still parked with {parked.holder}"))
                 return
-            # The new owner has the state; only now may the parked copy go.
+            # The new owner has the state; only now may the parked copy go (a checkpoint's
+            # file stays: it belongs to the run directory).
             del self.parked[agent]
-            try:
-                await self.server.call(parked.holder, protocol.ReleaseState(
-                    self.server.next_request_id(), agent, parked.handle))
-            except WorkerDied:
-                log.warning("%s, which held the parked copy of %s, died after the copy was loaded; "
-                            "the launcher removes its segments once it is reaped", parked.holder, agent)
-            why = f"swapped in from {parked.holder}'s host memory ({parked.nbytes / 1e6:.1f} MB)"
+            if parked.holder:
+                await self._release_parked(agent, parked)
+            source = f"{parked.holder}'s host memory" if parked.holder else f"checkpoint {parked.handle.path}"
+            why = f"swapped in from {source} ({parked.nbytes / 1e6:.1f} MB)"
+            swapped = bool(parked.holder)
         else:
             reply, _ = await self.server.call(trainer, protocol.InitAgent(
                 self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, self.seed, cfg.max_grad_norm))
             why = f"initial placement ({reply.num_params / 1e6:.2f}M parameters)"
+            swapped = False
         self.resident[agent] = trainer
-        if victim is not None or not why.startswith("initial placement"):
+        if victim is not None or swapped:
             self.swaps += 1
             self.swap_s += time.monotonic() - t0
         self.emit(ev.AllocationChanged("trainer", agent, [trainer], f"{why}, {time.monotonic() - t0:.3f}s"))
         log.info("%s bound to %s (%s)", agent, trainer, why)
+        self._changed.set()
+
+    async def _release_parked(self, agent: str, parked: Parked) -> None:
+        try:
+            await self.server.call(parked.holder, protocol.ReleaseState(
+                self.server.next_request_id(), agent, parked.handle))
+        except WorkerDied:
+            log.warning("%s, which held the parked copy of %s, died after the copy was loaded; "
+                        "the launcher removes its segments once it is reaped", parked.holder, agent)
+
+    def restore(self, agent: str, handle: ParamHandle, version: int) -> None:
+        """Makes a checkpoint's training state of `agent` (at `version`, nothing accumulated)
+        its parked copy: the next acquire loads it on a trainer, and the file stays."""
+        if agent in self.resident:
+            raise RuntimeError(f"{agent} is resident on {self.resident[agent]}; it cannot be restored over")
+        self.lost.pop(agent, None)
+        self.parked[agent] = Parked("", handle, version, 0, handle.total_bytes)
         self._changed.set()
 
     async def _park(self, agent: str) -> None:

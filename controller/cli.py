@@ -1,6 +1,7 @@
 """The `flexmarl` command line.
 
     flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
+    flexmarl run --resume RUN_DIR [--steps N]
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
@@ -8,7 +9,8 @@
 
 `run` puts everything on this host (workers are child processes); `controller` and
 `worker` are the pieces for several hosts. Any config key can be overridden with
-``--set section.key=value``.
+``--set section.key=value``. `--resume RUN_DIR` continues a run from its last complete
+checkpoint, with the config it was started with (plus any overrides given).
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
 log = logging.getLogger("flexmarl")
 
 
-def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
-    from .digit_chain import default_config
-
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.set or [])
     for flag, key in (("mode", "pipeline.mode"), ("max_staleness", "pipeline.max_staleness"),
                       ("steps", "run.steps"), ("seed", "run.seed"), ("out", "run.out"),
@@ -37,6 +37,13 @@ def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
             overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
     if getattr(args, "no_progress", False):
         overrides.append("run.progress=false")
+    return overrides
+
+
+def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    from .digit_chain import default_config
+
+    overrides = _overrides(args)
     defaults = default_config()
     if args.config is not None:
         # A config file is a whole job: its [agents] are the agents, never added to the
@@ -54,10 +61,22 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its last complete checkpoint")
 
 
-def _train(cfg: ExperimentConfig, spawn_workers: bool) -> int:
+def _experiment(args: argparse.Namespace, spawn_workers: bool):
     from .experiment import Experiment
+
+    if args.resume:
+        if args.config is not None:
+            raise ConfigError("--resume continues a run with the config in its directory; "
+                              "give no CONFIG (use --set to change a key)")
+        return Experiment.resuming(args.resume, overrides=_overrides(args), spawn_workers=spawn_workers)
+    return Experiment(_config_from_args(args), spawn_workers=spawn_workers)
+
+
+def _train(make_experiment) -> int:
+    from .checkpoints import CheckpointError
 
     async def main() -> int:
         task = asyncio.current_task()
@@ -65,8 +84,16 @@ def _train(cfg: ExperimentConfig, spawn_workers: bool) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         try:
-            async with Experiment(cfg, spawn_workers=spawn_workers) as exp:
+            experiment = make_experiment()
+        except (ConfigError, CheckpointError) as exc:
+            print(f"flexmarl: {exc}", file=sys.stderr)
+            return 2
+        try:
+            async with experiment as exp:
                 summary = await exp.train()
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            return 1
         except asyncio.CancelledError:
             log.warning("interrupted: workers were shut down; the run directory keeps what was written")
             return 130
@@ -119,11 +146,13 @@ def main(argv: list[str] | None = None) -> None:
 
     limit_threads(1)
     setup_logging(args.log_level, name="controller")
-    try:
-        cfg = _config_from_args(args)
-    except ConfigError as exc:
-        sys.exit(f"flexmarl: bad configuration: {exc}")
-    sys.exit(_train(cfg, spawn_workers=args.command == "run"))
+    spawn = args.command == "run"
+    if not args.resume:
+        try:
+            _config_from_args(args)  # a bad config fails here, before anything starts
+        except ConfigError as exc:
+            sys.exit(f"flexmarl: bad configuration: {exc}")
+    sys.exit(_train(lambda: _experiment(args, spawn)))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ class EpisodeProducer:
                 self.schedule.episode_ended(batch)
 
         try:
-            for batch in range(1, self.schedule.steps + 1):
+            for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
                 await self.schedule.wait_to_start(batch)
                 self.emit(self.batch_started(batch))
                 for i in range(p.queries_per_step):

@@ -56,6 +56,8 @@ class Evaluator:
     async def run(self) -> None:
         e = self.cfg.eval
         for step in evaluation_steps(e.every, self.cfg.run.steps, e.at_start):
+            if step < self.schedule.first_batch - 1:  # done before the run resumed
+                continue
             if step > 0:
                 await self.schedule.wait_trained(step)
             await self.evaluate(step)

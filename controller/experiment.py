@@ -3,7 +3,10 @@
     async with Experiment(config) as exp:
         result = await exp.train()
 
-Entering binds the controller socket, starts its named background tasks (receive loop,
+    async with Experiment.resuming("runs/20260101-120000") as exp:  # after a crash
+        result = await exp.train()
+
+Entering checks the run directory can be written, binds the controller socket, starts its named background tasks (receive loop,
 heartbeats) and either starts local worker processes or waits for remote ones to connect.
 `train()` runs the training driver next to those tasks: the first task to fail or end
 early stops the others, so a dead receive loop can never leave training hanging. Leaving
@@ -21,9 +24,10 @@ from typing import Any, Awaitable, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.aio import supervise
-from flexmarl.runtime.config import ExperimentConfig, dump_toml
+from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
+from .checkpoints import CheckpointError, check_writable, latest_checkpoint
 from .launcher import LocalWorkers
 from .server import ControllerServer
 from .training import TrainingRun
@@ -33,9 +37,11 @@ log = logging.getLogger("flexmarl.controller")
 
 class Experiment:
     def __init__(self, config: ExperimentConfig, *, run_dir: str | Path | None = None,
-                 spawn_workers: bool = True) -> None:
+                 spawn_workers: bool = True, resume: bool = False) -> None:
         self.config = config
         self.run_dir = Path(run_dir or config.run.out or _default_run_dir())
+        # Continue the run in run_dir from its last complete checkpoint (see `resume`).
+        self.resume = resume
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
         self.local: LocalWorkers | None = None
@@ -58,19 +64,42 @@ class Experiment:
     def worker_ids(self, role: str) -> list[str]:
         return sorted(w.worker_id for w in self.server.registry.alive(role))
 
+    @classmethod
+    def resuming(cls, run_dir: str | Path, *, overrides: list[str] | None = None,
+                 spawn_workers: bool = True) -> "Experiment":
+        """The run in `run_dir`, to be continued from its last complete checkpoint with the
+        config it was started with (`overrides`, ``section.key=value``, may change e.g.
+        run.steps to train longer)."""
+        run_dir = Path(run_dir)
+        if not (run_dir / "config.toml").exists():
+            raise CheckpointError(f"{run_dir} is not a run directory (no config.toml); nothing to resume")
+        config = load_config(run_dir / "config.toml", overrides or [])
+        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True)
+
     async def __aenter__(self) -> "Experiment":
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        point = None
+        if self.resume:
+            point = latest_checkpoint(self.run_dir)
+            if point is None:
+                raise CheckpointError(f"{self.run_dir} has no complete checkpoint to resume from; start the run "
+                                      "anew (checkpoints are written every run.checkpoint_every steps)")
+            if point.step >= self.config.run.steps:
+                raise CheckpointError(f"{self.run_dir} is finished (checkpoint of step {point.step} of "
+                                      f"{self.config.run.steps}); to train longer, resume with a larger run.steps")
+            log.info("resuming %s from the checkpoint of step %d (%s)", self.run_dir, point.step, point.path)
+        # A run directory that cannot be written fails here, before any worker starts.
+        check_writable(self.run_dir)
         (self.run_dir / "config.toml").write_text(dump_toml(self.config))
         # The log says a worker died before anything reacts to it.
         self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
         self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         # Built before any worker starts: a bad workflow path or dataset fails here, at once.
         self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
-                                    flush_events=self.flush_events, worker_ids=self.worker_ids)
+                                    flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point)
         address = self.server.bind()
         (self.run_dir / "controller.address").write_text(address + "\n")
         if self.config.run.event_log:
-            self.events = EventLog(self.run_dir / "events.log")
+            self.events = EventLog(self.run_dir / "events.log", append=point is not None)
         self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
                        asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
         if self.events is not None:

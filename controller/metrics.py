@@ -25,14 +25,18 @@ log = logging.getLogger("flexmarl.metrics")
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
-                 trackers: Iterable[Any] = ()) -> None:
+                 trackers: Iterable[Any] = (), *, resumed: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)  # see trackers.py: each gets every row
         self.agents = list(agents)
         self.progress = progress
         self.started = time.monotonic()
-        self._fh = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self.rows: list[dict[str, Any]] = []
+        path = self.run_dir / "metrics.jsonl"
+        # A resumed run continues the file (already cut back to the checkpoint); a new
+        # run in a reused directory starts it afresh.
+        self.rows: list[dict[str, Any]] = ([json.loads(line) for line in path.read_text().splitlines() if line]
+                                           if resumed and path.exists() else [])
+        self._fh = open(path, "a" if resumed else "w", buffering=1)
 
     def record(self, step: int, agent: str, version: int, samples: list[Any], times: Any, **extra: Any) -> None:
         rewards = [s.reward for s in samples]

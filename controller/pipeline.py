@@ -10,6 +10,8 @@
 - once `decisions.step_due` says the batch is done, sends ONE optimizer step, flushes the
   event log (a crash loses nothing that led to a step), and has the weight sync bring the
   agent's instances to the new version, which unblocks the gate (`schedule.synced_to`);
+  then, where a checkpoint is due, has the agent's state saved (before anything of the
+  next batch reaches the trainer, so the saved state has no pending gradients);
 - produces: one metrics row per step, `MicroBatchFormed` / `MicroBatchTrained` /
   `OptimizerStep` events, and the trained samples' token lists freed.
 
@@ -47,8 +49,12 @@ class AgentPipeline:
     def __init__(self, agent: str, cfg: PipelineConfig, store: ExperienceStore, schedule: BatchSchedule,
                  allocator: Any, weights: WeightSync, server: Any, metrics: Any,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
-                 loss: protocol.LossOptions | None = None) -> None:
+                 loss: protocol.LossOptions | None = None,
+                 checkpoint: Callable[[str, str, int], Awaitable[None]] | None = None) -> None:
         self.agent = agent
+        # checkpoint(agent, trainer, step), awaited after a step's sync when one is due:
+        # nothing of the next batch was sent yet, so the trainer holds no pending gradients.
+        self.checkpoint = checkpoint
         self.loss = loss or protocol.LossOptions()
         self.cfg = cfg
         self.store = store
@@ -65,7 +71,7 @@ class AgentPipeline:
 
     async def run(self) -> None:
         last_end = time.monotonic()
-        for batch in range(1, self.schedule.steps + 1):
+        for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
             trained, train_s = await self._train_batch(batch)
             t_sync = time.monotonic()
             stats = await self._step_and_sync(batch, trained)
@@ -136,6 +142,9 @@ class AgentPipeline:
             self.samples_trained += len(trained)
             async with self.allocator.slot(trainer, (0, version)):
                 await self.weights.sync(self.agent, trainer, version)
+            if self.checkpoint is not None:
+                async with self.allocator.slot(trainer, (0, version)):
+                    await self.checkpoint(self.agent, trainer, version)
         finally:
             self.allocator.release(self.agent)
         return reply.stats

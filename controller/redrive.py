@@ -18,6 +18,7 @@ from flexmarl.runtime.config import RouterConfig
 
 from . import decisions
 from .balancer import AgentDemand, RolloutBalancer
+from .lineage import lineage
 from .store import ExperienceStore
 
 # The decision events the re-drive derives; replay compares these, in order.
@@ -33,6 +34,7 @@ def redrive(log: list) -> list:
     demand. `flexmarl replay --check` compares the result with the decisions the log
     recorded; ordering across agents is taken from the log, since it depends on timing,
     not on the rules."""
+    log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
     start = next(e for e in log if isinstance(e, ev.RunStarted))
     config = tomllib.loads(start.config_toml)
     micro_batch, k = config["pipeline"]["micro_batch"], start.max_staleness
@@ -84,6 +86,8 @@ def _redrive_balancer(log: list, router: dict) -> list:
     """The level 1 balancer's moves for the logged demand observations, in order."""
     balancer, moves = None, []
     for e in log:
+        if isinstance(e, ev.RunResumed):
+            balancer = None  # the resumed controller's balancer starts afresh
         if not isinstance(e, ev.DemandObserved):
             continue
         if balancer is None:  # built as the rebalancer builds it, from the logged config

@@ -35,6 +35,7 @@ from flexmarl.runtime.events import (Event, GroupComplete, GroupOpened,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
                                      WorkerDied, WorkerJoined, without_stamp)
 
+from .lineage import lineage
 from .redrive import REDRIVEN_TYPES
 from .redrive import redrive as redrive_decisions
 
@@ -125,8 +126,9 @@ def summarize(events: list[Event]) -> Summary:
     t_start = run.t if run else (events[0].t if events else 0.0)
     t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
     workers = _worker_usage(events, t_start, t_end)
-    agents = _agent_stats(events, run)
-    rows, staleness, errors = _accounting(events, run)
+    counted = lineage(events)  # without what a resume undid
+    agents = _agent_stats(counted, run)
+    rows, staleness, errors = _accounting(counted, run)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors)
 
 
@@ -480,7 +482,7 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
     returns a message naming the first decision of `types` that differs from the log, or
     None when all agree. Stamps (seq and t) are ignored."""
     types = tuple(types)
-    logged = [e for e in events if isinstance(e, types)]
+    logged = [e for e in lineage(events) if isinstance(e, types)]
     again = [e for e in redrive(events) if isinstance(e, types)]
     for i, (a, b) in enumerate(zip(logged, again)):
         if without_stamp(a) != without_stamp(b):

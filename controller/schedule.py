@@ -56,6 +56,20 @@ class BatchSchedule:
         self.synced = {a: 0 for a in agents}  # the version every rollout instance of the agent holds
         self._work = {a: asyncio.Event() for a in agents}
         self._versions = asyncio.Event()
+        self.first_batch = 1  # later after a resume
+
+    def resume_after(self, step: int) -> None:
+        """A run resumed from the checkpoint of `step`: batches up to it are done, every
+        agent's instances hold version `step`, and the loops start at batch step + 1."""
+        for t in range(1, step + 1):
+            progress = self.batches[t]
+            progress.episodes_left, progress.agents_stepped = 0, len(self.agents)
+            progress.rollout_done.set()
+            progress.trained_done.set()
+            progress.trained = progress.rollout_end = progress.started = None  # not timed in this process
+        self.first_batch = step + 1
+        for agent in self.agents:
+            self.synced[agent] = step
 
     # -- the episode producer and the gate
 
@@ -111,7 +125,7 @@ class BatchSchedule:
 
     @property
     def finished(self) -> bool:
-        return all(p.trained is not None for p in self.batches.values())
+        return all(p.trained_done.is_set() for p in self.batches.values())
 
     def trained_batches(self) -> list[BatchProgress]:
         return [p for p in self.batches.values() if p.trained is not None and p.started is not None]

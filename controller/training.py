@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from flexmarl.runtime.model_specs import has_tokenizer
 
 from . import decisions
 from .allocator import TrainerAllocator
+from .checkpoints import Checkpointer, ResumePoint
 from .data import Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
@@ -87,8 +90,9 @@ class RunSummary:
 class TrainingRun:
     def __init__(self, cfg: ExperimentConfig, server: Any, run_dir: str | Path, *,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
-                 worker_ids: Callable[[str], list[str]]) -> None:
+                 worker_ids: Callable[[str], list[str]], resume: ResumePoint | None = None) -> None:
         self.cfg = cfg
+        self.resume = resume  # continue from this checkpoint instead of the models' initial weights
         self.server = server
         self.run_dir = Path(run_dir)
         self.emit = emit
@@ -107,8 +111,15 @@ class TrainingRun:
         self.client = RolloutClient(server, emit=emit, within_agent=cfg.router.within_agent)
         self.weights = WeightSync(self.agents, server, self.client.instances, emit, self.schedule.synced_to,
                                   trainer_for=self._trainer_for)
+        if resume is not None:  # rows of batches after the checkpoint are made again
+            truncate_metrics(self.run_dir / "metrics.jsonl", resume.step)
+            self.schedule.resume_after(resume.step)
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
-                                  trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents))
+                                  trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents),
+                                  resumed=resume is not None)
+        self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
+                                       keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
+                                       controller_state=self._controller_state)
         d = cfg.data
         self.dataset = Dataset.from_path(d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
         if self.dataset is not None:
@@ -141,7 +152,10 @@ class TrainingRun:
         """Sets up, runs the loops listed in the module docstring until the last batch is
         trained (the first loop to fail stops the others), checkpoints, summarises."""
         p = self.cfg.pipeline
-        self.emit(ev.RunStarted(dump_toml(self.cfg), self.agents, p.mode, p.max_staleness, self.cfg.run.seed))
+        if self.resume is None:
+            self.emit(ev.RunStarted(dump_toml(self.cfg), self.agents, p.mode, p.max_staleness, self.cfg.run.seed))
+        else:
+            self.emit(ev.RunResumed(self.resume.step, str(self.resume.path), dump_toml(self.cfg)))
         try:
             await self.setup()
             self._loads_at_start = await self._worker_loads()
@@ -153,7 +167,6 @@ class TrainingRun:
             if self.cfg.eval.every > 0:
                 loops.append(asyncio.create_task(self.evaluator.run(), name="eval"))
             await supervise(loops)
-            await self.checkpoint("final")
         finally:
             self.tools.shutdown(wait=False, cancel_futures=True)
             self.metrics.close()
@@ -183,15 +196,21 @@ class TrainingRun:
                 self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
         weight = {a: self._expected_tokens(a) for a in self.agents}
         self.client.assignment = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
+        saved = self.resume.state.get("rollout_assignment") if self.resume else None
+        if saved and sorted(w for ws in saved.values() for w in ws) == sorted(self.worker_ids("rollout")):
+            self.client.assignment = {a: list(saved[a]) for a in self.agents}  # as it was at the checkpoint
         for agent in self.agents:
             self.emit(ev.AllocationChanged("rollout", agent, list(self.client.assignment[agent]), "initial placement"))
         log.info("rollout placement: %s", self.client.assignment)
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
                                           cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit)
         self.allocator.on_parked.append(self.weights.forget)
+        if self.resume is not None:
+            for agent in self.agents:
+                self.allocator.restore(agent, self.resume.training_state(agent), self.resume.step)
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
                                            self.server, self.metrics, self.emit, self.flush_events,
-                                           cfg.agents[a].loss_options())
+                                           cfg.agents[a].loss_options(), checkpoint=self._checkpoint)
                           for a in self.agents}
         if cfg.router.across_agents:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.client, self.server, self.weights,
@@ -224,13 +243,18 @@ class TrainingRun:
         return a.group_size * a.max_tokens * (1 + self.agents.index(agent))
 
     async def _load_model(self, agent: str, worker: str) -> None:
-        reply, _ = await self.server.call(worker, self.load_model_message(agent))
-        self.weights.served(worker, agent, 0)
+        message = self.load_model_message(agent)
+        reply, _ = await self.server.call(worker, message)
+        self.weights.served(worker, agent, message.version)
         log.info("%s serves %s (%.1fs to start the engine)", worker, agent, reply.seconds)
 
     def load_model_message(self, agent: str) -> protocol.LoadModel:
-        """What starts an engine on `agent`'s model (at version 0, the model directory's weights)."""
-        return protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
+        """What starts an engine on `agent`'s model: the model directory's weights (version
+        0), or after a resume the checkpoint's (its version); the weight sync brings it on."""
+        path, version = self.model_path[agent], 0
+        if self.resume is not None:
+            path, version = str(self.resume.agent_dir(agent).resolve()), self.resume.step
+        return protocol.LoadModel(self.server.next_request_id(), agent, path, version,
                                   seed=self.cfg.run.seed, max_model_len=self.cfg.agents[agent].max_model_len or 64)
 
     def _on_worker_died(self, info: Any) -> None:
@@ -261,13 +285,45 @@ class TrainingRun:
         return {w: round((end[w] - self._loads_at_start.get(w, 0.0)) / self.wall_s, 3)
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
 
-    async def checkpoint(self, name: str) -> None:
-        root = self.run_dir / "checkpoints"
-        for agent in self.agents:
-            trainer = await self.allocator.acquire(agent)
-            try:
-                await self.server.call(trainer, protocol.SaveCheckpoint(
-                    self.server.next_request_id(), agent, str((root / name / agent).resolve())))
-            finally:
-                self.allocator.release(agent)
-        log.info("checkpoint %s written to %s", name, root / name)
+    async def _checkpoint(self, agent: str, trainer: str, step: int) -> None:
+        if self.checkpoints.due(step):
+            await self.checkpoints.save_agent(agent, trainer, step)
+
+    def _controller_state(self, step: int) -> dict[str, Any]:
+        """What the controller adds to a checkpoint of `step`: enough to continue the run
+        from it and to say where it stood. Episodes draw their randomness from seeds made
+        of (run.seed, batch, episode), so the seed and the step are the random state."""
+        q = self.cfg.pipeline.queries_per_step
+        state = {"steps": self.cfg.run.steps, "seed": self.cfg.run.seed,
+                 "versions": {a: step for a in self.agents},
+                 "episodes_done": step * q,
+                 "rollout_assignment": {a: list(ws) for a, ws in self.client.assignment.items()},
+                 # Samples of later batches the store held at the cut; a resumed run makes them again.
+                 "store_after_cut": {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
+                                     for a in self.agents},
+                 "config_toml": dump_toml(self.cfg)}
+        if self.dataset is not None:
+            state["data"] = {"next_episode": step * q}
+            if step < self.cfg.run.steps:  # after the last step the data may be used up
+                position = self.dataset.position(step * q)
+                state["data"].update(epoch=position.epoch, next_row=position.index)
+        return state
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drops metrics rows a resumed run writes again: training rows after `step`, and
+    evaluations from `step` on (one at `step` may have been cut short). Atomic."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line torn by the crash
+            continue
+        limit = step - 1 if row.get("kind") == "eval" else step
+        if row.get("step", 0) <= limit:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

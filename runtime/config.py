@@ -115,7 +115,10 @@ class RunConfig:
     steps: int = 20
     seed: int = 0
     out: str = ""  # run directory; empty -> runs/<timestamp>
-    checkpoint_every: int = 0  # 0 -> only at the end
+    # A checkpoint (weights, optimizer state, controller state; what --resume continues
+    # from) after every this many steps, and always after the last; 0 -> only at the end.
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3  # the newest this many are kept (and checkpoints/final)
     env_latency_ms: float = 0.0  # mean latency of the simulated environment/tool call
     progress: bool = True
     event_log: bool = True  # RUN_DIR/events.log; off only to measure its overhead
@@ -173,6 +176,8 @@ class ExperimentConfig:
                 raise ConfigError(f"agents.{name}.max_tokens must be >= 1")
             if agent.kl_coef < 0 or agent.loss_constant < 0:
                 raise ConfigError(f"agents.{name}: kl_coef and loss_constant must be >= 0")
+        if self.run.checkpoint_every < 0 or self.run.keep_checkpoints < 1:
+            raise ConfigError("run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
         if self.data.epochs < 0 or self.eval.every < 0 or self.eval.episodes < 1:
             raise ConfigError("data.epochs and eval.every must be >= 0 and eval.episodes >= 1")
         for name in self.run.trackers:

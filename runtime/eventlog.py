@@ -95,12 +95,14 @@ class EventLog:
     emit raises EventLogError.
 
     An existing log at ``path`` (and its numbered segments) is replaced when the first
-    write happens, so a reused run directory never mixes two runs in one log.
+    write happens, so a reused run directory never mixes two runs in one log; with
+    ``append=True`` (a resumed run) it is continued instead: seq and t go on from its last
+    intact event, and a torn tail left by a crash is cut off first.
     """
 
     def __init__(self, path: str | Path, *, max_bytes_per_segment: int = 64 * 1024 * 1024,
                  max_buffered_bytes: int = 256 * 1024 * 1024,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, append: bool = False) -> None:
         if max_bytes_per_segment <= HEADER_BYTES:
             raise ValueError(f"max_bytes_per_segment must exceed the {HEADER_BYTES}-byte header")
         self.path = Path(path)
@@ -124,6 +126,16 @@ class EventLog:
         self._segment_bytes = 0
         self._dir_dirty = False
         self.segments_written = 0
+        self._append_at: tuple[int, int] | None = None  # (segment, intact bytes) to continue
+        if append and segment_paths(self.path):
+            reader = _SegmentReader()
+            for index, seg in enumerate(segment_paths(self.path)):
+                reader.segment = index
+                if reader.read(seg) is not None:
+                    break
+            self._seq = reader.next_seq
+            self._t0 = clock() - (reader.events[-1].t if reader.events else 0.0)
+            self._append_at = (reader.segment, reader.good_end)
 
     @property
     def next_seq(self) -> int:
@@ -225,6 +237,9 @@ class EventLog:
                     f"the run stops since it could not be replayed (free disk space?)") from exc
 
     def _start(self) -> None:
+        if self._append_at is not None:
+            self._continue(*self._append_at)
+            return
         stale = segment_paths(self.path)
         for old in reversed(stale[1:]):
             old.unlink()
@@ -240,6 +255,21 @@ class EventLog:
         self._segment_bytes = HEADER_BYTES
         self.segments_written = index + 1
         self._dir_dirty = True
+
+    def _continue(self, index: int, intact: int) -> None:
+        """Appends to segment `index` after its `intact` bytes; what follows them (a torn
+        frame, later segments written after damage) is removed."""
+        for later in segment_paths(self.path)[index + 1:]:
+            later.unlink()
+        if intact < HEADER_BYTES:
+            self._open_segment(index)
+            return
+        self._segment = index
+        self._file = open(segment_path(self.path, index), "r+b")
+        self._file.truncate(intact)
+        self._file.seek(intact)
+        self._segment_bytes = intact
+        self.segments_written = index + 1
 
     def _rotate(self) -> None:
         # The finished segment is made durable before the next exists, so a reader never
@@ -301,6 +331,8 @@ class _SegmentReader:
         self.decoder = msgspec.msgpack.Decoder(AnyEvent)
         self.next_seq = 0
         self.skipped: dict[str, int] = {}
+        self.segment = 0  # for appending: the segment read last and its intact bytes
+        self.good_end = 0
 
     def with_skipped_note(self, problem: str | None) -> str | None:
         if not self.skipped:
@@ -310,6 +342,7 @@ class _SegmentReader:
         return note if problem is None else f"{problem}; {note}"
 
     def read(self, seg: Path) -> str | None:
+        self.good_end = 0
         data = memoryview(seg.read_bytes())
         where = f"{seg}: byte offset"
         if len(data) < HEADER_BYTES:
@@ -323,12 +356,12 @@ class _SegmentReader:
                 f"(this one reads formats up to {FORMAT_VERSION})")
         if version < 1:
             return f"{where} 8: unknown format version {version}"
-        off = HEADER_BYTES
+        off = self.good_end = HEADER_BYTES
         while off < len(data):
             problem = self._read_frame(data, off)
             if isinstance(problem, str):
                 return f"{where} {off}: {problem}; {len(self.events)} events read before it"
-            off = problem
+            off = self.good_end = problem
         return None
 
     def _read_frame(self, data: memoryview, off: int) -> int | str:

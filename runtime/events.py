@@ -58,6 +58,22 @@ class RunFinished(Event):
     wall_s: float
 
 
+class RunResumed(Event):
+    # The controller restarted from the checkpoint of `step`: everything logged before this
+    # for batches after `step` was undone (those batches are generated and trained again).
+    step: int
+    checkpoint: str
+    config_toml: str
+
+
+class CheckpointWritten(Event):
+    # A consistent cut of the run after `step` optimizer steps is complete on disk.
+    step: int
+    path: str
+    nbytes: int
+    seconds: float
+
+
 class BatchStarted(Event):
     # The first episode of a global batch starts; with a dataset, where the run is in it.
     batch: int

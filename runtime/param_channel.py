@@ -180,6 +180,14 @@ class ParamChannel:
         if pub is not None:
             self._transports[pub.handle.transport].release(pub.handle, pub.resource)
 
+    def disown(self, handle: ParamHandle) -> None:
+        """Stop tracking a disk publication without deleting its file: from now on the
+        file belongs to whoever keeps it (a checkpoint directory), not to this channel."""
+        pub = self._published.get(handle.key)
+        if pub is not None and not TRANSPORTS[pub.handle.transport].kept_on_close:
+            raise ValueError(f"only files outlive their publisher; {handle.transport} publications cannot be disowned")
+        self._published.pop(handle.key, None)
+
     def held_receive_buffers(self) -> int:
         """Host buffers this channel keeps behind tensors `receive` handed out (until their
         handles are released) or as spares for reuse: what it holds as a receiver."""

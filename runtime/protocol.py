@@ -406,12 +406,20 @@ class WeightsPublished(Message):
     seconds: float
 
 
+# The training state's file inside an agent's checkpoint directory (SAVE_CHECKPOINT with
+# full_state). Not *.bin or *.pt, so loaders of Hugging Face weights never take it for weights.
+TRAINING_STATE_FILE = "training_state.flexmarl"
+
+
 class SaveCheckpoint(Message):
-    # Controller -> Trainer: write the agent's weights (HF safetensors) to `path`.
+    # Controller -> Trainer: write the agent's weights (HF safetensors) to the directory
+    # `path`; with `full_state`, also its whole training state (weights, optimizer state,
+    # version) as a parameter-channel disk file there, which LOAD_AGENT can resume from.
     KIND = Kind.SAVE_CHECKPOINT
     request_id: int
     agent: str
     path: str
+    full_state: bool = False
 
 
 class CheckpointSaved(Message):
@@ -421,6 +429,8 @@ class CheckpointSaved(Message):
     agent: str
     path: str
     version: int
+    state: ParamHandle | None = None  # the training state's disk file, with full_state
+    nbytes: int = 0  # bytes written
 
 
 class OffloadAgent(Message):

@@ -4,7 +4,8 @@ Commands run one at a time, in arrival order, on a worker thread (so heartbeats 
 flowing while a backward pass runs): INIT_AGENT, TRAIN_MICROBATCH (forward/backward,
 gradients accumulate), OPTIM_STEP (one step, zero the gradients, bump the version),
 PUBLISH_WEIGHTS (hand the weights to the parameter channel; the bytes go straight to the
-rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors), and the swaps of
+rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors, and the whole training state
+for resuming), and the swaps of
 agent-centric training: OFFLOAD_AGENT (park the whole training state in the channel and
 stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
 RELEASE_STATE (drop a parked copy once its new owner has it).
@@ -298,17 +299,36 @@ class TrainerHandler(CommandHandler):
         return protocol.StateReleased(msg.request_id, msg.agent)
 
     def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
+        """Weights in Hugging Face format (loadable by transformers and vLLM) and, with
+        `full_state`, the whole training state as a disk file of the parameter channel.
+        Written under a temporary name and renamed: a crash or a full disk mid-save never
+        leaves a half-written checkpoint under `path`, and a failed save leaves nothing."""
         state = self._resident(msg.agent)
+        if msg.full_state and state.accumulated:
+            raise ValueError(f"a full checkpoint of {state.name} is taken between steps; {state.accumulated} "
+                             "samples are accumulated towards the next one")
         path = Path(msg.path)
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        state.model.save_pretrained(tmp, safe_serialization=True)
-        for extra in Path(state.model_path).iterdir():  # tokenizer files travel with the weights
-            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                shutil.copy(extra, tmp / extra.name)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)  # a crash mid-save never leaves a half-written checkpoint under `path`
-        return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version)
+        handle = None
+        try:
+            state.model.save_pretrained(tmp, safe_serialization=True)
+            for extra in Path(state.model_path).iterdir():  # tokenizer files travel with the weights
+                if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                    shutil.copy(extra, tmp / extra.name)
+            if msg.full_state:
+                tensors = training_state(state.model, state.optimizer, state.sums)
+                handle = self.channel().publish(tensors, agent=state.name, version=state.version,
+                                                transport="disk", path=tmp / protocol.TRAINING_STATE_FILE)
+                self.channel().disown(handle)  # the file belongs to the run directory now
+            nbytes = sum(f.stat().st_size for f in tmp.iterdir())
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(exc.errno, f"cannot write the checkpoint of {state.name} to {path}: "
+                                     f"{exc.strerror or exc} (nothing was left there)") from exc
+        return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version, handle, nbytes)
 
     # One table from command to method; `handle` queues exactly these.
     COMMANDS = {

@@ -15,6 +15,8 @@ EXAMPLES = [
     ev.WorkerJoined("r0", "rollout", "host", 1234),
     ev.WorkerDied("r0", "missed 3 heartbeats"),
     ev.RunFinished(10, 123.5),
+    ev.RunResumed(4, "runs/x/checkpoints/step-000004", "[run]\nseed = 1\n"),
+    ev.CheckpointWritten(4, "runs/x/checkpoints/step-000004", 123456, 0.25),
     ev.BatchStarted(2, 16, 0, [3, 1, 4]),
     ev.EvaluationDone(4, 16, 1, {"planner": 0.5}),
     ev.RequestsDispatched("r0", "solver", 3, ["s1", "s2"], 40),

@@ -1,0 +1,254 @@
+"""Checkpoints: consistent cuts of the whole run, written atomically, the last N kept; and
+finding the one a run resumes from.
+
+Layout of RUN_DIR/checkpoints/::
+
+    step-000010/                  one consistent cut: every agent at version 10
+        controller.json           the controller's state at the cut (see `controller_state`)
+        AGENT/                    Hugging Face weights: config.json, model.safetensors, tokenizer
+            training_state.flexmarl   weights, optimizer state, version (a parameter-channel
+                                      disk file, which any trainer can load)
+    .step-000012.partial/         being written: each agent saves into it after its step 12
+    final -> step-000020          the last step's checkpoint
+
+Why a cut is consistent: each agent's pipeline saves right after its optimizer step t and
+weight sync, before it sends anything of batch t + 1, so no gradient is pending; once the
+last agent saved t, the controller writes its own state into the staging directory and
+only then renames it into place. A crash (or a full disk) before the rename leaves a
+`.partial` directory that is never resumed from; the previous checkpoints stay whole.
+What the store held past the cut (samples of batches after t, in async mode) is not kept:
+a resumed run generates those batches again, from the same per-episode seeds.
+
+It does not know how agents are trained or placed: it is handed a `call` to reach a
+trainer and a function that describes the controller's state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import msgspec
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+from flexmarl.runtime.param_types import ParamHandle
+
+log = logging.getLogger("flexmarl.checkpoints")
+
+CONTROLLER_STATE = "controller.json"
+TRAINING_STATE_FILE = protocol.TRAINING_STATE_FILE
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+# A run directory needs at least this much free space to start (config, logs, metrics).
+MIN_FREE_BYTES = 16 * 1024 * 1024
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (or read). Earlier checkpoints are untouched."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+@dataclass
+class ResumePoint:
+    """The last complete checkpoint of a run directory."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]  # controller.json
+
+    def agent_dir(self, agent: str) -> Path:
+        return self.path / agent
+
+    def training_state(self, agent: str) -> ParamHandle:
+        """The handle of the agent's training state file, pointing at where the file is now
+        (it was written under a staging name)."""
+        from flexmarl.runtime.param_disk import read_handle
+
+        path = self.agent_dir(agent) / TRAINING_STATE_FILE
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {self.path} has no training state for {agent!r} ({path} is missing)")
+        return msgspec.structs.replace(read_handle(path), path=str(path))
+
+
+def latest_checkpoint(run_dir: str | Path) -> ResumePoint | None:
+    """The newest complete checkpoint under RUN_DIR/checkpoints (staging directories are
+    never complete), or None when there is none."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    for d in root.iterdir() if root.is_dir() else []:
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and not d.is_symlink() and (d / CONTROLLER_STATE).exists():
+            found.append((int(m.group(1)), d))
+    if not found:
+        return None
+    step, path = max(found)
+    try:
+        state = json.loads((path / CONTROLLER_STATE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path / CONTROLLER_STATE}: {exc}") from exc
+    if state.get("format") != FORMAT or state.get("step") != step:
+        raise CheckpointError(f"{path / CONTROLLER_STATE} is not a format-{FORMAT} state of step {step}")
+    return ResumePoint(path, step, state)
+
+
+def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
+    """Raises CheckpointError, saying what to do, when the run directory cannot be created,
+    written and synced, or has less than `need_bytes` free."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"the run directory {run_dir} is not writable: {exc.strerror or exc}; "
+                              "choose another with --out (or run.out)") from exc
+    free = shutil.disk_usage(run_dir).free
+    if free < need_bytes:
+        raise CheckpointError(f"the run directory {run_dir} has {free / 2**20:.1f} MiB free, and needs at least "
+                              f"{need_bytes / 2**20:.1f} MiB; free some space or choose another with --out")
+
+
+class Checkpointer:
+    def __init__(self, root: Path, agents: list[str], *, every: int, keep: int, steps: int, server: Any,
+                 emit: Callable[[ev.Event], Any], controller_state: Callable[[int], dict[str, Any]],
+                 flush_events: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.root = Path(root)
+        self.agents = list(agents)
+        self.every = every
+        self.keep = max(1, keep)
+        self.steps = steps
+        self.server = server  # call(), next_request_id()
+        self.emit = emit
+        self.controller_state = controller_state
+        self.flush_events = flush_events
+        self._saved: dict[int, dict[str, int]] = {}  # step -> agent -> bytes written
+        self._started: dict[int, float] = {}
+        self.written: list[int] = []
+
+    def due(self, step: int) -> bool:
+        return step == self.steps or (self.every > 0 and step % self.every == 0)
+
+    def staging(self, step: int) -> Path:
+        return self.root / f".{step_dir_name(step)}.partial"
+
+    async def save_agent(self, agent: str, trainer: str, step: int) -> None:
+        """Writes `agent`'s training state after its step `step` (nothing accumulated) into
+        the step's staging directory; the last agent's save completes the checkpoint."""
+        staging = self.staging(step)
+        if step not in self._saved:
+            self._check_space(step)
+            self._started[step] = time.monotonic()
+            try:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a crash before a resume
+                staging.mkdir(parents=True)
+            except OSError as exc:
+                raise self._failed(step, f"cannot create {staging}: {exc.strerror or exc}") from exc
+            self._saved[step] = {}
+        try:
+            reply, _ = await self.server.call(trainer, protocol.SaveCheckpoint(
+                self.server.next_request_id(), agent, str((staging / agent).resolve()), full_state=True))
+        except Exception as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise self._failed(step, str(exc)) from exc
+        self._saved[step][agent] = reply.nbytes
+        if len(self._saved[step]) == len(self.agents):
+            self._finalize(step)
+
+    def _finalize(self, step: int) -> None:
+        staging, final = self.staging(step), self.root / step_dir_name(step)
+        saved = self._saved.pop(step)
+        state = {"format": FORMAT, "step": step, **self.controller_state(step),
+                 "agents": {a: {"dir": a, "training_state": f"{a}/{TRAINING_STATE_FILE}", "bytes": n}
+                            for a, n in saved.items()}}
+        try:
+            _write_durably(staging / CONTROLLER_STATE, json.dumps(state, indent=1, sort_keys=True))
+            if final.exists():  # written before a crash, then the run resumed from an earlier one
+                shutil.rmtree(final)
+            os.rename(staging, final)
+            _sync_dir(self.root)
+            if step == self.steps:
+                link = self.root / "final"
+                tmp = self.root / ".final.tmp"
+                tmp.unlink(missing_ok=True)
+                tmp.symlink_to(final.name)
+                os.replace(tmp, link)
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise self._failed(step, f"{exc.strerror or exc}") from exc
+        seconds = time.monotonic() - self._started.pop(step, time.monotonic())
+        nbytes = sum(saved.values())
+        self.written.append(step)
+        self.emit(ev.CheckpointWritten(step, str(final), nbytes, seconds))
+        log.info("checkpoint of step %d written to %s (%.1f MB, %.2fs)", step, final, nbytes / 1e6, seconds)
+        self._prune(step)
+
+    def _prune(self, newest: int) -> None:
+        """Keeps the newest `keep` checkpoints (and 'final'); removes staging directories
+        of steps the newest checkpoint supersedes."""
+        steps = []
+        for d in self.root.iterdir():
+            m = _STEP_DIR.match(d.name)
+            if m and not d.is_symlink():
+                steps.append(int(m.group(1)))
+            elif d.name.startswith(".step-") and d.name.endswith(".partial"):
+                m = _STEP_DIR.match(d.name[1:-len(".partial")])
+                if m and int(m.group(1)) < newest and int(m.group(1)) not in self._saved:
+                    shutil.rmtree(d, ignore_errors=True)
+        keep = set(sorted(steps)[-self.keep:]) | {newest}
+        final = self.root / "final"
+        if final.is_symlink():
+            m = _STEP_DIR.match(os.readlink(final))
+            if m:
+                keep.add(int(m.group(1)))
+        for step in steps:
+            if step not in keep:
+                shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+
+    def _check_space(self, step: int) -> None:
+        """Refuses to start a checkpoint the disk cannot hold (judged by the size of the
+        last one), so a full disk is reported before anything is written."""
+        previous = latest_checkpoint(self.root.parent)
+        if previous is None:
+            return
+        need = sum(f.stat().st_size for f in previous.path.rglob("*") if f.is_file())
+        free = shutil.disk_usage(self.root).free
+        if free < need * 1.1:
+            raise self._failed(step, f"{free / 2**20:.1f} MiB free, the last checkpoint took {need / 2**20:.1f} MiB")
+
+    def _failed(self, step: int, why: str) -> CheckpointError:
+        previous = latest_checkpoint(self.root.parent) if self.root.exists() else None
+        kept = (f"the checkpoint of step {previous.step} ({previous.path}) is intact; after fixing this, "
+                f"`flexmarl run --resume {self.root.parent}` continues from it") if previous else \
+            "no earlier checkpoint exists"
+        return CheckpointError(f"the checkpoint of step {step} could not be written: {why}; {kept}")
+
+
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,66 @@
+"""The events the run's final state descends from, across resumes.
+
+A resumed run restarts from the checkpoint of step t (`RunResumed`): whatever the crashed
+controller had done for the batches after t (groups opened, outputs received, micro-batches
+formed, steps taken) was undone with it, and those batches are generated and trained
+again, often under the same sample ids (they derive from the seed). `lineage(events)` cuts
+those undone events out, so exactly-once accounting and `replay --check` judge the run
+that counts: every sample in it trained or dropped once.
+
+It knows which fields tie an event to a batch; it does not read files.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from flexmarl.runtime import events as ev
+
+# Events of one version (= the batch that steps into it): undone when version > t.
+_BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.WeightSyncStarted,
+               ev.WeightSyncFinished)
+
+
+def lineage(events: list[ev.Event]) -> list[ev.Event]:
+    """`events` without what a later `RunResumed` undid (see the module docstring)."""
+    if not any(isinstance(e, ev.RunResumed) for e in events):
+        return events
+    kept: list[ev.Event] = []
+    batch_of_group: dict[str, int] = {}
+    batch_of_sample: dict[str, int] = {}
+    for e in events:
+        if isinstance(e, ev.GroupOpened):
+            batch_of_group[e.group_id] = e.batch
+            for sid in e.sample_ids:
+                batch_of_sample[sid] = e.batch
+        if isinstance(e, ev.RunResumed):
+            kept = [c for x in kept if (c := _cut(x, e.step, batch_of_group, batch_of_sample)) is not None]
+            # Ids of undone batches may be opened again: forget what they were.
+            batch_of_group = {g: b for g, b in batch_of_group.items() if b <= e.step}
+            batch_of_sample = {s: b for s, b in batch_of_sample.items() if b <= e.step}
+        kept.append(e)
+    return kept
+
+
+def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample: dict[str, int]) -> ev.Event | None:
+    """`e` as far as it concerns batches up to `step`; None if nothing of it does."""
+    if isinstance(e, ev.GroupOpened):
+        return e if e.batch <= step else None
+    if isinstance(e, ev.GroupComplete):
+        return e if batch_of_group.get(e.group_id, 0) <= step else None
+    if isinstance(e, (ev.BatchStarted,)):
+        return e if e.batch <= step else None
+    if isinstance(e, ev.EvaluationDone):
+        return e if e.step < step else None
+    if isinstance(e, _BY_VERSION):
+        return e if e.version <= step else None
+    if isinstance(e, ev.RequestsCompleted):
+        keep = [i for i, sid in enumerate(e.sample_ids) if batch_of_sample.get(sid, 0) <= step]
+        if not keep:
+            return None
+        return msgspec.structs.replace(e, sample_ids=[e.sample_ids[i] for i in keep],
+                                       versions=[e.versions[i] for i in keep])
+    if isinstance(e, (ev.RequestsDispatched, ev.SamplesDropped)):
+        keep = [sid for sid in e.sample_ids if batch_of_sample.get(sid, 0) <= step]
+        return msgspec.structs.replace(e, sample_ids=keep) if keep else None
+    return e  # workers, placement, demand: history, not undone
