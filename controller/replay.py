@@ -35,7 +35,7 @@ from flexmarl.runtime.events import (Event, GroupComplete, GroupOpened,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
                                      WorkerDied, WorkerJoined, without_stamp)
 
-from .lineage import lineage
+from .lineage import lineage  # noqa: F401 (also for callers of replay)
 from .redrive import REDRIVEN_TYPES
 from .redrive import redrive as redrive_decisions
 

@@ -1,0 +1,100 @@
+"""A controller killed mid-run, resumed from its checkpoint: real processes, real SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flexmarl.controller import replay
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.eventlog import read_events
+
+pytestmark = pytest.mark.slow
+
+AGENTS = ("planner", "solver", "checker")
+RUN = ["--steps", "8", "--seed", "5", "--mode", "async", "--max-staleness", "0", "--no-progress",
+       "--set", "pipeline.queries_per_step=4", "--set", "run.checkpoint_every=3"]
+
+
+def flexmarl(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return subprocess.Popen([sys.executable, "-m", "flexmarl.controller.cli", "run", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout=600):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def rewards(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], r["agent"]): r["reward_mean"] for r in rows if "kind" not in r}
+
+
+def trained_into(run_dir, version):
+    """A micro-batch towards `version` is in the log (written as it goes, not only at steps)."""
+    try:
+        events, _ = read_events(run_dir / "events.log")
+    except FileNotFoundError:
+        return False
+    return any(isinstance(e, ev.MicroBatchFormed) and e.version >= version for e in events)
+
+
+def kill_workers_of(run_dir):
+    """The killed controller's workers are orphans now: stop exactly those, by PID."""
+    events, _ = read_events(run_dir / "events.log")
+    for e in events:
+        if isinstance(e, ev.WorkerJoined):
+            try:
+                os.kill(e.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_controller_killed_mid_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    finish(flexmarl(*RUN, "--out", str(whole)))
+
+    proc = flexmarl(*RUN, "--out", str(broken))
+    checkpoint = broken / "checkpoints" / "step-000003" / "controller.json"
+    deadline = time.monotonic() + 600
+    while not (checkpoint.exists() and trained_into(broken, 4)):  # mid-batch 4, past the checkpoint
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint of step 3 appeared"
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: no shutdown, no final flush
+    proc.communicate()
+    kill_workers_of(broken)
+    assert not (broken / "checkpoints" / "final").exists(), "the run finished before it was killed"
+
+    out = finish(flexmarl("--resume", str(broken)))
+    assert "resuming" in out
+
+    for agent in AGENTS:  # K = 0: the same samples at every step, so the same updates
+        a = load_file(str(whole / "checkpoints" / "final" / agent / "model.safetensors"))
+        b = load_file(str(broken / "checkpoints" / "final" / agent / "model.safetensors"))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert rewards(whole) == rewards(broken)  # every step's row once, none from the crashed segment
+
+    events, problem = read_events(broken / "events.log")
+    assert problem is None
+    resumed = [e for e in events if isinstance(e, ev.RunResumed)]
+    assert len(resumed) == 1 and resumed[0].step in (3, 6)  # the last checkpoint before the kill
+    before = events[:events.index(resumed[0])]
+    assert any(isinstance(e, ev.MicroBatchFormed) and e.version > resumed[0].step for e in before)  # undone
+    summary = replay.summarize(events)
+    assert summary.errors == []  # every sample of the final lineage trained or dropped exactly once
+    assert replay.check(events) is None
+    # No optimizer step applied twice: after the cut, each version is stepped once.
+    steps = [(e.agent, e.version) for e in replay.lineage(events) if isinstance(e, ev.OptimizerStep)]
+    assert sorted(steps) == sorted((a, v) for a in AGENTS for v in range(1, 9))
