@@ -31,7 +31,7 @@ from typing import Callable
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
 from flexmarl.runtime.events import (Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
-                                     RequestsCompleted, RequestsDispatched, RunStarted,
+                                     RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
                                      WorkerDied, WorkerJoined, without_stamp)
 
@@ -110,6 +110,7 @@ class Summary:
     staleness: dict[str, collections.Counter]  # agent -> lag -> samples
     accounting: list[AccountRow]  # per agent and version, then one total row per agent
     errors: list[str]
+    resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
 
     @property
     def wall_s(self) -> float:
@@ -129,7 +130,8 @@ def summarize(events: list[Event]) -> Summary:
     counted = lineage(events)  # without what a resume undid
     agents = _agent_stats(counted, run)
     rows, staleness, errors = _accounting(counted, run)
-    return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors)
+    resumed_at = [e.step for e in events if isinstance(e, RunResumed)]
+    return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at)
 
 
 def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
@@ -328,6 +330,9 @@ def format_summary(s: Summary) -> str:
     if s.run:
         head += (f", mode {s.run.mode}, max_staleness {s.run.max_staleness}, seed {s.run.seed}, "
                  f"agents {', '.join(s.run.agents)}")
+    if s.resumed_at:
+        head += (f"; resumed from the checkpoint of step {', '.join(map(str, s.resumed_at))} (work logged past "
+                 "it before the resume is not counted)")
     out = [head]
     out.append(_table(["worker", "role", "busy s", "idle s", "util"],
                       [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}"]

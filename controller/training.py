@@ -175,7 +175,8 @@ class TrainingRun:
         self.wall_s = time.monotonic() - self.started
         self.emit(ev.RunFinished(self.cfg.run.steps, self.wall_s))
         self.busy = await self._busy_fractions()
-        return RunSummary(self.cfg.run.steps, self.wall_s, self.samples_trained, self.tokens_trained,
+        steps = self.cfg.run.steps - (self.schedule.first_batch - 1)  # in this process (after a resume: the rest)
+        return RunSummary(steps, self.wall_s, self.samples_trained, self.tokens_trained,
                           self.episodes.failed, self.metrics.reward_history(), str(self.run_dir))
 
     @property

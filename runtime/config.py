@@ -117,7 +117,7 @@ class RunConfig:
     out: str = ""  # run directory; empty -> runs/<timestamp>
     # A checkpoint (weights, optimizer state, controller state; what --resume continues
     # from) after every this many steps, and always after the last; 0 -> only at the end.
-    checkpoint_every: int = 0
+    checkpoint_every: int = 10
     keep_checkpoints: int = 3  # the newest this many are kept (and checkpoints/final)
     env_latency_ms: float = 0.0  # mean latency of the simulated environment/tool call
     progress: bool = True

@@ -324,10 +324,11 @@ class TrainerHandler(CommandHandler):
             nbytes = sum(f.stat().st_size for f in tmp.iterdir())
             shutil.rmtree(path, ignore_errors=True)
             tmp.rename(path)
-        except OSError as exc:
+        except Exception as exc:  # OSError, or the safetensors writer's own error for the same causes
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(exc.errno, f"cannot write the checkpoint of {state.name} to {path}: "
-                                     f"{exc.strerror or exc} (nothing was left there)") from exc
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise OSError(f"cannot write the checkpoint of {state.name} to {path}: {why} "
+                          "(nothing was left there)") from exc
         return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version, handle, nbytes)
 
     # One table from command to method; `handle` queues exactly these.

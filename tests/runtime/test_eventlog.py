@@ -96,6 +96,25 @@ async def test_an_existing_log_and_its_segments_are_replaced_not_appended_to(tmp
     assert read_events(path) == (EXAMPLES[:2], None)
 
 
+async def test_a_resumed_run_continues_the_log_after_cutting_off_the_torn_tail(tmp_path):
+    path = tmp_path / "events.log"
+    first = [ev.WorkerDied(f"w{i}", "before the crash") for i in range(30)]
+    await write(path, first, max_bytes_per_segment=300, clock=FakeClock())
+    last = segment_paths(path)[-1]
+    last.write_bytes(last.read_bytes()[:-3])  # the crash tore the last frame
+    kept, problem = read_events(path)
+    assert "truncated frame" in problem and len(kept) == 29
+    clock = FakeClock()
+    clock.now = 5000.0  # another process: its own clock
+    more = [ev.RunResumed(4, "ckpt", "[run]"), ev.WorkerDied("w99", "after")]
+    await write(path, more, max_bytes_per_segment=300, clock=clock, append=True)
+    events, problem = read_events(path)
+    assert problem is None
+    assert events[:29] == kept and events[29:] == more
+    assert [e.seq for e in events] == list(range(31))  # seq goes on where the intact part ended
+    assert events[29].t > events[28].t  # and so does time
+
+
 async def test_a_truncated_file_is_read_up_to_the_torn_frame_naming_the_offset(tmp_path):
     path = tmp_path / "events.log"
     await write(path, EXAMPLES)

@@ -257,3 +257,54 @@ def test_every_trainer_command_is_queued_and_dispatched_through_one_table(model_
     assert isinstance(sent[0], p.Error) and "cannot handle LoadModel" in sent[0].message
     with pytest.raises(KeyError, match="not resident"):
         h._execute(h._commands.get_nowait())
+
+
+def test_a_full_checkpoint_resumes_on_another_trainer_with_weights_and_optimizer_state(model_dir, tmp_path):
+    from flexmarl.controller.checkpoints import ResumePoint
+
+    h = trained_handler(model_dir)
+    h._execute(p.OptimStep(5, "planner", 3, 1 / 8))  # between steps: nothing accumulated
+    before = snapshot(h)
+    saved = h._execute(p.SaveCheckpoint(6, "planner", str(tmp_path / "step" / "planner"), full_state=True))
+    assert saved.version == 3 and saved.nbytes > 0 and saved.state is not None
+    h.close()  # the checkpoint outlives the trainer that wrote it
+    (tmp_path / "step").rename(tmp_path / "moved")  # and is found where it is now, not where it was written
+    handle = ResumePoint(tmp_path / "moved", 3, {}).training_state("planner")
+    other = TrainerHandler()
+    other._execute(p.LoadAgent(7, "planner", str(model_dir), 1e-3, 1.0, 3, 0, handle))
+    after = snapshot(other)
+    assert before.keys() == after.keys() and any(k.startswith("optim/") for k in after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert other.agents["planner"].version == 3
+    # The same directory holds Hugging Face weights that transformers loads as they are.
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "moved" / "planner")
+    assert all(torch.equal(a, before[f"param/{k}"]) for k, a in hf.named_parameters())
+    other.close()
+
+
+def test_a_full_checkpoint_is_refused_while_gradients_are_pending(model_dir, tmp_path):
+    h = trained_handler(model_dir)  # leaves a micro-batch accumulated
+    with pytest.raises(ValueError, match="between steps"):
+        h._execute(p.SaveCheckpoint(5, "planner", str(tmp_path / "planner"), full_state=True))
+    assert not (tmp_path / "planner").exists()
+    h.close()
+
+
+def test_a_checkpoint_on_a_full_disk_fails_clearly_and_leaves_nothing(model_dir, tmp_path):
+    import subprocess
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        h = trained_handler(model_dir)
+        h._execute(p.OptimStep(5, "planner", 3, 1 / 8))
+        with pytest.raises(OSError, match="cannot write the checkpoint of planner.*No space left"):
+            h._execute(p.SaveCheckpoint(6, "planner", str(disk / "planner"), full_state=True))
+        assert list(disk.iterdir()) == []  # no half-written directory, no staging left behind
+        h.close()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -1,0 +1,125 @@
+"""Checkpoints as consistent cuts: staged, renamed once complete, the last N kept, a failed
+one leaving the previous whole. The trainer's side is a fake that writes a directory."""
+
+import json
+import os
+
+import pytest
+
+from flexmarl.controller.checkpoints import (CheckpointError, Checkpointer, check_writable, latest_checkpoint,
+                                             step_dir_name)
+from flexmarl.controller.server import RemoteError
+from flexmarl.controller.training import truncate_metrics
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol as p
+
+AGENTS = ["planner", "solver"]
+
+
+class FakeTrainers:
+    """Writes what a trainer would (a directory with a weights file) or fails like one."""
+
+    def __init__(self):
+        self.fail_with = None
+        self.rid = 0
+
+    def next_request_id(self):
+        self.rid += 1
+        return self.rid
+
+    async def call(self, worker, msg):
+        assert isinstance(msg, p.SaveCheckpoint) and msg.full_state
+        if self.fail_with:
+            raise RemoteError(self.fail_with)
+        os.makedirs(msg.path)
+        with open(os.path.join(msg.path, "model.safetensors"), "wb") as f:
+            f.write(b"w" * 1000)
+        return p.CheckpointSaved(msg.request_id, msg.agent, msg.path, 0, None, 1000), []
+
+
+def checkpointer(tmp_path, server, every=2, keep=2, steps=10):
+    events = []
+    ck = Checkpointer(tmp_path / "checkpoints", AGENTS, every=every, keep=keep, steps=steps, server=server,
+                      emit=events.append, controller_state=lambda step: {"versions": {a: step for a in AGENTS}})
+    return ck, events
+
+
+async def save_step(ck, step):
+    for agent in AGENTS:
+        await ck.save_agent(agent, "trainer-0", step)
+
+
+async def test_a_checkpoint_appears_only_once_every_agent_saved_its_step(tmp_path):
+    ck, events = checkpointer(tmp_path, FakeTrainers())
+    await ck.save_agent("planner", "trainer-0", 2)
+    assert latest_checkpoint(tmp_path) is None  # half a cut is never resumed from
+    assert (tmp_path / "checkpoints" / ".step-000002.partial" / "planner").is_dir()
+    await ck.save_agent("solver", "trainer-0", 2)
+    point = latest_checkpoint(tmp_path)
+    assert point.step == 2 and point.state["versions"] == {"planner": 2, "solver": 2}
+    assert (point.path / "solver" / "model.safetensors").exists()
+    assert not (tmp_path / "checkpoints" / ".step-000002.partial").exists()
+    assert [type(e) for e in events] == [ev.CheckpointWritten] and events[0].nbytes == 2000
+
+
+async def test_only_the_newest_checkpoints_are_kept_and_final_points_at_the_last_step(tmp_path):
+    ck, _ = checkpointer(tmp_path, FakeTrainers(), every=2, keep=2, steps=7)
+    assert [s for s in range(1, 8) if ck.due(s)] == [2, 4, 6, 7]
+    for step in (2, 4, 6, 7):
+        await save_step(ck, step)
+    root = tmp_path / "checkpoints"
+    assert sorted(d.name for d in root.iterdir()) == ["final", step_dir_name(6), step_dir_name(7)]
+    assert os.readlink(root / "final") == step_dir_name(7)
+    assert latest_checkpoint(tmp_path).step == 7
+
+
+async def test_a_failed_checkpoint_leaves_the_previous_one_whole_and_says_so(tmp_path):
+    server = FakeTrainers()
+    ck, _ = checkpointer(tmp_path, server)
+    await save_step(ck, 2)
+    before = sorted(str(f) for f in (tmp_path / "checkpoints").rglob("*"))
+    await ck.save_agent("planner", "trainer-0", 4)
+    server.fail_with = "SaveCheckpoint for solver failed: OSError('No space left on device')"
+    with pytest.raises(CheckpointError) as info:
+        await ck.save_agent("solver", "trainer-0", 4)
+    message = str(info.value)
+    assert "step 4" in message and "No space left" in message
+    assert "step 2" in message and "--resume" in message
+    assert sorted(str(f) for f in (tmp_path / "checkpoints").rglob("*")) == before  # nothing half-written
+    assert latest_checkpoint(tmp_path).step == 2
+
+
+async def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    ck, _ = checkpointer(tmp_path, FakeTrainers())
+    await save_step(ck, 2)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(CheckpointError, match="MiB free, the last checkpoint took"):
+        await ck.save_agent("planner", "trainer-0", 4)
+    assert not (tmp_path / "checkpoints" / ".step-000004.partial").exists()
+
+
+def test_an_unwritable_run_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match="not writable.*--out"):
+        check_writable(blocker / "run")
+
+
+def test_a_run_directory_without_room_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="MiB free"):
+        check_writable(tmp_path, need_bytes=2**62)
+
+
+def test_resuming_cuts_the_metrics_back_to_the_checkpoint(tmp_path):
+    rows = [{"step": 1, "agent": "a"}, {"kind": "eval", "step": 2, "agent": "a"}, {"step": 2, "agent": "a"},
+            {"step": 3, "agent": "a"}, {"kind": "eval", "step": 1, "agent": "a"}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "ag')  # torn by the crash
+    truncate_metrics(path, 2)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    # training rows up to the checkpoint; evaluations before it (one at the step is redone)
+    assert kept == [rows[0], rows[2], rows[4]]
