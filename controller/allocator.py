@@ -9,9 +9,10 @@ owner at any moment: a trainer while resident, else the parked copy, which is re
 only after the new owner has loaded it (so a trainer dying mid-swap leaves the last good
 copy where it was). `prefetch(agent)` starts a swap early, while rollout still runs.
 
-A trainer that dies leaves the pool (`trainer_died`). States resident on it are lost, and
-asking for those agents raises; an agent it was loading stays parked and is placed on
-another trainer; a parked copy it held is loaded from where it is if it still can be.
+A trainer that dies leaves the pool (`trainer_died`). States resident on it are lost until
+the agent's pipeline `recover`s them (from its last saved state); an agent it was loading
+stays parked and is placed on another trainer; a parked copy it held is loaded from where
+it is if it still can be. A trainer that (re)joins enters the pool (`trainer_joined`).
 
 It knows trainers by id and talks to them only through the controller server.
 """
@@ -35,6 +36,10 @@ from flexmarl.runtime.param_types import ParamHandle
 from .server import WorkerDied
 
 log = logging.getLogger("flexmarl.allocator")
+
+
+class AgentLost(RuntimeError):
+    """The agent's training state died with its trainer; `recover` gives it a new one."""
 
 
 @dataclass
@@ -66,8 +71,9 @@ def choose_placement(agent: str, trainers: list[str], capacity: int, resident: d
 class TrainerAllocator:
     def __init__(self, server: Any, trainers: list[str], capacity: int, agent_config: dict[str, Any],
                  model_path: dict[str, str], seed: int, ready_work: Callable[[str], int],
-                 emit: Callable[[ev.Event], Any]) -> None:
+                 emit: Callable[[ev.Event], Any], trainer_wait_s: float = 60.0) -> None:
         self.server = server
+        self.trainer_wait_s = trainer_wait_s
         self.trainers = list(trainers)
         self.capacity = capacity
         self.agent_config = agent_config
@@ -123,30 +129,62 @@ class TrainerAllocator:
                 return
         self._running[trainer] -= 1
 
-    async def acquire(self, agent: str) -> str:
-        """The trainer holding `agent`, which stays there until the matching release()."""
+    async def acquire(self, agent: str, *, lost: str = "wait") -> str:
+        """The trainer holding `agent`, which stays there until the matching release().
+        An agent whose state died with its trainer raises AgentLost with lost="raise" (its
+        pipeline, which restores it) and otherwise waits until it is restored. With no
+        trainer in the pool, waits `trainer_wait_s` for one to join before raising."""
         while True:
             if agent in self.lost:
-                raise RuntimeError(f"the training state of {agent} died with trainer {self.lost[agent]}; "
-                                   f"restart from the last checkpoint")
-            if not self.trainers:
+                if lost == "raise":
+                    raise AgentLost(f"the training state of {agent} died with trainer {self.lost[agent]}")
+            elif not self.trainers:
                 where = f"; its state is parked with {self.parked[agent].holder}" if agent in self.parked else ""
-                raise RuntimeError(f"no trainer is left in the pool to train {agent}{where}")
-            if agent in self.resident:
+                if not await self._changed_within(self.trainer_wait_s):
+                    raise RuntimeError(f"no trainer is left in the pool to train {agent}{where}, and none "
+                                       f"joined within {self.trainer_wait_s:.0f}s")
+                continue
+            elif agent in self.resident:
                 self.in_flight[agent] += 1
                 self.last_used[agent] = time.monotonic()
                 return self.resident[agent]
-            async with self._lock:
-                if agent in self.resident:
-                    continue
-                placement = choose_placement(agent, self.trainers, self.capacity, self.resident,
-                                             self.in_flight, {a: self.ready_work(a) for a in self.agent_config},
-                                             self.last_used)
-                if placement is not None:
-                    await self._place(agent, *placement)
-                    continue
+            else:
+                async with self._lock:
+                    if agent in self.resident or agent in self.lost or not self.trainers:
+                        continue
+                    placement = choose_placement(agent, self.trainers, self.capacity, self.resident,
+                                                 self.in_flight, {a: self.ready_work(a) for a in self.agent_config},
+                                                 self.last_used)
+                    if placement is not None:
+                        await self._place(agent, *placement)
+                        continue
             self._changed.clear()
             await self._changed.wait()
+
+    async def _changed_within(self, seconds: float) -> bool:
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return bool(self.trainers)
+
+    def recover(self, agent: str, state: ParamHandle | None, version: int) -> None:
+        """After its trainer died: the agent's state is `state` (a saved training state at
+        `version`, loaded on the next acquire) or, with None, a fresh initialisation."""
+        self.lost.pop(agent, None)
+        self.resident.pop(agent, None)
+        if state is None:
+            self.parked.pop(agent, None)
+        else:
+            self.parked[agent] = Parked("", state, version, 0, state.total_bytes)
+        self._changed.set()
+
+    def trainer_joined(self, trainer: str) -> None:
+        """A trainer (new, or restarted under its old id) joins the pool."""
+        if trainer not in self.trainers:
+            self.trainers.append(trainer)
+        self._changed.set()
 
     def release(self, agent: str) -> None:
         self.in_flight[agent] -= 1
@@ -221,15 +259,6 @@ class TrainerAllocator:
         except WorkerDied:
             log.warning("%s, which held the parked copy of %s, died after the copy was loaded; "
                         "the launcher removes its segments once it is reaped", parked.holder, agent)
-
-    def restore(self, agent: str, handle: ParamHandle, version: int) -> None:
-        """Makes a checkpoint's training state of `agent` (at `version`, nothing accumulated)
-        its parked copy: the next acquire loads it on a trainer, and the file stays."""
-        if agent in self.resident:
-            raise RuntimeError(f"{agent} is resident on {self.resident[agent]}; it cannot be restored over")
-        self.lost.pop(agent, None)
-        self.parked[agent] = Parked("", handle, version, 0, handle.total_bytes)
-        self._changed.set()
 
     async def _park(self, agent: str) -> None:
         # Unbound before the first await: from here on acquire(agent) queues behind this

@@ -142,6 +142,19 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step == self.steps or (self.every > 0 and step % self.every == 0)
 
+    def agent_state(self, agent: str, step: int) -> ParamHandle:
+        """The handle of `agent`'s saved training state of `step`, wherever it is now (in
+        the step's checkpoint, or its staging directory while other agents still save)."""
+        from flexmarl.runtime.param_disk import read_handle
+
+        for d in (self.root / step_dir_name(step), self.staging(step), self.root / step_dir_name(step)):
+            path = d / agent / TRAINING_STATE_FILE
+            try:
+                return msgspec.structs.replace(read_handle(path), path=str(path))
+            except FileNotFoundError:
+                continue  # renamed in between: look again
+        raise CheckpointError(f"the saved training state of {agent} at step {step} is gone from {self.root}")
+
     def staging(self, step: int) -> Path:
         return self.root / f".{step_dir_name(step)}.partial"
 

@@ -1,6 +1,10 @@
-"""The events the run's final state descends from, across resumes.
+"""The events the run's final state descends from, across restored trainers and resumes.
 
-A resumed run restarts from the checkpoint of step t (`RunResumed`): whatever the crashed
+Two things undo logged work. A trainer that dies takes the agent's training state with
+it; the agent is restored at its last saved version v and trained again from there
+(`TrainingRestored`), so its micro-batches and steps into versions after v logged before
+count no more: the same samples are trained again after the marker. And a resumed run
+restarts from the checkpoint of step t (`RunResumed`): whatever the crashed
 controller had done for the batches after t (groups opened, outputs received, micro-batches
 formed, steps taken) was undone with it, and those batches are generated and trained
 again, often under the same sample ids (they derive from the seed). `lineage(events)` cuts
@@ -21,9 +25,14 @@ _BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.W
                ev.WeightSyncFinished)
 
 
+# What a trainer did to an agent's state: undone for versions after the one a
+# `TrainingRestored` brought the agent back to.
+_TRAINED = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep)
+
+
 def lineage(events: list[ev.Event]) -> list[ev.Event]:
     """`events` without what a later `RunResumed` undid (see the module docstring)."""
-    if not any(isinstance(e, ev.RunResumed) for e in events):
+    if not any(isinstance(e, (ev.RunResumed, ev.TrainingRestored)) for e in events):
         return events
     kept: list[ev.Event] = []
     batch_of_group: dict[str, int] = {}
@@ -33,6 +42,8 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
             batch_of_group[e.group_id] = e.batch
             for sid in e.sample_ids:
                 batch_of_sample[sid] = e.batch
+        if isinstance(e, ev.TrainingRestored):
+            kept = [x for x in kept if not (isinstance(x, _TRAINED) and x.agent == e.agent and x.version > e.version)]
         if isinstance(e, ev.RunResumed):
             kept = [c for x in kept if (c := _cut(x, e.step, batch_of_group, batch_of_sample)) is not None]
             # Ids of undone batches may be opened again: forget what they were.

@@ -12,6 +12,9 @@
   agent's instances to the new version, which unblocks the gate (`schedule.synced_to`);
   then, where a checkpoint is due, has the agent's state saved (before anything of the
   next batch reaches the trainer, so the saved state has no pending gradients);
+- keeps every micro-batch since the agent's last saved state (read, not committed): when
+  the trainer holding the agent dies, `_recover` restores that state on a live trainer and
+  trains those micro-batches again, so every sample ends up in the weights exactly once;
 - produces: one metrics row per step, `MicroBatchFormed` / `MicroBatchTrained` /
   `OptimizerStep` events, and the trained samples' token lists freed.
 
@@ -31,7 +34,9 @@ from flexmarl.runtime import protocol
 from flexmarl.runtime.config import PipelineConfig
 
 from . import decisions
+from .allocator import AgentLost
 from .schedule import BatchSchedule
+from .server import WorkerDied
 from .store import ExperienceStore, Sample
 from .weight_sync import WeightSync
 
@@ -49,12 +54,11 @@ class AgentPipeline:
     def __init__(self, agent: str, cfg: PipelineConfig, store: ExperienceStore, schedule: BatchSchedule,
                  allocator: Any, weights: WeightSync, server: Any, metrics: Any,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
-                 loss: protocol.LossOptions | None = None,
-                 checkpoint: Callable[[str, str, int], Awaitable[None]] | None = None) -> None:
+                 loss: protocol.LossOptions | None = None, checkpoints: Any = None,
+                 max_recoveries: int = 10) -> None:
         self.agent = agent
-        # checkpoint(agent, trainer, step), awaited after a step's sync when one is due:
-        # nothing of the next batch was sent yet, so the trainer holds no pending gradients.
-        self.checkpoint = checkpoint
+        # due(step), save_agent(agent, trainer, step), agent_state(agent, step): see checkpoints.py
+        self.checkpoints = checkpoints
         self.loss = loss or protocol.LossOptions()
         self.cfg = cfg
         self.store = store
@@ -66,56 +70,76 @@ class AgentPipeline:
         self.emit = emit
         self.flush_events = flush_events
         self.overlap = cfg.mode == "async"
-        self.samples_trained = 0
-        self.tokens_trained = 0
+        self.max_recoveries = max_recoveries
+        self.recoveries = 0
+        # Read, not yet committed: every micro-batch trained since the agent's last saved
+        # training state (`saved_version`), by batch. A trainer that dies loses what it
+        # accumulated and stepped since; these are what is trained again.
+        self.saved_version = schedule.first_batch - 1
+        self.kept: dict[int, list[list[Sample]]] = {}
+        self._stepped: dict[int, int] = {}  # batch -> samples its step covered
+        self._tokens: dict[int, int] = {}
+
+    @property
+    def samples_trained(self) -> int:
+        return sum(self._stepped.values())
+
+    @property
+    def tokens_trained(self) -> int:
+        return sum(self._tokens.values())
 
     async def run(self) -> None:
         last_end = time.monotonic()
         for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
-            trained, train_s = await self._train_batch(batch)
-            t_sync = time.monotonic()
-            stats = await self._step_and_sync(batch, trained)
+            self.kept[batch] = []
+            while True:
+                try:
+                    trained, train_s = await self._train_batch(batch)
+                    t_sync = time.monotonic()
+                    stats = await self._step_and_sync(batch, trained)
+                    break
+                except (WorkerDied, AgentLost) as exc:
+                    await self._recover(batch, exc)
             now = time.monotonic()
             times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
             self.metrics.record(batch, self.agent, batch, trained, times, step_s=round(now - last_end, 4),
                                 **step_signals(stats))
             last_end = now
-            self.store.forget(trained)
             if self.schedule.agent_stepped(batch):
                 self.metrics.end_step(batch, self.schedule.steps)
 
     async def _train_batch(self, batch: int) -> tuple[list[Sample], float]:
-        """Sends every micro-batch of `batch` to the trainer; returns the samples and the
-        trainer seconds once every micro-batch has been trained."""
+        """Sends every micro-batch of `batch` to the trainer (those sent before a recovery
+        again, first); returns the samples and the trainer seconds once every micro-batch
+        has been trained."""
         version = batch  # the step trains version batch - 1 into batch
-        calls, trained = [], []
+        self._tokens[batch] = 0
+        calls = [self._send(version, mb) for mb in self.kept[batch]]
         while True:
             complete = self.schedule.rollout_complete(batch)
             for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.cfg.micro_batch, complete,
                                                    self.overlap, self.cfg.max_staleness):
-                trained += mb
-                # The trainer is bound when the micro-batch is sent (see MicroBatchTrained).
-                self.emit(ev.MicroBatchFormed(self.agent, "", version, [s.sample_id for s in mb],
-                                              [s.min_version for s in mb]))
-                calls.append(asyncio.ensure_future(self._train_micro_batch(version, mb)))
+                self.kept[batch].append(mb)
+                calls.append(self._send(version, mb))
             if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):
                 break
             if self.store.ready_samples(self.agent, batch):
                 self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
             await self.schedule.wait_for_work(self.agent)
-        try:
-            train_s = sum(await asyncio.gather(*calls))
-        except BaseException:
-            for call in calls:
-                call.cancel()
-            await asyncio.gather(*calls, return_exceptions=True)
-            raise
+        train_s = await _all(calls)
+        trained = [s for mb in self.kept[batch] for s in mb]
         if not trained:
             log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", self.agent, batch)
         return trained, train_s
 
+    def _send(self, version: int, mb: list[Sample]) -> asyncio.Future:
+        # The trainer is bound when the micro-batch is sent (see MicroBatchTrained).
+        self.emit(ev.MicroBatchFormed(self.agent, "", version, [s.sample_id for s in mb],
+                                      [s.min_version for s in mb]))
+        return asyncio.ensure_future(self._train_micro_batch(version, mb))
+
     async def _train_micro_batch(self, version: int, mb: list[Sample]) -> float:
-        trainer = await self.allocator.acquire(self.agent)
+        trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
             async with self.allocator.slot(trainer, (1, version)):
                 reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
@@ -124,30 +148,81 @@ class AgentPipeline:
         finally:
             self.allocator.release(self.agent)
         self.emit(ev.MicroBatchTrained(self.agent, trainer, version, len(mb), reply.seconds))
-        self.tokens_trained += reply.tokens
+        self._tokens[version] = self._tokens.get(version, 0) + reply.tokens
         return reply.seconds
+
+    async def _step(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
+        scale = 1.0 / samples if samples else 0.0
+        # Priority 0: the step and sync are on the next rollout's critical path.
+        async with self.allocator.slot(trainer, (0, version)):
+            # The trainer refuses the step unless it accumulated exactly these samples.
+            reply, _ = await self.server.call(trainer, protocol.OptimStep(
+                self.server.next_request_id(), self.agent, version, scale, samples=samples))
+        self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
+        self._stepped[version] = samples
+        return reply.stats
 
     async def _step_and_sync(self, batch: int, trained: list[Sample]) -> protocol.StepStats:
         version = batch
-        scale = 1.0 / len(trained) if trained else 0.0
-        trainer = await self.allocator.acquire(self.agent)
+        trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
-            # Priority 0: the step and sync are on the next rollout's critical path.
-            async with self.allocator.slot(trainer, (0, version)):
-                # The trainer refuses the step unless it accumulated exactly these samples.
-                reply, _ = await self.server.call(trainer, protocol.OptimStep(
-                    self.server.next_request_id(), self.agent, version, scale, samples=len(trained)))
-            self.emit(ev.OptimizerStep(self.agent, trainer, version, len(trained)))
+            stats = await self._step(trainer, version, len(trained))
             await self.flush_events()
-            self.samples_trained += len(trained)
             async with self.allocator.slot(trainer, (0, version)):
                 await self.weights.sync(self.agent, trainer, version)
-            if self.checkpoint is not None:
+            if self.checkpoints is not None and self.checkpoints.due(version):
+                # Nothing of the next batch was sent yet: the saved state has no pending gradients.
                 async with self.allocator.slot(trainer, (0, version)):
-                    await self.checkpoint(self.agent, trainer, version)
+                    await self.checkpoints.save_agent(self.agent, trainer, version)
+                self._committed(version)
         finally:
             self.allocator.release(self.agent)
-        return reply.stats
+        return stats
+
+    def _committed(self, version: int) -> None:
+        """The agent's state at `version` is saved: what trained it can go."""
+        self.saved_version = version
+        for batch in [b for b in self.kept if b <= version]:
+            for mb in self.kept.pop(batch):
+                self.store.forget(mb)
+
+    async def _recover(self, batch: int, exc: BaseException) -> None:
+        """The trainer holding the agent died (its state with it): restore the agent from
+        its last saved state, on a trainer that is alive, and train again, in the same
+        micro-batches, every batch since; the batch in progress then starts over."""
+        if self.agent not in self.allocator.lost:
+            raise exc  # not this agent's trainer (a rollout instance, say): not ours to mend
+        self.recoveries += 1
+        if self.recoveries > self.max_recoveries:
+            raise RuntimeError(f"{self.agent} lost its trainer {self.recoveries} times; giving up") from exc
+        saved = self.saved_version
+        state = self.checkpoints.agent_state(self.agent, saved) if saved > 0 and self.checkpoints else None
+        log.warning("%s: %s; restoring its state of version %d and training batches %d-%d again",
+                    self.agent, exc, saved, saved + 1, batch)
+        self.allocator.recover(self.agent, state, saved)
+        self.weights.forget(self.agent)  # its last publication died with the trainer
+        self.emit(ev.TrainingRestored(self.agent, saved, batch, str(exc)))
+        t0 = time.monotonic()
+        for b in range(saved + 1, batch):
+            self._tokens[b] = 0
+            await _all([self._send(b, mb) for mb in self.kept[b]])
+            trainer = await self.allocator.acquire(self.agent, lost="raise")
+            try:
+                await self._step(trainer, b, sum(map(len, self.kept[b])))
+            finally:
+                self.allocator.release(self.agent)
+        log.info("%s is back at version %d after %.2fs", self.agent, batch - 1, time.monotonic() - t0)
+
+
+async def _all(calls: list[asyncio.Future]) -> float:
+    """Awaits every call; the sum of their results. The first failure cancels the rest."""
+    try:
+        return sum(await asyncio.gather(*calls))
+    except BaseException:
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        raise
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:

@@ -208,10 +208,10 @@ class TrainingRun:
         self.allocator.on_parked.append(self.weights.forget)
         if self.resume is not None:
             for agent in self.agents:
-                self.allocator.restore(agent, self.resume.training_state(agent), self.resume.step)
+                self.allocator.recover(agent, self.resume.training_state(agent), self.resume.step)
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
                                            self.server, self.metrics, self.emit, self.flush_events,
-                                           cfg.agents[a].loss_options(), checkpoint=self._checkpoint)
+                                           cfg.agents[a].loss_options(), checkpoints=self.checkpoints)
                           for a in self.agents}
         if cfg.router.across_agents:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.client, self.server, self.weights,
@@ -265,8 +265,8 @@ class TrainingRun:
         if self.allocator is not None and info.worker_id in self.allocator.trainers:
             lost = self.allocator.trainer_died(info.worker_id)
             if lost:
-                log.error("trainer %s died holding %s; their training states since the last checkpoint "
-                          "are lost and the run stops", info.worker_id, lost)
+                log.warning("trainer %s died holding %s; each is restored from its last saved state and "
+                            "trained again from there", info.worker_id, ", ".join(lost))
 
     # ------------------------------------------------------------ measurements and checkpoints
 
@@ -285,10 +285,6 @@ class TrainingRun:
         end = await self._worker_loads()
         return {w: round((end[w] - self._loads_at_start.get(w, 0.0)) / self.wall_s, 3)
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
-
-    async def _checkpoint(self, agent: str, trainer: str, step: int) -> None:
-        if self.checkpoints.due(step):
-            await self.checkpoints.save_agent(agent, trainer, step)
 
     def _controller_state(self, step: int) -> dict[str, Any]:
         """What the controller adds to a checkpoint of `step`: enough to continue the run

@@ -163,6 +163,16 @@ class OptimizerStep(Event):
     samples: int
 
 
+class TrainingRestored(Event):
+    # The agent's trainer died with its state: it is restored at `version` (its last saved
+    # state) and every batch from there to `batch` is trained again. What was trained into
+    # versions after `version` before this no longer counts.
+    agent: str
+    version: int
+    batch: int
+    why: str
+
+
 class WeightSyncStarted(Event):
     agent: str
     version: int

@@ -139,17 +139,51 @@ async def test_a_dead_holder_of_a_parked_copy_does_not_fail_a_swap_that_already_
     assert "b" not in alloc.parked and alloc.resident["b"] == "t0"
 
 
-async def test_states_resident_on_a_dead_trainer_are_reported_lost_never_reinitialised():
+async def test_states_resident_on_a_dead_trainer_are_lost_until_recovered_never_silently_reinitialised():
+    import asyncio
+
     import pytest
+
+    from flexmarl.controller.allocator import AgentLost
 
     server = FakeTrainers()
     alloc, _ = make_allocator(server, ["t0", "t1"])
+    alloc.trainer_wait_s = 0.2
     await place(alloc, "a")
     await place(alloc, "b")
     assert alloc.trainer_died("t1") == ["b"]
-    with pytest.raises(RuntimeError, match="training state of b died with trainer t1"):
-        await alloc.acquire("b")
+    with pytest.raises(AgentLost, match="training state of b died with trainer t1"):
+        await alloc.acquire("b", lost="raise")  # its pipeline, which restores it
+    waiting = asyncio.create_task(alloc.acquire("b"))  # anyone else waits for that
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
     assert not any(name == "InitAgent" and w == "t0" and "b" in str(h) for w, name, h in server.calls[2:])
     alloc.trainer_died("t0")
-    with pytest.raises(RuntimeError, match="no trainer is left"):
+    with pytest.raises(RuntimeError, match="no trainer is left.*none joined within"):
         await alloc.acquire("c")
+    waiting.cancel()
+
+
+async def test_a_recovered_agent_loads_its_saved_state_on_a_trainer_that_joined_and_the_file_stays():
+    import asyncio
+
+    from flexmarl.runtime.param_types import Location, ParamHandle
+
+    server = FakeTrainers()
+    alloc, events = make_allocator(server, ["t0"])
+    await place(alloc, "a")
+    alloc.trainer_died("t0")
+    saved = ParamHandle(transport="disk", agent="a", version=4, key="k", layout=[], total_bytes=10, checksum=0,
+                        publisher=Location("h", 1), path="/run/checkpoints/step-000004/a/training_state.flexmarl")
+    alloc.recover("a", saved, 4)
+    acquired = asyncio.create_task(place(alloc, "a"))  # waits: no trainer in the pool
+    await asyncio.sleep(0.05)
+    assert not acquired.done()
+    alloc.trainer_joined("t0")  # restarted by the launcher under its old id
+    assert await acquired == "t0"
+    assert server.calls[-1][:2] == ("t0", "LoadAgent") and server.calls[-1][2] is saved
+    assert not any(name == "ReleaseState" for _, name, _ in server.calls)  # a checkpoint is never released
+    alloc.trainer_died("t0")
+    alloc.trainer_joined("t1")
+    alloc.recover("a", None, 0)  # nothing saved yet: initialised afresh from its model
+    assert await place(alloc, "a") == "t1" and server.calls[-1][:2] == ("t1", "InitAgent")

@@ -15,10 +15,19 @@ from flexmarl.runtime.config import PipelineConfig
 class FakeAllocator:
     def __init__(self):
         self.held = 0
+        self.lost, self.recovered = {}, []
 
-    async def acquire(self, agent):
+    async def acquire(self, agent, lost="wait"):
+        assert lost == "raise" or agent not in self.lost
+        if agent in self.lost:
+            from flexmarl.controller.allocator import AgentLost
+            raise AgentLost(agent)
         self.held += 1
         return "t0"
+
+    def recover(self, agent, state, version):
+        self.lost.pop(agent)
+        self.recovered.append((agent, state, version))
 
     def release(self, agent):
         self.held -= 1
@@ -40,6 +49,11 @@ class FakeTrainer:
         return self._id
 
     async def call(self, worker, msg, buffers=(), timeout=None):
+        if getattr(self, "dies_at", None) == len(self.log):  # the trainer dies, its agents' states with it
+            from flexmarl.controller.server import WorkerDied
+            self.dies_at, self.log[:] = None, self.log + [("died",)]
+            self.allocator.lost["a"] = "t0"
+            raise WorkerDied("t0", "killed")
         if isinstance(msg, protocol.TrainMicroBatch):
             self.sent_samples = getattr(self, "sent_samples", []) + list(msg.samples)
             self.log.append(("train", sorted(s.sample_id for s in msg.samples)))
@@ -58,6 +72,9 @@ class FakeWeights:
         self.synced.append(version)
         self.schedule.synced_to(agent, version)
 
+    def forget(self, agent):
+        self.forgotten = agent
+
 
 class FakeMetrics:
     def __init__(self):
@@ -71,7 +88,21 @@ class FakeMetrics:
         self.ended.append(step)
 
 
-def make(mode, micro_batch=4, steps=1, episodes=1):
+class FakeCheckpoints:
+    def __init__(self, every):
+        self.every, self.saved = every, []
+
+    def due(self, step):
+        return step % self.every == 0
+
+    async def save_agent(self, agent, trainer, step):
+        self.saved.append(step)
+
+    def agent_state(self, agent, step):
+        return f"state-{step}"
+
+
+def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None):
     store = ExperienceStore(["a"])
     schedule = BatchSchedule(["a"], steps, episodes, overlap=mode == "async", max_staleness=0)
     store.on_ready.append(lambda g: schedule.work_arrived(g.agent))
@@ -81,8 +112,9 @@ def make(mode, micro_batch=4, steps=1, episodes=1):
     async def flush():
         events.append("flushed")
 
+    allocator = trainer.allocator = FakeAllocator()
     pipeline = AgentPipeline("a", PipelineConfig(mode=mode, micro_batch=micro_batch), store, schedule,
-                             FakeAllocator(), weights, trainer, metrics, events.append, flush)
+                             allocator, weights, trainer, metrics, events.append, flush, checkpoints=checkpoints)
     return pipeline, store, schedule, trainer, weights, metrics, events
 
 
@@ -152,3 +184,54 @@ def test_a_conversations_loss_mask_travels_with_it():
     sent = train_sample(s)
     assert sent.output_ids == [5, 6, 7, 8, 9] and sent.loss_mask == [1, 1, 0, 0, 1]
     assert sent.rollout_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3] and sent.versions == [0, 1]
+
+
+async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_sample_is_trained_once_more():
+    from flexmarl.controller.lineage import lineage
+    from flexmarl.runtime import events as ev
+
+    checkpoints = FakeCheckpoints(every=2)
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", micro_batch=2, steps=3,
+                                                                           checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    for batch in (1, 2):
+        complete_group(store, f"b{batch}g0", batch=batch)
+        schedule.episode_ended(batch)
+        await asyncio.sleep(0.02)
+    assert checkpoints.saved == [2] and len(trainer.log) == 4  # (train, step) x 2
+    trainer.dies_at = 5  # in batch 3, after its first micro-batch: that gradient is lost
+    complete_group(store, "b3g0", batch=3)
+    complete_group(store, "b3g1", batch=3)
+    schedule.episode_ended(3)
+    await asyncio.wait_for(task, 2)
+    assert pipeline.allocator.recovered == [("a", "state-2", 2)]  # batch 2 was saved: nothing before to redo
+    after = trainer.log[trainer.log.index(("died",)) + 1:]
+    assert after == [("train", ["b3g0/0", "b3g0/1"]), ("train", ["b3g1/0", "b3g1/1"]), ("step", 3, 1 / 4)]
+    assert pipeline.samples_trained == 2 + 2 + 4 and metrics.rows == [(1, 2), (2, 2), (3, 4)]
+    restored = [e for e in events if isinstance(e, ev.TrainingRestored)]
+    assert [(e.agent, e.version, e.batch) for e in restored] == [("a", 2, 3)]
+    for i, e in enumerate(x for x in events if isinstance(x, ev.Event)):
+        e.seq = i
+    formed = [e.sample_ids for e in lineage([x for x in events if isinstance(x, ev.Event)])
+              if isinstance(e, ev.MicroBatchFormed)]
+    ids = [sid for mb in formed for sid in mb]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 8  # each sample once in what counts
+
+
+async def test_batches_since_the_last_saved_state_are_trained_again_in_the_same_micro_batches():
+    checkpoints = FakeCheckpoints(every=10)  # nothing saved: back to the initial weights
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async", micro_batch=2, steps=2,
+                                                                         checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "b1g0", batch=1)
+    schedule.episode_ended(1)
+    await asyncio.sleep(0.02)
+    trainer.dies_at = len(trainer.log) + 1  # batch 2's step fails: its trainer is gone
+    complete_group(store, "b2g0", batch=2)
+    schedule.episode_ended(2)
+    await asyncio.wait_for(task, 2)
+    assert pipeline.allocator.recovered == [("a", None, 0)]
+    after = trainer.log[trainer.log.index(("died",)) + 1:]
+    assert after == [("train", ["b1g0/0", "b1g0/1"]), ("step", 1, 1 / 2),
+                     ("train", ["b2g0/0", "b2g0/1"]), ("step", 2, 1 / 2)]
+    assert weights.synced == [1, 2] and pipeline.samples_trained == 4
