@@ -246,6 +246,12 @@ class TrainerAllocator:
         self._changed.set()  # waiters re-check: the pool changed
         return lost
 
+    def trainer_joined(self, trainer: str) -> None:
+        """A trainer (back) in the pool: agents are placed on it as they need one."""
+        if trainer not in self.trainers:
+            self.trainers.append(trainer)
+        self._changed.set()
+
     async def close(self) -> None:
         for task in list(self._prefetches):
             task.cancel()

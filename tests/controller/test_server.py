@@ -20,7 +20,7 @@ class EchoHandler(CommandHandler):
 
 
 CFG = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6, handshake_timeout_s=2.0,
-                      max_message_bytes=1024 * 1024)
+                      max_message_bytes=1024 * 1024, reconnect_timeout_s=0.0)
 
 
 @contextlib.asynccontextmanager

@@ -14,6 +14,7 @@ EXAMPLES = [
     ev.RunStarted("[run]\nseed = 1\n", ["planner", "solver"], "async", 1, 7),
     ev.WorkerJoined("r0", "rollout", "host", 1234),
     ev.WorkerDied("r0", "missed 3 heartbeats"),
+    ev.WorkerRestarted("r0", "rollout", -9, 1, 1240),
     ev.RunFinished(10, 123.5),
     ev.BatchStarted(2, 16, 0, [3, 1, 4]),
     ev.EvaluationDone(4, 16, 1, {"planner": 0.5}),

@@ -15,7 +15,7 @@ from flexmarl.workers.session import CommandHandler, WorkerSession
 
 # The worker's own config: heartbeat settings far from the ones WELCOME gives below.
 CFG = TransportConfig(address="tcp://127.0.0.1:0", heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0,
-                      handshake_timeout_s=2.0)
+                      handshake_timeout_s=2.0, reconnect_timeout_s=0.0)
 
 
 class Loop(CommandHandler):
