@@ -8,7 +8,7 @@ to end, for whatever reason, ends them all. Heartbeat interval and timeout are t
 controller's, from WELCOME; only the wait for WELCOME itself is the worker's setting.
 
 A controller that went away (silent, or not reading) may come back, restarted on the same
-address: for up to `transport.reconnect_timeout_s` the session tries to register again on
+address (it then answers the old connection with a REJECT: it does not know it): for up to `transport.reconnect_timeout_s` the session tries to register again on
 a fresh connection, waiting 0.5 s for the first attempt and twice as long for each next
 one (at most 10 s). Taken back, it starts over as a fresh worker: the handler, with its
 engines or training states, is closed and a new one made, since the controller commands
@@ -50,9 +50,12 @@ RECONNECT_MAX_S = 10.0  # each next one twice as long, up to this
 
 
 class SessionEnded(Exception):
-    def __init__(self, reason: str, exit_code: int) -> None:
+    def __init__(self, reason: str, exit_code: int, *, register_again: bool = False) -> None:
         super().__init__(reason)
         self.exit_code = exit_code
+        # The controller is gone or no longer knows this connection: with a reconnect
+        # timeout, the session registers again instead of exiting.
+        self.register_again = register_again or exit_code == EXIT_LOST
 
 
 class CommandHandler:
@@ -128,9 +131,9 @@ class WorkerSession:
             await self._send_hello()
             await self._await_welcome()
             while True:
-                code = await self._serve()
-                if code != EXIT_LOST or self.cfg.reconnect_timeout_s <= 0:
-                    return code
+                ended = await self._serve()
+                if not ended.register_again or self.cfg.reconnect_timeout_s <= 0:
+                    return ended.exit_code
                 await self._reconnect()
         except SessionEnded as exc:
             log.error("worker %s: %s", self.worker_id, exc)
@@ -139,22 +142,22 @@ class WorkerSession:
             self.handler.close()
             self.sock.close()
 
-    async def _serve(self) -> int:
-        """Runs the registered session's tasks until one ends; returns the exit code."""
+    async def _serve(self) -> SessionEnded:
+        """Runs the registered session's tasks until one ends; returns why."""
         tasks = [asyncio.create_task(coro, name=name) for name, coro in (
             ("receive", self._receive()), ("heartbeat", self._heartbeat()),
             ("handler", self.handler.run()))]
         try:
             await supervise(tasks, forever=True)
-            return EXIT_ERROR  # not reached: with forever=True, supervise only ever raises
         except TaskEnded as ended:
             if isinstance(ended.cause, SessionEnded):
                 log.info("worker %s: %s", self.worker_id, ended.cause)
-                return ended.cause.exit_code
+                return ended.cause
             log.error("worker %s: %s", self.worker_id, ended)
             if ended.cause is not None:
                 await self._say_bye(str(ended))
-            return EXIT_ERROR
+            return SessionEnded(str(ended), EXIT_ERROR)
+        return SessionEnded("not reached: with forever=True, supervise only ever raises", EXIT_ERROR)
 
     async def _reconnect(self) -> None:
         """Registers again on a fresh connection (see the module doc); raises SessionEnded
@@ -233,7 +236,10 @@ class WorkerSession:
                 case protocol.Shutdown(reason=reason):
                     raise SessionEnded(f"shutdown requested: {reason}", EXIT_SHUTDOWN)
                 case protocol.Reject(reason=reason):
-                    raise SessionEnded(f"controller dropped this worker: {reason}", EXIT_REFUSED)
+                    # After WELCOME, a REJECT means the controller does not know this
+                    # connection: it was restarted, or it declared this worker dead.
+                    raise SessionEnded(f"controller dropped this worker: {reason}", EXIT_REFUSED,
+                                       register_again=True)
                 case protocol.Error(message=message):
                     log.warning("controller reports: %s", protocol.shorten(message, 300))
                 case msg:
