@@ -153,3 +153,13 @@ async def test_states_resident_on_a_dead_trainer_are_reported_lost_never_reiniti
     alloc.trainer_died("t0")
     with pytest.raises(RuntimeError, match="no trainer is left"):
         await alloc.acquire("c")
+
+
+async def test_a_trainer_back_in_the_pool_is_placed_on_again():
+    server = FakeTrainers()
+    alloc, _ = make_allocator(server, ["t0", "t1"])
+    alloc.trainer_died("t1")  # nothing was resident on it
+    alloc.trainer_joined("t1")
+    alloc.trainer_joined("t1")  # a second notice changes nothing
+    assert alloc.trainers == ["t0", "t1"]
+    assert {await place(alloc, "a"), await place(alloc, "b")} == {"t0", "t1"}  # one slot each

@@ -27,7 +27,9 @@ def _alive(pid: int) -> bool:
 async def test_three_workers_run_commands_one_is_killed_and_declared_dead_then_all_shut_down(tmp_path):
     cfg = load_config(None, ["cluster.rollout_workers=2", "cluster.trainer_workers=1",
                              "transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=2.0",
-                             "cluster.worker_start_timeout_s=60"], defaults=default_config())
+                             "cluster.worker_start_timeout_s=60",
+                             "cluster.max_restarts=0"],  # the dead one stays dead here
+                      defaults=default_config())
     async with Experiment(cfg, run_dir=tmp_path) as exp:
         pids = exp.local.pids()
         assert len(pids) == 3 and all(_alive(pid) for pid in pids)
