@@ -59,7 +59,9 @@ def test_a_trainer_killed_while_agents_swap_stops_the_run_clearly_and_revives_no
 
     cfg = load_config(None, ["run.steps=8", "pipeline.queries_per_step=4", "run.progress=false",
                              "pipeline.mode='sync'", "cluster.trainer_workers=2", "cluster.trainer_capacity=1",
-                             "transport.heartbeat_timeout_s=3.0"], defaults=default_config())
+                             "transport.heartbeat_timeout_s=3.0",
+                             "cluster.max_restarts=0"],  # the dead trainer stays out of the pool
+                      defaults=default_config())
     killed = {}
 
     async def main():
