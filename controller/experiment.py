@@ -6,8 +6,11 @@
     async with Experiment.resuming("runs/20260101-120000") as exp:  # after a crash
         result = await exp.train()
 
-Entering checks the run directory can be written, binds the controller socket, starts its named background tasks (receive loop,
-heartbeats) and either starts local worker processes or waits for remote ones to connect.
+Entering checks the run directory can be written, binds the controller socket, starts
+its named background tasks (receive loop, heartbeats) and either starts local worker
+processes or waits for remote ones to connect.
+Local workers that exit later are started again by a "launcher" task (launcher.py), up to
+`cluster.max_restarts` each; past that its failure stops the run.
 `train()` runs the training driver next to those tasks: the first task to fail or end
 early stops the others, so a dead receive loop can never leave training hanging. Leaving
 tells every worker to shut down, waits for them under a time limit, stops the local
@@ -28,7 +31,7 @@ from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
 from .checkpoints import CheckpointError, check_writable, latest_checkpoint
-from .launcher import LocalWorkers
+from .launcher import LocalWorkers, RestartPolicy, WorkerRestarter
 from .server import ControllerServer
 from .training import TrainingRun
 
@@ -131,6 +134,15 @@ class Experiment:
             await asyncio.wait([waiter], timeout=0.5)
             self._check_local_processes()
         waiter.result()
+        if self.local is not None:
+            restarter = WorkerRestarter(self.local, RestartPolicy(cluster.max_restarts, cluster.restart_backoff_s),
+                                        stopping=lambda: self.server.closing,
+                                        on_exit=lambda wp, why: self.server.worker_exited(wp.worker_id, why),
+                                        on_restart=self._restarted)
+            self._tasks.append(asyncio.create_task(restarter.run(), name="launcher"))
+
+    def _restarted(self, old: Any, new: Any, restarts: int) -> None:
+        self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.proc.returncode, restarts, new.proc.pid))
 
     def _check_local_processes(self) -> None:
         if self.local is None:

@@ -1,25 +1,40 @@
-"""Starts worker processes on this host and stops exactly those, by PID.
+"""Starts worker processes on this host, restarts the ones that die, stops exactly those, by PID.
 
 Used by `flexmarl run`, `Experiment` and the integration tests. Each worker is a child
 process in its own process group (so a Ctrl-C in the terminal reaches the controller,
 which then shuts workers down in order); `stop()` escalates SIGTERM -> SIGKILL under a
 time limit and never touches a process it did not start.
+
+`WorkerRestarter` starts a worker that exited while the run goes on again, with the same
+id, role and (appended) log, after a backoff; `RestartPolicy` decides how long to wait and
+when to give up (`cluster.max_restarts` per worker). It does not know what the worker was
+doing: the controller hands a worker that registers again its work back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from flexmarl.runtime.shm_segments import remove_orphan_segments
 
 log = logging.getLogger("flexmarl.launcher")
+
+LOG_TAIL_CHARS = 2000  # of a worker's log, in the error that stops a run
+MAX_BACKOFF_S = 30.0
+WATCH_INTERVAL_S = 0.25  # how often the restarter looks for exited processes
+
+
+class WorkerFailed(RuntimeError):
+    """A local worker exited and is not started again (it failed too often)."""
 
 
 @dataclass
@@ -38,12 +53,15 @@ class LocalWorkers:
         self.curve_dir = curve_dir
         self.threads = threads
         self.extra_env = extra_env or {}
-        self.procs: list[WorkerProcess] = []
+        self.procs: list[WorkerProcess] = []  # the current process of every worker id
+        self.retired: list[WorkerProcess] = []  # earlier processes of restarted workers
 
     def start(self, role: str, worker_id: str) -> WorkerProcess:
+        # A worker started here never reconnects to a controller that went away: the
+        # controller is its parent, and a new one starts workers of its own.
         cmd = [sys.executable, "-m", "flexmarl.workers.main", "--role", role,
                "--connect", self.address, "--worker-id", worker_id,
-               "--threads", str(self.threads)]
+               "--threads", str(self.threads), "--reconnect-timeout", "0"]
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -63,8 +81,31 @@ class LocalWorkers:
         log.info("started %s worker %s (pid %d)", role, worker_id, proc.pid)
         return wp
 
+    def restart(self, old: WorkerProcess) -> WorkerProcess:
+        """Starts `old`'s worker again (same id, role and log); the new process takes
+        `old`'s place in `procs`."""
+        if old.log_path is not None and old.log_path.exists():
+            with open(old.log_path, "a") as fh:
+                fh.write(f"\n--- pid {old.proc.pid} exited with code {old.proc.returncode}; restarting ---\n")
+        new = self.start(old.role, old.worker_id)
+        self.procs.remove(new)
+        self.procs[self.procs.index(old)] = new
+        self.retired.append(old)
+        return new
+
+    def exited(self) -> list[WorkerProcess]:
+        return [wp for wp in self.procs if wp.proc.poll() is not None]
+
+    def log_tail(self, wp: WorkerProcess, chars: int = LOG_TAIL_CHARS) -> str:
+        if wp.log_path is None or not wp.log_path.exists():
+            return "(no log file: its output went to the controller's terminal)"
+        with open(wp.log_path, "rb") as fh:
+            fh.seek(max(0, wp.log_path.stat().st_size - chars))
+            return fh.read().decode(errors="replace")
+
     def pids(self) -> list[int]:
-        return [wp.proc.pid for wp in self.procs]
+        """Every process started, restarted ones included."""
+        return [wp.proc.pid for wp in self.procs + self.retired]
 
     def running(self) -> list[WorkerProcess]:
         return [wp for wp in self.procs if wp.proc.poll() is None]
@@ -85,7 +126,7 @@ class LocalWorkers:
         try:
             self._stop(timeout, grace)
         finally:
-            gone = [wp.proc.pid for wp in self.procs if wp.proc.returncode is not None]
+            gone = [wp.proc.pid for wp in self.procs + self.retired if wp.proc.returncode is not None]
             removed = remove_orphan_segments(pids=gone)
             if removed:
                 log.info("removed %d shared-memory segments left by dead workers", len(removed))
@@ -110,3 +151,80 @@ def _signal(wp: WorkerProcess, sig: int) -> None:
         wp.proc.send_signal(sig)
     except ProcessLookupError:
         pass
+
+
+@dataclass
+class RestartPolicy:
+    """How often, and after how long, a worker that exited is started again. Plain
+    decisions over counts: the first restart of a worker waits `backoff_s`, each further
+    one twice as long (at most `max_backoff_s`); past `max_restarts` it is not restarted."""
+
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = MAX_BACKOFF_S
+    restarts: dict[str, int] = field(default_factory=dict)  # worker id -> restarts so far
+
+    def next_delay(self, worker_id: str) -> float | None:
+        """Seconds to wait before restarting `worker_id` (and counts the restart), or
+        None when it has been restarted `max_restarts` times already."""
+        done = self.restarts.get(worker_id, 0)
+        if done >= self.max_restarts:
+            return None
+        self.restarts[worker_id] = done + 1
+        return min(self.backoff_s * 2 ** done, self.max_backoff_s)
+
+
+class WorkerRestarter:
+    """Watches the local worker processes and restarts the ones that exit while the run
+    goes on (see `RestartPolicy`).
+
+    `check()` is one look: every process that exited since is reported through `on_exit`
+    at once (so the controller declares it dead before anything else reacts) and started
+    again once its backoff has passed, reported through `on_restart(old, new, restarts)`. A
+    worker past its limit raises `WorkerFailed` naming it, its exit code and its log's
+    end. Nothing is restarted once `stopping()` says the run is shutting down. `run()`
+    looks every `WATCH_INTERVAL_S` and never returns; its failure stops the run."""
+
+    def __init__(self, workers: LocalWorkers, policy: RestartPolicy, *, stopping: Callable[[], bool],
+                 on_exit: Callable[[WorkerProcess, str], None] = lambda wp, why: None,
+                 on_restart: Callable[[WorkerProcess, WorkerProcess, int], None] = lambda old, new, n: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.workers = workers
+        self.policy = policy
+        self.stopping = stopping
+        self.on_exit = on_exit
+        self.on_restart = on_restart
+        self.clock = clock
+        self.due: dict[str, float] = {}  # worker id -> when its restart is due
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            self.check()
+
+    def check(self) -> None:
+        if self.stopping():
+            return
+        now = self.clock()
+        for wp in self.workers.exited():
+            if wp.worker_id not in self.due:
+                self._noticed(wp, now)
+            if self.due[wp.worker_id] <= now:
+                del self.due[wp.worker_id]
+                new = self.workers.restart(wp)
+                self.on_restart(wp, new, self.policy.restarts[wp.worker_id])
+
+    def _noticed(self, wp: WorkerProcess, now: float) -> None:
+        code = wp.proc.returncode
+        why = f"its process (pid {wp.proc.pid}) exited with code {code}"
+        self.on_exit(wp, why)
+        delay = self.policy.next_delay(wp.worker_id)
+        if delay is None:
+            message = (f"worker {wp.worker_id} ({wp.role}) exited with code {code} after "
+                       f"{self.policy.max_restarts} restarts; not starting it again. Its log "
+                       f"({wp.log_path}) ends with:\n{self.workers.log_tail(wp)}")
+            log.error("%s", message)
+            raise WorkerFailed(message)
+        log.warning("worker %s %s; starting it again in %.1fs (restart %d of %d)", wp.worker_id, why, delay,
+                    self.policy.restarts[wp.worker_id], self.policy.max_restarts)
+        self.due[wp.worker_id] = now + delay

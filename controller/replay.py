@@ -33,7 +33,7 @@ from flexmarl.runtime.events import (Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
-                                     WorkerDied, WorkerJoined, without_stamp)
+                                     WorkerDied, WorkerJoined, WorkerRestarted, without_stamp)
 
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
 from .redrive import REDRIVEN_TYPES
@@ -58,6 +58,7 @@ class WorkerUsage:
     start: float  # joined (or first seen)
     end: float  # died, or the end of the log
     spans: list[Span] = field(default_factory=list)
+    restarts: int = 0  # times the launcher started its process again
 
     @property
     def busy_s(self) -> float:
@@ -155,6 +156,8 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
             for key in [k for k in outstanding if k[0] == e.worker]:
                 d = outstanding.pop(key)
                 w.spans.append(_request_span(d, e.t, lost=True))
+        elif isinstance(e, WorkerRestarted):
+            worker(e.worker, e.role, e.t).restarts = e.restarts
         elif isinstance(e, RequestsDispatched):
             worker(e.worker, "rollout", e.t)
             outstanding[(e.worker, e.request_id)] = e
@@ -334,8 +337,8 @@ def format_summary(s: Summary) -> str:
         head += (f"; resumed from the checkpoint of step {', '.join(map(str, s.resumed_at))} (work logged past "
                  "it before the resume is not counted)")
     out = [head]
-    out.append(_table(["worker", "role", "busy s", "idle s", "util"],
-                      [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}"]
+    out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
+                      [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
     out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward"],
                       [[a.agent, a.samples_trained,

@@ -8,7 +8,8 @@ Two parts, kept apart on purpose:
   the batch goes, sends GENERATE messages, and resolves each sample's future as partial
   GENERATED replies stream back. If an instance dies, its unfinished samples are sent
   again to another instance of the same agent; the experience store refuses a second
-  result for a sample, so a re-issue can never add a sample twice.
+  result for a sample, so a re-issue can never add a sample twice. A worker that comes
+  back is taken into an agent's assignment again by `rejoined` (rejoin.py decides when).
 """
 
 from __future__ import annotations
@@ -106,15 +107,26 @@ class RolloutClient:
         self.messages_sent = 0
         self.reissued = 0
         self.refused = 0
+        self.served_before: dict[str, str] = {}  # dead instance -> the agent it served
 
     def worker_died(self, worker: str) -> None:
         """A dead instance leaves every assignment (its unfinished work is re-issued by `_send`)."""
         for agent, workers in self.assignment.items():
             if worker in workers:
                 workers.remove(worker)
+                self.served_before[worker] = agent
                 self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{worker} died"))
                 if not workers:
-                    log.error("agent %s has no rollout instance left", agent)
+                    log.error("agent %s has no rollout instance left; its requests wait up to %.0fs "
+                              "for one to (re)join", agent, self.instance_wait_s)
+
+    def rejoined(self, worker: str, agent: str) -> None:
+        """`worker` serves `agent` again (it holds the agent's current weights): route to it."""
+        self.served_before.pop(worker, None)
+        workers = self.assignment.setdefault(agent, [])
+        if worker not in workers:
+            workers.append(worker)
+        self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{worker} rejoined"))
 
     def instances(self, agent: str) -> list[str]:
         alive = {w.worker_id for w in self.server.registry.alive("rollout")}

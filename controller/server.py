@@ -105,6 +105,13 @@ class ControllerServer:
             for info in self.registry.alive():
                 await self._send(info.identity, protocol.Heartbeat(self._hb_seq))
 
+    def worker_exited(self, worker_id: str, why: str) -> None:
+        """Whoever started the worker saw its process end: it is dead now, without waiting
+        for its heartbeats to stop (so a restarted process may register under its id)."""
+        info = self.registry.workers.get(worker_id)
+        if info is not None:
+            self._declare_dead(info, why)
+
     def close(self) -> None:
         for pending in self._pending.values():
             if not pending.future.done():

@@ -15,6 +15,10 @@ one supervisor (the first to fail stops the others), and writes the final checkp
 - balance (rebalance.py, `Rebalancer.run`, with `router.across_agents`): consumes the
   rollout client's demand counters; produces instance moves between agents; waits for
   its observation interval; ends once every batch is trained.
+- rejoin (rejoin.py, `Rejoin.run`): consumes rollout workers that register after set-up
+  (a restarted one, say); produces them serving an agent at its current version; waits
+  for a worker to join; ends once every batch is trained. A trainer that joins is handed
+  to the allocator.
 
 What they share is handed to each: the experience store (store.py), the batch schedule
 (schedule.py: per-batch progress, gate, wake-ups), the weight sync (weight_sync.py), the
@@ -51,6 +55,7 @@ from .metrics import MetricsLog
 from .models import resolve_model
 from .pipeline import AgentPipeline
 from .rebalance import Rebalancer
+from .rejoin import Rejoin
 from .router import RolloutClient
 from .schedule import BatchSchedule
 from .store import ExperienceStore
@@ -141,6 +146,11 @@ class TrainingRun:
         self.busy: dict[str, float] = {}
         self._loads_at_start: dict[str, float] = {}
         server.on_died.append(self._on_worker_died)
+        self.rejoin = Rejoin(self.agents, self.client, self.weights, server, self.load_model_message,
+                             accepting=lambda: self.ready.is_set() and not server.closing,
+                             finished=lambda: self.schedule.finished,
+                             trainer_joined=lambda worker: self.allocator.trainer_joined(worker))
+        server.on_joined.append(self.rejoin.joined)
 
     @property
     def reassignments(self) -> list:
@@ -161,6 +171,7 @@ class TrainingRun:
             self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
             loops = [asyncio.create_task(self.episodes.run(), name="episodes"),
+                     asyncio.create_task(self.rejoin.run(), name="rejoin"),
                      *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in self.pipelines.items())]
             if self.rebalancer is not None:
                 loops.append(asyncio.create_task(self.rebalancer.run(), name="balance"))

@@ -34,6 +34,11 @@ class TransportConfig:
     # compute on 2-core machines; the liveness check only needs to beat a real crash.
     heartbeat_timeout_s: float = 10.0
     handshake_timeout_s: float = 30.0
+    # A worker whose controller went away (silent, or not reading) tries to register again,
+    # with backoff, for this long before it exits; 0: it exits at once (exit code 3).
+    # Workers that `flexmarl run` starts itself never reconnect: a new controller starts
+    # its own.
+    reconnect_timeout_s: float = 60.0
     max_message_bytes: int = 64 * 1024 * 1024
     curve_dir: str = ""  # holds server.key(_secret) and client.key(_secret); see `flexmarl keys`
 
@@ -48,6 +53,12 @@ class ClusterConfig:
     worker_start_timeout_s: float = 300.0
     shutdown_timeout_s: float = 15.0
     threads_per_worker: int = 1
+    # A local worker process that exits while the run goes on is started again (same id,
+    # same role, same log) up to this many times; past that the run stops with its exit
+    # code and log. The first restart waits `restart_backoff_s`, each further one twice as
+    # long (at most 30 s).
+    max_restarts: int = 3
+    restart_backoff_s: float = 1.0
 
 
 @dataclass
@@ -186,6 +197,12 @@ class ExperimentConfig:
         if self.router.within_agent not in ("least_loaded", "round_robin"):
             raise ConfigError("router.within_agent must be 'least_loaded' or 'round_robin', "
                               f"got {self.router.within_agent!r}")
+        if self.cluster.max_restarts < 0 or self.cluster.restart_backoff_s < 0:
+            raise ConfigError("cluster.max_restarts and cluster.restart_backoff_s must be >= 0 "
+                              "(max_restarts = 0: a worker that dies is not started again)")
+        if self.transport.reconnect_timeout_s < 0:
+            raise ConfigError("transport.reconnect_timeout_s must be >= 0 (0: a worker exits when its "
+                              "controller goes away)")
         if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
             raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self

@@ -53,6 +53,16 @@ class WorkerDied(Event):
     why: str
 
 
+class WorkerRestarted(Event):
+    # The local launcher started a worker process again after it exited; the new process
+    # registers under the same id (a WorkerJoined follows).
+    worker: str
+    role: str
+    exit_code: int  # of the process that exited (negative: killed by that signal)
+    restarts: int  # restarts of this worker so far, this one included
+    pid: int  # the new process
+
+
 class RunFinished(Event):
     steps: int
     wall_s: float

@@ -182,9 +182,11 @@ class RouterSocket(_Socket):
 class DealerSocket(_Socket):
     """A worker's socket to the controller; its identity is unique per connection."""
 
-    def __init__(self, cfg: TransportConfig, identity: bytes) -> None:
+    def __init__(self, cfg: TransportConfig, identity: bytes, *, immediate: bool = False) -> None:
         super().__init__(cfg, zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity)
+        if immediate:  # a send waits for a live connection instead of queueing for one
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.identity = identity
         self.set_send_timeout(cfg.heartbeat_timeout_s)
 

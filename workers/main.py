@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="", help="unique name (default: role-host-pid)")
     parser.add_argument("--handshake-timeout", type=float, default=30.0,
                         help="seconds to wait for the controller's WELCOME (which sets the heartbeat)")
+    parser.add_argument("--reconnect-timeout", type=float, default=TransportConfig.reconnect_timeout_s,
+                        help="seconds to keep trying to register again when the controller goes away "
+                             "(it may be restarted on the same address); 0: exit at once")
     parser.add_argument("--curve-dir", default="", help="CURVE keys (needed for non-loopback controllers)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-level", default="INFO")
@@ -44,11 +47,12 @@ def run_worker(args: argparse.Namespace) -> int:
     limit_threads(args.threads)
     setup_logging(args.log_level, name=args.worker_id or f"{args.role}:{os.getpid()}")
     cfg = TransportConfig(address=args.connect, handshake_timeout_s=args.handshake_timeout,
-                          curve_dir=args.curve_dir)
+                          reconnect_timeout_s=args.reconnect_timeout, curve_dir=args.curve_dir)
 
     async def main() -> int:
         handler = make_handler(args.role)
-        session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id)
+        session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id,
+                                new_handler=lambda: make_handler(args.role))
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

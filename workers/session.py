@@ -1,4 +1,4 @@
-"""A worker's session with the controller: register, heartbeat, execute, leave.
+"""A worker's session with the controller: register, heartbeat, execute, leave, come back.
 
 `WorkerSession.run()` connects a DEALER, sends HELLO and waits (bounded) for WELCOME,
 then runs three named tasks under `runtime.aio.supervise`: receiving commands, sending
@@ -6,6 +6,14 @@ heartbeats, and the handler's own loop (if any). It ends when the controller say
 refuses the worker, or falls silent for longer than the heartbeat timeout; the first task
 to end, for whatever reason, ends them all. Heartbeat interval and timeout are the
 controller's, from WELCOME; only the wait for WELCOME itself is the worker's setting.
+
+A controller that went away (silent, or not reading) may come back, restarted on the same
+address (it then answers the old connection with a REJECT: it does not know it): for up to `transport.reconnect_timeout_s` the session tries to register again on
+a fresh connection, waiting 0.5 s for the first attempt and twice as long for each next
+one (at most 10 s). Taken back, it starts over as a fresh worker: the handler, with its
+engines or training states, is closed and a new one made, since the controller commands
+a worker that joins from scratch. A REJECT (same id still registered and alive, another
+protocol version) ends it at once with exit code 2.
 
 Workers make no decisions: a `CommandHandler` executes each command and replies. The
 session knows nothing about engines or models.
@@ -25,7 +33,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -36,11 +44,18 @@ from flexmarl.runtime.transport import DealerSocket
 
 log = logging.getLogger("flexmarl.worker")
 
+EXIT_SHUTDOWN, EXIT_ERROR, EXIT_REFUSED, EXIT_LOST = 0, 1, 2, 3
+RECONNECT_FIRST_S = 0.5  # the first attempt to register again waits this long for a connection
+RECONNECT_MAX_S = 10.0  # each next one twice as long, up to this
+
 
 class SessionEnded(Exception):
-    def __init__(self, reason: str, exit_code: int) -> None:
+    def __init__(self, reason: str, exit_code: int, *, register_again: bool = False) -> None:
         super().__init__(reason)
         self.exit_code = exit_code
+        # The controller is gone or no longer knows this connection: with a reconnect
+        # timeout, the session registers again instead of exiting.
+        self.register_again = register_again or exit_code == EXIT_LOST
 
 
 class CommandHandler:
@@ -77,48 +92,49 @@ class CommandHandler:
 
 class WorkerSession:
     def __init__(self, cfg: TransportConfig, address: str, handler: CommandHandler,
-                 worker_id: str = "", devices: list[str] = (), capacity: dict[str, float] = None) -> None:
+                 worker_id: str = "", devices: list[str] = (), capacity: dict[str, float] = None,
+                 new_handler: Callable[[], CommandHandler] | None = None) -> None:
         self.cfg = cfg
         self.address = address
         self.handler = handler
         handler.session = self
+        # Makes the fresh handler a session starts with after it registered again.
+        self.new_handler = new_handler or type(handler)
         self.worker_id = worker_id or f"{handler.role}-{socket.gethostname()}-{os.getpid()}"
         self.devices = list(devices) or ["cpu"]
         self.capacity = capacity or {}
-        # Unique per connection so a restarted worker with the same id is a new peer.
-        identity = f"{self.worker_id}/{uuid.uuid4().hex[:8]}".encode()
-        self.sock = DealerSocket(cfg, identity)
+        self.sock = self._new_socket()
         # The controller's, from WELCOME: both ends must agree on when a peer is dead.
         self.heartbeat_interval_s = 0.0
         self.heartbeat_timeout_s = 0.0
         self._last_heard = time.monotonic()
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.reconnects = 0  # times the session registered again after losing its controller
+
+    def _new_socket(self, immediate: bool = False) -> DealerSocket:
+        # Unique per connection so a restarted worker with the same id is a new peer.
+        identity = f"{self.worker_id}/{uuid.uuid4().hex[:8]}".encode()
+        return DealerSocket(self.cfg, identity, immediate=immediate)
 
     async def send(self, msg: protocol.Message, buffers: list[Any] = ()) -> None:
         try:
             await self.sock.send(msg, buffers)
         except zmq.Again:
             raise SessionEnded(f"the controller has not read for {self.heartbeat_timeout_s:.1f}s "
-                               f"(the send queue stayed full); exiting", 3) from None
+                               f"(the send queue stayed full)", EXIT_LOST) from None
 
     async def run(self) -> int:
-        """Returns the process exit code: 0 on SHUTDOWN, 2 if refused, 3 if the controller is lost."""
+        """Returns the process exit code: 0 on SHUTDOWN, 2 if refused, 3 if the controller
+        is lost (and did not take the worker back within `reconnect_timeout_s`)."""
         self.sock.connect(self.address)
         try:
-            await self._handshake()
-            tasks = [asyncio.create_task(coro, name=name) for name, coro in (
-                ("receive", self._receive()), ("heartbeat", self._heartbeat()),
-                ("handler", self.handler.run()))]
-            await supervise(tasks, forever=True)
-            return 1  # not reached: with forever=True, supervise only ever raises
-        except TaskEnded as ended:
-            if isinstance(ended.cause, SessionEnded):
-                log.info("worker %s: %s", self.worker_id, ended.cause)
-                return ended.cause.exit_code
-            log.error("worker %s: %s", self.worker_id, ended)
-            if ended.cause is not None:
-                await self._say_bye(str(ended))
-            return 1
+            await self._send_hello()
+            await self._await_welcome()
+            while True:
+                ended = await self._serve()
+                if not ended.register_again or self.cfg.reconnect_timeout_s <= 0:
+                    return ended.exit_code
+                await self._reconnect()
         except SessionEnded as exc:
             log.error("worker %s: %s", self.worker_id, exc)
             return exc.exit_code
@@ -126,25 +142,78 @@ class WorkerSession:
             self.handler.close()
             self.sock.close()
 
+    async def _serve(self) -> SessionEnded:
+        """Runs the registered session's tasks until one ends; returns why."""
+        tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+            ("receive", self._receive()), ("heartbeat", self._heartbeat()),
+            ("handler", self.handler.run()))]
+        try:
+            await supervise(tasks, forever=True)
+        except TaskEnded as ended:
+            if isinstance(ended.cause, SessionEnded):
+                log.info("worker %s: %s", self.worker_id, ended.cause)
+                return ended.cause
+            log.error("worker %s: %s", self.worker_id, ended)
+            if ended.cause is not None:
+                await self._say_bye(str(ended))
+            return SessionEnded(str(ended), EXIT_ERROR)
+        return SessionEnded("not reached: with forever=True, supervise only ever raises", EXIT_ERROR)
+
+    async def _reconnect(self) -> None:
+        """Registers again on a fresh connection (see the module doc); raises SessionEnded
+        when refused or when `reconnect_timeout_s` passes first."""
+        timeout = self.cfg.reconnect_timeout_s
+        deadline = time.monotonic() + timeout
+        log.warning("worker %s lost its controller at %s; trying to register again for up to %.0fs",
+                    self.worker_id, self.address, timeout)
+        # Whatever the old handler held, the controller will command again from scratch.
+        self.handler.close()
+        self.handler = self.new_handler()
+        self.handler.session = self
+        wait = RECONNECT_FIRST_S
+        while (left := deadline - time.monotonic()) > 0:
+            # A fresh socket drops whatever the old one still queued for the old controller.
+            self.sock.close()
+            self.sock = self._new_socket(immediate=True)
+            self.sock.connect(self.address)
+            try:
+                await asyncio.wait_for(self._send_hello(), min(wait, left))
+            except (asyncio.TimeoutError, SessionEnded):
+                log.info("worker %s: no controller at %s yet; next attempt waits %.1fs", self.worker_id,
+                         self.address, min(2 * wait, RECONNECT_MAX_S))
+                wait = min(2 * wait, RECONNECT_MAX_S)
+                continue
+            try:
+                await self._await_welcome()  # connected: the controller answers HELLO at once
+            except SessionEnded as exc:
+                if exc.exit_code != EXIT_LOST:
+                    raise
+                continue
+            self.reconnects += 1
+            return
+        raise SessionEnded(f"the controller at {self.address} did not take this worker back "
+                           f"within {timeout:.0f}s (transport.reconnect_timeout_s); exiting", EXIT_LOST)
+
     async def _say_bye(self, reason: str) -> None:
         try:
             await asyncio.wait_for(self.send(protocol.Bye(reason)), 1.0)
         except Exception:
             pass
 
-    async def _handshake(self) -> None:
-        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.worker_id, self.handler.role,
-                               socket.gethostname(), os.getpid(), self.devices, self.capacity)
-        await self.send(hello)
+    async def _send_hello(self) -> None:
+        await self.send(protocol.Hello(protocol.PROTOCOL_VERSION, self.worker_id, self.handler.role,
+                                       socket.gethostname(), os.getpid(), self.devices, self.capacity))
+
+    async def _await_welcome(self) -> None:
         try:
             inbound = await asyncio.wait_for(self.sock.recv(), self.cfg.handshake_timeout_s)
         except asyncio.TimeoutError:
             raise SessionEnded(f"no WELCOME from {self.address} within "
-                               f"{self.cfg.handshake_timeout_s:.0f}s; is the controller running?", 3) from None
+                               f"{self.cfg.handshake_timeout_s:.0f}s; is the controller running?", EXIT_LOST) from None
         if isinstance(inbound.msg, protocol.Reject):
-            raise SessionEnded(f"controller refused registration: {inbound.msg.reason}", 2)
+            raise SessionEnded(f"controller refused registration: {inbound.msg.reason}", EXIT_REFUSED)
         if not isinstance(inbound.msg, protocol.Welcome):
-            raise SessionEnded(f"expected WELCOME, got {inbound.msg or inbound.error}", 2)
+            raise SessionEnded(f"expected WELCOME, got {inbound.msg or inbound.error}", EXIT_REFUSED)
         self.heartbeat_interval_s = inbound.msg.heartbeat_interval_s
         self.heartbeat_timeout_s = inbound.msg.heartbeat_timeout_s
         self.sock.set_send_timeout(self.heartbeat_timeout_s)
@@ -165,9 +234,12 @@ class WorkerSession:
                 case protocol.Heartbeat():
                     pass
                 case protocol.Shutdown(reason=reason):
-                    raise SessionEnded(f"shutdown requested: {reason}", 0)
+                    raise SessionEnded(f"shutdown requested: {reason}", EXIT_SHUTDOWN)
                 case protocol.Reject(reason=reason):
-                    raise SessionEnded(f"controller dropped this worker: {reason}", 2)
+                    # After WELCOME, a REJECT means the controller does not know this
+                    # connection: it was restarted, or it declared this worker dead.
+                    raise SessionEnded(f"controller dropped this worker: {reason}", EXIT_REFUSED,
+                                       register_again=True)
                 case protocol.Error(message=message):
                     log.warning("controller reports: %s", protocol.shorten(message, 300))
                 case msg:
@@ -191,6 +263,6 @@ class WorkerSession:
             await asyncio.sleep(self.heartbeat_interval_s)
             silent = time.monotonic() - self._last_heard
             if silent > self.heartbeat_timeout_s:
-                raise SessionEnded(f"controller silent for {silent:.1f}s; exiting", 3)
+                raise SessionEnded(f"controller silent for {silent:.1f}s", EXIT_LOST)
             seq += 1
             await self.send(protocol.Heartbeat(seq, self.handler.load()))

@@ -187,3 +187,13 @@ async def test_a_recovered_agent_loads_its_saved_state_on_a_trainer_that_joined_
     alloc.trainer_joined("t1")
     alloc.recover("a", None, 0)  # nothing saved yet: initialised afresh from its model
     assert await place(alloc, "a") == "t1" and server.calls[-1][:2] == ("t1", "InitAgent")
+
+
+async def test_a_trainer_back_in_the_pool_is_placed_on_again():
+    server = FakeTrainers()
+    alloc, _ = make_allocator(server, ["t0", "t1"])
+    alloc.trainer_died("t1")  # nothing was resident on it
+    alloc.trainer_joined("t1")
+    alloc.trainer_joined("t1")  # a second notice changes nothing
+    assert alloc.trainers == ["t0", "t1"]
+    assert {await place(alloc, "a"), await place(alloc, "b")} == {"t0", "t1"}  # one slot each

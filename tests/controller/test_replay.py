@@ -138,7 +138,8 @@ def test_the_summary_prints_as_a_table():
     assert "mode async, max_staleness 1" in text
     assert "sample accounting: generated = trained + dropped + in flight" in text
     assert "MISMATCH" not in text
-    assert any(line.split()[:2] == ["r0", "rollout"] and line.endswith("33%") for line in text.splitlines())
+    assert any(line.split()[:2] == ["r0", "rollout"] and line.split()[-2:] == ["33%", "0"]
+               for line in text.splitlines())
 
 
 def test_the_trace_json_loads_and_has_one_named_track_per_worker_and_per_agent(tmp_path):
@@ -204,3 +205,38 @@ def test_check_reports_the_first_decision_the_redriven_code_makes_differently():
 
 def _fields(e):
     return {f: getattr(e, f) for f in e.__struct_fields__ if f not in ("seq", "t")}
+
+
+def run_with_a_restart():
+    """synthetic_run, but r1 is killed with b's request outstanding, restarted by the
+    launcher, registers again under its id and generates b's samples again."""
+    events = []
+    for e in synthetic_run():
+        if isinstance(e, ev.RequestsCompleted) and e.worker == "r1":
+            e.request_id = 4
+        events.append(e)
+        if isinstance(e, ev.RequestsDispatched) and e.request_id == 3:
+            b = [f"b{i}" for i in range(4)]
+            for t, extra in ((2, ev.WorkerDied("r1", "its process (pid 2) exited with code -9")),
+                             (2.5, ev.WorkerRestarted("r1", "rollout", -9, 1, 5)),
+                             (3, ev.WorkerJoined("r1", "rollout", "h", 5)),
+                             (3, ev.AllocationChanged("rollout", "b", ["r1"], "r1 rejoined")),
+                             (3.5, ev.RequestsDispatched("r1", "b", 4, b, 20))):
+                extra.t = float(t)
+                events.append(extra)
+    for seq, e in enumerate(events):
+        e.seq = seq
+    return events
+
+
+async def test_a_worker_restarted_under_its_id_is_one_worker_with_its_restarts_counted(tmp_path, capsys):
+    s = replay.summarize(run_with_a_restart())
+    assert s.errors == []
+    r1 = s.workers["r1"]
+    assert r1.restarts == 1 and r1.role == "rollout"
+    assert (r1.start, r1.end) == (0.0, 12.0)  # back after dying: one life line, its downtime idle
+    assert r1.busy_s == 1.0 + 1.5  # 1..2 lost with the process, then 3.5..5 again
+    log = await write_log(tmp_path / "events.log", run_with_a_restart())
+    assert replay.main(args(log)) == 0
+    assert any(line.split()[:2] == ["r1", "rollout"] and line.split()[-1] == "1"
+               for line in capsys.readouterr().out.splitlines())

@@ -20,7 +20,7 @@ class EchoHandler(CommandHandler):
 
 
 CFG = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6, handshake_timeout_s=2.0,
-                      max_message_bytes=1024 * 1024)
+                      max_message_bytes=1024 * 1024, reconnect_timeout_s=0.0)
 
 
 @contextlib.asynccontextmanager
@@ -235,6 +235,33 @@ async def test_worker_session_exits_with_code_2_when_refused():
         dup = WorkerSession(CFG, server.address, EchoHandler(), worker_id="healthy")
         assert await asyncio.wait_for(dup.run(), PATIENCE) == 2
         await echo(server, "healthy")
+
+
+async def test_a_worker_id_whose_process_died_registers_again_as_a_new_incarnation():
+    async with controller() as server:
+        first = raw_dealer(server, b"first")
+        second = raw_dealer(server, b"second")
+        try:
+            await first.send_multipart(hello("w"))
+            await asyncio.wait_for(first.recv_multipart(), PATIENCE)  # WELCOME
+            rid = server.next_request_id()
+            call = asyncio.create_task(server.call("w", p.Echo(rid)))
+            await asyncio.sleep(0)
+            died = []
+            server.on_died.append(lambda info: died.append((info.worker_id, info.why_gone)))
+            # whoever started it saw its process end: dead now, not after the heartbeat timeout
+            server.worker_exited("w", "its process exited with code -9")
+            assert died == [("w", "its process exited with code -9")]
+            with pytest.raises(WorkerDied):
+                await asyncio.wait_for(call, PATIENCE)
+            await second.send_multipart(hello("w"))
+            reply, _ = p.decode(await asyncio.wait_for(second.recv_multipart(), PATIENCE))
+            assert isinstance(reply, p.Welcome)
+            info = server.registry.workers["w"]
+            assert info.alive and info.identity == b"second"
+        finally:
+            first.close()
+            second.close()
 
 
 async def test_silent_worker_is_declared_dead_and_its_requests_fail():

@@ -5,7 +5,13 @@ import os
 import signal
 import time
 
+import pytest
+
 from flexmarl.controller.experiment import Experiment
+from flexmarl.controller.launcher import WorkerFailed
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.aio import TaskEnded
+from flexmarl.runtime.eventlog import read_events
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import load_config
 from flexmarl.controller.digit_chain import default_config
@@ -27,7 +33,9 @@ def _alive(pid: int) -> bool:
 async def test_three_workers_run_commands_one_is_killed_and_declared_dead_then_all_shut_down(tmp_path):
     cfg = load_config(None, ["cluster.rollout_workers=2", "cluster.trainer_workers=1",
                              "transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=2.0",
-                             "cluster.worker_start_timeout_s=60"], defaults=default_config())
+                             "cluster.worker_start_timeout_s=60",
+                             "cluster.max_restarts=0"],  # the dead one stays dead here
+                      defaults=default_config())
     async with Experiment(cfg, run_dir=tmp_path) as exp:
         pids = exp.local.pids()
         assert len(pids) == 3 and all(_alive(pid) for pid in pids)
@@ -53,3 +61,42 @@ async def test_three_workers_run_commands_one_is_killed_and_declared_dead_then_a
     assert not any(_alive(pid) for pid in pids), "a worker process outlived the experiment"
     codes = [wp.proc.returncode for wp in exp.local.procs]
     assert codes[0] == 0 and codes[2] == 0, f"survivors should exit cleanly on SHUTDOWN: {codes}"
+
+
+async def test_a_killed_worker_is_started_again_under_its_id_and_past_the_limit_the_run_stops_naming_it(tmp_path):
+    cfg = load_config(None, ["cluster.rollout_workers=1", "cluster.trainer_workers=1",
+                             "transport.heartbeat_interval_s=0.2", "transport.heartbeat_timeout_s=2.0",
+                             "cluster.worker_start_timeout_s=60", "cluster.max_restarts=1",
+                             "cluster.restart_backoff_s=0.1"], defaults=default_config())
+
+    async def registered_again(exp, old_pid):
+        while True:
+            info = exp.server.registry.workers["rollout-0"]
+            if info.alive and info.pid != old_pid:
+                return info
+            await asyncio.sleep(0.05)
+
+    async with Experiment(cfg, run_dir=tmp_path) as exp:
+        first = exp.local.procs[0]
+        assert first.worker_id == "rollout-0"
+        os.kill(first.proc.pid, signal.SIGKILL)  # exactly the process the launcher started
+        info = await asyncio.wait_for(registered_again(exp, first.proc.pid), 60)
+        second = exp.local.procs[0]
+        assert info.pid == second.proc.pid != first.proc.pid and not _alive(first.proc.pid)
+        reply, _ = await exp.server.call("rollout-0", p.Echo(exp.server.next_request_id(), b"back"), timeout=10)
+        assert reply.payload == b"back"
+
+        os.kill(second.proc.pid, signal.SIGKILL)  # a second death is past max_restarts = 1
+        with pytest.raises(TaskEnded) as ended:
+            await exp.supervise(asyncio.Event().wait, name="idle")
+        failure = ended.value.cause
+        assert isinstance(failure, WorkerFailed) and ended.value.name == "launcher"
+        assert "worker rollout-0 (rollout) exited with code -9 after 1 restarts" in str(failure)
+        assert str(tmp_path / "logs" / "rollout-0.log") in str(failure)
+    assert not any(_alive(pid) for pid in exp.local.pids()), "a worker process outlived the experiment"
+    events, _ = read_events(tmp_path / "events.log")
+    restarts = [e for e in events if isinstance(e, ev.WorkerRestarted)]
+    assert [(e.worker, e.exit_code, e.restarts, e.pid) for e in restarts] == [
+        ("rollout-0", -signal.SIGKILL, 1, second.proc.pid)]
+    log_text = (tmp_path / "logs" / "rollout-0.log").read_text()
+    assert f"pid {first.proc.pid} exited with code -9; restarting" in log_text

@@ -64,3 +64,13 @@ def test_loss_options_are_checked_by_name_and_reach_the_trainer_resolved():
         load_config(None, ["agents.a.off_policy=cispo"])
     with pytest.raises(ConfigError, match="kl_coef"):
         load_config(None, ["agents.a.kl_coef=-1"])
+
+
+def test_restart_and_reconnect_settings_have_defaults_and_refuse_negative_values():
+    cfg = load_config(None, [])
+    assert cfg.cluster.max_restarts == 3 and cfg.transport.reconnect_timeout_s == 60.0
+    assert load_config(None, ["cluster.max_restarts=0", "transport.reconnect_timeout_s=0"]).cluster.max_restarts == 0
+    with pytest.raises(ConfigError, match="cluster.max_restarts"):
+        load_config(None, ["cluster.max_restarts=-1"])
+    with pytest.raises(ConfigError, match="transport.reconnect_timeout_s"):
+        load_config(None, ["transport.reconnect_timeout_s=-5"])

@@ -14,6 +14,7 @@ EXAMPLES = [
     ev.RunStarted("[run]\nseed = 1\n", ["planner", "solver"], "async", 1, 7),
     ev.WorkerJoined("r0", "rollout", "host", 1234),
     ev.WorkerDied("r0", "missed 3 heartbeats"),
+    ev.WorkerRestarted("r0", "rollout", -9, 1, 1240),
     ev.RunFinished(10, 123.5),
     ev.RunResumed(4, "runs/x/checkpoints/step-000004", "[run]\nseed = 1\n"),
     ev.CheckpointWritten(4, "runs/x/checkpoints/step-000004", 123456, 0.25),

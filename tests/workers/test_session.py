@@ -4,18 +4,22 @@ it, with which exit code, and whose heartbeat settings it follows."""
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import logging
 
 import pytest
+import zmq
 
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.transport import RouterSocket
 from flexmarl.workers.main import add_arguments
+from flexmarl.workers import session as session_module
 from flexmarl.workers.session import CommandHandler, WorkerSession
 
 # The worker's own config: heartbeat settings far from the ones WELCOME gives below.
 CFG = TransportConfig(address="tcp://127.0.0.1:0", heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0,
-                      handshake_timeout_s=2.0)
+                      handshake_timeout_s=2.0, reconnect_timeout_s=0.0)
 
 
 class Loop(CommandHandler):
@@ -38,11 +42,12 @@ class Loop(CommandHandler):
 
 
 @contextlib.asynccontextmanager
-async def session_with(handler, interval=0.05, timeout=0.5):
+async def session_with(handler, interval=0.05, timeout=0.5, cfg=CFG):
     """A session registered with a bare ROUTER; yields (router, identity, session task)."""
-    router = RouterSocket(CFG)
+    router = RouterSocket(cfg)
     router.bind()
-    session = WorkerSession(CFG, router.address, handler, worker_id="w")
+    session = WorkerSession(cfg, router.address, handler, worker_id="w")
+    handler.test_session = session
     task = asyncio.create_task(session.run())
     try:
         hello = await asyncio.wait_for(router.recv(), 5)
@@ -121,3 +126,86 @@ def test_the_worker_command_line_has_no_heartbeat_settings_of_its_own():
     assert "--heartbeat" not in parser.format_help()
     with pytest.raises(SystemExit):  # the controller's WELCOME sets them; there is nothing to pass
         parser.parse_args(["--role", "rollout", "--connect", "tcp://127.0.0.1:1", "--heartbeat-interval", "0.2"])
+
+
+# --------------------------------------------------------------- the controller comes back
+
+RECONNECTING = dataclasses.replace(CFG, reconnect_timeout_s=20.0)
+
+
+async def bind_again(address):
+    """A new bare controller on the old one's address (its port may take a moment to free)."""
+    router = RouterSocket(dataclasses.replace(CFG, address=address))
+    for _ in range(100):
+        try:
+            router.bind()
+            return router
+        except zmq.ZMQError:
+            await asyncio.sleep(0.05)
+    router.bind()
+
+
+async def next_of_with_identity(router, kind):
+    while True:
+        inbound = await asyncio.wait_for(router.recv(), 20)
+        if isinstance(inbound.msg, kind):
+            return inbound
+
+
+async def test_a_controller_that_no_longer_knows_the_connection_is_registered_with_again():
+    # A controller restarted (or that declared the worker dead) answers it with REJECT.
+    async with session_with(Loop(), cfg=RECONNECTING) as (router, identity, task):
+        await router.send(identity, p.Reject("not registered: send HELLO first"))
+        hello = await next_of_with_identity(router, p.Hello)
+        assert hello.identity != identity and hello.msg.worker_id == "w"
+        await router.send(hello.identity, p.Welcome(p.PROTOCOL_VERSION, 0.05, 0.5))
+        await router.send(hello.identity, p.Echo(3, b"again"))
+        assert (await next_of(router, p.EchoReply)).payload == b"again" and not task.done()
+
+
+async def test_a_worker_registers_again_with_a_fresh_handler_when_its_controller_comes_back():
+    first_handler = Loop()
+    async with session_with(first_handler, cfg=RECONNECTING) as (router, _, task):
+        session = first_handler.test_session
+        address = router.address
+        router.close()  # the controller is gone: the worker hears nothing more
+        again = await bind_again(address)
+        try:
+            hello = await next_of_with_identity(again, p.Hello)  # the old connection's heartbeats may come first
+            assert hello.msg.worker_id == "w"
+            await again.send(hello.identity, p.Welcome(p.PROTOCOL_VERSION, 0.05, 0.5))
+            await again.send(hello.identity, p.Echo(9, b"back"))
+            reply = await next_of(again, p.EchoReply)
+            assert reply.payload == b"back" and not task.done()
+            assert session.reconnects == 1
+            # its engines or training states were dropped: the controller commands it afresh
+            assert first_handler.closed and session.handler is not first_handler
+            assert isinstance(session.handler, Loop) and session.handler.session is session
+        finally:
+            again.close()
+
+
+async def test_a_worker_refused_when_it_registers_again_exits_at_once_with_code_2():
+    async with session_with(Loop(), cfg=RECONNECTING) as (router, _, task):
+        address = router.address
+        router.close()
+        again = await bind_again(address)
+        try:
+            hello = await next_of_with_identity(again, p.Hello)
+            await again.send(hello.identity, p.Reject("worker id 'w' is already registered"))
+            assert await asyncio.wait_for(task, 20) == 2
+        finally:
+            again.close()
+
+
+async def test_a_controller_that_does_not_come_back_ends_the_session_with_code_3_after_backing_off(
+        monkeypatch, caplog):
+    monkeypatch.setattr(session_module, "RECONNECT_FIRST_S", 0.1)
+    monkeypatch.setattr(session_module, "RECONNECT_MAX_S", 0.4)
+    caplog.set_level(logging.INFO, logger="flexmarl.worker")
+    async with session_with(Loop(), cfg=dataclasses.replace(CFG, reconnect_timeout_s=2.0)) as (router, _, task):
+        router.close()
+        assert await asyncio.wait_for(task, 20) == 3
+    waits = [r.getMessage().rsplit(" ", 1)[-1] for r in caplog.records if "next attempt waits" in r.getMessage()]
+    assert waits[:3] == ["0.2s", "0.4s", "0.4s"]  # doubling, then capped
+    assert any("did not take this worker back within 2s" in r.getMessage() for r in caplog.records)

@@ -9,7 +9,8 @@ from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.workers.session import CommandHandler, WorkerSession
 
-CFG = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, handshake_timeout_s=5.0)
+CFG = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, handshake_timeout_s=5.0,
+                      reconnect_timeout_s=0.0)
 
 
 class FlakyHandler(CommandHandler):

@@ -1,0 +1,109 @@
+"""Rejoining: a worker that registers again after the agents were placed gets work.
+
+`Rejoin.joined(info)` listens to the server's joins. Workers that join before the agents
+are placed are set-up's business and ignored here (`accepting()` is false then, and
+again once shutdown began). After that:
+- a trainer is handed to the allocator (`trainer_joined`), which binds agents to it as
+  they need one;
+- a rollout worker is queued for `run()`.
+
+`Rejoin.run()` runs next to the training loops. Consumes: the rollout workers that joined.
+Produces: each of them serving an agent, in the rollout client's assignment. For each it
+picks the agent (`choose_agent`), starts the agent's engine on it (LoadModel, version 0,
+outside the agent's sync lock: the agent keeps syncing meanwhile), then, holding the sync
+lock so no sync runs in between, brings it to the agent's synced version through the
+weight sync, and only then lets the rollout client route to it: no request reaches an
+instance that does not hold the agent's current weights. Waits for: a worker to join.
+Ends once every batch is trained.
+
+Requests that were in flight on the dead process are not its business: the rollout client
+re-issued them when the worker was declared dead. It does not start processes (the
+launcher does) and knows nothing of what the agents learn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from flexmarl.runtime import protocol
+
+from .server import RemoteError, WorkerDied
+
+log = logging.getLogger("flexmarl.rejoin")
+
+POLL_S = 0.5  # how often run() checks whether every batch is trained while no worker joins
+
+
+def choose_agent(instances: dict[str, int], served_before: str | None) -> str:
+    """The agent a rejoining rollout worker serves: the one with the fewest live
+    instances (an agent left with none first); on a tie the one it served before, then
+    the first in order. `instances` lists every agent, in order."""
+    fewest = min(instances.values())
+    tied = [a for a, n in instances.items() if n == fewest]
+    return served_before if served_before in tied else tied[0]
+
+
+class Rejoin:
+    def __init__(self, agents: list[str], client: Any, weights: Any, server: Any,
+                 load_model_message: Callable[[str], protocol.LoadModel], *,
+                 accepting: Callable[[], bool], finished: Callable[[], bool],
+                 trainer_joined: Callable[[str], None]) -> None:
+        self.agents = list(agents)
+        self.client = client  # instances(), served_before, rejoined()
+        self.weights = weights  # locks, synced, served(), bring_up_to_date()
+        self.server = server  # call(), registry.workers
+        self.load_model_message = load_model_message
+        self.accepting = accepting
+        self.finished = finished
+        self.trainer_joined = trainer_joined
+        self.queue: asyncio.Queue[str] = asyncio.Queue()  # rollout workers waiting for an agent
+        self.rejoined: list[tuple[str, str, float]] = []  # (worker, agent, seconds to serve)
+
+    def joined(self, info: Any) -> None:
+        if not self.accepting():
+            return
+        if info.role == "trainer":
+            log.info("trainer %s joined; it is in the trainer pool again", info.worker_id)
+            self.trainer_joined(info.worker_id)
+        else:
+            self.queue.put_nowait(info.worker_id)
+
+    async def run(self) -> None:
+        while not self.finished():
+            try:
+                worker = await asyncio.wait_for(self.queue.get(), POLL_S)
+            except asyncio.TimeoutError:
+                continue
+            await self.serve(worker)
+
+    async def serve(self, worker: str) -> str | None:
+        """Makes `worker` serve an agent (see the module doc); the agent, or None if the
+        worker died again or could not load the model."""
+        info = self.server.registry.workers.get(worker)
+        if info is None or not info.alive:
+            return None  # died again before its turn: its next incarnation will be queued
+        agent = choose_agent({a: len(self.client.instances(a)) for a in self.agents},
+                             self.client.served_before.get(worker))
+        t0 = time.monotonic()
+        try:
+            await self.server.call(worker, self.load_model_message(agent))
+            self.weights.served(worker, agent, 0)
+            async with self.weights.locks[agent]:
+                if self.weights.synced[agent] > 0:
+                    await self.weights.bring_up_to_date(worker, agent)
+                self.client.rejoined(worker, agent)
+        except WorkerDied as exc:
+            log.warning("%s died again while rejoining %s: %s", worker, agent, exc)
+            return None
+        except RemoteError as exc:
+            log.error("%s could not load %s (%s); it serves no agent. Check its log in the run "
+                      "directory's logs/ folder.", worker, agent, exc)
+            return None
+        seconds = time.monotonic() - t0
+        self.rejoined.append((worker, agent, seconds))
+        log.info("%s rejoined and serves %s at version %d after %.1fs", worker, agent,
+                 self.weights.synced[agent], seconds)
+        return agent

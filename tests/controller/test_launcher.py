@@ -1,0 +1,118 @@
+"""The restart policy and the restarter over fake processes and a fake clock."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flexmarl.controller.launcher import LocalWorkers, RestartPolicy, WorkerFailed, WorkerProcess, WorkerRestarter
+
+
+class FakeProc:
+    def __init__(self, pid, returncode=None):
+        self.pid = pid
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+
+class FakeWorkers:
+    """What the restarter is handed: exited(), restart(), log_tail()."""
+
+    def __init__(self, *ids):
+        self.procs = [WorkerProcess(w, "rollout", FakeProc(100 + i), Path(f"/logs/{w}.log")) for i, w in enumerate(ids)]
+        self.started = []
+
+    def die(self, worker_id, code):
+        next(wp for wp in self.procs if wp.worker_id == worker_id).proc.returncode = code
+
+    def exited(self):
+        return [wp for wp in self.procs if wp.proc.poll() is not None]
+
+    def restart(self, old):
+        new = WorkerProcess(old.worker_id, old.role, FakeProc(old.proc.pid + 1000), old.log_path)
+        self.procs[self.procs.index(old)] = new
+        self.started.append(new)
+        return new
+
+    def log_tail(self, wp):
+        return "Traceback ...\nRuntimeError: engine failed to start"
+
+
+def restarter(workers, max_restarts=3, backoff_s=1.0, stopping=lambda: False):
+    clock = SimpleNamespace(now=0.0)
+    seen = []
+    r = WorkerRestarter(workers, RestartPolicy(max_restarts, backoff_s), stopping=stopping,
+                        on_exit=lambda wp, why: seen.append(("exit", wp.worker_id, why)),
+                        on_restart=lambda old, new, n: seen.append(("restart", new.worker_id, old.proc.returncode, n)),
+                        clock=lambda: clock.now)
+    return r, clock, seen
+
+
+def test_backoff_doubles_per_restart_of_a_worker_up_to_the_cap_and_stops_at_the_limit():
+    policy = RestartPolicy(max_restarts=6, backoff_s=1.0, max_backoff_s=10.0)
+    assert [policy.next_delay("a") for _ in range(7)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0, None]
+    assert policy.next_delay("b") == 1.0  # counted per worker
+    assert RestartPolicy(max_restarts=0).next_delay("a") is None
+
+
+def test_an_exited_worker_is_declared_at_once_and_restarted_after_its_backoff_with_the_same_id():
+    workers = FakeWorkers("rollout-0", "rollout-1")
+    r, clock, seen = restarter(workers, backoff_s=1.0)
+    workers.die("rollout-1", -9)
+    r.check()
+    assert seen == [("exit", "rollout-1", "its process (pid 101) exited with code -9")]
+    assert workers.started == []  # waits its backoff first
+    clock.now = 0.5
+    r.check()
+    assert workers.started == []
+    clock.now = 1.0
+    r.check()
+    assert [wp.worker_id for wp in workers.started] == ["rollout-1"]
+    assert seen[-1] == ("restart", "rollout-1", -9, 1)
+    r.check()
+    assert len(workers.started) == 1  # the new process is running: nothing more to do
+
+
+def test_past_the_limit_the_error_names_the_worker_its_exit_code_and_its_log_tail():
+    workers = FakeWorkers("rollout-0")
+    r, clock, _ = restarter(workers, max_restarts=2, backoff_s=0.0)
+    for _ in range(2):
+        workers.die("rollout-0", 1)
+        r.check()
+    assert len(workers.started) == 2
+    workers.die("rollout-0", 7)
+    with pytest.raises(WorkerFailed) as failure:
+        r.check()
+    message = str(failure.value)
+    assert "rollout-0" in message and "code 7" in message and "after 2 restarts" in message
+    assert "/logs/rollout-0.log" in message and "RuntimeError: engine failed to start" in message
+
+
+def test_nothing_is_restarted_once_the_run_is_shutting_down():
+    workers = FakeWorkers("rollout-0")
+    r, _, seen = restarter(workers, backoff_s=0.0, stopping=lambda: True)
+    workers.die("rollout-0", 0)
+    r.check()
+    assert seen == [] and workers.started == []
+
+
+def test_a_restarted_process_takes_the_old_ones_place_and_appends_to_its_log(tmp_path):
+    workers = LocalWorkers("tcp://127.0.0.1:1", tmp_path)
+    old = WorkerProcess("rollout-0", "rollout", FakeProc(4242, -9), tmp_path / "rollout-0.log")
+    old.log_path.write_text("first life\n")
+    workers.procs.append(old)
+    started = []
+
+    def start(role, worker_id):  # in place of spawning a process
+        started.append((role, worker_id))
+        workers.procs.append(WorkerProcess(worker_id, role, FakeProc(4343), tmp_path / f"{worker_id}.log"))
+        return workers.procs[-1]
+
+    workers.start = start
+    new = workers.restart(old)
+    assert started == [("rollout", "rollout-0")]
+    assert workers.procs == [new] and workers.retired == [old] and workers.pids() == [4343, 4242]
+    assert old.log_path.read_text().startswith("first life\n")
+    assert "pid 4242 exited with code -9; restarting" in workers.log_tail(new)
