@@ -40,14 +40,16 @@ class LocalWorkers:
         self.extra_env = extra_env or {}
         self.procs: list[WorkerProcess] = []
 
-    def start(self, role: str, worker_id: str) -> WorkerProcess:
+    def start(self, role: str, worker_id: str, gpus: list[int] | None = None) -> WorkerProcess:
+        """Start one worker; with `gpus`, pinned to exactly those (CUDA_VISIBLE_DEVICES), so
+        inside it they are cuda:0, cuda:1, ... in that order."""
         cmd = [sys.executable, "-m", "flexmarl.workers.main", "--role", role,
                "--connect", self.address, "--worker-id", worker_id,
                "--threads", str(self.threads)]
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   **self.extra_env)
+                   **self.extra_env, **pinning_env(gpus))
         log_path = None
         stdout = None
         if self.log_dir is not None:
@@ -103,6 +105,14 @@ class LocalWorkers:
         for wp in self.procs:
             if wp.proc.returncode is None:
                 wp.proc.wait(timeout=1.0)
+
+
+def pinning_env(gpus: list[int] | None) -> dict[str, str]:
+    """The environment that pins a process to `gpus`; None: no pinning (inherited as is)."""
+    if gpus is None:
+        return {}
+    # Bus order, so numbers mean what nvidia-smi shows, not CUDA's fastest-first order.
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def _signal(wp: WorkerProcess, sig: int) -> None:

@@ -230,8 +230,10 @@ class TrainingRun:
 
     def load_model_message(self, agent: str) -> protocol.LoadModel:
         """What starts an engine on `agent`'s model (at version 0, the model directory's weights)."""
+        cfg = self.cfg.agents[agent]  # max_model_len 0: the engine's device decides
         return protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
-                                  seed=self.cfg.run.seed, max_model_len=self.cfg.agents[agent].max_model_len or 64)
+                                  seed=self.cfg.run.seed, max_model_len=cfg.max_model_len,
+                                  engine=cfg.engine_settings())
 
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN

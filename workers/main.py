@@ -12,6 +12,7 @@ import sys
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
 
+from .precision import visible_devices
 from .session import CommandHandler, WorkerSession
 
 log = logging.getLogger("flexmarl.worker")
@@ -48,7 +49,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         handler = make_handler(args.role)
-        session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id)
+        devices, pinned = visible_devices()
+        session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id, devices=devices,
+                                visible_gpus=pinned)
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

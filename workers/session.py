@@ -77,7 +77,8 @@ class CommandHandler:
 
 class WorkerSession:
     def __init__(self, cfg: TransportConfig, address: str, handler: CommandHandler,
-                 worker_id: str = "", devices: list[str] = (), capacity: dict[str, float] = None) -> None:
+                 worker_id: str = "", devices: list[str] = (), capacity: dict[str, float] = None,
+                 visible_gpus: list[str] = ()) -> None:
         self.cfg = cfg
         self.address = address
         self.handler = handler
@@ -85,6 +86,7 @@ class WorkerSession:
         self.worker_id = worker_id or f"{handler.role}-{socket.gethostname()}-{os.getpid()}"
         self.devices = list(devices) or ["cpu"]
         self.capacity = capacity or {}
+        self.visible_gpus = list(visible_gpus)
         # Unique per connection so a restarted worker with the same id is a new peer.
         identity = f"{self.worker_id}/{uuid.uuid4().hex[:8]}".encode()
         self.sock = DealerSocket(cfg, identity)
@@ -134,7 +136,8 @@ class WorkerSession:
 
     async def _handshake(self) -> None:
         hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.worker_id, self.handler.role,
-                               socket.gethostname(), os.getpid(), self.devices, self.capacity)
+                               socket.gethostname(), os.getpid(), self.devices, self.capacity,
+                               self.visible_gpus)
         await self.send(hello)
         try:
             inbound = await asyncio.wait_for(self.sock.recv(), self.cfg.handshake_timeout_s)
