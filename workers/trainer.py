@@ -113,6 +113,9 @@ def _point_parameters_at(model: Any, tensors: dict[str, Any]) -> None:
 
 class TrainerHandler(CommandHandler):
     role = "trainer"
+    # What each micro-batch's loss is multiplied by before backward. 1 here; a trainer group
+    # whose gradient reduction averages over N ranks uses N, so the gradients are sums.
+    loss_scale = 1.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -188,7 +191,7 @@ class TrainerHandler(CommandHandler):
         with state.placement.autocast():
             loss, sums = policy_loss(state.model, msg.samples, msg.loss, off_policy=msg.max_staleness > 0,
                                      clip_ratio=msg.clip_ratio, reference=state.reference)
-        loss.backward()
+        (loss * self.loss_scale).backward()
         state.sums.add(sums)
         return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), int(sums.tokens),
                                        time.perf_counter() - t0)
@@ -283,6 +286,9 @@ class TrainerHandler(CommandHandler):
 
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
+        if msg.shards:
+            raise ValueError(f"the parked state of {msg.agent} is sharded over the {len(msg.shards) + 1} ranks of a "
+                             "trainer group; only a group of that size can load it")
         placement = TrainPlacement.resolve(msg.settings)
         config = AutoConfig.from_pretrained(msg.model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=placement.param_dtype)
