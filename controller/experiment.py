@@ -92,7 +92,8 @@ class Experiment:
         if self.spawn_workers:
             t = self.config.transport
             self.local = LocalWorkers(self.address, self.run_dir / "logs",
-                                      curve_dir=t.curve_dir, threads=cluster.threads_per_worker)
+                                      curve_dir=t.curve_dir, threads=cluster.threads_per_worker,
+                                      trainer_group_size=cluster.trainer_group_size)
             for role, n in counts.items():
                 for i in range(n):
                     self.local.start(role, f"{role}-{i}", gpus[role][i] if gpus[role] else None)

@@ -32,8 +32,10 @@ class WorkerProcess:
 
 class LocalWorkers:
     def __init__(self, address: str, log_dir: Path | None = None, *,
-                 curve_dir: str = "", threads: int = 1, extra_env: dict[str, str] | None = None) -> None:
+                 curve_dir: str = "", threads: int = 1, extra_env: dict[str, str] | None = None,
+                 trainer_group_size: int = 1) -> None:
         self.address = address
+        self.trainer_group_size = trainer_group_size
         self.log_dir = log_dir
         self.curve_dir = curve_dir
         self.threads = threads
@@ -48,6 +50,8 @@ class LocalWorkers:
                "--threads", str(self.threads)]
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]
+        if role == "trainer" and self.trainer_group_size > 1:
+            cmd += ["--group-size", str(self.trainer_group_size)]  # it starts its other ranks itself
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    **self.extra_env, **pinning_env(gpus))
         log_path = None

@@ -18,11 +18,14 @@ from .session import CommandHandler, WorkerSession
 log = logging.getLogger("flexmarl.worker")
 
 
-def make_handler(role: str) -> CommandHandler:
+def make_handler(role: str, group_size: int = 1, threads: int = 1) -> CommandHandler:
     # Imported lazily: a trainer never needs vLLM, and neither needs the other's deps.
     if role == "rollout":
         from .rollout import RolloutHandler
         return RolloutHandler()
+    if role == "trainer" and group_size > 1:
+        from .trainer_group import TrainerGroupHandler
+        return TrainerGroupHandler.start(group_size, threads)  # this process is rank 0
     if role == "trainer":
         from .trainer import TrainerHandler
         return TrainerHandler()
@@ -38,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for the controller's WELCOME (which sets the heartbeat)")
     parser.add_argument("--curve-dir", default="", help="CURVE keys (needed for non-loopback controllers)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="trainer only: processes that train each agent together (FSDP2), one GPU each; "
+                             "this process is rank 0 and starts the others")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -48,7 +54,8 @@ def run_worker(args: argparse.Namespace) -> int:
                           curve_dir=args.curve_dir)
 
     async def main() -> int:
-        handler = make_handler(args.role)
+        # Before the session: a trainer group's ranks must all have joined first.
+        handler = make_handler(args.role, args.group_size, args.threads)
         devices, pinned = visible_devices()
         session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id, devices=devices,
                                 visible_gpus=pinned)

@@ -21,6 +21,7 @@ rank executes it on its part of the state:
   parameter channel; rank 0 replies with its handle, the other ranks' in `shards`, and a
   later LOAD_AGENT hands rank r its own shard back. A state parked by a group of another
   size cannot be loaded (the shards would not line up) and is refused.
+- SAVE_CHECKPOINT: the full weights are gathered once; rank 0 writes them.
 
 Only rank 0 replies. After each command the ranks agree on whether all succeeded; a rank
 that failed is named in rank 0's error. Ranks 1..N-1 exit when rank 0 closes the group or
@@ -296,8 +297,25 @@ class TrainerGroupHandler(TrainerHandler):
         return protocol.StateReleased(msg.request_id, msg.agent)
 
     def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
-        raise NotImplementedError("checkpoints of a trainer group are not written yet; run with "
-                                  "cluster.trainer_group_size = 1 to save checkpoints")
+        """The full weights, gathered once, written by rank 0 as one Hugging Face model
+        (the same files a single trainer writes)."""
+        import shutil
+        from pathlib import Path
+
+        state = self._resident(msg.agent)
+        full = {k: v.detach().full_tensor().cpu() for k, v in state.model.state_dict().items()}
+        if self.rank != 0:
+            return None
+        path = Path(msg.path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        state.model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        for extra in Path(state.model_path).iterdir():  # tokenizer files travel with the weights
+            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(extra, tmp / extra.name)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version)
 
     COMMANDS = {
         protocol.InitAgent: _init_agent,

@@ -112,3 +112,16 @@ def test_states_parked_by_another_number_of_ranks_are_refused_and_the_group_keep
     train_step(group, "after", 1, sizes=(2,))
     single._execute(p.ReleaseState(8, "whole", whole.handle))
     group._execute(p.ReleaseState(9, "sharded", sharded.handle, sharded.shards))
+
+
+def test_a_groups_checkpoint_is_the_full_model_rank_0_gathered(group, model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    group._execute(p.InitAgent(1, "saved", str(model_dir), LR, 0))
+    train_step(group, "saved", 1, sizes=(3,))
+    out = group._execute(p.SaveCheckpoint(2, "saved", str(tmp_path / "ckpt")))
+    assert out.version == 1
+    saved = dict(AutoModelForCausalLM.from_pretrained(out.path, dtype=torch.float32).named_parameters())
+    published = weights(group, "saved", 1)
+    assert saved.keys() == published.keys()
+    assert all(torch.equal(saved[k], published[k]) for k in published)
