@@ -79,7 +79,6 @@ class TrainerGroupHandler(TrainerHandler):
         self.children: list[subprocess.Popen] = []
         self.control: Any = None  # the gloo group commands, handles and counts travel in
         self.mesh: Any = None
-        self.shard_parked: dict[str, Any] = {}  # rank 0's parked handle key -> this rank's parked shard
         # FSDP averages gradients over the ranks (gloo has no pre-scaled sum); the losses are
         # sums over samples and the step divides once, so each rank's loss is scaled by N.
         self.loss_scale = float(world)
@@ -125,7 +124,11 @@ class TrainerGroupHandler(TrainerHandler):
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=JOIN_TIMEOUT_S))
-        self.control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        # Commands travel on their own gloo group with no practical time limit: a rank may
+        # wait for the next command as long as the controller has no work for this trainer.
+        # A rank that dies breaks the connections at once; a lost rank 0 ends the others
+        # through their parent watch.
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(days=30))
         self.mesh = init_device_mesh(torch.device(self.device).type, (self.world,))
 
     # ---------------------------------------------------------------- relaying commands
@@ -267,8 +270,7 @@ class TrainerGroupHandler(TrainerHandler):
         if state.published is not None:
             self.channel().release(state.published)
         del self.agents[state.name]
-        self.parked[handles[0].key] = handle
-        self.shard_parked[handles[0].key] = handle
+        self.parked[handles[0].key] = handle  # every rank files its own shard under rank 0's key
         return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handles[0],
                                        sum(h.total_bytes for h in handles), time.perf_counter() - t0,
                                        handles[1:])
@@ -289,10 +291,9 @@ class TrainerGroupHandler(TrainerHandler):
         return protocol.AgentReady(msg.request_id, msg.agent, msg.version, sum(p.numel() for p in model.parameters()))
 
     def _release_state(self, msg: protocol.ReleaseState) -> protocol.StateReleased:
-        parked = self.shard_parked.pop(msg.handle.key, None)
+        parked = self.parked.pop(msg.handle.key, None)
         if parked is None:
             raise KeyError(f"no parked shard of {msg.agent} ({msg.handle.key}) on rank {self.rank}")
-        self.parked.pop(msg.handle.key, None)
         self.channel().release(parked)
         return protocol.StateReleased(msg.request_id, msg.agent)
 
@@ -417,8 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         handler.follow()
     finally:
-        handler.channel().close() if handler._channel is not None else None
-        dist.destroy_process_group()
+        handler.close()  # unlinks the shards this rank parked
 
 
 if __name__ == "__main__":
