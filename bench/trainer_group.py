@@ -30,6 +30,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from flexmarl.controller import digit_chain  # noqa: E402
 from flexmarl.runtime import protocol as p  # noqa: E402
@@ -86,8 +87,7 @@ def main() -> None:
     batches = job(args.steps, args.micro_batches, args.samples)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = models.build_model(spec, digit_chain.VOCAB, Path(tmp) / "model")
-        n_params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["load_file"])
-                       .load_file(next(Path(model_dir).glob("*.safetensors"))).values())
+        n_params = sum(t.numel() for t in load_file(next(Path(model_dir).glob("*.safetensors"))).values())
         results = {}
         for ranks in (1, args.ranks):
             handler = TrainerHandler() if ranks == 1 else TrainerGroupHandler.start(ranks)

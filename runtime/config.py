@@ -98,7 +98,7 @@ class AgentConfig:
     stop: list[str] = field(default_factory=list)  # generation ends at these strings (cut from sample.text)
     stop_token_ids: list[int] = field(default_factory=list)  # ... or at these tokens
     ignore_eos: bool = False  # true: always write max_tokens tokens (fixed-length outputs)
-    max_model_len: int = 0  # the engine's context length (prompt + output); 0: 64, or the model's if shorter
+    max_model_len: int = 0  # the engine's context length (prompt + output); 0: 64 on CPU, the model's own on CUDA
     # The loss (protocol.LossOptions says what each name means). Defaults: plain GRPO.
     loss_agg: LossAggregation = "seq_mean"  # "seq_mean" | "token_mean" | "constant"
     loss_constant: float = 0.0  # divisor of "constant" aggregation; 0 means max_tokens

@@ -201,7 +201,6 @@ class TrainerHandler(CommandHandler):
         """The agent's initial weights, frozen. Loaded from its model path rather than
         copied and parked with the state: the path's weights never change during a run,
         and a swap then moves no extra bytes."""
-        import torch
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=placement.param_dtype)

@@ -132,3 +132,22 @@ def test_a_trainer_step_runs_on_cuda_in_bfloat16(model_dir):
     published = h._execute(p.PublishWeights(4, "planner", 1, "shm"))
     assert published.version == 1
     h.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_rollout_engine_runs_on_cuda_in_bfloat16_within_its_memory_share(model_dir):
+    from flexmarl.workers.engine import VllmEngine
+
+    engine = VllmEngine(model_dir, max_model_len=0, settings=p.EngineSettings(gpu_memory_utilization=0.3))
+    try:
+        config = engine._engine.vllm_config
+        assert engine.device == "cuda:0" and config.model_config.dtype == torch.bfloat16
+        assert config.cache_config.gpu_memory_utilization == 0.3
+        engine.add("r", digit_chain.planner_prompt(digit_chain.make_query(random.Random(0))), 3, 1.0, 0)
+        done = []
+        while engine.has_unfinished():
+            done += engine.step()
+        assert len(done) == 1 and len(done[0].token_ids) >= 1
+    finally:
+        engine.close()
