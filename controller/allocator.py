@@ -26,7 +26,7 @@ import heapq
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from flexmarl.runtime import events as ev
@@ -49,6 +49,7 @@ class Parked:
     version: int
     accumulated: int
     nbytes: int
+    shards: list[ParamHandle] = field(default_factory=list)  # a trainer group's ranks 1..N-1, passed on likewise
 
 
 def choose_placement(agent: str, trainers: list[str], capacity: int, resident: dict[str, str],
@@ -223,7 +224,7 @@ class TrainerAllocator:
             try:
                 await self.server.call(trainer, protocol.LoadAgent(
                     self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
-                    parked.version, parked.accumulated, parked.handle))
+                    parked.version, parked.accumulated, parked.handle, cfg.trainer_settings(), parked.shards))
             except WorkerDied:
                 # Nothing was trained on a half-loaded state: the parked copy is still the
                 # owner, and acquire() places the agent on a trainer that is alive.
@@ -241,7 +242,8 @@ class TrainerAllocator:
             swapped = bool(parked.holder)
         else:
             reply, _ = await self.server.call(trainer, protocol.InitAgent(
-                self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, self.seed, cfg.max_grad_norm))
+                self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, self.seed, cfg.max_grad_norm,
+                cfg.trainer_settings()))
             why = f"initial placement ({reply.num_params / 1e6:.2f}M parameters)"
             swapped = False
         self.resident[agent] = trainer
@@ -255,7 +257,7 @@ class TrainerAllocator:
     async def _release_parked(self, agent: str, parked: Parked) -> None:
         try:
             await self.server.call(parked.holder, protocol.ReleaseState(
-                self.server.next_request_id(), agent, parked.handle))
+                self.server.next_request_id(), agent, parked.handle, parked.shards))
         except WorkerDied:
             log.warning("%s, which held the parked copy of %s, died after the copy was loaded; "
                         "the launcher removes its segments once it is reaped", parked.holder, agent)
@@ -271,7 +273,8 @@ class TrainerAllocator:
             if isinstance(exc, WorkerDied):
                 self.trainer_died(trainer)  # ... unless it died with its trainer
             raise
-        self.parked[agent] = Parked(trainer, reply.handle, reply.version, reply.accumulated, reply.nbytes)
+        self.parked[agent] = Parked(trainer, reply.handle, reply.version, reply.accumulated, reply.nbytes,
+                                    list(reply.shards))
         for listener in self.on_parked:  # parking released the agent's published weights
             listener(agent)
         self.emit(ev.AllocationChanged("trainer", agent, [], f"parked in {trainer}'s host memory "

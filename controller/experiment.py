@@ -120,13 +120,15 @@ class Experiment:
     async def _start_workers(self) -> None:
         cluster = self.config.cluster
         counts = {"rollout": cluster.rollout_workers, "trainer": cluster.trainer_workers}
+        gpus = {"rollout": cluster.rollout_gpus, "trainer": cluster.trainer_gpus}  # [] or one list per worker
         if self.spawn_workers:
             t = self.config.transport
             self.local = LocalWorkers(self.address, self.run_dir / "logs",
-                                      curve_dir=t.curve_dir, threads=cluster.threads_per_worker)
+                                      curve_dir=t.curve_dir, threads=cluster.threads_per_worker,
+                                      trainer_group_size=cluster.trainer_group_size)
             for role, n in counts.items():
                 for i in range(n):
-                    self.local.start(role, f"{role}-{i}")
+                    self.local.start(role, f"{role}-{i}", gpus[role][i] if gpus[role] else None)
         else:
             log.info("waiting for %s to connect to %s", counts, self.address)
         waiter = asyncio.create_task(self.server.wait_for_workers(counts, cluster.worker_start_timeout_s))

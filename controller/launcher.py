@@ -43,12 +43,15 @@ class WorkerProcess:
     role: str
     proc: subprocess.Popen
     log_path: Path | None
+    gpus: list[int] | None = None  # what it is pinned to; a restart pins it the same
 
 
 class LocalWorkers:
     def __init__(self, address: str, log_dir: Path | None = None, *,
-                 curve_dir: str = "", threads: int = 1, extra_env: dict[str, str] | None = None) -> None:
+                 curve_dir: str = "", threads: int = 1, extra_env: dict[str, str] | None = None,
+                 trainer_group_size: int = 1) -> None:
         self.address = address
+        self.trainer_group_size = trainer_group_size
         self.log_dir = log_dir
         self.curve_dir = curve_dir
         self.threads = threads
@@ -56,7 +59,9 @@ class LocalWorkers:
         self.procs: list[WorkerProcess] = []  # the current process of every worker id
         self.retired: list[WorkerProcess] = []  # earlier processes of restarted workers
 
-    def start(self, role: str, worker_id: str) -> WorkerProcess:
+    def start(self, role: str, worker_id: str, gpus: list[int] | None = None) -> WorkerProcess:
+        """Start one worker; with `gpus`, pinned to exactly those (CUDA_VISIBLE_DEVICES), so
+        inside it they are cuda:0, cuda:1, ... in that order."""
         # A worker started here never reconnects to a controller that went away: the
         # controller is its parent, and a new one starts workers of its own.
         cmd = [sys.executable, "-m", "flexmarl.workers.main", "--role", role,
@@ -64,8 +69,10 @@ class LocalWorkers:
                "--threads", str(self.threads), "--reconnect-timeout", "0"]
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]
+        if role == "trainer" and self.trainer_group_size > 1:
+            cmd += ["--group-size", str(self.trainer_group_size)]  # it starts its other ranks itself
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   **self.extra_env)
+                   **self.extra_env, **pinning_env(gpus))
         log_path = None
         stdout = None
         if self.log_dir is not None:
@@ -76,7 +83,7 @@ class LocalWorkers:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         if stdout is not None:
             stdout.close()
-        wp = WorkerProcess(worker_id, role, proc, log_path)
+        wp = WorkerProcess(worker_id, role, proc, log_path, gpus)
         self.procs.append(wp)
         log.info("started %s worker %s (pid %d)", role, worker_id, proc.pid)
         return wp
@@ -87,7 +94,7 @@ class LocalWorkers:
         if old.log_path is not None and old.log_path.exists():
             with open(old.log_path, "a") as fh:
                 fh.write(f"\n--- pid {old.proc.pid} exited with code {old.proc.returncode}; restarting ---\n")
-        new = self.start(old.role, old.worker_id)
+        new = self.start(old.role, old.worker_id, old.gpus)
         self.procs.remove(new)
         self.procs[self.procs.index(old)] = new
         self.retired.append(old)
@@ -144,6 +151,14 @@ class LocalWorkers:
         for wp in self.procs:
             if wp.proc.returncode is None:
                 wp.proc.wait(timeout=1.0)
+
+
+def pinning_env(gpus: list[int] | None) -> dict[str, str]:
+    """The environment that pins a process to `gpus`; None: no pinning (inherited as is)."""
+    if gpus is None:
+        return {}
+    # Bus order, so numbers mean what nvidia-smi shows, not CUDA's fastest-first order.
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def _signal(wp: WorkerProcess, sig: int) -> None:

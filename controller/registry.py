@@ -32,6 +32,7 @@ class WorkerInfo:
     last_seen: float
     alive: bool = True
     why_gone: str = ""
+    visible_gpus: list[str] = field(default_factory=list)  # the GPUs it was pinned to; empty: not pinned
     load: dict[str, float] = field(default_factory=dict)
 
 
@@ -61,7 +62,8 @@ class WorkerRegistry:
         if identity in self._by_identity:
             raise RegistrationRefused("this connection has already registered")
         info = WorkerInfo(hello.worker_id, identity, hello.role, hello.host, hello.pid,
-                          list(hello.devices), dict(hello.capacity), now, now)
+                          list(hello.devices), dict(hello.capacity), now, now,
+                          visible_gpus=list(hello.visible_gpus))
         self.workers[hello.worker_id] = info
         self._by_identity[identity] = hello.worker_id
         return info

@@ -283,9 +283,9 @@ class ControllerServer:
             return
         await self._send(info.identity, protocol.Welcome(
             protocol.PROTOCOL_VERSION, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_timeout_s))
-        log.info("worker %s joined: role=%s host=%s pid=%d devices=%s",
+        log.info("worker %s joined: role=%s host=%s pid=%d devices=%s gpus=%s",
                  info.worker_id, info.role, protocol.shorten(info.host, 100), info.pid,
-                 protocol.shorten(str(info.devices), 200))
+                 protocol.shorten(str(info.devices), 200), protocol.shorten(",".join(info.visible_gpus), 100) or "unpinned")
         for listener in self.on_joined:
             listener(info)
         self._changed.set()

@@ -263,11 +263,12 @@ class TrainingRun:
     def load_model_message(self, agent: str) -> protocol.LoadModel:
         """What starts an engine on `agent`'s model: the model directory's weights (version
         0), or after a resume the checkpoint's (its version); the weight sync brings it on."""
+        cfg = self.cfg.agents[agent]  # max_model_len 0: the engine's device decides
         path, version = self.model_path[agent], 0
         if self.resume is not None:
             path, version = str(self.resume.agent_dir(agent).resolve()), self.resume.step
-        return protocol.LoadModel(self.server.next_request_id(), agent, path, version,
-                                  seed=self.cfg.run.seed, max_model_len=self.cfg.agents[agent].max_model_len or 64)
+        return protocol.LoadModel(self.server.next_request_id(), agent, path, version, seed=self.cfg.run.seed,
+                                  max_model_len=cfg.max_model_len, engine=cfg.engine_settings())
 
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN

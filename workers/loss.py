@@ -162,10 +162,14 @@ def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protoc
             compared[i, start:start + len(s.output_ids)] = own
     # The sampler's logprobs are of logits / temperature; greedy (0) is scored unscaled.
     temperature = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in samples]).view(n, 1, 1)
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
+    # Built on the CPU, computed where the model is.
+    device = next(model.parameters()).device
+    ids, mask, out_mask, compared, rollout_lp, temperature, adv = (
+        t.to(device) for t in (ids, mask, out_mask, compared, rollout_lp, temperature, adv))
     targets = ids[:, 1:].unsqueeze(-1)
     log_probs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature, -1)
     logp = log_probs.gather(-1, targets).squeeze(-1)
-    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
     terms, clipped = rule(logp, rollout_lp, adv, clip_ratio)
     terms = terms * out_mask
     ref_kl = torch.zeros_like(logp)

@@ -12,16 +12,20 @@ import sys
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
 
+from .precision import visible_devices
 from .session import CommandHandler, WorkerSession
 
 log = logging.getLogger("flexmarl.worker")
 
 
-def make_handler(role: str) -> CommandHandler:
+def make_handler(role: str, group_size: int = 1, threads: int = 1) -> CommandHandler:
     # Imported lazily: a trainer never needs vLLM, and neither needs the other's deps.
     if role == "rollout":
         from .rollout import RolloutHandler
         return RolloutHandler()
+    if role == "trainer" and group_size > 1:
+        from .trainer_group import TrainerGroupHandler
+        return TrainerGroupHandler.start(group_size, threads)  # this process is rank 0
     if role == "trainer":
         from .trainer import TrainerHandler
         return TrainerHandler()
@@ -40,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(it may be restarted on the same address); 0: exit at once")
     parser.add_argument("--curve-dir", default="", help="CURVE keys (needed for non-loopback controllers)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="trainer only: processes that train each agent together (FSDP2), one GPU each; "
+                             "this process is rank 0 and starts the others")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -50,9 +57,12 @@ def run_worker(args: argparse.Namespace) -> int:
                           reconnect_timeout_s=args.reconnect_timeout, curve_dir=args.curve_dir)
 
     async def main() -> int:
-        handler = make_handler(args.role)
-        session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id,
-                                new_handler=lambda: make_handler(args.role))
+        # Before the session: a trainer group's ranks must all have joined first.
+        handler = make_handler(args.role, args.group_size, args.threads)
+        devices, pinned = visible_devices()
+        session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id, devices=devices,
+                                visible_gpus=pinned,
+                                new_handler=lambda: make_handler(args.role, args.group_size, args.threads))
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -132,7 +132,8 @@ class RolloutHandler(CommandHandler):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        self.engine = VllmEngine(msg.model_path, seed=msg.seed, max_model_len=msg.max_model_len)
+        self.engine = VllmEngine(msg.model_path, seed=msg.seed, max_model_len=msg.max_model_len,
+                                 settings=msg.engine)
         self.agent, self.version = msg.agent, msg.version
         log.info("serving %s version %d from %s", msg.agent, msg.version, msg.model_path)
 

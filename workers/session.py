@@ -93,7 +93,7 @@ class CommandHandler:
 class WorkerSession:
     def __init__(self, cfg: TransportConfig, address: str, handler: CommandHandler,
                  worker_id: str = "", devices: list[str] = (), capacity: dict[str, float] = None,
-                 new_handler: Callable[[], CommandHandler] | None = None) -> None:
+                 new_handler: Callable[[], CommandHandler] | None = None, visible_gpus: list[str] = ()) -> None:
         self.cfg = cfg
         self.address = address
         self.handler = handler
@@ -103,6 +103,7 @@ class WorkerSession:
         self.worker_id = worker_id or f"{handler.role}-{socket.gethostname()}-{os.getpid()}"
         self.devices = list(devices) or ["cpu"]
         self.capacity = capacity or {}
+        self.visible_gpus = list(visible_gpus)
         self.sock = self._new_socket()
         # The controller's, from WELCOME: both ends must agree on when a peer is dead.
         self.heartbeat_interval_s = 0.0
@@ -202,7 +203,8 @@ class WorkerSession:
 
     async def _send_hello(self) -> None:
         await self.send(protocol.Hello(protocol.PROTOCOL_VERSION, self.worker_id, self.handler.role,
-                                       socket.gethostname(), os.getpid(), self.devices, self.capacity))
+                                       socket.gethostname(), os.getpid(), self.devices, self.capacity,
+                                       self.visible_gpus))
 
     async def _await_welcome(self) -> None:
         try:

@@ -32,6 +32,7 @@ from typing import Any
 from flexmarl.runtime import protocol
 
 from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
+from .precision import TrainPlacement
 from .session import CommandHandler
 
 log = logging.getLogger("flexmarl.trainer")
@@ -51,6 +52,8 @@ class AgentState:
     # The frozen initial weights a KL penalty pulls towards. Never parked: they are the
     # model at `model_path`, rebuilt from there on first use after the agent moves.
     reference: Any = None
+    # Device and number formats (precision.py); the default is float32 on the CPU.
+    placement: TrainPlacement = field(default_factory=lambda: TrainPlacement.resolve(protocol.TrainerSettings(), "cpu"))
 
     @property
     def accumulated(self) -> int:
@@ -111,6 +114,9 @@ def _point_parameters_at(model: Any, tensors: dict[str, Any]) -> None:
 
 class TrainerHandler(CommandHandler):
     role = "trainer"
+    # What each micro-batch's loss is multiplied by before backward. 1 here; a trainer group
+    # whose gradient reduction averages over N ranks uses N, so the gradients are sums.
+    loss_scale = 1.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -159,13 +165,16 @@ class TrainerHandler(CommandHandler):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(msg.seed)
-        model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=torch.float32)
-        model.train()
+        placement = TrainPlacement.resolve(msg.settings)
+        model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
         # Dropout-free tiny models: train() vs eval() only matters for dropout layers.
+        placement.prepare(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
-        self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm)
+        self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm,
+                                            placement=placement)
         n = sum(p.numel() for p in model.parameters())
-        log.info("agent %s resident: %d parameters from %s", msg.agent, n, msg.model_path)
+        log.info("agent %s resident: %d parameters from %s on %s (%s weights, %s compute)", msg.agent, n,
+                 msg.model_path, placement.device, placement.param_dtype, placement.compute_dtype)
         return protocol.AgentReady(msg.request_id, msg.agent, 0, n)
 
     def _train(self, msg: protocol.TrainMicroBatch) -> protocol.MicroBatchDone:
@@ -179,24 +188,24 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
         if msg.loss.kl_coef > 0 and state.reference is None:
-            state.reference = self._reference_model(state.model_path)
-        loss, sums = policy_loss(state.model, msg.samples, msg.loss, off_policy=msg.max_staleness > 0,
-                                 clip_ratio=msg.clip_ratio, reference=state.reference)
-        loss.backward()
+            state.reference = self._reference_model(state.model_path, state.placement)
+        with state.placement.autocast():
+            loss, sums = policy_loss(state.model, msg.samples, msg.loss, off_policy=msg.max_staleness > 0,
+                                     clip_ratio=msg.clip_ratio, reference=state.reference)
+        (loss * self.loss_scale).backward()
         state.sums.add(sums)
         return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), int(sums.tokens),
                                        time.perf_counter() - t0)
 
     @staticmethod
-    def _reference_model(model_path: str) -> Any:
+    def _reference_model(model_path: str, placement: TrainPlacement) -> Any:
         """The agent's initial weights, frozen. Loaded from its model path rather than
         copied and parked with the state: the path's weights never change during a run,
         and a swap then moves no extra bytes."""
-        import torch
         from transformers import AutoModelForCausalLM
 
-        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        return reference.eval().requires_grad_(False)
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=placement.param_dtype)
+        return reference.to(placement.device).eval().requires_grad_(False)
 
     def _step(self, msg: protocol.OptimStep) -> protocol.StepDone:
         import torch
@@ -234,7 +243,8 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
         # The parameters (a tied head is sent once, as the embedding; receivers know the tie).
         source = {k: v.detach() for k, v in state.model.named_parameters()}
-        if msg.transport == "shm":
+        # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
+        if msg.transport == "shm" and state.placement.device.type == "cpu":
             if state.bucket is None:
                 # From now on the parameters live in shared memory and a publish copies nothing.
                 state.bucket = self.channel().shared_bucket(source)
@@ -276,8 +286,12 @@ class TrainerHandler(CommandHandler):
 
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
+        if msg.shards:
+            raise ValueError(f"the parked state of {msg.agent} is sharded over the {len(msg.shards) + 1} ranks of a "
+                             "trainer group; only a group of that size can load it")
+        placement = TrainPlacement.resolve(msg.settings)
         config = AutoConfig.from_pretrained(msg.model_path)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=placement.param_dtype)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped, so this trainer and the parked copy stay as they were.
@@ -285,9 +299,10 @@ class TrainerHandler(CommandHandler):
         if int(sums.samples) != msg.accumulated:
             raise ValueError(f"parked state of {msg.agent} holds gradients of {int(sums.samples)} samples, "
                              f"the controller says {msg.accumulated}; not loaded")
-        model.train()
+        placement.prepare(model)  # received in host memory; now onto the device
+        placement.move_state(optimizer)
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
-                                            msg.max_grad_norm, sums)
+                                            msg.max_grad_norm, sums, placement=placement)
         return protocol.AgentReady(msg.request_id, msg.agent, msg.version,
                                    sum(p.numel() for p in model.parameters()))
 

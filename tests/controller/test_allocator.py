@@ -67,6 +67,7 @@ class FakeTrainers:
         import itertools
 
         self.die, self.calls, self._ids = set(die), [], itertools.count(1)
+        self.messages = []  # (trainer, message), every call
 
     def next_request_id(self):
         return next(self._ids)
@@ -77,21 +78,22 @@ class FakeTrainers:
 
         name = type(msg).__name__
         self.calls.append((worker, name, getattr(msg, "handle", None)))
+        self.messages.append((worker, msg))
         if (worker, name) in self.die:
             raise WorkerDied(worker, "killed")
         if isinstance(msg, p.OffloadAgent):
-            return p.AgentOffloaded(msg.request_id, msg.agent, 3, 0, f"parked-{msg.agent}".encode(), 100, 0.0), []
+            return p.AgentOffloaded(msg.request_id, msg.agent, 3, 0, f"parked-{msg.agent}".encode(), 100, 0.0,
+                                    [f"shard-{msg.agent}-{r}".encode() for r in (1, 2)]), []
         if isinstance(msg, p.ReleaseState):
             return p.StateReleased(msg.request_id, msg.agent), []
         return p.AgentReady(msg.request_id, msg.agent, getattr(msg, "version", 0), 10), []
 
 
 def make_allocator(server, trainers, capacity=1):
-    from types import SimpleNamespace
-
     from flexmarl.controller.allocator import TrainerAllocator
+    from flexmarl.runtime.config import AgentConfig
 
-    cfg = {a: SimpleNamespace(lr=1e-3, max_grad_norm=1.0) for a in ("a", "b", "c")}
+    cfg = {a: AgentConfig(lr=1e-3, max_grad_norm=1.0) for a in ("a", "b", "c")}
     events = []
     alloc = TrainerAllocator(server, trainers, capacity, cfg, {a: f"/models/{a}" for a in cfg}, 0,
                              lambda a: 0, events.append)
@@ -197,3 +199,24 @@ async def test_a_trainer_back_in_the_pool_is_placed_on_again():
     alloc.trainer_joined("t1")  # a second notice changes nothing
     assert alloc.trainers == ["t0", "t1"]
     assert {await place(alloc, "a"), await place(alloc, "b")} == {"t0", "t1"}  # one slot each
+
+
+async def test_agents_are_placed_with_their_precision_and_a_groups_shards_travel_with_the_swap():
+    from flexmarl.runtime import protocol as p
+
+    server = FakeTrainers()
+    alloc, _ = make_allocator(server, ["t0"])
+    alloc.agent_config["b"].dtype, alloc.agent_config["b"].activation_checkpointing = "bfloat16", True
+    await place(alloc, "a")
+    alloc.last_used.update(a=1.0)
+    await place(alloc, "b")  # a is parked off t0 (its group's three shards), b initialised there
+    await place(alloc, "a")  # and a comes back
+    by_type = {}
+    for _, msg in server.messages:
+        by_type.setdefault(type(msg).__name__, []).append(msg)
+    init_b = next(m for m in by_type["InitAgent"] if m.agent == "b")
+    assert init_b.settings == p.TrainerSettings("bfloat16", "mixed", True)
+    (load_a,) = by_type["LoadAgent"]
+    assert load_a.settings == p.TrainerSettings() and load_a.shards == [b"shard-a-1", b"shard-a-2"]
+    release_a = next(m for m in by_type["ReleaseState"] if m.agent == "a")
+    assert release_a.handle == b"parked-a" and release_a.shards == [b"shard-a-1", b"shard-a-2"]

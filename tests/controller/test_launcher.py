@@ -1,10 +1,12 @@
-"""The restart policy and the restarter over fake processes and a fake clock."""
+"""The local launcher: the restart policy and the restarter over fake processes and a fake
+clock; GPU pinning and trainer groups with a stand-in for the process it would start."""
 
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from flexmarl.controller import launcher
 from flexmarl.controller.launcher import LocalWorkers, RestartPolicy, WorkerFailed, WorkerProcess, WorkerRestarter
 
 
@@ -105,7 +107,7 @@ def test_a_restarted_process_takes_the_old_ones_place_and_appends_to_its_log(tmp
     workers.procs.append(old)
     started = []
 
-    def start(role, worker_id):  # in place of spawning a process
+    def start(role, worker_id, gpus=None):  # in place of spawning a process
         started.append((role, worker_id))
         workers.procs.append(WorkerProcess(worker_id, role, FakeProc(4343), tmp_path / f"{worker_id}.log"))
         return workers.procs[-1]
@@ -116,3 +118,41 @@ def test_a_restarted_process_takes_the_old_ones_place_and_appends_to_its_log(tmp
     assert workers.procs == [new] and workers.retired == [old] and workers.pids() == [4343, 4242]
     assert old.log_path.read_text().startswith("first life\n")
     assert "pid 4242 exited with code -9; restarting" in workers.log_tail(new)
+
+
+# --- pinning, with a stand-in for the process it would start -----------------------------
+
+
+class FakePopen:
+    started = []
+
+    def __init__(self, cmd, env, **kwargs):
+        self.cmd, self.env, self.pid = cmd, env, 4242
+        FakePopen.started.append(self)
+
+    def poll(self):
+        return 0
+
+
+def test_each_started_worker_is_pinned_to_its_own_gpus(monkeypatch):
+    monkeypatch.setattr(launcher.subprocess, "Popen", FakePopen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # what the launcher itself sees
+    FakePopen.started.clear()
+    workers = LocalWorkers("tcp://127.0.0.1:1")
+    workers.start("rollout", "rollout-0", [1])
+    workers.start("trainer", "trainer-0", [2, 3])
+    workers.start("rollout", "rollout-1")  # no list: left as the environment has it
+    envs = [proc.env for proc in FakePopen.started]
+    assert envs[0]["CUDA_VISIBLE_DEVICES"] == "1" and envs[1]["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert envs[0]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # numbers as nvidia-smi shows them
+    assert envs[2]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_a_trainer_is_started_as_rank_0_of_a_group_of_the_configured_size(monkeypatch):
+    monkeypatch.setattr(launcher.subprocess, "Popen", FakePopen)
+    FakePopen.started.clear()
+    workers = LocalWorkers("tcp://127.0.0.1:1", trainer_group_size=2)
+    workers.start("trainer", "trainer-0", [2, 3])
+    workers.start("rollout", "rollout-0", [0])
+    trainer, rollout = (proc.cmd for proc in FakePopen.started)
+    assert trainer[trainer.index("--group-size") + 1] == "2" and "--group-size" not in rollout

@@ -90,6 +90,21 @@ async def test_worker_registers_and_answers_commands():
         assert info.alive and info.role == "trainer" and info.devices == ["cpu"]
 
 
+async def test_hello_reports_the_workers_devices_and_pinned_gpus_and_the_registry_keeps_them():
+    async with controller() as server:
+        session = WorkerSession(CFG, server.address, EchoHandler(), worker_id="pinned",
+                                devices=["cuda:0", "cuda:1"], visible_gpus=["2", "3"])
+        task = asyncio.create_task(session.run())
+        try:
+            await server.wait_for_workers({"trainer": 1}, PATIENCE)
+            await echo(server, "pinned")  # the session is past its handshake: cancelling it is clean
+            info = server.registry.workers["pinned"]
+            assert info.devices == ["cuda:0", "cuda:1"] and info.visible_gpus == ["2", "3"]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 BAD_INPUTS = {
     "garbage frames": [b"\x00\x01\x02"],
     "unknown kind": [bytes([250]), b"\x90"],

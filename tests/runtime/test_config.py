@@ -1,5 +1,6 @@
 import pytest
 
+from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import ConfigError, dump_toml, load_config
 
 
@@ -74,3 +75,37 @@ def test_restart_and_reconnect_settings_have_defaults_and_refuse_negative_values
         load_config(None, ["cluster.max_restarts=-1"])
     with pytest.raises(ConfigError, match="transport.reconnect_timeout_s"):
         load_config(None, ["transport.reconnect_timeout_s=-5"])
+
+
+def test_device_and_precision_settings_reach_the_engine_and_trainer_messages():
+    cfg = load_config(None, ["agents.a.dtype=float16", "agents.a.gpu_memory_utilization=0.4",
+                             "agents.a.tensor_parallel_size=2", "agents.a.train_precision=pure",
+                             "agents.a.activation_checkpointing=true", "cluster.rollout_gpus=[[0,1],[2,3],[4,5]]"])
+    agent = cfg.agents["a"]
+    assert agent.engine_settings() == p.EngineSettings("float16", 0.4, 2)
+    assert agent.trainer_settings() == p.TrainerSettings("float16", "pure", True)
+    default = load_config(None, ["agents.b.model=m"]).agents["b"]
+    assert default.engine_settings() == p.EngineSettings("auto", 0.9, 1)  # auto: bf16 on CUDA, fp32 on CPU
+    assert default.trainer_settings() == p.TrainerSettings("auto", "mixed", False)
+    with pytest.raises(ConfigError, match=r"agents.a.dtype: expected one of 'auto', 'bfloat16'"):
+        load_config(None, ["agents.a.dtype=bf16"])
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+        load_config(None, ["agents.a.gpu_memory_utilization=1.5"])
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["cluster.rollout_gpus=[[0],[1]]"], "2 GPU lists for 3 workers"),
+    (["cluster.trainer_gpus=[[0,0]]"], r"trainer_gpus\[0\] = \[0, 0\]: GPU numbers must be >= 0 and distinct"),
+    (["cluster.trainer_group_size=2", "cluster.trainer_gpus=[[3]]"], "needs 2 .cluster.trainer_group_size"),
+    (["agents.a.tensor_parallel_size=2", "cluster.rollout_gpus=[[0],[1,2],[3,4]]"], r"rollout_gpus\[0\].*at least 2"),
+    (["cluster.trainer_group_size=0"], "trainer_group_size must be >= 1"),
+])
+def test_gpu_lists_that_do_not_fit_their_workers_are_refused_with_the_reason(overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, overrides)
+
+
+def test_gpu_lists_that_fit_are_kept_by_worker():
+    cfg = load_config(None, ["cluster.rollout_gpus=[[0],[1],[2]]", "cluster.trainer_group_size=2",
+                             "cluster.trainer_gpus=[[4,5]]"])
+    assert cfg.cluster.rollout_gpus == [[0], [1], [2]] and cfg.cluster.trainer_gpus == [[4, 5]]

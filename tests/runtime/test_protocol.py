@@ -41,7 +41,21 @@ EXAMPLES = [
     p.LoadAgent(11, "solver", "/tmp/m", 1e-3, 1.0, 3, 0, HANDLE),
     p.ReleaseState(12, "solver", HANDLE),
     p.StateReleased(12, "solver"),
+    # device and precision settings, a trainer group's shards, pinned GPUs
+    p.Hello(p.PROTOCOL_VERSION, "t1", "trainer", "host", 124, ["cuda:0", "cuda:1"], {}, ["2", "3"]),
+    p.LoadModel(13, "planner", "/tmp/m", 0, 1, 0, p.EngineSettings("bfloat16", 0.5, 2)),
+    p.InitAgent(14, "checker", "/tmp/c", 1e-3, 0, 1.0, p.TrainerSettings("bfloat16", "pure", True)),
+    p.AgentOffloaded(15, "solver", 3, 0, HANDLE, 1000, 0.01, [HANDLE, HANDLE]),
+    p.LoadAgent(16, "solver", "/tmp/m", 1e-3, 1.0, 3, 0, HANDLE, p.TrainerSettings(), [HANDLE]),
+    p.ReleaseState(17, "solver", HANDLE, [HANDLE]),
 ]
+
+
+def test_a_settings_value_outside_its_options_is_a_bad_body():
+    frames = p.encode(p.LoadModel(1, "a", "/m", 0))
+    bad = frames[1].replace(b"auto", b"fp8!")
+    with pytest.raises(p.ProtocolError, match="bad LOAD_MODEL body"):
+        p.decode([frames[0], bad])
 
 
 def test_examples_cover_every_message_kind():

@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from flexmarl.controller import digit_chain  # noqa: E402
+from flexmarl.runtime import protocol as p  # noqa: E402
 from flexmarl.runtime.model_specs import TinyModelSpec, WarmupSchedule  # noqa: E402
 from flexmarl.workers import models  # noqa: E402
 
@@ -46,9 +47,17 @@ def reference(model_dir):
 def engine(model_dir):
     from flexmarl.workers.engine import VllmEngine
 
-    engine = VllmEngine(model_dir, seed=0, max_model_len=64)
+    # The settings a CPU rollout worker gets by default: "auto" dtype, the device's length.
+    engine = VllmEngine(model_dir, seed=0, max_model_len=0, settings=p.EngineSettings())
     yield engine
     engine.close()
+
+
+def test_default_settings_on_the_cpu_run_float32_with_a_64_token_context(engine):
+    config = engine._engine.vllm_config
+    assert engine.device == "cpu" and config.model_config.dtype == torch.float32
+    assert engine.max_model_len == 64
+    assert config.cache_config.kv_cache_memory_bytes == 256 * 2**20
 
 
 def run(engine, requests, temperature=1.0) -> dict:

@@ -149,3 +149,19 @@ async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path)
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
         handler.close()
+
+
+def test_load_model_hands_the_agents_engine_settings_to_the_engine(monkeypatch):
+    from flexmarl.workers import engine as engine_module
+
+    built = []
+
+    class RecordingEngine:
+        def __init__(self, model_path, **kwargs):
+            built.append((model_path, kwargs))
+
+    monkeypatch.setattr(engine_module, "VllmEngine", RecordingEngine)
+    settings = p.EngineSettings("bfloat16", 0.5, 2)
+    RolloutHandler()._load_model(p.LoadModel(1, "solver", "/models/solver", 0, seed=3, max_model_len=0,
+                                             engine=settings))
+    assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings})]

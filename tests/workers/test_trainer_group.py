@@ -1,0 +1,127 @@
+"""A trainer group of two ranks (FSDP2 over gloo, on the CPU) against one trainer process on
+the same samples: the same update within round-off, its state parked and restored shard by
+shard, and states of the wrong shape refused. Rank 0 runs in the test process; rank 1 is
+the process it starts."""
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flexmarl.controller import digit_chain
+from flexmarl.runtime import protocol as p
+from flexmarl.runtime.param_channel import ParamChannel
+from flexmarl.workers import models
+from flexmarl.workers.trainer import TrainerHandler
+from flexmarl.workers.trainer_group import TrainerGroupHandler
+
+LR = 1e-2
+ROUND_OFF = 1e-6  # of losses: float32 sums in another order
+# Of weights after Adam steps: Adam divides each gradient element by its own running
+# magnitude, so the round-off of a tiny element shows in its update at the scale of the
+# learning rate. A real difference (a sample lost or counted twice) moves weights by ~LR.
+WEIGHT_ROUND_OFF = 1e-2 * LR
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return models.build_model(digit_chain.AGENTS["planner"], digit_chain.VOCAB,
+                              tmp_path_factory.mktemp("planner"))
+
+
+@pytest.fixture(scope="module")
+def group():
+    torch.set_num_threads(1)
+    handler = TrainerGroupHandler.start(world=2)
+    yield handler
+    handler.close()
+    assert all(child.poll() is not None for child in handler.children) and not handler.children
+
+
+@pytest.fixture()
+def single():
+    handler = TrainerHandler()
+    yield handler
+    handler.close()
+
+
+def batch(seed, n, version):
+    rng = random.Random(seed)
+    return [p.TrainSample(f"s{seed}-{i}", digit_chain.planner_prompt(digit_chain.make_query(rng)),
+                          digit_chain.make_query(rng), rng.uniform(-1, 1), [], [version - 1]) for i in range(n)]
+
+
+def train_step(h, agent, version, sizes=(5, 2, 1)):
+    """One global batch in micro-batches of `sizes` (1: rank 1 has no sample of its own)."""
+    replies = [h._execute(p.TrainMicroBatch(2, agent, version, batch(100 * version + i, n, version)))
+               for i, n in enumerate(sizes)]
+    return replies, h._execute(p.OptimStep(3, agent, version, samples=sum(sizes)))
+
+
+def weights(h, agent, version):
+    out = h._execute(p.PublishWeights(4, agent, version, "shm"))
+    with ParamChannel() as channel:
+        return {k: v.clone() for k, v in channel.receive(out.handle).items()}
+
+
+def test_a_two_rank_group_makes_the_same_update_as_one_trainer_on_the_same_samples(group, single, model_dir):
+    for h in (group, single):
+        h._execute(p.InitAgent(1, "same", str(model_dir), LR, 0))
+    for version in (1, 2):
+        got, want = train_step(group, "same", version), train_step(single, "same", version)
+        for g, w in zip(got[0], want[0]):
+            assert g.tokens == w.tokens and g.loss == pytest.approx(w.loss, abs=ROUND_OFF)
+        assert got[1].stats.samples == want[1].stats.samples == 8
+        assert got[1].grad_norm == pytest.approx(want[1].grad_norm, rel=1e-5)
+    grouped, alone = weights(group, "same", 2), weights(single, "same", 2)
+    assert grouped.keys() == alone.keys()
+    assert max((grouped[k] - alone[k]).abs().max().item() for k in alone) < WEIGHT_ROUND_OFF
+    initial = load_file(next(model_dir.glob("*.safetensors")))
+    assert all(not torch.equal(alone[k], initial[k]) for k in alone)  # and it did train
+
+
+def test_a_group_parks_each_ranks_shard_and_trains_on_identically_after_restoring_it(group, single, model_dir):
+    for h in (group, single):
+        h._execute(p.InitAgent(1, "swapped", str(model_dir), LR, 0))
+        train_step(h, "swapped", 1)
+        h._execute(p.TrainMicroBatch(2, "swapped", 2, batch(7, 3, 2)))  # gradients pending across the swap
+    parked = group._execute(p.OffloadAgent(5, "swapped"))
+    assert "swapped" not in group.agents and len(parked.shards) == 1 and parked.accumulated == 3
+    group._execute(p.LoadAgent(6, "swapped", str(model_dir), LR, 1.0, parked.version, parked.accumulated,
+                               parked.handle, p.TrainerSettings(), parked.shards))
+    group._execute(p.ReleaseState(7, "swapped", parked.handle, parked.shards))
+    for h in (group, single):
+        h._execute(p.TrainMicroBatch(8, "swapped", 2, batch(8, 5, 2)))
+        h._execute(p.OptimStep(9, "swapped", 2, samples=8))  # Adam's moments came back too
+    grouped, alone = weights(group, "swapped", 2), weights(single, "swapped", 2)
+    assert max((grouped[k] - alone[k]).abs().max().item() for k in alone) < WEIGHT_ROUND_OFF
+
+
+def test_states_parked_by_another_number_of_ranks_are_refused_and_the_group_keeps_working(group, single, model_dir):
+    single._execute(p.InitAgent(1, "whole", str(model_dir), LR, 0))
+    whole = single._execute(p.OffloadAgent(2, "whole"))
+    with pytest.raises(ValueError, match="1 shards and this trainer group has 2 ranks"):
+        group._execute(p.LoadAgent(3, "whole", str(model_dir), LR, 1.0, whole.version, 0, whole.handle))
+    group._execute(p.InitAgent(4, "sharded", str(model_dir), LR, 0))
+    sharded = group._execute(p.OffloadAgent(5, "sharded"))
+    with pytest.raises(ValueError, match="sharded over the 2 ranks"):
+        single._execute(p.LoadAgent(6, "sharded", str(model_dir), LR, 1.0, 0, 0, sharded.handle,
+                                    p.TrainerSettings(), sharded.shards))
+    group._execute(p.InitAgent(7, "after", str(model_dir), LR, 0))  # the ranks are still in step
+    train_step(group, "after", 1, sizes=(2,))
+    single._execute(p.ReleaseState(8, "whole", whole.handle))
+    group._execute(p.ReleaseState(9, "sharded", sharded.handle, sharded.shards))
+
+
+def test_a_groups_checkpoint_is_the_full_model_rank_0_gathered(group, model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    group._execute(p.InitAgent(1, "saved", str(model_dir), LR, 0))
+    train_step(group, "saved", 1, sizes=(3,))
+    out = group._execute(p.SaveCheckpoint(2, "saved", str(tmp_path / "ckpt")))
+    assert out.version == 1
+    saved = dict(AutoModelForCausalLM.from_pretrained(out.path, dtype=torch.float32).named_parameters())
+    published = weights(group, "saved", 1)
+    assert saved.keys() == published.keys()
+    assert all(torch.equal(saved[k], published[k]) for k in published)

@@ -1,0 +1,155 @@
+"""Where a worker computes and in what number format.
+
+A worker learns its device from its own process: CUDA when torch sees a GPU (the launcher
+pins each worker with CUDA_VISIBLE_DEVICES, so its first GPU is always `cuda:0`), else the
+CPU. The controller sends per-agent settings (`protocol.EngineSettings`,
+`protocol.TrainerSettings`) with "auto" left for the worker to resolve here:
+bfloat16 on CUDA, float32 on CPU.
+
+- `engine_args`: the device-dependent keyword arguments of `vllm.LLM`, one entry per
+  device type in ENGINE_ARGS.
+- `TrainPlacement`: a trainer's device, the dtype its weights are stored in, the dtype it
+  computes in, and the autocast that bridges the two ("mixed": float32 weights and optimizer
+  state, bfloat16 forward/backward; "pure": everything in the dtype).
+
+It knows torch and the settings structs; nothing of agents, commands or the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from flexmarl.runtime.protocol import EngineSettings, TrainerSettings
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}  # by device type
+
+# Tiny models on CPU: a fixed context and KV cache. vLLM's CPU default claims a share of
+# all host memory, far more than these models need, and 64 tokens fit every built-in task.
+CPU_MAX_MODEL_LEN = 64
+
+
+def worker_device() -> str:
+    """This process's compute device: its first visible GPU, or the CPU."""
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def visible_devices() -> tuple[list[str], list[str]]:
+    """What a worker reports in HELLO: the torch devices it can compute on, and the GPUs it
+    was pinned to (its CUDA_VISIBLE_DEVICES entries; empty when it was not pinned)."""
+    pinned = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())], pinned
+    return ["cpu"], pinned
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """A concrete dtype name for `device`: "auto" becomes bfloat16 on CUDA, float32 on CPU."""
+    kind = torch.device(device).type
+    if dtype == "auto":
+        return AUTO_DTYPE.get(kind, "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    return dtype
+
+
+# ---------------------------------------------------------------- rollout engines
+
+
+def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
+    if settings.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size {settings.tensor_parallel_size} needs CUDA GPUs; "
+                         "this worker has none (set it to 1 for CPU rollout workers)")
+    length = max_model_len or CPU_MAX_MODEL_LEN
+    return dict(
+        dtype=resolve_dtype(settings.dtype, "cpu"),
+        max_model_len=length,
+        # Explicit bytes: without them the CPU backend claims a fraction of all host
+        # memory (or VLLM_CPU_KVCACHE_SPACE GiB), far more than tiny models need.
+        kv_cache_memory_bytes=kv_cache_bytes,
+        # Never split a prompt across steps: on CPU, seeded sampling of a request whose
+        # prefill was chunked fails ("CPU Generator does not use offset"). A whole round
+        # of requests fits one step's token budget at these sizes.
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(16384, length),
+        distributed_executor_backend="uni",
+    )
+
+
+def _cuda_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
+    tp = settings.tensor_parallel_size
+    return dict(
+        dtype=resolve_dtype(settings.dtype, "cuda"),
+        max_model_len=max_model_len or None,  # None: the model's own context length
+        # The KV cache takes what the share leaves after the weights: vLLM sizes it.
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=tp,
+        # One GPU: the engine in this process; several: vLLM starts one process per GPU.
+        distributed_executor_backend="uni" if tp == 1 else "mp",
+    )
+
+
+ENGINE_ARGS: dict[str, Callable[[EngineSettings, int, int], dict[str, Any]]] = {
+    "cpu": _cpu_engine_args,
+    "cuda": _cuda_engine_args,
+}
+
+
+def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
+    """The device-dependent arguments of `vllm.LLM` for an engine on `device`."""
+    kind = torch.device(device).type
+    if kind not in ENGINE_ARGS:
+        raise ValueError(f"no rollout engine settings for device {device!r} (known: {', '.join(ENGINE_ARGS)})")
+    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes)
+
+
+# ---------------------------------------------------------------- trainers
+
+
+@dataclass(frozen=True)
+class TrainPlacement:
+    device: torch.device
+    compute_dtype: torch.dtype  # what forward and backward run in
+    param_dtype: torch.dtype  # what weights, gradients and optimizer state are stored in
+    activation_checkpointing: bool = False
+
+    @classmethod
+    def resolve(cls, settings: TrainerSettings, device: str | None = None) -> TrainPlacement:
+        device = device or worker_device()
+        compute = DTYPES[resolve_dtype(settings.dtype, device)]
+        stored = torch.float32 if settings.precision == "mixed" else compute
+        return cls(torch.device(device), compute, stored, settings.activation_checkpointing)
+
+    @property
+    def autocasts(self) -> bool:
+        return self.compute_dtype != self.param_dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context the forward pass (and the loss) runs in: lower-precision matmuls
+        over float32 master weights when mixed, nothing otherwise."""
+        if not self.autocasts:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def prepare(self, model: Any) -> Any:
+        """A freshly built model moved to the device, in training mode, with activation
+        checkpointing if asked for. Gradients and optimizer state move with `move_state`."""
+        model.to(self.device)
+        if self.activation_checkpointing:
+            # Non-reentrant: works with inputs that need no grad and with autocast.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return model
+
+    def move_state(self, optimizer: Any) -> None:
+        """Optimizer state onto the device (after a state was received in host memory).
+        Step counters stay where torch's own optimizers keep them, on the CPU."""
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(self.device)
