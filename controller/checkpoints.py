@@ -76,6 +76,9 @@ class ResumePoint:
         from flexmarl.runtime.param_disk import read_handle
 
         path = self.agent_dir(agent) / TRAINING_STATE_FILE
+        if not self.state.get("full_state", True):
+            raise CheckpointError(f"checkpoint {self.path} holds weights only (its run used trainer groups); "
+                                  "it cannot be resumed from, but its weights load as a Hugging Face model")
         if not path.exists():
             raise CheckpointError(f"checkpoint {self.path} has no training state for {agent!r} ({path} is missing)")
         return msgspec.structs.replace(read_handle(path), path=str(path))
@@ -125,8 +128,11 @@ def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
 class Checkpointer:
     def __init__(self, root: Path, agents: list[str], *, every: int, keep: int, steps: int, server: Any,
                  emit: Callable[[ev.Event], Any], controller_state: Callable[[int], dict[str, Any]],
-                 flush_events: Callable[[], Awaitable[None]] | None = None) -> None:
+                 flush_events: Callable[[], Awaitable[None]] | None = None, full_state: bool = True) -> None:
         self.root = Path(root)
+        # False: weights only (trainer groups do not save their sharded state yet); such
+        # checkpoints cannot be resumed from or restore an agent.
+        self.full_state = full_state
         self.agents = list(agents)
         self.every = every
         self.keep = max(1, keep)
@@ -147,6 +153,9 @@ class Checkpointer:
         the step's checkpoint, or its staging directory while other agents still save)."""
         from flexmarl.runtime.param_disk import read_handle
 
+        if not self.full_state:
+            raise CheckpointError(f"the checkpoints of this run hold weights only (trainer groups), so the "
+                                  f"training state of {agent} cannot be restored")
         for d in (self.root / step_dir_name(step), self.staging(step), self.root / step_dir_name(step)):
             path = d / agent / TRAINING_STATE_FILE
             try:
@@ -173,7 +182,7 @@ class Checkpointer:
             self._saved[step] = {}
         try:
             reply, _ = await self.server.call(trainer, protocol.SaveCheckpoint(
-                self.server.next_request_id(), agent, str((staging / agent).resolve()), full_state=True))
+                self.server.next_request_id(), agent, str((staging / agent).resolve()), full_state=self.full_state))
         except Exception as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise self._failed(step, str(exc)) from exc
@@ -184,7 +193,7 @@ class Checkpointer:
     def _finalize(self, step: int) -> None:
         staging, final = self.staging(step), self.root / step_dir_name(step)
         saved = self._saved.pop(step)
-        state = {"format": FORMAT, "step": step, **self.controller_state(step),
+        state = {"format": FORMAT, "step": step, "full_state": self.full_state, **self.controller_state(step),
                  "agents": {a: {"dir": a, "training_state": f"{a}/{TRAINING_STATE_FILE}", "bytes": n}
                             for a, n in saved.items()}}
         try:

@@ -196,6 +196,9 @@ class AgentPipeline:
         if self.recoveries > self.max_recoveries:
             raise RuntimeError(f"{self.agent} lost its trainer {self.recoveries} times; giving up") from exc
         saved = self.saved_version
+        if self.checkpoints is not None and not self.checkpoints.full_state:
+            raise RuntimeError(f"{self.agent}'s trainer died and its training state cannot be restored: "
+                               "trainer groups checkpoint weights only") from exc
         state = self.checkpoints.agent_state(self.agent, saved) if saved > 0 and self.checkpoints else None
         log.warning("%s: %s; restoring its state of version %d and training batches %d-%d again",
                     self.agent, exc, saved, saved + 1, batch)

@@ -124,7 +124,8 @@ class TrainingRun:
                                   resumed=resume is not None)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
                                        keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
-                                       controller_state=self._controller_state)
+                                       controller_state=self._controller_state,
+                                       full_state=cfg.cluster.trainer_group_size == 1)
         d = cfg.data
         self.dataset = Dataset.from_path(d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
         if self.dataset is not None:

@@ -325,6 +325,50 @@ def read_events(path: str | Path) -> tuple[list[Event], str | None]:
     return reader.events, reader.with_skipped_note(None)
 
 
+class LogTail:
+    """Follows a log that is being written: each `poll()` returns the events appended since
+    the last one (whole frames only: a frame still being written is read next time). For
+    watching a live run without reading its whole log again and again."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._segment = 0
+        self._offset = 0
+        self._reader = _SegmentReader()
+
+    def poll(self) -> list[Event]:
+        while True:
+            seg = segment_path(self.path, self._segment)
+            # Asked before reading: a segment is complete once the next one exists.
+            has_next = segment_path(self.path, self._segment + 1).exists()
+            try:
+                with open(seg, "rb") as fh:
+                    fh.seek(self._offset)
+                    data = memoryview(fh.read())
+            except FileNotFoundError:
+                break
+            if self._offset == 0:
+                if len(data) < HEADER_BYTES:
+                    break
+                magic, _ = _HEADER.unpack_from(data, 0)
+                if magic != MAGIC:
+                    raise EventLogError(f"{seg} is not a FlexMARL event log")
+                data, self._offset = data[HEADER_BYTES:], HEADER_BYTES
+            off = 0
+            while off < len(data):
+                nxt = self._reader._read_frame(data, off)
+                if isinstance(nxt, str):
+                    break  # not yet complete (or damaged): tried again on the next poll
+                off = nxt
+            self._offset += off
+            if off == len(data) and has_next:
+                self._segment, self._offset = self._segment + 1, 0
+                continue
+            break
+        new, self._reader.events = self._reader.events, []
+        return new
+
+
 class _SegmentReader:
     def __init__(self) -> None:
         self.events: list[Event] = []

@@ -90,7 +90,7 @@ class FakeMetrics:
 
 class FakeCheckpoints:
     def __init__(self, every):
-        self.every, self.saved = every, []
+        self.every, self.saved, self.full_state = every, [], True
 
     def due(self, step):
         return step % self.every == 0

@@ -265,3 +265,27 @@ async def test_a_full_disk_stops_the_writer_with_a_clear_error():
         await log.flush()
     with pytest.raises(EventLogError):
         await log.close()  # still closes the file
+
+
+async def test_a_tail_returns_each_event_once_as_the_log_grows_across_segments_and_a_resume(tmp_path):
+    from flexmarl.runtime.eventlog import LogTail
+
+    path = tmp_path / "events.log"
+    tail = LogTail(path)
+    assert tail.poll() == []  # no log yet
+    log = EventLog(path, max_bytes_per_segment=300)
+    seen = []
+    for i in range(40):
+        log.emit(ev.WorkerDied(f"w{i}", "x"))
+        if i % 5 == 0:
+            await log.flush()
+            seen += tail.poll()
+    await log.close()
+    seen += tail.poll()
+    last = segment_paths(path)[-1]
+    last.write_bytes(last.read_bytes() + b"\x05\x00")  # a frame being written: not read yet
+    assert tail.poll() == []
+    await write(path, [ev.RunResumed(1, "c", "")], max_bytes_per_segment=300, append=True)  # cuts it, goes on
+    seen += tail.poll()
+    assert [e.seq for e in seen] == list(range(41)) and isinstance(seen[-1], ev.RunResumed)
+    assert len(segment_paths(path)) > 3
