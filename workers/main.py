@@ -12,19 +12,22 @@ import sys
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
 
+from flexmarl.runtime.param_types import ParamChannelConfig
+
+from .channel_config import channel_config
 from .session import CommandHandler, WorkerSession
 
 log = logging.getLogger("flexmarl.worker")
 
 
-def make_handler(role: str) -> CommandHandler:
+def make_handler(role: str, channel_config: ParamChannelConfig | None = None) -> CommandHandler:
     # Imported lazily: a trainer never needs vLLM, and neither needs the other's deps.
     if role == "rollout":
         from .rollout import RolloutHandler
-        return RolloutHandler()
+        return RolloutHandler(channel_config)
     if role == "trainer":
         from .trainer import TrainerHandler
-        return TrainerHandler()
+        return TrainerHandler(channel_config)
     raise SystemExit(f"unknown role {role!r}; use --role rollout or --role trainer")
 
 
@@ -36,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handshake-timeout", type=float, default=30.0,
                         help="seconds to wait for the controller's WELCOME (which sets the heartbeat)")
     parser.add_argument("--curve-dir", default="", help="CURVE keys (needed for non-loopback controllers)")
+    parser.add_argument("--param-host", default="", metavar="ADDR",
+                        help="address to serve parameters to other hosts on (default: the one facing the controller)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-level", default="INFO")
 
@@ -47,7 +52,7 @@ def run_worker(args: argparse.Namespace) -> int:
                           curve_dir=args.curve_dir)
 
     async def main() -> int:
-        handler = make_handler(args.role)
+        handler = make_handler(args.role, channel_config(args.connect, args.param_host))
         session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id)
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()

@@ -45,8 +45,9 @@ def test_the_transport_follows_where_the_ends_are():
     assert transport_between(t, [other]) == "tcp"
     assert transport_between(t, [same, other]) == "tcp"  # one handle must reach both
     g, g2 = Location("h1", 1, "cuda:0"), Location("h2", 2, "cuda:0")
-    assert transport_between(g, [Location("h1", 2, "cuda:1")]) == "cuda_ipc"
-    assert transport_between(g, [g2, Location("h1", 2, "cuda:1")]) == "nccl"
+    assert transport_between(g, [Location("h1", 2, "cuda:0")]) == "cuda_ipc"  # the same GPU
+    assert transport_between(g, [Location("h1", 2, "cuda:1")]) == "nccl"  # another GPU of the host
+    assert transport_between(g, [g2, Location("h1", 2, "cuda:0")]) == "nccl"
 
 
 async def test_a_sync_publishes_once_loads_every_instance_and_then_reports_the_version():

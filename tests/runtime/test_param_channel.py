@@ -727,8 +727,11 @@ def test_choose_transport_picks_the_cheapest_path_between_locations():
     assert choose_transport(here, Location("node-b", 10, "cpu")) == "tcp"
     gpu = Location("node-a", 10, "cuda:0")
     assert choose_transport(gpu, Location("node-a", 11, "cuda:0")) == "cuda_ipc"
+    assert choose_transport(gpu, Location("node-a", 11, "cuda:1")) == "nccl"  # another GPU, same host
+    assert choose_transport(gpu, Location("node-b", 11, "cuda:0")) == "nccl"  # "cuda:0" of another host
     assert choose_transport(gpu, Location("node-b", 11, "cuda:1")) == "nccl"
     assert choose_transport(gpu, Location("node-a", 11, "cpu")) == "shm"
+    assert choose_transport(gpu, Location("node-b", 11, "cpu")) == "tcp"
 
 
 def test_a_handle_describes_the_layout_once_and_stays_small(channels):
