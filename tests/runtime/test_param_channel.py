@@ -779,12 +779,13 @@ def test_cuda_ipc_moves_a_model_state_between_processes_byte_exactly(processes, 
 
 
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (NCCL refuses two ranks on one GPU)")
 def test_nccl_broadcast_moves_a_model_state_between_processes_byte_exactly(processes, shm_dir):
     pytest.importorskip("cupy")
     proc, handle, digests = start_publisher(processes, "nccl", shm_dir, device="cuda:0")
     assert handle.nccl.world_size == 2 and len(handle.nccl.unique_id) == 128
-    receiver = ParamChannel(location=Location.here("cuda:0"))
+    receiver = ParamChannel(location=Location.here("cuda:1"))
     try:
         got = receiver.receive(handle, rank=1)
         assert {k: digest(v) for k, v in got.items()} == digests
