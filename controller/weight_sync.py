@@ -46,12 +46,15 @@ def location_of(worker: Any) -> Location:
 
 def transport_between(src: Location, dsts: list[Location]) -> str:
     """One transport that serves every receiver of a publication: the pair choice when all
-    receivers agree, else the one that reaches every kind of receiver (NCCL between GPUs,
-    TCP otherwise)."""
+    receivers agree, NCCL when every end is on a GPU of its own (NCCL refuses two ranks on
+    one GPU), else host memory: shared on one host, TCP across hosts."""
     chosen = {choose_transport(src, d) for d in dsts}
-    if len(chosen) == 1:
+    if len(chosen) == 1 and chosen != {"nccl"}:
         return chosen.pop()
-    return "nccl" if chosen <= {"nccl", "cuda_ipc"} else "tcp"
+    gpus = [(end.host, end.device) for end in (src, *dsts)]
+    if chosen == {"nccl"} and len(set(gpus)) == len(gpus):
+        return "nccl"
+    return "shm" if all(d.host == src.host for d in dsts) else "tcp"
 
 
 class WeightSync:

@@ -47,7 +47,12 @@ def test_the_transport_follows_where_the_ends_are():
     g, g2 = Location("h1", 1, "cuda:0"), Location("h2", 2, "cuda:0")
     assert transport_between(g, [Location("h1", 2, "cuda:0")]) == "cuda_ipc"  # the same GPU
     assert transport_between(g, [Location("h1", 2, "cuda:1")]) == "nccl"  # another GPU of the host
-    assert transport_between(g, [g2, Location("h1", 2, "cuda:0")]) == "nccl"
+    assert transport_between(g, [g2, Location("h1", 2, "cuda:1")]) == "nccl"
+    # NCCL wants a GPU per rank: one receiver on the trainer's GPU, or two sharing one,
+    # and the publication goes through host memory
+    assert transport_between(g, [g2, Location("h1", 2, "cuda:0")]) == "tcp"
+    assert transport_between(g, [Location("h1", 2, "cuda:1"), Location("h1", 3, "cuda:1")]) == "shm"
+    assert transport_between(t, [t, same]) == "shm"  # shm reaches a receiver in the publisher's process too
 
 
 async def test_a_sync_publishes_once_loads_every_instance_and_then_reports_the_version():
