@@ -122,11 +122,18 @@ class Communicators:
 
 
 def _close(member: _Member) -> None:
-    with member.lock:
-        try:
-            member.comm.close()
-        except Exception as exc:  # a communicator that cannot be destroyed is only a leak
-            log.warning("could not destroy NCCL communicator %s: %r", member.info.group or "(one-shot)", exc)
+    name = member.info.group or "(one-shot)"
+    # A broadcast still inside it is stuck (its caller timed out): waiting for it would
+    # block this thread too, so such a communicator is left behind, a leak until exit.
+    if not member.lock.acquire(timeout=1.0):
+        log.warning("NCCL communicator %s is still in a broadcast; left as it is", name)
+        return
+    try:
+        member.comm.close()
+    except Exception as exc:  # a communicator that cannot be destroyed is only a leak
+        log.warning("could not destroy NCCL communicator %s: %r", name, exc)
+    finally:
+        member.lock.release()
 
 
 def broadcast(comms: Communicators, handle: ParamHandle, rank: int, bucket: torch.Tensor) -> None:

@@ -138,3 +138,12 @@ def test_the_publisher_keeps_one_unique_id_per_group_and_makes_a_new_one_for_a_n
     assert transport.group_info("planner", "planner/2", receivers=1) is replaced  # one-shots leave it alone
     with pytest.raises(ValueError, match="receivers >= 1"):
         transport.group_info("planner", "planner/3", receivers=0)
+
+
+def test_replacing_a_communicator_stuck_in_a_broadcast_does_not_wait_for_it(comms):
+    stuck = NcclInfo(b"\x01" * 128, 2, "planner/1")
+    member = comms.member("planner", stuck, 1, BUCKET.device)
+    member.lock.acquire()  # as if a broadcast hung inside it, its caller long timed out
+    param_nccl.broadcast(comms, handle("planner", NcclInfo(b"\x02" * 128, 2, "planner/2")), 1, BUCKET)
+    assert not FakeComm.made[0].closed and FakeComm.made[1].broadcasts == 1
+    assert comms.groups() == {"planner": ("planner/2", 1)}
