@@ -1,7 +1,7 @@
 """A run across network namespaces on this machine: the controller on one "host", the
 trainer on a second, the rollout workers on a third, each with its own address and
-hostname, over TCP with CURVE on, every process started by the scripts in scripts/.
-Weights travel trainer to rollout over the parameter channel's tcp transport (the hosts
+hostname, over TCP with CURVE on (a worker without the keys never registers), the run's
+processes started by the scripts in scripts/. Weights travel trainer to rollout over the parameter channel's tcp transport (the hosts
 differ), on the addresses facing the controller. The run must finish and replay.
 
 Skipped, saying why, where namespaces cannot be made (not root, no iproute2)."""
@@ -75,6 +75,11 @@ def test_a_run_across_network_namespaces_with_curve_finishes_and_replays(tmp_pat
             procs.append(start(nodes.command("rol", [
                 "bash", "scripts/start_workers.sh", address, "3", "0", "--curve-dir", str(keys)],
                 hostname="fm-rollout-host"), tmp_path / "rollout-host.log"))
+            # A worker without the keys gets nowhere: CURVE is on across the "hosts".
+            intruder = start(nodes.command("rol", [
+                str(FLEXMARL), "worker", "--role", "rollout", "--connect", address, "--worker-id", "intruder",
+                "--handshake-timeout", "5"]), tmp_path / "intruder.log")
+            procs.append(intruder)
             controller = procs[0]
             try:
                 code = controller.wait(900)
@@ -83,8 +88,9 @@ def test_a_run_across_network_namespaces_with_curve_finishes_and_replays(tmp_pat
             logs = "\n".join(f"--- {name}\n{tail(tmp_path / name)}" for name in
                              ("controller.log", "trainer-host.log", "rollout-host.log"))
             assert code == 0, f"the controller ended with {code}:\n{logs}"
-            for proc in procs[1:]:  # the workers leave on the controller's SHUTDOWN
+            for proc in procs[1:3]:  # the workers leave on the controller's SHUTDOWN
                 assert proc.wait(60) == 0, logs
+            assert intruder.wait(60) == 3 and "no WELCOME" in tail(tmp_path / "intruder.log")
         finally:
             stop(procs)
 
