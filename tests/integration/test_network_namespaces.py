@@ -1,8 +1,9 @@
 """A run across network namespaces on this machine: the controller on one "host", the
 trainer on a second, the rollout workers on a third, each with its own address and
 hostname, over TCP with CURVE on (a worker without the keys never registers), the run's
-processes started by the scripts in scripts/. Weights travel trainer to rollout over the parameter channel's tcp transport (the hosts
-differ), on the addresses facing the controller. The run must finish and replay.
+processes started by the scripts in scripts/. Weights travel trainer to rollout over the
+parameter channel's tcp transport (the hosts differ), on the addresses facing the
+controller. The run must finish and replay.
 
 Skipped, saying why, where namespaces cannot be made (not root, no iproute2)."""
 
