@@ -11,7 +11,6 @@ import sys
 
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
-
 from flexmarl.runtime.param_types import ParamChannelConfig
 
 from .channel_config import channel_config
@@ -20,14 +19,14 @@ from .session import CommandHandler, WorkerSession
 log = logging.getLogger("flexmarl.worker")
 
 
-def make_handler(role: str, channel_config: ParamChannelConfig | None = None) -> CommandHandler:
+def make_handler(role: str, channel: ParamChannelConfig | None = None) -> CommandHandler:
     # Imported lazily: a trainer never needs vLLM, and neither needs the other's deps.
     if role == "rollout":
         from .rollout import RolloutHandler
-        return RolloutHandler(channel_config)
+        return RolloutHandler(channel)
     if role == "trainer":
         from .trainer import TrainerHandler
-        return TrainerHandler(channel_config)
+        return TrainerHandler(channel)
     raise SystemExit(f"unknown role {role!r}; use --role rollout or --role trainer")
 
 
