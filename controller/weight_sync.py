@@ -7,12 +7,15 @@ schedule's gate and producer wait on that). Per agent it holds the sync lock (he
 a version is published and loaded, so an instance joining the agent never loads a handle
 the trainer is about to release, and no sync runs in the middle of a join), the handle of
 the synced version, and the version each instance holds. The transport is chosen by
-`choose_transport` from where the two ends are (host, process, device).
+`choose_transport` from where the two ends are (host, process, device). Over NCCL the
+sync names the agent's communicator and each instance's rank (`NcclGroups`): one
+communicator per agent, from its trainer to all its instances, reused while they stay.
 
 An instance that (re)joins an agent between syncs is brought to the agent's synced
 version by `bring_up_to_date`; if the handle was released meanwhile (the trainer parked
-the agent, which frees its published weights: `forget`), the weights are published
-again from the agent's trainer, obtained through `trainer_for`.
+the agent, which frees its published weights: `forget`), or was an NCCL broadcast (over
+by then), the weights are published again from the agent's trainer, obtained through
+`trainer_for`.
 
 It does not decide when to sync (the pipeline does) or which instances serve an agent
 (the rollout client's assignment, read through `instances`).
@@ -30,6 +33,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import Location, ParamHandle, choose_transport
 
+from .nccl_groups import NcclGroups
 from .server import WorkerDied
 
 log = logging.getLogger("flexmarl.weight_sync")
@@ -42,12 +46,15 @@ def location_of(worker: Any) -> Location:
 
 def transport_between(src: Location, dsts: list[Location]) -> str:
     """One transport that serves every receiver of a publication: the pair choice when all
-    receivers agree, else the one that reaches every kind of receiver (NCCL between GPUs,
-    TCP otherwise)."""
+    receivers agree, NCCL when every end is on a GPU of its own (NCCL refuses two ranks on
+    one GPU), else host memory: shared on one host, TCP across hosts."""
     chosen = {choose_transport(src, d) for d in dsts}
-    if len(chosen) == 1:
+    if len(chosen) == 1 and chosen != {"nccl"}:
         return chosen.pop()
-    return "nccl" if chosen <= {"nccl", "cuda_ipc"} else "tcp"
+    gpus = [(end.host, end.device) for end in (src, *dsts)]
+    if chosen == {"nccl"} and len(set(gpus)) == len(gpus):
+        return "nccl"
+    return "shm" if all(d.host == src.host for d in dsts) else "tcp"
 
 
 class WeightSync:
@@ -62,6 +69,8 @@ class WeightSync:
         self.locks = {a: asyncio.Lock() for a in agents}
         self.synced = {a: 0 for a in agents}
         self.published: dict[str, ParamHandle] = {}  # agent -> handle of its synced version
+        self.published_over: dict[str, str] = {}  # agent -> that handle's transport
+        self.groups = NcclGroups()
         self.holds: dict[str, tuple[str, int]] = {}  # instance -> (agent, version) it serves
 
     def transport(self, trainer: str, instances: list[str]) -> str:
@@ -76,12 +85,24 @@ class WeightSync:
     async def _publish_and_load(self, agent: str, trainer: str, version: int) -> None:
         instances = self.instances(agent)
         t0 = time.monotonic()
-        self.emit(ev.WeightSyncStarted(agent, version, list(instances)))
-        reply, _ = await self.server.call(trainer, protocol.PublishWeights(
-            self.server.next_request_id(), agent, version, self.transport(trainer, instances), instances))
-        results = await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
-            self.server.next_request_id(), agent, version, reply.handle)) for w in instances),
-            return_exceptions=True)
+        transport = self.transport(trainer, instances)
+        group, ranks = "", {w: 0 for w in instances}
+        if transport == "nccl":
+            nccl = self.groups.for_sync(agent, trainer, instances)
+            group, instances = nccl.name, list(nccl.instances)  # targets in rank order
+            ranks = {w: nccl.rank(w) for w in instances}
+        self.emit(ev.WeightSyncStarted(agent, version, list(instances), transport=transport))
+        try:
+            reply, _ = await self.server.call(trainer, protocol.PublishWeights(
+                self.server.next_request_id(), agent, version, transport, instances, group))
+            results = await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
+                self.server.next_request_id(), agent, version, reply.handle, ranks[w])) for w in instances),
+                return_exceptions=True)
+        except BaseException:
+            self.groups.drop(agent)
+            raise
+        if group and any(isinstance(r, BaseException) for r in results):
+            self.groups.drop(agent)  # a broadcast some rank left is in no known state
         for worker, result in zip(instances, results):
             if isinstance(result, WorkerDied):
                 log.warning("%s died during the weight sync of %s; it leaves the agent", worker, agent)
@@ -89,7 +110,7 @@ class WeightSync:
                 raise result
             else:
                 self.holds[worker] = (agent, version)
-        self.published[agent] = reply.handle
+        self.published[agent], self.published_over[agent] = reply.handle, transport
         self.synced[agent] = version
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
@@ -101,6 +122,7 @@ class WeightSync:
         """The agent's published weights were released (its trainer parked it): the handle
         must never be sent again."""
         self.published.pop(agent, None)
+        self.published_over.pop(agent, None)
 
     async def bring_up_to_date(self, worker: str, agent: str) -> None:
         """Loads `agent`'s synced weights into `worker` unless it holds them already. The
@@ -109,19 +131,24 @@ class WeightSync:
         if self.holds.get(worker) == (agent, version):
             return
         handle = self.published.get(agent)
-        if handle is None:
-            handle = await self._republish(agent, [worker])
-        await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, version, handle))
+        # An NCCL publication was a broadcast to the ranks of its time: it cannot be read again.
+        if handle is None or self.published_over.get(agent) == "nccl":
+            handle = await self._republish(agent, worker)
+        rank = 1 if self.published_over.get(agent) == "nccl" else 0
+        await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, version, handle,
+                                                            rank))
         self.holds[worker] = (agent, version)
 
-    async def _republish(self, agent: str, instances: list[str]) -> Any:
+    async def _republish(self, agent: str, worker: str) -> Any:
+        """Publishes the synced version again for one instance (over NCCL, a one-shot
+        broadcast to it alone: the agent's group is for its instances at the last sync)."""
         async with self.trainer_for(agent) as trainer:
+            transport = self.transport(trainer, [worker])
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
-                self.server.next_request_id(), agent, self.synced[agent], self.transport(trainer, instances),
-                instances))
-        self.published[agent] = reply.handle
-        log.info("published %s version %d again for %s (the last publication was released)",
-                 agent, self.synced[agent], ", ".join(instances))
+                self.server.next_request_id(), agent, self.synced[agent], transport, [worker]))
+        self.published[agent], self.published_over[agent] = reply.handle, transport
+        log.info("published %s version %d again for %s (%s)", agent, self.synced[agent], worker,
+                 "an NCCL broadcast is read once" if transport == "nccl" else "the last publication was released")
         return reply.handle
 
 

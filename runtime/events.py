@@ -187,6 +187,7 @@ class WeightSyncStarted(Event):
     agent: str
     version: int
     targets: list[str]  # rollout workers that load the new weights
+    transport: str = ""  # the parameter channel's transport chosen for them
 
 
 class WeightSyncFinished(Event):

@@ -12,7 +12,7 @@ The transports, one row each in `TRANSPORTS` (the one place a transport is chose
     tcp       other hosts: ZeroMQ; the publisher serves chunks, receivers pull them
     disk      a self-describing file, for checkpoints and offload
     cuda_ipc  same host, GPU memory  (param_gpu)
-    nccl      other hosts, GPU memory, CuPy NCCL broadcast  (param_gpu, param_nccl)
+    nccl      other GPUs, same or other host: CuPy NCCL broadcast  (param_gpu, param_nccl)
 
 Every bucket carries a checksum (param_bucket.checksum) that the publisher computes while
 packing and receivers verify before handing out a single tensor, so a receiver never sees
@@ -116,10 +116,12 @@ class ParamChannel:
         return self._transport("shm", ValueError).shared_bucket(tensors, copy)
 
     def publish(self, tensors: Mapping[str, torch.Tensor] | SharedBucket, *, agent: str, version: int,
-                transport: str, path: str | os.PathLike | None = None, receivers: int = 1) -> ParamHandle:
+                transport: str, path: str | os.PathLike | None = None, receivers: int = 1,
+                group: str = "") -> ParamHandle:
         """Make `tensors` receivable and return their handle. The bytes are complete and
         checksummed before this returns. `path` is the file for "disk"; `receivers` is how
-        many ranks will join an "nccl" broadcast. For "inproc" the tensors themselves are
+        many ranks will join an "nccl" broadcast, and `group` names its communicator, kept
+        for the next publication of the same agent to the same group (empty: one-shot). For "inproc" the tensors themselves are
         shared: do not modify them until release. A SharedBucket published over "shm" is
         sealed in place, without a copy; over any other transport it is its tensors."""
         if self._closed:
@@ -134,7 +136,8 @@ class ParamChannel:
         key = f"{agent}-v{version}-{os.getpid()}-{secrets.token_hex(6)}"
         fields = dict(transport=transport, agent=agent, version=version, key=key, layout=layout,
                       total_bytes=total, publisher=self.location)
-        handle, resource = impl.publish(tensors, fields, bucket=bucket, path=path, receivers=receivers)
+        handle, resource = impl.publish(tensors, fields, bucket=bucket, path=path, receivers=receivers,
+                                        group=group)
         self._published[key] = _Publication(handle, resource)
         return handle
 

@@ -85,7 +85,7 @@ def _read_disk(handle: ParamHandle, dest: torch.Tensor) -> None:
 class DiskTransport(Transport):
     kept_on_close = True  # a checkpoint outlives its writer
 
-    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
         if path is None:
             raise ValueError("publish(transport='disk') needs path=")
         staging = self.host.take(fields["total_bytes"])

@@ -9,7 +9,9 @@ cuda_ipc: the publisher's bucket is shared through torch's CUDA IPC (the fields 
 UntypedStorage._share_cuda_, carried in the handle as plain bytes and ints: no pickle);
 receivers open it in place, so their tensors are views of the publisher's GPU memory.
 
-nccl: a one-shot communicator per publication (param_nccl), the publisher as rank 0.
+nccl: a CuPy NCCL broadcast (param_nccl), the publisher as rank 0. A publication to a
+named group reuses the group's communicator (and its unique id) from the last publication
+to it; one with no group name gets a one-shot communicator.
 
 This module does not know who the receivers are or how ranks are assigned: the
 controller assigns them and passes each receiver its rank.
@@ -44,7 +46,7 @@ def _require_cuda(handle: ParamHandle) -> None:
 
 
 class CudaIpcTransport(Transport):
-    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
         gpu = _gpu_bucket(tensors, fields, "cuda_ipc")
         return ParamHandle(**fields, cuda_ipc=_share(gpu)), gpu  # the bucket lives until release
 
@@ -57,22 +59,42 @@ class CudaIpcTransport(Transport):
 
 
 class NcclTransport(Transport):
-    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
-        gpu = _gpu_bucket(tensors, fields, "nccl")
+    def __init__(self, *args, new_unique_id=param_nccl.new_unique_id, communicators=None):
+        super().__init__(*args)
+        self._new_unique_id = new_unique_id
+        self.communicators = communicators or param_nccl.Communicators()
+        self._groups: dict[str, NcclInfo] = {}  # agent -> the group this publisher last sent it to
+
+    def group_info(self, agent: str, group: str, receivers: int) -> NcclInfo:
+        """The communicator for a publication: the agent's current one if `group` names
+        it, else a new one (a new unique id) that replaces it."""
         if receivers < 1:
             raise ValueError(f"nccl needs receivers >= 1, got {receivers}")
-        handle = ParamHandle(**fields, nccl=NcclInfo(param_nccl.new_unique_id(), receivers + 1))
-        return handle, param_nccl.Broadcast(handle, gpu)
+        info = self._groups.get(agent)
+        if group and info is not None and (info.group, info.world_size) == (group, receivers + 1):
+            return info
+        info = NcclInfo(self._new_unique_id(), receivers + 1, group)
+        if group:
+            self._groups[agent] = info
+        return info
+
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
+        gpu = _gpu_bucket(tensors, fields, "nccl")
+        handle = ParamHandle(**fields, nccl=self.group_info(fields["agent"], group, receivers))
+        return handle, param_nccl.Broadcast(self.communicators, handle, gpu)
 
     def receive(self, handle, *, verify, rank):
         _require_cuda(handle)
-        bucket = param_nccl.receive(handle, rank, self.location.device, self.config.timeout_s)
+        bucket = param_nccl.receive(self.communicators, handle, rank, self.location.device, self.config.timeout_s)
         if verify:
             verify_bucket(handle, bucket)
         return unpack(bucket, handle.layout), None
 
     def release(self, handle, resource):
         resource.close()
+
+    def close(self):
+        self.communicators.close()
 
 
 def _share(bucket: torch.Tensor) -> CudaIpcInfo:

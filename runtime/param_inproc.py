@@ -24,7 +24,7 @@ _lock = threading.Lock()
 class InprocTransport(Transport):
     checksum_in_handle = False  # the bytes never leave the process
 
-    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
         with _lock:
             _published[fields["key"]] = {name: t.detach() for name, t in tensors.items()}
         return ParamHandle(**fields, checksum=None), None

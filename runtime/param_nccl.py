@@ -1,41 +1,168 @@
 """NCCL broadcast for the parameter channel's "nccl" transport (param_gpu), via CuPy.
 
-A one-shot communicator per publication. The unique id travels inside the handle; the
-publisher is rank 0 and broadcasts from a thread of its own once all receivers (ranks
-1..receivers) have joined; each receiver broadcasts into a fresh bucket.
+A communicator joins an agent's trainer (rank 0) to the agent's rollout instances (ranks
+1..n). It is made once per group, named by the handle's `NcclInfo.group`, and reused for
+every later publication to the same group: NCCL's setup (a bootstrap over TCP between all
+ranks) costs far more than a broadcast of a small model. The controller names the group
+and assigns the ranks; the publisher creates the unique id (NCCL's bootstrap root runs in
+the process that creates it) and it reaches the receivers inside the handle. A handle with
+no group name gets a one-shot communicator, torn down after its broadcast.
 
-CuPy is imported only when a broadcast runs, so CPU-only installs never load it. This
-module does not know who the receivers are or how ranks are assigned: the controller
-assigns them and passes each receiver its rank.
+Every end keeps at most one communicator per agent (`Communicators`): a new group for an
+agent (its instances or its trainer changed) replaces the old one. A broadcast that fails
+or times out drops its communicator, whose state is then unknown; the next publication
+must come with a new group.
+
+CuPy is imported only when a communicator is made, so CPU-only installs never load it.
+This module does not know who the receivers are or how ranks are assigned.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
 from .param_bucket import ALIGN
 from .param_types import NcclInfo, ParamHandle, ParamTransferError, describe
 
-__all__ = ["Broadcast", "new_unique_id", "receive"]
+__all__ = ["Broadcast", "Communicators", "CupyCommunicator", "new_unique_id", "receive"]
 
 log = logging.getLogger(__name__)
 
 
-def receive(handle: ParamHandle, rank: int | None, device: str, timeout_s: float) -> torch.Tensor:
+class CupyCommunicator:
+    """One member of an NCCL communicator on one CUDA device. Construction blocks until
+    every rank has joined (ncclCommInitRank)."""
+
+    def __init__(self, info: NcclInfo, rank: int, device: torch.device):
+        import cupy
+        from cupy.cuda import nccl
+
+        self.device = device
+        # CuPy hands ncclUniqueId out as C chars: signed on x86, unsigned on ARM.
+        signed = tuple(b - 256 if b > 127 else b for b in info.unique_id)
+        with cupy.cuda.Device(device.index):
+            try:
+                self._comm = nccl.NcclCommunicator(info.world_size, signed, rank)
+            except OverflowError:
+                self._comm = nccl.NcclCommunicator(info.world_size, tuple(info.unique_id), rank)
+        self._uint8 = nccl.NCCL_UINT8
+
+    def broadcast(self, bucket: torch.Tensor) -> None:
+        """Rank 0 sends `bucket`; every other rank receives into its own `bucket`."""
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)  # off the compute stream the worker uses
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._comm.broadcast(bucket.data_ptr(), bucket.data_ptr(), bucket.numel(), self._uint8, 0,
+                                 stream.cuda_stream)
+            stream.synchronize()
+
+    def close(self) -> None:
+        self._comm.destroy()
+
+
+class _Member:
+    def __init__(self, info: NcclInfo, rank: int, comm):
+        self.info, self.rank, self.comm = info, rank, comm
+        self.lock = threading.Lock()  # one broadcast at a time on a communicator
+
+
+class Communicators:
+    """The communicators one end of the channel belongs to: at most one per agent, found
+    by group name. `connect(info, rank, device)` makes a member (CupyCommunicator; tests
+    pass a fake). Thread-safe: broadcasts run on threads of their own."""
+
+    def __init__(self, connect: Callable[[NcclInfo, int, torch.device], object] = CupyCommunicator):
+        self._connect = connect
+        self._by_agent: dict[str, _Member] = {}
+        self._lock = threading.Lock()
+
+    def member(self, agent: str, info: NcclInfo, rank: int, device: torch.device) -> _Member:
+        """This end's member of the handle's group, made (blocking until all ranks join)
+        unless this end already belongs to that very group at that rank."""
+        with self._lock:
+            old = self._by_agent.get(agent) if info.group else None  # a one-shot leaves the group alone
+            if old is not None and (old.info, old.rank) == (info, rank):
+                return old
+            if old is not None:
+                del self._by_agent[agent]
+        if old is not None:
+            _close(old)  # the agent's previous group (its members changed)
+        member = _Member(info, rank, self._connect(info, rank, device))
+        if info.group:
+            with self._lock:
+                self._by_agent[agent] = member
+        return member
+
+    def done(self, agent: str, member: _Member, ok: bool) -> None:
+        """After a broadcast: a one-shot or failed communicator is torn down."""
+        if ok and member.info.group:
+            return
+        with self._lock:
+            if self._by_agent.get(agent) is member:
+                del self._by_agent[agent]
+        if ok:
+            _close(member)
+        # A failed one is left alone: its peers may still be blocked in it, and closing
+        # it from here could block too. Its device memory is lost until the process ends.
+
+    def groups(self) -> dict[str, tuple[str, int]]:
+        """agent -> (group name, rank) of every communicator held."""
+        with self._lock:
+            return {a: (m.info.group, m.rank) for a, m in self._by_agent.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            members, self._by_agent = list(self._by_agent.values()), {}
+        for member in members:
+            _close(member)
+
+
+def _close(member: _Member) -> None:
+    name = member.info.group or "(one-shot)"
+    # A broadcast still inside it is stuck (its caller timed out): waiting for it would
+    # block this thread too, so such a communicator is left behind, a leak until exit.
+    if not member.lock.acquire(timeout=1.0):
+        log.warning("NCCL communicator %s is still in a broadcast; left as it is", name)
+        return
+    try:
+        member.comm.close()
+    except Exception as exc:  # a communicator that cannot be destroyed is only a leak
+        log.warning("could not destroy NCCL communicator %s: %r", name, exc)
+    finally:
+        member.lock.release()
+
+
+def broadcast(comms: Communicators, handle: ParamHandle, rank: int, bucket: torch.Tensor) -> None:
+    """Joins the handle's group at `rank` (if not a member yet) and broadcasts `bucket`."""
+    member = comms.member(handle.agent, handle.nccl, rank, bucket.device)
+    ok = False
+    try:
+        with member.lock:
+            member.comm.broadcast(bucket)
+        ok = True
+    finally:
+        comms.done(handle.agent, member, ok)
+
+
+def receive(comms: Communicators, handle: ParamHandle, rank: int | None, device: str,
+            timeout_s: float) -> torch.Tensor:
     """The handle's bucket (uint8, total_bytes long) on a GPU, not yet verified."""
     world = handle.nccl.world_size
     if rank is None or not 1 <= rank < world:
         raise ValueError(f"nccl receive needs rank= in 1..{world - 1} (the publisher is rank 0), got {rank}")
     target = torch.device(device if device.startswith("cuda") else "cuda")
+    if target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
     bucket = torch.empty(max(handle.total_bytes, ALIGN), dtype=torch.uint8, device=target)
     done, errors = threading.Event(), []
 
     def join_broadcast() -> None:
         try:
-            _broadcast(bucket, handle.nccl, rank)
+            broadcast(comms, handle, rank, bucket)
         except BaseException as exc:  # reported below
             errors.append(exc)
         finally:
@@ -57,37 +184,19 @@ def new_unique_id() -> bytes:
     return bytes(b & 0xFF for b in nccl.get_unique_id())
 
 
-def _broadcast(bucket: torch.Tensor, info: NcclInfo, rank: int) -> None:
-    import cupy
-    from cupy.cuda import nccl
-
-    # CuPy hands ncclUniqueId out as C chars: signed on x86, unsigned on ARM.
-    signed = tuple(b - 256 if b > 127 else b for b in info.unique_id)
-    with cupy.cuda.Device(bucket.device.index), torch.cuda.device(bucket.device):
-        try:
-            comm = nccl.NcclCommunicator(info.world_size, signed, rank)
-        except OverflowError:
-            comm = nccl.NcclCommunicator(info.world_size, tuple(info.unique_id), rank)
-        try:
-            stream = torch.cuda.Stream(bucket.device)  # off the compute stream the trainer uses
-            stream.wait_stream(torch.cuda.current_stream(bucket.device))
-            comm.broadcast(bucket.data_ptr(), bucket.data_ptr(), bucket.numel(), nccl.NCCL_UINT8, 0, stream.cuda_stream)
-            stream.synchronize()
-        finally:
-            comm.destroy()
-
-
 class Broadcast:
-    """Rank 0 of a publication's communicator: waits for the receivers, sends, tears down."""
+    """Rank 0's side of one publication: joins the group and sends from a thread of its
+    own, so publish() returns while the receivers are still being told to join."""
 
-    def __init__(self, handle: ParamHandle, bucket: torch.Tensor):
+    def __init__(self, comms: Communicators, handle: ParamHandle, bucket: torch.Tensor):
         self.bucket, self.error = bucket, None
-        self._thread = threading.Thread(target=self._run, args=(handle,), name=f"nccl-send-{handle.key}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(comms, handle), name=f"nccl-send-{handle.key}",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, handle: ParamHandle) -> None:
+    def _run(self, comms: Communicators, handle: ParamHandle) -> None:
         try:
-            _broadcast(self.bucket, handle.nccl, 0)
+            broadcast(comms, handle, 0, self.bucket)
         except BaseException as exc:
             self.error = exc
             log.error("%s: NCCL broadcast from rank 0 failed: %r", describe(handle), exc)

@@ -343,7 +343,7 @@ class ShmTransport(Transport):
     def shared_bucket(self, tensors: Mapping[str, torch.Tensor], copy: bool) -> SharedBucket:
         return SharedBucket(self.publisher, tensors, copy)
 
-    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
         if bucket is not None:
             return self.publisher.publish_bucket(bucket, fields)
         return self.publisher.publish(tensors, fields)

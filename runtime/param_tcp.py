@@ -191,7 +191,7 @@ class TcpTransport(Transport):
             raise ValueError(f"refusing to serve parameters on {config.tcp_bind_host} without authentication: "
                              f"set curve_public_key and curve_secret_key (zmq.curve_keypair()) or bind 127.0.0.1")
 
-    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1):
+    def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
         buf = self.host.take(fields["total_bytes"])
         fields["checksum"] = pack_into(buf, tensors, fields["layout"])
         server = self._serving()

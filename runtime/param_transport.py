@@ -62,10 +62,11 @@ class Transport:
         """Refuse settings this transport cannot run safely with (raises ValueError)."""
 
     def publish(self, tensors: Mapping[str, torch.Tensor], fields: dict, *, bucket=None, path=None,
-                receivers: int = 1) -> tuple[ParamHandle, object]:
+                receivers: int = 1, group: str = "") -> tuple[ParamHandle, object]:
         """Make the bytes receivable. `fields` are the handle's common fields; `bucket` is
-        the SharedBucket `tensors` live in, if any. Returns the handle and whatever keeps
-        the bytes alive until `release`."""
+        the SharedBucket `tensors` live in, if any; `receivers` and `group` are for
+        transports with ranks (nccl). Returns the handle and whatever keeps the bytes
+        alive until `release`."""
         raise NotImplementedError
 
     def receive(self, handle: ParamHandle, *, verify: bool, rank: int | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:

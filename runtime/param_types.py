@@ -32,7 +32,7 @@ class Location(msgspec.Struct, frozen=True):
 
     host: str
     pid: int
-    device: str = "cpu"  # torch device string: "cpu", "cuda:0", ...
+    device: str = "cpu"  # torch device string: "cpu", "cuda:0", ... (GPUs numbered as the host numbers them)
 
     @classmethod
     def here(cls, device: str = "cpu") -> Location:
@@ -64,10 +64,13 @@ class CudaIpcInfo(msgspec.Struct, frozen=True, array_like=True):
 
 
 class NcclInfo(msgspec.Struct, frozen=True, array_like=True):
-    """A one-shot NCCL communicator: the publisher is rank 0, receivers 1..world_size-1."""
+    """An NCCL communicator: the publisher is rank 0, receivers 1..world_size-1 (each told
+    its rank by the controller). `group` names a communicator kept for later publications
+    to the same receivers; empty for a one-shot one."""
 
     unique_id: bytes  # ncclUniqueId (128 bytes), passed out of band inside the handle
     world_size: int
+    group: str = ""
 
 
 class ParamHandle(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,14 +112,17 @@ class ParamChannelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def choose_transport(src: Location, dst: Location) -> str:
-    """The cheapest transport between two locations. Never "disk": that is a destination
-    the controller names, not a peer."""
-    on_gpus = src.device.startswith("cuda") and dst.device.startswith("cuda")
-    if src.host != dst.host:
-        return "nccl" if on_gpus else "tcp"
-    if src.pid == dst.pid:
+    """The cheapest transport between two locations: one process, itself; one GPU, CUDA
+    IPC; two GPUs, on one host or two, NCCL; otherwise host memory, shared on one host and
+    TCP across hosts. Never "disk": that is a destination the controller names, not a peer.
+    A device names the GPU as its host numbers them, so "cuda:0" of two processes on one
+    host is one GPU."""
+    same_host = src.host == dst.host
+    if same_host and src.pid == dst.pid:
         return "inproc"
-    return "cuda_ipc" if on_gpus else "shm"
+    if src.device.startswith("cuda") and dst.device.startswith("cuda"):
+        return "cuda_ipc" if same_host and src.device == dst.device else "nccl"
+    return "shm" if same_host else "tcp"
 
 
 def describe(handle: ParamHandle) -> str:

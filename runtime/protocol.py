@@ -269,6 +269,7 @@ class LoadWeights(Message):
     agent: str
     version: int
     handle: ParamHandle  # from WeightsPublished; the controller passes it on, never reads it
+    rank: int = 0  # nccl: this instance's rank in the handle's communicator (1..n); 0 otherwise
 
 
 class WeightsLoaded(Message):
@@ -421,7 +422,8 @@ class PublishWeights(Message):
     agent: str
     version: int
     transport: str = "auto"  # "shm", "tcp", ... ; "auto" picks from where the ends are
-    targets: list[str] = []  # worker ids that will receive
+    targets: list[str] = []  # worker ids that will receive; over nccl, targets[i] is rank i + 1
+    group: str = ""  # nccl: the communicator's name, kept while the agent's targets stay the same
 
 
 class WeightsPublished(Message):

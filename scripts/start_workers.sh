@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Starts worker processes on this host, connected to a controller; Ctrl-C stops them all.
-#   scripts/start_workers.sh ADDR [ROLLOUT_COUNT] [TRAINER_COUNT] [--curve-dir DIR]
+#   scripts/start_workers.sh ADDR [ROLLOUT_COUNT] [TRAINER_COUNT] [--curve-dir DIR] [--param-host ADDR]
+# Worker ids are ROLE-HOSTNAME-I, so each host's are distinct. A controller off loopback
+# needs --curve-dir; workers then serve parameters to other hosts on the address facing the
+# controller (or --param-host). FLEXMARL_SKIP_SETUP=1 skips scripts/setup_env.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh

@@ -11,24 +11,29 @@ import sys
 
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
+from flexmarl.runtime.param_types import ParamChannelConfig
 
+from .channel_config import channel_config
 from .precision import visible_devices
 from .session import CommandHandler, WorkerSession
 
 log = logging.getLogger("flexmarl.worker")
 
 
-def make_handler(role: str, group_size: int = 1, threads: int = 1) -> CommandHandler:
+def make_handler(role: str, group_size: int = 1, threads: int = 1,
+                 channel: ParamChannelConfig | None = None) -> CommandHandler:
     # Imported lazily: a trainer never needs vLLM, and neither needs the other's deps.
     if role == "rollout":
         from .rollout import RolloutHandler
-        return RolloutHandler()
+        return RolloutHandler(channel)
     if role == "trainer" and group_size > 1:
         from .trainer_group import TrainerGroupHandler
-        return TrainerGroupHandler.start(group_size, threads)  # this process is rank 0
+        handler = TrainerGroupHandler.start(group_size, threads)  # this process is rank 0
+        handler.channel_config = channel  # rank 0 publishes to the rollout side
+        return handler
     if role == "trainer":
         from .trainer import TrainerHandler
-        return TrainerHandler()
+        return TrainerHandler(channel)
     raise SystemExit(f"unknown role {role!r}; use --role rollout or --role trainer")
 
 
@@ -43,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to keep trying to register again when the controller goes away "
                              "(it may be restarted on the same address); 0: exit at once")
     parser.add_argument("--curve-dir", default="", help="CURVE keys (needed for non-loopback controllers)")
+    parser.add_argument("--param-host", default="", metavar="ADDR",
+                        help="address to serve parameters to other hosts on (default: the one facing the controller)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--group-size", type=int, default=1,
                         help="trainer only: processes that train each agent together (FSDP2), one GPU each; "
@@ -58,11 +65,12 @@ def run_worker(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         # Before the session: a trainer group's ranks must all have joined first.
-        handler = make_handler(args.role, args.group_size, args.threads)
+        channel = channel_config(args.connect, args.param_host)
+        handler = make_handler(args.role, args.group_size, args.threads, channel)
         devices, pinned = visible_devices()
         session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id, devices=devices,
                                 visible_gpus=pinned,
-                                new_handler=lambda: make_handler(args.role, args.group_size, args.threads))
+                                new_handler=lambda: make_handler(args.role, args.group_size, args.threads, channel))
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

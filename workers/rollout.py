@@ -45,8 +45,9 @@ class _Batch:
 class RolloutHandler(CommandHandler):
     role = "rollout"
 
-    def __init__(self) -> None:
+    def __init__(self, channel_config: Any = None) -> None:
         super().__init__()
+        self.channel_config = channel_config  # ParamChannelConfig; None: the channel's defaults
         self.engine: Any = None
         self.agent = ""
         self.version = -1
@@ -143,10 +144,10 @@ class RolloutHandler(CommandHandler):
         if msg.agent != self.agent and self._batches:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
         if self._channel is None:
-            self._channel = ParamChannel()
+            self._channel = ParamChannel(self.channel_config)
         # Verified before any tensor is handed out: a short or corrupt transfer raises here
         # and the engine keeps its previous weights.
-        tensors = self._channel.receive(msg.handle)
+        tensors = self._channel.receive(msg.handle, rank=msg.rank or None)
         try:
             # Another agent's weights load in place only when they are a complete set for this
             # engine's architecture (the engine refuses any other set and keeps its weights);

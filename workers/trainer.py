@@ -118,8 +118,9 @@ class TrainerHandler(CommandHandler):
     # whose gradient reduction averages over N ranks uses N, so the gradients are sums.
     loss_scale = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, channel_config: Any = None) -> None:
         super().__init__()
+        self.channel_config = channel_config  # ParamChannelConfig; None: the channel's defaults
         self.agents: dict[str, AgentState] = {}
         # Unbounded on purpose: the controller bounds what it sends (one global batch of
         # micro-batches per agent at most), and dropping a command would lose gradients.
@@ -251,7 +252,8 @@ class TrainerHandler(CommandHandler):
                 _point_parameters_at(state.model, state.bucket.tensors)
             source = state.bucket or source
         handle = self.channel().publish(source, agent=state.name, version=state.version,
-                                        transport=msg.transport, receivers=max(1, len(msg.targets)))
+                                        transport=msg.transport, receivers=max(1, len(msg.targets)),
+                                        group=msg.group)
         # The controller publishes version v + 1 only after every receiver loaded v.
         if state.published is not None:
             self.channel().release(state.published)
@@ -262,7 +264,7 @@ class TrainerHandler(CommandHandler):
     def channel(self) -> Any:
         if self._channel is None:
             from flexmarl.runtime.param_channel import ParamChannel
-            self._channel = ParamChannel()
+            self._channel = ParamChannel(self.channel_config)
         return self._channel
 
     def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:

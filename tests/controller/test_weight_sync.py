@@ -45,8 +45,14 @@ def test_the_transport_follows_where_the_ends_are():
     assert transport_between(t, [other]) == "tcp"
     assert transport_between(t, [same, other]) == "tcp"  # one handle must reach both
     g, g2 = Location("h1", 1, "cuda:0"), Location("h2", 2, "cuda:0")
-    assert transport_between(g, [Location("h1", 2, "cuda:1")]) == "cuda_ipc"
+    assert transport_between(g, [Location("h1", 2, "cuda:0")]) == "cuda_ipc"  # the same GPU
+    assert transport_between(g, [Location("h1", 2, "cuda:1")]) == "nccl"  # another GPU of the host
     assert transport_between(g, [g2, Location("h1", 2, "cuda:1")]) == "nccl"
+    # NCCL wants a GPU per rank: one receiver on the trainer's GPU, or two sharing one,
+    # and the publication goes through host memory
+    assert transport_between(g, [g2, Location("h1", 2, "cuda:0")]) == "tcp"
+    assert transport_between(g, [Location("h1", 2, "cuda:1"), Location("h1", 3, "cuda:1")]) == "shm"
+    assert transport_between(t, [t, same]) == "shm"  # shm reaches a receiver in the publisher's process too
 
 
 async def test_a_sync_publishes_once_loads_every_instance_and_then_reports_the_version():
@@ -87,3 +93,109 @@ async def test_a_sync_waits_for_the_agents_lock():
     ws.locks["a"].release()
     await asyncio.wait_for(task, 1)
     assert len(server.calls) == 2
+
+
+# --- over NCCL: one communicator per agent, named and ranked by the controller -----------
+
+def gpu_server(instances=("r0", "r1"), **kw):
+    """A trainer and instances on GPUs of different hosts: weight sync goes over NCCL."""
+    hosts = {"t0": "h0", **{w: f"h{i + 1}" for i, w in enumerate(instances)}}
+    return FakeServer(hosts, devices={w: "cuda:0" for w in hosts}, **kw)
+
+
+def nccl_sync(server, instances, events=None):
+    current = list(instances)
+    ws = WeightSync(["a"], server, lambda agent: list(current), (events if events is not None else []).append, lambda a, v: None,
+                    trainer_for=lambda agent: _trainer("t0"))
+    return ws, current
+
+
+def _trainer(name):
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def bound():
+        yield name
+    return bound()
+
+
+def calls_of(server, kind):
+    return [(w, m) for w, m in server.calls if isinstance(m, kind)]
+
+
+async def test_over_nccl_the_trainer_is_told_the_group_and_each_instance_its_rank():
+    server, events = gpu_server(), []
+    ws, _ = nccl_sync(server, ["r0", "r1"], events)
+    await ws.sync("a", "t0", 1)
+    (_, publish), = calls_of(server, protocol.PublishWeights)
+    assert publish.transport == "nccl" and publish.group and publish.targets == ["r0", "r1"]
+    assert {w: m.rank for w, m in calls_of(server, protocol.LoadWeights)} == {"r0": 1, "r1": 2}
+    assert events[0].transport == "nccl"  # the event log says which transport a sync used
+
+
+async def test_an_agents_group_is_reused_while_its_instances_stay_and_replaced_when_they_change():
+    server = gpu_server(("r0", "r1", "r2"))
+    ws, current = nccl_sync(server, ["r0", "r1"])
+    await ws.sync("a", "t0", 1)
+    await ws.sync("a", "t0", 2)
+    current[:] = ["r1", "r0"]  # the same members in another order: still the same communicator
+    await ws.sync("a", "t0", 3)
+    groups = [m.group for _, m in calls_of(server, protocol.PublishWeights)]
+    assert groups[0] == groups[1] == groups[2]
+    loads = calls_of(server, protocol.LoadWeights)
+    assert {(w, m.rank) for w, m in loads[4:]} == {("r0", 1), ("r1", 2)}  # ranks stay with the group
+    current[:] = ["r0", "r1", "r2"]
+    await ws.sync("a", "t0", 4)
+    fourth = calls_of(server, protocol.PublishWeights)[-1][1]
+    assert fourth.group != groups[0] and fourth.targets == ["r0", "r1", "r2"]
+    assert [m.rank for _, m in calls_of(server, protocol.LoadWeights)[-3:]] == [1, 2, 3]
+
+
+async def test_a_sync_an_instance_died_in_leaves_the_group_to_be_made_again():
+    server = gpu_server(dies={"r1"})
+    ws, current = nccl_sync(server, ["r0", "r1"])
+    await ws.sync("a", "t0", 1)
+    first = calls_of(server, protocol.PublishWeights)[0][1].group
+    assert ws.groups.current("a") is None
+    server.dies.clear()
+    await ws.sync("a", "t0", 2)  # same members, but the old communicator is in no known state
+    assert calls_of(server, protocol.PublishWeights)[1][1].group not in ("", first)
+
+
+async def test_a_refused_nccl_load_fails_the_sync_and_drops_the_group():
+    server = gpu_server(fails={"r0"})
+    ws, _ = nccl_sync(server, ["r0", "r1"])
+    with pytest.raises(RemoteError):
+        await ws.sync("a", "t0", 1)
+    assert ws.groups.current("a") is None
+
+
+async def test_an_instance_joining_after_an_nccl_sync_gets_a_broadcast_of_its_own():
+    server = gpu_server(("r0", "r1", "r2"))
+    ws, _ = nccl_sync(server, ["r0", "r1"])
+    await ws.sync("a", "t0", 1)
+    group = ws.groups.current("a")
+    async with ws.locks["a"]:
+        await ws.bring_up_to_date("r2", "a")
+    _, again = calls_of(server, protocol.PublishWeights)[-1]
+    assert (again.transport, again.group, again.targets, again.version) == ("nccl", "", ["r2"], 1)
+    _, load = calls_of(server, protocol.LoadWeights)[-1]
+    assert load.rank == 1 and ws.holds["r2"] == ("a", 1)
+    assert ws.groups.current("a") == group  # the agent's communicator is untouched
+
+
+async def test_over_shm_no_group_or_rank_is_handed_out():
+    server = FakeServer({"t0": "h", "r0": "h"})
+    ws = WeightSync(["a"], server, lambda agent: ["r0"], lambda e: None, lambda a, v: None)
+    await ws.sync("a", "t0", 1)
+    assert calls_of(server, protocol.PublishWeights)[0][1].group == ""
+    assert calls_of(server, protocol.LoadWeights)[0][1].rank == 0
+
+
+def test_an_agent_left_without_instances_still_publishes_over_host_memory():
+    # Its only instance died and is being restarted: the sync publishes for later loaders.
+    from flexmarl.controller.weight_sync import transport_between
+    from flexmarl.runtime.param_types import Location
+
+    assert transport_between(Location("h", 1, "cpu"), []) == "shm"
+    assert transport_between(Location("h", 1, "cuda:0"), []) == "shm"

@@ -727,8 +727,11 @@ def test_choose_transport_picks_the_cheapest_path_between_locations():
     assert choose_transport(here, Location("node-b", 10, "cpu")) == "tcp"
     gpu = Location("node-a", 10, "cuda:0")
     assert choose_transport(gpu, Location("node-a", 11, "cuda:0")) == "cuda_ipc"
+    assert choose_transport(gpu, Location("node-a", 11, "cuda:1")) == "nccl"  # another GPU, same host
+    assert choose_transport(gpu, Location("node-b", 11, "cuda:0")) == "nccl"  # "cuda:0" of another host
     assert choose_transport(gpu, Location("node-b", 11, "cuda:1")) == "nccl"
     assert choose_transport(gpu, Location("node-a", 11, "cpu")) == "shm"
+    assert choose_transport(gpu, Location("node-b", 11, "cpu")) == "tcp"
 
 
 def test_a_handle_describes_the_layout_once_and_stays_small(channels):
@@ -776,12 +779,13 @@ def test_cuda_ipc_moves_a_model_state_between_processes_byte_exactly(processes, 
 
 
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (NCCL refuses two ranks on one GPU)")
 def test_nccl_broadcast_moves_a_model_state_between_processes_byte_exactly(processes, shm_dir):
     pytest.importorskip("cupy")
     proc, handle, digests = start_publisher(processes, "nccl", shm_dir, device="cuda:0")
     assert handle.nccl.world_size == 2 and len(handle.nccl.unique_id) == 128
-    receiver = ParamChannel(location=Location.here("cuda:0"))
+    receiver = ParamChannel(location=Location.here("cuda:1"))
     try:
         got = receiver.receive(handle, rank=1)
         assert {k: digest(v) for k, v in got.items()} == digests

@@ -25,6 +25,7 @@ EXAMPLES = [
     p.Generate(3, "solver", [p.GenRequest("s1", [1, 2, 3], 6, 1.0, 42)]),
     p.Generated(3, "solver", [p.GenResult("s1", [4, 5], [-0.1, -0.2], 0)], True, {"queued": 0.0}),
     p.LoadWeights(4, "solver", 1, HANDLE),
+    p.LoadWeights(4, "solver", 1, HANDLE, rank=2),  # nccl: the instance's rank in the agent's group
     p.WeightsLoaded(4, "solver", 1, 0.01),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),
@@ -33,6 +34,7 @@ EXAMPLES = [
     p.OptimStep(7, "checker", 1, 1 / 64),
     p.StepDone(7, "checker", 1, 0.9, 0.01),
     p.PublishWeights(8, "checker", 1, "shm", ["r1"]),
+    p.PublishWeights(8, "checker", 1, "nccl", ["r1", "r4"], "checker/ab12cd-3"),
     p.WeightsPublished(8, "checker", 1, HANDLE, 100, 0.1),
     p.SaveCheckpoint(9, "checker", "/tmp/ck"),
     p.CheckpointSaved(9, "checker", "/tmp/ck", 1),

@@ -94,6 +94,32 @@ def test_weights_synced_over_tcp_free_their_receive_buffer_once_loaded():
     handler.close()
 
 
+class RankRecordingChannel:
+    """Stands in for the channel the handler uses: records the rank each receive is given."""
+
+    def __init__(self):
+        self.ranks = []
+
+    def receive(self, handle, rank=None):
+        self.ranks.append(rank)
+        return {"w": torch.ones(2)}
+
+    def release(self, handle):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_an_nccl_load_joins_the_broadcast_at_the_rank_the_controller_gave():
+    handler = RolloutHandler()
+    handler.engine, handler.agent = CopyingEngine(), "planner"
+    handler._channel = RankRecordingChannel()
+    handler._load_weights(p.LoadWeights(1, "planner", 1, "any handle", rank=3))
+    handler._load_weights(p.LoadWeights(2, "planner", 2, "any handle"))  # not nccl: no rank
+    assert handler._channel.ranks == [3, None] and handler.version == 2
+
+
 class Outbox:
     """Stands in for the session: collects what the handler sends."""
 

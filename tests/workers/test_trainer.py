@@ -308,3 +308,28 @@ def test_a_checkpoint_on_a_full_disk_fails_clearly_and_leaves_nothing(model_dir,
         h.close()
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_an_nccl_publish_hands_the_channel_the_controllers_group_and_its_receiver_count(model_dir):
+    from flexmarl.runtime.param_channel import ParamChannel, ParamChannelConfig
+
+    class RecordingChannel(ParamChannel):
+        """The real channel, over tcp (no GPU here), recording what nccl would have been given."""
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.asked = []
+
+        def publish(self, tensors, **kw):
+            self.asked.append(kw)
+            return super().publish(tensors, **{**kw, "transport": "tcp", "group": ""})
+
+    config = ParamChannelConfig(tcp_chunk_bytes=1 << 16)
+    h = TrainerHandler(config)
+    h._execute(p.InitAgent(1, "planner", str(model_dir), 1e-3, 0))
+    assert h.channel().config is config  # the worker's settings, not the defaults
+    h._channel = RecordingChannel(config)
+    h._execute(p.PublishWeights(2, "planner", 0, "nccl", ["r3", "r5"], "planner/ab-1"))
+    (asked,) = h._channel.asked
+    assert (asked["transport"], asked["receivers"], asked["group"]) == ("nccl", 2, "planner/ab-1")
+    h.close()

@@ -1,0 +1,149 @@
+"""The nccl transport's communicators, with a stand-in for NCCL: one per agent and group,
+made once and reused by every later publication to the group, replaced when the group
+changes, torn down after a one-shot broadcast, dropped (never reused) after a failure.
+The real broadcast runs in the gpu tests of test_param_channel."""
+
+import threading
+
+import pytest
+import torch
+
+from flexmarl.runtime import param_nccl
+from flexmarl.runtime.param_channel import ParamChannelConfig
+from flexmarl.runtime.param_gpu import NcclTransport
+from flexmarl.runtime.param_transport import HostBuffers
+from flexmarl.runtime.param_types import Location, NcclInfo, ParamHandle
+
+
+class FakeComm:
+    """Stands in for a CuPy NCCL communicator: counts what it was asked to do."""
+
+    made: list["FakeComm"] = []
+
+    def __init__(self, info, rank, device, fail=False):
+        self.info, self.rank, self.device, self.fail = info, rank, device, fail
+        self.broadcasts, self.closed = 0, False
+        FakeComm.made.append(self)
+
+    def broadcast(self, bucket):
+        if self.fail:
+            raise RuntimeError("NCCL error: remote process exited")
+        self.broadcasts += 1
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def comms():
+    FakeComm.made = []
+    return param_nccl.Communicators(FakeComm)
+
+
+def handle(agent, info):
+    return ParamHandle(transport="nccl", agent=agent, version=1, key=f"{agent}-{info.group}", layout=[],
+                       total_bytes=0, checksum=0, publisher=Location("h", 1), nccl=info)
+
+
+BUCKET = torch.zeros(8, dtype=torch.uint8)
+
+
+def test_a_group_communicator_is_made_once_and_reused_by_every_later_broadcast(comms):
+    info = NcclInfo(b"\x01" * 128, 3, "planner/1")
+    for _ in range(3):
+        param_nccl.broadcast(comms, handle("planner", info), 2, BUCKET)
+    assert len(FakeComm.made) == 1 and FakeComm.made[0].broadcasts == 3 and FakeComm.made[0].rank == 2
+    assert comms.groups() == {"planner": ("planner/1", 2)}
+
+
+def test_a_new_group_for_an_agent_replaces_and_closes_its_old_communicator(comms):
+    old, new = NcclInfo(b"\x01" * 128, 3, "planner/1"), NcclInfo(b"\x02" * 128, 2, "planner/2")
+    param_nccl.broadcast(comms, handle("planner", old), 1, BUCKET)
+    param_nccl.broadcast(comms, handle("solver", NcclInfo(b"\x03" * 128, 2, "solver/1")), 1, BUCKET)
+    param_nccl.broadcast(comms, handle("planner", new), 1, BUCKET)
+    first, solver, second = FakeComm.made
+    assert first.closed and not solver.closed and not second.closed
+    assert comms.groups() == {"planner": ("planner/2", 1), "solver": ("solver/1", 1)}
+    comms.close()
+    assert solver.closed and second.closed and comms.groups() == {}
+
+
+def test_a_one_shot_broadcast_tears_its_communicator_down_and_leaves_the_group_alone(comms):
+    group = NcclInfo(b"\x01" * 128, 3, "planner/1")
+    param_nccl.broadcast(comms, handle("planner", group), 1, BUCKET)
+    param_nccl.broadcast(comms, handle("planner", NcclInfo(b"\x09" * 128, 2)), 1, BUCKET)
+    kept, one_shot = FakeComm.made
+    assert one_shot.closed and one_shot.broadcasts == 1 and not kept.closed
+    assert comms.groups() == {"planner": ("planner/1", 1)}
+
+
+def test_a_failed_broadcast_drops_its_communicator_so_the_next_one_is_made_afresh():
+    FakeComm.made = []
+    failing = iter([True, False])
+    comms = param_nccl.Communicators(lambda info, rank, device: FakeComm(info, rank, device, fail=next(failing)))
+    info = NcclInfo(b"\x01" * 128, 2, "planner/1")
+    with pytest.raises(RuntimeError, match="remote process exited"):
+        param_nccl.broadcast(comms, handle("planner", info), 1, BUCKET)
+    assert comms.groups() == {}
+    param_nccl.broadcast(comms, handle("planner", info), 1, BUCKET)
+    assert len(FakeComm.made) == 2 and FakeComm.made[1].broadcasts == 1
+
+
+def test_the_same_group_at_another_rank_is_joined_afresh(comms):
+    info = NcclInfo(b"\x01" * 128, 3, "planner/1")
+    param_nccl.broadcast(comms, handle("planner", info), 1, BUCKET)
+    param_nccl.broadcast(comms, handle("planner", info), 2, BUCKET)
+    assert [c.rank for c in FakeComm.made] == [1, 2] and FakeComm.made[0].closed
+
+
+def test_broadcasts_on_one_communicator_never_overlap(comms):
+    info = NcclInfo(b"\x01" * 128, 2, "planner/1")
+    inside, overlaps = threading.Semaphore(1), []
+
+    class SlowComm(FakeComm):
+        def broadcast(self, bucket):
+            if not inside.acquire(blocking=False):
+                overlaps.append(1)
+            threading.Event().wait(0.01)
+            inside.release()
+
+    comms = param_nccl.Communicators(SlowComm)
+    threads = [threading.Thread(target=param_nccl.broadcast, args=(comms, handle("planner", info), 1, BUCKET))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == []
+
+
+def test_a_receiver_must_be_given_a_rank_the_publisher_does_not_hold(comms):
+    info = NcclInfo(b"\x01" * 128, 3, "planner/1")
+    for rank in (None, 0, 3):
+        with pytest.raises(ValueError, match=r"rank= in 1\.\.2"):
+            param_nccl.receive(comms, handle("planner", info), rank, "cuda:0", 1.0)
+
+
+def test_the_publisher_keeps_one_unique_id_per_group_and_makes_a_new_one_for_a_new_group():
+    ids = iter(bytes([i]) * 128 for i in range(1, 10))
+    transport = NcclTransport(ParamChannelConfig(), Location("h", 1), HostBuffers(0), new_unique_id=lambda: next(ids))
+    first = transport.group_info("planner", "planner/1", receivers=2)
+    assert first == NcclInfo(b"\x01" * 128, 3, "planner/1")
+    assert transport.group_info("planner", "planner/1", receivers=2) is first  # same communicator
+    assert transport.group_info("solver", "solver/1", receivers=1).unique_id == b"\x02" * 128
+    replaced = transport.group_info("planner", "planner/2", receivers=1)
+    assert (replaced.unique_id, replaced.world_size) == (b"\x03" * 128, 2)
+    one_shots = [transport.group_info("planner", "", receivers=1) for _ in range(2)]
+    assert one_shots[0].unique_id != one_shots[1].unique_id and one_shots[0].group == ""
+    assert transport.group_info("planner", "planner/2", receivers=1) is replaced  # one-shots leave it alone
+    with pytest.raises(ValueError, match="receivers >= 1"):
+        transport.group_info("planner", "planner/3", receivers=0)
+
+
+def test_replacing_a_communicator_stuck_in_a_broadcast_does_not_wait_for_it(comms):
+    stuck = NcclInfo(b"\x01" * 128, 2, "planner/1")
+    member = comms.member("planner", stuck, 1, BUCKET.device)
+    member.lock.acquire()  # as if a broadcast hung inside it, its caller long timed out
+    param_nccl.broadcast(comms, handle("planner", NcclInfo(b"\x02" * 128, 2, "planner/2")), 1, BUCKET)
+    assert not FakeComm.made[0].closed and FakeComm.made[1].broadcasts == 1
+    assert comms.groups() == {"planner": ("planner/2", 1)}
