@@ -41,6 +41,8 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import ParamHandle
 
+from .server import WorkerDied
+
 log = logging.getLogger("flexmarl.checkpoints")
 
 CONTROLLER_STATE = "controller.json"
@@ -183,7 +185,10 @@ class Checkpointer:
         try:
             reply, _ = await self.server.call(trainer, protocol.SaveCheckpoint(
                 self.server.next_request_id(), agent, str((staging / agent).resolve()), full_state=self.full_state))
+        except WorkerDied:
+            raise  # the agent's state died with its trainer: its pipeline restores it and saves again
         except Exception as exc:
+            self._saved.pop(step, None)
             shutil.rmtree(staging, ignore_errors=True)
             raise self._failed(step, str(exc)) from exc
         self._saved[step][agent] = reply.nbytes

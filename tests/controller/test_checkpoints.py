@@ -123,3 +123,22 @@ def test_resuming_cuts_the_metrics_back_to_the_checkpoint(tmp_path):
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     # training rows up to the checkpoint; evaluations before it (one at the step is redone)
     assert kept == [rows[0], rows[2], rows[4]]
+
+
+async def test_a_trainer_dying_mid_save_leaves_the_cut_open_for_the_agent_to_save_again(tmp_path):
+    from flexmarl.controller.server import WorkerDied
+
+    class DyingOnce(FakeTrainers):
+        async def call(self, worker, msg):
+            if msg.agent == "solver" and not getattr(self, "died", False):
+                self.died = True
+                raise WorkerDied(worker, "killed")
+            return await super().call(worker, msg)
+
+    ck, _ = checkpointer(tmp_path, DyingOnce())
+    await ck.save_agent("planner", "trainer-0", 2)
+    with pytest.raises(WorkerDied):  # not a checkpoint failure: the pipeline restores the agent
+        await ck.save_agent("solver", "trainer-0", 2)
+    assert (tmp_path / "checkpoints" / ".step-000002.partial" / "planner").is_dir()  # kept
+    await ck.save_agent("solver", "trainer-1", 2)  # restored elsewhere, stepped again, saved
+    assert latest_checkpoint(tmp_path).step == 2
