@@ -91,13 +91,13 @@ class Watch:
                 self.workers[e.worker] = (e.role, e.pid)
             elif isinstance(e, ev.WorkerDied):
                 self.workers.pop(e.worker, None)
-            elif isinstance(e, ev.RunResumed):
-                self.workers.clear()  # the killed controller's workers are gone; new ones join
             elif isinstance(e, ev.OptimizerStep):
                 self.stepped = True
         return new
 
     def live(self) -> dict[str, tuple[str, int]]:
+        """Registered workers whose process runs (a killed controller's workers were
+        stopped; the new controller's registered under the same ids)."""
         return {w: rp for w, rp in self.workers.items() if _alive(rp[1])}
 
 
@@ -179,7 +179,6 @@ def main() -> int:
             next_sample = now + args.sample_s
         if now >= next_kill and watch.stepped and all(k.recovered_s is not None for k in kills):
             kind = KINDS[turn % len(KINDS)]
-            turn += 1
             if kind == "controller":
                 kill = Kill(kind, "controller", controller.pid, now)
                 _kill(controller.pid)
@@ -189,10 +188,15 @@ def main() -> int:
                     _kill(pid)  # its orphans: an operator stops them before resuming
                 controller = start_controller(args, True, log_fh)
             else:
-                victim = sorted(w for w, (role, _) in workers.items() if role == kind)[0]
+                candidates = sorted(w for w, (role, _) in workers.items() if role == kind)
+                if not candidates:  # none registered right now (one is restarting): next time
+                    time.sleep(1.0)
+                    continue
+                victim = candidates[0]
                 kill = Kill(kind, victim, workers[victim][1], now)
                 _kill(kill.pid)
             kills.append(kill)
+            turn += 1
             print(f"{now:7.1f}s  killed {kind} {kill.victim} (pid {kill.pid})", flush=True)
             next_kill = now + args.kill_every
         time.sleep(1.0)
