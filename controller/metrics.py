@@ -25,7 +25,8 @@ log = logging.getLogger("flexmarl.metrics")
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
-                 trackers: Iterable[Any] = (), *, resumed: bool = False) -> None:
+                 trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1) -> None:
+        self.first_step = first_step  # the first step this process trains (later after a resume)
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)  # see trackers.py: each gets every row
         self.agents = list(agents)
@@ -65,7 +66,7 @@ class MetricsLog:
         width = 20
         done = int(width * step / total)
         bar = "#" * done + "." * (width - done)
-        eta = elapsed / step * (total - step)
+        eta = elapsed / max(1, step - self.first_step + 1) * (total - step)
         print(f"[{bar}] step {step}/{total}  reward: {rewards}  "
               f"{elapsed:.0f}s elapsed, ~{eta:.0f}s left", file=sys.stderr, flush=True)
 

@@ -121,7 +121,7 @@ class TrainingRun:
             self.schedule.resume_after(resume.step)
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
                                   trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents),
-                                  resumed=resume is not None)
+                                  resumed=resume is not None, first_step=self.schedule.first_batch)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
                                        keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                        controller_state=self._controller_state,

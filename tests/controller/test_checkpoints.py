@@ -142,3 +142,25 @@ async def test_a_trainer_dying_mid_save_leaves_the_cut_open_for_the_agent_to_sav
     assert (tmp_path / "checkpoints" / ".step-000002.partial" / "planner").is_dir()  # kept
     await ck.save_agent("solver", "trainer-1", 2)  # restored elsewhere, stepped again, saved
     assert latest_checkpoint(tmp_path).step == 2
+
+
+async def test_resuming_what_cannot_be_resumed_says_why_before_anything_starts(tmp_path):
+    from flexmarl.controller.digit_chain import default_config
+    from flexmarl.controller.experiment import Experiment
+    from flexmarl.runtime.config import dump_toml, load_config
+
+    with pytest.raises(CheckpointError, match="not a run directory"):
+        Experiment.resuming(tmp_path / "nothing-here")
+    cfg = load_config(None, ["run.steps=4"], defaults=default_config())
+    (tmp_path / "config.toml").write_text(dump_toml(cfg))
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        async with Experiment.resuming(tmp_path, spawn_workers=False):
+            pass
+    ck, _ = checkpointer(tmp_path, FakeTrainers(), every=2, steps=4)
+    for step in (2, 4):
+        await save_step(ck, step)
+    with pytest.raises(CheckpointError, match="is finished.*larger run.steps"):
+        async with Experiment.resuming(tmp_path, spawn_workers=False):
+            pass
+    longer = Experiment.resuming(tmp_path, overrides=["run.steps=8"], spawn_workers=False)
+    assert longer.config.run.steps == 8 and longer.resume
