@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import msgspec
+
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.aio import supervise
@@ -257,19 +259,21 @@ class TrainingRun:
 
     async def _load_model(self, agent: str, worker: str) -> None:
         message = self.load_model_message(agent)
+        if self.resume is not None:  # set-up of a resumed run: engines start at the checkpoint
+            message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(agent).resolve()),
+                                              version=self.resume.step)
         reply, _ = await self.server.call(worker, message)
         self.weights.served(worker, agent, message.version)
         log.info("%s serves %s (%.1fs to start the engine)", worker, agent, reply.seconds)
 
     def load_model_message(self, agent: str) -> protocol.LoadModel:
-        """What starts an engine on `agent`'s model: the model directory's weights (version
-        0), or after a resume the checkpoint's (its version); the weight sync brings it on."""
+        """What starts an engine on `agent`'s model at version 0, the model directory's
+        weights; the weight sync brings it to the agent's version (a rejoined worker, an
+        instance moved between agents). Never a checkpoint's: those get pruned."""
         cfg = self.cfg.agents[agent]  # max_model_len 0: the engine's device decides
-        path, version = self.model_path[agent], 0
-        if self.resume is not None:
-            path, version = str(self.resume.agent_dir(agent).resolve()), self.resume.step
-        return protocol.LoadModel(self.server.next_request_id(), agent, path, version, seed=self.cfg.run.seed,
-                                  max_model_len=cfg.max_model_len, engine=cfg.engine_settings())
+        return protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
+                                  seed=self.cfg.run.seed, max_model_len=cfg.max_model_len,
+                                  engine=cfg.engine_settings())
 
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN

@@ -164,3 +164,27 @@ async def test_resuming_what_cannot_be_resumed_says_why_before_anything_starts(t
             pass
     longer = Experiment.resuming(tmp_path, overrides=["run.steps=8"], spawn_workers=False)
     assert longer.config.run.steps == 8 and longer.resume
+
+
+def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_checkpoint(tmp_path):
+    """A worker that rejoins (or an instance moved to another agent) long after the resume
+    starts from the model's own weights and is synced to the current version: the
+    checkpoint the run resumed from may be pruned by then."""
+    from types import SimpleNamespace
+
+    from flexmarl.controller.checkpoints import ResumePoint
+    from flexmarl.controller.digit_chain import default_config
+    from flexmarl.controller.training import TrainingRun
+    from flexmarl.runtime.config import load_config
+
+    cfg = load_config(None, ["run.steps=8", "run.progress=false"], defaults=default_config())
+    server = SimpleNamespace(on_died=[], on_joined=[], closing=False, next_request_id=lambda: 1)
+    point = ResumePoint(tmp_path / "checkpoints" / "step-000004", 4, {})
+    run = TrainingRun(cfg, server, tmp_path, emit=lambda e: None, flush_events=None,
+                      worker_ids=lambda role: [], resume=point)
+    run.model_path = {a: f"/models/{a}" for a in cfg.agents}
+    message = run.load_model_message("planner")
+    assert (message.model_path, message.version) == ("/models/planner", 0)
+    assert run.schedule.first_batch == 5 and run.schedule.synced["planner"] == 4
+    run.metrics.close()
+    run.tools.shutdown()
