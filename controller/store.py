@@ -198,9 +198,13 @@ class ExperienceStore:
             self.groups[group_id].why_dropped = why
 
     def forget(self, samples: Iterable[Sample]) -> None:
-        """Frees trained samples' token lists (the ids and counts stay)."""
+        """Lets trained samples (whole groups, as `take` hands them out) go: a long run's
+        store holds what is in flight and not yet committed, not its history (the counts
+        stay; the event log has the rest)."""
         for s in samples:
             s.prompt_ids = s.output_ids = s.logprobs = s.mask = []
+            self.samples.pop(s.sample_id, None)
+            self.groups.pop(s.group_id, None)
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6, by_std: bool = True) -> list[float]:
