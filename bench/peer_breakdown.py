@@ -1,0 +1,133 @@
+"""Where a FlexMARL step of the peer job spends its time: the run's stages, and each piece alone.
+
+Two views, both in milliseconds per step:
+
+- `run_breakdown` (from a real run's metrics rows and event log, steady-state medians):
+  rollout (first episode to last), training (the trainer's forward/backward seconds), the
+  optimizer step plus weight sync (of which the sync itself, publish to loaded), and what
+  is left of the step: controller work, messages and waiting between stages. In sync mode
+  these are back to back and add up to the step; in async mode they overlap.
+- `components` (one process, the job's model, nothing else running): one rollout round
+  through a `VllmEngine` (adding 128 requests; the engine steps, with and without
+  per-sample seeds), the weight reload (vLLM's reload and the prefix-cache reset), the
+  trainer's forward/backward of 128 samples and its optimizer step, and encoding plus
+  decoding the round's three big messages (Generate, Generated, TrainMicroBatch).
+
+It knows the peer job's shape (peer_task), not how the stages are scheduled.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import peer_task
+
+ROUND = 8 * 16  # requests per step: 8 prompts x 16 samples
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def run_breakdown(rows: list[dict], events: list[Any], training: Any, warmup: int) -> dict:
+    """Medians over the steps after `warmup` of one run's stage times, in ms."""
+    steady = [r for r in rows if r["step"] > warmup]
+    syncs = [e.seconds for e in events if type(e).__name__ == "WeightSyncFinished" and e.version > warmup]
+    batches = training.schedule.batches
+    step = [1000 * (batches[t].trained - batches[t - 1].trained) for t in range(warmup + 1, len(batches) + 1)]
+    ms = {"step": _median(step),
+          "rollout": 1000 * _median([r["rollout_s"] for r in steady]),
+          "train (trainer fwd/bwd)": 1000 * _median([r["train_s"] for r in steady]),
+          "optimizer step + weight sync": 1000 * _median([r["sync_s"] for r in steady]),
+          "of which weight sync (publish to loaded)": 1000 * _median(syncs)}
+    ms["rest: controller, messages, waits"] = (ms["step"] - ms["rollout"] - ms["train (trainer fwd/bwd)"]
+                                              - ms["optimizer step + weight sync"])
+    lines = ["| stage | ms per step |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in ms.items()]
+    return {"ms": {k: round(v, 2) for k, v in ms.items()}, "table": "\n".join(lines)}
+
+
+def _timed(fn, reps: int) -> float:
+    """Median ms of `reps` calls of fn()."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def components(model_dir: str, reps: int = 7) -> dict:
+    """Each piece of a step alone, in ms (medians of `reps`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flexmarl.runtime import protocol
+    from flexmarl.workers.engine import VllmEngine
+    from flexmarl.workers.loss import policy_loss
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.encode(p) for p in peer_task.prompts(8, 1234)]
+    engine = VllmEngine(model_dir, seed=0, max_model_len=64)
+    counter = iter(range(10**9))
+    ms: dict[str, float] = {}
+    completions: list = []
+    step_counts: list[int] = []
+
+    def add(seeded: bool) -> None:
+        for i in range(ROUND):
+            n = next(counter)
+            engine.add(f"r{n}", prompts[i % 8], peer_task.MAX_TOKENS, 1.0, n if seeded else None, ignore_eos=False)
+
+    def drain() -> None:
+        steps = 0
+        while engine.has_unfinished():
+            completions.extend(engine.step())
+            steps += 1
+        step_counts.append(steps)
+
+    for seeded in (True, False):
+        label = "seeded" if seeded else "unseeded"
+        add(seeded), drain()  # first-time shapes
+        ms[f"engine: add {ROUND} requests ({label})"] = _timed(lambda: add(seeded) or engine.abort(
+            list(engine._outstanding)), reps)
+        ms[f"engine: steps of one round ({label})"] = _timed(lambda: (add(seeded), drain()), reps) - \
+            ms[f"engine: add {ROUND} requests ({label})"]
+    ms["engine: steps per round"] = float(_median(step_counts))
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    ms["weight reload: load_weights (all)"] = _timed(lambda: engine.load_weights(weights), reps)
+    ms["weight reload: of which reset_prefix_cache"] = _timed(lambda: engine._engine.reset_prefix_cache(), reps)
+
+    done = completions[-ROUND:]
+    samples = [protocol.TrainSample(c.request_id, prompts[i % 8], c.token_ids, 1.0 if i % 2 else -1.0, c.logprobs,
+                                    [0]) for i, c in enumerate(done)]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def fwd_bwd() -> None:
+        loss, _ = policy_loss(model, samples, protocol.LossOptions(), off_policy=False, clip_ratio=2.0)
+        loss.backward()
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    fwd_bwd()
+    ms[f"trainer: forward/backward of {ROUND} samples"] = _timed(fwd_bwd, reps)
+    ms["trainer: clip + Adam step"] = _timed(lambda: (fwd_bwd(), step()), reps) - ms[
+        f"trainer: forward/backward of {ROUND} samples"]
+
+    gen = protocol.Generate(1, "solver", [protocol.GenRequest(f"e/s-{i}", prompts[i % 8], 5, 1.0, i)
+                                          for i in range(ROUND)])
+    out = protocol.Generated(1, "solver", [protocol.GenResult(c.request_id, c.token_ids, c.logprobs, 0)
+                                           for c in done], True)
+    train = protocol.TrainMicroBatch(1, "solver", 1, samples, 0, 2.0, protocol.LossOptions())
+    for name, msg in (("Generate", gen), ("Generated", out), ("TrainMicroBatch", train)):
+        ms[f"message: {name} of {ROUND}, encode + decode"] = _timed(lambda: protocol.decode(protocol.encode(msg)),
+                                                                    reps)
+    engine.close()
+    lines = ["| piece, alone | ms |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in ms.items()]
+    return {"ms": {k: round(v, 3) for k, v in ms.items()}, "table": "\n".join(lines)}
