@@ -7,7 +7,7 @@ Two views, both in milliseconds per step:
   optimizer step plus weight sync (of which the sync itself, publish to loaded), and what
   is left of the step: controller work, messages and waiting between stages. In sync mode
   these are back to back and add up to the step; in async mode they overlap.
-- `components` (one process, the job's model, nothing else running): one rollout round
+- `components` (CPU time of this one-thread process, the job's model): one rollout round
   through a `VllmEngine` (adding 128 requests; the engine steps, with and without
   per-sample seeds), the weight reload (vLLM's reload and the prefix-cache reset), the
   trainer's forward/backward of 128 samples and its optimizer step, and encoding plus
@@ -49,12 +49,13 @@ def run_breakdown(rows: list[dict], events: list[Any], training: Any, warmup: in
 
 
 def _timed(fn, reps: int) -> float:
-    """Median ms of `reps` calls of fn()."""
+    """Median CPU ms of `reps` calls of fn(): this process is single-threaded, and CPU time
+    moves far less than wall time when other work shares the machine."""
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(1000 * (time.perf_counter() - t0))
+        times.append(1000 * (time.process_time() - t0))
     return statistics.median(times)
 
 
