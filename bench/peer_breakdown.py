@@ -6,11 +6,13 @@ Two views, both in milliseconds per step:
   rollout (first episode to last), training (the trainer's forward/backward seconds), the
   optimizer step plus weight sync (of which the sync itself, publish to loaded), and what
   is left of the step: controller work, messages and waiting between stages. In sync mode
-  these are back to back and add up to the step; in async mode they overlap.
+  these are back to back and add up to the step; in async mode they overlap, and only the
+  trainer's and the sync's figures are given.
 - `components` (CPU time of this one-thread process, the job's model): one rollout round
-  through a `VllmEngine` (adding 128 requests; the engine steps, with and without
-  per-sample seeds), the weight reload (vLLM's reload and the prefix-cache reset), the
-  trainer's forward/backward of 128 samples and its optimizer step, and encoding plus
+  through a `VllmEngine` (adding 128 requests one by one, seeded or not, or as 8 groups
+  of 16; the engine steps that follow), the weight reload (vLLM's reload and the prefix-cache reset), the
+  trainer's forward/backward of 128 samples (each distinct prompt once, and one pass per
+  sample as before) and its optimizer step, and encoding plus
   decoding the round's three big messages (Generate, Generated, TrainMicroBatch).
 
 It knows the peer job's shape (peer_task), not how the stages are scheduled.
@@ -42,8 +44,13 @@ def run_breakdown(rows: list[dict], events: list[Any], training: Any, warmup: in
           "train (trainer fwd/bwd)": 1000 * _median([r["train_s"] for r in steady]),
           "optimizer step + weight sync": 1000 * _median([r["sync_s"] for r in steady]),
           "of which weight sync (publish to loaded)": 1000 * _median(syncs)}
-    ms["rest: controller, messages, waits"] = (ms["step"] - ms["rollout"] - ms["train (trainer fwd/bwd)"]
-                                              - ms["optimizer step + weight sync"])
+    if training.schedule.overlap:
+        # Overlapped: a batch's rollout starts while earlier batches train and waits at the
+        # gate, so first-to-last episode is no stage time, and nothing adds up to the step.
+        del ms["rollout"]
+    else:
+        ms["rest: controller, messages, waits"] = (ms["step"] - ms["rollout"] - ms["train (trainer fwd/bwd)"]
+                                                  - ms["optimizer step + weight sync"])
     lines = ["| stage | ms per step |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in ms.items()]
     return {"ms": {k: round(v, 2) for k, v in ms.items()}, "table": "\n".join(lines)}
 
@@ -66,6 +73,7 @@ def components(model_dir: str, reps: int = 7) -> dict:
 
     from flexmarl.runtime import protocol
     from flexmarl.workers.engine import VllmEngine
+    from flexmarl.workers import scoring
     from flexmarl.workers.loss import policy_loss
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -76,10 +84,17 @@ def components(model_dir: str, reps: int = 7) -> dict:
     completions: list = []
     step_counts: list[int] = []
 
-    def add(seeded: bool) -> None:
-        for i in range(ROUND):
+    def add(how: str) -> None:
+        if how == "as 8 groups of 16":  # what the rollout worker does with a group's members
+            for g in range(8):
+                n = next(counter)
+                engine.add_group([f"r{n}/{j}" for j in range(16)], prompts[g], peer_task.MAX_TOKENS, 1.0, 16 * n,
+                                 ignore_eos=False)
+            return
+        for i in range(ROUND):  # one request per sample (seeded, or not to show what seeds cost)
             n = next(counter)
-            engine.add(f"r{n}", prompts[i % 8], peer_task.MAX_TOKENS, 1.0, n if seeded else None, ignore_eos=False)
+            engine.add(f"r{n}", prompts[i % 8], peer_task.MAX_TOKENS, 1.0, n if how == "one by one" else None,
+                       ignore_eos=False)
 
     def drain() -> None:
         steps = 0
@@ -88,13 +103,12 @@ def components(model_dir: str, reps: int = 7) -> dict:
             steps += 1
         step_counts.append(steps)
 
-    for seeded in (True, False):
-        label = "seeded" if seeded else "unseeded"
-        add(seeded), drain()  # first-time shapes
-        ms[f"engine: add {ROUND} requests ({label})"] = _timed(lambda: add(seeded) or engine.abort(
-            list(engine._outstanding)), reps)
-        ms[f"engine: steps of one round ({label})"] = _timed(lambda: (add(seeded), drain()), reps) - \
-            ms[f"engine: add {ROUND} requests ({label})"]
+    for how in ("one by one", "one by one, unseeded", "as 8 groups of 16"):
+        add(how), drain()  # first-time shapes
+        added = ms[f"engine: add {ROUND} requests {how}"] = _timed(
+            lambda: add(how) or engine.abort(list(engine._outstanding)), reps)
+        ms[f"engine: steps of that round"] = _timed(lambda: (add(how), drain()), reps) - added
+        ms[f"engine: steps of that round ({how})"] = ms.pop("engine: steps of that round")
     ms["engine: steps per round"] = float(_median(step_counts))
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -116,10 +130,15 @@ def components(model_dir: str, reps: int = 7) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    fwd_bwd()
-    ms[f"trainer: forward/backward of {ROUND} samples"] = _timed(fwd_bwd, reps)
-    ms["trainer: clip + Adam step"] = _timed(lambda: (fwd_bwd(), step()), reps) - ms[
-        f"trainer: forward/backward of {ROUND} samples"]
+    # Each distinct prompt once (scoring.py), and for comparison one pass over prompt + output.
+    takes_cache = scoring._takes_cache
+    for how, shared in (("prompts shared", True), ("one pass per sample", False)):
+        scoring._takes_cache = takes_cache if shared else (lambda _type: False)
+        fwd_bwd()
+        ms[f"trainer: forward/backward of {ROUND} samples, {how}"] = _timed(fwd_bwd, reps)
+    scoring._takes_cache = takes_cache
+    fb = ms[f"trainer: forward/backward of {ROUND} samples, prompts shared"]
+    ms["trainer: clip + Adam step"] = _timed(lambda: (fwd_bwd(), step()), reps) - fb
 
     gen = protocol.Generate(1, "solver", [protocol.GenRequest(f"e/s-{i}", prompts[i % 8], 5, 1.0, i)
                                           for i in range(ROUND)])

