@@ -13,7 +13,8 @@ Two views, both in milliseconds per step:
   of 16; the engine steps that follow), the weight reload (vLLM's reload and the prefix-cache reset), the
   trainer's forward/backward of 128 samples (each distinct prompt once, and one pass per
   sample as before) and its optimizer step, and encoding plus
-  decoding the round's three big messages (Generate, Generated, TrainMicroBatch).
+  decoding the round's three big messages (Generate, Generated, TrainMicroBatch); and, for
+  comparison, the peer's way of generating the round (Hugging Face `generate`).
 
 It knows the peer job's shape (peer_task), not how the stages are scheduled.
 """
@@ -139,6 +140,15 @@ def components(model_dir: str, reps: int = 7) -> dict:
     scoring._takes_cache = takes_cache
     fb = ms[f"trainer: forward/backward of {ROUND} samples, prompts shared"]
     ms["trainer: clip + Adam step"] = _timed(lambda: (fwd_bwd(), step()), reps) - fb
+
+    # What the peer generates with: Hugging Face generate on the same round, left-padded.
+    tokenizer.padding_side = "left"
+    batch = tokenizer([p for p in peer_task.prompts(8, 1234) for _ in range(16)], return_tensors="pt",
+                      padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        ms[f"peer's generation: Hugging Face generate of the same {ROUND}"] = _timed(
+            lambda: model.generate(**batch, do_sample=True, max_new_tokens=peer_task.MAX_TOKENS, top_k=0,
+                                   pad_token_id=tokenizer.pad_token_id), reps)
 
     gen = protocol.Generate(1, "solver", [protocol.GenRequest(f"e/s-{i}", prompts[i % 8], 5, 1.0, i)
                                           for i in range(ROUND)])
