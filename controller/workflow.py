@@ -81,7 +81,15 @@ class AgentDefaults:
 
 def request_seed(run_seed: int, sample_id: str) -> int:
     """Deterministic per-sample sampling seed: the same sample id draws the same tokens
-    under the same weights, whatever the batch it lands in (sync and async agree)."""
+    under the same weights, whatever the batch it lands in (sync and async agree).
+
+    A group's members (`GROUP/i`, the first turn of sample i) get consecutive seeds, base +
+    i with the base from the group id: a rollout worker then adds the group to its engine
+    as one request of n samples (vLLM seeds sample i with base + i), the tokens unchanged.
+    Any other request id (a later turn, `SAMPLE@k`) is hashed whole."""
+    group, _, member = sample_id.rpartition("/")
+    if group and member.isdigit() and len(member) < 9:
+        return (zlib.crc32(f"{run_seed}:{group}".encode()) & 0x3FFFFFFF) + int(member)
     return zlib.crc32(f"{run_seed}:{sample_id}".encode()) & 0x7FFFFFFF
 
 

@@ -139,6 +139,9 @@ class VllmEngine:
         self._weight_shapes = checkpoint_weight_shapes(model_path)
         # request_id -> prompt tokens + max_tokens: the work it may still cost.
         self._outstanding: dict[str, int] = {}
+        # A group added as one vLLM request (see add_group): its id -> the member ids, in order.
+        self._groups: dict[str, list[str]] = {}
+        self._group_of: dict[str, str] = {}
         self.startup_seconds = time.perf_counter() - start
 
     # ---- requests --------------------------------------------------------------------
@@ -168,23 +171,51 @@ class VllmEngine:
         Raises `RequestRefused` (nothing queued, the engine unchanged) for a request that
         cannot run here.
         """
+        self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, top_p=top_p, top_k=top_k,
+                       stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+
+    def add_group(
+        self,
+        request_ids: Sequence[str],
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = True,
+    ) -> None:
+        """Queue requests that differ only in their seeds, request j with seed `seed + j`:
+        exactly `add(request_ids[j], ..., seed + j)` for every j, tokens and logprobs alike,
+        but added to vLLM as one request of n samples, so the prompt is checked, its
+        settings copied and its cache blocks filled once, not n times (most of what adding
+        a request costs). Its members finish and are returned together; aborting any of
+        them aborts the group. Raises `RequestRefused` for all of them, nothing queued."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        if request_id in self._outstanding:
-            raise RequestRefused(f"request {request_id!r} is already in this engine")
+        ids = list(request_ids)
+        name = ids[0] if len(ids) == 1 else f"group:{ids[0]}:{len(ids)}"
+        taken = [rid for rid in ids if rid in self._outstanding] or ([name] if name in self._groups else [])
+        if taken or len(set(ids)) != len(ids):
+            raise RequestRefused(f"request {(taken or ids)[0]!r} is already in this engine")
         reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
         if reason is None and stop and not self.has_tokenizer:
             reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
         if reason is not None:
-            raise RequestRefused(f"request {request_id!r} refused: {reason}")
+            raise RequestRefused(f"request {name!r} refused: {reason}")
         # The end-of-sequence ids are named explicitly: without a tokenizer vLLM knows none.
         ends = [] if ignore_eos else [t for t in self.eos_token_ids if t not in stop_token_ids]
         try:
             params = SamplingParams(
-                n=1,
+                # vLLM gives sample j of an n-sample request the seed `seed + j` (its
+                # ParentRequest), the very seed request_ids[j] would have alone.
+                n=len(ids),
                 max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,
@@ -199,28 +230,36 @@ class VllmEngine:
             )
             # vLLM validates the request completely before registering any of it, so a
             # refusal here leaves nothing behind.
-            self._engine.add_request(request_id, tokens_input(list(prompt_ids)), params)
+            self._engine.add_request(name, tokens_input(list(prompt_ids)), params)
         except (VLLMClientError, ValueError, TypeError) as exc:
-            raise RequestRefused(f"vLLM refused request {request_id!r}: {exc}") from exc
-        self._outstanding[request_id] = len(prompt_ids) + max_tokens
+            raise RequestRefused(f"vLLM refused request {name!r}: {exc}") from exc
+        for rid in ids:
+            self._outstanding[rid] = len(prompt_ids) + max_tokens
+        if len(ids) > 1:
+            self._groups[name] = ids
+            self._group_of.update((rid, name) for rid in ids)
 
     def step(self) -> list[Completion]:
         """Run one engine step; return the requests that finished in it."""
         completions = []
         for output in self._engine.step():
-            if not output.finished or output.request_id not in self._outstanding:
+            if not output.finished:
                 continue
-            del self._outstanding[output.request_id]
-            sample = output.outputs[0]
-            completions.append(Completion(
-                request_id=output.request_id,
-                token_ids=list(sample.token_ids),
-                logprobs=[
-                    step_logprobs[token].logprob
-                    for token, step_logprobs in zip(sample.token_ids, sample.logprobs)
-                ],
-                finish_reason=sample.finish_reason,
-            ))
+            members = self._groups.pop(output.request_id, None) or [output.request_id]
+            for sample in output.outputs:
+                rid = members[sample.index]
+                if self._outstanding.pop(rid, None) is None:
+                    continue
+                self._group_of.pop(rid, None)
+                completions.append(Completion(
+                    request_id=rid,
+                    token_ids=list(sample.token_ids),
+                    logprobs=[
+                        step_logprobs[token].logprob
+                        for token, step_logprobs in zip(sample.token_ids, sample.logprobs)
+                    ],
+                    finish_reason=sample.finish_reason,
+                ))
         return completions
 
     def has_unfinished(self) -> bool:
@@ -238,12 +277,15 @@ class VllmEngine:
         return sum(self._outstanding.values())
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Drop requests; they never come back from `step()`. Unknown ids are ignored."""
-        known = [rid for rid in request_ids if rid in self._outstanding]
-        if known:
-            self._engine.abort_request(known)
-            for rid in known:
-                del self._outstanding[rid]
+        """Drop requests; they never come back from `step()`. Unknown ids are ignored. A
+        member of a group (add_group) takes its whole group with it."""
+        names = {self._group_of.get(rid, rid) for rid in request_ids if rid in self._outstanding}
+        if names:
+            self._engine.abort_request(list(names))
+            for name in names:
+                for rid in self._groups.pop(name, [name]):
+                    del self._outstanding[rid]
+                    self._group_of.pop(rid, None)
 
     # ---- weights ---------------------------------------------------------------------
 
@@ -303,6 +345,8 @@ class VllmEngine:
         engine, self._engine = self._engine, None
         self._llm = None
         self._outstanding.clear()
+        self._groups.clear()
+        self._group_of.clear()
         if engine is not None:
             engine.engine_core.shutdown()
 

@@ -21,6 +21,8 @@ import torch
 
 from flexmarl.runtime import protocol
 
+from .scoring import output_logits, padded
+
 
 # ---------------------------------------------------------------- options as tables
 
@@ -139,44 +141,38 @@ def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protoc
 
     Token terms: the policy-gradient term of OFF_POLICY[options.off_policy] when
     `off_policy` (samples may lag the trained weights), else the exact on-policy one;
-    plus kl_coef * k3 KL to `reference` (the initial weights) when kl_coef > 0."""
+    plus kl_coef * k3 KL to `reference` (the initial weights) when kl_coef > 0. Every
+    tensor is made where the model is (its device is the default inside)."""
+    with torch.device(next(model.parameters()).device):
+        return _policy_loss(model, samples, options, off_policy, clip_ratio, reference)
+
+
+def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: protocol.LossOptions,
+                 off_policy: bool, clip_ratio: float, reference: Any) -> tuple[torch.Tensor, StepSums]:
     aggregation = AGGREGATIONS[options.agg]
     rule = OFF_POLICY[options.off_policy] if off_policy else on_policy
-    lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
-    n, width = len(samples), max(lengths)
-    ids = torch.zeros((n, width), dtype=torch.long)  # pad with token 0, masked out
-    mask = torch.zeros((n, width), dtype=torch.long)
-    out_mask = torch.zeros((n, width - 1), dtype=torch.float32)
-    compared = torch.zeros((n, width - 1), dtype=torch.float32)
-    rollout_lp = torch.zeros((n, width - 1), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        seq = list(s.prompt_ids) + list(s.output_ids)
-        ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(seq)] = 1
-        start = len(s.prompt_ids) - 1  # logits at t predict token t + 1
-        # Only the agent's own tokens are trained (and compared with the sampler's).
-        own = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1.0
-        out_mask[i, start:start + len(s.output_ids)] = own
-        if s.rollout_logprobs:
-            rollout_lp[i, start:start + len(s.output_ids)] = torch.tensor(s.rollout_logprobs)
-            compared[i, start:start + len(s.output_ids)] = own
+    n = len(samples)
+    # Output-aligned [n, W]: column j is output token j (scoring.py computes each distinct
+    # prompt once). Only the agent's own tokens are trained and compared with the sampler's.
+    logits, targets, valid = output_logits(model, samples)
+    width = targets.shape[1]
+    own = padded([s.loss_mask or [1] * len(s.output_ids) for s in samples], width, 0, torch.float32)
+    out_mask = own * valid
+    rollout_lp = padded([s.rollout_logprobs or [0.0] * len(s.output_ids) for s in samples], width, 0.0,
+                        torch.float32)
+    compared = out_mask * torch.tensor([[1.0 if s.rollout_logprobs else 0.0] for s in samples])
     # The sampler's logprobs are of logits / temperature; greedy (0) is scored unscaled.
     temperature = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in samples]).view(n, 1, 1)
+    log_probs = torch.log_softmax(logits.float() / temperature, -1)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
-    # Built on the CPU, computed where the model is.
-    device = next(model.parameters()).device
-    ids, mask, out_mask, compared, rollout_lp, temperature, adv = (
-        t.to(device) for t in (ids, mask, out_mask, compared, rollout_lp, temperature, adv))
-    targets = ids[:, 1:].unsqueeze(-1)
-    log_probs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature, -1)
-    logp = log_probs.gather(-1, targets).squeeze(-1)
     terms, clipped = rule(logp, rollout_lp, adv, clip_ratio)
     terms = terms * out_mask
     ref_kl = torch.zeros_like(logp)
     if options.kl_coef > 0:
         with torch.no_grad():
-            ref_logits = reference(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
-            ref_lp = torch.log_softmax(ref_logits, -1).gather(-1, targets).squeeze(-1)
+            ref_logits = output_logits(reference, samples)[0].float() / temperature
+            ref_lp = torch.log_softmax(ref_logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         ref_kl = k3(ref_lp - logp) * out_mask  # gradient flows through logp
         terms = terms + options.kl_coef * ref_kl
     loss = aggregation.reduce(terms, out_mask, options).sum()

@@ -26,6 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from flexmarl.runtime import protocol
 
 from .engine import RequestRefused
@@ -163,22 +165,27 @@ class RolloutHandler(CommandHandler):
         self.agent, self.version = msg.agent, msg.version
 
     def _start(self, msg: protocol.Generate) -> protocol.Generated | None:
-        """Hand a batch's samples to the engine; the reply carrying the refused ones, if any."""
+        """Hand a batch's samples to the engine; the reply carrying the refused ones, if any.
+        A run of samples that differ only in consecutive seeds (a group's members, as the
+        controller seeds them) goes in as one engine group: the same tokens, added once."""
         batch = _Batch(msg.request_id, msg.agent, set(), 0)
         refused = []
-        for it in msg.items:
+        for run in same_but_seed(msg.items):
+            it = run[0]
+            ids = [r.sample_id for r in run]
             try:
-                self.engine.add(it.sample_id, it.prompt_ids, it.max_tokens, it.temperature, it.seed,
-                                top_p=it.top_p, top_k=it.top_k, stop=it.stop, stop_token_ids=it.stop_token_ids,
-                                ignore_eos=it.ignore_eos)
+                self.engine.add_group(ids, it.prompt_ids, it.max_tokens, it.temperature, it.seed, top_p=it.top_p,
+                                      top_k=it.top_k, stop=it.stop, stop_token_ids=it.stop_token_ids,
+                                      ignore_eos=it.ignore_eos)
             except RequestRefused as exc:
                 log.warning("%s: %s", msg.agent, exc)
-                refused.append(protocol.GenRefused(it.sample_id, str(exc)))
+                refused += [protocol.GenRefused(sid, str(exc)) for sid in ids]
                 continue
-            batch.remaining.add(it.sample_id)
-            batch.tokens += len(it.prompt_ids) + it.max_tokens
-            self._sample_batch[it.sample_id] = msg.request_id
-            self._sample_version[it.sample_id] = self.version
+            for sid in ids:
+                batch.remaining.add(sid)
+                self._sample_batch[sid] = msg.request_id
+                self._sample_version[sid] = self.version
+            batch.tokens += len(run) * (len(it.prompt_ids) + it.max_tokens)
         if batch.remaining:
             self._batches[msg.request_id] = batch
         if not refused:
@@ -215,3 +222,17 @@ class RolloutHandler(CommandHandler):
             self.engine.close()
         if self._channel is not None:
             self._channel.close()
+
+
+def same_but_seed(items: list[protocol.GenRequest]) -> list[list[protocol.GenRequest]]:
+    """items cut into runs of consecutive requests equal in everything but their sample id
+    and seed, each seed one more than the one before (in order: a run is one engine group)."""
+    runs: list[list[protocol.GenRequest]] = []
+    for it in items:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and it.seed == last.seed + 1
+                and msgspec.structs.replace(it, sample_id=last.sample_id, seed=last.seed) == last):
+            runs[-1].append(it)
+        else:
+            runs.append([it])
+    return runs

@@ -89,6 +89,14 @@ def test_request_seeds_depend_only_on_run_seed_and_sample_id():
     assert request_seed(1, "e0/a0/1") != request_seed(1, "e0/a0/2")
 
 
+def test_a_groups_members_get_consecutive_seeds_and_later_turns_their_own():
+    base = request_seed(3, "e0/a-1f/0")
+    assert [request_seed(3, f"e0/a-1f/{i}") for i in range(4)] == [base + i for i in range(4)]
+    assert request_seed(3, "e0/a-2f/0") != base  # another group, another base
+    later = request_seed(3, "e0/a-1f/1@1")  # a sample's second turn: hashed whole
+    assert later not in {base + i for i in range(4)} and 0 <= later < 2**31
+
+
 # ---------------------------------------------------------------- failures and determinism
 
 

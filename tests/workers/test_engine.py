@@ -126,6 +126,36 @@ def test_adding_a_request_id_twice_is_refused(engine):
     run(engine, [])
 
 
+def test_a_group_draws_exactly_what_its_members_draw_one_by_one(engine):
+    prompt = prompts(1, seed=4)[0]
+    alone = run(engine, [(f"alone-{j}", prompt, 50 + j) for j in range(6)])
+    engine.add_group([f"member-{j}" for j in range(6)], prompt, MAX_TOKENS, 1.0, 50)
+    assert engine.num_queued_requests == 6
+    grouped = run(engine, [])
+    assert set(grouped) == {f"member-{j}" for j in range(6)}
+    for j in range(6):
+        assert grouped[f"member-{j}"].token_ids == alone[f"alone-{j}"].token_ids
+        assert grouped[f"member-{j}"].logprobs == pytest.approx(alone[f"alone-{j}"].logprobs, abs=1e-5)
+    assert engine.num_queued_requests == 0
+
+
+def test_aborting_one_member_aborts_its_whole_group_and_nothing_else(engine):
+    prompt = prompts(1, seed=5)[0]
+    engine.add_group(["g-0", "g-1", "g-2"], prompt, MAX_TOKENS, 1.0, 0)
+    engine.add("other", prompt, MAX_TOKENS, 1.0, 9)
+    engine.abort(["g-1"])
+    assert engine.num_queued_requests == 1
+    assert set(run(engine, [])) == {"other"}
+
+
+def test_a_group_with_a_member_already_in_the_engine_is_refused_whole(engine):
+    prompt = prompts(1, seed=6)[0]
+    engine.add("dup", prompt, MAX_TOKENS, 1.0, 0)
+    with pytest.raises(ValueError, match="already"):
+        engine.add_group(["fresh", "dup"], prompt, MAX_TOKENS, 1.0, 0)
+    assert set(run(engine, [])) == {"dup"}
+
+
 def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float):
     ids = torch.tensor([prompt + output])
     with torch.no_grad():

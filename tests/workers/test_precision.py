@@ -87,7 +87,7 @@ def train_once(model_dir, settings):
 
 def test_mixed_bfloat16_trains_over_float32_weights_and_optimizer_state_on_the_cpu(model_dir):
     h, state, seen = train_once(model_dir, p.TrainerSettings("bfloat16", "mixed", activation_checkpointing=True))
-    assert seen == [torch.bfloat16]  # the forward ran in bfloat16 ...
+    assert set(seen) == {torch.bfloat16}  # every forward pass ran in bfloat16 ...
     assert all(q.dtype == torch.float32 for q in state.model.parameters())  # ... over float32 weights
     assert all(v.dtype == torch.float32 for s in state.optimizer.state.values() for k, v in s.items() if k != "step")
     assert state.model.is_gradient_checkpointing
@@ -97,7 +97,7 @@ def test_mixed_bfloat16_trains_over_float32_weights_and_optimizer_state_on_the_c
 
 def test_pure_bfloat16_keeps_weights_and_optimizer_state_in_bfloat16(model_dir):
     h, state, seen = train_once(model_dir, p.TrainerSettings("bfloat16", "pure"))
-    assert seen == [torch.bfloat16] and not state.model.is_gradient_checkpointing
+    assert set(seen) == {torch.bfloat16} and not state.model.is_gradient_checkpointing
     assert all(q.dtype == torch.bfloat16 for q in state.model.parameters())
     assert all(v.dtype == torch.bfloat16 for s in state.optimizer.state.values() for k, v in s.items() if k != "step")
     h.close()
@@ -105,7 +105,7 @@ def test_pure_bfloat16_keeps_weights_and_optimizer_state_in_bfloat16(model_dir):
 
 def test_auto_on_the_cpu_is_todays_float32_training(model_dir):
     h, state, seen = train_once(model_dir, p.TrainerSettings())
-    assert seen == [torch.float32] and state.placement.device == torch.device("cpu")
+    assert set(seen) == {torch.float32} and state.placement.device == torch.device("cpu")
     h.close()
 
 
@@ -126,7 +126,7 @@ def test_a_swapped_state_comes_back_with_the_agents_precision(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_trainer_step_runs_on_cuda_in_bfloat16(model_dir):
     h, state, seen = train_once(model_dir, p.TrainerSettings())  # auto: bfloat16 mixed on CUDA
-    assert seen == [torch.bfloat16]
+    assert set(seen) == {torch.bfloat16}
     assert all(q.device.type == "cuda" and q.dtype == torch.float32 for q in state.model.parameters())
     assert all(v.device.type == "cuda" for s in state.optimizer.state.values() for k, v in s.items() if k != "step")
     published = h._execute(p.PublishWeights(4, "planner", 1, "shm"))

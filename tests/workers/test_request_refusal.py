@@ -36,10 +36,13 @@ class FakeEngine:
         self.queued: dict[str, int] = {}
 
     def add(self, request_id, prompt_ids, max_tokens, temperature, seed, **sampling):
+        self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, **sampling)
+
+    def add_group(self, request_ids, prompt_ids, max_tokens, temperature, seed, **sampling):
         reason = refusal_reason(prompt_ids, max_tokens, MAX_MODEL_LEN, VOCAB)
         if reason:
-            raise RequestRefused(f"request {request_id!r} refused: {reason}")
-        self.queued[request_id] = max_tokens
+            raise RequestRefused(f"request {request_ids[0]!r} refused: {reason}")
+        self.queued.update((rid, max_tokens) for rid in request_ids)
 
     def has_unfinished(self):
         return bool(self.queued)

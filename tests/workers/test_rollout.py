@@ -1,5 +1,6 @@
 """The rollout worker's weight handling, run directly: on a real vLLM engine, and on a
-stand-in for the engine where only what the handler does with the channel matters."""
+stand-in for the engine where only what the handler does with the channel (or how it
+adds requests) matters."""
 
 import asyncio
 import random
@@ -11,7 +12,8 @@ from flexmarl.controller import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.param_channel import ParamChannel
 from flexmarl.workers import models
-from flexmarl.workers.rollout import RolloutHandler
+from flexmarl.workers.engine import Completion
+from flexmarl.workers.rollout import RolloutHandler, same_but_seed
 
 
 def greedy(handler, prompt):
@@ -191,3 +193,46 @@ def test_load_model_hands_the_agents_engine_settings_to_the_engine(monkeypatch):
     RolloutHandler()._load_model(p.LoadModel(1, "solver", "/models/solver", 0, seed=3, max_model_len=0,
                                              engine=settings))
     assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings})]
+
+
+def test_requests_differing_only_in_consecutive_seeds_form_one_run():
+    a = [p.GenRequest(f"g/{i}", [1, 2], 6, 1.0, 40 + i) for i in range(3)]
+    other_prompt = p.GenRequest("h/0", [1, 3], 6, 1.0, 43)
+    gap = p.GenRequest("h/1", [1, 3], 6, 1.0, 45)  # seed not consecutive
+    hotter = p.GenRequest("h/2", [1, 3], 6, 0.5, 46)  # another temperature
+    runs = same_but_seed([*a, other_prompt, gap, hotter])
+    assert [[r.sample_id for r in run] for run in runs] == [["g/0", "g/1", "g/2"], ["h/0"], ["h/1"], ["h/2"]]
+
+
+class GroupingEngine:
+    """Stands in for the engine: records how requests are added, finishes them at once."""
+
+    def __init__(self):
+        self.added, self._done = [], []
+
+    def add_group(self, ids, prompt_ids, max_tokens, temperature, seed, **_):
+        self.added.append((list(ids), seed))
+        self._done += [Completion(rid, [7] * max_tokens, [-0.5] * max_tokens, "length") for rid in ids]
+
+    def has_unfinished(self):
+        return bool(self._done)
+
+    def step(self):
+        done, self._done = self._done, []
+        return done
+
+
+async def test_a_groups_members_go_to_the_engine_together_and_come_back_one_by_one():
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler.engine, handler.agent, handler.version = GroupingEngine(), "solver", 3
+    items = [p.GenRequest(f"g/{i}", [1, 2], 4, 1.0, 10 + i) for i in range(4)] + [p.GenRequest("x", [5], 4, 1.0, 2)]
+    loop = asyncio.create_task(handler.run())
+    try:
+        results, refused = await generate(handler, outbox, 9, items)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    assert handler.engine.added == [(["g/0", "g/1", "g/2", "g/3"], 10), (["x"], 2)]
+    assert not refused and sorted(results) == ["g/0", "g/1", "g/2", "g/3", "x"]
+    assert all(r.version == 3 and r.token_ids == [7] * 4 for r in results.values())
