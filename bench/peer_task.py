@@ -108,22 +108,16 @@ def warmup_examples(tokenizer) -> list[tuple[list[int], list[int]]]:
 
 def build_model(cache_root: str | Path) -> Path:
     """The job's model directory under cache_root, built (and warmed up) on first use."""
-    import os
-    import shutil
-    import tempfile
-
     final = Path(cache_root) / f"peer-qwen2-{BUILD_KEY}"
     if final.is_dir():
         return final
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from flexmarl.runtime.model_specs import WarmupSchedule
-    from flexmarl.workers.models import warm_up
+    from flexmarl.workers.models import publish_build, save_model, warm_up
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-peer-", dir=final.parent))
-    try:
+    def build(staging: Path) -> None:
         tokenizer = char_tokenizer()
         torch.manual_seed(MODEL_SEED)
         config = Qwen2Config(vocab_size=len(VOCAB), head_dim=MODEL["hidden_size"] // MODEL["num_attention_heads"],
@@ -132,16 +126,6 @@ def build_model(cache_root: str | Path) -> Path:
         model = Qwen2ForCausalLM(config).to(torch.float32)
         schedule = WarmupSchedule(WARMUP["steps"], WARMUP["batch_size"], WARMUP["lr"])
         warm_up(model, warmup_examples(tokenizer), schedule, MODEL_SEED, tokenizer.pad_token_id)
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0,
-                         top_k=0).save_pretrained(staging)
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+        save_model(model, tokenizer, staging)
+
+    return publish_build(final, build)

@@ -33,7 +33,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import msgspec
 
@@ -130,7 +130,7 @@ def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
 class Checkpointer:
     def __init__(self, root: Path, agents: list[str], *, every: int, keep: int, steps: int, server: Any,
                  emit: Callable[[ev.Event], Any], controller_state: Callable[[int], dict[str, Any]],
-                 flush_events: Callable[[], Awaitable[None]] | None = None, full_state: bool = True) -> None:
+                 full_state: bool = True) -> None:
         self.root = Path(root)
         # False: weights only (trainer groups do not save their sharded state yet); such
         # checkpoints cannot be resumed from or restore an agent.
@@ -142,7 +142,6 @@ class Checkpointer:
         self.server = server  # call(), next_request_id()
         self.emit = emit
         self.controller_state = controller_state
-        self.flush_events = flush_events
         self._saved: dict[int, dict[str, int]] = {}  # step -> agent -> bytes written
         self._started: dict[int, float] = {}
         self.written: list[int] = []

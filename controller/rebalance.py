@@ -68,7 +68,7 @@ class Rebalancer:
         self.agents = list(agents)
         self.client = client  # assignment, instances(), outstanding, dispatched_tokens
         self.server = server  # call(), next_request_id(), registry.workers (heartbeat loads)
-        self.weights = weights  # locks, synced, served(), bring_up_to_date()
+        self.weights = weights  # locks, synced, start_engine(), bring_up_to_date()
         self.model_path = model_path  # to tell whether two agents' engines have the same shape
         self.load_model_message = load_model_message  # agent -> the LoadModel that starts its engine
         self.emit = emit
@@ -145,8 +145,7 @@ class Rebalancer:
         return done
 
     async def _load_model(self, worker: str, agent: str) -> None:
-        await self.server.call(worker, self.load_model_message(agent))
-        self.weights.served(worker, agent, 0)
+        await self.weights.start_engine(worker, self.load_model_message(agent))
 
     async def _join(self, worker: str, src: str, dst: str) -> bool:
         """Makes `worker` serve `dst` at its synced version and adds it to `dst`'s

@@ -53,7 +53,7 @@ class Rejoin:
                  trainer_joined: Callable[[str], None]) -> None:
         self.agents = list(agents)
         self.client = client  # instances(), served_before, rejoined()
-        self.weights = weights  # locks, synced, served(), bring_up_to_date()
+        self.weights = weights  # locks, synced, start_engine(), bring_up_to_date()
         self.server = server  # call(), registry.workers
         self.load_model_message = load_model_message
         self.accepting = accepting
@@ -89,8 +89,7 @@ class Rejoin:
                              self.client.served_before.get(worker))
         t0 = time.monotonic()
         try:
-            await self.server.call(worker, self.load_model_message(agent))
-            self.weights.served(worker, agent, 0)
+            await self.weights.start_engine(worker, self.load_model_message(agent))
             async with self.weights.locks[agent]:
                 if self.weights.synced[agent] > 0:
                     await self.weights.bring_up_to_date(worker, agent)

@@ -262,8 +262,7 @@ class TrainingRun:
         if self.resume is not None:  # set-up of a resumed run: engines start at the checkpoint
             message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(agent).resolve()),
                                               version=self.resume.step)
-        reply, _ = await self.server.call(worker, message)
-        self.weights.served(worker, agent, message.version)
+        reply = await self.weights.start_engine(worker, message)
         log.info("%s serves %s (%.1fs to start the engine)", worker, agent, reply.seconds)
 
     def load_model_message(self, agent: str) -> protocol.LoadModel:

@@ -114,6 +114,13 @@ class WeightSync:
         self.synced[agent] = version
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
+    async def start_engine(self, worker: str, message: protocol.LoadModel) -> Any:
+        """(Re)starts `worker`'s engine with `message` and records the version it now serves;
+        the reply is returned."""
+        reply, _ = await self.server.call(worker, message)
+        self.served(worker, message.agent, message.version)
+        return reply
+
     def served(self, worker: str, agent: str, version: int) -> None:
         """Records that `worker` now serves `agent` at `version` (a join or a restart)."""
         self.holds[worker] = (agent, version)

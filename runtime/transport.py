@@ -59,16 +59,19 @@ class Inbound:
     reason: str = ""
 
 
-def _is_loopback(address: str) -> bool:
-    if address.startswith(("ipc://", "inproc://")):
-        return True
-    host = urlsplit(address).hostname or ""
+def is_loopback_host(host: str) -> bool:
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _is_loopback(address: str) -> bool:
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    return is_loopback_host(urlsplit(address).hostname or "")
 
 
 def _curve_keys(curve_dir: str, name: str) -> tuple[bytes, bytes]:

@@ -13,24 +13,15 @@ This module does not know which transport a transfer uses: the controller choose
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from urllib.parse import urlsplit
 
 import zmq
 
 from flexmarl.runtime.param_types import ParamChannelConfig
+from flexmarl.runtime.transport import is_loopback_host
 
 __all__ = ["channel_config", "address_towards"]
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def address_towards(host: str) -> str:
@@ -50,11 +41,11 @@ def channel_config(controller_address: str, param_host: str = "") -> ParamChanne
     """Settings for a worker connected to `controller_address`; `param_host` is the address
     to serve parameters on (default: the one facing the controller)."""
     controller_host = urlsplit(controller_address).hostname or ""
-    if not param_host and (not controller_host or _is_loopback(controller_host)
+    if not param_host and (not controller_host or is_loopback_host(controller_host)
                            or controller_address.startswith(("ipc://", "inproc://"))):
         return ParamChannelConfig()
     host = param_host or address_towards(controller_host)
-    if _is_loopback(host):
+    if is_loopback_host(host):
         return ParamChannelConfig(tcp_bind_host=host)
     public, secret = zmq.curve_keypair()
     return ParamChannelConfig(tcp_bind_host=host, curve_public_key=public.decode(), curve_secret_key=secret.decode())

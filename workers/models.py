@@ -31,7 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flexmarl.runtime.model_specs import (
@@ -161,7 +161,7 @@ def build_model(
     """Create the model from `spec.seed`, optionally warm it up, and save it with its
     tokenizer (a Hugging Face tokenizer, or a word vocabulary to build one over) to out_dir."""
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if not hasattr(tokenizer, "convert_tokens_to_ids"):
         tokenizer = build_tokenizer(tokenizer)
@@ -174,14 +174,21 @@ def build_model(
     model = LlamaForCausalLM(config).to(torch.float32)
     if warmup:
         warm_up(model, warmup, schedule, spec.seed, config.pad_token_id)
+    save_model(model, tokenizer, out)
+    return out
+
+
+def save_model(model, tokenizer, out: Path) -> None:
+    """The model, its tokenizer and explicit generation defaults (so neither transformers
+    nor vLLM guesses sampling settings), into out."""
+    from transformers import GenerationConfig
+
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    # Explicit generation defaults, so neither loader guesses sampling settings.
     GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
     ).save_pretrained(out)
-    return out
 
 
 def warmup_examples(recipe: TinyModelRecipe, tokenizer) -> Sequence[Example] | None:
@@ -197,18 +204,24 @@ def ensure_model(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> Path
     found = cached_model_dir(recipe, cache_root)
     if found is not None:
         return found
-    root = Path(cache_root)
-    final = root / recipe.cache_key()
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=root))
-    try:
+    def build(staging: Path) -> None:
         tokenizer = recipe_tokenizer(recipe)
-        examples = warmup_examples(recipe, tokenizer)
-        build_model(recipe.spec, tokenizer, staging, examples, recipe.schedule)
+        build_model(recipe.spec, tokenizer, staging, warmup_examples(recipe, tokenizer), recipe.schedule)
+
+    return publish_build(Path(cache_root) / recipe.cache_key(), build)
+
+
+def publish_build(final: Path, build: Callable[[Path], None]) -> Path:
+    """`build(staging)` fills a fresh directory next to final, which is then renamed to
+    final: a reader never sees a half-built model, and when another process published the
+    same entry first, theirs is kept (it is equally good)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=final.parent))
+    try:
+        build(staging)
         try:
             os.rename(staging, final)
         except OSError:
-            # Another process published the same entry first; theirs is equally good.
             if not final.is_dir():
                 raise
     finally:

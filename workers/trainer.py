@@ -107,6 +107,29 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
     return StepSums.from_tensors({k[len("step/"):]: v for k, v in dst.items() if k.startswith("step/")})
 
 
+def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tuple[Path, int]:
+    """Has `write(tmp)` fill a temporary directory next to `path`, adds the tokenizer files
+    of `model_path` (they travel with the weights), then renames it to `path`: a crash or a
+    full disk mid-save never leaves a half-written checkpoint there, and a failed save
+    leaves nothing. Returns the path and the bytes written."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        for extra in Path(model_path).iterdir():
+            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(extra, tmp / extra.name)
+        nbytes = sum(f.stat().st_size for f in tmp.iterdir())
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    except Exception as exc:  # OSError, or the safetensors writer's own error for the same causes
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise OSError(f"cannot write the checkpoint of {agent} to {path}: {why} (nothing was left there)") from exc
+    return path, nbytes
+
+
 def _point_parameters_at(model: Any, tensors: dict[str, Any]) -> None:
     for name, p in model.named_parameters():
         p.data = tensors[name]
@@ -324,28 +347,18 @@ class TrainerHandler(CommandHandler):
         if msg.full_state and state.accumulated:
             raise ValueError(f"a full checkpoint of {state.name} is taken between steps; {state.accumulated} "
                              "samples are accumulated towards the next one")
-        path = Path(msg.path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         handle = None
-        try:
+
+        def write(tmp: Path) -> None:
+            nonlocal handle
             state.model.save_pretrained(tmp, safe_serialization=True)
-            for extra in Path(state.model_path).iterdir():  # tokenizer files travel with the weights
-                if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                    shutil.copy(extra, tmp / extra.name)
             if msg.full_state:
                 tensors = training_state(state.model, state.optimizer, state.sums)
                 handle = self.channel().publish(tensors, agent=state.name, version=state.version,
                                                 transport="disk", path=tmp / protocol.TRAINING_STATE_FILE)
                 self.channel().disown(handle)  # the file belongs to the run directory now
-            nbytes = sum(f.stat().st_size for f in tmp.iterdir())
-            shutil.rmtree(path, ignore_errors=True)
-            tmp.rename(path)
-        except Exception as exc:  # OSError, or the safetensors writer's own error for the same causes
-            shutil.rmtree(tmp, ignore_errors=True)
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise OSError(f"cannot write the checkpoint of {state.name} to {path}: {why} "
-                          "(nothing was left there)") from exc
+
+        path, nbytes = write_checkpoint(msg.path, state.name, state.model_path, write)
         return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version, handle, nbytes)
 
     # One table from command to method; `handle` queues exactly these.

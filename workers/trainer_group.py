@@ -51,7 +51,7 @@ from flexmarl.runtime import protocol
 
 from .loss import StepSums
 from .precision import TrainPlacement
-from .trainer import AgentState, TrainerHandler, training_state
+from .trainer import AgentState, TrainerHandler, training_state, write_checkpoint
 
 log = logging.getLogger("flexmarl.trainer_group")
 
@@ -300,34 +300,26 @@ class TrainerGroupHandler(TrainerHandler):
     def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
         """The full weights, gathered once, written by rank 0 as one Hugging Face model
         (the same files a single trainer writes)."""
-        import shutil
-        from pathlib import Path
-
         state = self._resident(msg.agent)
         full = {k: v.detach().full_tensor().cpu() for k, v in state.model.state_dict().items()}
         if self.rank != 0:
             return None
-        path = Path(msg.path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        state.model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-        for extra in Path(state.model_path).iterdir():  # tokenizer files travel with the weights
-            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                shutil.copy(extra, tmp / extra.name)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version)
+        def write(tmp):
+            state.model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
 
-    COMMANDS = {
-        protocol.InitAgent: _init_agent,
-        protocol.TrainMicroBatch: _train,
-        protocol.OptimStep: TrainerHandler._step,  # each rank steps its shard; the norm is global
-        protocol.PublishWeights: _publish,
-        protocol.SaveCheckpoint: _save,
-        protocol.OffloadAgent: _offload,
-        protocol.LoadAgent: _load_agent,
-        protocol.ReleaseState: _release_state,
-    }
+        path, nbytes = write_checkpoint(msg.path, state.name, state.model_path, write)
+        return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version, None, nbytes)
+
+    # The single trainer's table, with the commands a group runs its own way; OptimStep is
+    # the same (each rank steps its shard; the norm is global).
+    COMMANDS = {**TrainerHandler.COMMANDS,
+                protocol.InitAgent: _init_agent,
+                protocol.TrainMicroBatch: _train,
+                protocol.PublishWeights: _publish,
+                protocol.SaveCheckpoint: _save,
+                protocol.OffloadAgent: _offload,
+                protocol.LoadAgent: _load_agent,
+                protocol.ReleaseState: _release_state}
 
     # ---------------------------------------------------------------- closing
 
