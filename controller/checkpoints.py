@@ -75,15 +75,21 @@ class ResumePoint:
     def training_state(self, agent: str) -> ParamHandle:
         """The handle of the agent's training state file, pointing at where the file is now
         (it was written under a staging name)."""
-        from flexmarl.runtime.param_disk import read_handle
-
         path = self.agent_dir(agent) / TRAINING_STATE_FILE
         if not self.state.get("full_state", True):
             raise CheckpointError(f"checkpoint {self.path} holds weights only (its run used trainer groups); "
                                   "it cannot be resumed from, but its weights load as a Hugging Face model")
         if not path.exists():
             raise CheckpointError(f"checkpoint {self.path} has no training state for {agent!r} ({path} is missing)")
-        return msgspec.structs.replace(read_handle(path), path=str(path))
+        return read_state(path)
+
+
+def read_state(path: Path) -> ParamHandle:
+    """The handle of a training state file, pointing at where the file is now (it was
+    written under a staging name). Raises FileNotFoundError when it is not there."""
+    from flexmarl.runtime.param_disk import read_handle  # torch, only when a state is read
+
+    return msgspec.structs.replace(read_handle(path), path=str(path))
 
 
 def latest_checkpoint(run_dir: str | Path) -> ResumePoint | None:
@@ -152,15 +158,12 @@ class Checkpointer:
     def agent_state(self, agent: str, step: int) -> ParamHandle:
         """The handle of `agent`'s saved training state of `step`, wherever it is now (in
         the step's checkpoint, or its staging directory while other agents still save)."""
-        from flexmarl.runtime.param_disk import read_handle
-
         if not self.full_state:
             raise CheckpointError(f"the checkpoints of this run hold weights only (trainer groups), so the "
                                   f"training state of {agent} cannot be restored")
         for d in (self.root / step_dir_name(step), self.staging(step), self.root / step_dir_name(step)):
-            path = d / agent / TRAINING_STATE_FILE
             try:
-                return msgspec.structs.replace(read_handle(path), path=str(path))
+                return read_state(d / agent / TRAINING_STATE_FILE)
             except FileNotFoundError:
                 continue  # renamed in between: look again
         raise CheckpointError(f"the saved training state of {agent} at step {step} is gone from {self.root}")

@@ -59,7 +59,7 @@ def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample
         return e if e.batch <= step else None
     if isinstance(e, ev.GroupComplete):
         return e if batch_of_group.get(e.group_id, 0) <= step else None
-    if isinstance(e, (ev.BatchStarted,)):
+    if isinstance(e, ev.BatchStarted):
         return e if e.batch <= step else None
     if isinstance(e, ev.EvaluationDone):
         return e if e.step < step else None
