@@ -108,7 +108,7 @@ def components(model_dir: str, reps: int = 7) -> dict:
         add(how), drain()  # first-time shapes
         added = ms[f"engine: add {ROUND} requests {how}"] = _timed(
             lambda: add(how) or engine.abort(list(engine._outstanding)), reps)
-        ms[f"engine: steps of that round"] = _timed(lambda: (add(how), drain()), reps) - added
+        ms["engine: steps of that round"] = _timed(lambda: (add(how), drain()), reps) - added
         ms[f"engine: steps of that round ({how})"] = ms.pop("engine: steps of that round")
     ms["engine: steps per round"] = float(_median(step_counts))
 

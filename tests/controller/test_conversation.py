@@ -3,7 +3,6 @@ ids are exactly what the engine produced, appended turns are masked out of the l
 every turn records its version, and a conversation with a turn past the staleness bound
 is never trained."""
 
-import asyncio
 import random
 
 import pytest

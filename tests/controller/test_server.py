@@ -12,7 +12,7 @@ import zmq.asyncio
 from flexmarl.controller.server import ControllerServer, RemoteError, WorkerDied
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import ConfigError, TransportConfig
-from flexmarl.runtime.transport import MAX_BUFFERS, DealerSocket, create_curve_keys
+from flexmarl.runtime.transport import MAX_BUFFERS, create_curve_keys
 from flexmarl.workers.session import CommandHandler, WorkerSession
 
 class EchoHandler(CommandHandler):

@@ -81,7 +81,7 @@ class Nodes:
     def command(self, name: str, argv: list[str], hostname: str = "") -> list[str]:
         inner = ["ip", "netns", "exec", self.ns(name)]
         if hostname:
-            return inner + ["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', hostname, *argv]
+            return inner + ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
         return inner + argv
 
     def remove(self) -> None:
