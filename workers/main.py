@@ -28,9 +28,7 @@ def make_handler(role: str, group_size: int = 1, threads: int = 1,
         return RolloutHandler(channel)
     if role == "trainer" and group_size > 1:
         from .trainer_group import TrainerGroupHandler
-        handler = TrainerGroupHandler.start(group_size, threads)  # this process is rank 0
-        handler.channel_config = channel  # rank 0 publishes to the rollout side
-        return handler
+        return TrainerGroupHandler.start(group_size, threads, channel)  # this process is rank 0
     if role == "trainer":
         from .trainer import TrainerHandler
         return TrainerHandler(channel)

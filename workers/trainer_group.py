@@ -73,8 +73,8 @@ def _local(t: Any) -> torch.Tensor:
 class TrainerGroupHandler(TrainerHandler):
     """One rank's trainer. Rank 0 builds it with `start`, the others with `join`."""
 
-    def __init__(self, rank: int, world: int, device: str) -> None:
-        super().__init__()
+    def __init__(self, rank: int, world: int, device: str, channel_config: Any = None) -> None:
+        super().__init__(channel_config)
         self.rank, self.world, self.device = rank, world, device
         self.children: list[subprocess.Popen] = []
         self.control: Any = None  # the gloo group commands, handles and counts travel in
@@ -86,7 +86,7 @@ class TrainerGroupHandler(TrainerHandler):
     # ---------------------------------------------------------------- forming the group
 
     @classmethod
-    def start(cls, world: int, threads: int = 1) -> TrainerGroupHandler:
+    def start(cls, world: int, threads: int = 1, channel_config: Any = None) -> TrainerGroupHandler:
         """Rank 0: launch ranks 1..world-1 on this host, one GPU each when there are GPUs
         (rank r gets the r-th GPU this process sees), and join them."""
         gpus = []
@@ -105,7 +105,7 @@ class TrainerGroupHandler(TrainerHandler):
             children.append(subprocess.Popen(
                 [sys.executable, "-m", "flexmarl.workers.trainer_group", "--rank", str(rank), "--world",
                  str(world), "--init", address, "--threads", str(threads)], env=env, stdin=subprocess.DEVNULL))
-        handler = cls(0, world, "cuda:0" if gpus else "cpu")
+        handler = cls(0, world, "cuda:0" if gpus else "cpu", channel_config)  # rank 0 publishes
         handler.children = children
         try:
             handler._join(address)
