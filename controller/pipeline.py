@@ -152,12 +152,15 @@ class AgentPipeline:
         return reply.seconds
 
     async def _step(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
-        scale = 1.0 / samples if samples else 0.0
         # Priority 0: the step and sync are on the next rollout's critical path.
         async with self.allocator.slot(trainer, (0, version)):
-            # The trainer refuses the step unless it accumulated exactly these samples.
-            reply, _ = await self.server.call(trainer, protocol.OptimStep(
-                self.server.next_request_id(), self.agent, version, scale, samples=samples))
+            return await self._step_in_slot(trainer, version, samples)
+
+    async def _step_in_slot(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
+        scale = 1.0 / samples if samples else 0.0
+        # The trainer refuses the step unless it accumulated exactly these samples.
+        reply, _ = await self.server.call(trainer, protocol.OptimStep(
+            self.server.next_request_id(), self.agent, version, scale, samples=samples))
         self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
         self._stepped[version] = samples
         return reply.stats
@@ -166,15 +169,16 @@ class AgentPipeline:
         version = batch
         trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
-            stats = await self._step(trainer, version, len(trained))
-            await self.flush_events()
+            # One slot from the step to the end of the sync: the publish follows the step at
+            # once, instead of queueing again behind micro-batches that took the slot between.
             async with self.allocator.slot(trainer, (0, version)):
+                stats = await self._step_in_slot(trainer, version, len(trained))
+                await self.flush_events()
                 await self.weights.sync(self.agent, trainer, version)
-            if self.checkpoints is not None and self.checkpoints.due(version):
-                # Nothing of the next batch was sent yet: the saved state has no pending gradients.
-                async with self.allocator.slot(trainer, (0, version)):
+                if self.checkpoints is not None and self.checkpoints.due(version):
+                    # Nothing of the next batch was sent yet: the saved state has no pending gradients.
                     await self.checkpoints.save_agent(self.agent, trainer, version)
-                self._committed(version)
+                    self._committed(version)
         finally:
             self.allocator.release(self.agent)
         return stats

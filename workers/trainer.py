@@ -1,7 +1,8 @@
 """Trainer worker: owns agents' torch models and optimizers; executes training commands.
 
-Commands run one at a time, in arrival order, on a worker thread (so heartbeats keep
-flowing while a backward pass runs): INIT_AGENT, TRAIN_MICROBATCH (forward/backward,
+Commands run one at a time on a worker thread (so heartbeats keep flowing while a
+backward pass runs), in arrival order, except that any other command passes queued
+micro-batches of other agents (`CommandQueue`): INIT_AGENT, TRAIN_MICROBATCH (forward/backward,
 gradients accumulate), OPTIM_STEP (one step, zero the gradients, bump the version),
 PUBLISH_WEIGHTS (hand the weights to the parameter channel; the bytes go straight to the
 rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors, and the whole training state
@@ -36,6 +37,44 @@ from .precision import TrainPlacement
 from .session import CommandHandler
 
 log = logging.getLogger("flexmarl.trainer")
+
+
+class CommandQueue:
+    """The trainer's pending commands. A step, publish, swap or save is on the critical
+    path of the next rollout, so it passes micro-batches queued before it, though never
+    one of its own agent's: an agent's commands keep their order (the controller sends a
+    step only after the agent's micro-batches are trained, and a swap only while the agent
+    has nothing in flight, so this never reorders what depends on each other).
+
+    Unbounded on purpose: the controller bounds what it sends (its command slots), and
+    dropping a command would lose gradients."""
+
+    def __init__(self) -> None:
+        self._pending: list[protocol.Message] = []
+        self._arrived = asyncio.Event()
+
+    def put(self, msg: protocol.Message) -> None:
+        self._pending.append(msg)
+        self._arrived.set()
+
+    async def get(self) -> protocol.Message:
+        while not self._pending:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._pending.pop(self._next_index())
+
+    def _next_index(self) -> int:
+        waiting: set[str] = set()  # agents with a micro-batch queued ahead
+        for index, msg in enumerate(self._pending):
+            agent = getattr(msg, "agent", None)
+            if isinstance(msg, protocol.TrainMicroBatch):
+                waiting.add(agent)
+            elif agent not in waiting:
+                return index
+        return 0
+
+    def qsize(self) -> int:
+        return len(self._pending)
 
 
 @dataclass
@@ -145,16 +184,14 @@ class TrainerHandler(CommandHandler):
         super().__init__()
         self.channel_config = channel_config  # ParamChannelConfig; None: the channel's defaults
         self.agents: dict[str, AgentState] = {}
-        # Unbounded on purpose: the controller bounds what it sends (one global batch of
-        # micro-batches per agent at most), and dropping a command would lose gradients.
-        self._commands: asyncio.Queue[protocol.Message] = asyncio.Queue()
+        self._commands = CommandQueue()
         self.busy_s = 0.0
         self._channel: Any = None
         self.parked: dict[str, Any] = {}  # handle key -> parked training state this trainer serves
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         if type(msg) in self.COMMANDS:
-            await self._commands.put(msg)
+            self._commands.put(msg)
         else:
             await super().handle(msg, buffers)
 

@@ -256,7 +256,7 @@ def test_every_trainer_command_is_queued_and_dispatched_through_one_table(model_
     assert h._commands.qsize() == 1
     assert isinstance(sent[0], p.Error) and "cannot handle LoadModel" in sent[0].message
     with pytest.raises(KeyError, match="not resident"):
-        h._execute(h._commands.get_nowait())
+        h._execute(asyncio.run(h._commands.get()))
 
 
 def test_a_full_checkpoint_resumes_on_another_trainer_with_weights_and_optimizer_state(model_dir, tmp_path):
@@ -333,3 +333,28 @@ def test_an_nccl_publish_hands_the_channel_the_controllers_group_and_its_receive
     (asked,) = h._channel.asked
     assert (asked["transport"], asked["receivers"], asked["group"]) == ("nccl", 2, "planner/ab-1")
     h.close()
+
+
+def test_a_step_or_publish_passes_other_agents_queued_micro_batches_but_never_its_own():
+    import asyncio
+
+    from flexmarl.workers.trainer import CommandQueue
+
+    def mb(agent):
+        return p.TrainMicroBatch(0, agent, 1, [], 0, 2.0, p.LossOptions())
+
+    queue = CommandQueue()
+    sent = [mb("a"), mb("b"), p.OptimStep(0, "c", 1, 1.0), p.OptimStep(0, "a", 1, 1.0),
+            p.PublishWeights(0, "c", 1, "shm")]
+    for msg in sent:
+        queue.put(msg)
+
+    async def drain():
+        return [await queue.get() for _ in sent]
+
+    got = asyncio.run(drain())
+    # c's step and publish go first; a's step waits for a's micro-batch, then passes b's.
+    assert [(type(m).__name__, m.agent) for m in got] == [
+        ("OptimStep", "c"), ("PublishWeights", "c"), ("TrainMicroBatch", "a"), ("OptimStep", "a"),
+        ("TrainMicroBatch", "b")]
+    assert queue.qsize() == 0
