@@ -102,10 +102,12 @@ class TrainerAllocator:
 
     @contextlib.asynccontextmanager
     async def slot(self, trainer: str, priority: tuple):
-        """Holds one of the trainer's command slots. Lower `priority` goes first: an
-        optimizer step or weight sync (on the critical path of the next rollout) passes
-        other agents' queued micro-batches; equal priorities keep their order."""
-        if self._running[trainer] < self.depth and not self._queue[trainer]:
+        """Holds one of the trainer's command slots. Lower `priority` goes first; equal
+        priorities keep their order. Priority (0, ...) (an optimizer step, weight sync or
+        save: on the critical path of the next rollout) never waits here: it goes to the
+        trainer at once, over the depth, where it passes queued micro-batches of other
+        agents (the trainer's CommandQueue) and waits only for the command running."""
+        if priority[0] == 0 or (self._running[trainer] < self.depth and not self._queue[trainer]):
             self._running[trainer] += 1
         else:
             granted = asyncio.get_running_loop().create_future()
@@ -123,7 +125,7 @@ class TrainerAllocator:
 
     def _free(self, trainer: str) -> None:
         queue = self._queue[trainer]
-        while queue:
+        while queue and self._running[trainer] <= self.depth:
             _, _, granted = heapq.heappop(queue)
             if not granted.done():
                 granted.set_result(None)  # the slot passes on; the running count is unchanged

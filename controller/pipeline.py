@@ -140,8 +140,12 @@ class AgentPipeline:
 
     async def _train_micro_batch(self, version: int, mb: list[Sample]) -> float:
         trainer = await self.allocator.acquire(self.agent, lost="raise")
+        # Among micro-batches, the oldest version first, then the one whose samples were
+        # ready first, whichever agent it is: in a chain the first agent's samples are
+        # ready first, and the next batch's episodes start with its new weights.
+        ready_first = min((s.ready_seq for s in mb), default=0)
         try:
-            async with self.allocator.slot(trainer, (1, version)):
+            async with self.allocator.slot(trainer, (1, version, ready_first)):
                 reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                     self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                     self.cfg.max_staleness, self.cfg.clip_ratio, self.loss))

@@ -15,6 +15,7 @@ Plain synchronous Python: no sockets, no asyncio, no knowledge of workers.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -49,6 +50,7 @@ class Sample:
     advantage: float | None = None
     status: str = PENDING
     batch: int = 0  # which global batch (iteration) started it
+    ready_seq: int = 0  # the order in which its group became trainable, across every agent
 
     @property
     def min_version(self) -> int:
@@ -76,6 +78,7 @@ class ExperienceStore:
         self.ready: dict[str, dict[int, collections.deque[str]]] = {a: {} for a in agents}
         self.on_ready: list[Callable[[Group], None]] = []
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (agent, status)
+        self._ready_seq = itertools.count(1)
 
     # ---------------------------------------------------------------- rollout side
 
@@ -154,9 +157,11 @@ class ExperienceStore:
             return
         self.emit(ev.GroupComplete(group.agent, group.group_id, [s.reward for s in members]))
         rewards = [s.reward for s in members]
+        seq = next(self._ready_seq)
         for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(group.agent, True))):
             s.advantage = adv
             s.status = READY
+            s.ready_seq = seq
         group.status = READY
         self.ready[group.agent].setdefault(group.batch, collections.deque()).append(group.group_id)
         for listener in self.on_ready:
