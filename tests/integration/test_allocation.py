@@ -72,7 +72,9 @@ def test_a_trainer_killed_mid_batch_is_restarted_its_agents_restored_and_every_s
     import signal
 
     shared = ["run.steps=5", "pipeline.queries_per_step=4", "run.progress=false", "pipeline.mode='sync'",
-              "cluster.trainer_workers=2", "run.checkpoint_every=2", "transport.heartbeat_timeout_s=3.0"]
+              "cluster.trainer_workers=2", "run.checkpoint_every=2", "transport.heartbeat_timeout_s=3.0",
+              # Restarted at once: with a backoff the run can finish on the live trainer first.
+              "cluster.restart_backoff_s=0.0"]
     cfg = load_config(None, shared, defaults=default_config())
     killed = {}
 
