@@ -5,7 +5,8 @@ the same seed and step count, one after the other in this process. Per mode it p
 one JSON line:
 
     mode, max_staleness, steps, iter_s, samples_per_s, busy (per worker, from the event
-    log), ideal_iter_s, ideal_bound_fraction, reward_mean (per agent, last 3 steps),
+    log), trainer_fwd_bwd_s_per_iter (the trainers' forward/backward seconds per
+    iteration, from the log), ideal_iter_s, ideal_bound_fraction, reward_mean (per agent, last 3 steps),
     reward_mean_all
 
 Figures are steady state: the first --warmup global batches (first-time engine work for
@@ -32,6 +33,7 @@ import tempfile
 from flexmarl.controller import Experiment, replay
 from flexmarl.controller.digit_chain import default_config
 from flexmarl.runtime.aio import limit_threads, setup_logging
+from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events
 
@@ -49,11 +51,15 @@ def run_mode(mode: str, k: int, args: argparse.Namespace) -> dict:
                 return summary, exp.training
 
         summary, training = asyncio.run(main())
-        busy = {}
+        busy, trainer_s = {}, None
         if cfg.run.event_log:  # busy fractions come from the log (absent when it is off)
             events, problem = read_events(f"{run_dir}/events.log")
             assert problem is None, problem
             busy = {w: round(u.utilization, 3) for w, u in replay.summarize(events).workers.items()}
+            # The trainers' forward/backward seconds per steady iteration: with one trainer,
+            # a floor under any mode's iteration time.
+            trainer_s = sum(e.seconds for e in events
+                            if isinstance(e, ev.MicroBatchTrained) and e.version > args.warmup) / (args.steps - args.warmup)
     # Steady state: the first `--warmup` global batches pay for first-time engine work
     # (every new batch shape costs vLLM seconds once), in every mode alike.
     w = args.warmup
@@ -69,7 +75,7 @@ def run_mode(mode: str, k: int, args: argparse.Namespace) -> dict:
             "samples_per_s": round(steady_samples / steady_s, 1),
             "samples_per_s_incl_warmup": round(summary.samples / summary.wall_s, 1),
             "stage_s": {k: round(v, 4) for k, v in stage.items()},
-            "busy": busy, "reward_mean": rewards,
+            "busy": busy, "trainer_fwd_bwd_s_per_iter": trainer_s and round(trainer_s, 4), "reward_mean": rewards,
             "reward_mean_all": round(statistics.mean(rewards.values()), 4),
             "failed_episodes": summary.episodes_failed}
 

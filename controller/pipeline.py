@@ -94,9 +94,9 @@ class AgentPipeline:
             self.kept[batch] = []
             while True:
                 try:
-                    trained, train_s = await self._train_batch(batch)
+                    trained, train_s, stepping = await self._train_batch(batch)
                     t_sync = time.monotonic()
-                    stats = await self._step_and_sync(batch, trained)
+                    stats = await stepping
                     break
                 except (WorkerDied, AgentLost) as exc:
                     await self._recover(batch, exc)
@@ -108,49 +108,72 @@ class AgentPipeline:
             if self.schedule.agent_stepped(batch):
                 self.metrics.end_step(batch, self.schedule.steps)
 
-    async def _train_batch(self, batch: int) -> tuple[list[Sample], float]:
+    async def _train_batch(self, batch: int) -> tuple[list[Sample], float, asyncio.Future]:
         """Sends every micro-batch of `batch` to the trainer (those sent before a recovery
-        again, first); returns the samples and the trainer seconds once every micro-batch
-        has been trained."""
+        again, first); returns the samples, the trainer seconds and the step and sync under
+        way (`_step_and_sync`), once every micro-batch has been trained. The step is sent
+        as soon as the last micro-batch is written to the trainer, not after its reply: the
+        trainer keeps an agent's commands in order, so the step runs right after them
+        instead of waiting behind another agent's micro-batch that took the trainer in the
+        meantime."""
         version = batch  # the step trains version batch - 1 into batch
         self._tokens[batch] = 0
-        calls = [self._send(version, mb) for mb in self.kept[batch]]
+        written: list[asyncio.Future] = []
+        calls = [self._send(version, mb, written) for mb in self.kept[batch]]
         while True:
             complete = self.schedule.rollout_complete(batch)
             for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.cfg.micro_batch, complete,
                                                    self.overlap, self.cfg.max_staleness):
                 self.kept[batch].append(mb)
-                calls.append(self._send(version, mb))
+                calls.append(self._send(version, mb, written))
             if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):
                 break
             if self.store.ready_samples(self.agent, batch):
                 self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
             await self.schedule.wait_for_work(self.agent)
-        train_s = await _all(calls)
         trained = [s for mb in self.kept[batch] for s in mb]
         if not trained:
             log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", self.agent, batch)
-        return trained, train_s
+        outcomes = await asyncio.gather(*written, return_exceptions=True)
+        # A micro-batch that was never written fails its call below; no step goes then.
+        stepping = None if any(isinstance(o, BaseException) for o in outcomes) else \
+            asyncio.ensure_future(self._step_and_sync(batch, trained))
+        try:
+            train_s = await _all(calls)
+        except BaseException:
+            if stepping is not None:
+                stepping.cancel()
+                await asyncio.gather(stepping, return_exceptions=True)
+            raise
+        return trained, train_s, stepping or asyncio.ensure_future(self._step_and_sync(batch, trained))
 
-    def _send(self, version: int, mb: list[Sample]) -> asyncio.Future:
+    def _send(self, version: int, mb: list[Sample], written: list[asyncio.Future]) -> asyncio.Future:
+        """Starts training `mb`; appends to `written` a future done once it is written to
+        the trainer (cancelled if it never is)."""
         # The trainer is bound when the micro-batch is sent (see MicroBatchTrained).
         self.emit(ev.MicroBatchFormed(self.agent, "", version, [s.sample_id for s in mb],
                                       [s.min_version for s in mb]))
-        return asyncio.ensure_future(self._train_micro_batch(version, mb))
+        done = asyncio.get_running_loop().create_future()
+        written.append(done)
+        return asyncio.ensure_future(self._train_micro_batch(version, mb, done))
 
-    async def _train_micro_batch(self, version: int, mb: list[Sample]) -> float:
-        trainer = await self.allocator.acquire(self.agent, lost="raise")
+    async def _train_micro_batch(self, version: int, mb: list[Sample], written: asyncio.Future) -> float:
         # Among micro-batches, the oldest version first, then the one whose samples were
         # ready first, whichever agent it is: in a chain the first agent's samples are
         # ready first, and the next batch's episodes start with its new weights.
         ready_first = min((s.ready_seq for s in mb), default=0)
         try:
-            async with self.allocator.slot(trainer, (1, version, ready_first)):
-                reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
-                    self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
-                    self.cfg.max_staleness, self.cfg.clip_ratio, self.loss))
+            trainer = await self.allocator.acquire(self.agent, lost="raise")
+            try:
+                async with self.allocator.slot(trainer, (1, version, ready_first)):
+                    reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
+                        self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
+                        self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
+                        on_sent=lambda: written.done() or written.set_result(None))
+            finally:
+                self.allocator.release(self.agent)
         finally:
-            self.allocator.release(self.agent)
+            written.cancel()  # no-op once written
         self.emit(ev.MicroBatchTrained(self.agent, trainer, version, len(mb), reply.seconds))
         self._tokens[version] = self._tokens.get(version, 0) + reply.tokens
         return reply.seconds
@@ -216,7 +239,7 @@ class AgentPipeline:
         t0 = time.monotonic()
         for b in range(saved + 1, batch):
             self._tokens[b] = 0
-            await _all([self._send(b, mb) for mb in self.kept[b]])
+            await _all([self._send(b, mb, []) for mb in self.kept[b]])
             trainer = await self.allocator.acquire(self.agent, lost="raise")
             try:
                 await self._step(trainer, b, sum(map(len, self.kept[b])))

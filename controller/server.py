@@ -125,10 +125,15 @@ class ControllerServer:
         return next(self._ids)
 
     async def call(self, worker_id: str, msg: protocol.Message, buffers: Sequence[Any] = (),
-                   timeout: float | None = None) -> tuple[protocol.Message, list[Any]]:
-        """Sends `msg` (which carries a request_id) and waits for its single reply."""
+                   timeout: float | None = None,
+                   on_sent: Callable[[], None] | None = None) -> tuple[protocol.Message, list[Any]]:
+        """Sends `msg` (which carries a request_id) and waits for its single reply;
+        `on_sent()` runs once the message is written to the worker's connection (messages
+        to one worker arrive in the order they were written)."""
         future = self.stream(worker_id, msg, None, buffers)
         await self._send_request(worker_id, msg, buffers)
+        if on_sent is not None:
+            on_sent()
         return await asyncio.wait_for(future, timeout)
 
     def stream(self, worker_id: str, msg: protocol.Message, on_reply: ReplyHandler | None,

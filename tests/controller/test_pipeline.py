@@ -48,7 +48,9 @@ class FakeTrainer:
         self._id += 1
         return self._id
 
-    async def call(self, worker, msg, buffers=(), timeout=None):
+    async def call(self, worker, msg, buffers=(), timeout=None, on_sent=None):
+        if on_sent is not None:
+            on_sent()
         if getattr(self, "dies_at", None) == len(self.log):  # the trainer dies, its agents' states with it
             from flexmarl.controller.server import WorkerDied
             self.dies_at, self.log[:] = None, self.log + [("died",)]
