@@ -11,6 +11,7 @@ median of each stage of it: waiting for the trainer after the rollout, training,
 the last micro-batch to the end of the sync (the step, the publish and the reload, and any
 micro-batch of another agent running on the trainer when they arrive). At async K = 0 an
 agent's next rollout waits for its sync, so these stages are its iteration's serial path.
+Last, the trainer-side seconds of one micro-batch, per agent and size (median).
 
     .venv/bin/python bench/agent_cycles.py RUN_DIR [--skip 2]
 """
@@ -76,6 +77,13 @@ def main() -> None:
         print(f"| {a} | {period:.0f} | {med(lambda m: m['done'] - m['disp']):.0f} | "
               f"{med(lambda m: m['mb1'] - m['done']):.0f} | {med(lambda m: m['mbN'] - m['mb1']):.0f} | "
               f"{med(lambda m: m['sync'] - m['mbN']):.0f} |")
+    sizes = collections.defaultdict(list)
+    for e in events:
+        if isinstance(e, ev.MicroBatchTrained) and e.version > args.skip:
+            sizes[(e.agent, e.n)].append(1000 * e.seconds)
+    print("\n| agent | samples | trainer ms per micro-batch | micro-batches |\n|---|---|---|---|")
+    for (a, n), ms in sorted(sizes.items()):
+        print(f"| {a} | {n} | {statistics.median(ms):.1f} | {len(ms)} |")
 
 
 if __name__ == "__main__":
