@@ -20,7 +20,8 @@ Hand-written because vLLM offers no reload without its layer-wise machinery. Onl
 layouts it knows are taken: a CPU engine, one tensor-parallel rank, unquantized modules,
 names that resolve to modules of the engine's model with the shapes the plan expects.
 Anything else (`Plan.build` says why) goes through vLLM's reload, which is always
-correct. Tests compare both paths' logprobs on Llama and Qwen2, tied and untied.
+correct. A test compares both paths' tokens and logprobs on Llama (tied) and Qwen2 (untied,
+with biases); the engine tests check all four layouts against transformers after a reload.
 """
 
 from __future__ import annotations
