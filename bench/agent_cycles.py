@@ -71,12 +71,13 @@ def main() -> None:
     for a in agents:
         steady = [v for v in versions if v > args.skip and all(k in marks.get((a, v), {}) for k in
                                                                ("disp", "done", "mb1", "mbN", "sync"))]
-        med = lambda f: statistics.median(f(marks[(a, v)]) for v in steady) if steady else float("nan")
-        period = statistics.median(marks[(a, v)]["sync"] - marks[(a, v - 1)]["sync"]
-                                   for v in steady if "sync" in marks.get((a, v - 1), {}))
-        print(f"| {a} | {period:.0f} | {med(lambda m: m['done'] - m['disp']):.0f} | "
-              f"{med(lambda m: m['mb1'] - m['done']):.0f} | {med(lambda m: m['mbN'] - m['mb1']):.0f} | "
-              f"{med(lambda m: m['sync'] - m['mbN']):.0f} |")
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        period = med([marks[(a, v)]["sync"] - marks[(a, v - 1)]["sync"]
+                      for v in steady if "sync" in marks.get((a, v - 1), {})])
+        stage = lambda f: med([f(marks[(a, v)]) for v in steady])
+        print(f"| {a} | {period:.0f} | {stage(lambda m: m['done'] - m['disp']):.0f} | "
+              f"{stage(lambda m: m['mb1'] - m['done']):.0f} | {stage(lambda m: m['mbN'] - m['mb1']):.0f} | "
+              f"{stage(lambda m: m['sync'] - m['mbN']):.0f} |")
     sizes = collections.defaultdict(list)
     for e in events:
         if isinstance(e, ev.MicroBatchTrained) and e.version > args.skip:

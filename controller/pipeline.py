@@ -135,17 +135,16 @@ class AgentPipeline:
         if not trained:
             log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", self.agent, batch)
         outcomes = await asyncio.gather(*written, return_exceptions=True)
-        # A micro-batch that was never written fails its call below; no step goes then.
-        stepping = None if any(isinstance(o, BaseException) for o in outcomes) else \
-            asyncio.ensure_future(self._step_and_sync(batch, trained))
+        if any(isinstance(o, BaseException) for o in outcomes):
+            await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
+        stepping = asyncio.ensure_future(self._step_and_sync(batch, trained))
         try:
             train_s = await _all(calls)
         except BaseException:
-            if stepping is not None:
-                stepping.cancel()
-                await asyncio.gather(stepping, return_exceptions=True)
+            stepping.cancel()
+            await asyncio.gather(stepping, return_exceptions=True)
             raise
-        return trained, train_s, stepping or asyncio.ensure_future(self._step_and_sync(batch, trained))
+        return trained, train_s, stepping
 
     def _send(self, version: int, mb: list[Sample], written: list[asyncio.Future]) -> asyncio.Future:
         """Starts training `mb`; appends to `written` a future done once it is written to
@@ -169,7 +168,7 @@ class AgentPipeline:
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                         self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
-                        on_sent=lambda: written.done() or written.set_result(None))
+                        on_sent=lambda: written.set_result(None))
             finally:
                 self.allocator.release(self.agent)
         finally:

@@ -126,7 +126,7 @@ class InPlaceReload:
                                                               requires_grad=False))
                 elif tuple(current.shape) == tuple(value.shape):
                     current.data.copy_(value)
-                else:  # an embedding padded to a multiple of its block: the padding stays zero
+                else:  # an embedding padded to a multiple of its block: padding rows zero, as vLLM leaves them
                     current.data[: value.shape[0]].copy_(value)
                     current.data[value.shape[0]:].zero_()
             for module in {id(m): m for m, _, _ in staged}.values():

@@ -358,11 +358,17 @@ class TrainerHandler(CommandHandler):
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped, so this trainer and the parked copy stay as they were.
         sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
+        placement.prepare(model)  # received in host memory; now onto the device
+        placement.move_state(optimizer)
+        return self._admit(msg, model, optimizer, sums, placement)
+
+    def _admit(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, sums: StepSums,
+               placement: TrainPlacement) -> protocol.AgentReady:
+        """A received training state becomes resident, if it holds the gradients the
+        controller says it does."""
         if int(sums.samples) != msg.accumulated:
             raise ValueError(f"parked state of {msg.agent} holds gradients of {int(sums.samples)} samples, "
                              f"the controller says {msg.accumulated}; not loaded")
-        placement.prepare(model)  # received in host memory; now onto the device
-        placement.move_state(optimizer)
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
                                             msg.max_grad_norm, sums, placement=placement)
         return protocol.AgentReady(msg.request_id, msg.agent, msg.version,

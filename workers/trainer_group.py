@@ -283,19 +283,7 @@ class TrainerGroupHandler(TrainerHandler):
                              f"group has {self.world} ranks; a state moves only between groups of the same size")
         model, optimizer, placement = self._build(msg, pretrained=False)
         sums = receive_shard(self.channel(), ([msg.handle] + list(msg.shards))[self.rank], model, optimizer)
-        if int(sums.samples) != msg.accumulated:
-            raise ValueError(f"parked state of {msg.agent} holds gradients of {int(sums.samples)} samples, "
-                             f"the controller says {msg.accumulated}; not loaded")
-        self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
-                                            msg.max_grad_norm, sums, placement=placement)
-        return protocol.AgentReady(msg.request_id, msg.agent, msg.version, sum(p.numel() for p in model.parameters()))
-
-    def _release_state(self, msg: protocol.ReleaseState) -> protocol.StateReleased:
-        parked = self.parked.pop(msg.handle.key, None)
-        if parked is None:
-            raise KeyError(f"no parked shard of {msg.agent} ({msg.handle.key}) on rank {self.rank}")
-        self.channel().release(parked)
-        return protocol.StateReleased(msg.request_id, msg.agent)
+        return self._admit(msg, model, optimizer, sums, placement)
 
     def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
         """The full weights, gathered once, written by rank 0 as one Hugging Face model
@@ -318,8 +306,7 @@ class TrainerGroupHandler(TrainerHandler):
                 protocol.PublishWeights: _publish,
                 protocol.SaveCheckpoint: _save,
                 protocol.OffloadAgent: _offload,
-                protocol.LoadAgent: _load_agent,
-                protocol.ReleaseState: _release_state}
+                protocol.LoadAgent: _load_agent}
 
     # ---------------------------------------------------------------- closing
 
