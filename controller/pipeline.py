@@ -9,7 +9,7 @@
   (`allocator.acquire`), the trainer's replies;
 - once `decisions.step_due` says the batch is done, sends ONE optimizer step, flushes the
   event log (a crash loses nothing that led to a step), and has the weight sync bring the
-  agent's instances to the new version, which unblocks the gate (`schedule.synced_to`);
+  agent's instances to the new version, which unblocks the gate (the agent's synced version, versions.py);
   then, where a checkpoint is due, has the agent's state saved (before anything of the
   next batch reaches the trainer, so the saved state has no pending gradients);
 - keeps every micro-batch since the agent's last saved state (read, not committed): when

@@ -8,13 +8,14 @@ moves, each carried out by `reassign`, and `DemandObserved` / `RebalanceDecided`
 observations, and for a move to finish before the next observation. Ends by itself once
 the schedule says every global batch is trained.
 
-`reassign(worker, src, dst)` moves one instance: it leaves `src`'s assignment (no
-new requests), its outstanding work drains (bounded wait; if it does not drain, the
-instance goes back to `src`), it loads `dst`'s model (an engine restart: agents'
-architectures differ), then, holding `dst`'s sync lock so no weight sync of `dst` runs in
-between, `dst`'s synced weights, and joins `dst`'s assignment. Every change is an
-AllocationChanged event whose `why` carries the cost in seconds; `reassignments` lists
-them. An agent is never left without an instance.
+`reassign(worker, src, dst)` moves one instance: it leaves `src` (no new requests), its
+outstanding work drains (bounded wait), and the admission (instances.py) makes it serve
+`dst`: an engine restart on `dst`'s model where the architectures differ, else the weights
+swapped in place, then `dst`'s synced weights under `dst`'s sync lock. If the work does
+not drain in time the instance goes back to `src` through the admission (which loads
+nothing unless `src` synced while it was out). A worker that dies or refuses on the way fails its move
+alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
+the moves with what each cost. An agent is never left without an instance.
 
 The decisions are in balancer.py; this module only gathers numbers and executes.
 It does not know how demand is weighed or when a move is warranted, nor anything of
@@ -32,11 +33,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flexmarl.runtime import events as ev
-from flexmarl.runtime import protocol
 from flexmarl.runtime.config import RouterConfig
 
 from .balancer import AgentDemand, RolloutBalancer
-from .server import RemoteError, WorkerDied
 
 log = logging.getLogger("flexmarl.rebalance")
 
@@ -61,28 +60,29 @@ class Reassignment:
 
 
 class Rebalancer:
-    def __init__(self, cfg: RouterConfig, agents: list[str], client: Any, server: Any, weights: Any,
-                 model_path: dict[str, str], load_model_message: Callable[[str], protocol.LoadModel],
+    def __init__(self, cfg: RouterConfig, agents: list[str], instances: Any, admission: Any, client: Any,
+                 server: Any, weights: Any, model_path: dict[str, str],
                  emit: Callable[[ev.Event], Any], finished: Callable[[], bool]) -> None:
         self.cfg = cfg
         self.agents = list(agents)
-        self.client = client  # assignment, instances(), outstanding, dispatched_tokens
-        self.server = server  # call(), next_request_id(), registry.workers (heartbeat loads)
-        self.weights = weights  # locks, synced, start_engine(), bring_up_to_date()
+        self.instances = instances  # instances(agent), outstanding, holds(), leave(): the owner
+        self.admission = admission  # admit(worker, agent, restart=...)
+        self.client = client  # dispatched_tokens
+        self.server = server  # registry.workers (heartbeat loads)
+        self.weights = weights  # locks
         self.model_path = model_path  # to tell whether two agents' engines have the same shape
-        self.load_model_message = load_model_message  # agent -> the LoadModel that starts its engine
         self.emit = emit
         self.finished = finished
         self.reassignments: list[Reassignment] = []
 
     def demand_snapshot(self) -> dict[str, AgentDemand]:
-        client, workers = self.client, self.server.registry.workers
+        owner, workers = self.instances, self.server.registry.workers
         snapshot = {}
         for agent in self.agents:
-            instances = client.instances(agent)
+            instances = owner.instances(agent)
             snapshot[agent] = AgentDemand(
-                outstanding={w: max(0.0, client.outstanding[w]) for w in instances},
-                dispatched_tokens=client.dispatched_tokens[agent],
+                outstanding={w: max(0.0, owner.outstanding[w]) for w in instances},
+                dispatched_tokens=self.client.dispatched_tokens[agent],
                 busy_s={w: workers[w].load["busy_s"] for w in instances if "busy_s" in workers[w].load})
         return snapshot
 
@@ -107,85 +107,37 @@ class Rebalancer:
     async def reassign(self, worker: str, src: str, dst: str, why: str = "",
                        drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Reassignment | None:
         """Moves `worker` from agent `src` to agent `dst` (see module doc); None if it did not."""
-        client = self.client
+        owner = self.instances
         t0 = time.monotonic()
         async with self.weights.locks[src]:  # no weight sync of src is addressing this instance now
-            if worker not in client.assignment.get(src, []) or len(client.instances(src)) < 2:
+            if worker not in owner.instances(src) or len(owner.instances(src)) < 2:
                 log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
                 return None
-            client.assignment[src].remove(worker)
-            self.emit(ev.AllocationChanged("rollout", src, list(client.assignment[src]),
-                                           f"{worker} leaves for {dst}: {why}"))
-        if not await _drained(client, worker, drain_timeout_s):
-            async with self.weights.locks[src]:  # src may have synced while the instance was out
-                if self.weights.synced[src] > 0:
-                    await self.weights.bring_up_to_date(worker, src)
-                client.assignment[src].append(worker)
-            self.emit(ev.AllocationChanged("rollout", src, list(client.assignment[src]),
-                                           f"{worker} stays: its work did not drain within {drain_timeout_s:.0f}s"))
+            owner.leave(worker, src, f"{worker} leaves for {dst}: {why}")
+        if not await _drained(owner, worker, drain_timeout_s):
             log.warning("%s did not drain within %.0fs; it keeps serving %s", worker, drain_timeout_s, src)
+            stays = f"stays: its work did not drain within {drain_timeout_s:.0f}s"
+            # Through the admission: nothing to load unless src synced while it was out.
+            await self.admission.admit(worker, src, restart=False, why=stays)
             return None
         t_drained = time.monotonic()
-        try:
-            restarted = await self._join(worker, src, dst)
-            done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
-            self.emit(ev.AllocationChanged(
-                "rollout", dst, list(client.assignment[dst]),
-                f"{worker} joins from {src}: {done.seconds:.2f}s (drain {done.drain_s:.2f}s, "
-                f"{'engine restart' if restarted else 'weights in place'} {done.load_s:.2f}s)"))
-        except WorkerDied as exc:
-            log.warning("%s died while moving to %s: %s", worker, dst, exc)
+        restart = not same_architecture(self.model_path[src], self.model_path[dst])
+        if not await self.admission.admit(worker, dst, restart=restart, why=f"joins from {src}"):
             return None
-        except RemoteError as exc:
-            log.error("%s could not load %s (%s); it serves no agent now. Check its log in the run "
-                      "directory's logs/ folder.", worker, dst, exc)
-            return None
+        restarted = restart or owner.holds(worker, src) is None
+        done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
         self.reassignments.append(done)
-        log.info("%s now serves %s (from %s) after %.2fs", worker, dst, src, done.seconds)
+        log.info("%s now serves %s (from %s) after %.2fs (drain %.2fs, %s %.2fs)", worker, dst, src, done.seconds,
+                 done.drain_s, "engine restart" if restarted else "weights in place", done.load_s)
         return done
 
-    async def _load_model(self, worker: str, agent: str) -> None:
-        await self.weights.start_engine(worker, self.load_model_message(agent))
 
-    async def _join(self, worker: str, src: str, dst: str) -> bool:
-        """Makes `worker` serve `dst` at its synced version and adds it to `dst`'s
-        assignment; True if its engine restarted.
-
-        Agents' models differ, so the engine restarts on `dst`'s model (LoadModel at
-        version 0, then LoadWeights of `dst`'s synced version past 0). The restart happens
-        outside `dst`'s sync lock: it needs none of `dst`'s weights, and `dst` keeps
-        syncing meanwhile. The weights are loaded and the instance joins under the lock, so
-        the published handle stays valid and no sync of `dst` runs in between. With the
-        same architecture, loading `dst`'s weights in place is enough; an instance that
-        refuses (a worker that binds its engine to one agent does) restarts instead."""
-        restarted = False
-        if not same_architecture(self.model_path[src], self.model_path[dst]):
-            await self._load_model(worker, dst)
-            restarted = True
-        async with self.weights.locks[dst]:
-            if self.weights.synced[dst] > 0:
-                try:
-                    await self.weights.bring_up_to_date(worker, dst)
-                except RemoteError as exc:
-                    if restarted:
-                        raise
-                    log.info("%s cannot swap weights in place (%s); restarting its engine", worker, exc)
-                    await self._load_model(worker, dst)
-                    await self.weights.bring_up_to_date(worker, dst)
-                    restarted = True
-            elif not restarted:  # dst is still at version 0: its weights are the model directory's
-                await self._load_model(worker, dst)
-                restarted = True
-            self.client.assignment.setdefault(dst, []).append(worker)
-        return restarted
-
-
-async def _drained(client: Any, worker: str, timeout_s: float) -> bool:
+async def _drained(instances: Any, worker: str, timeout_s: float) -> bool:
     """True once no request is outstanding on `worker`. Waits one loop turn first: a batch
     planned for it just before it left the assignment is counted only when it is sent."""
     deadline = time.monotonic() + timeout_s
     await asyncio.sleep(0)
-    while client.outstanding[worker] > 0.5:
+    while instances.outstanding[worker] > 0.5:
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.05)

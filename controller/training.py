@@ -19,11 +19,16 @@ one supervisor (the first to fail stops the others), and writes the final checkp
   (a restarted one, say); produces them serving an agent at its current version; waits
   for a worker to join; ends once every batch is trained. A trainer that joins is handed
   to the allocator.
+- eval, when `eval.every` > 0 (evaluation.py, `Evaluator.run`): consumes held-out rows;
+  produces eval metrics rows; waits for the versions it evaluates to be synced; never
+  trains.
 
 What they share is handed to each: the experience store (store.py), the batch schedule
-(schedule.py: per-batch progress, gate, wake-ups), the weight sync (weight_sync.py), the
-rollout client (router.py), the trainer allocator (allocator.py), the metrics log
-(metrics.py) and the event log's `emit`. None of them refers back to this module.
+(schedule.py: per-batch progress, gate, wake-ups), each agent's synced version
+(versions.py), the rollout instances and their admission (instances.py), the weight sync
+(weight_sync.py), the rollout client (router.py), the trainer allocator (allocator.py),
+the metrics log (metrics.py) and the event log's `emit`. None of them refers back to this
+module.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from .checkpoints import Checkpointer, ResumePoint
 from .data import Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
+from .instances import Admission, RolloutInstances
 from .metrics import MetricsLog
 from .models import resolve_model
 from .pipeline import AgentPipeline
@@ -63,6 +69,7 @@ from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .tokens import AgentTokenizer
 from .trackers import open_trackers
+from .versions import SyncedVersions
 from .weight_sync import WeightSync
 from .user_code import load_workflow
 
@@ -112,15 +119,20 @@ class TrainingRun:
         self.workflow = load_workflow(cfg.run.workflow)
         self.store = ExperienceStore(self.agents, emit=emit,
                                      std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
+        self.versions = SyncedVersions(self.agents)
         self.schedule = BatchSchedule(self.agents, cfg.run.steps, p.queries_per_step,
-                                      overlap=p.mode == "async", max_staleness=p.max_staleness)
+                                      overlap=p.mode == "async", max_staleness=p.max_staleness,
+                                      versions=self.versions)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
-        self.client = RolloutClient(server, emit=emit, within_agent=cfg.router.within_agent)
-        self.weights = WeightSync(self.agents, server, self.client.instances, emit, self.schedule.synced_to,
+        self.instances = RolloutInstances(server, emit)
+        self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent)
+        self.weights = WeightSync(self.agents, server, self.instances, self.versions, emit,
                                   trainer_for=self._trainer_for)
+        self.admission = Admission(self.instances, self.weights, self.versions, server, self.load_model_message)
         if resume is not None:  # rows of batches after the checkpoint are made again
             truncate_metrics(self.run_dir / "metrics.jsonl", resume.step)
             self.schedule.resume_after(resume.step)
+            self.versions.resume_at(resume.step)
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
                                   trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents),
                                   resumed=resume is not None, first_step=self.schedule.first_batch)
@@ -149,7 +161,7 @@ class TrainingRun:
         self.busy: dict[str, float] = {}
         self._loads_at_start: dict[str, float] = {}
         server.on_died.append(self._on_worker_died)
-        self.rejoin = Rejoin(self.agents, self.client, self.weights, server, self.load_model_message,
+        self.rejoin = Rejoin(self.agents, self.instances, self.admission, server,
                              accepting=lambda: self.ready.is_set() and not server.closing,
                              finished=lambda: self.schedule.finished,
                              trainer_joined=lambda worker: self.allocator.trainer_joined(worker))
@@ -210,13 +222,11 @@ class TrainingRun:
             if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
                 self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
         weight = {a: self._expected_tokens(a) for a in self.agents}
-        self.client.assignment = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
+        placement = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
         saved = self.resume.state.get("rollout_assignment") if self.resume else None
         if saved and sorted(w for ws in saved.values() for w in ws) == sorted(self.worker_ids("rollout")):
-            self.client.assignment = {a: list(saved[a]) for a in self.agents}  # as it was at the checkpoint
-        for agent in self.agents:
-            self.emit(ev.AllocationChanged("rollout", agent, list(self.client.assignment[agent]), "initial placement"))
-        log.info("rollout placement: %s", self.client.assignment)
+            placement = {a: list(saved[a]) for a in self.agents}  # as it was at the checkpoint
+        log.info("rollout placement: %s", placement)
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
                                           cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit)
         self.allocator.on_parked.append(self.weights.forget)
@@ -228,11 +238,14 @@ class TrainingRun:
                                            cfg.agents[a].loss_options(), checkpoints=self.checkpoints)
                           for a in self.agents}
         if cfg.router.across_agents:
-            self.rebalancer = Rebalancer(cfg.router, self.agents, self.client, self.server, self.weights,
-                                         self.model_path, self.load_model_message, self.emit,
+            self.rebalancer = Rebalancer(cfg.router, self.agents, self.instances, self.admission, self.client,
+                                         self.server, self.weights, self.model_path, self.emit,
                                          lambda: self.schedule.finished)
-        await asyncio.gather(*(self._load_model(a, w) for a, ws in self.client.assignment.items() for w in ws),
-                             self._init_agents())
+        admitted = await asyncio.gather(*(self._place(a, w) for a, ws in placement.items() for w in ws),
+                                        self._init_agents())
+        if not all(admitted[:-1]):
+            raise RuntimeError("a rollout worker died or failed while starting its engine at set-up; see its log "
+                               "in the run directory's logs/ folder")
         self.ready.set()
 
     async def _init_agents(self) -> None:
@@ -257,13 +270,12 @@ class TrainingRun:
         a = self.cfg.agents[agent]
         return a.group_size * a.max_tokens * (1 + self.agents.index(agent))
 
-    async def _load_model(self, agent: str, worker: str) -> None:
+    async def _place(self, agent: str, worker: str) -> bool:
         message = self.load_model_message(agent)
         if self.resume is not None:  # set-up of a resumed run: engines start at the checkpoint
             message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(agent).resolve()),
                                               version=self.resume.step)
-        reply = await self.weights.start_engine(worker, message)
-        log.info("%s serves %s (%.1fs to start the engine)", worker, agent, reply.seconds)
+        return await self.admission.admit(worker, agent, engine=message, why="joins: initial placement")
 
     def load_model_message(self, agent: str) -> protocol.LoadModel:
         """What starts an engine on `agent`'s model at version 0, the model directory's
@@ -277,7 +289,7 @@ class TrainingRun:
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN
             return
-        self.client.worker_died(info.worker_id)
+        self.instances.died(info.worker_id)
         if self.allocator is not None and info.worker_id in self.allocator.trainers:
             lost = self.allocator.trainer_died(info.worker_id)
             if lost:
@@ -310,7 +322,7 @@ class TrainingRun:
         state = {"steps": self.cfg.run.steps, "seed": self.cfg.run.seed,
                  "versions": {a: step for a in self.agents},
                  "episodes_done": step * q,
-                 "rollout_assignment": {a: list(ws) for a, ws in self.client.assignment.items()},
+                 "rollout_assignment": self.instances.assignment,
                  # Samples of later batches the store held at the cut; a resumed run makes them again.
                  "store_after_cut": {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
                                      for a in self.agents},

@@ -415,12 +415,18 @@ class StepDone(Message):
     stats: StepStats = msgspec.field(default_factory=StepStats)
 
 
+# PublishWeights.version asking for the version the agent is at, whichever it is (the
+# reply names it): what a joining instance is loaded with, so a step that raced the join
+# is published instead of refused.
+CURRENT_VERSION = -1
+
+
 class PublishWeights(Message):
     # Controller -> Trainer: make the agent's weights available to rollout workers.
     KIND = Kind.PUBLISH_WEIGHTS
     request_id: int
     agent: str
-    version: int
+    version: int  # refused unless the agent is at it; CURRENT_VERSION: whichever it is at
     transport: str = "auto"  # "shm", "tcp", ... ; "auto" picks from where the ends are
     targets: list[str] = []  # worker ids that will receive; over nccl, targets[i] is rank i + 1
     group: str = ""  # nccl: the communicator's name, kept while the agent's targets stay the same

@@ -300,7 +300,7 @@ class TrainerHandler(CommandHandler):
     def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
-        if msg.version != state.version:
+        if msg.version not in (state.version, protocol.CURRENT_VERSION):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
         # The parameters (a tied head is sent once, as the embedding; receivers know the tie).
         source = {k: v.detach() for k, v in state.model.named_parameters()}

@@ -7,13 +7,17 @@ import pytest
 
 from flexmarl.controller.balancer import AgentDemand, Move, RolloutBalancer, instances_to_move
 from flexmarl.controller.rebalance import Rebalancer, same_architecture
-from flexmarl.controller.registry import WorkerInfo, WorkerRegistry
+from flexmarl.controller.registry import WorkerInfo
 from flexmarl.controller.router import RolloutClient
 from flexmarl.controller.server import RemoteError, WorkerDied
-from flexmarl.controller.weight_sync import WeightSync
+from flexmarl.controller.instances import Admission, RolloutInstances
+from flexmarl.controller.versions import SyncedVersions
+from flexmarl.controller.weight_sync import Publication, WeightSync
 from flexmarl.runtime.config import RouterConfig
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+
+from fake_rollout import FakeServer, until
 
 
 def demand(**per_agent: list[float]) -> dict[str, AgentDemand]:
@@ -127,124 +131,13 @@ def test_an_agent_that_lost_every_instance_gets_one_back():
     assert move is not None and move.dst == "a" and move.instances[0] == "b1"  # the least outstanding
 
 
-class FakeServer:
-    """The methods RolloutClient uses, with workers that never answer on their own."""
-
-    def __init__(self, workers: list[str]) -> None:
-        self.registry = WorkerRegistry()
-        for w in workers:
-            self.registry.workers[w] = WorkerInfo(w, w.encode(), "rollout", "host", 1, [], {}, 0.0, 0.0)
-        self.sent: list[tuple[str, protocol.Generate]] = []
-        self.streams: dict[int, tuple] = {}
-        self._ids = itertools.count(1)
-
-    def next_request_id(self) -> int:
-        return next(self._ids)
-
-    def stream(self, worker, msg, on_reply):
-        future = asyncio.get_running_loop().create_future()
-        self.streams[msg.request_id] = (worker, on_reply, future)
-        return future
-
-    async def send_request(self, worker, msg):
-        self.sent.append((worker, msg))
-
-    def kill(self, worker: str) -> None:
-        self.registry.workers[worker].alive = False
-        for w, _, future in self.streams.values():
-            if w == worker and not future.done():
-                future.set_exception(WorkerDied(worker, "killed by the test"))
-
-    def answer(self, request_id: int, refuse: frozenset = frozenset()) -> None:
-        worker, on_reply, future = self.streams[request_id]
-        msg = next(m for w, m in self.sent if m.request_id == request_id)
-        results = [protocol.GenResult(it.sample_id, [7], [-0.1], 0) for it in msg.items if it.sample_id not in refuse]
-        refused = [protocol.GenRefused(it.sample_id, "prompt too long") for it in msg.items if it.sample_id in refuse]
-        if on_reply(protocol.Generated(request_id, msg.agent, results, True, {}, refused), []):
-            future.set_result((None, []))
-
-
-async def until(condition, turns: int = 100) -> None:
-    for _ in range(turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition not reached")
-
-
-async def test_requests_on_a_dead_instance_are_reissued_to_a_live_instance_of_the_agent():
-    server = FakeServer(["r0", "r1"])
-    client = RolloutClient(server)
-    client.assignment = {"a": ["r0", "r1"]}
-    requests = [protocol.GenRequest(f"s{i}", [1, 2], 4, 1.0, i) for i in range(3)]
-    task = asyncio.ensure_future(client.generate("a", requests))
-    await until(lambda: len(server.sent) == 1)
-    assert server.sent[0][0] == "r0"  # a small batch goes whole to one instance
-    server.kill("r0")
-    await until(lambda: len(server.sent) == 2)
-    worker, msg = server.sent[1]
-    assert worker == "r1" and sorted(it.sample_id for it in msg.items) == ["s0", "s1", "s2"]
-    server.answer(msg.request_id)
-    results = await task
-    assert [r.sample_id for r in results] == ["s0", "s1", "s2"]
-    assert client.reissued == 3 and client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
-
-
-async def test_a_batch_whose_instances_keep_dying_fails_its_requests_instead_of_being_reissued_forever():
-    from flexmarl.controller.router import RequestsFailed
-
-    workers = [f"r{i}" for i in range(5)]
-    server = FakeServer(workers)
-    client = RolloutClient(server)
-    client.assignment = {"a": list(workers)}
-    task = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("s0", [1], 2, 1.0, 0)]))
-    for attempt in range(client.max_attempts):
-        await until(lambda: len(server.sent) == attempt + 1)
-        server.kill(server.sent[-1][0])  # e.g. a request that crashes every engine it reaches
-    with pytest.raises(RequestsFailed, match=f"failed on {client.max_attempts} instances in a row"):
-        await task
-    assert len(server.sent) == client.max_attempts  # never sent to a fourth instance
-    assert sum(w.alive for w in server.registry.workers.values()) == 5 - client.max_attempts
-
-
-async def test_a_refused_request_fails_alone_and_is_never_reissued():
-    from flexmarl.controller.router import RequestRefused
-
-    server = FakeServer(["r0", "r1"])
-    client = RolloutClient(server)
-    client.assignment = {"a": ["r0", "r1"]}
-    good = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("ok", [1], 2, 1.0, 0)]))
-    bad = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("long", [1] * 99, 2, 1.0, 0)]))
-    await until(lambda: len(server.sent) == 1)  # both coalesced into one batch
-    server.answer(server.sent[0][1].request_id, refuse=frozenset({"long"}))
-    assert [r.sample_id for r in await good] == ["ok"]
-    with pytest.raises(RequestRefused, match="refused long: prompt too long"):
-        await bad
-    await asyncio.sleep(0.01)
-    assert len(server.sent) == 1 and client.refused == 1 and client.reissued == 0
-    assert client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
-
-
-async def test_an_instance_removed_from_the_assignment_gets_no_new_requests():
-    server = FakeServer(["r0", "r1"])
-    client = RolloutClient(server)
-    client.assignment = {"a": ["r1"]}  # r0 is draining for a move
-    requests = [protocol.GenRequest(f"s{i}", [1], 2, 1.0, i) for i in range(16)]
-    task = asyncio.ensure_future(client.generate("a", requests))
-    await until(lambda: len(server.sent) >= 1)
-    assert {w for w, _ in server.sent} == {"r1"}
-    for _, msg in list(server.sent):
-        server.answer(msg.request_id)
-    assert len(await task) == 16
-
-
 # ---------------------------------------------------------------- carrying out a move
 
 
 class FakeRun:
-    """A Rebalancer handed what it uses (a rollout client, a real WeightSync), over a
-    FakeServer whose workers answer LoadModel and LoadWeights at once (refusing another
-    agent's weights, like the rollout worker does)."""
+    """A Rebalancer handed what it uses (the instances' owner and its admission, a real
+    WeightSync), over a FakeServer whose workers answer LoadModel and LoadWeights at once
+    (refusing another agent's weights, like the rollout worker does)."""
 
     def __init__(self, tmp_path, assignment: dict[str, list[str]], same_model: bool = False) -> None:
         workers = [w for ws in assignment.values() for w in ws]
@@ -254,35 +147,52 @@ class FakeRun:
 
         async def call(worker, msg, buffers=(), timeout=None):
             self.server.calls.append((worker, msg))
+            if worker in self.dies:
+                raise WorkerDied(worker, "killed by the test")
             if isinstance(msg, protocol.LoadWeights) and msg.agent != self.serving[worker]:
                 raise RemoteError(f"{worker}: weights for {msg.agent} sent to an instance serving "
                                   f"{self.serving[worker]}")
             if isinstance(msg, protocol.LoadModel):
                 self.serving[worker] = msg.agent
             if isinstance(msg, protocol.PublishWeights):
-                return protocol.WeightsPublished(msg.request_id, msg.agent, msg.version,
-                                                 f"republished-{msg.agent}{msg.version}", 1, 0.0), []
+                version = self.versions[msg.agent] if msg.version == protocol.CURRENT_VERSION else msg.version
+                return protocol.WeightsPublished(msg.request_id, msg.agent, version,
+                                                 f"republished-{msg.agent}{version}", 1, 0.0), []
             return msg, []
 
+        self.dies: set[str] = set()
         self.server.call = call
-        self.client = RolloutClient(self.server)
-        self.client.assignment = {a: list(ws) for a, ws in assignment.items()}
+        self.events: list = []
+        self.instances = RolloutInstances(self.server, self.emit)
+        for agent, ws in assignment.items():
+            for w in ws:
+                self.instances.engine_started(w, agent, 0)
+                self.instances.serve(w, agent, "placed by the test")
+        self.events.clear()
+        self.client = RolloutClient(self.server, self.instances)
         self.model_path = {}
         for a in assignment:
             d = tmp_path / a
             d.mkdir()
             d.joinpath("config.json").write_text('{"hidden_size": %d}' % (64 if same_model else ord(a[0])))
             self.model_path[a] = str(d)
-        self.events: list = []
-        self.weights = WeightSync(list(assignment), self.server, self.client.instances, self.emit, lambda a, v: None,
+        self.versions = SyncedVersions(list(assignment))
+        self.weights = WeightSync(list(assignment), self.server, self.instances, self.versions, self.emit,
                                   trainer_for=self.trainer_for)
+        self.admission = Admission(self.instances, self.weights, self.versions, self.server,
+                                   lambda a: protocol.LoadModel(1, a, self.model_path[a], 0))
         self.server.registry.workers["t0"] = WorkerInfo("t0", b"t0", "trainer", "host", 2, [], {}, 0.0, 0.0)
-        # the weight sync's own tables, under the names the tests use
-        self.sync_lock, self.synced, self.published = self.weights.locks, self.weights.synced, self.weights.published
-        self.rebalancer = Rebalancer(RouterConfig(), list(assignment), self.client, self.server, self.weights,
-                                     self.model_path, lambda a: protocol.LoadModel(1, a, self.model_path[a], 0),
-                                     self.emit, lambda: False)
+        self.sync_lock = self.weights.locks
+        self.rebalancer = Rebalancer(RouterConfig(), list(assignment), self.instances, self.admission, self.client,
+                                     self.server, self.weights, self.model_path, self.emit, lambda: False)
         self.reassignments = self.rebalancer.reassignments
+
+    def synced(self, agent: str, version: int, handle) -> None:
+        """`agent` synced `version` (every instance serving it holds it), published as `handle`."""
+        self.versions.set(agent, version)
+        self.weights.published[agent] = Publication(version, handle, "shm")
+        for w in self.instances.instances(agent):
+            self.instances.loaded(w, agent, version)
 
     def emit(self, event) -> None:
         self.events.append(event)
@@ -301,15 +211,15 @@ def reassign(run: FakeRun, worker: str, src: str, dst: str, **kw):
 
 async def test_a_moved_instance_restarts_on_the_new_agents_model_and_loads_its_synced_weights(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
-    run.synced["b"], run.published["b"] = 3, b"handle-b3"
+    run.synced("b", 3, b"handle-b3")
     done = await reassign(run, "r0", "a", "b")
-    assert done is not None and done.restarted and done.seconds >= 0
+    assert done is not None and done.restarted
     assert run.sent() == [("r0", "LoadModel", "b", 0), ("r0", "LoadWeights", "b", 3)]
     assert run.server.calls[1][1].handle == b"handle-b3"
-    assert run.client.assignment == {"a": ["r1"], "b": ["r2", "r0"]}
+    assert run.instances.assignment == {"a": ["r1"], "b": ["r2", "r0"]} and run.instances.holds("r0", "b") == 3
     changes = [(e.agent, e.workers) for e in run.events if isinstance(e, ev.AllocationChanged)]
     assert changes == [("a", ["r1"]), ("b", ["r2", "r0"])]
-    assert "s (drain" in run.events[-1].why and run.reassignments == [done]
+    assert "joins from a" in run.events[-1].why and run.reassignments == [done]
 
 
 async def test_an_instance_joining_an_agent_still_at_version_zero_only_loads_the_model(tmp_path):
@@ -320,37 +230,38 @@ async def test_an_instance_joining_an_agent_still_at_version_zero_only_loads_the
 
 async def test_a_move_waits_until_the_instances_outstanding_work_drains(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
-    run.client.outstanding["r0"] = 40.0
+    run.instances.add_work("r0", 40.0)
     task = asyncio.ensure_future(reassign(run, "r0", "a", "b"))
     await asyncio.sleep(0.2)
-    assert run.sent() == [] and run.client.assignment["a"] == ["r1"]  # left a, not loaded yet
-    run.client.outstanding["r0"] = 0.0
-    assert (await task) is not None and run.client.assignment["b"] == ["r2", "r0"]
+    assert run.sent() == [] and run.instances.assignment["a"] == ["r1"]  # left a, not loaded yet
+    run.instances.work_done("r0", 40.0)
+    assert (await task) is not None and run.instances.assignment["b"] == ["r2", "r0"]
 
 
 async def test_an_instance_that_does_not_drain_in_time_stays_with_its_agent(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
-    run.client.outstanding["r0"] = 40.0
+    run.instances.add_work("r0", 40.0)
     assert await reassign(run, "r0", "a", "b", drain_timeout_s=0.1) is None
-    assert run.client.assignment == {"a": ["r1", "r0"], "b": ["r2"]} and run.sent() == []
+    assert run.instances.assignment == {"a": ["r1", "r0"], "b": ["r2"]} and run.sent() == []
 
 
 async def test_the_last_instance_of_an_agent_never_moves(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0"], "b": ["r1"]})
     assert await reassign(run, "r0", "a", "b") is None
-    assert run.client.assignment == {"a": ["r0"], "b": ["r1"]} and run.sent() == []
+    assert run.instances.assignment == {"a": ["r0"], "b": ["r1"]} and run.sent() == []
 
 
 async def test_same_architecture_swaps_weights_in_place_or_restarts_if_the_instance_refuses(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]}, same_model=True)
     assert same_architecture(run.model_path["a"], run.model_path["b"])
     run.serving["r0"] = "b"  # an instance that accepts the other agent's weights
-    run.synced["b"], run.published["b"] = 2, b"h"
+    run.synced("b", 2, b"h")
     done = await reassign(run, "r0", "a", "b")
     assert not done.restarted and run.sent() == [("r0", "LoadWeights", "b", 2)]
     run.server.calls.clear()
-    run.client.assignment["a"].append("r3")
     run.server.registry.workers["r3"] = WorkerInfo("r3", b"r3", "rollout", "host", 1, [], {}, 0.0, 0.0)
+    run.instances.engine_started("r3", "a", 0)
+    run.instances.serve("r3", "a", "placed by the test")
     run.serving["r3"] = "a"  # today's rollout worker: refuses, so it restarts
     done = await reassign(run, "r3", "a", "b")
     assert done.restarted
@@ -359,16 +270,16 @@ async def test_same_architecture_swaps_weights_in_place_or_restarts_if_the_insta
 
 async def test_the_engine_restarts_while_the_new_agent_syncs_but_joins_only_between_syncs(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
-    run.synced["b"], run.published["b"] = 1, b"h1"
+    run.synced("b", 1, b"h1")
     await run.sync_lock["b"].acquire()  # b is publishing version 2
     task = asyncio.ensure_future(reassign(run, "r0", "a", "b"))
     await until(lambda: len(run.server.calls) == 1)
     await asyncio.sleep(0.1)
-    assert run.sent() == [("r0", "LoadModel", "b", 0)] and "r0" not in run.client.assignment["b"]
-    run.synced["b"], run.published["b"] = 2, b"h2"
+    assert run.sent() == [("r0", "LoadModel", "b", 0)] and "r0" not in run.instances.assignment["b"]
+    run.synced("b", 2, b"h2")
     run.sync_lock["b"].release()
     await task
-    assert run.sent()[-1] == ("r0", "LoadWeights", "b", 2) and run.client.assignment["b"] == ["r2", "r0"]
+    assert run.sent()[-1] == ("r0", "LoadWeights", "b", 2) and run.instances.assignment["b"] == ["r2", "r0"]
 
 
 # --- the level 1 loop's log re-drives to the same moves ---------------------------------
@@ -394,8 +305,8 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
     workers = {w: types.SimpleNamespace(load={"busy_s": 0.0}) for ws in assignment.values() for w in ws}
     server = types.SimpleNamespace(registry=types.SimpleNamespace(workers=workers))
     done = {"trained": False}
-    balancer = rebalance.Rebalancer(cfg.router, agents, client, server, weights=None, model_path={},
-                                    load_model_message=None, emit=log.emit, finished=lambda: done["trained"])
+    balancer = rebalance.Rebalancer(cfg.router, agents, client, admission=None, client=client, server=server,
+                                    weights=None, model_path={}, emit=log.emit, finished=lambda: done["trained"])
 
     async def fake_reassign(worker, src, dst, why=""):  # the move itself is not under test
         assignment[src].remove(worker)
@@ -441,24 +352,24 @@ def msgspec_replace(event, **changes):
 
 async def test_an_instance_whose_drain_timed_out_rejoins_with_its_agents_current_weights(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
-    run.synced["a"], run.published["a"] = 1, "handle-a1"
-    run.weights.served("r0", "a", 1)
-    run.client.outstanding["r0"] = 40.0  # never drains
+    run.synced("a", 1, "handle-a1")
+    run.instances.add_work("r0", 40.0)  # never drains
     task = asyncio.ensure_future(reassign(run, "r0", "a", "b", drain_timeout_s=0.3))
     await asyncio.sleep(0.05)
-    run.synced["a"], run.published["a"] = 2, "handle-a2"  # a synced while r0 was out
+    run.synced("a", 2, "handle-a2")  # a synced while r0 was out
     assert await task is None
     assert run.sent() == [("r0", "LoadWeights", "a", 2)]
-    assert run.client.assignment["a"] == ["r1", "r0"] and run.weights.holds["r0"] == ("a", 2)
+    assert run.instances.assignment["a"] == ["r1", "r0"] and run.instances.holds("r0", "a") == 2
 
 
 async def test_after_parking_released_an_agents_weights_a_joining_instance_gets_them_published_again(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
-    run.synced["b"], run.published["b"] = 3, "handle-b3"
+    run.synced("b", 3, "handle-b3")
     run.weights.forget("b")  # the trainer parked b: handle-b3 is gone
     done = await reassign(run, "r0", "a", "b")
     assert done is not None
-    assert run.sent() == [("r0", "LoadModel", "b", 0), ("t0", "PublishWeights", "b", 3), ("r0", "LoadWeights", "b", 3)]
+    assert run.sent() == [("r0", "LoadModel", "b", 0), ("t0", "PublishWeights", "b", protocol.CURRENT_VERSION),
+                          ("r0", "LoadWeights", "b", 3)]
     assert run.server.calls[-1][1].handle == "republished-b3"
 
 

@@ -185,6 +185,6 @@ def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_chec
     run.model_path = {a: f"/models/{a}" for a in cfg.agents}
     message = run.load_model_message("planner")
     assert (message.model_path, message.version) == ("/models/planner", 0)
-    assert run.schedule.first_batch == 5 and run.schedule.synced["planner"] == 4
+    assert run.schedule.first_batch == 5 and run.versions["planner"] == 4
     run.metrics.close()
     run.tools.shutdown()

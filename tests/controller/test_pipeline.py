@@ -72,7 +72,7 @@ class FakeWeights:
 
     async def sync(self, agent, trainer, version):
         self.synced.append(version)
-        self.schedule.synced_to(agent, version)
+        self.schedule.versions.set(agent, version)
 
     def forget(self, agent):
         self.forgotten = agent
@@ -137,7 +137,7 @@ async def test_async_micro_batches_train_while_rollout_runs_then_one_step_and_on
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
     assert trainer.log[1:] == [("train", ["g2/0", "g2/1"]), ("step", 1, 1 / 6)]
-    assert weights.synced == [1] and schedule.synced["a"] == 1
+    assert weights.synced == [1] and schedule.versions["a"] == 1
     assert metrics.rows == [(1, 6)] and metrics.ended == [1] and pipeline.samples_trained == 6
     assert pipeline.tokens_trained == 18 and "flushed" in events
     assert store.ready_samples("a", 1) == 0

@@ -210,7 +210,7 @@ def test_a_killed_rollout_worker_loses_nothing(tmp_path):
         while exp.training is None or not exp.training.ready.is_set():
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
-        victim = exp.training.client.assignment["solver"][-1]
+        victim = exp.training.instances.assignment["solver"][-1]
         pid = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
         os.kill(pid, signal.SIGKILL)
 
