@@ -11,8 +11,11 @@ agent-centric training: OFFLOAD_AGENT (park the whole training state in the chan
 stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
 RELEASE_STATE (drop a parked copy once its new owner has it).
 
-Each command type maps to one method in `TrainerHandler.COMMANDS`. The loss itself is in
-`loss.py`.
+Each command type maps to one method in `TrainerHandler.COMMANDS`, written once: a trainer
+group (trainer_group.py) runs the same commands and overrides only the steps that differ
+across ranks (`_new_model`, `_receive`, `_share`, `_reduce`, `_full_weights`,
+`_local_state`, `_gather_handles`, `_checkpoint_state_dict`; `rank` and `world`). The loss
+itself is in `loss.py`.
 
 It decides nothing: which samples, when to step and where weights go all come from the
 controller. It does check what it is told: a micro-batch for the wrong version, a sample
@@ -179,6 +182,7 @@ class TrainerHandler(CommandHandler):
     # What each micro-batch's loss is multiplied by before backward. 1 here; a trainer group
     # whose gradient reduction averages over N ranks uses N, so the gradients are sums.
     loss_scale = 1.0
+    rank, world = 0, 1  # this process among the ranks that hold each agent; rank 0 replies
 
     def __init__(self, channel_config: Any = None) -> None:
         super().__init__()
@@ -221,16 +225,62 @@ class TrainerHandler(CommandHandler):
                            f"(resident: {sorted(self.agents)})")
         return state
 
+    # ---------------------------------------------------------------- the steps a group overrides
+
+    def _new_model(self, msg: protocol.InitAgent | protocol.LoadAgent,
+                   pretrained: bool) -> tuple[Any, Any, TrainPlacement]:
+        """A model for `msg.agent` with its optimizer: the model directory's weights
+        (`pretrained`), or empty ones a parked state is received into (`_receive`)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        placement = TrainPlacement.resolve(msg.settings)
+        if pretrained:
+            model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
+            placement.prepare(model)
+        else:  # received in host memory first, then onto the device (`_receive`)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(msg.model_path),
+                                                     dtype=placement.param_dtype)
+        return model, torch.optim.Adam(model.parameters(), lr=msg.lr), placement
+
+    def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:
+        """This process's part of the parked state named in `msg` into a model of `_new_model`."""
+        sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
+        placement.prepare(model)
+        placement.move_state(optimizer)
+        return sums
+
+    def _share(self, msg: protocol.TrainMicroBatch) -> tuple[protocol.TrainMicroBatch, bool]:
+        """The part of a micro-batch this process trains, and whether it holds real samples."""
+        return msg, True
+
+    def _reduce(self, sums: StepSums) -> StepSums:
+        """Every process's sums of a micro-batch, added up."""
+        return sums
+
+    def _full_weights(self, state: AgentState) -> dict[str, Any]:
+        """The agent's whole parameters (a tied head once, as the embedding; receivers know the tie)."""
+        return {k: v.detach() for k, v in state.model.named_parameters()}
+
+    def _local_state(self, state: AgentState) -> dict[str, Any]:
+        """The part of the agent's training state this process parks."""
+        return training_state(state.model, state.optimizer, state.sums)
+
+    def _gather_handles(self, handle: Any) -> list[Any]:
+        """Every process's handle of what it parked, rank 0's first."""
+        return [handle]
+
+    def _checkpoint_state_dict(self, state: AgentState) -> dict[str, Any] | None:
+        """The weights a checkpoint writes; None: the model's own."""
+        return None
+
+    # ---------------------------------------------------------------- the commands
+
     def _init_agent(self, msg: protocol.InitAgent) -> protocol.AgentReady:
         import torch
-        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(msg.seed)
-        placement = TrainPlacement.resolve(msg.settings)
-        model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
-        # Dropout-free tiny models: train() vs eval() only matters for dropout layers.
-        placement.prepare(model)
-        optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
+        model, optimizer, placement = self._new_model(msg, pretrained=True)
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm,
                                             placement=placement)
         n = sum(p.numel() for p in model.parameters())
@@ -248,14 +298,16 @@ class TrainerHandler(CommandHandler):
         if too_old:  # the controller guarantees this never happens; refuse rather than trust
             raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
-        if msg.loss.kl_coef > 0 and state.reference is None:
+        local, real = self._share(msg)
+        if local.loss.kl_coef > 0 and state.reference is None:
             state.reference = self._reference_model(state.model_path, state.placement)
         with state.placement.autocast():
-            loss, sums = policy_loss(state.model, msg.samples, msg.loss, off_policy=msg.max_staleness > 0,
+            loss, sums = policy_loss(state.model, local.samples, local.loss, off_policy=msg.max_staleness > 0,
                                      clip_ratio=msg.clip_ratio, reference=state.reference)
         (loss * self.loss_scale).backward()
-        state.sums.add(sums)
-        return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), int(sums.tokens),
+        total = self._reduce(sums if real else StepSums())
+        state.sums.add(total)
+        return protocol.MicroBatchDone(msg.request_id, state.name, total.loss, int(total.tokens),
                                        time.perf_counter() - t0)
 
     @staticmethod
@@ -302,10 +354,11 @@ class TrainerHandler(CommandHandler):
         state = self._resident(msg.agent)
         if msg.version not in (state.version, protocol.CURRENT_VERSION):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
-        # The parameters (a tied head is sent once, as the embedding; receivers know the tie).
-        source = {k: v.detach() for k, v in state.model.named_parameters()}
+        source = self._full_weights(state)  # every process takes part in gathering them
+        if self.rank != 0:
+            return None
         # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
-        if msg.transport == "shm" and state.placement.device.type == "cpu":
+        if msg.transport == "shm" and state.placement.device.type == "cpu" and self.world == 1:
             if state.bucket is None:
                 # From now on the parameters live in shared memory and a publish copies nothing.
                 state.bucket = self.channel().shared_bucket(source)
@@ -330,36 +383,30 @@ class TrainerHandler(CommandHandler):
     def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
-        tensors = training_state(state.model, state.optimizer, state.sums)
-        handle = self.channel().publish(tensors, agent=state.name, version=state.version, transport=msg.transport)
+        handle = self.channel().publish(self._local_state(state), agent=state.name, version=state.version,
+                                        transport=msg.transport)
+        handles = self._gather_handles(handle)
         # The parked copy is complete and checksummed; only now is the live state dropped.
         if state.published is not None:
             self.channel().release(state.published)
         if state.bucket is not None:
             state.bucket.close()
         del self.agents[state.name]
-        self.parked[handle.key] = handle
-        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handle,
-                                       handle.total_bytes, time.perf_counter() - t0)
+        self.parked[handles[0].key] = handle  # every process files its own part under rank 0's key
+        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handles[0],
+                                       sum(h.total_bytes for h in handles), time.perf_counter() - t0,
+                                       handles[1:])
 
     def _load_agent(self, msg: protocol.LoadAgent) -> protocol.AgentReady:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
-        if msg.shards:
-            raise ValueError(f"the parked state of {msg.agent} is sharded over the {len(msg.shards) + 1} ranks of a "
-                             "trainer group; only a group of that size can load it")
-        placement = TrainPlacement.resolve(msg.settings)
-        config = AutoConfig.from_pretrained(msg.model_path)
-        model = AutoModelForCausalLM.from_config(config, dtype=placement.param_dtype)
-        optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
+        if len(msg.shards) + 1 != self.world:
+            raise ValueError(f"the parked state of {msg.agent} has {len(msg.shards) + 1} shards and this trainer "
+                             f"has {self.world} ranks; a state moves only between trainers of the same size")
+        model, optimizer, placement = self._new_model(msg, pretrained=False)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped, so this trainer and the parked copy stay as they were.
-        sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
-        placement.prepare(model)  # received in host memory; now onto the device
-        placement.move_state(optimizer)
+        sums = self._receive(msg, model, optimizer, placement)
         return self._admit(msg, model, optimizer, sums, placement)
 
     def _admit(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, sums: StepSums,
@@ -387,14 +434,20 @@ class TrainerHandler(CommandHandler):
         Written under a temporary name and renamed: a crash or a full disk mid-save never
         leaves a half-written checkpoint under `path`, and a failed save leaves nothing."""
         state = self._resident(msg.agent)
+        if msg.full_state and self.world > 1:
+            raise ValueError(f"a trainer of {self.world} ranks saves the weights of {state.name} only; its "
+                             "training state is sharded")
         if msg.full_state and state.accumulated:
             raise ValueError(f"a full checkpoint of {state.name} is taken between steps; {state.accumulated} "
                              "samples are accumulated towards the next one")
         handle = None
+        weights = self._checkpoint_state_dict(state)  # every process takes part in gathering them
+        if self.rank != 0:
+            return None
 
         def write(tmp: Path) -> None:
             nonlocal handle
-            state.model.save_pretrained(tmp, safe_serialization=True)
+            state.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
             if msg.full_state:
                 tensors = training_state(state.model, state.optimizer, state.sums)
                 handle = self.channel().publish(tensors, agent=state.name, version=state.version,
