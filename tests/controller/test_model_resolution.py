@@ -67,6 +67,7 @@ def test_a_builder_past_its_time_limit_is_a_clear_error(tmp_path, builder):
         resolve_model("tiny:planner", tmp_path)
 
 
+@pytest.mark.slow
 def test_a_miss_builds_the_model_in_a_child_process_and_then_it_is_cached(tmp_path, monkeypatch):
     real_run = subprocess.run
     starts = []

@@ -65,6 +65,7 @@ def weights(h, agent, version):
         return {k: v.clone() for k, v in channel.receive(out.handle).items()}
 
 
+@pytest.mark.slow
 def test_a_two_rank_group_makes_the_same_update_as_one_trainer_on_the_same_samples(group, single, model_dir):
     for h in (group, single):
         h._execute(p.InitAgent(1, "same", str(model_dir), LR, 0))
@@ -81,6 +82,7 @@ def test_a_two_rank_group_makes_the_same_update_as_one_trainer_on_the_same_sampl
     assert all(not torch.equal(alone[k], initial[k]) for k in alone)  # and it did train
 
 
+@pytest.mark.slow
 def test_a_group_parks_each_ranks_shard_and_trains_on_identically_after_restoring_it(group, single, model_dir):
     for h in (group, single):
         h._execute(p.InitAgent(1, "swapped", str(model_dir), LR, 0))
@@ -98,6 +100,7 @@ def test_a_group_parks_each_ranks_shard_and_trains_on_identically_after_restorin
     assert max((grouped[k] - alone[k]).abs().max().item() for k in alone) < WEIGHT_ROUND_OFF
 
 
+@pytest.mark.slow
 def test_states_parked_by_another_number_of_ranks_are_refused_and_the_group_keeps_working(group, single, model_dir):
     single._execute(p.InitAgent(1, "whole", str(model_dir), LR, 0))
     whole = single._execute(p.OffloadAgent(2, "whole"))
@@ -114,6 +117,7 @@ def test_states_parked_by_another_number_of_ranks_are_refused_and_the_group_keep
     group._execute(p.ReleaseState(9, "sharded", sharded.handle, sharded.shards))
 
 
+@pytest.mark.slow
 def test_a_groups_checkpoint_is_the_full_model_rank_0_gathered(group, model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
