@@ -6,7 +6,8 @@ agent (`Admission`).
 instances serve an agent and counts work on them through it (`add_work`, `work_done`);
 the weight sync records what it loaded (`loaded`); balancing and the death of a worker
 take an instance out of an agent (`leave`, `died`). An instance serves a *set* of agents,
-so one engine may serve several. Routing order is the order instances joined an agent.
+so one engine may serve several. Routing order is set-up's placement order (`place`;
+engines start concurrently and finish in any order), then the order others joined.
 
 `Admission.admit(worker, agent)` is "instance `worker` serves `agent` at the agent's
 synced version", used by set-up, rejoin, resume and balancing alike. It (re)starts the
@@ -51,7 +52,8 @@ class RolloutInstances:
         self.server = server  # registry.alive(): only live workers are routed to
         self.emit = emit or (lambda event: None)
         self._instances: dict[str, Instance] = {}
-        self._order: dict[str, list[str]] = defaultdict(list)  # agent -> instances serving it, in join order
+        self._order: dict[str, list[str]] = defaultdict(list)  # agent -> instances serving it, in routing order
+        self._placed: dict[str, int] = {}  # worker -> its position in set-up's placement
         self.outstanding: dict[str, float] = defaultdict(float)  # worker -> tokens in flight (read-only outside)
 
     def _get(self, worker: str) -> Instance:
@@ -86,6 +88,10 @@ class RolloutInstances:
 
     # ------------------------------------------------------------ writing (asked by others)
 
+    def place(self, plan: dict[str, list[str]]) -> None:
+        """Set-up's placement (agent -> workers): the routing order of the workers once admitted."""
+        self._placed = {w: i for i, w in enumerate(w for ws in plan.values() for w in ws)}
+
     def engine_started(self, worker: str, agent: str, version: int) -> None:
         """`worker`'s engine (re)started on `agent`'s model at `version`: it holds nothing else."""
         self._get(worker).holds = {agent: version}
@@ -98,8 +104,10 @@ class RolloutInstances:
         inst = self._get(worker)
         inst.serves.add(agent)
         inst.served_before.discard(agent)
-        if worker not in self._order[agent]:
-            self._order[agent].append(worker)
+        order = self._order[agent]
+        if worker not in order:
+            order.append(worker)
+            order.sort(key=lambda w: self._placed.get(w, len(self._placed)))  # stable: joiners keep their order
         self.emit(ev.AllocationChanged("rollout", agent, list(self._order[agent]), why))
 
     def leave(self, worker: str, agent: str, why: str) -> None:

@@ -227,6 +227,7 @@ class TrainingRun:
         if saved and sorted(w for ws in saved.values() for w in ws) == sorted(self.worker_ids("rollout")):
             placement = {a: list(saved[a]) for a in self.agents}  # as it was at the checkpoint
         log.info("rollout placement: %s", placement)
+        self.instances.place(placement)
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
                                           cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit)
         self.allocator.on_parked.append(self.weights.forget)
