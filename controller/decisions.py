@@ -15,6 +15,7 @@ This module does not know about sockets, workers or asyncio.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Iterable
 
@@ -55,6 +56,23 @@ def place_agents(agents: list[str], instances: list[str], weight: dict[str, floa
         busiest = max(agents, key=lambda a: (weight[a] / len(plan[a]), a))
         plan[busiest].append(w)
     return plan
+
+
+def choose_placement(agent: str, trainers: list[str], capacity: int, resident: dict[str, str],
+                     in_flight: dict[str, int], ready: dict[str, int],
+                     last_used: dict[str, float]) -> tuple[str, str | None] | None:
+    """Where `agent`'s training state should go: (trainer, None) for a free slot, (trainer,
+    victim) to park an idle agent first, or None to wait. Free slots go to the least loaded
+    trainer; the victim is the idle resident agent with the least ready work, longest unused."""
+    load = collections.Counter(resident.values())
+    free = [t for t in trainers if capacity <= 0 or load[t] < capacity]
+    if free:
+        return min(free, key=lambda t: (load[t], t)), None
+    idle = [a for a in resident if a != agent and in_flight.get(a, 0) == 0]
+    if not idle:
+        return None
+    victim = min(idle, key=lambda a: (ready.get(a, 0), last_used.get(a, 0.0), a))
+    return resident[victim], victim
 
 
 # ---------------------------------------------------------------- micro-batches and steps

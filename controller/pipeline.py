@@ -6,7 +6,8 @@
   continues; sync: once the batch's rollout has ended), and sends each to the trainer the
   allocator binds the agent to (the gradients accumulate there, weights held fixed);
 - waits for: ready groups or the batch's end (`schedule.wait_for_work`), a trainer
-  (`allocator.acquire`), the trainer's replies;
+  (`allocator.acquire`), a command slot on it (`lanes.slot`: micro-batches in their lane,
+  the step and sync in the critical one), the trainer's replies;
 - once `decisions.step_due` says the batch is done, sends ONE optimizer step, flushes the
   event log (a crash loses nothing that led to a step), and has the weight sync bring the
   agent's instances to the new version, which unblocks the gate (the agent's synced version, versions.py);
@@ -38,6 +39,7 @@ from .allocator import AgentLost
 from .schedule import BatchSchedule
 from .server import WorkerDied
 from .store import ExperienceStore, Sample
+from .trainer_lanes import Priority, TrainerLanes
 from .weight_sync import WeightSync
 
 log = logging.getLogger("flexmarl.pipeline")
@@ -55,7 +57,7 @@ class AgentPipeline:
                  allocator: Any, weights: WeightSync, server: Any, metrics: Any,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
                  loss: protocol.LossOptions | None = None, checkpoints: Any = None,
-                 max_recoveries: int = 10) -> None:
+                 lanes: TrainerLanes | None = None, max_recoveries: int = 10) -> None:
         self.agent = agent
         # due(step), save_agent(agent, trainer, step), agent_state(agent, step): see checkpoints.py
         self.checkpoints = checkpoints
@@ -63,7 +65,8 @@ class AgentPipeline:
         self.cfg = cfg
         self.store = store
         self.schedule = schedule
-        self.allocator = allocator
+        self.allocator = allocator  # acquire(), release(), prefetch(), recover(), lost
+        self.lanes = lanes if lanes is not None else TrainerLanes()  # shared by every agent's pipeline
         self.weights = weights
         self.server = server  # call(), next_request_id()
         self.metrics = metrics
@@ -157,14 +160,11 @@ class AgentPipeline:
         return asyncio.ensure_future(self._train_micro_batch(version, mb, done))
 
     async def _train_micro_batch(self, version: int, mb: list[Sample], written: asyncio.Future) -> float:
-        # Among micro-batches, the oldest version first, then the one whose samples were
-        # ready first, whichever agent it is: in a chain the first agent's samples are
-        # ready first, and the next batch's episodes start with its new weights.
         ready_first = min((s.ready_seq for s in mb), default=0)
         try:
             trainer = await self.allocator.acquire(self.agent, lost="raise")
             try:
-                async with self.allocator.slot(trainer, (1, version, ready_first)):
+                async with self.lanes.slot(trainer, Priority.micro_batch(version, ready_first)):
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                         self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
@@ -178,8 +178,7 @@ class AgentPipeline:
         return reply.seconds
 
     async def _step(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
-        # Priority 0: the step and sync are on the next rollout's critical path.
-        async with self.allocator.slot(trainer, (0, version)):
+        async with self.lanes.slot(trainer, Priority.critical(version)):
             return await self._step_in_slot(trainer, version, samples)
 
     async def _step_in_slot(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
@@ -197,7 +196,7 @@ class AgentPipeline:
         try:
             # One slot from the step to the end of the sync: the publish follows the step at
             # once, instead of queueing again behind micro-batches that took the slot between.
-            async with self.allocator.slot(trainer, (0, version)):
+            async with self.lanes.slot(trainer, Priority.critical(version)):
                 stats = await self._step_in_slot(trainer, version, len(trained))
                 await self.flush_events()
                 await self.weights.sync(self.agent, trainer, version)

@@ -68,6 +68,7 @@ from .router import RolloutClient
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .tokens import AgentTokenizer
+from .trainer_lanes import TrainerLanes
 from .trackers import open_trackers
 from .versions import SyncedVersions
 from .weight_sync import WeightSync
@@ -234,9 +235,10 @@ class TrainingRun:
         if self.resume is not None:
             for agent in self.agents:
                 self.allocator.recover(agent, self.resume.training_state(agent), self.resume.step)
+        lanes = TrainerLanes()  # the order of every trainer's commands, for every agent
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
                                            self.server, self.metrics, self.emit, self.flush_events,
-                                           cfg.agents[a].loss_options(), checkpoints=self.checkpoints)
+                                           cfg.agents[a].loss_options(), checkpoints=self.checkpoints, lanes=lanes)
                           for a in self.agents}
         if cfg.router.across_agents:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.instances, self.admission, self.client,

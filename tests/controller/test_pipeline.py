@@ -3,7 +3,6 @@ server, metrics): micro-batches go out while rollout runs (async) or after it (s
 then exactly one optimizer step over every sample, then one sync."""
 
 import asyncio
-import contextlib
 
 from flexmarl.controller.pipeline import AgentPipeline
 from flexmarl.controller.schedule import BatchSchedule
@@ -34,10 +33,6 @@ class FakeAllocator:
 
     def prefetch(self, agent):
         pass
-
-    @contextlib.asynccontextmanager
-    async def slot(self, trainer, priority):
-        yield
 
 
 class FakeTrainer:
