@@ -54,7 +54,7 @@ from flexmarl.runtime.model_specs import has_tokenizer
 
 from . import decisions
 from .allocator import TrainerAllocator
-from .checkpoints import Checkpointer, ResumePoint
+from .checkpoints import Checkpointer, ResumePoint, controller_state
 from .data import Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
@@ -318,24 +318,9 @@ class TrainingRun:
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
 
     def _controller_state(self, step: int) -> dict[str, Any]:
-        """What the controller adds to a checkpoint of `step`: enough to continue the run
-        from it and to say where it stood. Episodes draw their randomness from seeds made
-        of (run.seed, batch, episode), so the seed and the step are the random state."""
-        q = self.cfg.pipeline.queries_per_step
-        state = {"steps": self.cfg.run.steps, "seed": self.cfg.run.seed,
-                 "versions": {a: step for a in self.agents},
-                 "episodes_done": step * q,
-                 "rollout_assignment": self.instances.assignment,
-                 # Samples of later batches the store held at the cut; a resumed run makes them again.
-                 "store_after_cut": {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
-                                     for a in self.agents},
-                 "config_toml": dump_toml(self.cfg)}
-        if self.dataset is not None:
-            state["data"] = {"next_episode": step * q}
-            if step < self.cfg.run.steps:  # after the last step the data may be used up
-                position = self.dataset.position(step * q)
-                state["data"].update(epoch=position.epoch, next_row=position.index)
-        return state
+        after_cut = {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
+                     for a in self.agents}
+        return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset)
 
 
 def truncate_metrics(path: Path, step: int) -> None:
