@@ -8,7 +8,8 @@ the live pipeline, the store and the re-drive (redrive.py) all call the function
 Versions: an agent at version v trains a global batch into version v + 1. Global batch
 `batch` = t trains every agent from version t - 1 to t. A sample's *lag* is the trainer's
 version when it is trained minus the oldest policy version that produced any turn of it;
-the bound `max_staleness` (k) says lag <= k. k = 0 is exactly on-policy.
+the bound `max_staleness` (k) says lag <= k. k = 0 is exactly on-policy. The rule itself
+(`lag`, `too_stale`) is runtime/staleness.py, which the trainer checks with too.
 
 This module does not know about sockets, workers or asyncio.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 import collections
 import logging
 from typing import Any, Iterable
+
+from flexmarl.runtime.staleness import lag, too_stale  # noqa: F401 (the rule, shared with the trainer)
 
 log = logging.getLogger("flexmarl.decisions")
 
@@ -29,14 +32,6 @@ def min_generation_version(batch: int, max_staleness: int) -> int:
 
 def may_generate(batch: int, rollout_version: int, max_staleness: int) -> bool:
     return rollout_version >= min_generation_version(batch, max_staleness)
-
-
-def lag(trainer_version: int, sample_versions: list[int]) -> int:
-    return trainer_version - min(sample_versions)
-
-
-def too_stale(trainer_version: int, sample_versions: list[int], max_staleness: int) -> bool:
-    return lag(trainer_version, sample_versions) > max_staleness
 
 
 def may_start_episode(batch: int, synced_versions: dict[str, int], overlap: bool) -> bool:

@@ -10,6 +10,9 @@ of an episode waits at the schedule's staleness gate. Produces: samples in the s
 a failed episode is counted and its groups dropped (see workflow.run_episode). It ends
 when the last episode has.
 
+`EpisodeContexts` is the one place an episode context is made, for these episodes and for
+held-out ones (evaluation.py).
+
 It does not know trainers, weight syncs or how micro-batches are formed.
 """
 
@@ -29,20 +32,38 @@ from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
 
 
+class EpisodeContexts:
+    """What every episode of the run shares (the rollout client, the agents' sampling
+    defaults, the tool pool, tokenizers), and the contexts made from it."""
+
+    def __init__(self, cfg: ExperimentConfig, client: Any, tools: Executor | None,
+                 tokenizers: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.client = client  # generate(agent, requests)
+        self.tools = tools  # the pool ctx.call runs blocking functions in
+        self.tokenizers = tokenizers  # agent -> AgentTokenizer; filled once models are resolved
+        self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
+
+    def make(self, episode_id: str, batch: int, rng: random.Random, store: ExperienceStore, item: Any, *,
+             gate: Any = None, eval_temperature: float | None = None) -> EpisodeContext:
+        run = self.cfg.run
+        return EpisodeContext(episode_id, batch, rng, store, self.client, self.defaults, run.seed,
+                              run.env_latency_ms, gate=gate, item=item, tools=self.tools,
+                              tool_timeout_s=self.cfg.pipeline.tool_timeout_s, tokenizers=self.tokenizers,
+                              eval_temperature=eval_temperature)
+
+
 class EpisodeProducer:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: Any,
                  schedule: BatchSchedule, emit: Callable[[ev.Event], Any], dataset: Dataset | None = None,
                  tools: Executor | None = None, tokenizers: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
-        self.tokenizers = tokenizers if tokenizers is not None else {}  # agent -> AgentTokenizer
-        self.tools = tools  # the pool ctx.call runs blocking functions in
+        self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {})
         self.emit = emit
         self.dataset = dataset  # episode g (over the run) gets row dataset.item(g)
         self.workflow = workflow
         self.store = store
-        self.client = client  # generate(agent, requests)
         self.schedule = schedule
-        self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
         self.failed = 0
 
     async def run(self) -> None:
@@ -53,12 +74,8 @@ class EpisodeProducer:
         async def one(batch: int, i: int) -> None:
             try:
                 g = (batch - 1) * p.queries_per_step + i
-                ctx = EpisodeContext(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"),
-                                     self.store, self.client, self.defaults, seed,
-                                     self.cfg.run.env_latency_ms, gate=self.schedule.gate,
-                                     item=self.dataset.item(g) if self.dataset else None,
-                                     tools=self.tools, tool_timeout_s=p.tool_timeout_s,
-                                     tokenizers=self.tokenizers)
+                ctx = self.contexts.make(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"), self.store,
+                                         self.dataset.item(g) if self.dataset else None, gate=self.schedule.gate)
                 if await run_episode(self.workflow, ctx, p.episode_timeout_s):
                     self.failed += 1
             finally:

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
+from flexmarl.runtime.staleness import lag as staleness_lag
+from flexmarl.runtime.staleness import too_stale
 from flexmarl.runtime.events import (Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
@@ -260,9 +262,9 @@ def _accounting(events: list[Event], run: RunStarted | None):
                 trained[sid] += 1
                 trained_by[sid] = e.agent
                 made_by.setdefault(sid, v)
-                lag = e.version - 1 - v
+                lag = staleness_lag(e.version - 1, [v])
                 hist[lag] += 1
-                if lag < 0 or (run is not None and lag > run.max_staleness):
+                if lag < 0 or (run is not None and too_stale(e.version - 1, [v], run.max_staleness)):
                     stale[e.agent] += 1
         elif isinstance(e, SamplesDropped):
             for sid in e.sample_ids:

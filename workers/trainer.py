@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.staleness import too_stale
 
 from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
 from .precision import TrainPlacement
@@ -294,7 +295,7 @@ class TrainerHandler(CommandHandler):
         if msg.version != state.version + 1:
             raise ValueError(f"micro-batch for version {msg.version} but {state.name} is at "
                              f"{state.version}; it can only accumulate towards {state.version + 1}")
-        too_old = [s.sample_id for s in msg.samples if min(s.versions) < state.version - msg.max_staleness]
+        too_old = [s.sample_id for s in msg.samples if too_stale(state.version, s.versions, msg.max_staleness)]
         if too_old:  # the controller guarantees this never happens; refuse rather than trust
             raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
