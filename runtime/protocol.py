@@ -427,7 +427,8 @@ class PublishWeights(Message):
     request_id: int
     agent: str
     version: int  # refused unless the agent is at it; CURRENT_VERSION: whichever it is at
-    transport: str = "auto"  # "shm", "tcp", ... ; "auto" picks from where the ends are
+    # "shm", "tcp", "cuda_ipc", "nccl", ...: the controller picks it from where the ends are
+    transport: str
     targets: list[str] = []  # worker ids that will receive; over nccl, targets[i] is rank i + 1
     group: str = ""  # nccl: the communicator's name, kept while the agent's targets stay the same
 

@@ -90,7 +90,7 @@ class Completion:
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
-    # vLLM's reason; "length" for every output while outputs are fixed-length.
+    # vLLM's reason: "stop" (end of sequence, a stop token or string) or "length" (max_tokens).
     finish_reason: str | None
 
 

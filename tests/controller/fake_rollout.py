@@ -15,7 +15,7 @@ class FakeServer:
     def __init__(self, workers: list[str]) -> None:
         self.registry = WorkerRegistry()
         for w in workers:
-            self.registry.workers[w] = WorkerInfo(w, w.encode(), "rollout", "host", 1, [], {}, 0.0, 0.0)
+            self.registry.workers[w] = WorkerInfo(w, w.encode(), "rollout", "host", 1, [], {}, 0.0)
         self.sent: list[tuple[str, protocol.Generate]] = []
         self.streams: dict[int, tuple] = {}
         self._ids = itertools.count(1)

@@ -181,7 +181,7 @@ class FakeRun:
                                   trainer_for=self.trainer_for)
         self.admission = Admission(self.instances, self.weights, self.versions, self.server,
                                    lambda a: protocol.LoadModel(1, a, self.model_path[a], 0))
-        self.server.registry.workers["t0"] = WorkerInfo("t0", b"t0", "trainer", "host", 2, [], {}, 0.0, 0.0)
+        self.server.registry.workers["t0"] = WorkerInfo("t0", b"t0", "trainer", "host", 2, [], {}, 0.0)
         self.sync_lock = self.weights.locks
         self.rebalancer = Rebalancer(RouterConfig(), list(assignment), self.instances, self.admission, self.client,
                                      self.server, self.weights, self.model_path, self.emit, lambda: False)
@@ -259,7 +259,7 @@ async def test_same_architecture_swaps_weights_in_place_or_restarts_if_the_insta
     done = await reassign(run, "r0", "a", "b")
     assert not done.restarted and run.sent() == [("r0", "LoadWeights", "b", 2)]
     run.server.calls.clear()
-    run.server.registry.workers["r3"] = WorkerInfo("r3", b"r3", "rollout", "host", 1, [], {}, 0.0, 0.0)
+    run.server.registry.workers["r3"] = WorkerInfo("r3", b"r3", "rollout", "host", 1, [], {}, 0.0)
     run.instances.engine_started("r3", "a", 0)
     run.instances.serve("r3", "a", "placed by the test")
     run.serving["r3"] = "a"  # today's rollout worker: refuses, so it restarts

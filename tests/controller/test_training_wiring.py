@@ -28,8 +28,7 @@ class FakeCluster:
         for i, (worker, role) in enumerate([(f"r{i}", "rollout") for i in range(rollout)] + [("t0", "trainer")]):
             # On GPUs, each worker on a host of its own: weights travel over NCCL.
             host, devices = (f"h{i}", ["cuda:0"]) if gpus else ("h", [])
-            self.registry.workers[worker] = WorkerInfo(worker, worker.encode(), role, host, i + 1, devices, {}, 0.0,
-                                                       0.0)
+            self.registry.workers[worker] = WorkerInfo(worker, worker.encode(), role, host, i + 1, devices, {}, 0.0)
         self.on_died, self.on_joined, self.closing = [], [], False
         self.calls: list[tuple[str, str, str, int]] = []
         self.trainer_at: dict[str, int] = {}  # agent -> the version the trainer holds
