@@ -40,7 +40,8 @@ import statistics
 import tempfile
 import time
 
-from flexmarl.controller import Experiment, rebalance
+from flexmarl.controller import Experiment
+from flexmarl.controller import balance_loop as rebalance
 from flexmarl.controller.simulator import simulate, skewed_workload
 from flexmarl.controller.training import TrainingRun
 from flexmarl.controller.digit_chain import default_config

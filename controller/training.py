@@ -12,7 +12,7 @@ one supervisor (the first to fail stops the others), and writes the final checkp
   sync per global batch, metrics rows; waits for ready groups or the batch's end, and
   for a trainer; unblocked by the store (a group became trainable) and by the producer
   (a batch's last episode ended).
-- balance (rebalance.py, `Rebalancer.run`, with `router.across_agents`): consumes the
+- balance (balance_loop.py, `Rebalancer.run`, with `router.across_agents`): consumes the
   rollout client's demand counters; produces instance moves between agents; waits for
   its observation interval; ends once every batch is trained.
 - rejoin (rejoin.py, `Rejoin.run`): consumes rollout workers that register after set-up
@@ -60,9 +60,9 @@ from .episodes import EpisodeProducer
 from .evaluation import Evaluator
 from .instances import Admission, RolloutInstances
 from .metrics import MetricsLog
-from .models import resolve_model
+from .model_resolution import resolve_model
 from .pipeline import AgentPipeline
-from .rebalance import Rebalancer
+from .balance_loop import Rebalancer
 from .rejoin import Rejoin
 from .router import RolloutClient
 from .schedule import BatchSchedule

@@ -21,7 +21,7 @@ from typing import Callable
 
 from flexmarl.runtime.user_modules import import_file
 
-from .workflows import WORKFLOWS
+from .builtin_workflows import WORKFLOWS
 
 
 class WorkflowError(ValueError):

@@ -4,7 +4,7 @@ import pytest
 
 from flexmarl.controller import cli
 from flexmarl.controller.decisions import place_agents
-from flexmarl.controller.models import resolve_model
+from flexmarl.controller.model_resolution import resolve_model
 from flexmarl.controller.user_code import WorkflowError, load_workflow
 
 

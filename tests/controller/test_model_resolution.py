@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flexmarl.controller import digit_chain, models
-from flexmarl.controller.models import ModelBuildError, resolve_model
+from flexmarl.controller.model_resolution import ModelBuildError, resolve_model
 
 
 class FakeBuilder:

@@ -17,7 +17,7 @@ nothing unless `src` synced while it was out). A worker that dies or refuses on 
 alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
 the moves with what each cost. An agent is never left without an instance.
 
-The decisions are in balancer.py; this module only gathers numbers and executes.
+The decisions are in balance_rules.py; this module only gathers numbers and executes.
 It does not know how demand is weighed or when a move is warranted, nor anything of
 training beyond "every batch is trained".
 """
@@ -35,7 +35,7 @@ from typing import Any, Callable
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import RouterConfig
 
-from .balancer import AgentDemand, RolloutBalancer
+from .balance_rules import AgentDemand, RolloutBalancer
 
 log = logging.getLogger("flexmarl.rebalance")
 
