@@ -31,7 +31,7 @@ from typing import Any, AsyncContextManager, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
-from flexmarl.runtime.param_types import Location, ParamHandle, choose_transport
+from flexmarl.runtime.param_types import Location, ParamHandle, choose_transport, host_device
 
 from .nccl_groups import NcclGroups
 from .server import WorkerDied
@@ -40,8 +40,12 @@ log = logging.getLogger("flexmarl.weight_sync")
 
 
 def location_of(worker: Any) -> Location:
-    """Where a registered worker's parameters live: its host, process and first device."""
-    return Location(worker.host, worker.pid, worker.devices[0] if worker.devices else "cpu")
+    """Where a registered worker's parameters live: its host, process and first device,
+    a GPU named as its host names it. A worker pinned with CUDA_VISIBLE_DEVICES=2,3 calls
+    its first GPU cuda:0, which is the host's cuda:2 (or the GPU's UUID, where the pinning
+    gives one): two workers' cuda:0 are one GPU only if they were pinned to the same one."""
+    device = worker.devices[0] if worker.devices else "cpu"
+    return Location(worker.host, worker.pid, host_device(device, getattr(worker, "visible_gpus", [])))
 
 
 def transport_between(src: Location, dsts: list[Location]) -> str:

@@ -166,6 +166,11 @@ class RouterConfig:
     interval_s: float = 0.5  # how often demand is observed
 
 
+# Why pure float16 training is refused (here and by the trainer itself).
+PURE_FLOAT16_WHY = ("Adam's eps (1e-8) is 0 in float16, so the first step divides by zero and writes NaN "
+                    "into every weight that had no gradient; use dtype = \"bfloat16\", or "
+                    "train_precision = \"mixed\" (float32 weights and optimizer state)")
+
 TRACKERS = ("tensorboard", "wandb")  # metrics destinations besides metrics.jsonl
 
 
@@ -240,6 +245,9 @@ class ExperimentConfig:
                 raise ConfigError(f"agents.{name}.gpu_memory_utilization must be in (0, 1], got "
                                   f"{agent.gpu_memory_utilization}: it is the share of a GPU's memory "
                                   "the rollout engine may claim")
+            if agent.dtype == "float16" and agent.train_precision == "pure":
+                raise ConfigError(f"agents.{name}: dtype float16 with train_precision 'pure' cannot train: "
+                                  f"{PURE_FLOAT16_WHY}")
             if agent.tensor_parallel_size < 1 or agent.max_model_len < 0:
                 raise ConfigError(f"agents.{name}: tensor_parallel_size must be >= 1 and max_model_len >= 0 "
                                   "(0: the engine's default)")

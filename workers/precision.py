@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from flexmarl.runtime.config import PURE_FLOAT16_WHY
 from flexmarl.runtime.protocol import EngineSettings, TrainerSettings
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -34,17 +35,28 @@ AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}  # by device type
 CPU_MAX_MODEL_LEN = 64
 
 
+def cuda_device_count() -> int:
+    """The GPUs this process sees, counted without initialising CUDA in it.
+
+    torch.cuda.device_count() asks NVML (falling back to the CUDA runtime only where NVML
+    is missing); torch.cuda.is_available() asks the CUDA runtime, which initialises the
+    driver in this process, and a process that has done so cannot fork children that use
+    CUDA: vLLM forks its tensor-parallel workers after the worker process has started."""
+    return torch.cuda.device_count()
+
+
 def worker_device() -> str:
     """This process's compute device: its first visible GPU, or the CPU."""
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if cuda_device_count() > 0 else "cpu"
 
 
 def visible_devices() -> tuple[list[str], list[str]]:
     """What a worker reports in HELLO: the torch devices it can compute on, and the GPUs it
     was pinned to (its CUDA_VISIBLE_DEVICES entries; empty when it was not pinned)."""
-    pinned = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    if torch.cuda.is_available():
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())], pinned
+    pinned = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    count = cuda_device_count()
+    if count > 0:
+        return [f"cuda:{i}" for i in range(count)], pinned
     return ["cpu"], pinned
 
 
@@ -123,6 +135,8 @@ class TrainPlacement:
         device = device or worker_device()
         compute = DTYPES[resolve_dtype(settings.dtype, device)]
         stored = torch.float32 if settings.precision == "mixed" else compute
+        if stored == torch.float16:
+            raise ValueError(f"pure float16 training is refused: {PURE_FLOAT16_WHY}")
         return cls(torch.device(device), compute, stored, settings.activation_checkpointing)
 
     @property

@@ -304,8 +304,13 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
         # The parameters (a tied head is sent once, as the embedding; receivers know the tie).
         source = {k: v.detach() for k, v in state.model.named_parameters()}
+        if state.placement.autocasts:
+            # Mixed precision: float32 master weights, but the model computes in the lower
+            # dtype and the engine serves in it. Publishing float32 would move twice the bytes
+            # an engine needs (and make it hold them while it loads).
+            source = {k: v.to(state.placement.compute_dtype) for k, v in source.items()}
         # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
-        if msg.transport == "shm" and state.placement.device.type == "cpu":
+        elif msg.transport == "shm" and state.placement.device.type == "cpu":
             if state.bucket is None:
                 # From now on the parameters live in shared memory and a publish copies nothing.
                 state.bucket = self.channel().shared_bucket(source)
