@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import resource
@@ -151,8 +152,25 @@ class Watch:
         self.lags: list[float] = []
         self.t0 = self.t1 = self.cpu0 = self.cpu1 = 0.0
         self.log0 = self.log1 = 0
+        self.gc_s = 0.0  # seconds in the garbage collector while watching
+        self.gc_full = 0  # full (generation 2) collections among them
+        self._gc_t = 0.0
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t = time.perf_counter()
+        elif self.t0 and not self.t1:
+            self.gc_s += time.perf_counter() - self._gc_t
+            self.gc_full += info["generation"] == 2
 
     async def run(self) -> None:
+        gc.callbacks.append(self._gc)
+        try:
+            await self._watch()
+        finally:
+            gc.callbacks.remove(self._gc)
+
+    async def _watch(self) -> None:
         training = self.exp.training
         while not training.started:
             await asyncio.sleep(0.005)
@@ -229,13 +247,14 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
         "cpu_frac": round(cpu_frac, 2),
         "lag_p50_ms": round(1e3 * percentile(watch.lags, 0.5), 2),
         "lag_p99_ms": round(1e3 * percentile(watch.lags, 0.99), 2),
+        "gc_s": round(watch.gc_s, 2),
+        "gc_full": watch.gc_full,
         "log_mb_s": round((watch.log1 - watch.log0) / wall / 1e6, 2) if wall else 0.0,
         "log_mb": round(watch.log1 / 1e6, 2),
         "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "rollout_busy": round(mean_busy, 3),
         "trainer_busy": round(sum(trainer_busy) / len(trainer_busy), 3) if trainer_busy else 0.0,
         "capacity_s": round(p["instances"] * costs["tokens_per_s"] / tokens_per_sample),
-        "helpers_cpu": round(sum(r.get("cpu_s", 0.0) for r in reports) / wall, 2) if wall else 0.0,
         "waited": "yes" if cpu_frac >= WAITED_CPU and mean_busy < 0.9 else "no",
         "generated": generated,
         "dropped": dropped,

@@ -272,7 +272,6 @@ async def serve(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 for h in handlers]
     codes = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
     reports = [h.report() for h in handlers]
-    reports[0]["cpu_s"] = time.process_time()  # the helper process's, once
     for report, code in zip(reports, codes):
         report["exit"] = code if isinstance(code, int) else repr(code)
     return reports
