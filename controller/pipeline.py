@@ -260,8 +260,9 @@ async def _all(calls: list[asyncio.Future]) -> float:
 
 def train_sample(s: Sample) -> protocol.TrainSample:
     mask = [] if all(s.mask) else list(s.mask)  # all generated: the default, sent as nothing
+    first, *later = s.sampling or [protocol.TurnSampling(0)]
     return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.logprobs, s.versions,
-                                s.temperature, mask)
+                                first.temperature, mask, first.top_p, first.top_k, later)
 
 
 def step_signals(stats: protocol.StepStats) -> dict[str, float]:

@@ -181,10 +181,10 @@ class EpisodeContext:
         for s in samples:
             if messages is not None:
                 s.messages = list(messages)
-        results = await self._generate(agent, [(s, s.sample_id, list(s.prompt_ids)) for s in samples], sampling)
+        results, drawn = await self._generate(agent, [(s.sample_id, list(s.prompt_ids)) for s in samples], sampling)
         stop = sampling.get("stop") or self.agents[agent].stop
         for s, r in zip(samples, results):
-            self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version])
+            self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version], drawn)
             self._after_turn(s, r, stop)
         return samples
 
@@ -196,8 +196,8 @@ class EpisodeContext:
         await self._wait_at_gate(sample.agent)
         request_id = f"{sample.sample_id}@{len(sample.versions)}"  # one request per turn
         context = list(sample.prompt_ids) + list(sample.output_ids) + appended
-        (r,) = await self._generate(sample.agent, [(sample, request_id, context)], sampling)
-        self.store.record_turn(sample.sample_id, appended, r.token_ids, r.logprobs, r.version)
+        (r,), drawn = await self._generate(sample.agent, [(request_id, context)], sampling)
+        self.store.record_turn(sample.sample_id, appended, r.token_ids, r.logprobs, r.version, drawn)
         self._after_turn(sample, r, sampling.get("stop") or self.agents[sample.agent].stop)
         return sample
 
@@ -210,23 +210,24 @@ class EpisodeContext:
         if self.closed:  # failed while this branch waited at the gate
             raise EpisodeClosed(self.closed)
 
-    async def _generate(self, agent: str, items: list[tuple[Sample, str, list[int]]],
-                        sampling: dict) -> list[protocol.GenResult]:
+    async def _generate(self, agent: str, items: list[tuple[str, list[int]]],
+                        sampling: dict) -> tuple[list[protocol.GenResult], protocol.TurnSampling]:
+        """The results for (request id, context) items, in order, and the distribution
+        they were sampled from (what the trainer will score them under)."""
         d = self.agents[agent]
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
             raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: {', '.join(sorted(SAMPLING_KEYS))})")
         get = lambda key: sampling[key] if sampling.get(key) is not None else getattr(d, key)  # noqa: E731
         temperature = self.eval_temperature if self.eval_temperature is not None else get("temperature")
-        requests = []
-        for sample, request_id, context in items:
-            sample.temperature = temperature
-            requests.append(protocol.GenRequest(
-                request_id, context, get("max_tokens"), temperature, request_seed(self.run_seed, request_id),
-                get("top_p"), get("top_k"), list(get("stop")), list(get("stop_token_ids")), get("ignore_eos")))
+        requests = [protocol.GenRequest(
+            request_id, context, get("max_tokens"), temperature, request_seed(self.run_seed, request_id),
+            get("top_p"), get("top_k"), list(get("stop")), list(get("stop_token_ids")), get("ignore_eos"))
+            for request_id, context in items]
         results = await self.generator.generate(agent, requests)
         by_id = {r.sample_id: r for r in results}
-        return [by_id[request_id] for _, request_id, _ in items]
+        drawn = protocol.TurnSampling(0, temperature, get("top_p"), get("top_k"))
+        return [by_id[request_id] for request_id, _ in items], drawn
 
     def _after_turn(self, sample: Sample, result: protocol.GenResult, stop: list[str]) -> None:
         tok = self.tokenizers.get(sample.agent)

@@ -167,11 +167,12 @@ async def test_the_step_states_its_sample_count_and_the_trainers_signals_reach_t
     pipeline, store, schedule, trainer, weights, metrics, events = make("async")
     task = asyncio.ensure_future(pipeline.run())
     complete_group(store, "g0", n=3)
-    store.samples["g0/1"].temperature = 0.7
+    store.samples["g0/1"].sampling = [protocol.TurnSampling(0, 0.7, 0.9, 5)]
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
     assert trainer.step_samples == 3
-    assert {s.sample_id: s.temperature for s in trainer.sent_samples}["g0/1"] == 0.7
+    sent = {s.sample_id: (s.temperature, s.top_p, s.top_k) for s in trainer.sent_samples}
+    assert sent["g0/1"] == (0.7, 0.9, 5) and sent["g0/0"] == (1.0, 1.0, 0)
     assert all(s.loss_mask == [] for s in trainer.sent_samples)  # single-turn: every token trained
     assert (metrics.extra["loss"], metrics.extra["grad_norm"], metrics.extra["entropy"]) == (0.5, 1.5, 0.7)
 
@@ -181,11 +182,14 @@ def test_a_conversations_loss_mask_travels_with_it():
 
     store = ExperienceStore(["a"])
     (s, _) = store.open_group("a", "g", [1], 2, 1)
-    store.record_output(s.sample_id, [5, 6], [-0.1, -0.2], [0])
-    store.record_turn(s.sample_id, [7, 8], [9], [-0.3], 1)
+    store.record_output(s.sample_id, [5, 6], [-0.1, -0.2], [0], protocol.TurnSampling(0, 1.0, 0.8, 0))
+    store.record_turn(s.sample_id, [7, 8], [9], [-0.3], 1, protocol.TurnSampling(0, 0.3, 1.0, 4))
     sent = train_sample(s)
     assert sent.output_ids == [5, 6, 7, 8, 9] and sent.loss_mask == [1, 1, 0, 0, 1]
     assert sent.rollout_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3] and sent.versions == [0, 1]
+    # each turn keeps its own sampling settings; the second starts at its first generated id
+    assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 0.8, 0)
+    assert sent.turns == [protocol.TurnSampling(4, 0.3, 1.0, 4)]
 
 
 async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_sample_is_trained_once_more():
