@@ -26,17 +26,23 @@ it opened that is not yet trainable is dropped with the reason, counted and logg
 run goes on.
 
 Group ids (and with them the per-sample sampling seeds) follow from the episode, the
-agent, the prompt and how many identical calls came before in the episode, never from
-which branch happens to finish first, so the same episode draws the same tokens in sync
-and async mode, with any latency and any number of instances.
+agent, the prompt, the calling branch's place in the workflow and how many identical calls
+that branch made before, never from which branch happens to call or finish first, so the
+same episode draws the same tokens in sync and async mode, with any latency and any number
+of instances. A branch's place is its path of task creation from the episode: the episode
+is (), the i-th task it creates (asyncio.gather creates one per awaitable, in order) is
+(i,), that task's j-th is (i, j). `run_episode` installs the task factory that records it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
+import itertools
 import logging
 import random
+import weakref
 import zlib
 from collections import Counter
 from concurrent.futures import Executor
@@ -51,6 +57,31 @@ log = logging.getLogger("flexmarl.workflow")
 
 
 SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos"})
+
+
+# The running task's place in its episode's tree of tasks (see the module docstring).
+BRANCH: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("flexmarl_branch", default=())
+_children: "weakref.WeakKeyDictionary[asyncio.Task, itertools.count]" = weakref.WeakKeyDictionary()
+
+
+def _branch_task_factory(loop: asyncio.AbstractEventLoop, coro: Any, *, context: Any = None,
+                         **kwargs: Any) -> asyncio.Task:
+    """Creates tasks as asyncio does, each with its BRANCH: the parent's plus the number
+    of tasks the parent created before it (program order, never timing)."""
+    parent = asyncio.current_task(loop)
+    context = (context or contextvars.copy_context()).copy()
+    if parent is not None:
+        counter = _children.setdefault(parent, itertools.count())
+        context.run(BRANCH.set, BRANCH.get() + (next(counter),))
+    return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+
+
+def track_branches() -> None:
+    """Installs the factory that gives every task its BRANCH on the running loop (unless
+    the loop already has a task factory of its own, which is then left alone)."""
+    loop = asyncio.get_running_loop()
+    if loop.get_task_factory() is None:
+        loop.set_task_factory(_branch_task_factory)
 
 
 class EpisodeClosed(Exception):
@@ -118,12 +149,15 @@ class EpisodeContext:
     _branches: set = field(default_factory=set)  # tasks that called generate
 
     def group_id(self, agent: str, prompt_ids: list[int]) -> str:
-        """The next group's id: the same call in the same place of the workflow gets the
-        same id in every run, whatever the timing."""
-        key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()))
+        """The next group's id: the same call in the same place of the workflow (the same
+        branch, after as many identical calls of that branch) gets the same id in every
+        run, whatever the timing."""
+        branch = BRANCH.get()
+        key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()), branch)
         occurrence = self._calls[key]
         self._calls[key] += 1
-        return f"{self.episode_id}/{agent}-{key[1]:08x}-{occurrence}"
+        place = f"b{'.'.join(map(str, branch))}-" if branch else ""
+        return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"
 
     async def generate(self, agent: str, prompt: str | list[int], n: int | None = None, **sampling: Any) -> list[Sample]:
         """n samples of `agent` for one prompt (text, tokenized with the agent's tokenizer,
@@ -287,7 +321,11 @@ Episode = Callable[[EpisodeContext], Awaitable[None]]
 
 
 async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> str:
-    """Runs one episode; returns "" on success or the reason it failed (groups dropped)."""
+    """Runs one episode; returns "" on success or the reason it failed (groups dropped).
+    It runs in the calling task, which becomes the root of the episode's branches."""
+    track_branches()
+    BRANCH.set(())
+    _children.pop(asyncio.current_task(), None)
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
