@@ -12,6 +12,10 @@
   agent's instances to the new version, which unblocks the gate (`schedule.synced_to`);
   then, where a checkpoint is due, has the agent's state saved (before anything of the
   next batch reaches the trainer, so the saved state has no pending gradients);
+- counts steps the trainer skipped for a non-finite gradient (`StepStats.skipped`): the
+  version still advances, with the last version's (finite) weights, so the sync, the
+  staleness gate and checkpoints keep one version per global batch; each is logged
+  (`StepSkipped`) and counted in metrics, and `max_skipped_steps` in a row end the run;
 - keeps every micro-batch since the agent's last saved state (read, not committed): when
   the trainer holding the agent dies, `_recover` restores that state on a live trainer and
   trains those micro-batches again, so every sample ends up in the weights exactly once;
@@ -78,6 +82,8 @@ class AgentPipeline:
         self.saved_version = schedule.first_batch - 1
         self.kept: dict[int, list[list[Sample]]] = {}
         self._stepped: dict[int, int] = {}  # batch -> samples its step covered
+        self.skipped_in_row = 0  # consecutive steps skipped for a non-finite gradient
+        self.skipped_steps = 0
         self._tokens: dict[int, int] = {}
 
     @property
@@ -103,7 +109,7 @@ class AgentPipeline:
             now = time.monotonic()
             times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
             self.metrics.record(batch, self.agent, batch, trained, times, step_s=round(now - last_end, 4),
-                                **step_signals(stats))
+                                skipped_steps=self.skipped_steps, **step_signals(stats))
             last_end = now
             if self.schedule.agent_stepped(batch):
                 self.metrics.end_step(batch, self.schedule.steps)
@@ -189,7 +195,25 @@ class AgentPipeline:
             self.server.next_request_id(), self.agent, version, scale, samples=samples))
         self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
         self._stepped[version] = samples
+        self._count_skipped(trainer, version, reply.stats)
         return reply.stats
+
+    def _count_skipped(self, trainer: str, version: int, stats: protocol.StepStats) -> None:
+        """Logs a step skipped for a non-finite gradient; too many in a row end the run."""
+        if not stats.skipped:
+            self.skipped_in_row = 0
+            return
+        self.skipped_in_row += 1
+        self.skipped_steps += 1
+        self.emit(ev.StepSkipped(self.agent, trainer, version, stats.grad_norm, self.skipped_in_row))
+        log.warning("%s: step to version %d skipped: its gradient is not finite (norm %s)", self.agent, version,
+                    stats.grad_norm)
+        if self.skipped_in_row >= self.cfg.max_skipped_steps:
+            raise RuntimeError(
+                f"{self.agent}: {self.skipped_in_row} optimizer steps in a row had a non-finite gradient "
+                f"(the last, to version {version}: norm {stats.grad_norm}); the weights are those of version "
+                f"{version - self.skipped_in_row}. Lower agents.{self.agent}.lr or max_grad_norm, train in "
+                f"float32 (agents.{self.agent}.dtype), or raise pipeline.max_skipped_steps")
 
     async def _step_and_sync(self, batch: int, trained: list[Sample]) -> protocol.StepStats:
         version = batch
@@ -271,4 +295,5 @@ def step_signals(stats: protocol.StepStats) -> dict[str, float]:
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "entropy": stats.entropy,
             "response_len_mean": stats.response_len_mean, "response_len_max": stats.response_len_max,
             "logprob_abs_diff": stats.logprob_abs_diff, "rollout_kl": stats.rollout_kl,
-            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "tokens": stats.tokens}
+            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "tokens": stats.tokens,
+            "skipped": int(stats.skipped)}

@@ -173,6 +173,9 @@ class PipelineConfig:
     # each limited to tool_timeout_s unless the call says otherwise.
     tool_threads: int = 4
     tool_timeout_s: float = 60.0
+    # A step whose gradient is not finite is skipped (weights unchanged, an event, a count
+    # in metrics); this many skipped steps of one agent in a row stop the run.
+    max_skipped_steps: int = 3
     # TIS's truncation cap (agents' off_policy = "tis"): the importance weight is min(ratio,
     # clip_ratio). Only TIS reads it; PPO's clip range is agents.*.clip_eps.
     clip_ratio: float = 2.0
@@ -248,6 +251,8 @@ class ExperimentConfig:
             raise ConfigError(f"pipeline.mode must be 'sync' or 'async', got {self.pipeline.mode!r}")
         if self.pipeline.max_staleness < 0:
             raise ConfigError("pipeline.max_staleness must be >= 0")
+        if self.pipeline.max_skipped_steps < 1:
+            raise ConfigError(f"pipeline.max_skipped_steps must be >= 1, got {self.pipeline.max_skipped_steps}")
         if self.pipeline.clip_ratio <= 1:
             raise ConfigError(f"pipeline.clip_ratio (TIS's cap on the importance weight) must be > 1, "
                               f"got {self.pipeline.clip_ratio}")

@@ -339,6 +339,10 @@ class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     ref_kl: float = 0.0  # KL(policy || reference) by k3; 0 without a KL penalty
     samples: int = 0
     tokens: int = 0
+    # The gradient was not finite (an overflow, say): the step was skipped, the weights
+    # and optimizer state are as before it and the gradients are dropped; the version
+    # still advances (versions count global batches), its weights those of the last.
+    skipped: bool = False
 
 
 class InitAgent(Message):

@@ -188,7 +188,7 @@ class StepSums:
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> StepSums:
         return cls(**{name: float(t) for name, t in tensors.items()})
 
-    def stats(self, grad_norm: float) -> protocol.StepStats:
+    def stats(self, grad_norm: float, skipped: bool = False) -> protocol.StepStats:
         def per_token(x: float, n: float) -> float:
             return x / n if n else 0.0
 
@@ -199,7 +199,7 @@ class StepSums:
             logprob_abs_diff=per_token(self.abs_diff, self.compared),
             rollout_kl=per_token(self.rollout_kl, self.compared),
             clip_frac=per_token(self.clipped, self.tokens), ref_kl=per_token(self.ref_kl, self.tokens),
-            samples=int(self.samples), tokens=int(self.tokens))
+            samples=int(self.samples), tokens=int(self.tokens), skipped=skipped)
 
 
 STEP_SUM_FIELDS = frozenset(f.name for f in dataclasses.fields(StepSums))

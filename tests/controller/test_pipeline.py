@@ -5,6 +5,8 @@ then exactly one optimizer step over every sample, then one sync."""
 import asyncio
 import contextlib
 
+import pytest
+
 from flexmarl.controller.pipeline import AgentPipeline
 from flexmarl.controller.schedule import BatchSchedule
 from flexmarl.controller.store import ExperienceStore
@@ -244,3 +246,31 @@ async def test_batches_since_the_last_saved_state_are_trained_again_in_the_same_
     assert after == [("train", ["b1g0/0", "b1g0/1"]), ("step", 1, 1 / 2),
                      ("train", ["b2g0/0", "b2g0/1"]), ("step", 2, 1 / 2)]
     assert weights.synced == [1, 2] and pipeline.samples_trained == 4
+
+
+async def test_steps_with_a_non_finite_gradient_are_logged_counted_and_end_the_run_after_too_many_in_a_row():
+    from flexmarl.runtime import events as ev
+
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", steps=4)
+    pipeline.cfg.max_skipped_steps = 2
+    skip_at = {2, 3}
+    plain_call = trainer.call
+
+    async def call(worker, msg, buffers=(), timeout=None, on_sent=None):
+        reply, frames = await plain_call(worker, msg, buffers, timeout, on_sent)
+        if isinstance(msg, protocol.OptimStep) and msg.version in skip_at:
+            reply.stats.skipped, reply.stats.grad_norm = True, float("inf")
+        return reply, frames
+
+    trainer.call = call
+    task = asyncio.ensure_future(pipeline.run())
+    for batch in (1, 2, 3, 4):
+        complete_group(store, f"b{batch}g0", batch=batch)
+        schedule.episode_ended(batch)
+    with pytest.raises(RuntimeError, match="2 optimizer steps in a row had a non-finite gradient"):
+        await asyncio.wait_for(task, 2)
+    skipped = [e for e in events if isinstance(e, ev.StepSkipped)]
+    assert [(e.version, e.in_a_row) for e in skipped] == [(2, 1), (3, 2)]
+    assert metrics.rows == [(1, 2), (2, 2)]  # step 3 ended the run before its row
+    assert metrics.extra["skipped"] == 1 and metrics.extra["skipped_steps"] == 1
+    assert weights.synced == [1, 2]  # version 2 (the weights of 1, finite) still reached the gate
