@@ -10,8 +10,10 @@
 - once `decisions.step_due` says the batch is done, sends ONE optimizer step, flushes the
   event log (a crash loses nothing that led to a step), and has the weight sync bring the
   agent's instances to the new version, which unblocks the gate (`schedule.synced_to`);
-  then, where a checkpoint is due, has the agent's state saved (before anything of the
-  next batch reaches the trainer, so the saved state has no pending gradients);
+  then writes the step's metrics row and, where a checkpoint is due, makes the metrics
+  durable and has the agent's state saved (before anything of the next batch reaches the
+  trainer, so the saved state has no pending gradients; after the row, so a checkpoint
+  never outlives its step's row);
 - counts steps the trainer skipped for a non-finite gradient (`StepStats.skipped`): the
   version still advances, with the last version's (finite) weights, so the sync, the
   staleness gate and checkpoints keep one version per global batch; each is logged
@@ -98,21 +100,49 @@ class AgentPipeline:
         last_end = time.monotonic()
         for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
             self.kept[batch] = []
+            recorded = False
             while True:
                 try:
-                    trained, train_s, stepping = await self._train_batch(batch)
-                    t_sync = time.monotonic()
-                    stats = await stepping
+                    if not recorded:  # (a recovery during the checkpoint trains the batch again)
+                        trained, train_s, stepping = await self._train_batch(batch)
+                        t_sync = time.monotonic()
+                        stats = await stepping
+                        now = time.monotonic()
+                        times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
+                        # The row is written before the checkpoint of this step can be final: a
+                        # crash right after the checkpoint loses no row (the resume starts after it).
+                        self.metrics.record(batch, self.agent, batch, trained, times,
+                                            step_s=round(now - last_end, 4), skipped_steps=self.skipped_steps,
+                                            **step_signals(stats))
+                        recorded, last_end = True, now
+                    else:
+                        await self._restep(batch)
+                    await self._checkpoint(batch)
                     break
                 except (WorkerDied, AgentLost) as exc:
                     await self._recover(batch, exc)
-            now = time.monotonic()
-            times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
-            self.metrics.record(batch, self.agent, batch, trained, times, step_s=round(now - last_end, 4),
-                                skipped_steps=self.skipped_steps, **step_signals(stats))
-            last_end = now
             if self.schedule.agent_stepped(batch):
                 self.metrics.end_step(batch, self.schedule.steps)
+
+    async def _checkpoint(self, version: int) -> None:
+        """Saves the agent's state at `version` where a checkpoint is due. Called before
+        anything of the next batch reaches the trainer: the saved state has no pending
+        gradients."""
+        if self.checkpoints is None or not self.checkpoints.due(version):
+            return
+        self.metrics.make_durable()
+        trainer = await self.allocator.acquire(self.agent, lost="raise")
+        try:
+            async with self.allocator.slot(trainer, (0, version)):
+                await self.checkpoints.save_agent(self.agent, trainer, version)
+        finally:
+            self.allocator.release(self.agent)
+        self._committed(version)
+
+    async def _restep(self, batch: int) -> None:
+        """After a recovery, trains `batch` again (its row is already written) and syncs."""
+        trained, _, stepping = await self._train_batch(batch)
+        await stepping
 
     async def _train_batch(self, batch: int) -> tuple[list[Sample], float, asyncio.Future]:
         """Sends every micro-batch of `batch` to the trainer (those sent before a recovery
@@ -225,10 +255,6 @@ class AgentPipeline:
                 stats = await self._step_in_slot(trainer, version, len(trained))
                 await self.flush_events()
                 await self.weights.sync(self.agent, trainer, version)
-                if self.checkpoints is not None and self.checkpoints.due(version):
-                    # Nothing of the next batch was sent yet: the saved state has no pending gradients.
-                    await self.checkpoints.save_agent(self.agent, trainer, version)
-                    self._committed(version)
         finally:
             self.allocator.release(self.agent)
         return stats

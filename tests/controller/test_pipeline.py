@@ -91,6 +91,9 @@ class FakeMetrics:
     def end_step(self, step, total):
         self.ended.append(step)
 
+    def make_durable(self):
+        self.durable = list(self.rows)
+
 
 class FakeCheckpoints:
     def __init__(self, every):
@@ -274,3 +277,25 @@ async def test_steps_with_a_non_finite_gradient_are_logged_counted_and_end_the_r
     assert metrics.rows == [(1, 2), (2, 2)]  # step 3 ended the run before its row
     assert metrics.extra["skipped"] == 1 and metrics.extra["skipped_steps"] == 1
     assert weights.synced == [1, 2]  # version 2 (the weights of 1, finite) still reached the gate
+
+
+async def test_a_crash_right_after_a_checkpoint_loses_no_metrics_row():
+    class Crash(Exception):
+        pass
+
+    class CrashAfterSave(FakeCheckpoints):
+        async def save_agent(self, agent, trainer, step):
+            await super().save_agent(agent, trainer, step)
+            raise Crash(f"the controller dies right after checkpoint {step} is final")
+
+    checkpoints = CrashAfterSave(every=2)
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", steps=3, checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    for batch in (1, 2, 3):
+        complete_group(store, f"b{batch}g0", batch=batch)
+        schedule.episode_ended(batch)
+    with pytest.raises(Crash):
+        await asyncio.wait_for(task, 2)
+    assert checkpoints.saved == [2]
+    # a resume continues at step 3: rows 1 and 2 were already durable when 2 became final
+    assert metrics.durable == metrics.rows == [(1, 2), (2, 2)]
