@@ -49,11 +49,13 @@ GC_THRESHOLDS = (50_000, 20, 10)
 
 class Experiment:
     def __init__(self, config: ExperimentConfig, *, run_dir: str | Path | None = None,
-                 spawn_workers: bool = True, resume: bool = False) -> None:
+                 spawn_workers: bool = True, resume: bool = False, resume_anyway: bool = False) -> None:
         self.config = config
         self.run_dir = Path(run_dir or config.run.out or _default_run_dir())
         # Continue the run in run_dir from its last complete checkpoint (see `resume`).
         self.resume = resume
+        # ... even where a setting the run's exactness depends on changed (checkpoints.check_resume)
+        self.resume_anyway = resume_anyway
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
         self.local: LocalWorkers | None = None
@@ -79,7 +81,7 @@ class Experiment:
 
     @classmethod
     def resuming(cls, run_dir: str | Path, *, overrides: list[str] | None = None,
-                 spawn_workers: bool = True) -> "Experiment":
+                 spawn_workers: bool = True, anyway: bool = False) -> "Experiment":
         """The run in `run_dir`, to be continued from its last complete checkpoint with the
         config it was started with (`overrides`, ``section.key=value``, may change e.g.
         run.steps to train longer)."""
@@ -87,7 +89,7 @@ class Experiment:
         if not (run_dir / "config.toml").exists():
             raise CheckpointError(f"{run_dir} is not a run directory (no config.toml); nothing to resume")
         config = load_config(run_dir / "config.toml", overrides or [])
-        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True)
+        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True, resume_anyway=anyway)
 
     async def __aenter__(self) -> "Experiment":
         point = None
@@ -100,6 +102,7 @@ class Experiment:
                 raise CheckpointError(f"{self.run_dir} is finished (checkpoint of step {point.step} of "
                                       f"{self.config.run.steps}); to train longer, resume with a larger run.steps")
             log.info("resuming %s from the checkpoint of step %d (%s)", self.run_dir, point.step, point.path)
+            point.accept_changes = self.resume_anyway
         # A run directory that cannot be written fails here, before any worker starts.
         check_writable(self.run_dir)
         (self.run_dir / "config.toml").write_text(dump_toml(self.config))

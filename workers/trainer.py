@@ -285,17 +285,25 @@ class TrainerHandler(CommandHandler):
         if state.bucket is not None and state.bucket.prepare_write():
             _point_parameters_at(state.model, state.bucket.tensors)  # the published copy stays frozen
         sums = state.sums
+        skipped = False
         if sums.denominator > 0:  # 0: the global batch had no samples; the version still advances
             for p in state.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(1 / sums.denominator)
             norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.max_grad_norm)
-            state.optimizer.step()
+            # A non-finite gradient (one overflow is enough) would make every weight NaN:
+            # the step is skipped instead, the weights and optimizer state left as they are.
+            skipped = not bool(torch.isfinite(norm))
+            if skipped:
+                log.warning("%s: the gradient of the step to version %d is not finite (norm %s); step skipped, "
+                            "weights unchanged", state.name, msg.version, float(norm))
+            else:
+                state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         state.version = msg.version
         state.sums = StepSums()
         return protocol.StepDone(msg.request_id, state.name, state.version, float(norm),
-                                 time.perf_counter() - t0, sums.stats(float(norm)))
+                                 time.perf_counter() - t0, sums.stats(float(norm), skipped))
 
     def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
         t0 = time.perf_counter()
