@@ -172,6 +172,9 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     dtype: ModelDtype = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU vLLM may claim; CPU: unused
     tensor_parallel_size: int = 1  # CUDA: GPUs one engine spans; CPU: must be 1
+    # CUDA: rollout engines the controller has placed on this engine's GPU (workers that
+    # were not pinned to GPUs of their own share one); they split the share between them.
+    engines_on_gpu: int = 1
 
 
 class TrainerSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
