@@ -70,6 +70,9 @@ class ResumePoint:
     path: Path
     step: int
     state: dict[str, Any]  # controller.json
+    # The user said to go on although a setting the run's exactness depends on changed
+    # (`resume_changes`): the run continues from the saved data position with the new one.
+    accept_changes: bool = False
 
     def agent_dir(self, agent: str) -> Path:
         return self.path / agent
@@ -84,6 +87,36 @@ class ResumePoint:
         if not path.exists():
             raise CheckpointError(f"checkpoint {self.path} has no training state for {agent!r} ({path} is missing)")
         return read_state(path)
+
+
+# Settings a resumed run must share with its checkpoint to continue the same run exactly:
+# controller.json key -> (config key, the value now). run.steps is not one: any may follow.
+def exactness_settings(cfg: Any, dataset: Any) -> dict[str, tuple[str, Any]]:
+    return {"seed": ("run.seed", cfg.run.seed),
+            "queries_per_step": ("pipeline.queries_per_step", cfg.pipeline.queries_per_step),
+            # the rows themselves, wherever the file now is (None: no dataset)
+            "data_fingerprint": ("data.train (its rows)", dataset.fingerprint() if dataset is not None else None),
+            "data_shuffle": ("data.shuffle", cfg.data.shuffle),
+            "data_epochs": ("data.epochs", cfg.data.epochs)}
+
+
+def resume_changes(point: ResumePoint, settings: dict[str, tuple[str, Any]]) -> list[str]:
+    """What differs between the checkpoint's exactness settings and `settings`, each as
+    "KEY was OLD, now NEW" (a key the checkpoint did not record is not compared)."""
+    return [f"{name} was {point.state[key]!r}, now {value!r}" for key, (name, value) in settings.items()
+            if key in point.state and point.state[key] != value]
+
+
+def check_resume(point: ResumePoint, settings: dict[str, tuple[str, Any]]) -> list[str]:
+    """Refuses a resume that changed an exactness setting, naming it, unless the user
+    accepted the changes (then they are returned, to be logged)."""
+    changes = resume_changes(point, settings)
+    if changes and not point.accept_changes:
+        raise CheckpointError(
+            f"resuming from {point.path} would not continue the same run: {'; '.join(changes)}. The samples "
+            "and the data order depend on these: set them back (--set KEY=VALUE), or pass --resume-anyway to "
+            "go on with them changed (the data then continues from the checkpoint's position)")
+    return changes
 
 
 def read_state(path: Path) -> ParamHandle:
@@ -136,24 +169,25 @@ def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
 
 
 def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], store_after_cut: dict[str, int],
-                     dataset: Any) -> dict[str, Any]:
+                     dataset: Any, next_episode: int) -> dict[str, Any]:
     """What the controller adds to a checkpoint of `step`: enough to continue the run from
     it and to say where it stood. Episodes draw their randomness from seeds made of
-    (run.seed, batch, episode), so the seed and the step are the random state.
+    (run.seed, batch, episode), so the seed and the step are the random state; the
+    settings exactness depends on are recorded for the resume to compare.
     `store_after_cut`: samples of later batches the store held per agent (a resumed run
-    makes them again); `dataset`: the training data, or None."""
-    q = cfg.pipeline.queries_per_step
-    state = {"steps": cfg.run.steps, "seed": cfg.run.seed,
+    makes them again); `dataset`: the training data, or None; `next_episode`: the number
+    of the first episode after the cut."""
+    state = {"steps": cfg.run.steps,
+             **{key: value for key, (_, value) in exactness_settings(cfg, dataset).items()},
              "versions": {a: step for a in cfg.agents},
-             "episodes_done": step * q,
+             "episodes_done": next_episode,
              "rollout_assignment": {a: list(ws) for a, ws in assignment.items()},
              "store_after_cut": dict(store_after_cut),
              "config_toml": dump_toml(cfg)}
-    if dataset is not None:
-        state["data"] = {"next_episode": step * q}
-        if step < cfg.run.steps:  # after the last step the data may be used up
-            position = dataset.position(step * q)
-            state["data"].update(epoch=position.epoch, next_row=position.index)
+    state["data"] = {"next_episode": next_episode}
+    if dataset is not None and step < cfg.run.steps:  # after the last step the data may be used up
+        position = dataset.position(next_episode)
+        state["data"].update(epoch=position.epoch, next_row=position.index)
     return state
 
 

@@ -61,6 +61,9 @@ class EpisodeProducer:
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {})
         self.emit = emit
         self.dataset = dataset  # episode g (over the run) gets row dataset.item(g)
+        # Episode g of batch b, query i: `first_episode` + (b - `first_batch`) x queries + i.
+        # A resumed run starts at the saved data position (`continue_data`).
+        self.first_batch, self.first_episode = 1, 0
         self.workflow = workflow
         self.store = store
         self.schedule = schedule
@@ -73,7 +76,7 @@ class EpisodeProducer:
 
         async def one(batch: int, i: int) -> None:
             try:
-                g = (batch - 1) * p.queries_per_step + i
+                g = self.episode_number(batch, i)
                 ctx = self.contexts.make(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"), self.store,
                                          self.dataset.item(g) if self.dataset else None, gate=self.schedule.gate)
                 if await run_episode(self.workflow, ctx, p.episode_timeout_s):
@@ -95,9 +98,17 @@ class EpisodeProducer:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
+    def continue_data(self, batch: int, episode: int) -> None:
+        """Batch `batch` starts at episode number `episode` (a resume's saved position)."""
+        self.first_batch, self.first_episode = batch, episode
+
+    def episode_number(self, batch: int, i: int) -> int:
+        """Which episode of the run (and so which row of the data) query i of `batch` is."""
+        return self.first_episode + (batch - self.first_batch) * self.cfg.pipeline.queries_per_step + i
+
     def batch_started(self, batch: int) -> ev.BatchStarted:
         q = self.cfg.pipeline.queries_per_step
-        first = (batch - 1) * q
+        first = self.episode_number(batch, 0)
         if self.dataset is None:
             return ev.BatchStarted(batch, first)
         positions = [self.dataset.position(first + i) for i in range(q)]

@@ -30,11 +30,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
+
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
 from .server import RemoteError, WorkerDied
 from .versions import SyncedVersions
+from .weight_sync import engines_sharing_gpu
 
 log = logging.getLogger("flexmarl.instances")
 
@@ -179,6 +182,10 @@ class Admission:
 
     async def _start_engine(self, worker: str, agent: str, engine: protocol.LoadModel | None = None) -> None:
         message = engine or self.engine_message(agent)
+        shared = engines_sharing_gpu(worker, self.server.registry.workers)  # they split the GPU's share
+        if shared != message.engine.engines_on_gpu:
+            message = msgspec.structs.replace(message, engine=msgspec.structs.replace(message.engine,
+                                                                                      engines_on_gpu=shared))
         reply, _ = await self.server.call(worker, message)
         self.instances.engine_started(worker, agent, message.version)
         log.info("%s runs %s's engine at version %d (%.1fs to start)", worker, agent, message.version,

@@ -54,7 +54,7 @@ from flexmarl.runtime.model_specs import has_tokenizer
 
 from . import decisions
 from .allocator import TrainerAllocator
-from .checkpoints import Checkpointer, ResumePoint, controller_state
+from .checkpoints import Checkpointer, ResumePoint, check_resume, controller_state, exactness_settings
 from .data import Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
@@ -151,6 +151,12 @@ class TrainingRun:
         self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
                                         self.dataset, self.tools, self.tokenizers)
+        if resume is not None:
+            for change in check_resume(resume, exactness_settings(cfg, self.dataset)):
+                log.warning("resuming with a changed setting, as asked: %s", change)
+            # The data continues at the saved position, whatever the batch size now.
+            saved = resume.state.get("data", {}).get("next_episode", resume.step * p.queries_per_step)
+            self.episodes.continue_data(resume.step + 1, saved)
         self.evaluator = Evaluator(cfg, self.workflow, self.client, self.schedule, self.metrics, emit, eval_data,
                                    self.tools, self.tokenizers)
         self.model_path: dict[str, str] = {}
@@ -320,7 +326,8 @@ class TrainingRun:
     def _controller_state(self, step: int) -> dict[str, Any]:
         after_cut = {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
                      for a in self.agents}
-        return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset)
+        return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset,
+                                self.episodes.episode_number(step + 1, 0))
 
 
 def truncate_metrics(path: Path, step: int) -> None:
