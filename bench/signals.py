@@ -50,8 +50,9 @@ from flexmarl.controller import digit_chain as dc  # noqa: E402
 from flexmarl.controller.digit_chain import AGENTS, default_config  # noqa: E402
 from flexmarl.runtime.aio import limit_threads, setup_logging  # noqa: E402
 from flexmarl.runtime.config import load_config  # noqa: E402
+from flexmarl.workers.loss import OFF_POLICY  # noqa: E402
 
-CORRECTIONS = ("tis", "ppo_clip", "token_mis", "seq_mis", "gspo", "cispo")  # workers/loss.py OFF_POLICY
+CORRECTIONS = tuple(OFF_POLICY)
 SETTINGS = {
     "sync T=1": ["pipeline.mode='sync'"],
     "async K=1 T=1": ["pipeline.mode='async'", "pipeline.max_staleness=1"],
@@ -103,7 +104,7 @@ def mismatch_sums(model, samples: list, clip_ratio: float) -> dict[str, dict[str
     import torch
 
     from flexmarl.runtime import protocol as p
-    from flexmarl.workers.loss import OFF_POLICY, Tokens, k3
+    from flexmarl.workers.loss import Tokens, k3
     from flexmarl.workers.sampling import sampler_log_probs, turn_settings
     from flexmarl.workers.scoring import output_logits
 
@@ -160,6 +161,8 @@ def mismatch(args: argparse.Namespace) -> list[dict]:
         finally:
             engine.close()
     all_rows = [mismatch_row("all", setting, scoring, sums) for (setting, scoring), sums in pooled.items()]
+    for row in all_rows:
+        print(json.dumps(row), flush=True)
     print_mismatch_table(all_rows)
     return rows + all_rows
 
