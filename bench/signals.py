@@ -28,7 +28,7 @@ Two parts in one invocation.
 Each part prints one JSON row per result as it comes, then a markdown table.
 
     .venv/bin/python bench/signals.py [--steps 40] [--settings default|k2|NAME,...] [--plot bench/signals.png]
-    .venv/bin/python bench/signals.py --smoke   # seconds-scale run of both parts
+    .venv/bin/python bench/signals.py --smoke   # both parts at tiny sizes (about a minute on a quiet machine)
 """
 
 from __future__ import annotations
