@@ -2,6 +2,7 @@
 
     flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
     flexmarl run --resume RUN_DIR [--steps N]
+    flexmarl samples RUN_DIR [--step N] [--agent NAME]
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import signal
 import sys
+import traceback
 
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
@@ -61,6 +63,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error in the config, "
+                   "workflow, data or models (by default: one line)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its last complete checkpoint")
 
 
@@ -75,8 +79,26 @@ def _experiment(args: argparse.Namespace, spawn_workers: bool):
     return Experiment(_config_from_args(args), spawn_workers=spawn_workers)
 
 
-def _train(make_experiment) -> int:
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors in what the user wrote or brought (config, workflow, data, models, a run that
+    cannot learn): shown as their message alone; `--debug` adds the traceback."""
     from .checkpoints import CheckpointError
+    from .data import DataError
+    from .failures import RunFailed
+    from .models import ModelBuildError, ModelError
+    from .user_code import WorkflowError
+
+    return ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed
+
+
+def _report(exc: BaseException, debug: bool) -> None:
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"flexmarl: {exc}", file=sys.stderr)
+
+
+def _train(make_experiment, debug: bool = False) -> int:
+    user_errors = _user_errors()
 
     async def main() -> int:
         task = asyncio.current_task()
@@ -85,14 +107,14 @@ def _train(make_experiment) -> int:
             loop.add_signal_handler(sig, task.cancel)
         try:
             experiment = make_experiment()
-        except (ConfigError, CheckpointError) as exc:
-            print(f"flexmarl: {exc}", file=sys.stderr)
+        except user_errors as exc:
+            _report(exc, debug)
             return 2
         try:
             async with experiment as exp:
                 summary = await exp.train()
-        except CheckpointError as exc:
-            log.error("%s", exc)
+        except user_errors as exc:
+            _report(exc, debug)
             return 1
         except asyncio.CancelledError:
             log.warning("interrupted: workers were shut down; the run directory keeps what was written")
@@ -151,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             _config_from_args(args)  # a bad config fails here, before anything starts
         except ConfigError as exc:
+            if args.debug:
+                traceback.print_exc()
             sys.exit(f"flexmarl: bad configuration: {exc}")
-    sys.exit(_train(lambda: _experiment(args, spawn)))
+    sys.exit(_train(lambda: _experiment(args, spawn), debug=args.debug))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 `tiny:AGENT` names one of the digit chain's built-in tiny models (digit_chain.TINY_MODELS);
 `tiny:JOB:AGENT` one of a user's job module's TINY_MODELS, JOB being a dotted module
-(`tiny:mypkg.models:solver`) or a .py file (`tiny:examples/review_chain/models.py:solver`,
-relative to the working directory). A cached build is found with the torch-free cache key;
+(`tiny:mypkg.models:solver`) or a .py file (`tiny:examples/review_chain/models.py:solver`;
+in a TOML relative to its folder, see config.resolve_paths). A cached build is found with the torch-free cache key;
 on a miss the model is built by `python -m flexmarl.workers.models` in a child process,
 under a time limit, so the controller never imports torch or the workers' code (the job
 module itself is imported here, to read its recipes: it must not import torch at the top).
@@ -14,6 +14,7 @@ This module knows nothing about how a model is built or what its vocabulary mean
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,15 @@ from flexmarl.runtime.model_specs import cached_model_dir, job_recipes
 
 from . import digit_chain
 
-MODEL_CACHE = Path(".cache/models")
+# Where built tiny models are cached: FLEXMARL_MODEL_CACHE, else .cache/models under the
+# working directory.
+CACHE_ENV = "FLEXMARL_MODEL_CACHE"
+
+
+def model_cache() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or ".cache/models")
+
+
 TINY_PREFIX = "tiny:"
 # Building the largest built-in model, warm-up included, takes a minute or two on a busy
 # 2-core machine; far beyond that the builder is stuck, not slow.
@@ -35,17 +44,38 @@ class ModelBuildError(RuntimeError):
     """The builder process failed or ran past its time limit."""
 
 
-def resolve_model(name: str, cache_root: Path = MODEL_CACHE) -> str:
-    """`tiny:AGENT` / `tiny:JOB:AGENT` builds (once, cached) a job's tiny model; anything
-    else is a path to a Hugging Face model directory."""
+class ModelError(ValueError):
+    """A model name in the config names no model: no such directory, recipe or job module."""
+
+
+def resolve_model(name: str, cache_root: Path | None = None) -> str:
+    """`tiny:AGENT` / `tiny:JOB:AGENT` builds (once, cached under `model_cache()` unless
+    `cache_root` is given) a job's tiny model; anything else is a path to a Hugging Face
+    model directory."""
+    cache_root = model_cache() if cache_root is None else cache_root
     if name.startswith(TINY_PREFIX):
         job, agent = tiny_model_name(name)
-        return str(_tiny_model(name, job, agent, Path(cache_root)))
+        cached = cached_model_dir(_recipe(name, job, agent), Path(cache_root))
+        return str(cached if cached is not None else _build_in_child(job, name, agent, Path(cache_root)))
+    return str(_model_dir(name))
+
+
+def check_model(name: str) -> None:
+    """Raises what `resolve_model` would for a name that names no model, without
+    building anything: a config's models are checked before any worker starts."""
+    if name.startswith(TINY_PREFIX):
+        _recipe(name, *tiny_model_name(name))
+    else:
+        _model_dir(name)
+
+
+def _model_dir(name: str) -> Path:
     path = Path(name)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model {name!r} is neither a built-in (tiny:NAME or tiny:JOB:NAME) nor "
-                                f"a directory with a config.json")
-    return str(path)
+        what = "a directory without a config.json" if path.is_dir() else "no such directory"
+        raise ModelError(f"model {name!r} is neither a built-in (tiny:NAME or tiny:JOB:NAME) nor a Hugging Face "
+                         f"model directory ({what})")
+    return path
 
 
 def tiny_model_name(name: str) -> tuple[str, str]:
@@ -60,7 +90,7 @@ def tiny_model_name(name: str) -> tuple[str, str]:
     return job, agent
 
 
-def _tiny_model(name: str, job: str, agent: str, cache_root: Path) -> Path:
+def _recipe(name: str, job: str, agent: str):
     try:
         recipes = job_recipes(job)
     except (ImportError, OSError, ValueError) as exc:
@@ -68,12 +98,9 @@ def _tiny_model(name: str, job: str, agent: str, cache_root: Path) -> Path:
                               f"{type(exc).__name__}: {exc}") from None
     if agent not in recipes:
         prefix = TINY_PREFIX if job == digit_chain.__name__ else f"{name.rsplit(':', 1)[0]}:"
-        raise KeyError(f"unknown built-in model {name!r} (built in: "
-                       f"{', '.join(prefix + a for a in recipes)})")
-    cached = cached_model_dir(recipes[agent], cache_root)
-    if cached is not None:
-        return cached
-    return _build_in_child(job, name, agent, cache_root)
+        raise ModelError(f"unknown built-in model {name!r} (built in: "
+                         f"{', '.join(prefix + a for a in recipes)})")
+    return recipes[agent]
 
 
 def _build_in_child(job: str, name: str, agent: str, cache_root: Path) -> Path:

@@ -35,6 +35,7 @@ from flexmarl.runtime.config import PipelineConfig
 
 from . import decisions
 from .allocator import AgentLost
+from .failures import RunFailed
 from .schedule import BatchSchedule
 from .server import WorkerDied
 from .store import ExperienceStore, Sample
@@ -103,7 +104,7 @@ class AgentPipeline:
             now = time.monotonic()
             times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
             self.metrics.record(batch, self.agent, batch, trained, times, step_s=round(now - last_end, 4),
-                                **step_signals(stats))
+                                episodes_failed=self.schedule.batches[batch].episodes_failed, **step_signals(stats))
             last_end = now
             if self.schedule.agent_stepped(batch):
                 self.metrics.end_step(batch, self.schedule.steps)
@@ -133,7 +134,7 @@ class AgentPipeline:
             await self.schedule.wait_for_work(self.agent)
         trained = [s for mb in self.kept[batch] for s in mb]
         if not trained:
-            log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", self.agent, batch)
+            self._no_samples(batch)
         outcomes = await asyncio.gather(*written, return_exceptions=True)
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
@@ -145,6 +146,21 @@ class AgentPipeline:
             await asyncio.gather(stepping, return_exceptions=True)
             raise
         return trained, train_s, stepping
+
+    def _no_samples(self, batch: int) -> None:
+        """An agent with nothing to train in a step learns nothing: the run stops, unless
+        the config allows it (a workflow that calls the agent only now and then)."""
+        progress = self.schedule.batches[batch]
+        if self.cfg.allow_empty_steps:
+            log.warning("agent %s has no trainable samples in step %d (%d failed episodes)", self.agent, batch,
+                        progress.episodes_failed)
+            return
+        first = (f"{progress.episodes_failed} of its episodes failed; the first failure:\n{progress.first_failure}\n"
+                 if progress.first_failure else f"no episode failed: the workflow did not call "
+                 f"{self.agent!r} in this step (or dropped what it made).\n")
+        raise RunFailed(f"the run cannot learn: agent {self.agent!r} got no trainable sample in step {batch}: "
+                        f"{first}Fix the workflow, or set pipeline.allow_empty_steps = true if {self.agent!r} "
+                        f"is meant to sit some steps out.")
 
     def _send(self, version: int, mb: list[Sample], written: list[asyncio.Future]) -> asyncio.Future:
         """Starts training `mb`; appends to `written` a future done once it is written to

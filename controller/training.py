@@ -50,11 +50,11 @@ from flexmarl.runtime.model_specs import has_tokenizer
 from . import decisions
 from .allocator import TrainerAllocator
 from .checkpoints import Checkpointer, ResumePoint
-from .data import Dataset
+from .data import DataError, Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
 from .metrics import MetricsLog
-from .models import resolve_model
+from .models import check_model, resolve_model
 from .pipeline import AgentPipeline
 from .rebalance import Rebalancer
 from .rejoin import Rejoin
@@ -110,6 +110,8 @@ class TrainingRun:
             raise ValueError("the config defines no agents ([agents.NAME] tables)")
         p = cfg.pipeline
         self.workflow = load_workflow(cfg.run.workflow)
+        for agent in self.agents:  # a model name that names nothing fails now, not after the engines start
+            check_model(cfg.agents[agent].model)
         self.store = ExperienceStore(self.agents, emit=emit,
                                      std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
         self.schedule = BatchSchedule(self.agents, cfg.run.steps, p.queries_per_step,
@@ -129,11 +131,11 @@ class TrainingRun:
                                        controller_state=self._controller_state,
                                        full_state=cfg.cluster.trainer_group_size == 1)
         d = cfg.data
-        self.dataset = Dataset.from_path(d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
+        self.dataset = _dataset("data.train", d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
         if self.dataset is not None:
             self.dataset.check_serves(cfg.run.steps * p.queries_per_step, "run.steps x pipeline.queries_per_step")
         # Held-out rows in file order, cycled as often as evaluations ask.
-        eval_data = Dataset.from_path(d.eval, cfg.run.seed, shuffle=False) if d.eval else None
+        eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
         self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
@@ -321,6 +323,13 @@ class TrainingRun:
                 position = self.dataset.position(step * q)
                 state["data"].update(epoch=position.epoch, next_row=position.index)
         return state
+
+
+def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:
+    try:
+        return Dataset.from_path(path, seed, shuffle, epochs)
+    except DataError as exc:
+        raise DataError(f"{key}: {exc}") from None
 
 
 def truncate_metrics(path: Path, step: int) -> None:
