@@ -25,7 +25,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from .data import Dataset
-from .failures import RunFailed
+from .failures import too_many_failures
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
@@ -101,14 +101,10 @@ class EpisodeProducer:
     def _check_failures(self, batch: int) -> None:
         p = self.cfg.pipeline
         progress = self.schedule.batches[batch]
-        if too_many_failures(progress.episodes_failed, p.queries_per_step, p.max_failed_share) \
-                and not self._stop.done():
-            self._stop.set_exception(RunFailed(
-                f"the run cannot learn: {progress.episodes_failed} of the {p.queries_per_step} episodes of "
-                f"step {batch} failed, more than pipeline.max_failed_share = {p.max_failed_share}. "
-                f"The first failure:\n{progress.first_failure}\n"
-                f"Fix the workflow (each failure is also logged above), or raise pipeline.max_failed_share "
-                f"(1.0: never stop) if failures are expected."))
+        error = too_many_failures(batch, progress.episodes_failed, p.queries_per_step, p.max_failed_share,
+                                  progress.first_failure)
+        if error is not None and not self._stop.done():
+            self._stop.set_exception(error)
 
     def batch_started(self, batch: int) -> ev.BatchStarted:
         q = self.cfg.pipeline.queries_per_step
@@ -118,7 +114,3 @@ class EpisodeProducer:
         positions = [self.dataset.position(first + i) for i in range(q)]
         return ev.BatchStarted(batch, first, positions[0].epoch, [pos.index for pos in positions])
 
-
-def too_many_failures(failed: int, episodes: int, max_share: float) -> bool:
-    """More than `max_share` of a batch's `episodes` failed (already, or in the end)."""
-    return max_share < 1.0 and failed > max_share * episodes

@@ -11,7 +11,11 @@ the exception line, as Python prints it.
 step, or an agent with no sample in a step); its message carries the first failure's
 user traceback and what to do.
 
-It does not know episodes, steps or how failures are counted.
+`too_many_failures(...)` is the rule for a step's failed episodes (more than
+`pipeline.max_failed_share` of them), with the error it raises; the episode producer and
+the agents' pipelines both apply it, so whichever sees a hopeless step first says the same.
+
+It does not know the workflow, the store or how failures are counted.
 """
 
 from __future__ import annotations
@@ -59,3 +63,14 @@ def user_traceback(exc: BaseException) -> str:
     lines = traceback.format_list(_frames(exc))
     error = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
     return ("Traceback (your code):\n" + "".join(lines) if lines else "") + error
+
+
+def too_many_failures(step: int, failed: int, episodes: int, max_share: float, first: str) -> RunFailed | None:
+    """The error that stops the run when more than `max_share` of a step's `episodes`
+    failed (already, or in the end), `first` being the first failure; None otherwise."""
+    if max_share >= 1.0 or failed <= max_share * episodes:
+        return None
+    return RunFailed(f"the run cannot learn: {failed} of the {episodes} episodes of step {step} failed, more than "
+                     f"pipeline.max_failed_share = {max_share}. The first failure:\n{first}\n"
+                     f"Fix the workflow (each failure is also logged above), or raise pipeline.max_failed_share "
+                     f"(1.0: never stop) if failures are expected.")

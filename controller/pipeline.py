@@ -35,7 +35,7 @@ from flexmarl.runtime.config import PipelineConfig
 
 from . import decisions
 from .allocator import AgentLost
-from .failures import RunFailed
+from .failures import RunFailed, too_many_failures
 from .schedule import BatchSchedule
 from .server import WorkerDied
 from .store import ExperienceStore, Sample
@@ -151,6 +151,10 @@ class AgentPipeline:
         """An agent with nothing to train in a step learns nothing: the run stops, unless
         the config allows it (a workflow that calls the agent only now and then)."""
         progress = self.schedule.batches[batch]
+        hopeless = too_many_failures(batch, progress.episodes_failed, self.cfg.queries_per_step,
+                                     self.cfg.max_failed_share, progress.first_failure)
+        if hopeless is not None:  # the producer says the same; whichever of us is first
+            raise hopeless
         if self.cfg.allow_empty_steps:
             log.warning("agent %s has no trainable samples in step %d (%d failed episodes)", self.agent, batch,
                         progress.episodes_failed)

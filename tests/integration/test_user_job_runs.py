@@ -1,0 +1,119 @@
+"""A user's own small job run as a user runs it, `flexmarl run` in a process of its own:
+a workflow that always fails stops the run with the user's file and line; workers die with
+their controller, however it dies; a run resumes from another directory."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+JOB = '''
+[run]
+workflow = "flow.py:episode"
+steps = 2
+
+[cluster]
+rollout_workers = 1
+trainer_workers = 1
+
+[pipeline]
+queries_per_step = 2
+
+[data]
+train = "train.jsonl"
+
+[agents.writer]
+model = "tiny:planner"
+group_size = 2
+max_tokens = 2
+'''
+
+WORKS = '''
+async def episode(ctx):
+    samples = await ctx.generate("writer", ctx.item["prompt"])
+    for s in samples:
+        ctx.reward(s, float(len(s.text)))
+'''
+
+TYPO = '''
+async def episode(ctx):
+    samples = await ctx.generate("writer", ctx.item["question"])
+    for s in samples:
+        ctx.reward(s, 1.0)
+'''
+
+
+def write_job(folder: Path, flow: str = WORKS, job: str = JOB) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.toml").write_text(job)
+    (folder / "flow.py").write_text(flow)
+    (folder / "train.jsonl").write_text('{"prompt": "sort 3 1 2"}\n{"prompt": "sort 2 1 3"}\n')
+    return folder / "job.toml"
+
+
+def flexmarl(*args, cwd=ROOT, **popen):
+    # The tiny models are cached under the repository, whatever the working directory.
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               FLEXMARL_MODEL_CACHE=os.environ.get("FLEXMARL_MODEL_CACHE") or str(ROOT / ".cache" / "models"))
+    return subprocess.Popen([sys.executable, "-m", "flexmarl.controller.cli", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_a_workflow_that_always_fails_stops_the_run_with_the_users_file_and_line(tmp_path):
+    config = write_job(tmp_path / "job", TYPO)
+    proc = flexmarl("run", str(config), "--out", str(tmp_path / "run"), "--no-progress")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err[-3000:]
+    flow = tmp_path / "job" / "flow.py"
+    # Every failed episode's log line, and the error that ends the run, name the user's frame.
+    assert f"episode s1q0 failed: KeyError: 'question' (at {flow}:3 in episode)" in err
+    assert "flexmarl: the run cannot learn: 2 of the 2 episodes of step 1 failed" in err
+    assert f'File "{flow}", line 3, in episode' in err and 'samples = await ctx.generate("writer", ' \
+        'ctx.item["question"])' in err
+    assert "steps in" not in out  # no summary of a finished run
+    assert not (tmp_path / "run" / "checkpoints" / "final").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_die_with_their_controller_when_it_is_killed(tmp_path):
+    config = write_job(tmp_path / "job", job=JOB.replace("steps = 2", "steps = 200"))
+    run_dir = tmp_path / "run"
+    proc = flexmarl("run", str(config), "--out", str(run_dir), "--no-progress")
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(pids) < 2:  # both workers started (the launcher logs each one's PID)
+            assert proc.poll() is None and time.monotonic() < deadline
+            line = proc.stderr.readline()
+            if "started " in line and " worker " in line and "(pid " in line:
+                pids.append(int(line.rsplit("(pid ", 1)[1].split(")")[0]))
+        while "serves writer" not in proc.stderr.readline():  # its engine is up: a worker at work
+            assert proc.poll() is None and time.monotonic() < deadline
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gone_by = time.monotonic() + 10
+        while any(map(_alive, pids)) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)], "workers outlived their controller"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
