@@ -117,3 +117,55 @@ def test_workers_die_with_their_controller_when_it_is_killed(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+CHAT_JOB = '''
+[run]
+workflow = "flow.py:episode"
+steps = 1
+
+[cluster]
+rollout_workers = 1
+trainer_workers = 1
+
+[pipeline]
+queries_per_step = 2
+
+[data]
+train = "train.jsonl"
+
+[agents.critic]
+model = "MODEL"
+group_size = 2
+max_tokens = 4
+'''
+
+CHAT = '''
+async def episode(ctx):
+    replies = await ctx.chat("critic", [{"role": "user", "content": "Question: What is 2 + 3? Answer: 5"}])
+    for r in replies:
+        ctx.reward(r, float("correct" in r.text))
+'''
+
+
+def test_a_checkpoint_of_a_chat_job_is_a_model_a_chat_job_can_use(tmp_path):
+    """The checkpoint carries the tokenizer's files, chat template included: transformers
+    applies its template and a job naming it as a model chats with it."""
+    from transformers import AutoTokenizer
+
+    verifier = f"tiny:{ROOT}/examples/review_chain/models.py:verifier"
+    first = write_job(tmp_path / "first", CHAT, CHAT_JOB.replace("MODEL", verifier))
+    proc = flexmarl("run", str(first), "--out", str(tmp_path / "run1"), "--no-progress")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    checkpoint = tmp_path / "run1" / "checkpoints" / "final" / "critic"
+    assert (checkpoint / "chat_template.jinja").is_file()
+    prompt = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
+        [{"role": "user", "content": "Question: What is 2 + 3? Answer: 5"}], tokenize=False, add_generation_prompt=True)
+    assert "What is 2 + 3?" in prompt
+
+    second = write_job(tmp_path / "second", CHAT, CHAT_JOB.replace("MODEL", str(checkpoint)))
+    proc = flexmarl("run", str(second), "--out", str(tmp_path / "run2"), "--no-progress")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "0 failed episodes" in out
