@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from . import decisions
 
@@ -25,13 +25,16 @@ log = logging.getLogger("flexmarl.metrics")
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
-                 trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1) -> None:
+                 trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.first_step = first_step  # the first step this process trains (later after a resume)
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)  # see trackers.py: each gets every row
         self.agents = list(agents)
         self.progress = progress
-        self.started = time.monotonic()
+        self.clock = clock
+        self.started = clock()
+        self.training_from: float | None = None  # set-up done (models built, engines up)
         path = self.run_dir / "metrics.jsonl"
         # A resumed run continues the file (already cut back to the checkpoint); a new
         # run in a reused directory starts it afresh.
@@ -44,7 +47,7 @@ class MetricsLog:
         lags = [decisions.lag(version - 1, s.versions) for s in samples]
         row = {"step": step, "agent": agent, "version": version,
                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-               "samples": len(samples), "time": round(time.monotonic() - self.started, 3),
+               "samples": len(samples), "time": round(self.clock() - self.started, 3),
                "staleness_mean": round(sum(lags) / len(lags), 3) if lags else None,
                "staleness_max": max(lags) if lags else None,
                **{k: round(v, 4) for k, v in vars(times).items()}, **extra}
@@ -62,13 +65,17 @@ class MetricsLog:
             return
         last = {r["agent"]: r["reward_mean"] for r in self.rows if r["step"] == step and "kind" not in r}
         rewards = "  ".join(f"{a} {last[a]:.3f}" if last.get(a) is not None else f"{a} -" for a in self.agents)
-        elapsed = time.monotonic() - self.started
+        training = self.clock() - (self.training_from if self.training_from is not None else self.started)
         width = 20
         done = int(width * step / total)
         bar = "#" * done + "." * (width - done)
-        eta = elapsed / max(1, step - self.first_step + 1) * (total - step)
+        eta = training / max(1, step - self.first_step + 1) * (total - step)
         print(f"[{bar}] step {step}/{total}  reward: {rewards}  "
-              f"{elapsed:.0f}s elapsed, ~{eta:.0f}s left", file=sys.stderr, flush=True)
+              f"{training:.0f}s training, ~{eta:.0f}s left", file=sys.stderr, flush=True)
+
+    def training_started(self) -> None:
+        """Set-up is over: the progress line's time and ETA count from here."""
+        self.training_from = self.clock()
 
     def reward_history(self) -> dict[str, list[float]]:
         return {a: [r["reward_mean"] for r in self.rows
@@ -82,7 +89,7 @@ class MetricsLog:
                "version": min((min(s.versions) for s in samples if s.versions), default=None),
                "reward_mean": sum(rewards) / len(rewards) if rewards else None, "samples": len(rewards),
                "episodes": episodes, "episodes_failed": failed,
-               "time": round(time.monotonic() - self.started, 3)}
+               "time": round(self.clock() - self.started, 3)}
         self.write(row)
         return row
 

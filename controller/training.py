@@ -175,6 +175,7 @@ class TrainingRun:
             await self.setup()
             self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
+            self.metrics.training_started()
             loops = [asyncio.create_task(self.episodes.run(), name="episodes"),
                      asyncio.create_task(self.rejoin.run(), name="rejoin"),
                      *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in self.pipelines.items())]
