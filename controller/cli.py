@@ -2,10 +2,10 @@
 
     flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
     flexmarl run --resume RUN_DIR [--steps N]
-    flexmarl samples RUN_DIR [--step N] [--agent NAME]
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
+    flexmarl samples RUN_DIR [--step N] [--agent NAME]
     flexmarl keys DIR
 
 `run` puts everything on this host (workers are child processes); `controller` and
@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     p_rep.add_argument("--plot", metavar="FILE.png")
     p_rep.add_argument("--check", action="store_true")
 
+    p_smp = sub.add_parser("samples", help="print the sample texts a run recorded (run.samples_per_step)")
+    p_smp.add_argument("run_dir", metavar="RUN_DIR")
+    p_smp.add_argument("--step", type=int, help="only this step")
+    p_smp.add_argument("--agent", help="only this agent")
+
     p_keys = sub.add_parser("keys", help="create CURVE keys for non-loopback controllers")
     p_keys.add_argument("dir")
 
@@ -161,6 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         create_curve_keys(args.dir)
         print(f"CURVE keys written to {args.dir}; copy the folder to every host and set "
               f"transport.curve_dir (controller) and --curve-dir (workers)")
+        return
+    if args.command == "samples":
+        from .sample_log import format_samples, read_samples
+        try:
+            rows = read_samples(args.run_dir)
+        except FileNotFoundError as exc:
+            sys.exit(f"flexmarl: {exc}")
+        sys.stdout.write(format_samples(rows, args.step, args.agent))
         return
     if args.command == "replay":
         from .replay import main as replay_main

@@ -26,7 +26,8 @@ log = logging.getLogger("flexmarl.metrics")
 class MetricsLog:
     def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
                  trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, sample_log: Any = None) -> None:
+        self.sample_log = sample_log  # sample_log.py: given every step's trained samples
         self.first_step = first_step  # the first step this process trains (later after a resume)
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)  # see trackers.py: each gets every row
@@ -52,6 +53,8 @@ class MetricsLog:
                "staleness_max": max(lags) if lags else None,
                **{k: round(v, 4) for k, v in vars(times).items()}, **extra}
         self.write(row)
+        if self.sample_log is not None:
+            self.sample_log.record(step, agent, [s.sample_id for s in samples])
 
     def write(self, row: dict[str, Any]) -> None:
         """One row to metrics.jsonl (flushed) and to every tracker."""

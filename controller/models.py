@@ -14,12 +14,17 @@ This module knows nothing about how a model is built or what its vocabulary mean
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator
 
 from flexmarl.runtime.model_specs import cached_model_dir, job_recipes
+from flexmarl.runtime.progress_file import PROGRESS_FILE_ENV, read_progress
 
 from . import digit_chain
 
@@ -48,16 +53,26 @@ class ModelError(ValueError):
     """A model name in the config names no model: no such directory, recipe or job module."""
 
 
-def resolve_model(name: str, cache_root: Path | None = None) -> str:
+def resolve_model(name: str, cache_root: Path | None = None,
+                  on_build: Callable[[str], ContextManager[Any]] | None = None) -> str:
     """`tiny:AGENT` / `tiny:JOB:AGENT` builds (once, cached under `model_cache()` unless
     `cache_root` is given) a job's tiny model; anything else is a path to a Hugging Face
-    model directory."""
+    model directory. A build runs inside `on_build(name)`, a context whose value's
+    `update(done, total)` is given the builder's warm-up steps as they go."""
     cache_root = model_cache() if cache_root is None else cache_root
     if name.startswith(TINY_PREFIX):
         job, agent = tiny_model_name(name)
         cached = cached_model_dir(_recipe(name, job, agent), Path(cache_root))
-        return str(cached if cached is not None else _build_in_child(job, name, agent, Path(cache_root)))
+        if cached is not None:
+            return str(cached)
+        with (on_build or _no_display)(name) as display:
+            return str(_build_in_child(job, name, agent, Path(cache_root), display))
     return str(_model_dir(name))
+
+
+@contextlib.contextmanager
+def _no_display(name: str) -> Iterator[None]:
+    yield None
 
 
 def check_model(name: str) -> None:
@@ -103,13 +118,14 @@ def _recipe(name: str, job: str, agent: str):
     return recipes[agent]
 
 
-def _build_in_child(job: str, name: str, agent: str, cache_root: Path) -> Path:
+def _build_in_child(job: str, name: str, agent: str, cache_root: Path, display: Any = None) -> Path:
     command = [sys.executable, "-m", "flexmarl.workers.models", "--job", job, "--agent", agent,
                "--cache-root", str(cache_root)]
     shown = " ".join(command[1:])
     try:
-        # Pipes kept apart: the path is stdout's last line, whatever libraries log to stderr.
-        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        with _progress_from_child(display) as env:
+            # Pipes kept apart: the path is stdout's last line, whatever libraries log to stderr.
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired as exc:
         raise ModelBuildError(
             f"building the built-in model {name!r} did not finish within "
@@ -123,6 +139,31 @@ def _build_in_child(job: str, name: str, agent: str, cache_root: Path) -> Path:
             f"{done.returncode}); its last output:\n{_tail(done.stdout, done.stderr)}\n"
             f"Fix the cause and run `python {shown}` to retry.")
     return built
+
+
+@contextlib.contextmanager
+def _progress_from_child(display: Any) -> Iterator[dict[str, str]]:
+    """The child's environment, with a progress file a thread passes on to `display`."""
+    if display is None:
+        yield dict(os.environ)
+        return
+    with tempfile.TemporaryDirectory(prefix="flexmarl-build-") as folder:
+        path = Path(folder) / "progress"
+        stop = threading.Event()
+
+        def relay() -> None:
+            while not stop.wait(0.5):
+                count = read_progress(path)
+                if count is not None:
+                    display.update(*count)
+
+        thread = threading.Thread(target=relay, name="build-progress", daemon=True)
+        thread.start()
+        try:
+            yield dict(os.environ, **{PROGRESS_FILE_ENV: str(path)})
+        finally:
+            stop.set()
+            thread.join()
 
 
 def _tail(*outputs: str | bytes | None) -> str:

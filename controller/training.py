@@ -56,9 +56,11 @@ from .evaluation import Evaluator
 from .metrics import MetricsLog
 from .models import check_model, resolve_model
 from .pipeline import AgentPipeline
+from .progress import SetupProgress
 from .rebalance import Rebalancer
 from .rejoin import Rejoin
 from .router import RolloutClient
+from .sample_log import SampleLog
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .tokens import AgentTokenizer
@@ -123,9 +125,17 @@ class TrainingRun:
         if resume is not None:  # rows of batches after the checkpoint are made again
             truncate_metrics(self.run_dir / "metrics.jsonl", resume.step)
             self.schedule.resume_after(resume.step)
-        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
-                                  trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents),
-                                  resumed=resume is not None, first_step=self.schedule.first_batch)
+        trackers = open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents)
+        self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
+        self.sample_log = None  # a few trained samples per agent per step, as text (run.samples_per_step)
+        if cfg.run.samples_per_step > 0:
+            self.sample_log = SampleLog(self.run_dir, cfg.run.samples_per_step, self.tokenizers, trackers,
+                                        resumed=resume is not None)
+            self.store.on_ready.append(lambda group: self.sample_log.group_ready(
+                group.agent, [self.store.samples[sid] for sid in group.sample_ids]))
+        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress, trackers=trackers,
+                                  resumed=resume is not None, first_step=self.schedule.first_batch,
+                                  sample_log=self.sample_log)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
                                        keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                        controller_state=self._controller_state,
@@ -137,7 +147,6 @@ class TrainingRun:
         # Held-out rows in file order, cycled as often as evaluations ask.
         eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
-        self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
                                         self.dataset, self.tools, self.tokenizers)
         self.evaluator = Evaluator(cfg, self.workflow, self.client, self.schedule, self.metrics, emit, eval_data,
@@ -208,8 +217,11 @@ class TrainingRun:
 
     async def setup(self) -> None:
         cfg = self.cfg
+        display = SetupProgress(cfg.run.progress)
         for agent in self.agents:
-            self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model)
+            def building(name: str, agent: str = agent) -> Any:
+                return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
+            self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model, None, building)
             if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
                 self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
         weight = {a: self._expected_tokens(a) for a in self.agents}
@@ -234,8 +246,15 @@ class TrainingRun:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.client, self.server, self.weights,
                                          self.model_path, self.load_model_message, self.emit,
                                          lambda: self.schedule.finished)
-        await asyncio.gather(*(self._load_model(a, w) for a, ws in self.client.assignment.items() for w in ws),
-                             self._init_agents())
+        engines = [(a, w) for a, ws in self.client.assignment.items() for w in ws]
+        with display.stage(f"starting {len(engines)} rollout engines and {len(self.agents)} training states") as stage:
+            stage.update(0, len(engines) + 1)
+
+            async def counted(work: Awaitable[None]) -> None:
+                await work
+                stage.update((stage.done or 0) + 1)
+
+            await asyncio.gather(*(counted(self._load_model(a, w)) for a, w in engines), counted(self._init_agents()))
         self.ready.set()
 
     async def _init_agents(self) -> None:

@@ -192,6 +192,10 @@ class RunConfig:
     # WANDB_MODE says otherwise (its files land in RUN_DIR/wandb; `wandb sync` uploads them).
     trackers: list[str] = field(default_factory=list)
     wandb_project: str = "flexmarl"
+    # Every optimizer step writes this many of each agent's trained samples, as text (each
+    # turn, its policy version, the reward; best and worst first), to RUN_DIR/samples.jsonl
+    # and the trackers; `flexmarl samples RUN_DIR` prints them. 0: none.
+    samples_per_step: int = 0
 
 
 @dataclass
@@ -253,6 +257,8 @@ class ExperimentConfig:
                 raise ConfigError(f"agents.{name}: tensor_parallel_size must be >= 1 and max_model_len >= 0 "
                                   "(0: the engine's default)")
         self.cluster.validate_gpus(max((a.tensor_parallel_size for a in self.agents.values()), default=1))
+        if self.run.samples_per_step < 0:
+            raise ConfigError("run.samples_per_step must be >= 0 (0: no samples written)")
         if self.run.checkpoint_every < 0 or self.run.keep_checkpoints < 1:
             raise ConfigError("run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
         if self.data.epochs < 0 or self.eval.every < 0 or self.eval.episodes < 1:

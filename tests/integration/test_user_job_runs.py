@@ -53,16 +53,16 @@ def write_job(folder: Path, flow: str = WORKS, job: str = JOB) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "job.toml").write_text(job)
     (folder / "flow.py").write_text(flow)
-    (folder / "train.jsonl").write_text('{"prompt": "sort 3 1 2"}\n{"prompt": "sort 2 1 3"}\n')
+    (folder / "train.jsonl").write_text('{"prompt": "3 1 2"}\n{"prompt": "2 1 3"}\n')
     return folder / "job.toml"
 
 
-def flexmarl(*args, cwd=ROOT, **popen):
+def flexmarl(*args, cwd=ROOT, env=None):
     # The tiny models are cached under the repository, whatever the working directory.
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               FLEXMARL_MODEL_CACHE=os.environ.get("FLEXMARL_MODEL_CACHE") or str(ROOT / ".cache" / "models"))
+    env = env or dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      FLEXMARL_MODEL_CACHE=os.environ.get("FLEXMARL_MODEL_CACHE") or str(ROOT / ".cache" / "models"))
     return subprocess.Popen([sys.executable, "-m", "flexmarl.controller.cli", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_workflow_that_always_fails_stops_the_run_with_the_users_file_and_line(tmp_path):
@@ -169,3 +169,35 @@ def test_a_checkpoint_of_a_chat_job_is_a_model_a_chat_job_can_use(tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "0 failed episodes" in out
+
+
+def test_a_job_started_in_one_directory_resumes_from_another_and_its_samples_read_as_text(tmp_path):
+    """Relative paths in the TOML are the TOML's: the run directory keeps them absolute, so
+    `--resume` works from anywhere. The build of a model shows its progress, and
+    `flexmarl samples` prints what the agents said, step by step."""
+    write_job(tmp_path / "me" / "job")
+    cache = {"FLEXMARL_MODEL_CACHE": str(tmp_path / "models")}  # empty: the model is built, with progress
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **cache)
+    proc = flexmarl("run", "job/job.toml", "--steps", "1", "--out", "../run", "--no-progress",
+                    "--set", "run.samples_per_step=2", cwd=tmp_path / "me", env=env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "building model tiny:planner for agent writer (first use only: it is cached): done in" in err
+    assert "starting 1 rollout engines and 1 training states: done in" in err
+    saved = (tmp_path / "run" / "config.toml").read_text()
+    assert f'workflow = "{tmp_path}/me/job/flow.py:episode"' in saved
+    assert f'train = "{tmp_path}/me/job/train.jsonl"' in saved
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = flexmarl("run", "--resume", "../run", "--steps", "2", "--no-progress", cwd=elsewhere, env=env)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resuming" in err and (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()
+
+    proc = flexmarl("samples", str(tmp_path / "run"), env=env)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "=== step 1  agent writer  (2 samples" in out and "=== step 2  agent writer  (2 samples" in out
+    assert "  prompt: 3 1 2" in out or "  prompt: 2 1 3" in out
+    assert "  agent (v0): " in out and "  agent (v1): " in out
