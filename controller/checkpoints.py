@@ -68,6 +68,9 @@ class ResumePoint:
     path: Path
     step: int
     state: dict[str, Any]  # controller.json
+    # The user said to go on although a setting the run's exactness depends on changed
+    # (`resume_changes`): the run continues from the saved data position with the new one.
+    accept_changes: bool = False
 
     def agent_dir(self, agent: str) -> Path:
         return self.path / agent
@@ -82,6 +85,36 @@ class ResumePoint:
         if not path.exists():
             raise CheckpointError(f"checkpoint {self.path} has no training state for {agent!r} ({path} is missing)")
         return read_state(path)
+
+
+# Settings a resumed run must share with its checkpoint to continue the same run exactly:
+# controller.json key -> (config key, the value now). run.steps is not one: any may follow.
+def exactness_settings(cfg: Any, dataset: Any) -> dict[str, tuple[str, Any]]:
+    return {"seed": ("run.seed", cfg.run.seed),
+            "queries_per_step": ("pipeline.queries_per_step", cfg.pipeline.queries_per_step),
+            # the rows themselves, wherever the file now is (None: no dataset)
+            "data_fingerprint": ("data.train (its rows)", dataset.fingerprint() if dataset is not None else None),
+            "data_shuffle": ("data.shuffle", cfg.data.shuffle),
+            "data_epochs": ("data.epochs", cfg.data.epochs)}
+
+
+def resume_changes(point: ResumePoint, settings: dict[str, tuple[str, Any]]) -> list[str]:
+    """What differs between the checkpoint's exactness settings and `settings`, each as
+    "KEY was OLD, now NEW" (a key the checkpoint did not record is not compared)."""
+    return [f"{name} was {point.state[key]!r}, now {value!r}" for key, (name, value) in settings.items()
+            if key in point.state and point.state[key] != value]
+
+
+def check_resume(point: ResumePoint, settings: dict[str, tuple[str, Any]]) -> list[str]:
+    """Refuses a resume that changed an exactness setting, naming it, unless the user
+    accepted the changes (then they are returned, to be logged)."""
+    changes = resume_changes(point, settings)
+    if changes and not point.accept_changes:
+        raise CheckpointError(
+            f"resuming from {point.path} would not continue the same run: {'; '.join(changes)}. The samples "
+            "and the data order depend on these: set them back (--set KEY=VALUE), or pass --resume-anyway to "
+            "go on with them changed (the data then continues from the checkpoint's position)")
+    return changes
 
 
 def read_state(path: Path) -> ParamHandle:

@@ -1,7 +1,7 @@
 """The `flexmarl` command line.
 
     flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
-    flexmarl run --resume RUN_DIR [--steps N]
+    flexmarl run --resume RUN_DIR [--steps N] [--resume-anyway]
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
@@ -66,6 +66,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error in the config, "
                    "workflow, data or models (by default: one line)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its last complete checkpoint")
+    p.add_argument("--resume-anyway", action="store_true",
+                   help="with --resume: go on although run.seed, pipeline.queries_per_step or the data changed")
 
 
 def _experiment(args: argparse.Namespace, spawn_workers: bool):
@@ -75,7 +77,8 @@ def _experiment(args: argparse.Namespace, spawn_workers: bool):
         if args.config is not None:
             raise ConfigError("--resume continues a run with the config in its directory; "
                               "give no CONFIG (use --set to change a key)")
-        return Experiment.resuming(args.resume, overrides=_overrides(args), spawn_workers=spawn_workers)
+        return Experiment.resuming(args.resume, overrides=_overrides(args), spawn_workers=spawn_workers,
+                                   anyway=args.resume_anyway)
     return Experiment(_config_from_args(args), spawn_workers=spawn_workers)
 
 

@@ -14,6 +14,7 @@ It does not know episodes, batches or workers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ class Dataset:
 
     def __init__(self, rows: list[dict[str, Any]], order: DataOrder) -> None:
         self.rows, self.order = rows, order
+        self._fingerprint: str | None = None
 
     @classmethod
     def from_path(cls, path: str | Path, seed: int, shuffle: bool = True, epochs: int = 0) -> "Dataset":
@@ -127,6 +129,13 @@ class Dataset:
 
     def item(self, g: int) -> dict[str, Any]:
         return self.rows[self.order.position(g).index]
+
+    def fingerprint(self) -> str:
+        """A digest of the rows, in file order: a resume checks it is the same data."""
+        if self._fingerprint is None:
+            text = json.dumps(self.rows, sort_keys=True, default=str)
+            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def check_serves(self, episodes: int, what: str) -> None:
         capacity = self.order.capacity()

@@ -40,6 +40,9 @@ class EpisodeProducer:
         self.tools = tools  # the pool ctx.call runs blocking functions in
         self.emit = emit
         self.dataset = dataset  # episode g (over the run) gets row dataset.item(g)
+        # Episode g of batch b, query i: `first_episode` + (b - `first_batch`) x queries + i.
+        # A resumed run starts at the saved data position (`continue_data`).
+        self.first_batch, self.first_episode = 1, 0
         self.workflow = workflow
         self.store = store
         self.client = client  # generate(agent, requests)
@@ -68,7 +71,7 @@ class EpisodeProducer:
         async def one(batch: int, i: int) -> None:
             failure = ""
             try:
-                g = (batch - 1) * p.queries_per_step + i
+                g = self.episode_number(batch, i)
                 ctx = EpisodeContext(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"),
                                      self.store, self.client, self.defaults, seed,
                                      self.cfg.run.env_latency_ms, gate=self.schedule.gate,
@@ -106,9 +109,17 @@ class EpisodeProducer:
         if error is not None and not self._stop.done():
             self._stop.set_exception(error)
 
+    def continue_data(self, batch: int, episode: int) -> None:
+        """Batch `batch` starts at episode number `episode` (a resume's saved position)."""
+        self.first_batch, self.first_episode = batch, episode
+
+    def episode_number(self, batch: int, i: int) -> int:
+        """Which episode of the run (and so which row of the data) query i of `batch` is."""
+        return self.first_episode + (batch - self.first_batch) * self.cfg.pipeline.queries_per_step + i
+
     def batch_started(self, batch: int) -> ev.BatchStarted:
         q = self.cfg.pipeline.queries_per_step
-        first = (batch - 1) * q
+        first = self.episode_number(batch, 0)
         if self.dataset is None:
             return ev.BatchStarted(batch, first)
         positions = [self.dataset.position(first + i) for i in range(q)]

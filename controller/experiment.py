@@ -20,6 +20,7 @@ processes it started (by PID) and closes the socket.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import shutil
 import time
@@ -38,20 +39,31 @@ from .training import TrainingRun
 
 log = logging.getLogger("flexmarl.controller")
 
+# The controller holds every sample in flight and not yet committed: a heap of millions of
+# small long-lived objects, nearly all freed by reference counting, not by the collector.
+# At Python's default thresholds (700, 10, 10) the collector walked that heap about a
+# quarter of the time at 1,024 instances (bench/RESULTS.md, the controller at scale), in
+# pauses of tens of milliseconds; these make its passes rare. Set while an Experiment is
+# open, restored when it closes.
+GC_THRESHOLDS = (50_000, 20, 10)
+
 
 class Experiment:
     def __init__(self, config: ExperimentConfig, *, run_dir: str | Path | None = None,
-                 spawn_workers: bool = True, resume: bool = False) -> None:
+                 spawn_workers: bool = True, resume: bool = False, resume_anyway: bool = False) -> None:
         self.config = config
         self.run_dir = Path(run_dir or config.run.out or _default_run_dir())
         # Continue the run in run_dir from its last complete checkpoint (see `resume`).
         self.resume = resume
+        # ... even where a setting the run's exactness depends on changed (checkpoints.check_resume)
+        self.resume_anyway = resume_anyway
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
         self.local: LocalWorkers | None = None
         self._tasks: list[asyncio.Task] = []
         self.events: EventLog | None = None
         self.training: TrainingRun | None = None  # while train() runs
+        self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
 
     def emit(self, event: ev.Event) -> None:
         if self.events is not None:
@@ -70,7 +82,7 @@ class Experiment:
 
     @classmethod
     def resuming(cls, run_dir: str | Path, *, overrides: list[str] | None = None,
-                 spawn_workers: bool = True) -> "Experiment":
+                 spawn_workers: bool = True, anyway: bool = False) -> "Experiment":
         """The run in `run_dir`, to be continued from its last complete checkpoint with the
         config it was started with (`overrides`, ``section.key=value``, may change e.g.
         run.steps to train longer)."""
@@ -78,7 +90,7 @@ class Experiment:
         if not (run_dir / "config.toml").exists():
             raise CheckpointError(f"{run_dir} is not a run directory (no config.toml); nothing to resume")
         config = load_config(run_dir / "config.toml", overrides or [])
-        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True)
+        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True, resume_anyway=anyway)
 
     async def __aenter__(self) -> "Experiment":
         point = None
@@ -91,6 +103,7 @@ class Experiment:
                 raise CheckpointError(f"{self.run_dir} is finished (checkpoint of step {point.step} of "
                                       f"{self.config.run.steps}); to train longer, resume with a larger run.steps")
             log.info("resuming %s from the checkpoint of step %d (%s)", self.run_dir, point.step, point.path)
+            point.accept_changes = self.resume_anyway
         made = not self.run_dir.exists()
         try:
             self._open_run_dir(point)
@@ -104,6 +117,8 @@ class Experiment:
         (self.run_dir / "controller.address").write_text(address + "\n")
         if self.config.run.event_log:
             self.events = EventLog(self.run_dir / "events.log", append=point is not None)
+        self._gc_thresholds = gc.get_threshold()  # restored by _teardown, which every exit from here runs
+        gc.set_threshold(*GC_THRESHOLDS)
         self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
                        asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
         if self.events is not None:
@@ -196,6 +211,9 @@ class Experiment:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.server.close()
+        if self._gc_thresholds is not None:
+            gc.set_threshold(*self._gc_thresholds)
+            self._gc_thresholds = None
         if self.local is not None:
             left = max(1.0, timeout - (time.monotonic() - started))
             await asyncio.to_thread(self.local.stop, left, min(5.0, left))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,11 @@ class MetricsLog:
         self._fh.write(json.dumps(row) + "\n")
         for tracker in self.trackers:
             tracker.log(row)
+
+    def make_durable(self) -> None:
+        """Every row written so far is on disk (before a checkpoint that follows them)."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
 
     def end_step(self, step: int, total: int) -> None:
         if not self.progress:

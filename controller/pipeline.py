@@ -10,8 +10,14 @@
 - once `decisions.step_due` says the batch is done, sends ONE optimizer step, flushes the
   event log (a crash loses nothing that led to a step), and has the weight sync bring the
   agent's instances to the new version, which unblocks the gate (`schedule.synced_to`);
-  then, where a checkpoint is due, has the agent's state saved (before anything of the
-  next batch reaches the trainer, so the saved state has no pending gradients);
+  then writes the step's metrics row and, where a checkpoint is due, makes the metrics
+  durable and has the agent's state saved (before anything of the next batch reaches the
+  trainer, so the saved state has no pending gradients; after the row, so a checkpoint
+  never outlives its step's row);
+- counts steps the trainer skipped for a non-finite gradient (`StepStats.skipped`): the
+  version still advances, with the last version's (finite) weights, so the sync, the
+  staleness gate and checkpoints keep one version per global batch; each is logged
+  (`StepSkipped`) and counted in metrics, and `max_skipped_steps` in a row end the run;
 - keeps every micro-batch since the agent's last saved state (read, not committed): when
   the trainer holding the agent dies, `_recover` restores that state on a live trainer and
   trains those micro-batches again, so every sample ends up in the weights exactly once;
@@ -79,6 +85,8 @@ class AgentPipeline:
         self.saved_version = schedule.first_batch - 1
         self.kept: dict[int, list[list[Sample]]] = {}
         self._stepped: dict[int, int] = {}  # batch -> samples its step covered
+        self.skipped_in_row = 0  # consecutive steps skipped for a non-finite gradient
+        self.skipped_steps = 0
         self._tokens: dict[int, int] = {}
 
     @property
@@ -93,21 +101,50 @@ class AgentPipeline:
         last_end = time.monotonic()
         for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
             self.kept[batch] = []
+            recorded = False
             while True:
                 try:
-                    trained, train_s, stepping = await self._train_batch(batch)
-                    t_sync = time.monotonic()
-                    stats = await stepping
+                    if not recorded:  # (a recovery during the checkpoint trains the batch again)
+                        trained, train_s, stepping = await self._train_batch(batch)
+                        t_sync = time.monotonic()
+                        stats = await stepping
+                        now = time.monotonic()
+                        times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
+                        # The row is written before the checkpoint of this step can be final: a
+                        # crash right after the checkpoint loses no row (the resume starts after it).
+                        self.metrics.record(batch, self.agent, batch, trained, times,
+                                            step_s=round(now - last_end, 4), skipped_steps=self.skipped_steps,
+                                            episodes_failed=self.schedule.batches[batch].episodes_failed,
+                                            **step_signals(stats))
+                        recorded, last_end = True, now
+                    else:
+                        await self._restep(batch)
+                    await self._checkpoint(batch)
                     break
                 except (WorkerDied, AgentLost) as exc:
                     await self._recover(batch, exc)
-            now = time.monotonic()
-            times = StepTimes(self.schedule.batches[batch].rollout_s, train_s, now - t_sync)
-            self.metrics.record(batch, self.agent, batch, trained, times, step_s=round(now - last_end, 4),
-                                episodes_failed=self.schedule.batches[batch].episodes_failed, **step_signals(stats))
-            last_end = now
             if self.schedule.agent_stepped(batch):
                 self.metrics.end_step(batch, self.schedule.steps)
+
+    async def _checkpoint(self, version: int) -> None:
+        """Saves the agent's state at `version` where a checkpoint is due. Called before
+        anything of the next batch reaches the trainer: the saved state has no pending
+        gradients."""
+        if self.checkpoints is None or not self.checkpoints.due(version):
+            return
+        self.metrics.make_durable()
+        trainer = await self.allocator.acquire(self.agent, lost="raise")
+        try:
+            async with self.allocator.slot(trainer, (0, version)):
+                await self.checkpoints.save_agent(self.agent, trainer, version)
+        finally:
+            self.allocator.release(self.agent)
+        self._committed(version)
+
+    async def _restep(self, batch: int) -> None:
+        """After a recovery, trains `batch` again (its row is already written) and syncs."""
+        trained, _, stepping = await self._train_batch(batch)
+        await stepping
 
     async def _train_batch(self, batch: int) -> tuple[list[Sample], float, asyncio.Future]:
         """Sends every micro-batch of `batch` to the trainer (those sent before a recovery
@@ -209,7 +246,25 @@ class AgentPipeline:
             self.server.next_request_id(), self.agent, version, scale, samples=samples))
         self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
         self._stepped[version] = samples
+        self._count_skipped(trainer, version, reply.stats)
         return reply.stats
+
+    def _count_skipped(self, trainer: str, version: int, stats: protocol.StepStats) -> None:
+        """Logs a step skipped for a non-finite gradient; too many in a row end the run."""
+        if not stats.skipped:
+            self.skipped_in_row = 0
+            return
+        self.skipped_in_row += 1
+        self.skipped_steps += 1
+        self.emit(ev.StepSkipped(self.agent, trainer, version, stats.grad_norm, self.skipped_in_row))
+        log.warning("%s: step to version %d skipped: its gradient is not finite (norm %s)", self.agent, version,
+                    stats.grad_norm)
+        if self.skipped_in_row >= self.cfg.max_skipped_steps:
+            raise RuntimeError(
+                f"{self.agent}: {self.skipped_in_row} optimizer steps in a row had a non-finite gradient "
+                f"(the last, to version {version}: norm {stats.grad_norm}); the weights are those of version "
+                f"{version - self.skipped_in_row}. Lower agents.{self.agent}.lr or max_grad_norm, train in "
+                f"float32 (agents.{self.agent}.dtype), or raise pipeline.max_skipped_steps")
 
     async def _step_and_sync(self, batch: int, trained: list[Sample]) -> protocol.StepStats:
         version = batch
@@ -221,10 +276,6 @@ class AgentPipeline:
                 stats = await self._step_in_slot(trainer, version, len(trained))
                 await self.flush_events()
                 await self.weights.sync(self.agent, trainer, version)
-                if self.checkpoints is not None and self.checkpoints.due(version):
-                    # Nothing of the next batch was sent yet: the saved state has no pending gradients.
-                    await self.checkpoints.save_agent(self.agent, trainer, version)
-                    self._committed(version)
         finally:
             self.allocator.release(self.agent)
         return stats
@@ -280,8 +331,9 @@ async def _all(calls: list[asyncio.Future]) -> float:
 
 def train_sample(s: Sample) -> protocol.TrainSample:
     mask = [] if all(s.mask) else list(s.mask)  # all generated: the default, sent as nothing
+    first, *later = s.sampling or [protocol.TurnSampling(0)]
     return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.logprobs, s.versions,
-                                s.temperature, mask)
+                                first.temperature, mask, first.top_p, first.top_k, later)
 
 
 def step_signals(stats: protocol.StepStats) -> dict[str, float]:
@@ -290,4 +342,5 @@ def step_signals(stats: protocol.StepStats) -> dict[str, float]:
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "entropy": stats.entropy,
             "response_len_mean": stats.response_len_mean, "response_len_max": stats.response_len_max,
             "logprob_abs_diff": stats.logprob_abs_diff, "rollout_kl": stats.rollout_kl,
-            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "tokens": stats.tokens}
+            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "tokens": stats.tokens,
+            "skipped": int(stats.skipped)}

@@ -49,7 +49,7 @@ from flexmarl.runtime.model_specs import has_tokenizer
 
 from . import decisions
 from .allocator import TrainerAllocator
-from .checkpoints import Checkpointer, ResumePoint
+from .checkpoints import Checkpointer, ResumePoint, check_resume, exactness_settings
 from .data import DataError, Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
@@ -149,6 +149,12 @@ class TrainingRun:
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
                                         self.dataset, self.tools, self.tokenizers)
+        if resume is not None:
+            for change in check_resume(resume, exactness_settings(cfg, self.dataset)):
+                log.warning("resuming with a changed setting, as asked: %s", change)
+            # The data continues at the saved position, whatever the batch size now.
+            saved = resume.state.get("data", {}).get("next_episode", resume.step * p.queries_per_step)
+            self.episodes.continue_data(resume.step + 1, saved)
         self.evaluator = Evaluator(cfg, self.workflow, self.client, self.schedule, self.metrics, emit, eval_data,
                                    self.tools, self.tokenizers)
         self.model_path: dict[str, str] = {}
@@ -327,20 +333,22 @@ class TrainingRun:
     def _controller_state(self, step: int) -> dict[str, Any]:
         """What the controller adds to a checkpoint of `step`: enough to continue the run
         from it and to say where it stood. Episodes draw their randomness from seeds made
-        of (run.seed, batch, episode), so the seed and the step are the random state."""
-        q = self.cfg.pipeline.queries_per_step
-        state = {"steps": self.cfg.run.steps, "seed": self.cfg.run.seed,
+        of (run.seed, batch, episode), so the seed and the step are the random state; the
+        settings exactness depends on are recorded for the resume to compare."""
+        next_episode = self.episodes.episode_number(step + 1, 0)
+        state = {"steps": self.cfg.run.steps,
+                 **{key: value for key, (_, value) in exactness_settings(self.cfg, self.dataset).items()},
                  "versions": {a: step for a in self.agents},
-                 "episodes_done": step * q,
+                 "episodes_done": next_episode,
                  "rollout_assignment": {a: list(ws) for a, ws in self.client.assignment.items()},
                  # Samples of later batches the store held at the cut; a resumed run makes them again.
                  "store_after_cut": {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
                                      for a in self.agents},
                  "config_toml": dump_toml(self.cfg)}
+        state["data"] = {"next_episode": next_episode}
         if self.dataset is not None:
-            state["data"] = {"next_episode": step * q}
             if step < self.cfg.run.steps:  # after the last step the data may be used up
-                position = self.dataset.position(step * q)
+                position = self.dataset.position(next_episode)
                 state["data"].update(epoch=position.epoch, next_row=position.index)
         return state
 

@@ -29,9 +29,11 @@ import logging
 import time
 from typing import Any, AsyncContextManager, Callable
 
+import msgspec
+
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
-from flexmarl.runtime.param_types import Location, ParamHandle, choose_transport
+from flexmarl.runtime.param_types import Location, ParamHandle, choose_transport, host_device
 
 from .nccl_groups import NcclGroups
 from .server import WorkerDied
@@ -40,8 +42,24 @@ log = logging.getLogger("flexmarl.weight_sync")
 
 
 def location_of(worker: Any) -> Location:
-    """Where a registered worker's parameters live: its host, process and first device."""
-    return Location(worker.host, worker.pid, worker.devices[0] if worker.devices else "cpu")
+    """Where a registered worker's parameters live: its host, process and first device,
+    a GPU named as its host names it. A worker pinned with CUDA_VISIBLE_DEVICES=2,3 calls
+    its first GPU cuda:0, which is the host's cuda:2 (or the GPU's UUID, where the pinning
+    gives one): two workers' cuda:0 are one GPU only if they were pinned to the same one."""
+    device = worker.devices[0] if worker.devices else "cpu"
+    return Location(worker.host, worker.pid, host_device(device, getattr(worker, "visible_gpus", [])))
+
+
+def engines_sharing_gpu(worker: str, workers: dict[str, Any]) -> int:
+    """How many live rollout workers (`worker` included) compute on the GPU `worker` computes
+    on: they split the GPU's share between their engines. 1 for a worker on the CPU."""
+    me = workers.get(worker)
+    if me is None or not me.devices or not me.devices[0].startswith("cuda"):
+        return 1
+    here = location_of(me)
+    return max(1, sum(1 for w in workers.values()
+                      if w.alive and w.role == "rollout" and w.devices
+                      and (location_of(w).host, location_of(w).device) == (here.host, here.device)))
 
 
 def transport_between(src: Location, dsts: list[Location]) -> str:
@@ -117,6 +135,10 @@ class WeightSync:
     async def start_engine(self, worker: str, message: protocol.LoadModel) -> Any:
         """(Re)starts `worker`'s engine with `message` and records the version it now serves;
         the reply is returned."""
+        shared = engines_sharing_gpu(worker, self.server.registry.workers)
+        if shared != message.engine.engines_on_gpu:
+            engine = msgspec.structs.replace(message.engine, engines_on_gpu=shared)
+            message = msgspec.structs.replace(message, engine=engine)
         reply, _ = await self.server.call(worker, message)
         self.served(worker, message.agent, message.version)
         return reply

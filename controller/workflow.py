@@ -26,17 +26,23 @@ it opened that is not yet trainable is dropped with the reason, counted and logg
 run goes on.
 
 Group ids (and with them the per-sample sampling seeds) follow from the episode, the
-agent, the prompt and how many identical calls came before in the episode, never from
-which branch happens to finish first, so the same episode draws the same tokens in sync
-and async mode, with any latency and any number of instances.
+agent, the prompt, the calling branch's place in the workflow and how many identical calls
+that branch made before, never from which branch happens to call or finish first, so the
+same episode draws the same tokens in sync and async mode, with any latency and any number
+of instances. A branch's place is its path of task creation from the episode: the episode
+is (), the i-th task it creates (asyncio.gather creates one per awaitable, in order) is
+(i,), that task's j-th is (i, j). `run_episode` installs the task factory that records it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
+import itertools
 import logging
 import random
+import weakref
 import zlib
 from collections import Counter
 from concurrent.futures import Executor
@@ -56,6 +62,31 @@ SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "stop"
 
 class UnknownAgent(ValueError):
     """A workflow named an agent the config does not define."""
+
+
+# The running task's place in its episode's tree of tasks (see the module docstring).
+BRANCH: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("flexmarl_branch", default=())
+_children: "weakref.WeakKeyDictionary[asyncio.Task, itertools.count]" = weakref.WeakKeyDictionary()
+
+
+def _branch_task_factory(loop: asyncio.AbstractEventLoop, coro: Any, *, context: Any = None,
+                         **kwargs: Any) -> asyncio.Task:
+    """Creates tasks as asyncio does, each with its BRANCH: the parent's plus the number
+    of tasks the parent created before it (program order, never timing)."""
+    parent = asyncio.current_task(loop)
+    context = (context or contextvars.copy_context()).copy()
+    if parent is not None:
+        counter = _children.setdefault(parent, itertools.count())
+        context.run(BRANCH.set, BRANCH.get() + (next(counter),))
+    return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+
+
+def track_branches() -> None:
+    """Installs the factory that gives every task its BRANCH on the running loop (unless
+    the loop already has a task factory of its own, which is then left alone)."""
+    loop = asyncio.get_running_loop()
+    if loop.get_task_factory() is None:
+        loop.set_task_factory(_branch_task_factory)
 
 
 class EpisodeClosed(Exception):
@@ -124,12 +155,15 @@ class EpisodeContext:
     _branches: set = field(default_factory=set)  # tasks that called generate
 
     def group_id(self, agent: str, prompt_ids: list[int]) -> str:
-        """The next group's id: the same call in the same place of the workflow gets the
-        same id in every run, whatever the timing."""
-        key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()))
+        """The next group's id: the same call in the same place of the workflow (the same
+        branch, after as many identical calls of that branch) gets the same id in every
+        run, whatever the timing."""
+        branch = BRANCH.get()
+        key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()), branch)
         occurrence = self._calls[key]
         self._calls[key] += 1
-        return f"{self.episode_id}/{agent}-{key[1]:08x}-{occurrence}"
+        place = f"b{'.'.join(map(str, branch))}-" if branch else ""
+        return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"
 
     async def generate(self, agent: str, prompt: str | list[int], n: int | None = None, **sampling: Any) -> list[Sample]:
         """n samples of `agent` for one prompt (text, tokenized with the agent's tokenizer,
@@ -191,10 +225,10 @@ class EpisodeContext:
         for s in samples:
             if messages is not None:
                 s.messages = list(messages)
-        results = await self._generate(agent, [(s, s.sample_id, list(s.prompt_ids)) for s in samples], sampling)
+        results, drawn = await self._generate(agent, [(s.sample_id, list(s.prompt_ids)) for s in samples], sampling)
         stop = sampling.get("stop") or self.agents[agent].stop
         for s, r in zip(samples, results):
-            self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version])
+            self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version], drawn)
             self._after_turn(s, r, stop)
         return samples
 
@@ -206,8 +240,8 @@ class EpisodeContext:
         await self._wait_at_gate(sample.agent)
         request_id = f"{sample.sample_id}@{len(sample.versions)}"  # one request per turn
         context = list(sample.prompt_ids) + list(sample.output_ids) + appended
-        (r,) = await self._generate(sample.agent, [(sample, request_id, context)], sampling)
-        self.store.record_turn(sample.sample_id, appended, r.token_ids, r.logprobs, r.version)
+        (r,), drawn = await self._generate(sample.agent, [(request_id, context)], sampling)
+        self.store.record_turn(sample.sample_id, appended, r.token_ids, r.logprobs, r.version, drawn)
         self._after_turn(sample, r, sampling.get("stop") or self.agents[sample.agent].stop)
         return sample
 
@@ -220,23 +254,24 @@ class EpisodeContext:
         if self.closed:  # failed while this branch waited at the gate
             raise EpisodeClosed(self.closed)
 
-    async def _generate(self, agent: str, items: list[tuple[Sample, str, list[int]]],
-                        sampling: dict) -> list[protocol.GenResult]:
+    async def _generate(self, agent: str, items: list[tuple[str, list[int]]],
+                        sampling: dict) -> tuple[list[protocol.GenResult], protocol.TurnSampling]:
+        """The results for (request id, context) items, in order, and the distribution
+        they were sampled from (what the trainer will score them under)."""
         d = self.agents[agent]
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
             raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: {', '.join(sorted(SAMPLING_KEYS))})")
         get = lambda key: sampling[key] if sampling.get(key) is not None else getattr(d, key)  # noqa: E731
         temperature = self.eval_temperature if self.eval_temperature is not None else get("temperature")
-        requests = []
-        for sample, request_id, context in items:
-            sample.temperature = temperature
-            requests.append(protocol.GenRequest(
-                request_id, context, get("max_tokens"), temperature, request_seed(self.run_seed, request_id),
-                get("top_p"), get("top_k"), list(get("stop")), list(get("stop_token_ids")), get("ignore_eos")))
+        requests = [protocol.GenRequest(
+            request_id, context, get("max_tokens"), temperature, request_seed(self.run_seed, request_id),
+            get("top_p"), get("top_k"), list(get("stop")), list(get("stop_token_ids")), get("ignore_eos"))
+            for request_id, context in items]
         results = await self.generator.generate(agent, requests)
         by_id = {r.sample_id: r for r in results}
-        return [by_id[request_id] for _, request_id, _ in items]
+        drawn = protocol.TurnSampling(0, temperature, get("top_p"), get("top_k"))
+        return [by_id[request_id] for request_id, _ in items], drawn
 
     def _after_turn(self, sample: Sample, result: protocol.GenResult, stop: list[str]) -> None:
         tok = self.tokenizers.get(sample.agent)
@@ -297,7 +332,11 @@ Episode = Callable[[EpisodeContext], Awaitable[None]]
 
 async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> str:
     """Runs one episode; returns "" on success or the reason it failed (groups dropped).
-    The reason names the user's frame that raised; `ctx.failure` keeps their traceback."""
+    The reason names the user's frame that raised; `ctx.failure` keeps their traceback.
+    It runs in the calling task, which becomes the root of the episode's branches."""
+    track_branches()
+    BRANCH.set(())
+    _children.pop(asyncio.current_task(), None)
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:

@@ -114,7 +114,17 @@ class AgentConfig:
     loss_agg: LossAggregation = "seq_mean"  # "seq_mean" | "token_mean" | "constant"
     loss_constant: float = 0.0  # divisor of "constant" aggregation; 0 means max_tokens
     normalize_adv_std: bool = True  # advantages divided by their group's std (off: Dr. GRPO)
-    off_policy: OffPolicyCorrection = "tis"  # correction when max_staleness > 0: "tis" | "ppo_clip"
+    # Correction when max_staleness > 0: "tis" | "ppo_clip" | "token_mis" | "seq_mis" |
+    # "gspo" | "cispo" (protocol.OffPolicyCorrection says what each does). TIS's cap is
+    # pipeline.clip_ratio; the others' constants are these:
+    off_policy: OffPolicyCorrection = "tis"
+    clip_eps: float = 0.2  # ppo_clip: the ratio clipped to [1 - clip_eps, 1 + clip_eps]
+    dual_clip: float = 0.0  # ppo_clip: > 1 turns on dual-clip with this constant; 0 off
+    is_low: float = 0.5  # token_mis / seq_mis: ratios outside [is_low, is_high] are masked
+    is_high: float = 2.0
+    gspo_eps_low: float = 3e-4  # gspo: sequence ratio clipped to [1 - low, 1 + high]
+    gspo_eps_high: float = 4e-4
+    cispo_eps_high: float = 2.0  # cispo: detached weight clipped to [0, 1 + cispo_eps_high]
     kl_coef: float = 0.0  # KL penalty towards the initial weights; 0: none
     # Devices and precision. "auto" dtype: bfloat16 where the worker has CUDA, float32 on CPU;
     # the rollout engine runs in it and the trainer computes in it.
@@ -135,7 +145,20 @@ class AgentConfig:
     def loss_options(self) -> LossOptions:
         """The loss settings the trainer is sent with each of this agent's micro-batches."""
         return LossOptions(self.loss_agg, self.loss_constant or float(self.max_tokens), self.off_policy,
-                           self.kl_coef)
+                           self.kl_coef, self.clip_eps, self.dual_clip, self.is_low, self.is_high,
+                           self.gspo_eps_low, self.gspo_eps_high, self.cispo_eps_high)
+
+    def loss_problem(self) -> str:
+        """What is wrong with the correction constants, or ""."""
+        if not 0 < self.clip_eps < 1:
+            return f"clip_eps must be in (0, 1), got {self.clip_eps} (PPO clips the ratio to [1 - eps, 1 + eps])"
+        if self.dual_clip != 0 and self.dual_clip <= 1:
+            return f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}"
+        if not 0 <= self.is_low < 1 < self.is_high:
+            return f"is_low and is_high must satisfy 0 <= is_low < 1 < is_high, got {self.is_low}, {self.is_high}"
+        if not (0 < self.gspo_eps_low < 1 and self.gspo_eps_high > 0 and self.cispo_eps_high > 0):
+            return "gspo_eps_low must be in (0, 1), gspo_eps_high and cispo_eps_high > 0"
+        return ""
 
 
 @dataclass
@@ -150,6 +173,11 @@ class PipelineConfig:
     # each limited to tool_timeout_s unless the call says otherwise.
     tool_threads: int = 4
     tool_timeout_s: float = 60.0
+    # A step whose gradient is not finite is skipped (weights unchanged, an event, a count
+    # in metrics); this many skipped steps of one agent in a row stop the run.
+    max_skipped_steps: int = 3
+    # TIS's truncation cap (agents' off_policy = "tis"): the importance weight is min(ratio,
+    # clip_ratio). Only TIS reads it; PPO's clip range is agents.*.clip_eps.
     clip_ratio: float = 2.0
     # A run that cannot learn stops (exit status 1, the first failure's traceback shown):
     # when more than this share of a step's episodes fail (1.0: never), or when an agent
@@ -171,6 +199,11 @@ class RouterConfig:
     cooldown_s: float = 5.0  # after a move, no other move for this long (no thrashing)
     interval_s: float = 0.5  # how often demand is observed
 
+
+# Why pure float16 training is refused (here and by the trainer itself).
+PURE_FLOAT16_WHY = ("Adam's eps (1e-8) is 0 in float16, so the first step divides by zero and writes NaN "
+                    "into every weight that had no gradient; use dtype = \"bfloat16\", or "
+                    "train_precision = \"mixed\" (float32 weights and optimizer state)")
 
 TRACKERS = ("tensorboard", "wandb")  # metrics destinations besides metrics.jsonl
 
@@ -233,6 +266,11 @@ class ExperimentConfig:
             raise ConfigError(f"pipeline.mode must be 'sync' or 'async', got {self.pipeline.mode!r}")
         if self.pipeline.max_staleness < 0:
             raise ConfigError("pipeline.max_staleness must be >= 0")
+        if self.pipeline.max_skipped_steps < 1:
+            raise ConfigError(f"pipeline.max_skipped_steps must be >= 1, got {self.pipeline.max_skipped_steps}")
+        if self.pipeline.clip_ratio <= 1:
+            raise ConfigError(f"pipeline.clip_ratio (TIS's cap on the importance weight) must be > 1, "
+                              f"got {self.pipeline.clip_ratio}")
         if self.pipeline.micro_batch < 1 or self.pipeline.queries_per_step < 1:
             raise ConfigError("pipeline.micro_batch and pipeline.queries_per_step must be >= 1")
         if not 0.0 <= self.pipeline.max_failed_share <= 1.0:
@@ -249,10 +287,15 @@ class ExperimentConfig:
                 raise ConfigError(f"agents.{name}.max_tokens must be >= 1")
             if agent.kl_coef < 0 or agent.loss_constant < 0:
                 raise ConfigError(f"agents.{name}: kl_coef and loss_constant must be >= 0")
+            if agent.loss_problem():
+                raise ConfigError(f"agents.{name}.{agent.loss_problem()}")
             if not 0 < agent.gpu_memory_utilization <= 1:
                 raise ConfigError(f"agents.{name}.gpu_memory_utilization must be in (0, 1], got "
                                   f"{agent.gpu_memory_utilization}: it is the share of a GPU's memory "
                                   "the rollout engine may claim")
+            if agent.dtype == "float16" and agent.train_precision == "pure":
+                raise ConfigError(f"agents.{name}: dtype float16 with train_precision 'pure' cannot train: "
+                                  f"{PURE_FLOAT16_WHY}")
             if agent.tensor_parallel_size < 1 or agent.max_model_len < 0:
                 raise ConfigError(f"agents.{name}: tensor_parallel_size must be >= 1 and max_model_len >= 0 "
                                   "(0: the engine's default)")

@@ -173,6 +173,16 @@ class OptimizerStep(Event):
     samples: int
 
 
+class StepSkipped(Event):
+    # The step to `version` had a non-finite gradient: the trainer left the weights and
+    # optimizer state as they were (the version advanced with the last weights).
+    agent: str
+    trainer: str
+    version: int
+    grad_norm: float
+    in_a_row: int  # consecutive skipped steps of this agent, this one included
+
+
 class TrainingRestored(Event):
     # The agent's trainer died with its state: it is restored at `version` (its last saved
     # state) and every batch from there to `batch` is trained again. What was trained into

@@ -99,7 +99,8 @@ class ParamChannel:
         self._host = HostBuffers(config.spare_buffers)
         self._transports: dict[str, Transport] = {}  # made on first use
         self._published: dict[str, _Publication] = {}
-        self._received: dict[str, list[torch.Tensor]] = {}  # key -> host buffers behind views handed out
+        # key -> (transport, what holds the memory behind views handed out: host buffers, mappings)
+        self._received: dict[str, list[tuple[Transport, object]]] = {}
         self._closed = False
 
     def __enter__(self) -> ParamChannel:
@@ -149,9 +150,10 @@ class ParamChannel:
         tcp and disk they are views of a buffer this channel holds until then. `rank`
         (1..receivers) is needed for nccl only. Raises ParamTransferError if the bytes are
         missing, short or corrupted."""
-        tensors, staging = self._checked(handle).receive(handle, verify=verify, rank=rank)
+        impl = self._checked(handle)
+        tensors, staging = impl.receive(handle, verify=verify, rank=rank)
         if staging is not None:  # kept until release(handle): the views point into it
-            self._received.setdefault(handle.key, []).append(staging)
+            self._received.setdefault(handle.key, []).append((impl, staging))
         return tensors
 
     def receive_into(self, handle: ParamHandle, dst: Mapping[str, torch.Tensor], *, verify: bool = True,
@@ -177,8 +179,8 @@ class ParamChannel:
     def release(self, handle: ParamHandle) -> None:
         """End what this channel holds for `handle`: as its publisher, the bytes; as a
         receiver, the buffer behind its views. Releasing twice is harmless."""
-        for staging in self._received.pop(handle.key, []):
-            self._host.give(staging)
+        for impl, staging in self._received.pop(handle.key, []):
+            impl.release_received(staging)
         pub = self._published.pop(handle.key, None)
         if pub is not None:
             self._transports[pub.handle.transport].release(pub.handle, pub.resource)
@@ -206,10 +208,13 @@ class ParamChannel:
                 del self._published[key]
             else:
                 self.release(pub.handle)
+        for entries in self._received.values():
+            for impl, staging in entries:
+                impl.release_received(staging)  # GPU mappings are unmapped, host buffers pooled
+        self._received.clear()
         for transport in self._transports.values():
             transport.close()
         self._host.clear()
-        self._received.clear()
 
     def _checked(self, handle: ParamHandle) -> Transport:
         """The handle's transport, once the handle is known to describe a sane bucket."""

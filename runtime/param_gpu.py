@@ -2,12 +2,16 @@
 
 Buckets are packed and checksummed on the GPU (the same `checksum` as every other
 transport). Importing this module touches no GPU and no CuPy: CUDA is initialised by the
-first GPU transfer and CuPy is imported by param_nccl only when a broadcast runs, so
-CPU-only installs never load either.
+first GPU transfer and CuPy is imported only when a GPU transfer runs, so CPU-only
+installs never load either.
 
-cuda_ipc: the publisher's bucket is shared through torch's CUDA IPC (the fields of
-UntypedStorage._share_cuda_, carried in the handle as plain bytes and ints: no pickle);
-receivers open it in place, so their tensors are views of the publisher's GPU memory.
+cuda_ipc: the publisher's bucket is GPU memory of its own (cudaMalloc through CuPy, outside
+torch's caching allocator), shared by a cudaIpcMemHandle carried in the handle as plain
+bytes (no pickle). Receivers map it in place (cudaIpcOpenMemHandle), so their tensors are
+views of the publisher's GPU memory, and unmap it when they release the handle. The
+publisher frees it at release whether or not anyone opened it. torch's own CUDA IPC is not
+used: it frees a shared block only once every receiver it counts has let go, and a
+publication nobody opened stayed allocated until the publisher exited.
 
 nccl: a CuPy NCCL broadcast (param_nccl), the publisher as rank 0. A publication to a
 named group reuses the group's communicator (and its unique id) from the last publication
@@ -29,33 +33,58 @@ from .param_types import CudaIpcInfo, NcclInfo, ParamHandle, ParamTransferError,
 __all__ = ["CudaIpcTransport", "NcclTransport"]
 
 
+def _one_device(tensors, transport: str) -> torch.device:
+    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
+    if len(devices) != 1 or any(t.device.type != "cuda" for t in tensors.values()):
+        where = sorted(map(str, {t.device for t in tensors.values()})) or ["the CPU"]
+        raise ValueError(f"{transport} publishes tensors from one CUDA device; these are on {where}")
+    device = devices.pop()
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _gpu_bucket(tensors, fields: dict, transport: str) -> torch.Tensor:
     """A bucket on the tensors' one CUDA device, packed; sets fields["checksum"]. At least
-    ALIGN bytes: an empty CUDA storage has no IPC handle and no address to broadcast."""
-    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
-    if len(devices) != 1:
-        raise ValueError(f"{transport} publishes tensors from one CUDA device; these are on {sorted(map(str, devices)) or 'the CPU'}")
-    bucket = torch.empty(max(fields["total_bytes"], ALIGN), dtype=torch.uint8, device=devices.pop())
+    ALIGN bytes: an empty CUDA storage has no address to broadcast."""
+    bucket = torch.empty(max(fields["total_bytes"], ALIGN), dtype=torch.uint8, device=_one_device(tensors, transport))
     fields["checksum"] = pack_into(bucket[: fields["total_bytes"]], tensors, fields["layout"])  # after a device sync
     return bucket
 
 
 def _require_cuda(handle: ParamHandle) -> None:
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() == 0:
         raise ParamTransferError(f"{describe(handle)}: this process has no CUDA device")
+
+
+def _receive_device(device: str) -> torch.device:
+    """Where a receiver puts an NCCL bucket: its channel's GPU, or its current one."""
+    target = torch.device(device if device.startswith("cuda") else "cuda")
+    return target if target.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 class CudaIpcTransport(Transport):
     def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
-        gpu = _gpu_bucket(tensors, fields, "cuda_ipc")
-        return ParamHandle(**fields, cuda_ipc=_share(gpu)), gpu  # the bucket lives until release
+        device = _one_device(tensors, "cuda_ipc")
+        memory = _IpcMemory.allocate(max(fields["total_bytes"], ALIGN), device.index)
+        fields["checksum"] = pack_into(memory.tensor[: fields["total_bytes"]], tensors, fields["layout"])
+        return ParamHandle(**fields, cuda_ipc=memory.info()), memory  # freed at release
 
     def receive(self, handle, *, verify, rank):
         _require_cuda(handle)
-        bucket = _open(handle)[: handle.total_bytes]
-        if verify:
-            verify_bucket(handle, bucket)
-        return unpack(bucket, handle.layout), None
+        mapping = _IpcMapping.open(handle.cuda_ipc)
+        try:
+            bucket = mapping.tensor[: handle.total_bytes]
+            if verify:
+                verify_bucket(handle, bucket)
+            return unpack(bucket, handle.layout), mapping  # unmapped when the receiver releases
+        except BaseException:
+            mapping.close()
+            raise
+
+    def release(self, handle, resource):
+        resource.free()
+
+    def release_received(self, resource):
+        resource.close()
 
 
 class NcclTransport(Transport):
@@ -85,7 +114,8 @@ class NcclTransport(Transport):
 
     def receive(self, handle, *, verify, rank):
         _require_cuda(handle)
-        bucket = param_nccl.receive(self.communicators, handle, rank, self.location.device, self.config.timeout_s)
+        bucket = param_nccl.receive(self.communicators, handle, rank, _receive_device(self.location.device),
+                                    self.config.timeout_s, self.config.nccl_setup_timeout_s)
         if verify:
             verify_bucket(handle, bucket)
         return unpack(bucket, handle.layout), None
@@ -97,16 +127,64 @@ class NcclTransport(Transport):
         self.communicators.close()
 
 
-def _share(bucket: torch.Tensor) -> CudaIpcInfo:
-    (device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = bucket.untyped_storage()._share_cuda_()
-    return CudaIpcInfo(device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync, bucket.storage_offset())
+def _as_tensor(pointer: int, nbytes: int, device: int, owner) -> torch.Tensor:
+    """A uint8 tensor over GPU memory torch did not allocate (CuPy's array interface;
+    `owner` is kept alive by the tensor)."""
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(pointer, nbytes, owner, device)
+    array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return torch.as_tensor(array, device=f"cuda:{device}")
 
 
-def _open(handle: ParamHandle) -> torch.Tensor:
-    info = handle.cuda_ipc
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        info.device, info.handle, info.storage_size, info.storage_offset, info.ref_counter_handle,
-        info.ref_counter_offset, info.event_handle, info.event_sync_required)
-    bucket = torch.empty(0, dtype=torch.uint8, device=f"cuda:{info.device}")
-    return bucket.set_(storage, info.tensor_offset, (max(handle.total_bytes, ALIGN),), (1,))
+class _IpcMemory:
+    """The publisher's side: GPU memory of its own, exported by an IPC handle."""
+
+    def __init__(self, memory, device: int, nbytes: int):
+        self._memory, self.device, self.nbytes = memory, device, nbytes
+        self.tensor = _as_tensor(memory.ptr, nbytes, device, memory)
+
+    @classmethod
+    def allocate(cls, nbytes: int, device: int) -> _IpcMemory:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            return cls(cupy.cuda.Memory(nbytes), device, nbytes)  # cudaMalloc, not a pool
+
+    def info(self) -> CudaIpcInfo:
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            handle = cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr)
+        return CudaIpcInfo(self.device, bytes(handle), self.nbytes)
+
+    def free(self) -> None:
+        """cudaFree, once the last reference goes: the tensor here and CuPy's Memory."""
+        self.tensor = self._memory = None
+
+
+class _IpcMapping:
+    """A receiver's side: a publisher's IPC memory mapped into this process."""
+
+    def __init__(self, pointer: int, info: CudaIpcInfo):
+        self._pointer, self._device = pointer, info.device
+        self.tensor = _as_tensor(pointer, info.size, info.device, self)
+
+    @classmethod
+    def open(cls, info: CudaIpcInfo) -> _IpcMapping:
+        import cupy
+
+        with cupy.cuda.Device(info.device):
+            pointer = cupy.cuda.runtime.ipcOpenMemHandle(info.handle)
+        return cls(pointer, info)
+
+    def close(self) -> None:
+        """Unmap. The tensors handed out are views of this memory: done with them by now."""
+        import cupy
+
+        if self._pointer is None:
+            return
+        pointer, self._pointer, self.tensor = self._pointer, None, None
+        with cupy.cuda.Device(self._device):
+            torch.cuda.synchronize(self._device)  # no kernel may still read it
+            cupy.cuda.runtime.ipcCloseMemHandle(pointer)

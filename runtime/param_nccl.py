@@ -42,13 +42,8 @@ class CupyCommunicator:
         from cupy.cuda import nccl
 
         self.device = device
-        # CuPy hands ncclUniqueId out as C chars: signed on x86, unsigned on ARM.
-        signed = tuple(b - 256 if b > 127 else b for b in info.unique_id)
         with cupy.cuda.Device(device.index):
-            try:
-                self._comm = nccl.NcclCommunicator(info.world_size, signed, rank)
-            except OverflowError:
-                self._comm = nccl.NcclCommunicator(info.world_size, tuple(info.unique_id), rank)
+            self._comm = _init_rank(nccl, info, rank)
         self._uint8 = nccl.NCCL_UINT8
 
     def broadcast(self, bucket: torch.Tensor) -> None:
@@ -62,6 +57,23 @@ class CupyCommunicator:
 
     def close(self) -> None:
         self._comm.destroy()
+
+    def abort(self) -> None:
+        """ncclCommAbort: ends a broadcast stuck inside this communicator (its kernel stops
+        spinning, its caller returns with an error) and frees the communicator."""
+        self._comm.abort()
+
+
+def _init_rank(nccl, info: NcclInfo, rank: int):
+    """ncclCommInitRank through CuPy, which takes the unique id as bytes (CuPy 13 and
+    later) or, before, as a tuple of C chars (signed on x86, unsigned on ARM)."""
+    forms = (bytes(info.unique_id), tuple(b - 256 if b > 127 else b for b in info.unique_id), tuple(info.unique_id))
+    for form in forms[:-1]:
+        try:
+            return nccl.NcclCommunicator(info.world_size, form, rank)
+        except (TypeError, OverflowError):  # refused before any NCCL call: the argument's type
+            continue
+    return nccl.NcclCommunicator(info.world_size, forms[-1], rank)
 
 
 class _Member:
@@ -109,6 +121,17 @@ class Communicators:
         # A failed one is left alone: its peers may still be blocked in it, and closing
         # it from here could block too. Its device memory is lost until the process ends.
 
+    def abort(self, agent: str, member: _Member) -> None:
+        """Ends a broadcast stuck in `member` (called from another thread than the one
+        inside it): the communicator is aborted and never used again."""
+        with self._lock:
+            if self._by_agent.get(agent) is member:
+                del self._by_agent[agent]
+        try:
+            member.comm.abort()
+        except Exception as exc:  # an abort that fails leaves only a leak behind
+            log.warning("could not abort NCCL communicator %s: %r", member.info.group or "(one-shot)", exc)
+
     def groups(self) -> dict[str, tuple[str, int]]:
         """agent -> (group name, rank) of every communicator held."""
         with self._lock:
@@ -139,6 +162,10 @@ def _close(member: _Member) -> None:
 def broadcast(comms: Communicators, handle: ParamHandle, rank: int, bucket: torch.Tensor) -> None:
     """Joins the handle's group at `rank` (if not a member yet) and broadcasts `bucket`."""
     member = comms.member(handle.agent, handle.nccl, rank, bucket.device)
+    _broadcast(comms, handle, member, bucket)
+
+
+def _broadcast(comms: Communicators, handle: ParamHandle, member: _Member, bucket: torch.Tensor) -> None:
     ok = False
     try:
         with member.lock:
@@ -148,34 +175,50 @@ def broadcast(comms: Communicators, handle: ParamHandle, rank: int, bucket: torc
         comms.done(handle.agent, member, ok)
 
 
-def receive(comms: Communicators, handle: ParamHandle, rank: int | None, device: str,
-            timeout_s: float) -> torch.Tensor:
-    """The handle's bucket (uint8, total_bytes long) on a GPU, not yet verified."""
+def receive(comms: Communicators, handle: ParamHandle, rank: int | None, device: torch.device,
+            timeout_s: float, setup_timeout_s: float) -> torch.Tensor:
+    """The handle's bucket (uint8, total_bytes long) on `device`, not yet verified.
+
+    Two waits: for the group to form (every rank joined: in async mode instances drain at
+    different times, so the first may wait long for the last) up to `setup_timeout_s`,
+    then for the broadcast itself up to `timeout_s`. The bucket is allocated only once
+    the group has formed, so a receive that never starts holds no GPU memory; one that
+    times out in the broadcast aborts its communicator, which stops the kernel and frees
+    the bucket."""
     world = handle.nccl.world_size
     if rank is None or not 1 <= rank < world:
         raise ValueError(f"nccl receive needs rank= in 1..{world - 1} (the publisher is rank 0), got {rank}")
-    target = torch.device(device if device.startswith("cuda") else "cuda")
-    if target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
-    bucket = torch.empty(max(handle.total_bytes, ALIGN), dtype=torch.uint8, device=target)
-    done, errors = threading.Event(), []
+    joined, done, state = threading.Event(), threading.Event(), {}
 
-    def join_broadcast() -> None:
+    def join_and_receive() -> None:
         try:
-            broadcast(comms, handle, rank, bucket)
+            member = comms.member(handle.agent, handle.nccl, rank, device)
+            state["member"] = member
+            joined.set()
+            bucket = torch.empty(max(handle.total_bytes, ALIGN), dtype=torch.uint8, device=device)
+            _broadcast(comms, handle, member, bucket)
+            state["bucket"] = bucket
         except BaseException as exc:  # reported below
-            errors.append(exc)
+            state["error"] = exc
         finally:
+            joined.set()
             done.set()
 
-    threading.Thread(target=join_broadcast, name=f"nccl-recv-{handle.key}", daemon=True).start()
-    # CuPy cannot cancel ncclCommInitRank: on timeout the thread stays blocked until its peers appear.
+    threading.Thread(target=join_and_receive, name=f"nccl-recv-{handle.key}", daemon=True).start()
+    # CuPy cannot cancel ncclCommInitRank: on a set-up timeout the thread stays blocked
+    # until its peers appear (it holds no bucket).
+    if not joined.wait(setup_timeout_s):
+        raise ParamTransferError(f"{describe(handle)}: the NCCL group did not form within {setup_timeout_s:.0f} s "
+                                 f"(rank {rank} of {world}); the publisher or another receiver never joined")
     if not done.wait(timeout_s):
+        comms.abort(handle.agent, state["member"])
+        done.wait(timeout_s)  # the aborted broadcast returns, and its bucket goes with it
         raise ParamTransferError(f"{describe(handle)}: the NCCL broadcast did not complete within {timeout_s:.0f} s "
-                                 f"(rank {rank} of {world}); the publisher or another receiver is missing")
-    if errors:
-        raise ParamTransferError(f"{describe(handle)}: NCCL broadcast failed: {errors[0]!r}") from errors[0]
-    return bucket[: handle.total_bytes]
+                                 f"of the group forming (rank {rank} of {world}); its communicator was aborted")
+    if "error" in state:
+        error = state["error"]
+        raise ParamTransferError(f"{describe(handle)}: NCCL broadcast failed: {error!r}") from error
+    return state["bucket"][: handle.total_bytes]
 
 
 def new_unique_id() -> bytes:
@@ -189,20 +232,26 @@ class Broadcast:
     own, so publish() returns while the receivers are still being told to join."""
 
     def __init__(self, comms: Communicators, handle: ParamHandle, bucket: torch.Tensor):
-        self.bucket, self.error = bucket, None
-        self._thread = threading.Thread(target=self._run, args=(comms, handle), name=f"nccl-send-{handle.key}",
-                                        daemon=True)
+        self.bucket, self.error, self._comms, self._handle = bucket, None, comms, handle
+        self._member: _Member | None = None
+        self._thread = threading.Thread(target=self._run, name=f"nccl-send-{handle.key}", daemon=True)
         self._thread.start()
 
-    def _run(self, comms: Communicators, handle: ParamHandle) -> None:
+    def _run(self) -> None:
         try:
-            broadcast(comms, handle, 0, self.bucket)
+            self._member = self._comms.member(self._handle.agent, self._handle.nccl, 0, self.bucket.device)
+            _broadcast(self._comms, self._handle, self._member, self.bucket)
         except BaseException as exc:
             self.error = exc
-            log.error("%s: NCCL broadcast from rank 0 failed: %r", describe(handle), exc)
+            log.error("%s: NCCL broadcast from rank 0 failed: %r", describe(self._handle), exc)
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        if not self._thread.is_alive():
+            return
+        if self._member is not None:  # stuck in the broadcast: a receiver is gone
+            self._comms.abort(self._handle.agent, self._member)
+            self._thread.join(timeout_s)
+        else:
             log.warning("released an nccl publication whose receivers never all joined; its sender "
                         "thread stays blocked in ncclCommInitRank (CuPy cannot cancel it)")

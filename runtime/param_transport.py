@@ -69,9 +69,10 @@ class Transport:
         alive until `release`."""
         raise NotImplementedError
 
-    def receive(self, handle: ParamHandle, *, verify: bool, rank: int | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """The tensors (views), and the host buffer from `self.host` behind them if any:
-        the channel keeps that until the receiver releases the handle."""
+    def receive(self, handle: ParamHandle, *, verify: bool, rank: int | None) -> tuple[dict[str, torch.Tensor], object]:
+        """The tensors (views), and what holds the memory behind them if anything must (a
+        host buffer from `self.host`, a mapping): the channel keeps that until the
+        receiver releases the handle, then passes it to `release_received`."""
         raise NotImplementedError
 
     def receive_into(self, handle: ParamHandle, dst: Mapping[str, torch.Tensor], *, verify: bool, atomic: bool,
@@ -86,10 +87,15 @@ class Transport:
         finally:
             del received
             if staging is not None:
-                self.host.give(staging)
+                self.release_received(staging)
 
     def release(self, handle: ParamHandle, resource: object) -> None:
         """End a publication of this channel's; what `publish` returned comes back."""
+
+    def release_received(self, resource: object) -> None:
+        """A receiver is done with the views `receive` gave it; what it returned comes back.
+        By default that is a host buffer, kept for reuse."""
+        self.host.give(resource)
 
     def close(self) -> None:
         """Stop whatever this transport runs; publications are released before."""

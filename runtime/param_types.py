@@ -18,7 +18,7 @@ import msgspec
 
 __all__ = [
     "CudaIpcInfo", "Location", "NcclInfo", "ParamChannelConfig", "ParamHandle", "ParamTransferError",
-    "TensorSpec", "choose_transport", "describe",
+    "TensorSpec", "choose_transport", "describe", "host_device",
 ]
 
 
@@ -50,17 +50,11 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 class CudaIpcInfo(msgspec.Struct, frozen=True, array_like=True):
-    """torch's CUDA IPC description of a bucket (UntypedStorage._share_cuda_), pickle-free."""
+    """A bucket in GPU memory of its own (cudaMalloc), as cudaIpcGetMemHandle describes it."""
 
-    device: int
-    handle: bytes
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
-    tensor_offset: int
+    device: int  # the publisher's device index; receivers open it on the same GPU
+    handle: bytes  # cudaIpcMemHandle_t (64 bytes)
+    size: int  # bytes allocated (at least the bucket's total_bytes)
 
 
 class NcclInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -104,11 +98,26 @@ class ParamChannelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tcp_chunk_bytes: int = 1 << 20  # measured: 1-2 MiB chunks stay in cache on loopback, 4+ do not
     tcp_window: int = 4  # chunks in flight per receiver: bounds queues on both ends
     timeout_s: float = 30.0  # a transfer with no progress for this long has failed
+    # nccl: how long a receiver waits for its group to form (every rank joined) before the
+    # broadcast's own timeout_s starts. In async mode an agent's instances finish their
+    # work, and join, at different times; the first may wait for the last.
+    nccl_setup_timeout_s: float = 600.0
     spare_buffers: int = 2  # released buffers kept for reuse, per kind; 0 frees at once
     cached_maps: int = 4  # shm segments a receiver keeps mapped between receives
     # A SharedBucket at least this large is checksummed on a thread while receivers read;
     # a smaller one in publish() (about 0.5 ms at the default, here).
     defer_checksum_bytes: int = 16 << 20
+
+
+def host_device(device: str, pinned: list[str]) -> str:
+    """A process's torch device named as its host names it: with CUDA_VISIBLE_DEVICES
+    entries `pinned`, the process's cuda:i is the host's GPU pinned[i] (an index, or a
+    UUID such as GPU-5b3c...). Unpinned processes number GPUs as the host does."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not pinned:
+        return device
+    i = int(index or 0)
+    return f"cuda:{pinned[i].strip()}" if i < len(pinned) else device
 
 
 def choose_transport(src: Location, dst: Location) -> str:

@@ -172,6 +172,9 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     dtype: ModelDtype = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU vLLM may claim; CPU: unused
     tensor_parallel_size: int = 1  # CUDA: GPUs one engine spans; CPU: must be 1
+    # CUDA: rollout engines the controller has placed on this engine's GPU (workers that
+    # were not pinned to GPUs of their own share one); they split the share between them.
+    engines_on_gpu: int = 1
 
 
 class TrainerSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -290,10 +293,15 @@ class WeightsLoaded(Message):
 #   token_mean  sum over the sample's tokens; the step divides by the global batch's tokens
 #   constant    sum over the sample's tokens / `constant`; the step divides by the samples
 LossAggregation = Literal["seq_mean", "token_mean", "constant"]
-# How a token sampled by an older policy is weighted (only when max_staleness > 0):
-#   tis       truncated importance sampling, weight min(ratio, clip_ratio), detached
-#   ppo_clip  PPO's clipped surrogate with the ratio clipped to [2 - clip_ratio, clip_ratio]
-OffPolicyCorrection = Literal["tis", "ppo_clip"]
+# How a token sampled by an older policy is weighted (only when max_staleness > 0), with
+# r = pi / mu the trainer's over the sampler's probability (workers/loss.py holds the table):
+#   tis       truncated importance sampling: weight min(r, clip_ratio), detached
+#   ppo_clip  PPO's surrogate, r clipped to [1 - clip_eps, 1 + clip_eps] (dual-clip optional)
+#   token_mis masked importance sampling per token: weight r, detached, 0 outside [is_low, is_high]
+#   seq_mis   the same with the sample's whole ratio prod r_t, so a sample is kept or masked whole
+#   gspo      GSPO: PPO's surrogate on the sample's length-normalised ratio (prod r_t)^(1/|y|)
+#   cispo     CISPO: weight clip(r, 0, 1 + cispo_eps_high), detached, on every token's logp
+OffPolicyCorrection = Literal["tis", "ppo_clip", "token_mis", "seq_mis", "gspo", "cispo"]
 
 
 class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -306,6 +314,14 @@ class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, f
     # KL penalty against the agent's initial weights (the model at its model_path);
     # 0 builds no reference model at all.
     kl_coef: float = 0.0
+    # The corrections' constants (each used by the corrections named):
+    clip_eps: float = 0.2  # ppo_clip: r clipped to [1 - clip_eps, 1 + clip_eps]
+    dual_clip: float = 0.0  # ppo_clip: > 1 bounds a negative advantage's term at dual_clip * |A|; 0 off
+    is_low: float = 0.5  # token_mis, seq_mis: ratios outside [is_low, is_high] are masked
+    is_high: float = 2.0
+    gspo_eps_low: float = 3e-4  # gspo: the sequence ratio clipped to [1 - low, 1 + high]
+    gspo_eps_high: float = 4e-4
+    cispo_eps_high: float = 2.0  # cispo: the detached weight clipped to [0, 1 + cispo_eps_high]
 
 
 class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -322,10 +338,14 @@ class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # by the k3 estimator mean(exp(d) - 1 - d) (non-negative, unbiased under the sampler).
     logprob_abs_diff: float = 0.0
     rollout_kl: float = 0.0
-    clip_frac: float = 0.0  # tokens whose importance weight the off-policy correction clipped
+    clip_frac: float = 0.0  # tokens whose importance weight the off-policy correction clipped or masked
     ref_kl: float = 0.0  # KL(policy || reference) by k3; 0 without a KL penalty
     samples: int = 0
     tokens: int = 0
+    # The gradient was not finite (an overflow, say): the step was skipped, the weights
+    # and optimizer state are as before it and the gradients are dropped; the version
+    # still advances (versions count global batches), its weights those of the last.
+    skipped: bool = False
 
 
 class InitAgent(Message):
@@ -349,6 +369,16 @@ class AgentReady(Message):
     num_params: int
 
 
+class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """The distribution a later turn of a conversation was sampled from, from output id
+    `start` on (its first generated id) until the next turn's start."""
+
+    start: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
 class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One sample in a micro-batch. `rollout_logprobs` are the sampler's, per output token."""
 
@@ -358,12 +388,17 @@ class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     advantage: float
     rollout_logprobs: list[float]
     versions: list[int]  # policy version of every turn that produced the sample
-    # The temperature it was sampled at: the trainer scores tokens under logits /
-    # temperature, the distribution the sampler's logprobs are of (0, greedy: unscaled).
+    # The distribution its (first) turn was sampled from, which the sampler's logprobs are
+    # of and the trainer scores under: logits / temperature (0, greedy: unscaled), cut to
+    # the top_k largest (0: no cut), then to the smallest set of probability >= top_p,
+    # renormalised (workers/sampling.py).
     temperature: float = 1.0
     # Per output id: 1 where the agent generated it (trained), 0 where it was appended
     # between turns of a conversation (other agents' messages, tool results). Empty: all 1.
     loss_mask: list[int] = []
+    top_p: float = 1.0
+    top_k: int = 0
+    turns: list[TurnSampling] = []  # a conversation's later turns, each with its own settings
 
 
 class TrainMicroBatch(Message):

@@ -45,6 +45,10 @@ SEND_HWM = 1000
 # Frames in one message: kind, body and up to this many buffers. Control messages carry
 # a few buffers at most (parameters use the parameter channel).
 MAX_BUFFERS = 256
+# Flags as plain ints: pyzmq's flag enums cost a Python-level enum operation per frame.
+_DONTWAIT = int(zmq.DONTWAIT)
+_SNDMORE = int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
 
 
 @dataclass
@@ -105,6 +109,9 @@ class _Socket:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_message_bytes)
         self.sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        # The same libzmq socket without the asyncio layer, for sends and receives that
+        # cannot wait (see RouterSocket).
+        self._plain = zmq.Socket.shadow(self.sock.underlying)
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
         if len(frames) > 2 + MAX_BUFFERS:
@@ -164,17 +171,31 @@ class RouterSocket(_Socket):
         self.sock.curve_server = True
 
     async def recv(self) -> Inbound:
-        frames = await self.sock.recv_multipart(copy=False)
+        """The next message. One already queued is taken at once from the plain socket
+        (no future, no callback); only an empty queue waits through pyzmq's asyncio socket."""
+        try:
+            frames = self._plain.recv_multipart(_DONTWAIT, copy=False)
+        except zmq.Again:
+            frames = await self.sock.recv_multipart(copy=False)
         identity = frames[0].bytes
         return self._check(identity, frames[1:])
 
     async def send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         """Queues `msg` for one peer without waiting: raises zmq.Again when that peer's
         queue is full (it is not reading) and EHOSTUNREACH when it is not connected.
-        Every send is DONTWAIT so pyzmq never parks one, which would hold back the sends
-        to every other peer behind it."""
-        await self.sock.send_multipart([identity, *protocol.encode(msg, buffers)],
-                                       flags=zmq.DONTWAIT, copy=False)
+        Every send is DONTWAIT so none is ever parked, which would hold back the sends
+        to every other peer behind it; so it goes straight to the plain socket, frame by
+        frame as send_multipart would (the first frame is the one libzmq may refuse)."""
+        send = self._plain.send
+        send(identity, _DONTWAIT | _SNDMORE)
+        frames = protocol.encode(msg, buffers)
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
+        # A send on the plain socket can consume the edge of the descriptor that wakes a
+        # receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
+        # re-arms it (what pyzmq itself does after sending without a future).
+        self.sock.get(_EVENTS)
 
     def close(self) -> None:
         if self.authenticator is not None:

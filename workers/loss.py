@@ -1,8 +1,8 @@
 """The policy-gradient loss of one micro-batch, and the sums an optimizer step reports.
 
 `policy_loss` scores a micro-batch's output tokens under the distribution they were
-sampled from (logits / temperature), builds one loss term per token and reduces them to a
-sum over samples, so that micro-batch gradients add up to the global batch's and the
+sampled from (each turn's temperature, top_k and top_p; sampling.py), builds one loss
+term per token and reduces them to a sum over samples, so that micro-batch gradients add up to the global batch's and the
 optimizer step divides once (`StepSums.denominator`). The options are tables keyed by the
 names in `protocol.LossOptions`: AGGREGATIONS (tokens -> one number per sample, and what
 the step divides by) and OFF_POLICY (how a token sampled by an older policy is weighted).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ import torch
 
 from flexmarl.runtime import protocol
 
+from .sampling import entropy, sampler_log_probs, turn_settings
 from .scoring import output_logits, padded
 
 
@@ -46,35 +48,111 @@ AGGREGATIONS: dict[str, Aggregation] = {
 }
 
 
-def truncated_importance_sampling(logp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
-                                  clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-A * min(ratio, clip_ratio) * logp with the weight detached: the policy gradient
+@dataclass(frozen=True)
+class Tokens:
+    """A micro-batch's output tokens, [n, W] each, as the corrections see them."""
+
+    logp: torch.Tensor  # the trained policy's logprobs (with gradient)
+    rollout_lp: torch.Tensor  # the sampler's
+    adv: torch.Tensor  # [n, 1]
+    mask: torch.Tensor  # 1 where a token is trained
+
+    def ratio(self) -> torch.Tensor:
+        """pi / mu per token, detached."""
+        return torch.exp(self.logp.detach() - self.rollout_lp)
+
+    def sequence_log_ratio(self) -> torch.Tensor:
+        """log prod_t pi / mu over each sample's trained tokens, [n, 1], with gradient."""
+        return ((self.logp - self.rollout_lp) * self.mask).sum(-1, keepdim=True)
+
+
+# Each rule: (tokens, options, tis_cap) -> (loss term per token, [n, W]; whether the
+# correction clipped or masked that token, [n, W] bool).
+OffPolicyRule = Callable[[Tokens, protocol.LossOptions, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def on_policy(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact GRPO gradient -A * logp: every token was sampled by the weights being trained."""
+    return -t.adv * t.logp, torch.zeros_like(t.logp, dtype=torch.bool)
+
+
+def truncated_importance_sampling(t: Tokens, opt: protocol.LossOptions,
+                                  tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+    RL training"): -A * min(r, cap) * logp, the weight detached; the policy gradient
     reweighted towards the trained policy, the weight's variance bounded by the cap."""
-    ratio = torch.exp(logp.detach() - rollout_lp)
-    return -adv * ratio.clamp(max=clip_ratio) * logp, ratio > clip_ratio
+    r = t.ratio()
+    return -t.adv * r.clamp(max=tis_cap) * t.logp, r > tis_cap
 
 
-def ppo_clip(logp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
-             clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's pessimistic surrogate -min(r A, clip(r, 2 - c, c) A) against the sampler's
-    logprobs, so clip_ratio 1.2 is the usual epsilon 0.2. A token is clipped where the
-    clipped branch wins: its gradient is zero."""
-    if clip_ratio <= 1.0:
-        raise ValueError(f"ppo_clip needs clip_ratio > 1 (it clips the ratio to "
-                         f"[2 - clip_ratio, clip_ratio]), got {clip_ratio}")
-    ratio = torch.exp(logp - rollout_lp)
-    plain, clipped = ratio * adv, ratio.clamp(2.0 - clip_ratio, clip_ratio) * adv
-    return -torch.minimum(plain, clipped), clipped < plain
+def _pessimistic(r: torch.Tensor, adv: torch.Tensor, low: float, high: float,
+                 dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(r A, clip(r, low, high) A), and with dual_clip c > 1 a negative advantage's
+    objective bounded below at c A (Ye et al. 2020, dual-clip PPO); flags the tokens whose
+    gradient a clip removed."""
+    plain, clipped = r * adv, r.clamp(low, high) * adv
+    objective = torch.minimum(plain, clipped)
+    flagged = clipped < plain
+    if dual_clip > 1.0:
+        floor = dual_clip * adv
+        dual = (adv < 0) & (floor > objective)
+        objective = torch.where(dual, floor, objective)
+        flagged = flagged | dual
+    return -objective, flagged
 
 
-def on_policy(logp: torch.Tensor, rollout_lp: torch.Tensor, adv: torch.Tensor,
-              clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact GRPO gradient: every token was sampled by the weights being trained."""
-    return -adv * logp, torch.zeros_like(logp, dtype=torch.bool)
+def ppo_clip(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO (Schulman et al. 2017): -min(r A, clip(r, 1 - eps, 1 + eps) A) against the
+    sampler's logprobs, eps = clip_eps; dual-clip with dual_clip > 1."""
+    r = torch.exp(t.logp - t.rollout_lp)
+    return _pessimistic(r, t.adv, 1.0 - opt.clip_eps, 1.0 + opt.clip_eps, opt.dual_clip)
 
 
-OffPolicyRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-OFF_POLICY: dict[str, OffPolicyRule] = {"tis": truncated_importance_sampling, "ppo_clip": ppo_clip}
+def token_masked_is(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level MIS (Liu et al. 2025, "When speed kills stability: demystifying RL
+    collapse from the training-inference mismatch"): -A * r * logp, the weight detached,
+    and a token whose ratio leaves [is_low, is_high] masked (weight 0) instead of truncated."""
+    r = t.ratio()
+    outside = (r < opt.is_low) | (r > opt.is_high)
+    return -t.adv * r.masked_fill(outside, 0.0) * t.logp, outside
+
+
+def sequence_masked_is(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-level MIS (Liu et al. 2025): the weight is the sample's whole ratio
+    R = prod_t r_t, detached, and a sample with R outside [is_low, is_high] is masked whole."""
+    big = torch.finfo(torch.float32).max
+    log_r = t.sequence_log_ratio().detach()
+    r = torch.exp(log_r.clamp(max=math.log(big)))
+    outside = (log_r < math.log(opt.is_low)) | (log_r > math.log(opt.is_high))
+    weight = r.masked_fill(outside, 0.0)
+    return -t.adv * weight * t.logp, outside.expand_as(t.logp)
+
+
+def gspo(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025, "Group sequence policy optimization"): PPO's surrogate on
+    the length-normalised sequence ratio s = (prod_t r_t)^(1/|y|), clipped to
+    [1 - gspo_eps_low, 1 + gspo_eps_high]. Written per token as GSPO-token,
+    s_t = sg(s) * pi_t / sg(pi_t): its value is s, its gradient s * grad logp_t, so a
+    sample's mean over its tokens (seq_mean) is exactly GSPO's gradient."""
+    length = t.mask.sum(-1, keepdim=True).clamp(min=1.0)
+    log_s = t.sequence_log_ratio().detach() / length
+    s_t = torch.exp(log_s + t.logp - t.logp.detach())
+    return _pessimistic(s_t, t.adv, 1.0 - opt.gspo_eps_low, 1.0 + opt.gspo_eps_high)
+
+
+def cispo(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax 2025, "MiniMax-M1"): -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp,
+    every token keeping its gradient; no lower bound (as MiniMax-M1 ran it), the upper
+    1 + cispo_eps_high."""
+    r = t.ratio()
+    high = 1.0 + opt.cispo_eps_high
+    return -t.adv * r.clamp(max=high) * t.logp, r > high
+
+
+OFF_POLICY: dict[str, OffPolicyRule] = {
+    "tis": truncated_importance_sampling, "ppo_clip": ppo_clip, "token_mis": token_masked_is,
+    "seq_mis": sequence_masked_is, "gspo": gspo, "cispo": cispo,
+}
 
 
 # ---------------------------------------------------------------- what a step reports
@@ -110,7 +188,7 @@ class StepSums:
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> StepSums:
         return cls(**{name: float(t) for name, t in tensors.items()})
 
-    def stats(self, grad_norm: float) -> protocol.StepStats:
+    def stats(self, grad_norm: float, skipped: bool = False) -> protocol.StepStats:
         def per_token(x: float, n: float) -> float:
             return x / n if n else 0.0
 
@@ -121,7 +199,7 @@ class StepSums:
             logprob_abs_diff=per_token(self.abs_diff, self.compared),
             rollout_kl=per_token(self.rollout_kl, self.compared),
             clip_frac=per_token(self.clipped, self.tokens), ref_kl=per_token(self.ref_kl, self.tokens),
-            samples=int(self.samples), tokens=int(self.tokens))
+            samples=int(self.samples), tokens=int(self.tokens), skipped=skipped)
 
 
 STEP_SUM_FIELDS = frozenset(f.name for f in dataclasses.fields(StepSums))
@@ -166,18 +244,19 @@ def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: proto
     rollout_lp = padded([s.rollout_logprobs or [0.0] * len(s.output_ids) for s in samples], width, 0.0,
                         torch.float32)
     compared = out_mask * torch.tensor([[1.0 if s.rollout_logprobs else 0.0] for s in samples])
-    # The sampler's logprobs are of logits / temperature; greedy (0) is scored unscaled.
-    temperature = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in samples]).view(n, 1, 1)
-    log_probs = torch.log_softmax(logits.float() / temperature, -1)
+    # Each token under the distribution its turn was sampled from (temperature, top_k,
+    # top_p), the one the sampler's logprobs are of.
+    settings = turn_settings(samples, width)
+    log_probs = sampler_log_probs(logits, targets, *settings)
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
-    terms, clipped = rule(logp, rollout_lp, adv, clip_ratio)
+    terms, clipped = rule(Tokens(logp, rollout_lp, adv, out_mask), options, clip_ratio)
     terms = terms * out_mask
     ref_kl = torch.zeros_like(logp)
     if options.kl_coef > 0:
         with torch.no_grad():
-            ref_logits = output_logits(reference, samples)[0].float() / temperature
-            ref_lp = torch.log_softmax(ref_logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            ref_logits = output_logits(reference, samples)[0]
+            ref_lp = sampler_log_probs(ref_logits, targets, *settings).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         ref_kl = k3(ref_lp - logp) * out_mask  # gradient flows through logp
         terms = terms + options.kl_coef * ref_kl
     loss = aggregation.reduce(terms, out_mask, options).sum()
@@ -186,7 +265,7 @@ def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: proto
         tokens = int(out_mask.sum().item())
         sums = StepSums(
             samples=n, tokens=tokens, denominator=aggregation.denominator(n, tokens), loss=float(loss),
-            entropy=float((-(log_probs.exp() * log_probs).sum(-1) * out_mask).sum()),
+            entropy=float((entropy(log_probs) * out_mask).sum()),
             length_max=int(out_mask.sum(-1).max().item()),
             compared=float(compared.sum()), abs_diff=float(d.abs().sum()),
             rollout_kl=float((k3(d) * compared).sum()), clipped=float((clipped.float() * out_mask).sum()),

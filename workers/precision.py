@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from flexmarl.runtime.config import PURE_FLOAT16_WHY
 from flexmarl.runtime.protocol import EngineSettings, TrainerSettings
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -34,17 +35,28 @@ AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}  # by device type
 CPU_MAX_MODEL_LEN = 64
 
 
+def cuda_device_count() -> int:
+    """The GPUs this process sees, counted without initialising CUDA in it.
+
+    torch.cuda.device_count() asks NVML (falling back to the CUDA runtime only where NVML
+    is missing); torch.cuda.is_available() asks the CUDA runtime, which initialises the
+    driver in this process, and a process that has done so cannot fork children that use
+    CUDA: vLLM forks its tensor-parallel workers after the worker process has started."""
+    return torch.cuda.device_count()
+
+
 def worker_device() -> str:
     """This process's compute device: its first visible GPU, or the CPU."""
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if cuda_device_count() > 0 else "cpu"
 
 
 def visible_devices() -> tuple[list[str], list[str]]:
     """What a worker reports in HELLO: the torch devices it can compute on, and the GPUs it
     was pinned to (its CUDA_VISIBLE_DEVICES entries; empty when it was not pinned)."""
-    pinned = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    if torch.cuda.is_available():
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())], pinned
+    pinned = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    count = cuda_device_count()
+    if count > 0:
+        return [f"cuda:{i}" for i in range(count)], pinned
     return ["cpu"], pinned
 
 
@@ -61,7 +73,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
 # ---------------------------------------------------------------- rollout engines
 
 
-def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
+def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
+                     receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
     if settings.tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {settings.tensor_parallel_size} needs CUDA GPUs; "
                          "this worker has none (set it to 1 for CPU rollout workers)")
@@ -81,31 +94,81 @@ def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_byte
     )
 
 
-def _cuda_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
+# The least share of its GPU an engine is started with: below it the weights and a useful
+# KV cache of any model worth serving on a GPU do not fit.
+MIN_ENGINE_SHARE = 0.05
+
+
+def engine_memory_share(requested: float, engines_on_gpu: int, receive_bytes: int, gpu_bytes: int) -> float:
+    """The share of its GPU one engine asks vLLM for. The agent's share (what the config
+    asks of a GPU) is split between the engines placed on that GPU, and each leaves room
+    for a weight receive beside it: an NCCL broadcast lands in a bucket of the model's
+    bytes on the engine's GPU, which vLLM, holding its share, would not leave free."""
+    if engines_on_gpu < 1:
+        raise ValueError(f"engines_on_gpu must be >= 1, got {engines_on_gpu}")
+    share = requested / engines_on_gpu - (receive_bytes / gpu_bytes if gpu_bytes > 0 else 0.0)
+    if share < MIN_ENGINE_SHARE:
+        raise ValueError(
+            f"a rollout engine would get {share:.3f} of its GPU: gpu_memory_utilization {requested} split between "
+            f"{engines_on_gpu} engines on one GPU, less {receive_bytes / 2**30:.2f} GiB for receiving the weights "
+            f"(of {gpu_bytes / 2**30:.1f} GiB); pin rollout workers to GPUs of their own (cluster.rollout_gpus), "
+            "run fewer on each GPU, or raise gpu_memory_utilization")
+    return share
+
+
+def _cuda_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
+                      receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
     tp = settings.tensor_parallel_size
+    share = engine_memory_share(settings.gpu_memory_utilization, settings.engines_on_gpu, receive_bytes, gpu_bytes)
     return dict(
         dtype=resolve_dtype(settings.dtype, "cuda"),
         max_model_len=max_model_len or None,  # None: the model's own context length
         # The KV cache takes what the share leaves after the weights: vLLM sizes it.
-        gpu_memory_utilization=settings.gpu_memory_utilization,
+        gpu_memory_utilization=share,
         tensor_parallel_size=tp,
         # One GPU: the engine in this process; several: vLLM starts one process per GPU.
         distributed_executor_backend="uni" if tp == 1 else "mp",
     )
 
 
-ENGINE_ARGS: dict[str, Callable[[EngineSettings, int, int], dict[str, Any]]] = {
+ENGINE_ARGS: dict[str, Callable[..., dict[str, Any]]] = {
     "cpu": _cpu_engine_args,
     "cuda": _cuda_engine_args,
 }
 
 
-def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
-    """The device-dependent arguments of `vllm.LLM` for an engine on `device`."""
+def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
+                receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
+    """The device-dependent arguments of `vllm.LLM` for an engine on `device`; on CUDA,
+    `receive_bytes` (a weight receive's bucket) of the GPU's `gpu_bytes` are left free."""
     kind = torch.device(device).type
     if kind not in ENGINE_ARGS:
         raise ValueError(f"no rollout engine settings for device {device!r} (known: {', '.join(ENGINE_ARGS)})")
-    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes)
+    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes)
+
+
+def gpu_total_bytes(index: int = 0) -> int:
+    """The memory of this process's GPU `index`, asked of NVML (as the host numbers GPUs,
+    hence through CUDA_VISIBLE_DEVICES), so that CUDA is not initialised; 0 if NVML cannot
+    say (then no room is set aside)."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    from flexmarl.runtime.param_types import host_device
+
+    pinned = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    name = host_device(f"cuda:{index}", pinned).partition(":")[2]
+    try:
+        pynvml.nvmlInit()
+        try:
+            handle = (pynvml.nvmlDeviceGetHandleByUUID(name) if name.startswith(("GPU-", "MIG-"))
+                      else pynvml.nvmlDeviceGetHandleByIndex(int(name)))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML here: the share is used as given
+        return 0
 
 
 # ---------------------------------------------------------------- trainers
@@ -123,6 +186,8 @@ class TrainPlacement:
         device = device or worker_device()
         compute = DTYPES[resolve_dtype(settings.dtype, device)]
         stored = torch.float32 if settings.precision == "mixed" else compute
+        if stored == torch.float16:
+            raise ValueError(f"pure float16 training is refused: {PURE_FLOAT16_WHY}")
         return cls(torch.device(device), compute, stored, settings.activation_checkpointing)
 
     @property

@@ -297,17 +297,25 @@ class TrainerHandler(CommandHandler):
         if state.bucket is not None and state.bucket.prepare_write():
             _point_parameters_at(state.model, state.bucket.tensors)  # the published copy stays frozen
         sums = state.sums
+        skipped = False
         if sums.denominator > 0:  # 0: the global batch had no samples; the version still advances
             for p in state.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(1 / sums.denominator)
             norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.max_grad_norm)
-            state.optimizer.step()
+            # A non-finite gradient (one overflow is enough) would make every weight NaN:
+            # the step is skipped instead, the weights and optimizer state left as they are.
+            skipped = not bool(torch.isfinite(norm))
+            if skipped:
+                log.warning("%s: the gradient of the step to version %d is not finite (norm %s); step skipped, "
+                            "weights unchanged", state.name, msg.version, float(norm))
+            else:
+                state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         state.version = msg.version
         state.sums = StepSums()
         return protocol.StepDone(msg.request_id, state.name, state.version, float(norm),
-                                 time.perf_counter() - t0, sums.stats(float(norm)))
+                                 time.perf_counter() - t0, sums.stats(float(norm), skipped))
 
     def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
         t0 = time.perf_counter()
@@ -316,8 +324,13 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
         # The parameters (a tied head is sent once, as the embedding; receivers know the tie).
         source = {k: v.detach() for k, v in state.model.named_parameters()}
+        if state.placement.autocasts:
+            # Mixed precision: float32 master weights, but the model computes in the lower
+            # dtype and the engine serves in it. Publishing float32 would move twice the bytes
+            # an engine needs (and make it hold them while it loads).
+            source = {k: v.to(state.placement.compute_dtype) for k, v in source.items()}
         # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
-        if msg.transport == "shm" and state.placement.device.type == "cpu":
+        elif msg.transport == "shm" and state.placement.device.type == "cpu":
             if state.bucket is None:
                 # From now on the parameters live in shared memory and a publish copies nothing.
                 state.bucket = self.channel().shared_bucket(source)

@@ -188,3 +188,65 @@ def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_chec
     assert run.schedule.first_batch == 5 and run.schedule.synced["planner"] == 4
     run.metrics.close()
     run.tools.shutdown()
+
+
+def training_run(tmp_path, *overrides, resume=None):
+    """A TrainingRun over a 10-row dataset, not started (no workers): what a resume decides
+    before anything runs."""
+    import json
+    from types import SimpleNamespace
+
+    from flexmarl.controller.training import TrainingRun
+    from flexmarl.runtime.config import load_config
+
+    rows = tmp_path / "rows.jsonl"
+    if not rows.exists():
+        rows.write_text("".join(json.dumps({"q": i}) + "\n" for i in range(10)))
+    cfg = load_config(None, [f"data.train='{rows}'", "pipeline.queries_per_step=3", "agents.a.model=tiny:planner",
+                             "run.progress=false", *overrides])
+    server = SimpleNamespace(on_died=[], on_joined=[], registry=None)
+
+    async def flush():
+        pass
+
+    (tmp_path / "run").mkdir(exist_ok=True)
+    return TrainingRun(cfg, server, tmp_path / "run", emit=lambda e: None, flush_events=flush,
+                       worker_ids=lambda role: [], resume=resume)
+
+
+def test_a_resume_continues_the_dataset_at_the_next_row(tmp_path):
+    from flexmarl.controller.checkpoints import ResumePoint
+
+    first = training_run(tmp_path)
+    state = first._controller_state(2)  # the checkpoint of step 2: episodes 0-5 used
+    rows_of_batch_3 = [first.dataset.item(first.episodes.episode_number(3, i)) for i in range(3)]
+    resumed = training_run(tmp_path, resume=ResumePoint(tmp_path, 2, state))
+    assert [resumed.dataset.item(resumed.episodes.episode_number(3, i)) for i in range(3)] == rows_of_batch_3
+    assert resumed.dataset.position(resumed.episodes.episode_number(3, 0)).index == state["data"]["next_row"]
+    # With a batch size changed (and accepted), the data still goes on at the saved row, none skipped.
+    point = ResumePoint(tmp_path, 2, state, accept_changes=True)
+    bigger = training_run(tmp_path, "pipeline.queries_per_step=4", resume=point)
+    assert [bigger.episodes.episode_number(b, 0) for b in (3, 4)] == [6, 10]
+
+
+@pytest.mark.parametrize("override, named", [("run.seed=3", "run.seed was 0, now 3"),
+                                             ("pipeline.queries_per_step=4", "pipeline.queries_per_step was 3"),
+                                             ("data.shuffle=false", "data.shuffle was True, now False")])
+def test_a_resume_that_changes_a_setting_exactness_depends_on_is_refused_naming_it(tmp_path, override, named):
+    from flexmarl.controller.checkpoints import ResumePoint
+
+    state = training_run(tmp_path)._controller_state(2)
+    with pytest.raises(CheckpointError, match=named) as refused:
+        training_run(tmp_path, override, resume=ResumePoint(tmp_path, 2, state))
+    assert "--resume-anyway" in str(refused.value)
+    training_run(tmp_path, override, resume=ResumePoint(tmp_path, 2, state, accept_changes=True))  # as told
+    training_run(tmp_path, "run.steps=40", resume=ResumePoint(tmp_path, 2, state))  # --steps: always
+
+
+def test_a_resume_on_changed_rows_is_refused(tmp_path):
+    from flexmarl.controller.checkpoints import ResumePoint
+
+    state = training_run(tmp_path)._controller_state(2)
+    (tmp_path / "rows.jsonl").write_text("".join('{"q": %d}\n' % (i + 1) for i in range(10)))
+    with pytest.raises(CheckpointError, match=r"data.train \(its rows\) was"):
+        training_run(tmp_path, resume=ResumePoint(tmp_path, 2, state))

@@ -135,3 +135,18 @@ async def test_a_rewarded_sample_takes_no_further_turn(tokenizer_dir):
     ctx.reward(a, 1.0)
     with pytest.raises(ValueError, match="already rewarded"):
         await ctx.continue_chat(a, [{"role": "user", "content": "again"}])
+
+
+async def test_a_conversation_keeps_each_turns_own_sampling_settings(tokenizer_dir):
+    store = ExperienceStore(["solver"])
+    engine = ScriptedEngine([[12, 2], [13, 2], [14, 2]])
+    ctx = ctx_for(store, engine, tokenizer_dir)
+    first, _ = await ctx.chat("solver", [{"role": "user", "content": "what is two plus one"}], top_p=0.9)
+    await ctx.continue_chat(first, [{"role": "user", "content": "wrong try again"}], temperature=0.3, top_k=4)
+    sent = train_sample(first)
+    assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 0.9, 0)
+    (turn,) = sent.turns
+    assert (turn.temperature, turn.top_p, turn.top_k) == (0.3, 1.0, 4)
+    # the second turn's settings start at its first generated id, after the appended message
+    assert sent.loss_mask[turn.start] == 1 and sent.loss_mask[turn.start - 1] == 0
+    assert sent.output_ids[turn.start:] == [14, 2]

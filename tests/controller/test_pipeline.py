@@ -92,6 +92,9 @@ class FakeMetrics:
     def end_step(self, step, total):
         self.ended.append(step)
 
+    def make_durable(self):
+        self.durable = list(self.rows)
+
 
 class FakeCheckpoints:
     def __init__(self, every):
@@ -203,11 +206,12 @@ async def test_the_step_states_its_sample_count_and_the_trainers_signals_reach_t
     pipeline, store, schedule, trainer, weights, metrics, events = make("async")
     task = asyncio.ensure_future(pipeline.run())
     complete_group(store, "g0", n=3)
-    store.samples["g0/1"].temperature = 0.7
+    store.samples["g0/1"].sampling = [protocol.TurnSampling(0, 0.7, 0.9, 5)]
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
     assert trainer.step_samples == 3
-    assert {s.sample_id: s.temperature for s in trainer.sent_samples}["g0/1"] == 0.7
+    sent = {s.sample_id: (s.temperature, s.top_p, s.top_k) for s in trainer.sent_samples}
+    assert sent["g0/1"] == (0.7, 0.9, 5) and sent["g0/0"] == (1.0, 1.0, 0)
     assert all(s.loss_mask == [] for s in trainer.sent_samples)  # single-turn: every token trained
     assert (metrics.extra["loss"], metrics.extra["grad_norm"], metrics.extra["entropy"]) == (0.5, 1.5, 0.7)
 
@@ -217,11 +221,14 @@ def test_a_conversations_loss_mask_travels_with_it():
 
     store = ExperienceStore(["a"])
     (s, _) = store.open_group("a", "g", [1], 2, 1)
-    store.record_output(s.sample_id, [5, 6], [-0.1, -0.2], [0])
-    store.record_turn(s.sample_id, [7, 8], [9], [-0.3], 1)
+    store.record_output(s.sample_id, [5, 6], [-0.1, -0.2], [0], protocol.TurnSampling(0, 1.0, 0.8, 0))
+    store.record_turn(s.sample_id, [7, 8], [9], [-0.3], 1, protocol.TurnSampling(0, 0.3, 1.0, 4))
     sent = train_sample(s)
     assert sent.output_ids == [5, 6, 7, 8, 9] and sent.loss_mask == [1, 1, 0, 0, 1]
     assert sent.rollout_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3] and sent.versions == [0, 1]
+    # each turn keeps its own sampling settings; the second starts at its first generated id
+    assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 0.8, 0)
+    assert sent.turns == [protocol.TurnSampling(4, 0.3, 1.0, 4)]
 
 
 async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_sample_is_trained_once_more():
@@ -276,3 +283,53 @@ async def test_batches_since_the_last_saved_state_are_trained_again_in_the_same_
     assert after == [("train", ["b1g0/0", "b1g0/1"]), ("step", 1, 1 / 2),
                      ("train", ["b2g0/0", "b2g0/1"]), ("step", 2, 1 / 2)]
     assert weights.synced == [1, 2] and pipeline.samples_trained == 4
+
+
+async def test_steps_with_a_non_finite_gradient_are_logged_counted_and_end_the_run_after_too_many_in_a_row():
+    from flexmarl.runtime import events as ev
+
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", steps=4)
+    pipeline.cfg.max_skipped_steps = 2
+    skip_at = {2, 3}
+    plain_call = trainer.call
+
+    async def call(worker, msg, buffers=(), timeout=None, on_sent=None):
+        reply, frames = await plain_call(worker, msg, buffers, timeout, on_sent)
+        if isinstance(msg, protocol.OptimStep) and msg.version in skip_at:
+            reply.stats.skipped, reply.stats.grad_norm = True, float("inf")
+        return reply, frames
+
+    trainer.call = call
+    task = asyncio.ensure_future(pipeline.run())
+    for batch in (1, 2, 3, 4):
+        complete_group(store, f"b{batch}g0", batch=batch)
+        schedule.episode_ended(batch)
+    with pytest.raises(RuntimeError, match="2 optimizer steps in a row had a non-finite gradient"):
+        await asyncio.wait_for(task, 2)
+    skipped = [e for e in events if isinstance(e, ev.StepSkipped)]
+    assert [(e.version, e.in_a_row) for e in skipped] == [(2, 1), (3, 2)]
+    assert metrics.rows == [(1, 2), (2, 2)]  # step 3 ended the run before its row
+    assert metrics.extra["skipped"] == 1 and metrics.extra["skipped_steps"] == 1
+    assert weights.synced == [1, 2]  # version 2 (the weights of 1, finite) still reached the gate
+
+
+async def test_a_crash_right_after_a_checkpoint_loses_no_metrics_row():
+    class Crash(Exception):
+        pass
+
+    class CrashAfterSave(FakeCheckpoints):
+        async def save_agent(self, agent, trainer, step):
+            await super().save_agent(agent, trainer, step)
+            raise Crash(f"the controller dies right after checkpoint {step} is final")
+
+    checkpoints = CrashAfterSave(every=2)
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", steps=3, checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    for batch in (1, 2, 3):
+        complete_group(store, f"b{batch}g0", batch=batch)
+        schedule.episode_ended(batch)
+    with pytest.raises(Crash):
+        await asyncio.wait_for(task, 2)
+    assert checkpoints.saved == [2]
+    # a resume continues at step 3: rows 1 and 2 were already durable when 2 became final
+    assert metrics.durable == metrics.rows == [(1, 2), (2, 2)]

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from flexmarl.controller.server import RemoteError, WorkerDied
-from flexmarl.controller.weight_sync import WeightSync, transport_between
+from flexmarl.controller.weight_sync import WeightSync, engines_sharing_gpu, location_of, transport_between
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import Location
 
@@ -199,3 +199,41 @@ def test_an_agent_left_without_instances_still_publishes_over_host_memory():
 
     assert transport_between(Location("h", 1, "cpu"), []) == "shm"
     assert transport_between(Location("h", 1, "cuda:0"), []) == "shm"
+
+
+def test_pinned_workers_are_placed_on_the_gpus_their_host_numbers_not_their_own_cuda_0():
+    """The README's layout: the trainer pinned to GPUs 2-3, rollouts to 0 and to 1. Each
+    calls its first GPU cuda:0; they share none, so CUDA IPC cannot reach them: NCCL."""
+    from types import SimpleNamespace
+
+    def worker(pid, pinned, host="h1"):
+        return SimpleNamespace(host=host, pid=pid, devices=[f"cuda:{i}" for i in range(len(pinned))],
+                               visible_gpus=pinned)
+
+    trainer, r0, r1 = worker(1, ["2", "3"]), worker(2, ["0"]), worker(3, ["1"])
+    assert location_of(trainer).device == "cuda:2" and location_of(r1).device == "cuda:1"
+    assert transport_between(location_of(trainer), [location_of(r0), location_of(r1)]) == "nccl"
+    beside = worker(4, ["2"])  # pinned to the trainer's own GPU
+    assert transport_between(location_of(trainer), [location_of(beside)]) == "cuda_ipc"
+    by_uuid = worker(5, ["GPU-5b3c"])
+    assert location_of(by_uuid).device == "cuda:GPU-5b3c"
+    far = worker(6, ["2"], host="h2")  # the same number on another host is another GPU
+    assert transport_between(location_of(trainer), [location_of(far)]) == "nccl"
+    unpinned = SimpleNamespace(host="h1", pid=7, devices=["cuda:0", "cuda:1"], visible_gpus=[])
+    assert location_of(unpinned).device == "cuda:0"
+
+
+def test_rollout_workers_on_one_gpu_are_counted_so_their_engines_split_it():
+    from types import SimpleNamespace
+
+    def worker(pid, pinned, role="rollout", devices=None, alive=True, host="h1"):
+        return SimpleNamespace(host=host, pid=pid, role=role, alive=alive, visible_gpus=pinned,
+                               devices=devices if devices is not None else ["cuda:0"])
+
+    workers = {"r0": worker(1, []), "r1": worker(2, []),  # unpinned: both on the host's GPU 0
+               "r2": worker(3, ["1"]), "r3": worker(4, ["0"]),  # pinned: to GPU 1, and to GPU 0 too
+               "t": worker(5, []  , role="trainer"), "gone": worker(6, [], alive=False),
+               "far": worker(7, [], host="h2"), "cpu": worker(8, [], devices=["cpu"])}
+    assert engines_sharing_gpu("r0", workers) == 3  # r0, r1 and r3; trainers and dead workers not
+    assert engines_sharing_gpu("r2", workers) == 1
+    assert engines_sharing_gpu("far", workers) == 1 and engines_sharing_gpu("cpu", workers) == 1

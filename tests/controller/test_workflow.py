@@ -241,3 +241,36 @@ async def test_an_async_tool_is_awaited_with_its_timeout():
     assert await ctx.call(tool, 21) == 42
     with pytest.raises(TimeoutError):
         await ctx.call(asyncio.sleep, 1.0, timeout=0.05)
+
+
+async def test_identical_prompts_from_two_concurrent_branches_get_the_same_seeds_whichever_calls_first():
+    """Two branches send agent "a" the same prompt; which one calls first is decided by
+    the test (as latency would decide it). Each branch draws the same seeds either way."""
+
+    async def seeds_by_branch(first: str) -> dict:
+        store = ExperienceStore(["a"])
+        released = {"left": asyncio.Event(), "right": asyncio.Event()}
+        seeds = {}
+        gen = FakeGenerator()
+
+        async def branch(ctx, name):
+            await released[name].wait()
+            samples = await ctx.generate("a", [4, 2])
+            seeds[name] = [request_seed(7, s.sample_id) for s in samples]
+            for s in samples:
+                ctx.reward(s, 0.0)
+            if name == first:
+                released["right" if first == "left" else "left"].set()
+
+        async def episode(ctx):
+            released[first].set()
+            await asyncio.gather(branch(ctx, "left"), branch(ctx, "right"))
+
+        assert await run_episode(episode, make_ctx(store, gen), 5.0) == ""
+        assert [agent for agent, _ in gen.batches] == ["a", "a"]
+        assert gen.batches[0][1][0].startswith("e0/") and seeds[first] != []
+        return seeds
+
+    left_first, right_first = await seeds_by_branch("left"), await seeds_by_branch("right")
+    assert left_first == right_first
+    assert left_first["left"] != left_first["right"]

@@ -61,8 +61,8 @@ def test_loss_options_are_checked_by_name_and_reach_the_trainer_resolved():
     assert load_config(None, ["agents.b.model=m"]).agents["b"].loss_options() == type(opts)(constant=8.0)
     with pytest.raises(ConfigError, match=r"agents.a.loss_agg: expected one of 'seq_mean', 'token_mean', 'constant'"):
         load_config(None, ["agents.a.loss_agg=mean"])
-    with pytest.raises(ConfigError, match=r"agents.a.off_policy: expected one of 'tis', 'ppo_clip'"):
-        load_config(None, ["agents.a.off_policy=cispo"])
+    with pytest.raises(ConfigError, match=r"agents.a.off_policy: expected one of .tis., .ppo_clip., .token_mis."):
+        load_config(None, ["agents.a.off_policy=topr"])
     with pytest.raises(ConfigError, match="kl_coef"):
         load_config(None, ["agents.a.kl_coef=-1"])
 
@@ -77,13 +77,20 @@ def test_restart_and_reconnect_settings_have_defaults_and_refuse_negative_values
         load_config(None, ["transport.reconnect_timeout_s=-5"])
 
 
+def test_pure_float16_training_is_refused_with_what_to_use_instead():
+    with pytest.raises(ConfigError, match=r"agents.a: dtype float16 with train_precision 'pure'.*eps.*bfloat16"):
+        load_config(None, ["agents.a.dtype=float16", "agents.a.train_precision=pure"])
+    mixed = load_config(None, ["agents.a.dtype=float16"]).agents["a"]  # float32 master weights: fine
+    assert mixed.trainer_settings() == p.TrainerSettings("float16", "mixed", False)
+
+
 def test_device_and_precision_settings_reach_the_engine_and_trainer_messages():
-    cfg = load_config(None, ["agents.a.dtype=float16", "agents.a.gpu_memory_utilization=0.4",
+    cfg = load_config(None, ["agents.a.dtype=bfloat16", "agents.a.gpu_memory_utilization=0.4",
                              "agents.a.tensor_parallel_size=2", "agents.a.train_precision=pure",
                              "agents.a.activation_checkpointing=true", "cluster.rollout_gpus=[[0,1],[2,3],[4,5]]"])
     agent = cfg.agents["a"]
-    assert agent.engine_settings() == p.EngineSettings("float16", 0.4, 2)
-    assert agent.trainer_settings() == p.TrainerSettings("float16", "pure", True)
+    assert agent.engine_settings() == p.EngineSettings("bfloat16", 0.4, 2)
+    assert agent.trainer_settings() == p.TrainerSettings("bfloat16", "pure", True)
     default = load_config(None, ["agents.b.model=m"]).agents["b"]
     assert default.engine_settings() == p.EngineSettings("auto", 0.9, 1)  # auto: bf16 on CUDA, fp32 on CPU
     assert default.trainer_settings() == p.TrainerSettings("auto", "mixed", False)

@@ -28,6 +28,7 @@ EXAMPLES = [
     ev.MicroBatchFormed("solver", "t0", 2, ["s1", "s2"], [0, 1]),
     ev.MicroBatchTrained("solver", "t0", 2, 2, 0.25),
     ev.OptimizerStep("solver", "t0", 2, 64),
+    ev.StepSkipped("solver", "t0", 3, float("inf"), 1),
     ev.TrainingRestored("solver", 2, 4, "worker t1 is gone: missed heartbeats"),
     ev.WeightSyncStarted("solver", 2, ["r0", "r1"]),
     ev.WeightSyncFinished("solver", 2, 0.5, 1 << 20),

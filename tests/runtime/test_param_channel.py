@@ -752,7 +752,7 @@ def test_gpu_transports_refuse_cpu_tensors_and_cuda_less_receivers_clearly(chann
         return
     shm = channels().publish({"w": torch.randn(4)}, agent="a", version=1, transport="shm")
     gpu_handle = msgspec.structs.replace(shm, transport=transport, path=None,
-                                         cuda_ipc=CudaIpcInfo(0, b"h", 64, 0, b"r", 0, None, False, 0),
+                                         cuda_ipc=CudaIpcInfo(0, b"h", 64),
                                          nccl=NcclInfo(bytes(128), 2))
     with pytest.raises(ParamTransferError, match="no CUDA device"):
         channels().receive(gpu_handle, rank=1)

@@ -111,3 +111,40 @@ def test_cuda_ipc_between_two_processes_on_one_gpu_lands_byte_exactly_in_a_model
         assert {k: v.data_ptr() for k, v in model.items()} == pointers  # in place: no new tensors
     ask(proc, "close")
     assert proc.wait(60) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_ipc_publication_nobody_opened_is_freed_at_release():
+    pytest.importorskip("cupy")
+    nbytes = 256 * 2**20
+    state = {"w": torch.ones(nbytes // 4, device="cuda:0")}
+    with ParamChannel(location=Location.here("cuda:0")) as channel:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info(0)[0]
+        handle = channel.publish(state, agent="planner", version=1, transport="cuda_ipc")
+        torch.cuda.synchronize()
+        held = free_before - torch.cuda.mem_get_info(0)[0]
+        channel.release(handle)  # no receiver ever opened it
+        torch.cuda.synchronize()
+        freed = torch.cuda.mem_get_info(0)[0] - (free_before - held)
+    # The bucket is the state's bytes; the driver hands memory out in 2 MiB pages.
+    assert held >= nbytes and freed >= nbytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_receiver_unmaps_a_cuda_ipc_bucket_when_it_releases_the_handle(publisher):
+    pytest.importorskip("cupy")
+    proc = publisher("cuda_ipc")
+    handle, want = read(proc)
+    with ParamChannel(location=Location.here("cuda:0")) as receiver:
+        got = receiver.receive(handle)
+        assert digests_of(got) == want
+        assert receiver.held_receive_buffers() == 1  # the mapping, until release
+        del got
+        receiver.release(handle)
+        assert receiver.held_receive_buffers() == 0
+        again = receiver.receive(handle)  # mapped afresh: the publisher still holds it
+        assert digests_of(again) == want
+        del again
+    ask(proc, "close")
+    assert proc.wait(60) == 0

@@ -5,6 +5,7 @@ The real broadcast runs in the gpu tests of test_param_channel."""
 
 import threading
 
+import msgspec
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from flexmarl.runtime import param_nccl
 from flexmarl.runtime.param_channel import ParamChannelConfig
 from flexmarl.runtime.param_gpu import NcclTransport
 from flexmarl.runtime.param_transport import HostBuffers
-from flexmarl.runtime.param_types import Location, NcclInfo, ParamHandle
+from flexmarl.runtime.param_types import Location, NcclInfo, ParamHandle, ParamTransferError
 
 
 class FakeComm:
@@ -121,7 +122,7 @@ def test_a_receiver_must_be_given_a_rank_the_publisher_does_not_hold(comms):
     info = NcclInfo(b"\x01" * 128, 3, "planner/1")
     for rank in (None, 0, 3):
         with pytest.raises(ValueError, match=r"rank= in 1\.\.2"):
-            param_nccl.receive(comms, handle("planner", info), rank, "cuda:0", 1.0)
+            param_nccl.receive(comms, handle("planner", info), rank, torch.device("cpu"), 1.0, 1.0)
 
 
 def test_the_publisher_keeps_one_unique_id_per_group_and_makes_a_new_one_for_a_new_group():
@@ -147,3 +148,87 @@ def test_replacing_a_communicator_stuck_in_a_broadcast_does_not_wait_for_it(comm
     param_nccl.broadcast(comms, handle("planner", NcclInfo(b"\x02" * 128, 2, "planner/2")), 1, BUCKET)
     assert not FakeComm.made[0].closed and FakeComm.made[1].broadcasts == 1
     assert comms.groups() == {"planner": ("planner/2", 1)}
+
+
+CPU = torch.device("cpu")  # the fakes broadcast nothing: a CPU bucket stands in for a GPU one
+
+
+def test_a_receiver_waits_for_a_slow_group_to_form_beyond_the_broadcast_timeout():
+    """In async mode an agent's instances drain at different times: the first to join
+    waits for the last. That wait has its own, longer limit."""
+    class SlowToForm(FakeComm):
+        def __init__(self, *args):
+            threading.Event().wait(0.5)  # the other ranks join late
+            super().__init__(*args)
+
+    comms = param_nccl.Communicators(SlowToForm)
+    h = handle("planner", NcclInfo(b"\x01" * 128, 2, "planner/1"))
+    h = msgspec.structs.replace(h, total_bytes=16)
+    bucket = param_nccl.receive(comms, h, 1, CPU, timeout_s=0.1, setup_timeout_s=30.0)
+    assert bucket.numel() == 16 and FakeComm.made[-1].broadcasts == 1
+
+
+def test_a_group_that_never_forms_fails_the_receive_after_the_set_up_wait_holding_no_bucket():
+    release = threading.Event()
+    allocated = []
+
+    class NeverForms(FakeComm):
+        def __init__(self, *args):
+            release.wait(10)
+            super().__init__(*args)
+
+    comms = param_nccl.Communicators(NeverForms)
+    h = handle("planner", NcclInfo(b"\x01" * 128, 2, "planner/1"))
+    real_empty = torch.empty
+    try:
+        torch.empty = lambda *a, **k: allocated.append(a) or real_empty(*a, **k)
+        with pytest.raises(ParamTransferError, match="did not form within"):
+            param_nccl.receive(comms, h, 1, CPU, timeout_s=0.05, setup_timeout_s=0.2)
+        assert allocated == []  # nothing was allocated for a broadcast that never began
+    finally:
+        torch.empty = real_empty
+        release.set()
+
+
+def test_a_broadcast_that_hangs_is_aborted_its_thread_ends_and_its_communicator_is_dropped():
+    class Hangs(FakeComm):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.aborted = threading.Event()
+
+        def broadcast(self, bucket):
+            self.aborted.wait(10)  # a peer died mid-broadcast: the kernel spins until aborted
+            raise RuntimeError("NCCL communicator was aborted")
+
+        def abort(self):
+            self.aborted.set()
+
+    comms = param_nccl.Communicators(Hangs)
+    h = handle("planner", NcclInfo(b"\x01" * 128, 2, "planner/1"))
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ParamTransferError, match="communicator was aborted"):
+        param_nccl.receive(comms, h, 1, CPU, timeout_s=0.2, setup_timeout_s=5.0)
+    comm = FakeComm.made[-1]
+    assert comm.aborted.is_set() and comms.groups() == {}
+    assert not [t for t in threading.enumerate() if t.name.startswith("nccl-recv") and t.name not in before]
+
+
+@pytest.mark.parametrize("accepts", ["bytes", "signed", "unsigned"])
+def test_the_unique_id_reaches_cupy_in_the_form_its_version_takes(accepts):
+    """CuPy 13 and later take the id as bytes, older versions as C chars (signed on x86,
+    unsigned on ARM); a wrong form is refused by the argument's type, before NCCL runs."""
+    uid = bytes(range(120, 248))
+    made = []
+
+    class FakeNccl:
+        @staticmethod
+        def NcclCommunicator(world, comm_id, rank):
+            kind = "bytes" if isinstance(comm_id, bytes) else "signed" if min(comm_id) < 0 else "unsigned"
+            if kind != accepts:
+                raise (OverflowError if kind == "signed" and accepts == "unsigned" else TypeError)(kind)
+            made.append((world, comm_id, rank))
+            return object()
+
+    param_nccl._init_rank(FakeNccl, NcclInfo(uid, 3, "g"), 2)
+    (world, comm_id, rank), = made
+    assert (world, rank) == (3, 2) and bytes(b & 0xFF for b in comm_id) == uid

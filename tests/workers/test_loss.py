@@ -122,12 +122,12 @@ def test_ppo_clip_zeroes_the_gradient_only_where_the_clipped_branch_wins():
             return 0.0
         return -samples[i].advantage * math.exp(shift.get((i, j), 0.0)) / len(samples[i].output_ids) / len(samples)
 
-    got, sums = step_gradient(model, [samples], p.LossOptions(off_policy="ppo_clip"), off_policy=True,
-                              clip_ratio=1.2)
-    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
-    assert sums.clipped == 2
-    with pytest.raises(ValueError, match="clip_ratio > 1"):
-        policy_loss(model, samples, p.LossOptions(off_policy="ppo_clip"), True, 1.0)
+    # PPO's epsilon is its own setting (0.2 by default); TIS's cap (clip_ratio) plays no part.
+    for cap in (2.0, 1.2):
+        got, sums = step_gradient(model, [samples], p.LossOptions(off_policy="ppo_clip"), off_policy=True,
+                                  clip_ratio=cap)
+        torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+        assert sums.clipped == 2
 
 
 def test_on_policy_batches_are_not_corrected_whatever_the_option():
@@ -219,3 +219,124 @@ def test_a_conversation_trains_only_the_agents_own_tokens_under_its_loss_mask():
     expected = hand_gradient(model.table, [full], lambda i, j, lp: -1.0 if j in own else 0.0) / len(own)
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
     assert sums.tokens == 2 and sums.length_max == 2
+
+
+def correction_gradient(name, shift, coef, **options):
+    """The step gradient of correction `name` on make_samples(shift), against the hand
+    gradient whose d(objective)/d(logp of token j of sample i) is coef(samples, i, j)."""
+    model = Bigram()
+    samples = make_samples(model, shift)
+    got, sums = step_gradient(model, [samples], p.LossOptions(off_policy=name, **options), off_policy=True)
+    want = hand_gradient(model.table.detach(), samples, lambda i, j, lp: coef(samples, i, j))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    return sums
+
+
+def per_sample(samples, i):
+    return 1 / len(samples[i].output_ids) / len(samples)  # seq_mean's share of a token
+
+
+def test_dual_clip_ppo_bounds_a_negative_advantage_term_at_c_times_the_advantage():
+    # sample 1 (A = -0.5): ratio e^1.5 = 4.48 > c = 3, so its term is c A (no gradient);
+    # e^0.5 = 1.65 < c keeps PPO's pessimistic r A.
+    shift = {(1, 0): 1.5, (1, 1): 0.5}
+    ratio = lambda i, j: math.exp(shift.get((i, j), 0.0))  # noqa: E731
+    coef = lambda s, i, j: 0.0 if (i, j) == (1, 0) else -s[i].advantage * ratio(i, j) * per_sample(s, i)  # noqa: E731
+    sums = correction_gradient("ppo_clip", shift, coef, dual_clip=3.0)
+    assert sums.clipped == 1
+
+
+def test_token_masked_importance_sampling_masks_tokens_whose_ratio_leaves_the_bounds():
+    shift = {(0, 0): 1.0, (1, 2): -1.0, (2, 0): 0.3}  # e^1 > 2 and e^-1 < 0.5 masked; e^0.3 kept
+    ratio = lambda i, j: math.exp(shift.get((i, j), 0.0))  # noqa: E731
+    inside = lambda i, j: 0.5 <= ratio(i, j) <= 2.0  # noqa: E731
+    coef = lambda s, i, j: -s[i].advantage * ratio(i, j) * per_sample(s, i) if inside(i, j) else 0.0  # noqa: E731
+    sums = correction_gradient("token_mis", shift, coef, is_low=0.5, is_high=2.0)
+    assert sums.clipped == 2
+
+
+def test_sequence_masked_importance_sampling_weights_by_the_whole_ratio_and_masks_whole_samples():
+    # sample 0: R = e^(0.4 + 0.5) = 2.46 > 2, masked whole; sample 1: R = e^(0.3 - 0.1) kept.
+    shift = {(0, 0): 0.4, (0, 1): 0.5, (1, 0): 0.3, (1, 2): -0.1}
+    seq = lambda s, i: math.exp(sum(shift.get((i, j), 0.0) for j in range(len(s[i].output_ids))))  # noqa: E731
+    coef = lambda s, i, j: 0.0 if seq(s, i) > 2.0 else -s[i].advantage * seq(s, i) * per_sample(s, i)  # noqa: E731
+    sums = correction_gradient("seq_mis", shift, coef)
+    assert sums.clipped == 2  # both tokens of sample 0
+
+
+def test_gspo_clips_the_length_normalised_sequence_ratio():
+    # s_i = exp(mean shift): sample 0 (A > 0) e^(1e-4) inside [1 - 3e-4, 1 + 4e-4], trained
+    # with weight s; sample 1 (A < 0) e^(-0.01 / 3) below 1 - 3e-4: clipped, no gradient;
+    # sample 2 (A > 0) e^(-0.01) is low but A > 0: PPO's pessimistic branch keeps it.
+    shift = {(0, 0): 1e-4, (0, 1): 1e-4, (1, 1): -0.01, (2, 0): -0.01}
+    s_of = lambda s, i: math.exp(sum(shift.get((i, j), 0.0) for j in range(len(s[i].output_ids)))  # noqa: E731
+                                 / len(s[i].output_ids))
+    coef = lambda s, i, j: 0.0 if i == 1 else -s[i].advantage * s_of(s, i) * per_sample(s, i)  # noqa: E731
+    sums = correction_gradient("gspo", shift, coef)
+    assert sums.clipped == 3  # every token of sample 1
+
+
+def test_cispo_keeps_every_tokens_gradient_under_a_clipped_detached_weight():
+    # e^1.5 = 4.48 is clipped to 1 + 2 = 3 (and counted); e^-2 stays (no lower bound), e^0.5 stays.
+    shift = {(0, 0): 1.5, (1, 0): -2.0, (2, 0): 0.5}
+    weight = lambda i, j: min(math.exp(shift.get((i, j), 0.0)), 3.0)  # noqa: E731
+    coef = lambda s, i, j: -s[i].advantage * weight(i, j) * per_sample(s, i)  # noqa: E731
+    sums = correction_gradient("cispo", shift, coef, cispo_eps_high=2.0)
+    assert sums.clipped == 1
+
+
+def hand_turn_logprob(table, x, y, temperature, top_k=0, top_p=1.0):
+    """vLLM's distribution worked out by hand: logits / T, the k largest, then the most
+    likely tokens until their probability reaches top_p, renormalised."""
+    row = [v / temperature for v in table[x].tolist()]
+    order = sorted(range(V), key=lambda t: -row[t])
+    kept = order[:top_k] if 0 < top_k < V else order
+    z = [math.exp(row[t]) for t in kept]
+    probs = [v / sum(z) for v in z]
+    mass, cut = 0.0, []
+    for t, q in zip(kept, probs):
+        cut.append(t)
+        mass += q
+        if mass >= top_p:
+            break
+    if y not in cut:
+        return float("-inf")
+    return row[y] - math.log(sum(math.exp(row[t]) for t in cut))
+
+
+def test_each_turn_of_a_conversation_is_scored_under_its_own_distribution():
+    """Output [2, 3, a, b]: turn 1 wrote 2 at T=1; 3 was appended; turn 2 wrote a, b at
+    T=0.3 with top_k=3. The sampler's logprobs are each turn's own; the trainer's equal them."""
+    model = Bigram(seed=3)
+    table = model.table.detach()
+    a = int(table[3].argmax())  # tokens inside turn 2's top 3, as its sampler would draw
+    b = int(table[a].argsort(descending=True)[1])
+    output = [2, 3, a, b]
+    lp = [hand_turn_logprob(table, 1, 2, 1.0), 0.0, hand_turn_logprob(table, 3, a, 0.3, top_k=3),
+          hand_turn_logprob(table, a, b, 0.3, top_k=3)]
+    turn2 = p.TurnSampling(2, 0.3, 1.0, 3)
+    sample = p.TrainSample("c", [1], output, 1.0, lp, [0, 0], 1.0, [1, 0, 1, 1], turns=[turn2])
+    _, sums = step_gradient(model, [[sample]], p.LossOptions(off_policy="ppo_clip"), off_policy=True)
+    stats = sums.stats(0.0)
+    assert stats.logprob_abs_diff < 1e-6 and stats.clip_frac == 0 and sums.compared == 3
+    # All scored at the last turn's settings instead (one temperature per sample), they would not match.
+    flat = p.TrainSample("c", [1], output, 1.0, lp, [0, 0], 0.3, [1, 0, 1, 1], top_k=3)
+    _, sums = step_gradient(model, [[flat]], p.LossOptions(), off_policy=True)
+    assert sums.stats(0.0).logprob_abs_diff > 0.1
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.8, 0, 0.7), (0.8, 5, 1.0), (0.7, 3, 0.9), (1.0, 2, 0.5)])
+def test_top_k_and_top_p_samples_are_scored_under_the_truncated_distribution(temperature, top_k, top_p):
+    model = Bigram(seed=5)
+    table = model.table.detach()
+    rows = [([1], [2, 3]), ([4, 0], [1, 1, 2]), ([3], [0])]
+    samples = []
+    for i, (prompt, drawn) in enumerate(rows):
+        output = []  # the sampler only draws kept tokens: each the most likely after the last
+        for _ in drawn:
+            output.append(int(table[(prompt + output)[-1]].argmax()))
+        s = p.TrainSample(f"s{i}", prompt, output, 1.0 - i, [], [0], temperature, [], top_p, top_k)
+        lps = [hand_turn_logprob(table, x, y, temperature, top_k, top_p) for _, x, y in tokens(s)]
+        samples.append(p.TrainSample(f"s{i}", prompt, output, 1.0 - i, lps, [0], temperature, [], top_p, top_k))
+    _, sums = step_gradient(model, [samples], p.LossOptions(off_policy="ppo_clip"), off_policy=True)
+    assert sums.stats(0.0).logprob_abs_diff < 1e-6 and sums.clipped == 0

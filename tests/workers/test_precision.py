@@ -37,6 +37,19 @@ def test_a_cuda_engine_gets_the_agents_dtype_memory_share_and_parallelism():
     assert one_gpu["distributed_executor_backend"] == "uni" and one_gpu["max_model_len"] == 4096
 
 
+def test_engines_on_one_gpu_split_its_share_and_each_leaves_room_for_a_weight_receive():
+    gib = 2**30
+    # Alone on an 80 GiB GPU, a 3 GiB model: 0.9 less the receive bucket's share.
+    assert precision.engine_memory_share(0.9, 1, 3 * gib, 80 * gib) == pytest.approx(0.9 - 3 / 80)
+    # Two unpinned engines on one GPU: 0.45 each before the bucket, never 0.9 each.
+    assert precision.engine_memory_share(0.9, 2, 3 * gib, 80 * gib) == pytest.approx(0.45 - 3 / 80)
+    assert precision.engine_memory_share(0.9, 2, 0, 0) == pytest.approx(0.45)  # no NVML: nothing set aside
+    with pytest.raises(ValueError, match=r"split between 16 engines on one GPU.*cluster.rollout_gpus"):
+        precision.engine_memory_share(0.9, 16, 3 * gib, 80 * gib)
+    args = engine_args("cuda:0", p.EngineSettings("auto", 0.9, 1, engines_on_gpu=3), 0, 256 << 20, 2 * gib, 80 * gib)
+    assert args["gpu_memory_utilization"] == pytest.approx(0.3 - 2 / 80)
+
+
 def test_a_cpu_engine_keeps_its_fixed_kv_cache_and_64_token_default_length():
     args = engine_args("cpu", p.EngineSettings(), 0, 256 << 20)
     assert args["dtype"] == "float32" and args["max_model_len"] == 64
@@ -45,8 +58,26 @@ def test_a_cpu_engine_keeps_its_fixed_kv_cache_and_64_token_default_length():
         engine_args("cpu", p.EngineSettings(tensor_parallel_size=2), 0, 1)
 
 
+def refuse(name):
+    def called(*args, **kwargs):
+        raise AssertionError(f"{name} initialises CUDA in the worker; vLLM's forked workers could not use it")
+    return called
+
+
+def test_a_worker_counts_its_gpus_without_initialising_cuda(monkeypatch):
+    """torch.cuda.is_available() asks the CUDA runtime, which initialises the driver in the
+    worker; vLLM then forks tensor-parallel workers that cannot use CUDA. device_count()
+    asks NVML."""
+    monkeypatch.setattr(torch.cuda, "is_available", refuse("torch.cuda.is_available"))
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", refuse("the CUDA runtime's device count"), raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert precision.worker_device() == "cuda:0"
+    assert precision.visible_devices() == (["cuda:0"], [])
+
+
 def test_a_worker_with_cuda_computes_on_its_first_visible_gpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", refuse("torch.cuda.is_available"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert precision.worker_device() == "cuda:0"
@@ -60,7 +91,7 @@ def test_a_worker_with_cuda_computes_on_its_first_visible_gpu(monkeypatch):
 
 def test_a_worker_without_cuda_trains_in_float32_on_the_cpu(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert precision.visible_devices() == (["cpu"], [])
     placement = TrainPlacement.resolve(p.TrainerSettings())
     assert placement.device == torch.device("cpu") and placement.compute_dtype == torch.float32
@@ -109,6 +140,29 @@ def test_auto_on_the_cpu_is_todays_float32_training(model_dir):
     h.close()
 
 
+def test_pure_float16_training_is_refused_because_adams_eps_is_zero_in_float16():
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0  # the arithmetic behind the refusal
+    with pytest.raises(ValueError, match="pure float16 training is refused.*bfloat16"):
+        TrainPlacement.resolve(p.TrainerSettings("float16", "pure"), "cpu")
+    mixed = TrainPlacement.resolve(p.TrainerSettings("float16", "mixed"), "cpu")
+    assert mixed.param_dtype == torch.float32 and mixed.compute_dtype == torch.float16
+
+
+@pytest.mark.parametrize("settings, dtype", [(p.TrainerSettings("bfloat16", "mixed"), "bfloat16"),
+                                             (p.TrainerSettings("bfloat16", "pure"), "bfloat16"),
+                                             (p.TrainerSettings(), "float32")])
+def test_weights_are_published_in_the_dtype_the_model_computes_in(model_dir, settings, dtype):
+    """Mixed precision keeps float32 master weights, but the engine serves in the compute
+    dtype: publishing float32 would move (and make the engine hold) twice the bytes."""
+    h, state, _ = train_once(model_dir, settings)
+    published = h._execute(p.PublishWeights(4, "planner", 1, "shm"))
+    assert {spec.dtype for spec in published.handle.layout} == {dtype}
+    elements = sum(q.numel() for q in state.model.parameters())
+    assert published.nbytes >= elements * (2 if dtype == "bfloat16" else 4)
+    assert published.nbytes < elements * (2 if dtype == "bfloat16" else 4) + 4096 * len(published.handle.layout)
+    h.close()
+
+
 def test_a_swapped_state_comes_back_with_the_agents_precision(model_dir):
     h, state, _ = train_once(model_dir, p.TrainerSettings("bfloat16", "pure"))
     out = h._execute(p.OffloadAgent(4, "planner"))
@@ -137,6 +191,7 @@ def test_a_trainer_step_runs_on_cuda_in_bfloat16(model_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_rollout_engine_runs_on_cuda_in_bfloat16_within_its_memory_share(model_dir):
+    pytest.importorskip("vllm")  # a GPU machine without vLLM runs the other gpu tests
     from flexmarl.workers.engine import VllmEngine
 
     engine = VllmEngine(model_dir, max_model_len=0, settings=p.EngineSettings(gpu_memory_utilization=0.3))

@@ -358,3 +358,22 @@ def test_a_step_or_publish_passes_other_agents_queued_micro_batches_but_never_it
         ("OptimStep", "c"), ("PublishWeights", "c"), ("TrainMicroBatch", "a"), ("OptimStep", "a"),
         ("TrainMicroBatch", "b")]
     assert queue.qsize() == 0
+
+
+def test_a_step_with_an_injected_inf_gradient_is_skipped_and_the_weights_stay_finite(model_dir):
+    h = trained_handler(model_dir, steps=1)  # an optimizer state to keep, gradients of step 2 pending
+    state = h.agents["planner"]
+    before = {k: v for k, v in snapshot(h).items() if not k.startswith("grad/")}  # weights, optimizer state
+    next(state.model.parameters()).grad.view(-1)[0] = float("inf")  # one overflow
+    done = h._execute(p.OptimStep(5, "planner", 2, samples=8))
+    assert done.stats.skipped and done.version == state.version == 2
+    after = snapshot(h)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert all(q.grad is None for q in state.model.parameters())  # the bad gradient is dropped
+    # the next step starts clean and trains as usual
+    h._execute(p.TrainMicroBatch(6, "planner", 3, [sample(i, random.Random(9), 2) for i in range(8)]))
+    done = h._execute(p.OptimStep(7, "planner", 3, samples=8))
+    assert not done.stats.skipped
+    assert all(torch.isfinite(q).all() for q in state.model.parameters())
+    assert any(not torch.equal(q, before[k]) for k, q in snapshot(h).items() if k in before)
+    h.close()

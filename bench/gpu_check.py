@@ -1,0 +1,562 @@
+"""The GPU check: what FlexMARL does on a CUDA machine, at the sizes users train, in one command.
+
+    bash scripts/gpu_check.sh [--shapes qwen2.5-0.5b,qwen2.5-1.5b,llama3.2-1b] [--out FILE]
+    python bench/gpu_check.py --dry-run          # CPU: tiny shapes, CUDA-only parts skipped
+
+Models are built from configs (random weights, the real shapes and vocabularies) and saved
+once under a temporary directory; every part then runs FlexMARL's own code:
+
+- gpu_tests: the gpu-marked tests of the suite (pytest -m gpu).
+- train: the trainer's INIT_AGENT, TRAIN_MICROBATCH and OPTIM_STEP (TrainerHandler) per
+  shape, in bf16 "mixed" (float32 master weights) and "pure" precision, with activation
+  checkpointing off and on: tokens/s over the timed iterations and peak GPU memory.
+- cuda_ipc: the trainer publishes an agent's weights over CUDA IPC (PUBLISH_WEIGHTS); a
+  second process on the same GPU receives them into a model's own tensors. GB/s of the
+  receive against a device-to-device copy of the same bytes, and a digest of every tensor
+  compared on both sides.
+- park: OFFLOAD_AGENT then LOAD_AGENT of a GPU training state with a step in progress;
+  every tensor of the state compared byte for byte before and after.
+- fsdp2: a one-rank trainer group (TrainerGroupHandler: FSDP2 on NCCL) against the plain
+  trainer from the same weights and samples.
+- nccl_setup: a CuPy NCCL communicator (the parameter channel's CupyCommunicator) made,
+  used for a one-rank broadcast and destroyed.
+- The parts that need vLLM or LoRA adapters are listed as not run, with the reason.
+
+Prints one JSON row per measurement, then a short table; exits 1 if any part failed or
+any comparison did not match. The dry run (--dry-run) does the same on the CPU with tiny
+shapes and reports the CUDA-only parts as skipped: the test suite runs it, so this script
+does not rot between loans of a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+from flexmarl.runtime import protocol  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Real shapes (random weights). Keys follow the models' Hugging Face configs.
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, head_dim=64,
+                        tie_word_embeddings=True, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=8192),
+    # The dry run's: same code paths, seconds on a CPU.
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
+                       max_position_embeddings=256),
+}
+
+NOT_RUN = {
+    "vllm_engine": "vLLM is not installed on the GPU machine (its wheel is larger than what a call can carry): "
+                   "engine start, LoadWeights into a CUDA engine and CUDA rollout settings wait for a machine with it",
+    "nccl_two_ranks": "one GPU: NCCL refuses two ranks on one device, so a broadcast between a trainer and an "
+                      "instance on other GPUs needs a machine with two",
+    "lora": "LoRA adapters are not part of FlexMARL yet",
+}
+
+ROWS: list[dict] = []
+LR = 1e-5  # every trainer's learning rate here
+
+
+def emit(row: dict) -> dict:
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def failed(row: dict, exc: BaseException) -> dict:
+    return emit({**row, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                 "traceback": traceback.format_exc(limit=6)})
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------- models
+
+
+def build_model(shape: str, root: Path, device: torch.device) -> Path:
+    """A model of the shape with random weights, saved in Hugging Face format (bfloat16
+    on CUDA, float32 on the CPU) under root/shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = root / shape
+    if (path / "config.json").exists():
+        return path
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return path
+
+
+def samples(n: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> list[protocol.TrainSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(4, vocab, (prompt_len + output_len,), generator=g).tolist()
+        out.append(protocol.TrainSample(f"s{seed}-{i}", ids[:prompt_len], ids[prompt_len:],
+                                        advantage=1.0 if i % 2 else -1.0,
+                                        rollout_logprobs=[-1.0] * output_len, versions=[0]))
+    return out
+
+
+class Trainer:
+    """A TrainerHandler driven in this process through its command table."""
+
+    def __init__(self, handler=None):
+        if handler is None:
+            from flexmarl.workers.trainer import TrainerHandler
+            handler = TrainerHandler()
+        self.handler, self.request = handler, 0
+
+    def __call__(self, msg_type, **fields):
+        self.request += 1
+        reply = self.handler._execute(msg_type(request_id=self.request, **fields))
+        if isinstance(reply, protocol.Error):
+            raise RuntimeError(reply.message)
+        return reply
+
+    def init(self, agent: str, path: Path, settings: protocol.TrainerSettings, lr: float = None):
+        lr = LR if lr is None else lr
+        return self(protocol.InitAgent, agent=agent, model_path=str(path), lr=lr, seed=0, settings=settings)
+
+    def iteration(self, agent: str, version: int, batch: list[protocol.TrainSample]):
+        """One micro-batch and the step to `version`; the samples count as drawn from the
+        version before it (on-policy)."""
+        for sample in batch:
+            sample.versions = [version - 1]
+        self(protocol.TrainMicroBatch, agent=agent, version=version, samples=batch)
+        return self(protocol.OptimStep, agent=agent, version=version, samples=len(batch))
+
+    def close(self):
+        self.handler.close()
+
+
+# ------------------------------------------------------------------------- parts
+
+
+def run_gpu_tests(args) -> None:
+    if args.dry_run:
+        emit({"part": "gpu_tests", "ok": True, "skipped": "dry run: the gpu-marked tests need CUDA"})
+        return
+    # Only the files that hold gpu-marked tests: the others import vLLM, which a GPU machine
+    # without it cannot collect.
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if "mark.gpu" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.tests_timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    summary = lines[-1] if lines else proc.stderr.strip()[-300:]
+    emit({"part": "gpu_tests", "ok": proc.returncode == 0, "summary": summary, "seconds": time.perf_counter() - t0,
+          **({} if proc.returncode == 0 else {"output": proc.stdout[-4000:] + proc.stderr[-2000:]})})
+
+
+def run_train(args, shape: str, path: Path, device: torch.device) -> None:
+    vocab = SHAPES[shape]["vocab_size"]
+    batch = samples(args.batch, args.prompt_len, args.output_len, vocab, seed=1)
+    tokens = args.batch * (args.prompt_len + args.output_len)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    for precision in ("mixed", "pure"):
+        for checkpointing in (False, True):
+            row = {"part": "train", "shape": shape, "precision": precision, "dtype": dtype,
+                   "activation_checkpointing": checkpointing, "tokens_per_iteration": tokens}
+            trainer = Trainer()
+            try:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                settings = protocol.TrainerSettings(dtype=dtype, precision=precision,
+                                                    activation_checkpointing=checkpointing)
+                ready = trainer.init("a", path, settings)
+                trainer.iteration("a", 1, batch)  # warm-up: kernels, allocator, optimizer state
+                sync(device)
+                t0 = time.perf_counter()
+                for v in range(2, 2 + args.iterations):
+                    done = trainer.iteration("a", v, batch)
+                sync(device)
+                seconds = (time.perf_counter() - t0) / args.iterations
+                finite = all(torch.isfinite(p).all() for p in trainer.handler.agents["a"].model.parameters())
+                emit({**row, "ok": bool(finite), "parameters": ready.num_params, "seconds_per_iteration": seconds,
+                      "tokens_per_s": tokens / seconds, "peak_gib": peak_gib(device), "loss": done.stats.loss,
+                      "grad_norm": done.grad_norm, **({} if finite else {"error": "non-finite weights after a step"})})
+            except Exception as exc:  # noqa: BLE001 - one failed combination is reported, the others still run
+                failed(row, exc)
+            finally:
+                trainer.close()
+                del trainer
+
+
+RECEIVER = r"""
+import json, sys, time, msgspec, torch
+from flexmarl.runtime.param_channel import Location, ParamChannel, ParamHandle, torch_dtype
+handle = msgspec.msgpack.decode(bytes.fromhex(sys.stdin.readline()), type=ParamHandle)
+device = torch.device("cuda:0")
+dst = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in handle.layout}
+with ParamChannel(location=Location.here(str(device))) as channel:
+    times = []
+    for verify in (True, True, True, False, False, False):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        channel.receive_into(handle, dst, verify=verify)
+        torch.cuda.synchronize()
+        times.append((verify, time.perf_counter() - t0))
+    digest = {k: float(v.double().sum()) for k, v in dst.items()}
+print(json.dumps({"times": times, "digest": digest}), flush=True)
+"""
+
+
+def run_cuda_ipc(args, shape: str, path: Path, device: torch.device) -> None:
+    row = {"part": "cuda_ipc", "shape": shape}
+    if device.type != "cuda":
+        emit({**row, "ok": True, "skipped": "needs CUDA"})
+        return
+    trainer = Trainer()
+    try:
+        trainer.init("a", path, protocol.TrainerSettings(dtype="bfloat16", precision="mixed"))
+        sync(device)
+        t0 = time.perf_counter()
+        published = trainer(protocol.PublishWeights, agent="a", version=0, transport="cuda_ipc", targets=["r"])
+        sync(device)
+        publish_s = time.perf_counter() - t0
+        handle = published.handle
+        proc = subprocess.run([sys.executable, "-c", RECEIVER], input=msgspec.msgpack.encode(handle).hex() + "\n",
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"receiver exited {proc.returncode}: {proc.stderr[-2000:]}")
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        params = dict(trainer.handler.agents["a"].model.named_parameters())
+        dtypes = {spec.dtype for spec in handle.layout}
+        want = {k: float(params[k].detach().to(getattr(torch, spec_dtype(handle, k))).double().sum()) for k in got["digest"]}
+        mismatched = [k for k in want if want[k] != got["digest"][k]]
+        # The same bytes copied device to device, in this process.
+        src = torch.empty(handle.total_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+        dst = torch.empty_like(src)
+        copies = []
+        for _ in range(5):
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            sync(device)
+            copies.append(time.perf_counter() - t0)
+        copy_s = sorted(copies)[len(copies) // 2]
+        verified = sorted(s for v, s in got["times"][1:3] if v)
+        unverified = sorted(s for v, s in got["times"][3:] if not v)
+        gb = handle.total_bytes / 1e9
+        emit({**row, "ok": not mismatched, "bytes": handle.total_bytes, "dtypes": sorted(dtypes),
+              "publish_s": publish_s, "receive_s": verified[0], "receive_unverified_s": unverified[0],
+              "receive_gb_per_s": gb / verified[0], "receive_unverified_gb_per_s": gb / unverified[0],
+              "d2d_copy_gb_per_s": gb / copy_s, "ratio_vs_d2d": copy_s / verified[0],
+              **({"mismatched": mismatched[:5]} if mismatched else {})})
+        del src, dst
+    except Exception as exc:  # noqa: BLE001
+        failed(row, exc)
+    finally:
+        trainer.close()
+
+
+def spec_dtype(handle, name: str) -> str:
+    return next(s.dtype for s in handle.layout if s.name == name)
+
+
+def run_park(args, shape: str, path: Path, device: torch.device) -> None:
+    from flexmarl.workers.trainer import training_state
+
+    row = {"part": "park", "shape": shape}
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    settings = protocol.TrainerSettings(dtype=dtype, precision="mixed")
+    trainer = Trainer()
+    try:
+        trainer.init("a", path, settings)
+        vocab = SHAPES[shape]["vocab_size"]
+        trainer.iteration("a", 1, samples(2, 16, 16, vocab, seed=2))  # Adam state exists
+        pending = samples(2, 16, 16, vocab, seed=3)
+        for sample in pending:
+            sample.versions = [1]
+        trainer(protocol.TrainMicroBatch, agent="a", version=2, samples=pending)
+        state = trainer.handler.agents["a"]
+        before = {k: v.detach().to("cpu", copy=True) for k, v in
+                  training_state(state.model, state.optimizer, state.sums).items()}
+        sync(device)
+        parked = trainer(protocol.OffloadAgent, agent="a", transport="shm")
+        t0 = time.perf_counter()
+        restored = trainer(protocol.LoadAgent, agent="a", model_path=str(path), lr=1e-5, max_grad_norm=1.0,
+                           version=parked.version, accumulated=parked.accumulated, handle=parked.handle,
+                           settings=settings)
+        sync(device)
+        restore_s = time.perf_counter() - t0
+        state = trainer.handler.agents["a"]
+        after = {k: v.detach().to("cpu") for k, v in training_state(state.model, state.optimizer, state.sums).items()}
+        on_device = {str(p.device) for p in state.model.parameters()}
+        differ = sorted(k for k in before if k not in after or not _same_bytes(before[k], after[k]))
+        differ += sorted(k for k in after if k not in before)
+        emit({**row, "ok": not differ and restored.version == 1, "tensors": len(before), "bytes": parked.nbytes,
+              "offload_s": parked.seconds, "restore_s": restore_s, "devices_after": sorted(on_device),
+              **({"differ": differ[:5]} if differ else {})})
+        trainer(protocol.ReleaseState, agent="a", handle=parked.handle)
+    except Exception as exc:  # noqa: BLE001
+        failed(row, exc)
+    finally:
+        trainer.close()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def run_fsdp2(args, shape: str, path: Path, device: torch.device) -> None:
+    row = {"part": "fsdp2", "shape": shape}
+    if device.type != "cuda":
+        emit({**row, "ok": True, "skipped": "needs CUDA (the CPU trainer group runs in the suite, on gloo)"})
+        return
+    from flexmarl.workers.trainer_group import TrainerGroupHandler
+
+    vocab = SHAPES[shape]["vocab_size"]
+    batch = samples(4, 32, 32, vocab, seed=4)
+    settings = protocol.TrainerSettings(dtype="bfloat16", precision="mixed")
+    plain, group = Trainer(), None
+    try:
+        plain.init("a", path, settings)
+        plain.iteration("a", 1, batch)
+        want = {k: v.detach().float().cpu() for k, v in plain.handler.agents["a"].model.named_parameters()}
+        plain.close()
+        t0 = time.perf_counter()
+        group = Trainer(TrainerGroupHandler.start(1))
+        formed_s = time.perf_counter() - t0
+        group.init("a", path, settings)
+        t0 = time.perf_counter()
+        done = group.iteration("a", 1, batch)
+        step_s = time.perf_counter() - t0
+        # inproc: CUDA IPC cannot open a handle in the process that made it.
+        published = group(protocol.PublishWeights, agent="a", version=1, transport="inproc", targets=["r"])
+        from flexmarl.runtime.param_channel import ParamChannel
+        with ParamChannel() as receiver:
+            got = receiver.receive(published.handle)
+            worst = max(float((got[k].float().cpu() - want[k]).abs().max()) for k in want)
+            scale = max(float(want[k].abs().max()) for k in want)
+            del got
+        # One Adam step moves each weight by lr * m / (sqrt(v) + eps), about +-lr wherever
+        # the gradient is not tiny. A gradient near zero whose sign a reordered reduction
+        # flips moves its weight the other way: up to 2 lr apart, plus the float32 rounding
+        # of weights of magnitude `scale` (a few ulps).
+        tolerance = 2 * LR + 8 * scale * 2.0**-23
+        ok = worst <= tolerance and done.version == 1
+        emit({**row, "ok": ok, "group_formed_s": formed_s, "step_s": step_s, "max_abs_diff_vs_plain": worst,
+              "tolerance": tolerance,
+              "published_bytes": published.handle.total_bytes})
+    except Exception as exc:  # noqa: BLE001
+        failed(row, exc)
+    finally:
+        if group is not None:
+            group.close()
+
+
+FORK_CHILD = r"""
+import os, sys, torch
+from flexmarl.workers.precision import visible_devices
+if sys.argv[1] == "is_available":
+    torch.cuda.is_available()  # what workers/main.py did before: the CUDA runtime counts the GPUs
+devices, _ = visible_devices()
+pid = os.fork()  # as vLLM forks its tensor-parallel workers
+if pid == 0:
+    try:
+        torch.ones(4, device="cuda").sum().item()
+        os._exit(0)
+    except BaseException as exc:
+        print(f"child: {exc!r}"[:300], file=sys.stderr, flush=True)
+        os._exit(1)
+_, status = os.waitpid(pid, 0)
+print(devices[0], os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_fork_safe(args, device: torch.device) -> None:
+    """A worker that counts its GPUs the way workers/main.py does can still fork children
+    that use CUDA; the CUDA runtime's count (torch.cuda.is_available) is shown beside it."""
+    row = {"part": "fork_safe"}
+    if device.type != "cuda":
+        emit({**row, "ok": True, "skipped": "needs CUDA"})
+        return
+    try:
+        codes = {}
+        for how in ("visible_devices", "is_available"):
+            proc = subprocess.run([sys.executable, "-c", FORK_CHILD, how], capture_output=True, text=True,
+                                  timeout=300, cwd=ROOT)
+            codes[how] = proc.stdout.strip() or proc.stderr.strip()[-300:]
+        ok = codes["visible_devices"].endswith(" 0")
+        emit({**row, "ok": ok, "child_after_visible_devices": codes["visible_devices"],
+              "child_after_is_available": codes["is_available"]})
+    except Exception as exc:  # noqa: BLE001
+        failed(row, exc)
+
+
+def run_nccl_setup(args, device: torch.device) -> None:
+    row = {"part": "nccl_setup"}
+    if device.type != "cuda":
+        emit({**row, "ok": True, "skipped": "needs CUDA and CuPy"})
+        return
+    try:
+        from flexmarl.runtime import param_nccl
+        from flexmarl.runtime.param_types import NcclInfo
+
+        t0 = time.perf_counter()
+        info = NcclInfo(param_nccl.new_unique_id(), 1, "check")
+        comm = param_nccl.CupyCommunicator(info, 0, device)
+        setup_s = time.perf_counter() - t0
+        bucket = torch.arange(4096, dtype=torch.uint8, device=device)
+        expect = bucket.clone()
+        t0 = time.perf_counter()
+        comm.broadcast(bucket)
+        broadcast_s = time.perf_counter() - t0
+        comm.close()
+        # ncclCommAbort, what a receive that timed out does to its communicator
+        aborted = param_nccl.CupyCommunicator(NcclInfo(param_nccl.new_unique_id(), 1, "abort"), 0, device)
+        aborted.abort()
+        emit({**row, "ok": torch.equal(bucket, expect), "setup_s": setup_s, "broadcast_s": broadcast_s,
+              "abort": "ran"})
+    except Exception as exc:  # noqa: BLE001
+        failed(row, exc)
+
+
+# ------------------------------------------------------------------------- main
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'part':<11} {'shape':<13} {'what':<34} {'figure':<38} ok"]
+    for r in rows:
+        what, figure = "", ""
+        if r.get("skipped") or r.get("not_run"):
+            figure = (r.get("skipped") or r.get("not_run"))[:38]
+        elif r["part"] == "train" and "tokens_per_s" in r:
+            what = f"{r['precision']} ckpt={'on' if r['activation_checkpointing'] else 'off'}"
+            figure = f"{r['tokens_per_s']:,.0f} tok/s, peak {r['peak_gib']:.1f} GiB"
+        elif r["part"] == "cuda_ipc" and "receive_gb_per_s" in r:
+            what = f"{r['bytes'] / 1e9:.2f} GB {'/'.join(r['dtypes'])}"
+            figure = f"{r['receive_gb_per_s']:.0f} GB/s, {r['ratio_vs_d2d']:.2f}x d2d"
+        elif r["part"] == "park" and "bytes" in r:
+            what = f"{r['tensors']} tensors, {r['bytes'] / 1e9:.2f} GB"
+            figure = f"offload {r['offload_s']:.2f} s, byte-exact" if r["ok"] else "MISMATCH"
+        elif r["part"] == "fsdp2" and "step_s" in r:
+            what = "one rank, NCCL"
+            figure = f"step {r['step_s']:.2f} s, diff {r['max_abs_diff_vs_plain']:.1e}"
+        elif r["part"] == "nccl_setup" and "setup_s" in r:
+            figure = f"set-up {r['setup_s'] * 1e3:.0f} ms"
+        elif r["part"] == "fork_safe" and "child_after_visible_devices" in r:
+            figure = f"forked child exit {r['child_after_visible_devices'].split()[-1]}"
+        elif r["part"] == "gpu_tests":
+            figure = r.get("summary", "")[:38]
+        elif "error" in r:
+            figure = r["error"][:38]
+        lines.append(f"{r['part']:<11} {r.get('shape', ''):<13} {what:<34} {figure:<38} {'yes' if r['ok'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, CUDA-only parts skipped")
+    parser.add_argument("--shapes", default="", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--parts", default="gpu_tests,fork_safe,nccl_setup,train,cuda_ipc,park,fsdp2")
+    parser.add_argument("--batch", type=int, default=8, help="samples per micro-batch")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=384)
+    parser.add_argument("--iterations", type=int, default=3, help="timed micro-batch + step iterations")
+    parser.add_argument("--tests-timeout", type=float, default=420.0)
+    parser.add_argument("--models", default="", help="where to build the models (default: a temporary directory)")
+    parser.add_argument("--out", default="", help="also write the JSON rows here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    from flexmarl.workers.precision import cuda_device_count
+
+    if args.dry_run:
+        device = torch.device("cpu")
+        shapes = args.shapes.split(",") if args.shapes else ["tiny-qwen2"]
+        args.batch, args.prompt_len, args.output_len, args.iterations = 2, 8, 8, 1
+    elif cuda_device_count() == 0:
+        print("no CUDA device here; use --dry-run for the CPU rehearsal", file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda:0")
+        shapes = args.shapes.split(",") if args.shapes else ["qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-1b"]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    parts = set(args.parts.split(","))
+    emit({"part": "env", "ok": True, "torch": torch.__version__, "device": str(device),
+          "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+          "shapes": shapes, "dry_run": args.dry_run})
+    for part, why in NOT_RUN.items():
+        emit({"part": part, "ok": True, "not_run": why})
+
+    with contextlib.ExitStack() as stack:
+        root = Path(args.models) if args.models else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        if "gpu_tests" in parts:
+            run_gpu_tests(args)
+        if "nccl_setup" in parts:
+            run_nccl_setup(args, device)
+        if "fork_safe" in parts:
+            run_fork_safe(args, device)
+        for shape in shapes:
+            try:
+                t0 = time.perf_counter()
+                path = build_model(shape, root, device)
+                emit({"part": "build", "shape": shape, "ok": True, "seconds": time.perf_counter() - t0})
+            except Exception as exc:  # noqa: BLE001
+                failed({"part": "build", "shape": shape}, exc)
+                continue
+            if "train" in parts:
+                run_train(args, shape, path, device)
+            if "cuda_ipc" in parts:
+                run_cuda_ipc(args, shape, path, device)
+            if "park" in parts:
+                run_park(args, shape, path, device)
+            if "fsdp2" in parts and shape == shapes[0]:
+                run_fsdp2(args, shape, path, device)
+    print(table(ROWS), flush=True)
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    bad = [r for r in ROWS if not r["ok"]]
+    if bad:
+        print(f"GPU CHECK FAILED: {len(bad)} part(s): {', '.join(sorted({r['part'] for r in bad}))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
