@@ -88,6 +88,7 @@ class SetupProgress:
                 self._rich.update(stage._task, completed=stage.done or stage.total or 1,
                                   total=stage.total or stage.done or 1)
                 self._rich.stop()
+                self._rich.remove_task(stage._task)  # shown once: the next stage starts a clean display
             log.info("%s: done in %.1fs", description, seconds)
 
     def _refresh_rich(self, stage: Stage, stop: threading.Event) -> None:

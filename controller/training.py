@@ -228,8 +228,11 @@ class TrainingRun:
             def building(name: str, agent: str = agent) -> Any:
                 return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
             self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model, None, building)
-            if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
-                self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
+        with display.stage(f"loading the tokenizers of {len(self.agents)} agents") as stage:
+            for agent in self.agents:
+                if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
+                    self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
+                stage.update(len(self.tokenizers), len(self.agents))
         weight = {a: self._expected_tokens(a) for a in self.agents}
         self.client.assignment = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
         saved = self.resume.state.get("rollout_assignment") if self.resume else None
