@@ -5,8 +5,10 @@ metrics.jsonl holds one JSON object per agent per optimizer step with at least `
 plus the signals a researcher reads to trust a run: the trained samples' staleness (mean,
 max), the stage times, and the trainer's step statistics (loss, grad_norm, entropy,
 response lengths, logprob_abs_diff and rollout_kl between sampler and trainer, clip_frac,
-ref_kl). Evaluations add rows with `"kind": "eval"`. Each line is flushed as it is
-written, so a crashed run keeps every finished step.
+ref_kl) and the step's failed episodes (`episodes_failed`). Evaluations add rows with
+`"kind": "eval"`. Each line is flushed as it is written, so a crashed run keeps every
+finished step. With a sample log (sample_log.py), each step's trained samples go to it.
+The progress line's time and ETA count from `training_started()` (after set-up).
 """
 
 from __future__ import annotations
