@@ -21,6 +21,7 @@ It does not know pipelines, trainers or how samples are made.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,14 +43,20 @@ class _Snapshot:
 
 class SampleLog:
     def __init__(self, run_dir: str | Path, per_step: int, tokenizers: dict[str, Any],
-                 trackers: Iterable[Any] = (), *, resumed: bool = False) -> None:
+                 trackers: Iterable[Any] = (), *, resumed_after: int | None = None) -> None:
         self.per_step = per_step
         self.tokenizers = tokenizers  # agent -> AgentTokenizer, filled at set-up
         self.trackers = list(trackers)
         self.path = Path(run_dir) / FILE
         self._kept: dict[str, dict[str, _Snapshot]] = defaultdict(dict)  # agent -> sample id -> snapshot
-        if not resumed:
+        if resumed_after is None:
             self.path.unlink(missing_ok=True)
+        elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and _step_of(line) is not None and _step_of(line) <= resumed_after]
+            tmp = self.path.with_name(FILE + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
 
     def group_ready(self, agent: str, samples: list[Any]) -> None:
         for s in samples:
@@ -104,6 +111,13 @@ class SampleLog:
     def _decoder(self, agent: str) -> Callable[[list[int]], str]:
         tok = self.tokenizers.get(agent)
         return tok.decode if tok is not None else (lambda ids: " ".join(map(str, ids)))
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a line torn by a crash
+        return None
 
 
 def pick(items: list[tuple[str, _Snapshot]], n: int) -> list[tuple[str, _Snapshot]]:

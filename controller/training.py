@@ -130,7 +130,7 @@ class TrainingRun:
         self.sample_log = None  # a few trained samples per agent per step, as text (run.samples_per_step)
         if cfg.run.samples_per_step > 0:
             self.sample_log = SampleLog(self.run_dir, cfg.run.samples_per_step, self.tokenizers, trackers,
-                                        resumed=resume is not None)
+                                        resumed_after=resume.step if resume is not None else None)
             self.store.on_ready.append(lambda group: self.sample_log.group_ready(
                 group.agent, [self.store.samples[sid] for sid in group.sample_ids]))
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress, trackers=trackers,

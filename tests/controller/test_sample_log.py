@@ -56,3 +56,11 @@ def test_samples_are_printed_by_step_then_agent_and_can_be_filtered(tmp_path):
     assert [h.split("(")[0] for h in heads] == ["=== step 1  agent a  ", "=== step 1  agent b  ",
                                                 "=== step 2  agent a  ", "=== step 2  agent b  "]
     assert format_samples(read_samples(tmp_path), step=2, agent="b").count("===") == 1
+
+
+def test_a_resumed_run_keeps_the_samples_up_to_its_checkpoint_and_writes_the_rest_again(tmp_path):
+    rows = [{"step": s, "agent": "a", "sample_id": f"g{s}", "reward": 1.0, "versions": [0], "turns": []}
+            for s in (1, 2, 3)]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "ag')
+    SampleLog(tmp_path, 1, {}, resumed_after=2)
+    assert [r["step"] for r in read_samples(tmp_path)] == [1, 2]
