@@ -32,6 +32,7 @@ class DataError(ValueError):
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
     import datasets
 
+    datasets.disable_progress_bars()  # a few rows in memory: its bars would only clutter the run's output
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset {str(path)!r} does not exist")
