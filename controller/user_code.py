@@ -21,6 +21,7 @@ from typing import Callable
 
 from flexmarl.runtime.user_modules import import_file
 
+from .failures import user_frame
 from .workflows import WORKFLOWS
 
 
@@ -67,4 +68,6 @@ def _import_file(path_text: str, spec: str):
     try:
         return import_file(path, "flexmarl_workflow")
     except Exception as exc:
-        raise WorkflowError(f"run.workflow = {spec!r}: running {path} failed: {type(exc).__name__}: {exc}") from exc
+        where = user_frame(exc)
+        raise WorkflowError(f"run.workflow = {spec!r}: running {path} failed: {type(exc).__name__}: {exc}"
+                            + (f" (at {where})" if where else "")) from exc

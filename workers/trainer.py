@@ -146,9 +146,21 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
     return StepSums.from_tensors({k[len("step/"):]: v for k, v in dst.items() if k.startswith("step/")})
 
 
+# A model directory's weight files: a checkpoint writes its own, never the model's.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
+
+
+def carried_with_weights(path: Path) -> bool:
+    """A file of the model directory a checkpoint copies as it is: everything the
+    tokenizer needs (tokenizer.json, its config, chat_template.jinja, vocab and merges
+    files, sentencepiece models) and the generation config; not weights, not folders."""
+    return path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES)
+
+
 def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tuple[Path, int]:
-    """Has `write(tmp)` fill a temporary directory next to `path`, adds the tokenizer files
-    of `model_path` (they travel with the weights), then renames it to `path`: a crash or a
+    """Has `write(tmp)` fill a temporary directory next to `path`, adds the other files of
+    `model_path` (tokenizer, chat template, generation config: they travel with the
+    weights; `carried_with_weights`), then renames it to `path`: a crash or a
     full disk mid-save never leaves a half-written checkpoint there, and a failed save
     leaves nothing. Returns the path and the bytes written."""
     path = Path(path)
@@ -157,7 +169,7 @@ def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tupl
     try:
         write(tmp)
         for extra in Path(model_path).iterdir():
-            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            if carried_with_weights(extra) and extra.name != "config.json":  # the saved model's config stays
                 shutil.copy(extra, tmp / extra.name)
         nbytes = sum(f.stat().st_size for f in tmp.iterdir())
         shutil.rmtree(path, ignore_errors=True)
