@@ -64,6 +64,23 @@ def test_a_swapped_training_state_comes_back_byte_exact(model_dir):
     h.close(), other.close()
 
 
+def test_a_swap_in_copies_the_parked_state_into_weights_it_never_initialised(model_dir, monkeypatch):
+    # Random init of a 0.5B model takes longer than copying its state in; it is wasted work.
+    from transformers.models.llama import modeling_llama
+
+    h = trained_handler(model_dir)
+    out = h._execute(p.OffloadAgent(5, "planner"))
+    initialised = []
+    original = modeling_llama.LlamaPreTrainedModel._init_weights
+    monkeypatch.setattr(modeling_llama.LlamaPreTrainedModel, "_init_weights",
+                        lambda self, module: (initialised.append(type(module).__name__), original(self, module)))
+    other = TrainerHandler()
+    other._execute(p.LoadAgent(6, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
+    assert initialised == []
+    assert other.agents["planner"].version == out.version
+    h.close(), other.close()
+
+
 def test_a_corrupted_parked_copy_is_refused_and_nothing_is_trained_on_it(model_dir):
     h = trained_handler(model_dir)
     out = h._execute(p.OffloadAgent(5, "planner"))
