@@ -123,8 +123,10 @@ def model_skeleton(model_path: str, dtype: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    with no_init_weights():  # it skips tying too: a tied head would be a separate tensor
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    model.tie_weights()
+    return model
 
 
 def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any) -> StepSums:
