@@ -115,6 +115,20 @@ def training_state(model: Any, optimizer: Any, sums: StepSums | None = None) -> 
     return tensors
 
 
+def model_skeleton(model_path: str, dtype: Any) -> Any:
+    """The model of `model_path`'s config with its parameters allocated but not initialised,
+    for a state that is about to be copied in (a swap-in, a resume). Initialising first
+    would write every weight twice: for a 0.5B model, random init takes longer than the
+    copy itself. Buffers computed at construction (rotary frequencies) are still built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # it skips tying too: a tied head would be a separate tensor
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    model.tie_weights()
+    return model
+
+
 def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any) -> StepSums:
     """Inverse of `training_state`: the parked state named by `handle` goes straight into a
     freshly built model (weights) and new tensors (gradients, optimizer state, step sums),
@@ -369,7 +383,6 @@ class TrainerHandler(CommandHandler):
 
     def _load_agent(self, msg: protocol.LoadAgent) -> protocol.AgentReady:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
 
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
@@ -377,8 +390,7 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"the parked state of {msg.agent} is sharded over the {len(msg.shards) + 1} ranks of a "
                              "trainer group; only a group of that size can load it")
         placement = TrainPlacement.resolve(msg.settings)
-        config = AutoConfig.from_pretrained(msg.model_path)
-        model = AutoModelForCausalLM.from_config(config, dtype=placement.param_dtype)
+        model = model_skeleton(msg.model_path, placement.param_dtype)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped, so this trainer and the parked copy stay as they were.
