@@ -171,6 +171,10 @@ class TrainerAllocator:
                     self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
                     parked.version, parked.accumulated, parked.handle, cfg.trainer_settings(), parked.shards))
             except WorkerDied:
+                if getattr(self.server, "closing", False):
+                    # Shutting down: the pool keeps its trainers, so acquire() would place
+                    # the agent on this dead one again at once, forever, without yielding.
+                    raise
                 # Nothing was trained on a half-loaded state: the parked copy is still the
                 # owner, and acquire() places the agent on a trainer that is alive.
                 self.trainer_died(trainer)

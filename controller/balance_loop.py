@@ -37,7 +37,7 @@ from flexmarl.runtime.config import RouterConfig
 
 from .balance_rules import AgentDemand, RolloutBalancer
 
-log = logging.getLogger("flexmarl.rebalance")
+log = logging.getLogger("flexmarl.balance_loop")
 
 DRAIN_TIMEOUT_S = 30.0  # an instance whose work has not drained by then stays where it was
 # What a move is assumed to cost until one has been measured: a vLLM engine restart on a

@@ -42,6 +42,7 @@ from flexmarl.runtime.config import PipelineConfig
 
 from . import decisions
 from .allocator import AgentLost
+from .failures import RunFailed, too_many_failures
 from .schedule import BatchSchedule
 from .server import WorkerDied
 from .store import ExperienceStore, Sample
@@ -116,6 +117,7 @@ class AgentPipeline:
                         # crash right after the checkpoint loses no row (the resume starts after it).
                         self.metrics.record(batch, self.agent, batch, trained, times,
                                             step_s=round(now - last_end, 4), skipped_steps=self.skipped_steps,
+                                            episodes_failed=self.schedule.batches[batch].episodes_failed,
                                             **step_signals(stats))
                         recorded, last_end = True, now
                     else:
@@ -172,7 +174,7 @@ class AgentPipeline:
             await self.schedule.wait_for_work(self.agent)
         trained = [s for mb in self.kept[batch] for s in mb]
         if not trained:
-            log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", self.agent, batch)
+            self._no_samples(batch)
         outcomes = await asyncio.gather(*written, return_exceptions=True)
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
@@ -184,6 +186,25 @@ class AgentPipeline:
             await asyncio.gather(stepping, return_exceptions=True)
             raise
         return trained, train_s, stepping
+
+    def _no_samples(self, batch: int) -> None:
+        """An agent with nothing to train in a step learns nothing: the run stops, unless
+        the config allows it (a workflow that calls the agent only now and then)."""
+        progress = self.schedule.batches[batch]
+        hopeless = too_many_failures(batch, progress.episodes_failed, self.cfg.queries_per_step,
+                                     self.cfg.max_failed_share, progress.first_failure)
+        if hopeless is not None:  # the producer says the same; whichever of us is first
+            raise hopeless
+        if self.cfg.allow_empty_steps:
+            log.warning("agent %s has no trainable samples in step %d (%d failed episodes)", self.agent, batch,
+                        progress.episodes_failed)
+            return
+        first = (f"{progress.episodes_failed} of its episodes failed; the first failure:\n{progress.first_failure}\n"
+                 if progress.first_failure else f"no episode failed: the workflow did not call "
+                 f"{self.agent!r} in this step (or dropped what it made).\n")
+        raise RunFailed(f"the run cannot learn: agent {self.agent!r} got no trainable sample in step {batch}: "
+                        f"{first}Fix the workflow, or set pipeline.allow_empty_steps = true if {self.agent!r} "
+                        f"is meant to sit some steps out.")
 
     def _send(self, version: int, mb: list[Sample], written: list[asyncio.Future]) -> asyncio.Future:
         """Starts training `mb`; appends to `written` a future done once it is written to

@@ -1,11 +1,12 @@
 """The batch schedule: where every global batch stands, the staleness gate, wake-ups.
 
-One `BatchProgress` record per global batch (episodes left, when its rollout started and
-ended, how many agents have stepped it, when the last one synced). `BatchSchedule` holds
-them and the events the loops wait on; it reads each agent's synced version from
-`SyncedVersions` (versions.py), which it does not write:
+One `BatchProgress` record per global batch (episodes left and failed, when its rollout
+started and ended, how many agents have stepped it, when the last one synced).
+`BatchSchedule` holds them and the events the loops wait on; it reads each agent's synced
+version from `SyncedVersions` (versions.py), which it does not write:
 - the episode producer waits in `wait_to_start(batch)` (sync mode: until every agent's
-  weights are at batch - 1; async mode: never) and reports `episode_ended(batch)`;
+  weights are at batch - 1; async mode: never) and reports `episode_ended(batch)` (a
+  failed one with why: counted, the first kept for the error that stops the run);
 - every turn of an episode waits at `gate(agent, batch)` until the agent's rollout weights
   are within the staleness bound for the batch;
 - each agent's pipeline waits in `wait_for_work(agent)`, woken by `work_arrived(agent)`
@@ -39,6 +40,8 @@ class BatchProgress:
     rollout_end: float | None = None  # its last episode ended
     agents_stepped: int = 0
     trained: float | None = None  # every agent stepped and synced it
+    episodes_failed: int = 0
+    first_failure: str = ""  # the first failed episode's reason and the user's traceback
 
     @property
     def rollout_s(self) -> float:
@@ -80,9 +83,13 @@ class BatchSchedule:
         if progress.started is None:
             progress.started = self.clock()
 
-    def episode_ended(self, batch: int) -> None:
+    def episode_ended(self, batch: int, failure: str = "") -> None:
+        """One episode of `batch` ended; `failure` says why it failed ("" if it did not)."""
         progress = self.batches[batch]
         progress.episodes_left -= 1
+        if failure:
+            progress.episodes_failed += 1
+            progress.first_failure = progress.first_failure or failure
         if progress.episodes_left == 0:
             progress.rollout_end = self.clock()
             progress.rollout_done.set()

@@ -55,16 +55,18 @@ from flexmarl.runtime.model_specs import has_tokenizer
 from . import decisions
 from .allocator import TrainerAllocator
 from .checkpoints import Checkpointer, ResumePoint, check_resume, controller_state, exactness_settings
-from .data import Dataset
+from .data import DataError, Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
 from .instances import Admission, RolloutInstances
 from .metrics import MetricsLog
-from .model_resolution import resolve_model
+from .model_resolution import check_model, resolve_model
 from .pipeline import AgentPipeline
+from .progress import SetupProgress
 from .balance_loop import Rebalancer
 from .rejoin import Rejoin
 from .router import RolloutClient
+from .sample_log import SampleLog
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .tokens import AgentTokenizer
@@ -118,6 +120,8 @@ class TrainingRun:
             raise ValueError("the config defines no agents ([agents.NAME] tables)")
         p = cfg.pipeline
         self.workflow = load_workflow(cfg.run.workflow)
+        for agent in self.agents:  # a model name that names nothing fails now, not after the engines start
+            check_model(cfg.agents[agent].model)
         self.store = ExperienceStore(self.agents, emit=emit,
                                      std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
         self.versions = SyncedVersions(self.agents)
@@ -134,21 +138,28 @@ class TrainingRun:
             truncate_metrics(self.run_dir / "metrics.jsonl", resume.step)
             self.schedule.resume_after(resume.step)
             self.versions.resume_at(resume.step)
-        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
-                                  trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents),
-                                  resumed=resume is not None, first_step=self.schedule.first_batch)
+        trackers = open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents)
+        self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
+        self.sample_log = None  # a few trained samples per agent per step, as text (run.samples_per_step)
+        if cfg.run.samples_per_step > 0:
+            self.sample_log = SampleLog(self.run_dir, cfg.run.samples_per_step, self.tokenizers, trackers,
+                                        resumed_after=resume.step if resume is not None else None)
+            self.store.on_ready.append(lambda group: self.sample_log.group_ready(
+                group.agent, [self.store.samples[sid] for sid in group.sample_ids]))
+        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress, trackers=trackers,
+                                  resumed=resume is not None, first_step=self.schedule.first_batch,
+                                  sample_log=self.sample_log)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
                                        keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                        controller_state=self._controller_state,
                                        full_state=cfg.cluster.trainer_group_size == 1)
         d = cfg.data
-        self.dataset = Dataset.from_path(d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
+        self.dataset = _dataset("data.train", d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
         if self.dataset is not None:
             self.dataset.check_serves(cfg.run.steps * p.queries_per_step, "run.steps x pipeline.queries_per_step")
         # Held-out rows in file order, cycled as often as evaluations ask.
-        eval_data = Dataset.from_path(d.eval, cfg.run.seed, shuffle=False) if d.eval else None
+        eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
-        self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
                                         self.dataset, self.tools, self.tokenizers)
         if resume is not None:
@@ -192,6 +203,7 @@ class TrainingRun:
             await self.setup()
             self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
+            self.metrics.training_started()
             loops = [asyncio.create_task(self.episodes.run(), name="episodes"),
                      asyncio.create_task(self.rejoin.run(), name="rejoin"),
                      *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in self.pipelines.items())]
@@ -224,10 +236,16 @@ class TrainingRun:
 
     async def setup(self) -> None:
         cfg = self.cfg
+        display = SetupProgress(cfg.run.progress)
         for agent in self.agents:
-            self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model)
-            if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
-                self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
+            def building(name: str, agent: str = agent) -> Any:
+                return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
+            self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model, None, building)
+        with display.stage(f"loading the tokenizers of {len(self.agents)} agents") as stage:
+            for agent in self.agents:
+                if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
+                    self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
+                stage.update(len(self.tokenizers), len(self.agents))
         weight = {a: self._expected_tokens(a) for a in self.agents}
         placement = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
         saved = self.resume.state.get("rollout_assignment") if self.resume else None
@@ -250,8 +268,17 @@ class TrainingRun:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.instances, self.admission, self.client,
                                          self.server, self.weights, self.model_path, self.emit,
                                          lambda: self.schedule.finished)
-        admitted = await asyncio.gather(*(self._place(a, w) for a, ws in placement.items() for w in ws),
-                                        self._init_agents())
+        engines = [(a, w) for a, ws in placement.items() for w in ws]
+        with display.stage(f"starting {len(engines)} rollout engines and {len(self.agents)} training states") as stage:
+            stage.update(0, len(engines) + 1)
+
+            async def counted(work: Awaitable[Any]) -> Any:
+                result = await work
+                stage.update((stage.done or 0) + 1)
+                return result
+
+            admitted = await asyncio.gather(*(counted(self._place(a, w)) for a, w in engines),
+                                            counted(self._init_agents()))
         if not all(admitted[:-1]):
             raise RuntimeError("a rollout worker died or failed while starting its engine at set-up; see its log "
                                "in the run directory's logs/ folder")
@@ -328,6 +355,13 @@ class TrainingRun:
                      for a in self.agents}
         return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset,
                                 self.episodes.episode_number(step + 1, 0))
+
+
+def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:
+    try:
+        return Dataset.from_path(path, seed, shuffle, epochs)
+    except DataError as exc:
+        raise DataError(f"{key}: {exc}") from None
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -119,6 +119,20 @@ def training_state(model: Any, optimizer: Any, sums: StepSums | None = None) -> 
     return tensors
 
 
+def model_skeleton(model_path: str, dtype: Any) -> Any:
+    """The model of `model_path`'s config with its parameters allocated but not initialised,
+    for a state that is about to be copied in (a swap-in, a resume). Initialising first
+    would write every weight twice: for a 0.5B model, random init takes longer than the
+    copy itself. Buffers computed at construction (rotary frequencies) are still built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # it skips tying too: a tied head would be a separate tensor
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    model.tie_weights()
+    return model
+
+
 def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any) -> StepSums:
     """Inverse of `training_state`: the parked state named by `handle` goes straight into a
     freshly built model (weights) and new tensors (gradients, optimizer state, step sums),
@@ -150,9 +164,21 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
     return StepSums.from_tensors({k[len("step/"):]: v for k, v in dst.items() if k.startswith("step/")})
 
 
+# A model directory's weight files: a checkpoint writes its own, never the model's.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
+
+
+def carried_with_weights(path: Path) -> bool:
+    """A file of the model directory a checkpoint copies as it is: everything the
+    tokenizer needs (tokenizer.json, its config, chat_template.jinja, vocab and merges
+    files, sentencepiece models) and the generation config; not weights, not folders."""
+    return path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES)
+
+
 def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tuple[Path, int]:
-    """Has `write(tmp)` fill a temporary directory next to `path`, adds the tokenizer files
-    of `model_path` (they travel with the weights), then renames it to `path`: a crash or a
+    """Has `write(tmp)` fill a temporary directory next to `path`, adds the other files of
+    `model_path` (tokenizer, chat template, generation config: they travel with the
+    weights; `carried_with_weights`), then renames it to `path`: a crash or a
     full disk mid-save never leaves a half-written checkpoint there, and a failed save
     leaves nothing. Returns the path and the bytes written."""
     path = Path(path)
@@ -161,7 +187,7 @@ def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tupl
     try:
         write(tmp)
         for extra in Path(model_path).iterdir():
-            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            if carried_with_weights(extra) and extra.name != "config.json":  # the saved model's config stays
                 shutil.copy(extra, tmp / extra.name)
         nbytes = sum(f.stat().st_size for f in tmp.iterdir())
         shutil.rmtree(path, ignore_errors=True)
@@ -233,15 +259,14 @@ class TrainerHandler(CommandHandler):
         """A model for `msg.agent` with its optimizer: the model directory's weights
         (`pretrained`), or empty ones a parked state is received into (`_receive`)."""
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         placement = TrainPlacement.resolve(msg.settings)
         if pretrained:
             model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
             placement.prepare(model)
         else:  # received in host memory first, then onto the device (`_receive`)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(msg.model_path),
-                                                     dtype=placement.param_dtype)
+            model = model_skeleton(msg.model_path, placement.param_dtype)
         return model, torch.optim.Adam(model.parameters(), lr=msg.lr), placement
 
     def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:

@@ -55,7 +55,7 @@ from flexmarl.runtime import protocol
 
 from .loss import StepSums
 from .precision import TrainPlacement
-from .trainer import AgentState, TrainerHandler, training_state
+from .trainer import AgentState, TrainerHandler, model_skeleton, training_state
 
 log = logging.getLogger("flexmarl.trainer_group")
 
@@ -198,14 +198,13 @@ class TrainerGroupHandler(TrainerHandler):
 
     def _new_model(self, msg: protocol.InitAgent | protocol.LoadAgent,
                    pretrained: bool) -> tuple[Any, Any, TrainPlacement]:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         placement = TrainPlacement.resolve(msg.settings, self.device)
         if pretrained:
             model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
         else:
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(msg.model_path),
-                                                     dtype=placement.param_dtype)
+            model = model_skeleton(msg.model_path, placement.param_dtype)  # the parked state is copied in
         placement.prepare(model)
         self._shard(model, placement)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)

@@ -133,6 +133,31 @@ async def test_a_trainer_dying_while_loading_leaves_the_parked_copy_as_owner_and
     assert any("died while loading" in e.why for e in events if isinstance(e, ev.AllocationChanged))
 
 
+async def test_a_swap_in_that_meets_a_dead_trainer_during_shutdown_raises_instead_of_retrying_forever():
+    import pytest
+
+    from flexmarl.controller.server import WorkerDied
+
+    server = FakeTrainers()
+    alloc, events = make_allocator(server, ["t0"])
+    await place(alloc, "a")
+    await place(alloc, "b")  # a parked off t0
+    server.closing = True  # shutdown was sent: trainers leaving no longer shrink the pool
+    server.die.add(("t0", "LoadAgent"))
+    real_emit, emitted = alloc.emit, []
+
+    def emit(event):  # a retry loop never yields to the event loop: stop it by its events
+        emitted.append(event)
+        if len(emitted) > 100:
+            raise AssertionError("the allocator retried the swap-in without end")
+        real_emit(event)
+
+    alloc.emit = emit
+    with pytest.raises(WorkerDied):
+        await alloc.acquire("a")
+    assert [name for _, name, _ in server.calls].count("LoadAgent") == 1  # tried once, not again
+
+
 async def test_a_dead_holder_of_a_parked_copy_does_not_fail_a_swap_that_already_loaded_it():
     server = FakeTrainers()
     alloc, _ = make_allocator(server, ["t0", "t1"])

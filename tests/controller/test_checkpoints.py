@@ -202,7 +202,7 @@ def training_run(tmp_path, *overrides, resume=None):
     rows = tmp_path / "rows.jsonl"
     if not rows.exists():
         rows.write_text("".join(json.dumps({"q": i}) + "\n" for i in range(10)))
-    cfg = load_config(None, [f"data.train='{rows}'", "pipeline.queries_per_step=3", "agents.a.model=x",
+    cfg = load_config(None, [f"data.train='{rows}'", "pipeline.queries_per_step=3", "agents.a.model=tiny:planner",
                              "run.progress=false", *overrides])
     server = SimpleNamespace(on_died=[], on_joined=[], registry=None)
 

@@ -85,7 +85,7 @@ class ResumedAt(ResumePoint):
 
 @pytest.fixture
 def make_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(training, "resolve_model", lambda name: f"/models/{name.replace(':', '-')}")
+    monkeypatch.setattr(training, "resolve_model", lambda name, *_: f"/models/{name.replace(':', '-')}")
     monkeypatch.setattr(training, "has_tokenizer", lambda path: False)
     runs = []
 
