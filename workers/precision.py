@@ -180,6 +180,9 @@ class TrainPlacement:
     compute_dtype: torch.dtype  # what forward and backward run in
     param_dtype: torch.dtype  # what weights, gradients and optimizer state are stored in
     activation_checkpointing: bool = False
+    # What the weights are published in, for engines to serve: the compute dtype, unless
+    # set (a trainer group computes through FSDP's own casts and says it here).
+    serve_dtype: torch.dtype | None = None
 
     @classmethod
     def resolve(cls, settings: TrainerSettings, device: str | None = None) -> TrainPlacement:
@@ -189,6 +192,13 @@ class TrainPlacement:
         if stored == torch.float16:
             raise ValueError(f"pure float16 training is refused: {PURE_FLOAT16_WHY}")
         return cls(torch.device(device), compute, stored, settings.activation_checkpointing)
+
+    @property
+    def publish_dtype(self) -> torch.dtype:
+        """Mixed precision keeps float32 master weights, but the model computes (and the
+        engine serves) in the lower dtype: publishing float32 would move twice the bytes
+        an engine needs, and make every process on the way hold them."""
+        return self.serve_dtype or self.compute_dtype
 
     @property
     def autocasts(self) -> bool:

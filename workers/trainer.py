@@ -284,9 +284,10 @@ class TrainerHandler(CommandHandler):
         """Every process's sums of a micro-batch, added up."""
         return sums
 
-    def _full_weights(self, state: AgentState) -> dict[str, Any]:
-        """The agent's whole parameters (a tied head once, as the embedding; receivers know the tie)."""
-        return {k: v.detach() for k, v in state.model.named_parameters()}
+    def _full_weights(self, state: AgentState, dtype: Any) -> dict[str, Any]:
+        """The agent's whole parameters in `dtype` (a tied head once, as the embedding;
+        receivers know the tie)."""
+        return {k: v.detach().to(dtype) for k, v in state.model.named_parameters()}
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         """The part of the agent's training state this process parks."""
@@ -388,16 +389,13 @@ class TrainerHandler(CommandHandler):
         state = self._resident(msg.agent)
         if msg.version not in (state.version, protocol.CURRENT_VERSION):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
-        source = self._full_weights(state)  # every process takes part in gathering them
+        dtype = state.placement.publish_dtype  # the compute dtype, not mixed precision's float32
+        source = self._full_weights(state, dtype)  # every process takes part in gathering them
         if self.rank != 0:
             return None
-        if state.placement.autocasts:
-            # Mixed precision: float32 master weights, but the model computes in the lower
-            # dtype and the engine serves in it. Publishing float32 would move twice the bytes
-            # an engine needs (and make it hold them while it loads).
-            source = {k: v.to(state.placement.compute_dtype) for k, v in source.items()}
         # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
-        elif msg.transport == "shm" and state.placement.device.type == "cpu" and self.world == 1:
+        if (msg.transport == "shm" and state.placement.device.type == "cpu" and self.world == 1
+                and dtype == state.placement.param_dtype):
             if state.bucket is None:
                 # From now on the parameters live in shared memory and a publish copies nothing.
                 state.bucket = self.channel().shared_bucket(source)

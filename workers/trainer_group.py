@@ -210,7 +210,8 @@ class TrainerGroupHandler(TrainerHandler):
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
         # FSDP does the mixed precision; an autocast on top would only cast twice.
         return model, optimizer, TrainPlacement(placement.device, placement.param_dtype, placement.param_dtype,
-                                                placement.activation_checkpointing)
+                                                placement.activation_checkpointing,
+                                                serve_dtype=placement.compute_dtype)
 
     def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:
         return receive_shard(self.channel(), ([msg.handle] + list(msg.shards))[self.rank], model, optimizer)
@@ -233,9 +234,10 @@ class TrainerGroupHandler(TrainerHandler):
         dist.all_reduce(longest, dist.ReduceOp.MAX, group=self.control)
         return StepSums.from_tensors({**dict(zip(names, summed)), "length_max": longest[0]})
 
-    def _full_weights(self, state: AgentState) -> dict[str, Any]:
-        # Every rank takes part in gathering each tensor; rank 0 keeps the full weights.
-        return {k: v.detach().full_tensor() for k, v in state.model.named_parameters()}
+    def _full_weights(self, state: AgentState, dtype: Any) -> dict[str, Any]:
+        # Every rank takes part in gathering each tensor; rank 0 keeps the full weights,
+        # each cast as soon as it is gathered: rank 0 never holds the whole float32 set.
+        return {k: v.detach().full_tensor().to(dtype) for k, v in state.model.named_parameters()}
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         return {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}

@@ -143,7 +143,7 @@ def test_a_groups_publish_names_the_agents_nccl_communicator(monkeypatch):
     model = torch.nn.Linear(2, 2)
     handler.agents["a"] = AgentState("a", model, None, "/models/a", 3, 1.0)
     monkeypatch.setattr(handler, "_full_weights",
-                        lambda state: {k: v.detach() for k, v in state.model.named_parameters()})
+                        lambda state, dtype: {k: v.detach().to(dtype) for k, v in state.model.named_parameters()})
     published = []
 
     class Channel:
@@ -156,3 +156,34 @@ def test_a_groups_publish_names_the_agents_nccl_communicator(monkeypatch):
     assert reply.version == 3
     assert published == [(["bias", "weight"], {"agent": "a", "version": 3, "transport": "nccl", "receivers": 2,
                                                "group": "a-g1"})]
+
+
+def test_a_mixed_precision_groups_weights_are_gathered_and_published_in_the_compute_dtype(monkeypatch):
+    """FSDP does a group's mixed precision, so its placement computes in float32 as far as
+    the trainer knows; what it serves is still bfloat16, and each tensor is cast as it is
+    gathered, so rank 0 never holds the whole float32 set beside the bucket."""
+    import types
+
+    from flexmarl.workers.precision import TrainPlacement
+    from flexmarl.workers.trainer import AgentState
+
+    handler = TrainerGroupHandler(rank=0, world=2, device="cpu")
+    placement = TrainPlacement(torch.device("cpu"), torch.float32, torch.float32, serve_dtype=torch.bfloat16)
+    handler.agents["a"] = AgentState("a", torch.nn.Linear(2, 2), None, "/models/a", 3, 1.0, placement=placement)
+    asked = []
+
+    def gather(state, dtype):
+        asked.append(dtype)
+        return {k: v.detach().to(dtype) for k, v in state.model.named_parameters()}
+
+    monkeypatch.setattr(handler, "_full_weights", gather)
+    published = []
+
+    class Channel:
+        def publish(self, tensors, **options):
+            published.append({k: v.dtype for k, v in tensors.items()})
+            return types.SimpleNamespace(total_bytes=12)
+
+    handler._channel = Channel()
+    handler.COMMANDS[p.PublishWeights](handler, p.PublishWeights(1, "a", 3, "shm", ["r0"]))
+    assert asked == [torch.bfloat16] and published == [{"weight": torch.bfloat16, "bias": torch.bfloat16}]
