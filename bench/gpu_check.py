@@ -368,20 +368,23 @@ def run_fsdp2(args, shape: str, path: Path, device: torch.device) -> None:
         from flexmarl.runtime.param_channel import ParamChannel
         with ParamChannel() as receiver:
             got = receiver.receive(published.handle)
-            served = {k: got[k].dtype for k in got}
-            # Both sides as they are served: the plain trainer's weights in the group's dtype.
-            worst = max(float((got[k].float().cpu() - want[k].to(served[k]).float()).abs().max()) for k in want)
-            scale = max(float(want[k].abs().max()) for k in want)
+            # One Adam step moves each weight by lr * m / (sqrt(v) + eps), about +-lr wherever
+            # the gradient is not tiny. A gradient near zero whose sign a reordered reduction
+            # flips moves its weight the other way: up to 2 lr apart. Both sides are compared
+            # as served (the plain trainer's weights rounded to the group's dtype), where two
+            # such values may land one unit in the last place further apart: 2^-7 of the
+            # tensor's largest magnitude in bfloat16.
+            worst, tolerance, ratio = 0.0, 0.0, 0.0
+            for k in want:
+                mine = want[k].to(got[k].dtype).float()
+                diff = float((got[k].float().cpu() - mine).abs().max())
+                ulp = float(want[k].abs().max()) * (2.0**-7 if got[k].dtype == torch.bfloat16 else 2.0**-23)
+                bound = 2 * LR + ulp
+                if diff / bound > ratio:
+                    worst, tolerance, ratio = diff, bound, diff / bound
             del got
-        # One Adam step moves each weight by lr * m / (sqrt(v) + eps), about +-lr wherever
-        # the gradient is not tiny. A gradient near zero whose sign a reordered reduction
-        # flips moves its weight the other way: up to 2 lr apart. Rounded to the served
-        # dtype, two such values may land one unit in the last place further apart (bf16:
-        # 2^-7 of a weight's magnitude, at most `scale`).
-        ulp = scale * (2.0**-7 if torch.bfloat16 in served.values() else 2.0**-23)
-        tolerance = 2 * LR + ulp
         dtypes = sorted({spec.dtype for spec in published.handle.layout})
-        ok = worst <= tolerance and done.version == 1 and dtypes == ["bfloat16"]  # served as computed
+        ok = ratio <= 1.0 and done.version == 1 and dtypes == ["bfloat16"]  # served as computed
         emit({**row, "ok": ok, "group_formed_s": formed_s, "step_s": step_s, "max_abs_diff_vs_plain": worst,
               "tolerance": tolerance,
               "published_bytes": published.handle.total_bytes, "published_dtypes": dtypes})
