@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flexmarl.controller import digit_chain, models
+from flexmarl.controller import digit_chain
+from flexmarl.controller import model_resolution as models
 from flexmarl.controller.model_resolution import ModelBuildError, ModelError, resolve_model
 
 
