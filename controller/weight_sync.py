@@ -104,11 +104,22 @@ class WeightSync:
 
     async def sync(self, agent: str, trainer: str, version: int) -> None:
         async with self.locks[agent]:
-            await self._publish_and_load(agent, trainer, version)
+            lost_ranks: set[str] = set()
+            while True:  # ends: each round that loses a rank has one instance fewer to lose
+                try:
+                    await self._publish_and_load(agent, trainer, version, without=lost_ranks)
+                    break
+                except _BroadcastLostARank as lost:
+                    # The others could never have received it: again, over a new group of the
+                    # instances still serving the agent (the dead have left them).
+                    log.warning("%s died during the NCCL weight sync of %s version %d; %s cancelled, "
+                                "published again without it", ", ".join(lost.dead), agent, version,
+                                ", ".join(lost.cancelled) or "no other receive")
+                    lost_ranks.update(lost.dead)
             self.versions.set(agent, version)
 
-    async def _publish_and_load(self, agent: str, trainer: str, version: int) -> None:
-        instances = self.instances.instances(agent)
+    async def _publish_and_load(self, agent: str, trainer: str, version: int, without: set[str] = frozenset()) -> None:
+        instances = [w for w in self.instances.instances(agent) if w not in without]
         t0 = time.monotonic()
         transport = self.transport(trainer, instances)
         group, ranks = "", {w: 0 for w in instances}
@@ -120,14 +131,18 @@ class WeightSync:
         try:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), agent, version, transport, instances, group))
-            results = await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
-                self.server.next_request_id(), agent, version, reply.handle, ranks[w])) for w in instances),
-                return_exceptions=True)
+            loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
+                self.server.next_request_id(), agent, version, reply.handle, ranks[w]))) for w in instances}
+            cancelled = await self._cancel_if_a_rank_dies(agent, version, loads) if group else []
+            results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
             self.groups.drop(agent)
             raise
         if group and any(isinstance(r, BaseException) for r in results):
             self.groups.drop(agent)  # a broadcast some rank left is in no known state
+        dead = [w for w, r in zip(instances, results) if isinstance(r, WorkerDied)]
+        if group and dead and any(isinstance(r, BaseException) and not isinstance(r, WorkerDied) for r in results):
+            raise _BroadcastLostARank(dead, cancelled)
         for worker, result in zip(instances, results):
             if isinstance(result, WorkerDied):
                 log.warning("%s died during the weight sync of %s; it leaves the agent", worker, agent)
@@ -137,6 +152,22 @@ class WeightSync:
                 self.instances.loaded(worker, agent, version)
         self.published[agent] = Publication(version, reply.handle, transport)
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
+
+    async def _cancel_if_a_rank_dies(self, agent: str, version: int, loads: dict[str, asyncio.Future]) -> list[str]:
+        """Over NCCL every receiver waits for every other: one that dies would hold the rest
+        until their set-up wait runs out. When one dies, the others are told to give up
+        (CancelLoad); the instances told, in order."""
+        pending = set(loads.values())
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(not f.cancelled() and isinstance(f.exception(), WorkerDied) for f in done):
+                break
+        else:
+            return []
+        waiting = [w for w, f in loads.items() if not f.done()]
+        await asyncio.gather(*(self.server.call(w, protocol.CancelLoad(self.server.next_request_id(), agent, version))
+                               for w in waiting), return_exceptions=True)  # a cancel that fails changes nothing
+        return waiting
 
     def forget(self, agent: str) -> None:
         """The agent's published weights were released (its trainer parked it): the handle
@@ -169,6 +200,14 @@ class WeightSync:
         log.info("published %s version %d again for %s (%s)", agent, reply.version, worker,
                  "an NCCL broadcast is read once" if transport == "nccl" else "no readable publication")
         return pub
+
+
+class _BroadcastLostARank(Exception):
+    """An NCCL sync in which an instance died: the other receivers were cancelled."""
+
+    def __init__(self, dead: list[str], cancelled: list[str]) -> None:
+        super().__init__(f"{dead} died during an NCCL broadcast")
+        self.dead, self.cancelled = dead, cancelled
 
 
 @contextlib.asynccontextmanager

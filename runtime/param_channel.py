@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from collections.abc import Mapping
 
 import msgspec
@@ -102,6 +103,8 @@ class ParamChannel:
         # key -> (transport, what holds the memory behind views handed out: host buffers, mappings)
         self._received: dict[str, list[tuple[Transport, object]]] = {}
         self._closed = False
+        self._cancelled: set[tuple[str, int]] = set()  # receives to give up (cancel)
+        self._cancel_lock = threading.Lock()
 
     def __enter__(self) -> ParamChannel:
         return self
@@ -151,7 +154,10 @@ class ParamChannel:
         (1..receivers) is needed for nccl only. Raises ParamTransferError if the bytes are
         missing, short or corrupted."""
         impl = self._checked(handle)
-        tensors, staging = impl.receive(handle, verify=verify, rank=rank)
+        try:
+            tensors, staging = impl.receive(handle, verify=verify, rank=rank)
+        finally:
+            self._cancel_done(handle)
         if staging is not None:  # kept until release(handle): the views point into it
             self._received.setdefault(handle.key, []).append((impl, staging))
         return tensors
@@ -174,7 +180,10 @@ class ParamChannel:
                 problems.append(f"{name!r} is {t.dtype}{list(t.shape)} in dst, {spec.dtype}{list(spec.shape)} in the handle")
         if problems:
             raise ValueError(f"receive_into({describe(handle)}): dst does not match: " + "; ".join(sorted(problems)))
-        self._checked(handle).receive_into(handle, dst, verify=verify, atomic=atomic, rank=rank)
+        try:
+            self._checked(handle).receive_into(handle, dst, verify=verify, atomic=atomic, rank=rank)
+        finally:
+            self._cancel_done(handle)
 
     def release(self, handle: ParamHandle) -> None:
         """End what this channel holds for `handle`: as its publisher, the bytes; as a
@@ -184,6 +193,23 @@ class ParamChannel:
         pub = self._published.pop(handle.key, None)
         if pub is not None:
             self._transports[pub.handle.transport].release(pub.handle, pub.resource)
+
+    def cancel(self, agent: str, version: int) -> None:
+        """Makes a receive of `agent` at `version` that is waiting on other ranks (nccl) fail
+        now, or as soon as it starts: one of them died. Safe to call from another thread
+        than the receiving one. It applies to one receive: a later one of the same version
+        (the sync retried without the dead rank) goes ahead."""
+        with self._cancel_lock:
+            self._cancelled.add((agent, version))
+
+    def _cancel_done(self, handle: ParamHandle) -> None:
+        """A receive ended (a cancel applies to the receive it was meant for, not a retry)."""
+        with self._cancel_lock:
+            self._cancelled.discard((handle.agent, handle.version))
+
+    def _is_cancelled(self, agent: str, version: int) -> bool:
+        with self._cancel_lock:
+            return (agent, version) in self._cancelled
 
     def disown(self, handle: ParamHandle) -> None:
         """Stop tracking a disk publication without deleting its file: from now on the
@@ -227,5 +253,6 @@ class ParamChannel:
         if impl is None:
             if name not in TRANSPORTS:
                 raise error(f"unknown transport {name!r}; expected one of {', '.join(TRANSPORTS)}")
-            impl = self._transports[name] = TRANSPORTS[name](self.config, self.location, self._host)
+            impl = self._transports[name] = TRANSPORTS[name](self.config, self.location, self._host,
+                                                             self._is_cancelled)
         return impl

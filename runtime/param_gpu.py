@@ -115,7 +115,8 @@ class NcclTransport(Transport):
     def receive(self, handle, *, verify, rank):
         _require_cuda(handle)
         bucket = param_nccl.receive(self.communicators, handle, rank, _receive_device(self.location.device),
-                                    self.config.timeout_s, self.config.nccl_setup_timeout_s)
+                                    self.config.timeout_s, self.config.nccl_setup_timeout_s,
+                                    cancelled=lambda: self.cancelled(handle.agent, handle.version))
         if verify:
             verify_bucket(handle, bucket)
         return unpack(bucket, handle.layout), None

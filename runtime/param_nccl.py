@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -176,7 +177,8 @@ def _broadcast(comms: Communicators, handle: ParamHandle, member: _Member, bucke
 
 
 def receive(comms: Communicators, handle: ParamHandle, rank: int | None, device: torch.device,
-            timeout_s: float, setup_timeout_s: float) -> torch.Tensor:
+            timeout_s: float, setup_timeout_s: float,
+            cancelled: Callable[[], bool] = lambda: False) -> torch.Tensor:
     """The handle's bucket (uint8, total_bytes long) on `device`, not yet verified.
 
     Two waits: for the group to form (every rank joined: in async mode instances drain at
@@ -184,7 +186,8 @@ def receive(comms: Communicators, handle: ParamHandle, rank: int | None, device:
     then for the broadcast itself up to `timeout_s`. The bucket is allocated only once
     the group has formed, so a receive that never starts holds no GPU memory; one that
     times out in the broadcast aborts its communicator, which stops the kernel and frees
-    the bucket."""
+    the bucket. `cancelled()` (polled) ends either wait at once: another rank died, so the
+    group will never form or the broadcast never finish."""
     world = handle.nccl.world_size
     if rank is None or not 1 <= rank < world:
         raise ValueError(f"nccl receive needs rank= in 1..{world - 1} (the publisher is rank 0), got {rank}")
@@ -205,20 +208,31 @@ def receive(comms: Communicators, handle: ParamHandle, rank: int | None, device:
             done.set()
 
     threading.Thread(target=join_and_receive, name=f"nccl-recv-{handle.key}", daemon=True).start()
-    # CuPy cannot cancel ncclCommInitRank: on a set-up timeout the thread stays blocked
-    # until its peers appear (it holds no bucket).
-    if not joined.wait(setup_timeout_s):
-        raise ParamTransferError(f"{describe(handle)}: the NCCL group did not form within {setup_timeout_s:.0f} s "
-                                 f"(rank {rank} of {world}); the publisher or another receiver never joined")
-    if not done.wait(timeout_s):
+    # CuPy cannot cancel ncclCommInitRank: on a set-up timeout or a cancel the thread stays
+    # blocked until its peers appear (it holds no bucket).
+    if not _wait(joined, setup_timeout_s, cancelled):
+        why = "was cancelled (another rank died)" if cancelled() else f"did not form within {setup_timeout_s:.0f} s"
+        raise ParamTransferError(f"{describe(handle)}: the NCCL group {why} (rank {rank} of {world}); "
+                                 "the publisher or another receiver never joined")
+    if not _wait(done, timeout_s, cancelled):
         comms.abort(handle.agent, state["member"])
         done.wait(timeout_s)  # the aborted broadcast returns, and its bucket goes with it
-        raise ParamTransferError(f"{describe(handle)}: the NCCL broadcast did not complete within {timeout_s:.0f} s "
-                                 f"of the group forming (rank {rank} of {world}); its communicator was aborted")
+        why = "was cancelled (another rank died)" if cancelled() else f"did not complete within {timeout_s:.0f} s"
+        raise ParamTransferError(f"{describe(handle)}: the NCCL broadcast {why} after the group formed "
+                                 f"(rank {rank} of {world}); its communicator was aborted")
     if "error" in state:
         error = state["error"]
         raise ParamTransferError(f"{describe(handle)}: NCCL broadcast failed: {error!r}") from error
     return state["bucket"][: handle.total_bytes]
+
+
+def _wait(event: threading.Event, timeout_s: float, cancelled: Callable[[], bool], poll_s: float = 0.05) -> bool:
+    """Whether `event` was set within `timeout_s`; False at once if `cancelled()`."""
+    deadline = time.monotonic() + timeout_s
+    while not event.wait(min(poll_s, max(0.0, deadline - time.monotonic()))):
+        if cancelled() or time.monotonic() >= deadline:
+            return False
+    return True
 
 
 def new_unique_id() -> bytes:

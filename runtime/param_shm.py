@@ -335,8 +335,8 @@ class _ShmReceiver:
 class ShmTransport(Transport):
     checksum_in_handle = False  # a SharedBucket's may follow in the segment's header
 
-    def __init__(self, config, location, host):
-        super().__init__(config, location, host)
+    def __init__(self, config, location, host, *args):
+        super().__init__(config, location, host, *args)
         self.publisher = _ShmPublisher(config.shm_dir, config.spare_buffers, config.defer_checksum_bytes)
         self.receiver = _ShmReceiver(config.cached_maps, config.timeout_s)
 

@@ -180,8 +180,8 @@ def _tcp_pull(ctx: zmq.Context, handle: ParamHandle, dest: np.ndarray, config: P
 
 
 class TcpTransport(Transport):
-    def __init__(self, config, location, host):
-        super().__init__(config, location, host)
+    def __init__(self, config, location, host, *args):
+        super().__init__(config, location, host, *args)
         self._ctx: zmq.Context | None = None
         self._server: _TcpServer | None = None
 

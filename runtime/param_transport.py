@@ -54,8 +54,12 @@ class Transport:
     # True where a publication outlives its channel's close(): disk files are checkpoints.
     kept_on_close: ClassVar[bool] = False
 
-    def __init__(self, config: ParamChannelConfig, location: Location, host: HostBuffers):
+    def __init__(self, config: ParamChannelConfig, location: Location, host: HostBuffers,
+                 cancelled: Callable[[str, int], bool] = lambda agent, version: False):
         self.config, self.location, self.host = config, location, host
+        # Whether the channel was told to give up receiving (agent, version): a transport
+        # that waits on other ranks polls it (a peer died); the others never wait on peers.
+        self.cancelled = cancelled
 
     @classmethod
     def check_config(cls, config: ParamChannelConfig) -> None:

@@ -25,7 +25,7 @@ import msgspec
 from .param_types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -59,6 +59,8 @@ class Kind(enum.IntEnum):
     GENERATED = 13
     LOAD_WEIGHTS = 14
     WEIGHTS_LOADED = 15
+    CANCEL_LOAD = 16
+    LOAD_CANCELLED = 17
     INIT_AGENT = 20
     AGENT_READY = 21
     TRAIN_MICROBATCH = 22
@@ -273,6 +275,22 @@ class LoadWeights(Message):
     version: int
     handle: ParamHandle  # from WeightsPublished; the controller passes it on, never reads it
     rank: int = 0  # nccl: this instance's rank in the handle's communicator (1..n); 0 otherwise
+
+
+class CancelLoad(Message):
+    # Controller -> Rollout: the LoadWeights of `agent` at `version` cannot complete (another
+    # rank of its NCCL broadcast died): it fails now, whether still queued or receiving.
+    KIND = Kind.CANCEL_LOAD
+    request_id: int
+    agent: str
+    version: int
+
+
+class LoadCancelled(Message):
+    # Rollout -> Controller: the cancel is in force; the LoadWeights it named replies Error.
+    KIND = Kind.LOAD_CANCELLED
+    request_id: int
+    agent: str
 
 
 class WeightsLoaded(Message):

@@ -62,6 +62,7 @@ class RolloutHandler(CommandHandler):
         self.busy_s = 0.0
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
         self._channel: Any = None
+        self._applying: protocol.Message | None = None  # the LoadModel/LoadWeights running now
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         match msg:
@@ -73,10 +74,27 @@ class RolloutHandler(CommandHandler):
                 self._admit.append(msg)
             case protocol.LoadModel() | protocol.LoadWeights():
                 self._control.append(msg)
+            case protocol.CancelLoad():  # at once, not behind the engine's work
+                await self._cancel_load(msg)
+                return
             case _:
                 await super().handle(msg, buffers)
                 return
         self._wake.set()
+
+    async def _cancel_load(self, msg: protocol.CancelLoad) -> None:
+        """The named LoadWeights fails now: dropped if still queued, its receive given up
+        if running (it waits on an NCCL group one of whose ranks died)."""
+        key = (msg.agent, msg.version)
+        queued = [m for m in self._control if isinstance(m, protocol.LoadWeights) and (m.agent, m.version) == key]
+        for load in queued:
+            self._control.remove(load)
+            await self.reply(protocol.Error(load.request_id, f"LoadWeights for {msg.agent} version {msg.version} "
+                                                             "cancelled: another rank of its broadcast died"))
+        applying = self._applying
+        if isinstance(applying, protocol.LoadWeights) and (applying.agent, applying.version) == key:
+            self.channel().cancel(msg.agent, msg.version)
+        await self.reply(protocol.LoadCancelled(msg.request_id, msg.agent))
 
     def load(self) -> dict[str, float]:
         queued = sum(len(m.items) for m in self._admit)
@@ -110,6 +128,7 @@ class RolloutHandler(CommandHandler):
 
     async def _apply(self, msg: protocol.Message) -> None:
         t0 = time.perf_counter()
+        self._applying = msg
         try:
             match msg:
                 case protocol.LoadModel():
@@ -123,6 +142,8 @@ class RolloutHandler(CommandHandler):
         except Exception as exc:
             log.exception("%s failed", type(msg).__name__)
             reply = protocol.Error(msg.request_id, f"{type(msg).__name__} for {msg.agent} failed: {exc!r}")
+        finally:
+            self._applying = None
         self.busy_s += time.perf_counter() - t0
         await self.reply(reply)
 
@@ -139,16 +160,19 @@ class RolloutHandler(CommandHandler):
         self.agent, self.version = msg.agent, msg.version
         log.info("serving %s version %d from %s", msg.agent, msg.version, msg.model_path)
 
-    def _load_weights(self, msg: protocol.LoadWeights) -> None:
-        from flexmarl.runtime.param_channel import ParamChannel
+    def channel(self) -> Any:
+        """This worker's end of the parameter channel, made on first use."""
+        if self._channel is None:
+            from flexmarl.runtime.param_channel import ParamChannel
+            self._channel = ParamChannel(self.channel_config)
+        return self._channel
 
+    def _load_weights(self, msg: protocol.LoadWeights) -> None:
         if msg.agent != self.agent and self._batches:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
-        if self._channel is None:
-            self._channel = ParamChannel(self.channel_config)
         # Verified before any tensor is handed out: a short or corrupt transfer raises here
         # and the engine keeps its previous weights.
-        tensors = self._channel.receive(msg.handle, rank=msg.rank or None)
+        tensors = self.channel().receive(msg.handle, rank=msg.rank or None)
         try:
             # Another agent's weights load in place only when they are a complete set for this
             # engine's architecture (the engine refuses any other set and keeps its weights);
@@ -158,7 +182,7 @@ class RolloutHandler(CommandHandler):
             # The engine copied them (or refused them). Over tcp the tensors are views of a
             # buffer the channel keeps until release: freed here, or each sync pins a model copy.
             del tensors
-            self._channel.release(msg.handle)
+            self.channel().release(msg.handle)
         if msg.agent != self.agent:
             log.info("now serving %s (weights swapped in place, was %s)", msg.agent, self.agent)
         self.agent, self.version = msg.agent, msg.version

@@ -258,3 +258,40 @@ def test_rollout_workers_on_one_gpu_are_counted_so_their_engines_split_it():
     assert engines_sharing_gpu("r0", workers) == 3  # r0, r1 and r3; trainers and dead workers not
     assert engines_sharing_gpu("r2", workers) == 1
     assert engines_sharing_gpu("far", workers) == 1 and engines_sharing_gpu("cpu", workers) == 1
+
+
+class DyingRankServer(FakeServer):
+    """Over NCCL, r1 dies while r0 waits for it to join the group: r0's receive ends only
+    when it is told to give up (CancelLoad), as a real receiver's would."""
+
+    def __init__(self):
+        super().__init__({"t0": "h0", "r0": "h1", "r1": "h2"}, devices={w: "cuda:0" for w in ("t0", "r0", "r1")})
+        self.cancel = asyncio.Event()
+        self.first_load_of_r0 = True
+
+    async def call(self, worker, msg, buffers=(), timeout=None):
+        if isinstance(msg, protocol.CancelLoad):
+            self.calls.append((worker, msg))
+            self.cancel.set()
+            return protocol.LoadCancelled(msg.request_id, msg.agent), []
+        if isinstance(msg, protocol.LoadWeights) and worker == "r1":
+            self.calls.append((worker, msg))
+            await asyncio.sleep(0.01)  # r0 is already waiting in the group's set-up
+            raise WorkerDied(worker, "killed")
+        if isinstance(msg, protocol.LoadWeights) and worker == "r0" and self.first_load_of_r0:
+            self.first_load_of_r0 = False
+            self.calls.append((worker, msg))
+            await self.cancel.wait()
+            raise RemoteError("LoadWeights for a failed: the NCCL group was cancelled (another rank died)")
+        return await super().call(worker, msg, buffers, timeout)
+
+
+async def test_a_rank_dying_in_an_nccl_sync_cancels_the_others_and_the_sync_completes_without_it():
+    server = DyingRankServer()
+    ws, _ = nccl_sync(server, ["r0", "r1"])
+    await asyncio.wait_for(ws.sync("a", "t0", 1), 10)  # without the cancel, r0 would wait forever
+    (who, cancel), = calls_of(server, protocol.CancelLoad)
+    assert who == "r0" and (cancel.agent, cancel.version) == ("a", 1)
+    first, again = [m for _, m in calls_of(server, protocol.PublishWeights)]
+    assert first.targets == ["r0", "r1"] and again.targets == ["r0"] and again.group != first.group
+    assert ws.versions["a"] == 1 and ws.instances.held == {"r0": ("a", 1)}

@@ -232,3 +232,34 @@ def test_the_unique_id_reaches_cupy_in_the_form_its_version_takes(accepts):
     param_nccl._init_rank(FakeNccl, NcclInfo(uid, 3, "g"), 2)
     (world, comm_id, rank), = made
     assert (world, rank) == (3, 2) and bytes(b & 0xFF for b in comm_id) == uid
+
+
+def test_a_cancelled_receive_gives_up_waiting_for_a_group_a_dead_rank_never_joins():
+    release = threading.Event()
+
+    class NeverForms(FakeComm):
+        def __init__(self, *args):
+            release.wait(10)
+            super().__init__(*args)
+
+    comms = param_nccl.Communicators(NeverForms)
+    h = handle("planner", NcclInfo(b"\x01" * 128, 3, "planner/1"))
+    gone = threading.Event()
+    threading.Timer(0.2, gone.set).start()  # another rank dies; the controller says so
+    try:
+        with pytest.raises(ParamTransferError, match="was cancelled"):
+            param_nccl.receive(comms, h, 1, CPU, timeout_s=1.0, setup_timeout_s=60.0, cancelled=gone.is_set)
+    finally:
+        release.set()
+
+
+def test_a_channels_cancel_applies_to_one_receive_of_that_version_not_to_a_retry():
+    from flexmarl.runtime.param_channel import ParamChannel
+
+    with ParamChannel() as channel:
+        channel.cancel("planner", 3)
+        impl = channel._transport("nccl", ValueError)
+        assert impl.cancelled("planner", 3) and not impl.cancelled("planner", 4)
+        shm = channel.publish({"w": torch.ones(4)}, agent="planner", version=3, transport="shm")
+        channel.receive(shm)  # a receive of that version ends: the cancel is spent
+        assert not impl.cancelled("planner", 3)

@@ -27,6 +27,8 @@ EXAMPLES = [
     p.LoadWeights(4, "solver", 1, HANDLE),
     p.LoadWeights(4, "solver", 1, HANDLE, rank=2),  # nccl: the instance's rank in the agent's group
     p.WeightsLoaded(4, "solver", 1, 0.01),
+    p.CancelLoad(5, "solver", 1),  # another rank of its NCCL broadcast died
+    p.LoadCancelled(5, "solver"),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),
     p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0])]),

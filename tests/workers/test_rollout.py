@@ -4,6 +4,7 @@ adds requests) matters."""
 
 import asyncio
 import random
+import types
 
 import pytest
 import torch
@@ -237,3 +238,23 @@ async def test_a_groups_members_go_to_the_engine_together_and_come_back_one_by_o
     assert handler.engine.added == [(["g/0", "g/1", "g/2", "g/3"], 10), (["x"], 2)]
     assert not refused and sorted(results) == ["g/0", "g/1", "g/2", "g/3", "x"]
     assert all(r.version == 3 and r.token_ids == [7] * 4 for r in results.values())
+
+
+async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
+    """Another rank of an NCCL broadcast died: the LoadWeights the controller names fails,
+    dropped from the queue if it had not started, its receive given up if it had."""
+    handler, outbox = RolloutHandler(), Outbox()
+    handler.session = outbox
+    cancels = []
+    handler._channel = types.SimpleNamespace(cancel=lambda agent, version: cancels.append((agent, version)),
+                                             close=lambda: None)
+    queued = p.LoadWeights(1, "planner", 2, "any handle", rank=1)
+    handler._control.append(queued)
+    await handler.handle(p.CancelLoad(2, "planner", 2), [])
+    assert handler._control == [] and cancels == []
+    error, done = outbox.sent
+    assert isinstance(error, p.Error) and error.request_id == 1 and "cancelled" in error.message
+    assert isinstance(done, p.LoadCancelled) and done.request_id == 2
+    handler._applying = p.LoadWeights(3, "planner", 3, "any handle", rank=1)  # receiving now
+    await handler.handle(p.CancelLoad(4, "planner", 3), [])
+    assert cancels == [("planner", 3)]
