@@ -11,6 +11,11 @@ agent-centric training: OFFLOAD_AGENT (park the whole training state in the chan
 stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
 RELEASE_STATE (drop a parked copy once its new owner has it).
 
+An agent that is a LoRA adapter (InitAgent/LoadAgent with `lora`) shares its base with the
+trainer's other adapter agents of it (`adapters.SharedBase`, loaded once, frozen); its
+model here is the adapter alone, so every command above moves the adapter and its
+optimizer state, never the base.
+
 Each command type maps to one method in `TrainerHandler.COMMANDS`. The loss itself is in
 `loss.py`.
 
@@ -188,6 +193,7 @@ class TrainerHandler(CommandHandler):
         self.busy_s = 0.0
         self._channel: Any = None
         self.parked: dict[str, Any] = {}  # handle key -> parked training state this trainer serves
+        self.bases: dict[str, Any] = {}  # base model path -> adapters.SharedBase of its resident adapter agents
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         if type(msg) in self.COMMANDS:
@@ -227,9 +233,12 @@ class TrainerHandler(CommandHandler):
 
         torch.manual_seed(msg.seed)
         placement = TrainPlacement.resolve(msg.settings)
-        model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
-        # Dropout-free tiny models: train() vs eval() only matters for dropout layers.
-        placement.prepare(model)
+        if msg.lora is not None:
+            model = self._new_adapter(msg, placement, msg.seed)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
+            # Dropout-free tiny models: train() vs eval() only matters for dropout layers.
+            placement.prepare(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm,
                                             placement=placement)
@@ -249,7 +258,8 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
         if msg.loss.kl_coef > 0 and state.reference is None:
-            state.reference = self._reference_model(state.model_path, state.placement)
+            state.reference = (state.model.reference() if hasattr(state.model, "reference")
+                               else self._reference_model(state.model_path, state.placement))
         with state.placement.autocast():
             loss, sums = policy_loss(state.model, msg.samples, msg.loss, off_policy=msg.max_staleness > 0,
                                      clip_ratio=msg.clip_ratio, reference=state.reference)
@@ -350,7 +360,7 @@ class TrainerHandler(CommandHandler):
             self.channel().release(state.published)
         if state.bucket is not None:
             state.bucket.close()
-        del self.agents[state.name]
+        self._drop(state.name)
         self.parked[handle.key] = handle
         return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handle,
                                        handle.total_bytes, time.perf_counter() - t0)
@@ -365,15 +375,51 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"the parked state of {msg.agent} is sharded over the {len(msg.shards) + 1} ranks of a "
                              "trainer group; only a group of that size can load it")
         placement = TrainPlacement.resolve(msg.settings)
-        config = AutoConfig.from_pretrained(msg.model_path)
-        model = AutoModelForCausalLM.from_config(config, dtype=placement.param_dtype)
+        if msg.lora is not None:
+            model = self._new_adapter(msg, placement, 0)
+        else:
+            config = AutoConfig.from_pretrained(msg.model_path)
+            model = AutoModelForCausalLM.from_config(config, dtype=placement.param_dtype)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped, so this trainer and the parked copy stay as they were.
-        sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
-        placement.prepare(model)  # received in host memory; now onto the device
+        try:
+            sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
+        except Exception:
+            if msg.lora is not None:
+                self._release_adapter(msg.model_path, msg.agent)
+            raise
+        if msg.lora is None:
+            placement.prepare(model)  # received in host memory; now onto the device
         placement.move_state(optimizer)
         return self._admit(msg, model, optimizer, sums, placement)
+
+    def _new_adapter(self, msg: protocol.InitAgent | protocol.LoadAgent, placement: TrainPlacement,
+                     seed: int) -> Any:
+        """A new adapter for msg.agent on the shared base at msg.model_path, the base loaded
+        if no resident agent uses it yet."""
+        from .adapters import SharedBase
+
+        base = self.bases.get(msg.model_path)
+        if base is None:
+            base = self.bases[msg.model_path] = SharedBase(msg.model_path, placement)
+            log.info("base %s loaded once: %d parameters, frozen", msg.model_path, base.base_params)
+        elif base.placement != placement:
+            raise ValueError(f"{msg.agent}: the base {msg.model_path} is held here as {base.placement}; an adapter "
+                             f"of it cannot be {placement} (set dtype and precision on the base)")
+        return base.add(msg.agent, msg.lora, seed)
+
+    def _release_adapter(self, base_path: str, agent: str) -> None:
+        base = self.bases[base_path]
+        base.remove(agent)
+        if not base.agents:  # the last adapter agent of this base left: so does the base
+            del self.bases[base_path]
+
+    def _drop(self, agent: str) -> None:
+        """`agent` is no longer resident (parked elsewhere); an adapter leaves its base."""
+        state = self.agents.pop(agent)
+        if hasattr(state.model, "lora"):
+            self._release_adapter(state.model_path, agent)
 
     def _admit(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, sums: StepSums,
                placement: TrainPlacement) -> protocol.AgentReady:
