@@ -113,11 +113,20 @@ ENGINE_ARGS: dict[str, Callable[[EngineSettings, int, int], dict[str, Any]]] = {
 
 
 def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
-    """The device-dependent arguments of `vllm.LLM` for an engine on `device`."""
+    """The device-dependent arguments of `vllm.LLM` for an engine on `device`, plus its
+    LoRA slots when it serves adapters (the same on every device)."""
     kind = torch.device(device).type
     if kind not in ENGINE_ARGS:
         raise ValueError(f"no rollout engine settings for device {device!r} (known: {', '.join(ENGINE_ARGS)})")
-    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes)
+    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes) | lora_args(settings)
+
+
+def lora_args(settings: EngineSettings) -> dict[str, Any]:
+    """vLLM's LoRA arguments for an engine with adapter slots; none without."""
+    if not settings.max_loras:
+        return {}
+    return dict(enable_lora=True, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank or 16,
+                max_cpu_loras=max(settings.max_cpu_loras, settings.max_loras))
 
 
 # ---------------------------------------------------------------- trainers
