@@ -184,3 +184,25 @@ def test_a_trainers_adapter_checkpoint_loads_in_vllm_as_it_is(base_dir, tmp_path
         assert ckpt == (synced["synced"].token_ids, synced["synced"].logprobs)
     finally:
         e.close()
+
+
+def test_a_rollout_worker_takes_a_trainers_adapter_sync_and_stamps_each_sample_with_its_version(base_dir):
+    from flexmarl.workers.rollout import RolloutHandler
+    from flexmarl.workers.trainer import TrainerHandler
+
+    trainer, rollout = TrainerHandler(), RolloutHandler()
+    try:
+        trainer._execute(p.InitAgent(1, "writer", str(base_dir), 1e-2, 0, lora=LORA))
+        rollout._load_model(p.LoadModel(2, "shared", str(base_dir), 0, max_model_len=256,
+                                        engine=p.EngineSettings(max_loras=2, max_lora_rank=8, max_cpu_loras=2)))
+        published = trainer._execute(p.PublishWeights(3, "writer", 0, "shm", ["r"]))
+        rollout._load_weights(p.LoadWeights(4, "writer", 0, published.handle, lora=LORA))
+        assert rollout._serves_adapter("writer") and rollout.engine.adapters.resident() == [("writer", 0)]
+        items = [p.GenRequest(f"s{i}", prompt(i), 8, 1.0, i) for i in range(3)]
+        assert rollout._start(p.Generate(5, "writer", items, version=0)) is None
+        assert {rollout._sample_version[f"s{i}"] for i in range(3)} == {0}
+        refused = rollout._start(p.Generate(6, "writer", [p.GenRequest("x", prompt(0), 8, 1.0, 0)], version=7))
+        assert "version 7 is not loaded" in refused.refused[0].reason
+        drain(rollout.engine)
+    finally:
+        trainer.close(), rollout.close()
