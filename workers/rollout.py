@@ -153,7 +153,8 @@ class RolloutHandler(CommandHandler):
         log.info("serving %s version %d from %s", msg.agent, msg.version, msg.model_path)
 
     def _serves_adapter(self, agent: str) -> bool:
-        return self.engine is not None and self.engine.adapters is not None and self.engine.adapters.serves(agent)
+        adapters = getattr(self.engine, "adapters", None)  # None: no engine, or one without LoRA slots
+        return adapters is not None and adapters.serves(agent)
 
     def _load_weights(self, msg: protocol.LoadWeights) -> None:
         from flexmarl.runtime.param_channel import ParamChannel
