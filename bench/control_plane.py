@@ -22,6 +22,7 @@ import time
 import msgspec
 import numpy as np
 
+from flexmarl.controller.digit_chain import default_config
 from flexmarl.controller.experiment import Experiment
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.aio import limit_threads, run_async
@@ -83,7 +84,9 @@ def memcpy_rate(nbytes: int, reps: int) -> float:
 
 async def bench(args: argparse.Namespace) -> None:
     # Echo is answered by every role; the trainers are the measured peers.
-    cfg = load_config(None, ["cluster.rollout_workers=1", f"cluster.trainer_workers={args.workers}"])
+    # The default job's config (a config must name agents); no agent is placed or trained here.
+    cfg = load_config(None, ["cluster.rollout_workers=1", f"cluster.trainer_workers={args.workers}"],
+                      defaults=default_config())
     with tempfile.TemporaryDirectory() as run_dir:
         async with Experiment(cfg, run_dir=run_dir) as exp:
             workers = exp.worker_ids("trainer")

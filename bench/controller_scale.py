@@ -96,7 +96,9 @@ def config_for(p: dict[str, Any], run_dir: Path, address: str, model_dir: Path) 
         "cluster": {"rollout_workers": p["instances"], "trainer_workers": p["trainers"],
                     "worker_start_timeout_s": 120.0},
         "pipeline": {"mode": p["mode"], "max_staleness": p["k"], "queries_per_step": p["queries"],
-                     "micro_batch": p["micro_batch"], "max_concurrent_episodes": p["queries"]},
+                     "micro_batch": p["micro_batch"], "max_concurrent_episodes": p["queries"],
+                     # a step's episodes reach only some of many agents: the others step on nothing
+                     "allow_empty_steps": True},
         "agents": agents,
     })
 

@@ -233,12 +233,13 @@ class FakeTrainer(FakeWorker):
                                            protocol.StepStats(samples=have)))
 
     async def _publish(self, msg: protocol.PublishWeights) -> None:
-        transport = "inproc" if msg.transport == "auto" else msg.transport
+        # CURRENT_VERSION (a joining instance's publication): whichever version the agent is at.
+        version = self.version[msg.agent] if msg.version == protocol.CURRENT_VERSION else msg.version
         nbytes = int(self.costs["weights_bytes"])
-        handle = ParamHandle(transport=transport, agent=msg.agent, version=msg.version,
-                             key=f"{self.worker_id}/{msg.agent}/{msg.version}", layout=[], total_bytes=nbytes,
+        handle = ParamHandle(transport=msg.transport, agent=msg.agent, version=version,
+                             key=f"{self.worker_id}/{msg.agent}/{version}", layout=[], total_bytes=nbytes,
                              checksum=None, publisher=Location(socket.gethostname(), os.getpid()))
-        await self.reply(protocol.WeightsPublished(msg.request_id, msg.agent, msg.version, handle, nbytes,
+        await self.reply(protocol.WeightsPublished(msg.request_id, msg.agent, version, handle, nbytes,
                                                    self.costs["publish_s"]))
 
     def report(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from flexmarl.controller.server import ControllerServer
-from flexmarl.runtime import fuzzing
+import fuzzing  # bench/fuzzing.py
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.aio import limit_threads, run_async
 from flexmarl.runtime.config import TransportConfig

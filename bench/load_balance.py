@@ -40,7 +40,8 @@ import statistics
 import tempfile
 import time
 
-from flexmarl.controller import Experiment, rebalance
+from flexmarl.controller import Experiment
+from flexmarl.controller import balance_loop as rebalance
 from flexmarl.controller.simulator import simulate, skewed_workload
 from flexmarl.controller.training import TrainingRun
 from flexmarl.controller.digit_chain import default_config
@@ -97,7 +98,7 @@ def run_real(config: str, args: argparse.Namespace) -> dict:
             "reassignments": len(moves), "reassign_s": [round(m.seconds, 2) for m in moves],
             "moves": [f"{m.worker}:{m.src}->{m.dst}" for m in moves],
             "first_move_cost_s": rebalance.FIRST_MOVE_COST_S if config == "hierarchical" else None,
-            "final_assignment": {a: len(ws) for a, ws in training.client.assignment.items()},
+            "final_assignment": {a: len(ws) for a, ws in training.instances.assignment.items()},
             "failed_episodes": summary.episodes_failed}
 
 

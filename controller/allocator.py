@@ -1,8 +1,8 @@
 """Agent-centric trainer allocation: trainers are a pool; an agent holds one only while it
 has training work, and idle agents' training states are parked in host memory.
 
-`choose_placement` is the decision (plain data in, a placement out). `TrainerAllocator`
-applies it: `acquire(agent)` returns the trainer the agent is resident on, swapping it in
+`decisions.choose_placement` is the decision (plain data in, a placement out).
+`TrainerAllocator` applies it: `acquire(agent)` returns the trainer the agent is resident on, swapping it in
 first if needed (parking an idle agent to make room); `release(agent)` ends one piece of
 work. An agent with work in flight is never swapped out, and its state has exactly one
 owner at any moment: a trainer while resident, else the parked copy, which is released
@@ -14,16 +14,14 @@ the agent's pipeline `recover`s them (from its last saved state); an agent it wa
 stays parked and is placed on another trainer; a parked copy it held is loaded from where
 it is if it still can be. A trainer that (re)joins enters the pool (`trainer_joined`).
 
-It knows trainers by id and talks to them only through the controller server.
+It knows trainers by id and talks to them only through the controller server. The order
+of each trainer's commands is not its business (trainer_lanes.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import heapq
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import ParamHandle
 
+from .decisions import choose_placement
 from .server import WorkerDied
 
 log = logging.getLogger("flexmarl.allocator")
@@ -50,23 +49,6 @@ class Parked:
     accumulated: int
     nbytes: int
     shards: list[ParamHandle] = field(default_factory=list)  # a trainer group's ranks 1..N-1, passed on likewise
-
-
-def choose_placement(agent: str, trainers: list[str], capacity: int, resident: dict[str, str],
-                     in_flight: dict[str, int], ready: dict[str, int],
-                     last_used: dict[str, float]) -> tuple[str, str | None] | None:
-    """Where `agent` should go: (trainer, None) for a free slot, (trainer, victim) to park
-    an idle agent first, or None to wait. Free slots go to the least loaded trainer; the
-    victim is the idle resident agent with the least ready work, longest unused."""
-    load = collections.Counter(resident.values())
-    free = [t for t in trainers if capacity <= 0 or load[t] < capacity]
-    if free:
-        return min(free, key=lambda t: (load[t], t)), None
-    idle = [a for a in resident if a != agent and in_flight.get(a, 0) == 0]
-    if not idle:
-        return None
-    victim = min(idle, key=lambda a: (ready.get(a, 0), last_used.get(a, 0.0), a))
-    return resident[victim], victim
 
 
 class TrainerAllocator:
@@ -88,49 +70,10 @@ class TrainerAllocator:
         self.last_used: dict[str, float] = {}
         self.swaps = 0
         self.lost: dict[str, str] = {}  # agent -> the dead trainer its training state died with
-        self.swap_s = 0.0
         self._lock = asyncio.Lock()  # one placement change at a time
         self._changed = asyncio.Event()
         self._prefetches: set[asyncio.Task] = set()
-        # Commands each trainer holds at once: one running, one queued, so it never idles
-        # on a round trip, while everything else waits here, where priority can reorder it.
-        self.depth = 2
-        self._running: collections.Counter[str] = collections.Counter()
-        self._queue: dict[str, list] = collections.defaultdict(list)
-        self._seq = itertools.count()
         self.on_parked: list[Callable[[str], None]] = []  # told once an agent's state is parked
-
-    @contextlib.asynccontextmanager
-    async def slot(self, trainer: str, priority: tuple):
-        """Holds one of the trainer's command slots. Lower `priority` goes first; equal
-        priorities keep their order. Priority (0, ...) (an optimizer step, weight sync or
-        save: on the critical path of the next rollout) never waits here: it goes to the
-        trainer at once, over the depth, where it passes queued micro-batches of other
-        agents (the trainer's CommandQueue) and waits only for the command running."""
-        if priority[0] == 0 or (self._running[trainer] < self.depth and not self._queue[trainer]):
-            self._running[trainer] += 1
-        else:
-            granted = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._queue[trainer], (priority, next(self._seq), granted))
-            try:
-                await granted
-            except asyncio.CancelledError:
-                if granted.done() and not granted.cancelled():
-                    self._free(trainer)
-                raise
-        try:
-            yield
-        finally:
-            self._free(trainer)
-
-    def _free(self, trainer: str) -> None:
-        queue = self._queue[trainer]
-        while queue and self._running[trainer] <= self.depth:
-            _, _, granted = heapq.heappop(queue)
-            if not granted.done():
-                granted.set_result(None)  # the slot passes on; the running count is unchanged
-                return
-        self._running[trainer] -= 1
 
     async def acquire(self, agent: str, *, lost: str = "wait") -> str:
         """The trainer holding `agent`, which stays there until the matching release().
@@ -228,6 +171,10 @@ class TrainerAllocator:
                     self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
                     parked.version, parked.accumulated, parked.handle, cfg.trainer_settings(), parked.shards))
             except WorkerDied:
+                if getattr(self.server, "closing", False):
+                    # Shutting down: the pool keeps its trainers, so acquire() would place
+                    # the agent on this dead one again at once, forever, without yielding.
+                    raise
                 # Nothing was trained on a half-loaded state: the parked copy is still the
                 # owner, and acquire() places the agent on a trainer that is alive.
                 self.trainer_died(trainer)
@@ -251,7 +198,6 @@ class TrainerAllocator:
         self.resident[agent] = trainer
         if victim is not None or swapped:
             self.swaps += 1
-            self.swap_s += time.monotonic() - t0
         self.emit(ev.AllocationChanged("trainer", agent, [trainer], f"{why}, {time.monotonic() - t0:.3f}s"))
         log.info("%s bound to %s (%s)", agent, trainer, why)
         self._changed.set()

@@ -20,7 +20,8 @@ What the store held past the cut (samples of batches after t, in async mode) is 
 a resumed run generates those batches again, from the same per-episode seeds.
 
 It does not know how agents are trained or placed: it is handed a `call` to reach a
-trainer and a function that describes the controller's state.
+trainer and a function that gives the controller's state (`controller_state` says what
+it holds).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import msgspec
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.config import dump_toml
 from flexmarl.runtime.param_types import ParamHandle
 
 from .server import WorkerDied
@@ -164,6 +166,29 @@ def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
     if free < need_bytes:
         raise CheckpointError(f"the run directory {run_dir} has {free / 2**20:.1f} MiB free, and needs at least "
                               f"{need_bytes / 2**20:.1f} MiB; free some space or choose another with --out")
+
+
+def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], store_after_cut: dict[str, int],
+                     dataset: Any, next_episode: int) -> dict[str, Any]:
+    """What the controller adds to a checkpoint of `step`: enough to continue the run from
+    it and to say where it stood. Episodes draw their randomness from seeds made of
+    (run.seed, batch, episode), so the seed and the step are the random state; the
+    settings exactness depends on are recorded for the resume to compare.
+    `store_after_cut`: samples of later batches the store held per agent (a resumed run
+    makes them again); `dataset`: the training data, or None; `next_episode`: the number
+    of the first episode after the cut."""
+    state = {"steps": cfg.run.steps,
+             **{key: value for key, (_, value) in exactness_settings(cfg, dataset).items()},
+             "versions": {a: step for a in cfg.agents},
+             "episodes_done": next_episode,
+             "rollout_assignment": {a: list(ws) for a, ws in assignment.items()},
+             "store_after_cut": dict(store_after_cut),
+             "config_toml": dump_toml(cfg)}
+    state["data"] = {"next_episode": next_episode}
+    if dataset is not None and step < cfg.run.steps:  # after the last step the data may be used up
+        position = dataset.position(next_episode)
+        state["data"].update(epoch=position.epoch, next_row=position.index)
+    return state
 
 
 class Checkpointer:

@@ -5,6 +5,7 @@
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
+    flexmarl samples RUN_DIR [--step N] [--agent NAME]
     flexmarl keys DIR
 
 `run` puts everything on this host (workers are child processes); `controller` and
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import signal
 import sys
+import traceback
 
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
@@ -61,6 +63,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error in the config, "
+                   "workflow, data or models (by default: one line)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its last complete checkpoint")
     p.add_argument("--resume-anyway", action="store_true",
                    help="with --resume: go on although run.seed, pipeline.queries_per_step or the data changed")
@@ -78,8 +82,26 @@ def _experiment(args: argparse.Namespace, spawn_workers: bool):
     return Experiment(_config_from_args(args), spawn_workers=spawn_workers)
 
 
-def _train(make_experiment) -> int:
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors in what the user wrote or brought (config, workflow, data, models, a run that
+    cannot learn): shown as their message alone; `--debug` adds the traceback."""
     from .checkpoints import CheckpointError
+    from .data import DataError
+    from .failures import RunFailed
+    from .model_resolution import ModelBuildError, ModelError
+    from .user_code import WorkflowError
+
+    return ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed
+
+
+def _report(exc: BaseException, debug: bool) -> None:
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"flexmarl: {exc}", file=sys.stderr)
+
+
+def _train(make_experiment, debug: bool = False) -> int:
+    user_errors = _user_errors()
 
     async def main() -> int:
         task = asyncio.current_task()
@@ -88,14 +110,14 @@ def _train(make_experiment) -> int:
             loop.add_signal_handler(sig, task.cancel)
         try:
             experiment = make_experiment()
-        except (ConfigError, CheckpointError) as exc:
-            print(f"flexmarl: {exc}", file=sys.stderr)
+        except user_errors as exc:
+            _report(exc, debug)
             return 2
         try:
             async with experiment as exp:
                 summary = await exp.train()
-        except CheckpointError as exc:
-            log.error("%s", exc)
+        except user_errors as exc:
+            _report(exc, debug)
             return 1
         except asyncio.CancelledError:
             log.warning("interrupted: workers were shut down; the run directory keeps what was written")
@@ -130,6 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     p_rep.add_argument("--plot", metavar="FILE.png")
     p_rep.add_argument("--check", action="store_true")
 
+    p_smp = sub.add_parser("samples", help="print the sample texts a run recorded (run.samples_per_step)")
+    p_smp.add_argument("run_dir", metavar="RUN_DIR")
+    p_smp.add_argument("--step", type=int, help="only this step")
+    p_smp.add_argument("--agent", help="only this agent")
+
     p_keys = sub.add_parser("keys", help="create CURVE keys for non-loopback controllers")
     p_keys.add_argument("dir")
 
@@ -143,6 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"CURVE keys written to {args.dir}; copy the folder to every host and set "
               f"transport.curve_dir (controller) and --curve-dir (workers)")
         return
+    if args.command == "samples":
+        from .sample_log import format_samples, read_samples
+        try:
+            rows = read_samples(args.run_dir)
+        except FileNotFoundError as exc:
+            sys.exit(f"flexmarl: {exc}")
+        sys.stdout.write(format_samples(rows, args.step, args.agent))
+        return
     if args.command == "replay":
         from .replay import main as replay_main
         sys.exit(replay_main(args))
@@ -154,8 +189,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             _config_from_args(args)  # a bad config fails here, before anything starts
         except ConfigError as exc:
+            if args.debug:
+                traceback.print_exc()
             sys.exit(f"flexmarl: bad configuration: {exc}")
-    sys.exit(_train(lambda: _experiment(args, spawn)))
+    sys.exit(_train(lambda: _experiment(args, spawn), debug=args.debug))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ class DataError(ValueError):
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
     import datasets
 
+    datasets.disable_progress_bars()  # a few rows in memory: its bars would only clutter the run's output
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset {str(path)!r} does not exist")
@@ -46,6 +47,8 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
             raise DataError(f"{path} holds several splits ({', '.join(table)}); point at one split's directory")
     else:
         builder = BUILDERS.get(path.suffix.lower())
+        if path.suffix.lower() == ".jsonl":
+            check_jsonl(path)
         if builder is None:
             raise DataError(f"{path}: unknown dataset format {path.suffix!r} (known: {', '.join(BUILDERS)}, "
                             f"or a save_to_disk directory)")
@@ -57,6 +60,22 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     if not rows:
         raise DataError(f"dataset {path} has no rows")
     return rows
+
+
+def check_jsonl(path: Path) -> None:
+    """Every non-blank line of `path` is one JSON object; else a DataError naming the
+    first line that is not and why (the `datasets` reader's own error names neither)."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {number} is not valid JSON: {exc.msg} at column {exc.colno}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {number} is a JSON {type(row).__name__}, not an object "
+                                f"({{\"question\": ..., ...}}): each line is one row") from None
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,19 @@ the live pipeline, the store and the re-drive (redrive.py) all call the function
 Versions: an agent at version v trains a global batch into version v + 1. Global batch
 `batch` = t trains every agent from version t - 1 to t. A sample's *lag* is the trainer's
 version when it is trained minus the oldest policy version that produced any turn of it;
-the bound `max_staleness` (k) says lag <= k. k = 0 is exactly on-policy.
+the bound `max_staleness` (k) says lag <= k. k = 0 is exactly on-policy. The rule itself
+(`lag`, `too_stale`) is runtime/staleness.py, which the trainer checks with too.
 
 This module does not know about sockets, workers or asyncio.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Iterable
+
+from flexmarl.runtime.staleness import lag, too_stale  # noqa: F401 (the rule, shared with the trainer)
 
 log = logging.getLogger("flexmarl.decisions")
 
@@ -28,14 +32,6 @@ def min_generation_version(batch: int, max_staleness: int) -> int:
 
 def may_generate(batch: int, rollout_version: int, max_staleness: int) -> bool:
     return rollout_version >= min_generation_version(batch, max_staleness)
-
-
-def lag(trainer_version: int, sample_versions: list[int]) -> int:
-    return trainer_version - min(sample_versions)
-
-
-def too_stale(trainer_version: int, sample_versions: list[int], max_staleness: int) -> bool:
-    return lag(trainer_version, sample_versions) > max_staleness
 
 
 def may_start_episode(batch: int, synced_versions: dict[str, int], overlap: bool) -> bool:
@@ -55,6 +51,23 @@ def place_agents(agents: list[str], instances: list[str], weight: dict[str, floa
         busiest = max(agents, key=lambda a: (weight[a] / len(plan[a]), a))
         plan[busiest].append(w)
     return plan
+
+
+def choose_placement(agent: str, trainers: list[str], capacity: int, resident: dict[str, str],
+                     in_flight: dict[str, int], ready: dict[str, int],
+                     last_used: dict[str, float]) -> tuple[str, str | None] | None:
+    """Where `agent`'s training state should go: (trainer, None) for a free slot, (trainer,
+    victim) to park an idle agent first, or None to wait. Free slots go to the least loaded
+    trainer; the victim is the idle resident agent with the least ready work, longest unused."""
+    load = collections.Counter(resident.values())
+    free = [t for t in trainers if capacity <= 0 or load[t] < capacity]
+    if free:
+        return min(free, key=lambda t: (load[t], t)), None
+    idle = [a for a in resident if a != agent and in_flight.get(a, 0) == 0]
+    if not idle:
+        return None
+    victim = min(idle, key=lambda a: (ready.get(a, 0), last_used.get(a, 0.0), a))
+    return resident[victim], victim
 
 
 # ---------------------------------------------------------------- micro-batches and steps

@@ -8,7 +8,11 @@ starts the batch's `queries_per_step` episodes, at most
 of an episode waits at the schedule's staleness gate. Produces: samples in the store
 (through the episode context) and `episode_ended(t)` for every episode, failed or not;
 a failed episode is counted and its groups dropped (see workflow.run_episode). It ends
-when the last episode has.
+when the last episode has, or raises `RunFailed` as soon as more than
+`pipeline.max_failed_share` of a batch's episodes have failed (the run cannot learn).
+
+`EpisodeContexts` is the one place an episode context is made, for these episodes and for
+held-out ones (evaluation.py).
 
 It does not know trainers, weight syncs or how micro-batches are formed.
 """
@@ -24,9 +28,31 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from .data import Dataset
+from .failures import too_many_failures
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+
+
+class EpisodeContexts:
+    """What every episode of the run shares (the rollout client, the agents' sampling
+    defaults, the tool pool, tokenizers), and the contexts made from it."""
+
+    def __init__(self, cfg: ExperimentConfig, client: Any, tools: Executor | None,
+                 tokenizers: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.client = client  # generate(agent, requests)
+        self.tools = tools  # the pool ctx.call runs blocking functions in
+        self.tokenizers = tokenizers  # agent -> AgentTokenizer; filled once models are resolved
+        self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
+
+    def make(self, episode_id: str, batch: int, rng: random.Random, store: ExperienceStore, item: Any, *,
+             gate: Any = None, eval_temperature: float | None = None) -> EpisodeContext:
+        run = self.cfg.run
+        return EpisodeContext(episode_id, batch, rng, store, self.client, self.defaults, run.seed,
+                              run.env_latency_ms, gate=gate, item=item, tools=self.tools,
+                              tool_timeout_s=self.cfg.pipeline.tool_timeout_s, tokenizers=self.tokenizers,
+                              eval_temperature=eval_temperature)
 
 
 class EpisodeProducer:
@@ -34,8 +60,7 @@ class EpisodeProducer:
                  schedule: BatchSchedule, emit: Callable[[ev.Event], Any], dataset: Dataset | None = None,
                  tools: Executor | None = None, tokenizers: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
-        self.tokenizers = tokenizers if tokenizers is not None else {}  # agent -> AgentTokenizer
-        self.tools = tools  # the pool ctx.call runs blocking functions in
+        self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {})
         self.emit = emit
         self.dataset = dataset  # episode g (over the run) gets row dataset.item(g)
         # Episode g of batch b, query i: `first_episode` + (b - `first_batch`) x queries + i.
@@ -43,30 +68,42 @@ class EpisodeProducer:
         self.first_batch, self.first_episode = 1, 0
         self.workflow = workflow
         self.store = store
-        self.client = client  # generate(agent, requests)
         self.schedule = schedule
-        self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
         self.failed = 0
 
     async def run(self) -> None:
+        """Produces every batch; the first batch with too many failed episodes stops it."""
+        self._stop = asyncio.get_running_loop().create_future()
+        producing = asyncio.ensure_future(self._produce())
+        try:
+            await asyncio.wait([producing, self._stop], return_when=asyncio.FIRST_COMPLETED)
+            if self._stop.done():
+                raise self._stop.exception()
+            await producing
+        finally:
+            producing.cancel()
+            await asyncio.gather(producing, return_exceptions=True)
+
+    async def _produce(self) -> None:
         p, seed = self.cfg.pipeline, self.cfg.run.seed
         limit = asyncio.Semaphore(p.max_concurrent_episodes)
         running: list[asyncio.Task] = []
 
         async def one(batch: int, i: int) -> None:
+            failure = ""
             try:
                 g = self.episode_number(batch, i)
-                ctx = EpisodeContext(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"),
-                                     self.store, self.client, self.defaults, seed,
-                                     self.cfg.run.env_latency_ms, gate=self.schedule.gate,
-                                     item=self.dataset.item(g) if self.dataset else None,
-                                     tools=self.tools, tool_timeout_s=p.tool_timeout_s,
-                                     tokenizers=self.tokenizers)
-                if await run_episode(self.workflow, ctx, p.episode_timeout_s):
+                ctx = self.contexts.make(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"), self.store,
+                                         self.dataset.item(g) if self.dataset else None, gate=self.schedule.gate)
+                why = await run_episode(self.workflow, ctx, p.episode_timeout_s)
+                if why:
                     self.failed += 1
+                    failure = f"{why}\n{ctx.failure}" if ctx.failure != why else why
             finally:
                 limit.release()
-                self.schedule.episode_ended(batch)
+                self.schedule.episode_ended(batch, failure)
+            if failure:
+                self._check_failures(batch)
 
         try:
             for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
@@ -80,6 +117,14 @@ class EpisodeProducer:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+    def _check_failures(self, batch: int) -> None:
+        p = self.cfg.pipeline
+        progress = self.schedule.batches[batch]
+        error = too_many_failures(batch, progress.episodes_failed, p.queries_per_step, p.max_failed_share,
+                                  progress.first_failure)
+        if error is not None and not self._stop.done():
+            self._stop.set_exception(error)
 
     def continue_data(self, batch: int, episode: int) -> None:
         """Batch `batch` starts at episode number `episode` (a resume's saved position)."""
@@ -96,3 +141,4 @@ class EpisodeProducer:
             return ev.BatchStarted(batch, first)
         positions = [self.dataset.position(first + i) for i in range(q)]
         return ev.BatchStarted(batch, first, positions[0].epoch, [pos.index for pos in positions])
+

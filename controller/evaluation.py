@@ -25,7 +25,8 @@ from flexmarl.runtime.config import ExperimentConfig
 from .data import Dataset
 from .schedule import BatchSchedule
 from .store import ExperienceStore
-from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+from .episodes import EpisodeContexts
+from .workflow import Episode, run_episode
 
 
 def evaluation_steps(every: int, steps: int, at_start: bool) -> list[int]:
@@ -42,15 +43,12 @@ class Evaluator:
                  metrics: Any, emit: Callable[[ev.Event], Any], dataset: Dataset | None,
                  tools: Executor | None = None, tokenizers: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
-        self.tokenizers = tokenizers if tokenizers is not None else {}  # agent -> AgentTokenizer
-        self.tools = tools
+        self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {})
         self.workflow = workflow
-        self.client = client  # generate(agent, requests)
         self.schedule = schedule
         self.metrics = metrics
         self.emit = emit
         self.dataset = dataset
-        self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
         self.results: list[dict[str, Any]] = []
 
     async def run(self) -> None:
@@ -71,11 +69,9 @@ class Evaluator:
         async def one(i: int) -> None:
             nonlocal failed
             async with limit:
-                ctx = EpisodeContext(f"eval{step}q{i}", step + 1, random.Random(f"eval-{seed}-{i}"), store,
-                                     self.client, self.defaults, seed, self.cfg.run.env_latency_ms,
-                                     item=self.dataset.item(i) if self.dataset else None,
-                                     eval_temperature=e.temperature, tools=self.tools,
-                                     tool_timeout_s=self.cfg.pipeline.tool_timeout_s, tokenizers=self.tokenizers)
+                ctx = self.contexts.make(f"eval{step}q{i}", step + 1, random.Random(f"eval-{seed}-{i}"), store,
+                                         self.dataset.item(i) if self.dataset else None,
+                                         eval_temperature=e.temperature)
                 if await run_episode(self.workflow, ctx, self.cfg.pipeline.episode_timeout_s):
                     failed += 1
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -103,15 +104,15 @@ class Experiment:
                                       f"{self.config.run.steps}); to train longer, resume with a larger run.steps")
             log.info("resuming %s from the checkpoint of step %d (%s)", self.run_dir, point.step, point.path)
             point.accept_changes = self.resume_anyway
-        # A run directory that cannot be written fails here, before any worker starts.
-        check_writable(self.run_dir)
-        (self.run_dir / "config.toml").write_text(dump_toml(self.config))
-        # The log says a worker died before anything reacts to it.
-        self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
-        self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
-        # Built before any worker starts: a bad workflow path or dataset fails here, at once.
-        self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
-                                    flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point)
+        made = not self.run_dir.exists()
+        try:
+            self._open_run_dir(point)
+        except BaseException:
+            # Nothing ran: a failed start (a bad workflow, dataset or model name) leaves no
+            # run directory behind. Once workers started, their logs stay for the error.
+            if made and not self.resume:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         address = self.server.bind()
         (self.run_dir / "controller.address").write_text(address + "\n")
         if self.config.run.event_log:
@@ -128,6 +129,17 @@ class Experiment:
             await self._teardown()
             raise
         return self
+
+    def _open_run_dir(self, point: Any) -> None:
+        # A run directory that cannot be written fails here, before any worker starts.
+        check_writable(self.run_dir)
+        (self.run_dir / "config.toml").write_text(dump_toml(self.config))
+        # The log says a worker died before anything reacts to it.
+        self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
+        self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
+        # Built before any worker starts: a bad workflow path, dataset or model name fails here, at once.
+        self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
+                                    flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point)
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self._teardown()

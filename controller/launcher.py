@@ -2,7 +2,8 @@
 
 Used by `flexmarl run`, `Experiment` and the integration tests. Each worker is a child
 process in its own process group (so a Ctrl-C in the terminal reaches the controller,
-which then shuts workers down in order); `stop()` escalates SIGTERM -> SIGKILL under a
+which then shuts workers down in order) that watches this process and exits when it is
+gone, however it died (runtime/parent_watch.py); `stop()` escalates SIGTERM -> SIGKILL under a
 time limit and never touches a process it did not start.
 
 `WorkerRestarter` starts a worker that exited while the run goes on again, with the same
@@ -66,7 +67,8 @@ class LocalWorkers:
         # controller is its parent, and a new one starts workers of its own.
         cmd = [sys.executable, "-m", "flexmarl.workers.main", "--role", role,
                "--connect", self.address, "--worker-id", worker_id,
-               "--threads", str(self.threads), "--reconnect-timeout", "0"]
+               "--threads", str(self.threads), "--reconnect-timeout", "0",
+               "--parent-pid", str(os.getpid())]  # it exits when this process dies, however it dies
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]
         if role == "trainer" and self.trainer_group_size > 1:

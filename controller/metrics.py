@@ -5,8 +5,10 @@ metrics.jsonl holds one JSON object per agent per optimizer step with at least `
 plus the signals a researcher reads to trust a run: the trained samples' staleness (mean,
 max), the stage times, and the trainer's step statistics (loss, grad_norm, entropy,
 response lengths, logprob_abs_diff and rollout_kl between sampler and trainer, clip_frac,
-ref_kl). Evaluations add rows with `"kind": "eval"`. Each line is flushed as it is
-written, so a crashed run keeps every finished step.
+ref_kl) and the step's failed episodes (`episodes_failed`). Evaluations add rows with
+`"kind": "eval"`. Each line is flushed as it is written, so a crashed run keeps every
+finished step. With a sample log (sample_log.py), each step's trained samples go to it.
+The progress line's time and ETA count from `training_started()` (after set-up).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from . import decisions
 
@@ -26,13 +28,17 @@ log = logging.getLogger("flexmarl.metrics")
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
-                 trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1) -> None:
+                 trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1,
+                 clock: Callable[[], float] = time.monotonic, sample_log: Any = None) -> None:
+        self.sample_log = sample_log  # sample_log.py: given every step's trained samples
         self.first_step = first_step  # the first step this process trains (later after a resume)
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)  # see trackers.py: each gets every row
         self.agents = list(agents)
         self.progress = progress
-        self.started = time.monotonic()
+        self.clock = clock
+        self.started = clock()
+        self.training_from: float | None = None  # set-up done (models built, engines up)
         path = self.run_dir / "metrics.jsonl"
         # A resumed run continues the file (already cut back to the checkpoint); a new
         # run in a reused directory starts it afresh.
@@ -45,11 +51,13 @@ class MetricsLog:
         lags = [decisions.lag(version - 1, s.versions) for s in samples]
         row = {"step": step, "agent": agent, "version": version,
                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-               "samples": len(samples), "time": round(time.monotonic() - self.started, 3),
+               "samples": len(samples), "time": round(self.clock() - self.started, 3),
                "staleness_mean": round(sum(lags) / len(lags), 3) if lags else None,
                "staleness_max": max(lags) if lags else None,
                **{k: round(v, 4) for k, v in vars(times).items()}, **extra}
         self.write(row)
+        if self.sample_log is not None:
+            self.sample_log.record(step, agent, [s.sample_id for s in samples])
 
     def write(self, row: dict[str, Any]) -> None:
         """One row to metrics.jsonl (flushed) and to every tracker."""
@@ -68,13 +76,17 @@ class MetricsLog:
             return
         last = {r["agent"]: r["reward_mean"] for r in self.rows if r["step"] == step and "kind" not in r}
         rewards = "  ".join(f"{a} {last[a]:.3f}" if last.get(a) is not None else f"{a} -" for a in self.agents)
-        elapsed = time.monotonic() - self.started
+        training = self.clock() - (self.training_from if self.training_from is not None else self.started)
         width = 20
         done = int(width * step / total)
         bar = "#" * done + "." * (width - done)
-        eta = elapsed / max(1, step - self.first_step + 1) * (total - step)
+        eta = training / max(1, step - self.first_step + 1) * (total - step)
         print(f"[{bar}] step {step}/{total}  reward: {rewards}  "
-              f"{elapsed:.0f}s elapsed, ~{eta:.0f}s left", file=sys.stderr, flush=True)
+              f"{training:.0f}s training, ~{eta:.0f}s left", file=sys.stderr, flush=True)
+
+    def training_started(self) -> None:
+        """Set-up is over: the progress line's time and ETA count from here."""
+        self.training_from = self.clock()
 
     def reward_history(self) -> dict[str, list[float]]:
         return {a: [r["reward_mean"] for r in self.rows
@@ -88,7 +100,7 @@ class MetricsLog:
                "version": min((min(s.versions) for s in samples if s.versions), default=None),
                "reward_mean": sum(rewards) / len(rewards) if rewards else None, "samples": len(rewards),
                "episodes": episodes, "episodes_failed": failed,
-               "time": round(time.monotonic() - self.started, 3)}
+               "time": round(self.clock() - self.started, 3)}
         self.write(row)
         return row
 

@@ -6,14 +6,15 @@
   continues; sync: once the batch's rollout has ended), and sends each to the trainer the
   allocator binds the agent to (the gradients accumulate there, weights held fixed);
 - waits for: ready groups or the batch's end (`schedule.wait_for_work`), a trainer
-  (`allocator.acquire`), the trainer's replies;
+  (`allocator.acquire`), a command slot on it (`lanes.slot`: micro-batches in their lane,
+  the step and sync in the critical one), the trainer's replies;
 - once `decisions.step_due` says the batch is done, sends ONE optimizer step, flushes the
   event log (a crash loses nothing that led to a step), and has the weight sync bring the
-  agent's instances to the new version, which unblocks the gate (`schedule.synced_to`);
-  then writes the step's metrics row and, where a checkpoint is due, makes the metrics
-  durable and has the agent's state saved (before anything of the next batch reaches the
-  trainer, so the saved state has no pending gradients; after the row, so a checkpoint
-  never outlives its step's row);
+  agent's instances to the new version, which unblocks the gate (the agent's synced
+  version, versions.py); then writes the step's metrics row and, where a checkpoint is
+  due, makes the metrics durable and has the agent's state saved (before anything of the
+  next batch reaches the trainer, so the saved state has no pending gradients; after the
+  row, so a checkpoint never outlives its step's row);
 - counts steps the trainer skipped for a non-finite gradient (`StepStats.skipped`): the
   version still advances, with the last version's (finite) weights, so the sync, the
   staleness gate and checkpoints keep one version per global batch; each is logged
@@ -41,9 +42,11 @@ from flexmarl.runtime.config import PipelineConfig
 
 from . import decisions
 from .allocator import AgentLost
+from .failures import RunFailed, too_many_failures
 from .schedule import BatchSchedule
 from .server import WorkerDied
 from .store import ExperienceStore, Sample
+from .trainer_lanes import Priority, TrainerLanes
 from .weight_sync import WeightSync
 
 log = logging.getLogger("flexmarl.pipeline")
@@ -61,7 +64,7 @@ class AgentPipeline:
                  allocator: Any, weights: WeightSync, server: Any, metrics: Any,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
                  loss: protocol.LossOptions | None = None, checkpoints: Any = None,
-                 max_recoveries: int = 10) -> None:
+                 lanes: TrainerLanes | None = None, max_recoveries: int = 10) -> None:
         self.agent = agent
         # due(step), save_agent(agent, trainer, step), agent_state(agent, step): see checkpoints.py
         self.checkpoints = checkpoints
@@ -69,7 +72,8 @@ class AgentPipeline:
         self.cfg = cfg
         self.store = store
         self.schedule = schedule
-        self.allocator = allocator
+        self.allocator = allocator  # acquire(), release(), prefetch(), recover(), lost
+        self.lanes = lanes if lanes is not None else TrainerLanes()  # shared by every agent's pipeline
         self.weights = weights
         self.server = server  # call(), next_request_id()
         self.metrics = metrics
@@ -113,6 +117,7 @@ class AgentPipeline:
                         # crash right after the checkpoint loses no row (the resume starts after it).
                         self.metrics.record(batch, self.agent, batch, trained, times,
                                             step_s=round(now - last_end, 4), skipped_steps=self.skipped_steps,
+                                            episodes_failed=self.schedule.batches[batch].episodes_failed,
                                             **step_signals(stats))
                         recorded, last_end = True, now
                     else:
@@ -133,7 +138,7 @@ class AgentPipeline:
         self.metrics.make_durable()
         trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
-            async with self.allocator.slot(trainer, (0, version)):
+            async with self.lanes.slot(trainer, Priority.critical(version)):
                 await self.checkpoints.save_agent(self.agent, trainer, version)
         finally:
             self.allocator.release(self.agent)
@@ -169,7 +174,7 @@ class AgentPipeline:
             await self.schedule.wait_for_work(self.agent)
         trained = [s for mb in self.kept[batch] for s in mb]
         if not trained:
-            log.warning("agent %s has no trainable samples in batch %d (all episodes failed?)", self.agent, batch)
+            self._no_samples(batch)
         outcomes = await asyncio.gather(*written, return_exceptions=True)
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
@@ -182,6 +187,25 @@ class AgentPipeline:
             raise
         return trained, train_s, stepping
 
+    def _no_samples(self, batch: int) -> None:
+        """An agent with nothing to train in a step learns nothing: the run stops, unless
+        the config allows it (a workflow that calls the agent only now and then)."""
+        progress = self.schedule.batches[batch]
+        hopeless = too_many_failures(batch, progress.episodes_failed, self.cfg.queries_per_step,
+                                     self.cfg.max_failed_share, progress.first_failure)
+        if hopeless is not None:  # the producer says the same; whichever of us is first
+            raise hopeless
+        if self.cfg.allow_empty_steps:
+            log.warning("agent %s has no trainable samples in step %d (%d failed episodes)", self.agent, batch,
+                        progress.episodes_failed)
+            return
+        first = (f"{progress.episodes_failed} of its episodes failed; the first failure:\n{progress.first_failure}\n"
+                 if progress.first_failure else f"no episode failed: the workflow did not call "
+                 f"{self.agent!r} in this step (or dropped what it made).\n")
+        raise RunFailed(f"the run cannot learn: agent {self.agent!r} got no trainable sample in step {batch}: "
+                        f"{first}Fix the workflow, or set pipeline.allow_empty_steps = true if {self.agent!r} "
+                        f"is meant to sit some steps out.")
+
     def _send(self, version: int, mb: list[Sample], written: list[asyncio.Future]) -> asyncio.Future:
         """Starts training `mb`; appends to `written` a future done once it is written to
         the trainer (cancelled if it never is)."""
@@ -193,14 +217,11 @@ class AgentPipeline:
         return asyncio.ensure_future(self._train_micro_batch(version, mb, done))
 
     async def _train_micro_batch(self, version: int, mb: list[Sample], written: asyncio.Future) -> float:
-        # Among micro-batches, the oldest version first, then the one whose samples were
-        # ready first, whichever agent it is: in a chain the first agent's samples are
-        # ready first, and the next batch's episodes start with its new weights.
         ready_first = min((s.ready_seq for s in mb), default=0)
         try:
             trainer = await self.allocator.acquire(self.agent, lost="raise")
             try:
-                async with self.allocator.slot(trainer, (1, version, ready_first)):
+                async with self.lanes.slot(trainer, Priority.micro_batch(version, ready_first)):
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                         self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
@@ -214,8 +235,7 @@ class AgentPipeline:
         return reply.seconds
 
     async def _step(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
-        # Priority 0: the step and sync are on the next rollout's critical path.
-        async with self.allocator.slot(trainer, (0, version)):
+        async with self.lanes.slot(trainer, Priority.critical(version)):
             return await self._step_in_slot(trainer, version, samples)
 
     async def _step_in_slot(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
@@ -251,7 +271,7 @@ class AgentPipeline:
         try:
             # One slot from the step to the end of the sync: the publish follows the step at
             # once, instead of queueing again behind micro-batches that took the slot between.
-            async with self.allocator.slot(trainer, (0, version)):
+            async with self.lanes.slot(trainer, Priority.critical(version)):
                 stats = await self._step_in_slot(trainer, version, len(trained))
                 await self.flush_events()
                 await self.weights.sync(self.agent, trainer, version)

@@ -17,7 +17,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import RouterConfig
 
 from . import decisions
-from .balancer import AgentDemand, RolloutBalancer
+from .balance_rules import AgentDemand, RolloutBalancer
 from .lineage import lineage
 from .store import ExperienceStore
 

@@ -28,7 +28,6 @@ class WorkerInfo:
     pid: int
     devices: list[str]
     capacity: dict[str, float]
-    joined_at: float
     last_seen: float
     alive: bool = True
     why_gone: str = ""
@@ -62,7 +61,7 @@ class WorkerRegistry:
         if identity in self._by_identity:
             raise RegistrationRefused("this connection has already registered")
         info = WorkerInfo(hello.worker_id, identity, hello.role, hello.host, hello.pid,
-                          list(hello.devices), dict(hello.capacity), now, now,
+                          list(hello.devices), dict(hello.capacity), now,
                           visible_gpus=list(hello.visible_gpus))
         self.workers[hello.worker_id] = info
         self._by_identity[identity] = hello.worker_id

@@ -8,13 +8,10 @@ again once shutdown began). After that:
 - a rollout worker is queued for `run()`.
 
 `Rejoin.run()` runs next to the training loops. Consumes: the rollout workers that joined.
-Produces: each of them serving an agent, in the rollout client's assignment. For each it
-picks the agent (`choose_agent`), starts the agent's engine on it (LoadModel, version 0,
-outside the agent's sync lock: the agent keeps syncing meanwhile), then, holding the sync
-lock so no sync runs in between, brings it to the agent's synced version through the
-weight sync, and only then lets the rollout client route to it: no request reaches an
-instance that does not hold the agent's current weights. Waits for: a worker to join.
-Ends once every batch is trained.
+Produces: each of them serving an agent. For each it picks the agent (`choose_agent`) and
+hands the rest to the admission (instances.py): the engine starts on the agent's model,
+the instance is brought to the agent's synced version (a resumed run's included) and only
+then is routed to. Waits for: a worker to join. Ends once every batch is trained.
 
 Requests that were in flight on the dead process are not its business: the rollout client
 re-issued them when the worker was declared dead. It does not start processes (the
@@ -28,9 +25,6 @@ import logging
 import time
 from typing import Any, Callable
 
-from flexmarl.runtime import protocol
-
-from .server import RemoteError, WorkerDied
 
 log = logging.getLogger("flexmarl.rejoin")
 
@@ -47,15 +41,13 @@ def choose_agent(instances: dict[str, int], served_before: str | None) -> str:
 
 
 class Rejoin:
-    def __init__(self, agents: list[str], client: Any, weights: Any, server: Any,
-                 load_model_message: Callable[[str], protocol.LoadModel], *,
+    def __init__(self, agents: list[str], instances: Any, admission: Any, server: Any, *,
                  accepting: Callable[[], bool], finished: Callable[[], bool],
                  trainer_joined: Callable[[str], None]) -> None:
         self.agents = list(agents)
-        self.client = client  # instances(), served_before, rejoined()
-        self.weights = weights  # locks, synced, start_engine(), bring_up_to_date()
-        self.server = server  # call(), registry.workers
-        self.load_model_message = load_model_message
+        self.instances = instances  # instances(agent), served_before(worker): read only
+        self.admission = admission  # admit(worker, agent)
+        self.server = server  # registry.workers
         self.accepting = accepting
         self.finished = finished
         self.trainer_joined = trainer_joined
@@ -85,24 +77,13 @@ class Rejoin:
         info = self.server.registry.workers.get(worker)
         if info is None or not info.alive:
             return None  # died again before its turn: its next incarnation will be queued
-        agent = choose_agent({a: len(self.client.instances(a)) for a in self.agents},
-                             self.client.served_before.get(worker))
+        agent = choose_agent({a: len(self.instances.instances(a)) for a in self.agents},
+                             self.instances.served_before(worker))
         t0 = time.monotonic()
-        try:
-            await self.weights.start_engine(worker, self.load_model_message(agent))
-            async with self.weights.locks[agent]:
-                if self.weights.synced[agent] > 0:
-                    await self.weights.bring_up_to_date(worker, agent)
-                self.client.rejoined(worker, agent)
-        except WorkerDied as exc:
-            log.warning("%s died again while rejoining %s: %s", worker, agent, exc)
-            return None
-        except RemoteError as exc:
-            log.error("%s could not load %s (%s); it serves no agent. Check its log in the run "
-                      "directory's logs/ folder.", worker, agent, exc)
+        if not await self.admission.admit(worker, agent, why="rejoined"):
             return None
         seconds = time.monotonic() - t0
         self.rejoined.append((worker, agent, seconds))
-        log.info("%s rejoined and serves %s at version %d after %.1fs", worker, agent,
-                 self.weights.synced[agent], seconds)
+        log.info("%s rejoined and serves %s at version %s after %.1fs", worker, agent,
+                 self.instances.holds(worker, agent), seconds)
         return agent

@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
-from flexmarl.runtime.events import (Event, GroupComplete, GroupOpened,
+from flexmarl.runtime.events import (BatchStarted, Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
                                      WorkerDied, WorkerJoined, WorkerRestarted, without_stamp)
+from flexmarl.runtime.staleness import lag as staleness_lag
+from flexmarl.runtime.staleness import too_stale
 
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
 from .redrive import REDRIVEN_TYPES
@@ -112,6 +114,7 @@ class Summary:
     accounting: list[AccountRow]  # per agent and version, then one total row per agent
     errors: list[str]
     resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
+    training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
 
     @property
     def wall_s(self) -> float:
@@ -132,7 +135,24 @@ def summarize(events: list[Event]) -> Summary:
     agents = _agent_stats(counted, run)
     rows, staleness, errors = _accounting(counted, run)
     resumed_at = [e.step for e in events if isinstance(e, RunResumed)]
-    return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at)
+    return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
+                   training_seconds(events))
+
+
+def training_seconds(events: list[Event]) -> float:
+    """Seconds spent training: from each controller process's first `BatchStarted` to its
+    last event (the next `RunResumed` ends a crashed one), so model builds, engine starts
+    and the time a crashed run lay dead are not counted."""
+    total, began, last = 0.0, None, None
+    for e in events:
+        if isinstance(e, RunResumed):
+            if began is not None:
+                total += last - began
+            began = None
+        elif isinstance(e, BatchStarted) and began is None:
+            began = e.t
+        last = e.t
+    return total + (last - began if began is not None else 0.0)
 
 
 def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
@@ -146,7 +166,18 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
     outstanding: dict[tuple[str, int], RequestsDispatched] = {}
     sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
     trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
+    last_t = t_start
     for e in events:
+        if isinstance(e, RunResumed):
+            # The controller crashed at its last event: what it had under way ended there.
+            # Its workers went with it; those of the resumed run join again.
+            for (name, _), d in outstanding.items():
+                workers[name].spans.append(_request_span(d, last_t, lost=True))
+            for w in workers.values():
+                w.end = min(w.end, max(last_t, w.start))
+            outstanding.clear()
+            sync_started.clear()
+        last_t = e.t
         if isinstance(e, WorkerJoined):
             w = worker(e.worker, e.role, e.t)
             w.role, w.end = e.role, t_end  # a worker back after dying: its downtime is idle
@@ -260,9 +291,9 @@ def _accounting(events: list[Event], run: RunStarted | None):
                 trained[sid] += 1
                 trained_by[sid] = e.agent
                 made_by.setdefault(sid, v)
-                lag = e.version - 1 - v
+                lag = staleness_lag(e.version - 1, [v])
                 hist[lag] += 1
-                if lag < 0 or (run is not None and lag > run.max_staleness):
+                if lag < 0 or (run is not None and too_stale(e.version - 1, [v], run.max_staleness)):
                     stale[e.agent] += 1
         elif isinstance(e, SamplesDropped):
             for sid in e.sample_ids:
@@ -329,7 +360,7 @@ def _why_unreconciled(agent, owner, trained, dropped, trained_by, dropped_by) ->
 
 
 def format_summary(s: Summary) -> str:
-    head = f"run: {s.wall_s:.1f} s, {s.events} events"
+    head = f"run: {s.wall_s:.1f} s ({s.training_s:.1f} s training), {s.events} events"
     if s.run:
         head += (f", mode {s.run.mode}, max_staleness {s.run.max_staleness}, seed {s.run.seed}, "
                  f"agents {', '.join(s.run.agents)}")
@@ -342,7 +373,7 @@ def format_summary(s: Summary) -> str:
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
     out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward"],
                       [[a.agent, a.samples_trained,
-                        f"{a.samples_trained / s.wall_s:.2f}" if s.wall_s > 0 else "-",
+                        f"{a.samples_trained / s.training_s:.2f}" if s.training_s > 0 else "-",
                         a.micro_batches, a.optimizer_steps, a.version,
                         f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-"]
                        for a in s.agents.values()]))

@@ -8,8 +8,10 @@ Two parts, kept apart on purpose:
   the batch goes, sends GENERATE messages, and resolves each sample's future as partial
   GENERATED replies stream back. If an instance dies, its unfinished samples are sent
   again to another instance of the same agent; the experience store refuses a second
-  result for a sample, so a re-issue can never add a sample twice. A worker that comes
-  back is taken into an agent's assignment again by `rejoined` (rejoin.py decides when).
+  result for a sample, so a re-issue can never add a sample twice.
+
+Which instances serve an agent, and the work outstanding on each, belong to the
+instances' owner (instances.py): the client reads the one and reports the other to it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
+from .instances import RolloutInstances
 from .server import ControllerServer, RemoteError, WorkerDied
 
 log = logging.getLogger("flexmarl.router")
@@ -91,12 +94,11 @@ class RequestsFailed(Exception):
 
 
 class RolloutClient:
-    def __init__(self, server: ControllerServer, *, instance_wait_s: float = 60.0,
+    def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
                  emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded") -> None:
         self.server = server
         self.emit = emit or (lambda event: None)
-        self.assignment: dict[str, list[str]] = {}  # agent -> worker ids
-        self.outstanding: dict[str, float] = defaultdict(float)  # worker -> tokens in flight
+        self.owner = instances  # which instances serve an agent; outstanding work per instance
         self.instance_wait_s = instance_wait_s
         self.max_attempts = 3  # a request that fails on this many instances fails its episode
         self.within_agent = within_agent
@@ -104,33 +106,15 @@ class RolloutClient:
         self.dispatched_tokens: dict[str, float] = defaultdict(float)  # per agent, for demand
         self._queued: dict[str, list[tuple[protocol.GenRequest, asyncio.Future]]] = defaultdict(list)
         self._flush_scheduled: set[str] = set()
-        self.messages_sent = 0
         self.reissued = 0
         self.refused = 0
-        self.served_before: dict[str, str] = {}  # dead instance -> the agent it served
 
-    def worker_died(self, worker: str) -> None:
-        """A dead instance leaves every assignment (its unfinished work is re-issued by `_send`)."""
-        for agent, workers in self.assignment.items():
-            if worker in workers:
-                workers.remove(worker)
-                self.served_before[worker] = agent
-                self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{worker} died"))
-                if not workers:
-                    log.error("agent %s has no rollout instance left; its requests wait up to %.0fs "
-                              "for one to (re)join", agent, self.instance_wait_s)
-
-    def rejoined(self, worker: str, agent: str) -> None:
-        """`worker` serves `agent` again (it holds the agent's current weights): route to it."""
-        self.served_before.pop(worker, None)
-        workers = self.assignment.setdefault(agent, [])
-        if worker not in workers:
-            workers.append(worker)
-        self.emit(ev.AllocationChanged("rollout", agent, list(workers), f"{worker} rejoined"))
+    @property
+    def outstanding(self) -> dict[str, float]:
+        return self.owner.outstanding
 
     def instances(self, agent: str) -> list[str]:
-        alive = {w.worker_id for w in self.server.registry.alive("rollout")}
-        return [w for w in self.assignment.get(agent, []) if w in alive]
+        return self.owner.instances(agent)
 
     async def generate(self, agent: str, requests: list[protocol.GenRequest]) -> list[protocol.GenResult]:
         loop = asyncio.get_running_loop()
@@ -173,7 +157,7 @@ class RolloutClient:
                     attempt: int) -> None:
         waiting = {req.sample_id: (req, fut) for req, fut in part}
         cost = {req.sample_id: len(req.prompt_ids) + req.max_tokens for req, _ in part}
-        self.outstanding[worker] += sum(cost.values())
+        self.owner.add_work(worker, sum(cost.values()))
 
         def on_reply(msg: protocol.Message, _buffers: list) -> bool:
             assert isinstance(msg, protocol.Generated)
@@ -185,7 +169,7 @@ class RolloutClient:
                 if entry is None:
                     log.warning("%s returned unknown or repeated sample %s", worker, result.sample_id)
                     continue
-                self.outstanding[worker] -= cost[result.sample_id]
+                self.owner.work_done(worker, cost[result.sample_id])
                 if not entry[1].done():
                     entry[1].set_result(result)
             for refusal in msg.refused:  # fails its episode alone; never re-issued (same model, same refusal)
@@ -193,7 +177,7 @@ class RolloutClient:
                 if entry is None:
                     log.warning("%s refused unknown or repeated sample %s", worker, refusal.sample_id)
                     continue
-                self.outstanding[worker] -= cost[refusal.sample_id]
+                self.owner.work_done(worker, cost[refusal.sample_id])
                 self.refused += 1
                 if not entry[1].done():
                     entry[1].set_exception(RequestRefused(f"{agent} on {worker} refused {refusal.sample_id}: "
@@ -204,7 +188,6 @@ class RolloutClient:
         self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, list(waiting),
                                         sum(len(r.prompt_ids) for r, _ in part)))
         future = self.server.stream(worker, msg, on_reply)
-        self.messages_sent += 1
         await self.server.send_request(worker, msg)
         try:
             await future
@@ -223,7 +206,7 @@ class RolloutClient:
                 log.warning("re-issuing %d unfinished samples of %s after %s: %s", len(waiting), agent,
                             "a worker death" if isinstance(exc, WorkerDied) else "an error", exc)
         finally:
-            self.outstanding[worker] -= sum(cost[s] for s in waiting)
+            self.owner.work_done(worker, sum(cost[s] for s in waiting))
         if waiting:  # died or failed before finishing: send the rest elsewhere
             self.reissued += len(waiting)
             await self._dispatch(agent, list(waiting.values()), attempt + 1)

@@ -1,17 +1,18 @@
 """The batch schedule: where every global batch stands, the staleness gate, wake-ups.
 
-One `BatchProgress` record per global batch (episodes left, when its rollout started and
-ended, how many agents have stepped it, when the last one synced). `BatchSchedule` holds
-them with the version every agent's rollout instances are synced to, and the events the
-loops wait on:
+One `BatchProgress` record per global batch (episodes left and failed, when its rollout
+started and ended, how many agents have stepped it, when the last one synced).
+`BatchSchedule` holds them and the events the loops wait on; it reads each agent's synced
+version from `SyncedVersions` (versions.py), which it does not write:
 - the episode producer waits in `wait_to_start(batch)` (sync mode: until every agent's
-  weights are at batch - 1; async mode: never) and reports `episode_ended(batch)`;
+  weights are at batch - 1; async mode: never) and reports `episode_ended(batch)` (a
+  failed one with why: counted, the first kept for the error that stops the run);
 - every turn of an episode waits at `gate(agent, batch)` until the agent's rollout weights
   are within the staleness bound for the batch;
 - each agent's pipeline waits in `wait_for_work(agent)`, woken by `work_arrived(agent)`
   (a group became trainable) or by any batch's rollout ending, and reports
   `agent_stepped(batch)`;
-- the weight sync reports `synced_to(agent, version)`, which unblocks the gate and the
+- a change of a synced version (the weight sync sets it) unblocks the gate and the
   producer.
 
 The rules themselves are in decisions.py. It does not know the store, workers or
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import decisions
+from .versions import SyncedVersions
 
 
 @dataclass
@@ -38,6 +40,8 @@ class BatchProgress:
     rollout_end: float | None = None  # its last episode ended
     agents_stepped: int = 0
     trained: float | None = None  # every agent stepped and synced it
+    episodes_failed: int = 0
+    first_failure: str = ""  # the first failed episode's reason and the user's traceback
 
     @property
     def rollout_s(self) -> float:
@@ -46,21 +50,22 @@ class BatchProgress:
 
 class BatchSchedule:
     def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
-                 max_staleness: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_staleness: int, versions: SyncedVersions | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.agents = list(agents)
         self.steps = steps
         self.overlap = overlap
         self.max_staleness = max_staleness
         self.clock = clock
         self.batches = {t: BatchProgress(t, episodes_per_batch) for t in range(1, steps + 1)}
-        self.synced = {a: 0 for a in agents}  # the version every rollout instance of the agent holds
+        self.versions = versions if versions is not None else SyncedVersions(agents)  # read only
         self._work = {a: asyncio.Event() for a in agents}
-        self._versions = asyncio.Event()
         self.first_batch = 1  # later after a resume
 
     def resume_after(self, step: int) -> None:
         """A run resumed from the checkpoint of `step`: batches up to it are done, every
-        agent's instances hold version `step`, and the loops start at batch step + 1."""
+        agent's instances hold version `step` (set in `SyncedVersions.resume_at`), and
+        the loops start at batch step + 1."""
         for t in range(1, step + 1):
             progress = self.batches[t]
             progress.episodes_left, progress.agents_stepped = 0, len(self.agents)
@@ -68,21 +73,23 @@ class BatchSchedule:
             progress.trained_done.set()
             progress.trained = progress.rollout_end = progress.started = None  # not timed in this process
         self.first_batch = step + 1
-        for agent in self.agents:
-            self.synced[agent] = step
 
     # -- the episode producer and the gate
 
     async def wait_to_start(self, batch: int) -> None:
-        while not decisions.may_start_episode(batch, self.synced, self.overlap):
-            await self._versions.wait()
+        while not decisions.may_start_episode(batch, self.versions.as_dict(), self.overlap):
+            await self.versions.changed()
         progress = self.batches[batch]
         if progress.started is None:
             progress.started = self.clock()
 
-    def episode_ended(self, batch: int) -> None:
+    def episode_ended(self, batch: int, failure: str = "") -> None:
+        """One episode of `batch` ended; `failure` says why it failed ("" if it did not)."""
         progress = self.batches[batch]
         progress.episodes_left -= 1
+        if failure:
+            progress.episodes_failed += 1
+            progress.first_failure = progress.first_failure or failure
         if progress.episodes_left == 0:
             progress.rollout_end = self.clock()
             progress.rollout_done.set()
@@ -90,8 +97,8 @@ class BatchSchedule:
                 event.set()
 
     async def gate(self, agent: str, batch: int) -> None:
-        while not decisions.may_generate(batch, self.synced[agent], self.max_staleness):
-            await self._versions.wait()
+        while not decisions.may_generate(batch, self.versions[agent], self.max_staleness):
+            await self.versions.changed()
 
     # -- the per-agent pipelines
 
@@ -117,11 +124,6 @@ class BatchSchedule:
 
     async def wait_trained(self, batch: int) -> None:
         await self.batches[batch].trained_done.wait()
-
-    def synced_to(self, agent: str, version: int) -> None:
-        self.synced[agent] = version
-        self._versions.set()
-        self._versions = asyncio.Event()
 
     @property
     def finished(self) -> bool:

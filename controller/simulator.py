@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from flexmarl.runtime.config import RouterConfig
 
-from .balancer import AgentDemand, RolloutBalancer
+from .balance_rules import AgentDemand, RolloutBalancer
 from .router import plan_routes
 
 # name -> (within-agent routing, level 1 on?)

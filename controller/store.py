@@ -67,7 +67,6 @@ class Group:
     sample_ids: list[str]
     batch: int
     status: str = PENDING
-    why_dropped: str = ""
 
 
 class ExperienceStore:
@@ -154,7 +153,6 @@ class ExperienceStore:
             return
         self.emit(ev.SamplesDropped(group.agent, list(group.sample_ids), why))
         group.status = DROPPED
-        group.why_dropped = why
         for sid in group.sample_ids:
             self.samples[sid].status = DROPPED
         self.counts[(group.agent, DROPPED)] += len(group.sample_ids)
@@ -208,7 +206,6 @@ class ExperienceStore:
         self.counts[(agent, DROPPED)] += len(samples)
         for group_id in {s.group_id for s in samples}:
             self.groups[group_id].status = DROPPED
-            self.groups[group_id].why_dropped = why
 
     def forget(self, samples: Iterable[Sample]) -> None:
         """Lets trained samples (whole groups, as `take` hands them out) go: a long run's

@@ -2,7 +2,9 @@
 
 `TRACKERS` maps a `run.trackers` name to a class; each takes the run directory, the
 config (as a plain dict) and the agents, and receives every metrics row (`log(row)`:
-one agent's optimizer step, or one evaluation) and `close()` at the end. Rows are
+one agent's optimizer step, or one evaluation), the sample texts of a step when
+`run.samples_per_step` asks for them (`log_samples(step, agent, rows)`, see sample_log.py)
+and `close()` at the end. Rows are
 written under `AGENT/KEY`, with each agent on its own step axis, since agents step
 independently in async mode.
 
@@ -34,6 +36,16 @@ def _tag(row: dict[str, Any], key: str) -> str:
     return f"{prefix}/{key}"
 
 
+def _conversation(row: dict[str, Any]) -> str:
+    return "\n".join(f"{t['role']}" + (f" (v{t['version']})" if t.get("version") is not None else "")
+                     + f": {t['text']}" for t in row["turns"])
+
+
+def _samples_markdown(rows: list[dict[str, Any]]) -> str:
+    return "\n\n".join(f"**{r['sample_id']}** reward {r['reward']:.3f}\n\n    "
+                         + _conversation(r).replace("\n", "\n    ") for r in rows)
+
+
 class TensorBoardTracker:
     def __init__(self, run_dir: Path, config: dict[str, Any], agents: list[str]) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -43,6 +55,9 @@ class TensorBoardTracker:
     def log(self, row: dict[str, Any]) -> None:
         for key, value in _scalars(row).items():
             self.writer.add_scalar(_tag(row, key), value, global_step=row["step"])
+
+    def log_samples(self, step: int, agent: str, rows: list[dict[str, Any]]) -> None:
+        self.writer.add_text(f"{agent}/samples", _samples_markdown(rows), global_step=step)
 
     def close(self) -> None:
         self.writer.close()
@@ -63,6 +78,14 @@ class WandbTracker:
         data = {_tag(row, k): v for k, v in _scalars(row).items()}
         data[f"{row['agent']}/step"] = row["step"]
         self.run.log(data)
+
+    def log_samples(self, step: int, agent: str, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=["step", "sample_id", "reward", "versions", "conversation"],
+                            data=[[r["step"], r["sample_id"], r["reward"], str(r["versions"]), _conversation(r)]
+                                  for r in rows])
+        self.run.log({f"{agent}/samples": table, f"{agent}/step": step})
 
     def close(self) -> None:
         self.run.finish()

@@ -12,18 +12,23 @@ one supervisor (the first to fail stops the others), and writes the final checkp
   sync per global batch, metrics rows; waits for ready groups or the batch's end, and
   for a trainer; unblocked by the store (a group became trainable) and by the producer
   (a batch's last episode ended).
-- balance (rebalance.py, `Rebalancer.run`, with `router.across_agents`): consumes the
+- balance (balance_loop.py, `Rebalancer.run`, with `router.across_agents`): consumes the
   rollout client's demand counters; produces instance moves between agents; waits for
   its observation interval; ends once every batch is trained.
 - rejoin (rejoin.py, `Rejoin.run`): consumes rollout workers that register after set-up
   (a restarted one, say); produces them serving an agent at its current version; waits
   for a worker to join; ends once every batch is trained. A trainer that joins is handed
   to the allocator.
+- eval, when `eval.every` > 0 (evaluation.py, `Evaluator.run`): consumes held-out rows;
+  produces eval metrics rows; waits for the versions it evaluates to be synced; never
+  trains.
 
 What they share is handed to each: the experience store (store.py), the batch schedule
-(schedule.py: per-batch progress, gate, wake-ups), the weight sync (weight_sync.py), the
-rollout client (router.py), the trainer allocator (allocator.py), the metrics log
-(metrics.py) and the event log's `emit`. None of them refers back to this module.
+(schedule.py: per-batch progress, gate, wake-ups), each agent's synced version
+(versions.py), the rollout instances and their admission (instances.py), the weight sync
+(weight_sync.py), the rollout client (router.py), the trainer allocator (allocator.py),
+the metrics log (metrics.py) and the event log's `emit`. None of them refers back to this
+module.
 """
 
 from __future__ import annotations
@@ -49,20 +54,25 @@ from flexmarl.runtime.model_specs import has_tokenizer
 
 from . import decisions
 from .allocator import TrainerAllocator
-from .checkpoints import Checkpointer, ResumePoint, check_resume, exactness_settings
-from .data import Dataset
+from .checkpoints import Checkpointer, ResumePoint, check_resume, controller_state, exactness_settings
+from .data import DataError, Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
+from .instances import Admission, RolloutInstances
 from .metrics import MetricsLog
-from .models import resolve_model
+from .model_resolution import check_model, resolve_model
 from .pipeline import AgentPipeline
-from .rebalance import Rebalancer
+from .progress import SetupProgress
+from .balance_loop import Rebalancer
 from .rejoin import Rejoin
 from .router import RolloutClient
+from .sample_log import SampleLog
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .tokens import AgentTokenizer
+from .trainer_lanes import TrainerLanes
 from .trackers import open_trackers
+from .versions import SyncedVersions
 from .weight_sync import WeightSync
 from .user_code import load_workflow
 
@@ -110,32 +120,46 @@ class TrainingRun:
             raise ValueError("the config defines no agents ([agents.NAME] tables)")
         p = cfg.pipeline
         self.workflow = load_workflow(cfg.run.workflow)
+        for agent in self.agents:  # a model name that names nothing fails now, not after the engines start
+            check_model(cfg.agents[agent].model)
         self.store = ExperienceStore(self.agents, emit=emit,
                                      std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
+        self.versions = SyncedVersions(self.agents)
         self.schedule = BatchSchedule(self.agents, cfg.run.steps, p.queries_per_step,
-                                      overlap=p.mode == "async", max_staleness=p.max_staleness)
+                                      overlap=p.mode == "async", max_staleness=p.max_staleness,
+                                      versions=self.versions)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
-        self.client = RolloutClient(server, emit=emit, within_agent=cfg.router.within_agent)
-        self.weights = WeightSync(self.agents, server, self.client.instances, emit, self.schedule.synced_to,
+        self.instances = RolloutInstances(server, emit)
+        self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent)
+        self.weights = WeightSync(self.agents, server, self.instances, self.versions, emit,
                                   trainer_for=self._trainer_for)
+        self.admission = Admission(self.instances, self.weights, self.versions, server, self.load_model_message)
         if resume is not None:  # rows of batches after the checkpoint are made again
             truncate_metrics(self.run_dir / "metrics.jsonl", resume.step)
             self.schedule.resume_after(resume.step)
-        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress,
-                                  trackers=open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents),
-                                  resumed=resume is not None, first_step=self.schedule.first_batch)
+            self.versions.resume_at(resume.step)
+        trackers = open_trackers(cfg.run.trackers, self.run_dir, to_dict(cfg), self.agents)
+        self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
+        self.sample_log = None  # a few trained samples per agent per step, as text (run.samples_per_step)
+        if cfg.run.samples_per_step > 0:
+            self.sample_log = SampleLog(self.run_dir, cfg.run.samples_per_step, self.tokenizers, trackers,
+                                        resumed_after=resume.step if resume is not None else None)
+            self.store.on_ready.append(lambda group: self.sample_log.group_ready(
+                group.agent, [self.store.samples[sid] for sid in group.sample_ids]))
+        self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress, trackers=trackers,
+                                  resumed=resume is not None, first_step=self.schedule.first_batch,
+                                  sample_log=self.sample_log)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
                                        keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                        controller_state=self._controller_state,
                                        full_state=cfg.cluster.trainer_group_size == 1)
         d = cfg.data
-        self.dataset = Dataset.from_path(d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
+        self.dataset = _dataset("data.train", d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
         if self.dataset is not None:
             self.dataset.check_serves(cfg.run.steps * p.queries_per_step, "run.steps x pipeline.queries_per_step")
         # Held-out rows in file order, cycled as often as evaluations ask.
-        eval_data = Dataset.from_path(d.eval, cfg.run.seed, shuffle=False) if d.eval else None
+        eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
-        self.tokenizers: dict[str, AgentTokenizer] = {}  # filled in setup, once models are resolved
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
                                         self.dataset, self.tools, self.tokenizers)
         if resume is not None:
@@ -155,7 +179,7 @@ class TrainingRun:
         self.busy: dict[str, float] = {}
         self._loads_at_start: dict[str, float] = {}
         server.on_died.append(self._on_worker_died)
-        self.rejoin = Rejoin(self.agents, self.client, self.weights, server, self.load_model_message,
+        self.rejoin = Rejoin(self.agents, self.instances, self.admission, server,
                              accepting=lambda: self.ready.is_set() and not server.closing,
                              finished=lambda: self.schedule.finished,
                              trainer_joined=lambda worker: self.allocator.trainer_joined(worker))
@@ -179,6 +203,7 @@ class TrainingRun:
             await self.setup()
             self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
+            self.metrics.training_started()
             loops = [asyncio.create_task(self.episodes.run(), name="episodes"),
                      asyncio.create_task(self.rejoin.run(), name="rejoin"),
                      *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in self.pipelines.items())]
@@ -211,34 +236,52 @@ class TrainingRun:
 
     async def setup(self) -> None:
         cfg = self.cfg
+        display = SetupProgress(cfg.run.progress)
         for agent in self.agents:
-            self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model)
-            if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
-                self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
+            def building(name: str, agent: str = agent) -> Any:
+                return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
+            self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model, None, building)
+        with display.stage(f"loading the tokenizers of {len(self.agents)} agents") as stage:
+            for agent in self.agents:
+                if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
+                    self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
+                stage.update(len(self.tokenizers), len(self.agents))
         weight = {a: self._expected_tokens(a) for a in self.agents}
-        self.client.assignment = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
+        placement = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
         saved = self.resume.state.get("rollout_assignment") if self.resume else None
         if saved and sorted(w for ws in saved.values() for w in ws) == sorted(self.worker_ids("rollout")):
-            self.client.assignment = {a: list(saved[a]) for a in self.agents}  # as it was at the checkpoint
-        for agent in self.agents:
-            self.emit(ev.AllocationChanged("rollout", agent, list(self.client.assignment[agent]), "initial placement"))
-        log.info("rollout placement: %s", self.client.assignment)
+            placement = {a: list(saved[a]) for a in self.agents}  # as it was at the checkpoint
+        log.info("rollout placement: %s", placement)
+        self.instances.place(placement)
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
                                           cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit)
         self.allocator.on_parked.append(self.weights.forget)
         if self.resume is not None:
             for agent in self.agents:
                 self.allocator.recover(agent, self.resume.training_state(agent), self.resume.step)
+        lanes = TrainerLanes()  # the order of every trainer's commands, for every agent
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
                                            self.server, self.metrics, self.emit, self.flush_events,
-                                           cfg.agents[a].loss_options(), checkpoints=self.checkpoints)
+                                           cfg.agents[a].loss_options(), checkpoints=self.checkpoints, lanes=lanes)
                           for a in self.agents}
         if cfg.router.across_agents:
-            self.rebalancer = Rebalancer(cfg.router, self.agents, self.client, self.server, self.weights,
-                                         self.model_path, self.load_model_message, self.emit,
+            self.rebalancer = Rebalancer(cfg.router, self.agents, self.instances, self.admission, self.client,
+                                         self.server, self.weights, self.model_path, self.emit,
                                          lambda: self.schedule.finished)
-        await asyncio.gather(*(self._load_model(a, w) for a, ws in self.client.assignment.items() for w in ws),
-                             self._init_agents())
+        engines = [(a, w) for a, ws in placement.items() for w in ws]
+        with display.stage(f"starting {len(engines)} rollout engines and {len(self.agents)} training states") as stage:
+            stage.update(0, len(engines) + 1)
+
+            async def counted(work: Awaitable[Any]) -> Any:
+                result = await work
+                stage.update((stage.done or 0) + 1)
+                return result
+
+            admitted = await asyncio.gather(*(counted(self._place(a, w)) for a, w in engines),
+                                            counted(self._init_agents()))
+        if not all(admitted[:-1]):
+            raise RuntimeError("a rollout worker died or failed while starting its engine at set-up; see its log "
+                               "in the run directory's logs/ folder")
         self.ready.set()
 
     async def _init_agents(self) -> None:
@@ -263,13 +306,12 @@ class TrainingRun:
         a = self.cfg.agents[agent]
         return a.group_size * a.max_tokens * (1 + self.agents.index(agent))
 
-    async def _load_model(self, agent: str, worker: str) -> None:
+    async def _place(self, agent: str, worker: str) -> bool:
         message = self.load_model_message(agent)
         if self.resume is not None:  # set-up of a resumed run: engines start at the checkpoint
             message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(agent).resolve()),
                                               version=self.resume.step)
-        reply = await self.weights.start_engine(worker, message)
-        log.info("%s serves %s (%.1fs to start the engine)", worker, agent, reply.seconds)
+        return await self.admission.admit(worker, agent, engine=message, why="joins: initial placement")
 
     def load_model_message(self, agent: str) -> protocol.LoadModel:
         """What starts an engine on `agent`'s model at version 0, the model directory's
@@ -283,7 +325,7 @@ class TrainingRun:
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN
             return
-        self.client.worker_died(info.worker_id)
+        self.instances.died(info.worker_id)
         if self.allocator is not None and info.worker_id in self.allocator.trainers:
             lost = self.allocator.trainer_died(info.worker_id)
             if lost:
@@ -309,26 +351,17 @@ class TrainingRun:
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
 
     def _controller_state(self, step: int) -> dict[str, Any]:
-        """What the controller adds to a checkpoint of `step`: enough to continue the run
-        from it and to say where it stood. Episodes draw their randomness from seeds made
-        of (run.seed, batch, episode), so the seed and the step are the random state; the
-        settings exactness depends on are recorded for the resume to compare."""
-        next_episode = self.episodes.episode_number(step + 1, 0)
-        state = {"steps": self.cfg.run.steps,
-                 **{key: value for key, (_, value) in exactness_settings(self.cfg, self.dataset).items()},
-                 "versions": {a: step for a in self.agents},
-                 "episodes_done": next_episode,
-                 "rollout_assignment": {a: list(ws) for a, ws in self.client.assignment.items()},
-                 # Samples of later batches the store held at the cut; a resumed run makes them again.
-                 "store_after_cut": {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
-                                     for a in self.agents},
-                 "config_toml": dump_toml(self.cfg)}
-        state["data"] = {"next_episode": next_episode}
-        if self.dataset is not None:
-            if step < self.cfg.run.steps:  # after the last step the data may be used up
-                position = self.dataset.position(next_episode)
-                state["data"].update(epoch=position.epoch, next_row=position.index)
-        return state
+        after_cut = {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
+                     for a in self.agents}
+        return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset,
+                                self.episodes.episode_number(step + 1, 0))
+
+
+def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:
+    try:
+        return Dataset.from_path(path, seed, shuffle, epochs)
+    except DataError as exc:
+        raise DataError(f"{key}: {exc}") from None
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -21,7 +21,8 @@ from typing import Callable
 
 from flexmarl.runtime.user_modules import import_file
 
-from .workflows import WORKFLOWS
+from .builtin_workflows import WORKFLOWS
+from .failures import user_frame
 
 
 class WorkflowError(ValueError):
@@ -67,4 +68,6 @@ def _import_file(path_text: str, spec: str):
     try:
         return import_file(path, "flexmarl_workflow")
     except Exception as exc:
-        raise WorkflowError(f"run.workflow = {spec!r}: running {path} failed: {type(exc).__name__}: {exc}") from exc
+        where = user_frame(exc)
+        raise WorkflowError(f"run.workflow = {spec!r}: running {path} failed: {type(exc).__name__}: {exc}"
+                            + (f" (at {where})" if where else "")) from exc

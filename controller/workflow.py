@@ -51,12 +51,17 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
 
+from .failures import user_frame, user_traceback
 from .store import ExperienceStore, Sample
 
 log = logging.getLogger("flexmarl.workflow")
 
 
 SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos"})
+
+
+class UnknownAgent(ValueError):
+    """A workflow named an agent the config does not define."""
 
 
 # The running task's place in its episode's tree of tasks (see the module docstring).
@@ -145,6 +150,7 @@ class EpisodeContext:
     eval_temperature: float | None = None
     groups: list[str] = field(default_factory=list)
     closed: str = ""  # why the episode failed, once it has
+    failure: str = ""  # ... and, when it raised, the traceback of the user's code (failures.py)
     _calls: Counter = field(default_factory=Counter)  # (agent, prompt) -> calls so far
     _branches: set = field(default_factory=set)  # tasks that called generate
 
@@ -189,9 +195,15 @@ class EpisodeContext:
         return await self._turn(sample, list(appended_ids), sampling)
 
     def tokenizer(self, agent: str) -> Any:
+        self._check_agent(agent)
         if agent not in self.tokenizers:
-            raise ValueError(f"agent {agent!r} has no tokenizer here (is it configured?); pass token ids instead")
+            raise ValueError(f"agent {agent!r}'s model has no tokenizer; pass token ids instead of text")
         return self.tokenizers[agent]
+
+    def _check_agent(self, agent: str) -> None:
+        if agent not in self.agents:
+            raise UnknownAgent(f"workflow asked for agent {agent!r}, which is not configured "
+                               f"(agents: {', '.join(self.agents)})")
 
     # ---------------------------------------------------------------- one turn
 
@@ -199,9 +211,7 @@ class EpisodeContext:
                     messages: list[dict] | None) -> list[Sample]:
         if self.closed:
             raise EpisodeClosed(self.closed)
-        if agent not in self.agents:
-            raise KeyError(f"workflow asked for agent {agent!r}, which is not configured "
-                           f"(agents: {', '.join(self.agents)})")
+        self._check_agent(agent)
         n = self.agents[agent].group_size if n is None else n
         if self.eval_temperature is not None:
             n = 1
@@ -322,6 +332,7 @@ Episode = Callable[[EpisodeContext], Awaitable[None]]
 
 async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> str:
     """Runs one episode; returns "" on success or the reason it failed (groups dropped).
+    The reason names the user's frame that raised; `ctx.failure` keeps their traceback.
     It runs in the calling task, which becomes the root of the episode's branches."""
     track_branches()
     BRANCH.set(())
@@ -339,8 +350,11 @@ async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -
     except Exception as exc:  # a user's reward function or workflow bug: drop, count, go on
         if isinstance(exc, TimeoutError) and deadline.expired():
             why = f"episode {ctx.episode_id} timed out after {timeout_s:.0f}s"
+            ctx.failure = why
         else:  # a tool's own timeout (ctx.call) is the episode's failure, not its deadline
-            why = f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}"
+            where = user_frame(exc)
+            why = f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+            ctx.failure = user_traceback(exc)
     log.warning("%s; dropping its unfinished groups", why)
     await ctx.close(why)
     return why

@@ -82,7 +82,8 @@ def engine_settings(cfg: ExperimentConfig, base: str) -> EngineSettings:
     """How a rollout engine runs `base` with its adapters (sent in LoadModel)."""
     b, slots = cfg.bases[base], lora_slots(cfg, base)
     return EngineSettings(b.dtype, b.gpu_memory_utilization, b.tensor_parallel_size,
-                          slots.max_loras, slots.max_lora_rank, slots.max_cpu_loras)
+                          max_loras=slots.max_loras, max_lora_rank=slots.max_lora_rank,
+                          max_cpu_loras=slots.max_cpu_loras)
 
 
 def trainer_settings(cfg: ExperimentConfig, agent: str) -> TrainerSettings:

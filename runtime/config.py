@@ -208,6 +208,12 @@ class PipelineConfig:
     # TIS's truncation cap (agents' off_policy = "tis"): the importance weight is min(ratio,
     # clip_ratio). Only TIS reads it; PPO's clip range is agents.*.clip_eps.
     clip_ratio: float = 2.0
+    # A run that cannot learn stops (exit status 1, the first failure's traceback shown):
+    # when more than this share of a step's episodes fail (1.0: never), or when an agent
+    # gets no trainable sample in a step (unless allow_empty_steps: a workflow that calls
+    # some agent only now and then).
+    max_failed_share: float = 0.5
+    allow_empty_steps: bool = False
 
 
 @dataclass
@@ -248,6 +254,10 @@ class RunConfig:
     # WANDB_MODE says otherwise (its files land in RUN_DIR/wandb; `wandb sync` uploads them).
     trackers: list[str] = field(default_factory=list)
     wandb_project: str = "flexmarl"
+    # Every optimizer step writes this many of each agent's trained samples, as text (each
+    # turn, its policy version, the reward; best and worst first), to RUN_DIR/samples.jsonl
+    # and the trackers; `flexmarl samples RUN_DIR` prints them. 0: none.
+    samples_per_step: int = 0
 
 
 @dataclass
@@ -293,6 +303,9 @@ class ExperimentConfig:
                               f"got {self.pipeline.clip_ratio}")
         if self.pipeline.micro_batch < 1 or self.pipeline.queries_per_step < 1:
             raise ConfigError("pipeline.micro_batch and pipeline.queries_per_step must be >= 1")
+        if not 0.0 <= self.pipeline.max_failed_share <= 1.0:
+            raise ConfigError(f"pipeline.max_failed_share must be in [0, 1] (1: never stop for failed "
+                              f"episodes), got {self.pipeline.max_failed_share}")
         if self.cluster.rollout_workers < 1 or self.cluster.trainer_workers < 1:
             raise ConfigError("cluster needs at least one rollout and one trainer worker")
         for name, agent in self.agents.items():
@@ -321,6 +334,8 @@ class ExperimentConfig:
         check_bases(self)
         self.cluster.validate_gpus(max([a.tensor_parallel_size for a in self.agents.values()]
                                        + [b.tensor_parallel_size for b in self.bases.values()], default=1))
+        if self.run.samples_per_step < 0:
+            raise ConfigError("run.samples_per_step must be >= 0 (0: no samples written)")
         if self.run.checkpoint_every < 0 or self.run.keep_checkpoints < 1:
             raise ConfigError("run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
         if self.data.epochs < 0 or self.eval.every < 0 or self.eval.episodes < 1:
@@ -408,19 +423,59 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 defaults: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Defaults, then the TOML file, then overrides; every key checked."""
+    """Defaults, then the TOML file, then overrides; every key checked. The file's paths
+    (see `resolve_paths`) are relative to its folder, the overrides' to the working
+    directory; the config holds them absolute, so a run directory's copy works from anywhere."""
     data: dict[str, Any] = _deep_copy(defaults or {})
     if path is not None:
         try:
             with open(path, "rb") as fh:
-                _merge(data, tomllib.load(fh))
+                raw = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        resolve_paths(raw, Path(path).expanduser().resolve().parent)
+        _merge(data, raw)
     for assignment in overrides:
         apply_override(data, assignment)
+    resolve_paths(data, Path.cwd())
     return _build(ExperimentConfig, data, "").validate()
+
+
+def resolve_paths(data: dict[str, Any], base: Path) -> None:
+    """Makes the file paths among the raw config's values absolute against `base`:
+    `run.workflow` given as FILE.py:FUNCTION (or with a folder), `data.train`,
+    `data.eval`, and every `agents.*.model` that is a directory or a `tiny:FILE.py:AGENT`
+    recipe. Built-in names (`digit_chain`, `tiny:planner`) and dotted modules stay as they
+    are; values of the wrong type are left for the type check to name."""
+    def absolute(text: str) -> str:
+        return str((base / Path(text).expanduser()).resolve()) if text else text
+
+    def is_file_spec(where: str) -> bool:
+        return where.endswith(".py") or "/" in where
+
+    run, data_table = data.get("run"), data.get("data")
+    if isinstance(run, dict) and isinstance(run.get("workflow"), str) and ":" in run["workflow"]:
+        where, name = run["workflow"].rsplit(":", 1)
+        if is_file_spec(where):
+            run["workflow"] = f"{absolute(where)}:{name}"
+    if isinstance(data_table, dict):
+        for key in ("train", "eval"):
+            if isinstance(data_table.get(key), str):
+                data_table[key] = absolute(data_table[key])
+    agents = data.get("agents")
+    for agent in (agents.values() if isinstance(agents, dict) else ()):
+        model = agent.get("model") if isinstance(agent, dict) else None
+        if not isinstance(model, str) or not model:
+            continue
+        if model.startswith("tiny:"):
+            rest = model[len("tiny:"):]
+            if ":" in rest and is_file_spec(rest.rsplit(":", 1)[0]):
+                job, name = rest.rsplit(":", 1)
+                agent["model"] = f"tiny:{absolute(job)}:{name}"
+        else:
+            agent["model"] = absolute(model)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -125,7 +125,6 @@ class EventLog:
         self._segment = 0
         self._segment_bytes = 0
         self._dir_dirty = False
-        self.segments_written = 0
         self._append_at: tuple[int, int] | None = None  # (segment, intact bytes) to continue
         if append and segment_paths(self.path):
             reader = _SegmentReader()
@@ -253,7 +252,6 @@ class EventLog:
         self._file = open(segment_path(self.path, index), "wb")
         self._file.write(_HEADER.pack(MAGIC, FORMAT_VERSION))
         self._segment_bytes = HEADER_BYTES
-        self.segments_written = index + 1
         self._dir_dirty = True
 
     def _continue(self, index: int, intact: int) -> None:
@@ -269,7 +267,6 @@ class EventLog:
         self._file.truncate(intact)
         self._file.seek(intact)
         self._segment_bytes = intact
-        self.segments_written = index + 1
 
     def _rotate(self) -> None:
         # The finished segment is made durable before the next exists, so a reader never

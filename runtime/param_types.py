@@ -87,7 +87,8 @@ class ParamHandle(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ParamChannelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """One worker's channel settings (a [param_channel] table in the config TOML)."""
+    """One worker's channel settings, made from where its controller is
+    (workers/channel_config.py); no config file sets them."""
 
     shm_dir: str = "/dev/shm"
     disk_fsync: bool = True  # a checkpoint survives a crash once publish() returns

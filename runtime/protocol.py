@@ -172,6 +172,9 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     dtype: ModelDtype = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU vLLM may claim; CPU: unused
     tensor_parallel_size: int = 1  # CUDA: GPUs one engine spans; CPU: must be 1
+    # CUDA: rollout engines the controller has placed on this engine's GPU (workers that
+    # were not pinned to GPUs of their own share one); they split the share between them.
+    engines_on_gpu: int = 1
     # LoRA slots of an engine that serves agents as adapters of its model (a base); 0: no
     # LoRA. max_loras: adapters one batch may mix (every resident version of every agent);
     # max_lora_rank: the largest rank, one vLLM accepts; max_cpu_loras: adapters held.
@@ -472,13 +475,20 @@ class StepDone(Message):
     stats: StepStats = msgspec.field(default_factory=StepStats)
 
 
+# PublishWeights.version asking for the version the agent is at, whichever it is (the
+# reply names it): what a joining instance is loaded with, so a step that raced the join
+# is published instead of refused.
+CURRENT_VERSION = -1
+
+
 class PublishWeights(Message):
     # Controller -> Trainer: make the agent's weights available to rollout workers.
     KIND = Kind.PUBLISH_WEIGHTS
     request_id: int
     agent: str
-    version: int
-    transport: str = "auto"  # "shm", "tcp", ... ; "auto" picks from where the ends are
+    version: int  # refused unless the agent is at it; CURRENT_VERSION: whichever it is at
+    # "shm", "tcp", "cuda_ipc", "nccl", ...: the controller picks it from where the ends are
+    transport: str
     targets: list[str] = []  # worker ids that will receive; over nccl, targets[i] is rank i + 1
     group: str = ""  # nccl: the communicator's name, kept while the agent's targets stay the same
 

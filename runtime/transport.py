@@ -234,7 +234,3 @@ class DealerSocket(_Socket):
 
     async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         await self.sock.send_multipart(protocol.encode(msg, buffers), copy=False)
-
-    async def send_raw(self, frames: Sequence[Any]) -> None:
-        """Sends frames exactly as given (tests and fuzzing use it to send garbage)."""
-        await self.sock.send_multipart(list(frames))

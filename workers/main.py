@@ -12,6 +12,7 @@ import sys
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.param_types import ParamChannelConfig
+from flexmarl.runtime.parent_watch import watch_parent
 
 from .channel_config import channel_config
 from .precision import visible_devices
@@ -52,10 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=1,
                         help="trainer only: processes that train each agent together (FSDP2), one GPU each; "
                              "this process is rank 0 and starts the others")
+    parser.add_argument("--parent-pid", type=int, default=0, metavar="PID",
+                        help="exit when this process (the one that started the worker) is gone")
     parser.add_argument("--log-level", default="INFO")
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    if args.parent_pid:
+        watch_parent(args.parent_pid)
     limit_threads(args.threads)
     setup_logging(args.log_level, name=args.worker_id or f"{args.role}:{os.getpid()}")
     cfg = TransportConfig(address=args.connect, handshake_timeout_s=args.handshake_timeout,

@@ -45,6 +45,7 @@ from flexmarl.runtime.model_specs import (
     check_spec,
     job_recipes,
 )
+from flexmarl.runtime.progress_file import write_progress
 
 PAD, BOS, EOS, UNK = SPECIAL_TOKENS
 
@@ -138,7 +139,9 @@ def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: 
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr)
     model.train()
-    for _ in range(schedule.steps):
+    for step in range(schedule.steps):
+        if step % max(1, schedule.steps // 100) == 0:
+            write_progress(step, schedule.steps)  # the controller shows it while it waits
         batch = torch.randint(len(rows), (schedule.batch_size,), generator=generator)
         loss = model(
             input_ids=input_ids[batch],
@@ -148,6 +151,7 @@ def warm_up(model, examples: Sequence[Example], schedule: WarmupSchedule, seed: 
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+    write_progress(schedule.steps, schedule.steps)
     model.eval()
 
 

@@ -73,7 +73,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
 # ---------------------------------------------------------------- rollout engines
 
 
-def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
+def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
+                     receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
     if settings.tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {settings.tensor_parallel_size} needs CUDA GPUs; "
                          "this worker has none (set it to 1 for CPU rollout workers)")
@@ -93,32 +94,58 @@ def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_byte
     )
 
 
-def _cuda_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
+# The least share of its GPU an engine is started with: below it the weights and a useful
+# KV cache of any model worth serving on a GPU do not fit.
+MIN_ENGINE_SHARE = 0.05
+
+
+def engine_memory_share(requested: float, engines_on_gpu: int, receive_bytes: int, gpu_bytes: int) -> float:
+    """The share of its GPU one engine asks vLLM for. The agent's share (what the config
+    asks of a GPU) is split between the engines placed on that GPU, and each leaves room
+    for a weight receive beside it: an NCCL broadcast lands in a bucket of the model's
+    bytes on the engine's GPU, which vLLM, holding its share, would not leave free."""
+    if engines_on_gpu < 1:
+        raise ValueError(f"engines_on_gpu must be >= 1, got {engines_on_gpu}")
+    share = requested / engines_on_gpu - (receive_bytes / gpu_bytes if gpu_bytes > 0 else 0.0)
+    if share < MIN_ENGINE_SHARE:
+        raise ValueError(
+            f"a rollout engine would get {share:.3f} of its GPU: gpu_memory_utilization {requested} split between "
+            f"{engines_on_gpu} engines on one GPU, less {receive_bytes / 2**30:.2f} GiB for receiving the weights "
+            f"(of {gpu_bytes / 2**30:.1f} GiB); pin rollout workers to GPUs of their own (cluster.rollout_gpus), "
+            "run fewer on each GPU, or raise gpu_memory_utilization")
+    return share
+
+
+def _cuda_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
+                      receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
     tp = settings.tensor_parallel_size
+    share = engine_memory_share(settings.gpu_memory_utilization, settings.engines_on_gpu, receive_bytes, gpu_bytes)
     return dict(
         dtype=resolve_dtype(settings.dtype, "cuda"),
         max_model_len=max_model_len or None,  # None: the model's own context length
         # The KV cache takes what the share leaves after the weights: vLLM sizes it.
-        gpu_memory_utilization=settings.gpu_memory_utilization,
+        gpu_memory_utilization=share,
         tensor_parallel_size=tp,
         # One GPU: the engine in this process; several: vLLM starts one process per GPU.
         distributed_executor_backend="uni" if tp == 1 else "mp",
     )
 
 
-ENGINE_ARGS: dict[str, Callable[[EngineSettings, int, int], dict[str, Any]]] = {
+ENGINE_ARGS: dict[str, Callable[..., dict[str, Any]]] = {
     "cpu": _cpu_engine_args,
     "cuda": _cuda_engine_args,
 }
 
 
-def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_cache_bytes: int) -> dict[str, Any]:
-    """The device-dependent arguments of `vllm.LLM` for an engine on `device`, plus its
-    LoRA slots when it serves adapters (the same on every device)."""
+def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
+                receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
+    """The device-dependent arguments of `vllm.LLM` for an engine on `device`; on CUDA,
+    `receive_bytes` (a weight receive's bucket) of the GPU's `gpu_bytes` are left free. An
+    engine that serves adapters gets its LoRA slots too (the same on every device)."""
     kind = torch.device(device).type
     if kind not in ENGINE_ARGS:
         raise ValueError(f"no rollout engine settings for device {device!r} (known: {', '.join(ENGINE_ARGS)})")
-    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes) | lora_args(settings)
+    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes) | lora_args(settings)
 
 
 def lora_args(settings: EngineSettings) -> dict[str, Any]:
@@ -127,6 +154,30 @@ def lora_args(settings: EngineSettings) -> dict[str, Any]:
         return {}
     return dict(enable_lora=True, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank or 16,
                 max_cpu_loras=max(settings.max_cpu_loras, settings.max_loras))
+
+
+def gpu_total_bytes(index: int = 0) -> int:
+    """The memory of this process's GPU `index`, asked of NVML (as the host numbers GPUs,
+    hence through CUDA_VISIBLE_DEVICES), so that CUDA is not initialised; 0 if NVML cannot
+    say (then no room is set aside)."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    from flexmarl.runtime.param_types import host_device
+
+    pinned = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    name = host_device(f"cuda:{index}", pinned).partition(":")[2]
+    try:
+        pynvml.nvmlInit()
+        try:
+            handle = (pynvml.nvmlDeviceGetHandleByUUID(name) if name.startswith(("GPU-", "MIG-"))
+                      else pynvml.nvmlDeviceGetHandleByIndex(int(name)))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML here: the share is used as given
+        return 0
 
 
 # ---------------------------------------------------------------- trainers

@@ -65,7 +65,6 @@ class RolloutHandler(CommandHandler):
         self._sample_batch: dict[str, int] = {}
         self._sample_version: dict[str, int] = {}
         self._wake = asyncio.Event()
-        self.tokens_done = 0
         self.busy_s = 0.0
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
         self._channel: Any = None
@@ -242,7 +241,6 @@ class RolloutHandler(CommandHandler):
                                                                 [float(x) for x in c.logprobs], version,
                                                                 c.finish_reason or ""))
             tokens += len(c.token_ids)
-        self.tokens_done += tokens
         if dt > 0:
             self._rate = 0.9 * self._rate + 0.1 * (tokens / dt) if self._rate else tokens / dt
         for request_id, results in done_by_batch.items():

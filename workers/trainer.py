@@ -16,8 +16,11 @@ trainer's other adapter agents of it (`adapters.SharedBase`, loaded once, frozen
 model here is the adapter alone, so every command above moves the adapter and its
 optimizer state, never the base.
 
-Each command type maps to one method in `TrainerHandler.COMMANDS`. The loss itself is in
-`loss.py`.
+Each command type maps to one method in `TrainerHandler.COMMANDS`, written once: a trainer
+group (trainer_group.py) runs the same commands and overrides only the steps that differ
+across ranks (`_new_model`, `_receive`, `_share`, `_reduce`, `_full_weights`,
+`_local_state`, `_gather_handles`, `_checkpoint_state_dict`; `rank` and `world`). The loss
+itself is in `loss.py`.
 
 It decides nothing: which samples, when to step and where weights go all come from the
 controller. It does check what it is told: a micro-batch for the wrong version, a sample
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.staleness import too_stale
 
 from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
 from .precision import TrainPlacement
@@ -120,6 +124,20 @@ def training_state(model: Any, optimizer: Any, sums: StepSums | None = None) -> 
     return tensors
 
 
+def model_skeleton(model_path: str, dtype: Any) -> Any:
+    """The model of `model_path`'s config with its parameters allocated but not initialised,
+    for a state that is about to be copied in (a swap-in, a resume). Initialising first
+    would write every weight twice: for a 0.5B model, random init takes longer than the
+    copy itself. Buffers computed at construction (rotary frequencies) are still built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # it skips tying too: a tied head would be a separate tensor
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    model.tie_weights()
+    return model
+
+
 def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any) -> StepSums:
     """Inverse of `training_state`: the parked state named by `handle` goes straight into a
     freshly built model (weights) and new tensors (gradients, optimizer state, step sums),
@@ -151,9 +169,21 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
     return StepSums.from_tensors({k[len("step/"):]: v for k, v in dst.items() if k.startswith("step/")})
 
 
+# A model directory's weight files: a checkpoint writes its own, never the model's.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".index.json")
+
+
+def carried_with_weights(path: Path) -> bool:
+    """A file of the model directory a checkpoint copies as it is: everything the
+    tokenizer needs (tokenizer.json, its config, chat_template.jinja, vocab and merges
+    files, sentencepiece models) and the generation config; not weights, not folders."""
+    return path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES)
+
+
 def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tuple[Path, int]:
-    """Has `write(tmp)` fill a temporary directory next to `path`, adds the tokenizer files
-    of `model_path` (they travel with the weights), then renames it to `path`: a crash or a
+    """Has `write(tmp)` fill a temporary directory next to `path`, adds the other files of
+    `model_path` (tokenizer, chat template, generation config: they travel with the
+    weights; `carried_with_weights`), then renames it to `path`: a crash or a
     full disk mid-save never leaves a half-written checkpoint there, and a failed save
     leaves nothing. Returns the path and the bytes written."""
     path = Path(path)
@@ -162,7 +192,7 @@ def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tupl
     try:
         write(tmp)
         for extra in Path(model_path).iterdir():
-            if extra.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            if carried_with_weights(extra) and extra.name != "config.json":  # the saved model's config stays
                 shutil.copy(extra, tmp / extra.name)
         nbytes = sum(f.stat().st_size for f in tmp.iterdir())
         shutil.rmtree(path, ignore_errors=True)
@@ -184,6 +214,7 @@ class TrainerHandler(CommandHandler):
     # What each micro-batch's loss is multiplied by before backward. 1 here; a trainer group
     # whose gradient reduction averages over N ranks uses N, so the gradients are sums.
     loss_scale = 1.0
+    rank, world = 0, 1  # this process among the ranks that hold each agent; rank 0 replies
 
     def __init__(self, channel_config: Any = None) -> None:
         super().__init__()
@@ -227,19 +258,64 @@ class TrainerHandler(CommandHandler):
                            f"(resident: {sorted(self.agents)})")
         return state
 
-    def _init_agent(self, msg: protocol.InitAgent) -> protocol.AgentReady:
+    # ---------------------------------------------------------------- the steps a group overrides
+
+    def _new_model(self, msg: protocol.InitAgent | protocol.LoadAgent,
+                   pretrained: bool) -> tuple[Any, Any, TrainPlacement]:
+        """A model for `msg.agent` with its optimizer: the model directory's weights
+        (`pretrained`), or empty ones a parked state is received into (`_receive`)."""
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(msg.seed)
         placement = TrainPlacement.resolve(msg.settings)
-        if msg.lora is not None:
-            model = self._new_adapter(msg, placement, msg.seed)
-        else:
+        if msg.lora is not None:  # the base shared and frozen; the adapter is the model here
+            model = self._new_adapter(msg, placement, msg.seed if pretrained else 0)
+        elif pretrained:
             model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
-            # Dropout-free tiny models: train() vs eval() only matters for dropout layers.
             placement.prepare(model)
-        optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
+        else:  # received in host memory first, then onto the device (`_receive`)
+            model = model_skeleton(msg.model_path, placement.param_dtype)
+        return model, torch.optim.Adam(model.parameters(), lr=msg.lr), placement
+
+    def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:
+        """This process's part of the parked state named in `msg` into a model of `_new_model`."""
+        sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
+        if msg.lora is None:  # an adapter is on its base's device already
+            placement.prepare(model)
+        placement.move_state(optimizer)
+        return sums
+
+    def _share(self, msg: protocol.TrainMicroBatch) -> tuple[protocol.TrainMicroBatch, bool]:
+        """The part of a micro-batch this process trains, and whether it holds real samples."""
+        return msg, True
+
+    def _reduce(self, sums: StepSums) -> StepSums:
+        """Every process's sums of a micro-batch, added up."""
+        return sums
+
+    def _full_weights(self, state: AgentState) -> dict[str, Any]:
+        """The agent's whole parameters (a tied head once, as the embedding; receivers know the tie)."""
+        return {k: v.detach() for k, v in state.model.named_parameters()}
+
+    def _local_state(self, state: AgentState) -> dict[str, Any]:
+        """The part of the agent's training state this process parks."""
+        return training_state(state.model, state.optimizer, state.sums)
+
+    def _gather_handles(self, handle: Any) -> list[Any]:
+        """Every process's handle of what it parked, rank 0's first."""
+        return [handle]
+
+    def _checkpoint_state_dict(self, state: AgentState) -> dict[str, Any] | None:
+        """The weights a checkpoint writes; None: the model's own."""
+        return None
+
+    # ---------------------------------------------------------------- the commands
+
+    def _init_agent(self, msg: protocol.InitAgent) -> protocol.AgentReady:
+        import torch
+
+        torch.manual_seed(msg.seed)
+        model, optimizer, placement = self._new_model(msg, pretrained=True)
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm,
                                             placement=placement)
         n = sum(p.numel() for p in model.parameters())
@@ -253,19 +329,21 @@ class TrainerHandler(CommandHandler):
         if msg.version != state.version + 1:
             raise ValueError(f"micro-batch for version {msg.version} but {state.name} is at "
                              f"{state.version}; it can only accumulate towards {state.version + 1}")
-        too_old = [s.sample_id for s in msg.samples if min(s.versions) < state.version - msg.max_staleness]
+        too_old = [s.sample_id for s in msg.samples if too_stale(state.version, s.versions, msg.max_staleness)]
         if too_old:  # the controller guarantees this never happens; refuse rather than trust
             raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
-        if msg.loss.kl_coef > 0 and state.reference is None:
+        local, real = self._share(msg)
+        if local.loss.kl_coef > 0 and state.reference is None:
             state.reference = (state.model.reference() if hasattr(state.model, "reference")
                                else self._reference_model(state.model_path, state.placement))
         with state.placement.autocast():
-            loss, sums = policy_loss(state.model, msg.samples, msg.loss, off_policy=msg.max_staleness > 0,
+            loss, sums = policy_loss(state.model, local.samples, local.loss, off_policy=msg.max_staleness > 0,
                                      clip_ratio=msg.clip_ratio, reference=state.reference)
         (loss * self.loss_scale).backward()
-        state.sums.add(sums)
-        return protocol.MicroBatchDone(msg.request_id, state.name, float(loss.item()), int(sums.tokens),
+        total = self._reduce(sums if real else StepSums())
+        state.sums.add(total)
+        return protocol.MicroBatchDone(msg.request_id, state.name, total.loss, int(total.tokens),
                                        time.perf_counter() - t0)
 
     @staticmethod
@@ -318,17 +396,18 @@ class TrainerHandler(CommandHandler):
     def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
-        if msg.version != state.version:
+        if msg.version not in (state.version, protocol.CURRENT_VERSION):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
-        # The parameters (a tied head is sent once, as the embedding; receivers know the tie).
-        source = {k: v.detach() for k, v in state.model.named_parameters()}
+        source = self._full_weights(state)  # every process takes part in gathering them
+        if self.rank != 0:
+            return None
         if state.placement.autocasts:
             # Mixed precision: float32 master weights, but the model computes in the lower
             # dtype and the engine serves in it. Publishing float32 would move twice the bytes
             # an engine needs (and make it hold them while it loads).
             source = {k: v.to(state.placement.compute_dtype) for k, v in source.items()}
         # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
-        elif msg.transport == "shm" and state.placement.device.type == "cpu":
+        elif msg.transport == "shm" and state.placement.device.type == "cpu" and self.world == 1:
             if state.bucket is None:
                 # From now on the parameters live in shared memory and a publish copies nothing.
                 state.bucket = self.channel().shared_bucket(source)
@@ -353,45 +432,36 @@ class TrainerHandler(CommandHandler):
     def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
-        tensors = training_state(state.model, state.optimizer, state.sums)
-        handle = self.channel().publish(tensors, agent=state.name, version=state.version, transport=msg.transport)
+        handle = self.channel().publish(self._local_state(state), agent=state.name, version=state.version,
+                                        transport=msg.transport)
+        handles = self._gather_handles(handle)
         # The parked copy is complete and checksummed; only now is the live state dropped.
         if state.published is not None:
             self.channel().release(state.published)
         if state.bucket is not None:
             state.bucket.close()
         self._drop(state.name)
-        self.parked[handle.key] = handle
-        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handle,
-                                       handle.total_bytes, time.perf_counter() - t0)
+        self.parked[handles[0].key] = handle  # every process files its own part under rank 0's key
+        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handles[0],
+                                       sum(h.total_bytes for h in handles), time.perf_counter() - t0,
+                                       handles[1:])
 
     def _load_agent(self, msg: protocol.LoadAgent) -> protocol.AgentReady:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
-        if msg.shards:
-            raise ValueError(f"the parked state of {msg.agent} is sharded over the {len(msg.shards) + 1} ranks of a "
-                             "trainer group; only a group of that size can load it")
-        placement = TrainPlacement.resolve(msg.settings)
-        if msg.lora is not None:
-            model = self._new_adapter(msg, placement, 0)
-        else:
-            config = AutoConfig.from_pretrained(msg.model_path)
-            model = AutoModelForCausalLM.from_config(config, dtype=placement.param_dtype)
-        optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
+        if len(msg.shards) + 1 != self.world:
+            raise ValueError(f"the parked state of {msg.agent} has {len(msg.shards) + 1} shards and this trainer "
+                             f"has {self.world} ranks; a state moves only between trainers of the same size")
+        model, optimizer, placement = self._new_model(msg, pretrained=False)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
-        # and the model is dropped, so this trainer and the parked copy stay as they were.
+        # and the model is dropped (an adapter leaves its base), so this trainer and the
+        # parked copy stay as they were.
         try:
-            sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
+            sums = self._receive(msg, model, optimizer, placement)
         except Exception:
             if msg.lora is not None:
                 self._release_adapter(msg.model_path, msg.agent)
             raise
-        if msg.lora is None:
-            placement.prepare(model)  # received in host memory; now onto the device
-        placement.move_state(optimizer)
         return self._admit(msg, model, optimizer, sums, placement)
 
     def _new_adapter(self, msg: protocol.InitAgent | protocol.LoadAgent, placement: TrainPlacement,
@@ -446,14 +516,20 @@ class TrainerHandler(CommandHandler):
         Written under a temporary name and renamed: a crash or a full disk mid-save never
         leaves a half-written checkpoint under `path`, and a failed save leaves nothing."""
         state = self._resident(msg.agent)
+        if msg.full_state and self.world > 1:
+            raise ValueError(f"a trainer of {self.world} ranks saves the weights of {state.name} only; its "
+                             "training state is sharded")
         if msg.full_state and state.accumulated:
             raise ValueError(f"a full checkpoint of {state.name} is taken between steps; {state.accumulated} "
                              "samples are accumulated towards the next one")
         handle = None
+        weights = self._checkpoint_state_dict(state)  # every process takes part in gathering them
+        if self.rank != 0:
+            return None
 
         def write(tmp: Path) -> None:
             nonlocal handle
-            state.model.save_pretrained(tmp, safe_serialization=True)
+            state.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
             if msg.full_state:
                 tensors = training_state(state.model, state.optimizer, state.sums)
                 handle = self.channel().publish(tensors, agent=state.name, version=state.version,

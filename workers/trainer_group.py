@@ -6,17 +6,21 @@ Rank 0 is the trainer worker connected to the controller. At start it launches r
 torch.distributed process group (gloo on CPU, NCCL between GPUs, plus a gloo group for
 control traffic). Each command rank 0 receives is relayed to the other ranks before it runs
 (the message's own msgpack bytes, broadcast as a uint8 tensor; never pickle), and every
-rank executes it on its part of the state:
+rank executes it on its part of the state. The commands are the trainer's, written once in
+trainer.py; this class overrides only the steps that differ per rank (build and wrap a
+model, receive a shard, deal out samples and add up their sums, gather the full weights,
+a rank's local shard, every rank's park handle; `rank` 0 is the root):
 
 - INIT_AGENT / LOAD_AGENT: the model is sharded with FSDP2 (`fully_shard` on every decoder
   layer, then the root); each rank holds 1/N of the weights, gradients and optimizer state.
 - TRAIN_MICROBATCH: the samples are dealt out, rank r taking samples r, r + N, ...; FSDP
   averages the gradients across ranks and each rank's loss is scaled by N, so they are
-  sums (the loss is a sum over samples and the optimizer step divides once), and the step sums are all-reduced so every rank checks the
-  same counts. A rank dealt no sample runs one with zero advantage and no KL term: FSDP's
+  sums (the loss is a sum over samples and the optimizer step divides once), and the step
+  sums are all-reduced so every rank checks the same counts. A rank dealt no sample runs one with zero advantage and no KL term: FSDP's
   collectives need every rank in every forward and backward, and its gradient is zero.
 - OPTIM_STEP: each rank clips (on the global norm) and steps its own shard.
-- PUBLISH_WEIGHTS: the full weights are gathered once; rank 0 publishes them.
+- PUBLISH_WEIGHTS: the full weights are gathered once; rank 0 publishes them (over NCCL,
+  on the agent's communicator the controller names).
 - OFFLOAD_AGENT / LOAD_AGENT / RELEASE_STATE: each rank parks its own shard in its own
   parameter channel; rank 0 replies with its handle, the other ranks' in `shards`, and a
   later LOAD_AGENT hands rank r its own shard back. A state parked by a group of another
@@ -51,7 +55,7 @@ from flexmarl.runtime import protocol
 
 from .loss import StepSums
 from .precision import TrainPlacement
-from .trainer import AgentState, TrainerHandler, training_state, write_checkpoint
+from .trainer import AgentState, TrainerHandler, model_skeleton, training_state
 
 log = logging.getLogger("flexmarl.trainer_group")
 
@@ -177,7 +181,7 @@ class TrainerGroupHandler(TrainerHandler):
             except Exception:
                 log.exception("rank %d: %s failed", self.rank, type(msg).__name__)
 
-    # ---------------------------------------------------------------- the commands, per rank
+    # ---------------------------------------------------------------- the steps that differ per rank
 
     def _shard(self, model: Any, placement: TrainPlacement) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -192,15 +196,15 @@ class TrainerGroupHandler(TrainerHandler):
             fully_shard(unit, mesh=self.mesh, mp_policy=policy)
         return model
 
-    def _build(self, msg: protocol.InitAgent | protocol.LoadAgent, pretrained: bool) -> tuple[Any, Any, TrainPlacement]:
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def _new_model(self, msg: protocol.InitAgent | protocol.LoadAgent,
+                   pretrained: bool) -> tuple[Any, Any, TrainPlacement]:
+        from transformers import AutoModelForCausalLM
 
         placement = TrainPlacement.resolve(msg.settings, self.device)
         if pretrained:
             model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
         else:
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(msg.model_path),
-                                                     dtype=placement.param_dtype)
+            model = model_skeleton(msg.model_path, placement.param_dtype)  # the parked state is copied in
         placement.prepare(model)
         self._shard(model, placement)
         optimizer = torch.optim.Adam(model.parameters(), lr=msg.lr)
@@ -208,32 +212,19 @@ class TrainerGroupHandler(TrainerHandler):
         return model, optimizer, TrainPlacement(placement.device, placement.param_dtype, placement.param_dtype,
                                                 placement.activation_checkpointing)
 
-    def _init_agent(self, msg: protocol.InitAgent) -> protocol.AgentReady:
-        torch.manual_seed(msg.seed)
-        model, optimizer, placement = self._build(msg, pretrained=True)
-        self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm,
-                                            placement=placement)
-        return protocol.AgentReady(msg.request_id, msg.agent, 0, sum(p.numel() for p in model.parameters()))
+    def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:
+        return receive_shard(self.channel(), ([msg.handle] + list(msg.shards))[self.rank], model, optimizer)
 
-    def _train(self, msg: protocol.TrainMicroBatch) -> protocol.MicroBatchDone:
-        t0 = time.perf_counter()
-        state = self._resident(msg.agent)
+    def _share(self, msg: protocol.TrainMicroBatch) -> tuple[protocol.TrainMicroBatch, bool]:
+        """Rank r trains samples r, r + N, ...; a rank dealt none runs the zero-gradient stand-in."""
         share = msg.samples[self.rank::self.world]
         replace = msgspec.structs.replace
-        local = replace(msg, samples=share) if share else replace(  # the zero-gradient stand-in
-            msg, samples=[replace(msg.samples[0], advantage=0.0)], loss=replace(msg.loss, kl_coef=0.0))
-        before, state.sums = state.sums, StepSums()
-        try:
-            TrainerHandler._train(self, local)  # checks, forward and backward on this rank's share
-            mine = state.sums if share else StepSums()
-        finally:
-            state.sums = before
-        total = self._all_reduce_sums(mine)
-        state.sums.add(total)
-        return protocol.MicroBatchDone(msg.request_id, state.name, total.loss, int(total.tokens),
-                                       time.perf_counter() - t0)
+        if share:
+            return replace(msg, samples=share), True
+        return replace(msg, samples=[replace(msg.samples[0], advantage=0.0)],
+                       loss=replace(msg.loss, kl_coef=0.0)), False
 
-    def _all_reduce_sums(self, sums: StepSums) -> StepSums:
+    def _reduce(self, sums: StepSums) -> StepSums:
         tensors = sums.to_tensors()
         names = [n for n in tensors if n != "length_max"]
         summed = torch.stack([tensors[n] for n in names])
@@ -242,71 +233,20 @@ class TrainerGroupHandler(TrainerHandler):
         dist.all_reduce(longest, dist.ReduceOp.MAX, group=self.control)
         return StepSums.from_tensors({**dict(zip(names, summed)), "length_max": longest[0]})
 
-    def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
-        t0 = time.perf_counter()
-        state = self._resident(msg.agent)
-        if msg.version != state.version:
-            raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
+    def _full_weights(self, state: AgentState) -> dict[str, Any]:
         # Every rank takes part in gathering each tensor; rank 0 keeps the full weights.
-        full = {k: v.detach().full_tensor() for k, v in state.model.named_parameters()}
-        if self.rank != 0:
-            return None
-        handle = self.channel().publish(full, agent=state.name, version=state.version,
-                                        transport=msg.transport, receivers=max(1, len(msg.targets)))
-        if state.published is not None:
-            self.channel().release(state.published)
-        state.published = handle
-        return protocol.WeightsPublished(msg.request_id, state.name, state.version, handle, handle.total_bytes,
-                                         time.perf_counter() - t0)
+        return {k: v.detach().full_tensor() for k, v in state.model.named_parameters()}
 
-    def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
-        t0 = time.perf_counter()
-        state = self._resident(msg.agent)
-        tensors = {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}
-        handle = self.channel().publish(tensors, agent=state.name, version=state.version, transport=msg.transport)
+    def _local_state(self, state: AgentState) -> dict[str, Any]:
+        return {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}
+
+    def _gather_handles(self, handle: Any) -> list[Any]:
         encoded = msgspec.msgpack.encode(handle)
-        handles = [msgspec.msgpack.decode(self._broadcast_bytes(encoded if r == self.rank else b"", r),
-                                          type=type(handle)) for r in range(self.world)]
-        if state.published is not None:
-            self.channel().release(state.published)
-        del self.agents[state.name]
-        self.parked[handles[0].key] = handle  # every rank files its own shard under rank 0's key
-        return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handles[0],
-                                       sum(h.total_bytes for h in handles), time.perf_counter() - t0,
-                                       handles[1:])
+        return [msgspec.msgpack.decode(self._broadcast_bytes(encoded if r == self.rank else b"", r),
+                                       type=type(handle)) for r in range(self.world)]
 
-    def _load_agent(self, msg: protocol.LoadAgent) -> protocol.AgentReady:
-        if msg.agent in self.agents:
-            raise ValueError(f"agent {msg.agent!r} is already resident here")
-        if len(msg.shards) != self.world - 1:
-            raise ValueError(f"the parked state of {msg.agent} has {len(msg.shards) + 1} shards and this trainer "
-                             f"group has {self.world} ranks; a state moves only between groups of the same size")
-        model, optimizer, placement = self._build(msg, pretrained=False)
-        sums = receive_shard(self.channel(), ([msg.handle] + list(msg.shards))[self.rank], model, optimizer)
-        return self._admit(msg, model, optimizer, sums, placement)
-
-    def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
-        """The full weights, gathered once, written by rank 0 as one Hugging Face model
-        (the same files a single trainer writes)."""
-        state = self._resident(msg.agent)
-        full = {k: v.detach().full_tensor().cpu() for k, v in state.model.state_dict().items()}
-        if self.rank != 0:
-            return None
-        def write(tmp):
-            state.model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-
-        path, nbytes = write_checkpoint(msg.path, state.name, state.model_path, write)
-        return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version, None, nbytes)
-
-    # The single trainer's table, with the commands a group runs its own way; OptimStep is
-    # the same (each rank steps its shard; the norm is global).
-    COMMANDS = {**TrainerHandler.COMMANDS,
-                protocol.InitAgent: _init_agent,
-                protocol.TrainMicroBatch: _train,
-                protocol.PublishWeights: _publish,
-                protocol.SaveCheckpoint: _save,
-                protocol.OffloadAgent: _offload,
-                protocol.LoadAgent: _load_agent}
+    def _checkpoint_state_dict(self, state: AgentState) -> dict[str, Any]:
+        return {k: v.detach().full_tensor().cpu() for k, v in state.model.state_dict().items()}
 
     # ---------------------------------------------------------------- closing
 

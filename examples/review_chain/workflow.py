@@ -2,7 +2,7 @@
 revises once. Named in the job's TOML as
 
     [run]
-    workflow = "examples/review_chain/workflow.py:episode"
+    workflow = "review_chain/workflow.py:episode"   # relative to the TOML's folder
 
 `ctx.item` is one row of the dataset ({"question": ..., "answer": ...}). Each solver
 sample is one conversation (first answer, the verifier's message, final answer) trained

@@ -1,4 +1,4 @@
-from flexmarl.controller.allocator import choose_placement
+from flexmarl.controller.decisions import choose_placement
 from flexmarl.runtime import events as ev
 
 TRAINERS = ["t0", "t1"]
@@ -32,33 +32,33 @@ def test_ties_go_to_the_longest_unused_agent():
 async def test_trainer_slots_send_steps_at_once_and_order_micro_batches_by_version_then_readiness():
     import asyncio
 
-    from flexmarl.controller.allocator import TrainerAllocator
+    from flexmarl.controller.trainer_lanes import Priority, TrainerLanes
 
-    alloc = TrainerAllocator(None, ["t0"], 0, {}, {}, 0, lambda a: 0, lambda e: None)
-    alloc.depth = 1
+    lanes = TrainerLanes(depth=1)
     order = []
     release_first = asyncio.Event()
     peak = 0
 
     async def job(name, priority, hold=None):
         nonlocal peak
-        async with alloc.slot("t0", priority):
+        async with lanes.slot("t0", priority):
             order.append(name)
-            peak = max(peak, alloc._running["t0"])
+            peak = max(peak, lanes.running["t0"])
             if hold is not None:
                 await hold.wait()
 
-    first = asyncio.create_task(job("mb-a1", (1, 1, 1), release_first))
+    first = asyncio.create_task(job("mb-a1", Priority.micro_batch(1, 1), release_first))
     await asyncio.sleep(0)
     queued = [asyncio.create_task(job(n, p)) for n, p in
-              [("mb-b1", (1, 1, 4)), ("mb-c1", (1, 2, 3)), ("mb-p1", (1, 1, 2)), ("step-a", (0, 1))]]
+              [("mb-b1", Priority.micro_batch(1, 4)), ("mb-c1", Priority.micro_batch(2, 3)),
+               ("mb-p1", Priority.micro_batch(1, 2)), ("step-a", Priority.critical(1))]]
     await asyncio.sleep(0)
     assert order == ["mb-a1", "step-a"]  # the step did not wait for the slot the micro-batch holds
     release_first.set()
     await asyncio.gather(first, *queued)
     # Version first, then the micro-batch whose samples were ready first.
     assert order == ["mb-a1", "step-a", "mb-p1", "mb-b1", "mb-c1"]
-    assert peak == 2 and alloc._running["t0"] == 0  # over the depth only by the step
+    assert peak == 2 and lanes.running["t0"] == 0  # over the depth only by the step
 
 
 # --- trainers dying during swaps (a fake for the other side of the sockets) -------------
@@ -131,6 +131,31 @@ async def test_a_trainer_dying_while_loading_leaves_the_parked_copy_as_owner_and
     released = [i for i, (w, name, h) in enumerate(server.calls) if name == "ReleaseState" and h == b"parked-b"]
     assert len(released) == 1 and released[0] > server.calls.index(("t0", "LoadAgent", b"parked-b"))
     assert any("died while loading" in e.why for e in events if isinstance(e, ev.AllocationChanged))
+
+
+async def test_a_swap_in_that_meets_a_dead_trainer_during_shutdown_raises_instead_of_retrying_forever():
+    import pytest
+
+    from flexmarl.controller.server import WorkerDied
+
+    server = FakeTrainers()
+    alloc, events = make_allocator(server, ["t0"])
+    await place(alloc, "a")
+    await place(alloc, "b")  # a parked off t0
+    server.closing = True  # shutdown was sent: trainers leaving no longer shrink the pool
+    server.die.add(("t0", "LoadAgent"))
+    real_emit, emitted = alloc.emit, []
+
+    def emit(event):  # a retry loop never yields to the event loop: stop it by its events
+        emitted.append(event)
+        if len(emitted) > 100:
+            raise AssertionError("the allocator retried the swap-in without end")
+        real_emit(event)
+
+    alloc.emit = emit
+    with pytest.raises(WorkerDied):
+        await alloc.acquire("a")
+    assert [name for _, name, _ in server.calls].count("LoadAgent") == 1  # tried once, not again
 
 
 async def test_a_dead_holder_of_a_parked_copy_does_not_fail_a_swap_that_already_loaded_it():

@@ -4,17 +4,17 @@ import pytest
 
 from flexmarl.controller import cli
 from flexmarl.controller.decisions import place_agents
-from flexmarl.controller.models import resolve_model
+from flexmarl.controller.model_resolution import ModelError, resolve_model
 from flexmarl.controller.user_code import WorkflowError, load_workflow
 
 
 def test_unknown_built_in_model_is_named(tmp_path):
-    with pytest.raises(KeyError, match="unknown built-in model 'tiny:plannr'.*tiny:planner"):
+    with pytest.raises(ModelError, match="unknown built-in model 'tiny:plannr'.*tiny:planner"):
         resolve_model("tiny:plannr", tmp_path)
 
 
 def test_a_model_path_without_a_config_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a built-in"):
+    with pytest.raises(ModelError, match="neither a built-in"):
         resolve_model(str(tmp_path / "nowhere"), tmp_path)
 
 

@@ -185,7 +185,7 @@ def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_chec
     run.model_path = {a: f"/models/{a}" for a in cfg.agents}
     message = run.load_model_message("planner")
     assert (message.model_path, message.version) == ("/models/planner", 0)
-    assert run.schedule.first_batch == 5 and run.schedule.synced["planner"] == 4
+    assert run.schedule.first_batch == 5 and run.versions["planner"] == 4
     run.metrics.close()
     run.tools.shutdown()
 
@@ -202,7 +202,7 @@ def training_run(tmp_path, *overrides, resume=None):
     rows = tmp_path / "rows.jsonl"
     if not rows.exists():
         rows.write_text("".join(json.dumps({"q": i}) + "\n" for i in range(10)))
-    cfg = load_config(None, [f"data.train='{rows}'", "pipeline.queries_per_step=3", "agents.a.model=x",
+    cfg = load_config(None, [f"data.train='{rows}'", "pipeline.queries_per_step=3", "agents.a.model=tiny:planner",
                              "run.progress=false", *overrides])
     server = SimpleNamespace(on_died=[], on_joined=[], registry=None)
 

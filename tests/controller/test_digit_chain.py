@@ -34,8 +34,8 @@ def test_every_agent_has_a_tiny_model_recipe_over_the_job_vocabulary_with_its_wa
 
 
 def test_the_job_and_model_resolution_import_neither_torch_nor_the_workers():
-    check = ("import sys; import flexmarl.controller.digit_chain, flexmarl.controller.models, "
-             "flexmarl.controller.workflows, flexmarl.runtime.model_specs; "
+    check = ("import sys; import flexmarl.controller.digit_chain, flexmarl.controller.model_resolution, "
+             "flexmarl.controller.builtin_workflows, flexmarl.runtime.model_specs; "
              "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch loaded'; "
              "bad = [m for m in sys.modules if m.startswith('flexmarl.workers')]; assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)

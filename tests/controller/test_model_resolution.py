@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flexmarl.controller import digit_chain, models
-from flexmarl.controller.models import ModelBuildError, resolve_model
+from flexmarl.controller.model_resolution import ModelBuildError, ModelError, resolve_model
 
 
 class FakeBuilder:
@@ -67,6 +67,7 @@ def test_a_builder_past_its_time_limit_is_a_clear_error(tmp_path, builder):
         resolve_model("tiny:planner", tmp_path)
 
 
+@pytest.mark.slow
 def test_a_miss_builds_the_model_in_a_child_process_and_then_it_is_cached(tmp_path, monkeypatch):
     real_run = subprocess.run
     starts = []
@@ -86,14 +87,14 @@ def test_a_miss_builds_the_model_in_a_child_process_and_then_it_is_cached(tmp_pa
 
 
 def test_unknown_built_in_model_lists_the_known_ones(tmp_path, builder):
-    with pytest.raises(KeyError, match="unknown built-in model 'tiny:plannr'.*tiny:planner, tiny:solver, "
+    with pytest.raises(ModelError, match="unknown built-in model 'tiny:plannr'.*tiny:planner, tiny:solver, "
                                        "tiny:checker"):
         resolve_model("tiny:plannr", tmp_path)
     assert builder.starts == []
 
 
 def test_a_model_path_must_be_a_directory_with_a_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a built-in"):
+    with pytest.raises(ModelError, match="neither a built-in"):
         resolve_model(str(tmp_path / "nowhere"), tmp_path)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "config.json").write_text("{}")
@@ -147,7 +148,7 @@ def test_a_dotted_job_module_names_its_models_too(tmp_path, builder):
 
 
 def test_an_unknown_agent_of_a_users_job_lists_the_jobs_models(user_job, tmp_path, builder):
-    with pytest.raises(KeyError, match=r"'tiny:job/models.py:critic'.*tiny:job/models.py:writer, "
+    with pytest.raises(ModelError, match=r"'tiny:job/models.py:critic'.*tiny:job/models.py:writer, "
                                        r"tiny:job/models.py:judge"):
         resolve_model("tiny:job/models.py:critic", tmp_path)
     assert builder.starts == []

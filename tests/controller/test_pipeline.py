@@ -3,10 +3,10 @@ server, metrics): micro-batches go out while rollout runs (async) or after it (s
 then exactly one optimizer step over every sample, then one sync."""
 
 import asyncio
-import contextlib
 
 import pytest
 
+from flexmarl.controller.failures import RunFailed
 from flexmarl.controller.pipeline import AgentPipeline
 from flexmarl.controller.schedule import BatchSchedule
 from flexmarl.controller.store import ExperienceStore
@@ -36,10 +36,6 @@ class FakeAllocator:
 
     def prefetch(self, agent):
         pass
-
-    @contextlib.asynccontextmanager
-    async def slot(self, trainer, priority):
-        yield
 
 
 class FakeTrainer:
@@ -74,7 +70,7 @@ class FakeWeights:
 
     async def sync(self, agent, trainer, version):
         self.synced.append(version)
-        self.schedule.synced_to(agent, version)
+        self.schedule.versions.set(agent, version)
 
     def forget(self, agent):
         self.forgotten = agent
@@ -109,7 +105,7 @@ class FakeCheckpoints:
         return f"state-{step}"
 
 
-def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None):
+def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None, allow_empty_steps=False):
     store = ExperienceStore(["a"])
     schedule = BatchSchedule(["a"], steps, episodes, overlap=mode == "async", max_staleness=0)
     store.on_ready.append(lambda g: schedule.work_arrived(g.agent))
@@ -120,7 +116,8 @@ def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None):
         events.append("flushed")
 
     allocator = trainer.allocator = FakeAllocator()
-    pipeline = AgentPipeline("a", PipelineConfig(mode=mode, micro_batch=micro_batch), store, schedule,
+    pipeline = AgentPipeline("a", PipelineConfig(mode=mode, micro_batch=micro_batch, queries_per_step=episodes,
+                                                            allow_empty_steps=allow_empty_steps), store, schedule,
                              allocator, weights, trainer, metrics, events.append, flush, checkpoints=checkpoints)
     return pipeline, store, schedule, trainer, weights, metrics, events
 
@@ -142,7 +139,7 @@ async def test_async_micro_batches_train_while_rollout_runs_then_one_step_and_on
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
     assert trainer.log[1:] == [("train", ["g2/0", "g2/1"]), ("step", 1, 1 / 6)]
-    assert weights.synced == [1] and schedule.synced["a"] == 1
+    assert weights.synced == [1] and schedule.versions["a"] == 1
     assert metrics.rows == [(1, 6)] and metrics.ended == [1] and pipeline.samples_trained == 6
     assert pipeline.tokens_trained == 18 and "flushed" in events
     assert store.ready_samples("a", 1) == 0
@@ -160,12 +157,44 @@ async def test_sync_mode_forms_micro_batches_only_after_the_batch_rollout_ended(
     assert [entry[0] for entry in trainer.log] == ["train", "step"]
 
 
-async def test_a_batch_with_no_trainable_samples_still_steps_so_versions_advance():
-    pipeline, store, schedule, trainer, weights, metrics, events = make("async")
+async def test_a_batch_with_no_trainable_samples_steps_where_empty_steps_are_allowed():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async", allow_empty_steps=True)
     task = asyncio.ensure_future(pipeline.run())
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
     assert trainer.log == [("step", 1, 0.0)] and weights.synced == [1]
+
+
+async def test_an_agent_with_no_sample_in_a_step_stops_the_run_with_the_first_failure():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async", episodes=3)
+    task = asyncio.ensure_future(pipeline.run())
+    schedule.episode_ended(1)
+    schedule.episode_ended(1)
+    schedule.episode_ended(1, "episode s1q2 failed: KeyError: 'question' (at /job/flow.py:3 in episode)")
+    with pytest.raises(RunFailed, match=r"(?s)agent 'a' got no trainable sample in step 1: 1 of its episodes "
+                                        r"failed.*/job/flow.py:3"):
+        await asyncio.wait_for(task, 2)
+    assert trainer.log == [] and weights.synced == []
+
+
+async def test_a_step_with_too_many_failed_episodes_stops_the_run():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async", episodes=2)
+    task = asyncio.ensure_future(pipeline.run())
+    schedule.episode_ended(1, "episode s1q0 failed: KeyError: 'question' (at /job/flow.py:3 in episode)")
+    schedule.episode_ended(1, "episode s1q1 failed: KeyError: 'question' (at /job/flow.py:3 in episode)")
+    with pytest.raises(RunFailed, match=r"(?s)2 of the 2 episodes of step 1 failed, more than "
+                                        r"pipeline.max_failed_share = 0.5.*s1q0.*/job/flow.py:3"):
+        await asyncio.wait_for(task, 2)
+
+
+async def test_the_steps_failed_episodes_reach_the_metrics():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async", episodes=2)
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "g0")
+    schedule.episode_ended(1)
+    schedule.episode_ended(1, "episode s1q1 failed: ValueError: no")
+    await asyncio.wait_for(task, 2)
+    assert metrics.extra["episodes_failed"] == 1
 
 
 async def test_the_step_states_its_sample_count_and_the_trainers_signals_reach_the_metrics():

@@ -96,3 +96,10 @@ def test_the_step_is_due_once_the_batch_has_ended_and_nothing_ready_is_left():
     assert decisions.step_due(batch_complete=True, ready_samples=0)
     assert not decisions.step_due(batch_complete=True, ready_samples=3)
     assert not decisions.step_due(batch_complete=False, ready_samples=0)
+
+
+def test_initial_placement_gives_every_agent_an_instance_and_spares_to_the_busiest():
+    from flexmarl.controller.decisions import place_agents
+
+    plan = place_agents(["a", "b", "c"], ["r0", "r1", "r2", "r3"], {"a": 1.0, "b": 10.0, "c": 2.0})
+    assert plan == {"a": ["r0"], "b": ["r1", "r3"], "c": ["r2"]}

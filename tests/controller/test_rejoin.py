@@ -5,10 +5,11 @@ back goes to the allocator; workers joining during set-up are left alone."""
 import asyncio
 import types
 
+from flexmarl.controller.instances import Admission, RolloutInstances
 from flexmarl.controller.rejoin import Rejoin, choose_agent
-from flexmarl.controller.router import RolloutClient
 from flexmarl.controller.server import WorkerDied
-from flexmarl.controller.weight_sync import WeightSync
+from flexmarl.controller.versions import SyncedVersions
+from flexmarl.controller.weight_sync import Publication, WeightSync
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
@@ -46,18 +47,23 @@ class FakeServer:
 def setup(dies=(), accepting=True, synced=None):
     server = FakeServer({"r0": "rollout", "r1": "rollout", "t0": "trainer"}, dies)
     events = []
-    client = RolloutClient(server, emit=events.append)
-    client.assignment = {"planner": ["r0"], "solver": ["r1"]}
-    server.client = client
-    weights = WeightSync(AGENTS, server, client.instances, events.append, lambda a, v: None)
+    instances = RolloutInstances(server, events.append)
+    for worker, agent in (("r0", "planner"), ("r1", "solver")):
+        instances.engine_started(worker, agent, 0)
+        instances.serve(worker, agent, "placed by the test")
+    events.clear()
+    server.client = instances
+    versions = SyncedVersions(AGENTS)
+    weights = WeightSync(AGENTS, server, instances, versions, events.append)
     for agent, version in (synced or {}).items():
-        weights.synced[agent] = version
-        weights.published[agent] = HANDLE
+        versions.set(agent, version)
+        weights.published[agent] = Publication(version, HANDLE, "shm")
+    admission = Admission(instances, weights, versions, server,
+                          lambda agent: protocol.LoadModel(server.next_request_id(), agent, f"/models/{agent}", 0))
     trainers = []
-    rejoin = Rejoin(AGENTS, client, weights, server,
-                    lambda agent: protocol.LoadModel(server.next_request_id(), agent, f"/models/{agent}", 0),
+    rejoin = Rejoin(AGENTS, instances, admission, server,
                     accepting=lambda: accepting, finished=lambda: False, trainer_joined=trainers.append)
-    return server, client, weights, rejoin, events, trainers
+    return server, instances, weights, rejoin, events, trainers
 
 
 def test_the_agent_with_the_fewest_instances_is_chosen_the_one_served_before_on_a_tie():
@@ -68,12 +74,12 @@ def test_the_agent_with_the_fewest_instances_is_chosen_the_one_served_before_on_
 
 async def test_a_rollout_worker_back_after_dying_serves_its_agent_at_the_synced_version_before_any_request():
     server, client, weights, rejoin, events, _ = setup(synced={"solver": 4})
-    client.worker_died("r1")  # the solver's only instance
-    weights.holds["r1"] = ("solver", 4)  # what the dead process held: the new one holds nothing
+    client.loaded("r1", "solver", 4)  # what the dead process held: the new one holds nothing
+    client.died("r1")  # the solver's only instance
     assert await rejoin.serve("r1") == "solver"
     assert server.calls == [("r1", "LoadModel", 0), ("r1", "LoadWeights", 4)]
     assert server.routable_at_call == [False, False], "routed to before it held the current weights"
-    assert client.instances("solver") == ["r1"] and weights.holds["r1"] == ("solver", 4)
+    assert client.instances("solver") == ["r1"] and client.holds("r1", "solver") == 4
     changes = [e.why for e in events if isinstance(e, ev.AllocationChanged)]
     assert changes == ["r1 died", "r1 rejoined"]
     assert [(w, a) for w, a, _ in rejoin.rejoined] == [("r1", "solver")]
@@ -81,14 +87,14 @@ async def test_a_rollout_worker_back_after_dying_serves_its_agent_at_the_synced_
 
 async def test_an_agent_still_at_version_0_needs_only_its_model():
     server, client, _, rejoin, _, _ = setup()
-    client.worker_died("r0")
+    client.died("r0")
     assert await rejoin.serve("r0") == "planner"
     assert server.calls == [("r0", "LoadModel", 0)]
 
 
 async def test_no_weight_sync_of_the_agent_runs_between_the_load_and_the_join():
     server, client, weights, rejoin, _, _ = setup(synced={"solver": 2})
-    client.worker_died("r1")
+    client.died("r1")
     async with weights.locks["solver"]:  # a sync of the solver is under way
         task = asyncio.create_task(rejoin.serve("r1"))
         for _ in range(20):
@@ -101,7 +107,7 @@ async def test_no_weight_sync_of_the_agent_runs_between_the_load_and_the_join():
 
 async def test_a_worker_that_dies_again_while_rejoining_is_not_routed_to():
     server, client, _, rejoin, _, _ = setup(dies={"r1"})
-    client.worker_died("r1")
+    client.died("r1")
     assert await rejoin.serve("r1") is None
     assert client.instances("solver") == [] and rejoin.rejoined == []
 
@@ -120,12 +126,8 @@ async def test_joins_during_set_up_are_ignored_and_a_trainer_goes_back_to_the_al
 
 async def test_the_loop_serves_queued_workers_and_ends_once_every_batch_is_trained():
     server, client, _, rejoin, _, _ = setup()
-    done = []
-    rejoin.finished = lambda: bool(done)
-    client.worker_died("r1")
+    client.died("r1")
+    rejoin.finished = lambda: bool(client.instances("solver"))  # "trained" once the worker is back
     rejoin.joined(types.SimpleNamespace(worker_id="r1", role="rollout"))
-    loop = asyncio.create_task(rejoin.run())
-    while not client.instances("solver"):
-        await asyncio.sleep(0.01)
-    done.append(True)
-    await asyncio.wait_for(loop, 5)
+    await asyncio.wait_for(rejoin.run(), 5)
+    assert [(w, a) for w, a, _ in rejoin.rejoined] == [("r1", "solver")] and rejoin.queue.empty()

@@ -240,3 +240,35 @@ async def test_a_worker_restarted_under_its_id_is_one_worker_with_its_restarts_c
     assert replay.main(args(log)) == 0
     assert any(line.split()[:2] == ["r1", "rollout"] and line.split()[-1] == "1"
                for line in capsys.readouterr().out.splitlines())
+
+
+def crashed_and_resumed_run():
+    """Set-up until 2; a request under way at 3 when the controller is SIGKILLed after its
+    event at 4; resumed at 100, set up again until 110, one request 111..112, done at 113."""
+    script = [
+        (0, ev.RunStarted("", ["a"], "sync", 0, 0)),
+        (0, ev.WorkerJoined("r0", "rollout", "h", 1)),
+        (2, ev.BatchStarted(1, 0)),
+        (3, ev.RequestsDispatched("r0", "a", 1, ["a0", "a1"], 10)),
+        (4, ev.GroupOpened("a", "ga", ["a2", "a3"], 1)),
+        (100, ev.RunResumed(0, "", "")),
+        (100, ev.WorkerJoined("r0", "rollout", "h", 2)),
+        (110, ev.BatchStarted(1, 0)),
+        (111, ev.RequestsDispatched("r0", "a", 2, ["a4", "a5"], 10)),
+        (112, ev.RequestsCompleted("r0", "a", 2, ["a4", "a5"], [0, 0], 5)),
+        (113, ev.RunFinished(1, 3.0)),
+    ]
+    for seq, (t, e) in enumerate(script):
+        e.seq, e.t = seq, float(t)
+    return [e for _, e in script]
+
+
+def test_a_span_left_open_by_a_crash_ends_at_the_controllers_last_event():
+    r0 = replay.summarize(crashed_and_resumed_run()).workers["r0"]
+    assert r0.busy_s == 2.0  # 3..4 before the crash, 111..112 after the resume
+    assert [(sp.start, sp.end) for sp in r0.spans] == [(3.0, 4.0), (111.0, 112.0)]
+
+
+def test_throughput_counts_training_time_only_not_set_up_or_the_time_a_crashed_run_lay_dead():
+    s = replay.summarize(crashed_and_resumed_run())
+    assert s.wall_s == 113 and s.training_s == (4 - 2) + (113 - 110)

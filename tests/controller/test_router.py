@@ -1,5 +1,25 @@
-from flexmarl.controller.router import route_batch
-from flexmarl.controller.decisions import place_agents
+"""Level 2 routing: the decision functions over plain numbers, and the rollout client
+that batches an agent's requests, sends them where `plan_routes` says and re-issues what
+a dead instance left unfinished."""
+
+import asyncio
+
+import pytest
+
+from flexmarl.controller.instances import RolloutInstances
+from flexmarl.controller.router import RolloutClient, plan_routes, route_batch
+from flexmarl.runtime import protocol
+
+from fake_rollout import FakeServer, until
+
+
+def client_over(server, assignment):
+    """A rollout client whose instances serve `assignment` (agent -> workers, in order)."""
+    instances = RolloutInstances(server)
+    for agent, workers in assignment.items():
+        for w in workers:
+            instances.serve(w, agent, "placed by the test")
+    return RolloutClient(server, instances)
 
 
 def test_small_batch_goes_whole_to_the_least_loaded_instance():
@@ -13,28 +33,74 @@ def test_large_batch_is_split_to_balance_outstanding_work():
     assert abs(load["r0"] - load["r1"]) <= 10
 
 
-def test_initial_placement_gives_every_agent_an_instance_and_spares_to_the_busiest():
-    plan = place_agents(["a", "b", "c"], ["r0", "r1", "r2", "r3"], {"a": 1.0, "b": 10.0, "c": 2.0})
-    assert plan == {"a": ["r0"], "b": ["r1", "r3"], "c": ["r2"]}
+def test_plan_routes_takes_the_policy_from_the_table_and_round_robin_turns_with_each_batch():
+    outstanding = {"r0": 0.0, "r1": 100.0}
+    assert plan_routes("least_loaded", [5, 5], outstanding, 0) == {"r0": [0, 1]}
+    assert [plan_routes("round_robin", [5], outstanding, turn) for turn in range(3)] == [
+        {"r0": [0]}, {"r1": [0]}, {"r0": [0]}]
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        plan_routes("fastest", [5], outstanding, 0)
+    with pytest.raises(ValueError, match="no instance"):
+        plan_routes("least_loaded", [5], {}, 0)
 
 
-def test_a_dead_instance_leaves_its_agent_and_is_taken_back_once_it_rejoins():
-    import types
+async def test_requests_on_a_dead_instance_are_reissued_to_a_live_instance_of_the_agent():
+    server = FakeServer(["r0", "r1"])
+    client = client_over(server, {"a": ["r0", "r1"]})
+    requests = [protocol.GenRequest(f"s{i}", [1, 2], 4, 1.0, i) for i in range(3)]
+    task = asyncio.ensure_future(client.generate("a", requests))
+    await until(lambda: len(server.sent) == 1)
+    assert server.sent[0][0] == "r0"  # a small batch goes whole to one instance
+    server.kill("r0")
+    await until(lambda: len(server.sent) == 2)
+    worker, msg = server.sent[1]
+    assert worker == "r1" and sorted(it.sample_id for it in msg.items) == ["s0", "s1", "s2"]
+    server.answer(msg.request_id)
+    results = await task
+    assert [r.sample_id for r in results] == ["s0", "s1", "s2"]
+    assert client.reissued == 3 and client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
 
-    from flexmarl.controller.router import RolloutClient
-    from flexmarl.runtime import events as ev
 
-    alive = {"r0", "r1"}
-    server = types.SimpleNamespace(registry=types.SimpleNamespace(
-        alive=lambda role=None: [types.SimpleNamespace(worker_id=w) for w in sorted(alive)]))
-    events = []
-    client = RolloutClient(server, emit=events.append)
-    client.assignment = {"a": ["r0"], "b": ["r1"]}
-    alive.discard("r1")
-    client.worker_died("r1")
-    assert client.assignment["b"] == [] and client.served_before == {"r1": "b"}
-    alive.add("r1")
-    client.rejoined("r1", "b")
-    assert client.instances("b") == ["r1"] and client.served_before == {}
-    assert [(e.agent, e.workers, e.why) for e in events if isinstance(e, ev.AllocationChanged)] == [
-        ("b", [], "r1 died"), ("b", ["r1"], "r1 rejoined")]
+async def test_a_batch_whose_instances_keep_dying_fails_its_requests_instead_of_being_reissued_forever():
+    from flexmarl.controller.router import RequestsFailed
+
+    workers = [f"r{i}" for i in range(5)]
+    server = FakeServer(workers)
+    client = client_over(server, {"a": list(workers)})
+    task = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("s0", [1], 2, 1.0, 0)]))
+    for attempt in range(client.max_attempts):
+        await until(lambda: len(server.sent) == attempt + 1)
+        server.kill(server.sent[-1][0])  # e.g. a request that crashes every engine it reaches
+    with pytest.raises(RequestsFailed, match=f"failed on {client.max_attempts} instances in a row"):
+        await task
+    assert len(server.sent) == client.max_attempts  # never sent to a fourth instance
+    assert sum(w.alive for w in server.registry.workers.values()) == 5 - client.max_attempts
+
+
+async def test_a_refused_request_fails_alone_and_is_never_reissued():
+    from flexmarl.controller.router import RequestRefused
+
+    server = FakeServer(["r0", "r1"])
+    client = client_over(server, {"a": ["r0", "r1"]})
+    good = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("ok", [1], 2, 1.0, 0)]))
+    bad = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("long", [1] * 99, 2, 1.0, 0)]))
+    await until(lambda: len(server.sent) == 1)  # both coalesced into one batch
+    server.answer(server.sent[0][1].request_id, refuse=frozenset({"long"}))
+    assert [r.sample_id for r in await good] == ["ok"]
+    with pytest.raises(RequestRefused, match="refused long: prompt too long"):
+        await bad
+    await asyncio.sleep(0.01)
+    assert len(server.sent) == 1 and client.refused == 1 and client.reissued == 0
+    assert client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
+
+
+async def test_an_instance_removed_from_the_assignment_gets_no_new_requests():
+    server = FakeServer(["r0", "r1"])
+    client = client_over(server, {"a": ["r1"]})  # r0 is draining for a move
+    requests = [protocol.GenRequest(f"s{i}", [1], 2, 1.0, i) for i in range(16)]
+    task = asyncio.ensure_future(client.generate("a", requests))
+    await until(lambda: len(server.sent) >= 1)
+    assert {w for w, _ in server.sent} == {"r1"}
+    for _, msg in list(server.sent):
+        server.answer(msg.request_id)
+    assert len(await task) == 16

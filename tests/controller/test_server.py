@@ -160,6 +160,7 @@ async def test_an_overlong_worker_id_is_refused_and_not_logged_in_full(caplog):
         assert max(len(r.getMessage()) for r in caplog.records) < 1000
 
 
+@pytest.mark.slow
 async def test_a_peer_that_never_reads_cannot_stall_the_controller():
     # Each malformed message from a registered peer earns it an Error notice; this one
     # never reads them, so its queue fills. The controller must drop further notices to

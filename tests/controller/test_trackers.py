@@ -41,3 +41,27 @@ def test_wandb_writes_an_offline_run_with_the_rows(tmp_path, monkeypatch):
     assert len(runs) == 1
     data = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
     assert b"a/grad_norm" in data and b"a/reward_mean" in data
+
+
+def test_sample_texts_reach_tensorboard_and_wandb(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from flexmarl.controller.sample_log import SampleLog
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trackers = open_trackers(["tensorboard", "wandb"], tmp_path, {"run": {"wandb_project": "t"}}, ["a"])
+    log = SampleLog(tmp_path, 1, {}, trackers)
+    said = types.SimpleNamespace(sample_id="g/0", batch=1, prompt_ids=[], output_ids=[], mask=[], versions=[0],
+                                 reward=1.0, messages=[{"role": "user", "content": "What is 7 + 5?"},
+                                                       {"role": "assistant", "content": "twelve"}])
+    log.group_ready("a", [said])
+    log.record(1, "a", ["g/0"])
+    for tracker in trackers:
+        tracker.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (text,) = acc.Tensors("a/samples/text_summary")
+    assert b"assistant (v0): twelve" in text.tensor_proto.string_val[0]
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert b"a/samples" in b"".join(p.read_bytes() for p in run.glob("*.wandb"))

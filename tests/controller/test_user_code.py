@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from flexmarl.controller.user_code import WorkflowError, load_workflow
-from flexmarl.controller.workflows import WORKFLOWS
+from flexmarl.controller.builtin_workflows import WORKFLOWS
 
 GOOD = """
 import helper_mod

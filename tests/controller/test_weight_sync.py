@@ -7,7 +7,8 @@ import types
 import pytest
 
 from flexmarl.controller.server import RemoteError, WorkerDied
-from flexmarl.controller.weight_sync import WeightSync, location_of, transport_between
+from flexmarl.controller.versions import SyncedVersions
+from flexmarl.controller.weight_sync import WeightSync, engines_sharing_gpu, location_of, transport_between
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import Location
 
@@ -19,6 +20,7 @@ class FakeServer:
             w: types.SimpleNamespace(host=h, pid=i + 1, devices=[devices[w]] if w in devices else [])
             for i, (w, h) in enumerate(hosts.items())})
         self.calls, self.dies, self.fails, self._id = [], set(dies), set(fails), 0
+        self.trainer_at = 0
 
     def next_request_id(self):
         self._id += 1
@@ -30,13 +32,34 @@ class FakeServer:
             raise WorkerDied(worker, "killed")
         if worker in self.fails:
             raise RemoteError(f"{worker} refused")
-        if isinstance(msg, protocol.PublishWeights):
-            return protocol.WeightsPublished(msg.request_id, msg.agent, msg.version, FAKE_HANDLE, 1024, 0.0), []
+        if isinstance(msg, protocol.PublishWeights):  # the trainer is at the last version it was asked for
+            if msg.version != protocol.CURRENT_VERSION:
+                self.trainer_at = msg.version
+            return protocol.WeightsPublished(msg.request_id, msg.agent, self.trainer_at, FAKE_HANDLE, 1024, 0.0), []
         return protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version, 0.0), []
 
 
 # The controller never looks inside a handle: any value stands in for one here.
 FAKE_HANDLE = object()
+
+
+class Instances:
+    """The instances' owner as the weight sync sees it: who serves the agent, what each loaded."""
+
+    def __init__(self, serving):
+        self.serving, self.held = serving, {}
+
+    def instances(self, agent):
+        return list(self.serving)
+
+    def loaded(self, worker, agent, version):
+        self.held[worker] = (agent, version)
+
+
+def weight_sync(server, serving, events=None, **kw):
+    versions = SyncedVersions(["a"])
+    ws = WeightSync(["a"], server, Instances(serving), versions, (events if events is not None else []).append, **kw)
+    return ws, versions
 
 
 def test_the_transport_follows_where_the_ends_are():
@@ -57,35 +80,33 @@ def test_the_transport_follows_where_the_ends_are():
 
 async def test_a_sync_publishes_once_loads_every_instance_and_then_reports_the_version():
     server = FakeServer({"t0": "h", "r0": "h", "r1": "h"})
-    synced = []
-    ws = WeightSync(["a"], server, lambda agent: ["r0", "r1"], lambda e: None, lambda a, v: synced.append((a, v)))
+    ws, versions = weight_sync(server, ["r0", "r1"])
     await ws.sync("a", "t0", 3)
     kinds = [(w, type(m).__name__) for w, m in server.calls]
     assert kinds == [("t0", "PublishWeights"), ("r0", "LoadWeights"), ("r1", "LoadWeights")]
     assert server.calls[0][1].transport == "shm"
-    assert synced == [("a", 3)] and ws.synced["a"] == 3
-    assert ws.holds == {"r0": ("a", 3), "r1": ("a", 3)}
+    assert versions["a"] == 3
+    assert ws.instances.held == {"r0": ("a", 3), "r1": ("a", 3)}
 
 
 async def test_an_instance_that_dies_during_a_sync_is_left_out_and_the_sync_completes():
     server = FakeServer({"t0": "h", "r0": "h", "r1": "h"}, dies={"r1"})
-    ws = WeightSync(["a"], server, lambda agent: ["r0", "r1"], lambda e: None, lambda a, v: None)
+    ws, versions = weight_sync(server, ["r0", "r1"])
     await ws.sync("a", "t0", 1)
-    assert ws.holds == {"r0": ("a", 1)} and ws.synced["a"] == 1
+    assert ws.instances.held == {"r0": ("a", 1)} and versions["a"] == 1
 
 
 async def test_an_instance_refusing_the_weights_fails_the_sync_and_reports_no_version():
     server = FakeServer({"t0": "h", "r0": "h"}, fails={"r0"})
-    synced = []
-    ws = WeightSync(["a"], server, lambda agent: ["r0"], lambda e: None, lambda a, v: synced.append(v))
+    ws, versions = weight_sync(server, ["r0"])
     with pytest.raises(RemoteError):
         await ws.sync("a", "t0", 1)
-    assert synced == [] and ws.synced["a"] == 0
+    assert versions["a"] == 0
 
 
 async def test_a_sync_waits_for_the_agents_lock():
     server = FakeServer({"t0": "h", "r0": "h"})
-    ws = WeightSync(["a"], server, lambda agent: ["r0"], lambda e: None, lambda a, v: None)
+    ws, _ = weight_sync(server, ["r0"])
     await ws.locks["a"].acquire()
     task = asyncio.ensure_future(ws.sync("a", "t0", 1))
     await asyncio.sleep(0.01)
@@ -105,8 +126,7 @@ def gpu_server(instances=("r0", "r1"), **kw):
 
 def nccl_sync(server, instances, events=None):
     current = list(instances)
-    ws = WeightSync(["a"], server, lambda agent: list(current), (events if events is not None else []).append, lambda a, v: None,
-                    trainer_for=lambda agent: _trainer("t0"))
+    ws, _ = weight_sync(server, current, events, trainer_for=lambda agent: _trainer("t0"))
     return ws, current
 
 
@@ -176,17 +196,18 @@ async def test_an_instance_joining_after_an_nccl_sync_gets_a_broadcast_of_its_ow
     await ws.sync("a", "t0", 1)
     group = ws.groups.current("a")
     async with ws.locks["a"]:
-        await ws.bring_up_to_date("r2", "a")
+        assert await ws.load_newest("r2", "a") == 1
     _, again = calls_of(server, protocol.PublishWeights)[-1]
-    assert (again.transport, again.group, again.targets, again.version) == ("nccl", "", ["r2"], 1)
+    assert (again.transport, again.group, again.targets, again.version) == ("nccl", "", ["r2"],
+                                                                           protocol.CURRENT_VERSION)
     _, load = calls_of(server, protocol.LoadWeights)[-1]
-    assert load.rank == 1 and ws.holds["r2"] == ("a", 1)
+    assert load.rank == 1 and load.version == 1
     assert ws.groups.current("a") == group  # the agent's communicator is untouched
 
 
 async def test_over_shm_no_group_or_rank_is_handed_out():
     server = FakeServer({"t0": "h", "r0": "h"})
-    ws = WeightSync(["a"], server, lambda agent: ["r0"], lambda e: None, lambda a, v: None)
+    ws, _ = weight_sync(server, ["r0"])
     await ws.sync("a", "t0", 1)
     assert calls_of(server, protocol.PublishWeights)[0][1].group == ""
     assert calls_of(server, protocol.LoadWeights)[0][1].rank == 0
@@ -221,3 +242,19 @@ def test_pinned_workers_are_placed_on_the_gpus_their_host_numbers_not_their_own_
     assert transport_between(location_of(trainer), [location_of(far)]) == "nccl"
     unpinned = SimpleNamespace(host="h1", pid=7, devices=["cuda:0", "cuda:1"], visible_gpus=[])
     assert location_of(unpinned).device == "cuda:0"
+
+
+def test_rollout_workers_on_one_gpu_are_counted_so_their_engines_split_it():
+    from types import SimpleNamespace
+
+    def worker(pid, pinned, role="rollout", devices=None, alive=True, host="h1"):
+        return SimpleNamespace(host=host, pid=pid, role=role, alive=alive, visible_gpus=pinned,
+                               devices=devices if devices is not None else ["cuda:0"])
+
+    workers = {"r0": worker(1, []), "r1": worker(2, []),  # unpinned: both on the host's GPU 0
+               "r2": worker(3, ["1"]), "r3": worker(4, ["0"]),  # pinned: to GPU 1, and to GPU 0 too
+               "t": worker(5, []  , role="trainer"), "gone": worker(6, [], alive=False),
+               "far": worker(7, [], host="h2"), "cpu": worker(8, [], devices=["cpu"])}
+    assert engines_sharing_gpu("r0", workers) == 3  # r0, r1 and r3; trainers and dead workers not
+    assert engines_sharing_gpu("r2", workers) == 1
+    assert engines_sharing_gpu("far", workers) == 1 and engines_sharing_gpu("cpu", workers) == 1

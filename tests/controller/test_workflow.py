@@ -73,6 +73,34 @@ async def test_asking_for_an_unconfigured_agent_names_it():
     assert "'plannr', which is not configured" in await run_episode(typo, make_ctx(store, gen), 5.0)
 
 
+@pytest.mark.parametrize("call", [lambda ctx: ctx.generate("plannr", "sort 3 1 2"),
+                                  lambda ctx: ctx.chat("plannr", [{"role": "user", "content": "hi"}])])
+async def test_an_unconfigured_agent_in_any_ctx_call_names_the_configured_ones(call):
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def typo(ctx):
+        await call(ctx)
+
+    why = await run_episode(typo, make_ctx(store, gen), 5.0)
+    assert "UnknownAgent: workflow asked for agent 'plannr', which is not configured (agents: a, b)" in why
+
+
+async def test_a_failed_episode_names_the_users_file_and_line_and_keeps_their_traceback():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def typo(ctx):
+        row = {"q": "1 2"}
+        return row["question"]
+
+    ctx = make_ctx(store, gen)
+    why = await run_episode(typo, ctx, 5.0)
+    line = typo.__code__.co_firstlineno + 2
+    assert why == f"episode e0 failed: KeyError: 'question' (at {__file__}:{line} in typo)"
+    assert f'File "{__file__}", line {line}, in typo' in ctx.failure
+    assert ctx.failure.endswith("KeyError: 'question'")
+    assert "asyncio" not in ctx.failure and "controller/workflow.py" not in ctx.failure
+
+
 async def test_an_episode_that_forgets_a_reward_is_dropped_not_reported_as_success():
     store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
 

@@ -135,11 +135,11 @@ def test_the_held_out_rows_are_not_trained_and_the_data_script_writes_the_commit
 
 def test_the_jobs_config_loads_and_names_the_jobs_models_workflow_and_data():
     cfg = load_config(ROOT / "examples" / "review_chain.toml")
-    assert cfg.run.workflow == "examples/review_chain/workflow.py:episode"
+    assert cfg.run.workflow == f"{JOB.resolve()}/workflow.py:episode"
     assert {a: c.model for a, c in cfg.agents.items()} == {
-        a: f"tiny:examples/review_chain/models.py:{a}" for a in ("solver", "verifier")}
+        a: f"tiny:{JOB.resolve()}/models.py:{a}" for a in ("solver", "verifier")}
     assert all(not c.ignore_eos for c in cfg.agents.values())  # outputs end at EOS
-    assert (ROOT / cfg.data.train).is_file() and (ROOT / cfg.data.eval).is_file()
+    assert Path(cfg.data.train).is_file() and Path(cfg.data.eval).is_file()
     assert cfg.eval.every > 0
 
 

@@ -11,7 +11,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flexmarl.controller.models import resolve_model  # noqa: E402
+from flexmarl.controller.model_resolution import resolve_model  # noqa: E402
 from flexmarl.runtime.model_specs import import_job  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -38,9 +38,9 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
     async def kill_the_solver_instance_mid_batch(exp):
         while exp.training is None or not exp.training.ready.is_set():
             await asyncio.sleep(0.05)
-        client = exp.training.client
-        victim = client.assignment["solver"][0]
-        while client.outstanding[victim] <= 0:  # requests in flight on it: mid-run
+        instances = exp.training.instances
+        victim = instances.assignment["solver"][0]
+        while instances.outstanding[victim] <= 0:  # requests in flight on it: mid-run
             await asyncio.sleep(0.005)
         wp = next(wp for wp in exp.local.procs if wp.worker_id == victim)
         killed.update(worker=victim, pid=wp.proc.pid)
@@ -52,7 +52,7 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
             await kill_the_solver_instance_mid_batch(exp)
             summary = await train
             now = next(wp for wp in exp.local.procs if wp.worker_id == killed["worker"])
-            return summary, now.proc.pid, exp.training.client.assignment, exp.training.rejoin.rejoined
+            return summary, now.proc.pid, exp.training.instances.assignment, exp.training.rejoin.rejoined
 
     summary, new_pid, assignment, rejoined = asyncio.run(main())
     victim = killed["worker"]

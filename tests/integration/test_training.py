@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from flexmarl.controller import Experiment
 from flexmarl.controller import replay
 from flexmarl.controller.digit_chain import default_config
-from flexmarl.controller.models import resolve_model
+from flexmarl.controller.model_resolution import resolve_model
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import encode_frame, read_events
@@ -210,7 +210,7 @@ def test_a_killed_rollout_worker_loses_nothing(tmp_path):
         while exp.training is None or not exp.training.ready.is_set():
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
-        victim = exp.training.client.assignment["solver"][-1]
+        victim = exp.training.instances.assignment["solver"][-1]
         pid = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
         os.kill(pid, signal.SIGKILL)
 

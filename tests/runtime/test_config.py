@@ -16,7 +16,7 @@ def test_file_then_overrides_win(tmp_path):
     cfg = load_config(path, ["pipeline.micro_batch=4", "agents.a.lr=0.5", "run.seed=3"])
     assert cfg.pipeline.mode == "async"
     assert cfg.pipeline.micro_batch == 4
-    assert cfg.agents["a"].lr == 0.5 and cfg.agents["a"].model == "m"
+    assert cfg.agents["a"].lr == 0.5 and cfg.agents["a"].model == str(tmp_path / "m")  # next to the file
     assert cfg.run.seed == 3
 
 
@@ -116,3 +116,29 @@ def test_gpu_lists_that_fit_are_kept_by_worker():
     cfg = load_config(None, ["cluster.rollout_gpus=[[0],[1],[2]]", "cluster.trainer_group_size=2",
                              "cluster.trainer_gpus=[[4,5]]"])
     assert cfg.cluster.rollout_gpus == [[0], [1], [2]] and cfg.cluster.trainer_gpus == [[4, 5]]
+
+
+def test_paths_in_a_toml_are_relative_to_its_folder_and_overrides_to_the_working_directory(tmp_path, monkeypatch):
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "c.toml").write_text('[run]\nworkflow = "flow.py:episode"\n[data]\ntrain = "data/train.jsonl"\n'
+                                '[agents.a]\nmodel = "tiny:models.py:writer"\n[agents.b]\nmodel = "tiny:planner"\n'
+                                '[agents.c]\nmodel = "../models/c"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(job / "c.toml", ["data.eval=held_out.jsonl"])
+    assert cfg.run.workflow == f"{job}/flow.py:episode"
+    assert (cfg.data.train, cfg.data.eval) == (f"{job}/data/train.jsonl", f"{elsewhere}/held_out.jsonl")
+    assert [c.model for c in cfg.agents.values()] == [f"tiny:{job}/models.py:writer", "tiny:planner",
+                                                       f"{tmp_path}/models/c"]
+    # The run directory's copy holds them absolute: it loads the same from anywhere.
+    (tmp_path / "run.toml").write_text(dump_toml(cfg))
+    monkeypatch.chdir(job)
+    assert load_config(tmp_path / "run.toml") == cfg
+
+
+def test_built_in_and_module_workflows_are_not_paths(tmp_path):
+    (tmp_path / "c.toml").write_text('[run]\nworkflow = "mypkg.flows:episode"\n')
+    assert load_config(tmp_path / "c.toml").run.workflow == "mypkg.flows:episode"
+    assert load_config(None, ["run.workflow=digit_chain"]).run.workflow == "digit_chain"

@@ -6,7 +6,7 @@ import logging
 import zmq
 
 from flexmarl.controller.server import ControllerServer
-from flexmarl.runtime import fuzzing
+import fuzzing  # bench/fuzzing.py
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.workers.session import CommandHandler, WorkerSession

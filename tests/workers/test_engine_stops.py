@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from flexmarl.controller import digit_chain as chain
-from flexmarl.controller.models import resolve_model
+from flexmarl.controller.model_resolution import resolve_model
 
 pytestmark = pytest.mark.slow
 

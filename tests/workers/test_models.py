@@ -143,8 +143,8 @@ def test_the_command_line_names_the_agents_a_job_has(tmp_path, capsys):
 
 
 def test_a_job_module_without_tiny_models_is_named():
-    with pytest.raises(ValueError, match="'flexmarl.controller.workflows' has no TINY_MODELS"):
-        models.job_recipes("flexmarl.controller.workflows")
+    with pytest.raises(ValueError, match="'flexmarl.controller.builtin_workflows' has no TINY_MODELS"):
+        models.job_recipes("flexmarl.controller.builtin_workflows")
 
 
 # ---- a recipe with the job's own trained tokenizer and chat template ------------------

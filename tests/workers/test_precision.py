@@ -37,6 +37,19 @@ def test_a_cuda_engine_gets_the_agents_dtype_memory_share_and_parallelism():
     assert one_gpu["distributed_executor_backend"] == "uni" and one_gpu["max_model_len"] == 4096
 
 
+def test_engines_on_one_gpu_split_its_share_and_each_leaves_room_for_a_weight_receive():
+    gib = 2**30
+    # Alone on an 80 GiB GPU, a 3 GiB model: 0.9 less the receive bucket's share.
+    assert precision.engine_memory_share(0.9, 1, 3 * gib, 80 * gib) == pytest.approx(0.9 - 3 / 80)
+    # Two unpinned engines on one GPU: 0.45 each before the bucket, never 0.9 each.
+    assert precision.engine_memory_share(0.9, 2, 3 * gib, 80 * gib) == pytest.approx(0.45 - 3 / 80)
+    assert precision.engine_memory_share(0.9, 2, 0, 0) == pytest.approx(0.45)  # no NVML: nothing set aside
+    with pytest.raises(ValueError, match=r"split between 16 engines on one GPU.*cluster.rollout_gpus"):
+        precision.engine_memory_share(0.9, 16, 3 * gib, 80 * gib)
+    args = engine_args("cuda:0", p.EngineSettings("auto", 0.9, 1, engines_on_gpu=3), 0, 256 << 20, 2 * gib, 80 * gib)
+    assert args["gpu_memory_utilization"] == pytest.approx(0.3 - 2 / 80)
+
+
 def test_a_cpu_engine_keeps_its_fixed_kv_cache_and_64_token_default_length():
     args = engine_args("cpu", p.EngineSettings(), 0, 256 << 20)
     assert args["dtype"] == "float32" and args["max_model_len"] == 64

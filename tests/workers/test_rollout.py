@@ -144,6 +144,7 @@ async def generate(handler, outbox, request_id, items):
             {r.sample_id: r.reason for m in replies for r in m.refused})
 
 
+@pytest.mark.slow
 async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path):
     spec = digit_chain.AGENTS["planner"]
     handler = RolloutHandler()

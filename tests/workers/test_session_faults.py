@@ -4,7 +4,7 @@ import asyncio
 
 import zmq
 
-from flexmarl.runtime import fuzzing
+import fuzzing  # bench/fuzzing.py
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.workers.session import CommandHandler, WorkerSession

@@ -65,6 +65,7 @@ def weights(h, agent, version):
         return {k: v.clone() for k, v in channel.receive(out.handle).items()}
 
 
+@pytest.mark.slow
 def test_a_two_rank_group_makes_the_same_update_as_one_trainer_on_the_same_samples(group, single, model_dir):
     for h in (group, single):
         h._execute(p.InitAgent(1, "same", str(model_dir), LR, 0))
@@ -81,6 +82,7 @@ def test_a_two_rank_group_makes_the_same_update_as_one_trainer_on_the_same_sampl
     assert all(not torch.equal(alone[k], initial[k]) for k in alone)  # and it did train
 
 
+@pytest.mark.slow
 def test_a_group_parks_each_ranks_shard_and_trains_on_identically_after_restoring_it(group, single, model_dir):
     for h in (group, single):
         h._execute(p.InitAgent(1, "swapped", str(model_dir), LR, 0))
@@ -98,14 +100,15 @@ def test_a_group_parks_each_ranks_shard_and_trains_on_identically_after_restorin
     assert max((grouped[k] - alone[k]).abs().max().item() for k in alone) < WEIGHT_ROUND_OFF
 
 
+@pytest.mark.slow
 def test_states_parked_by_another_number_of_ranks_are_refused_and_the_group_keeps_working(group, single, model_dir):
     single._execute(p.InitAgent(1, "whole", str(model_dir), LR, 0))
     whole = single._execute(p.OffloadAgent(2, "whole"))
-    with pytest.raises(ValueError, match="1 shards and this trainer group has 2 ranks"):
+    with pytest.raises(ValueError, match="has 1 shards and this trainer has 2 ranks"):
         group._execute(p.LoadAgent(3, "whole", str(model_dir), LR, 1.0, whole.version, 0, whole.handle))
     group._execute(p.InitAgent(4, "sharded", str(model_dir), LR, 0))
     sharded = group._execute(p.OffloadAgent(5, "sharded"))
-    with pytest.raises(ValueError, match="sharded over the 2 ranks"):
+    with pytest.raises(ValueError, match="has 2 shards and this trainer has 1 ranks"):
         single._execute(p.LoadAgent(6, "sharded", str(model_dir), LR, 1.0, 0, 0, sharded.handle,
                                     p.TrainerSettings(), sharded.shards))
     group._execute(p.InitAgent(7, "after", str(model_dir), LR, 0))  # the ranks are still in step
@@ -114,6 +117,7 @@ def test_states_parked_by_another_number_of_ranks_are_refused_and_the_group_keep
     group._execute(p.ReleaseState(9, "sharded", sharded.handle, sharded.shards))
 
 
+@pytest.mark.slow
 def test_a_groups_checkpoint_is_the_full_model_rank_0_gathered(group, model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -125,3 +129,30 @@ def test_a_groups_checkpoint_is_the_full_model_rank_0_gathered(group, model_dir,
     published = weights(group, "saved", 1)
     assert saved.keys() == published.keys()
     assert all(torch.equal(saved[k], published[k]) for k in published)
+
+
+def test_a_groups_publish_names_the_agents_nccl_communicator(monkeypatch):
+    """The publish is the trainer's own command; the group supplies only the gather of the
+    full weights (stubbed here: it needs the other ranks), so the communicator the
+    controller names reaches the channel, as from a single trainer."""
+    import types
+
+    from flexmarl.workers.trainer import AgentState
+
+    handler = TrainerGroupHandler(rank=0, world=2, device="cpu")
+    model = torch.nn.Linear(2, 2)
+    handler.agents["a"] = AgentState("a", model, None, "/models/a", 3, 1.0)
+    monkeypatch.setattr(handler, "_full_weights",
+                        lambda state: {k: v.detach() for k, v in state.model.named_parameters()})
+    published = []
+
+    class Channel:
+        def publish(self, tensors, **options):
+            published.append((sorted(tensors), options))
+            return types.SimpleNamespace(total_bytes=8)
+
+    handler._channel = Channel()
+    reply = handler.COMMANDS[p.PublishWeights](handler, p.PublishWeights(1, "a", 3, "nccl", ["r0", "r1"], "a-g1"))
+    assert reply.version == 3
+    assert published == [(["bias", "weight"], {"agent": "a", "version": 3, "transport": "nccl", "receivers": 2,
+                                               "group": "a-g1"})]

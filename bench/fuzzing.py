@@ -16,7 +16,8 @@ The raw peers that deliver them are here too, on plain blocking sockets of their
 context so they can flood from a thread: `ControllerFlood` (two peers of the controller
 that never read) and `FakeController` (a ROUTER a worker connects to, which floods it and
 probes it with Echo). This module knows the protocol, not the controller's or the
-worker's state; the bench and the tests wire it to them.
+worker's state; the bench (fuzz.py) and the tests wire it to them. It is test equipment,
+not part of the runtime package.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any, Callable, Iterator
 import msgspec
 import zmq
 
-from . import protocol
-from .transport import MAX_BUFFERS
+from flexmarl.runtime import protocol
+from flexmarl.runtime.transport import MAX_BUFFERS
 
 Frames = list[bytes]
 _encode = msgspec.msgpack.encode

@@ -22,7 +22,7 @@ previous move. Oscillating demand therefore moves nothing. Several instances may
 
 
 Plain synchronous Python over plain data: no sockets, no asyncio, no clocks of its own.
-It does not know how a move is carried out (controller/rebalance.py does it for real,
+It does not know how a move is carried out (controller/balance_loop.py does it for real,
 controller/simulator.py on a virtual clock), nor what a worker or an engine is.
 """
 

@@ -1,0 +1,34 @@
+"""The GPU check's CPU dry run: the same command a lent GPU machine runs, at tiny shapes on
+the CPU, so the script cannot rot between loans. Its CUDA-only parts must say they were
+skipped, the parts that need vLLM or adapters that they were not run, and everything it
+could run on the CPU must have run and matched."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_check_dry_run_runs_every_part_it_can_on_the_cpu_and_lists_the_rest(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by_part = {}
+    for row in rows:
+        by_part.setdefault(row["part"], []).append(row)
+    assert all(row["ok"] for row in rows)
+    assert {"vllm_engine", "nccl_two_ranks", "lora"} <= {r["part"] for r in rows if r.get("not_run")}
+    for part in ("gpu_tests", "cuda_ipc", "fsdp2", "nccl_setup", "fork_safe"):
+        assert all(r.get("skipped") for r in by_part[part]), part
+    train = by_part["train"]
+    assert {(r["precision"], r["activation_checkpointing"]) for r in train} == {
+        ("mixed", False), ("mixed", True), ("pure", False), ("pure", True)}
+    assert all(r["tokens_per_s"] > 0 and r["parameters"] > 0 for r in train)
+    park, = by_part["park"]
+    assert park["tensors"] > 0 and "differ" not in park  # byte-exact after a round trip
+    assert "GPU CHECK FAILED" not in proc.stderr
+    assert any(line.split()[:2] == ["part", "shape"] for line in proc.stdout.splitlines())  # the table

@@ -1,0 +1,54 @@
+"""A stand-in for the controller's server as the rollout client and the instance moves
+use it: rollout workers that answer only when a test says so, and die when told."""
+
+import asyncio
+import itertools
+
+from flexmarl.controller.registry import WorkerInfo, WorkerRegistry
+from flexmarl.controller.server import WorkerDied
+from flexmarl.runtime import protocol
+
+
+class FakeServer:
+    """The methods RolloutClient uses, with workers that never answer on their own."""
+
+    def __init__(self, workers: list[str]) -> None:
+        self.registry = WorkerRegistry()
+        for w in workers:
+            self.registry.workers[w] = WorkerInfo(w, w.encode(), "rollout", "host", 1, [], {}, 0.0)
+        self.sent: list[tuple[str, protocol.Generate]] = []
+        self.streams: dict[int, tuple] = {}
+        self._ids = itertools.count(1)
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def stream(self, worker, msg, on_reply):
+        future = asyncio.get_running_loop().create_future()
+        self.streams[msg.request_id] = (worker, on_reply, future)
+        return future
+
+    async def send_request(self, worker, msg):
+        self.sent.append((worker, msg))
+
+    def kill(self, worker: str) -> None:
+        self.registry.workers[worker].alive = False
+        for w, _, future in self.streams.values():
+            if w == worker and not future.done():
+                future.set_exception(WorkerDied(worker, "killed by the test"))
+
+    def answer(self, request_id: int, refuse: frozenset = frozenset()) -> None:
+        worker, on_reply, future = self.streams[request_id]
+        msg = next(m for w, m in self.sent if m.request_id == request_id)
+        results = [protocol.GenResult(it.sample_id, [7], [-0.1], 0) for it in msg.items if it.sample_id not in refuse]
+        refused = [protocol.GenRefused(it.sample_id, "prompt too long") for it in msg.items if it.sample_id in refuse]
+        if on_reply(protocol.Generated(request_id, msg.agent, results, True, {}, refused), []):
+            future.set_result((None, []))
+
+
+async def until(condition, turns: int = 100) -> None:
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
