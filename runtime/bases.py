@@ -154,3 +154,26 @@ def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> 
     if b.max_cpu_loras and b.max_cpu_loras < (b.max_loras or need.max_loras):
         raise error(f"bases.{base}.max_cpu_loras = {b.max_cpu_loras} is below max_loras "
                     f"({b.max_loras or need.max_loras}); vLLM holds at least as many adapters as a batch mixes")
+
+
+def engine_units(cfg: ExperimentConfig) -> dict[str, list[str]]:
+    """What one rollout engine serves, in config order: a whole-model agent alone (named as
+    the agent), or every adapter agent of a base (named `bases.NAME`). Placement, rejoin
+    and balancing give instances to these units; an instance of a base serves all of its
+    agents at once, so instances never move between agents of one base."""
+    units: dict[str, list[str]] = {}
+    for name, agent in cfg.agents.items():
+        units.setdefault(f"bases.{agent.base}" if agent.base else name, []).append(name)
+    return units
+
+
+def model_of(cfg: ExperimentConfig, agent: str) -> str:
+    """The model an agent's engine and trainer load: its own, or its base's."""
+    a = cfg.agents[agent]
+    return cfg.bases[a.base].model if a.base else a.model
+
+
+def agent_lora(cfg: ExperimentConfig, agent: str) -> LoraSettings | None:
+    """An adapter agent's LoRA shape; None for a whole-model agent."""
+    a = cfg.agents[agent]
+    return lora_settings(a) if a.base else None

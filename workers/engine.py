@@ -228,8 +228,8 @@ class VllmEngine:
         them aborts the group. Raises `RequestRefused` for all of them, nothing queued.
 
         With `adapter`, they run under that LoRA adapter at `adapter_version` (-1: its
-        newest), which stays loaded until they finish; returns the adapter version they run
-        under (-1 without an adapter)."""
+        newest; a version retired for a newer one: the newer), which stays loaded until
+        they finish; returns the adapter version they run under (-1 without an adapter)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
@@ -382,7 +382,7 @@ class VllmEngine:
     def _adapter(self, name: str, version: int) -> ResidentAdapter:
         if self.adapters is None:
             raise KeyError(f"this engine serves no adapters (it was started without LoRA slots), not {name!r}")
-        return self.adapters.resolve(name, version)
+        return self.adapters.serving(name, version)
 
     @staticmethod
     def _lora_request(resident: ResidentAdapter) -> Any:

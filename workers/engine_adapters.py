@@ -67,6 +67,15 @@ class AdapterRegistry:
             raise KeyError(f"{agent!r} version {version} is not loaded here (loaded: {self._held()})")
         return self._resident[key]
 
+    def serving(self, agent: str, version: int = -1) -> ResidentAdapter:
+        """The adapter a request issued under `agent`'s `version` runs under: that version
+        if held, else the newest when it is newer (this instance took a newer one while
+        the sync that brings every instance to it was under way); never an older one."""
+        newest = self._newest.get(agent)
+        if newest is not None and version >= 0 and (agent, version) not in self._resident and newest > version:
+            return self._resident[(agent, newest)]
+        return self.resolve(agent, version)
+
     def check_room(self, agent: str, version: int) -> None:
         """Raises unless `agent` at `version` can be added now (a newer version than held,
         and room for it once the versions it retires are gone)."""

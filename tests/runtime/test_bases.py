@@ -88,3 +88,10 @@ def test_adapter_agents_train_with_their_bases_settings_and_the_resolved_config_
     again = tmp_path / "again.toml"
     again.write_text(dump_toml(cfg))
     assert load_config(again) == cfg
+
+
+def test_a_base_is_one_engine_unit_for_all_its_adapter_agents_and_a_whole_model_agent_is_its_own(tmp_path):
+    cfg = job(tmp_path)
+    assert bases.engine_units(cfg) == {"whole": ["whole"], "bases.shared": ["a", "b", "c"]}
+    assert (bases.model_of(cfg, "b"), bases.model_of(cfg, "whole")) == ("tiny:base", "tiny:planner")
+    assert bases.agent_lora(cfg, "whole") is None and bases.agent_lora(cfg, "b").rank == 12

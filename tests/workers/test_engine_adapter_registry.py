@@ -53,3 +53,13 @@ def test_ids_are_never_reused_and_names_tell_versions_apart():
     assert (held.name, held.lora_id) == ("a@2", 3)
     with pytest.raises(KeyError, match="version 0 is not loaded"):
         reg.resolve("a", 0)
+
+
+def test_a_request_issued_under_a_retired_version_runs_under_the_newer_one_never_an_older():
+    reg = AdapterRegistry(capacity=4)
+    load(reg, "a", 1)
+    load(reg, "a", 2)  # version 1 unused: retired
+    assert reg.serving("a", 1).version == 2  # the instance moved ahead during a sync
+    assert reg.serving("a", 2).version == 2 and reg.serving("a").version == 2
+    with pytest.raises(KeyError, match="version 3 is not loaded"):
+        reg.serving("a", 3)  # behind what the request was issued under: refused
