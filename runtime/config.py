@@ -446,8 +446,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
 def resolve_paths(data: dict[str, Any], base: Path) -> None:
     """Makes the file paths among the raw config's values absolute against `base`:
     `run.workflow` given as FILE.py:FUNCTION (or with a folder), `data.train`,
-    `data.eval`, and every `agents.*.model` that is a directory or a `tiny:FILE.py:AGENT`
-    recipe. Built-in names (`digit_chain`, `tiny:planner`) and dotted modules stay as they
+    `data.eval`, and every `agents.*.model` and `bases.*.model` that is a directory or a
+    `tiny:FILE.py:AGENT` recipe. Built-in names (`digit_chain`, `tiny:planner`) and dotted modules stay as they
     are; values of the wrong type are left for the type check to name."""
     def absolute(text: str) -> str:
         return str((base / Path(text).expanduser()).resolve()) if text else text
@@ -464,8 +464,8 @@ def resolve_paths(data: dict[str, Any], base: Path) -> None:
         for key in ("train", "eval"):
             if isinstance(data_table.get(key), str):
                 data_table[key] = absolute(data_table[key])
-    agents = data.get("agents")
-    for agent in (agents.values() if isinstance(agents, dict) else ()):
+    tables = [t for key in ("agents", "bases") if isinstance(data.get(key), dict) for t in data[key].values()]
+    for agent in tables:
         model = agent.get("model") if isinstance(agent, dict) else None
         if not isinstance(model, str) or not model:
             continue

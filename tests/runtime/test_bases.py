@@ -95,3 +95,10 @@ def test_a_base_is_one_engine_unit_for_all_its_adapter_agents_and_a_whole_model_
     assert bases.engine_units(cfg) == {"whole": ["whole"], "bases.shared": ["a", "b", "c"]}
     assert (bases.model_of(cfg, "b"), bases.model_of(cfg, "whole")) == ("tiny:base", "tiny:planner")
     assert bases.agent_lora(cfg, "whole") is None and bases.agent_lora(cfg, "b").rank == 12
+
+
+def test_a_bases_model_path_is_relative_to_the_toml_like_an_agents(tmp_path):
+    (tmp_path / "job").mkdir()
+    text = JOB.replace('model = "tiny:base"', 'model = "tiny:team/models.py:base"')
+    cfg = job(tmp_path / "job", text)
+    assert cfg.bases["shared"].model == f"tiny:{(tmp_path / 'job' / 'team' / 'models.py').resolve()}:base"
