@@ -54,8 +54,14 @@ class Parked:
 class TrainerAllocator:
     def __init__(self, server: Any, trainers: list[str], capacity: int, agent_config: dict[str, Any],
                  model_path: dict[str, str], seed: int, ready_work: Callable[[str], int],
-                 emit: Callable[[ev.Event], Any], trainer_wait_s: float = 60.0) -> None:
+                 emit: Callable[[ev.Event], Any], trainer_wait_s: float = 60.0,
+                 settings: dict[str, protocol.TrainerSettings] | None = None,
+                 lora: dict[str, protocol.LoraSettings | None] | None = None) -> None:
         self.server = server
+        # How a trainer holds each agent (an adapter agent: as its base says) and, for an
+        # adapter agent, its LoRA shape (None: a whole model); sent in InitAgent and LoadAgent.
+        self.settings = settings or {}
+        self.lora = lora or {}
         self.trainer_wait_s = trainer_wait_s
         self.trainers = list(trainers)
         self.capacity = capacity
@@ -169,7 +175,8 @@ class TrainerAllocator:
             try:
                 await self.server.call(trainer, protocol.LoadAgent(
                     self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
-                    parked.version, parked.accumulated, parked.handle, cfg.trainer_settings(), parked.shards))
+                    parked.version, parked.accumulated, parked.handle, self._settings(agent), parked.shards,
+                    self.lora.get(agent)))
             except WorkerDied:
                 if getattr(self.server, "closing", False):
                     # Shutting down: the pool keeps its trainers, so acquire() would place
@@ -192,7 +199,7 @@ class TrainerAllocator:
         else:
             reply, _ = await self.server.call(trainer, protocol.InitAgent(
                 self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, self.seed, cfg.max_grad_norm,
-                cfg.trainer_settings()))
+                self._settings(agent), self.lora.get(agent)))
             why = f"initial placement ({reply.num_params / 1e6:.2f}M parameters)"
             swapped = False
         self.resident[agent] = trainer
@@ -201,6 +208,9 @@ class TrainerAllocator:
         self.emit(ev.AllocationChanged("trainer", agent, [trainer], f"{why}, {time.monotonic() - t0:.3f}s"))
         log.info("%s bound to %s (%s)", agent, trainer, why)
         self._changed.set()
+
+    def _settings(self, agent: str) -> protocol.TrainerSettings:
+        return self.settings.get(agent) or self.agent_config[agent].trainer_settings()
 
     async def _release_parked(self, agent: str, parked: Parked) -> None:
         try:

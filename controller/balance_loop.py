@@ -17,6 +17,12 @@ nothing unless `src` synced while it was out). A worker that dies or refuses on 
 alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
 the moves with what each cost. An agent is never left without an instance.
 
+It balances engine units (runtime/bases.engine_units): a whole-model agent, or every
+adapter agent of one base, whose instances serve all of them at once. A base's agents
+share its instances, so there is nothing to move between them; a unit's demand is its
+agents' together, and an instance moving into or out of a base restarts its engine (a
+base's engine has LoRA slots, a whole model's has none).
+
 The decisions are in balance_rules.py; this module only gathers numbers and executes.
 It does not know how demand is weighed or when a move is warranted, nor anything of
 training beyond "every batch is trained".
@@ -62,15 +68,20 @@ class Reassignment:
 class Rebalancer:
     def __init__(self, cfg: RouterConfig, agents: list[str], instances: Any, admission: Any, client: Any,
                  server: Any, weights: Any, model_path: dict[str, str],
-                 emit: Callable[[ev.Event], Any], finished: Callable[[], bool]) -> None:
+                 emit: Callable[[ev.Event], Any], finished: Callable[[], bool],
+                 units: dict[str, list[str]] | None = None, bases: set[str] = frozenset()) -> None:
         self.cfg = cfg
-        self.agents = list(agents)
+        # unit -> its agents; units are what the balancer sees and moves instances between
+        # (by default each agent is a unit). `bases`: the units that are a base's adapters.
+        self.units = units or {a: [a] for a in agents}
+        self.agents = list(self.units)
+        self.bases = set(bases)
         self.instances = instances  # instances(agent), outstanding, holds(), leave(): the owner
         self.admission = admission  # admit(worker, agent, restart=...)
         self.client = client  # dispatched_tokens
         self.server = server  # registry.workers (heartbeat loads)
         self.weights = weights  # locks
-        self.model_path = model_path  # to tell whether two agents' engines have the same shape
+        self.model_path = model_path  # unit -> model: whether two units' engines have the same shape
         self.emit = emit
         self.finished = finished
         self.reassignments: list[Reassignment] = []
@@ -78,11 +89,11 @@ class Rebalancer:
     def demand_snapshot(self) -> dict[str, AgentDemand]:
         owner, workers = self.instances, self.server.registry.workers
         snapshot = {}
-        for agent in self.agents:
-            instances = owner.instances(agent)
-            snapshot[agent] = AgentDemand(
+        for unit, agents in self.units.items():
+            instances = owner.instances(agents[0])  # every agent of a unit has the same ones
+            snapshot[unit] = AgentDemand(
                 outstanding={w: max(0.0, owner.outstanding[w]) for w in instances},
-                dispatched_tokens=self.client.dispatched_tokens[agent],
+                dispatched_tokens=sum(self.client.dispatched_tokens[a] for a in agents),
                 busy_s={w: workers[w].load["busy_s"] for w in instances if "busy_s" in workers[w].load})
         return snapshot
 
@@ -106,25 +117,27 @@ class Rebalancer:
 
     async def reassign(self, worker: str, src: str, dst: str, why: str = "",
                        drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Reassignment | None:
-        """Moves `worker` from agent `src` to agent `dst` (see module doc); None if it did not."""
+        """Moves `worker` from unit `src` to unit `dst` (see module doc); None if it did not."""
         owner = self.instances
         t0 = time.monotonic()
-        async with self.weights.locks[src]:  # no weight sync of src is addressing this instance now
-            if worker not in owner.instances(src) or len(owner.instances(src)) < 2:
-                log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
-                return None
-            owner.leave(worker, src, f"{worker} leaves for {dst}: {why}")
+        first = self.units[src][0]
+        if worker not in owner.instances(first) or len(owner.instances(first)) < 2:
+            log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
+            return None
+        for agent in self.units[src]:
+            async with self.weights.locks[agent]:  # no weight sync of it is addressing this instance now
+                owner.leave(worker, agent, f"{worker} leaves for {dst}: {why}")
         if not await _drained(owner, worker, drain_timeout_s):
             log.warning("%s did not drain within %.0fs; it keeps serving %s", worker, drain_timeout_s, src)
             stays = f"stays: its work did not drain within {drain_timeout_s:.0f}s"
             # Through the admission: nothing to load unless src synced while it was out.
-            await self.admission.admit(worker, src, restart=False, why=stays)
+            await self.admission.admit(worker, first, restart=False, why=stays)
             return None
         t_drained = time.monotonic()
-        restart = not same_architecture(self.model_path[src], self.model_path[dst])
-        if not await self.admission.admit(worker, dst, restart=restart, why=f"joins from {src}"):
+        restart = bool({src, dst} & self.bases) or not same_architecture(self.model_path[src], self.model_path[dst])
+        if not await self.admission.admit(worker, self.units[dst][0], restart=restart, why=f"joins from {src}"):
             return None
-        restarted = restart or owner.holds(worker, src) is None
+        restarted = restart or owner.holds(worker, first) is None
         done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
         self.reassignments.append(done)
         log.info("%s now serves %s (from %s) after %.2fs (drain %.2fs, %s %.2fs)", worker, dst, src, done.seconds,

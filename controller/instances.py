@@ -19,6 +19,13 @@ broadcast, at the version the trainer holds then: a step that raced the join is 
 never refused), and only then lets requests reach it. A worker that dies or refuses
 fails its own admission (False), never the run.
 
+An instance of a base serves every adapter agent of it (`sharing`, from
+runtime/bases.engine_units): admitting it for one of them admits it for all, the base's
+engine started once, then each agent's adapter loaded at its synced version under that
+agent's sync lock (an adapter is always loaded from its trainer, version 0 included: the
+base alone is no agent's weights). Such an instance leaves its agents together, so
+balancing and rejoin move instances between engine units, never between agents of a base.
+
 It does not decide which agent an instance should serve (rejoin.py and the balancer
 do), nor when an agent syncs (the pipeline does).
 """
@@ -95,9 +102,10 @@ class RolloutInstances:
         """Set-up's placement (agent -> workers): the routing order of the workers once admitted."""
         self._placed = {w: i for i, w in enumerate(w for ws in plan.values() for w in ws)}
 
-    def engine_started(self, worker: str, agent: str, version: int) -> None:
-        """`worker`'s engine (re)started on `agent`'s model at `version`: it holds nothing else."""
-        self._get(worker).holds = {agent: version}
+    def engine_started(self, worker: str, agent: str, version: int | None) -> None:
+        """`worker`'s engine (re)started on `agent`'s model at `version`: it holds nothing
+        else (None: a base's engine, which holds no adapter until one is loaded)."""
+        self._get(worker).holds = {} if version is None else {agent: version}
 
     def loaded(self, worker: str, agent: str, version: int) -> None:
         self._get(worker).holds[agent] = version
@@ -145,7 +153,11 @@ class Admission:
     """The one path by which an instance comes to serve an agent (see the module doc)."""
 
     def __init__(self, instances: RolloutInstances, weights: Any, versions: SyncedVersions, server: Any,
-                 engine_message: Callable[[str], protocol.LoadModel]) -> None:
+                 engine_message: Callable[[str], protocol.LoadModel],
+                 sharing: dict[str, list[str]] | None = None) -> None:
+        # adapter agent -> every adapter agent of its base (what one engine of it serves);
+        # an agent not named is a whole model, served alone.
+        self.sharing = sharing or {}
         self.instances = instances
         self.weights = weights  # locks, load_newest(worker, agent) -> version
         self.versions = versions
@@ -161,16 +173,22 @@ class Admission:
         instead of the model directory's, as set-up of a resumed run does). Without it the
         weights are swapped in place, and the engine restarts if the instance refuses or
         if the agent is still at version 0 (its weights are the model directory's)."""
+        agents = self.sharing.get(agent, [agent])
+        adapters = agent in self.sharing
         try:
             if restart:
                 await self._start_engine(worker, agent, engine)
-            async with self.weights.locks[agent]:
-                held = self.instances.holds(worker, agent)
-                if held is None or held < self.versions[agent]:
-                    await self._load(worker, agent, restarted=restart)
-                if not self._alive(worker):
-                    raise WorkerDied(worker, "it died while being admitted")
-                self.instances.serve(worker, agent, f"{worker} {why}")
+            for each in agents:  # one lock at a time: each agent's syncs wait only for its own load
+                async with self.weights.locks[each]:
+                    held = self.instances.holds(worker, each)
+                    if held is None or held < self.versions[each]:
+                        if adapters:  # an adapter comes from its trainer, version 0 included
+                            self.instances.loaded(worker, each, await self.weights.load_newest(worker, each))
+                        else:
+                            await self._load(worker, each, restarted=restart)
+                    if not self._alive(worker):
+                        raise WorkerDied(worker, "it died while being admitted")
+                    self.instances.serve(worker, each, f"{worker} {why}")
         except WorkerDied as exc:
             log.warning("%s died while joining %s: %s", worker, agent, exc)
             return False
@@ -187,7 +205,8 @@ class Admission:
             message = msgspec.structs.replace(message, engine=msgspec.structs.replace(message.engine,
                                                                                       engines_on_gpu=shared))
         reply, _ = await self.server.call(worker, message)
-        self.instances.engine_started(worker, agent, message.version)
+        base = message.engine.max_loras > 0  # a base's engine: its agents' adapters come next
+        self.instances.engine_started(worker, agent, None if base else message.version)
         log.info("%s runs %s's engine at version %d (%.1fs to start)", worker, agent, message.version,
                  getattr(reply, "seconds", 0.0))
 

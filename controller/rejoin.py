@@ -8,7 +8,8 @@ again once shutdown began). After that:
 - a rollout worker is queued for `run()`.
 
 `Rejoin.run()` runs next to the training loops. Consumes: the rollout workers that joined.
-Produces: each of them serving an agent. For each it picks the agent (`choose_agent`) and
+Produces: each of them serving an agent. For each it picks the agent (`choose_agent`, over
+engine units: a whole-model agent, or every adapter agent of a base at once) and
 hands the rest to the admission (instances.py): the engine starts on the agent's model,
 the instance is brought to the agent's synced version (a resumed run's included) and only
 then is routed to. Waits for: a worker to join. Ends once every batch is trained.
@@ -43,7 +44,10 @@ def choose_agent(instances: dict[str, int], served_before: str | None) -> str:
 class Rejoin:
     def __init__(self, agents: list[str], instances: Any, admission: Any, server: Any, *,
                  accepting: Callable[[], bool], finished: Callable[[], bool],
-                 trainer_joined: Callable[[str], None]) -> None:
+                 trainer_joined: Callable[[str], None], units: dict[str, list[str]] | None = None) -> None:
+        # Engine units (runtime/bases.engine_units): a worker joins a whole-model agent or
+        # every adapter agent of a base; by default each agent is a unit.
+        self.units = units or {a: [a] for a in agents}
         self.agents = list(agents)
         self.instances = instances  # instances(agent), served_before(worker): read only
         self.admission = admission  # admit(worker, agent)
@@ -77,8 +81,10 @@ class Rejoin:
         info = self.server.registry.workers.get(worker)
         if info is None or not info.alive:
             return None  # died again before its turn: its next incarnation will be queued
-        agent = choose_agent({a: len(self.instances.instances(a)) for a in self.agents},
-                             self.instances.served_before(worker))
+        before = self.instances.served_before(worker)
+        unit = choose_agent({u: len(self.instances.instances(agents[0])) for u, agents in self.units.items()},
+                            next((u for u, agents in self.units.items() if before in agents), None))
+        agent = self.units[unit][0]
         t0 = time.monotonic()
         if not await self.admission.admit(worker, agent, why="rejoined"):
             return None

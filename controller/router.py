@@ -12,6 +12,9 @@ Two parts, kept apart on purpose:
 
 Which instances serve an agent, and the work outstanding on each, belong to the
 instances' owner (instances.py): the client reads the one and reports the other to it.
+An adapter agent's instances are every instance of its base, so its requests spread over
+them by the same least-outstanding-work rule, its load counted with its base's other
+agents' on each instance.
 """
 
 from __future__ import annotations
@@ -95,8 +98,12 @@ class RequestsFailed(Exception):
 
 class RolloutClient:
     def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
-                 emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded") -> None:
+                 emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded",
+                 version_of: Callable[[str], int] | None = None) -> None:
         self.server = server
+        # The agent's synced version, sent with each batch: an adapter agent's requests run
+        # under its adapter at that version (or a newer one the instance already holds).
+        self.version_of = version_of or (lambda agent: -1)
         self.emit = emit or (lambda event: None)
         self.owner = instances  # which instances serve an agent; outstanding work per instance
         self.instance_wait_s = instance_wait_s
@@ -184,7 +191,7 @@ class RolloutClient:
                                                           f"{refusal.reason}"))
             return msg.done
 
-        msg = protocol.Generate(self.server.next_request_id(), agent, [req for req, _ in part])
+        msg = protocol.Generate(self.server.next_request_id(), agent, [req for req, _ in part], self.version_of(agent))
         self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, list(waiting),
                                         sum(len(r.prompt_ids) for r, _ in part)))
         future = self.server.stream(worker, msg, on_reply)

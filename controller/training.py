@@ -48,6 +48,7 @@ import msgspec
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime import bases
 from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, to_dict
 from flexmarl.runtime.model_specs import has_tokenizer
@@ -121,7 +122,12 @@ class TrainingRun:
         p = cfg.pipeline
         self.workflow = load_workflow(cfg.run.workflow)
         for agent in self.agents:  # a model name that names nothing fails now, not after the engines start
-            check_model(cfg.agents[agent].model)
+            check_model(bases.model_of(cfg, agent))
+        # What one rollout engine serves: a whole-model agent, or every adapter agent of a base.
+        self.units = bases.engine_units(cfg)
+        self.unit_of = {a: u for u, agents in self.units.items() for a in agents}
+        self.base_units = {u for u, agents in self.units.items() if cfg.agents[agents[0]].base}
+        self.lora = {a: bases.agent_lora(cfg, a) for a in self.agents}
         self.store = ExperienceStore(self.agents, emit=emit,
                                      std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
         self.versions = SyncedVersions(self.agents)
@@ -130,10 +136,12 @@ class TrainingRun:
                                       versions=self.versions)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
         self.instances = RolloutInstances(server, emit)
-        self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent)
+        self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent,
+                                    version_of=self.versions.__getitem__)
         self.weights = WeightSync(self.agents, server, self.instances, self.versions, emit,
-                                  trainer_for=self._trainer_for)
-        self.admission = Admission(self.instances, self.weights, self.versions, server, self.load_model_message)
+                                  trainer_for=self._trainer_for, lora=self.lora)
+        self.admission = Admission(self.instances, self.weights, self.versions, server, self.load_model_message,
+                                   sharing={a: self.units[self.unit_of[a]] for a in self.agents if self.lora[a]})
         if resume is not None:  # rows of batches after the checkpoint are made again
             truncate_metrics(self.run_dir / "metrics.jsonl", resume.step)
             self.schedule.resume_after(resume.step)
@@ -182,7 +190,8 @@ class TrainingRun:
         self.rejoin = Rejoin(self.agents, self.instances, self.admission, server,
                              accepting=lambda: self.ready.is_set() and not server.closing,
                              finished=lambda: self.schedule.finished,
-                             trainer_joined=lambda worker: self.allocator.trainer_joined(worker))
+                             trainer_joined=lambda worker: self.allocator.trainer_joined(worker),
+                             units=self.units)
         server.on_joined.append(self.rejoin.joined)
 
     @property
@@ -240,21 +249,26 @@ class TrainingRun:
         for agent in self.agents:
             def building(name: str, agent: str = agent) -> Any:
                 return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
-            self.model_path[agent] = await asyncio.to_thread(resolve_model, cfg.agents[agent].model, None, building)
+            self.model_path[agent] = await asyncio.to_thread(resolve_model, bases.model_of(cfg, agent), None,
+                                                             building)
         with display.stage(f"loading the tokenizers of {len(self.agents)} agents") as stage:
             for agent in self.agents:
                 if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
                     self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.model_path[agent])
                 stage.update(len(self.tokenizers), len(self.agents))
-        weight = {a: self._expected_tokens(a) for a in self.agents}
-        placement = decisions.place_agents(self.agents, self.worker_ids("rollout"), weight)
+        # Engine units are placed (a base's instances serve all its agents); each agent is
+        # routed over its unit's instances.
+        weight = {u: sum(self._expected_tokens(a) for a in agents) for u, agents in self.units.items()}
+        placement = decisions.place_agents(list(self.units), self.worker_ids("rollout"), weight)
         saved = self.resume.state.get("rollout_assignment") if self.resume else None
-        if saved and sorted(w for ws in saved.values() for w in ws) == sorted(self.worker_ids("rollout")):
-            placement = {a: list(saved[a]) for a in self.agents}  # as it was at the checkpoint
+        if saved and sorted({w for ws in saved.values() for w in ws}) == sorted(self.worker_ids("rollout")):
+            placement = {u: list(saved[agents[0]]) for u, agents in self.units.items()}  # as at the checkpoint
         log.info("rollout placement: %s", placement)
-        self.instances.place(placement)
+        self.instances.place({a: placement[self.unit_of[a]] for a in self.agents})
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
-                                          cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit)
+                                          cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit,
+                                          settings={a: bases.trainer_settings(cfg, a) for a in self.agents},
+                                          lora=self.lora)
         self.allocator.on_parked.append(self.weights.forget)
         if self.resume is not None:
             for agent in self.agents:
@@ -266,9 +280,11 @@ class TrainingRun:
                           for a in self.agents}
         if cfg.router.across_agents:
             self.rebalancer = Rebalancer(cfg.router, self.agents, self.instances, self.admission, self.client,
-                                         self.server, self.weights, self.model_path, self.emit,
-                                         lambda: self.schedule.finished)
-        engines = [(a, w) for a, ws in placement.items() for w in ws]
+                                         self.server, self.weights,
+                                         {u: self.model_path[agents[0]] for u, agents in self.units.items()},
+                                         self.emit, lambda: self.schedule.finished, units=self.units,
+                                         bases=self.base_units)
+        engines = [(self.units[u][0], w) for u, ws in placement.items() for w in ws]
         with display.stage(f"starting {len(engines)} rollout engines and {len(self.agents)} training states") as stage:
             stage.update(0, len(engines) + 1)
 
@@ -308,7 +324,7 @@ class TrainingRun:
 
     async def _place(self, agent: str, worker: str) -> bool:
         message = self.load_model_message(agent)
-        if self.resume is not None:  # set-up of a resumed run: engines start at the checkpoint
+        if self.resume is not None and not self.lora[agent]:  # a resumed run: engines start at the checkpoint
             message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(agent).resolve()),
                                               version=self.resume.step)
         return await self.admission.admit(worker, agent, engine=message, why="joins: initial placement")
@@ -316,8 +332,14 @@ class TrainingRun:
     def load_model_message(self, agent: str) -> protocol.LoadModel:
         """What starts an engine on `agent`'s model at version 0, the model directory's
         weights; the weight sync brings it to the agent's version (a rejoined worker, an
-        instance moved between agents). Never a checkpoint's: those get pruned."""
+        instance moved between agents). Never a checkpoint's: those get pruned. An adapter
+        agent's engine is its base's, with LoRA slots, named as the unit; its adapters (and
+        those of the base's other agents) are loaded next (the admission)."""
         cfg = self.cfg.agents[agent]  # max_model_len 0: the engine's device decides
+        if cfg.base:
+            return protocol.LoadModel(self.server.next_request_id(), self.unit_of[agent], self.model_path[agent], 0,
+                                      seed=self.cfg.run.seed, max_model_len=self.cfg.bases[cfg.base].max_model_len,
+                                      engine=bases.engine_settings(self.cfg, cfg.base))
         return protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
                                   seed=self.cfg.run.seed, max_model_len=cfg.max_model_len,
                                   engine=cfg.engine_settings())

@@ -2,7 +2,8 @@
 agent loads them, worker to worker; the controller only passes the handle.
 
 `WeightSync.sync(agent, trainer, version)` consumes a stepped agent and produces every
-live instance of the agent at `version` (recorded with the instances' owner,
+live instance of the agent at `version` (for an adapter agent: every instance of its base,
+each sent the adapter alone, LoadWeights with `lora`) (recorded with the instances' owner,
 instances.py), then sets the agent's synced version (versions.py; the schedule's gate and
 producer wait on it). Per agent it holds the sync lock (held while a version is
 published and loaded, so an instance joining the agent never loads a handle the trainer
@@ -88,8 +89,12 @@ class Publication:
 class WeightSync:
     def __init__(self, agents: list[str], server: Any, instances: Any, versions: SyncedVersions,
                  emit: Callable[[ev.Event], Any],
-                 trainer_for: Callable[[str], AsyncContextManager[str]] | None = None) -> None:
-        self.server = server  # call(), next_request_id(), registry.workers
+                 trainer_for: Callable[[str], AsyncContextManager[str]] | None = None,
+                 lora: dict[str, protocol.LoraSettings | None] | None = None) -> None:
+        self.server = server
+        # An adapter agent's LoRA shape: its LoadWeights adds the adapter's new version to
+        # the engines of its base instead of replacing their weights.
+        self.lora = lora or {}  # call(), next_request_id(), registry.workers
         self.instances = instances  # instances(agent), loaded(worker, agent, version): the owner
         self.versions = versions  # set(agent, version) once every instance loaded it
         self.trainer_for = trainer_for or _no_trainer
@@ -132,7 +137,8 @@ class WeightSync:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), agent, version, transport, instances, group))
             loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
-                self.server.next_request_id(), agent, version, reply.handle, ranks[w]))) for w in instances}
+                self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent))))
+                for w in instances}
             cancelled = await self._cancel_if_a_rank_dies(agent, version, loads) if group else []
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
@@ -184,7 +190,7 @@ class WeightSync:
             pub = await self._republish(agent, worker)
         rank = 1 if pub.transport == "nccl" else 0
         await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, pub.version,
-                                                            pub.handle, rank))
+                                                            pub.handle, rank, self.lora.get(agent)))
         return pub.version
 
     async def _republish(self, agent: str, worker: str) -> Publication:

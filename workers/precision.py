@@ -140,11 +140,20 @@ ENGINE_ARGS: dict[str, Callable[..., dict[str, Any]]] = {
 def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
                 receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
     """The device-dependent arguments of `vllm.LLM` for an engine on `device`; on CUDA,
-    `receive_bytes` (a weight receive's bucket) of the GPU's `gpu_bytes` are left free."""
+    `receive_bytes` (a weight receive's bucket) of the GPU's `gpu_bytes` are left free. An
+    engine that serves adapters gets its LoRA slots too (the same on every device)."""
     kind = torch.device(device).type
     if kind not in ENGINE_ARGS:
         raise ValueError(f"no rollout engine settings for device {device!r} (known: {', '.join(ENGINE_ARGS)})")
-    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes)
+    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes) | lora_args(settings)
+
+
+def lora_args(settings: EngineSettings) -> dict[str, Any]:
+    """vLLM's LoRA arguments for an engine with adapter slots; none without."""
+    if not settings.max_loras:
+        return {}
+    return dict(enable_lora=True, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank or 16,
+                max_cpu_loras=max(settings.max_cpu_loras, settings.max_loras))
 
 
 def gpu_total_bytes(index: int = 0) -> int:

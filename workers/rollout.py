@@ -13,6 +13,11 @@ the vocabulary) fails alone: it comes back at once in the GENERATED message's `r
 list with the reason, and the rest of its batch, and the worker, carry on. Any other engine
 failure ends the worker: the engine is then in no known state.
 
+An engine started with LoRA slots serves every agent whose adapter it was sent (LOAD_WEIGHTS
+with `lora`): such a load waits for nothing, since requests in flight keep the adapter
+version they were admitted under (the engine unloads it after them); each sample carries
+that version.
+
 Engine calls run on a worker thread, so heartbeats keep flowing during a long load.
 It decides nothing: which agent, which requests and which weights come from the controller.
 """
@@ -54,6 +59,7 @@ class RolloutHandler(CommandHandler):
         self.agent = ""
         self.version = -1
         self._control: list[protocol.Message] = []
+        self._adapter_loads: list[protocol.LoadWeights] = []  # applied between steps, in flight or not
         self._admit: list[protocol.Generate] = []
         self._batches: dict[int, _Batch] = {}
         self._sample_batch: dict[str, int] = {}
@@ -66,6 +72,10 @@ class RolloutHandler(CommandHandler):
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         match msg:
+            case protocol.Generate() if self._serves_adapter(msg.agent):
+                self._admit.append(msg)
+            case protocol.LoadWeights() if msg.lora is not None:
+                self._adapter_loads.append(msg)
             case protocol.Generate() if msg.agent != self.agent or self.engine is None:
                 await self.reply(protocol.Error(msg.request_id, f"this instance serves {self.agent or 'nothing'}, "
                                                                 f"not {msg.agent}; reload it first"))
@@ -106,9 +116,11 @@ class RolloutHandler(CommandHandler):
 
     async def run(self) -> None:
         while True:
-            if not (self._control or self._admit or self._batches):
+            if not (self._control or self._admit or self._batches or self._adapter_loads):
                 self._wake.clear()
                 await self._wake.wait()
+            while self._adapter_loads:
+                await self._apply(self._adapter_loads.pop(0))
             busy = self.engine is not None and self.engine.has_unfinished()
             if self._control and not busy:
                 while self._control:
@@ -167,7 +179,13 @@ class RolloutHandler(CommandHandler):
             self._channel = ParamChannel(self.channel_config)
         return self._channel
 
+    def _serves_adapter(self, agent: str) -> bool:
+        adapters = getattr(self.engine, "adapters", None)  # None: no engine, or one without LoRA slots
+        return adapters is not None and adapters.serves(agent)
+
     def _load_weights(self, msg: protocol.LoadWeights) -> None:
+        if msg.lora is not None:
+            return self._load_adapter(msg)
         if msg.agent != self.agent and self._batches:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
         # Verified before any tensor is handed out: a short or corrupt transfer raises here
@@ -187,19 +205,33 @@ class RolloutHandler(CommandHandler):
             log.info("now serving %s (weights swapped in place, was %s)", msg.agent, self.agent)
         self.agent, self.version = msg.agent, msg.version
 
+    def _load_adapter(self, msg: protocol.LoadWeights) -> None:
+        """An adapter agent's new version joins the engine beside the versions in use."""
+        if self.engine is None:
+            raise RuntimeError(f"no engine is loaded here to take the adapter of {msg.agent}; load its base first")
+        tensors = self.channel().receive(msg.handle, rank=msg.rank or None)
+        try:
+            self.engine.load_adapter(msg.agent, msg.version, tensors, msg.lora)
+        finally:
+            del tensors
+            self.channel().release(msg.handle)
+        log.info("serving %s version %d as an adapter", msg.agent, msg.version)
+
     def _start(self, msg: protocol.Generate) -> protocol.Generated | None:
         """Hand a batch's samples to the engine; the reply carrying the refused ones, if any.
         A run of samples that differ only in consecutive seeds (a group's members, as the
         controller seeds them) goes in as one engine group: the same tokens, added once."""
         batch = _Batch(msg.request_id, msg.agent, set(), 0)
         refused = []
+        # An adapter agent's samples run under its adapter at the version asked for (or the newest).
+        adapter = dict(adapter=msg.agent, adapter_version=msg.version) if self._serves_adapter(msg.agent) else {}
         for run in same_but_seed(msg.items):
             it = run[0]
             ids = [r.sample_id for r in run]
             try:
-                self.engine.add_group(ids, it.prompt_ids, it.max_tokens, it.temperature, it.seed, top_p=it.top_p,
-                                      top_k=it.top_k, stop=it.stop, stop_token_ids=it.stop_token_ids,
-                                      ignore_eos=it.ignore_eos)
+                used = self.engine.add_group(ids, it.prompt_ids, it.max_tokens, it.temperature, it.seed,
+                                             top_p=it.top_p, top_k=it.top_k, stop=it.stop,
+                                             stop_token_ids=it.stop_token_ids, ignore_eos=it.ignore_eos, **adapter)
             except RequestRefused as exc:
                 log.warning("%s: %s", msg.agent, exc)
                 refused += [protocol.GenRefused(sid, str(exc)) for sid in ids]
@@ -207,7 +239,7 @@ class RolloutHandler(CommandHandler):
             for sid in ids:
                 batch.remaining.add(sid)
                 self._sample_batch[sid] = msg.request_id
-                self._sample_version[sid] = self.version
+                self._sample_version[sid] = used if adapter else self.version
             batch.tokens += len(run) * (len(it.prompt_ids) + it.max_tokens)
         if batch.remaining:
             self._batches[msg.request_id] = batch

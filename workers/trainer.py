@@ -11,6 +11,11 @@ agent-centric training: OFFLOAD_AGENT (park the whole training state in the chan
 stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
 RELEASE_STATE (drop a parked copy once its new owner has it).
 
+An agent that is a LoRA adapter (InitAgent/LoadAgent with `lora`) shares its base with the
+trainer's other adapter agents of it (`adapters.SharedBase`, loaded once, frozen); its
+model here is the adapter alone, so every command above moves the adapter and its
+optimizer state, never the base.
+
 Each command type maps to one method in `TrainerHandler.COMMANDS`, written once: a trainer
 group (trainer_group.py) runs the same commands and overrides only the steps that differ
 across ranks (`_new_model`, `_receive`, `_share`, `_reduce`, `_full_weights`,
@@ -219,6 +224,7 @@ class TrainerHandler(CommandHandler):
         self.busy_s = 0.0
         self._channel: Any = None
         self.parked: dict[str, Any] = {}  # handle key -> parked training state this trainer serves
+        self.bases: dict[str, Any] = {}  # base model path -> adapters.SharedBase of its resident adapter agents
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         if type(msg) in self.COMMANDS:
@@ -262,7 +268,9 @@ class TrainerHandler(CommandHandler):
         from transformers import AutoModelForCausalLM
 
         placement = TrainPlacement.resolve(msg.settings)
-        if pretrained:
+        if msg.lora is not None:  # the base shared and frozen; the adapter is the model here
+            model = self._new_adapter(msg, placement, msg.seed if pretrained else 0)
+        elif pretrained:
             model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
             placement.prepare(model)
         else:  # received in host memory first, then onto the device (`_receive`)
@@ -272,7 +280,8 @@ class TrainerHandler(CommandHandler):
     def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:
         """This process's part of the parked state named in `msg` into a model of `_new_model`."""
         sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
-        placement.prepare(model)
+        if msg.lora is None:  # an adapter is on its base's device already
+            placement.prepare(model)
         placement.move_state(optimizer)
         return sums
 
@@ -327,7 +336,8 @@ class TrainerHandler(CommandHandler):
                              f"{msg.max_staleness}")
         local, real = self._share(msg)
         if local.loss.kl_coef > 0 and state.reference is None:
-            state.reference = self._reference_model(state.model_path, state.placement)
+            state.reference = (state.model.reference() if hasattr(state.model, "reference")
+                               else self._reference_model(state.model_path, state.placement))
         with state.placement.autocast():
             loss, sums = policy_loss(state.model, local.samples, local.loss, off_policy=msg.max_staleness > 0,
                                      clip_ratio=msg.clip_ratio, reference=state.reference)
@@ -428,7 +438,7 @@ class TrainerHandler(CommandHandler):
             self.channel().release(state.published)
         if state.bucket is not None:
             state.bucket.close()
-        del self.agents[state.name]
+        self._drop(state.name)
         self.parked[handles[0].key] = handle  # every process files its own part under rank 0's key
         return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handles[0],
                                        sum(h.total_bytes for h in handles), time.perf_counter() - t0,
@@ -442,9 +452,42 @@ class TrainerHandler(CommandHandler):
                              f"has {self.world} ranks; a state moves only between trainers of the same size")
         model, optimizer, placement = self._new_model(msg, pretrained=False)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
-        # and the model is dropped, so this trainer and the parked copy stay as they were.
-        sums = self._receive(msg, model, optimizer, placement)
+        # and the model is dropped (an adapter leaves its base), so this trainer and the
+        # parked copy stay as they were.
+        try:
+            sums = self._receive(msg, model, optimizer, placement)
+        except Exception:
+            if msg.lora is not None:
+                self._release_adapter(msg.model_path, msg.agent)
+            raise
         return self._admit(msg, model, optimizer, sums, placement)
+
+    def _new_adapter(self, msg: protocol.InitAgent | protocol.LoadAgent, placement: TrainPlacement,
+                     seed: int) -> Any:
+        """A new adapter for msg.agent on the shared base at msg.model_path, the base loaded
+        if no resident agent uses it yet."""
+        from .adapters import SharedBase
+
+        base = self.bases.get(msg.model_path)
+        if base is None:
+            base = self.bases[msg.model_path] = SharedBase(msg.model_path, placement)
+            log.info("base %s loaded once: %d parameters, frozen", msg.model_path, base.base_params)
+        elif base.placement != placement:
+            raise ValueError(f"{msg.agent}: the base {msg.model_path} is held here as {base.placement}; an adapter "
+                             f"of it cannot be {placement} (set dtype and precision on the base)")
+        return base.add(msg.agent, msg.lora, seed)
+
+    def _release_adapter(self, base_path: str, agent: str) -> None:
+        base = self.bases[base_path]
+        base.remove(agent)
+        if not base.agents:  # the last adapter agent of this base left: so does the base
+            del self.bases[base_path]
+
+    def _drop(self, agent: str) -> None:
+        """`agent` is no longer resident (parked elsewhere); an adapter leaves its base."""
+        state = self.agents.pop(agent)
+        if hasattr(state.model, "lora"):
+            self._release_adapter(state.model_path, agent)
 
     def _admit(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, sums: StepSums,
                placement: TrainPlacement) -> protocol.AgentReady:

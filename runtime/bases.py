@@ -1,0 +1,179 @@
+"""Agents as LoRA adapters of a shared base model: what a job's bases need, and its checks.
+
+A job may declare bases (`[bases.NAME]`, a model and its engine and trainer settings) and
+agents that are adapters of one (`agents.X.base = "NAME"` with their LoRA shape). One
+rollout engine loads a base once and serves every adapter agent of it; each request names
+its agent's adapter at the version it was issued under, and a version stays loaded while a
+request uses it, so an engine holds up to K + 1 versions of each agent (K the staleness
+bound; 0 in sync mode). That product is the engine's `max_loras`, computed here; a base
+whose `max_loras` is set lower cannot run the job and is refused at start.
+
+Plain arithmetic over the configuration (no torch, no vLLM): the controller, the checks
+of `ExperimentConfig.validate` and the bench call the same functions. It knows nothing of
+how an engine or a trainer holds adapters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .protocol import EngineSettings, LoraSettings, TrainerSettings
+
+if TYPE_CHECKING:
+    from .config import AgentConfig, ExperimentConfig
+
+# The ranks vLLM's engines accept for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# What an adapter agent takes from its base, never sets itself (one engine and one frozen
+# copy of the base serve all the base's agents, so these cannot differ between them).
+BASE_KEYS = ("model", "max_model_len", "dtype", "train_precision", "activation_checkpointing",
+             "gpu_memory_utilization", "tensor_parallel_size")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+@dataclass(frozen=True)
+class LoraSlots:
+    """An engine's LoRA sizing for one base: what vLLM's enable_lora arguments become."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+def adapter_agents(cfg: ExperimentConfig, base: str) -> list[str]:
+    """The agents that are adapters of `base`, in config order."""
+    return [name for name, agent in cfg.agents.items() if agent.base == base]
+
+
+def versions_resident(cfg: ExperimentConfig) -> int:
+    """How many versions of one agent an engine may hold at once: the newest and the K
+    older ones requests in flight may still use (K = 0 in sync mode: no request outlives
+    a sync)."""
+    return 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
+
+
+def lora_settings(agent: AgentConfig) -> LoraSettings:
+    """An adapter agent's LoRA shape as the wire carries it."""
+    return LoraSettings(agent.lora_rank, float(agent.lora_alpha), float(agent.lora_dropout),
+                        tuple(agent.lora_target_modules))
+
+
+def required_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
+    """The slots the job needs on an engine of `base`: every version of every adapter
+    agent that may be resident at once, and a rank covering every agent's."""
+    agents = [cfg.agents[name] for name in adapter_agents(cfg, base)]
+    loras = len(agents) * versions_resident(cfg)
+    top = max((a.lora_rank for a in agents), default=1)
+    rank = next((r for r in VLLM_LORA_RANKS if r >= top), 0)
+    return LoraSlots(loras, rank, loras)
+
+
+def lora_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
+    """The slots an engine of `base` is started with: the base's own settings where given,
+    else what the job needs. `check_bases` has refused a setting below the need."""
+    need, given = required_slots(cfg, base), cfg.bases[base]
+    loras = given.max_loras or need.max_loras
+    return LoraSlots(loras, given.max_lora_rank or need.max_lora_rank, max(given.max_cpu_loras, loras))
+
+
+def engine_settings(cfg: ExperimentConfig, base: str) -> EngineSettings:
+    """How a rollout engine runs `base` with its adapters (sent in LoadModel)."""
+    b, slots = cfg.bases[base], lora_slots(cfg, base)
+    return EngineSettings(b.dtype, b.gpu_memory_utilization, b.tensor_parallel_size,
+                          max_loras=slots.max_loras, max_lora_rank=slots.max_lora_rank,
+                          max_cpu_loras=slots.max_cpu_loras)
+
+
+def trainer_settings(cfg: ExperimentConfig, agent: str) -> TrainerSettings:
+    """How a trainer holds `agent`: its base's settings for an adapter agent."""
+    a = cfg.agents[agent]
+    if not a.base:
+        return a.trainer_settings()
+    b = cfg.bases[a.base]
+    return TrainerSettings(b.dtype, b.train_precision, b.activation_checkpointing)
+
+
+def check_bases(cfg: ExperimentConfig) -> None:
+    """Every base used and complete, every adapter agent well formed, every base's slots
+    enough for the job. Raises ConfigError naming the key and the fix."""
+    from .config import AgentConfig, ConfigError
+
+    default = AgentConfig()
+    for name, agent in cfg.agents.items():
+        if not agent.base:
+            stray = [k for k in LORA_KEYS if getattr(agent, k) != getattr(default, k)]
+            if stray:
+                raise ConfigError(f"agents.{name}.{stray[0]} is set but agents.{name} is a whole model (no "
+                                  f"agents.{name}.base); name the base it adapts, or drop the LoRA keys")
+            continue
+        if agent.base not in cfg.bases:
+            raise ConfigError(f"agents.{name}.base = {agent.base!r}: no [bases.{agent.base}] is declared "
+                              f"(declared: {', '.join(cfg.bases) or 'none'})")
+        own = [k for k in BASE_KEYS if getattr(agent, k) != getattr(default, k)]
+        if own:
+            raise ConfigError(f"agents.{name}.{own[0]} is set, but agents.{name} is an adapter of "
+                              f"bases.{agent.base}, whose engine and trainer settings it shares; set "
+                              f"bases.{agent.base}.{own[0]} instead")
+        if not 1 <= agent.lora_rank <= VLLM_LORA_RANKS[-1]:
+            raise ConfigError(f"agents.{name}.lora_rank must be in [1, {VLLM_LORA_RANKS[-1]}], got {agent.lora_rank}")
+        if agent.lora_alpha <= 0 or not 0 <= agent.lora_dropout < 1:
+            raise ConfigError(f"agents.{name}: lora_alpha must be > 0 and lora_dropout in [0, 1), got "
+                              f"{agent.lora_alpha} and {agent.lora_dropout}")
+        if not agent.lora_target_modules:
+            raise ConfigError(f"agents.{name}.lora_target_modules is empty; name the modules the adapter "
+                              f"changes (the default is the attention projections q_proj, k_proj, v_proj, o_proj)")
+    for base, b in cfg.bases.items():
+        _check_base(cfg, base, b, ConfigError)
+
+
+def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> None:
+    agents = adapter_agents(cfg, base)
+    if not b.model:
+        raise error(f"bases.{base}.model is empty; name a built-in model (tiny:...) or a Hugging Face model dir")
+    if not agents:
+        raise error(f"bases.{base} has no agents (no agents.*.base = {base!r}); remove it or add one")
+    if cfg.cluster.trainer_group_size > 1:
+        raise error(f"bases.{base}: adapter agents train on single-process trainers; set "
+                    f"cluster.trainer_group_size = 1 (it is {cfg.cluster.trainer_group_size})")
+    if b.tensor_parallel_size < 1 or b.max_model_len < 0 or not 0 < b.gpu_memory_utilization <= 1:
+        raise error(f"bases.{base}: tensor_parallel_size must be >= 1, max_model_len >= 0 and "
+                    f"gpu_memory_utilization in (0, 1]")
+    need = required_slots(cfg, base)
+    if b.max_loras and b.max_loras < need.max_loras:
+        raise error(
+            f"bases.{base}.max_loras = {b.max_loras} cannot run this job: its {len(agents)} adapter agents "
+            f"({', '.join(agents)}) may each have {versions_resident(cfg)} versions in use at once "
+            f"(pipeline.max_staleness + 1), so an engine must hold {need.max_loras} adapters. Raise "
+            f"max_loras to {need.max_loras} (or leave it 0 to have it computed), lower "
+            f"pipeline.max_staleness, or move some agents to another base")
+    if b.max_lora_rank and (b.max_lora_rank not in VLLM_LORA_RANKS or b.max_lora_rank < need.max_lora_rank):
+        raise error(f"bases.{base}.max_lora_rank = {b.max_lora_rank} must be one of {VLLM_LORA_RANKS} and at "
+                    f"least the largest lora_rank of its agents; {need.max_lora_rank} would do (or 0: computed)")
+    if b.max_cpu_loras and b.max_cpu_loras < (b.max_loras or need.max_loras):
+        raise error(f"bases.{base}.max_cpu_loras = {b.max_cpu_loras} is below max_loras "
+                    f"({b.max_loras or need.max_loras}); vLLM holds at least as many adapters as a batch mixes")
+
+
+def engine_units(cfg: ExperimentConfig) -> dict[str, list[str]]:
+    """What one rollout engine serves, in config order: a whole-model agent alone (named as
+    the agent), or every adapter agent of a base (named `bases.NAME`). Placement, rejoin
+    and balancing give instances to these units; an instance of a base serves all of its
+    agents at once, so instances never move between agents of one base."""
+    units: dict[str, list[str]] = {}
+    for name, agent in cfg.agents.items():
+        units.setdefault(f"bases.{agent.base}" if agent.base else name, []).append(name)
+    return units
+
+
+def model_of(cfg: ExperimentConfig, agent: str) -> str:
+    """The model an agent's engine and trainer load: its own, or its base's."""
+    a = cfg.agents[agent]
+    return cfg.bases[a.base].model if a.base else a.model
+
+
+def agent_lora(cfg: ExperimentConfig, agent: str) -> LoraSettings | None:
+    """An adapter agent's LoRA shape; None for a whole-model agent."""
+    a = cfg.agents[agent]
+    return lora_settings(a) if a.base else None
