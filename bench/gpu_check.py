@@ -16,11 +16,14 @@ once under a temporary directory; every part then runs FlexMARL's own code:
   compared on both sides.
 - park: OFFLOAD_AGENT then LOAD_AGENT of a GPU training state with a step in progress;
   every tensor of the state compared byte for byte before and after.
+- lora: four agents as LoRA adapters of one base on one trainer (the base held once): a
+  micro-batch and step each (tokens/s, peak memory), a publish of one adapter (its bytes),
+  and a park and restore of one adapter with its optimizer state, byte for byte.
 - fsdp2: a one-rank trainer group (TrainerGroupHandler: FSDP2 on NCCL) against the plain
   trainer from the same weights and samples.
 - nccl_setup: a CuPy NCCL communicator (the parameter channel's CupyCommunicator) made,
   used for a one-rank broadcast and destroyed.
-- The parts that need vLLM or LoRA adapters are listed as not run, with the reason.
+- The parts that need vLLM are listed as not run, with the reason.
 
 Prints one JSON row per measurement, then a short table; exits 1 if any part failed or
 any comparison did not match. The dry run (--dry-run) does the same on the CPU with tiny
@@ -72,7 +75,6 @@ NOT_RUN = {
                    "engine start, LoadWeights into a CUDA engine and CUDA rollout settings wait for a machine with it",
     "nccl_two_ranks": "one GPU: NCCL refuses two ranks on one device, so a broadcast between a trainer and an "
                       "instance on other GPUs needs a machine with two",
-    "lora": "LoRA adapters are not part of FlexMARL yet",
 }
 
 ROWS: list[dict] = []
@@ -340,6 +342,63 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
+def run_lora(args, shape: str, path: Path, device: torch.device, agents: int = 4) -> None:
+    """Agents as LoRA adapters of one base on one trainer: the base held once, each agent's
+    micro-batch and step on its own adapter, a publish that moves the adapter only, and a
+    park and restore of one adapter with its optimizer state, byte for byte."""
+    from flexmarl.workers.trainer import training_state
+
+    row = {"part": "lora", "shape": shape, "agents": agents}
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    settings = protocol.TrainerSettings(dtype=dtype, precision="mixed")
+    lora = protocol.LoraSettings(rank=8, alpha=16.0)
+    vocab = SHAPES[shape]["vocab_size"]
+    batch = samples(args.batch, args.prompt_len, args.output_len, vocab, seed=5)
+    trainer = Trainer()
+    try:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        names = [f"agent{i}" for i in range(agents)]
+        for name in names:
+            trainer(protocol.InitAgent, agent=name, model_path=str(path), lr=LR, seed=0, settings=settings, lora=lora)
+        base = trainer.handler.agents[names[0]].model
+        for name in names:  # warm-up: kernels and each adapter's optimizer state
+            trainer.iteration(name, 1, batch)
+        sync(device)
+        t0 = time.perf_counter()
+        for name in names:
+            trainer.iteration(name, 2, batch)
+        sync(device)
+        seconds = (time.perf_counter() - t0) / agents
+        published = trainer(protocol.PublishWeights, agent=names[0], version=2, transport="shm", targets=["r"])
+        adapter_elements = sum(p.numel() for p in trainer.handler.agents[names[0]].model.parameters())
+        state = trainer.handler.agents[names[-1]]
+        pending = samples(2, 16, 16, vocab, seed=6)
+        for sample in pending:
+            sample.versions = [2]
+        trainer(protocol.TrainMicroBatch, agent=names[-1], version=3, samples=pending)
+        before = {k: v.detach().to("cpu", copy=True) for k, v in
+                  training_state(state.model, state.optimizer, state.sums).items()}
+        parked = trainer(protocol.OffloadAgent, agent=names[-1], transport="shm")
+        trainer(protocol.LoadAgent, agent=names[-1], model_path=str(path), lr=LR, max_grad_norm=1.0,
+                version=parked.version, accumulated=parked.accumulated, handle=parked.handle, settings=settings,
+                lora=lora)
+        state = trainer.handler.agents[names[-1]]
+        after = {k: v.detach().to("cpu") for k, v in training_state(state.model, state.optimizer, state.sums).items()}
+        differ = sorted(k for k in before.keys() | after.keys()
+                        if k not in before or k not in after or not _same_bytes(before[k], after[k]))
+        one_base = len({id(trainer.handler.agents[n].model.base) for n in names}) == 1
+        emit({**row, "ok": not differ and one_base, "one_base": one_base, "base_parameters": base.base.base_params, "tokens_per_s": len(batch) * (args.prompt_len + args.output_len) / seconds,
+              "peak_gib": peak_gib(device), "adapter_parameters": adapter_elements,
+              "publish_bytes": published.nbytes, "park_bytes": parked.nbytes, "park_tensors": len(before),
+              **({"differ": differ[:5]} if differ else {})})
+    except Exception as exc:  # noqa: BLE001
+        failed(row, exc)
+    finally:
+        trainer.close()
+
+
 def run_fsdp2(args, shape: str, path: Path, device: torch.device) -> None:
     row = {"part": "fsdp2", "shape": shape}
     if device.type != "cuda":
@@ -480,6 +539,9 @@ def table(rows: list[dict]) -> str:
         elif r["part"] == "park" and "bytes" in r:
             what = f"{r['tensors']} tensors, {r['bytes'] / 1e9:.2f} GB"
             figure = f"offload {r['offload_s']:.2f} s, byte-exact" if r["ok"] else "MISMATCH"
+        elif r["part"] == "lora" and "tokens_per_s" in r:
+            what = f"{r['agents']} adapters, {r['adapter_parameters'] / 1e6:.1f}M params each"
+            figure = f"{r['tokens_per_s']:,.0f} tok/s, sync {r['publish_bytes'] / 1e6:.1f} MB"
         elif r["part"] == "fsdp2" and "step_s" in r:
             what = "one rank, NCCL"
             figure = f"step {r['step_s']:.2f} s, diff {r['max_abs_diff_vs_plain']:.1e}"
@@ -499,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, CUDA-only parts skipped")
     parser.add_argument("--shapes", default="", help=f"comma-separated, from {', '.join(SHAPES)}")
-    parser.add_argument("--parts", default="gpu_tests,fork_safe,nccl_setup,train,cuda_ipc,park,fsdp2")
+    parser.add_argument("--parts", default="gpu_tests,fork_safe,nccl_setup,train,cuda_ipc,park,lora,fsdp2")
     parser.add_argument("--batch", type=int, default=8, help="samples per micro-batch")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=384)
@@ -554,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_cuda_ipc(args, shape, path, device)
             if "park" in parts:
                 run_park(args, shape, path, device)
+            if "lora" in parts and shape == shapes[0]:
+                run_lora(args, shape, path, device)
             if "fsdp2" in parts and shape == shapes[0]:
                 run_fsdp2(args, shape, path, device)
     print(table(ROWS), flush=True)
