@@ -155,7 +155,12 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
         if not known:
             raise ParamTransferError(f"parked state of {handle.agent!r} has {spec.name!r}, "
                                      "which this model does not have")
-        dst[spec.name] = params[name] if kind == "param" else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+        # Gradients and optimizer state beside their parameter (an adapter's already lives
+        # on the GPU, on its shared base); Adam's step counter and the step sums on the CPU.
+        on_cpu = kind == "step" or (kind == "optim" and spec.name.rsplit("/", 1)[-1] == "step")
+        device = "cpu" if on_cpu else params[name].device
+        dst[spec.name] = params[name] if kind == "param" else torch.empty(spec.shape, dtype=torch_dtype(spec.dtype),
+                                                                          device=device)
     missing = [f"param/{name}" for name in params if f"param/{name}" not in dst]
     if missing:
         raise ParamTransferError(f"parked state of {handle.agent!r} lacks {missing[:5]}")

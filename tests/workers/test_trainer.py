@@ -414,3 +414,26 @@ def test_a_step_with_an_injected_inf_gradient_is_skipped_and_the_weights_stay_fi
     assert all(torch.isfinite(q).all() for q in state.model.parameters())
     assert any(not torch.equal(q, before[k]) for k, q in snapshot(h).items() if k in before)
     h.close()
+
+
+def test_a_received_state_puts_gradients_and_optimizer_state_beside_their_parameters():
+    """An adapter agent's parameters already live on the GPU (on its shared base) when its
+    parked state comes back: gradients and Adam's moments must be made there, its step
+    counter on the CPU. A meta-device model stands in for a GPU one here."""
+    import types
+
+    from flexmarl.runtime.param_types import TensorSpec
+    from flexmarl.workers.trainer import receive_training_state
+
+    model = torch.nn.Linear(2, 3, bias=False, device="meta")
+    optimizer = torch.optim.Adam(model.parameters())
+    layout = [TensorSpec("param/weight", "float32", (3, 2), 0, 24), TensorSpec("grad/weight", "float32", (3, 2), 64, 24),
+              TensorSpec("optim/weight/exp_avg", "float32", (3, 2), 128, 24),
+              TensorSpec("optim/weight/step", "float32", (), 192, 4)]
+    received = []
+    channel = types.SimpleNamespace(receive_into=lambda handle, dst, atomic: received.append(dst))
+    receive_training_state(channel, types.SimpleNamespace(layout=layout, agent="a"), model, optimizer)
+    (dst,) = received
+    weight = model.weight
+    assert weight.grad.device == weight.device and dst["optim/weight/exp_avg"].device == weight.device
+    assert dst["optim/weight/step"].device == torch.device("cpu")
