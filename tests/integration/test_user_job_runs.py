@@ -100,7 +100,7 @@ def test_workers_die_with_their_controller_when_it_is_killed(tmp_path):
             line = proc.stderr.readline()
             if "started " in line and " worker " in line and "(pid " in line:
                 pids.append(int(line.rsplit("(pid ", 1)[1].split(")")[0]))
-        while "serves writer" not in proc.stderr.readline():  # its engine is up: a worker at work
+        while "runs writer's engine" not in proc.stderr.readline():  # its engine is up: a worker at work
             assert proc.poll() is None and time.monotonic() < deadline
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
