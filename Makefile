@@ -1,5 +1,6 @@
 # `make run`: install (first time) and train the embedded default job on this host.
-# `make test`: install (first time) and run the test suite.
+# `make test`: install (first time) and run the test suite (minutes: every feature's short
+# real-process run, no test marked slow). `make test-all`: the slow ones too (about half an hour).
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
@@ -13,6 +14,9 @@ run: setup
 	$(PY) -m flexmarl.controller.cli run $(ARGS)
 
 test: setup
+	$(PY) -m pytest -q -m "not gpu and not slow" $(ARGS)
+
+test-all: setup
 	$(PY) -m pytest -q -m "not gpu" $(ARGS)
 
 bench: setup
