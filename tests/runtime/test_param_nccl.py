@@ -168,16 +168,21 @@ def test_a_receiver_waits_for_a_slow_group_to_form_beyond_the_broadcast_timeout(
     assert bucket.numel() == 16 and FakeComm.made[-1].broadcasts == 1
 
 
-def test_a_group_that_never_forms_fails_the_receive_after_the_set_up_wait_holding_no_bucket():
+def never_forming():
+    """Communicators whose set-up blocks (a rank never joins) until the event is set."""
     release = threading.Event()
-    allocated = []
 
     class NeverForms(FakeComm):
         def __init__(self, *args):
             release.wait(10)
             super().__init__(*args)
 
-    comms = param_nccl.Communicators(NeverForms)
+    return param_nccl.Communicators(NeverForms), release
+
+
+def test_a_group_that_never_forms_fails_the_receive_after_the_set_up_wait_holding_no_bucket():
+    allocated = []
+    comms, release = never_forming()
     h = handle("planner", NcclInfo(b"\x01" * 128, 2, "planner/1"))
     real_empty = torch.empty
     try:
@@ -235,14 +240,7 @@ def test_the_unique_id_reaches_cupy_in_the_form_its_version_takes(accepts):
 
 
 def test_a_cancelled_receive_gives_up_waiting_for_a_group_a_dead_rank_never_joins():
-    release = threading.Event()
-
-    class NeverForms(FakeComm):
-        def __init__(self, *args):
-            release.wait(10)
-            super().__init__(*args)
-
-    comms = param_nccl.Communicators(NeverForms)
+    comms, release = never_forming()
     h = handle("planner", NcclInfo(b"\x01" * 128, 3, "planner/1"))
     gone = threading.Event()
     threading.Timer(0.2, gone.set).start()  # another rank dies; the controller says so
