@@ -38,7 +38,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from typing import Any
 
 from flexmarl.runtime import protocol

@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import types
 
-import pytest
-
 from flexmarl.controller.balance_loop import Rebalancer, same_architecture
 from flexmarl.controller.registry import WorkerInfo
 from flexmarl.controller.router import RolloutClient
