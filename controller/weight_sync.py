@@ -59,9 +59,9 @@ def engines_sharing_gpu(worker: str, workers: dict[str, Any]) -> int:
     if me is None or not me.devices or not me.devices[0].startswith("cuda"):
         return 1
     here = location_of(me)
-    return max(1, sum(1 for w in workers.values()
-                      if w.alive and w.role == "rollout" and w.devices
-                      and (location_of(w).host, location_of(w).device) == (here.host, here.device)))
+    gpu = (here.host, here.device)
+    sharing = [location_of(w) for w in workers.values() if w.alive and w.role == "rollout" and w.devices]
+    return max(1, sum(1 for end in sharing if (end.host, end.device) == gpu))
 
 
 def transport_between(src: Location, dsts: list[Location]) -> str:

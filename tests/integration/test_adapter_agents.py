@@ -17,6 +17,7 @@ import pytest
 from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import read_events
+from killed_runs import kill_workers_of, trained_into
 
 pytestmark = pytest.mark.slow
 
@@ -57,26 +58,6 @@ def flexmarl(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     return subprocess.Popen([sys.executable, "-m", "flexmarl.controller.cli", "run", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def trained_into(run_dir, version):
-    try:
-        events, _ = read_events(run_dir / "events.log")
-    except FileNotFoundError:
-        return False
-    return any(isinstance(e, ev.MicroBatchFormed) and e.version >= version for e in events)
-
-
-def kill_workers_of(run_dir):
-    """The killed controller's workers are orphans: stop exactly those, by PID."""
-    events, _ = read_events(run_dir / "events.log")
-    for e in events:
-        if isinstance(e, ev.WorkerJoined):
-            try:
-                os.kill(e.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
 
 def test_whole_model_and_adapter_agents_run_resume_after_a_sigkill_and_replay(tmp_path):
     run_dir = tmp_path / "run"

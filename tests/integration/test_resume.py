@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import read_events
+from killed_runs import kill_workers_of, trained_into
 
 pytestmark = pytest.mark.slow
 
@@ -37,27 +37,6 @@ def finish(proc, timeout=600):
 def rewards(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {(r["step"], r["agent"]): r["reward_mean"] for r in rows if "kind" not in r}
-
-
-def trained_into(run_dir, version):
-    """A micro-batch towards `version` is in the log (written as it goes, not only at steps)."""
-    try:
-        events, _ = read_events(run_dir / "events.log")
-    except FileNotFoundError:
-        return False
-    return any(isinstance(e, ev.MicroBatchFormed) and e.version >= version for e in events)
-
-
-def kill_workers_of(run_dir):
-    """The killed controller's workers are orphans now: stop exactly those, by PID."""
-    events, _ = read_events(run_dir / "events.log")
-    for e in events:
-        if isinstance(e, ev.WorkerJoined):
-            try:
-                os.kill(e.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
 
 def test_a_controller_killed_mid_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
