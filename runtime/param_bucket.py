@@ -12,12 +12,14 @@ mean.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
+from .param_stream import TensorStream
 from .param_types import ParamHandle, ParamTransferError, TensorSpec, describe
 
 __all__ = [
@@ -32,17 +34,26 @@ _MASK = (1 << 64) - 1
 
 
 def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], int]:
-    """Place each tensor at the next ALIGN boundary; returns the layout and bucket size."""
+    """Place each tensor at the next ALIGN boundary; returns the layout and bucket size.
+    A TensorStream is laid out from its declared dtypes and shapes, nothing made."""
     layout, offset = [], 0
-    for name, t in tensors.items():
+    for name, (dtype, shape) in _shapes(tensors):
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {name!r}")
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            raise TypeError(f"{name!r} is not a dense torch.Tensor; publish dense tensors only")
-        nbytes = t.numel() * t.element_size()
-        layout.append(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        nbytes = math.prod(shape) * dtype.itemsize
+        layout.append(TensorSpec(name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
         offset = round_up(offset + nbytes, ALIGN)
     return layout, offset
+
+
+def _shapes(tensors: Mapping[str, torch.Tensor]):
+    if isinstance(tensors, TensorStream):
+        yield from tensors.specs.items()
+        return
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"{name!r} is not a dense torch.Tensor; publish dense tensors only")
+        yield name, (t.dtype, tuple(t.shape))
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -107,23 +118,27 @@ class RunningChecksum:
 
 def pack_into(data: torch.Tensor, tensors: Mapping[str, torch.Tensor], layout: list[TensorSpec]) -> int:
     """Copy `tensors` into the uint8 bucket `data` at `layout`'s offsets, zero the padding
-    and return the bucket's checksum."""
+    and return the bucket's checksum. Each tensor is let go once copied, before the next
+    is taken: a TensorStream's tensors are made one at a time, and only one is held."""
     if data.device.type != "cpu":
         data.zero_()  # padding; one memset on the GPU is cheaper than many small ones
-        for spec, t in zip(layout, tensors.values()):
+        for spec in layout:
+            t = tensors[spec.name]  # by name, not zip(): zip's reused tuple would hold the last one
             typed_view(data, spec).copy_(t.detach())
+            del t
         return checksum(data)
     running = RunningChecksum(data)
     flat = data.numpy()
     end = 0
-    for spec, t in zip(layout, tensors.values()):
+    for spec in layout:
         flat[end : spec.offset] = 0
-        t = t.detach().resolve_conj().resolve_neg()
+        t = tensors[spec.name].detach().resolve_conj().resolve_neg()
         if t.device.type == "cpu" and t.is_contiguous() and spec.nbytes:
             bucket_range = flat[spec.offset : spec.offset + spec.nbytes]
             copy_in_chunks(bucket_range, t.reshape(-1).view(torch.uint8).numpy(), running, spec.offset)
         elif spec.nbytes:
             typed_view(data, spec).copy_(t)  # strided or on a GPU: torch does the gather
+        del t
         end = spec.offset + spec.nbytes
         if end - running.cursor >= _PACK_CHUNK:
             running.advance(end)

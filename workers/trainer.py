@@ -298,10 +298,15 @@ class TrainerHandler(CommandHandler):
         """Every process's sums of a micro-batch, added up."""
         return sums
 
-    def _full_weights(self, state: AgentState, dtype: Any) -> dict[str, Any]:
+    def _full_weights(self, state: AgentState, dtype: Any) -> Any:
         """The agent's whole parameters in `dtype` (a tied head once, as the embedding;
-        receivers know the tie)."""
-        return {k: v.detach().to(dtype) for k, v in state.model.named_parameters()}
+        receivers know the tie), as a TensorStream: each is cast as the publish packs it,
+        so a trainer serving bfloat16 from float32 weights never holds a second copy."""
+        from flexmarl.runtime.param_stream import TensorStream
+
+        params = dict(state.model.named_parameters())
+        return TensorStream({k: (dtype, tuple(v.shape)) for k, v in params.items()},
+                            lambda k: params[k].detach().to(dtype))
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         """The part of the agent's training state this process parks."""
@@ -404,10 +409,18 @@ class TrainerHandler(CommandHandler):
         state = self._resident(msg.agent)
         if msg.version not in (state.version, protocol.CURRENT_VERSION):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
+        from flexmarl.runtime.param_stream import drain
+
         dtype = state.placement.publish_dtype  # the compute dtype, not mixed precision's float32
-        source = self._full_weights(state, dtype)  # every process takes part in gathering them
-        if self.rank != 0:
-            return None
+        source = self._full_weights(state, dtype)  # made one by one as rank 0 packs them
+        try:
+            return self._publish_from(source, msg, state, dtype, t0) if self.rank == 0 else None
+        finally:
+            if self.world > 1:  # each gather is a collective every rank makes, in the same order:
+                drain(source)  # the other ranks here, rank 0 here too if its publish stopped halfway
+
+    def _publish_from(self, source: Any, msg: protocol.PublishWeights, state: AgentState, dtype: Any,
+                      t0: float) -> protocol.WeightsPublished:
         # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
         if (msg.transport == "shm" and state.placement.device.type == "cpu" and self.world == 1
                 and dtype == state.placement.param_dtype):

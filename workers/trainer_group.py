@@ -19,7 +19,8 @@ a rank's local shard, every rank's park handle; `rank` 0 is the root):
   sums are all-reduced so every rank checks the same counts. A rank dealt no sample runs one with zero advantage and no KL term: FSDP's
   collectives need every rank in every forward and backward, and its gradient is zero.
 - OPTIM_STEP: each rank clips (on the global norm) and steps its own shard.
-- PUBLISH_WEIGHTS: the full weights are gathered once; rank 0 publishes them (over NCCL,
+- PUBLISH_WEIGHTS: the full weights are gathered one at a time as rank 0 packs them into
+  its bucket (every rank takes part in each gather, in order), and published (over NCCL,
   on the agent's communicator the controller names).
 - OFFLOAD_AGENT / LOAD_AGENT / RELEASE_STATE: each rank parks its own shard in its own
   parameter channel; rank 0 replies with its handle, the other ranks' in `shards`, and a
@@ -234,10 +235,15 @@ class TrainerGroupHandler(TrainerHandler):
         dist.all_reduce(longest, dist.ReduceOp.MAX, group=self.control)
         return StepSums.from_tensors({**dict(zip(names, summed)), "length_max": longest[0]})
 
-    def _full_weights(self, state: AgentState, dtype: Any) -> dict[str, Any]:
-        # Every rank takes part in gathering each tensor; rank 0 keeps the full weights,
-        # each cast as soon as it is gathered: rank 0 never holds the whole float32 set.
-        return {k: v.detach().full_tensor().to(dtype) for k, v in state.model.named_parameters()}
+    def _full_weights(self, state: AgentState, dtype: Any) -> Any:
+        # Each weight is gathered (every rank takes part) when rank 0's publish packs it,
+        # and its shard cast first: rank 0 holds the bucket and one gathered weight, never
+        # the whole set, and the gather moves the served dtype's bytes, not float32's.
+        from flexmarl.runtime.param_stream import TensorStream
+
+        params = dict(state.model.named_parameters())
+        return TensorStream({k: (dtype, tuple(v.shape)) for k, v in params.items()},
+                            lambda k: params[k].detach().to(dtype).full_tensor())
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         return {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}

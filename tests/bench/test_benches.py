@@ -121,3 +121,12 @@ def test_soak_kills_a_process_and_accounts_for_every_sample(tmp_path):
     out = run_bench("soak.py", "--minutes", "1.5", "--kill-every", "40", "--sample-s", "5",
                     "--checkpoint-every", "2", "--out", str(tmp_path / "soak"), timeout=900)
     assert "killed rollout" in out and "lost or trained twice: none" in out
+
+
+def test_group_publish_reports_rank_0s_peak_for_a_whole_and_a_streamed_publish(tmp_path):
+    rows = json_rows(run_bench("group_publish.py", "--shape", "tiny-qwen2", "--reps", "1", "--models", str(tmp_path)))
+    assert [r["way"] for r in rows[:-1]] == ["whole", "streamed"] and rows[-1]["summary"]
+    assert all(r["bucket_mb"] > 0 and r["publish_s"] > 0 for r in rows[:-1])
+    whole, streamed = rows[:2]  # exact counts: the whole set, then one weight at a time
+    assert whole["gathered_held_bytes"] > 2 * whole["largest_weight_bytes"]
+    assert streamed["gathered_held_bytes"] == streamed["largest_weight_bytes"]

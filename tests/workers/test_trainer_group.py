@@ -187,3 +187,57 @@ def test_a_mixed_precision_groups_weights_are_gathered_and_published_in_the_comp
     handler._channel = Channel()
     handler.COMMANDS[p.PublishWeights](handler, p.PublishWeights(1, "a", 3, "shm", ["r0"]))
     assert asked == [torch.bfloat16] and published == [{"weight": torch.bfloat16, "bias": torch.bfloat16}]
+
+
+def test_rank_0_gathers_one_weight_at_a_time_as_it_publishes_and_serves_the_same_bytes(group, model_dir,
+                                                                                      monkeypatch):
+    """Each full weight is gathered when rank 0's publish packs it and let go once copied:
+    rank 0 holds the bucket and one gathered weight, never the whole set beside it."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    group._execute(p.InitAgent(1, "streamed", str(model_dir), LR, 0))
+    train_step(group, "streamed", 1, sizes=(3,))
+    whole = weights(group, "streamed", 1)
+    counts = {"gathered": 0, "live": 0, "most_live": 0}
+    full_tensor = DTensor.full_tensor
+
+    def gone():
+        counts["live"] -= 1
+
+    def counted(self, *args, **kwargs):
+        tensor = full_tensor(self, *args, **kwargs)
+        counts["gathered"] += 1
+        counts["live"] += 1
+        counts["most_live"] = max(counts["most_live"], counts["live"])
+        weakref.finalize(tensor, gone)
+        return tensor
+
+    monkeypatch.setattr(DTensor, "full_tensor", counted)
+    again = weights(group, "streamed", 1)
+    gc.collect()
+    assert counts["gathered"] == len(whole) and counts["most_live"] == 1 and counts["live"] == 0
+    assert again.keys() == whole.keys() and all(torch.equal(again[k], whole[k]) for k in whole)
+
+
+def test_a_publish_that_fails_on_rank_0_still_makes_every_gather_and_the_group_stays_in_step(group, model_dir):
+    """The gathers are collectives: rank 0's publish stopping before it packed anything
+    (here: a disk publish with no path) must not leave rank 1 waiting in one."""
+    group._execute(p.InitAgent(1, "unpublished", str(model_dir), LR, 0))
+    with pytest.raises(ValueError, match="needs path="):
+        group._execute(p.PublishWeights(2, "unpublished", 0, "disk"))
+    assert weights(group, "unpublished", 0).keys()  # a collective after it: both ranks are in step
+
+
+def test_a_mixed_precision_group_gathers_and_publishes_the_served_dtype(group, model_dir):
+    """bfloat16 shards are gathered (the bytes the engine serves, half of float32's), and
+    they equal the float32 weights cast."""
+    settings = p.TrainerSettings(dtype="bfloat16", precision="mixed")
+    group._execute(p.InitAgent(1, "mixed", str(model_dir), LR, 0, settings=settings))
+    served = weights(group, "mixed", 0)
+    group._execute(p.InitAgent(2, "full", str(model_dir), LR, 0))
+    full = weights(group, "full", 0)
+    assert {t.dtype for t in served.values()} == {torch.bfloat16} and served.keys() == full.keys()
+    assert all(torch.equal(served[k], full[k].to(torch.bfloat16)) for k in full)
