@@ -161,7 +161,7 @@ class AgentConfig:
     train_precision: TrainPrecision = "mixed"  # "mixed": float32 weights + optimizer state; "pure": all in dtype
     activation_checkpointing: bool = False  # trainer recomputes activations in backward (less memory)
     gpu_memory_utilization: float = 0.9  # CUDA rollout engines: share of the GPU vLLM may claim
-    tensor_parallel_size: int = 1  # CUDA rollout engines: GPUs one engine spans (vLLM's tensor parallelism)
+    tensor_parallel_size: int = 1  # ranks one rollout engine spans (vLLM's tensor parallelism): GPUs, or CPU cores
 
     def engine_settings(self) -> EngineSettings:
         """How a rollout engine runs this agent's model (sent in LoadModel)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgspec
 import torch
@@ -92,7 +92,10 @@ class ParamChannel:
     their publisher by design. Not thread-safe: use it from one thread at a time.
     """
 
-    def __init__(self, config: ParamChannelConfig | None = None, *, location: Location | None = None):
+    def __init__(self, config: ParamChannelConfig | None = None, *, location: Location | None = None,
+                 cancelled: Callable[[str, int], bool] | None = None):
+        """`cancelled(agent, version)`: a second source of cancels besides `cancel()`, for a
+        channel whose receives are given up from another process (an engine's workers)."""
         self.config = config = config or ParamChannelConfig()
         for transport in TRANSPORTS.values():
             transport.check_config(config)
@@ -105,6 +108,7 @@ class ParamChannel:
         self._closed = False
         self._cancelled: set[tuple[str, int]] = set()  # receives to give up (cancel)
         self._cancel_lock = threading.Lock()
+        self._cancelled_elsewhere = cancelled
 
     def __enter__(self) -> ParamChannel:
         return self
@@ -209,7 +213,9 @@ class ParamChannel:
 
     def _is_cancelled(self, agent: str, version: int) -> bool:
         with self._cancel_lock:
-            return (agent, version) in self._cancelled
+            if (agent, version) in self._cancelled:
+                return True
+        return self._cancelled_elsewhere is not None and self._cancelled_elsewhere(agent, version)
 
     def disown(self, handle: ParamHandle) -> None:
         """Stop tracking a disk publication without deleting its file: from now on the

@@ -173,7 +173,7 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # How a rollout engine runs a model (inside LoadModel).
     dtype: ModelDtype = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU vLLM may claim; CPU: unused
-    tensor_parallel_size: int = 1  # CUDA: GPUs one engine spans; CPU: must be 1
+    tensor_parallel_size: int = 1  # ranks one engine spans: a GPU each, or on the CPU cores of its own
     # CUDA: rollout engines the controller has placed on this engine's GPU (workers that
     # were not pinned to GPUs of their own share one); they split the share between them.
     engines_on_gpu: int = 1

@@ -43,14 +43,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from flexmarl.runtime.model_specs import has_tokenizer
 from flexmarl.runtime.protocol import EngineSettings
 
 from .engine_adapters import AdapterRegistry, ResidentAdapter
-from .engine_reload import InPlaceReload
-from .precision import DTYPES, engine_args, gpu_total_bytes, resolve_dtype, worker_device
+from .engine_receive import TIED_EMBEDDING, TIED_HEAD, PublishedLoad, cancel_mark, raise_failures, without_tied_head
+from .precision import DTYPES, engine_args, engine_env, gpu_total_bytes, resolve_dtype, worker_device
 
 # Read by vLLM when the engine is built; set before so in-process mode is the default here.
 # The engine core in a separate process would double the processes on a 2-core machine.
@@ -58,10 +59,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 log = logging.getLogger("flexmarl.engine")
 
-
-# Checkpoint names of a tied output head and the input embedding it shares its matrix with
-# (Llama, Qwen2, Mistral, Qwen3, Gemma all use these names).
-TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+__all__ = ["Completion", "RequestRefused", "TIED_EMBEDDING", "TIED_HEAD", "VllmEngine", "without_tied_head"]
 
 
 class RequestRefused(ValueError):
@@ -133,8 +131,12 @@ class VllmEngine:
         if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
             receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
             gpu_bytes = gpu_total_bytes(torch.device(self.device).index or 0)
+        for name, value in engine_env(self.device, settings).items():
+            os.environ.setdefault(name, value)  # read by vLLM as it starts the engine's workers
         self._llm = LLM(
             model=str(model_path),
+            # Every worker of the engine receives published weights itself (engine_receive.py).
+            worker_extension_cls="flexmarl.workers.engine_receive.WeightReceiver",
             seed=seed,
             max_num_seqs=max_num_seqs,
             enforce_eager=enforce_eager,
@@ -164,8 +166,10 @@ class VllmEngine:
         self._groups: dict[str, list[str]] = {}
         self._group_of: dict[str, str] = {}
         # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
-        self._inplace = InPlaceReload() if inplace_reload and torch.device(self.device).type == "cpu" else None
-        self.last_reload = ""  # "in place" or "vllm": how the last load_weights went
+        self._inplace = inplace_reload
+        self.last_reload = ""  # "in place" or "vllm": how the last load went
+        self.tensor_parallel_size = settings.tensor_parallel_size
+        self._cancel_dir = ""  # made on the first published load (cancel_receive)
         self.model_path = str(model_path)
         # LoRA adapters of this model (None: the engine was started without LoRA slots).
         self.adapters = AdapterRegistry(max(settings.max_cpu_loras, settings.max_loras)) if settings.max_loras else None
@@ -401,8 +405,10 @@ class VllmEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Replace every weight in place from Hugging Face checkpoint names and tensors
-        (e.g. `model.named_parameters()` of the trainer's LlamaForCausalLM); returns the
-        seconds it took.
+        this process holds (e.g. `model.named_parameters()` of the trainer's
+        LlamaForCausalLM); returns the seconds it took. An engine of several workers gets
+        them through vLLM's call, by value: `load_published` has each worker receive a
+        publication itself instead.
 
         The set must be complete: vLLM reloads layer by layer, and a layer given only part
         of its weights computes NaNs from then on, so a partial set is refused up front.
@@ -413,54 +419,99 @@ class VllmEngine:
         it, `named_parameters()` and the checkpoint usually do not): it is the embedding
         matrix under a second name, so it is checked equal to it and dropped.
         """
+        weights = list(named_tensors)
+        self._check_loadable([(name, tuple(t.shape)) for name, t in weights])
+        start = time.perf_counter()
+        outcomes = self._engine.collective_rpc("flexmarl_load_tensors",
+                                               args=(weights, self.tied_embeddings, self._inplace))
+        self._loaded(raise_failures(outcomes, "load_weights failed; the engine keeps its previous weights"))
+        return time.perf_counter() - start
+
+    def load_published(self, handle: Any, *, rank: int = 0, config: Any = None) -> float:
+        """Replace every weight in place from a publication of the parameter channel
+        (`handle`, a ParamHandle; `rank`: the engine's first rank of an nccl broadcast,
+        its worker r taking rank + r; `config`: the channel settings). Each worker of the
+        engine receives the bucket itself and loads its part (engine_receive.py): nothing
+        but the handle passes through vLLM's calls. Every worker receives and verifies
+        before any loads, so a bad or cancelled transfer leaves every worker's weights as
+        they were. Otherwise as `load_weights`; returns the seconds it took."""
+        from flexmarl.runtime.param_types import ParamChannelConfig
+
+        self._check_loadable([(spec.name, tuple(spec.shape)) for spec in handle.layout])
+        start = time.perf_counter()
+        if not self._cancel_dir:
+            self._cancel_dir = tempfile.mkdtemp(prefix=f"flexmarl-cancel-{os.getpid()}-", dir=memory_dir())
+        mark = cancel_mark(self._cancel_dir, handle.agent, handle.version)
+        request = msgspec.msgpack.encode(PublishedLoad(
+            handle=handle, rank=rank, config=config or ParamChannelConfig(), cancel_dir=self._cancel_dir,
+            tied=self.tied_embeddings, inplace=self._inplace))
+        _remove(mark)  # a cancel meant for an earlier receive of this version
+        try:
+            received = self._engine.collective_rpc("flexmarl_receive", args=(request,))
+        finally:
+            _remove(mark)
+        if not all(outcome.ok for outcome in received):
+            self._engine.collective_rpc("flexmarl_drop", args=(handle.key,))
+            raise_failures(received, "receiving the weights failed; the engine keeps its previous weights")
+        outcomes = self._engine.collective_rpc("flexmarl_apply", args=(handle.key,))
+        self._loaded(raise_failures(outcomes, "loading the received weights failed"))
+        return time.perf_counter() - start
+
+    def cancel_receive(self, agent: str, version: int) -> None:
+        """Make a `load_published` of `agent` at `version` that waits on other ranks (nccl)
+        fail now, in every worker; safe from another thread than the loading one."""
+        if self._cancel_dir:
+            Path(cancel_mark(self._cancel_dir, agent, version)).touch()
+
+    def _check_loadable(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Refuse, before any worker is touched, a set that is not exactly this model's
+        weights (a tied head aside), or that has the wrong shapes, or any load while
+        requests are in flight."""
         if self._outstanding:
             raise RuntimeError(
                 f"{len(self._outstanding)} requests are in flight; finish or abort them "
-                "before load_weights so no sample mixes two policy versions"
+                "before loading weights so no sample mixes two policy versions"
             )
-        weights = list(named_tensors)
+        if self._weight_shapes is None:
+            return
+        given = {name for name, _ in shapes}
+        expected = set(self._weight_shapes)
         if self.tied_embeddings:
-            weights = without_tied_head(weights)
-        if self._weight_shapes is not None:
-            given = {name for name, _ in weights}
-            expected = set(self._weight_shapes)
-            if self.tied_embeddings:
-                expected.discard(TIED_HEAD)
-            missing, unknown = expected - given, given - expected
-            if missing or unknown:
-                raise ValueError(
-                    f"load_weights needs exactly the checkpoint's weights; missing "
-                    f"{sorted(missing)[:5]}, unknown {sorted(unknown)[:5]} (first five each); "
-                    "the engine keeps its previous weights"
-                )
-            # A shape mismatch would fail halfway through the reload, leaving a model that
-            # is part old, part new: refuse it before touching anything.
-            wrong = [n for n, t in weights if tuple(t.shape) != self._weight_shapes[n]]
-            if wrong:
-                raise ValueError(f"load_weights got tensors of the wrong shape for {wrong[:5]} "
-                                 "(another architecture?); the engine keeps its previous weights")
-        start = time.perf_counter()
-        if self._inplace is not None and all(self._engine.apply_model(
-                lambda model: self._inplace(model, dict(weights)))):
-            self.last_reload = "in place"
-        else:
-            if self._inplace is not None and self._inplace.refused and self.last_reload != "vllm":
-                log.info("weights reload through vLLM's reload: %s", self._inplace.refused)
-            self._engine.collective_rpc(
-                "reload_weights",
-                kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
+            expected.discard(TIED_HEAD)
+            given.discard(TIED_HEAD)  # checked equal to the embedding, then dropped, by the workers
+        missing, unknown = expected - given, given - expected
+        if missing or unknown:
+            raise ValueError(
+                f"load_weights needs exactly the checkpoint's weights; missing "
+                f"{sorted(missing)[:5]}, unknown {sorted(unknown)[:5]} (first five each); "
+                "the engine keeps its previous weights"
             )
-            self.last_reload = "vllm"
-        if self.tied_embeddings:
-            self._engine.apply_model(_refresh_tied_head)
+        # A shape mismatch would fail halfway through the reload, leaving a model that
+        # is part old, part new: refuse it before touching anything.
+        wrong = [n for n, shape in shapes if n in expected and shape != self._weight_shapes[n]]
+        if wrong:
+            raise ValueError(f"load_weights got tensors of the wrong shape for {wrong[:5]} "
+                             "(another architecture?); the engine keeps its previous weights")
+
+    def _loaded(self, outcomes: list[Any]) -> None:
+        how, why = outcomes[0].value, outcomes[0].detail
+        if how == "vllm" and why and self.last_reload != "vllm":
+            log.info("weights reload through vLLM's reload: %s", why)
+        self.last_reload = how
         # Cached prefixes hold keys and values computed by the old weights.
         self._engine.reset_prefix_cache()
-        return time.perf_counter() - start
 
     def close(self) -> None:
         """Release the engine; the object is unusable afterwards."""
         for gone in self.adapters.clear() if self.adapters is not None else ():
             shutil.rmtree(gone.path, ignore_errors=True)
+        if self._engine is not None:
+            try:
+                self._engine.collective_rpc("flexmarl_close_channel")
+            except Exception as exc:  # noqa: BLE001  (closing anyway)
+                log.warning("engine workers could not close their parameter channels: %r", exc)
+        if self._cancel_dir:
+            shutil.rmtree(self._cancel_dir, ignore_errors=True)
         engine, self._engine = self._engine, None
         self._llm = None
         self._outstanding.clear()
@@ -477,39 +528,11 @@ def memory_dir() -> str:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
-def _refresh_tied_head(model: torch.nn.Module) -> None:
-    """Re-derive a tied output head's kernel-side state from the new embedding matrix.
-
-    vLLM reloads layer by layer and rebuilds a layer's derived copies (on CPU, a matrix
-    repacked for the matmul kernel) only when that layer is given a weight. A tied head is
-    never given one (its weight arrives as the embedding's), so without this it would go on
-    computing logits from the old matrix. Rebuilding is idempotent; on GPU it is a no-op."""
-    head = model.get_submodule(TIED_HEAD.rpartition(".")[0])
-    embedding = model.get_submodule(TIED_EMBEDDING.rpartition(".")[0])
-    if head.weight is not embedding.weight:
-        raise RuntimeError("the engine's output head is no longer tied to its input embedding "
-                           "after a weight reload; restart the engine (LoadModel)")
-    head.quant_method.process_weights_after_loading(head)
-
-
-def without_tied_head(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """The weights of a tied-embedding model minus the head's alias of the embedding.
-
-    Dropped rather than loaded: vLLM's loader skips a tied alias anyway, so a head that
-    differed from the embedding would be ignored without a word; it is refused instead,
-    because it means the sender's model is not tied the way this one is."""
-    by_name = dict(weights)
-    head, embedding = by_name.get(TIED_HEAD), by_name.get(TIED_EMBEDDING)
-    if head is None:
-        return weights
-    same = embedding is not None and (
-        (head.data_ptr() == embedding.data_ptr() and head.shape == embedding.shape)
-        or torch.equal(head, embedding))
-    if embedding is not None and not same:
-        raise ValueError(f"this model ties {TIED_HEAD} to {TIED_EMBEDDING}, but the two given "
-                         "differ (was the sender's model built untied?); the engine keeps its "
-                         "previous weights")
-    return [(name, tensor) for name, tensor in weights if name != TIED_HEAD]
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def eos_token_ids(model_path: str | os.PathLike) -> list[int]:

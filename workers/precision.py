@@ -75,9 +75,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_bytes: int,
                      receive_bytes: int = 0, gpu_bytes: int = 0) -> dict[str, Any]:
-    if settings.tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size {settings.tensor_parallel_size} needs CUDA GPUs; "
-                         "this worker has none (set it to 1 for CPU rollout workers)")
+    tp = settings.tensor_parallel_size
     length = max_model_len or CPU_MAX_MODEL_LEN
     return dict(
         dtype=resolve_dtype(settings.dtype, "cpu"),
@@ -90,8 +88,27 @@ def _cpu_engine_args(settings: EngineSettings, max_model_len: int, kv_cache_byte
         # of requests fits one step's token budget at these sizes.
         enable_chunked_prefill=False,
         max_num_batched_tokens=max(16384, length),
-        distributed_executor_backend="uni",
+        tensor_parallel_size=tp,
+        # One rank: the engine in this process; several: vLLM starts a process per rank,
+        # each bound to its own cores (engine_env).
+        distributed_executor_backend="uni" if tp == 1 else "mp",
     )
+
+
+def engine_env(device: str, settings: EngineSettings, threads: int | None = None) -> dict[str, str]:
+    """Environment vLLM reads as it starts an engine's workers. A CPU engine of several
+    ranks binds each rank's threads to cores of its own: vLLM's automatic binding wants a
+    NUMA node per rank, which a one-socket host does not have. Each rank gets `threads`
+    cores (default: this process's torch threads), as many as the cores allow."""
+    tp = settings.tensor_parallel_size
+    if torch.device(device).type != "cpu" or tp == 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise ValueError(f"tensor_parallel_size {tp} on the CPU needs a core per rank; this process may use "
+                         f"{len(cpus)} ({', '.join(map(str, cpus))})")
+    per = max(1, min(len(cpus) // tp, threads or torch.get_num_threads()))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[r * per:(r + 1) * per])) for r in range(tp))}
 
 
 # The least share of its GPU an engine is started with: below it the weights and a useful

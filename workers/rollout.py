@@ -103,7 +103,10 @@ class RolloutHandler(CommandHandler):
                                                              "cancelled: another rank of its broadcast died"))
         applying = self._applying
         if isinstance(applying, protocol.LoadWeights) and (applying.agent, applying.version) == key:
-            self.channel().cancel(msg.agent, msg.version)
+            if applying.lora is not None:
+                self.channel().cancel(msg.agent, msg.version)  # an adapter is received here
+            elif self.engine is not None:
+                self.engine.cancel_receive(msg.agent, msg.version)  # whole weights: in the engine's workers
         await self.reply(protocol.LoadCancelled(msg.request_id, msg.agent))
 
     def load(self) -> dict[str, float]:
@@ -188,19 +191,12 @@ class RolloutHandler(CommandHandler):
             return self._load_adapter(msg)
         if msg.agent != self.agent and self._batches:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
-        # Verified before any tensor is handed out: a short or corrupt transfer raises here
-        # and the engine keeps its previous weights.
-        tensors = self.channel().receive(msg.handle, rank=msg.rank or None)
-        try:
-            # Another agent's weights load in place only when they are a complete set for this
-            # engine's architecture (the engine refuses any other set and keeps its weights);
-            # the controller then restarts the engine on that agent's model instead.
-            self.engine.load_weights(tensors.items())
-        finally:
-            # The engine copied them (or refused them). Over tcp the tensors are views of a
-            # buffer the channel keeps until release: freed here, or each sync pins a model copy.
-            del tensors
-            self.channel().release(msg.handle)
+        # Each of the engine's workers receives the bucket itself and verifies it before any
+        # loads: a short or corrupt transfer raises and the engine keeps its previous weights.
+        # Another agent's weights load in place only when they are a complete set for this
+        # engine's architecture (the engine refuses any other set and keeps its weights);
+        # the controller then restarts the engine on that agent's model instead.
+        self.engine.load_published(msg.handle, rank=msg.rank, config=self.channel_config)
         if msg.agent != self.agent:
             log.info("now serving %s (weights swapped in place, was %s)", msg.agent, self.agent)
         self.agent, self.version = msg.agent, msg.version

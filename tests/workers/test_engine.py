@@ -227,3 +227,54 @@ def test_seeded_requests_beyond_one_steps_token_budget_run_without_splitting_pro
     assert sum(len(p) for _, p, _ in batch) > 16384
     done = run(engine, batch)
     assert len(done) == 3000 and all(len(c.token_ids) == MAX_TOKENS for c in done.values())
+
+
+def test_a_published_load_passes_only_the_handle_through_vllms_calls_and_loads_the_same_weights(engine,
+                                                                                                reference):
+    """The engine's worker receives the publication itself (engine_receive.py): what goes
+    through collective_rpc is bytes and names, never a tensor, and the weights loaded are
+    the published ones."""
+    from flexmarl.runtime.param_channel import ParamChannel
+
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    calls = []
+    rpc = engine._engine.collective_rpc
+
+    def spy(method, timeout=None, args=(), kwargs=None):
+        calls.append((method, args, kwargs))
+        return rpc(method, timeout, args, kwargs)
+
+    batch = prompts(8, seed=5)
+    with ParamChannel() as trainer:
+        handle = trainer.publish(dict(reference.named_parameters()), agent="a", version=9, transport="shm")
+        engine._engine.collective_rpc = spy
+        try:
+            engine.load_published(handle)
+        finally:
+            del engine._engine.collective_rpc
+    assert [method for method, _, _ in calls] == ["flexmarl_receive", "flexmarl_apply"]
+    assert all(isinstance(arg, (bytes, str)) for _, args, _ in calls for arg in args) and all(
+        kwargs is None for _, _, kwargs in calls)
+    assert len(calls[0][1][0]) < handle.total_bytes / 100
+    after = run(engine, [(f"pub-{i}", p, 0) for i, p in enumerate(batch)], temperature=0.0)
+    assert [after[f"pub-{i}"].token_ids for i in range(8)] == [greedy_reference(reference, p) for p in batch]
+
+
+def test_a_corrupt_publication_is_refused_by_the_worker_and_the_old_weights_stay(engine, reference):
+    import msgspec
+
+    from flexmarl.runtime.param_channel import ParamChannel, ParamTransferError
+
+    prompt = prompts(1, seed=4)[0]
+    before = run(engine, [("c0", prompt, 0)], temperature=0.0)["c0"]
+    changed = {n: t * 2 for n, t in reference.named_parameters()}
+    with ParamChannel() as trainer:
+        handle = trainer.publish(changed, agent="a", version=10, transport="tcp")
+        forged = msgspec.structs.replace(handle, checksum=handle.checksum ^ 1)
+        with pytest.raises(ParamTransferError, match="checksum mismatch"):
+            engine.load_published(forged)
+    after = run(engine, [("c1", prompt, 0)], temperature=0.0)["c1"]
+    assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)

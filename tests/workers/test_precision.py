@@ -54,8 +54,21 @@ def test_a_cpu_engine_keeps_its_fixed_kv_cache_and_64_token_default_length():
     args = engine_args("cpu", p.EngineSettings(), 0, 256 << 20)
     assert args["dtype"] == "float32" and args["max_model_len"] == 64
     assert args["kv_cache_memory_bytes"] == 256 << 20 and "gpu_memory_utilization" not in args
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs CUDA"):
-        engine_args("cpu", p.EngineSettings(tensor_parallel_size=2), 0, 1)
+    assert args["tensor_parallel_size"] == 1 and args["distributed_executor_backend"] == "uni"
+
+
+def test_a_cpu_engine_of_several_ranks_runs_a_process_per_rank_each_bound_to_its_own_cores(monkeypatch):
+    from flexmarl.workers.precision import engine_env
+
+    args = engine_args("cpu", p.EngineSettings(tensor_parallel_size=2), 0, 1)
+    assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "mp"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    assert engine_env("cpu", p.EngineSettings(tensor_parallel_size=2), threads=1) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert engine_env("cpu", p.EngineSettings(tensor_parallel_size=2), threads=8) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    assert engine_env("cpu", p.EngineSettings(), threads=1) == {} and engine_env("cuda:0", p.EngineSettings(tensor_parallel_size=2)) == {}
+    with pytest.raises(ValueError, match="tensor_parallel_size 8 on the CPU needs a core per rank"):
+        engine_env("cpu", p.EngineSettings(tensor_parallel_size=8))
 
 
 def refuse(name):

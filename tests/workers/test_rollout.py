@@ -64,14 +64,14 @@ def test_an_idle_instance_switches_agents_in_place_when_architectures_match(tmp_
     handler.close()
 
 
-class CopyingEngine:
-    """Stands in for the engine the handler is handed: like vLLM's, load_weights copies."""
+class PublishedLoadRecorder:
+    """Stands in for the engine the handler is handed: records the published loads."""
 
     def __init__(self):
-        self.loaded: list[dict[str, torch.Tensor]] = []
+        self.loads = []
 
-    def load_weights(self, weights):
-        self.loaded.append({name: t.clone() for name, t in weights})
+    def load_published(self, handle, *, rank=0, config=None):
+        self.loads.append((handle, rank, config))
 
     def has_unfinished(self):
         return False
@@ -80,47 +80,18 @@ class CopyingEngine:
         pass
 
 
-def test_weights_synced_over_tcp_free_their_receive_buffer_once_loaded():
-    """Over tcp the received tensors are views of a host buffer the channel holds until the
-    handle is released: kept, every sync would pin one more copy of the model."""
-    handler = RolloutHandler()
-    handler.engine, handler.agent = CopyingEngine(), "planner"
-    with ParamChannel() as trainer:
-        for version in range(1, 5):
-            state = {"w": torch.full((64, 64), float(version)), "b": torch.arange(64.0) * version}
-            handle = trainer.publish(state, agent="planner", version=version, transport="tcp")
-            handler._load_weights(p.LoadWeights(version, "planner", version, handle))
-            trainer.release(handle)
-            assert all(torch.equal(handler.engine.loaded[-1][k], v) for k, v in state.items())
-            assert handler.version == version
-            assert handler._channel.held_receive_buffers() <= 1  # one spare, reused by the next sync
-    handler.close()
+def test_whole_weights_go_to_the_engine_as_a_handle_with_the_rank_and_channel_settings():
+    """The rollout process receives no tensors of whole weights: the engine's workers do
+    (tests/workers/test_engine_receive.py), each at the rank the controller gave plus its own."""
+    from flexmarl.runtime.param_types import ParamChannelConfig
 
-
-class RankRecordingChannel:
-    """Stands in for the channel the handler uses: records the rank each receive is given."""
-
-    def __init__(self):
-        self.ranks = []
-
-    def receive(self, handle, rank=None):
-        self.ranks.append(rank)
-        return {"w": torch.ones(2)}
-
-    def release(self, handle):
-        pass
-
-    def close(self):
-        pass
-
-
-def test_an_nccl_load_joins_the_broadcast_at_the_rank_the_controller_gave():
-    handler = RolloutHandler()
-    handler.engine, handler.agent = CopyingEngine(), "planner"
-    handler._channel = RankRecordingChannel()
-    handler._load_weights(p.LoadWeights(1, "planner", 1, "any handle", rank=3))
-    handler._load_weights(p.LoadWeights(2, "planner", 2, "any handle"))  # not nccl: no rank
-    assert handler._channel.ranks == [3, None] and handler.version == 2
+    config = ParamChannelConfig(timeout_s=5.0)
+    handler = RolloutHandler(config)
+    handler.engine, handler.agent = PublishedLoadRecorder(), "planner"
+    handler._load_weights(p.LoadWeights(1, "planner", 1, "nccl handle", rank=3))
+    handler._load_weights(p.LoadWeights(2, "planner", 2, "shm handle"))
+    assert handler.engine.loads == [("nccl handle", 3, config), ("shm handle", 0, config)]
+    assert handler.version == 2 and handler._channel is None  # no channel of its own was needed
 
 
 class Outbox:
@@ -245,9 +216,12 @@ async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
     dropped from the queue if it had not started, its receive given up if it had."""
     handler, outbox = RolloutHandler(), Outbox()
     handler.session = outbox
-    cancels = []
+    cancels, engine_cancels = [], []
     handler._channel = types.SimpleNamespace(cancel=lambda agent, version: cancels.append((agent, version)),
                                              close=lambda: None)
+    # Whole weights are received in the engine's own workers; an adapter in this process.
+    handler.engine = types.SimpleNamespace(cancel_receive=lambda agent, version: engine_cancels.append((agent, version)),
+                                           close=lambda: None, adapters=None)
     queued = p.LoadWeights(1, "planner", 2, "any handle", rank=1)
     handler._control.append(queued)
     await handler.handle(p.CancelLoad(2, "planner", 2), [])
@@ -257,4 +231,7 @@ async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
     assert isinstance(done, p.LoadCancelled) and done.request_id == 2
     handler._applying = p.LoadWeights(3, "planner", 3, "any handle", rank=1)  # receiving now
     await handler.handle(p.CancelLoad(4, "planner", 3), [])
-    assert cancels == [("planner", 3)]
+    assert engine_cancels == [("planner", 3)] and cancels == []
+    handler._applying = p.LoadWeights(5, "coach", 4, "any handle", rank=1, lora=p.LoraSettings())
+    await handler.handle(p.CancelLoad(6, "coach", 4), [])
+    assert cancels == [("coach", 4)] and engine_cancels == [("planner", 3)]
