@@ -139,7 +139,8 @@ class TrainingRun:
         self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent,
                                     version_of=self.versions.__getitem__)
         self.weights = WeightSync(self.agents, server, self.instances, self.versions, emit,
-                                  trainer_for=self._trainer_for, lora=self.lora)
+                                  trainer_for=self._trainer_for, lora=self.lora,
+                                  ranks={a: bases.engine_ranks(cfg, a) for a in self.agents})
         self.admission = Admission(self.instances, self.weights, self.versions, server, self.load_model_message,
                                    sharing={a: self.units[self.unit_of[a]] for a in self.agents if self.lora[a]})
         if resume is not None:  # rows of batches after the checkpoint are made again

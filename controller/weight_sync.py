@@ -48,8 +48,16 @@ def location_of(worker: Any) -> Location:
     a GPU named as its host names it. A worker pinned with CUDA_VISIBLE_DEVICES=2,3 calls
     its first GPU cuda:0, which is the host's cuda:2 (or the GPU's UUID, where the pinning
     gives one): two workers' cuda:0 are one GPU only if they were pinned to the same one."""
-    device = worker.devices[0] if worker.devices else "cpu"
-    return Location(worker.host, worker.pid, host_device(device, getattr(worker, "visible_gpus", [])))
+    return locations_of(worker, 1)[0]
+
+
+def locations_of(worker: Any, ranks: int) -> list[Location]:
+    """Where each of the first `ranks` ranks of a worker's engine receives: on its first
+    `ranks` GPUs (vLLM puts engine worker r on the r-th GPU it sees), or all on the CPU."""
+    devices = [d for d in worker.devices if d.startswith("cuda")] or ["cpu"]
+    pinned = getattr(worker, "visible_gpus", [])
+    return [Location(worker.host, worker.pid, host_device(devices[min(r, len(devices) - 1)], pinned))
+            for r in range(ranks)]
 
 
 def engines_sharing_gpu(worker: str, workers: dict[str, Any]) -> int:
@@ -90,8 +98,12 @@ class WeightSync:
     def __init__(self, agents: list[str], server: Any, instances: Any, versions: SyncedVersions,
                  emit: Callable[[ev.Event], Any],
                  trainer_for: Callable[[str], AsyncContextManager[str]] | None = None,
-                 lora: dict[str, protocol.LoraSettings | None] | None = None) -> None:
+                 lora: dict[str, protocol.LoraSettings | None] | None = None,
+                 ranks: dict[str, int] | None = None) -> None:
         self.server = server
+        # Per agent, the workers of each of its engines (tensor parallelism): each receives
+        # the weights itself, so each is a receiving rank of its own. Default 1.
+        self.ranks = ranks or {}
         # An adapter agent's LoRA shape: its LoadWeights adds the adapter's new version to
         # the engines of its base instead of replacing their weights.
         self.lora = lora or {}  # call(), next_request_id(), registry.workers
@@ -103,9 +115,11 @@ class WeightSync:
         self.published: dict[str, Publication] = {}
         self.groups = NcclGroups()
 
-    def transport(self, trainer: str, instances: list[str]) -> str:
+    def transport(self, trainer: str, instances: list[str], agent: str = "") -> str:
         workers = self.server.registry.workers
-        return transport_between(location_of(workers[trainer]), [location_of(workers[w]) for w in instances])
+        width = self.ranks.get(agent, 1)
+        return transport_between(location_of(workers[trainer]),
+                                 [end for w in instances for end in locations_of(workers[w], width)])
 
     async def sync(self, agent: str, trainer: str, version: int) -> None:
         async with self.locks[agent]:
@@ -126,16 +140,17 @@ class WeightSync:
     async def _publish_and_load(self, agent: str, trainer: str, version: int, without: set[str] = frozenset()) -> None:
         instances = [w for w in self.instances.instances(agent) if w not in without]
         t0 = time.monotonic()
-        transport = self.transport(trainer, instances)
+        transport = self.transport(trainer, instances, agent)
+        width = self.ranks.get(agent, 1)
         group, ranks = "", {w: 0 for w in instances}
         if transport == "nccl":
-            nccl = self.groups.for_sync(agent, trainer, instances)
+            nccl = self.groups.for_sync(agent, trainer, instances, width)
             group, instances = nccl.name, list(nccl.instances)  # targets in rank order
             ranks = {w: nccl.rank(w) for w in instances}
         self.emit(ev.WeightSyncStarted(agent, version, list(instances), transport=transport))
         try:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
-                self.server.next_request_id(), agent, version, transport, instances, group))
+                self.server.next_request_id(), agent, version, transport, instances, group, width))
             loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
                 self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent))))
                 for w in instances}
@@ -199,9 +214,10 @@ class WeightSync:
         NCCL, a one-shot broadcast to it alone: the agent's group is for its instances at
         the last sync)."""
         async with self.trainer_for(agent) as trainer:
-            transport = self.transport(trainer, [worker])
+            transport = self.transport(trainer, [worker], agent)
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
-                self.server.next_request_id(), agent, protocol.CURRENT_VERSION, transport, [worker]))
+                self.server.next_request_id(), agent, protocol.CURRENT_VERSION, transport, [worker],
+                ranks_per_target=self.ranks.get(agent, 1)))
         self.published[agent] = pub = Publication(reply.version, reply.handle, transport)
         log.info("published %s version %d again for %s (%s)", agent, reply.version, worker,
                  "an NCCL broadcast is read once" if transport == "nccl" else "no readable publication")

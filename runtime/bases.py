@@ -173,6 +173,13 @@ def model_of(cfg: ExperimentConfig, agent: str) -> str:
     return cfg.bases[a.base].model if a.base else a.model
 
 
+def engine_ranks(cfg: ExperimentConfig, agent: str) -> int:
+    """The ranks (workers) of each engine that serves `agent`: its tensor parallelism, or
+    its base's."""
+    a = cfg.agents[agent]
+    return cfg.bases[a.base].tensor_parallel_size if a.base else a.tensor_parallel_size
+
+
 def agent_lora(cfg: ExperimentConfig, agent: str) -> LoraSettings | None:
     """An adapter agent's LoRA shape; None for a whole-model agent."""
     a = cfg.agents[agent]

@@ -25,7 +25,7 @@ import msgspec
 from .param_types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -295,7 +295,8 @@ class LoadWeights(Message):
     agent: str
     version: int
     handle: ParamHandle  # from WeightsPublished; the controller passes it on, never reads it
-    rank: int = 0  # nccl: this instance's rank in the handle's communicator (1..n); 0 otherwise
+    rank: int = 0  # nccl: the instance's first rank in the handle's communicator (its engine's
+    # worker r takes rank + r); 0 otherwise
     lora: LoraSettings | None = None
 
 
@@ -507,8 +508,11 @@ class PublishWeights(Message):
     version: int  # refused unless the agent is at it; CURRENT_VERSION: whichever it is at
     # "shm", "tcp", "cuda_ipc", "nccl", ...: the controller picks it from where the ends are
     transport: str
-    targets: list[str] = []  # worker ids that will receive; over nccl, targets[i] is rank i + 1
+    targets: list[str] = []  # worker ids that will receive; over nccl, see ranks_per_target
     group: str = ""  # nccl: the communicator's name, kept while the agent's targets stay the same
+    # nccl: ranks each target takes, one per worker of its engine (tensor parallelism):
+    # targets[i] takes ranks 1 + i * ranks_per_target onwards
+    ranks_per_target: int = 1
 
 
 class WeightsPublished(Message):

@@ -131,8 +131,7 @@ class VllmEngine:
         if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
             receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
             gpu_bytes = gpu_total_bytes(torch.device(self.device).index or 0)
-        for name, value in engine_env(self.device, settings).items():
-            os.environ.setdefault(name, value)  # read by vLLM as it starts the engine's workers
+        _set_engine_env(engine_env(self.device, settings))
         self._llm = LLM(
             model=str(model_path),
             # Every worker of the engine receives published weights itself (engine_receive.py).
@@ -526,6 +525,25 @@ def memory_dir() -> str:
     (vLLM loads adapters from a path; the run's disk is never written), else the temp dir."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+# What the process's own environment set: a user's choice there is never overridden.
+_USER_ENV = frozenset(os.environ)
+
+
+def _set_engine_env(env: dict[str, str]) -> None:
+    """Set what vLLM reads as it starts an engine's workers (precision.engine_env), unless
+    the user set it. vLLM caches its environment once an engine has started; the cache is
+    dropped so a later engine of this process (another model, another width) reads these."""
+    changed = False
+    for name, value in env.items():
+        if name not in _USER_ENV and os.environ.get(name) != value:
+            os.environ[name] = value
+            changed = True
+    if changed:
+        from vllm import envs
+
+        envs.disable_envs_cache()
 
 
 def _remove(path: str) -> None:

@@ -430,7 +430,8 @@ class TrainerHandler(CommandHandler):
                 _point_parameters_at(state.model, state.bucket.tensors)
             source = state.bucket or source
         handle = self.channel().publish(source, agent=state.name, version=state.version,
-                                        transport=msg.transport, receivers=max(1, len(msg.targets)),
+                                        transport=msg.transport,
+                                        receivers=max(1, len(msg.targets)) * max(1, msg.ranks_per_target),
                                         group=msg.group)
         # The controller publishes version v + 1 only after every receiver loaded v.
         if state.published is not None:

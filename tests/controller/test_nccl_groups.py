@@ -29,3 +29,11 @@ def test_a_dropped_group_is_never_named_again():
 
 def test_two_controllers_never_name_a_group_alike():
     assert NcclGroups().for_sync("planner", "t0", ["r0"]).name != NcclGroups().for_sync("planner", "t0", ["r0"]).name
+
+
+def test_instances_whose_engines_span_several_ranks_take_consecutive_ranks():
+    groups = NcclGroups()
+    g = groups.for_sync("planner", "t0", ["r0", "r1", "r2"], width=4)
+    assert [g.rank(w) for w in ("r0", "r1", "r2")] == [1, 5, 9] and g.receivers == 12
+    assert groups.for_sync("planner", "t0", ["r0", "r1", "r2"], width=4) is g
+    assert groups.for_sync("planner", "t0", ["r0", "r1", "r2"], width=2).name != g.name  # other ranks

@@ -205,6 +205,40 @@ async def test_an_instance_joining_after_an_nccl_sync_gets_a_broadcast_of_its_ow
     assert ws.groups.current("a") == group  # the agent's communicator is untouched
 
 
+def tp_server(instances=("r0", "r1"), gpus_per_instance=2):
+    """Instances whose engines span two GPUs each (tensor parallelism), on other hosts."""
+    server = gpu_server(instances)
+    for w in instances:
+        server.registry.workers[w].devices = [f"cuda:{g}" for g in range(gpus_per_instance)]
+    return server
+
+
+async def test_over_nccl_each_worker_of_an_instances_engine_is_a_rank_of_its_own():
+    """An engine of two ranks receives in both of its workers: the instance takes two
+    consecutive ranks, and the trainer's broadcast counts all of them."""
+    server = tp_server()
+    ws, _ = nccl_sync(server, ["r0", "r1"])
+    ws.ranks = {"a": 2}
+    await ws.sync("a", "t0", 1)
+    (_, publish), = calls_of(server, protocol.PublishWeights)
+    assert publish.transport == "nccl" and publish.ranks_per_target == 2 and publish.targets == ["r0", "r1"]
+    assert {w: m.rank for w, m in calls_of(server, protocol.LoadWeights)} == {"r0": 1, "r1": 3}
+    assert ws.groups.current("a").receivers == 4
+    await ws.sync("a", "t0", 2)  # same members, same width: the same communicator
+    assert len({m.group for _, m in calls_of(server, protocol.PublishWeights)}) == 1
+    async with ws.locks["a"]:  # a one-shot broadcast to one joining instance counts its ranks too
+        await ws.load_newest("r1", "a")
+    assert calls_of(server, protocol.PublishWeights)[-1][1].ranks_per_target == 2
+
+
+def test_an_engine_whose_second_rank_shares_the_trainers_gpu_gets_host_memory_not_nccl():
+    server = FakeServer({"t0": "h", "r0": "h"}, devices={"t0": "cuda:1"})
+    server.registry.workers["r0"].devices = ["cuda:0", "cuda:1"]  # rank 1 on the trainer's GPU
+    ws, _ = weight_sync(server, ["r0"], ranks={"a": 2})
+    assert ws.transport("t0", ["r0"], "a") == "shm"
+    assert ws.transport("t0", ["r0"]) == "nccl"  # one rank only: its GPU is its own
+
+
 async def test_over_shm_no_group_or_rank_is_handed_out():
     server = FakeServer({"t0": "h", "r0": "h"})
     ws, _ = weight_sync(server, ["r0"])

@@ -156,6 +156,9 @@ def test_a_groups_publish_names_the_agents_nccl_communicator(monkeypatch):
     assert reply.version == 3
     assert published == [(["bias", "weight"], {"agent": "a", "version": 3, "transport": "nccl", "receivers": 2,
                                                "group": "a-g1"})]
+    # Engines of two ranks each: every worker of an engine receives, so four receivers.
+    handler.COMMANDS[p.PublishWeights](handler, p.PublishWeights(2, "a", 3, "nccl", ["r0", "r1"], "a-g2", 2))
+    assert published[-1][1]["receivers"] == 4
 
 
 def test_a_mixed_precision_groups_weights_are_gathered_and_published_in_the_compute_dtype(monkeypatch):
