@@ -151,6 +151,9 @@ def test_a_groups_publish_names_the_agents_nccl_communicator(monkeypatch):
             published.append((sorted(tensors), options))
             return types.SimpleNamespace(total_bytes=8)
 
+        def release(self, handle):
+            pass
+
     handler._channel = Channel()
     reply = handler.COMMANDS[p.PublishWeights](handler, p.PublishWeights(1, "a", 3, "nccl", ["r0", "r1"], "a-g1"))
     assert reply.version == 3
