@@ -128,6 +128,24 @@ class NcclTransport(Transport):
         self.communicators.close()
 
 
+def gpu_uuid(index: int) -> str:
+    """The UUID of this process's GPU `index`: the same GPU has the same one in every
+    process, however each numbers its GPUs."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_gpu(info: CudaIpcInfo, uuids: list[str]) -> int:
+    """This process's index of the GPU a publication's memory is on (`uuids`: this
+    process's GPUs' UUIDs, in its order). A publication without a UUID: its index."""
+    if not info.uuid:
+        return info.device
+    if info.uuid in uuids:
+        return uuids.index(info.uuid)
+    raise ParamTransferError(f"the published memory is on GPU {info.uuid}, which this process does not see "
+                             f"(it sees {len(uuids)}: CUDA_VISIBLE_DEVICES); CUDA IPC needs the publisher's GPU, "
+                             "so this pair should sync over NCCL or host memory")
+
+
 def _as_tensor(pointer: int, nbytes: int, device: int, owner) -> torch.Tensor:
     """A uint8 tensor over GPU memory torch did not allocate (CuPy's array interface;
     `owner` is kept alive by the tensor)."""
@@ -157,7 +175,7 @@ class _IpcMemory:
 
         with cupy.cuda.Device(self.device):
             handle = cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr)
-        return CudaIpcInfo(self.device, bytes(handle), self.nbytes)
+        return CudaIpcInfo(self.device, bytes(handle), self.nbytes, gpu_uuid(self.device))
 
     def free(self) -> None:
         """cudaFree, once the last reference goes: the tensor here and CuPy's Memory."""
@@ -167,17 +185,19 @@ class _IpcMemory:
 class _IpcMapping:
     """A receiver's side: a publisher's IPC memory mapped into this process."""
 
-    def __init__(self, pointer: int, info: CudaIpcInfo):
-        self._pointer, self._device = pointer, info.device
-        self.tensor = _as_tensor(pointer, info.size, info.device, self)
+    def __init__(self, pointer: int, info: CudaIpcInfo, device: int):
+        self._pointer, self._device = pointer, device
+        self.tensor = _as_tensor(pointer, info.size, device, self)
 
     @classmethod
     def open(cls, info: CudaIpcInfo) -> _IpcMapping:
+        """Map the memory on the GPU it lives on, as this process numbers that GPU."""
         import cupy
 
-        with cupy.cuda.Device(info.device):
+        device = local_gpu(info, [gpu_uuid(i) for i in range(torch.cuda.device_count())])
+        with cupy.cuda.Device(device):
             pointer = cupy.cuda.runtime.ipcOpenMemHandle(info.handle)
-        return cls(pointer, info)
+        return cls(pointer, info, device)
 
     def close(self) -> None:
         """Unmap. The tensors handed out are views of this memory: done with them by now."""

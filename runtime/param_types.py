@@ -52,9 +52,12 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
 class CudaIpcInfo(msgspec.Struct, frozen=True, array_like=True):
     """A bucket in GPU memory of its own (cudaMalloc), as cudaIpcGetMemHandle describes it."""
 
-    device: int  # the publisher's device index; receivers open it on the same GPU
+    device: int  # the publisher's device index, in the publisher's numbering
     handle: bytes  # cudaIpcMemHandle_t (64 bytes)
     size: int  # bytes allocated (at least the bucket's total_bytes)
+    # The GPU's UUID: receivers number GPUs their own way (pinning, an engine's workers),
+    # so they find the GPU the memory is on by it. Empty: the device index is used.
+    uuid: str = ""
 
 
 class NcclInfo(msgspec.Struct, frozen=True, array_like=True):

@@ -261,3 +261,17 @@ def test_a_channels_cancel_applies_to_one_receive_of_that_version_not_to_a_retry
         shm = channel.publish({"w": torch.ones(4)}, agent="planner", version=3, transport="shm")
         channel.receive(shm)  # a receive of that version ends: the cancel is spent
         assert not impl.cancelled("planner", 3)
+
+
+def test_a_cuda_ipc_receiver_opens_the_memory_on_the_gpu_it_is_on_in_its_own_numbering():
+    """The publisher's cuda:0 (pinned to the host's GPU 2) is a receiver's cuda:2, or an
+    engine worker's cuda:1: the GPU is found by its UUID, not by the publisher's index."""
+    from flexmarl.runtime.param_gpu import local_gpu
+    from flexmarl.runtime.param_types import CudaIpcInfo, ParamTransferError
+
+    info = CudaIpcInfo(0, b"h" * 64, 1024, uuid="GPU-c")
+    assert local_gpu(info, ["GPU-a", "GPU-b", "GPU-c"]) == 2
+    assert local_gpu(info, ["GPU-b", "GPU-c"]) == 1
+    assert local_gpu(CudaIpcInfo(3, b"h" * 64, 1024), []) == 3  # no UUID: the index, as before
+    with pytest.raises(ParamTransferError, match="GPU GPU-c, which this process does not see"):
+        local_gpu(info, ["GPU-a"])
