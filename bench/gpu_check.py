@@ -291,6 +291,76 @@ def run_cuda_ipc(args, shape: str, path: Path, device: torch.device) -> None:
         trainer.close()
 
 
+ENGINE_WORKER = r"""
+import json, sys, time, types, msgspec, torch
+from transformers import AutoModelForCausalLM
+from flexmarl.runtime.param_channel import ParamHandle
+from flexmarl.workers.engine_receive import PublishedLoad, WeightReceiver
+handle = msgspec.msgpack.decode(bytes.fromhex(sys.stdin.readline()), type=ParamHandle)
+model_path, device = sys.argv[1], sys.argv[2]
+
+class Worker(WeightReceiver):
+    # vLLM's worker as the extension sees it (no vLLM here): a rank, a model, a reload.
+    rank = 0
+    def __init__(self):
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
+        self.model_runner = types.SimpleNamespace(get_model=lambda: self.model)
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in weights_iterator:
+                params[name].copy_(t)
+
+worker = Worker()
+# tied=False: the stand-in's model is transformers', whose tied head follows its embedding
+request = msgspec.msgpack.encode(PublishedLoad(handle=handle, tied=False, inplace=False))
+t0 = time.perf_counter()
+received = worker.flexmarl_receive(request)
+applied = worker.flexmarl_apply(handle.key) if received.ok else received
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+seconds = time.perf_counter() - t0
+digest = {k: float(v.detach().double().sum()) for k, v in worker.model.named_parameters()}
+print(json.dumps({"received": msgspec.to_builtins(received), "applied": msgspec.to_builtins(applied),
+                  "seconds": seconds,
+                  "request_bytes": len(request), "digest": digest}), flush=True)
+"""
+
+
+def run_engine_receive(args, shape: str, path: Path, device: torch.device) -> None:
+    """What a vLLM engine's worker runs to load published weights (engine_receive.py),
+    in a process of its own with a stand-in for vLLM's worker around a real model on the
+    device: it maps the trainer's publication (CUDA IPC on a GPU, found by the GPU's UUID;
+    shm on the CPU) and loads it; the weights must arrive byte-exact."""
+    row = {"part": "engine_receive", "shape": shape}
+    trainer = Trainer()
+    transport = "cuda_ipc" if device.type == "cuda" else "shm"
+    try:
+        trainer.init("a", path, protocol.TrainerSettings(dtype="bfloat16", precision="mixed"))
+        published = trainer(protocol.PublishWeights, agent="a", version=0, transport=transport, targets=["r"])
+        handle = published.handle
+        proc = subprocess.run([sys.executable, "-c", ENGINE_WORKER, str(path), str(device)],
+                              input=msgspec.msgpack.encode(handle).hex() + "\n", capture_output=True, text=True,
+                              timeout=600, cwd=ROOT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"engine worker exited {proc.returncode}: {proc.stderr[-2000:]}")
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        params = dict(trainer.handler.agents["a"].model.named_parameters())
+        want = {k: float(params[k].detach().to(torch.bfloat16).double().sum()) for k in params}
+        mismatched = [k for k in want if want[k] != got["digest"].get(k)]
+        ok = got["received"][0] and got["applied"][0] and not mismatched
+        emit({**row, "ok": bool(ok), "transport": transport, "bytes": handle.total_bytes,
+              "request_bytes": got["request_bytes"], "receive_and_load_s": got["seconds"],
+              "gb_per_s": handle.total_bytes / 1e9 / got["seconds"],
+              **({"error": " ".join(got["received"][1:] + got["applied"][1:])} if not ok and not mismatched else {}),
+              **({"mismatched": mismatched[:5]} if mismatched else {})})
+    except Exception as exc:  # noqa: BLE001
+        failed(row, exc)
+    finally:
+        trainer.close()
+
+
 def spec_dtype(handle, name: str) -> str:
     return next(s.dtype for s in handle.layout if s.name == name)
 
@@ -546,6 +616,9 @@ def table(rows: list[dict]) -> str:
         elif r["part"] == "cuda_ipc" and "receive_gb_per_s" in r:
             what = f"{r['bytes'] / 1e9:.2f} GB {'/'.join(r['dtypes'])}"
             figure = f"{r['receive_gb_per_s']:.0f} GB/s, {r['ratio_vs_d2d']:.2f}x d2d"
+        elif r["part"] == "engine_receive" and "gb_per_s" in r:
+            what = f"{r['transport']} {r['bytes'] / 1e9:.2f} GB, call {r['request_bytes']} B"
+            figure = f"{r['gb_per_s']:.1f} GB/s received and loaded"
         elif r["part"] == "park" and "bytes" in r:
             what = f"{r['tensors']} tensors, {r['bytes'] / 1e9:.2f} GB"
             figure = f"offload {r['offload_s']:.2f} s, byte-exact" if r["ok"] else "MISMATCH"
@@ -571,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, CUDA-only parts skipped")
     parser.add_argument("--shapes", default="", help=f"comma-separated, from {', '.join(SHAPES)}")
-    parser.add_argument("--parts", default="gpu_tests,fork_safe,nccl_setup,train,cuda_ipc,park,lora,fsdp2")
+    parser.add_argument("--parts",
+                        default="gpu_tests,fork_safe,nccl_setup,train,cuda_ipc,engine_receive,park,lora,fsdp2")
     parser.add_argument("--batch", type=int, default=8, help="samples per micro-batch")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=384)
@@ -624,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_train(args, shape, path, device)
             if "cuda_ipc" in parts:
                 run_cuda_ipc(args, shape, path, device)
+            if "engine_receive" in parts:
+                run_engine_receive(args, shape, path, device)
             if "park" in parts:
                 run_park(args, shape, path, device)
             if "lora" in parts and shape == shapes[0]:
