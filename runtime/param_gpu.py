@@ -27,6 +27,7 @@ import torch
 
 from . import param_nccl
 from .param_bucket import ALIGN, pack_into, unpack, verify_bucket
+from .param_stream import TensorStream
 from .param_transport import Transport
 from .param_types import CudaIpcInfo, NcclInfo, ParamHandle, ParamTransferError, describe
 
@@ -34,9 +35,13 @@ __all__ = ["CudaIpcTransport", "NcclTransport"]
 
 
 def _one_device(tensors, transport: str) -> torch.device:
-    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
-    if len(devices) != 1 or any(t.device.type != "cuda" for t in tensors.values()):
-        where = sorted(map(str, {t.device for t in tensors.values()})) or ["the CPU"]
+    if isinstance(tensors, TensorStream):  # asked, not made: a stream makes each tensor once
+        found = [tensors.device]
+    else:
+        found = [t.device for t in tensors.values()]
+    devices = {d for d in found if d.type == "cuda"}
+    if len(devices) != 1 or any(d.type != "cuda" for d in found):
+        where = sorted(map(str, set(found))) or ["the CPU"]
         raise ValueError(f"{transport} publishes tensors from one CUDA device; these are on {where}")
     device = devices.pop()
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

@@ -24,10 +24,13 @@ __all__ = ["TensorStream", "drain"]
 
 
 class TensorStream(Mapping):
-    """`specs` maps each name to the (dtype, shape) that `make(name)` will return."""
+    """`specs` maps each name to the (dtype, shape) that `make(name)` will return, on
+    `device` (where a transport puts the bucket: the GPU ones ask before packing)."""
 
-    def __init__(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], make: Callable[[str], torch.Tensor]):
+    def __init__(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], make: Callable[[str], torch.Tensor],
+                 device: torch.device | str = "cpu"):
         self.specs = dict(specs)
+        self.device = torch.device(device)
         self._names = list(self.specs)
         self._make = make
         self._next = 0  # self._names[:_next] have been made
@@ -42,6 +45,8 @@ class TensorStream(Mapping):
         self._next += 1
         tensor = self._make(name)
         dtype, shape = self.specs[name]
+        if tensor.device.type != self.device.type:
+            raise ValueError(f"tensor {name!r} was made on {tensor.device}, the stream declared {self.device}")
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} was declared {dtype}{list(shape)} but made "
                              f"{tensor.dtype}{list(tensor.shape)}; its bytes would not fit the bucket")

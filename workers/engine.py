@@ -11,9 +11,14 @@ a token id outside the vocabulary, settings vLLM rejects) raises `RequestRefused
 `add` and leaves the engine and every other request untouched; any other exception means
 the engine itself is broken.
 
+Weights are replaced in place: `load_published` has every worker of the engine (one per
+tensor-parallel rank) receive a publication of the parameter channel itself and load its
+part (engine_receive.py), so nothing but the handle passes through vLLM's calls;
+`load_weights` takes tensors this process already holds.
+
 Every call is synchronous and short (one engine step is milliseconds for the tiny models),
-except the constructor (seconds) and `load_weights`; a caller on an asyncio loop runs those
-two in a thread. The engine is not thread-safe: one caller at a time.
+except the constructor (seconds) and the two loads; a caller on an asyncio loop runs those
+in a thread. The engine is not thread-safe: one caller at a time (`cancel_receive` aside).
 
 Set the process's torch thread count before building an engine: vLLM's CPU worker replaces
 `torch.set_num_threads` with a no-op for the rest of the process.

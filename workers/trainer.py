@@ -306,7 +306,7 @@ class TrainerHandler(CommandHandler):
 
         params = dict(state.model.named_parameters())
         return TensorStream({k: (dtype, tuple(v.shape)) for k, v in params.items()},
-                            lambda k: params[k].detach().to(dtype))
+                            lambda k: params[k].detach().to(dtype), device=state.placement.device)
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         """The part of the agent's training state this process parks."""

@@ -243,7 +243,7 @@ class TrainerGroupHandler(TrainerHandler):
 
         params = dict(state.model.named_parameters())
         return TensorStream({k: (dtype, tuple(v.shape)) for k, v in params.items()},
-                            lambda k: params[k].detach().to(dtype).full_tensor())
+                            lambda k: params[k].detach().to(dtype).full_tensor(), device=self.device)
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         return {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}

@@ -130,3 +130,13 @@ def test_group_publish_reports_rank_0s_peak_for_a_whole_and_a_streamed_publish(t
     whole, streamed = rows[:2]  # exact counts: the whole set, then one weight at a time
     assert whole["gathered_held_bytes"] > 2 * whole["largest_weight_bytes"]
     assert streamed["gathered_held_bytes"] == streamed["largest_weight_bytes"]
+
+
+def test_engine_receive_reports_both_ways_of_loading_into_engines_of_one_and_two_ranks(tmp_path):
+    rows = json_rows(run_bench("engine_receive.py", "--shape", "tiny-qwen2", "--reps", "1", "--ranks", "1,2",
+                               "--models", str(tmp_path)))
+    assert [(r["ranks"], r["way"]) for r in rows] == [(1, "by value"), (1, "in the worker"), (2, "by value"),
+                                                      (2, "in the worker")]
+    by_value, in_worker = rows[2], rows[3]
+    assert by_value["call_bytes"] >= by_value["bytes"] > 100 * in_worker["call_bytes"]  # the handle only
+    assert all(r["load_s_median"] > 0 and r["memcpy_gb_per_s"] > 0 for r in rows)

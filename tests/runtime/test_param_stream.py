@@ -116,3 +116,22 @@ def test_a_plain_mapping_has_nothing_to_drain():
     tensors = weights()
     drain(tensors)
     assert list(tensors) == list(weights())
+
+
+def test_the_gpu_transports_ask_a_stream_its_device_without_making_a_tensor():
+    """cuda_ipc and nccl check that a publication is on one GPU before packing; asking the
+    tensors would make (gather) them all, and the packing could then make none."""
+    from flexmarl.runtime.param_gpu import _one_device
+
+    maker = Maker(weights())
+    with pytest.raises(ValueError, match=r"from one CUDA device; these are on \['cpu'\]"):
+        _one_device(maker.stream(), "nccl")
+    on_gpu = TensorStream({"w": (torch.bfloat16, (2,))}, maker, device="cuda:1")
+    assert _one_device(on_gpu, "cuda_ipc") == torch.device("cuda", 1)
+    assert maker.made == []
+
+
+def test_a_tensor_made_on_another_device_than_declared_is_refused():
+    stream = TensorStream({"w": (torch.float32, (2,))}, lambda name: torch.zeros(2), device="cuda:0")
+    with pytest.raises(ValueError, match="made on cpu, the stream declared cuda:0"):
+        stream["w"]
