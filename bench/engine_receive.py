@@ -7,17 +7,18 @@ engine of `ranks` ranks (a process per rank, each on cores of its own) and its w
 published over shm by a parameter channel, as a trainer publishes them. Each rep loads
 them two ways:
 
-- by value:     the driving process receives the tensors, copies them out of the bucket
-                (a view would pickle the whole bucket) and hands them to the engine's
-                workers through vLLM's `collective_rpc` (`VllmEngine.load_weights`): with
-                several ranks vLLM pickles every tensor to every worker through its message
-                queue;
+- by value:     the driving process receives the tensors and hands them to the engine's
+                workers through vLLM's `collective_rpc` (`VllmEngine.load_weights`): one
+                rank runs in the driving process and takes the views as they are; with
+                several, vLLM pickles every tensor to every worker through its message
+                queue, so they are first copied out of the bucket (a view pickles all of it);
 - in the worker: `VllmEngine.load_published`: each worker maps the segment itself and
                 loads its part; the call carries the handle only.
 
-For each: seconds per load, GB/s of the published bytes, and the bytes that crossed
-vLLM's call (the pickled arguments, measured by pickling them the way vLLM does), against
-a plain memory copy of the same bytes. Prints one JSON line per rank count and way.
+For each: seconds per load, GB/s of the published bytes against a plain memory copy of
+the same bytes, and the bytes that crossed vLLM's call to the worker processes (the
+pickled arguments; 0 for one rank, whose worker is in this process). By value, also what
+the receive's views would have pickled had they been passed as they are. Prints one JSON line per rank count and way.
 """
 
 from __future__ import annotations
@@ -129,24 +130,27 @@ def main(argv: list[str] | None = None) -> int:
                                 with CallBytes(engine) as counted:
                                     t0 = time.perf_counter()
                                     if way == "by value":
-                                        # Copied out of the bucket first: each view would
-                                        # pickle the whole bucket.
-                                        tensors = {k: v.clone() for k, v in driver.receive(handle).items()}
-                                        driver.release(handle)
+                                        tensors = driver.receive(handle)
+                                        views_bytes = pickled_bytes(list(tensors.values()))
+                                        if ranks > 1:  # out of the bucket: a view pickles all of it
+                                            tensors = {k: v.clone() for k, v in tensors.items()}
                                         engine.load_weights(tensors.items())
                                         del tensors
+                                        driver.release(handle)
                                     else:
                                         engine.load_published(handle)
                                     times.append(time.perf_counter() - t0)
                                 calls.append(counted.total)
                             median = statistics.median(times)
+                            pickled = ranks > 1  # one rank runs in this process: nothing crosses
+                            extra = {"views_would_pickle_bytes": views_bytes} if way == "by value" else {}
                             print(json.dumps({
                                 "shape": args.shape, "ranks": ranks, "way": way, "bytes": nbytes,
                                 "engine_start_s": round(start_s, 1), "load_s_median": round(median, 3),
                                 "load_s": [round(t, 3) for t in times], "gb_per_s": round(nbytes / 1e9 / median, 3),
                                 "memcpy_gb_per_s": round(nbytes / 1e9 / copy_s, 3),
-                                "vs_memcpy": round(copy_s / median, 3), "call_bytes": max(calls),
-                                "call_pickled": ranks > 1,
+                                "vs_memcpy": round(copy_s / median, 3), "call_bytes": max(calls) if pickled else 0,
+                                **extra,
                                 "reload": engine.last_reload}), flush=True)
             finally:
                 engine.close()

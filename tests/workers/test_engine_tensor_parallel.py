@@ -25,16 +25,25 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def model_dir(request, tmp_path_factory):
+    """The project's tiny Qwen2-style model (its head a matrix of its own), and a Qwen2
+    whose head is its input embedding (as Qwen2.5 0.5B/1.5B and Llama 3.2 1B are): vLLM
+    gives a tied head no weight of its own in a reload."""
     import random
 
     from flexmarl.controller import digit_chain
     from flexmarl.workers import models
 
     torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "tied":
+        from test_engine_weights import build
+
+        build("qwen2", True, out)
+        return out
     examples = digit_chain.warmup_examples(digit_chain.SOLVER, random.Random(0), 1024)
-    return models.build_model(SPEC, digit_chain.VOCAB, tmp_path_factory.mktemp("model"), examples, SCHEDULE)
+    return models.build_model(SPEC, digit_chain.VOCAB, out, examples, SCHEDULE)
 
 
 def changed_weights(model_dir, scale: float) -> dict[str, torch.Tensor]:
