@@ -172,8 +172,8 @@ class VllmEngine:
         # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
         self._inplace = inplace_reload
         self.last_reload = ""  # "in place" or "vllm": how the last load went
-        self.tensor_parallel_size = settings.tensor_parallel_size
-        self._cancel_dir = ""  # made on the first published load (cancel_receive)
+        # Where cancel_receive leaves a mark the engine's workers see (engine_receive.py).
+        self._cancel_dir = tempfile.mkdtemp(prefix=f"flexmarl-cancel-{os.getpid()}-", dir=memory_dir())
         self.model_path = str(model_path)
         # LoRA adapters of this model (None: the engine was started without LoRA slots).
         self.adapters = AdapterRegistry(max(settings.max_cpu_loras, settings.max_loras)) if settings.max_loras else None
@@ -443,17 +443,13 @@ class VllmEngine:
 
         self._check_loadable([(spec.name, tuple(spec.shape)) for spec in handle.layout])
         start = time.perf_counter()
-        if not self._cancel_dir:
-            self._cancel_dir = tempfile.mkdtemp(prefix=f"flexmarl-cancel-{os.getpid()}-", dir=memory_dir())
-        mark = cancel_mark(self._cancel_dir, handle.agent, handle.version)
         request = msgspec.msgpack.encode(PublishedLoad(
             handle=handle, rank=rank, config=config or ParamChannelConfig(), cancel_dir=self._cancel_dir,
             tied=self.tied_embeddings, inplace=self._inplace))
-        _remove(mark)  # a cancel meant for an earlier receive of this version
         try:
             received = self._engine.collective_rpc("flexmarl_receive", args=(request,))
         finally:
-            _remove(mark)
+            _remove(cancel_mark(self._cancel_dir, handle.key))
         if not all(outcome.ok for outcome in received):
             self._engine.collective_rpc("flexmarl_drop", args=(handle.key,))
             raise_failures(received, "receiving the weights failed; the engine keeps its previous weights")
@@ -461,11 +457,12 @@ class VllmEngine:
         self._loaded(raise_failures(outcomes, "loading the received weights failed"))
         return time.perf_counter() - start
 
-    def cancel_receive(self, agent: str, version: int) -> None:
-        """Make a `load_published` of `agent` at `version` that waits on other ranks (nccl)
-        fail now, in every worker; safe from another thread than the loading one."""
-        if self._cancel_dir:
-            Path(cancel_mark(self._cancel_dir, agent, version)).touch()
+    def cancel_receive(self, key: str) -> None:
+        """Make the `load_published` of the publication `key` (its handle's key), waiting
+        on other ranks (nccl), fail now, or as soon as it starts, in every worker; safe from
+        another thread than the loading one. A later publication is never affected."""
+        if self._engine is not None:
+            Path(cancel_mark(self._cancel_dir, key)).touch()
 
     def _check_loadable(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         """Refuse, before any worker is touched, a set that is not exactly this model's

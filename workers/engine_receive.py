@@ -20,7 +20,8 @@ tensors go into an engine's model, for these loads and for tensors the driving p
 already holds (`VllmEngine.load_weights`).
 
 A cancel reaches a receive running in another process as a file: the driving process
-creates `cancel_dir/AGENT@VERSION` and the worker's channel polls for it.
+creates `cancel_dir/KEY` (the publication's unique key, so a cancel can never touch a later
+publication of the same version) and the worker's channel polls for it.
 
 It knows vLLM's worker (its model runner, rank, reload) and the parameter channel; nothing
 about agents beyond the names in a handle, the controller or the protocol's messages.
@@ -59,9 +60,9 @@ class PublishedLoad(msgspec.Struct, frozen=True, kw_only=True):
     inplace: bool = True  # a CPU engine may copy into its model (engine_reload.py)
 
 
-def cancel_mark(cancel_dir: str, agent: str, version: int) -> str:
-    """The file whose existence cancels a receive of `agent` at `version`."""
-    return os.path.join(cancel_dir, f"{agent.replace(os.sep, '_')}@{version}")
+def cancel_mark(cancel_dir: str, key: str) -> str:
+    """The file whose existence cancels the receive of the publication `key`."""
+    return os.path.join(cancel_dir, key.replace(os.sep, "_"))
 
 
 class WeightReceiver:
@@ -76,6 +77,7 @@ class WeightReceiver:
         try:
             load = msgspec.msgpack.decode(request, type=PublishedLoad)
             rank = load.rank + (getattr(self, "rank", 0) or 0) if load.rank else None
+            self.__dict__["_flexmarl_receiving"] = load.handle.key  # what a cancel mark names
             tensors = _worker_channel(self, load).receive(load.handle, rank=rank)
             _staged(self)[load.handle.key] = (load, tensors)
             return Outcome(True, str(load.handle.total_bytes))
@@ -167,8 +169,12 @@ def _worker_channel(worker: Any, load: PublishedLoad) -> Any:
             made[1].close()
         device = str(getattr(worker, "device", "cpu"))
         cancel_dir = load.cancel_dir
-        cancelled = (lambda agent, version: os.path.exists(cancel_mark(cancel_dir, agent, version))) \
-            if cancel_dir else None
+
+        def cancelled(agent: str, version: int) -> bool:  # one receive at a time per worker
+            key = worker.__dict__.get("_flexmarl_receiving", "")
+            return bool(key) and os.path.exists(cancel_mark(cancel_dir, key))
+
+        cancelled = cancelled if cancel_dir else None
         made = (load.config, load.cancel_dir), ParamChannel(load.config, location=Location.here(device),
                                                             cancelled=cancelled)
         worker.__dict__["_flexmarl_channel"] = made
@@ -189,8 +195,10 @@ def load_into_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tenso
         weights = without_tied_head(weights)
     model = worker.model_runner.get_model()
     on_cpu = next(model.parameters()).device.type == "cpu"
+    config = getattr(worker, "vllm_config", None)
+    one_rank = config is None or config.parallel_config.world_size == 1  # the plan knows whole weights only
     reload = worker.__dict__.get("_flexmarl_inplace")
-    if reload is None and inplace and on_cpu:
+    if reload is None and inplace and on_cpu and one_rank:
         reload = worker.__dict__["_flexmarl_inplace"] = InPlaceReload()
     if reload is not None and reload(model, dict(weights)):
         how = "in place"

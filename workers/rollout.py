@@ -18,6 +18,11 @@ with `lora`): such a load waits for nothing, since requests in flight keep the a
 version they were admitted under (the engine unloads it after them); each sample carries
 that version.
 
+Whole weights (LOAD_WEIGHTS without `lora`) are received by the engine's own workers, one
+per tensor-parallel rank, each through a parameter channel of its own (engine_receive.py):
+this process passes the handle and the rank, and holds none of the bytes. CANCEL_LOAD of a
+receive under way reaches them through the engine; an adapter is received here.
+
 Engine calls run on a worker thread, so heartbeats keep flowing during a long load.
 It decides nothing: which agent, which requests and which weights come from the controller.
 """
@@ -106,7 +111,7 @@ class RolloutHandler(CommandHandler):
             if applying.lora is not None:
                 self.channel().cancel(msg.agent, msg.version)  # an adapter is received here
             elif self.engine is not None:
-                self.engine.cancel_receive(msg.agent, msg.version)  # whole weights: in the engine's workers
+                self.engine.cancel_receive(applying.handle.key)  # whole weights: in the engine's workers
         await self.reply(protocol.LoadCancelled(msg.request_id, msg.agent))
 
     def load(self) -> dict[str, float]:

@@ -220,8 +220,7 @@ async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
     handler._channel = types.SimpleNamespace(cancel=lambda agent, version: cancels.append((agent, version)),
                                              close=lambda: None)
     # Whole weights are received in the engine's own workers; an adapter in this process.
-    handler.engine = types.SimpleNamespace(cancel_receive=lambda agent, version: engine_cancels.append((agent, version)),
-                                           close=lambda: None, adapters=None)
+    handler.engine = types.SimpleNamespace(cancel_receive=engine_cancels.append, close=lambda: None, adapters=None)
     queued = p.LoadWeights(1, "planner", 2, "any handle", rank=1)
     handler._control.append(queued)
     await handler.handle(p.CancelLoad(2, "planner", 2), [])
@@ -229,9 +228,9 @@ async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
     error, done = outbox.sent
     assert isinstance(error, p.Error) and error.request_id == 1 and "cancelled" in error.message
     assert isinstance(done, p.LoadCancelled) and done.request_id == 2
-    handler._applying = p.LoadWeights(3, "planner", 3, "any handle", rank=1)  # receiving now
+    handler._applying = p.LoadWeights(3, "planner", 3, types.SimpleNamespace(key="planner-v3-1"), rank=1)  # receiving
     await handler.handle(p.CancelLoad(4, "planner", 3), [])
-    assert engine_cancels == [("planner", 3)] and cancels == []
+    assert engine_cancels == ["planner-v3-1"] and cancels == []  # this publication's receive, no later one
     handler._applying = p.LoadWeights(5, "coach", 4, "any handle", rank=1, lora=p.LoraSettings())
     await handler.handle(p.CancelLoad(6, "coach", 4), [])
-    assert cancels == [("coach", 4)] and engine_cancels == [("planner", 3)]
+    assert cancels == [("coach", 4)] and engine_cancels == ["planner-v3-1"]
