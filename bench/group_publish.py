@@ -6,8 +6,9 @@ A model of a real shape (random weights, built from its config, float32 master w
 bfloat16 served: mixed precision) is sharded over a group of `ranks` (FSDP2; gloo on the
 CPU, NCCL on GPUs). Rank 0 publishes it over shm, two ways, `reps` times each:
 
-- whole:    every weight gathered first, then the set packed into the bucket (how the group
-            published before weights were streamed into the bucket);
+- whole:    every weight gathered first, then the set packed into the bucket (the group's
+            order before weights were streamed into the bucket; the shards are cast to
+            bfloat16 before the gather both ways);
 - streamed: each weight gathered when the packing reaches it, and let go once copied.
 
 For each: the most bytes of gathered weights rank 0 held at once (counted exactly, each
@@ -94,11 +95,10 @@ class GatherCount:
         self.most = self.live
 
 
-def gathered_whole(handler: TrainerGroupHandler):
-    """The group's publish as it was: the whole set gathered, then packed."""
-    def full_weights(state, dtype):
-        return {k: v.detach().to(dtype).full_tensor() for k, v in state.model.named_parameters()}
-    return full_weights
+def gathered_whole(state, dtype) -> dict[str, torch.Tensor]:
+    """The whole set gathered, then packed: the group's order before it streamed (each
+    shard is cast before its gather here, as the group does now)."""
+    return {k: v.detach().to(dtype).full_tensor() for k, v in state.model.named_parameters()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             gathers = GatherCount()
             for rep in range(args.reps):
                 for way in ("whole", "streamed"):
-                    handler._full_weights = gathered_whole(handler) if way == "whole" else streamed_full_weights
+                    handler._full_weights = gathered_whole if way == "whole" else streamed_full_weights
                     gathers.reset()
                     before = reset_peak(device)
                     t0 = time.perf_counter()

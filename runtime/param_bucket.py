@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from .param_stream import TensorStream
+from .param_stream import declared
 from .param_types import ParamHandle, ParamTransferError, TensorSpec, describe
 
 __all__ = [
@@ -37,23 +37,13 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], 
     """Place each tensor at the next ALIGN boundary; returns the layout and bucket size.
     A TensorStream is laid out from its declared dtypes and shapes, nothing made."""
     layout, offset = [], 0
-    for name, (dtype, shape) in _shapes(tensors):
+    for name, dtype, shape, _ in declared(tensors):
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {name!r}")
         nbytes = math.prod(shape) * dtype.itemsize
         layout.append(TensorSpec(name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
         offset = round_up(offset + nbytes, ALIGN)
     return layout, offset
-
-
-def _shapes(tensors: Mapping[str, torch.Tensor]):
-    if isinstance(tensors, TensorStream):
-        yield from tensors.specs.items()
-        return
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            raise TypeError(f"{name!r} is not a dense torch.Tensor; publish dense tensors only")
-        yield name, (t.dtype, tuple(t.shape))
 
 
 def checksum(data: torch.Tensor) -> int:

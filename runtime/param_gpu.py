@@ -27,7 +27,7 @@ import torch
 
 from . import param_nccl
 from .param_bucket import ALIGN, pack_into, unpack, verify_bucket
-from .param_stream import TensorStream
+from .param_stream import declared
 from .param_transport import Transport
 from .param_types import CudaIpcInfo, NcclInfo, ParamHandle, ParamTransferError, describe
 
@@ -35,10 +35,7 @@ __all__ = ["CudaIpcTransport", "NcclTransport"]
 
 
 def _one_device(tensors, transport: str) -> torch.device:
-    if isinstance(tensors, TensorStream):  # asked, not made: a stream makes each tensor once
-        found = [tensors.device]
-    else:
-        found = [t.device for t in tensors.values()]
+    found = [device for *_, device in declared(tensors)]  # a stream's are asked, not made
     devices = {d for d in found if d.type == "cuda"}
     if len(devices) != 1 or any(d.type != "cuda" for d in found):
         where = sorted(map(str, set(found))) or ["the CPU"]

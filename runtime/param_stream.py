@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["TensorStream", "drain"]
+__all__ = ["TensorStream", "declared", "drain"]
 
 
 class TensorStream(Mapping):
@@ -73,3 +73,17 @@ def drain(tensors: Mapping[str, torch.Tensor]) -> None:
     """Finish a stream (see TensorStream.drain); a plain mapping has nothing left to make."""
     if isinstance(tensors, TensorStream):
         tensors.drain()
+
+
+def declared(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], torch.device]]:
+    """Each tensor's name, dtype, shape and device, in order: what a transport plans a
+    bucket from. A stream's are its declarations (nothing is made); a plain mapping's are
+    read off its tensors, which must be dense."""
+    if isinstance(tensors, TensorStream):
+        for name, (dtype, shape) in tensors.specs.items():
+            yield name, dtype, tuple(shape), tensors.device
+        return
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"{name!r} is not a dense torch.Tensor; publish dense tensors only")
+        yield name, t.dtype, tuple(t.shape), t.device

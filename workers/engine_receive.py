@@ -87,36 +87,29 @@ class WeightReceiver:
     def flexmarl_apply(self, key: str) -> Outcome:
         """Load what `flexmarl_receive` staged under `key` into the model, then let it go.
         Done: how ("in place" or "vllm"), and, where the in-place path is off, why."""
-        try:
-            load, tensors = _staged(self).pop(key)
-        except KeyError:
+        staged = _staged(self).pop(key, None)
+        if staged is None:
             return Outcome(False, "RuntimeError", f"nothing was received under {key!r} in this worker")
+        load, tensors = staged
         try:
-            how, why = load_into_worker(self, tensors.items(), tied=load.tied, inplace=load.inplace)
-            return Outcome(True, how, why or "")
-        except Exception as exc:  # noqa: BLE001
-            return Outcome.failed(exc)
+            return _load(self, tensors.items(), load.tied, load.inplace)
         finally:
-            del tensors
+            del tensors, staged
             _worker_channel(self, load).release(load.handle)
 
     def flexmarl_drop(self, key: str) -> Outcome:
         """Let a staged publication go unloaded (another worker's receive failed)."""
         staged = _staged(self).pop(key, None)
         if staged is not None:
-            load, tensors = staged
-            del tensors
+            load = staged[0]
+            del staged  # the views go before the channel lets their memory go
             _worker_channel(self, load).release(load.handle)
         return Outcome(True)
 
     def flexmarl_load_tensors(self, weights: list[tuple[str, torch.Tensor]], tied: bool,
                               inplace: bool) -> Outcome:
         """Load tensors handed over with the call (VllmEngine.load_weights)."""
-        try:
-            how, why = load_into_worker(self, weights, tied=tied, inplace=inplace)
-            return Outcome(True, how, why or "")
-        except Exception as exc:  # noqa: BLE001
-            return Outcome.failed(exc)
+        return _load(self, weights, tied, inplace)
 
     def flexmarl_close_channel(self) -> Outcome:
         """Unmap and free what this worker's channel holds (the engine is closing)."""
@@ -152,6 +145,15 @@ def raise_failures(outcomes: list[Outcome], what: str) -> list[Outcome]:
             suffix = f" (engine worker {rank} of {len(outcomes)})" if len(outcomes) > 1 else ""
             raise kinds.get(outcome.value, RuntimeError)(f"{what}: {outcome.detail}{suffix}")
     return outcomes
+
+
+def _load(worker: Any, weights: Iterable[tuple[str, torch.Tensor]], tied: bool, inplace: bool) -> Outcome:
+    """load_into_worker, as an outcome."""
+    try:
+        how, why = load_into_worker(worker, weights, tied=tied, inplace=inplace)
+        return Outcome(True, how, why or "")
+    except Exception as exc:  # noqa: BLE001  (returned, see WeightReceiver)
+        return Outcome.failed(exc)
 
 
 def _staged(worker: Any) -> dict[str, tuple[PublishedLoad, dict[str, torch.Tensor]]]:

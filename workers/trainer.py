@@ -18,7 +18,7 @@ optimizer state, never the base.
 
 Each command type maps to one method in `TrainerHandler.COMMANDS`, written once: a trainer
 group (trainer_group.py) runs the same commands and overrides only the steps that differ
-across ranks (`_new_model`, `_receive`, `_share`, `_reduce`, `_full_weights`,
+across ranks (`_new_model`, `_receive`, `_share`, `_reduce`, `_full_weight`,
 `_local_state`, `_gather_handles`, `_checkpoint_state_dict`; `rank` and `world`). The loss
 itself is in `loss.py`.
 
@@ -300,13 +300,18 @@ class TrainerHandler(CommandHandler):
 
     def _full_weights(self, state: AgentState, dtype: Any) -> Any:
         """The agent's whole parameters in `dtype` (a tied head once, as the embedding;
-        receivers know the tie), as a TensorStream: each is cast as the publish packs it,
-        so a trainer serving bfloat16 from float32 weights never holds a second copy."""
+        receivers know the tie), as a TensorStream: each is made (`_full_weight`) as the
+        publish packs it, so a trainer serving bfloat16 from float32 weights, or a group
+        gathering its shards, never holds a second copy of the set."""
         from flexmarl.runtime.param_stream import TensorStream
 
         params = dict(state.model.named_parameters())
         return TensorStream({k: (dtype, tuple(v.shape)) for k, v in params.items()},
-                            lambda k: params[k].detach().to(dtype), device=state.placement.device)
+                            lambda k: self._full_weight(params[k], dtype), device=state.placement.device)
+
+    def _full_weight(self, param: Any, dtype: Any) -> Any:
+        """One whole parameter in `dtype`."""
+        return param.detach().to(dtype)
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         """The part of the agent's training state this process parks."""

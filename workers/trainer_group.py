@@ -235,15 +235,10 @@ class TrainerGroupHandler(TrainerHandler):
         dist.all_reduce(longest, dist.ReduceOp.MAX, group=self.control)
         return StepSums.from_tensors({**dict(zip(names, summed)), "length_max": longest[0]})
 
-    def _full_weights(self, state: AgentState, dtype: Any) -> Any:
-        # Each weight is gathered (every rank takes part) when rank 0's publish packs it,
-        # and its shard cast first: rank 0 holds the bucket and one gathered weight, never
-        # the whole set, and the gather moves the served dtype's bytes, not float32's.
-        from flexmarl.runtime.param_stream import TensorStream
-
-        params = dict(state.model.named_parameters())
-        return TensorStream({k: (dtype, tuple(v.shape)) for k, v in params.items()},
-                            lambda k: params[k].detach().to(dtype).full_tensor(), device=self.device)
+    def _full_weight(self, param: Any, dtype: Any) -> Any:
+        # Gathered (every rank takes part) when rank 0's publish packs it, its shard cast
+        # first: the gather moves the served dtype's bytes, not float32's.
+        return param.detach().to(dtype).full_tensor()
 
     def _local_state(self, state: AgentState) -> dict[str, Any]:
         return {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}
