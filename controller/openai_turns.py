@@ -219,11 +219,11 @@ class OpenAITurns:
         if held is not None:
             if "n" in request.model_fields_set and request.n != 1:
                 raise CallError(400, "a call that continues a conversation takes one reply: n must be 1", "n")
-            await _turn(self.ctx.continue_chat(held.sample, messages[len(held.said):], tools=tools, **sampling))
+            await self._turn(self.ctx.continue_chat(held.sample, messages[len(held.said):], tools=tools, **sampling))
             samples = [held.sample]
         else:
             n = request.n if "n" in request.model_fields_set else None
-            samples = await _turn(self.ctx.chat(agent, messages, n=n, tools=tools, **sampling))
+            samples = await self._turn(self.ctx.chat(agent, messages, n=n, tools=tools, **sampling))
         cid = self._new_id("chatcmpl", samples)
         choices, completion_tokens = [], 0
         context = _context(samples[0])
@@ -248,17 +248,17 @@ class OpenAITurns:
         agent, tok = request.model, self.ctx.tokenizer(request.model)
         prompt_ids = self._prompt_ids(request, tok)
         sampling = sampling_of(request)
-        held = next((t for t in reversed(self.texts) if t[0] == agent and len(t[2]) < len(prompt_ids)
+        held = next((t for t in self.texts if t[0] == agent and len(t[2]) < len(prompt_ids)
                      and prompt_ids[:len(t[2])] == t[2] and _open(t[1])), None)
         if held is not None:
             if request.n != 1:
                 raise CallError(400, "a call that continues a completion takes one reply: n must be 1", "n")
-            await _turn(self.ctx.continue_ids(held[1], prompt_ids[len(held[2]):], **sampling))
+            await self._turn(self.ctx.continue_ids(held[1], prompt_ids[len(held[2]):], **sampling))
             samples = [held[1]]
             self.texts.remove(held)
         else:
             n = request.n if "n" in request.model_fields_set else None
-            samples = await _turn(self.ctx.generate(agent, prompt_ids, n=n, **sampling))
+            samples = await self._turn(self.ctx.generate(agent, prompt_ids, n=n, **sampling))
         cid = self._new_id("cmpl", samples)
         choices, completion_tokens = [], 0
         for index, sample in enumerate(samples):
@@ -274,6 +274,23 @@ class OpenAITurns:
                                   usage=_usage(len(prompt_ids), completion_tokens))
 
     # ---------------------------------------------------------------- helpers
+
+    async def _turn(self, call: Any) -> Any:
+        """Runs a context call; what it refuses (a bad setting, a prompt the tokenizer or
+        the engine cannot take, a sample that cannot go on) is the caller's 400, and a
+        group the failed call opened is dropped: the call failed alone."""
+        from .router import RequestRefused
+        from .workflow import EpisodeClosed
+
+        opened = len(self.ctx.groups)
+        try:
+            return await call
+        except EpisodeClosed as exc:
+            raise CallError(409, f"the episode already failed: {exc}") from None
+        except (ValueError, TypeError, RequestRefused) as exc:
+            for group_id in self.ctx.groups[opened:]:
+                self.ctx.store.drop_group(group_id, f"its call failed: {exc}")
+            raise CallError(400, str(exc)) from None
 
     def _continued(self, agent: str, said: list[tuple]) -> Conversation | None:
         best = None
@@ -361,15 +378,3 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Any:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
-async def _turn(call: Any) -> Any:
-    """Runs a context call; what it refuses (a bad setting, a prompt the tokenizer or the
-    engine cannot take, a sample that cannot go on) is the caller's 400."""
-    from .router import RequestRefused
-    from .workflow import EpisodeClosed
-
-    try:
-        return await call
-    except EpisodeClosed as exc:
-        raise CallError(409, f"the episode already failed: {exc}") from None
-    except (ValueError, TypeError, RequestRefused) as exc:
-        raise CallError(400, str(exc)) from None

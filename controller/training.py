@@ -352,9 +352,7 @@ class TrainingRun:
             return protocol.LoadModel(self.server.next_request_id(), self.unit_of[agent], self.model_path[agent], 0,
                                       seed=self.cfg.run.seed, max_model_len=self.cfg.bases[cfg.base].max_model_len,
                                       engine=bases.engine_settings(self.cfg, cfg.base))
-        return protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
-                                  seed=self.cfg.run.seed, max_model_len=cfg.max_model_len,
-                                  engine=cfg.engine_settings())
+        return whole_model_message(self.cfg, agent, self.server.next_request_id(), self.model_path[agent])
 
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN
@@ -389,6 +387,14 @@ class TrainingRun:
                      for a in self.agents}
         return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset,
                                 self.episodes.episode_number(step + 1, 0))
+
+
+def whole_model_message(cfg: ExperimentConfig, agent: str, request_id: int, path: str,
+                        version: int = 0) -> protocol.LoadModel:
+    """What starts an engine on a whole-model agent's weights in `path`, as `version`."""
+    c = cfg.agents[agent]  # max_model_len 0: the engine's device decides
+    return protocol.LoadModel(request_id, agent, path, version, seed=cfg.run.seed, max_model_len=c.max_model_len,
+                              engine=c.engine_settings())
 
 
 def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:

@@ -221,7 +221,8 @@ class EpisodeContext:
         if self.closed:
             raise EpisodeClosed(self.closed)
         self._check_agent(agent)
-        n = self.agents[agent].group_size if n is None else n
+        if n is None:  # a group; one sample where nothing is trained
+            n = self.agents[agent].group_size if self.trains else 1
         if self.eval_temperature is not None:
             n = 1
         elif n < 2 and self.trains:
