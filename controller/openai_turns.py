@@ -9,7 +9,8 @@ of the episode its key names. A chat call:
   turn (`ctx.continue_chat`). The earlier replies stay the engine's own ids: rendering
   them again from their text could tokenize them otherwise, and the trained sample would
   no longer be what the sampler drew. Of several samples the call extends (two choices
-  that said the same), the first whose conversation has not moved on;
+  that said the same), the first whose conversation has not moved on and that no other
+  call is continuing at the moment;
 - otherwise opens a group (`ctx.chat`): `n` samples; without `n`, what ctx.chat gives (the
   agent's group_size in training, one sample in evaluation).
 
@@ -66,6 +67,7 @@ class Conversation:
     agent: str
     sample: Any
     said: list[tuple]  # canonical messages (see `canonical`)
+    busy: bool = False  # a call is continuing it now: a concurrent call must take another
 
 
 def check_supported(request: Any) -> None:
@@ -219,7 +221,12 @@ class OpenAITurns:
         if held is not None:
             if "n" in request.model_fields_set and request.n != 1:
                 raise CallError(400, "a call that continues a conversation takes one reply: n must be 1", "n")
-            await self._turn(self.ctx.continue_chat(held.sample, messages[len(held.said):], tools=tools, **sampling))
+            held.busy = True
+            try:
+                await self._turn(self.ctx.continue_chat(held.sample, messages[len(held.said):], tools=tools,
+                                                        **sampling))
+            finally:
+                held.busy = False
             samples = [held.sample]
         else:
             n = request.n if "n" in request.model_fields_set else None
@@ -253,9 +260,9 @@ class OpenAITurns:
         if held is not None:
             if request.n != 1:
                 raise CallError(400, "a call that continues a completion takes one reply: n must be 1", "n")
+            self.texts.remove(held)  # taken: a concurrent call must find another
             await self._turn(self.ctx.continue_ids(held[1], prompt_ids[len(held[2]):], **sampling))
             samples = [held[1]]
-            self.texts.remove(held)
         else:
             n = request.n if "n" in request.model_fields_set else None
             samples = await self._turn(self.ctx.generate(agent, prompt_ids, n=n, **sampling))
@@ -296,7 +303,7 @@ class OpenAITurns:
         best = None
         for c in self.conversations:
             if (c.agent == agent and len(c.said) < len(said) and (best is None or len(c.said) > len(best.said))
-                    and said[:len(c.said)] == c.said and _open(c.sample)):
+                    and not c.busy and said[:len(c.said)] == c.said and _open(c.sample)):
                 best = c
         return best
 
