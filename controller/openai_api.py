@@ -91,21 +91,17 @@ def tool_parsers(parsers: dict[str, str]) -> dict[str, type]:
     return found
 
 
-class _EmbeddedServer:
-    """uvicorn's server, minus its signal handlers: the controller's own handling of
-    Ctrl-C and SIGTERM stays in charge."""
+def embedded_server(app: Any) -> Any:
+    """uvicorn's server for `app`, minus its signal handlers: the controller's own handling
+    of Ctrl-C and SIGTERM stays in charge."""
+    import uvicorn
 
-    @staticmethod
-    def make(app: Any) -> Any:
-        import uvicorn
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                yield
-
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", log_level="warning")
-        return Server(config)
+    return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", log_level="warning"))
 
 
 class OpenAIEndpoint:
@@ -162,7 +158,7 @@ class OpenAIEndpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.cfg.host, self.cfg.port))
         host, port = sock.getsockname()[:2]
-        self._server = _EmbeddedServer.make(self.app())
+        self._server = embedded_server(self.app())
         self.task = asyncio.create_task(self._server.serve(sockets=[sock]), name="openai-endpoint")
         while not self._server.started:
             if self.task.done():
