@@ -1,6 +1,12 @@
-"""The OpenAI endpoint's cost per call against `ctx.chat`, on the same job, one invocation.
+"""The OpenAI endpoint's cost against `ctx.chat`, on the same job, in one invocation.
 
-Starts one job (real processes: a vLLM rollout worker on the review chain's verifier
+1. The job: the review chain trained for --job-steps steps written both ways, its
+   episodes by `ctx.chat` (examples/review_chain.toml) and as OpenAI client code through
+   the endpoint (examples/openai_team.toml: the same models, data, rewards and settings),
+   one after the other in this process. Reported: trained samples/s after set-up (the
+   run's own figure) and the ratio (target: the endpoint's at least 1 / 1.2 of chat's).
+
+2. The calls alone, where nothing else hides them: starts one job (real processes: a vLLM rollout worker on the review chain's verifier
 model, a trainer the bench never uses), sets it up, starts its endpoint, then runs the
 same episodes both ways, in alternating rounds so drift in the machine's load falls on
 both alike:
@@ -12,11 +18,12 @@ both alike:
 
 Each round runs --episodes episodes at once (as a step's queries do). Reported, per way:
 samples/s (wall) and the controller's CPU per call (this process's CPU time over calls;
-the engine runs in its own process); then the endpoint's samples/s over chat's (target:
-at least 1 / 1.2) and its extra CPU per call.
+the engine runs in its own process; the agent code's `openai` client runs in this
+process too, as it does in a job), then the endpoint's samples/s over chat's and its
+extra CPU per call.
 
-    python bench/openai_overhead.py --rounds 6 --episodes 8
-    python bench/openai_overhead.py --smoke      # one round of two episodes: the suite's smoke run
+    python bench/openai_overhead.py --job-steps 10 --rounds 6 --episodes 8
+    python bench/openai_overhead.py --smoke      # one step of each job, one round of two episodes
 """
 
 from __future__ import annotations
@@ -81,6 +88,26 @@ async def one_round(training, way: str, round_no: int, episodes: int) -> tuple[i
     return sum(calls), len(store.samples), wall, cpu
 
 
+async def train_job(toml: str, steps: int) -> dict:
+    from flexmarl.controller.experiment import Experiment
+    from flexmarl.runtime.config import load_config
+
+    cfg = load_config(ROOT / "examples" / toml, [f"run.steps={steps}", "eval.every=0", "run.progress=false",
+                                                   "run.checkpoint_every=0"])
+    with tempfile.TemporaryDirectory() as run_dir:
+        async with Experiment(cfg, run_dir=run_dir) as exp:
+            summary = await exp.train()
+    return {"job": toml, "steps": steps, "samples": summary.samples, "wall_s": round(summary.wall_s, 2),
+            "samples_per_s": round(summary.samples / summary.wall_s, 2), "episodes_failed": summary.episodes_failed}
+
+
+async def measure_jobs(steps: int) -> list[dict]:
+    rows = [await train_job("review_chain.toml", steps), await train_job("openai_team.toml", steps)]
+    rows.append({"job": "openai_team/review_chain",
+                 "samples_per_s_ratio": round(rows[1]["samples_per_s"] / rows[0]["samples_per_s"], 3)})
+    return rows
+
+
 async def measure(rounds: int, episodes: int, group_size: int) -> list[dict]:
     from flexmarl.controller.experiment import Experiment
     from flexmarl.runtime.config import load_config
@@ -118,19 +145,28 @@ async def measure(rounds: int, episodes: int, group_size: int) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job-steps", type=int, default=10, help="steps of each job (0: the calls alone)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--smoke", action="store_true", help="one round of two episodes")
+    p.add_argument("--smoke", action="store_true", help="one step of each job, one round of two episodes")
     args = p.parse_args()
     if args.smoke:
-        args.rounds, args.episodes = 1, 2
+        args.job_steps, args.rounds, args.episodes = 1, 1, 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(ROOT / "bench"))
     from flexmarl.runtime.aio import limit_threads, run_async
 
     limit_threads(1)
+    if args.job_steps > 0:
+        jobs = run_async(lambda: measure_jobs(args.job_steps))
+        for row in jobs:
+            print(json.dumps(row))
+        print(f"\n{'job':>18} {'samples/s':>10}")
+        for row in jobs[:2]:
+            print(f"{row['job']:>18} {row['samples_per_s']:>10.2f}")
+        print(f"endpoint job / chat job samples/s: {jobs[2]['samples_per_s_ratio']:.3f} (target >= {1 / 1.2:.3f})\n")
     rows = run_async(lambda: measure(args.rounds, args.episodes, args.group_size))
     for row in rows:
         print(json.dumps(row))
@@ -138,7 +174,7 @@ def main() -> None:
     print(f"\n{'way':>9} {'samples/s':>10} {'CPU ms/call':>12}")
     for row in (chat, endpoint):
         print(f"{row['way']:>9} {row['samples_per_s']:>10.2f} {row['controller_cpu_ms_per_call']:>12.3f}")
-    print(f"endpoint / chat samples/s: {ratio['samples_per_s_ratio']:.3f} (target >= {1 / 1.2:.3f}); "
+    print(f"calls alone, endpoint / chat samples/s: {ratio['samples_per_s_ratio']:.3f}; "
           f"extra controller CPU per call: {ratio['extra_cpu_ms_per_call']:.3f} ms")
 
 
