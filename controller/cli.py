@@ -101,14 +101,19 @@ def _report(exc: BaseException, debug: bool) -> None:
     print(f"flexmarl: {exc}", file=sys.stderr)
 
 
+def _cancel_on_signals() -> None:
+    """Ctrl-C and SIGTERM cancel the running task, which shuts its workers down in order."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+
+
 def _train(make_experiment, debug: bool = False) -> int:
     user_errors = _user_errors()
 
     async def main() -> int:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+        _cancel_on_signals()
         try:
             experiment = make_experiment()
         except user_errors as exc:
@@ -136,10 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
                                         for key, value in (("host", args.host), ("port", args.port)) if value is not None]
 
     async def main() -> int:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+        _cancel_on_signals()
         try:
             await ServedAgents(args.target, overrides).run()
         except _user_errors() as exc:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ import socket
 from typing import Any, Callable, Iterator
 
 from flexmarl.runtime.config import ConfigError, OpenAIConfig
+from flexmarl.runtime.transport import is_loopback_host
 
 from .openai_turns import CallError, OpenAITurns
 
@@ -50,19 +50,10 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                413: "BadRequestError", 500: "InternalServerError"}
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def endpoint_key(cfg: OpenAIConfig) -> str:
     """The endpoint's key: from `openai.key_env`; required off loopback."""
     key = os.environ.get(cfg.key_env, "") if cfg.key_env else ""
-    if not key and not is_loopback(cfg.host):
+    if not key and not is_loopback_host(cfg.host):
         raise ConfigError(f"openai.host = {cfg.host!r} is not loopback: the endpoint needs a key there; put one "
                           f"in the environment variable {cfg.key_env or 'FLEXMARL_OPENAI_KEY'} (openai.key_env)")
     return key

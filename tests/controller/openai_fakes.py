@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import random
 
+import pytest
+
 from flexmarl.controller.openai_api import OpenAIEndpoint
 from flexmarl.controller.store import ExperienceStore
 from flexmarl.controller.tokens import AgentTokenizer
@@ -16,6 +18,7 @@ from flexmarl.runtime.config import OpenAIConfig
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 TEXT = ["What is 12 + 30?", "It is 42.", "Try again.", "The answer is 12.", "add", "arguments",
         '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>', "The tool says 42."] * 20
 
@@ -34,6 +37,12 @@ def build_tokenizer(folder) -> str:
     tok.chat_template = TEMPLATE
     tok.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """The agent's tokenizer, as the controller loads it."""
+    return AgentTokenizer("solver", build_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 class ScriptedEngine:

@@ -10,17 +10,10 @@ import pytest
 
 from flexmarl.controller.router import RequestRefused
 from flexmarl.controller.openai_api import OpenAIEndpoint
-from flexmarl.controller.tokens import AgentTokenizer
 from flexmarl.runtime.config import ConfigError, OpenAIConfig
 
-from openai_fakes import ScriptedEngine, build_tokenizer, make_context, running_endpoint
+from openai_fakes import QUESTION, ScriptedEngine, make_context, running_endpoint, tok  # noqa: F401 (a fixture)
 
-QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return AgentTokenizer("solver", build_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 async def test_bad_requests_get_the_openai_error_shape_and_never_reach_the_engine(tok):

@@ -8,17 +8,10 @@ import asyncio
 
 import pytest
 
-from flexmarl.controller.tokens import AgentTokenizer
 from flexmarl.controller.workflow import run_episode
 
-from openai_fakes import ScriptedEngine, build_tokenizer, make_context, running_endpoint
+from openai_fakes import QUESTION, ScriptedEngine, make_context, running_endpoint, tok  # noqa: F401 (a fixture)
 
-QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return AgentTokenizer("solver", build_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 async def test_a_call_without_n_is_one_group_of_the_agents_group_size_and_with_n_of_that_size(tok):
