@@ -38,6 +38,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .store import PENDING
+
 # The request fields a call may set, besides those honoured below: they change nothing
 # about the tokens drawn (an id, a user name, the sampling seed: each sample's seed
 # follows from its id, for sync and async runs to draw alike).
@@ -75,10 +77,10 @@ def check_supported(request: Any) -> None:
     fields = type(request).model_fields
     for name in sorted(request.model_fields_set - HONOURED - HARMLESS):
         spec = fields.get(name)
-        if spec is None or spec.default_factory is not None:
+        if spec is None:  # not a field vLLM knows: nothing reads it
             continue
         value = getattr(request, name)
-        if value is not None and value != spec.default and value != NEUTRAL.get(name):
+        if value is not None and value != spec.get_default(call_default_factory=True) and value != NEUTRAL.get(name):
             raise CallError(400, f"{name} is not supported here: the trainer scores each token under "
                                  f"temperature, top_k and top_p alone, so a call may not change how tokens "
                                  f"are drawn otherwise", name)
@@ -377,7 +379,7 @@ def _context(sample: Any) -> list[int]:
 
 def _open(sample: Any) -> bool:
     """A sample can take another turn until it has a reward (or its group ended)."""
-    return sample.reward is None and sample.status == "pending"
+    return sample.reward is None and sample.status == PENDING
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Any:

@@ -20,6 +20,12 @@ source of truth: `sample.output_ids` are the engine's ids, `sample.text` only de
 Concurrency inside an episode (branches) and across episodes is plain asyncio; the
 episode runner bounds it.
 
+Agent code written against the OpenAI API takes part through the run's endpoint
+(openai_api.py): `ctx.openai_client()` (or `ctx.openai_base_url` and `ctx.openai_api_key`)
+points it at this episode, and each call becomes a `chat` or `continue_chat` of this
+context (openai_turns.py); `ctx.reward` takes the completion ids it returned, and
+`ctx.reward_all` rewards every sample of an agent at once.
+
 If an episode raises or overruns its timeout, it is closed: its other branches still
 running are cancelled, any later `generate` in it raises `EpisodeClosed`, and every group
 it opened that is not yet trainable is dropped with the reason, counted and logged; the
@@ -52,7 +58,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from flexmarl.runtime import protocol
 
 from .failures import user_frame, user_traceback
-from .store import ExperienceStore, Sample
+from .store import PENDING, ExperienceStore, Sample
 
 log = logging.getLogger("flexmarl.workflow")
 
@@ -353,7 +359,7 @@ class EpisodeContext:
         or with `value(sample)` where it is a function (a sample's reward from its own
         text or conversation)."""
         for s in self.samples(agent):
-            if s.reward is None and s.status == "pending":
+            if s.reward is None and s.status == PENDING:
                 self.store.set_reward(s.sample_id, value(s) if callable(value) else value)
 
     # ---------------------------------------------------------------- the OpenAI endpoint
