@@ -190,3 +190,20 @@ async def test_without_the_endpoint_the_context_says_how_to_turn_it_on(tok):
     ctx = make_context(None, ScriptedEngine(tok, []), tok)
     with pytest.raises(RuntimeError, match="openai.enabled = true"):
         ctx.openai_client()
+
+
+async def test_an_evaluation_episode_calls_the_same_endpoint_for_one_sample_at_its_own_temperature(tok):
+    engine = ScriptedEngine(tok, ["It is 42.", "Try again."])
+    async with running_endpoint() as endpoint:
+        ctx = make_context(endpoint, engine, tok, eval_temperature=0.0)
+        client = ctx.openai_client()
+        first = await client.chat.completions.create(model="solver", messages=QUESTION, temperature=1.0)
+        said = {"role": "assistant", "content": first.choices[0].message.content}
+        again = await client.chat.completions.create(
+            model="solver", messages=QUESTION + [said, {"role": "user", "content": "Sure?"}])
+        assert len(first.choices) == len(again.choices) == 1
+        assert [r.temperature for r in engine.requests] == [0.0, 0.0]
+        (sample,) = ctx.samples("solver")
+        assert len(sample.versions) == 2
+        ctx.reward(again.id, 1.0)
+        await ctx.end()
