@@ -107,6 +107,8 @@ class OpenAIEndpoint:
         self.serving = serving
         self.key_required = bool(configured)
         import_protocol()  # seconds: done now, before any worker heartbeats to this loop
+        # The episodes' clients run in this process: one log line per call would flood its log.
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
         self.tool_parsers = tool_parsers(parsers or {})
         self.sessions: dict[str, OpenAITurns] = {}
         self.base_url = ""
