@@ -87,8 +87,8 @@ def check_supported(request: Any) -> None:
     chat_top = getattr(request, "top_logprobs", 0) or 0
     text_top = request.logprobs if isinstance(request.logprobs, int) and not isinstance(request.logprobs, bool) else 0
     if chat_top > 0 or text_top > 1:
-        raise CallError(400, "top_logprobs is not supported: the engine returns the sampled token's logprob only",
-                        "top_logprobs")
+        raise CallError(400, "logprobs of other tokens than the sampled one are not available: the engine returns "
+                             "the sampled token's logprob only", "top_logprobs" if chat_top else "logprobs")
     if getattr(request, "tool_choice", None) not in (None, "none", "auto"):
         raise CallError(400, "tool_choice may be 'auto' or 'none': a reply is never constrained (the tokens "
                              "trained are the model's own)", "tool_choice")

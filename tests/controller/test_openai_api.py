@@ -33,8 +33,12 @@ async def test_bad_requests_get_the_openai_error_shape_and_never_reach_the_engin
         with pytest.raises(openai.BadRequestError, match="logit_bias is not supported here") as err:
             await client.chat.completions.create(model="solver", messages=QUESTION, logit_bias={"5": 10})
         assert err.value.body["param"] == "logit_bias"
-        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        with pytest.raises(openai.BadRequestError, match="the sampled token's logprob only") as err:
             await client.chat.completions.create(model="solver", messages=QUESTION, logprobs=True, top_logprobs=3)
+        assert err.value.body["param"] == "top_logprobs"
+        with pytest.raises(openai.BadRequestError, match="the sampled token's logprob only") as err:
+            await client.completions.create(model="solver", prompt="What is 12 + 30?", logprobs=5)
+        assert err.value.body["param"] == "logprobs"
         with pytest.raises(openai.BadRequestError, match="tool_choice may be 'auto' or 'none'"):
             await client.chat.completions.create(model="solver", messages=QUESTION, tool_choice="required", tools=[
                 {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])
