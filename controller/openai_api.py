@@ -7,7 +7,10 @@ server), so every call is a turn of that episode's agent (openai_turns.py maps c
 turns). The routes are Starlette's, served by uvicorn inside the controller's own event
 loop (no thread, no process: a call reaches the episode context as `ctx.chat` would);
 requests and responses are vLLM's OpenAI protocol models, tool calls come from vLLM's tool
-parsers. Nothing here is a hand-written HTTP server or schema.
+parsers. Nothing here is a hand-written HTTP server or schema. The client
+`ctx.openai_client()` makes goes around the socket: its transport hands each request to the
+same handler in the calling task (`transport`), which saves the HTTP work on both sides
+(most of a call's cost to the controller); any other client comes over HTTP.
 
 Loopback by default; another address only with a key (`openai.key_env`), as the ZeroMQ
 side requires CURVE keys. An episode's key is the endpoint's key, a dash and the
@@ -36,7 +39,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from flexmarl.runtime.config import ConfigError, OpenAIConfig
 from flexmarl.runtime.transport import is_loopback_host
@@ -176,59 +179,88 @@ class OpenAIEndpoint:
 
     def app(self) -> Any:
         from starlette.applications import Starlette
+        from starlette.responses import Response
         from starlette.routing import Route
 
-        return Starlette(routes=[
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/v1/completions", self._complete, methods=["POST"]),
-            Route("/v1/models", self._models, methods=["GET"]),
-        ])
+        async def route(request: Any) -> Any:
+            reply = await self.handle(request.method, request.url.path, request.headers, await request.body())
+            return Response(reply.content, status_code=reply.status, media_type=reply.media_type)
 
-    async def _chat(self, request: Any) -> Any:
+        return Starlette(routes=[Route(path, route, methods=[method]) for path, (method, _) in self.routes.items()])
+
+    def transport(self) -> Any:
+        """An HTTP transport that hands each request to `handle` in the calling task: the
+        episode's own client skips the socket, the HTTP parsing on both sides and the ASGI
+        layers, and gets the same answers (`ctx.openai_client()` uses it)."""
+        import httpx2
+
+        endpoint = self
+
+        class InProcess(httpx2.AsyncBaseTransport):
+            async def handle_async_request(self, request: Any) -> Any:
+                reply = await endpoint.handle(request.method, request.url.path, request.headers, await request.aread())
+                return httpx2.Response(reply.status, content=reply.content,
+                                       headers={"content-type": reply.media_type}, request=request)
+
+        return InProcess()
+
+    @property
+    def routes(self) -> dict[str, tuple[str, Callable[..., Any]]]:
+        return {"/v1/chat/completions": ("POST", self._chat), "/v1/completions": ("POST", self._complete),
+                "/v1/models": ("GET", self._models)}
+
+    async def handle(self, method: str, path: str, headers: Any, raw: bytes) -> Reply:
+        """One HTTP call, whichever way it came: its reply's status, body and media type."""
+        found = self.routes.get(path)
+        if found is None or found[0] != method:
+            return _error(CallError(404, f"no route {method} {path}: the endpoint serves "
+                                         f"{', '.join(f'{m} {p}' for p, (m, _) in self.routes.items())}"))
+        return await found[1](headers, raw)
+
+    async def _chat(self, headers: Any, raw: bytes) -> Reply:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        return await self._call(request, ChatCompletionRequest, "chat")
+        return await self._call(headers, raw, ChatCompletionRequest, "chat")
 
-    async def _complete(self, request: Any) -> Any:
+    async def _complete(self, headers: Any, raw: bytes) -> Reply:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        return await self._call(request, CompletionRequest, "complete")
+        return await self._call(headers, raw, CompletionRequest, "complete")
 
-    async def _models(self, request: Any) -> Any:
+    async def _models(self, headers: Any, raw: bytes) -> Reply:
         from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
         try:
-            self._session(request.headers.get("authorization"))
+            self._session(headers.get("authorization"))
         except CallError as exc:
             return _error(exc)
         cards = [ModelCard(id=agent, owned_by="flexmarl", root=path) for agent, path in self.agents.items()]
         return _json(ModelList(data=cards))
 
-    async def _call(self, request: Any, model: type, method: str) -> Any:
+    async def _call(self, headers: Any, raw: bytes, model: type, method: str) -> Reply:
         from .workflow import BRANCH
 
         try:
-            session = self._session(request.headers.get("authorization"))
-            call = self._parse(model, await self._body(request))
-            branch = request.headers.get(BRANCH_HEADER, "")
+            session = self._session(headers.get("authorization"))
+            call = self._parse(model, self._body(headers, raw))
+            branch = headers.get(BRANCH_HEADER, "")
             BRANCH.set(tuple(int(i) for i in branch.split(".")) if branch.replace(".", "").isdigit() else ())
             response = await getattr(session, method)(call)
         except CallError as exc:
-            log.info("refused a call to %s: %s", request.url.path, exc.message)
+            log.info("refused a call to %s: %s", method, exc.message)
             return _error(exc)
         except Exception as exc:  # never the run's failure: this call's alone
-            log.exception("a call to %s failed", request.url.path)
+            log.exception("a call to %s failed", method)
             return _error(CallError(500, f"{type(exc).__name__}: {exc}"))
         if call.stream:
             return _stream(response, bool(call.stream_options and call.stream_options.include_usage))
         return _json(response)
 
-    async def _body(self, request: Any) -> dict:
-        declared = request.headers.get("content-length", "")
+    def _body(self, headers: Any, raw: bytes) -> dict:
+        declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.cfg.max_request_bytes:
             raise CallError(413, f"the request body ({declared} bytes) is larger than openai.max_request_bytes "
                                  f"({self.cfg.max_request_bytes})")
-        raw = await request.body()
         if len(raw) > self.cfg.max_request_bytes:
             raise CallError(413, f"the request body is larger than openai.max_request_bytes ({self.cfg.max_request_bytes})")
         try:
@@ -272,32 +304,31 @@ def _param(loc: tuple) -> str:
     return path
 
 
-def _json(model: Any) -> Any:
-    from starlette.responses import Response
+class Reply(NamedTuple):
+    status: int
+    content: bytes
+    media_type: str
 
-    return Response(model.model_dump_json(exclude_none=True), media_type="application/json")
+
+def _json(model: Any) -> Reply:
+    return Reply(200, model.model_dump_json(exclude_none=True).encode(), "application/json")
 
 
-def _error(exc: CallError) -> Any:
-    from starlette.responses import Response
+def _error(exc: CallError) -> Reply:
     from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
     body = ErrorResponse(error=ErrorInfo(message=exc.message, type=ERROR_TYPES.get(exc.status, "BadRequestError"),
                                          param=exc.param, code=exc.status))
-    return Response(body.model_dump_json(), status_code=exc.status, media_type="application/json")
+    return Reply(exc.status, body.model_dump_json().encode(), "application/json")
 
 
-def _stream(response: Any, usage: bool) -> Any:
+def _stream(response: Any, usage: bool) -> Reply:
     """The whole response as server-sent events: a chunk per choice (then one with the
-    usage, if asked), then [DONE]."""
-    from starlette.responses import StreamingResponse
-
-    async def events() -> Any:
-        for chunk in _chunks(response)[:None if usage else -1]:
-            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    usage, if asked), then [DONE]. The reply is whole when it is sent (the engines return
+    whole turns), so the events go as one body."""
+    events = [f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+              for chunk in _chunks(response)[:None if usage else -1]]
+    return Reply(200, "".join(events + ["data: [DONE]\n\n"]).encode(), "text/event-stream")
 
 
 def _chunks(response: Any) -> list[Any]:

@@ -180,9 +180,11 @@ class OpenAITurns:
     def client(self, **options: Any) -> Any:
         import openai
 
-        # Plain HTTP to this process: no TLS, so no certificate store to load (a tenth of a
-        # second of CPU per client otherwise).
-        http = openai.DefaultAsyncHttpxClient(verify=False, event_hooks={"request": [self.endpoint.mark_branch]})
+        # The episode's client and the endpoint share this process: its requests go straight
+        # to the endpoint's handler (no socket, no HTTP parsing, no certificate store), in
+        # the calling task; the URL stays the endpoint's, so what the client reports is real.
+        http = openai.DefaultAsyncHttpx2Client(transport=self.endpoint.transport(),
+                                               event_hooks={"request": [self.endpoint.mark_branch]})
         client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, http_client=http,
                                     max_retries=0, **options)
         self.clients.append(client)

@@ -2,6 +2,7 @@
 unknown model lists the agents, a key of no live episode is 401, a bad field is 400 naming
 it, and no malformed request reaches the engine or stops the endpoint."""
 
+import asyncio
 import json
 
 import httpx
@@ -93,6 +94,34 @@ async def test_stream_answers_the_whole_reply_as_server_sent_events(tok):
         assert [(c.choices[0].index, c.choices[0].delta.content, c.choices[0].finish_reason)
                 for c in chunks if c.choices] == [(0, "It is 42.", "stop"), (1, "Try again.", "stop")]
         assert chunks[-1].usage.completion_tokens == len(engine.ids("It is 42.")) + len(engine.ids("Try again."))
+        ctx.reward_all("solver", 0.0)
+        await ctx.end()
+
+
+async def test_the_episodes_client_is_answered_in_its_own_task_as_an_http_client_is_over_the_socket(tok):
+    engine = ScriptedEngine(tok, ["It is 42.", "Try again."] * 2)
+    tasks = []
+    answer = engine.generate
+
+    async def generate(agent, requests):
+        tasks.append(asyncio.current_task())
+        return await answer(agent, requests)
+
+    engine.generate = generate
+    async with running_endpoint() as endpoint:
+        ctx = make_context(endpoint, engine, tok)
+        inside = await ctx.openai_client().chat.completions.create(model="solver", messages=QUESTION, stream=True)
+        inside = [c.choices[0].delta.content async for c in inside if c.choices]
+        assert tasks == [asyncio.current_task()]  # no socket, no server task between them
+        over_http = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=ctx.openai_api_key, max_retries=0)
+        outside = await over_http.chat.completions.create(model="solver", messages=QUESTION, stream=True)
+        assert [c.choices[0].delta.content async for c in outside if c.choices] == inside == ["It is 42.", "Try again."]
+        assert tasks[1] is not tasks[0]  # the server's own task answered that one
+        with pytest.raises(openai.NotFoundError, match="'solvr' is not an agent"):
+            await ctx.openai_client().chat.completions.create(model="solvr", messages=QUESTION)
+        with pytest.raises(openai.NotFoundError, match="'solvr' is not an agent"):
+            await over_http.chat.completions.create(model="solvr", messages=QUESTION)
+        await over_http.close()
         ctx.reward_all("solver", 0.0)
         await ctx.end()
 
