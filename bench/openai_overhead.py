@@ -14,7 +14,10 @@ both alike:
 - chat: `ctx.chat(agent, question)` (a group of group_size), then every sample continued
   once (`ctx.continue_chat`), rewards;
 - endpoint: the same through `ctx.openai_client()`: one call without `n` (the group),
-  then one call per choice whose messages extend its conversation (the continuation).
+  then one call per choice whose messages extend its conversation (the continuation);
+- http: the same through a client of the episode's own pointed at `ctx.openai_base_url`
+  (loopback TCP, uvicorn, Starlette), as `ctx.openai_client()` was before it went around
+  the socket.
 
 Each round runs --episodes episodes at once (as a step's queries do). Reported, per way:
 samples/s (wall) and the controller's CPU per call (this process's CPU time over calls;
@@ -51,8 +54,8 @@ async def by_chat(ctx) -> int:
     return 1 + len(samples)
 
 
-async def by_endpoint(ctx) -> int:
-    client = ctx.openai_client()
+async def by_endpoint(ctx, client=None) -> int:
+    client = client or ctx.openai_client()
     first = await client.chat.completions.create(model="critic", messages=QUESTION)
 
     async def go_on(choice) -> None:
@@ -64,7 +67,23 @@ async def by_endpoint(ctx) -> int:
     return 1 + len(first.choices)
 
 
-WAYS = {"chat": by_chat, "endpoint": by_endpoint}
+async def by_http(ctx) -> int:
+    """The endpoint through a client of the episode's own over HTTP (loopback TCP,
+    uvicorn, Starlette): what `ctx.openai_client()` did before it went around the socket."""
+    import openai
+
+    from flexmarl.controller.openai_api import OpenAIEndpoint
+
+    http = openai.DefaultAsyncHttpxClient(verify=False, event_hooks={"request": [OpenAIEndpoint.mark_branch]})
+    client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.openai_api_key, http_client=http,
+                                max_retries=0)
+    try:
+        return await by_endpoint(ctx, client)
+    finally:
+        await client.close()
+
+
+WAYS = {"chat": by_chat, "endpoint": by_endpoint, "http": by_http}
 
 
 async def one_round(training, way: str, round_no: int, episodes: int) -> tuple[int, int, float, float]:
@@ -124,8 +143,8 @@ async def measure(rounds: int, episodes: int, group_size: int) -> list[dict]:
             await training.setup()
             await training.endpoint.start()
             try:
-                await one_round(training, "chat", -1, 1)  # warm-up: both ways' first calls, not counted
-                await one_round(training, "endpoint", -1, 1)
+                for way in WAYS:  # warm-up: each way's first calls, not counted
+                    await one_round(training, way, -1, 1)
                 for r in range(rounds):
                     for way in (WAYS if r % 2 == 0 else reversed(list(WAYS))):
                         for i, value in enumerate(await one_round(training, way, r, episodes)):
@@ -137,9 +156,10 @@ async def measure(rounds: int, episodes: int, group_size: int) -> list[dict]:
     for way, (calls, samples, wall, cpu) in totals.items():
         rows.append({"way": way, "rounds": rounds, "episodes": episodes, "calls": calls, "samples": samples,
                      "samples_per_s": round(samples / wall, 2), "controller_cpu_ms_per_call": round(1e3 * cpu / calls, 3)})
-    chat, endpoint = rows
-    rows.append({"way": "endpoint/chat", "samples_per_s_ratio": round(endpoint["samples_per_s"] / chat["samples_per_s"], 3),
-                 "extra_cpu_ms_per_call": round(endpoint["controller_cpu_ms_per_call"] - chat["controller_cpu_ms_per_call"], 3)})
+    chat = rows[0]
+    for way in rows[1:3]:
+        rows.append({"way": f"{way['way']}/chat", "samples_per_s_ratio": round(way["samples_per_s"] / chat["samples_per_s"], 3),
+                     "extra_cpu_ms_per_call": round(way["controller_cpu_ms_per_call"] - chat["controller_cpu_ms_per_call"], 3)})
     return rows
 
 
@@ -170,12 +190,12 @@ def main() -> None:
     rows = run_async(lambda: measure(args.rounds, args.episodes, args.group_size))
     for row in rows:
         print(json.dumps(row))
-    chat, endpoint, ratio = rows
     print(f"\n{'way':>9} {'samples/s':>10} {'CPU ms/call':>12}")
-    for row in (chat, endpoint):
+    for row in rows[:3]:
         print(f"{row['way']:>9} {row['samples_per_s']:>10.2f} {row['controller_cpu_ms_per_call']:>12.3f}")
-    print(f"calls alone, endpoint / chat samples/s: {ratio['samples_per_s_ratio']:.3f}; "
-          f"extra controller CPU per call: {ratio['extra_cpu_ms_per_call']:.3f} ms")
+    for ratio in rows[3:]:
+        print(f"calls alone, {ratio['way']} samples/s: {ratio['samples_per_s_ratio']:.3f}; "
+              f"extra controller CPU per call: {ratio['extra_cpu_ms_per_call']:.3f} ms")
 
 
 if __name__ == "__main__":

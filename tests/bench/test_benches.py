@@ -148,7 +148,8 @@ def test_openai_overhead_runs_the_same_job_and_episodes_through_ctx_chat_and_the
     jobs, calls = rows[:3], rows[3:]
     assert [r["job"] for r in jobs] == ["review_chain.toml", "openai_team.toml", "openai_team/review_chain"]
     assert jobs[0]["samples"] > 0 and jobs[1]["samples"] > 0 and jobs[2]["samples_per_s_ratio"] > 0
-    assert [r["way"] for r in calls] == ["chat", "endpoint", "endpoint/chat"]
-    chat, endpoint, ratio = calls
-    assert chat["samples"] == endpoint["samples"] == 2 * 4 and chat["calls"] == endpoint["calls"] == 2 * 5
-    assert ratio["samples_per_s_ratio"] > 0 and endpoint["controller_cpu_ms_per_call"] > 0
+    assert [r["way"] for r in calls] == ["chat", "endpoint", "http", "endpoint/chat", "http/chat"]
+    chat, endpoint, http, *ratios = calls
+    assert chat["samples"] == endpoint["samples"] == http["samples"] == 2 * 4
+    assert chat["calls"] == endpoint["calls"] == http["calls"] == 2 * 5
+    assert all(r["samples_per_s_ratio"] > 0 for r in ratios) and endpoint["controller_cpu_ms_per_call"] > 0
