@@ -120,6 +120,13 @@ class RequestsCompleted(Event):
     sample_ids: list[str]
     versions: list[int]  # per sample: the policy version that generated it
     tokens: int  # output tokens received
+    # Prompt tokens of these samples' requests (each sample counting its prompt) and how
+    # many of them the engine found in its prefix cache (vLLM's count; a group's first
+    # sample counted as finding none), for first turns and for later turns of a conversation.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    turn_prompt_tokens: int = 0
+    turn_cached_tokens: int = 0
 
 
 class GroupOpened(Event):
