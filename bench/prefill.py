@@ -60,13 +60,13 @@ def tally(events: list[ev.Event]) -> dict[str, float]:
     """Prompt and cached tokens of first and later turns, samples generated."""
     t = {"prompt": 0, "cached": 0, "turn_prompt": 0, "turn_cached": 0, "generated": 0}
     for e in events:
-        if isinstance(e, ev.RequestsCompleted):
+        if isinstance(e, ev.RequestsCompleted):  # the fields events.PROMPT_FIELDS names (a bench of older code reads them too)
             t["prompt"] += e.prompt_tokens
             t["cached"] += e.cached_tokens
             t["turn_prompt"] += e.turn_prompt_tokens
             t["turn_cached"] += e.turn_cached_tokens
         elif isinstance(e, ev.GroupOpened):
-            t["generated"] += len(e.sample_ids)
+            t["generated"] += len(e.members()) if hasattr(e, "members") else len(e.sample_ids)
     return t
 
 

@@ -40,7 +40,7 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
     for e in events:
         if isinstance(e, ev.GroupOpened):
             batch_of_group[e.group_id] = e.batch
-            for sid in e.sample_ids:
+            for sid in e.members():
                 batch_of_sample[sid] = e.batch
         if isinstance(e, ev.TrainingRestored):
             kept = [x for x in kept if not (isinstance(x, _TRAINED) and x.agent == e.agent and x.version > e.version)]
@@ -65,13 +65,17 @@ def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample
         return e if e.step < step else None
     if isinstance(e, _BY_VERSION):
         return e if e.version <= step else None
-    if isinstance(e, ev.RequestsCompleted):
-        keep = [i for i, sid in enumerate(e.sample_ids) if batch_of_sample.get(sid, 0) <= step]
+    if isinstance(e, ev.RequestsCompleted):  # kept in the form that lists every sample
+        samples, versions = e.samples(), e.sample_versions()
+        keep = [i for i, sid in enumerate(samples) if batch_of_sample.get(sid, 0) <= step]
         if not keep:
             return None
-        return msgspec.structs.replace(e, sample_ids=[e.sample_ids[i] for i in keep],
-                                       versions=[e.versions[i] for i in keep])
-    if isinstance(e, (ev.RequestsDispatched, ev.SamplesDropped)):
+        return msgspec.structs.replace(e, sample_ids=[samples[i] for i in keep],
+                                       versions=[versions[i] for i in keep], parts=ev.Parts())
+    if isinstance(e, ev.RequestsDispatched):
+        keep = [sid for sid in e.samples() if batch_of_sample.get(sid, 0) <= step]
+        return msgspec.structs.replace(e, sample_ids=keep, parts=ev.Parts()) if keep else None
+    if isinstance(e, ev.SamplesDropped):
         keep = [sid for sid in e.sample_ids if batch_of_sample.get(sid, 0) <= step]
         return msgspec.structs.replace(e, sample_ids=keep) if keep else None
     return e  # workers, placement, demand: history, not undone

@@ -43,9 +43,9 @@ def redrive(log: list) -> list:
     step_trainer = {(e.agent, e.version): e.trainer for e in log if isinstance(e, ev.OptimizerStep)}
     for e in log:  # the store's inputs, in the order the controller saw them
         if isinstance(e, ev.GroupOpened):
-            store.open_group(e.agent, e.group_id, [], len(e.sample_ids), e.batch)
+            store.open_group(e.agent, e.group_id, [], len(e.members()), e.batch)
         elif isinstance(e, ev.RequestsCompleted):
-            for sid, version in zip(e.sample_ids, e.versions):
+            for sid, version in zip(e.samples(), e.sample_versions()):
                 if sid in store.samples and store.samples[sid].output_ids is None:
                     store.record_output(sid, [], [], [version])
         elif isinstance(e, ev.GroupComplete):

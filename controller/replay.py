@@ -2,8 +2,9 @@
 
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
 
-- ``summarize(events)``: every worker's busy and idle time, per-agent throughput, the
-  staleness histogram, and sample accounting (generated = trained + dropped + in flight,
+- ``summarize(events)``: every worker's busy and idle time, per-agent throughput and
+  prefix-cache hits (the share of prompt tokens the engines found cached, first turns and
+  later turns of conversations), the staleness histogram, and sample accounting (generated = trained + dropped + in flight,
   per agent and per generating version). Accounting that does not reconcile, or a sample
   past the staleness bound, is an error: ``main`` prints it and exits 1.
 - ``trace_json(summary)``: a Chrome / Perfetto trace, one named track per worker and agent.
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
-from flexmarl.runtime.events import (BatchStarted, Event, GroupComplete, GroupOpened,
+from flexmarl.runtime.events import (PROMPT_FIELDS, BatchStarted, Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
@@ -85,6 +86,13 @@ class AgentStats:
     version: int = 0  # the last version an optimizer step produced
     rewards: list[float] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)  # iterations and weight syncs
+    # Prompt tokens of its generated samples and those found in the prefix cache, first
+    # turns and later turns (RequestsCompleted's fields of those names).
+    prompts: collections.Counter = field(default_factory=collections.Counter)
+
+    def hit_rate(self, later: bool = False) -> float | None:
+        prompt = self.prompts["turn_prompt_tokens" if later else "prompt_tokens"]
+        return self.prompts["turn_cached_tokens" if later else "cached_tokens"] / prompt if prompt else None
 
 
 @dataclass
@@ -221,7 +229,7 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
 
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
                   lost: bool = False) -> Span:
-    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids),
+    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids) or sum(d.parts.sizes),
             "prompt_tokens": d.tokens}
     if tokens is not None:
         args["output_tokens"] = tokens
@@ -252,6 +260,8 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
                                     {"samples": e.samples, "trainer": e.trainer}))
         elif isinstance(e, GroupComplete):
             stats.rewards.extend(e.rewards)
+        elif isinstance(e, RequestsCompleted):
+            stats.prompts.update(dict(zip(PROMPT_FIELDS, e.prompt_counts())))
         elif isinstance(e, WeightSyncStarted):
             sync_start[(agent, e.version)] = e.t
         elif isinstance(e, WeightSyncFinished):
@@ -275,12 +285,12 @@ def _accounting(events: list[Event], run: RunStarted | None):
     stale: collections.Counter = collections.Counter()
     for e in events:
         if isinstance(e, GroupOpened):
-            for sid in e.sample_ids:
+            for sid in e.members():
                 if sid in owner:
                     errors.append(f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})")
                 owner.setdefault(sid, e.agent)
         elif isinstance(e, RequestsCompleted):
-            for sid, v in zip(e.sample_ids, e.versions):
+            for sid, v in zip(e.samples(), e.sample_versions()):
                 made_by[sid] = min(v, made_by.get(sid, v))
         elif isinstance(e, MicroBatchFormed):
             if len(e.min_versions) != len(e.sample_ids):
@@ -371,11 +381,13 @@ def format_summary(s: Summary) -> str:
     out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
                       [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
-    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward"],
+    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward",
+                       "prefix hits", "turn prefix hits"],
                       [[a.agent, a.samples_trained,
                         f"{a.samples_trained / s.training_s:.2f}" if s.training_s > 0 else "-",
                         a.micro_batches, a.optimizer_steps, a.version,
-                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-"]
+                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-",
+                        _share(a.hit_rate()), _share(a.hit_rate(later=True))]
                        for a in s.agents.values()]))
     lags = sorted({lag for h in s.staleness.values() for lag in h})
     if lags:
@@ -389,6 +401,10 @@ def format_summary(s: Summary) -> str:
           r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
     return "\n\n".join(out)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _table(headers: list[str], rows: list[list], left: int = 1) -> str:

@@ -169,6 +169,9 @@ class RolloutClient:
         self.reissued = 0  # samples
         self.refused = 0  # groups
         self.affinity = {"kept": 0, "moved": 0}  # later turns: on their previous instance, or not
+        # Per agent, so far: prompt tokens of the samples generated and how many the engines
+        # found in their prefix cache, for first turns and later turns (ev.PROMPT_FIELDS).
+        self.prompt_counts: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ev.PROMPT_FIELDS, 0))
 
     @property
     def outstanding(self) -> dict[str, float]:
@@ -270,8 +273,8 @@ class RolloutClient:
             waiting[(part.group.key, part.group.first)] = part
         msg = protocol.Generate(self.server.next_request_id(), [p.group for p in parts])
         for agent, mine in _by_agent(parts).items():
-            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, [sid for p in mine for sid in _ids(p.group)],
-                                            sum(len(p.group.prompt_ids) for p in mine)))
+            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, [], sum(len(p.group.prompt_ids) for p in mine),
+                                            _parts([p.group for p in mine])))
         future = self.server.stream(worker, msg, lambda reply, _: self._replied(worker, waiting, reply))
         future.add_done_callback(lambda f: self._message_ended(worker, waiting, f))
         return worker, msg, waiting
@@ -316,10 +319,13 @@ class RolloutClient:
                 later = _later(p.group)
                 prompt[later] += p.group.n * len(p.group.prompt_ids)
                 cached[later] += r.cached_tokens * (p.group.n - 1 if p.group.n > 1 else 1)
-            self.emit(ev.RequestsCompleted(
-                worker, agent, request_id, [sid for p, _ in results for sid in _ids(p.group)],
-                [r.version for p, r in results for _ in range(p.group.n)], sum(sum(r.lengths) for _, r in results),
-                prompt[False], cached[False], prompt[True], cached[True]))
+            event = ev.RequestsCompleted(
+                worker, agent, request_id, [], [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
+                prompt[False], cached[False], prompt[True], cached[True], _parts([p.group for p, _ in results]))
+            self.emit(event)
+            counts = self.prompt_counts[agent]
+            for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):
+                counts[name] += value
 
     def _message_ended(self, worker: str, waiting: dict[tuple[str, int], _Part], future: asyncio.Future) -> None:
         """The message's last reply came, or its instance died or failed it: what it left
@@ -370,11 +376,9 @@ def _later(group: protocol.GenGroup) -> bool:
     return "@" in group.key
 
 
-def _ids(group: protocol.GenGroup) -> list[str]:
-    """The sample ids a part's events name: its members (a later turn: its request id)."""
-    if _later(group):
-        return [group.key]
-    return [f"{group.key}/{group.first + j}" for j in range(group.n)]
+def _parts(groups: list[protocol.GenGroup]) -> ev.Parts:
+    """How the event log names these groups' samples."""
+    return ev.Parts([g.key for g in groups], [g.first for g in groups], [g.n for g in groups])
 
 
 def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:

@@ -114,6 +114,7 @@ class Group:
     sample_ids: list[str]
     batch: int
     status: str = PENDING
+    rewarded: int = 0  # members whose reward is set
 
 
 class ExperienceStore:
@@ -138,7 +139,7 @@ class ExperienceStore:
             raise DuplicateResult(f"group {group_id} already exists")
         prompt = list(prompt_ids)  # one list for the whole group: members never modify it
         members = [Sample(f"{group_id}/{i}", agent, group_id, prompt, batch=batch) for i in range(n)]
-        self.emit(ev.GroupOpened(agent, group_id, [s.sample_id for s in members], batch))
+        self.emit(ev.GroupOpened(agent, group_id, [], batch, n))
         for s in members:
             self.samples[s.sample_id] = s
         self.groups[group_id] = Group(group_id, agent, [s.sample_id for s in members], batch)
@@ -213,7 +214,10 @@ class ExperienceStore:
         if not math.isfinite(reward):
             raise ValueError(f"reward for {sample_id} is not finite: {reward}")
         sample.reward = float(reward)
-        self._maybe_ready(self.groups[sample.group_id])
+        group = self.groups[sample.group_id]
+        group.rewarded += 1
+        if group.rewarded == len(group.sample_ids):
+            self._maybe_ready(group)
 
     def drop_group(self, group_id: str, why: str) -> None:
         group = self.groups[group_id]

@@ -156,7 +156,7 @@ class TrainingRun:
                 group.agent, [self.store.samples[sid] for sid in group.sample_ids]))
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress, trackers=trackers,
                                   resumed=resume is not None, first_step=self.schedule.first_batch,
-                                  sample_log=self.sample_log)
+                                  sample_log=self.sample_log, prompt_counts=self.client.prompt_counts.__getitem__)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
                                        keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                        controller_state=self._controller_state,

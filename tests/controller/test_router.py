@@ -225,3 +225,16 @@ async def test_a_group_waits_for_an_instance_to_serve_its_agent_then_goes_there(
     await asyncio.sleep(0.25)  # the waiting group looks every 0.1 s
     server.answer(server.sent[0][1].request_id)
     assert (await task).served_by == ["r0"] * 4
+
+
+async def test_prompt_tokens_and_prefix_cache_hits_are_counted_per_agent_for_first_and_later_turns():
+    server = FakeServer(["r0"])
+    client = client_over(server, {"a": ["r0"]})
+    first = asyncio.ensure_future(client.generate("a", group("g", n=4, prompt=[1] * 10)))
+    later = asyncio.ensure_future(client.generate("a", group("g/0@1", n=1, prompt=[1] * 30), after="r0"))
+    await until(lambda: server.sent)
+    server.answer(server.sent[0][1].request_id, cached=8)
+    await asyncio.gather(first, later)
+    # vLLM counts a group's cached prompt once: its first member is counted as finding none
+    assert client.prompt_counts["a"] == {"prompt_tokens": 40, "cached_tokens": 24, "turn_prompt_tokens": 30,
+                                         "turn_cached_tokens": 8}
