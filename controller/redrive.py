@@ -42,13 +42,14 @@ def redrive(log: list) -> list:
     # Which trainer runs a step is the allocator's choice, not re-derived here.
     step_trainer = {(e.agent, e.version): e.trainer for e in log if isinstance(e, ev.OptimizerStep)}
     for e in log:  # the store's inputs, in the order the controller saw them
-        if isinstance(e, ev.GroupOpened):
+        kind = type(e)
+        if kind is ev.GroupOpened:
             store.open_group(e.agent, e.group_id, [], len(e.members()), e.batch)
-        elif isinstance(e, ev.RequestsCompleted):
+        elif kind is ev.RequestsCompleted:
             for sid, version in zip(e.samples(), e.sample_versions()):
                 if sid in store.samples and store.samples[sid].output_ids is None:
-                    store.record_output(sid, [], [], [version])
-        elif isinstance(e, ev.GroupComplete):
+                    store.record_output(sid, (), (), [version])
+        elif kind is ev.GroupComplete:
             members = store.groups[e.group_id].sample_ids
             for sid, reward in zip(members, e.rewards):
                 store.set_reward(sid, reward)

@@ -23,9 +23,9 @@ import array
 import collections
 import itertools
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+import msgspec
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
@@ -49,8 +49,9 @@ def logprob_array(values: Sequence[float]) -> array.array:
         array.array(protocol.LOGPROB_TYPECODE, values)
 
 
-@dataclass(slots=True)
-class Sample:
+# The store's records are untracked by the collector (gc=False: plain data, no reference
+# cycles): a large run holds hundreds of thousands, and every collection would walk them.
+class Sample(msgspec.Struct, gc=False):
     sample_id: str
     agent: str
     group_id: str
@@ -59,11 +60,13 @@ class Sample:
     # conversation, the ids appended between turns (other agents' messages, tool results).
     output_ids: array.array | None = None
     logprobs: array.array | None = None  # per output id; 0.0 for appended ids
-    versions: list[int] = field(default_factory=list)  # policy version of every turn
-    mask: array.array = field(default_factory=lambda: array.array("b"))  # per output id: 1 generated (trained), 0 appended
+    # Until its output arrives a sample has none of these (immutable placeholders: a group
+    # opened is n small records, nothing more).
+    versions: list[int] = ()  # policy version of every turn
+    mask: array.array = None  # per output id: 1 generated (trained), 0 appended
     # What every turn was sampled at (temperature, top_p, top_k, from which output id on):
     # the trainer scores each turn's tokens under its own distribution.
-    sampling: list[protocol.TurnSampling] = field(default_factory=list)
+    sampling: list[protocol.TurnSampling] = ()
     text: str = ""  # the last turn's generated text (agents with a tokenizer)
     messages: list | None = None  # the conversation so far, for samples made by ctx.chat
     reward: float | None = None
@@ -79,14 +82,11 @@ class Sample:
         return min(self.versions)
 
 
-class SampleView:
+class SampleView(msgspec.Struct, frozen=True, gc=False):
     """A sample as user code sees it: read-only, always current (a later turn shows
     through). Lists it returns are copies; change a sample through the episode context."""
 
-    __slots__ = ("_s",)
-
-    def __init__(self, record: Sample) -> None:
-        self._s = record
+    _s: Sample
 
     sample_id = property(lambda self: self._s.sample_id)
     agent = property(lambda self: self._s.agent)
@@ -98,7 +98,8 @@ class SampleView:
     output_ids = property(lambda self: None if self._s.output_ids is None else self._s.output_ids.tolist(),
                           doc="every turn's generated ids and the ids appended between turns, in order")
     logprobs = property(lambda self: None if self._s.logprobs is None else self._s.logprobs.tolist())
-    mask = property(lambda self: self._s.mask.tolist(), doc="per output id: 1 generated, 0 appended")
+    mask = property(lambda self: None if self._s.mask is None else self._s.mask.tolist(),
+                    doc="per output id: 1 generated, 0 appended")
     versions = property(lambda self: list(self._s.versions), doc="the policy version of every turn")
     messages = property(lambda self: None if self._s.messages is None else [dict(m) for m in self._s.messages],
                         doc="the conversation so far (samples made by ctx.chat)")
@@ -107,8 +108,7 @@ class SampleView:
         return f"SampleView({self._s.sample_id!r}, text={self._s.text!r}, reward={self._s.reward})"
 
 
-@dataclass
-class Group:
+class Group(msgspec.Struct, gc=False):
     group_id: str
     agent: str
     sample_ids: list[str]

@@ -25,7 +25,9 @@ import msgspec
 FORMAT_VERSION = 2
 
 
-class Event(msgspec.Struct, tag_field="event", tag=True, kw_only=True, omit_defaults=True):
+# gc=False: events hold plain data and never take part in a reference cycle, so the
+# collector need not track the thousands a second a large run makes.
+class Event(msgspec.Struct, tag_field="event", tag=True, kw_only=True, omit_defaults=True, gc=False):
     """Base of every event. ``seq`` and ``t`` are keyword-only and set by the log writer."""
 
     seq: int = -1
@@ -109,7 +111,7 @@ class EvaluationDone(Event):
 PROMPT_FIELDS = ("prompt_tokens", "cached_tokens", "turn_prompt_tokens", "turn_cached_tokens")
 
 
-class Parts(msgspec.Struct, array_like=True):
+class Parts(msgspec.Struct, array_like=True, gc=False):
     """Groups, or contiguous parts of them, named compactly: part i is members `firsts[i]`
     to `firsts[i] + sizes[i] - 1` of the group `keys[i]` (their sample ids `KEY/INDEX`); a
     key naming a later turn of a conversation (`SAMPLE@TURN`) is that turn's one request."""

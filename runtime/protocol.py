@@ -80,8 +80,10 @@ class Kind(enum.IntEnum):
     STATE_RELEASED = 34
 
 
-class Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """Base of every wire struct; ``KIND`` maps it to its frame-0 byte."""
+class Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """Base of every wire struct; ``KIND`` maps it to its frame-0 byte. Messages hold plain
+    data, never a reference cycle: the collector does not track them (gc=False), nor the
+    per-group and per-sample structs inside them."""
 
     KIND = 0  # overridden; a ClassVar since it is not a field
 
@@ -231,7 +233,7 @@ class ModelLoaded(Message):
     seconds: float
 
 
-class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """The samples of one prompt (part of a Generate): `n` of them, drawn with seeds
     `seed`, `seed + 1`, ..., run by the engine as one request with n outputs (the prompt's
     pass shared). A group split over instances travels as contiguous parts, each naming
@@ -289,7 +291,7 @@ def unpacked(typecode: str, data: bytes | memoryview) -> array.array:
     return out
 
 
-class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """One finished part of a group: every member's tokens, the sampler's logprobs, the
     weights version used."""
 
@@ -307,7 +309,7 @@ class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     cached_tokens: int = 0
 
 
-class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """One group (part) the engine refused to run (empty prompt, too long for the model, a
     token id outside the vocabulary, settings the engine rejects, an agent the instance
     does not serve). Only this group failed: the worker is up and the rest of its message
@@ -458,7 +460,7 @@ class AgentReady(Message):
     num_params: int
 
 
-class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True, gc=False):
     """The distribution a later turn of a conversation was sampled from, from output id
     `start` on (its first generated id) until the next turn's start."""
 
@@ -468,7 +470,7 @@ class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, 
     top_k: int = 0
 
 
-class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """One sample in a micro-batch. `rollout_logprobs` are the sampler's, per output token."""
 
     sample_id: str
