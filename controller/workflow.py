@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import itertools
 import logging
@@ -272,14 +273,16 @@ class EpisodeContext:
         """The group to generate (`key` naming it, `context` its prompt, member j drawn with
         seed + j) and the distribution it is sampled from (what the trainer will score it under)."""
         d = self.agents[agent]
-        unknown = set(sampling) - SAMPLING_KEYS
-        if unknown:
-            raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: {', '.join(sorted(SAMPLING_KEYS))})")
-        get = lambda key: sampling[key] if sampling.get(key) is not None else getattr(d, key)  # noqa: E731
-        temperature = self.eval_temperature if self.eval_temperature is not None else get("temperature")
-        group = protocol.GenGroup(key, agent, n, context, get("max_tokens"), temperature, seed, 0, get("top_p"),
-                                  get("top_k"), list(get("stop")), list(get("stop_token_ids")), get("ignore_eos"))
-        return group, protocol.TurnSampling(0, temperature, get("top_p"), get("top_k"))
+        if sampling:  # the call's own settings over the agent's
+            unknown = set(sampling) - SAMPLING_KEYS
+            if unknown:
+                raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: "
+                                f"{', '.join(sorted(SAMPLING_KEYS))})")
+            d = dataclasses.replace(d, **{k: v for k, v in sampling.items() if v is not None})
+        temperature = self.eval_temperature if self.eval_temperature is not None else d.temperature
+        group = protocol.GenGroup(key, agent, n, context, d.max_tokens, temperature, seed, 0, d.top_p, d.top_k,
+                                  list(d.stop), list(d.stop_token_ids), d.ignore_eos)
+        return group, protocol.TurnSampling(0, temperature, d.top_p, d.top_k)
 
     def _after_turn(self, sample_id: str, agent: str, messages: list | None, stop: list[str]) -> None:
         """The turn's text (decoded; a stop string's last token is in the ids, not the text)

@@ -76,9 +76,14 @@ def segment_paths(path: str | Path) -> list[Path]:
     return paths
 
 
-def encode_frame(body: bytes) -> bytes:
+def frame_pieces(body: bytes) -> tuple[bytes, bytes, bytes]:
+    """A frame as its three pieces: length, body, checksum of both."""
     length = _U32.pack(len(body))
-    return length + body + _U32.pack(zlib.crc32(body, zlib.crc32(length)))
+    return length, body, _U32.pack(zlib.crc32(body, zlib.crc32(length)))
+
+
+def encode_frame(body: bytes) -> bytes:
+    return b"".join(frame_pieces(body))
 
 
 # ---------------------------------------------------------------- writer
@@ -117,7 +122,7 @@ class EventLog:
         self._t0 = clock()
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
-        self._pending: list[bytes] = []
+        self._pending: list[bytes] = []  # frames not yet written, in pieces (see _write)
         self._pending_bytes = 0
         self._wake = asyncio.Event()
         self._disk = asyncio.Lock()  # one write at a time keeps frames in emit order
@@ -153,10 +158,10 @@ class EventLog:
             raise EventLogError(f"event log {self.path} is closed; {type(event).__name__} not logged")
         event.seq = self._seq
         event.t = self._clock() - self._t0
-        frame = encode_frame(self._encoder.encode(event))
+        body = self._encoder.encode(event)
         self._seq += 1
-        self._pending.append(frame)
-        self._pending_bytes += len(frame)
+        self._pending += frame_pieces(body)  # joined at the write
+        self._pending_bytes += len(body) + FRAME_OVERHEAD
         self._wake.set()
         if self._pending_bytes > self.max_buffered_bytes:
             raise EventLogError(
@@ -220,15 +225,18 @@ class EventLog:
 
     # -- everything below runs in the writer thread
 
-    def _write(self, frames: list[bytes], fsync: bool) -> None:
+    def _write(self, pieces: list[bytes], fsync: bool) -> None:
+        """Writes frames given as pieces, three a frame (length, body, checksum)."""
         with self._thread_lock:
             current = segment_path(self.path, self._segment)
             try:
                 if self._file is None:
                     self._start()
-                data = b"".join(frames)
+                data = b"".join(pieces)
                 if self._segment_bytes + len(data) <= self.max_bytes_per_segment:  # the common case: one write
                     frames = [data]
+                else:  # frame by frame: a frame never straddles two segments
+                    frames = [b"".join(pieces[i:i + 3]) for i in range(0, len(pieces), 3)]
                 for frame in frames:
                     if (self._segment_bytes + len(frame) > self.max_bytes_per_segment
                             and self._segment_bytes > HEADER_BYTES):
