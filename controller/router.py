@@ -344,8 +344,12 @@ class RolloutClient:
         again = []
         for part in parts:
             if part.attempt >= self.max_attempts:
-                _fail(part.owner, RequestsFailed(f"{part.group.n} requests of {part.owner.agent} failed on "
-                                                 f"{part.attempt} instances in a row; the last, {worker}: {exc}"))
+                # A group that fails, or whose instance dies, on max_attempts instances in a row
+                # fails its episode instead of taking down instance after instance.
+                failure = RequestsFailed(f"{part.group.n} requests of {part.owner.agent} failed on "
+                                         f"{part.attempt} instances in a row; the last, {worker}: {exc}")
+                log.error("%s", failure)
+                _fail(part.owner, failure)
             else:
                 part.attempt += 1
                 again.append(part)
