@@ -129,6 +129,7 @@ class ExperienceStore:
         self.on_ready: list[Callable[[Group], None]] = []
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (agent, status)
         self._ready_seq = itertools.count(1)
+        self._ready_count: collections.Counter[tuple[str, int]] = collections.Counter()  # (agent, batch) -> samples in ready
 
     # ---------------------------------------------------------------- rollout side
 
@@ -242,13 +243,14 @@ class ExperienceStore:
             s.ready_seq = seq
         group.status = READY
         self.ready[group.agent].setdefault(group.batch, collections.deque()).append(group.group_id)
+        self._ready_count[(group.agent, group.batch)] += len(members)
         for listener in self.on_ready:
             listener(group)
 
     # ---------------------------------------------------------------- training side
 
     def ready_samples(self, agent: str, batch: int) -> int:
-        return sum(len(self.groups[g].sample_ids) for g in self.ready[agent].get(batch, ()))
+        return self._ready_count[(agent, batch)]
 
     def take(self, agent: str, batch: int, max_samples: int) -> list[Sample]:
         """Whole ready groups of global batch `batch`, oldest first, up to `max_samples`
@@ -259,6 +261,7 @@ class ExperienceStore:
         for _ in range(decisions.groups_in_micro_batch(sizes, max_samples)):
             group = self.groups[queue.popleft()]
             group.status = CONSUMED
+            self._ready_count[(agent, batch)] -= len(group.sample_ids)
             for sid in group.sample_ids:
                 sample = self.samples[sid]
                 assert sample.status == READY, f"{sid} is {sample.status}, not ready"
