@@ -1,8 +1,12 @@
 """What a real job's rollout engines compute for their prompts, and how fast the job trains.
 
-Runs a job (the default one, examples/review_chain.toml, or any config) for a few steps on
-this host (controller, vLLM rollout workers and a trainer as separate processes), with
-`--instances` rollout instances per engine unit, and reads its event log back. Per job:
+Runs a job (the default one, examples/review_chain.toml, `turns`, or any config) for a few
+steps on this host (controller, vLLM rollout workers and a trainer as separate processes),
+with `--instances` rollout instances per engine unit, and reads its event log back. `turns`
+(defined here) is one agent (the built-in tiny planner model) answering a 40-token prompt
+in groups of 4, then taking a second turn on each sample: the shortest job whose prompts
+fill a KV-cache block of the CPU engine (32 tokens; the default job's and the review
+chain's contexts stay under one, so their engines' prefix caches can hold nothing). Per job:
 
     samples_s            samples trained per second of training (after set-up)
     prefilled_per_sample prompt tokens the engines computed (not served from their prefix
@@ -27,6 +31,7 @@ the least vLLM's CPU backend takes; its default of 128 is longer than these jobs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import tempfile
@@ -42,18 +47,33 @@ from flexmarl.runtime.config import load_config  # noqa: E402
 from flexmarl.runtime.eventlog import read_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-JOBS = {"default": ROOT / "examples" / "default.toml", "review_chain": ROOT / "examples" / "review_chain.toml"}
+JOBS = {"default": ROOT / "examples" / "default.toml", "review_chain": ROOT / "examples" / "review_chain.toml",
+        "turns": None}
+TURNS = {"run": {"workflow": f"{Path(__file__).resolve()}:two_turns", "steps": 8},
+         "cluster": {"rollout_workers": 1, "trainer_workers": 1},
+         "pipeline": {"queries_per_step": 16, "micro_batch": 32},
+         "agents": {"writer": {"model": "tiny:planner", "group_size": 4, "max_tokens": 3, "ignore_eos": True}}}
+
+
+async def two_turns(ctx) -> None:
+    """A 40-token prompt (digits after the query marker), 4 samples, then a second turn of
+    each after 4 appended ids; the reward is whether the last id is odd."""
+    prompt = [1, 14, *(4 + ctx.rng.randrange(10) for _ in range(38))]
+    samples = await ctx.generate("writer", prompt)
+    await asyncio.gather(*(ctx.continue_ids(s, [15, 4, 5, 16]) for s in samples))
+    for s in samples:
+        ctx.reward(s, float(s.output_ids[-1] % 2))
 
 
 def job_config(job: str, instances: int, steps: int, block_size: int, out: Path, extra: list[str]):
     path = JOBS.get(job, Path(job))
-    base = load_config(path)
+    base = load_config(path, defaults=TURNS if job == "turns" else None)
     units = {a.base or name for name, a in base.agents.items()}
     overrides = [f"cluster.rollout_workers={instances * len(units)}", f"run.steps={steps}", "run.checkpoint_every=0",
                  "eval.every=0", "eval.at_start=false", "run.progress=false", f"run.out='{out}'",
                  *(f"agents.{a}.block_size={block_size}" for a, c in base.agents.items() if not c.base),
                  *(f"bases.{b}.block_size={block_size}" for b in base.bases), *extra]
-    return load_config(path, overrides)
+    return load_config(path, overrides, defaults=TURNS if job == "turns" else None)
 
 
 def tally(events: list[ev.Event]) -> dict[str, float]:
@@ -98,7 +118,7 @@ def run_job(job: str, instances: int, steps: int, block_size: int, extra: list[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--job", default="default", help="default, review_chain or a config path")
+    parser.add_argument("--job", default="default", help="default, review_chain, turns or a config path")
     parser.add_argument("--instances", type=int, default=2, help="rollout instances per engine unit")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32, help="the engines' KV-cache block, tokens")
