@@ -33,6 +33,12 @@ from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
 
+# Episodes started in one turn of the event loop. A batch's episodes all start at once, and
+# each first turn of each branch is work of that loop turn: a thousand branches (a wide
+# workflow at cluster scale) would hold the loop for a third of a second, every timer and
+# reply waiting behind them. Started a few at a time, they cost nothing in order or seeds.
+EPISODES_PER_TURN = 4
+
 
 class EpisodeContexts:
     """What every episode of the run shares (the rollout client, the agents' sampling
@@ -112,6 +118,8 @@ class EpisodeProducer:
                 for i in range(p.queries_per_step):
                     await limit.acquire()
                     running.append(asyncio.create_task(one(batch, i), name=f"episode-s{batch}q{i}"))
+                    if i % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
+                        await asyncio.sleep(0)  # the rest start in later loop turns
             await asyncio.gather(*running)
         finally:
             for task in running:

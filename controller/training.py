@@ -34,6 +34,7 @@ module.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -366,8 +367,8 @@ class TrainingRun:
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
 
     def _controller_state(self, step: int) -> dict[str, Any]:
-        after_cut = {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
-                     for a in self.agents}
+        past = collections.Counter(s.agent for s in self.store.samples.values() if s.batch > step)
+        after_cut = {a: past[a] for a in self.agents}  # one pass over the samples, not one per agent
         return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset,
                                 self.episodes.episode_number(step + 1, 0))
 
