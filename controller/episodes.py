@@ -4,7 +4,8 @@
 waits for `schedule.wait_to_start(t)` (sync mode: every agent's weights at t - 1; async
 mode: at once), logs `BatchStarted` (with a dataset: which row each episode gets), then
 starts the batch's `queries_per_step` episodes, at most
-`max_concurrent_episodes` running at once (the bound is the semaphore below). Each turn
+`max_concurrent_episodes` running at once (the bound is the semaphore below), at most
+EPISODES_PER_TURN started in one turn of the event loop. Each turn
 of an episode waits at the schedule's staleness gate. Produces: samples in the store
 (through the episode context) and `episode_ended(t)` for every episode, failed or not;
 a failed episode is counted and its groups dropped (see workflow.run_episode). It ends
