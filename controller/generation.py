@@ -13,6 +13,7 @@ Plain data: no sockets, no asyncio.
 from __future__ import annotations
 
 import array
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,16 +39,15 @@ class GroupOutput:
 def assemble(parts: Sequence[tuple[protocol.GroupResult, str]]) -> GroupOutput:
     """One group's output from its parts' results (each with the instance that sent it)."""
     out = GroupOutput([], [], [], [], [], [])
-    for result, worker in sorted(parts, key=lambda part: part[0].first):
+    for result, worker in (parts if len(parts) == 1 else sorted(parts, key=lambda part: part[0].first)):
         tokens = protocol.unpacked(protocol.TOKEN_TYPECODE, result.token_ids)
         logprobs = protocol.unpacked(protocol.LOGPROB_TYPECODE, result.logprobs)
-        start = 0
-        for j, length in enumerate(result.lengths):
-            out.token_ids.append(tokens[start:start + length])
-            out.logprobs.append(logprobs[start:start + length])
-            start += length
-            out.cached_tokens.append(result.cached_tokens if j > 0 or len(result.lengths) == 1 else 0)
-        n = len(result.lengths)
+        ends = list(itertools.accumulate(result.lengths))
+        starts = [0, *ends[:-1]]
+        out.token_ids += [tokens[a:b] for a, b in zip(starts, ends)]
+        out.logprobs += [logprobs[a:b] for a, b in zip(starts, ends)]
+        n = len(ends)
+        out.cached_tokens += [0 if n > 1 else result.cached_tokens] + [result.cached_tokens] * (n - 1)
         out.finish_reasons += result.finish_reasons or [""] * n
         out.versions += [result.version] * n
         out.served_by += [worker] * n
