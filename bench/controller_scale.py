@@ -16,6 +16,7 @@ one JSON row; the sweep prints the rows and a table. Per point:
     rss_mb           the controller's peak resident memory
     rollout_busy     mean busy fraction of the fake engines (their modelled seconds)
     capacity_s       samples/s the fake engines could produce at their modelled rate
+    generate_per_sample  (with --replay) GENERATE messages sent per sample trained
     waited           "yes" when the fake cluster idled waiting on the controller: the
                      controller's loop was saturated (cpu_frac >= WAITED_CPU) while the
                      engines were busy less than 90% of the time
@@ -284,7 +285,11 @@ def time_replay(path: str, wall_s: float) -> dict[str, Any]:
     t2 = time.perf_counter()
     diff = replay.check(events)
     t3 = time.perf_counter()
-    return {"replay_events": len(events), "replay_read_s": round(t1 - t0, 2), "replay_summary_s": round(t2 - t1, 2),
+    # GENERATE messages: one per (instance, request id), whatever agents' groups it carried
+    messages = len({(e.worker, e.request_id) for e in events if type(e).__name__ == "RequestsDispatched"})
+    samples = sum(e.samples for e in events if type(e).__name__ == "OptimizerStep")
+    return {"generate_messages": messages, "generate_per_sample": round(messages / samples, 3) if samples else None,
+            "replay_events": len(events), "replay_read_s": round(t1 - t0, 2), "replay_summary_s": round(t2 - t1, 2),
             "replay_check_s": round(t3 - t2, 2), "replay_total_s": round(t3 - t0, 2),
             "replay_vs_run": round(wall_s / (t3 - t0), 2), "replay_ok": not problem and not summary.errors and diff is None,
             "replay_problem": problem or (summary.errors[:2] if summary.errors else diff)}
@@ -306,7 +311,8 @@ def one_point(point: dict[str, Any], keep: str = "", replay: bool = False, profi
 
 COLUMNS = [("instances", "inst"), ("agents", "agents"), ("trainers", "trn"), ("shape", "shape"), ("mode", "mode"),
            ("k", "K"), ("samples", "samples"), ("samples_s", "samples/s"), ("cpu_us_sample", "cpu us/smp"),
-           ("cpu_frac", "cpu"), ("lag_p50_ms", "lag p50 ms"), ("lag_p99_ms", "lag p99 ms"),
+           ("cpu_frac", "cpu"), ("generate_per_sample", "GENERATE/smp"), ("lag_p50_ms", "lag p50 ms"),
+           ("lag_p99_ms", "lag p99 ms"),
            ("log_mb_s", "log MB/s"), ("rss_mb", "RSS MB"), ("rollout_busy", "eng busy"),
            ("capacity_s", "eng cap/s"), ("waited", "waited"), ("accounting", "acct")]
 
