@@ -16,6 +16,7 @@ The progress line's time and ETA count from `training_started()` (after set-up).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -51,6 +52,8 @@ class MetricsLog:
         self.rows: list[dict[str, Any]] = ([json.loads(line) for line in path.read_text().splitlines() if line]
                                            if resumed and path.exists() else [])
         self._fh = open(path, "a" if resumed else "w", buffering=1)
+        self._durable = -1  # rows on disk as of the last make_durable
+        self._durable_lock = asyncio.Lock()
 
     def record(self, step: int, agent: str, version: int, samples: list[Any], times: Any, **extra: Any) -> None:
         rewards = [s.reward for s in samples]
@@ -86,10 +89,17 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.log(row)
 
-    def make_durable(self) -> None:
-        """Every row written so far is on disk (before a checkpoint that follows them)."""
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+    async def make_durable(self) -> None:
+        """Every row written so far is on disk (before a checkpoint that follows them). The
+        disk is waited for off the event loop (an fsync can take a tenth of a second), and
+        once for every agent that checkpoints the same step."""
+        async with self._durable_lock:
+            written = len(self.rows)
+            if self._durable == written:
+                return
+            self._fh.flush()
+            await asyncio.to_thread(os.fsync, self._fh.fileno())
+            self._durable = written
 
     def end_step(self, step: int, total: int) -> None:
         if not self.progress:

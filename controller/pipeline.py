@@ -135,7 +135,7 @@ class AgentPipeline:
         gradients."""
         if self.checkpoints is None or not self.checkpoints.due(version):
             return
-        self.metrics.make_durable()
+        await self.metrics.make_durable()
         trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
             async with self.lanes.slot(trainer, Priority.critical(version)):

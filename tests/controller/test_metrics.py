@@ -32,3 +32,20 @@ def test_each_row_says_what_the_agents_engines_prefilled_since_its_last_row(tmp_
                      "turn_prefix_hit_rate": None}
     assert second == {"prompt_tokens": 280, "cached_prompt_tokens": 60, "prefix_hit_rate": 0.0,
                       "turn_prefix_hit_rate": 0.75}
+
+
+async def test_rows_are_made_durable_once_however_many_agents_checkpoint_the_step(tmp_path, monkeypatch):
+    import asyncio
+    import os
+
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    metrics = MetricsLog(tmp_path, ["a", "b"], progress=False)
+    metrics.write({"step": 1, "agent": "a", "reward_mean": 0.5})
+    metrics.write({"step": 1, "agent": "b", "reward_mean": 0.5})
+    await asyncio.gather(metrics.make_durable(), metrics.make_durable())
+    assert len(synced) == 1
+    metrics.write({"step": 2, "agent": "a", "reward_mean": 0.5})
+    await metrics.make_durable()
+    assert len(synced) == 2
+    metrics._fh.close()

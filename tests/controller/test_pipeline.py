@@ -88,7 +88,7 @@ class FakeMetrics:
     def end_step(self, step, total):
         self.ended.append(step)
 
-    def make_durable(self):
+    async def make_durable(self):
         self.durable = list(self.rows)
 
 
