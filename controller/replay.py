@@ -135,14 +135,14 @@ class Summary:
 def summarize(events: list[Event]) -> Summary:
     """Everything the log says about the run. Never raises on inconsistent logs: the
     inconsistencies are in ``errors`` (the table is what helps find them)."""
-    run = next((e for e in events if isinstance(e, RunStarted)), None)
+    run = next((e for e in events if type(e) is RunStarted), None)
     t_start = run.t if run else (events[0].t if events else 0.0)
     t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
     workers = _worker_usage(events, t_start, t_end)
     counted = lineage(events)  # without what a resume undid
     agents = _agent_stats(counted, run)
     rows, staleness, errors = _accounting(counted, run)
-    resumed_at = [e.step for e in events if isinstance(e, RunResumed)]
+    resumed_at = [e.step for e in events if type(e) is RunResumed]
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
                    training_seconds(events))
 
@@ -153,11 +153,12 @@ def training_seconds(events: list[Event]) -> float:
     and the time a crashed run lay dead are not counted."""
     total, began, last = 0.0, None, None
     for e in events:
-        if isinstance(e, RunResumed):
+        kind = type(e)
+        if kind is RunResumed:
             if began is not None:
                 total += last - began
             began = None
-        elif isinstance(e, BatchStarted) and began is None:
+        elif kind is BatchStarted and began is None:
             began = e.t
         last = e.t
     return total + (last - began if began is not None else 0.0)
@@ -271,7 +272,8 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
         elif isinstance(e, GroupComplete):
             stats.rewards.extend(e.rewards)
         elif isinstance(e, RequestsCompleted):
-            stats.prompts.update(dict(zip(PROMPT_FIELDS, e.prompt_counts())))
+            for name, count in zip(PROMPT_FIELDS, e.prompt_counts()):
+                stats.prompts[name] += count
         elif isinstance(e, WeightSyncStarted):
             sync_start[(agent, e.version)] = e.t
         elif isinstance(e, WeightSyncFinished):
@@ -329,18 +331,17 @@ def _accounting(events: list[Event], run: RunStarted | None):
             dropped.update(e.sample_ids)
             dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
 
-    def key(sid: str, agent: str) -> tuple[str, int | None]:
-        return agent, made_by.get(sid)
-
-    generated = collections.Counter(key(sid, agent) for sid, agent in owner.items())
-    in_flight = collections.Counter(key(sid, agent) for sid, agent in owner.items()
+    # Rows are keyed (agent, the version that made the sample).
+    made = made_by.get
+    generated = collections.Counter(zip(owner.values(), map(made, owner)))
+    in_flight = collections.Counter((agent, made(sid)) for sid, agent in owner.items()
                                     if sid not in trained and sid not in dropped)
     trained_rows: collections.Counter = collections.Counter()
     for sid, n in trained.items():
-        trained_rows[key(sid, owner.get(sid, trained_by[sid]))] += n
+        trained_rows[owner.get(sid) or trained_by[sid], made(sid)] += n
     dropped_rows: collections.Counter = collections.Counter()
     for sid, n in dropped.items():
-        dropped_rows[key(sid, owner.get(sid, dropped_by[sid]))] += n
+        dropped_rows[owner.get(sid) or dropped_by[sid], made(sid)] += n
     rows = {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
             for k in {**generated, **trained_rows, **dropped_rows}}
 
@@ -561,9 +562,9 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
     """Re-drives the controller's decision code from the logged inputs (redrive.py);
     returns a message naming the first decision of `types` that differs from the log, or
     None when all agree. Stamps (seq and t) are ignored."""
-    types = tuple(types)
-    logged = [e for e in lineage(events) if isinstance(e, types)]
-    again = [e for e in redrive(events) if isinstance(e, types)]
+    types = frozenset(types)
+    logged = [e for e in lineage(events) if type(e) in types]
+    again = [e for e in redrive(events) if type(e) in types]
     for i, (a, b) in enumerate(zip(logged, again)):
         if without_stamp(a) != without_stamp(b):
             return (f"decision {i} differs: the log has (seq {a.seq}, t {a.t:.3f} s) {without_stamp(a)}; "

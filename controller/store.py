@@ -40,12 +40,12 @@ class DuplicateResult(Exception):
 
 
 def token_array(ids: Sequence[int]) -> array.array:
-    return ids if isinstance(ids, array.array) and ids.typecode == protocol.TOKEN_TYPECODE else \
+    return ids if type(ids) is array.array and ids.typecode == protocol.TOKEN_TYPECODE else \
         array.array(protocol.TOKEN_TYPECODE, ids)
 
 
 def logprob_array(values: Sequence[float]) -> array.array:
-    return values if isinstance(values, array.array) and values.typecode == protocol.LOGPROB_TYPECODE else \
+    return values if type(values) is array.array and values.typecode == protocol.LOGPROB_TYPECODE else \
         array.array(protocol.LOGPROB_TYPECODE, values)
 
 
