@@ -47,6 +47,9 @@ class RemoteError(Exception):
     """A worker reported that one request failed (the worker itself is fine)."""
 
 
+# Heartbeats sent in one turn of the event loop (the rest in the next turns).
+HEARTBEATS_PER_TURN = 64
+
 # A streaming reply handler returns True when the reply it was given is the last one.
 ReplyHandler = Callable[[protocol.Message, list[Any]], bool]
 
@@ -105,9 +108,11 @@ class ControllerServer:
                                          f"(timeout {self.cfg.heartbeat_timeout_s}s)")
             self._hb_seq += 1
             quiet = now - self.cfg.heartbeat_interval_s  # a worker sent anything since needs no heartbeat
-            for info in self.registry.alive():
+            for i, info in enumerate(self.registry.alive()):
                 if info.last_sent <= quiet:
                     await self._send(info.identity, protocol.Heartbeat(self._hb_seq))
+                if i % HEARTBEATS_PER_TURN == HEARTBEATS_PER_TURN - 1:
+                    await asyncio.sleep(0)  # a thousand sends in one loop turn would hold everything else
 
     def worker_exited(self, worker_id: str, why: str) -> None:
         """Whoever started the worker saw its process end: it is dead now, without waiting
