@@ -93,6 +93,7 @@ class SampleView(msgspec.Struct, frozen=True, gc=False):
     group_id = property(lambda self: self._s.group_id)
     text = property(lambda self: self._s.text, doc="the last turn's generated text (agents with a tokenizer)")
     reward = property(lambda self: self._s.reward)
+    status = property(lambda self: self._s.status, doc="pending until its group is ready, consumed or dropped")
     finish_reason = property(lambda self: self._s.finish_reason)
     prompt_ids = property(lambda self: list(self._s.prompt_ids))
     output_ids = property(lambda self: None if self._s.output_ids is None else self._s.output_ids.tolist(),
