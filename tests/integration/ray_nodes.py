@@ -3,16 +3,12 @@ cluster, `ray.cluster_utils.Cluster`): a head that runs no workers, where the co
 runs, and worker nodes of 2 CPUs each, every one with its own raylet and object store
 (the smallest Ray allows).
 
-This machine's network is loopback only, so every Ray process is kept on 127.0.0.1
-(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's switch for that; it must be set before Ray
-is imported, here and in every process that joins). The nodes then share one address:
-the controller binds it, and CURVE is on all the same (the Ray launcher always turns it on).
+This machine's network is loopback only, so every Ray process is kept on 127.0.0.1:
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (Ray's switch for that, read when Ray is first
+imported) is set by tests/conftest.py, for the test process and every process it starts.
+The nodes then share one address: the controller binds it, and CURVE is on all the same
+(the Ray launcher always turns it on).
 """
-
-import os
-
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum: nothing of the run goes through it
 NODE_CPUS = 2
