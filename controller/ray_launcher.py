@@ -82,8 +82,13 @@ class RayLauncher:
         if self.joined:
             join_cluster(self.ray, config.ray.address)
         self.tag = uuid.uuid4().hex[:8]  # names this run's actors and placement group
-        self.group = reserve(self.ray, self.plan, config.ray.placement_strategy, config.ray.placement_timeout_s,
-                             f"flexmarl-{self.tag}")
+        try:
+            self.group = reserve(self.ray, self.plan, config.ray.placement_strategy, config.ray.placement_timeout_s,
+                                 f"flexmarl-{self.tag}")
+        except BaseException:
+            if self.joined:
+                self.ray.shutdown()
+            raise
         self.made_keys = ""  # a folder of keys made for this run, removed on close
         self.curve_dir = ""
 
