@@ -208,7 +208,7 @@ class RayWorker:
     def placement(self) -> str:
         if not self.where:
             return "not placed"
-        return f"worker pid {self.pid} on node {self.where['node'][:12]} at {self.where['ip']}"
+        return f"worker pid {self.pid} on node {self.where['node']} at {self.where['ip']}"
 
 
 class RayWorkers:

@@ -29,6 +29,7 @@ from flexmarl.runtime.eventlog import read_events
 sys.path.insert(0, str(Path(__file__).parent))
 import ray_nodes  # noqa: E402
 from killed_runs import trained_into  # noqa: E402
+from test_processes import _alive as alive  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ("planner", "solver", "checker")
@@ -82,18 +83,6 @@ def placements(run_dir):
             for log in sorted((run_dir / "logs").glob("*.log"))}
 
 
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def actor_exists(name):
     import ray
 
@@ -134,7 +123,7 @@ def test_the_default_job_runs_on_workers_spread_over_the_nodes_with_curve_and_st
     bystander = Bystander.remote()
     assert ray.get(bystander.ping.remote(), timeout=120) == "here"
     run_dir = tmp_path / "run"
-    proc = start_run(nodes, run_dir, 2)
+    proc = start_run(nodes, run_dir, 1)
     try:
         wait_until(lambda: (run_dir / "controller.address").exists() or proc.poll() is not None, 300,
                    "the controller's address")
@@ -154,7 +143,7 @@ def test_the_default_job_runs_on_workers_spread_over_the_nodes_with_curve_and_st
     assert all(len(lives) == 1 for lives in placed.values())
     used = {node for lives in placed.values() for _, _, node in lives}
     assert used == nodes.worker_node_ids()  # both worker nodes, none on the head
-    events = check_trained_and_replays(run_dir, 2)
+    events = check_trained_and_replays(run_dir, 1)
     joined = {e.worker: e.pid for e in events if isinstance(e, ev.WorkerJoined)}
     assert joined == {w: lives[0][1] for w, lives in placed.items()}  # the processes the actors ran
 
