@@ -35,7 +35,7 @@ from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
 from .checkpoints import CheckpointError, check_writable, latest_checkpoint
-from .launcher import LAUNCHERS, Launcher, RestartPolicy, WorkerRestarter, Workers
+from .launcher import LAUNCHERS, LaunchedWorker, Launcher, RestartPolicy, WorkerRestarter, Workers
 from .server import ControllerServer
 from .training import TrainingRun
 
@@ -62,7 +62,7 @@ class Experiment:
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
         self.launcher: Launcher | None = None  # while open, when it starts its workers
-        self.local: Workers | None = None  # the workers the launcher started
+        self.local: Workers[Any] | None = None  # the workers the launcher started
         self._tasks: list[asyncio.Task] = []
         self.events: EventLog | None = None
         self.training: TrainingRun | None = None  # while train() runs
@@ -176,7 +176,7 @@ class Experiment:
                                         on_restart=self._restarted)
             self._tasks.append(asyncio.create_task(restarter.run(), name="launcher"))
 
-    def _restarted(self, old: Any, new: Any, restarts: int) -> None:
+    def _restarted(self, old: LaunchedWorker, new: LaunchedWorker, restarts: int) -> None:
         self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.exit_code, restarts, new.pid))
 
     def _check_local_processes(self) -> None:

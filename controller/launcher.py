@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Protocol
+from typing import Any, Callable, Coroutine, Protocol, TypeVar
 
 from flexmarl.runtime.config import ExperimentConfig, TransportConfig
 from flexmarl.runtime.shm_segments import remove_orphan_segments
@@ -68,18 +68,21 @@ class LaunchedWorker(Protocol):
     def why_exited(self) -> str: ...  # the same as a sentence about its process, for the controller
 
 
-class Workers(Protocol):
+W = TypeVar("W", bound=LaunchedWorker)  # a launcher's kind of worker: WorkerProcess, RayWorker
+
+
+class Workers(Protocol[W]):
     """The workers a launcher started: all the restarter and the experiment use."""
 
-    procs: list[Any]  # the current LaunchedWorker of every worker id
+    procs: list[W]  # the current one of every worker id
 
-    def start(self, role: str, worker_id: str, gpus: list[int] | None = None) -> LaunchedWorker: ...
+    def start(self, role: str, worker_id: str, gpus: list[int] | None = None) -> W: ...
 
-    def restart(self, old: Any) -> LaunchedWorker: ...
+    def restart(self, old: W) -> W: ...  # the new one takes `old`'s place in procs
 
-    def exited(self) -> list[Any]: ...
+    def exited(self) -> list[W]: ...
 
-    def log_tail(self, worker: Any) -> str: ...
+    def log_tail(self, worker: W) -> str: ...
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]: ...  # named tasks to run while the run goes on
 
@@ -91,7 +94,7 @@ class Launcher(Protocol):
 
     def endpoint(self, transport: TransportConfig) -> tuple[str, str]: ...  # the address to bind, its CURVE dir
 
-    def workers(self, address: str, log_dir: Path) -> Workers: ...
+    def workers(self, address: str, log_dir: Path) -> Workers[Any]: ...
 
     def close(self) -> None: ...
 
@@ -313,9 +316,9 @@ class WorkerRestarter:
     end. Nothing is restarted once `stopping()` says the run is shutting down. `run()`
     looks every `WATCH_INTERVAL_S` and never returns; its failure stops the run."""
 
-    def __init__(self, workers: Workers, policy: RestartPolicy, *, stopping: Callable[[], bool],
-                 on_exit: Callable[[Any, str], None] = lambda wp, why: None,
-                 on_restart: Callable[[Any, Any, int], None] = lambda old, new, n: None,
+    def __init__(self, workers: Workers[Any], policy: RestartPolicy, *, stopping: Callable[[], bool],
+                 on_exit: Callable[[LaunchedWorker, str], None] = lambda wp, why: None,
+                 on_restart: Callable[[LaunchedWorker, LaunchedWorker, int], None] = lambda old, new, n: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.workers = workers
         self.policy = policy
