@@ -31,8 +31,9 @@ import statistics
 import tempfile
 import time
 
-# This machine's network is loopback only: the simulated cluster's Ray processes stay on
-# 127.0.0.1 (Ray's switch, read when Ray is first imported; inherited by its processes).
+# The simulated cluster's Ray processes bind and contact 127.0.0.1 only: Ray's single-host
+# mode (read when Ray is first imported; inherited by its processes), without which Ray
+# swaps a loopback address for this host's outside one (tests/integration/ray_nodes.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -42,6 +43,7 @@ from flexmarl.runtime.aio import limit_threads, setup_logging  # noqa: E402
 from flexmarl.runtime.config import load_config  # noqa: E402
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum: nothing of the run goes through it
+LOOPBACK = "127.0.0.1"
 
 
 def run_once(launcher: str, address: str, args: argparse.Namespace, round_: int) -> dict:
@@ -93,9 +95,10 @@ def main() -> None:
 
         started = time.perf_counter()
         cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False))
+            num_cpus=0, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, node_ip_address=LOOPBACK))
         for _ in range(args.nodes):
-            cluster.add_node(num_cpus=args.cpus_per_node, object_store_memory=OBJECT_STORE_BYTES)
+            cluster.add_node(num_cpus=args.cpus_per_node, object_store_memory=OBJECT_STORE_BYTES,
+                             node_ip_address=LOOPBACK)
         cluster.wait_for_nodes()
         print(json.dumps({"measure": "cluster_start", "nodes": args.nodes, "cpus_per_node": args.cpus_per_node,
                           "seconds": round(time.perf_counter() - started, 2)}), flush=True)

@@ -3,12 +3,19 @@ cluster, `ray.cluster_utils.Cluster`): a head that runs no workers, where the co
 runs, and worker nodes of 2 CPUs each, every one with its own raylet and object store
 (the smallest Ray allows).
 
-This machine's network is loopback only, so every Ray process is kept on 127.0.0.1:
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (Ray's switch for that, read when Ray is first
-imported) is set by tests/conftest.py, for the test process and every process it starts.
-The nodes then share one address: the controller binds it, and CURVE is on all the same
-(the Ray launcher always turns it on).
+Every Ray process stays on 127.0.0.1, and nothing contacts another address. Each node is
+given node_ip_address 127.0.0.1, but that alone is not enough: wherever Ray meets a
+loopback address (a bootstrap address, a driver's `_node_ip_address`) it replaces it with
+the address this host has towards the outside (services.resolve_ip_for_localhost, which
+reads the route to 8.8.8.8), and it tries to reach its GCS there. Ray's single-host mode
+turns that off and answers 127.0.0.1 instead: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+(ray_constants.ENABLE_RAY_CLUSTER, read when Ray is first imported; the default off
+Windows and macOS is 1). tests/conftest.py sets it for the test process and every
+process it starts. The nodes then share one address: the controller binds it, and CURVE
+is on all the same (the Ray launcher always turns it on).
 """
+
+LOOPBACK = "127.0.0.1"
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's minimum: nothing of the run goes through it
 NODE_CPUS = 2
@@ -33,7 +40,7 @@ class RayNodes:
         from ray.cluster_utils import Cluster
 
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False))
+            num_cpus=0, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, node_ip_address=LOOPBACK))
         try:
             for _ in range(self.count):
                 self.add()
@@ -51,7 +58,8 @@ class RayNodes:
 
     def add(self):
         """One more worker node, once it has joined."""
-        node = self.cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES)
+        node = self.cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE_BYTES,
+                                     node_ip_address=LOOPBACK)
         self.cluster.wait_for_nodes()
         return node
 
