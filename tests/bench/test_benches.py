@@ -149,3 +149,14 @@ def test_ray_launch_runs_the_default_job_with_each_launcher_and_reports_both():
     runs = rows[1:3]
     assert all(r["steps"] == 1 and r["samples"] > 0 and r["setup_s"] > 0 and r["samples_per_s"] > 0 for r in runs)
     assert rows[3]["setup_ratio_ray_over_local"] > 0 and rows[3]["samples_per_s_ratio_ray_over_local"] > 0
+
+
+def test_openai_overhead_runs_the_same_job_and_episodes_through_ctx_chat_and_the_endpoint():
+    rows = json_rows(run_bench("openai_overhead.py", "--smoke", timeout=1200))
+    jobs, calls = rows[:3], rows[3:]
+    assert [r["job"] for r in jobs] == ["review_chain.toml", "openai_team.toml", "openai_team/review_chain"]
+    assert jobs[0]["samples"] > 0 and jobs[1]["samples"] > 0 and jobs[2]["samples_per_s_ratio"] > 0
+    assert [r["way"] for r in calls] == ["chat", "endpoint", "endpoint/chat"]
+    chat, endpoint, ratio = calls
+    assert chat["samples"] == endpoint["samples"] == 2 * 4 and chat["calls"] == endpoint["calls"] == 2 * 5
+    assert ratio["samples_per_s_ratio"] > 0 and endpoint["controller_cpu_ms_per_call"] > 0
