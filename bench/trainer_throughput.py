@@ -2,14 +2,15 @@
 plain matmul's, and its peak memory, on GRPO micro-batches of long-tailed lengths.
 
     python bench/trainer_throughput.py [--shape qwen2.5-0.5b] [--tokens 4096,16384] [--reps 1]
-        [--checkpointing off,on] [--models DIR] [--out FILE]
+        [--checkpointing off,on] [--prompts 64,512] [--outputs 16,1024] [--models DIR] [--out FILE]
     python bench/trainer_throughput.py --smoke      # tiny shape, seconds (the suite runs it)
 
 A step is FlexMARL's own trainer (TrainerHandler): TRAIN_MICROBATCH then OPTIM_STEP, on a
 model of a real shape built from its config (bench/gpu_check.py's SHAPES, random weights,
 float32 on the CPU, bfloat16 "mixed" on CUDA). A micro-batch holds whole GRPO groups
 (--group-size samples of one prompt); prompt lengths are uniform on 64-512, output lengths
-log-uniform on 16-1,024 (long-tailed: median 128, mean 242); groups are drawn until the
+log-uniform on 16-1,024 (long-tailed: median 128, mean 242; --prompts and --outputs
+change the ranges); groups are drawn until the
 next one would pass --tokens (a group's tokens: its prompt once, plus its outputs). The
 draw is seeded, so every invocation trains the same micro-batches.
 
@@ -138,34 +139,57 @@ def vm_kib(field: str) -> int:
 
 
 def child(spec: dict) -> dict:
-    """One (tokens, checkpointing) measurement, in this process."""
+    """One (tokens, checkpointing) measurement in this process, its address space capped
+    on the CPU."""
+    if spec["device"] == "cpu" and spec["memory_cap_gib"] > 0:
+        cap = int(spec["memory_cap_gib"] * GIB)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    return measure(**{k: v for k, v in spec.items() if k != "memory_cap_gib"})
+
+
+def measure(shape: str, model: str, device: str, tokens: int, checkpointing: bool, group_size: int, seed: int,
+            reps: int, matmul_size: int, prompts: tuple[int, int] = PROMPT_LENGTHS,
+            outputs: tuple[int, int] = OUTPUT_LENGTHS) -> dict:
+    """A trainer step on the micro-batch of `tokens` drawn with `seed`: its FLOP/s against
+    the matmul's, and its peak memory over what the agent holds between steps."""
     import torch
     from transformers import AutoConfig
 
     from flexmarl.runtime import protocol
-    from gpu_check import SHAPES, Trainer, sync
+    from gpu_check import Trainer, sync
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    device = torch.device(spec["device"])
-    if device.type == "cpu" and spec["memory_cap_gib"] > 0:
-        cap = int(spec["memory_cap_gib"] * GIB)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    config = AutoConfig.from_pretrained(spec["model"])
-    groups = draw_groups(spec["tokens"], spec["group_size"], spec["seed"])
-    batch = micro_batch(groups, config.vocab_size, spec["seed"])
-    row = {"shape": spec["shape"], "device": str(device), "budget_tokens": spec["tokens"],
-           "activation_checkpointing": spec["checkpointing"], "groups": len(groups), "samples": len(batch),
+    device = torch.device(device)
+    config = AutoConfig.from_pretrained(model)
+    groups = draw_groups(tokens, group_size, seed, tuple(prompts), tuple(outputs))
+    batch = micro_batch(groups, config.vocab_size, seed)
+    row = {"shape": shape, "device": str(device), "budget_tokens": tokens,
+           "activation_checkpointing": checkpointing, "groups": len(groups), "samples": len(batch),
            "prompt_lengths": [p for p, _ in groups], "output_lengths": [n for _, outs in groups for n in outs],
            **train_flops(config, groups)}
     dtype = {"cpu": "float32", "cuda": "bfloat16"}[device.type]
-    compute = getattr(torch, dtype)
-    row.update(dtype=dtype, matmul_flops_per_s=matmul_flops_per_s(device, compute, spec["matmul_size"]))
+    row.update(dtype=dtype, matmul_flops_per_s=matmul_flops_per_s(device, getattr(torch, dtype), matmul_size))
     trainer = Trainer()
-    settings = protocol.TrainerSettings(dtype=dtype, precision="mixed" if device.type == "cuda" else "pure",
-                                        activation_checkpointing=spec["checkpointing"])
-    trainer.init("a", Path(spec["model"]), settings)
-    # The optimizer state exists from the first step on: a short group makes it.
-    trainer.iteration("a", 1, micro_batch([(64, [16, 16])], config.vocab_size, spec["seed"] + 1))
+    try:
+        settings = protocol.TrainerSettings(dtype=dtype, precision="mixed" if device.type == "cuda" else "pure",
+                                            activation_checkpointing=checkpointing)
+        trainer.init("a", Path(model), settings)
+        # The optimizer state exists from the first step on: a short group makes it.
+        trainer.iteration("a", 1, micro_batch([(64, [16, 16])], config.vocab_size, seed + 1))
+        return {**row, **timed_steps(trainer, batch, reps, device)}
+    finally:
+        trainer.close()
+        del trainer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def timed_steps(trainer, batch: list, reps: int, device) -> dict:
+    """The fastest of `reps` steps, and the peak memory over the resident state."""
+    import torch
+
+    from gpu_check import sync
+
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -174,7 +198,7 @@ def child(spec: dict) -> dict:
         resident = vm_kib("VmRSS") * 1024
     times = []
     try:
-        for rep in range(spec["reps"]):
+        for rep in range(reps):
             sync(device)
             t0 = time.perf_counter()
             done = trainer.iteration("a", 2 + rep, batch)
@@ -183,16 +207,21 @@ def child(spec: dict) -> dict:
     except (RuntimeError, MemoryError) as exc:
         if not ("alloc" in str(exc) or isinstance(exc, MemoryError) or "out of memory" in str(exc)):
             raise
-        return {**row, "ok": False, "fits": False, "memory_cap_gib": spec["memory_cap_gib"],
-                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        return {"ok": False, "fits": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else vm_kib("VmHWM") * 1024
     seconds = min(times)
-    return {**row, "ok": math.isfinite(done.stats.loss), "fits": True, "reps": spec["reps"], "seconds": seconds,
-            "seconds_all": times, "flops_per_s": row["flops"] / seconds,
-            "of_matmul": row["flops"] / seconds / row["matmul_flops_per_s"],
-            "tokens_per_s": row["tokens"] / seconds,
-            "resident_gib": resident / GIB, "peak_gib": peak / GIB, "step_gib": (peak - resident) / GIB,
-            "loss": done.stats.loss, "grad_norm": done.grad_norm}
+    return {"ok": math.isfinite(done.stats.loss), "fits": True, "reps": reps, "seconds": seconds,
+            "seconds_all": times, "resident_gib": resident / GIB, "peak_gib": peak / GIB,
+            "step_gib": (peak - resident) / GIB, "loss": done.stats.loss, "grad_norm": done.grad_norm}
+
+
+def rates(row: dict) -> dict:
+    """A measured row with its FLOP/s, share of the matmul's and tokens/s."""
+    if not row.get("fits"):
+        return row
+    flops_per_s = row["flops"] / row["seconds"]
+    return {**row, "flops_per_s": flops_per_s, "of_matmul": flops_per_s / row["matmul_flops_per_s"],
+            "tokens_per_s": row["tokens"] / row["seconds"]}
 
 
 # ------------------------------------------------------------------------- the parent
@@ -226,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="4096,16384", help="micro-batch token budgets")
     parser.add_argument("--checkpointing", default="off", help="activation checkpointing: off, on or off,on")
     parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompts", default="64,512", help="prompt lengths: uniform on MIN,MAX")
+    parser.add_argument("--outputs", default="16,1024", help="output lengths: log-uniform on MIN,MAX")
     parser.add_argument("--reps", type=int, default=1, help="timed steps per micro-batch (the fastest is reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--matmul-size", type=int, default=0, help="default: 2048 on the CPU, 8192 on CUDA")
@@ -261,12 +292,14 @@ def main(argv: list[str] | None = None) -> int:
             for tokens in [int(t) for t in args.tokens.split(",")]:
                 spec = {"shape": args.shape, "model": str(path), "device": str(device), "tokens": tokens,
                         "checkpointing": checkpointing, "group_size": args.group_size, "seed": args.seed + tokens,
-                        "reps": args.reps, "matmul_size": matmul_size, "memory_cap_gib": 0 if args.smoke else cap}
+                        "reps": args.reps, "matmul_size": matmul_size, "memory_cap_gib": 0 if args.smoke else cap,
+                        "prompts": [int(n) for n in args.prompts.split(",")],
+                        "outputs": [int(n) for n in args.outputs.split(",")]}
                 proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT,
                                       capture_output=True, text=True)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 if proc.returncode == 0 and lines:
-                    row = json.loads(lines[-1])
+                    row = {**rates(json.loads(lines[-1])), "memory_cap_gib": spec["memory_cap_gib"]}
                 else:
                     row = {"shape": args.shape, "budget_tokens": tokens, "activation_checkpointing": checkpointing,
                            "ok": False, "error": f"child exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}

@@ -1,15 +1,16 @@
 """The policy-gradient loss of one micro-batch, and the sums an optimizer step reports.
 
 `policy_loss` scores a micro-batch's output tokens under the distribution they were
-sampled from (each turn's temperature, top_k and top_p; sampling.py), builds one loss
-term per token and reduces them to a sum over samples, so that micro-batch gradients add up to the global batch's and the
-optimizer step divides once (`StepSums.denominator`). The options are tables keyed by the
+sampled from (each turn's temperature, top_k and top_p; sampling.py, through
+scoring.py), builds one loss term per token and reduces them to a sum over samples, so
+that micro-batch gradients add up to the global batch's and the optimizer step divides
+once (`StepSums.denominator`). The options are tables keyed by the
 names in `protocol.LossOptions`: AGGREGATIONS (tokens -> one number per sample, and what
 the step divides by) and OFF_POLICY (how a token sampled by an older policy is weighted).
 
 It knows TrainSample and what scoring.py scores (a transformers causal LM, or any model
-whose call returns `.logits`); it knows nothing of
-workers, versions, optimizers or the controller.
+whose call returns `.logits`); it knows nothing of workers, versions, optimizers or the
+controller.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ prompts shared between segments).
 
 Two kernels, chosen per call (KERNELS):
 - "varlen": torch's variable-length FlashAttention (`torch.nn.attention.varlen`), on CUDA
-  in bfloat16 or float16. Each segment's keys (its prompt, then itself) are gathered into
+  in bfloat16 or float16 where this torch has it. Each segment's keys (its prompt, then itself) are gathered into
   one key row, and the causal window is aligned to the end of each key run, so an output
   sees its whole prompt.
 - "sdpa_blocks": torch's scaled_dot_product_attention everywhere else (the CPU, float32).
@@ -31,6 +31,8 @@ It knows torch, transformers' attention interface and PackedBatch; nothing of lo
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -75,7 +77,13 @@ def packed_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor
 
 
 def choose_kernel(query: torch.Tensor) -> str:
-    return "varlen" if query.is_cuda and query.dtype in HALF else "sdpa_blocks"
+    return "varlen" if query.is_cuda and query.dtype in HALF and has_varlen() else "sdpa_blocks"
+
+
+@functools.cache
+def has_varlen() -> bool:
+    """Whether this torch has its variable-length attention API (newer releases do)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 # ------------------------------------------------------------------ what each kernel is handed
@@ -136,7 +144,8 @@ def _block(segments: tuple, device: Any) -> Block:
     if len(segments) == 1 and segments[0].prefix_length == 0:
         return Block(start, stop, None, None)  # a prompt alone: plain causal attention
     # Keys: the prompts of this block's outputs that lie before it, then the block itself.
-    outside = sorted({(s.prefix_start, s.prefix_length) for s in segments if s.prefix_length and s.prefix_start < start})
+    outside = sorted({(s.prefix_start, s.prefix_length) for s in segments
+                      if s.prefix_length and s.prefix_start < start})
     keys = torch.cat([torch.arange(a, a + n) for a, n in outside] + [torch.arange(start, stop)])
     # Each row's segment, named by its first row; and the prompt an output's rows see whole.
     owner = torch.zeros(stop, dtype=torch.long)

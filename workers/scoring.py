@@ -14,7 +14,7 @@ A model with a transformers decoder and output head (`get_decoder()`,
   logits at a time. A chunk's logits are made, scored and dropped, and made again in the
   backward (activation checkpointing of the head alone), so at most one chunk's float32
   logits exist at any time, never the micro-batch's. The price is one more head matmul
-  in the backward.
+  in the backward (none when every scored token fits in one chunk: it is kept).
 Any other model (called like a causal LM with `input_ids` and `attention_mask`, returning
 `.logits`, such as the tests' doubles), or one whose causal-LM head does more than its
 output embedding (HEAD_EXTRAS: soft-capping, scaling), gets one right-padded pass over
@@ -112,7 +112,8 @@ def chunked_scores(head: Any, vocab: int, states: torch.Tensor, targets: torch.T
     """(logp, entropy) [N] of rows `states` [N, ...]: hidden states through `head`, or logits
     already (head None), CHUNK_ELEMENTS logits at a time."""
     step = max(1, CHUNK_ELEMENTS // vocab)
-    recompute = head is not None and torch.is_grad_enabled() and states.requires_grad
+    # One chunk holds all of them: its logits are no bigger than a chunk, nothing to recompute.
+    recompute = head is not None and torch.is_grad_enabled() and states.requires_grad and targets.shape[0] > step
     logps, entropies = [], []
     for a in range(0, targets.shape[0], step):
         part = (states[a:a + step], targets[a:a + step], temperature[a:a + step], top_k[a:a + step],

@@ -228,3 +228,35 @@ def test_a_sample_with_an_empty_prompt_is_refused():
     with pytest.raises(ValueError, match="empty prompt"):
         scoring.token_scores(tiny_model("qwen2"), [sample], torch.ones(1, 1, dtype=torch.bool),
                              *turn_settings([sample], 1))
+
+
+@pytest.mark.parametrize("options,off_policy", [(p.LossOptions(), False),
+                                                (p.LossOptions(off_policy="ppo_clip", agg="token_mean", kl_coef=0.05),
+                                                 True)], ids=["on-policy", "ppo-clip-and-kl"])
+def test_the_loss_and_its_gradient_equal_those_of_whole_logits_per_sample(monkeypatch, options, off_policy):
+    from flexmarl.workers import loss as loss_module
+
+    model, reference = tiny_model("qwen2", tied=True), tiny_model("qwen2", tied=True)
+    with torch.no_grad():  # the reference (the initial weights) a little apart from the policy
+        for q in reference.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel())))
+    rng = random.Random(7)  # sampler logprobs near the policy's: some ratios clip, most do not
+    samples = [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, rng.uniform(-1, 1),
+                             [-4.6 + rng.gauss(0, 0.3) for _ in s.output_ids], [0], s.temperature, s.loss_mask,
+                             s.top_p, s.top_k) for s in spread_batch(seed=5)]
+
+    def loss_sums_grads():
+        model.zero_grad()
+        loss, sums = loss_module.policy_loss(model, samples, options, off_policy, 2.0, reference)
+        loss.backward()
+        return loss.detach(), sums, [q.grad.clone() for q in model.parameters()]
+
+    new = loss_sums_grads()
+    monkeypatch.setattr(loss_module, "token_scores", plain_scores)
+    old = loss_sums_grads()
+    torch.testing.assert_close(new[0], old[0], rtol=1e-5, atol=1e-6)
+    for field in ("entropy", "abs_diff", "rollout_kl", "clipped", "ref_kl", "tokens", "denominator"):
+        assert getattr(new[1], field) == pytest.approx(getattr(old[1], field), rel=1e-5, abs=1e-5), field
+    assert old[1].clipped > 0 or not off_policy
+    for (name, _), a, b in zip(model.named_parameters(), new[2], old[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
