@@ -6,9 +6,8 @@ arrive from the workflow, and a group becomes *trainable* only when every member
 then its group-normalised advantages and its size in tokens are fixed. Trainable groups
 queue per agent and per global batch in arrival order; `take` hands out whole groups'
 samples (as many as `decisions.groups_in_micro_batch` says, in samples or in tokens) and
-marks them consumed, so a sample can be
-trained at most once, and a duplicate or late result for a sample that already has
-its output is refused.
+marks them consumed, so a sample can be trained at most once, and a duplicate or late
+result for a sample that already has its output is refused.
 
 Plain synchronous Python: no sockets, no asyncio, no knowledge of workers.
 """

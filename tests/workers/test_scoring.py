@@ -85,7 +85,7 @@ def assert_same_as_plain(model, samples, params, names, plain_model=None):
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Three rows of logits per head chunk: every batch here spans many chunks."""
-    monkeypatch.setattr(scoring, "CHUNK_ELEMENTS", 3 * VOCAB)
+    monkeypatch.setitem(scoring.CHUNK_ELEMENTS, "cpu", 3 * VOCAB)
 
 
 @pytest.mark.parametrize("kind,tied", [("qwen2", True), ("llama", False)])
@@ -198,7 +198,7 @@ def test_no_tensor_of_the_micro_batchs_vocabulary_logits_is_made_forward_or_back
         loss.backward()
     # The embedding (and its gradient), or one chunk of logits: 3 rows here, of 610 scored.
     embedding = model.get_input_embeddings().weight.numel()
-    assert seen.largest <= max(embedding, scoring.CHUNK_ELEMENTS) < scored_tokens * VOCAB / 10
+    assert seen.largest <= max(embedding, scoring.CHUNK_ELEMENTS["cpu"]) < scored_tokens * VOCAB / 10
 
 
 def test_a_model_without_a_decoder_and_head_apart_gets_one_padded_pass():
