@@ -126,9 +126,9 @@ def chunked_scores(head: Any, vocab: int, states: torch.Tensor, targets: torch.T
             logp, ent = _chunk_scores(head, *part)
         logps.append(logp)
         entropies.append(ent)
-    if not logps:  # nothing scored
-        empty = states.new_zeros(0, dtype=torch.float32)
-        return empty, empty
+    if not logps:  # nothing scored: still part of the graph, so a backward (FSDP's hooks) runs
+        empty = states[:, 0].float()
+        return empty, empty.detach()
     return torch.cat(logps), torch.cat(entropies)
 
 

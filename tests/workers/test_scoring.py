@@ -260,3 +260,15 @@ def test_the_loss_and_its_gradient_equal_those_of_whole_logits_per_sample(monkey
     assert old[1].clipped > 0 or not off_policy
     for (name, _), a, b in zip(model.named_parameters(), new[2], old[2]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_micro_batch_with_no_trained_token_still_backpropagates_a_zero_loss():
+    """A trainer group's rank must run its backward (FSDP's collectives) whatever it was dealt."""
+    from flexmarl.workers.loss import policy_loss
+
+    model = tiny_model("qwen2")
+    sample = p.TrainSample("s", [1, 2], [3, 4], 1.0, [], [0], loss_mask=[0, 0])
+    loss, sums = policy_loss(model, [sample], p.LossOptions(), off_policy=False, clip_ratio=2.0)
+    loss.backward()
+    assert loss.item() == 0 and sums.tokens == 0
+    assert all(q.grad is not None and not q.grad.any() for q in model.get_decoder().layers.parameters())
