@@ -20,7 +20,8 @@ compute: per group the prompt once and each output (its last token is never an i
 4 x context x heads x head_dim per input token per layer for attention (the keys it may
 attend to: its prompt and its own earlier tokens); backward twice the forward. Activation
 checkpointing's recomputation is not counted. The limit is a plain square matmul of the
-compute dtype, timed in the same process just before the step.
+compute dtype, timed in the same process just before and just after the steps (the better
+of the two: on a shared machine the rate moves).
 
 Each (tokens, checkpointing) runs in a child process of its own, so that its peak memory is
 its own: on the CPU the peak resident set (VmHWM) and what it adds to the resident state
@@ -28,7 +29,8 @@ before the step (weights and optimizer state, after a warm-up step on one short 
 CUDA torch's peak allocation. On the CPU the child's address space is capped
 (--memory-cap-gib, default: the machine's available memory less 2 GiB): a step that needs
 more fails with an allocation error, reported as not fitting, instead of pushing other
-processes out.
+processes out, with what it held at that moment plus what it asked for (a lower bound
+of the peak it needed).
 
 One JSON row per measurement, then a table.
 """
@@ -40,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -168,7 +171,7 @@ def measure(shape: str, model: str, device: str, tokens: int, checkpointing: boo
            "prompt_lengths": [p for p, _ in groups], "output_lengths": [n for _, outs in groups for n in outs],
            **train_flops(config, groups)}
     dtype = {"cpu": "float32", "cuda": "bfloat16"}[device.type]
-    row.update(dtype=dtype, matmul_flops_per_s=matmul_flops_per_s(device, getattr(torch, dtype), matmul_size))
+    matmul = [matmul_flops_per_s(device, getattr(torch, dtype), matmul_size)]
     trainer = Trainer()
     try:
         settings = protocol.TrainerSettings(dtype=dtype, precision="mixed" if device.type == "cuda" else "pure",
@@ -176,7 +179,11 @@ def measure(shape: str, model: str, device: str, tokens: int, checkpointing: boo
         trainer.init("a", Path(model), settings)
         # The optimizer state exists from the first step on: a short group makes it.
         trainer.iteration("a", 1, micro_batch([(64, [16, 16])], config.vocab_size, seed + 1))
-        return {**row, **timed_steps(trainer, batch, reps, device)}
+        steps = timed_steps(trainer, batch, reps, device)
+        # Timed again after the steps: on a shared machine the rate moves, and the limit is
+        # the best it reached.
+        matmul.append(matmul_flops_per_s(device, getattr(torch, dtype), matmul_size))
+        return {**row, "dtype": dtype, "matmul_flops_per_s": max(matmul), "matmul_before_after": matmul, **steps}
     finally:
         trainer.close()
         del trainer
@@ -207,7 +214,13 @@ def timed_steps(trainer, batch: list, reps: int, device) -> dict:
     except (RuntimeError, MemoryError) as exc:
         if not ("alloc" in str(exc) or isinstance(exc, MemoryError) or "out of memory" in str(exc)):
             raise
-        return {"ok": False, "fits": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        # What it held when an allocation failed, plus what it asked for: its peak would have
+        # been at least that much.
+        asked = re.search(r"allocate (\d+) bytes", str(exc))
+        held = vm_kib("VmRSS") * 1024 if device.type == "cpu" else torch.cuda.memory_allocated(device)
+        needed = (held + int(asked.group(1))) / GIB if asked else None
+        return {"ok": False, "fits": False, "needs_at_least_gib": needed, "resident_gib": resident / GIB,
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else vm_kib("VmHWM") * 1024
     seconds = min(times)
     return {"ok": math.isfinite(done.stats.loss), "fits": True, "reps": reps, "seconds": seconds,
@@ -245,7 +258,8 @@ def table(rows: list[dict]) -> str:
                          f"{r['matmul_flops_per_s'] / 1e12:>8.3f} {r['of_matmul']:>9.2f} {r['peak_gib']:>9.2f} "
                          f"{r['step_gib']:>9.2f}")
         else:
-            lines.append(f"{head}  {r.get('error', 'failed')[:90]}")
+            at_least = f"needs at least {r['needs_at_least_gib']:.2f} GiB: " if r.get("needs_at_least_gib") else ""
+            lines.append(f"{head}  {at_least}{r.get('error', 'failed')[:90]}")
     return "\n".join(lines)
 
 
