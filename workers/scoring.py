@@ -11,9 +11,10 @@ A model with a transformers decoder and output head (`get_decoder()`,
 - its decoder runs the micro-batch packed (packing.py, packed_attention.py): one row with
   no padding, each distinct prompt once;
 - the head projects only the hidden states that predict a scored token, CHUNK_ELEMENTS
-  logits at a time (by device: a GPU's matmuls want more rows than a CPU's). A chunk's logits are made, scored and dropped, and made again in the
-  backward (activation checkpointing of the head alone), so at most one chunk's float32
-  logits exist at any time, never the micro-batch's. The price is one more head matmul
+  logits at a time (by device: a GPU's matmuls want more rows than a CPU's). A chunk's
+  logits are made, scored and dropped, and made again in the backward (activation
+  checkpointing of the head alone), so at most one chunk's float32 logits exist at any
+  time, never the micro-batch's. The price is one more head matmul
   in the backward (none when every scored token fits in one chunk: it is kept).
 Any other model (called like a causal LM with `input_ids` and `attention_mask`, returning
 `.logits`, such as the tests' doubles), or one whose causal-LM head does more than its
