@@ -19,7 +19,8 @@ with K = 1) is one `flexmarl run` of --steps steps with a checkpoint after every
 the sync run of the first capacity is then continued by `flexmarl run --resume` for one
 more step (`--no-resume`: not). While a run goes on, this script reads VmHWM (peak resident set) of
 the controller and of every worker from /proc/PID/status, and stops the run (its own
-process group) if the machine's available memory falls below --min-free-gib.
+process group) if the machine's available memory falls below --min-free-gib: that run's
+row says why it stopped, with the figures of what it did until then.
 
 Figures, read from each run's events.log: worker deaths (heartbeats must hold while a
 trainer step takes minutes), trainer time per micro-batch and per step, each step's wall
@@ -206,14 +207,17 @@ def run_flexmarl(argv: list[str], log_path: Path, min_free_gib: float) -> dict:
             if low < min_free_gib:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(60)
-                raise SystemExit(f"stopped the run: the machine had {low:.1f} GiB available (< --min-free-gib "
-                                 f"{min_free_gib}); see {log_path}")
+                why = (f"stopped: the machine had {low:.1f} GiB available (< --min-free-gib {min_free_gib}) "
+                       f"after {time.monotonic() - started:.0f}s")
+                print(f"flexmarl {' '.join(argv)}: {why}; see {log_path}", file=sys.stderr, flush=True)
+                return {"pid": proc.pid, "peaks_kib": peaks, "started": started, "stopped": why,
+                        "wall_s": time.monotonic() - started, "min_available_gib": round(low, 2)}
             time.sleep(0.5)
     if proc.returncode != 0:
         tail = log_path.read_text()[-3000:]
         raise SystemExit(f"flexmarl {' '.join(argv)} exited with {proc.returncode}; log {log_path}:\n{tail}")
-    return {"pid": proc.pid, "peaks_kib": peaks, "started": started, "wall_s": time.monotonic() - started,
-            "min_available_gib": round(low, 2)}
+    return {"pid": proc.pid, "peaks_kib": peaks, "started": started, "stopped": "",
+            "wall_s": time.monotonic() - started, "min_available_gib": round(low, 2)}
 
 
 # ---------------------------------------------------------------- figures from the log
@@ -262,6 +266,7 @@ def figures(run_dir: Path, ran: dict, after_resume: bool = False) -> dict:
         "checkpoints": checkpoints,
         "peak_rss_mib": peak_mib,
         "min_available_gib": ran["min_available_gib"],
+        "stopped": ran["stopped"],  # why the bench stopped the run before its end ("" if it ended)
     }
 
 
@@ -357,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                          "big_agents": args.big_agents, "dtype": args.dtype, "train_precision": args.train_precision,
                          "params": params, "build_s": round(build_s, 1), **figures(run_dir, ran)})
             print(f"{name}: done in {ran['wall_s']:.0f}s ({run_dir})", file=sys.stderr, flush=True)
-            if mode == "sync" and capacity == capacities[0] and not args.no_resume:
+            if mode == "sync" and capacity == capacities[0] and not args.no_resume and not ran["stopped"]:
                 ran = run_flexmarl(["run", "--resume", str(run_dir), "--steps", str(args.steps + 1),
                                     "--no-progress"], out / "resume.log", args.min_free_gib)
                 rows.append({"run": "sync-resumed", "capacity": capacity, "k": 0, "steps": args.steps + 1,
@@ -365,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
                              **figures(run_dir, ran, after_resume=True)})
                 print(f"resumed: done in {ran['wall_s']:.0f}s", file=sys.stderr, flush=True)
 
-    sync_bytes = max(s["bytes"] for r in rows for s in r["weight_syncs"])
+    sync_bytes = max((s["bytes"] for r in rows for s in r["weight_syncs"]), default=8)
     copy = memcpy_gb_s(sync_bytes)
     for r in rows:
         for s in r["weight_syncs"]:
@@ -382,7 +387,9 @@ def print_capacity_ratios(rows: list[dict]) -> None:
         runs = sorted((r for r in rows if r["run"].split("-capacity")[0] == mode), key=lambda r: r["capacity"])
         base = runs[-1]
         for r in runs[:-1]:
-            ratio = r["run_wall_s"] / base["run_wall_s"] if base["run_wall_s"] else float("nan")
+            if not (r["run_wall_s"] and base["run_wall_s"]):  # a run the bench stopped has no wall time
+                continue
+            ratio = r["run_wall_s"] / base["run_wall_s"]
             print(json.dumps({"run": f"{mode}-capacity-ratio", "capacity": r["capacity"],
                               "against_capacity": base["capacity"], "step_wall_ratio": round(ratio, 3)}), flush=True)
 
