@@ -19,10 +19,17 @@
   version still advances, with the last version's (finite) weights, so the sync, the
   staleness gate and checkpoints keep one version per global batch; each is logged
   (`StepSkipped`) and counted in metrics, and `max_skipped_steps` in a row end the run;
+- says what work it has for a trainer (`work`: micro-batches sent or formable and a step
+  under way, ready now; samples that do not make a micro-batch yet, coming): the
+  allocator parks no agent with work ready, and prefetches none over one with samples
+  coming;
+- writes a checkpoint's part wherever the agent's state is (`allocator.holding`): a
+  parked agent is saved from its parked copy, never swapped in for it;
 - keeps every micro-batch since the agent's last saved state (read, not committed): when
   the trainer holding the agent dies, `_recover` restores that state on a live trainer and
   trains those micro-batches again, so every sample ends up in the weights exactly once;
-- produces: one metrics row per step, `MicroBatchFormed` / `MicroBatchTrained` /
+- produces: one metrics row per step (with the agent's swap-ins since the last row and
+  the seconds its ready work waited on them), `MicroBatchFormed` / `MicroBatchTrained` /
   `OptimizerStep` events, and the trained samples' token lists freed.
 
 It does not know other agents, the workflow, or how rollout is routed.
@@ -72,7 +79,7 @@ class AgentPipeline:
         self.cfg = cfg
         self.store = store
         self.schedule = schedule
-        self.allocator = allocator  # acquire(), release(), prefetch(), recover(), lost
+        self.allocator = allocator  # acquire(), release(), holding(), prefetch(), recover(), swaps_of(), lost
         self.lanes = lanes if lanes is not None else TrainerLanes()  # shared by every agent's pipeline
         self.weights = weights
         self.server = server  # call(), next_request_id()
@@ -91,6 +98,9 @@ class AgentPipeline:
         self.skipped_in_row = 0  # consecutive steps skipped for a non-finite gradient
         self.skipped_steps = 0
         self._tokens: dict[int, int] = {}
+        self.batch = schedule.first_batch  # the global batch being trained
+        self._pending = 0  # micro-batches and steps sent for a trainer and not finished
+        self._swaps_recorded = (0, 0.0)  # the allocator's swap-ins of the agent at the last metrics row
 
     @property
     def samples_trained(self) -> int:
@@ -100,9 +110,36 @@ class AgentPipeline:
     def tokens_trained(self) -> int:
         return sum(self._tokens.values())
 
+    def work(self) -> decisions.AgentWork:
+        """What the agent has for a trainer now (see the module doc)."""
+        waiting = sum(len(self.store.groups[g].sample_ids) for q in self.store.ready[self.agent].values() for g in q)
+        here = self.store.ready_samples(self.agent, self.batch)
+        formable = here if decisions.cut_micro_batch(here, self.cfg.micro_batch,
+                                                     self.schedule.rollout_complete(self.batch),
+                                                     self.overlap) else 0
+        return decisions.AgentWork(self._pending + formable, waiting - formable)
+
+    def _tracked(self, work: Awaitable[Any]) -> asyncio.Future:
+        """`work` as a task counted in `work()` until it ends (cancelled before it started included)."""
+        self._pending += 1
+        task = asyncio.ensure_future(work)
+
+        def ended(_: asyncio.Future) -> None:
+            self._pending -= 1
+
+        task.add_done_callback(ended)
+        return task
+
+    def _swaps_since_last_row(self) -> dict[str, float]:
+        count = self.allocator.swaps_of(self.agent)
+        ins, waited = self._swaps_recorded
+        self._swaps_recorded = (count.ins, count.waited_s)
+        return {"swap_ins": count.ins - ins, "swap_wait_s": round(count.waited_s - waited, 4)}
+
     async def run(self) -> None:
         last_end = time.monotonic()
         for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
+            self.batch = batch
             self.kept[batch] = []
             recorded = False
             while True:
@@ -118,7 +155,7 @@ class AgentPipeline:
                         self.metrics.record(batch, self.agent, batch, trained, times,
                                             step_s=round(now - last_end, 4), skipped_steps=self.skipped_steps,
                                             episodes_failed=self.schedule.batches[batch].episodes_failed,
-                                            **step_signals(stats))
+                                            **self._swaps_since_last_row(), **step_signals(stats))
                         recorded, last_end = True, now
                     else:
                         await self._restep(batch)
@@ -136,12 +173,9 @@ class AgentPipeline:
         if self.checkpoints is None or not self.checkpoints.due(version):
             return
         self.metrics.make_durable()
-        trainer = await self.allocator.acquire(self.agent, lost="raise")
-        try:
+        async with self.allocator.holding(self.agent) as trainer:  # resident or parked: saved where it is
             async with self.lanes.slot(trainer, Priority.critical(version)):
                 await self.checkpoints.save_agent(self.agent, trainer, version)
-        finally:
-            self.allocator.release(self.agent)
         self._committed(version)
 
     async def _restep(self, batch: int) -> None:
@@ -178,7 +212,7 @@ class AgentPipeline:
         outcomes = await asyncio.gather(*written, return_exceptions=True)
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
-        stepping = asyncio.ensure_future(self._step_and_sync(batch, trained))
+        stepping = self._tracked(self._step_and_sync(batch, trained))
         try:
             train_s = await _all(calls)
         except BaseException:
@@ -214,7 +248,7 @@ class AgentPipeline:
                                       [s.min_version for s in mb]))
         done = asyncio.get_running_loop().create_future()
         written.append(done)
-        return asyncio.ensure_future(self._train_micro_batch(version, mb, done))
+        return self._tracked(self._train_micro_batch(version, mb, done))
 
     async def _train_micro_batch(self, version: int, mb: list[Sample], written: asyncio.Future) -> float:
         ready_first = min((s.ready_seq for s in mb), default=0)

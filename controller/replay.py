@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
-from flexmarl.runtime.events import (BatchStarted, Event, GroupComplete, GroupOpened,
+from flexmarl.runtime.events import (AllocationChanged, BatchStarted, Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
@@ -85,6 +85,12 @@ class AgentStats:
     version: int = 0  # the last version an optimizer step produced
     rewards: list[float] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)  # iterations and weight syncs
+    swap_ins: int = 0  # training state loaded from a copy a trainer parked
+    swap_wait_s: float = 0.0  # seconds its ready work waited on those swap-ins
+
+    @property
+    def swap_ins_per_step(self) -> float:
+        return self.swap_ins / self.optimizer_steps if self.optimizer_steps else 0.0
 
 
 @dataclass
@@ -252,6 +258,9 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
                                     {"samples": e.samples, "trainer": e.trainer}))
         elif isinstance(e, GroupComplete):
             stats.rewards.extend(e.rewards)
+        elif isinstance(e, AllocationChanged) and e.kind == "trainer" and e.swap == "in":
+            stats.swap_ins += 1
+            stats.swap_wait_s += e.waited_s
         elif isinstance(e, WeightSyncStarted):
             sync_start[(agent, e.version)] = e.t
         elif isinstance(e, WeightSyncFinished):
@@ -371,11 +380,13 @@ def format_summary(s: Summary) -> str:
     out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
                       [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
-    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward"],
+    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward",
+                       "swap-ins/step", "swap wait s"],
                       [[a.agent, a.samples_trained,
                         f"{a.samples_trained / s.training_s:.2f}" if s.training_s > 0 else "-",
                         a.micro_batches, a.optimizer_steps, a.version,
-                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-"]
+                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-",
+                        f"{a.swap_ins_per_step:.2f}", f"{a.swap_wait_s:.2f}"]
                        for a in s.agents.values()]))
     lags = sorted({lag for h in s.staleness.values() for lag in h})
     if lags:

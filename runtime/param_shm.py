@@ -64,7 +64,8 @@ class _Segment:
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_SHM_HEADER) if total else torch.empty(0, dtype=torch.uint8)
         self.live_key: str | None = None  # the publication sealed into it; at most one
         self.bucket: SharedBucket | None = None  # the bucket whose tensors live here, if any
-        self.checksummed: threading.Event | None = None  # set once a pending checksum is written
+        self.checksummed: threading.Event | None = None  # set once a pending checksum is written (or abandoned)
+        self.abandoned = threading.Event()  # the pending checksum is no longer wanted: stop it
 
     def seal(self, key: str, checksum_: int | None) -> None:
         """checksum_ None: it follows (`finish_checksum`); receivers wait for it."""
@@ -82,7 +83,12 @@ class _Segment:
             self.checksummed = None
 
     def unseal(self) -> None:
+        """The publication ends: a checksum still being computed is abandoned (within 64
+        MiB of summing; whoever would have read it is done), and only then is the seal
+        cleared, so no late write reaches the header of what comes next."""
+        self.abandoned.set()
         self.wait_for_checksum()
+        self.abandoned.clear()
         struct.pack_into("<Q", self.mm, 8, 0)
 
 
@@ -152,7 +158,9 @@ class _ShmPublisher:
         while True:
             segment, done = pending.get()
             try:
-                segment.finish_checksum(checksum(segment.data))
+                value = checksum(segment.data, stopped=segment.abandoned.is_set)
+                if value is not None:
+                    segment.finish_checksum(value)
             finally:
                 done.set()
 
