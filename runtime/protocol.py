@@ -25,7 +25,7 @@ import msgspec
 from .param_types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
