@@ -204,11 +204,11 @@ class TrainerAllocator:
         the block ends: for a command that reads the state where it is (a checkpoint), so
         nothing is swapped in for it. A resident agent is pinned like an acquire; a parked
         copy stays with its trainer (a swap-in of it reaches that trainer after this
-        command). An agent parked where no trainer writes from it (a trainer group, or a
-        checkpoint file) is swapped in, as acquire() would."""
+        command). An agent parked where no live trainer writes from it (a trainer group, a
+        trainer that died, a checkpoint file) is swapped in, as acquire() would."""
         parked = self.parked.get(agent)
-        if agent not in self.resident and parked is not None and parked.holder and self.saves_parked \
-                and agent not in self.lost:
+        if (agent not in self.resident and agent not in self.lost and parked is not None and self.saves_parked
+                and parked.holder in self.trainers):
             yield parked.holder
             return
         trainer = await self.acquire(agent, lost="raise")

@@ -173,10 +173,18 @@ class AgentPipeline:
         if self.checkpoints is None or not self.checkpoints.due(version):
             return
         self.metrics.make_durable()
+        try:
+            await self._save_where_held(version)
+        except WorkerDied:
+            if self.agent in self.allocator.lost:
+                raise  # its state died with its trainer: `_recover` restores it
+            await self._save_where_held(version)  # the trainer keeping its parked copy died: swapped in elsewhere
+        self._committed(version)
+
+    async def _save_where_held(self, version: int) -> None:
         async with self.allocator.holding(self.agent) as trainer:  # resident or parked: saved where it is
             async with self.lanes.slot(trainer, Priority.critical(version)):
                 await self.checkpoints.save_agent(self.agent, trainer, version)
-        self._committed(version)
 
     async def _restep(self, batch: int) -> None:
         """After a recovery, trains `batch` again (its row is already written) and syncs."""

@@ -413,3 +413,16 @@ async def test_a_checkpoint_of_a_parked_agent_is_written_from_its_parked_copy_wi
     await pipelines["a"]._checkpoint(0)
     assert server.sent[sent:] == [("SaveCheckpoint", "a")]  # to the trainer holding the copy; nothing moved
     assert server.parked == {"a"} and alloc.resident == {"b": "t0"}
+
+
+async def test_a_parked_agents_checkpoint_is_written_elsewhere_when_the_trainer_keeping_its_copy_is_gone():
+    server = FakeTrainers()
+    alloc, _ = make_allocator(server, ["t0", "t1"])
+    await place(alloc, "a")  # t0
+    await place(alloc, "b")  # t1
+    alloc.last_used.update(a=1.0, b=2.0)
+    await place(alloc, "c")  # a is parked with t0
+    alloc.trainer_died("t0")  # c's state died with it; a's parked copy is still readable where it was
+    async with alloc.holding("a") as trainer:
+        assert trainer == "t1"  # not the dead holder: swapped in on a live trainer for the save
+    assert ("t1", "LoadAgent", b"parked-a") in server.calls
