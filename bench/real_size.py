@@ -280,17 +280,21 @@ def step_walls(batches: list, finished: list) -> list[float]:
 
 
 def swap_figures(events: list, batches: list) -> dict:
-    """Swap-ins per agent per step, counted from the first batch on (set-up's placements
-    are not steps), and the seconds each park and swap-in took (from AllocationChanged)."""
+    """Swap-ins per agent per step (loads of a copy a trainer parked; set-up's placements
+    and loads of a checkpoint file are not swaps), counted from the first batch on, the
+    seconds each park and swap-in took, and the seconds ready work waited on swap-ins
+    (logged since AllocationChanged carries them; 0 in older logs)."""
     from flexmarl.runtime import events as ev
 
     first = batches[0].seq if batches else 0
     moves = [e for e in events if isinstance(e, ev.AllocationChanged) and e.kind == "trainer" and e.seq > first]
+    swap_ins = [e for e in moves if e.why.startswith("swapped in") and "host memory" in e.why]
     steps = collections.Counter(e.agent for e in events if isinstance(e, ev.OptimizerStep))
-    swapped = collections.Counter(e.agent for e in moves if e.why.startswith("swapped in"))
+    swapped = collections.Counter(e.agent for e in swap_ins)
     return {"swap_ins_per_agent_step": {a: round(swapped[a] / n, 2) for a, n in sorted(steps.items())},
-            "swap_in_s": [seconds_in(e.why) for e in moves if e.why.startswith("swapped in")],
-            "park_s": [seconds_in(e.why) for e in moves if e.why.startswith("parked")]}
+            "swap_in_s": [seconds_in(e.why) for e in swap_ins],
+            "park_s": [seconds_in(e.why) for e in moves if e.why.startswith("parked")],
+            "swap_wait_s": round(sum(getattr(e, "waited_s", 0.0) for e in swap_ins), 3)}
 
 
 def seconds_in(why: str) -> float:
@@ -396,8 +400,9 @@ def print_capacity_ratios(rows: list[dict]) -> None:
 
 def print_table(rows: list[dict], copy: float) -> None:
     print(f"\n| run | steps | set-up s | micro-batch s (max) | sync GB/s (median, vs memcpy {copy:.1f}) "
-          "| swaps | swap-ins per agent per step | step wall s | checkpoint s | deaths | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| swaps | swap-ins per agent per step | waited on swaps s | step wall s | checkpoint s | deaths "
+          "| peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         big = [s for s in r["weight_syncs"] if s["agent"].startswith("big")]
         gb = statistics.median(s["gb_s"] for s in big) if big else 0.0
@@ -406,9 +411,10 @@ def print_table(rows: list[dict], copy: float) -> None:
         rss = ", ".join(f"{k} {v}" for k, v in r["peak_rss_mib"].items())
         per_step = ", ".join(f"{a} {n}" for a, n in r["swap_ins_per_agent_step"].items())
         walls = ", ".join(str(w) for w in r["step_wall_s"])
-        print(f"| {r['run']} | {r['optimizer_steps']} | {r['setup_s']} | {r['micro_batch_s_max']} | "
-              f"{gb:.2f} ({ratio:.2f}) | {r['swaps']} | {per_step} | {walls} | {ck} | {len(r['worker_deaths'])} "
-              f"| {rss} |")
+        stopped = f" ({r['stopped']})" if r.get("stopped") else ""
+        print(f"| {r['run']}{stopped} | {r['optimizer_steps']} | {r['setup_s']} | {r['micro_batch_s_max']} | "
+              f"{gb:.2f} ({ratio:.2f}) | {r['swaps']} | {per_step} | {r['swap_wait_s']} | {walls} | {ck} | "
+              f"{len(r['worker_deaths'])} | {rss} |")
 
 
 if __name__ == "__main__":
