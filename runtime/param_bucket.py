@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from .param_stream import declared
+from .param_stream import TensorStream, declared
 from .param_types import ParamHandle, ParamTransferError, TensorSpec, describe
 
 __all__ = [
@@ -144,6 +144,29 @@ def pack_into(data: torch.Tensor, tensors: Mapping[str, torch.Tensor], layout: l
             running.advance(end)
     flat[end:] = 0
     return running.value()
+
+
+def laid_out(tensors: Mapping[str, torch.Tensor], layout: list[TensorSpec], total: int) -> torch.Tensor | None:
+    """The bucket of `total` bytes that `tensors` already are, if they are: CPU views of one
+    storage, each exactly where `layout` puts it relative to the first (a SharedBucket's
+    tensors, or a leading part of them). A uint8 tensor over those bytes, padding
+    included; None otherwise."""
+    if not layout or isinstance(tensors, TensorStream):  # a stream's tensors are made as they are packed
+        return None
+    first = tensors[layout[0].name]
+    if first.device.type != "cpu":
+        return None
+    storage = first.untyped_storage()
+    base = first.data_ptr() - layout[0].offset
+    for spec in layout:
+        t = tensors[spec.name]
+        if (t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() != base + spec.offset
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    start = base - storage.data_ptr()
+    if start < 0 or start + total > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (total,))
 
 
 def unpack(data: torch.Tensor, layout: list[TensorSpec]) -> dict[str, torch.Tensor]:

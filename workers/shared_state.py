@@ -51,18 +51,13 @@ def state_specs(model: Any, optimizer: Any) -> tuple[dict[str, tuple[torch.dtype
                                                      dict[str, torch.Tensor]]:
     """Every tensor of the agent's training state: name -> (dtype, shape), and name -> the
     tensor it holds now where there is one (else it starts at zero). Weights, then
-    gradients, then optimizer state, then the step sums."""
+    optimizer state, then the step sums, then gradients."""
     params = [(name, p) for name, p in model.named_parameters()]
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     now: dict[str, torch.Tensor] = {}
     for name, p in params:
         specs[f"param/{name}"] = (p.dtype, tuple(p.shape))
         now[f"param/{name}"] = p.detach()
-    for name, p in params:
-        if p.requires_grad:
-            specs[f"grad/{name}"] = (p.dtype, tuple(p.shape))
-            if p.grad is not None:
-                now[f"grad/{name}"] = p.grad.detach()
     for name, p in params:
         if p.requires_grad:
             held = optimizer.state.get(p) or {}
@@ -73,6 +68,11 @@ def state_specs(model: Any, optimizer: Any) -> tuple[dict[str, tuple[torch.dtype
                     now[f"optim/{name}/{key}"] = held[key].detach()
     for field in sorted(STEP_SUM_FIELDS):
         specs[f"step/{field}"] = (torch.float64, ())
+    for name, p in params:  # last: what a checkpoint writes (no gradients) is the bucket's first part
+        if p.requires_grad:
+            specs[f"grad/{name}"] = (p.dtype, tuple(p.shape))
+            if p.grad is not None:
+                now[f"grad/{name}"] = p.grad.detach()
     return specs, now
 
 
@@ -82,8 +82,9 @@ class SharedTrainingState:
     def __init__(self, bucket: Any) -> None:
         self.bucket = bucket
         self.handle: Any = None  # its publication while parked
+        _zero_padding(bucket)  # a reused segment holds old bytes there; a written-out bucket is the same every time
         grads = [spec for spec in bucket.layout if spec.name.startswith("grad/")]
-        # The gradients are consecutive in the layout: zeroing them is one memset.
+        # The gradients are consecutive in the layout (its last part): zeroing them is one memset.
         self._grads = (grads[0].offset, grads[-1].offset + grads[-1].nbytes) if grads else (0, 0)
 
     @classmethod
@@ -146,6 +147,19 @@ class SharedTrainingState:
     def sums(self) -> StepSums:
         return StepSums.from_tensors({f: self.bucket.tensors[f"step/{f}"] for f in STEP_SUM_FIELDS})
 
+    def saved_tensors(self, sums: StepSums) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps, as views of the bucket in its order (weights, optimizer
+        state, step sums with `sums` written into them; no gradients): one contiguous part
+        of it, which the disk transport writes as it is."""
+        if self.handle is None:  # parked, they were written then: a publication never changes
+            self._write_sums(sums)
+        return {name: view for name, view in self.bucket.tensors.items() if not name.startswith("grad/")}
+
+    def _write_sums(self, sums: StepSums) -> None:
+        with torch.no_grad():
+            for field, value in sums.to_tensors().items():
+                self.bucket.tensors[f"step/{field}"].copy_(value)
+
     def zero_grads(self) -> None:
         """Every gradient back to zero where it is (after a step)."""
         start, end = self._grads
@@ -155,9 +169,7 @@ class SharedTrainingState:
         """Publishes the state as it is (over shm: the bucket sealed in place, nothing
         copied) with the step sums written into it; the handle, until `take_back` or
         `release`. No tensor of it may change meanwhile."""
-        with torch.no_grad():
-            for field, value in sums.to_tensors().items():
-                self.bucket.tensors[f"step/{field}"].copy_(value)
+        self._write_sums(sums)
         self.handle = channel.publish(self.bucket, agent=agent, version=version, transport=transport)
         return self.handle
 
@@ -188,6 +200,14 @@ class SharedTrainingState:
             channel.release(self.handle)
             self.handle = None
         self.bucket.close()
+
+
+def _zero_padding(bucket: Any) -> None:
+    data, end = bucket.segment.data, 0
+    for spec in bucket.layout:
+        data[end:spec.offset].zero_()
+        end = spec.offset + spec.nbytes
+    data[end:].zero_()
 
 
 def _made_by_the_copy(name: str) -> torch.Tensor:

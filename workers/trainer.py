@@ -596,7 +596,8 @@ class TrainerHandler(CommandHandler):
             nonlocal handle
             state.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
             if msg.full_state:
-                tensors = training_state(state.model, state.optimizer, state.sums, grads=False)
+                tensors = (state.shared.saved_tensors(state.sums) if state.shared is not None
+                           else training_state(state.model, state.optimizer, state.sums, grads=False))
                 handle = self.channel().publish(tensors, agent=state.name, version=state.version,
                                                 transport="disk", path=tmp / protocol.TRAINING_STATE_FILE)
                 self.channel().disown(handle)  # the file belongs to the run directory now

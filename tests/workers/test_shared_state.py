@@ -143,12 +143,35 @@ def test_a_parked_agents_checkpoint_is_written_from_the_state_its_trainer_keeps(
     from flexmarl.runtime.param_channel import ParamChannel
     from flexmarl.controller.checkpoints import read_state
 
+    private = trained(PrivateStateTrainer(), model_dir, pending=False)
+    private._execute(p.SaveCheckpoint(8, "planner", str(tmp_path / "private"), full_state=True))
     with ParamChannel() as channel:
-        resident = channel.receive(read_state(tmp_path / "resident" / p.TRAINING_STATE_FILE))
-        parked = channel.receive(read_state(tmp_path / "parked" / p.TRAINING_STATE_FILE))
-        assert resident.keys() == parked.keys() and all(torch.equal(resident[k], parked[k]) for k in resident)
-        assert not any(k.startswith("grad/") for k in parked)  # between steps there are none to keep
-    h.close()
+        files = {name: channel.receive(read_state(tmp_path / name / p.TRAINING_STATE_FILE))
+                 for name in ("resident", "parked", "private")}
+        for name, got in files.items():  # the same state, whichever way it was written
+            assert got.keys() == files["private"].keys(), name
+            assert all(torch.equal(got[k], files["private"][k]) for k in got), name
+        assert not any(k.startswith("grad/") for k in files["parked"])  # between steps there are none to keep
+    # Written from the shared state as it lies: no host buffer of the state's size was made for it.
+    assert h.channel().held_receive_buffers() == 0 and private.channel().held_receive_buffers() > 0
+    h.close(), private.close()
+
+
+def test_a_checkpoints_training_state_is_read_straight_into_a_new_shared_state_and_trains_on(model_dir, tmp_path):
+    from flexmarl.controller.checkpoints import read_state
+
+    h = trained(TrainerHandler(), model_dir, pending=False)
+    h._execute(p.SaveCheckpoint(5, "planner", str(tmp_path / "ck"), full_state=True))
+    saved = read_state(tmp_path / "ck" / p.TRAINING_STATE_FILE)
+    resumed = TrainerHandler()
+    resumed._execute(p.LoadAgent(6, "planner", str(model_dir), 1e-3, 1.0, saved.version, 0, saved))
+    assert resumed.agents["planner"].shared is not None and resumed.channel().held_receive_buffers() == 0
+    for t in (h, resumed):
+        t._execute(p.TrainMicroBatch(7, "planner", 3, batch(3, 7)))
+        t._execute(p.OptimStep(8, "planner", 3, samples=8))
+    a, b = state_of(h), state_of(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    h.close(), resumed.close()
 
 
 def test_a_backward_pass_adds_into_the_gradients_where_they_live(model_dir):
