@@ -272,10 +272,9 @@ def figures(run_dir: Path, ran: dict, after_resume: bool = False) -> dict:
 
 def step_walls(batches: list, finished: list) -> list[float]:
     """Each batch's wall seconds: from its start to the next batch's start (the run's end
-    for the last). In sync mode a batch starts once the one before is trained and synced."""
-    if not batches:
-        return []
-    ends = [b.t for b in batches[1:]] + [finished[-1].t if finished else batches[-1].t]
+    for the last; a run stopped before its end has none for its last batch). In sync mode
+    a batch starts once the one before is trained and synced."""
+    ends = [b.t for b in batches[1:]] + ([finished[-1].t] if finished else [])
     return [round(end - b.t, 2) for b, end in zip(batches, ends)]
 
 
