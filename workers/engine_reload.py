@@ -19,7 +19,9 @@ every shape is checked, module by module
 A fused matrix is put together in one staging buffer, kept across modules and reloads: the
 packing copies it into the kernel's own layout, so the buffer is free again as soon as the
 module is packed (unless the module kept it as its weight: then it is the module's, and a
-new one is made). Fresh buffers for every layer would be faulted in at every reload.
+new one is made). Fresh buffers for every layer would be faulted in at every reload. A
+module never keeps a received tensor as its weight: those are views of the publisher's
+memory, which its next publication reuses.
 
 Hand-written because vLLM offers no reload without its layer-wise machinery. Only the
 layouts it knows are taken: a CPU engine, one tensor-parallel rank, unquantized modules,
@@ -131,9 +133,20 @@ class InPlaceReload:
                 method = getattr(module, "quant_method", None)
                 if method is not None:
                     method.process_weights_after_loading(module)
-                if self._fused is not None and any(self._holds(p) for p in module.parameters(recurse=False)):
-                    self._fused = None  # the module computes with it: it is the module's now
+                self._own(module, [t for _, tensors in params for t in tensors])
         return True
+
+    def _own(self, module: torch.nn.Module, received: list[torch.Tensor]) -> None:
+        """After packing, the module must hold nothing of the received tensors (the
+        publisher reuses that memory for its next version) nor of the staging buffer: where
+        no kernel packing took a copy of its own (a dtype the kernel does not pack falls
+        back to a plain matmul over the weight as it was given), the weight is copied."""
+        theirs = {t.untyped_storage().data_ptr() for t in received}
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.numel() and p.untyped_storage().data_ptr() in theirs:
+                setattr(module, name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+            elif self._fused is not None and self._holds(p):
+                self._fused = None  # the module computes with it: it is the module's now
 
     def _load(self, module: torch.nn.Module, param: str, tensors: list[torch.Tensor]) -> None:
         current = getattr(module, param)
