@@ -171,6 +171,10 @@ class TrainerAllocator:
             self.trainers.append(trainer)
         self._changed.set()
 
+    def work_changed(self) -> None:
+        """An agent's work for a trainer shrank (`work`): placements waiting on it look again."""
+        self._changed.set()
+
     def release(self, agent: str) -> None:
         self.in_flight[agent] -= 1
         assert self.in_flight[agent] >= 0, f"release without acquire for {agent}"
@@ -206,6 +210,9 @@ class TrainerAllocator:
         copy stays with its trainer (a swap-in of it reaches that trainer after this
         command). An agent parked where no live trainer writes from it (a trainer group, a
         trainer that died, a checkpoint file) is swapped in, as acquire() would."""
+        if agent not in self.resident and agent not in self.parked:
+            async with self._lock:  # being parked right now: where it ends up is known once the swap is done
+                pass
         parked = self.parked.get(agent)
         if (agent not in self.resident and agent not in self.lost and parked is not None and self.saves_parked
                 and parked.holder in self.trainers):

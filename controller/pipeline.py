@@ -41,7 +41,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
@@ -79,7 +79,7 @@ class AgentPipeline:
         self.cfg = cfg
         self.store = store
         self.schedule = schedule
-        self.allocator = allocator  # acquire(), release(), holding(), prefetch(), recover(), swaps_of(), lost
+        self.allocator = allocator  # acquire(), release(), holding(), prefetch(), work_changed(), recover(), swaps_of(), lost
         self.lanes = lanes if lanes is not None else TrainerLanes()  # shared by every agent's pipeline
         self.weights = weights
         self.server = server  # call(), next_request_id()
@@ -119,16 +119,34 @@ class AgentPipeline:
                                                      self.overlap) else 0
         return decisions.AgentWork(self._pending + formable, waiting - formable)
 
-    def _tracked(self, work: Awaitable[Any]) -> asyncio.Future:
-        """`work` as a task counted in `work()` until it ends (cancelled before it started included)."""
+    def _tracked(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future:
+        """`work` as a task counted in `work()` until it ends. The count drops inside the
+        task, right after the trainer is released and before anything woken by that runs
+        (a done-callback would run after them: an agent waiting for this one to be parked
+        would find it still busy, and nothing would wake it again); the allocator is told."""
         self._pending += 1
-        task = asyncio.ensure_future(work)
+        began = False
 
-        def ended(_: asyncio.Future) -> None:
-            self._pending -= 1
+        async def counted() -> Any:
+            nonlocal began
+            began = True
+            try:
+                return await work
+            finally:
+                self._work_ended()
 
-        task.add_done_callback(ended)
+        def never_began(_: asyncio.Future) -> None:  # cancelled before its first step
+            if not began:
+                work.close()
+                self._work_ended()
+
+        task = asyncio.ensure_future(counted())
+        task.add_done_callback(never_began)
         return task
+
+    def _work_ended(self) -> None:
+        self._pending -= 1
+        self.allocator.work_changed()
 
     def _swaps_since_last_row(self) -> dict[str, float]:
         count = self.allocator.swaps_of(self.agent)
@@ -282,9 +300,11 @@ class AgentPipeline:
 
     async def _step_in_slot(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
         scale = 1.0 / samples if samples else 0.0
-        # The trainer refuses the step unless it accumulated exactly these samples.
-        reply, _ = await self.server.call(trainer, protocol.OptimStep(
-            self.server.next_request_id(), self.agent, version, scale, samples=samples))
+        # The trainer refuses the step unless it accumulated exactly these samples; the step
+        # ends the agent's last publication (`WeightSync.stepping`).
+        async with self.weights.stepping(self.agent):
+            reply, _ = await self.server.call(trainer, protocol.OptimStep(
+                self.server.next_request_id(), self.agent, version, scale, samples=samples))
         self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
         self._stepped[version] = samples
         self._count_skipped(trainer, version, reply.stats)

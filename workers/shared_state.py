@@ -9,7 +9,9 @@ gradients, optimizer moments, the sums of the step in progress) as views of one
   elsewhere, or a checkpoint's file, is received straight into a new bucket). Parking
   then publishes the bucket as it is (`park`: sealed in place, no copy; its checksum is
   computed on a thread while the reply goes back), and a swap-in on the same trainer
-  unseals it (`take_back`): a parked agent's memory is the live state's, counted once;
+  unseals it (`take_back`): a parked agent's memory is the live state's, counted once.
+  The weights lead the bucket, so a weight sync over shm seals them where they are
+  (`weights`): no copy either;
 - on a GPU the live state stays on the device; parking copies it into a bucket tensor by
   tensor and points the model at the copies (the device memory goes with the last
   reference), and the swap-in copies each tensor back: never a whole second state at once.
@@ -82,6 +84,7 @@ class SharedTrainingState:
     def __init__(self, bucket: Any) -> None:
         self.bucket = bucket
         self.handle: Any = None  # its publication while parked
+        self._weights: Any = None  # the leading part holding the weights (`weights`)
         _zero_padding(bucket)  # a reused segment holds old bytes there; a written-out bucket is the same every time
         grads = [spec for spec in bucket.layout if spec.name.startswith("grad/")]
         # The gradients are consecutive in the layout (its last part): zeroing them is one memset.
@@ -146,6 +149,14 @@ class SharedTrainingState:
 
     def sums(self) -> StepSums:
         return StepSums.from_tensors({f: self.bucket.tensors[f"step/{f}"] for f in STEP_SUM_FIELDS})
+
+    def weights(self) -> Any:
+        """The weights alone, under their parameter names, as the leading part of the bucket
+        (they come first): published over shm they are sealed where they live, no copy."""
+        if self._weights is None:
+            count = sum(1 for spec in self.bucket.layout if spec.name.startswith("param/"))
+            self._weights = self.bucket.leading(count, lambda name: name.removeprefix("param/"))
+        return self._weights
 
     def saved_tensors(self, sums: StepSums) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps, as views of the bucket in its order (weights, optimizer

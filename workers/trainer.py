@@ -3,9 +3,9 @@
 Commands run one at a time on a worker thread (so heartbeats keep flowing while a
 backward pass runs), in arrival order, except that any other command passes queued
 micro-batches of other agents (`CommandQueue`): INIT_AGENT, TRAIN_MICROBATCH (forward/backward,
-gradients accumulate), OPTIM_STEP (one step, zero the gradients, bump the version),
+gradients accumulate), OPTIM_STEP (end the last publication, one step, zero the gradients, bump the version),
 PUBLISH_WEIGHTS (hand the weights to the parameter channel; the bytes go straight to the
-rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors, and the whole training state
+rollout workers; from a shared training state over shm, sealed where they live), SAVE_CHECKPOINT (Hugging Face safetensors, and the whole training state
 for resuming), and the swaps of
 agent-centric training: OFFLOAD_AGENT (park the whole training state in the channel and
 stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
@@ -413,6 +413,10 @@ class TrainerHandler(CommandHandler):
                              "applied: the controller and this trainer disagree on what was trained "
                              "(a micro-batch lost or sent twice?)")
         norm = torch.zeros(())
+        # The controller sends a step only while no receiver reads the agent's publication
+        # (it forgets the handle, under its sync lock): the step ends it, since the weights
+        # it may be (shared_state) change in place now.
+        self._end_publication(state)
         sums = state.sums
         skipped = False
         if sums.denominator > 0:  # 0: the global batch had no samples; the version still advances
@@ -454,13 +458,13 @@ class TrainerHandler(CommandHandler):
 
     def _publish_from(self, source: Any, msg: protocol.PublishWeights, state: AgentState, dtype: Any,
                       t0: float) -> protocol.WeightsPublished:
-        # The controller publishes version v + 1 only after every receiver loaded v (a
-        # joining instance loads under the same lock): the last publication goes first, and
-        # its memory (a spare of the same size) takes the new one.
-        if state.published is not None:
-            self.channel().release(state.published)
-            state.published = None
-        # Copied out (its checksum computed on the way): the weights train on meanwhile.
+        # Nobody reads the last publication any more (the controller sends a publish only
+        # once the last one's receivers loaded it): it goes first, and its memory takes the
+        # new one where it was a copy.
+        self._end_publication(state)
+        if state.shared is not None and msg.transport == "shm" and dtype == state.placement.param_dtype:
+            # The weights where they live, sealed in place: the step ends the publication.
+            source = state.shared.weights()
         handle = self.channel().publish(source, agent=state.name, version=state.version,
                                         transport=msg.transport,
                                         receivers=max(1, len(msg.targets)) * max(1, msg.ranks_per_target),
@@ -468,6 +472,11 @@ class TrainerHandler(CommandHandler):
         state.published = handle
         return protocol.WeightsPublished(msg.request_id, state.name, state.version, handle, handle.total_bytes,
                                          time.perf_counter() - t0)
+
+    def _end_publication(self, state: AgentState) -> None:
+        if state.published is not None:
+            self.channel().release(state.published)
+            state.published = None
 
     def channel(self) -> Any:
         if self._channel is None:
@@ -478,12 +487,9 @@ class TrainerHandler(CommandHandler):
     def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
+        self._end_publication(state)  # parking ends it (the controller forgets it): the segment is parked whole
         handles = self._park(state, msg.transport)
-        # The parked copy is complete; only now is the agent no longer resident.
-        if state.published is not None:
-            self.channel().release(state.published)
-            state.published = None
-        del self.agents[state.name]
+        del self.agents[state.name]  # the parked copy is complete; only now is the agent no longer resident
         return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handles[0],
                                        sum(h.total_bytes for h in handles), time.perf_counter() - t0,
                                        handles[1:])

@@ -1,4 +1,7 @@
 import asyncio
+import contextlib
+
+import pytest
 
 from flexmarl.controller.decisions import AgentWork, choose_placement
 from flexmarl.runtime import events as ev
@@ -277,10 +280,11 @@ class OneTrainer:
     is not resident (and a save of one it does not hold), counts what it is sent, and
     replies only after the event loop has run other tasks, as a real one replies later."""
 
-    def __init__(self):
+    def __init__(self, turns=3):
         import itertools
 
         self.resident, self.parked, self.sent, self._ids = set(), set(), [], itertools.count(1)
+        self.turns = turns  # loop turns before a reply: 0 replies before anything else runs
 
     def next_request_id(self):
         return next(self._ids)
@@ -288,7 +292,7 @@ class OneTrainer:
     async def call(self, worker, msg, buffers=(), timeout=None, on_sent=None):
         if on_sent is not None:
             on_sent()
-        for _ in range(3):
+        for _ in range(self.turns):
             await asyncio.sleep(0)
         self.sent.append((type(msg).__name__, msg.agent))
         agent, rid = msg.agent, msg.request_id
@@ -330,7 +334,7 @@ class Saves:
         await self.server.call(trainer, p.SaveCheckpoint(self.server.next_request_id(), agent, f"/ck/{agent}", True))
 
 
-def two_agents_on_one_trainer(mode="sync"):
+def two_agents_on_one_trainer(mode="sync", turns=3):
     from flexmarl.controller.allocator import TrainerAllocator
     from flexmarl.controller.pipeline import AgentPipeline
     from flexmarl.controller.schedule import BatchSchedule
@@ -342,7 +346,7 @@ def two_agents_on_one_trainer(mode="sync"):
     store = ExperienceStore(agents)
     schedule = BatchSchedule(agents, 1, 2, overlap=mode == "async", max_staleness=0)
     store.on_ready.append(lambda g: schedule.work_arrived(g.agent))
-    server, events = OneTrainer(), []
+    server, events = OneTrainer(turns), []
     pipelines = {}
     alloc = TrainerAllocator(server, ["t0"], 1, {a: AgentConfig() for a in agents}, {a: f"/m/{a}" for a in agents},
                              0, lambda a: pipelines[a].work(), events.append)
@@ -351,6 +355,10 @@ def two_agents_on_one_trainer(mode="sync"):
         async def sync(self, agent, trainer, version):
             assert agent in server.resident  # the publish reads the resident state
             schedule.versions.set(agent, version)
+
+        @contextlib.asynccontextmanager
+        async def stepping(self, agent):
+            yield
 
     class Metrics:
         rows = []
@@ -384,8 +392,9 @@ def episode(store, schedule, n):
     schedule.episode_ended(1)
 
 
-async def test_capacity_one_two_agents_one_sync_step_swaps_each_agent_in_at_most_once():
-    alloc, pipelines, store, schedule, server, metrics = two_agents_on_one_trainer()
+@pytest.mark.parametrize("turns", [0, 3])
+async def test_capacity_one_two_agents_one_sync_step_swaps_each_agent_in_at_most_once(turns):
+    alloc, pipelines, store, schedule, server, metrics = two_agents_on_one_trainer(turns=turns)
     for agent in ("a", "b"):  # set-up, as the training run places them: b parks a
         await alloc.acquire(agent)
         alloc.release(agent)

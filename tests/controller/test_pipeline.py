@@ -38,6 +38,9 @@ class FakeAllocator:
     def prefetch(self, agent):
         pass
 
+    def work_changed(self):
+        pass
+
     def swaps_of(self, agent):
         from flexmarl.controller.allocator import SwapCount
         return SwapCount()
@@ -87,6 +90,11 @@ class FakeWeights:
 
     def forget(self, agent):
         self.forgotten = agent
+
+    @contextlib.asynccontextmanager
+    async def stepping(self, agent):
+        self.forget(agent)
+        yield
 
 
 class FakeMetrics:

@@ -837,3 +837,23 @@ def test_tensors_that_already_are_a_bucket_go_to_disk_as_they_lie_and_are_read_s
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(ParamTransferError, match="checksum mismatch"):
         reader.receive_into(handle, dst, atomic=False)
+
+
+def test_a_shared_buckets_leading_part_is_published_in_place_and_received_alone(channels):
+    publisher, receiver = channels(), channels()
+    state = trained_state()
+    bucket = publisher.shared_bucket(state)
+    names = list(state)[: len(state) // 3]
+    part = bucket.leading(len(names), lambda name: f"w/{name}")
+    handle = publisher.publish(part, agent="a", version=1, transport="shm")
+    assert handle.path == bucket.segment.path and handle.total_bytes < bucket.total_bytes  # no copy, its bytes only
+    got = receiver.receive(handle)
+    assert list(got) == [f"w/{n}" for n in names] and all(torch.equal(got[f"w/{n}"], state[n]) for n in names)
+    with pytest.raises(RuntimeError, match="cannot move"):
+        part.prepare_write()  # its publication is live, and a part cannot move out from under it
+    del got
+    receiver.release(handle)
+    publisher.release(handle)
+    part.close()  # the whole bucket owns the segment: nothing is given back
+    whole = publisher.publish(bucket, agent="a", version=2, transport="shm")  # then the whole of it
+    assert all(torch.equal(t, state[k]) for k, t in receiver.receive(whole).items())
