@@ -43,21 +43,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import build_model  # noqa: E402
+from real_size import memcpy_gb_s  # noqa: E402
 
 from flexmarl.runtime import protocol as p  # noqa: E402
 
 STAGES = ("step", "publish", "receive", "copy", "re-pack")
-
-
-def memcpy_s(nbytes: int, reps: int = 3) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 class Timers:
@@ -138,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
                     rows[stage].append(seconds)
         engine.close()
         trainer.close()
-    copy = memcpy_s(nbytes)
+    copy = nbytes / memcpy_gb_s(nbytes) / 1e9  # seconds
     medians = {stage: statistics.median(rows[stage]) for stage in STAGES}
     medians["all"] = sum(medians.values())
     for stage, seconds in medians.items():
         print(json.dumps({"stage": stage, "shape": args.shape, "dtype": args.dtype, "bytes": nbytes,
                           "s": round(seconds, 4), "all_s": [round(s, 4) for s in rows.get(stage, [])],
-                          "memcpy_s": round(copy, 4), "vs_memcpy": round(copy / seconds, 3) if seconds else None}))
+                          "memcpy_s": float(f"{copy:.3g}"),
+                          "vs_memcpy": float(f"{copy / seconds:.3g}") if seconds else None}))
     print(f"\n| stage | s (median of {args.reps}) | vs memcpy of {nbytes / 1e6:.0f} MB ({copy:.3f} s) |")
     print("|---|---|---|")
     for stage, seconds in medians.items():

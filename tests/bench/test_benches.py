@@ -3,8 +3,8 @@ parsed, or its report's lines where it prints a table), so none breaks unseen. F
 not judged here: only that each bench runs to the end and reports every measurement.
 
 Benches that train the default job with real engines and trainers take a minute or more
-each and carry the `slow` mark. signals.py, gpu_check.py and controller_scale.py have smoke
-runs of their own (test_signals.py, test_gpu_check.py, test_controller_scale.py)."""
+each and carry the `slow` mark. signals.py, gpu_check.py, controller_scale.py and real_size.py have smoke
+runs of their own (test_signals.py, test_gpu_check.py, test_controller_scale.py, test_real_size.py)."""
 
 import asyncio
 import json
@@ -140,3 +140,11 @@ def test_engine_receive_reports_both_ways_of_loading_into_engines_of_one_and_two
     by_value, in_worker = rows[2], rows[3]
     assert by_value["call_bytes"] >= by_value["bytes"] > 100 * in_worker["call_bytes"]  # the handle only
     assert all(r["load_s_median"] > 0 and r["memcpy_gb_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_sync_stages_reports_each_stage_of_a_weight_sync_against_a_memory_copy(tmp_path):
+    rows = json_rows(run_bench("sync_stages.py", "--smoke", "--models", str(tmp_path)))
+    assert [r["stage"] for r in rows] == ["step", "publish", "receive", "copy", "re-pack", "all"]
+    assert all(r["bytes"] > 0 and r["memcpy_s"] > 0 and r["s"] >= 0 for r in rows)
+    assert rows[-1]["s"] == pytest.approx(sum(r["s"] for r in rows[:-1]), abs=1e-3)

@@ -57,6 +57,11 @@ def state_of(h, agent="planner"):
     return {k: v.clone() for k, v in training_state(state.model, state.optimizer, state.sums).items()}
 
 
+def assert_same_state(a, b):
+    a, b = state_of(a), state_of(b)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def shm_bytes(directory: Path) -> int:
     """Bytes of every shared-memory segment in the channel's directory (live, parked or spare)."""
     return sum(f.stat().st_size for f in directory.iterdir())
@@ -92,8 +97,7 @@ def test_a_parked_agent_taken_back_trains_on_exactly_like_one_that_was_never_par
         h._execute(p.OptimStep(8, "planner", 3, samples=8))
         h._execute(p.TrainMicroBatch(9, "planner", 4, batch(4, 101)))
         h._execute(p.OptimStep(10, "planner", 4, samples=8))
-    a, b = state_of(parked), state_of(stayed)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_state(parked, stayed)
     parked.close(), stayed.close()
 
 
@@ -169,8 +173,7 @@ def test_a_checkpoints_training_state_is_read_straight_into_a_new_shared_state_a
     for t in (h, resumed):
         t._execute(p.TrainMicroBatch(7, "planner", 3, batch(3, 7)))
         t._execute(p.OptimStep(8, "planner", 3, samples=8))
-    a, b = state_of(h), state_of(resumed)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_state(h, resumed)
     h.close(), resumed.close()
 
 
