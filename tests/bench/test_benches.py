@@ -148,3 +148,15 @@ def test_sync_stages_reports_each_stage_of_a_weight_sync_against_a_memory_copy(t
     assert [r["stage"] for r in rows] == ["step", "publish", "receive", "copy", "re-pack", "all"]
     assert all(r["bytes"] > 0 and r["memcpy_s"] > 0 and r["s"] >= 0 for r in rows)
     assert rows[-1]["s"] == pytest.approx(sum(r["s"] for r in rows[:-1]), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_openai_overhead_runs_the_same_job_and_episodes_through_ctx_chat_and_the_endpoint():
+    rows = json_rows(run_bench("openai_overhead.py", "--smoke", timeout=1200))
+    jobs, calls = rows[:3], rows[3:]
+    assert [r["job"] for r in jobs] == ["review_chain.toml", "openai_team.toml", "openai_team/review_chain"]
+    assert jobs[0]["samples"] > 0 and jobs[1]["samples"] > 0 and jobs[2]["samples_per_s_ratio"] > 0
+    assert [r["way"] for r in calls] == ["chat", "endpoint", "endpoint/chat"]
+    chat, endpoint, ratio = calls
+    assert chat["samples"] == endpoint["samples"] == 2 * 4 and chat["calls"] == endpoint["calls"] == 2 * 5
+    assert ratio["samples_per_s_ratio"] > 0 and endpoint["controller_cpu_ms_per_call"] > 0
