@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -59,7 +60,7 @@ class MetricsLog:
         rewards = [s.reward for s in samples]
         lags = [decisions.lag(version - 1, s.versions) for s in samples]
         row = {"step": step, "agent": agent, "version": version,
-               "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+               "reward_mean": math.fsum(rewards) / len(rewards) if rewards else None,
                "samples": len(samples), "time": round(self.clock() - self.started, 3),
                "staleness_mean": round(sum(lags) / len(lags), 3) if lags else None,
                "staleness_max": max(lags) if lags else None,
@@ -128,7 +129,7 @@ class MetricsLog:
         rewards = [s.reward for s in samples if s.reward is not None]
         row = {"kind": "eval", "step": step, "agent": agent,
                "version": min((min(s.versions) for s in samples if s.versions), default=None),
-               "reward_mean": sum(rewards) / len(rewards) if rewards else None, "samples": len(rewards),
+               "reward_mean": math.fsum(rewards) / len(rewards) if rewards else None, "samples": len(rewards),
                "episodes": episodes, "episodes_failed": failed,
                "time": round(self.clock() - self.started, 3)}
         self.write(row)

@@ -49,3 +49,19 @@ async def test_rows_are_made_durable_once_however_many_agents_checkpoint_the_ste
     await metrics.make_durable()
     assert len(synced) == 2
     metrics._fh.close()
+
+
+def test_a_steps_reward_mean_does_not_depend_on_the_order_its_samples_trained_in(tmp_path):
+    """Sync mode and K = 0 train the same samples, in micro-batches that may arrive in
+    another order: the row's mean is the same to the last bit."""
+    import types
+
+    rewards = [0.1, 0.7, 0.3, 0.9, 0.2, 0.6, 0.4]
+    samples = [types.SimpleNamespace(reward=r, versions=[0]) for r in rewards]
+    metrics = MetricsLog(tmp_path, ["a"], progress=False)
+    metrics.record(1, "a", 1, samples, types.SimpleNamespace())
+    metrics.record(1, "a", 1, samples[::-1], types.SimpleNamespace())
+    metrics._fh.close()
+    forward, backward = (r["reward_mean"] for r in metrics.rows)
+    assert sum(rewards) != sum(rewards[::-1])  # plain summation would differ
+    assert forward == backward

@@ -175,15 +175,22 @@ def test_k0_equals_sync_with_environment_latency_and_two_instances_per_agent(tmp
     shared = ("run.env_latency_ms=30", "cluster.rollout_workers=6", "run.steps=2")
     runs = {}
     for mode in ("sync", "async"):
-        summary, _ = run_training(small_config(f"pipeline.mode='{mode}'", "pipeline.max_staleness=0", *shared),
-                                  tmp_path / mode)
+        cfg = small_config(f"pipeline.mode='{mode}'", "pipeline.max_staleness=0", *shared)
+        summary, _ = run_training(cfg, tmp_path / mode)
         runs[mode] = summary
     for agent in AGENTS:
-        assert runs["sync"].rewards[agent] == runs["async"].rewards[agent]
+        assert runs["sync"].rewards[agent] == runs["async"].rewards[agent]  # the same samples, each step
         a = weights(tmp_path / "sync" / "checkpoints" / "final" / agent)
         b = weights(tmp_path / "async" / "checkpoints" / "final" / agent)
-        for k in a:  # micro-batches may accumulate in another order: round-off only
-            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+        # Micro-batches may accumulate in another order: the gradients differ by round-off,
+        # which Adam passes on as round-off except where a gradient nearly cancels (its
+        # step is divided by the gradient's own scale): there the step may differ, by at
+        # most 2 lr, and such weights are rare.
+        bound = 2 * cfg.agents[agent].lr * cfg.run.steps
+        for k in a:
+            diff = (a[k] - b[k]).abs()
+            assert diff.max() <= bound, k
+            assert (diff > 1e-6).sum() <= max(2, diff.numel() // 1000), k
 
 
 def test_k0_equals_sync_with_micro_batches_cut_by_a_token_budget(tmp_path):
