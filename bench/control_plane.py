@@ -52,13 +52,13 @@ async def pipelined(exp: Experiment, workers: list[str], n: int, inflight: int) 
 
 
 async def batched(exp: Experiment, worker: str, n: int, batch: int) -> float:
-    """Items per second when requests travel `batch` to a message (as Generate does)."""
-    items = [p.GenRequest(f"s{i}", list(range(8)), 6, 1.0, i) for i in range(batch)]
+    """Items per second when requests travel `batch` to a message (as Generate does with groups)."""
+    items = [p.GenGroup(f"g{i}", "a", 1, list(range(8)), 6, 1.0, i) for i in range(batch)]
     t0 = time.perf_counter()
     for _ in range(n // batch):
         payload = msgspec.msgpack.encode(items)
         reply, _ = await exp.server.call(worker, p.Echo(exp.server.next_request_id(), payload), timeout=10)
-        assert len(msgspec.msgpack.decode(reply.payload, type=list[p.GenRequest])) == batch
+        assert len(msgspec.msgpack.decode(reply.payload, type=list[p.GenGroup])) == batch
     return (n // batch) * batch / (time.perf_counter() - t0)
 
 

@@ -16,6 +16,7 @@ one JSON row; the sweep prints the rows and a table. Per point:
     rss_mb           the controller's peak resident memory
     rollout_busy     mean busy fraction of the fake engines (their modelled seconds)
     capacity_s       samples/s the fake engines could produce at their modelled rate
+    generate_per_sample  (with --replay) GENERATE messages sent per sample trained
     waited           "yes" when the fake cluster idled waiting on the controller: the
                      controller's loop was saturated (cpu_frac >= WAITED_CPU) while the
                      engines were busy less than 90% of the time
@@ -146,11 +147,13 @@ def percentile(values: list[float], q: float) -> float:
 
 class Watch:
     """Samples the controller while it trains: loop lag, CPU and log bytes between the
-    first step's start and the moment every batch is trained and synced."""
+    first step's start and the moment every batch is trained and synced (and profiles that
+    window alone when given a profiler: no set-up, no teardown)."""
 
-    def __init__(self, exp: Experiment, period: float = 0.01) -> None:
+    def __init__(self, exp: Experiment, period: float = 0.01, profiler: Any = None) -> None:
         self.exp = exp
         self.period = period
+        self.profiler = profiler
         self.lags: list[float] = []
         self.t0 = self.t1 = self.cpu0 = self.cpu1 = 0.0
         self.log0 = self.log1 = 0
@@ -178,10 +181,14 @@ class Watch:
             await asyncio.sleep(0.005)
         log = self.exp.run_dir / "events.log"
         self.t0, self.cpu0, self.log0 = time.monotonic(), time.process_time(), log_bytes(log)
+        if self.profiler is not None:
+            self.profiler.enable()
         while not training.schedule.finished:
             t = time.perf_counter()
             await asyncio.sleep(self.period)
             self.lags.append(time.perf_counter() - t - self.period)
+        if self.profiler is not None:
+            self.profiler.disable()
         self.t1, self.cpu1 = time.monotonic(), time.process_time()
         await self.exp.flush_events()
         self.log1 = log_bytes(log)
@@ -195,19 +202,17 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
     cfg = config_for(p, root / "run", address, model_dir)
     helpers = start_helpers(p, address, root)
     profiler = None
+    if profile:
+        import cProfile
+        profiler = cProfile.Profile()
     try:
         async with Experiment(cfg, run_dir=root / "run", spawn_workers=False) as exp:
-            watch = Watch(exp)
+            watch = Watch(exp, profiler=profiler)
             watcher = asyncio.create_task(watch.run(), name="watch")
-            if profile:
-                import cProfile
-                profiler = cProfile.Profile()
-                profiler.enable()
             summary = await exp.train()
-            if profiler is not None:
-                profiler.disable()
-                profiler.dump_stats(profile)
             await watcher
+            if profiler is not None:
+                profiler.dump_stats(profile)
             training = exp.training
     finally:
         reports = stop_helpers(helpers)
@@ -280,7 +285,11 @@ def time_replay(path: str, wall_s: float) -> dict[str, Any]:
     t2 = time.perf_counter()
     diff = replay.check(events)
     t3 = time.perf_counter()
-    return {"replay_events": len(events), "replay_read_s": round(t1 - t0, 2), "replay_summary_s": round(t2 - t1, 2),
+    # GENERATE messages: one per (instance, request id), whatever agents' groups it carried
+    messages = len({(e.worker, e.request_id) for e in events if type(e).__name__ == "RequestsDispatched"})
+    samples = sum(e.samples for e in events if type(e).__name__ == "OptimizerStep")
+    return {"generate_messages": messages, "generate_per_sample": round(messages / samples, 3) if samples else None,
+            "replay_events": len(events), "replay_read_s": round(t1 - t0, 2), "replay_summary_s": round(t2 - t1, 2),
             "replay_check_s": round(t3 - t2, 2), "replay_total_s": round(t3 - t0, 2),
             "replay_vs_run": round(wall_s / (t3 - t0), 2), "replay_ok": not problem and not summary.errors and diff is None,
             "replay_problem": problem or (summary.errors[:2] if summary.errors else diff)}
@@ -302,7 +311,8 @@ def one_point(point: dict[str, Any], keep: str = "", replay: bool = False, profi
 
 COLUMNS = [("instances", "inst"), ("agents", "agents"), ("trainers", "trn"), ("shape", "shape"), ("mode", "mode"),
            ("k", "K"), ("samples", "samples"), ("samples_s", "samples/s"), ("cpu_us_sample", "cpu us/smp"),
-           ("cpu_frac", "cpu"), ("lag_p50_ms", "lag p50 ms"), ("lag_p99_ms", "lag p99 ms"),
+           ("cpu_frac", "cpu"), ("generate_per_sample", "GENERATE/smp"), ("lag_p50_ms", "lag p50 ms"),
+           ("lag_p99_ms", "lag p99 ms"),
            ("log_mb_s", "log MB/s"), ("rss_mb", "RSS MB"), ("rollout_busy", "eng busy"),
            ("capacity_s", "eng cap/s"), ("waited", "waited"), ("accounting", "acct")]
 
@@ -336,7 +346,8 @@ def main() -> None:
     parser.add_argument("--point", help="run one point (JSON: instances, agents, trainers, shape, mode, k, ...)")
     parser.add_argument("--smoke", action="store_true", help="one tiny point, printed as a row and a table")
     parser.add_argument("--replay", action="store_true", help="time `replay --check` on the point's log")
-    parser.add_argument("--profile", default="", help="cProfile the controller while it trains, to this file")
+    parser.add_argument("--profile", default="", help="cProfile the controller while it trains (the measured "
+                        "window alone), to this file")
     parser.add_argument("--keep", default="", help="keep the point's run directory here")
     parser.add_argument("--only", default="", help="sweep points to run, by index (e.g. 0,5,7)")
     args = parser.parse_args()

@@ -5,10 +5,11 @@ Each fake worker is a real `WorkerSession` (HELLO, WELCOME, heartbeats both ways
 with its own DEALER socket; many of them share one helper process and its event loop, since
 a small machine cannot hold a process per instance. What they execute is a cost model:
 
-- `FakeEngine` (rollout): answers a GENERATE batch after `batch_s + tokens / tokens_per_s`
-  seconds, where tokens are the batch's output tokens (max_tokens of each item; outputs
-  always run to max_tokens), one batch at a time in arrival order. Every result carries
-  the version the instance holds when the batch starts. LOAD_MODEL and LOAD_WEIGHTS take
+- `FakeEngine` (rollout): answers a GENERATE message after `batch_s + tokens / tokens_per_s`
+  seconds, where tokens are the message's output tokens (max_tokens of each member of each
+  group; outputs always run to max_tokens), one message at a time in arrival order, every
+  group whole in one reply. Every result carries the version the instance holds when the
+  message starts. LOAD_MODEL and LOAD_WEIGHTS take
   `load_s` and are applied in the same order, so a weight swap waits for earlier batches.
 - `FakeTrainer`: a micro-batch takes `mb_s + tokens / train_tokens_per_s`, a step `step_s`,
   a publication `publish_s`; commands run one at a time in arrival order. It refuses, as
@@ -136,7 +137,7 @@ class FakeEngine(FakeWorker):
             case protocol.LoadWeights():
                 self.serial.push(c["load_s"], lambda: self._weights(msg))
             case protocol.Generate():
-                tokens = sum(item.max_tokens for item in msg.items)
+                tokens = sum(g.n * g.max_tokens for g in msg.groups)
                 self.serial.push(c["batch_s"] + tokens / c["tokens_per_s"], lambda: self._generated(msg))
             case _:
                 await super().handle(msg, buffers)
@@ -155,15 +156,18 @@ class FakeEngine(FakeWorker):
         await self.reply(protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version, self.costs["load_s"]))
 
     async def _generated(self, msg: protocol.Generate) -> None:
-        if msg.agent != self.agent:
-            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}, not {msg.agent}")
+        stranger = next((g.agent for g in msg.groups if g.agent != self.agent), None)
+        if stranger is not None:
+            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}, not {stranger}")
             return
-        v = self.version
-        results = [protocol.GenResult(item.sample_id, fake_tokens(item.seed, item.max_tokens),
-                                      [-1.0] * item.max_tokens, v, "length") for item in msg.items]
-        self.samples += len(results)
+        results = [protocol.GroupResult(
+            g.key, g.first, self.version, [g.max_tokens] * g.n,
+            protocol.packed(protocol.TOKEN_TYPECODE, [t for j in range(g.n) for t in fake_tokens(g.seed + j, g.max_tokens)]),
+            protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * (g.n * g.max_tokens)), ["length"] * g.n)
+            for g in msg.groups]
+        self.samples += sum(g.n for g in msg.groups)
         self.batches += 1
-        await self.reply(protocol.Generated(msg.request_id, msg.agent, results, True))
+        await self.reply(protocol.Generated(msg.request_id, results, True))
 
     def report(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "role": self.role, "samples": self.samples, "batches": self.batches,

@@ -10,7 +10,7 @@ Two kinds, one invocation:
   per query the planner gets 4 requests, the solver 32 (6 tokens each, the largest model),
   the checker 64 (1 token). Each configuration starts from an equal split (2/2/2 of 6
   instances), whatever the configured weights would place.
-- sim: the same decision code (route_batch, RolloutBalancer) driving simulated instances
+- sim: the same decision code (route_group, RolloutBalancer) driving simulated instances
   on a virtual clock (controller/simulator.py) at scale.
 
 One JSON line per configuration and kind: config, kind, samples_per_s, speedup_vs_static,

@@ -74,6 +74,7 @@ def components(model_dir: str, reps: int = 7) -> dict:
 
     from flexmarl.runtime import protocol
     from flexmarl.workers.engine import VllmEngine
+    from flexmarl.workers.group_requests import group_result
     from flexmarl.workers import scoring
     from flexmarl.workers.loss import policy_loss
 
@@ -150,10 +151,10 @@ def components(model_dir: str, reps: int = 7) -> dict:
             lambda: model.generate(**batch, do_sample=True, max_new_tokens=peer_task.MAX_TOKENS, top_k=0,
                                    pad_token_id=tokenizer.pad_token_id), reps)
 
-    gen = protocol.Generate(1, "solver", [protocol.GenRequest(f"e/s-{i}", prompts[i % 8], 5, 1.0, i)
-                                          for i in range(ROUND)])
-    out = protocol.Generated(1, "solver", [protocol.GenResult(c.request_id, c.token_ids, c.logprobs, 0)
-                                           for c in done], True)
+    gen = protocol.Generate(1, [protocol.GenGroup(f"e/s-{g}", "solver", ROUND // 8, prompts[g], 5, 1.0, g * ROUND // 8)
+                                for g in range(8)])
+    per = ROUND // 8
+    out = protocol.Generated(1, [group_result(gen.groups[g], 0, done[g * per:(g + 1) * per]) for g in range(8)], True)
     train = protocol.TrainMicroBatch(1, "solver", 1, samples, 0, 2.0, protocol.LossOptions())
     for name, msg in (("Generate", gen), ("Generated", out), ("TrainMicroBatch", train)):
         ms[f"message: {name} of {ROUND}, encode + decode"] = _timed(lambda: protocol.decode(protocol.encode(msg)),

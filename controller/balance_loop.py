@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
 from .balance_rules import AgentDemand, RolloutBalancer
@@ -66,18 +67,13 @@ class Reassignment:
 
 
 class Rebalancer:
-    def __init__(self, cfg: RouterConfig, agents: list[str], instances: Any, admission: Any, client: Any,
+    def __init__(self, cfg: RouterConfig, units: dict[str, EngineUnit], instances: Any, admission: Any, client: Any,
                  server: Any, weights: Any, model_path: dict[str, str],
-                 emit: Callable[[ev.Event], Any], finished: Callable[[], bool],
-                 units: dict[str, list[str]] | None = None, bases: set[str] = frozenset()) -> None:
+                 emit: Callable[[ev.Event], Any], finished: Callable[[], bool]) -> None:
         self.cfg = cfg
-        # unit -> its agents; units are what the balancer sees and moves instances between
-        # (by default each agent is a unit). `bases`: the units that are a base's adapters.
-        self.units = units or {a: [a] for a in agents}
-        self.agents = list(self.units)
-        self.bases = set(bases)
+        self.units = units  # what the balancer sees and moves instances between
         self.instances = instances  # instances(agent), outstanding, holds(), leave(): the owner
-        self.admission = admission  # admit(worker, agent, restart=...)
+        self.admission = admission  # admit(worker, unit, restart=...)
         self.client = client  # dispatched_tokens
         self.server = server  # registry.workers (heartbeat loads)
         self.weights = weights  # locks
@@ -89,11 +85,11 @@ class Rebalancer:
     def demand_snapshot(self) -> dict[str, AgentDemand]:
         owner, workers = self.instances, self.server.registry.workers
         snapshot = {}
-        for unit, agents in self.units.items():
-            instances = owner.instances(agents[0])  # every agent of a unit has the same ones
+        for unit, u in self.units.items():
+            instances = owner.instances(u.agents[0])  # every agent of a unit has the same ones
             snapshot[unit] = AgentDemand(
                 outstanding={w: max(0.0, owner.outstanding[w]) for w in instances},
-                dispatched_tokens=sum(self.client.dispatched_tokens[a] for a in agents),
+                dispatched_tokens=sum(self.client.dispatched_tokens[a] for a in u.agents),
                 busy_s={w: workers[w].load["busy_s"] for w in instances if "busy_s" in workers[w].load})
         return snapshot
 
@@ -120,24 +116,26 @@ class Rebalancer:
         """Moves `worker` from unit `src` to unit `dst` (see module doc); None if it did not."""
         owner = self.instances
         t0 = time.monotonic()
-        first = self.units[src][0]
+        first = self.units[src].agents[0]
         if worker not in owner.instances(first) or len(owner.instances(first)) < 2:
             log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
             return None
-        for agent in self.units[src]:
+        for agent in self.units[src].agents:
             async with self.weights.locks[agent]:  # no weight sync of it is addressing this instance now
                 owner.leave(worker, agent, f"{worker} leaves for {dst}: {why}")
         if not await _drained(owner, worker, drain_timeout_s):
             log.warning("%s did not drain within %.0fs; it keeps serving %s", worker, drain_timeout_s, src)
             stays = f"stays: its work did not drain within {drain_timeout_s:.0f}s"
             # Through the admission: nothing to load unless src synced while it was out.
-            await self.admission.admit(worker, first, restart=False, why=stays)
+            await self.admission.admit(worker, src, restart=False, why=stays)
             return None
         t_drained = time.monotonic()
-        restart = bool({src, dst} & self.bases) or not same_architecture(self.model_path[src], self.model_path[dst])
-        if not await self.admission.admit(worker, self.units[dst][0], restart=restart, why=f"joins from {src}"):
+        starts = owner.starts(worker)
+        restart = (self.units[src].lora or self.units[dst].lora
+                   or not same_architecture(self.model_path[src], self.model_path[dst]))
+        if not await self.admission.admit(worker, dst, restart=restart, why=f"joins from {src}"):
             return None
-        restarted = restart or owner.holds(worker, first) is None
+        restarted = owner.starts(worker) > starts
         done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
         self.reassignments.append(done)
         log.info("%s now serves %s (from %s) after %.2fs (drain %.2fs, %s %.2fs)", worker, dst, src, done.seconds,

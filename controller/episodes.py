@@ -4,7 +4,8 @@
 waits for `schedule.wait_to_start(t)` (sync mode: every agent's weights at t - 1; async
 mode: at once), logs `BatchStarted` (with a dataset: which row each episode gets), then
 starts the batch's `queries_per_step` episodes, at most
-`max_concurrent_episodes` running at once (the bound is the semaphore below). Each turn
+`max_concurrent_episodes` running at once (the bound is the semaphore below), at most
+EPISODES_PER_TURN started in one turn of the event loop. Each turn
 of an episode waits at the schedule's staleness gate. Produces: samples in the store
 (through the episode context) and `episode_ended(t)` for every episode, failed or not;
 a failed episode is counted and its groups dropped (see workflow.run_episode). It ends
@@ -32,6 +33,12 @@ from .failures import too_many_failures
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+
+# Episodes started in one turn of the event loop. A batch's episodes all start at once, and
+# each first turn of each branch is work of that loop turn: a thousand branches (a wide
+# workflow at cluster scale) would hold the loop for a third of a second, every timer and
+# reply waiting behind them. Started a few at a time, they cost nothing in order or seeds.
+EPISODES_PER_TURN = 4
 
 
 class EpisodeContexts:
@@ -114,6 +121,8 @@ class EpisodeProducer:
                 for i in range(p.queries_per_step):
                     await limit.acquire()
                     running.append(asyncio.create_task(one(batch, i), name=f"episode-s{batch}q{i}"))
+                    if i % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
+                        await asyncio.sleep(0)  # the rest start in later loop turns
             await asyncio.gather(*running)
         finally:
             for task in running:

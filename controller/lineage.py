@@ -25,6 +25,9 @@ _BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.W
                ev.WeightSyncFinished)
 
 
+# The events that undo logged work.
+_UNDOING = frozenset({ev.RunResumed, ev.TrainingRestored})
+
 # What a trainer did to an agent's state: undone for versions after the one a
 # `TrainingRestored` brought the agent back to.
 _TRAINED = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep)
@@ -32,7 +35,7 @@ _TRAINED = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep)
 
 def lineage(events: list[ev.Event]) -> list[ev.Event]:
     """`events` without what a later `RunResumed` undid (see the module docstring)."""
-    if not any(isinstance(e, (ev.RunResumed, ev.TrainingRestored)) for e in events):
+    if _UNDOING.isdisjoint(map(type, events)):
         return events
     kept: list[ev.Event] = []
     batch_of_group: dict[str, int] = {}
@@ -40,7 +43,7 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
     for e in events:
         if isinstance(e, ev.GroupOpened):
             batch_of_group[e.group_id] = e.batch
-            for sid in e.sample_ids:
+            for sid in e.members():
                 batch_of_sample[sid] = e.batch
         if isinstance(e, ev.TrainingRestored):
             kept = [x for x in kept if not (isinstance(x, _TRAINED) and x.agent == e.agent and x.version > e.version)]
@@ -65,13 +68,17 @@ def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample
         return e if e.step < step else None
     if isinstance(e, _BY_VERSION):
         return e if e.version <= step else None
-    if isinstance(e, ev.RequestsCompleted):
-        keep = [i for i, sid in enumerate(e.sample_ids) if batch_of_sample.get(sid, 0) <= step]
+    if isinstance(e, ev.RequestsCompleted):  # kept in the form that lists every sample
+        samples, versions = e.samples(), e.sample_versions()
+        keep = [i for i, sid in enumerate(samples) if batch_of_sample.get(sid, 0) <= step]
         if not keep:
             return None
-        return msgspec.structs.replace(e, sample_ids=[e.sample_ids[i] for i in keep],
-                                       versions=[e.versions[i] for i in keep])
-    if isinstance(e, (ev.RequestsDispatched, ev.SamplesDropped)):
+        return msgspec.structs.replace(e, sample_ids=[samples[i] for i in keep],
+                                       versions=[versions[i] for i in keep], parts=ev.Parts())
+    if isinstance(e, ev.RequestsDispatched):
+        keep = [sid for sid in e.samples() if batch_of_sample.get(sid, 0) <= step]
+        return msgspec.structs.replace(e, sample_ids=keep, parts=ev.Parts()) if keep else None
+    if isinstance(e, ev.SamplesDropped):
         keep = [sid for sid in e.sample_ids if batch_of_sample.get(sid, 0) <= step]
         return msgspec.structs.replace(e, sample_ids=keep) if keep else None
     return e  # workers, placement, demand: history, not undone

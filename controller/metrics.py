@@ -5,7 +5,10 @@ metrics.jsonl holds one JSON object per agent per optimizer step with at least `
 plus the signals a researcher reads to trust a run: the trained samples' staleness (mean,
 max), the stage times, and the trainer's step statistics (loss, grad_norm, entropy,
 response lengths, logprob_abs_diff and rollout_kl between sampler and trainer, clip_frac,
-ref_kl) and the step's failed episodes (`episodes_failed`). Evaluations add rows with
+ref_kl) and the step's failed episodes (`episodes_failed`). With the rollout's prompt
+counts, each row also says what the agent's engines prefilled since its last row:
+`prompt_tokens`, `cached_prompt_tokens` (found in the prefix cache) and the hit rates of
+first turns (`prefix_hit_rate`) and of later turns of conversations (`turn_prefix_hit_rate`). Evaluations add rows with
 `"kind": "eval"`. Each line is flushed as it is written, so a crashed run keeps every
 finished step. With a sample log (sample_log.py), each step's trained samples go to it.
 The progress line's time and ETA count from `training_started()` (after set-up).
@@ -13,6 +16,7 @@ The progress line's time and ETA count from `training_started()` (after set-up).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -29,8 +33,11 @@ log = logging.getLogger("flexmarl.metrics")
 class MetricsLog:
     def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
                  trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1,
-                 clock: Callable[[], float] = time.monotonic, sample_log: Any = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, sample_log: Any = None,
+                 prompt_counts: Callable[[str], dict[str, int]] | None = None) -> None:
         self.sample_log = sample_log  # sample_log.py: given every step's trained samples
+        self.prompt_counts = prompt_counts  # agent -> the rollout's prompt counts so far (RolloutClient)
+        self._counted: dict[str, dict[str, int]] = {}  # agent -> those counts at its last row
         self.first_step = first_step  # the first step this process trains (later after a resume)
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)  # see trackers.py: each gets every row
@@ -45,6 +52,8 @@ class MetricsLog:
         self.rows: list[dict[str, Any]] = ([json.loads(line) for line in path.read_text().splitlines() if line]
                                            if resumed and path.exists() else [])
         self._fh = open(path, "a" if resumed else "w", buffering=1)
+        self._durable = -1  # rows on disk as of the last make_durable
+        self._durable_lock = asyncio.Lock()
 
     def record(self, step: int, agent: str, version: int, samples: list[Any], times: Any, **extra: Any) -> None:
         rewards = [s.reward for s in samples]
@@ -54,10 +63,24 @@ class MetricsLog:
                "samples": len(samples), "time": round(self.clock() - self.started, 3),
                "staleness_mean": round(sum(lags) / len(lags), 3) if lags else None,
                "staleness_max": max(lags) if lags else None,
-               **{k: round(v, 4) for k, v in vars(times).items()}, **extra}
+               **{k: round(v, 4) for k, v in vars(times).items()}, **self._prefill(agent), **extra}
         self.write(row)
         if self.sample_log is not None:
             self.sample_log.record(step, agent, [s.sample_id for s in samples])
+
+    def _prefill(self, agent: str) -> dict[str, Any]:
+        """The agent's prompt tokens and prefix-cache hits since its last row."""
+        if self.prompt_counts is None:
+            return {}
+        now = dict(self.prompt_counts(agent))
+        last = self._counted.get(agent, {})
+        d = {k: v - last.get(k, 0) for k, v in now.items()}
+        self._counted[agent] = now
+        rate = lambda cached, prompt: round(cached / prompt, 4) if prompt else None  # noqa: E731
+        return {"prompt_tokens": d["prompt_tokens"] + d["turn_prompt_tokens"],
+                "cached_prompt_tokens": d["cached_tokens"] + d["turn_cached_tokens"],
+                "prefix_hit_rate": rate(d["cached_tokens"], d["prompt_tokens"]),
+                "turn_prefix_hit_rate": rate(d["turn_cached_tokens"], d["turn_prompt_tokens"])}
 
     def write(self, row: dict[str, Any]) -> None:
         """One row to metrics.jsonl (flushed) and to every tracker."""
@@ -66,10 +89,17 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.log(row)
 
-    def make_durable(self) -> None:
-        """Every row written so far is on disk (before a checkpoint that follows them)."""
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+    async def make_durable(self) -> None:
+        """Every row written so far is on disk (before a checkpoint that follows them). The
+        disk is waited for off the event loop (an fsync can take a tenth of a second), and
+        once for every agent that checkpoints the same step."""
+        async with self._durable_lock:
+            written = len(self.rows)
+            if self._durable == written:
+                return
+            self._fh.flush()
+            await asyncio.to_thread(os.fsync, self._fh.fileno())
+            self._durable = written
 
     def end_step(self, step: int, total: int) -> None:
         if not self.progress:

@@ -135,7 +135,7 @@ class AgentPipeline:
         gradients."""
         if self.checkpoints is None or not self.checkpoints.due(version):
             return
-        self.metrics.make_durable()
+        await self.metrics.make_durable()
         trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
             async with self.lanes.slot(trainer, Priority.critical(version)):
@@ -329,10 +329,10 @@ async def _all(calls: list[asyncio.Future]) -> float:
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:
-    mask = [] if all(s.mask) else list(s.mask)  # all generated: the default, sent as nothing
+    mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
     first, *later = s.sampling or [protocol.TurnSampling(0)]
-    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.logprobs, s.versions,
-                                first.temperature, mask, first.top_p, first.top_k, later)
+    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), s.advantage, s.logprobs.tolist(),
+                                s.versions, first.temperature, mask, first.top_p, first.top_k, later)
 
 
 def step_signals(stats: protocol.StepStats) -> dict[str, float]:

@@ -19,7 +19,10 @@ from flexmarl.runtime.config import RouterConfig
 from . import decisions
 from .balance_rules import AgentDemand, RolloutBalancer
 from .lineage import lineage
-from .store import ExperienceStore
+from .store import ExperienceStore, logprob_array, token_array
+
+# A re-driven sample's outputs: none (the log keeps versions, not tokens); one empty array for all.
+NO_IDS, NO_LOGPROBS = token_array(()), logprob_array(())
 
 # The decision events the re-drive derives; replay compares these, in order.
 REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
@@ -35,20 +38,22 @@ def redrive(log: list) -> list:
     recorded; ordering across agents is taken from the log, since it depends on timing,
     not on the rules."""
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
-    start = next(e for e in log if isinstance(e, ev.RunStarted))
+    start = next(e for e in log if type(e) is ev.RunStarted)
     config = tomllib.loads(start.config_toml)
     micro_batch, k = config["pipeline"]["micro_batch"], start.max_staleness
     store = ExperienceStore(start.agents)
     # Which trainer runs a step is the allocator's choice, not re-derived here.
-    step_trainer = {(e.agent, e.version): e.trainer for e in log if isinstance(e, ev.OptimizerStep)}
+    step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is ev.OptimizerStep}
     for e in log:  # the store's inputs, in the order the controller saw them
-        if isinstance(e, ev.GroupOpened):
-            store.open_group(e.agent, e.group_id, [], len(e.sample_ids), e.batch)
-        elif isinstance(e, ev.RequestsCompleted):
-            for sid, version in zip(e.sample_ids, e.versions):
-                if sid in store.samples and store.samples[sid].output_ids is None:
-                    store.record_output(sid, [], [], [version])
-        elif isinstance(e, ev.GroupComplete):
+        kind = type(e)
+        if kind is ev.GroupOpened:
+            store.open_group(e.agent, e.group_id, [], len(e.members()), e.batch)
+        elif kind is ev.RequestsCompleted:
+            for sid, version in zip(e.samples(), e.sample_versions()):
+                sample = store.samples.get(sid)
+                if sample is not None and sample.output_ids is None:
+                    store.record_output(sid, NO_IDS, NO_LOGPROBS, [version])  # the versions are what decide
+        elif kind is ev.GroupComplete:
             members = store.groups[e.group_id].sample_ids
             for sid, reward in zip(members, e.rewards):
                 store.set_reward(sid, reward)
@@ -69,12 +74,16 @@ def redrive(log: list) -> list:
     # each one's own order.
     cursor = {a: 0 for a in made}
     result, next_move = [], iter(moves)
+    redriven = frozenset(REDRIVEN_TYPES)
     for e in log:
-        if isinstance(e, ev.RebalanceDecided):
+        kind = type(e)
+        if kind not in redriven:
+            continue
+        if kind is ev.RebalanceDecided:
             move = next(next_move, None)
             if move is not None:
                 result.append(move)
-        elif isinstance(e, REDRIVEN_TYPES) and cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
+        elif cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
             result.append(made[e.agent][cursor[e.agent]])
             cursor[e.agent] += 1
     for agent, items in made.items():
@@ -86,9 +95,10 @@ def _redrive_balancer(log: list, router: dict) -> list:
     """The level 1 balancer's moves for the logged demand observations, in order."""
     balancer, moves = None, []
     for e in log:
-        if isinstance(e, ev.RunResumed):
+        kind = type(e)
+        if kind is ev.RunResumed:
             balancer = None  # the resumed controller's balancer starts afresh
-        if not isinstance(e, ev.DemandObserved):
+        if kind is not ev.DemandObserved:
             continue
         if balancer is None:  # built as the rebalancer builds it, from the logged config
             balancer = RolloutBalancer.from_config(RouterConfig(**router))

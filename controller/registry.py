@@ -33,6 +33,7 @@ class WorkerInfo:
     why_gone: str = ""
     visible_gpus: list[str] = field(default_factory=list)  # the GPUs it was pinned to; empty: not pinned
     load: dict[str, float] = field(default_factory=dict)
+    last_sent: float = 0.0  # when a message last went to it (any message tells it the controller lives)
 
 
 class WorkerRegistry:

@@ -8,8 +8,8 @@ again once shutdown began). After that:
 - a rollout worker is queued for `run()`.
 
 `Rejoin.run()` runs next to the training loops. Consumes: the rollout workers that joined.
-Produces: each of them serving an agent. For each it picks the agent (`choose_agent`, over
-engine units: a whole-model agent, or every adapter agent of a base at once) and
+Produces: each of them serving a unit. For each it picks the engine unit (`choose_unit`: a
+whole-model agent, or every adapter agent of a base at once) and
 hands the rest to the admission (instances.py): the engine starts on the agent's model,
 the instance is brought to the agent's synced version (a resumed run's included) and only
 then is routed to. Waits for: a worker to join. Ends once every batch is trained.
@@ -26,37 +26,37 @@ import logging
 import time
 from typing import Any, Callable
 
+from flexmarl.runtime.bases import EngineUnit
 
 log = logging.getLogger("flexmarl.rejoin")
 
 POLL_S = 0.5  # how often run() checks whether every batch is trained while no worker joins
 
 
-def choose_agent(instances: dict[str, int], served_before: str | None) -> str:
-    """The agent a rejoining rollout worker serves: the one with the fewest live
-    instances (an agent left with none first); on a tie the one it served before, then
-    the first in order. `instances` lists every agent, in order."""
+def choose_unit(instances: dict[str, int], served_before: str | None) -> str:
+    """The engine unit a rejoining rollout worker serves: the one with the fewest live
+    instances (a unit left with none first); on a tie the one it served before, then
+    the first in order. `instances` lists every unit, in order."""
     fewest = min(instances.values())
     tied = [a for a, n in instances.items() if n == fewest]
     return served_before if served_before in tied else tied[0]
 
 
 class Rejoin:
-    def __init__(self, agents: list[str], instances: Any, admission: Any, server: Any, *,
+    def __init__(self, units: dict[str, EngineUnit], instances: Any, admission: Any, server: Any, *,
                  accepting: Callable[[], bool], finished: Callable[[], bool],
-                 trainer_joined: Callable[[str], None], units: dict[str, list[str]] | None = None) -> None:
+                 trainer_joined: Callable[[str], None]) -> None:
         # Engine units (runtime/bases.engine_units): a worker joins a whole-model agent or
-        # every adapter agent of a base; by default each agent is a unit.
-        self.units = units or {a: [a] for a in agents}
-        self.agents = list(agents)
+        # every adapter agent of a base.
+        self.units = units
         self.instances = instances  # instances(agent), served_before(worker): read only
-        self.admission = admission  # admit(worker, agent)
+        self.admission = admission  # admit(worker, unit)
         self.server = server  # registry.workers
         self.accepting = accepting
         self.finished = finished
         self.trainer_joined = trainer_joined
         self.queue: asyncio.Queue[str] = asyncio.Queue()  # rollout workers waiting for an agent
-        self.rejoined: list[tuple[str, str, float]] = []  # (worker, agent, seconds to serve)
+        self.rejoined: list[tuple[str, str, float]] = []  # (worker, unit, seconds to serve)
 
     def joined(self, info: Any) -> None:
         if not self.accepting():
@@ -76,20 +76,19 @@ class Rejoin:
             await self.serve(worker)
 
     async def serve(self, worker: str) -> str | None:
-        """Makes `worker` serve an agent (see the module doc); the agent, or None if the
+        """Makes `worker` serve a unit (see the module doc); the unit, or None if the
         worker died again or could not load the model."""
         info = self.server.registry.workers.get(worker)
         if info is None or not info.alive:
             return None  # died again before its turn: its next incarnation will be queued
-        before = self.instances.served_before(worker)
-        unit = choose_agent({u: len(self.instances.instances(agents[0])) for u, agents in self.units.items()},
-                            next((u for u, agents in self.units.items() if before in agents), None))
-        agent = self.units[unit][0]
+        unit = choose_unit({name: len(self.instances.instances(u.agents[0])) for name, u in self.units.items()},
+                           self.instances.served_before(worker))
         t0 = time.monotonic()
-        if not await self.admission.admit(worker, agent, why="rejoined"):
+        if not await self.admission.admit(worker, unit, why="rejoined"):
             return None
         seconds = time.monotonic() - t0
-        self.rejoined.append((worker, agent, seconds))
-        log.info("%s rejoined and serves %s at version %s after %.1fs", worker, agent,
-                 self.instances.holds(worker, agent), seconds)
-        return agent
+        self.rejoined.append((worker, unit, seconds))
+        first = self.units[unit].agents[0]
+        log.info("%s rejoined and serves %s at version %s after %.1fs", worker, unit,
+                 self.instances.holds(worker, first), seconds)
+        return unit

@@ -2,8 +2,9 @@
 
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
 
-- ``summarize(events)``: every worker's busy and idle time, per-agent throughput, the
-  staleness histogram, and sample accounting (generated = trained + dropped + in flight,
+- ``summarize(events)``: every worker's busy and idle time, per-agent throughput and
+  prefix-cache hits (the share of prompt tokens the engines found cached, first turns and
+  later turns of conversations), the staleness histogram, and sample accounting (generated = trained + dropped + in flight,
   per agent and per generating version). Accounting that does not reconcile, or a sample
   past the staleness bound, is an error: ``main`` prints it and exits 1.
 - ``trace_json(summary)``: a Chrome / Perfetto trace, one named track per worker and agent.
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
-from flexmarl.runtime.events import (BatchStarted, Event, GroupComplete, GroupOpened,
+from flexmarl.runtime.events import (PROMPT_FIELDS, BatchStarted, Event, GroupComplete, GroupOpened,
                                      MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
@@ -85,6 +86,13 @@ class AgentStats:
     version: int = 0  # the last version an optimizer step produced
     rewards: list[float] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)  # iterations and weight syncs
+    # Prompt tokens of its generated samples and those found in the prefix cache, first
+    # turns and later turns (RequestsCompleted's fields of those names).
+    prompts: collections.Counter = field(default_factory=collections.Counter)
+
+    def hit_rate(self, later: bool = False) -> float | None:
+        prompt = self.prompts["turn_prompt_tokens" if later else "prompt_tokens"]
+        return self.prompts["turn_cached_tokens" if later else "cached_tokens"] / prompt if prompt else None
 
 
 @dataclass
@@ -127,14 +135,14 @@ class Summary:
 def summarize(events: list[Event]) -> Summary:
     """Everything the log says about the run. Never raises on inconsistent logs: the
     inconsistencies are in ``errors`` (the table is what helps find them)."""
-    run = next((e for e in events if isinstance(e, RunStarted)), None)
+    run = next((e for e in events if type(e) is RunStarted), None)
     t_start = run.t if run else (events[0].t if events else 0.0)
     t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
     workers = _worker_usage(events, t_start, t_end)
     counted = lineage(events)  # without what a resume undid
     agents = _agent_stats(counted, run)
     rows, staleness, errors = _accounting(counted, run)
-    resumed_at = [e.step for e in events if isinstance(e, RunResumed)]
+    resumed_at = [e.step for e in events if type(e) is RunResumed]
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
                    training_seconds(events))
 
@@ -145,11 +153,12 @@ def training_seconds(events: list[Event]) -> float:
     and the time a crashed run lay dead are not counted."""
     total, began, last = 0.0, None, None
     for e in events:
-        if isinstance(e, RunResumed):
+        kind = type(e)
+        if kind is RunResumed:
             if began is not None:
                 total += last - began
             began = None
-        elif isinstance(e, BatchStarted) and began is None:
+        elif kind is BatchStarted and began is None:
             began = e.t
         last = e.t
     return total + (last - began if began is not None else 0.0)
@@ -163,15 +172,18 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
             workers[name] = WorkerUsage(name, role, t, t_end)
         return workers[name]
 
-    outstanding: dict[tuple[str, int], RequestsDispatched] = {}
+    outstanding: dict[tuple[str, int, str], RequestsDispatched] = {}  # (worker, request, agent): a message's groups of an agent
     sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
     trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
     last_t = t_start
     for e in events:
+        if type(e) not in _USAGE_EVENTS:  # most of a long log: groups opened and completed
+            last_t = e.t
+            continue
         if isinstance(e, RunResumed):
             # The controller crashed at its last event: what it had under way ended there.
             # Its workers went with it; those of the resumed run join again.
-            for (name, _), d in outstanding.items():
+            for (name, _, _), d in outstanding.items():
                 workers[name].spans.append(_request_span(d, last_t, lost=True))
             for w in workers.values():
                 w.end = min(w.end, max(last_t, w.start))
@@ -191,9 +203,9 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
             worker(e.worker, e.role, e.t).restarts = e.restarts
         elif isinstance(e, RequestsDispatched):
             worker(e.worker, "rollout", e.t)
-            outstanding[(e.worker, e.request_id)] = e
+            outstanding[(e.worker, e.request_id, e.agent)] = e
         elif isinstance(e, RequestsCompleted):
-            d = outstanding.pop((e.worker, e.request_id), None)
+            d = outstanding.pop((e.worker, e.request_id, e.agent), None)
             if d is not None:
                 worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
         elif isinstance(e, MicroBatchTrained):
@@ -214,14 +226,19 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
             publishers = [trainer_of[e.agent]] if e.agent in trainer_of else []
             for name in publishers + (started.targets if started else []):
                 worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
-    for (name, _), d in outstanding.items():  # still generating when the log ends
+    for (name, _, _), d in outstanding.items():  # still generating when the log ends
         workers[name].spans.append(_request_span(d, t_end))
     return workers
 
 
+# The events _worker_usage reads (every other type only moves the clock).
+_USAGE_EVENTS = frozenset({RunResumed, WorkerJoined, WorkerDied, WorkerRestarted, RequestsDispatched, RequestsCompleted,
+                           MicroBatchTrained, OptimizerStep, WeightSyncStarted, WeightSyncFinished})
+
+
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
                   lost: bool = False) -> Span:
-    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids),
+    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids) or sum(d.parts.sizes),
             "prompt_tokens": d.tokens}
     if tokens is not None:
         args["output_tokens"] = tokens
@@ -235,6 +252,8 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
     iteration_start: dict[tuple[str, int], float] = {}
     sync_start: dict[tuple[str, int], float] = {}
     for e in events:
+        if type(e) not in _AGENT_EVENTS:
+            continue
         agent = getattr(e, "agent", None)
         if agent is None:
             continue
@@ -252,6 +271,9 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
                                     {"samples": e.samples, "trainer": e.trainer}))
         elif isinstance(e, GroupComplete):
             stats.rewards.extend(e.rewards)
+        elif isinstance(e, RequestsCompleted):
+            for name, count in zip(PROMPT_FIELDS, e.prompt_counts()):
+                stats.prompts[name] += count
         elif isinstance(e, WeightSyncStarted):
             sync_start[(agent, e.version)] = e.t
         elif isinstance(e, WeightSyncFinished):
@@ -260,10 +282,16 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
     return agents
 
 
+# The events _agent_stats reads.
+_AGENT_EVENTS = frozenset({MicroBatchFormed, MicroBatchTrained, OptimizerStep, GroupComplete, RequestsCompleted,
+                           WeightSyncStarted, WeightSyncFinished})
+
+
 def _accounting(events: list[Event], run: RunStarted | None):
     """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
     so that every way of breaking exactly-once also breaks generated = trained + dropped
-    + in flight; the error then says which way it broke."""
+    + in flight; the error then says which way it broke. Written for logs of millions of
+    samples: a sample costs a few dictionary operations, done in bulk where they can be."""
     owner: dict[str, str] = {}  # sample -> agent whose group opened it
     made_by: dict[str, int] = {}  # sample -> oldest policy version that generated it
     trained: collections.Counter = collections.Counter()
@@ -273,47 +301,49 @@ def _accounting(events: list[Event], run: RunStarted | None):
     staleness: dict[str, collections.Counter] = {}
     errors: list[str] = []
     stale: collections.Counter = collections.Counter()
+    bound = run.max_staleness if run is not None else None
     for e in events:
-        if isinstance(e, GroupOpened):
-            for sid in e.sample_ids:
-                if sid in owner:
-                    errors.append(f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})")
-                owner.setdefault(sid, e.agent)
-        elif isinstance(e, RequestsCompleted):
-            for sid, v in zip(e.sample_ids, e.versions):
-                made_by[sid] = min(v, made_by.get(sid, v))
-        elif isinstance(e, MicroBatchFormed):
+        kind = type(e)
+        if kind is GroupOpened:
+            members = e.members()
+            if not owner.keys().isdisjoint(members):
+                errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
+                           for sid in members if sid in owner]
+                members = [sid for sid in members if sid not in owner]
+            owner.update(dict.fromkeys(members, e.agent))
+        elif kind is RequestsCompleted:
+            made = dict(zip(e.samples(), e.sample_versions()))
+            for sid in made.keys() & made_by.keys():  # generated again (re-issued): the oldest counts
+                made[sid] = min(made[sid], made_by[sid])
+            made_by.update(made)
+        elif kind is MicroBatchFormed:
             if len(e.min_versions) != len(e.sample_ids):
                 errors.append(f"agent {e.agent!r}: micro-batch at seq {e.seq} has {len(e.sample_ids)} "
                               f"samples but {len(e.min_versions)} versions")
-            hist = staleness.setdefault(e.agent, collections.Counter())
-            for sid, v in zip(e.sample_ids, e.min_versions):
-                trained[sid] += 1
-                trained_by[sid] = e.agent
-                made_by.setdefault(sid, v)
-                lag = staleness_lag(e.version - 1, [v])
-                hist[lag] += 1
-                if lag < 0 or (run is not None and too_stale(e.version - 1, [v], run.max_staleness)):
-                    stale[e.agent] += 1
-        elif isinstance(e, SamplesDropped):
-            for sid in e.sample_ids:
-                dropped[sid] += 1
-                dropped_by[sid] = e.agent
+            trained.update(e.sample_ids)
+            trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
+            made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in made_by})
+            lags = [staleness_lag(e.version - 1, [v]) for v in e.min_versions]
+            staleness.setdefault(e.agent, collections.Counter()).update(lags)
+            stale[e.agent] += sum(1 for lag, v in zip(lags, e.min_versions)
+                                  if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)))
+        elif kind is SamplesDropped:
+            dropped.update(e.sample_ids)
+            dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
 
-    rows: dict[tuple[str, int | None], AccountRow] = {}
-
-    def row(agent: str, sid: str) -> AccountRow:
-        key = (agent, made_by.get(sid))
-        return rows.setdefault(key, AccountRow(*key))
-
-    for sid, agent in owner.items():
-        row(agent, sid).generated += 1
-        if not trained[sid] and not dropped[sid]:
-            row(agent, sid).in_flight += 1
+    # Rows are keyed (agent, the version that made the sample).
+    made = made_by.get
+    generated = collections.Counter(zip(owner.values(), map(made, owner)))
+    in_flight = collections.Counter((agent, made(sid)) for sid, agent in owner.items()
+                                    if sid not in trained and sid not in dropped)
+    trained_rows: collections.Counter = collections.Counter()
     for sid, n in trained.items():
-        row(owner.get(sid, trained_by[sid]), sid).trained += n
+        trained_rows[owner.get(sid) or trained_by[sid], made(sid)] += n
+    dropped_rows: collections.Counter = collections.Counter()
     for sid, n in dropped.items():
-        row(owner.get(sid, dropped_by[sid]), sid).dropped += n
+        dropped_rows[owner.get(sid) or dropped_by[sid], made(sid)] += n
+    rows = {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
+            for k in {**generated, **trained_rows, **dropped_rows}}
 
     totals: dict[str, AccountRow] = {}
     for r in rows.values():
@@ -322,38 +352,44 @@ def _accounting(events: list[Event], run: RunStarted | None):
         t.trained += r.trained
         t.dropped += r.dropped
         t.in_flight += r.in_flight
+    why = _why_unreconciled(owner, trained, dropped, trained_by, dropped_by)
     for agent, t in sorted(totals.items()):
-        why = _why_unreconciled(agent, owner, trained, dropped, trained_by, dropped_by)
-        if not t.reconciles or why:
+        if not t.reconciles or why.get(agent):
             errors.append(f"agent {agent!r}: samples do not reconcile: generated {t.generated} != "
                           f"trained {t.trained} + dropped {t.dropped} + in flight {t.in_flight}"
-                          + (f" ({'; '.join(why)})" if why else ""))
+                          + (f" ({'; '.join(why[agent])})" if why.get(agent) else ""))
     for agent, n in sorted(stale.items()):
-        bound = run.max_staleness if run else "?"
-        errors.append(f"agent {agent!r}: {n} trained sample(s) outside the staleness bound "
-                      f"0 <= lag <= {bound} (see the staleness histogram)")
+        if n:
+            errors.append(f"agent {agent!r}: {n} trained sample(s) outside the staleness bound "
+                          f"0 <= lag <= {bound if bound is not None else '?'} (see the staleness histogram)")
     ordered = sorted(rows.values(), key=lambda r: (r.agent, r.version is None, r.version or 0))
     ordered += [t for _, t in sorted(totals.items())]
     return ordered, staleness, errors
 
 
-def _why_unreconciled(agent, owner, trained, dropped, trained_by, dropped_by) -> list[str]:
-    def mine(sid, by):
-        return owner.get(sid, by.get(sid)) == agent
-
-    checks = [
-        ("trained twice", [s for s, n in trained.items() if n > 1 and mine(s, trained_by)]),
-        ("trained and dropped", [s for s in trained if dropped[s] and mine(s, trained_by)]),
-        ("dropped twice", [s for s, n in dropped.items() if n > 1 and mine(s, dropped_by)]),
-        ("trained without being generated", [s for s in trained if s not in owner
-                                             and trained_by[s] == agent]),
-        ("dropped without being generated", [s for s in dropped if s not in owner
-                                             and dropped_by[s] == agent]),
-        ("trained by another agent", [s for s in trained if owner.get(s) == agent
-                                      and trained_by[s] != agent]),
-    ]
-    return [f"{len(ids)} sample(s) {what}, e.g. {', '.join(sorted(ids)[:3])}"
-            for what, ids in checks if ids]
+def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[str, list[str]]:
+    """Per agent, each way exactly-once broke, with examples (one pass over the samples
+    that need a look: trained or dropped more than once, both, or not generated)."""
+    found: dict[str, dict[str, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for s, n in trained.items():
+        agent = owner.get(s, trained_by[s])
+        if n > 1:
+            found[agent]["trained twice"].append(s)
+        if s in dropped:
+            found[agent]["trained and dropped"].append(s)
+        if s not in owner:
+            found[trained_by[s]]["trained without being generated"].append(s)
+        elif trained_by[s] != owner[s]:
+            found[owner[s]]["trained by another agent"].append(s)
+    for s, n in dropped.items():
+        if n > 1:
+            found[owner.get(s, dropped_by[s])]["dropped twice"].append(s)
+        if s not in owner:
+            found[dropped_by[s]]["dropped without being generated"].append(s)
+    order = ("trained twice", "trained and dropped", "dropped twice", "trained without being generated",
+             "dropped without being generated", "trained by another agent")
+    return {agent: [f"{len(ids[what])} sample(s) {what}, e.g. {', '.join(sorted(ids[what])[:3])}"
+                    for what in order if ids.get(what)] for agent, ids in found.items()}
 
 
 # ---------------------------------------------------------------- text
@@ -371,11 +407,13 @@ def format_summary(s: Summary) -> str:
     out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
                       [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
-    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward"],
+    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward",
+                       "prefix hits", "turn prefix hits"],
                       [[a.agent, a.samples_trained,
                         f"{a.samples_trained / s.training_s:.2f}" if s.training_s > 0 else "-",
                         a.micro_batches, a.optimizer_steps, a.version,
-                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-"]
+                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-",
+                        _share(a.hit_rate()), _share(a.hit_rate(later=True))]
                        for a in s.agents.values()]))
     lags = sorted({lag for h in s.staleness.values() for lag in h})
     if lags:
@@ -389,6 +427,10 @@ def format_summary(s: Summary) -> str:
           r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
     return "\n\n".join(out)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _table(headers: list[str], rows: list[list], left: int = 1) -> str:
@@ -520,9 +562,9 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
     """Re-drives the controller's decision code from the logged inputs (redrive.py);
     returns a message naming the first decision of `types` that differs from the log, or
     None when all agree. Stamps (seq and t) are ignored."""
-    types = tuple(types)
-    logged = [e for e in lineage(events) if isinstance(e, types)]
-    again = [e for e in redrive(events) if isinstance(e, types)]
+    types = frozenset(types)
+    logged = [e for e in lineage(events) if type(e) in types]
+    again = [e for e in redrive(events) if type(e) in types]
     for i, (a, b) in enumerate(zip(logged, again)):
         if without_stamp(a) != without_stamp(b):
             return (f"decision {i} differs: the log has (seq {a.seq}, t {a.t:.3f} s) {without_stamp(a)}; "

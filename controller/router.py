@@ -1,86 +1,110 @@
-"""Rollout routing: which instance generates which requests.
+"""Rollout routing: which instance generates which group.
 
 Two parts, kept apart on purpose:
-- decision functions (`plan_routes` over the `ROUTING_POLICIES` table), plain Python over plain numbers, unit-tested and
-  replayable without sockets;
-- `RolloutClient`, the asyncio side: it coalesces every request an agent receives in one
-  event-loop turn into a batch (never one message per sample), asks `plan_routes` where
-  the batch goes, sends GENERATE messages, and resolves each sample's future as partial
-  GENERATED replies stream back. If an instance dies, its unfinished samples are sent
-  again to another instance of the same agent; the experience store refuses a second
-  result for a sample, so a re-issue can never add a sample twice.
+- decision functions (`route_group` over the `ROUTING_POLICIES` table, `split_sizes`,
+  `stays`), plain Python over plain numbers, unit-tested and driven by the simulator
+  without sockets;
+- `RolloutClient`, the asyncio side: a group (n samples of one prompt) is one call, one
+  future. Every group queued in one event-loop turn is routed then, whole to one instance
+  (split into contiguous parts only when larger than an instance's fair share of the
+  agent's work, and never into parts under `min_part` samples); a later turn of a sample
+  goes back to the instance that generated its previous turn (its prefix cache holds the
+  conversation) while that instance still serves the agent and its load is within
+  `affinity_bound` of the alternative's. Everything bound for one instance in that turn
+  goes in one GENERATE message, of any agent the instance serves. Replies come back per
+  group, whole; a group resolves when its last part has. If an instance dies or fails a
+  message, its unfinished parts are routed again (to another instance, since a dead one
+  has left every agent); the experience store refuses a second result for a sample, so a
+  re-issue can never add a sample twice.
 
-Which instances serve an agent, and the work outstanding on each, belong to the
-instances' owner (instances.py): the client reads the one and reports the other to it.
-An adapter agent's instances are every instance of its base, so its requests spread over
-them by the same least-outstanding-work rule, its load counted with its base's other
-agents' on each instance.
+Routing is O(1) per group: the live instances of an agent are the instances' owner's list
+(instances.py keeps it by join, death and leave events), the least loaded of two drawn at
+random takes a group (every instance when there are two), and only a group large enough to
+be split looks at them all. The owner counts the work outstanding on each instance; the
+client reports it. An adapter agent's instances are every instance of its base, so its
+load is counted with its base's other agents' on each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 from collections import defaultdict
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
+from .generation import GroupOutput, assemble
 from .instances import RolloutInstances
 from .server import ControllerServer, RemoteError, WorkerDied
 
 log = logging.getLogger("flexmarl.router")
 
+# A group is split over instances only into parts of at least this many samples: each part
+# prefills the prompt once more, and small groups cost an engine about as much as one sample.
+MIN_PART = 16
+# A later turn stays on the instance of the turn before while that instance's outstanding
+# work is at most this many times the alternative's (plus the turn's own cost).
+AFFINITY_BOUND = 2.0
 
-def route_batch(sizes: list[int], outstanding: dict[str, float], min_split: int = 8) -> dict[str, list[int]]:
-    """Assigns request indices (with token costs `sizes`) to instances.
-
-    Each request goes to the instance with the least outstanding work after the requests
-    already placed (greedy, in order); a batch smaller than `min_split` stays on one
-    instance, since splitting tiny batches only adds messages."""
-    if not outstanding:
-        raise ValueError("no instance to route to")
-    load = dict(outstanding)
-    if len(sizes) < min_split or len(load) == 1:
-        target = min(load, key=lambda w: (load[w], w))
-        return {target: list(range(len(sizes)))}
-    plan: dict[str, list[int]] = defaultdict(list)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        target = min(load, key=lambda w: (load[w], w))
-        plan[target].append(i)
-        load[target] += sizes[i]
-    return {w: sorted(ix) for w, ix in plan.items()}
+Load = Callable[[str], float]
 
 
-def _least_loaded(costs: list[int], outstanding: dict[str, float], turn: int) -> dict[str, list[int]]:
-    return route_batch(costs, outstanding)
+def _least_loaded(instances: Sequence[str], load: Load, turn: int, rng: random.Random) -> str:
+    """The less loaded of two instances drawn at random (of both, when there are two)."""
+    if len(instances) <= 2:
+        return min(instances, key=load)  # ties: the first in routing order
+    a = rng.randrange(len(instances))
+    b = rng.randrange(len(instances) - 1)
+    b += b >= a
+    a, b = min(a, b), max(a, b)  # ties: the first in routing order
+    return instances[b] if load(instances[b]) < load(instances[a]) else instances[a]
 
 
-def _round_robin(costs: list[int], outstanding: dict[str, float], turn: int) -> dict[str, list[int]]:
-    instances = list(outstanding)
-    return {instances[turn % len(instances)]: list(range(len(costs)))}
+def _round_robin(instances: Sequence[str], load: Load, turn: int, rng: random.Random) -> str:
+    return instances[turn % len(instances)]
 
 
-# Level 2 policies (`router.within_agent`): the static baseline and least outstanding work.
-ROUTING_POLICIES: dict[str, Callable[[list[int], dict[str, float], int], dict[str, list[int]]]] = {
+# Level 2 policies (`router.within_agent`): least outstanding work, and the static baseline.
+ROUTING_POLICIES: dict[str, Callable[[Sequence[str], Load, int, random.Random], str]] = {
     "least_loaded": _least_loaded,
     "round_robin": _round_robin,
 }
 
 
-def plan_routes(policy: str, costs: list[int], outstanding: dict[str, float], turn: int) -> dict[str, list[int]]:
-    """Where one coalesced batch of an agent's requests goes: instance -> request indices.
-    `outstanding` lists the agent's live instances (in assignment order) with their
-    outstanding tokens; `turn` counts the agent's earlier batches (round robin uses it).
-    The live `RolloutClient` and the simulator both route through here."""
-    if not outstanding:
+def route_group(policy: str, instances: Sequence[str], load: Load, turn: int, rng: random.Random) -> str:
+    """The instance a group (or one part of it) goes to: `instances` are the agent's live
+    ones in routing order, `load(w)` the work outstanding on w, `turn` counts the agent's
+    earlier groups (round robin uses it). The live client and the simulator route here."""
+    if not instances:
         raise ValueError("no instance to route to")
     try:
         rule = ROUTING_POLICIES[policy]
     except KeyError:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(ROUTING_POLICIES)})") from None
-    return rule(costs, outstanding, turn)
+    return rule(instances, load, turn, rng)
+
+
+def split_sizes(n: int, cost: float, share: float, instances: int, min_part: int = MIN_PART) -> list[int]:
+    """The sizes of the contiguous parts a group of `n` samples (costing `cost` tokens in
+    all) is cut into: [n], whole, unless it is larger than an instance's fair `share` of
+    the agent's work, and then as few parts as bring each within it, none under
+    `min_part` samples, at most one per instance."""
+    if instances < 2 or n < 2 * min_part or cost <= share:
+        return [n]
+    parts = min(instances, n // min_part, math.ceil(cost / max(share, 1e-9)))
+    base, extra = divmod(n, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def stays(previous_load: float, other_load: float, cost: float, bound: float = AFFINITY_BOUND) -> bool:
+    """Whether a later turn goes back to the instance of its previous turn (load
+    `previous_load`) rather than to the routing policy's choice (load `other_load`)."""
+    return previous_load <= bound * other_load + cost
 
 
 class NoInstance(Exception):
@@ -88,33 +112,66 @@ class NoInstance(Exception):
 
 
 class RequestRefused(Exception):
-    """The engine refused one request (empty, too long for the model, ids outside the
-    vocabulary, settings it rejects); only that request's episode fails."""
+    """The engine refused one group (empty, too long for the model, ids outside the
+    vocabulary, settings it rejects); only that group's episode fails."""
 
 
 class RequestsFailed(Exception):
     """Requests failed (or lost their instance) on `max_attempts` instances in a row."""
 
 
+@dataclass(slots=True)
+class _Group:
+    """One generate call: the parts of its group that came back, one future."""
+
+    agent: str
+    future: asyncio.Future
+    left: int = 0
+    parts: list = field(default_factory=list)  # (GroupResult, worker)
+
+
+@dataclass(slots=True)
+class _Part:
+    """A group, or a contiguous part of one, on its way to an instance."""
+
+    group: protocol.GenGroup
+    owner: _Group
+    after: str  # the instance of the sample's previous turn ("": a first turn)
+    attempt: int = 1
+
+    @property
+    def cost(self) -> int:
+        return self.group.n * (len(self.group.prompt_ids) + self.group.max_tokens)
+
+
 class RolloutClient:
     def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
                  emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded",
-                 version_of: Callable[[str], int] | None = None) -> None:
+                 version_of: Callable[[str], int] | None = None, min_part: int = MIN_PART,
+                 affinity_bound: float = AFFINITY_BOUND, seed: int = 0) -> None:
         self.server = server
-        # The agent's synced version, sent with each batch: an adapter agent's requests run
+        # The agent's synced version, sent with each group: an adapter agent's group runs
         # under its adapter at that version (or a newer one the instance already holds).
         self.version_of = version_of or (lambda agent: -1)
         self.emit = emit or (lambda event: None)
         self.owner = instances  # which instances serve an agent; outstanding work per instance
         self.instance_wait_s = instance_wait_s
-        self.max_attempts = 3  # a request that fails on this many instances fails its episode
+        self.max_attempts = 3  # a part that fails on this many instances fails its episode
         self.within_agent = within_agent
+        self.min_part = min_part
+        self.affinity_bound = affinity_bound
+        self._rng = random.Random(seed)
         self._turn: dict[str, int] = defaultdict(int)  # round-robin position per agent
         self.dispatched_tokens: dict[str, float] = defaultdict(float)  # per agent, for demand
-        self._queued: dict[str, list[tuple[protocol.GenRequest, asyncio.Future]]] = defaultdict(list)
-        self._flush_scheduled: set[str] = set()
-        self.reissued = 0
-        self.refused = 0
+        self._queued: list[_Part] = []
+        self._flush_scheduled = False
+        self._waiting: dict[str, list[_Part]] = {}  # agent -> parts waiting for an instance to serve it
+        self.reissued = 0  # samples
+        self.refused = 0  # groups
+        self.affinity = {"kept": 0, "moved": 0}  # later turns: on their previous instance, or not
+        # Per agent, so far: prompt tokens of the samples generated and how many the engines
+        # found in their prefix cache, for first turns and later turns (ev.PROMPT_FIELDS).
+        self.prompt_counts: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ev.PROMPT_FIELDS, 0))
 
     @property
     def outstanding(self) -> dict[str, float]:
@@ -123,109 +180,223 @@ class RolloutClient:
     def instances(self, agent: str) -> list[str]:
         return self.owner.instances(agent)
 
-    async def generate(self, agent: str, requests: list[protocol.GenRequest]) -> list[protocol.GenResult]:
+    async def generate(self, agent: str, group: protocol.GenGroup, after: str = "") -> GroupOutput:
+        """The group's output, every member in order; `after`: the instance that generated
+        the sample's previous turn (a later turn goes back to it if it can)."""
+        owner = _Group(agent, asyncio.get_running_loop().create_future())
+        part = _Part(group, owner, after)
+        self.dispatched_tokens[agent] += part.cost
+        self._queue([part])
+        return await owner.future
+
+    # ------------------------------------------------------------ routing, once per loop turn
+
+    def _queue(self, parts: list[_Part]) -> None:
+        self._queued += parts
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        queued, self._queued = self._queued, []
+        bound: dict[str, list[_Part]] = {}
+        for part in queued:
+            if part.owner.future.done():
+                continue  # its group failed meanwhile (another part was refused)
+            instances = self.owner.instances(part.owner.agent)
+            if not instances:
+                self._wait_for_instance(part)
+                continue
+            for piece, worker in self._route(part, instances):
+                bound.setdefault(worker, []).append(piece)
+        if bound:
+            messages = [self._message(worker, parts) for worker, parts in bound.items()]
+            task = asyncio.ensure_future(self._send_all(messages))
+            task.add_done_callback(_report_failure)
+
+    def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
+        agent, load = part.owner.agent, self.outstanding.__getitem__
+        if part.owner.left == 0:  # a new group: parts are counted once
+            sizes = [part.group.n]
+            if part.group.n >= 2 * self.min_part and len(instances) > 1:
+                share = (sum(load(w) for w in instances) + part.cost) / len(instances)
+                sizes = split_sizes(part.group.n, part.cost, share, len(instances), self.min_part)
+            pieces = _cut(part, sizes)
+            part.owner.left = len(pieces)
+        else:  # a part routed again: as it was
+            pieces = [part]
+        routed = []
+        for piece in pieces:
+            worker = route_group(self.within_agent, instances, load, self._turn[agent], self._rng)
+            self._turn[agent] += 1
+            if (self.affinity_bound > 0 and piece.after and piece.after != worker
+                    and self.owner.serving(piece.after, agent)):
+                if stays(load(piece.after), load(worker), piece.cost, self.affinity_bound):
+                    worker = piece.after
+            if piece.after:
+                self.affinity["kept" if worker == piece.after else "moved"] += 1
+            self.owner.add_work(worker, piece.cost)  # counted now: the next group sees it
+            routed.append((piece, worker))
+        return routed
+
+    def _wait_for_instance(self, part: _Part) -> None:
+        agent = part.owner.agent
+        if agent in self._waiting:
+            self._waiting[agent].append(part)
+            return
+        self._waiting[agent] = [part]
+        task = asyncio.ensure_future(self._instance_for(agent))
+        task.add_done_callback(_report_failure)
+
+    async def _instance_for(self, agent: str) -> None:
+        """Waits for an instance to serve `agent`, then routes its waiting parts; past
+        `instance_wait_s` they fail (NoInstance)."""
         loop = asyncio.get_running_loop()
-        futures = []
-        for req in requests:
-            fut = loop.create_future()
-            self._queued[agent].append((req, fut))
-            futures.append(fut)
-        if agent not in self._flush_scheduled:
-            self._flush_scheduled.add(agent)
-            loop.call_soon(self._flush_soon, agent)
-        return list(await asyncio.gather(*futures))
-
-    def _flush_soon(self, agent: str) -> None:
-        self._flush_scheduled.discard(agent)
-        batch, self._queued[agent] = self._queued[agent], []
-        if batch:
-            task = asyncio.ensure_future(self._dispatch(agent, batch))
-            task.add_done_callback(lambda t: _fail_all(batch, t))
-
-    async def _dispatch(self, agent: str, batch: list[tuple[protocol.GenRequest, asyncio.Future]],
-                        attempt: int = 1) -> None:
-        instances = await self._wait_for_instances(agent)
-        costs = [len(r.prompt_ids) + r.max_tokens for r, _ in batch]
-        if attempt == 1:
-            self.dispatched_tokens[agent] += sum(costs)
-        plan = plan_routes(self.within_agent, costs, {w: self.outstanding[w] for w in instances}, self._turn[agent])
-        self._turn[agent] += 1
-        await asyncio.gather(*(self._send(agent, w, [batch[i] for i in ix], attempt) for w, ix in plan.items()))
-
-    async def _wait_for_instances(self, agent: str) -> list[str]:
-        deadline = asyncio.get_running_loop().time() + self.instance_wait_s
-        while not (instances := self.instances(agent)):
-            if asyncio.get_running_loop().time() > deadline:
-                raise NoInstance(f"no live rollout instance serves agent {agent!r}")
+        deadline = loop.time() + self.instance_wait_s
+        while not self.owner.instances(agent) and loop.time() <= deadline:
             await asyncio.sleep(0.1)
-        return instances
+        parts = self._waiting.pop(agent)
+        if self.owner.instances(agent):
+            self._queue(parts)
+            return
+        failure = NoInstance(f"no live rollout instance serves agent {agent!r}")
+        for part in parts:
+            _fail(part.owner, failure)
 
-    async def _send(self, agent: str, worker: str, part: list[tuple[protocol.GenRequest, asyncio.Future]],
-                    attempt: int) -> None:
-        waiting = {req.sample_id: (req, fut) for req, fut in part}
-        cost = {req.sample_id: len(req.prompt_ids) + req.max_tokens for req, _ in part}
-        self.owner.add_work(worker, sum(cost.values()))
+    # ------------------------------------------------------------ messages
 
-        def on_reply(msg: protocol.Message, _buffers: list) -> bool:
-            assert isinstance(msg, protocol.Generated)
-            fresh = [r for r in msg.results if r.sample_id in waiting]
-            self.emit(ev.RequestsCompleted(worker, agent, msg.request_id, [r.sample_id for r in fresh],
-                                           [r.version for r in fresh], sum(len(r.token_ids) for r in fresh)))
-            for result in msg.results:
-                entry = waiting.pop(result.sample_id, None)
-                if entry is None:
-                    log.warning("%s returned unknown or repeated sample %s", worker, result.sample_id)
-                    continue
-                self.owner.work_done(worker, cost[result.sample_id])
-                if not entry[1].done():
-                    entry[1].set_result(result)
-            for refusal in msg.refused:  # fails its episode alone; never re-issued (same model, same refusal)
-                entry = waiting.pop(refusal.sample_id, None)
-                if entry is None:
-                    log.warning("%s refused unknown or repeated sample %s", worker, refusal.sample_id)
-                    continue
-                self.owner.work_done(worker, cost[refusal.sample_id])
-                self.refused += 1
-                if not entry[1].done():
-                    entry[1].set_exception(RequestRefused(f"{agent} on {worker} refused {refusal.sample_id}: "
-                                                          f"{refusal.reason}"))
-            return msg.done
+    def _message(self, worker: str, parts: list[_Part]) -> tuple[str, protocol.Generate, dict]:
+        waiting = {}
+        for part in parts:
+            part.group.version = self.version_of(part.owner.agent)
+            waiting[(part.group.key, part.group.first)] = part
+        msg = protocol.Generate(self.server.next_request_id(), [p.group for p in parts])
+        for agent, mine in _by_agent(parts).items():
+            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, [], sum(len(p.group.prompt_ids) for p in mine),
+                                            _parts([p.group for p in mine])))
+        future = self.server.stream(worker, msg, lambda reply, _: self._replied(worker, waiting, reply))
+        future.add_done_callback(lambda f: self._message_ended(worker, waiting, f))
+        return worker, msg, waiting
 
-        msg = protocol.Generate(self.server.next_request_id(), agent, [req for req, _ in part], self.version_of(agent))
-        self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, list(waiting),
-                                        sum(len(r.prompt_ids) for r, _ in part)))
-        future = self.server.stream(worker, msg, on_reply)
-        await self.server.send_request(worker, msg)
-        try:
-            await future
-        except (WorkerDied, RemoteError) as exc:
-            # A batch that fails, or whose instance dies, on max_attempts instances in a row
-            # fails its episodes instead of taking down instance after instance.
-            if attempt >= self.max_attempts:
-                failure = RequestsFailed(f"{len(waiting)} requests of {agent} failed on {attempt} instances "
-                                         f"in a row; the last, {worker}: {exc}")
+    async def _send_all(self, messages: list[tuple[str, protocol.Generate, dict]]) -> None:
+        for worker, msg, _ in messages:
+            await self.server.send_request(worker, msg)
+
+    def _replied(self, worker: str, waiting: dict[tuple[str, int], _Part], msg: protocol.Message) -> bool:
+        assert isinstance(msg, protocol.Generated)
+        done = []
+        for result in msg.results:
+            part = waiting.pop((result.key, result.first), None)
+            if part is None:
+                log.warning("%s returned an unknown or repeated group %s/%d", worker, result.key, result.first)
+                continue
+            self.owner.work_done(worker, part.cost)
+            done.append((part, result))
+            owner = part.owner
+            owner.parts.append((result, worker))
+            owner.left -= 1
+            if owner.left == 0 and not owner.future.done():
+                owner.future.set_result(assemble(owner.parts))
+        self._log_completed(worker, msg.request_id, done)
+        for refusal in msg.refused:  # fails its episode alone; never re-issued (same model, same refusal)
+            part = waiting.pop((refusal.key, refusal.first), None)
+            if part is None:
+                log.warning("%s refused an unknown or repeated group %s/%d", worker, refusal.key, refusal.first)
+                continue
+            self.owner.work_done(worker, part.cost)
+            self.refused += 1
+            _fail(part.owner, RequestRefused(f"{part.owner.agent} on {worker} refused {refusal.key}: "
+                                             f"{refusal.reason}"))
+        return msg.done
+
+    def _log_completed(self, worker: str, request_id: int, done: list[tuple[_Part, protocol.GroupResult]]) -> None:
+        for agent, mine in _by_agent([p for p, _ in done]).items():
+            results = [(p, r) for p, r in done if p.owner.agent == agent]
+            prompt = {True: 0, False: 0}
+            cached = {True: 0, False: 0}
+            for p, r in results:
+                later = _later(p.group)
+                prompt[later] += p.group.n * len(p.group.prompt_ids)
+                cached[later] += r.cached_tokens * (p.group.n - 1 if p.group.n > 1 else 1)
+            event = ev.RequestsCompleted(
+                worker, agent, request_id, [], [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
+                prompt[False], cached[False], prompt[True], cached[True], _parts([p.group for p, _ in results]))
+            self.emit(event)
+            counts = self.prompt_counts[agent]
+            for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):
+                counts[name] += value
+
+    def _message_ended(self, worker: str, waiting: dict[tuple[str, int], _Part], future: asyncio.Future) -> None:
+        """The message's last reply came, or its instance died or failed it: what it left
+        unfinished is routed again (the dead have left every agent), up to max_attempts."""
+        if not waiting:
+            return
+        parts = list(waiting.values())
+        waiting.clear()
+        for part in parts:
+            self.owner.work_done(worker, part.cost)
+        exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
+        if not isinstance(exc, (WorkerDied, RemoteError)):
+            for part in parts:
+                _fail(part.owner, exc or RuntimeError(f"{worker} ended a message with groups unanswered"))
+            return
+        again = []
+        for part in parts:
+            if part.attempt >= self.max_attempts:
+                # A group that fails, or whose instance dies, on max_attempts instances in a row
+                # fails its episode instead of taking down instance after instance.
+                failure = RequestsFailed(f"{part.group.n} requests of {part.owner.agent} failed on "
+                                         f"{part.attempt} instances in a row; the last, {worker}: {exc}")
                 log.error("%s", failure)
-                for _, fut in waiting.values():
-                    if not fut.done():
-                        fut.set_exception(failure)
-                waiting.clear()
+                _fail(part.owner, failure)
             else:
-                log.warning("re-issuing %d unfinished samples of %s after %s: %s", len(waiting), agent,
-                            "a worker death" if isinstance(exc, WorkerDied) else "an error", exc)
-        finally:
-            self.owner.work_done(worker, sum(cost[s] for s in waiting))
-        if waiting:  # died or failed before finishing: send the rest elsewhere
-            self.reissued += len(waiting)
-            await self._dispatch(agent, list(waiting.values()), attempt + 1)
+                part.attempt += 1
+                again.append(part)
+        if again:
+            log.warning("re-issuing %d unfinished samples after %s on %s: %s", sum(p.group.n for p in again),
+                        "a worker death" if isinstance(exc, WorkerDied) else "an error", worker, exc)
+            self.reissued += sum(p.group.n for p in again)
+            self._queue(again)
 
 
-def _fail_all(batch: list[tuple[protocol.GenRequest, asyncio.Future]], task: asyncio.Task) -> None:
-    if task.cancelled():
-        exc: BaseException = asyncio.CancelledError()
-    else:
-        exc = task.exception()
-    if exc is None:
-        return
-    for _, fut in batch:
-        if not fut.done():
-            fut.set_exception(exc)
+def _cut(part: _Part, sizes: list[int]) -> list[_Part]:
+    """A group cut into contiguous parts of `sizes` (itself, when whole): member j of the
+    part starting at `first` keeps its seed, seed + first + j."""
+    if len(sizes) == 1:
+        return [part]
+    pieces, first, g = [], part.group.first, part.group
+    for size in sizes:
+        piece = protocol.GenGroup(g.key, g.agent, size, g.prompt_ids, g.max_tokens, g.temperature,
+                                  g.seed + first - g.first, first, g.top_p, g.top_k, g.stop, g.stop_token_ids,
+                                  g.ignore_eos, g.version)
+        pieces.append(_Part(piece, part.owner, part.after, part.attempt))
+        first += size
+    return pieces
+
+
+def _later(group: protocol.GenGroup) -> bool:
+    """A later turn of a sample (its request id is `SAMPLE@TURN`), not a group's first."""
+    return "@" in group.key
+
+
+def _parts(groups: list[protocol.GenGroup]) -> ev.Parts:
+    """How the event log names these groups' samples."""
+    return ev.Parts([g.key for g in groups], [g.first for g in groups], [g.n for g in groups])
+
+
+def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:
+    out: dict[str, list[_Part]] = {}
+    for p in parts:
+        out.setdefault(p.owner.agent, []).append(p)
+    return out
+
+
+def _fail(owner: _Group, exc: BaseException) -> None:
+    if not owner.future.done():
+        owner.future.set_exception(exc)
+
+
+def _report_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("rollout routing failed: %r", task.exception())

@@ -60,7 +60,7 @@ class SampleLog:
 
     def group_ready(self, agent: str, samples: list[Any]) -> None:
         for s in samples:
-            self._kept[agent][s.sample_id] = _Snapshot(s.batch, s.prompt_ids, s.output_ids, s.mask,
+            self._kept[agent][s.sample_id] = _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask),
                                                        list(s.versions), s.reward, s.messages)
 
     def record(self, step: int, agent: str, sample_ids: list[str]) -> list[dict[str, Any]]:

@@ -12,8 +12,8 @@ version from `SyncedVersions` (versions.py), which it does not write:
 - each agent's pipeline waits in `wait_for_work(agent)`, woken by `work_arrived(agent)`
   (a group became trainable) or by any batch's rollout ending, and reports
   `agent_stepped(batch)`;
-- a change of a synced version (the weight sync sets it) unblocks the gate and the
-  producer.
+- a change of a synced version (the weight sync sets it) unblocks the producer and the
+  turns waiting at the gate for that agent (no other agent's).
 
 The rules themselves are in decisions.py. It does not know the store, workers or
 trainers, only counts, versions and times.
@@ -98,7 +98,7 @@ class BatchSchedule:
 
     async def gate(self, agent: str, batch: int) -> None:
         while not decisions.may_generate(batch, self.versions[agent], self.max_staleness):
-            await self.versions.changed()
+            await self.versions.changed(agent)  # its own agent's syncs only
 
     # -- the per-agent pipelines
 

@@ -1,7 +1,9 @@
 """The controller's end of the control plane: one ROUTER, the worker registry, liveness.
 
 `ControllerServer` accepts workers (HELLO -> WELCOME or REJECT), exchanges heartbeats with
-every live worker, declares a silent one dead, and turns request/reply pairs into awaitable
+every live worker (none to a worker it sent anything to within the interval: any message
+tells a worker the controller lives, and at a thousand workers the heartbeats would be
+most of what it sends), declares a silent one dead, and turns request/reply pairs into awaitable
 calls. A malformed or unexpected message is logged with its reason, counted in `rejected`
 (by a fixed category, so a flood of distinct garbage cannot grow it), and dropped; it never
 stops the loop. Sends never wait on a peer that does not read: a notice to it is dropped
@@ -44,6 +46,9 @@ class WorkerDied(Exception):
 class RemoteError(Exception):
     """A worker reported that one request failed (the worker itself is fine)."""
 
+
+# Heartbeats sent in one turn of the event loop (the rest in the next turns).
+HEARTBEATS_PER_TURN = 64
 
 # A streaming reply handler returns True when the reply it was given is the last one.
 ReplyHandler = Callable[[protocol.Message, list[Any]], bool]
@@ -102,8 +107,12 @@ class ControllerServer:
                 self._declare_dead(info, f"no heartbeat for {now - info.last_seen:.1f}s "
                                          f"(timeout {self.cfg.heartbeat_timeout_s}s)")
             self._hb_seq += 1
-            for info in self.registry.alive():
-                await self._send(info.identity, protocol.Heartbeat(self._hb_seq))
+            quiet = now - self.cfg.heartbeat_interval_s  # a worker sent anything since needs no heartbeat
+            for i, info in enumerate(self.registry.alive()):
+                if info.last_sent <= quiet:
+                    await self._send(info.identity, protocol.Heartbeat(self._hb_seq))
+                if i % HEARTBEATS_PER_TURN == HEARTBEATS_PER_TURN - 1:
+                    await asyncio.sleep(0)  # a thousand sends in one loop turn would hold everything else
 
     def worker_exited(self, worker_id: str, why: str) -> None:
         """Whoever started the worker saw its process end: it is dead now, without waiting
@@ -164,6 +173,7 @@ class ControllerServer:
         while info.alive:
             try:
                 await self.socket.send(info.identity, msg, buffers)
+                info.last_sent = time.monotonic()
                 return
             except zmq.Again:
                 if time.monotonic() > deadline:
@@ -222,6 +232,9 @@ class ControllerServer:
             self._send_failed(identity, msg, exc)
         else:
             self._not_reading.discard(identity)
+            info = self.registry.by_identity(identity)
+            if info is not None:
+                info.last_sent = time.monotonic()
 
     def _send_failed(self, identity: bytes, msg: protocol.Message, exc: zmq.ZMQError) -> None:
         info = self.registry.by_identity(identity)

@@ -27,6 +27,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from flexmarl.runtime import bases
 from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
 from flexmarl.runtime.model_specs import has_tokenizer
@@ -79,7 +80,7 @@ class ServedAgents:
                 raise CheckpointError(f"{path} holds no model with a tokenizer for agent {agent}")
         self.cfg.openai = dataclasses.replace(self.cfg.openai, enabled=True)
         self.server = ControllerServer(self.cfg.transport)
-        self.instances = RolloutInstances(self.server)
+        self.instances = RolloutInstances(bases.engine_units(self.cfg))
         self.client = RolloutClient(self.server, self.instances, within_agent=self.cfg.router.within_agent,
                                     version_of=lambda agent: self.point.step)
         self.tokenizers: dict[str, AgentTokenizer] = {}

@@ -6,12 +6,12 @@ up to `max_batch` sequences and takes `a + b * tokens` seconds of its agent's mo
 being the prompts admitted plus one per running sequence; a request admitted at step s with
 an output of L tokens finishes at the end of step s + L - 1); a closed-loop multi-agent chain
 (`concurrency` queries in flight; each output of agent d starts a group of agent d + 1); the
-controller's coalescing (requests for one agent that arise at the same virtual instant go
-out as one batch); level 1 moves (the instance leaves its agent, drains, restarts for
+controller's groups (the samples of one parent output are one group, routed whole; the
+groups that arise at the same virtual instant are routed together); level 1 moves (the instance leaves its agent, drains, restarts for
 `reload_s`, then joins the other agent).
 
-Reused unchanged: level 2 `plan_routes` (the function RolloutClient routes with) and
-level 1 `RolloutBalancer`.
+Reused unchanged: level 2 `route_group` (the function RolloutClient routes each group
+with) and level 1 `RolloutBalancer`.
 
 No sockets, processes or real time: a heap of events ordered by (virtual time, sequence).
 Deterministic for a seed: each sample's output length derives from the seed and its place
@@ -24,6 +24,7 @@ time; its absolute numbers come from the cost model, only ratios between configs
 from __future__ import annotations
 
 import heapq
+import random
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from flexmarl.runtime.config import RouterConfig
 
 from .balance_rules import AgentDemand, RolloutBalancer
-from .router import plan_routes
+from .router import route_group
 
 # name -> (within-agent routing, level 1 on?)
 CONFIGS = {"static": ("round_robin", False), "intra": ("least_loaded", False), "hierarchical": ("least_loaded", True)}
@@ -118,7 +119,8 @@ class Simulation:
         self.assignment = {p.name: [i.name for i in self.inst if i.agent == p.name] for p in chain}
         self.dispatched = {p.name: 0.0 for p in chain}
         self._turn = {p.name: 0 for p in chain}
-        self._coalesce: dict[str, list] = {p.name: [] for p in chain}
+        self._rng = random.Random(workload.seed)
+        self._coalesce: dict[str, list] = {p.name: [] for p in chain}  # agent -> groups (lists of requests)
         self._events: list = []
         self._seq = 0
         self.now = 0.0
@@ -160,10 +162,12 @@ class Simulation:
     def _spawn(self, q: int, depth: int, key: str) -> None:
         p = self.w.chain[depth]
         span = p.max_output - p.min_output + 1
+        group = []
         for j in range(p.group_size):
             k = f"{key}.{j}"
             length = p.min_output + zlib.crc32(f"{self.w.seed}:{k}".encode()) % span
-            self._coalesce[p.name].append((q, depth, k, p.prompt_tokens + p.max_output, length))
+            group.append((q, depth, k, p.prompt_tokens + p.max_output, length))
+        self._coalesce[p.name].append(group)
         self._pending[q] += p.group_size
 
     def _finished(self, req) -> None:
@@ -187,17 +191,18 @@ class Simulation:
                 self._coalesce[agent] = []
                 self._dispatch(agent, batch)
 
-    def _dispatch(self, agent: str, batch: list) -> None:
+    def _dispatch(self, agent: str, groups: list) -> None:
         names = self.assignment[agent]
-        costs = [r[3] for r in batch]
-        self.dispatched[agent] += sum(costs)
-        plan = plan_routes(self.within, costs, {w: self.by_name[w].outstanding for w in names}, self._turn[agent])
-        self._turn[agent] += 1
-        for w, ix in plan.items():
-            inst = self.by_name[w]
-            for i in ix:
-                inst.queue.append(batch[i])
-                inst.outstanding += costs[i]
+        touched = {}
+        for group in groups:
+            w = route_group(self.within, names, lambda w: self.by_name[w].outstanding, self._turn[agent], self._rng)
+            self._turn[agent] += 1
+            inst = touched[w] = self.by_name[w]
+            for req in group:
+                inst.queue.append(req)
+                inst.outstanding += req[3]
+                self.dispatched[agent] += req[3]
+        for inst in touched.values():
             if not inst.stepping:
                 self._start_step(inst)
 

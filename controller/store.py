@@ -9,21 +9,28 @@ global batch in arrival order; `take` hands out whole groups' samples (as many a
 trained at most once, and a duplicate or late result for a sample that already has
 its output is refused.
 
+The records are the store's own: a group's outputs arrive whole (`record_group`), token
+ids and logprobs held as packed arrays, not per-token Python objects. User code sees a
+sample only through a read-only `SampleView` and changes it through the episode context,
+which calls the store (`record_turn`, `annotate`, `set_reward`).
+
 Plain synchronous Python: no sockets, no asyncio, no knowledge of workers.
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
+import msgspec
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
 from . import decisions
+from .generation import GroupOutput
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 
@@ -32,21 +39,34 @@ class DuplicateResult(Exception):
     """A result arrived for a sample that already has one (a retried request, say)."""
 
 
-@dataclass
-class Sample:
+def token_array(ids: Sequence[int]) -> array.array:
+    return ids if type(ids) is array.array and ids.typecode == protocol.TOKEN_TYPECODE else \
+        array.array(protocol.TOKEN_TYPECODE, ids)
+
+
+def logprob_array(values: Sequence[float]) -> array.array:
+    return values if type(values) is array.array and values.typecode == protocol.LOGPROB_TYPECODE else \
+        array.array(protocol.LOGPROB_TYPECODE, values)
+
+
+# The store's records are untracked by the collector (gc=False: plain data, no reference
+# cycles): a large run holds hundreds of thousands, and every collection would walk them.
+class Sample(msgspec.Struct, gc=False):
     sample_id: str
     agent: str
     group_id: str
     prompt_ids: list[int]
     # Everything after the prompt, in order: every turn's generated ids and, in a
     # conversation, the ids appended between turns (other agents' messages, tool results).
-    output_ids: list[int] | None = None
-    logprobs: list[float] | None = None  # per output id; 0.0 for appended ids
-    versions: list[int] = field(default_factory=list)  # policy version of every turn
-    mask: list[int] = field(default_factory=list)  # per output id: 1 generated (trained), 0 appended
+    output_ids: array.array | None = None
+    logprobs: array.array | None = None  # per output id; 0.0 for appended ids
+    # Until its output arrives a sample has none of these (immutable placeholders: a group
+    # opened is n small records, nothing more).
+    versions: list[int] = ()  # policy version of every turn
+    mask: array.array = None  # per output id: 1 generated (trained), 0 appended
     # What every turn was sampled at (temperature, top_p, top_k, from which output id on):
     # the trainer scores each turn's tokens under its own distribution.
-    sampling: list[protocol.TurnSampling] = field(default_factory=list)
+    sampling: list[protocol.TurnSampling] = ()
     text: str = ""  # the last turn's generated text (agents with a tokenizer)
     messages: list | None = None  # the conversation so far, for samples made by ctx.chat
     reward: float | None = None
@@ -54,19 +74,48 @@ class Sample:
     status: str = PENDING
     batch: int = 0  # which global batch (iteration) started it
     ready_seq: int = 0  # the order in which its group became trainable, across every agent
+    served_by: str = ""  # the instance that generated its last turn (its prefix cache has it)
+    finish_reason: str = ""  # why its last turn ended
 
     @property
     def min_version(self) -> int:
         return min(self.versions)
 
 
-@dataclass
-class Group:
+class SampleView(msgspec.Struct, frozen=True, gc=False):
+    """A sample as user code sees it: read-only, always current (a later turn shows
+    through). Lists it returns are copies; change a sample through the episode context."""
+
+    _s: Sample
+
+    sample_id = property(lambda self: self._s.sample_id)
+    agent = property(lambda self: self._s.agent)
+    group_id = property(lambda self: self._s.group_id)
+    text = property(lambda self: self._s.text, doc="the last turn's generated text (agents with a tokenizer)")
+    reward = property(lambda self: self._s.reward)
+    status = property(lambda self: self._s.status, doc="pending until its group is ready, consumed or dropped")
+    finish_reason = property(lambda self: self._s.finish_reason)
+    prompt_ids = property(lambda self: list(self._s.prompt_ids))
+    output_ids = property(lambda self: None if self._s.output_ids is None else self._s.output_ids.tolist(),
+                          doc="every turn's generated ids and the ids appended between turns, in order")
+    logprobs = property(lambda self: None if self._s.logprobs is None else self._s.logprobs.tolist())
+    mask = property(lambda self: None if self._s.mask is None else self._s.mask.tolist(),
+                    doc="per output id: 1 generated, 0 appended")
+    versions = property(lambda self: list(self._s.versions), doc="the policy version of every turn")
+    messages = property(lambda self: None if self._s.messages is None else [dict(m) for m in self._s.messages],
+                        doc="the conversation so far (samples made by ctx.chat)")
+
+    def __repr__(self) -> str:
+        return f"SampleView({self._s.sample_id!r}, text={self._s.text!r}, reward={self._s.reward})"
+
+
+class Group(msgspec.Struct, gc=False):
     group_id: str
     agent: str
     sample_ids: list[str]
     batch: int
     status: str = PENDING
+    rewarded: int = 0  # members whose reward is set
 
 
 class ExperienceStore:
@@ -81,6 +130,7 @@ class ExperienceStore:
         self.on_ready: list[Callable[[Group], None]] = []
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (agent, status)
         self._ready_seq = itertools.count(1)
+        self._ready_count: collections.Counter[tuple[str, int]] = collections.Counter()  # (agent, batch) -> samples in ready
 
     # ---------------------------------------------------------------- rollout side
 
@@ -91,32 +141,41 @@ class ExperienceStore:
             raise DuplicateResult(f"group {group_id} already exists")
         prompt = list(prompt_ids)  # one list for the whole group: members never modify it
         members = [Sample(f"{group_id}/{i}", agent, group_id, prompt, batch=batch) for i in range(n)]
-        self.emit(ev.GroupOpened(agent, group_id, [s.sample_id for s in members], batch))
+        self.emit(ev.GroupOpened(agent, group_id, [], batch, n))
         for s in members:
             self.samples[s.sample_id] = s
         self.groups[group_id] = Group(group_id, agent, [s.sample_id for s in members], batch)
         self.counts[(agent, "generated")] += n
         return members
 
-    def record_output(self, sample_id: str, output_ids: list[int], logprobs: list[float],
+    def record_output(self, sample_id: str, output_ids: Sequence[int], logprobs: Sequence[float],
                       versions: list[int], sampling: protocol.TurnSampling | None = None) -> Sample:
         sample = self.samples.get(sample_id)
         if sample is None:
             raise KeyError(f"unknown sample {sample_id}")
         if sample.output_ids is not None or sample.status != PENDING:
             raise DuplicateResult(f"sample {sample_id} already has an output ({sample.status})")
-        sample.output_ids = list(output_ids)
-        sample.logprobs = list(logprobs)
+        sample.output_ids = token_array(output_ids)
+        sample.logprobs = logprob_array(logprobs)
         sample.versions = list(versions)
-        sample.mask = [1] * len(sample.output_ids)
+        sample.mask = array.array("b", b"\x01" * len(sample.output_ids))
         sample.sampling = [sampling or protocol.TurnSampling(0)]
         return sample
 
-    def record_turn(self, sample_id: str, appended_ids: list[int], output_ids: list[int], logprobs: list[float],
-                    version: int, sampling: protocol.TurnSampling | None = None) -> Sample:
+    def record_group(self, group_id: str, output: GroupOutput, sampling: protocol.TurnSampling) -> None:
+        """Every member's first turn at once, sampled from `sampling`'s distribution."""
+        members = self.groups[group_id].sample_ids
+        if len(members) != output.n:
+            raise ValueError(f"group {group_id} has {len(members)} samples; {output.n} outputs came back")
+        for i, sid in enumerate(members):
+            sample = self.record_output(sid, output.token_ids[i], output.logprobs[i], [output.versions[i]], sampling)
+            sample.served_by, sample.finish_reason = output.served_by[i], output.finish_reasons[i]
+
+    def record_turn(self, sample_id: str, appended_ids: Sequence[int], output: GroupOutput,
+                    sampling: protocol.TurnSampling | None = None) -> Sample:
         """A later turn of a conversation: `appended_ids` (not trained) then the turn's
-        generated ids (trained), generated by policy `version` with `sampling`'s settings
-        (its `start` is set here: where the turn's ids begin)."""
+        generated ids (trained, `output` a group of one), with `sampling`'s settings (its
+        `start` is set here: where the turn's ids begin)."""
         sample = self.samples.get(sample_id)
         if sample is None:
             raise KeyError(f"unknown sample {sample_id}")
@@ -124,13 +183,25 @@ class ExperienceStore:
             raise ValueError(f"sample {sample_id} cannot take another turn: it is {sample.status}"
                              + (" and already rewarded" if sample.reward is not None else ""))
         turn = sampling or protocol.TurnSampling(0)
+        generated = output.token_ids[0]
         start = len(sample.output_ids) + len(appended_ids)
         sample.sampling.append(protocol.TurnSampling(start, turn.temperature, turn.top_p, turn.top_k))
-        sample.output_ids += list(appended_ids) + list(output_ids)
-        sample.logprobs += [0.0] * len(appended_ids) + list(logprobs)
-        sample.mask += [0] * len(appended_ids) + [1] * len(output_ids)
-        sample.versions.append(version)
+        sample.output_ids.extend(appended_ids)
+        sample.output_ids.extend(generated)
+        sample.logprobs.extend(array.array(protocol.LOGPROB_TYPECODE, bytes(4 * len(appended_ids))))
+        sample.logprobs.extend(output.logprobs[0])
+        sample.mask.frombytes(b"\x00" * len(appended_ids) + b"\x01" * len(generated))
+        sample.versions.append(output.versions[0])
+        sample.served_by, sample.finish_reason = output.served_by[0], output.finish_reasons[0]
         return sample
+
+    def annotate(self, sample_id: str, text: str, messages: list | None) -> None:
+        """The last turn's text and the conversation so far, as the episode context made them."""
+        sample = self.samples[sample_id]
+        sample.text, sample.messages = text, messages
+
+    def view(self, sample_id: str) -> SampleView:
+        return SampleView(self.samples[sample_id])
 
     def set_reward(self, sample_id: str, reward: float) -> None:
         sample = self.samples[sample_id]
@@ -145,7 +216,10 @@ class ExperienceStore:
         if not math.isfinite(reward):
             raise ValueError(f"reward for {sample_id} is not finite: {reward}")
         sample.reward = float(reward)
-        self._maybe_ready(self.groups[sample.group_id])
+        group = self.groups[sample.group_id]
+        group.rewarded += 1
+        if group.rewarded == len(group.sample_ids):
+            self._maybe_ready(group)
 
     def drop_group(self, group_id: str, why: str) -> None:
         group = self.groups[group_id]
@@ -170,13 +244,14 @@ class ExperienceStore:
             s.ready_seq = seq
         group.status = READY
         self.ready[group.agent].setdefault(group.batch, collections.deque()).append(group.group_id)
+        self._ready_count[(group.agent, group.batch)] += len(members)
         for listener in self.on_ready:
             listener(group)
 
     # ---------------------------------------------------------------- training side
 
     def ready_samples(self, agent: str, batch: int) -> int:
-        return sum(len(self.groups[g].sample_ids) for g in self.ready[agent].get(batch, ()))
+        return self._ready_count[(agent, batch)]
 
     def take(self, agent: str, batch: int, max_samples: int) -> list[Sample]:
         """Whole ready groups of global batch `batch`, oldest first, up to `max_samples`
@@ -187,6 +262,7 @@ class ExperienceStore:
         for _ in range(decisions.groups_in_micro_batch(sizes, max_samples)):
             group = self.groups[queue.popleft()]
             group.status = CONSUMED
+            self._ready_count[(agent, batch)] -= len(group.sample_ids)
             for sid in group.sample_ids:
                 sample = self.samples[sid]
                 assert sample.status == READY, f"{sid} is {sample.status}, not ready"
@@ -212,7 +288,7 @@ class ExperienceStore:
         store holds what is in flight and not yet committed, not its history (the counts
         stay; the event log has the rest)."""
         for s in samples:
-            s.prompt_ids = s.output_ids = s.logprobs = s.mask = []
+            s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], token_array(()), logprob_array(()), array.array("b")
             self.samples.pop(s.sample_id, None)
             self.groups.pop(s.group_id, None)
 

@@ -37,6 +37,7 @@ module.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -129,8 +130,7 @@ class TrainingRun:
             check_model(bases.model_of(cfg, agent))
         # What one rollout engine serves: a whole-model agent, or every adapter agent of a base.
         self.units = bases.engine_units(cfg)
-        self.unit_of = {a: u for u, agents in self.units.items() for a in agents}
-        self.base_units = {u for u, agents in self.units.items() if cfg.agents[agents[0]].base}
+        self.unit_of = {a: u.name for u in self.units.values() for a in u.agents}
         self.lora = {a: bases.agent_lora(cfg, a) for a in self.agents}
         self.store = ExperienceStore(self.agents, emit=emit,
                                      std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
@@ -139,14 +139,14 @@ class TrainingRun:
                                       overlap=p.mode == "async", max_staleness=p.max_staleness,
                                       versions=self.versions)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
-        self.instances = RolloutInstances(server, emit)
+        self.instances = RolloutInstances(self.units, emit)
         self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent,
-                                    version_of=self.versions.__getitem__)
+                                    version_of=self.versions.__getitem__, min_part=cfg.router.min_part,
+                                    affinity_bound=cfg.router.affinity_bound, seed=cfg.run.seed)
         self.weights = WeightSync(self.agents, server, self.instances, self.versions, emit,
                                   trainer_for=self._trainer_for, lora=self.lora,
-                                  ranks={a: bases.engine_ranks(cfg, a) for a in self.agents})
-        self.admission = Admission(self.instances, self.weights, self.versions, server, self.load_model_message,
-                                   sharing={a: self.units[self.unit_of[a]] for a in self.agents if self.lora[a]})
+                                  ranks={a: self.units[self.unit_of[a]].ranks for a in self.agents})
+        self.admission = Admission(self.instances, self.weights, self.versions, server, self.load_model_message)
         if resume is not None:  # rows of batches after the checkpoint are made again
             truncate_metrics(self.run_dir / "metrics.jsonl", resume.step)
             self.schedule.resume_after(resume.step)
@@ -161,7 +161,7 @@ class TrainingRun:
                 group.agent, [self.store.samples[sid] for sid in group.sample_ids]))
         self.metrics = MetricsLog(self.run_dir, self.agents, progress=cfg.run.progress, trackers=trackers,
                                   resumed=resume is not None, first_step=self.schedule.first_batch,
-                                  sample_log=self.sample_log)
+                                  sample_log=self.sample_log, prompt_counts=self.client.prompt_counts.__getitem__)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", self.agents, every=cfg.run.checkpoint_every,
                                        keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                        controller_state=self._controller_state,
@@ -195,11 +195,10 @@ class TrainingRun:
         self.busy: dict[str, float] = {}
         self._loads_at_start: dict[str, float] = {}
         server.on_died.append(self._on_worker_died)
-        self.rejoin = Rejoin(self.agents, self.instances, self.admission, server,
+        self.rejoin = Rejoin(self.units, self.instances, self.admission, server,
                              accepting=lambda: self.ready.is_set() and not server.closing,
                              finished=lambda: self.schedule.finished,
-                             trainer_joined=lambda worker: self.allocator.trainer_joined(worker),
-                             units=self.units)
+                             trainer_joined=lambda worker: self.allocator.trainer_joined(worker))
         server.on_joined.append(self.rejoin.joined)
 
     @property
@@ -270,13 +269,13 @@ class TrainingRun:
                 stage.update(len(self.tokenizers), len(self.agents))
         # Engine units are placed (a base's instances serve all its agents); each agent is
         # routed over its unit's instances.
-        weight = {u: sum(self._expected_tokens(a) for a in agents) for u, agents in self.units.items()}
+        weight = {name: sum(self._expected_tokens(a) for a in u.agents) for name, u in self.units.items()}
         placement = decisions.place_agents(list(self.units), self.worker_ids("rollout"), weight)
         saved = self.resume.state.get("rollout_assignment") if self.resume else None
         if saved and sorted({w for ws in saved.values() for w in ws}) == sorted(self.worker_ids("rollout")):
-            placement = {u: list(saved[agents[0]]) for u, agents in self.units.items()}  # as at the checkpoint
+            placement = {name: list(saved[u.agents[0]]) for name, u in self.units.items()}  # as at the checkpoint
         log.info("rollout placement: %s", placement)
-        self.instances.place({a: placement[self.unit_of[a]] for a in self.agents})
+        self.instances.place(placement)
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
                                           cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit,
                                           settings={a: bases.trainer_settings(cfg, a) for a in self.agents},
@@ -291,12 +290,11 @@ class TrainingRun:
                                            cfg.agents[a].loss_options(), checkpoints=self.checkpoints, lanes=lanes)
                           for a in self.agents}
         if cfg.router.across_agents:
-            self.rebalancer = Rebalancer(cfg.router, self.agents, self.instances, self.admission, self.client,
+            self.rebalancer = Rebalancer(cfg.router, self.units, self.instances, self.admission, self.client,
                                          self.server, self.weights,
-                                         {u: self.model_path[agents[0]] for u, agents in self.units.items()},
-                                         self.emit, lambda: self.schedule.finished, units=self.units,
-                                         bases=self.base_units)
-        engines = [(self.units[u][0], w) for u, ws in placement.items() for w in ws]
+                                         {name: self.model_path[u.agents[0]] for name, u in self.units.items()},
+                                         self.emit, lambda: self.schedule.finished)
+        engines = [(u, w) for u, ws in placement.items() for w in ws]
         with display.stage(f"starting {len(engines)} rollout engines and {len(self.agents)} training states") as stage:
             stage.update(0, len(engines) + 1)
 
@@ -334,25 +332,22 @@ class TrainingRun:
         a = self.cfg.agents[agent]
         return a.group_size * a.max_tokens * (1 + self.agents.index(agent))
 
-    async def _place(self, agent: str, worker: str) -> bool:
-        message = self.load_model_message(agent)
-        if self.resume is not None and not self.lora[agent]:  # a resumed run: engines start at the checkpoint
-            message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(agent).resolve()),
+    async def _place(self, unit: str, worker: str) -> bool:
+        message = self.load_model_message(unit)
+        u = self.units[unit]
+        if self.resume is not None and not u.lora:  # a resumed run: engines start at the checkpoint
+            message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(u.agents[0]).resolve()),
                                               version=self.resume.step)
-        return await self.admission.admit(worker, agent, engine=message, why="joins: initial placement")
+        return await self.admission.admit(worker, unit, engine=message, why="joins: initial placement")
 
-    def load_model_message(self, agent: str) -> protocol.LoadModel:
-        """What starts an engine on `agent`'s model at version 0, the model directory's
+    def load_model_message(self, unit: str) -> protocol.LoadModel:
+        """What starts an engine of `unit` on its model at version 0, the model directory's
         weights; the weight sync brings it to the agent's version (a rejoined worker, an
-        instance moved between agents). Never a checkpoint's: those get pruned. An adapter
-        agent's engine is its base's, with LoRA slots, named as the unit; its adapters (and
-        those of the base's other agents) are loaded next (the admission)."""
-        cfg = self.cfg.agents[agent]  # max_model_len 0: the engine's device decides
-        if cfg.base:
-            return protocol.LoadModel(self.server.next_request_id(), self.unit_of[agent], self.model_path[agent], 0,
-                                      seed=self.cfg.run.seed, max_model_len=self.cfg.bases[cfg.base].max_model_len,
-                                      engine=bases.engine_settings(self.cfg, cfg.base))
-        return whole_model_message(self.cfg, agent, self.server.next_request_id(), self.model_path[agent])
+        instance moved between units). Never a checkpoint's: those get pruned. A base's
+        engine has LoRA slots, named as the unit; its agents' adapters are loaded next (the
+        admission)."""
+        u = self.units[unit]
+        return u.load_message(self.server.next_request_id(), self.model_path[u.agents[0]], self.cfg.run.seed)
 
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN
@@ -383,8 +378,8 @@ class TrainingRun:
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
 
     def _controller_state(self, step: int) -> dict[str, Any]:
-        after_cut = {a: sum(1 for s in self.store.samples.values() if s.agent == a and s.batch > step)
-                     for a in self.agents}
+        past = collections.Counter(s.agent for s in self.store.samples.values() if s.batch > step)
+        after_cut = {a: past[a] for a in self.agents}  # one pass over the samples, not one per agent
         return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset,
                                 self.episodes.episode_number(step + 1, 0))
 
@@ -392,9 +387,7 @@ class TrainingRun:
 def whole_model_message(cfg: ExperimentConfig, agent: str, request_id: int, path: str,
                         version: int = 0) -> protocol.LoadModel:
     """What starts an engine on a whole-model agent's weights in `path`, as `version`."""
-    c = cfg.agents[agent]  # max_model_len 0: the engine's device decides
-    return protocol.LoadModel(request_id, agent, path, version, seed=cfg.run.seed, max_model_len=c.max_model_len,
-                              engine=c.engine_settings())
+    return bases.engine_units(cfg)[agent].load_message(request_id, path, cfg.run.seed, version)
 
 
 def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:

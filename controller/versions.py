@@ -5,7 +5,8 @@ known to hold (or hold a newer one), the truth the staleness gate reads.
 run sets every agent to the checkpoint's step before any loop starts (`resume_at`), and
 from then on only the weight sync moves an agent forward (`set`), once every instance of
 the agent loaded the new version. Readers (the schedule's gate and start rule, the
-admission of an instance) read it; waiters are woken on every change.
+admission of an instance) read it; a waiter for one agent is woken by that agent's changes
+only (the staleness gate of each turn), a waiter for any by every change (the start rule).
 
 It does not know instances, trainers or batches.
 """
@@ -18,7 +19,8 @@ import asyncio
 class SyncedVersions:
     def __init__(self, agents: list[str]) -> None:
         self._version = {a: 0 for a in agents}
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # any agent's
+        self._changed_of = {a: asyncio.Event() for a in agents}
 
     def __getitem__(self, agent: str) -> int:
         return self._version[agent]
@@ -29,18 +31,21 @@ class SyncedVersions:
     def set(self, agent: str, version: int) -> None:
         """Every instance of `agent` holds `version` now (the weight sync says so)."""
         self._version[agent] = version
-        self._wake()
+        self._wake([agent])
 
     def resume_at(self, step: int) -> None:
         """A run resumed from the checkpoint of `step`: every agent is at version `step`."""
         for agent in self._version:
             self._version[agent] = step
-        self._wake()
+        self._wake(list(self._version))
 
-    async def changed(self) -> None:
-        """Returns after the next change of any agent's version."""
-        await self._changed.wait()
+    async def changed(self, agent: str | None = None) -> None:
+        """Returns after the next change of `agent`'s version (None: of any agent's)."""
+        await (self._changed if agent is None else self._changed_of[agent]).wait()
 
-    def _wake(self) -> None:
+    def _wake(self, agents: list[str]) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        for agent in agents:
+            self._changed_of[agent].set()
+            self._changed_of[agent] = asyncio.Event()

@@ -154,7 +154,7 @@ class WeightSync:
             loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
                 self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent))))
                 for w in instances}
-            cancelled = await self._cancel_if_a_rank_dies(agent, version, loads) if group else []
+            cancelled = await self._cancel_if_a_rank_dies(agent, reply.handle, loads) if group else []
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
             self.groups.drop(agent)
@@ -174,10 +174,12 @@ class WeightSync:
         self.published[agent] = Publication(version, reply.handle, transport)
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
-    async def _cancel_if_a_rank_dies(self, agent: str, version: int, loads: dict[str, asyncio.Future]) -> list[str]:
+    async def _cancel_if_a_rank_dies(self, agent: str, handle: ParamHandle,
+                                     loads: dict[str, asyncio.Future]) -> list[str]:
         """Over NCCL every receiver waits for every other: one that dies would hold the rest
-        until their set-up wait runs out. When one dies, the others are told to give up
-        (CancelLoad); the instances told, in order."""
+        until their set-up wait runs out. When one dies, the others are told to give up the
+        publication `handle` (CancelLoad names its key: a retry of the same version is
+        another publication, never touched); the instances told, in order."""
         pending = set(loads.values())
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -186,7 +188,7 @@ class WeightSync:
         else:
             return []
         waiting = [w for w, f in loads.items() if not f.done()]
-        await asyncio.gather(*(self.server.call(w, protocol.CancelLoad(self.server.next_request_id(), agent, version))
+        await asyncio.gather(*(self.server.call(w, protocol.CancelLoad(self.server.next_request_id(), agent, handle.key))
                                for w in waiting), return_exceptions=True)  # a cancel that fails changes nothing
         return waiting
 

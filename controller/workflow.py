@@ -11,12 +11,15 @@
             ctx.reward(a, await ctx.call(check, a.text, timeout=5))    # blocking code off the loop
 
 `ctx.generate` / `ctx.chat` open one group in the experience store (n samples of one
-prompt; their advantages are relative to each other), send the requests through the
-rollout client and return the samples with their outputs. `ctx.continue_chat` (or
-`ctx.continue_ids`) adds another turn to a sample: the new messages' ids are appended
-(not trained), then the agent's next turn is generated (trained); every turn records the
-policy version that produced it and waits at the staleness gate first. Token ids are the
-source of truth: `sample.output_ids` are the engine's ids, `sample.text` only decodes them.
+prompt; their advantages are relative to each other), send it through the rollout client
+as one request (the prompt once, n, the seed base: one future for the group) and return
+read-only views of its samples (store.SampleView) with their outputs. `ctx.continue_chat`
+(or `ctx.continue_ids`) adds another turn to a sample: the new messages' ids are appended
+(not trained), then the agent's next turn is generated (trained), by the instance that
+generated the turn before if it can (its prefix cache holds the conversation); every turn
+records the policy version that produced it and waits at the staleness gate first. Token
+ids are the source of truth: `sample.output_ids` are the engine's ids, `sample.text` only
+decodes them. A sample changes only through the context (`reward`, `continue_*`).
 Concurrency inside an episode (branches) and across episodes is plain asyncio; the
 episode runner bounds it.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import itertools
 import logging
@@ -58,7 +62,8 @@ from typing import Any, Awaitable, Callable, Protocol
 from flexmarl.runtime import protocol
 
 from .failures import user_frame, user_traceback
-from .store import PENDING, ExperienceStore, Sample
+from .generation import GroupOutput
+from .store import PENDING, ExperienceStore, SampleView
 
 log = logging.getLogger("flexmarl.workflow")
 
@@ -100,7 +105,8 @@ class EpisodeClosed(Exception):
 
 
 class Generator(Protocol):
-    async def generate(self, agent: str, requests: list[protocol.GenRequest]) -> list[protocol.GenResult]: ...
+    async def generate(self, agent: str, group: protocol.GenGroup, after: str = "") -> GroupOutput:
+        """The group's output; `after`: the instance that generated the turn before (a later turn)."""
 
 
 @dataclass
@@ -177,7 +183,8 @@ class EpisodeContext:
         place = f"b{'.'.join(map(str, branch))}-" if branch else ""
         return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"
 
-    async def generate(self, agent: str, prompt: str | list[int], n: int | None = None, **sampling: Any) -> list[Sample]:
+    async def generate(self, agent: str, prompt: str | list[int], n: int | None = None,
+                       **sampling: Any) -> list[SampleView]:
         """n samples of `agent` for one prompt (text, tokenized with the agent's tokenizer,
         or token ids). `sampling` overrides the agent's settings for this call:
         max_tokens, temperature, top_p, top_k, stop, stop_token_ids, ignore_eos."""
@@ -185,29 +192,30 @@ class EpisodeContext:
         return await self._open(agent, prompt_ids, n, sampling, None)
 
     async def chat(self, agent: str, messages: list[dict], n: int | None = None, tools: list[dict] | None = None,
-                   **sampling: Any) -> list[Sample]:
+                   **sampling: Any) -> list[SampleView]:
         """n conversations of `agent` starting from `messages` (the agent's chat template
         makes the prompt, with `tools` if given); each sample's `messages` ends with the
         assistant's reply."""
         prompt_ids = self.tokenizer(agent).chat_prompt(messages, tools)
         return await self._open(agent, prompt_ids, n, sampling, messages)
 
-    async def continue_chat(self, sample: Sample, messages: list[dict], tools: list[dict] | None = None,
-                            **sampling: Any) -> Sample:
+    async def continue_chat(self, sample: SampleView, messages: list[dict], tools: list[dict] | None = None,
+                            **sampling: Any) -> SampleView:
         """Another turn of a `chat` sample: `messages` (other agents' words, tool results)
         are appended, then the agent replies. The trained sample stays one sequence whose
         loss covers only the agent's own turns."""
-        if sample.messages is None:
-            raise ValueError(f"{sample.sample_id} was not made by ctx.chat; use ctx.continue_ids")
-        tok = self.tokenizer(sample.agent)
-        ended_with_eos = bool(sample.output_ids) and sample.output_ids[-1] == tok.eos_token_id
-        appended = tok.chat_delta(sample.messages, sample.messages + list(messages), ended_with_eos, tools)
-        sample.messages = sample.messages + list(messages)
-        return await self._turn(sample, appended, sampling)
+        record = self._record(sample)
+        if record.messages is None:
+            raise ValueError(f"{record.sample_id} was not made by ctx.chat; use ctx.continue_ids")
+        tok = self.tokenizer(record.agent)
+        ended_with_eos = bool(record.output_ids) and record.output_ids[-1] == tok.eos_token_id
+        appended = tok.chat_delta(record.messages, record.messages + list(messages), ended_with_eos, tools)
+        self.store.annotate(record.sample_id, record.text, record.messages + list(messages))
+        return await self._turn(record.sample_id, appended, sampling)
 
-    async def continue_ids(self, sample: Sample, appended_ids: list[int], **sampling: Any) -> Sample:
+    async def continue_ids(self, sample: SampleView, appended_ids: list[int], **sampling: Any) -> SampleView:
         """Another turn of any sample: `appended_ids` (not trained), then the agent's turn."""
-        return await self._turn(sample, list(appended_ids), sampling)
+        return await self._turn(self._record(sample).sample_id, list(appended_ids), sampling)
 
     def tokenizer(self, agent: str) -> Any:
         self._check_agent(agent)
@@ -223,7 +231,7 @@ class EpisodeContext:
     # ---------------------------------------------------------------- one turn
 
     async def _open(self, agent: str, prompt_ids: list[int], n: int | None, sampling: dict,
-                    messages: list[dict] | None) -> list[Sample]:
+                    messages: list[dict] | None) -> list[SampleView]:
         if self.closed:
             raise EpisodeClosed(self.closed)
         self._check_agent(agent)
@@ -236,30 +244,35 @@ class EpisodeContext:
                              f"advantages are rewards relative to the group's other samples")
         await self._wait_at_gate(agent)
         group_id = self.group_id(agent, prompt_ids)
-        samples = self.store.open_group(agent, group_id, prompt_ids, n, self.batch)
+        members = self.store.open_group(agent, group_id, prompt_ids, n, self.batch)
         self.groups.append(group_id)
-        for s in samples:
-            if messages is not None:
-                s.messages = list(messages)
-        results, drawn = await self._generate(agent, [(s.sample_id, list(s.prompt_ids)) for s in samples], sampling)
-        stop = sampling.get("stop") or self.agents[agent].stop
-        for s, r in zip(samples, results):
-            self.store.record_output(s.sample_id, r.token_ids, r.logprobs, [r.version], drawn)
-            self._after_turn(s, r, stop)
-        return samples
+        group, drawn = self._request(agent, group_id, members[0].prompt_ids, n, request_seed(self.run_seed, f"{group_id}/0"),
+                                     sampling)
+        self.store.record_group(group_id, await self.generator.generate(agent, group), drawn)
+        stop = group.stop
+        for s in members:
+            self._after_turn(s.sample_id, s.agent, None if messages is None else list(messages), stop)
+        return [SampleView(s) for s in members]
 
-    async def _turn(self, sample: Sample, appended: list[int], sampling: dict) -> Sample:
+    async def _turn(self, sample_id: str, appended: list[int], sampling: dict) -> SampleView:
         if self.closed:
             raise EpisodeClosed(self.closed)
-        if sample.group_id not in self.groups:
+        record = self.store.samples[sample_id]
+        await self._wait_at_gate(record.agent)
+        request_id = f"{sample_id}@{len(record.versions)}"  # one request per turn
+        context = list(record.prompt_ids) + record.output_ids.tolist() + appended
+        group, drawn = self._request(record.agent, request_id, context, 1, request_seed(self.run_seed, request_id),
+                                     sampling)
+        output = await self.generator.generate(record.agent, group, record.served_by)
+        self.store.record_turn(sample_id, appended, output, drawn)
+        self._after_turn(sample_id, record.agent, record.messages, group.stop)
+        return SampleView(record)
+
+    def _record(self, sample: SampleView) -> Any:
+        record = self.store.samples.get(sample.sample_id)
+        if record is None or record.group_id not in self.groups:
             raise ValueError(f"{sample.sample_id} belongs to another episode")
-        await self._wait_at_gate(sample.agent)
-        request_id = f"{sample.sample_id}@{len(sample.versions)}"  # one request per turn
-        context = list(sample.prompt_ids) + list(sample.output_ids) + appended
-        (r,), drawn = await self._generate(sample.agent, [(request_id, context)], sampling)
-        self.store.record_turn(sample.sample_id, appended, r.token_ids, r.logprobs, r.version, drawn)
-        self._after_turn(sample, r, sampling.get("stop") or self.agents[sample.agent].stop)
-        return sample
+        return record
 
     async def _wait_at_gate(self, agent: str) -> None:
         task = asyncio.current_task()
@@ -270,35 +283,38 @@ class EpisodeContext:
         if self.closed:  # failed while this branch waited at the gate
             raise EpisodeClosed(self.closed)
 
-    async def _generate(self, agent: str, items: list[tuple[str, list[int]]],
-                        sampling: dict) -> tuple[list[protocol.GenResult], protocol.TurnSampling]:
-        """The results for (request id, context) items, in order, and the distribution
-        they were sampled from (what the trainer will score them under)."""
+    def _request(self, agent: str, key: str, context: list[int], n: int, seed: int,
+                 sampling: dict) -> tuple[protocol.GenGroup, protocol.TurnSampling]:
+        """The group to generate (`key` naming it, `context` its prompt, member j drawn with
+        seed + j) and the distribution it is sampled from (what the trainer will score it under)."""
         d = self.agents[agent]
-        unknown = set(sampling) - SAMPLING_KEYS
-        if unknown:
-            raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: {', '.join(sorted(SAMPLING_KEYS))})")
-        get = lambda key: sampling[key] if sampling.get(key) is not None else getattr(d, key)  # noqa: E731
-        temperature = self.eval_temperature if self.eval_temperature is not None else get("temperature")
-        requests = [protocol.GenRequest(
-            request_id, context, get("max_tokens"), temperature, request_seed(self.run_seed, request_id),
-            get("top_p"), get("top_k"), list(get("stop")), list(get("stop_token_ids")), get("ignore_eos"))
-            for request_id, context in items]
-        results = await self.generator.generate(agent, requests)
-        by_id = {r.sample_id: r for r in results}
-        drawn = protocol.TurnSampling(0, temperature, get("top_p"), get("top_k"))
-        return [by_id[request_id] for request_id, _ in items], drawn
+        if sampling:  # the call's own settings over the agent's
+            unknown = set(sampling) - SAMPLING_KEYS
+            if unknown:
+                raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: "
+                                f"{', '.join(sorted(SAMPLING_KEYS))})")
+            d = dataclasses.replace(d, **{k: v for k, v in sampling.items() if v is not None})
+        temperature = self.eval_temperature if self.eval_temperature is not None else d.temperature
+        group = protocol.GenGroup(key, agent, n, context, d.max_tokens, temperature, seed, 0, d.top_p, d.top_k,
+                                  list(d.stop), list(d.stop_token_ids), d.ignore_eos)
+        return group, protocol.TurnSampling(0, temperature, d.top_p, d.top_k)
 
-    def _after_turn(self, sample: Sample, result: protocol.GenResult, stop: list[str]) -> None:
-        tok = self.tokenizers.get(sample.agent)
-        if tok is not None:
-            sample.text = tok.decode(result.token_ids)
-            if result.finish_reason == "stop" and stop:  # the ids keep a stop string's last token; the text does not
-                cut = min((i for i in (sample.text.find(x) for x in stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    sample.text = sample.text[:cut]
-            if sample.messages is not None:
-                sample.messages = sample.messages + [{"role": "assistant", "content": sample.text}]
+    def _after_turn(self, sample_id: str, agent: str, messages: list | None, stop: list[str]) -> None:
+        """The turn's text (decoded; a stop string's last token is in the ids, not the text)
+        and the conversation with the reply appended."""
+        tok = self.tokenizers.get(agent)
+        if tok is None:
+            return
+        record = self.store.samples[sample_id]
+        turn = record.sampling[-1].start if len(record.sampling) > 1 else 0
+        text = tok.decode(record.output_ids[turn:].tolist())
+        if record.finish_reason == "stop" and stop:
+            cut = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        if messages is not None:
+            messages = messages + [{"role": "assistant", "content": text}]
+        self.store.annotate(sample_id, text, messages)
 
     async def close(self, why: str) -> None:
         """Fails the episode: cancels its other branches and drops every group it opened
@@ -333,7 +349,7 @@ class EpisodeContext:
             name = getattr(fn, "__qualname__", repr(fn))
             raise TimeoutError(f"{name} did not return within {limit:.1f}s") from None
 
-    def reward(self, sample: Sample | str, value: float | list[float]) -> None:
+    def reward(self, sample: SampleView | str, value: float | list[float]) -> None:
         """The reward of a sample; or, given the id of a completion the OpenAI endpoint
         returned, of its samples: one value, or one per choice (by index)."""
         if isinstance(sample, str):
@@ -347,14 +363,14 @@ class EpisodeContext:
             return
         self.store.set_reward(sample.sample_id, value)
 
-    def samples(self, agent: str) -> list[Sample]:
+    def samples(self, agent: str) -> list[SampleView]:
         """Every sample `agent` made in this episode so far (ctx.generate, ctx.chat, the
         OpenAI endpoint), in the order their groups opened."""
         self._check_agent(agent)
         groups = [self.store.groups[g] for g in self.groups if g in self.store.groups]
-        return [self.store.samples[sid] for g in groups if g.agent == agent for sid in g.sample_ids]
+        return [SampleView(self.store.samples[sid]) for g in groups if g.agent == agent for sid in g.sample_ids]
 
-    def reward_all(self, agent: str, value: float | Callable[[Sample], float]) -> None:
+    def reward_all(self, agent: str, value: float | Callable[[SampleView], float]) -> None:
         """Rewards every sample of `agent` in this episode that has none yet: with `value`,
         or with `value(sample)` where it is a function (a sample's reward from its own
         text or conversation)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .protocol import EngineSettings, LoraSettings, TrainerSettings
+from .protocol import EngineSettings, LoadModel, LoraSettings, TrainerSettings
 
 if TYPE_CHECKING:
     from .config import AgentConfig, ExperimentConfig
@@ -29,7 +29,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # What an adapter agent takes from its base, never sets itself (one engine and one frozen
 # copy of the base serve all the base's agents, so these cannot differ between them).
 BASE_KEYS = ("model", "max_model_len", "dtype", "train_precision", "activation_checkpointing",
-             "gpu_memory_utilization", "tensor_parallel_size")
+             "gpu_memory_utilization", "tensor_parallel_size", "block_size")
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
@@ -83,7 +83,7 @@ def engine_settings(cfg: ExperimentConfig, base: str) -> EngineSettings:
     b, slots = cfg.bases[base], lora_slots(cfg, base)
     return EngineSettings(b.dtype, b.gpu_memory_utilization, b.tensor_parallel_size,
                           max_loras=slots.max_loras, max_lora_rank=slots.max_lora_rank,
-                          max_cpu_loras=slots.max_cpu_loras)
+                          max_cpu_loras=slots.max_cpu_loras, block_size=b.block_size)
 
 
 def trainer_settings(cfg: ExperimentConfig, agent: str) -> TrainerSettings:
@@ -140,6 +140,10 @@ def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> 
     if b.tensor_parallel_size < 1 or b.max_model_len < 0 or not 0 < b.gpu_memory_utilization <= 1:
         raise error(f"bases.{base}: tensor_parallel_size must be >= 1, max_model_len >= 0 and "
                     f"gpu_memory_utilization in (0, 1]")
+    from .config import block_size_problem
+
+    if block_size_problem(b.block_size):
+        raise error(f"bases.{base}.{block_size_problem(b.block_size)}")
     need = required_slots(cfg, base)
     if b.max_loras and b.max_loras < need.max_loras:
         raise error(
@@ -156,15 +160,47 @@ def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> 
                     f"({b.max_loras or need.max_loras}); vLLM holds at least as many adapters as a batch mixes")
 
 
-def engine_units(cfg: ExperimentConfig) -> dict[str, list[str]]:
-    """What one rollout engine serves, in config order: a whole-model agent alone (named as
-    the agent), or every adapter agent of a base (named `bases.NAME`). Placement, rejoin
-    and balancing give instances to these units; an instance of a base serves all of its
-    agents at once, so instances never move between agents of one base."""
+@dataclass(frozen=True)
+class EngineUnit:
+    """What one rollout engine serves, one value made once from the config (`engine_units`):
+    a whole-model agent alone (named as the agent), or every adapter agent of a base (named
+    `bases.NAME`). Loading a whole model replaces what an instance holds; loading an
+    adapter adds to it."""
+
+    name: str
+    agents: tuple[str, ...]
+    lora: bool = False  # adapters of a base (an engine with LoRA slots) or a whole model
+    ranks: int = 1  # workers of each engine (tensor parallelism): a weight sync's receivers
+    max_model_len: int = 0
+    settings: EngineSettings = EngineSettings()
+
+    def load_message(self, request_id: int, model_path: str, seed: int, version: int = 0) -> LoadModel:
+        """What starts an engine of this unit on `model_path` at `version`."""
+        return LoadModel(request_id, self.name, model_path, version, seed=seed, max_model_len=self.max_model_len,
+                         engine=self.settings)
+
+
+def whole_models(agents: list[str]) -> dict[str, EngineUnit]:
+    """A unit per agent, each a whole model with default settings (tests, simple wiring)."""
+    return {a: EngineUnit(a, (a,)) for a in agents}
+
+
+def engine_units(cfg: ExperimentConfig) -> dict[str, EngineUnit]:
+    """Every engine unit of the job, in config order. Placement, rejoin and balancing give
+    instances to these units; an instance of a base serves all of its agents at once, so
+    instances never move between agents of one base."""
     units: dict[str, list[str]] = {}
     for name, agent in cfg.agents.items():
         units.setdefault(f"bases.{agent.base}" if agent.base else name, []).append(name)
-    return units
+    made = {}
+    for name, agents in units.items():
+        a = cfg.agents[agents[0]]
+        if a.base:
+            made[name] = EngineUnit(name, tuple(agents), True, cfg.bases[a.base].tensor_parallel_size,
+                                    cfg.bases[a.base].max_model_len, engine_settings(cfg, a.base))
+        else:
+            made[name] = EngineUnit(name, (name,), False, a.tensor_parallel_size, a.max_model_len, a.engine_settings())
+    return made
 
 
 def model_of(cfg: ExperimentConfig, agent: str) -> str:

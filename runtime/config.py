@@ -108,6 +108,7 @@ class BaseConfig:
     activation_checkpointing: bool = False
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    block_size: int = 0  # as agents.*.block_size
     # Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this
     # base times (pipeline.max_staleness + 1) versions resident at once; a number below
     # that (what a GPU's memory allows, say) refuses the job at start.
@@ -162,13 +163,18 @@ class AgentConfig:
     activation_checkpointing: bool = False  # trainer recomputes activations in backward (less memory)
     gpu_memory_utilization: float = 0.9  # CUDA rollout engines: share of the GPU vLLM may claim
     tensor_parallel_size: int = 1  # ranks one rollout engine spans (vLLM's tensor parallelism): GPUs, or CPU cores
+    # Tokens per KV-cache block of the rollout engine; its prefix cache (a later turn reusing
+    # its conversation, a group's samples their prompt) reuses whole blocks only. 0: the
+    # device's default (128 on CPU, where 32 is the least; 16 on CUDA).
+    block_size: int = 0
     # The vLLM tool parser ("hermes", "llama3_json", ...) that turns this agent's replies on
     # the OpenAI endpoint into `tool_calls` when a call passes `tools`; "": replies stay text.
     tool_parser: str = ""
 
     def engine_settings(self) -> EngineSettings:
         """How a rollout engine runs this agent's model (sent in LoadModel)."""
-        return EngineSettings(self.dtype, self.gpu_memory_utilization, self.tensor_parallel_size)
+        return EngineSettings(self.dtype, self.gpu_memory_utilization, self.tensor_parallel_size,
+                              block_size=self.block_size)
 
     def trainer_settings(self) -> TrainerSettings:
         """How a trainer holds this agent (sent in InitAgent and LoadAgent)."""
@@ -221,15 +227,32 @@ class PipelineConfig:
 
 @dataclass
 class RouterConfig:
-    # Level 2 (within an agent): "least_loaded" sends each batch to the instance with the
-    # least outstanding work and splits large batches; "round_robin" is the static baseline.
+    # Level 2 (within an agent): "least_loaded" sends each group (the n samples of one
+    # prompt) whole to the less loaded of two instances drawn at random; "round_robin" is
+    # the static baseline.
     within_agent: str = "least_loaded"
+    # A group larger than an instance's fair share of its agent's work is split over
+    # instances in contiguous parts of at least this many samples (each part prefills the
+    # prompt again).
+    min_part: int = 16
+    # A later turn of a conversation goes back to the instance of the turn before (its
+    # prefix cache holds the conversation) while that instance's outstanding work is at
+    # most this many times the alternative's; 0: by load alone.
+    affinity_bound: float = 2.0
     # Level 1 (across agents): move rollout instances between agents from measured demand.
     across_agents: bool = False
     disparity_threshold: float = 5.0  # per-instance demand ratio that triggers a move
     patience: int = 3  # consecutive observations above the threshold before moving
     cooldown_s: float = 5.0  # after a move, no other move for this long (no thrashing)
     interval_s: float = 0.5  # how often demand is observed
+
+
+def block_size_problem(block_size: int) -> str:
+    """What is wrong with an engine's KV-cache block size, or ""."""
+    if block_size < 0 or block_size % 16:
+        return (f"block_size must be 0 (the device's default) or a multiple of 16 (vLLM's CPU backend takes "
+                f"multiples of 32), got {block_size}")
+    return ""
 
 
 # Why pure float16 training is refused (here and by the trainer itself).
@@ -346,6 +369,8 @@ class ExperimentConfig:
             if agent.tensor_parallel_size < 1 or agent.max_model_len < 0:
                 raise ConfigError(f"agents.{name}: tensor_parallel_size must be >= 1 and max_model_len >= 0 "
                                   "(0: the engine's default)")
+            if block_size_problem(agent.block_size):
+                raise ConfigError(f"agents.{name}.{block_size_problem(agent.block_size)}")
         from .bases import check_bases  # the LoRA slot arithmetic lives with the bases
 
         check_bases(self)
@@ -360,6 +385,9 @@ class ExperimentConfig:
         for name in self.run.trackers:
             if name not in TRACKERS:
                 raise ConfigError(f"run.trackers: unknown tracker {name!r} (known: {', '.join(TRACKERS)})")
+        if self.router.min_part < 1 or self.router.affinity_bound < 0:
+            raise ConfigError(f"router.min_part must be >= 1 and router.affinity_bound >= 0 (0: no affinity), got "
+                              f"{self.router.min_part} and {self.router.affinity_bound}")
         if self.router.within_agent not in ("least_loaded", "round_robin"):
             raise ConfigError("router.within_agent must be 'least_loaded' or 'round_robin', "
                               f"got {self.router.within_agent!r}")

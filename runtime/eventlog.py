@@ -13,7 +13,10 @@ every numbered segment in order. A frame never straddles two segments.
 Writing: ``emit`` is synchronous and cheap (stamp, encode, append to a memory buffer), so
 the controller can log a transition right before acting on it without awaiting. The disk
 is touched only by ``run()`` (a background task the controller owns) and ``flush()``, both
-through ``asyncio.to_thread``, one write at a time and in emit order. A write error is
+through ``asyncio.to_thread``, one write at a time and in emit order. ``run()`` gathers what
+``write_interval_s`` brings into one write: every hand-off to the writer thread costs the
+event loop a switch of the interpreter lock, and at thousands of events a second one per
+event would (a crash loses at most that interval's events; ``flush()`` loses none). A write error is
 fatal: a run whose log has holes can be neither replayed nor audited, so ``run()``,
 ``flush()`` and later ``emit`` calls raise ``EventLogError`` instead of dropping events.
 
@@ -73,9 +76,14 @@ def segment_paths(path: str | Path) -> list[Path]:
     return paths
 
 
-def encode_frame(body: bytes) -> bytes:
+def frame_pieces(body: bytes) -> tuple[bytes, bytes, bytes]:
+    """A frame as its three pieces: length, body, checksum of both."""
     length = _U32.pack(len(body))
-    return length + body + _U32.pack(zlib.crc32(body, zlib.crc32(length)))
+    return length, body, _U32.pack(zlib.crc32(body, zlib.crc32(length)))
+
+
+def encode_frame(body: bytes) -> bytes:
+    return b"".join(frame_pieces(body))
 
 
 # ---------------------------------------------------------------- writer
@@ -102,17 +110,19 @@ class EventLog:
 
     def __init__(self, path: str | Path, *, max_bytes_per_segment: int = 64 * 1024 * 1024,
                  max_buffered_bytes: int = 256 * 1024 * 1024,
-                 clock: Callable[[], float] = time.monotonic, append: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, append: bool = False,
+                 write_interval_s: float = 0.05) -> None:
         if max_bytes_per_segment <= HEADER_BYTES:
             raise ValueError(f"max_bytes_per_segment must exceed the {HEADER_BYTES}-byte header")
         self.path = Path(path)
         self.max_bytes_per_segment = max_bytes_per_segment
         self.max_buffered_bytes = max_buffered_bytes
+        self.write_interval_s = write_interval_s
         self._clock = clock
         self._t0 = clock()
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
-        self._pending: list[bytes] = []
+        self._pending: list[bytes] = []  # frames not yet written, in pieces (see _write)
         self._pending_bytes = 0
         self._wake = asyncio.Event()
         self._disk = asyncio.Lock()  # one write at a time keeps frames in emit order
@@ -148,10 +158,10 @@ class EventLog:
             raise EventLogError(f"event log {self.path} is closed; {type(event).__name__} not logged")
         event.seq = self._seq
         event.t = self._clock() - self._t0
-        frame = encode_frame(self._encoder.encode(event))
+        body = self._encoder.encode(event)
         self._seq += 1
-        self._pending.append(frame)
-        self._pending_bytes += len(frame)
+        self._pending += frame_pieces(body)  # joined at the write
+        self._pending_bytes += len(body) + FRAME_OVERHEAD
         self._wake.set()
         if self._pending_bytes > self.max_buffered_bytes:
             raise EventLogError(
@@ -164,6 +174,8 @@ class EventLog:
         EventLogError when a write fails (the caller should stop the run)."""
         while True:
             await self._wake.wait()
+            if not self._closed and self._error is None:
+                await asyncio.sleep(self.write_interval_s)  # what the interval brings goes in the same write
             self._wake.clear()
             if self._error is not None:
                 raise self._failed()
@@ -213,12 +225,18 @@ class EventLog:
 
     # -- everything below runs in the writer thread
 
-    def _write(self, frames: list[bytes], fsync: bool) -> None:
+    def _write(self, pieces: list[bytes], fsync: bool) -> None:
+        """Writes frames given as pieces, three a frame (length, body, checksum)."""
         with self._thread_lock:
             current = segment_path(self.path, self._segment)
             try:
                 if self._file is None:
                     self._start()
+                data = b"".join(pieces)
+                if self._segment_bytes + len(data) <= self.max_bytes_per_segment:  # the common case: one write
+                    frames = [data]
+                else:  # frame by frame: a frame never straddles two segments
+                    frames = [b"".join(pieces[i:i + 3]) for i in range(0, len(pieces), 3)]
                 for frame in frames:
                     if (self._segment_bytes + len(frame) > self.max_bytes_per_segment
                             and self._segment_bytes > HEADER_BYTES):

@@ -20,10 +20,14 @@ from typing import Union
 import msgspec
 
 # Version of the log format (framing and event schemas). Readers refuse newer logs.
-FORMAT_VERSION = 1
+# 2: a group's samples are named by the group and its members' count (`n`, `parts`), not
+# listed one by one; readers still read format 1.
+FORMAT_VERSION = 2
 
 
-class Event(msgspec.Struct, tag_field="event", tag=True, kw_only=True):
+# gc=False: events hold plain data and never take part in a reference cycle, so the
+# collector need not track the thousands a second a large run makes.
+class Event(msgspec.Struct, tag_field="event", tag=True, kw_only=True, omit_defaults=True, gc=False):
     """Base of every event. ``seq`` and ``t`` are keyword-only and set by the log writer."""
 
     seq: int = -1
@@ -103,32 +107,82 @@ class EvaluationDone(Event):
 # ---------------------------------------------------------------- rollout
 
 
+# What RequestsCompleted counts of its samples' prompts (for prefix-cache hit rates).
+PROMPT_FIELDS = ("prompt_tokens", "cached_tokens", "turn_prompt_tokens", "turn_cached_tokens")
+
+
+class Parts(msgspec.Struct, array_like=True, gc=False):
+    """Groups, or contiguous parts of them, named compactly: part i is members `firsts[i]`
+    to `firsts[i] + sizes[i] - 1` of the group `keys[i]` (their sample ids `KEY/INDEX`); a
+    key naming a later turn of a conversation (`SAMPLE@TURN`) is that turn's one request."""
+
+    keys: list[str] = []
+    firsts: list[int] = []
+    sizes: list[int] = []
+
+    def sample_ids(self) -> list[str]:
+        out: list[str] = []
+        for key, first, size in zip(self.keys, self.firsts, self.sizes):
+            out += [key] if "@" in key else [f"{key}/{j}" for j in range(first, first + size)]
+        return out
+
+
 class RequestsDispatched(Event):
-    # One GENERATE batch sent to a rollout instance (the router's decision).
+    # One GENERATE message's groups of one agent, sent to a rollout instance (the router's decision).
     worker: str
     agent: str
     request_id: int
-    sample_ids: list[str]
+    sample_ids: list[str]  # format 1 (format 2 names them in `parts`: use `samples()`)
     tokens: int  # prompt tokens sent
+    parts: Parts = msgspec.field(default_factory=Parts)
+
+    def samples(self) -> list[str]:
+        return self.sample_ids or self.parts.sample_ids()
 
 
 class RequestsCompleted(Event):
-    # A GENERATED reply: these samples got outputs.
+    # A GENERATED reply's groups of one agent: these samples got outputs.
     worker: str
     agent: str
     request_id: int
-    sample_ids: list[str]
-    versions: list[int]  # per sample: the policy version that generated it
+    sample_ids: list[str]  # format 1 (format 2 names them in `parts`: use `samples()`)
+    versions: list[int]  # the policy version that generated them: per sample (format 1), per part (format 2)
     tokens: int  # output tokens received
+    # Prompt tokens of these samples' requests (each sample counting its prompt) and how
+    # many of them the engine found in its prefix cache (vLLM's count; a group's first
+    # sample counted as finding none), for first turns and for later turns of a conversation.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    turn_prompt_tokens: int = 0
+    turn_cached_tokens: int = 0
+    parts: Parts = msgspec.field(default_factory=Parts)
+
+    def samples(self) -> list[str]:
+        return self.sample_ids or self.parts.sample_ids()
+
+    def prompt_counts(self) -> tuple[int, int, int, int]:
+        """The PROMPT_FIELDS, in order."""
+        return self.prompt_tokens, self.cached_tokens, self.turn_prompt_tokens, self.turn_cached_tokens
+
+    def sample_versions(self) -> list[int]:
+        """Per sample of `samples()`: the policy version that generated it."""
+        if self.sample_ids:
+            return self.versions
+        return [v for key, size, v in zip(self.parts.keys, self.parts.sizes, self.versions)
+                for _ in range(1 if "@" in key else size)]
 
 
 class GroupOpened(Event):
     # The n samples of one prompt exist from here on (this is what "generated" counts).
     agent: str
     group_id: str
-    sample_ids: list[str]
+    sample_ids: list[str]  # format 1 (format 2: `n`, the members GROUP/0 .. GROUP/n-1; use `members()`)
     # The global batch (iteration) that started it; stored under its first name, "tag".
     batch: int = msgspec.field(name="tag")
+    n: int = 0
+
+    def members(self) -> list[str]:
+        return self.sample_ids or [f"{self.group_id}/{i}" for i in range(self.n)]
 
 
 class GroupComplete(Event):

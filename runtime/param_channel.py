@@ -106,7 +106,8 @@ class ParamChannel:
         # key -> (transport, what holds the memory behind views handed out: host buffers, mappings)
         self._received: dict[str, list[tuple[Transport, object]]] = {}
         self._closed = False
-        self._cancelled: set[tuple[str, int]] = set()  # receives to give up (cancel)
+        self._cancelled: set[str] = set()  # publications whose receive to give up (cancel)
+        self._receiving: dict[tuple[str, int], str] = {}  # (agent, version) -> the key being received
         self._cancel_lock = threading.Lock()
         self._cancelled_elsewhere = cancelled
 
@@ -158,6 +159,7 @@ class ParamChannel:
         (1..receivers) is needed for nccl only. Raises ParamTransferError if the bytes are
         missing, short or corrupted."""
         impl = self._checked(handle)
+        self._cancel_started(handle)
         try:
             tensors, staging = impl.receive(handle, verify=verify, rank=rank)
         finally:
@@ -184,8 +186,10 @@ class ParamChannel:
                 problems.append(f"{name!r} is {t.dtype}{list(t.shape)} in dst, {spec.dtype}{list(spec.shape)} in the handle")
         if problems:
             raise ValueError(f"receive_into({describe(handle)}): dst does not match: " + "; ".join(sorted(problems)))
+        impl = self._checked(handle)
+        self._cancel_started(handle)
         try:
-            self._checked(handle).receive_into(handle, dst, verify=verify, atomic=atomic, rank=rank)
+            impl.receive_into(handle, dst, verify=verify, atomic=atomic, rank=rank)
         finally:
             self._cancel_done(handle)
 
@@ -198,22 +202,31 @@ class ParamChannel:
         if pub is not None:
             self._transports[pub.handle.transport].release(pub.handle, pub.resource)
 
-    def cancel(self, agent: str, version: int) -> None:
-        """Makes a receive of `agent` at `version` that is waiting on other ranks (nccl) fail
-        now, or as soon as it starts: one of them died. Safe to call from another thread
-        than the receiving one. It applies to one receive: a later one of the same version
-        (the sync retried without the dead rank) goes ahead."""
+    def cancel(self, key: str) -> None:
+        """Makes the receive of the publication `key` (its handle's key), waiting on other
+        ranks (nccl), fail now, or as soon as it starts: one of them died. Safe to call from
+        another thread than the receiving one. It names one publication: a later one of the
+        same agent and version (the sync retried without the dead rank) has another key and
+        goes ahead, whenever the cancel arrives."""
         with self._cancel_lock:
-            self._cancelled.add((agent, version))
+            self._cancelled.add(key)
+
+    def _cancel_started(self, handle: ParamHandle) -> None:
+        with self._cancel_lock:
+            self._receiving[(handle.agent, handle.version)] = handle.key
 
     def _cancel_done(self, handle: ParamHandle) -> None:
-        """A receive ended (a cancel applies to the receive it was meant for, not a retry)."""
+        """A receive ended: its cancel, if any, has done its work."""
         with self._cancel_lock:
-            self._cancelled.discard((handle.agent, handle.version))
+            self._cancelled.discard(handle.key)
+            if self._receiving.get((handle.agent, handle.version)) == handle.key:
+                del self._receiving[(handle.agent, handle.version)]
 
     def _is_cancelled(self, agent: str, version: int) -> bool:
+        """Asked by a transport during the receive of `agent` at `version`: whether the
+        publication being received was cancelled."""
         with self._cancel_lock:
-            if (agent, version) in self._cancelled:
+            if self._receiving.get((agent, version)) in self._cancelled:
                 return True
         return self._cancelled_elsewhere is not None and self._cancelled_elsewhere(agent, version)
 

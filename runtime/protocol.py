@@ -17,7 +17,9 @@ This module knows nothing about sockets, workers or the controller's state.
 
 from __future__ import annotations
 
+import array
 import enum
+import sys
 from typing import Any, Literal, Sequence
 
 import msgspec
@@ -25,7 +27,7 @@ import msgspec
 from .param_types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -78,8 +80,10 @@ class Kind(enum.IntEnum):
     STATE_RELEASED = 34
 
 
-class Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """Base of every wire struct; ``KIND`` maps it to its frame-0 byte."""
+class Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """Base of every wire struct; ``KIND`` maps it to its frame-0 byte. Messages hold plain
+    data, never a reference cycle: the collector does not track them (gc=False), nor the
+    per-group and per-sample structs inside them."""
 
     KIND = 0  # overridden; a ClassVar since it is not a field
 
@@ -183,6 +187,9 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     max_loras: int = 0
     max_lora_rank: int = 0
     max_cpu_loras: int = 0
+    # Tokens per KV-cache block: the prefix cache reuses whole blocks only. 0: the device's
+    # default (vLLM's: 128 on CPU, where 32 is the least; 16 on CUDA).
+    block_size: int = 0
 
 
 class LoraSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -226,64 +233,102 @@ class ModelLoaded(Message):
     seconds: float
 
 
-class GenRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One sample to generate (part of a Generate batch)."""
+class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """The samples of one prompt (part of a Generate): `n` of them, drawn with seeds
+    `seed`, `seed + 1`, ..., run by the engine as one request with n outputs (the prompt's
+    pass shared). A group split over instances travels as contiguous parts, each naming
+    its first member; a later turn of a conversation is a group of one."""
 
-    sample_id: str
+    key: str  # the group's id (a first turn) or the turn's request id (a later turn); replies name it
+    agent: str
+    n: int
     prompt_ids: list[int]
     max_tokens: int
     temperature: float
-    seed: int
+    seed: int  # member j of this part draws with seed + j
+    first: int = 0  # the part's first member within its group (a split group's later parts)
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     stop: list[str] = []  # generation ends at any of these strings (cut from the text; the ids keep its last token)
     stop_token_ids: list[int] = []  # ... or at any of these tokens (included)
     ignore_eos: bool = False  # True: always write max_tokens tokens
-
-
-class Generate(Message):
-    # Controller -> Rollout: a batch of samples for the agent the engine serves.
-    KIND = Kind.GENERATE
-    request_id: int
-    agent: str
-    items: list[GenRequest]
-    # An adapter agent's version the samples are generated with (its adapter at that
-    # version must be loaded); -1: the newest the instance holds.
+    # An adapter agent's version the group is generated with (its adapter at that version
+    # must be loaded); -1: the newest the instance holds.
     version: int = -1
 
 
-class GenResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One finished sample: tokens, the sampler's logprobs, the weights version used."""
+class Generate(Message):
+    # Controller -> Rollout: every group bound for this instance in one turn of the
+    # controller's loop, of any agent the instance serves.
+    KIND = Kind.GENERATE
+    request_id: int
+    groups: list[GenGroup]
 
-    sample_id: str
-    token_ids: list[int]
-    logprobs: list[float]
+
+# Token ids and logprobs travel as packed arrays: int32 and float32, little-endian, every
+# sample's back to back (vLLM's logprobs are float32: nothing is lost).
+TOKEN_TYPECODE, LOGPROB_TYPECODE = "i", "f"
+
+
+_SWAP = sys.byteorder != "little"
+
+
+def packed(typecode: str, values: Any) -> bytes:
+    """`values` (ints or floats, or an array of them) as a packed little-endian array."""
+    out = values if isinstance(values, array.array) and values.typecode == typecode else array.array(typecode, values)
+    if _SWAP:
+        out = array.array(typecode, out)
+        out.byteswap()
+    return out.tobytes()
+
+
+def unpacked(typecode: str, data: bytes | memoryview) -> array.array:
+    """The array `packed` made (a copy the caller owns)."""
+    out = array.array(typecode)
+    out.frombytes(data)
+    if _SWAP:
+        out.byteswap()
+    return out
+
+
+class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """One finished part of a group: every member's tokens, the sampler's logprobs, the
+    weights version used."""
+
+    key: str
+    first: int
     version: int
-    # Why it ended: "length" (max_tokens), "stop" (end of sequence, a stop token or a stop
-    # string; the ids keep the token that completed a stop string), "" if not said.
-    finish_reason: str = ""
+    lengths: list[int]  # output tokens of each member, in order
+    token_ids: bytes  # TOKEN_TYPECODE array: every member's ids, back to back
+    logprobs: bytes  # LOGPROB_TYPECODE array: one per token
+    # Why each member ended: "length" (max_tokens), "stop" (end of sequence, a stop token or
+    # a stop string; the ids keep the token that completed a stop string), "" if not said.
+    finish_reasons: list[str] = []
+    # Prompt tokens the engine found in its prefix cache, as vLLM counts them for the
+    # request (for a group of n, the count of a member after the first).
+    cached_tokens: int = 0
 
 
-class GenRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One sample the engine refused to run (empty prompt, too long for the model, a token
-    id outside the vocabulary, settings the engine rejects). Only this sample failed: the
-    worker is up and the rest of its batch runs. Retrying it on an instance of the same
-    model fails the same way."""
+class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """One group (part) the engine refused to run (empty prompt, too long for the model, a
+    token id outside the vocabulary, settings the engine rejects, an agent the instance
+    does not serve). Only this group failed: the worker is up and the rest of its message
+    runs. Retrying it on an instance of the same model fails the same way."""
 
-    sample_id: str
+    key: str
+    first: int
     reason: str
 
 
 class Generated(Message):
-    # Rollout -> Controller: results of (part of) a Generate batch, plus current load.
-    # Every sample of the batch comes back exactly once, in `results` or in `refused`.
+    # Rollout -> Controller: finished groups of a Generate, plus current load. Every group
+    # of the request comes back exactly once, whole, in `results` or in `refused`.
     KIND = Kind.GENERATED
     request_id: int
-    agent: str
-    results: list[GenResult]
+    results: list[GroupResult]
     done: bool  # the last reply for this request_id
     load: dict[str, float] = {}
-    refused: list[GenRefused] = []
+    refused: list[GroupRefused] = []
 
 
 class LoadWeights(Message):
@@ -301,12 +346,14 @@ class LoadWeights(Message):
 
 
 class CancelLoad(Message):
-    # Controller -> Rollout: the LoadWeights of `agent` at `version` cannot complete (another
-    # rank of its NCCL broadcast died): it fails now, whether still queued or receiving.
+    # Controller -> Rollout: the LoadWeights of the publication `key` (its handle's key)
+    # cannot complete (another rank of its NCCL broadcast died): it fails now, whether still
+    # queued or receiving, a whole model's and an adapter's alike. A later publication of
+    # the same version (the sync retried) has another key and is never affected.
     KIND = Kind.CANCEL_LOAD
     request_id: int
     agent: str
-    version: int
+    key: str
 
 
 class LoadCancelled(Message):
@@ -413,7 +460,7 @@ class AgentReady(Message):
     num_params: int
 
 
-class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True, gc=False):
     """The distribution a later turn of a conversation was sampled from, from output id
     `start` on (its first generated id) until the next turn's start."""
 
@@ -423,7 +470,7 @@ class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, 
     top_k: int = 0
 
 
-class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """One sample in a micro-batch. `rollout_logprobs` are the sampler's, per output token."""
 
     sample_id: str

@@ -22,6 +22,7 @@ workers/session.py); these classes only move frames.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -142,6 +143,7 @@ class RouterSocket(_Socket):
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.authenticator = None
         self.address = ""
+        self._rearm_pending = False
 
     def bind(self) -> str:
         address = self.cfg.address
@@ -194,8 +196,16 @@ class RouterSocket(_Socket):
             send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
         # A send on the plain socket can consume the edge of the descriptor that wakes a
         # receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
-        # re-arms it (what pyzmq itself does after sending without a future).
-        self.sock.get(_EVENTS)
+        # re-arms it (what pyzmq itself does after sending without a future), once after
+        # every send of this loop turn: one read covers them all.
+        if not self._rearm_pending:
+            self._rearm_pending = True
+            asyncio.get_running_loop().call_soon(self._rearm)
+
+    def _rearm(self) -> None:
+        self._rearm_pending = False
+        if not self.sock.closed:
+            self.sock.get(_EVENTS)
 
     def close(self) -> None:
         if self.authenticator is not None:

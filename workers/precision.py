@@ -162,7 +162,8 @@ def engine_args(device: str, settings: EngineSettings, max_model_len: int, kv_ca
     kind = torch.device(device).type
     if kind not in ENGINE_ARGS:
         raise ValueError(f"no rollout engine settings for device {device!r} (known: {', '.join(ENGINE_ARGS)})")
-    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes) | lora_args(settings)
+    block = {"block_size": settings.block_size} if settings.block_size else {}
+    return ENGINE_ARGS[kind](settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes) | lora_args(settings) | block
 
 
 def lora_args(settings: EngineSettings) -> dict[str, Any]:

@@ -3,15 +3,18 @@
 The receive loop only queues; one engine loop (`run`) owns the engine and, between two
 engine steps, applies control operations in order (load a model, swap weights in place;
 a swap waits for the requests in flight to finish and holds back new ones, so no sample
-mixes two policy versions), admits newly arrived requests (continuous batching: a batch that arrives mid-generation
-joins at the next step) and reports finished samples, grouped per GENERATE request, in
-one GENERATED message per request per step. Every sample carries the weights version it
-was admitted under, so the controller can check staleness exactly.
+mixes two policy versions), admits newly arrived groups (continuous batching: a message
+that arrives mid-generation joins at the next step), each as one engine request of n
+samples, and reports finished groups, whole, in one GENERATED message per GENERATE
+request per step (group_requests.py keeps that bookkeeping). Every group carries the
+weights version it was admitted under, so the controller can check staleness exactly.
 
-A sample the engine refuses to run (empty prompt, too long for the model, a token id outside
-the vocabulary) fails alone: it comes back at once in the GENERATED message's `refused`
-list with the reason, and the rest of its batch, and the worker, carry on. Any other engine
-failure ends the worker: the engine is then in no known state.
+A message naming an agent this instance does not serve is answered with an error (the
+controller sends it elsewhere). A group the engine refuses to run (empty prompt, too long
+for the model, a token id outside the vocabulary) fails alone: it comes back at once in the
+GENERATED message's `refused` list with the reason, and the rest of its message, and the
+worker, carry on. Any other engine failure ends the worker: the engine is then in no known
+state.
 
 An engine started with LoRA slots serves every agent whose adapter it was sent (LOAD_WEIGHTS
 with `lora`): such a load waits for nothing, since requests in flight keep the adapter
@@ -20,8 +23,11 @@ that version.
 
 Whole weights (LOAD_WEIGHTS without `lora`) are received by the engine's own workers, one
 per tensor-parallel rank, each through a parameter channel of its own (engine_receive.py):
-this process passes the handle and the rank, and holds none of the bytes. CANCEL_LOAD of a
-receive under way reaches them through the engine; an adapter is received here.
+this process passes the handle and the rank, and holds none of the bytes; an adapter is
+received here. CANCEL_LOAD names a publication by its key, for both: a queued load of it is
+dropped, a receive of it under way is given up (through the engine's workers, or this
+process's channel), and nothing else is touched, a later publication of the same version
+least of all.
 
 Engine calls run on a worker thread, so heartbeats keep flowing during a long load.
 It decides nothing: which agent, which requests and which weights come from the controller.
@@ -32,26 +38,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from flexmarl.runtime import protocol
 
 from .engine import RequestRefused
+from .group_requests import RunningGroups, cost, member_ids
 from .session import CommandHandler
 
 log = logging.getLogger("flexmarl.rollout")
-
-
-@dataclass
-class _Batch:
-    request_id: int
-    agent: str
-    remaining: set[str]
-    tokens: int
 
 
 class RolloutHandler(CommandHandler):
@@ -66,9 +61,7 @@ class RolloutHandler(CommandHandler):
         self._control: list[protocol.Message] = []
         self._adapter_loads: list[protocol.LoadWeights] = []  # applied between steps, in flight or not
         self._admit: list[protocol.Generate] = []
-        self._batches: dict[int, _Batch] = {}
-        self._sample_batch: dict[str, int] = {}
-        self._sample_version: dict[str, int] = {}
+        self._running = RunningGroups()
         self._wake = asyncio.Event()
         self.busy_s = 0.0
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
@@ -77,15 +70,14 @@ class RolloutHandler(CommandHandler):
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         match msg:
-            case protocol.Generate() if self._serves_adapter(msg.agent):
-                self._admit.append(msg)
             case protocol.LoadWeights() if msg.lora is not None:
                 self._adapter_loads.append(msg)
-            case protocol.Generate() if msg.agent != self.agent or self.engine is None:
-                await self.reply(protocol.Error(msg.request_id, f"this instance serves {self.agent or 'nothing'}, "
-                                                                f"not {msg.agent}; reload it first"))
-                return
             case protocol.Generate():
+                stranger = next((g.agent for g in msg.groups if not self._serves(g.agent)), None)
+                if stranger is not None:
+                    await self.reply(protocol.Error(msg.request_id, f"this instance serves {self.agent or 'nothing'}, "
+                                                                    f"not {stranger}; reload it first"))
+                    return
                 self._admit.append(msg)
             case protocol.LoadModel() | protocol.LoadWeights():
                 self._control.append(msg)
@@ -98,33 +90,30 @@ class RolloutHandler(CommandHandler):
         self._wake.set()
 
     async def _cancel_load(self, msg: protocol.CancelLoad) -> None:
-        """The named LoadWeights fails now: dropped if still queued, its receive given up
-        if running (it waits on an NCCL group one of whose ranks died)."""
-        key = (msg.agent, msg.version)
-        queued = [m for m in self._control if isinstance(m, protocol.LoadWeights) and (m.agent, m.version) == key]
-        for load in queued:
-            self._control.remove(load)
-            await self.reply(protocol.Error(load.request_id, f"LoadWeights for {msg.agent} version {msg.version} "
-                                                             "cancelled: another rank of its broadcast died"))
+        """The LoadWeights of the publication `msg.key` fails now: dropped if still queued,
+        its receive given up if running (it waits on an NCCL group one of whose ranks died)."""
+        for queue in (self._control, self._adapter_loads):
+            for load in [m for m in queue if isinstance(m, protocol.LoadWeights) and m.handle.key == msg.key]:
+                queue.remove(load)
+                await self.reply(protocol.Error(load.request_id, f"LoadWeights for {load.agent} version {load.version} "
+                                                                 "cancelled: another rank of its broadcast died"))
         applying = self._applying
-        if isinstance(applying, protocol.LoadWeights) and (applying.agent, applying.version) == key:
+        if isinstance(applying, protocol.LoadWeights) and applying.handle.key == msg.key:
             if applying.lora is not None:
-                self.channel().cancel(msg.agent, msg.version)  # an adapter is received here
+                self.channel().cancel(msg.key)  # an adapter is received here
             elif self.engine is not None:
-                self.engine.cancel_receive(applying.handle.key)  # whole weights: in the engine's workers
+                self.engine.cancel_receive(msg.key)  # whole weights: in the engine's workers
         await self.reply(protocol.LoadCancelled(msg.request_id, msg.agent))
 
     def load(self) -> dict[str, float]:
-        queued = sum(len(m.items) for m in self._admit)
-        in_flight = sum(len(b.remaining) for b in self._batches.values())
-        tokens = sum(b.tokens for b in self._batches.values()) + sum(
-            len(it.prompt_ids) + it.max_tokens for m in self._admit for it in m.items)
-        return {"queued_requests": float(queued + in_flight), "queued_tokens": float(tokens),
+        queued = sum(g.n for m in self._admit for g in m.groups)
+        tokens = self._running.tokens + sum(cost(g) for m in self._admit for g in m.groups)
+        return {"queued_requests": float(queued + self._running.samples), "queued_tokens": float(tokens),
                 "tokens_per_s": self._rate, "busy_s": self.busy_s, "version": float(self.version)}
 
     async def run(self) -> None:
         while True:
-            if not (self._control or self._admit or self._batches or self._adapter_loads):
+            if not (self._control or self._admit or self._running or self._adapter_loads):
                 self._wake.clear()
                 await self._wake.wait()
             while self._adapter_loads:
@@ -170,8 +159,8 @@ class RolloutHandler(CommandHandler):
     def _load_model(self, msg: protocol.LoadModel) -> None:
         from .engine import VllmEngine
 
-        if self._batches:
-            raise RuntimeError(f"cannot switch models with {len(self._batches)} batches in flight")
+        if self._running:
+            raise RuntimeError(f"cannot switch models with {self._running.samples} samples in flight")
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -191,10 +180,13 @@ class RolloutHandler(CommandHandler):
         adapters = getattr(self.engine, "adapters", None)  # None: no engine, or one without LoRA slots
         return adapters is not None and adapters.serves(agent)
 
+    def _serves(self, agent: str) -> bool:
+        return self.engine is not None and (agent == self.agent or self._serves_adapter(agent))
+
     def _load_weights(self, msg: protocol.LoadWeights) -> None:
         if msg.lora is not None:
             return self._load_adapter(msg)
-        if msg.agent != self.agent and self._batches:
+        if msg.agent != self.agent and self._running:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
         # Each of the engine's workers receives the bucket itself and verifies it before any
         # loads: a short or corrupt transfer raises and the engine keeps its previous weights.
@@ -219,58 +211,35 @@ class RolloutHandler(CommandHandler):
         log.info("serving %s version %d as an adapter", msg.agent, msg.version)
 
     def _start(self, msg: protocol.Generate) -> protocol.Generated | None:
-        """Hand a batch's samples to the engine; the reply carrying the refused ones, if any.
-        A run of samples that differ only in consecutive seeds (a group's members, as the
-        controller seeds them) goes in as one engine group: the same tokens, added once."""
-        batch = _Batch(msg.request_id, msg.agent, set(), 0)
+        """Hand a message's groups to the engine, each as one request of n samples; the
+        reply carrying the refused ones, if any."""
         refused = []
-        # An adapter agent's samples run under its adapter at the version asked for (or the newest).
-        adapter = dict(adapter=msg.agent, adapter_version=msg.version) if self._serves_adapter(msg.agent) else {}
-        for run in same_but_seed(msg.items):
-            it = run[0]
-            ids = [r.sample_id for r in run]
+        for group in msg.groups:
+            # An adapter agent's samples run under its adapter at the version asked for (or the newest).
+            adapter = dict(adapter=group.agent, adapter_version=group.version) if self._serves_adapter(group.agent) else {}
             try:
-                used = self.engine.add_group(ids, it.prompt_ids, it.max_tokens, it.temperature, it.seed,
-                                             top_p=it.top_p, top_k=it.top_k, stop=it.stop,
-                                             stop_token_ids=it.stop_token_ids, ignore_eos=it.ignore_eos, **adapter)
+                used = self.engine.add_group(member_ids(group), group.prompt_ids, group.max_tokens, group.temperature,
+                                             group.seed, top_p=group.top_p, top_k=group.top_k, stop=group.stop,
+                                             stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos, **adapter)
             except RequestRefused as exc:
-                log.warning("%s: %s", msg.agent, exc)
-                refused += [protocol.GenRefused(sid, str(exc)) for sid in ids]
+                log.warning("%s: %s", group.agent, exc)
+                refused.append(protocol.GroupRefused(group.key, group.first, str(exc)))
                 continue
-            for sid in ids:
-                batch.remaining.add(sid)
-                self._sample_batch[sid] = msg.request_id
-                self._sample_version[sid] = used if adapter else self.version
-            batch.tokens += len(run) * (len(it.prompt_ids) + it.max_tokens)
-        if batch.remaining:
-            self._batches[msg.request_id] = batch
+            self._running.started(msg.request_id, group, used if adapter else self.version)
         if not refused:
             return None
-        return protocol.Generated(msg.request_id, msg.agent, [], not batch.remaining, self.load(), refused)
+        return protocol.Generated(msg.request_id, [], self._running.done(msg.request_id), self.load(), refused)
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
         finished = await asyncio.to_thread(self.engine.step)
         dt = time.perf_counter() - t0
         self.busy_s += dt
-        done_by_batch: dict[int, list[protocol.GenResult]] = defaultdict(list)
-        tokens = 0
-        for c in finished:
-            request_id = self._sample_batch.pop(c.request_id)
-            version = self._sample_version.pop(c.request_id)
-            done_by_batch[request_id].append(protocol.GenResult(c.request_id, list(c.token_ids),
-                                                                [float(x) for x in c.logprobs], version,
-                                                                c.finish_reason or ""))
-            tokens += len(c.token_ids)
+        tokens = sum(len(c.token_ids) for c in finished)
         if dt > 0:
             self._rate = 0.9 * self._rate + 0.1 * (tokens / dt) if self._rate else tokens / dt
-        for request_id, results in done_by_batch.items():
-            batch = self._batches[request_id]
-            batch.remaining.difference_update(r.sample_id for r in results)
-            done = not batch.remaining
-            if done:
-                del self._batches[request_id]
-            await self.reply(protocol.Generated(request_id, batch.agent, results, done, self.load()))
+        for request_id, results in self._running.finished(finished).items():
+            await self.reply(protocol.Generated(request_id, results, self._running.done(request_id), self.load()))
 
     def close(self) -> None:
         if self.engine is not None:
@@ -278,16 +247,3 @@ class RolloutHandler(CommandHandler):
         if self._channel is not None:
             self._channel.close()
 
-
-def same_but_seed(items: list[protocol.GenRequest]) -> list[list[protocol.GenRequest]]:
-    """items cut into runs of consecutive requests equal in everything but their sample id
-    and seed, each seed one more than the one before (in order: a run is one engine group)."""
-    runs: list[list[protocol.GenRequest]] = []
-    for it in items:
-        last = runs[-1][-1] if runs else None
-        if (last is not None and it.seed == last.seed + 1
-                and msgspec.structs.replace(it, sample_id=last.sample_id, seed=last.seed) == last):
-            runs[-1].append(it)
-        else:
-            runs.append([it])
-    return runs

@@ -117,6 +117,14 @@ def test_digit_chain_reference_trains_the_chain_in_one_process():
 
 
 @pytest.mark.slow
+def test_prefill_reports_what_a_jobs_engines_computed_of_their_prompts():
+    (row,) = json_rows(run_bench("prefill.py", "--smoke"))
+    assert row["job"] == "default" and row["samples"] == 2 * 52 and row["replay_ok"] is True
+    assert row["prefilled_per_sample"] > 0 and 0 <= row["first_hit_rate"] <= 1
+    assert row["later_hit_rate"] is None  # the digit chain has no later turns
+
+
+@pytest.mark.slow
 def test_soak_kills_a_process_and_accounts_for_every_sample(tmp_path):
     out = run_bench("soak.py", "--minutes", "1.5", "--kill-every", "40", "--sample-s", "5",
                     "--checkpoint-every", "2", "--out", str(tmp_path / "soak"), timeout=900)

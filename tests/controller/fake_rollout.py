@@ -18,6 +18,7 @@ class FakeServer:
             self.registry.workers[w] = WorkerInfo(w, w.encode(), "rollout", "host", 1, [], {}, 0.0)
         self.sent: list[tuple[str, protocol.Generate]] = []
         self.streams: dict[int, tuple] = {}
+        self.on_died: list = []
         self._ids = itertools.count(1)
 
     def next_request_id(self) -> int:
@@ -32,17 +33,26 @@ class FakeServer:
         self.sent.append((worker, msg))
 
     def kill(self, worker: str) -> None:
-        self.registry.workers[worker].alive = False
+        """As the server declares a worker dead: its requests fail, then the listeners
+        (the instances' owner among them) hear of it."""
+        info = self.registry.workers[worker]
+        info.alive = False
         for w, _, future in self.streams.values():
             if w == worker and not future.done():
                 future.set_exception(WorkerDied(worker, "killed by the test"))
+        for listener in self.on_died:
+            listener(info)
 
-    def answer(self, request_id: int, refuse: frozenset = frozenset()) -> None:
+    def answer(self, request_id: int, refuse: frozenset = frozenset(), version: int = 0, cached: int = 0) -> None:
+        """Every group of the request comes back (token 7, logprob -0.1 per member; `cached`
+        prompt tokens found in the prefix cache), but those whose key is in `refuse`."""
         worker, on_reply, future = self.streams[request_id]
         msg = next(m for w, m in self.sent if m.request_id == request_id)
-        results = [protocol.GenResult(it.sample_id, [7], [-0.1], 0) for it in msg.items if it.sample_id not in refuse]
-        refused = [protocol.GenRefused(it.sample_id, "prompt too long") for it in msg.items if it.sample_id in refuse]
-        if on_reply(protocol.Generated(request_id, msg.agent, results, True, {}, refused), []):
+        results = [protocol.GroupResult(g.key, g.first, version, [1] * g.n, protocol.packed("i", [7] * g.n),
+                                        protocol.packed("f", [-0.1] * g.n), ["length"] * g.n, cached)
+                   for g in msg.groups if g.key not in refuse]
+        refused = [protocol.GroupRefused(g.key, g.first, "prompt too long") for g in msg.groups if g.key in refuse]
+        if on_reply(protocol.Generated(request_id, results, True, {}, refused), []):
             future.set_result((None, []))
 
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import random
+from typing import NamedTuple
 
 import pytest
 
+from flexmarl.controller.generation import output_of
 from flexmarl.controller.openai_api import OpenAIEndpoint
 from flexmarl.controller.store import ExperienceStore
 from flexmarl.controller.tokens import AgentTokenizer
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext
-from flexmarl.runtime import protocol
 from flexmarl.runtime.config import OpenAIConfig
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
@@ -45,6 +46,15 @@ def tok(tmp_path_factory):
     return AgentTokenizer("solver", build_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
+class Asked(NamedTuple):
+    """One member of a group the engine was asked for."""
+
+    sample_id: str
+    seed: int
+    prompt_ids: list[int]
+    temperature: float
+
+
 class ScriptedEngine:
     """Answers every request with the next scripted reply: token ids, or text (its ids
     then EOS), with a logprob of -0.25 per token, at `version`."""
@@ -55,15 +65,16 @@ class ScriptedEngine:
     def ids(self, reply) -> list[int]:
         return list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [self.tok.eos_token_id]
 
-    async def generate(self, agent, requests):
-        self.requests += requests
-        out = []
-        for r in requests:
+    async def generate(self, agent, group, after=""):
+        members = [Asked(f"{group.key}/{group.first + j}", group.seed + j, group.prompt_ids, group.temperature)
+                   for j in range(group.n)]
+        self.requests += members
+        replies = []
+        for _ in members:
             if isinstance(self.replies[0], Exception):
                 raise self.replies.pop(0)
-            ids = self.ids(self.replies.pop(0))
-            out.append(protocol.GenResult(r.sample_id, ids, [-0.25] * len(ids), self.version, "stop"))
-        return out
+            replies.append(self.ids(self.replies.pop(0)))
+        return output_of(replies, [[-0.25] * len(ids) for ids in replies], self.version, finish_reason="stop")
 
 
 def make_context(endpoint, engine, tokenizer, episode_id="e0", group_size=2, store=None, **options):

@@ -16,6 +16,7 @@ from flexmarl.controller.weight_sync import Publication, WeightSync
 from flexmarl.runtime.config import RouterConfig
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.bases import whole_models
 
 from fake_rollout import FakeServer, until
 
@@ -26,7 +27,9 @@ from fake_rollout import FakeServer, until
 class FakeRun:
     """A Rebalancer handed what it uses (the instances' owner and its admission, a real
     WeightSync), over a FakeServer whose workers answer LoadModel and LoadWeights at once
-    (refusing another agent's weights, like the rollout worker does)."""
+    and, like the rollout worker, serve the agent they loaded last: another agent's weights
+    load in place when the two agents' models have the same architecture (`same_model`),
+    else they are refused."""
 
     def __init__(self, tmp_path, assignment: dict[str, list[str]], same_model: bool = False) -> None:
         workers = [w for ws in assignment.values() for w in ws]
@@ -38,10 +41,12 @@ class FakeRun:
             self.server.calls.append((worker, msg))
             if worker in self.dies:
                 raise WorkerDied(worker, "killed by the test")
-            if isinstance(msg, protocol.LoadWeights) and msg.agent != self.serving[worker]:
+            if isinstance(msg, protocol.LoadWeights) and msg.agent != self.serving[worker] and (
+                    worker in self.refuses_swaps
+                    or not same_architecture(self.model_path[msg.agent], self.model_path[self.serving[worker]])):
                 raise RemoteError(f"{worker}: weights for {msg.agent} sent to an instance serving "
                                   f"{self.serving[worker]}")
-            if isinstance(msg, protocol.LoadModel):
+            if isinstance(msg, (protocol.LoadModel, protocol.LoadWeights)):
                 self.serving[worker] = msg.agent
             if isinstance(msg, protocol.PublishWeights):
                 version = self.versions[msg.agent] if msg.version == protocol.CURRENT_VERSION else msg.version
@@ -50,14 +55,16 @@ class FakeRun:
             return msg, []
 
         self.dies: set[str] = set()
+        self.refuses_swaps: set[str] = set()  # workers whose engine takes no other agent's weights
         self.server.call = call
         self.events: list = []
-        self.instances = RolloutInstances(self.server, self.emit)
+        self.instances = RolloutInstances(whole_models(list(assignment)), self.emit)
         for agent, ws in assignment.items():
             for w in ws:
                 self.instances.engine_started(w, agent, 0)
                 self.instances.serve(w, agent, "placed by the test")
         self.events.clear()
+        self.server.on_died.append(lambda info: self.instances.died(info.worker_id))
         self.client = RolloutClient(self.server, self.instances)
         self.model_path = {}
         for a in assignment:
@@ -72,8 +79,8 @@ class FakeRun:
                                    lambda a: protocol.LoadModel(1, a, self.model_path[a], 0))
         self.server.registry.workers["t0"] = WorkerInfo("t0", b"t0", "trainer", "host", 2, [], {}, 0.0)
         self.sync_lock = self.weights.locks
-        self.rebalancer = Rebalancer(RouterConfig(), list(assignment), self.instances, self.admission, self.client,
-                                     self.server, self.weights, self.model_path, self.emit, lambda: False)
+        self.rebalancer = Rebalancer(RouterConfig(), whole_models(list(assignment)), self.instances, self.admission,
+                                     self.client, self.server, self.weights, self.model_path, self.emit, lambda: False)
         self.reassignments = self.rebalancer.reassignments
 
     def synced(self, agent: str, version: int, handle) -> None:
@@ -143,7 +150,6 @@ async def test_the_last_instance_of_an_agent_never_moves(tmp_path):
 async def test_same_architecture_swaps_weights_in_place_or_restarts_if_the_instance_refuses(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]}, same_model=True)
     assert same_architecture(run.model_path["a"], run.model_path["b"])
-    run.serving["r0"] = "b"  # an instance that accepts the other agent's weights
     run.synced("b", 2, b"h")
     done = await reassign(run, "r0", "a", "b")
     assert not done.restarted and run.sent() == [("r0", "LoadWeights", "b", 2)]
@@ -151,10 +157,29 @@ async def test_same_architecture_swaps_weights_in_place_or_restarts_if_the_insta
     run.server.registry.workers["r3"] = WorkerInfo("r3", b"r3", "rollout", "host", 1, [], {}, 0.0)
     run.instances.engine_started("r3", "a", 0)
     run.instances.serve("r3", "a", "placed by the test")
-    run.serving["r3"] = "a"  # today's rollout worker: refuses, so it restarts
+    run.serving["r3"] = "a"
+    run.refuses_swaps.add("r3")  # its engine turns out not to take b's weights
     done = await reassign(run, "r3", "a", "b")
     assert done.restarted
     assert run.sent() == [("r3", "LoadWeights", "b", 2), ("r3", "LoadModel", "b", 0), ("r3", "LoadWeights", "b", 2)]
+
+
+async def test_an_in_place_swap_a_b_a_before_a_syncs_routes_as_requests_to_an_instance_holding_as_weights(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]}, same_model=True)
+    run.synced("a", 2, "handle-a2")
+    run.synced("b", 3, "handle-b3")
+    assert await reassign(run, "r0", "a", "b") is not None  # b's weights replace a's in place
+    assert await reassign(run, "r0", "b", "a") is not None  # ... and back, a still at version 2
+    assert run.serving["r0"] == "a", "the instance serves a but holds b's weights"
+    assert run.sent()[-1] == ("r0", "LoadWeights", "a", 2)
+    assert run.instances.holds("r0", "a") == 2 and run.instances.holds("r0", "b") is None
+    run.instances.leave("r1", "a", "so that a's next group can only go to r0")
+    task = asyncio.ensure_future(run.client.generate("a", protocol.GenGroup("g", "a", 2, [1], 2, 1.0, 0)))
+    await until(lambda: run.server.sent)
+    (worker, msg), = run.server.sent
+    assert worker == "r0" and run.serving[worker] == "a"
+    run.server.answer(msg.request_id)
+    assert (await task).served_by == ["r0", "r0"]
 
 
 async def test_the_engine_restarts_while_the_new_agent_syncs_but_joins_only_between_syncs(tmp_path):
@@ -194,7 +219,7 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
     workers = {w: types.SimpleNamespace(load={"busy_s": 0.0}) for ws in assignment.values() for w in ws}
     server = types.SimpleNamespace(registry=types.SimpleNamespace(workers=workers))
     done = {"trained": False}
-    balancer = rebalance.Rebalancer(cfg.router, agents, client, admission=None, client=client, server=server,
+    balancer = rebalance.Rebalancer(cfg.router, whole_models(agents), client, admission=None, client=client, server=server,
                                     weights=None, model_path={}, emit=log.emit, finished=lambda: done["trained"])
 
     async def fake_reassign(worker, src, dst, why=""):  # the move itself is not under test

@@ -9,6 +9,7 @@ import pytest
 
 from flexmarl.controller import decisions
 from flexmarl.controller.pipeline import train_sample
+from flexmarl.controller.generation import output_of
 from flexmarl.controller.store import DROPPED, ExperienceStore
 from flexmarl.controller.tokens import AgentTokenizer
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext
@@ -42,10 +43,10 @@ class ScriptedEngine:
     def __init__(self, replies, version=0):
         self.replies, self.version, self.requests = list(replies), version, []
 
-    async def generate(self, agent, requests):
-        self.requests += requests
-        return [protocol.GenResult(r.sample_id, self.replies.pop(0), [-0.5] * 2, self.version, "stop")
-                for r in requests]
+    async def generate(self, agent, group, after=""):
+        self.requests.append(group)
+        return output_of([self.replies.pop(0) for _ in range(group.n)], [[-0.5] * 2] * group.n, self.version,
+                         finish_reason="stop")
 
 
 def ctx_for(store, engine, tokenizer_dir, batch=1, gate=None):
@@ -64,7 +65,7 @@ async def test_text_and_chat_prompts_use_the_agents_tokenizer_and_outputs_are_th
     chats = await ctx.chat("solver", [{"role": "user", "content": "what is two plus one"}])
     expected = tok.tok.apply_chat_template([{"role": "user", "content": "what is two plus one"}],
                                            add_generation_prompt=True, tokenize=True)
-    assert engine.requests[2].prompt_ids == list(expected["input_ids"] if "input_ids" in expected else expected)
+    assert engine.requests[1].prompt_ids == list(expected["input_ids"] if "input_ids" in expected else expected)
     assert [s.output_ids for s in texts + chats] == [[12, 2], [13, 2], [12, 2], [14, 2]]
     assert [s.text for s in chats] == ["three", "wrong"]
     assert chats[0].messages[-1] == {"role": "assistant", "content": "three"}
@@ -84,8 +85,8 @@ async def test_a_conversation_is_one_sample_whose_mask_covers_only_the_agents_tu
     assert first.versions == [0, 1] and first.text == "three"
     # the next turn continued from exactly the ids so far, not a re-tokenized text
     assert engine.requests[-1].prompt_ids == first.prompt_ids + [13, 2] + appended
-    assert engine.requests[-1].sample_id.endswith("@1")
-    sent = train_sample(first)
+    assert engine.requests[-1].key.endswith("@1") and engine.requests[-1].n == 1
+    sent = train_sample(store.samples[first.sample_id])
     assert sent.loss_mask == first.mask and sent.versions == [0, 1]
 
 
@@ -143,7 +144,7 @@ async def test_a_conversation_keeps_each_turns_own_sampling_settings(tokenizer_d
     ctx = ctx_for(store, engine, tokenizer_dir)
     first, _ = await ctx.chat("solver", [{"role": "user", "content": "what is two plus one"}], top_p=0.9)
     await ctx.continue_chat(first, [{"role": "user", "content": "wrong try again"}], temperature=0.3, top_k=4)
-    sent = train_sample(first)
+    sent = train_sample(store.samples[first.sample_id])
     assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 0.9, 0)
     (turn,) = sent.turns
     assert (turn.temperature, turn.top_p, turn.top_k) == (0.3, 1.0, 4)

@@ -8,8 +8,8 @@ from flexmarl.controller.data import DataOrder, Dataset
 from flexmarl.controller.evaluation import Evaluator, evaluation_steps
 from flexmarl.controller.metrics import MetricsLog
 from flexmarl.controller.schedule import BatchSchedule
+from flexmarl.controller.generation import output_of
 from flexmarl.runtime import events as ev
-from flexmarl.runtime import protocol
 from flexmarl.runtime.config import load_config
 
 
@@ -17,9 +17,9 @@ class FakeGenerator:
     def __init__(self):
         self.requests = []
 
-    async def generate(self, agent, requests):
-        self.requests += requests
-        return [protocol.GenResult(r.sample_id, [3], [-0.1], 2) for r in requests]
+    async def generate(self, agent, group, after=""):
+        self.requests.append(group)
+        return output_of([[3]] * group.n, [[-0.1]] * group.n, 2)
 
 
 def test_evaluation_steps_include_the_final_weights_and_optionally_the_start():

@@ -1,54 +1,58 @@
 """The rollout instances' owner on its own: which agents each instance serves (a set), the
-version of each it holds, its outstanding work and what it served before, with the
-AllocationChanged event of every change."""
-
-import types
+version of each it holds (a whole model's load replacing it, an adapter's adding to it), its
+outstanding work and what it served before, with the AllocationChanged event of every change."""
 
 from flexmarl.controller.instances import RolloutInstances
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.bases import EngineUnit, whole_models
+
+UNITS = {**whole_models(["a", "b", "c"]), "bases.x": EngineUnit("bases.x", ("x", "y"), lora=True)}
 
 
-def owner(alive):
-    server = types.SimpleNamespace(registry=types.SimpleNamespace(
-        alive=lambda role=None: [types.SimpleNamespace(worker_id=w) for w in sorted(alive)]))
+def owner():
     events = []
-    return RolloutInstances(server, events.append), events
+    return RolloutInstances(UNITS, events.append), events
 
 
-def test_one_instance_may_serve_several_agents_and_holds_a_version_of_each():
-    instances, _ = owner({"r0", "r1"})
+def test_loading_a_whole_model_replaces_what_an_instance_holds_and_an_adapter_adds_to_it():
+    instances, _ = owner()
     instances.engine_started("r0", "a", 0)
-    instances.serve("r0", "a", "r0 joins")
-    instances.loaded("r0", "b", 3)
-    instances.serve("r0", "b", "r0 joins")
-    instances.serve("r1", "b", "r1 joins")
-    assert instances.instances("a") == ["r0"] and instances.instances("b") == ["r0", "r1"]
-    assert instances.serves("r0") == {"a", "b"}
-    assert (instances.holds("r0", "a"), instances.holds("r0", "b"), instances.holds("r1", "b")) == (0, 3, None)
+    instances.loaded("r0", "b", 3)  # b's weights swapped in place: a's are gone
+    assert (instances.holds("r0", "a"), instances.holds("r0", "b")) == (None, 3)
+    instances.loaded("r0", "a", 2)
+    assert (instances.holds("r0", "a"), instances.holds("r0", "b")) == (2, None)
+    instances.engine_started("r1", "bases.x", 0)  # a base's engine: no adapter yet
+    instances.loaded("r1", "x", 1)
+    instances.loaded("r1", "y", 4)
+    assert (instances.holds("r1", "x"), instances.holds("r1", "y")) == (1, 4)
     instances.engine_started("r0", "c", 0)  # a restart on another model holds nothing else
-    assert (instances.holds("r0", "a"), instances.holds("r0", "c")) == (None, 0)
+    assert (instances.holds("r0", "a"), instances.holds("r0", "c"), instances.starts("r0")) == (None, 0, 2)
+
+
+def test_one_instance_may_serve_several_agents():
+    instances, _ = owner()
+    for worker, agent in (("r0", "x"), ("r0", "y"), ("r1", "y")):
+        instances.serve(worker, agent, f"{worker} joins")
+    assert instances.instances("x") == ["r0"] and instances.instances("y") == ["r0", "r1"]
+    assert instances.serves("r0") == {"x", "y"} and instances.serving("r1", "y") and not instances.serving("r1", "x")
 
 
 def test_a_dead_instance_leaves_every_agent_holds_nothing_and_remembers_what_it_served():
-    alive = {"r0", "r1"}
-    instances, events = owner(alive)
-    for worker, agent in (("r0", "a"), ("r1", "b"), ("r1", "a")):
+    instances, events = owner()
+    for worker, agent in (("r0", "a"), ("r1", "x"), ("r1", "y")):
         instances.loaded(worker, agent, 2)
         instances.serve(worker, agent, f"{worker} joins")
-    alive.discard("r1")
-    assert instances.instances("a") == ["r0"]  # a dead worker is never routed to, even before it is removed
     instances.died("r1")
-    assert instances.assignment == {"a": ["r0"], "b": []} and instances.serves("r1") == set()
-    assert instances.holds("r1", "a") is None and instances.served_before("r1") == "a"
-    alive.add("r1")
+    assert instances.assignment == {"a": ["r0"], "x": [], "y": []} and instances.serves("r1") == set()
+    assert instances.holds("r1", "x") is None and instances.served_before("r1") == "bases.x"
     instances.serve("r1", "b", "r1 rejoined")
-    assert instances.instances("b") == ["r1"] and instances.served_before("r1") == "a"
+    assert instances.instances("b") == ["r1"] and instances.served_before("r1") == "bases.x"
     assert [(e.agent, e.workers, e.why) for e in events if isinstance(e, ev.AllocationChanged)][-3:] == [
-        ("a", ["r0"], "r1 died"), ("b", [], "r1 died"), ("b", ["r1"], "r1 rejoined")]
+        ("x", [], "r1 died"), ("y", [], "r1 died"), ("b", ["r1"], "r1 rejoined")]
 
 
 def test_routing_follows_set_ups_placement_whatever_order_the_engines_finish_in_then_joins():
-    instances, _ = owner({"r0", "r1", "r2", "r3"})
+    instances, _ = owner()
     instances.place({"a": ["r0", "r2"], "b": ["r1"]})
     for worker, agent in (("r2", "a"), ("r1", "b"), ("r0", "a")):  # engines finished in this order
         instances.serve(worker, agent, "joins")
@@ -59,7 +63,7 @@ def test_routing_follows_set_ups_placement_whatever_order_the_engines_finish_in_
 
 
 def test_outstanding_work_is_counted_per_instance_by_what_is_added_and_done():
-    instances, _ = owner({"r0"})
+    instances, _ = owner()
     instances.add_work("r0", 40.0)
     instances.add_work("r0", 2.0)
     instances.work_done("r0", 40.0)

@@ -9,6 +9,7 @@ import pytest
 from flexmarl.controller.failures import RunFailed
 from flexmarl.controller.pipeline import AgentPipeline
 from flexmarl.controller.schedule import BatchSchedule
+from flexmarl.controller.generation import output_of
 from flexmarl.controller.store import ExperienceStore
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import PipelineConfig
@@ -87,7 +88,7 @@ class FakeMetrics:
     def end_step(self, step, total):
         self.ended.append(step)
 
-    def make_durable(self):
+    async def make_durable(self):
         self.durable = list(self.rows)
 
 
@@ -216,11 +217,12 @@ def test_a_conversations_loss_mask_travels_with_it():
 
     store = ExperienceStore(["a"])
     (s, _) = store.open_group("a", "g", [1], 2, 1)
-    store.record_output(s.sample_id, [5, 6], [-0.1, -0.2], [0], protocol.TurnSampling(0, 1.0, 0.8, 0))
-    store.record_turn(s.sample_id, [7, 8], [9], [-0.3], 1, protocol.TurnSampling(0, 0.3, 1.0, 4))
+    # logprobs are held as float32, as vLLM computes them: these are exact in it
+    store.record_output(s.sample_id, [5, 6], [-0.125, -0.25], [0], protocol.TurnSampling(0, 1.0, 0.8, 0))
+    store.record_turn(s.sample_id, [7, 8], output_of([[9]], [[-0.375]], 1), protocol.TurnSampling(0, 0.3, 1.0, 4))
     sent = train_sample(s)
     assert sent.output_ids == [5, 6, 7, 8, 9] and sent.loss_mask == [1, 1, 0, 0, 1]
-    assert sent.rollout_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3] and sent.versions == [0, 1]
+    assert sent.rollout_logprobs == [-0.125, -0.25, 0.0, 0.0, -0.375] and sent.versions == [0, 1]
     # each turn keeps its own sampling settings; the second starts at its first generated id
     assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 0.8, 0)
     assert sent.turns == [protocol.TurnSampling(4, 0.3, 1.0, 4)]

@@ -6,12 +6,13 @@ import asyncio
 import types
 
 from flexmarl.controller.instances import Admission, RolloutInstances
-from flexmarl.controller.rejoin import Rejoin, choose_agent
+from flexmarl.controller.rejoin import Rejoin, choose_unit
 from flexmarl.controller.server import WorkerDied
 from flexmarl.controller.versions import SyncedVersions
 from flexmarl.controller.weight_sync import Publication, WeightSync
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.bases import whole_models
 
 AGENTS = ["planner", "solver"]
 HANDLE = object()  # the controller never looks inside a handle
@@ -47,7 +48,7 @@ class FakeServer:
 def setup(dies=(), accepting=True, synced=None):
     server = FakeServer({"r0": "rollout", "r1": "rollout", "t0": "trainer"}, dies)
     events = []
-    instances = RolloutInstances(server, events.append)
+    instances = RolloutInstances(whole_models(AGENTS), events.append)
     for worker, agent in (("r0", "planner"), ("r1", "solver")):
         instances.engine_started(worker, agent, 0)
         instances.serve(worker, agent, "placed by the test")
@@ -61,15 +62,15 @@ def setup(dies=(), accepting=True, synced=None):
     admission = Admission(instances, weights, versions, server,
                           lambda agent: protocol.LoadModel(server.next_request_id(), agent, f"/models/{agent}", 0))
     trainers = []
-    rejoin = Rejoin(AGENTS, instances, admission, server,
+    rejoin = Rejoin(whole_models(AGENTS), instances, admission, server,
                     accepting=lambda: accepting, finished=lambda: False, trainer_joined=trainers.append)
     return server, instances, weights, rejoin, events, trainers
 
 
-def test_the_agent_with_the_fewest_instances_is_chosen_the_one_served_before_on_a_tie():
-    assert choose_agent({"planner": 1, "solver": 0, "checker": 0}, "checker") == "checker"
-    assert choose_agent({"planner": 1, "solver": 0, "checker": 0}, None) == "solver"
-    assert choose_agent({"planner": 1, "solver": 0, "checker": 0}, "planner") == "solver"
+def test_the_unit_with_the_fewest_instances_is_chosen_the_one_served_before_on_a_tie():
+    assert choose_unit({"planner": 1, "solver": 0, "checker": 0}, "checker") == "checker"
+    assert choose_unit({"planner": 1, "solver": 0, "checker": 0}, None) == "solver"
+    assert choose_unit({"planner": 1, "solver": 0, "checker": 0}, "planner") == "solver"
 
 
 async def test_a_rollout_worker_back_after_dying_serves_its_agent_at_the_synced_version_before_any_request():

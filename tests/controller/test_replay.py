@@ -272,3 +272,45 @@ def test_a_span_left_open_by_a_crash_ends_at_the_controllers_last_event():
 def test_throughput_counts_training_time_only_not_set_up_or_the_time_a_crashed_run_lay_dead():
     s = replay.summarize(crashed_and_resumed_run())
     assert s.wall_s == 113 and s.training_s == (4 - 2) + (113 - 110)
+
+
+def test_a_log_naming_groups_compactly_summarises_as_one_listing_every_sample_and_shows_prefix_hits():
+    """Format 2 names a group's samples by the group and its size; format 1 listed them."""
+    listed = synthetic_run()
+    a = ev.Parts(["ga"], [0], [2])
+
+    def compact(e):
+        if isinstance(e, ev.GroupOpened):
+            return ev.GroupOpened(e.agent, e.group_id, [], e.batch, 4)
+        if isinstance(e, ev.RequestsDispatched):
+            first = 0 if e.request_id in (1, 2) else 2
+            return ev.RequestsDispatched(e.worker, e.agent, e.request_id, [], e.tokens,
+                                         ev.Parts([f"g{e.agent}"], [first], [len(e.sample_ids)]))
+        if isinstance(e, ev.RequestsCompleted):
+            first = 0 if e.request_id in (1, 2) else 2
+            return ev.RequestsCompleted(e.worker, e.agent, e.request_id, [], [0], e.tokens, 40, 10, 30, 15,
+                                        ev.Parts([f"g{e.agent}"], [first], [len(e.sample_ids)]))
+        return e
+
+    renamed = {"a": {f"a{i}": f"ga/{i}" for i in range(4)}, "b": {f"b{i}": f"gb/{i}" for i in range(4)}}
+    names = {**renamed["a"], **renamed["b"]}
+    rename = lambda e: (msgspec_replace(e, sample_ids=[names[s] for s in e.sample_ids])  # noqa: E731
+                        if isinstance(e, (ev.MicroBatchFormed, ev.SamplesDropped)) else e)
+    events = []
+    for e in listed:
+        c = rename(compact(e))
+        c.seq, c.t = e.seq, e.t
+        events.append(c)
+    s = replay.summarize(events)
+    assert s.errors == [] and [(r.agent, r.version, r.generated, r.trained, r.dropped, r.in_flight)
+                               for r in s.accounting if r.total] == [("a", None, 4, 4, 0, 0), ("b", None, 4, 2, 1, 1)]
+    assert s.agents["a"].hit_rate() == 0.25 and s.agents["a"].hit_rate(later=True) == 0.5
+    text = replay.format_summary(s)
+    assert "prefix hits" in text and "25.0%" in text and "50.0%" in text
+    assert a.sample_ids() == ["ga/0", "ga/1"]
+
+
+def msgspec_replace(event, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(event, **changes)

@@ -2,6 +2,7 @@
 
 import asyncio
 
+from flexmarl.controller import decisions
 from flexmarl.controller.schedule import BatchSchedule
 
 
@@ -55,6 +56,21 @@ async def test_work_arriving_wakes_only_that_agents_pipeline():
     await asyncio.sleep(0.01)
     assert not b.done()
     b.cancel()
+
+
+async def test_a_turn_waiting_at_the_gate_wakes_on_its_own_agents_sync_only(monkeypatch):
+    s = schedule(overlap=True, k=0)
+    checks, rule = [], decisions.may_generate
+    monkeypatch.setattr(decisions, "may_generate", lambda *args: checks.append(args) or rule(*args))
+    waiter = asyncio.ensure_future(s.gate("a", 2))  # batch 2 at K = 0 needs a's version 1
+    await asyncio.sleep(0.01)
+    for version in (1, 2, 3):  # other agents' syncs
+        s.versions.set("b", version)
+        await asyncio.sleep(0.01)
+    assert not waiter.done() and checks == [(2, 0, 0)]
+    s.versions.set("a", 1)
+    await asyncio.wait_for(waiter, 1)
+    assert checks == [(2, 0, 0), (2, 1, 0)]
 
 
 def test_a_batch_is_trained_when_its_last_agent_steps_and_the_run_when_every_batch_is():

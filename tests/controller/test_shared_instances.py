@@ -1,7 +1,7 @@
 """Instances of a base shared by its adapter agents, with fake workers: admission loads the
 base once and each agent's adapter from its trainer; routing of an adapter agent spreads
 over every instance of its base by the load of all its agents; a sync sends the adapter
-alone (LoadWeights with lora) to every instance of the base; each batch carries the
+alone (LoadWeights with lora) to every instance of the base; each group carries the
 agent's synced version; rejoin and balancing move instances between engine units, never
 between agents of one base."""
 
@@ -12,16 +12,19 @@ import types
 from flexmarl.controller.balance_loop import Rebalancer
 from flexmarl.controller.instances import Admission, RolloutInstances
 from flexmarl.controller.rejoin import Rejoin
-from flexmarl.controller.router import RolloutClient, plan_routes
+from flexmarl.controller.router import RolloutClient
 from flexmarl.controller.versions import SyncedVersions
 from flexmarl.controller.weight_sync import WeightSync
 from flexmarl.runtime import protocol
+from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
 from fake_rollout import FakeServer as StreamingServer, until
 
 AGENTS = ["whole", "a", "b", "c"]
-UNITS = {"whole": ["whole"], "bases.shared": ["a", "b", "c"]}
+BASE_ENGINE = protocol.EngineSettings(max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+UNITS = {"whole": EngineUnit("whole", ("whole",)),
+         "bases.shared": EngineUnit("bases.shared", ("a", "b", "c"), lora=True, settings=BASE_ENGINE)}
 LORA = protocol.LoraSettings(8)
 HANDLE = object()
 
@@ -50,17 +53,15 @@ class FakeServer:
 
 
 def engine_message(server):
-    def message(agent):
-        if agent == "whole":
-            return protocol.LoadModel(server.next_request_id(), agent, "/models/whole", 0)
-        return protocol.LoadModel(server.next_request_id(), "bases.shared", "/models/base", 0,
-                                  engine=protocol.EngineSettings(max_loras=3, max_lora_rank=8, max_cpu_loras=3))
+    def message(unit):
+        return UNITS[unit].load_message(server.next_request_id(), "/models/whole" if unit == "whole" else "/models/base",
+                                        0)
     return message
 
 
 def cluster(workers=("r0", "r1", "r2")):
     server = FakeServer({**{w: "rollout" for w in workers}, "t0": "trainer"})
-    instances = RolloutInstances(server)
+    instances = RolloutInstances(UNITS)
     versions = SyncedVersions(AGENTS)
 
     @contextlib.asynccontextmanager
@@ -68,15 +69,14 @@ def cluster(workers=("r0", "r1", "r2")):
         yield "t0"
 
     weights = WeightSync(AGENTS, server, instances, versions, lambda e: None, trainer_for=trainer_for,
-                         lora={a: LORA for a in UNITS["bases.shared"]} | {"whole": None})
-    sharing = {a: UNITS["bases.shared"] for a in UNITS["bases.shared"]}
-    admission = Admission(instances, weights, versions, server, engine_message(server), sharing=sharing)
+                         lora={a: LORA for a in UNITS["bases.shared"].agents} | {"whole": None})
+    admission = Admission(instances, weights, versions, server, engine_message(server))
     return server, instances, versions, weights, admission
 
 
-async def test_admitting_an_instance_for_one_adapter_agent_loads_the_base_once_then_every_agents_adapter():
+async def test_admitting_an_instance_to_a_base_loads_the_base_once_then_every_agents_adapter():
     server, instances, _, _, admission = cluster()
-    assert await admission.admit("r1", "b")
+    assert await admission.admit("r1", "bases.shared")
     loads = [(w, kind, agent, lora) for w, kind, agent, _, lora in server.calls if w == "r1"]
     assert loads == [("r1", "LoadModel", "bases.shared", False), ("r1", "LoadWeights", "a", True),
                      ("r1", "LoadWeights", "b", True), ("r1", "LoadWeights", "c", True)]
@@ -88,24 +88,29 @@ async def test_admitting_an_instance_for_one_adapter_agent_loads_the_base_once_t
 
 
 async def test_an_adapter_agents_requests_spread_over_every_instance_of_its_base_by_the_load_of_all_its_agents():
-    _, instances, _, _, admission = cluster()
+    server, instances, _, _, admission = cluster()
     assert await admission.admit("r0", "whole")
     for worker in ("r1", "r2"):
-        assert await admission.admit(worker, "a")
+        assert await admission.admit(worker, "bases.shared")
     assert instances.instances("a") == instances.instances("c") == ["r1", "r2"]
     assert instances.instances("whole") == ["r0"]
     instances.add_work("r1", 100.0)  # agent b's requests in flight on r1
-    outstanding = {w: instances.outstanding[w] for w in instances.instances("a")}
-    assert plan_routes("least_loaded", [10, 10], outstanding, 0) == {"r2": [0, 1]}
-    plan = plan_routes("least_loaded", [10] * 16, outstanding, 0)
-    assert sum(len(ix) for ix in plan.values()) == 16 and len(plan["r2"]) == 13  # 100 + 30 vs 130
+    streaming = StreamingServer(["r0", "r1", "r2"])
+    client = RolloutClient(streaming, instances)
+    tasks = [asyncio.ensure_future(client.generate(agent, protocol.GenGroup(f"g{i}", agent, 2, [1], 4, 1.0, 0)))
+             for i, agent in enumerate("ac")]
+    await until(lambda: streaming.sent)
+    await asyncio.sleep(0)
+    assert [(w, [g.agent for g in m.groups]) for w, m in streaming.sent] == [("r2", ["a", "c"])]
+    streaming.answer(streaming.sent[0][1].request_id)
+    await asyncio.gather(*tasks)
 
 
 async def test_a_sync_of_an_adapter_agent_sends_only_its_adapter_to_every_instance_of_its_base():
     server, instances, versions, weights, admission = cluster()
     assert await admission.admit("r0", "whole")
     for worker in ("r1", "r2"):
-        assert await admission.admit(worker, "c")
+        assert await admission.admit(worker, "bases.shared")
     server.calls.clear()
     await weights.sync("b", "t0", 1)
     assert [(w, kind, agent, v, lora) for w, kind, agent, v, lora in server.calls] == [
@@ -115,16 +120,16 @@ async def test_a_sync_of_an_adapter_agent_sends_only_its_adapter_to_every_instan
     assert (instances.holds("r1", "b"), instances.holds("r1", "a"), instances.holds("r0", "b")) == (1, 0, None)
 
 
-async def test_each_batch_carries_the_agents_synced_version():
+async def test_each_group_carries_the_agents_synced_version():
     server = StreamingServer(["r0"])
-    instances = RolloutInstances(server)
+    instances = RolloutInstances(UNITS)
     instances.serve("r0", "a", "placed by the test")
-    versions = SyncedVersions(["a"])
+    versions = SyncedVersions(AGENTS)
     versions.set("a", 3)
     client = RolloutClient(server, instances, version_of=versions.__getitem__)
-    task = asyncio.ensure_future(client.generate("a", [protocol.GenRequest("s0", [1, 2], 4, 1.0, 0)]))
+    task = asyncio.ensure_future(client.generate("a", protocol.GenGroup("g", "a", 2, [1, 2], 4, 1.0, 0)))
     await until(lambda: len(server.sent) == 1)
-    assert server.sent[0][1].version == 3
+    assert server.sent[0][1].groups[0].version == 3
     server.answer(server.sent[0][1].request_id)
     await task
 
@@ -133,9 +138,9 @@ async def test_a_rejoining_worker_serves_every_agent_of_the_base_with_the_fewest
     server, instances, _, _, admission = cluster()
     assert await admission.admit("r0", "whole")
     assert await admission.admit("r2", "whole")
-    rejoin = Rejoin(AGENTS, instances, admission, server, accepting=lambda: True, finished=lambda: False,
-                    trainer_joined=lambda w: None, units=UNITS)
-    assert await rejoin.serve("r1") == "a"
+    rejoin = Rejoin(UNITS, instances, admission, server, accepting=lambda: True, finished=lambda: False,
+                    trainer_joined=lambda w: None)
+    assert await rejoin.serve("r1") == "bases.shared"
     assert instances.serves("r1") == {"a", "b", "c"}
 
 
@@ -143,11 +148,11 @@ async def test_the_balancer_sees_engine_units_and_moves_an_instance_out_of_a_bas
     server, instances, versions, weights, admission = cluster()
     assert await admission.admit("r0", "whole")
     for worker in ("r1", "r2"):
-        assert await admission.admit(worker, "a")
+        assert await admission.admit(worker, "bases.shared")
     client = types.SimpleNamespace(dispatched_tokens={"whole": 10.0, "a": 5.0, "b": 6.0, "c": 7.0})
-    balancer = Rebalancer(RouterConfig(), AGENTS, instances, admission, client, server, weights,
+    balancer = Rebalancer(RouterConfig(), UNITS, instances, admission, client, server, weights,
                           {"whole": "/models/whole", "bases.shared": "/models/base"}, lambda e: None,
-                          lambda: False, units=UNITS, bases={"bases.shared"})
+                          lambda: False)
     snapshot = balancer.demand_snapshot()
     assert set(snapshot) == {"whole", "bases.shared"}  # nothing to move between a, b and c
     assert snapshot["bases.shared"].dispatched_tokens == 18.0

@@ -107,3 +107,21 @@ def test_advantages_skip_the_std_division_when_the_agent_asks_for_it():
     normalized = ExperienceStore(["a"])
     fill(normalized, "a", "g", [1.0, 0.0, 0.5])
     assert normalized.samples["g/0"].advantage == pytest.approx(0.5 / (1 / 6) ** 0.5, rel=1e-5)
+
+
+def test_user_code_sees_a_read_only_view_whose_lists_are_copies_and_a_later_turn_shows_through():
+    import pytest
+
+    from flexmarl.controller.generation import output_of
+
+    store = ExperienceStore(["a"])
+    store.open_group("a", "g", [1, 2], 2, 0)
+    store.record_output("g/0", [3, 4], [-0.5, -0.25], [0])
+    view = store.view("g/0")
+    with pytest.raises(AttributeError):
+        view.text = "edited"
+    view.output_ids.append(99)  # a copy: the record is untouched
+    assert view.output_ids == [3, 4] and view.mask == [1, 1] and view.versions == [0]
+    store.record_turn("g/0", [5], output_of([[6]], [[-0.125]], 1))
+    assert view.output_ids == [3, 4, 5, 6] and view.mask == [1, 1, 0, 1] and view.versions == [0, 1]
+    assert view.logprobs == [-0.5, -0.25, 0.0, -0.125]  # held as float32 arrays, as vLLM computes them

@@ -35,12 +35,14 @@ class FakeServer:
         if isinstance(msg, protocol.PublishWeights):  # the trainer is at the last version it was asked for
             if msg.version != protocol.CURRENT_VERSION:
                 self.trainer_at = msg.version
-            return protocol.WeightsPublished(msg.request_id, msg.agent, self.trainer_at, FAKE_HANDLE, 1024, 0.0), []
+            return protocol.WeightsPublished(msg.request_id, msg.agent, self.trainer_at,
+                                             fake_handle(msg.agent, self.trainer_at, msg.request_id), 1024, 0.0), []
         return protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version, 0.0), []
 
 
-# The controller never looks inside a handle: any value stands in for one here.
-FAKE_HANDLE = object()
+def fake_handle(agent, version, n):
+    """The controller never looks inside a handle but for its key, which names one publication."""
+    return types.SimpleNamespace(key=f"{agent}-v{version}-pub{n}")
 
 
 class Instances:
@@ -325,7 +327,30 @@ async def test_a_rank_dying_in_an_nccl_sync_cancels_the_others_and_the_sync_comp
     ws, _ = nccl_sync(server, ["r0", "r1"])
     await asyncio.wait_for(ws.sync("a", "t0", 1), 10)  # without the cancel, r0 would wait forever
     (who, cancel), = calls_of(server, protocol.CancelLoad)
-    assert who == "r0" and (cancel.agent, cancel.version) == ("a", 1)
+    loads = [m for w, m in calls_of(server, protocol.LoadWeights) if w == "r0"]
+    assert who == "r0" and cancel.agent == "a" and cancel.key == loads[0].handle.key != loads[1].handle.key
     first, again = [m for _, m in calls_of(server, protocol.PublishWeights)]
     assert first.targets == ["r0", "r1"] and again.targets == ["r0"] and again.group != first.group
     assert ws.versions["a"] == 1 and ws.instances.held == {"r0": ("a", 1)}
+
+
+async def test_an_adapter_loads_late_cancel_spares_the_retry_of_the_same_version():
+    """An adapter agent's NCCL sync loses r1; r0 is told to give up the first publication.
+    That cancel reaching r0 only while it receives the retry (the same agent and version,
+    published again without r1) must not cancel the retry."""
+    from flexmarl.workers.rollout import RolloutHandler
+
+    server = DyingRankServer()
+    ws, _ = nccl_sync(server, ["r0", "r1"])
+    ws.lora = {"a": protocol.LoraSettings(8)}
+    await asyncio.wait_for(ws.sync("a", "t0", 1), 10)
+    (_, cancel), = calls_of(server, protocol.CancelLoad)
+    first, retry = [m for w, m in calls_of(server, protocol.LoadWeights) if w == "r0"]
+    assert retry.lora is not None and (retry.agent, retry.version) == (first.agent, first.version)
+
+    handler, cancelled = RolloutHandler(), []
+    handler.session = types.SimpleNamespace(send=lambda msg, buffers=(): asyncio.sleep(0))
+    handler._channel = types.SimpleNamespace(cancel=lambda *publication: cancelled.append(publication))
+    handler._applying = retry  # r0 is receiving the retry when the late cancel arrives
+    await handler.handle(cancel, [])
+    assert cancelled == [], "the cancel of the first publication cancelled its retry"

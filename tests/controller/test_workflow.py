@@ -5,9 +5,9 @@ import random
 
 import pytest
 
+from flexmarl.controller.generation import output_of
 from flexmarl.controller.store import DROPPED, READY, ExperienceStore
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, request_seed, run_episode
-from flexmarl.runtime import protocol
 
 
 class FakeGenerator:
@@ -15,11 +15,11 @@ class FakeGenerator:
         self.delay = delay
         self.batches = []
 
-    async def generate(self, agent, requests):
-        self.batches.append((agent, [r.sample_id for r in requests]))
+    async def generate(self, agent, group, after=""):
+        self.batches.append((agent, [f"{group.key}/{j}" for j in range(group.n)]))
         await asyncio.sleep(self.delay)
-        return [protocol.GenResult(r.sample_id, [r.seed % 10] * r.max_tokens, [-1.0] * r.max_tokens, 0)
-                for r in requests]
+        return output_of([[(group.seed + j) % 10] * group.max_tokens for j in range(group.n)],
+                         [[-1.0] * group.max_tokens] * group.n)
 
 
 def make_ctx(store, gen, episode_id="e0"):

@@ -15,7 +15,7 @@ from flexmarl.controller.store import ExperienceStore
 from flexmarl.controller.tokens import AgentTokenizer
 from flexmarl.controller.user_code import load_workflow
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, run_episode
-from flexmarl.runtime import protocol
+from flexmarl.controller.generation import output_of
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.model_specs import import_job
 
@@ -47,15 +47,12 @@ class ScriptedAgents:
         self.tokenizers, self.scripts = tokenizers, scripts
         self.contexts = []  # (agent, decoded context) of every request
 
-    async def generate(self, agent, requests):
+    async def generate(self, agent, group, after=""):
         tok = self.tokenizers[agent]
-        results = []
-        for r in requests:
-            context = tok.tok.decode(r.prompt_ids, skip_special_tokens=False)
-            self.contexts.append((agent, context))
-            ids = tok.encode(self.scripts[agent](context, r.seed)) + [tok.eos_token_id]
-            results.append(protocol.GenResult(r.sample_id, ids, [-0.5] * len(ids), 0))
-        return results
+        context = tok.tok.decode(group.prompt_ids, skip_special_tokens=False)
+        self.contexts += [(agent, context)] * group.n
+        replies = [tok.encode(self.scripts[agent](context, group.seed + j)) + [tok.eos_token_id] for j in range(group.n)]
+        return output_of(replies, [[-0.5] * len(ids) for ids in replies], finish_reason="stop")
 
 
 def make_ctx(store, generator, tokenizers, item):

@@ -50,20 +50,21 @@ async def test_a_worker_process_refuses_bad_prompts_alone_and_keeps_serving(tmp_
         await until(router, 1, p.ModelLoaded)
 
         rng = random.Random(1)
-        good = [p.GenRequest(f"good-{i}", tasks.planner_prompt(tasks.make_query(rng)), 6, 1.0, i, ignore_eos=True)
-                for i in range(3)]
-        bad = [p.GenRequest("empty", [], 6, 1.0, 0), p.GenRequest("oov", [tasks.BOS_ID, 10_000], 6, 1.0, 0)]
-        await router.send(identity, p.Generate(2, "planner", [bad[0], *good, bad[1]]))
+        good = [p.GenGroup(f"good-{i}", "planner", 2, tasks.planner_prompt(tasks.make_query(rng)), 6, 1.0, i,
+                           ignore_eos=True) for i in range(3)]
+        bad = [p.GenGroup("empty", "planner", 2, [], 6, 1.0, 0),
+               p.GenGroup("oov", "planner", 2, [tasks.BOS_ID, 10_000], 6, 1.0, 0)]
+        await router.send(identity, p.Generate(2, [bad[0], *good, bad[1]]))
         replies = await until(router, 2, p.Generated)
-        results = {r.sample_id: r for m in replies for r in m.results}
-        refused = {r.sample_id: r.reason for m in replies for r in m.refused}
+        results = {r.key: r for m in replies for r in m.results}
+        refused = {r.key: r.reason for m in replies for r in m.refused}
         assert sorted(results) == ["good-0", "good-1", "good-2"]
-        assert all(len(r.token_ids) == 6 for r in results.values())
+        assert all(r.lengths == [6, 6] for r in results.values())
         assert sorted(refused) == ["empty", "oov"] and "vocabulary" in refused["oov"]
 
-        await router.send(identity, p.Generate(3, "planner", [p.GenRequest("later", good[0].prompt_ids, 6, 1.0, 0)]))
+        await router.send(identity, p.Generate(3, [p.GenGroup("later", "planner", 1, good[0].prompt_ids, 6, 1.0, 0)]))
         replies = await until(router, 3, p.Generated)
-        assert [r.sample_id for m in replies for r in m.results] == ["later"]
+        assert [r.key for m in replies for r in m.results] == ["later"]
         assert worker.poll() is None
 
         await router.send(identity, p.Shutdown("test over"))

@@ -2,6 +2,7 @@
 a workflow that always fails stops the run with the user's file and line; workers die with
 their controller, however it dies; a run resumes from another directory."""
 
+import json
 import os
 import signal
 import subprocess
@@ -158,6 +159,10 @@ def test_a_checkpoint_of_a_chat_job_is_a_model_a_chat_job_can_use(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     checkpoint = tmp_path / "run1" / "checkpoints" / "final" / "critic"
     assert (checkpoint / "chat_template.jinja").is_file()
+    # two episodes x one group of 2 samples: every sample's prompt, and what vLLM found cached of it
+    (row,) = [json.loads(line) for line in (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()]
+    assert row["prompt_tokens"] > 0 and row["prompt_tokens"] % 4 == 0 and 0 <= row["prefix_hit_rate"] <= 1
+    assert row["turn_prefix_hit_rate"] is None  # no later turns
     prompt = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
         [{"role": "user", "content": "Question: What is 2 + 3? Answer: 5"}], tokenize=False, add_generation_prompt=True)
     assert "What is 2 + 3?" in prompt

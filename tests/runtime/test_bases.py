@@ -92,7 +92,13 @@ def test_adapter_agents_train_with_their_bases_settings_and_the_resolved_config_
 
 def test_a_base_is_one_engine_unit_for_all_its_adapter_agents_and_a_whole_model_agent_is_its_own(tmp_path):
     cfg = job(tmp_path)
-    assert bases.engine_units(cfg) == {"whole": ["whole"], "bases.shared": ["a", "b", "c"]}
+    units = bases.engine_units(cfg)
+    assert {name: u.agents for name, u in units.items()} == {"whole": ("whole",), "bases.shared": ("a", "b", "c")}
+    assert (units["whole"].lora, units["bases.shared"].lora) == (False, True)
+    assert units["bases.shared"].settings == bases.engine_settings(cfg, "shared")  # its engine's LoRA slots
+    message = units["bases.shared"].load_message(7, "/models/base", seed=3)
+    assert (message.agent, message.model_path, message.version, message.engine.max_loras) == (
+        "bases.shared", "/models/base", 0, units["bases.shared"].settings.max_loras)
     assert (bases.model_of(cfg, "b"), bases.model_of(cfg, "whole")) == ("tiny:base", "tiny:planner")
     assert bases.agent_lora(cfg, "whole") is None and bases.agent_lora(cfg, "b").rank == 12
 

@@ -251,16 +251,25 @@ def test_a_cancelled_receive_gives_up_waiting_for_a_group_a_dead_rank_never_join
         release.set()
 
 
-def test_a_channels_cancel_applies_to_one_receive_of_that_version_not_to_a_retry():
+def test_a_channels_cancel_names_one_publication_and_never_reaches_a_retry_of_the_same_version():
     from flexmarl.runtime.param_channel import ParamChannel
 
     with ParamChannel() as channel:
-        channel.cancel("planner", 3)
-        impl = channel._transport("nccl", ValueError)
-        assert impl.cancelled("planner", 3) and not impl.cancelled("planner", 4)
-        shm = channel.publish({"w": torch.ones(4)}, agent="planner", version=3, transport="shm")
-        channel.receive(shm)  # a receive of that version ends: the cancel is spent
-        assert not impl.cancelled("planner", 3)
+        first = channel.publish({"w": torch.ones(4)}, agent="planner", version=3, transport="shm")
+        retry = channel.publish({"w": torch.ones(4)}, agent="planner", version=3, transport="shm")
+        shm, asked = channel._transport("shm", ValueError), []
+        receive = shm.receive
+
+        def watched(handle, **kw):  # what a waiting transport (nccl) polls during the receive
+            asked.append(shm.cancelled(handle.agent, handle.version))
+            return receive(handle, **kw)
+
+        shm.receive = watched
+        channel.cancel(first.key)  # late: its receive is not under way
+        channel.receive(retry)
+        channel.receive(first)
+        assert asked == [False, True]
+        assert not shm.cancelled("planner", 3)  # the receive of `first` ended: the cancel is spent
 
 
 def test_a_cuda_ipc_receiver_opens_the_memory_on_the_gpu_it_is_on_in_its_own_numbering():

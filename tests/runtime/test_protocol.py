@@ -22,12 +22,14 @@ EXAMPLES = [
     p.EchoReply(2, b"", {"busy_s": 1.5, "queued_commands": 0.0}),
     p.LoadModel(2, "planner", "/tmp/m", 0, seed=3),
     p.ModelLoaded(2, "planner", 0, 1.5),
-    p.Generate(3, "solver", [p.GenRequest("s1", [1, 2, 3], 6, 1.0, 42)]),
-    p.Generated(3, "solver", [p.GenResult("s1", [4, 5], [-0.1, -0.2], 0)], True, {"queued": 0.0}),
+    p.Generate(3, [p.GenGroup("g1", "solver", 8, [1, 2, 3], 6, 1.0, 42),
+                   p.GenGroup("g2", "solver", 4, [1, 2], 6, 1.0, 50, first=4, version=2)]),
+    p.Generated(3, [p.GroupResult("g1", 0, 0, [2, 1], p.packed("i", [4, 5, 6]), p.packed("f", [-0.5, -0.25, -1.0]),
+                                  ["length", "stop"], 16)], True, {"queued": 0.0}),
     p.LoadWeights(4, "solver", 1, HANDLE),
     p.LoadWeights(4, "solver", 1, HANDLE, rank=2),  # nccl: the instance's rank in the agent's group
     p.WeightsLoaded(4, "solver", 1, 0.01),
-    p.CancelLoad(5, "solver", 1),  # another rank of its NCCL broadcast died
+    p.CancelLoad(5, "solver", "solver-v1-123-ab12"),  # another rank of its NCCL broadcast died
     p.LoadCancelled(5, "solver"),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),

@@ -1,4 +1,4 @@
-"""A request the engine cannot run fails alone: the refusal rules, and the rollout handler
+"""A group the engine cannot run fails alone: the refusal rules, and the rollout handler
 around an engine that refuses (a fake engine; the real one is in test_rollout.py)."""
 
 import asyncio
@@ -68,8 +68,8 @@ class Outbox:
         self.arrived.set()
 
 
-def item(sample_id, prompt, max_tokens=4):
-    return p.GenRequest(sample_id, prompt, max_tokens, 1.0, 0)
+def item(key, prompt, max_tokens=4):
+    return p.GenGroup(key, "solver", 1, prompt, max_tokens, 1.0, 0)
 
 
 async def replies_until_done(outbox, request_id):
@@ -79,30 +79,30 @@ async def replies_until_done(outbox, request_id):
     return [m for m in outbox.sent if isinstance(m, p.Generated) and m.request_id == request_id]
 
 
-async def test_a_refused_sample_fails_alone_and_the_worker_keeps_serving():
+async def test_a_refused_group_fails_alone_and_the_worker_keeps_serving():
     handler = RolloutHandler()
     handler.session = outbox = Outbox()
     handler.engine, handler.agent, handler.version = FakeEngine(), "solver", 3
     loop = asyncio.create_task(handler.run())
     try:
-        await handler.handle(p.Generate(1, "solver", [
+        await handler.handle(p.Generate(1, [
             item("good-0", [1, 2]), item("empty", []), item("good-1", [4]),
             item("too-long", [1] * 15), item("oov", [1, 99])]), [])
         replies = await replies_until_done(outbox, 1)
         results = [r for m in replies for r in m.results]
-        refused = {r.sample_id: r.reason for m in replies for r in m.refused}
-        assert sorted(r.sample_id for r in results) == ["good-0", "good-1"]
-        assert all(len(r.token_ids) == 4 and r.version == 3 for r in results)
+        refused = {r.key: r.reason for m in replies for r in m.refused}
+        assert sorted(r.key for r in results) == ["good-0", "good-1"]
+        assert all(r.lengths == [4] and r.version == 3 for r in results)
         assert sorted(refused) == ["empty", "oov", "too-long"]
         assert "empty" in refused["empty"] and "max_model_len" in refused["too-long"]
         assert "token id 99" in refused["oov"]
         # refusals leave nothing behind: no load counted, no sample waiting
-        assert handler.load()["queued_requests"] == 0 and not handler._sample_batch
+        assert handler.load()["queued_requests"] == 0 and not handler._running
 
-        # the next batch is served as usual
-        await handler.handle(p.Generate(2, "solver", [item("later", [5, 6])]), [])
+        # the next message is served as usual
+        await handler.handle(p.Generate(2, [item("later", [5, 6])]), [])
         replies = await replies_until_done(outbox, 2)
-        assert [r.sample_id for m in replies for r in m.results] == ["later"]
+        assert [r.key for m in replies for r in m.results] == ["later"]
         assert not any(m.refused for m in replies)
         assert not loop.done()
     finally:
@@ -110,25 +110,25 @@ async def test_a_refused_sample_fails_alone_and_the_worker_keeps_serving():
         await asyncio.gather(loop, return_exceptions=True)
 
 
-async def test_a_batch_refused_entirely_is_answered_done_at_once():
+async def test_a_message_refused_entirely_is_answered_done_at_once():
     handler = RolloutHandler()
     handler.session = outbox = Outbox()
     handler.engine, handler.agent, handler.version = FakeEngine(), "solver", 0
     loop = asyncio.create_task(handler.run())
     try:
-        await handler.handle(p.Generate(7, "solver", [item("a", []), item("b", [1] * 20)]), [])
+        await handler.handle(p.Generate(7, [item("a", []), item("b", [1] * 20)]), [])
         [reply] = await replies_until_done(outbox, 7)
-        assert reply.results == [] and [r.sample_id for r in reply.refused] == ["a", "b"]
-        assert handler._batches == {}
+        assert reply.results == [] and [r.key for r in reply.refused] == ["a", "b"]
+        assert not handler._running
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
 
 
-def test_a_generated_message_with_refusals_round_trips_and_old_bodies_still_decode():
-    msg = p.Generated(4, "solver", [p.GenResult("s", [1], [-0.1], 2)], True, {},
-                      [p.GenRefused("t", "the prompt is empty")])
+def test_a_generated_message_with_refusals_round_trips_and_bodies_without_them_decode():
+    msg = p.Generated(4, [p.GroupResult("s", 0, 2, [1], p.packed("i", [1]), p.packed("f", [-0.5]))], True, {},
+                      [p.GroupRefused("t", 0, "the prompt is empty")])
     assert p.decode(p.encode(msg))[0] == msg
     import msgspec
-    old = msgspec.msgpack.encode([4, "solver", [], True, {}])  # a body without `refused`
+    old = msgspec.msgpack.encode([4, [], True, {}])  # a body without `refused`
     assert p.decode([bytes((p.Kind.GENERATED,)), old])[0].refused == []

@@ -14,7 +14,7 @@ from flexmarl.runtime import protocol as p
 from flexmarl.runtime.param_channel import ParamChannel
 from flexmarl.workers import models
 from flexmarl.workers.engine import Completion
-from flexmarl.workers.rollout import RolloutHandler, same_but_seed
+from flexmarl.workers.rollout import RolloutHandler
 
 
 def greedy(handler, prompt):
@@ -106,14 +106,23 @@ class Outbox:
         self.arrived.set()
 
 
-async def generate(handler, outbox, request_id, items):
-    await handler.handle(p.Generate(request_id, handler.agent, items), [])
+async def generate(handler, outbox, request_id, groups):
+    """Every group's result (key -> GroupResult) and refusal (key -> reason)."""
+    await handler.handle(p.Generate(request_id, groups), [])
     while not any(isinstance(m, p.Generated) and m.request_id == request_id and m.done for m in outbox.sent):
         outbox.arrived.clear()
         await asyncio.wait_for(outbox.arrived.wait(), 60)
     replies = [m for m in outbox.sent if isinstance(m, p.Generated) and m.request_id == request_id]
-    return ({r.sample_id: r for m in replies for r in m.results},
-            {r.sample_id: r.reason for m in replies for r in m.refused})
+    return ({r.key: r for m in replies for r in m.results}, {r.key: r.reason for m in replies for r in m.refused})
+
+
+def tokens(result):
+    """A group result's token ids, one list per member."""
+    ids, out, start = p.unpacked(p.TOKEN_TYPECODE, result.token_ids).tolist(), [], 0
+    for n in result.lengths:
+        out.append(ids[start:start + n])
+        start += n
+    return out
 
 
 @pytest.mark.slow
@@ -124,27 +133,29 @@ async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path)
     handler._load_model(p.LoadModel(1, "planner", str(models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")), 0,
                                     max_model_len=64))
     rng = random.Random(5)
-    good = [p.GenRequest(f"good-{i}", digit_chain.planner_prompt(digit_chain.make_query(rng)), 6, 1.0, i) for i in range(4)]
+    good = [p.GenGroup(f"good-{i}", "planner", 2, digit_chain.planner_prompt(digit_chain.make_query(rng)), 6, 1.0, i)
+            for i in range(4)]
     bad = [
-        p.GenRequest("empty", [], 6, 1.0, 0),
-        p.GenRequest("too-long", [digit_chain.BOS_ID] * 60, 6, 1.0, 0),  # 60 + 6 > max_model_len 64
-        p.GenRequest("oov", [digit_chain.BOS_ID, len(digit_chain.VOCAB) + 7], 6, 1.0, 0),
-        p.GenRequest("bad-temperature", good[0].prompt_ids, 6, -1.0, 0),  # refused by vLLM itself
+        p.GenGroup("empty", "planner", 2, [], 6, 1.0, 0),
+        p.GenGroup("too-long", "planner", 2, [digit_chain.BOS_ID] * 60, 6, 1.0, 0),  # 60 + 6 > max_model_len 64
+        p.GenGroup("oov", "planner", 2, [digit_chain.BOS_ID, len(digit_chain.VOCAB) + 7], 6, 1.0, 0),
+        p.GenGroup("bad-temperature", "planner", 2, good[0].prompt_ids, 6, -1.0, 0),  # refused by vLLM itself
     ]
     loop = asyncio.create_task(handler.run())
     try:
         results, refused = await generate(handler, outbox, 2, [good[0], bad[0], good[1], bad[1], good[2],
                                                                bad[2], bad[3], good[3]])
         assert sorted(results) == [f"good-{i}" for i in range(4)]
-        assert sorted(refused) == sorted(b.sample_id for b in bad)
+        assert sorted(refused) == sorted(b.key for b in bad)
         assert "empty" in refused["empty"] and "max_model_len 64" in refused["too-long"]
         assert f"token id {len(digit_chain.VOCAB) + 7}" in refused["oov"]
         assert "vLLM refused" in refused["bad-temperature"]
         # the refusals changed nothing for the others: alone they sample the same tokens
         again, none = await generate(handler, outbox, 3, [
-            p.GenRequest(f"again-{i}", r.prompt_ids, r.max_tokens, r.temperature, r.seed) for i, r in enumerate(good)])
+            p.GenGroup(f"again-{i}", "planner", 2, r.prompt_ids, r.max_tokens, r.temperature, r.seed)
+            for i, r in enumerate(good)])
         assert not none and not loop.done()
-        assert [again[f"again-{i}"].token_ids for i in range(4)] == [results[f"good-{i}"].token_ids for i in range(4)]
+        assert [tokens(again[f"again-{i}"]) for i in range(4)] == [tokens(results[f"good-{i}"]) for i in range(4)]
         assert handler.engine.num_queued_requests == 0
     finally:
         loop.cancel()
@@ -168,15 +179,6 @@ def test_load_model_hands_the_agents_engine_settings_to_the_engine(monkeypatch):
     assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings})]
 
 
-def test_requests_differing_only_in_consecutive_seeds_form_one_run():
-    a = [p.GenRequest(f"g/{i}", [1, 2], 6, 1.0, 40 + i) for i in range(3)]
-    other_prompt = p.GenRequest("h/0", [1, 3], 6, 1.0, 43)
-    gap = p.GenRequest("h/1", [1, 3], 6, 1.0, 45)  # seed not consecutive
-    hotter = p.GenRequest("h/2", [1, 3], 6, 0.5, 46)  # another temperature
-    runs = same_but_seed([*a, other_prompt, gap, hotter])
-    assert [[r.sample_id for r in run] for run in runs] == [["g/0", "g/1", "g/2"], ["h/0"], ["h/1"], ["h/2"]]
-
-
 class GroupingEngine:
     """Stands in for the engine: records how requests are added, finishes them at once."""
 
@@ -185,7 +187,8 @@ class GroupingEngine:
 
     def add_group(self, ids, prompt_ids, max_tokens, temperature, seed, **_):
         self.added.append((list(ids), seed))
-        self._done += [Completion(rid, [7] * max_tokens, [-0.5] * max_tokens, "length") for rid in ids]
+        self._done += [Completion(rid, [7] * max_tokens, [-0.5] * max_tokens, "length", cached_tokens=3) for rid in ids]
+        return -1
 
     def has_unfinished(self):
         return bool(self._done)
@@ -195,42 +198,60 @@ class GroupingEngine:
         return done
 
 
-async def test_a_groups_members_go_to_the_engine_together_and_come_back_one_by_one():
+async def test_a_group_goes_to_the_engine_as_one_request_and_comes_back_whole_as_arrays():
     handler = RolloutHandler()
     handler.session = outbox = Outbox()
     handler.engine, handler.agent, handler.version = GroupingEngine(), "solver", 3
-    items = [p.GenRequest(f"g/{i}", [1, 2], 4, 1.0, 10 + i) for i in range(4)] + [p.GenRequest("x", [5], 4, 1.0, 2)]
+    groups = [p.GenGroup("g", "solver", 4, [1, 2], 4, 1.0, 10), p.GenGroup("h", "solver", 2, [1, 2], 4, 1.0, 20, 2),
+              p.GenGroup("x@1", "solver", 1, [5], 4, 1.0, 2)]
     loop = asyncio.create_task(handler.run())
     try:
-        results, refused = await generate(handler, outbox, 9, items)
+        results, refused = await generate(handler, outbox, 9, groups)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
-    assert handler.engine.added == [(["g/0", "g/1", "g/2", "g/3"], 10), (["x"], 2)]
-    assert not refused and sorted(results) == ["g/0", "g/1", "g/2", "g/3", "x"]
-    assert all(r.version == 3 and r.token_ids == [7] * 4 for r in results.values())
+    assert handler.engine.added == [(["g/0", "g/1", "g/2", "g/3"], 10), (["h/2", "h/3"], 20), (["x@1/0"], 2)]
+    assert not refused and sorted(results) == ["g", "h", "x@1"]
+    assert [(r.first, r.version, r.lengths, r.cached_tokens) for r in (results["g"], results["h"])] == [
+        (0, 3, [4] * 4, 3), (2, 3, [4, 4], 3)]
+    assert tokens(results["g"]) == [[7] * 4] * 4
+    assert p.unpacked(p.LOGPROB_TYPECODE, results["x@1"].logprobs).tolist() == [-0.5] * 4
+
+
+async def test_a_message_naming_an_agent_the_instance_does_not_serve_is_answered_with_an_error():
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler.engine, handler.agent = GroupingEngine(), "solver"
+    await handler.handle(p.Generate(4, [p.GenGroup("g", "solver", 2, [1], 2, 1.0, 0),
+                                        p.GenGroup("h", "planner", 2, [1], 2, 1.0, 0)]), [])
+    (error,) = outbox.sent
+    assert isinstance(error, p.Error) and "serves solver, not planner" in error.message
+    assert handler.engine.added == [] and handler._admit == []
 
 
 async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
-    """Another rank of an NCCL broadcast died: the LoadWeights the controller names fails,
-    dropped from the queue if it had not started, its receive given up if it had."""
+    """Another rank of an NCCL broadcast died: the LoadWeights of the publication the
+    controller names fails, dropped from the queue if it had not started (a whole model's
+    or an adapter's), its receive given up if it had; another publication is never touched."""
     handler, outbox = RolloutHandler(), Outbox()
     handler.session = outbox
     cancels, engine_cancels = [], []
-    handler._channel = types.SimpleNamespace(cancel=lambda agent, version: cancels.append((agent, version)),
-                                             close=lambda: None)
+    handler._channel = types.SimpleNamespace(cancel=cancels.append, close=lambda: None)
     # Whole weights are received in the engine's own workers; an adapter in this process.
     handler.engine = types.SimpleNamespace(cancel_receive=engine_cancels.append, close=lambda: None, adapters=None)
-    queued = p.LoadWeights(1, "planner", 2, "any handle", rank=1)
-    handler._control.append(queued)
-    await handler.handle(p.CancelLoad(2, "planner", 2), [])
-    assert handler._control == [] and cancels == []
-    error, done = outbox.sent
-    assert isinstance(error, p.Error) and error.request_id == 1 and "cancelled" in error.message
-    assert isinstance(done, p.LoadCancelled) and done.request_id == 2
-    handler._applying = p.LoadWeights(3, "planner", 3, types.SimpleNamespace(key="planner-v3-1"), rank=1)  # receiving
-    await handler.handle(p.CancelLoad(4, "planner", 3), [])
-    assert engine_cancels == ["planner-v3-1"] and cancels == []  # this publication's receive, no later one
-    handler._applying = p.LoadWeights(5, "coach", 4, "any handle", rank=1, lora=p.LoraSettings())
-    await handler.handle(p.CancelLoad(6, "coach", 4), [])
-    assert cancels == [("coach", 4)] and engine_cancels == ["planner-v3-1"]
+    handle = lambda key: types.SimpleNamespace(key=key)  # noqa: E731
+    handler._control.append(p.LoadWeights(1, "planner", 2, handle("planner-v2-a"), rank=1))
+    handler._adapter_loads.append(p.LoadWeights(7, "coach", 2, handle("coach-v2-a"), lora=p.LoraSettings()))
+    await handler.handle(p.CancelLoad(2, "planner", "planner-v2-a"), [])
+    await handler.handle(p.CancelLoad(8, "coach", "coach-v2-a"), [])
+    assert handler._control == [] and handler._adapter_loads == [] and cancels == []
+    errors = [m for m in outbox.sent if isinstance(m, p.Error)]
+    assert [e.request_id for e in errors] == [1, 7] and all("cancelled" in e.message for e in errors)
+    assert [m.request_id for m in outbox.sent if isinstance(m, p.LoadCancelled)] == [2, 8]
+    handler._applying = p.LoadWeights(3, "planner", 3, handle("planner-v3-a"), rank=1)  # receiving
+    await handler.handle(p.CancelLoad(4, "planner", "planner-v3-b"), [])  # another publication of v3
+    await handler.handle(p.CancelLoad(5, "planner", "planner-v3-a"), [])
+    assert engine_cancels == ["planner-v3-a"] and cancels == []
+    handler._applying = p.LoadWeights(5, "coach", 4, handle("coach-v4-a"), rank=1, lora=p.LoraSettings())
+    await handler.handle(p.CancelLoad(6, "coach", "coach-v4-a"), [])
+    assert cancels == ["coach-v4-a"] and engine_cancels == ["planner-v3-a"]

@@ -114,7 +114,7 @@ async def test_commands_reach_the_handler_and_controller_errors_do_not_end_the_s
         await router.send(identity, p.Echo(5, b"ping"))
         reply = await next_of(router, p.EchoReply)
         assert (reply.request_id, reply.payload) == (5, b"ping")
-        await router.send(identity, p.Generate(6, "a", []))  # not a trainer's command
+        await router.send(identity, p.Generate(6, []))  # not a trainer's command
         error = await next_of(router, p.Error)
         assert error.request_id == 6 and "cannot handle Generate" in error.message
         assert not task.done()

@@ -39,7 +39,7 @@ async def test_a_command_whose_handler_raises_fails_alone_and_the_worker_stays_u
     task = asyncio.create_task(session.run())
     try:
         await asyncio.to_thread(fake.welcome)
-        fake.send(p.encode(p.Generate(7, "a", [])))
+        fake.send(p.encode(p.Generate(7, [])))
         error = await asyncio.to_thread(read_until, fake, p.Error)
         assert error.request_id == 7 and "cannot queue this batch" in error.message
         assert await asyncio.to_thread(fake.echo, 5.0) > 0
