@@ -1,6 +1,7 @@
 """The `flexmarl` command line.
 
     flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
+                 [--launcher local|ray]
     flexmarl run --resume RUN_DIR [--steps N] [--resume-anyway]
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
@@ -9,8 +10,9 @@
     flexmarl serve RUN_DIR|CHECKPOINT [--host H] [--port P]
     flexmarl keys DIR
 
-`run` puts everything on this host (workers are child processes); `controller` and
-`worker` are the pieces for several hosts. Any config key can be overridden with
+`run` puts everything on this host (workers are child processes), or with `--launcher ray`
+starts the workers as actors on a Ray cluster; `controller` and `worker` are the pieces
+for several hosts. Any config key can be overridden with
 ``--set section.key=value``. `--resume RUN_DIR` continues a run from its last complete
 checkpoint, with the config it was started with (plus any overrides given).
 """
@@ -34,7 +36,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.set or [])
     for flag, key in (("mode", "pipeline.mode"), ("max_staleness", "pipeline.max_staleness"),
                       ("steps", "run.steps"), ("seed", "run.seed"), ("out", "run.out"),
-                      ("bind", "transport.address")):
+                      ("bind", "transport.address"), ("launcher", "cluster.launcher")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
@@ -89,10 +91,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .checkpoints import CheckpointError
     from .data import DataError
     from .failures import RunFailed
+    from .launcher import LaunchError
     from .model_resolution import ModelBuildError, ModelError
     from .user_code import WorkflowError
 
-    return ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed
+    return ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed, LaunchError
 
 
 def _report(exc: BaseException, debug: bool) -> None:
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p_run = sub.add_parser("run", help="train on this host (controller and workers as child processes)")
     p_run.add_argument("config", nargs="?", help="TOML config (default: the embedded default job)")
+    p_run.add_argument("--launcher", choices=["local", "ray"],
+                       help="who starts the workers: child processes here (local), or actors on a Ray cluster (ray)")
     _add_run_options(p_run)
 
     p_ctl = sub.add_parser("controller", help="run only the controller; workers connect to it")

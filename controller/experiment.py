@@ -6,15 +6,17 @@
     async with Experiment.resuming("runs/20260101-120000") as exp:  # after a crash
         result = await exp.train()
 
-Entering checks the run directory can be written, binds the controller socket, starts
-its named background tasks (receive loop, heartbeats) and either starts local worker
-processes or waits for remote ones to connect.
-Local workers that exit later are started again by a "launcher" task (launcher.py), up to
-`cluster.max_restarts` each; past that its failure stops the run.
+Entering makes the launcher `cluster.launcher` names (launcher.py; Ray's joins its cluster
+and reserves room for the workers, so a missing cluster fails before anything starts),
+checks the run directory can be written, binds the controller socket where the launcher
+says, starts its named background tasks (receive loop, heartbeats) and either starts the
+workers through the launcher or waits for remote ones to connect.
+Workers that exit later (or whose Ray actor or node is lost) are started again by a
+"launcher" task, up to `cluster.max_restarts` each; past that its failure stops the run.
 `train()` runs the training driver next to those tasks: the first task to fail or end
 early stops the others, so a dead receive loop can never leave training hanging. Leaving
 tells every worker to shut down, waits for them under a time limit, stops the local
-processes it started (by PID) and closes the socket.
+processes or Ray actors it started (nothing else) and closes the socket.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
 from .checkpoints import CheckpointError, check_writable, latest_checkpoint
-from .launcher import LocalWorkers, RestartPolicy, WorkerRestarter
+from .launcher import LAUNCHERS, LaunchedWorker, Launcher, RestartPolicy, WorkerRestarter, Workers
 from .server import ControllerServer
 from .training import TrainingRun
 
@@ -59,7 +61,8 @@ class Experiment:
         self.resume_anyway = resume_anyway
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
-        self.local: LocalWorkers | None = None
+        self.launcher: Launcher | None = None  # while open, when it starts its workers
+        self.local: Workers[Any] | None = None  # the workers the launcher started
         self._tasks: list[asyncio.Task] = []
         self.events: EventLog | None = None
         self.training: TrainingRun | None = None  # while train() runs
@@ -104,16 +107,20 @@ class Experiment:
                                       f"{self.config.run.steps}); to train longer, resume with a larger run.steps")
             log.info("resuming %s from the checkpoint of step %d (%s)", self.run_dir, point.step, point.path)
             point.accept_changes = self.resume_anyway
+        if self.spawn_workers:
+            self.launcher = LAUNCHERS[self.config.cluster.launcher](self.config)
         made = not self.run_dir.exists()
         try:
             self._open_run_dir(point)
+            address = self.server.bind(*self.launcher.endpoint(self.config.transport)) if self.launcher \
+                else self.server.bind()
         except BaseException:
             # Nothing ran: a failed start (a bad workflow, dataset or model name) leaves no
             # run directory behind. Once workers started, their logs stay for the error.
             if made and not self.resume:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._close_launcher()
             raise
-        address = self.server.bind()
         (self.run_dir / "controller.address").write_text(address + "\n")
         if self.config.run.event_log:
             self.events = EventLog(self.run_dir / "events.log", append=point is not None)
@@ -148,14 +155,13 @@ class Experiment:
         cluster = self.config.cluster
         counts = {"rollout": cluster.rollout_workers, "trainer": cluster.trainer_workers}
         gpus = {"rollout": cluster.rollout_gpus, "trainer": cluster.trainer_gpus}  # [] or one list per worker
-        if self.spawn_workers:
-            t = self.config.transport
-            self.local = LocalWorkers(self.address, self.run_dir / "logs",
-                                      curve_dir=t.curve_dir, threads=cluster.threads_per_worker,
-                                      trainer_group_size=cluster.trainer_group_size)
+        if self.launcher is not None:
+            self.local = self.launcher.workers(self.address, self.run_dir / "logs")
             for role, n in counts.items():
                 for i in range(n):
                     self.local.start(role, f"{role}-{i}", gpus[role][i] if gpus[role] else None)
+            for name, loop in self.local.loops().items():
+                self._tasks.append(asyncio.create_task(loop, name=name))
         else:
             log.info("waiting for %s to connect to %s", counts, self.address)
         waiter = asyncio.create_task(self.server.wait_for_workers(counts, cluster.worker_start_timeout_s))
@@ -170,18 +176,16 @@ class Experiment:
                                         on_restart=self._restarted)
             self._tasks.append(asyncio.create_task(restarter.run(), name="launcher"))
 
-    def _restarted(self, old: Any, new: Any, restarts: int) -> None:
-        self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.proc.returncode, restarts, new.proc.pid))
+    def _restarted(self, old: LaunchedWorker, new: LaunchedWorker, restarts: int) -> None:
+        self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.exit_code, restarts, new.pid))
 
     def _check_local_processes(self) -> None:
         if self.local is None:
             return
-        for wp in self.local.procs:
-            code = wp.proc.poll()
-            if code is not None and not self.server.registry.workers.get(wp.worker_id):
-                tail = wp.log_path.read_text()[-2000:] if wp.log_path and wp.log_path.exists() else ""
-                raise RuntimeError(f"worker {wp.worker_id} (pid {wp.proc.pid}) exited with code {code} "
-                                   f"before registering; its log ({wp.log_path}) ends with:\n{tail}")
+        for wp in self.local.exited():
+            if not self.server.registry.workers.get(wp.worker_id):
+                raise RuntimeError(f"worker {wp.worker_id}: {wp.why_exited()} before registering; its log "
+                                   f"({wp.log_path}) ends with:\n{self.local.log_tail(wp)}")
 
     async def supervise(self, driver: Callable[[], Awaitable[Any]], name: str = "driver") -> Any:
         """Runs `driver()` next to the background tasks; the first failure stops all: a
@@ -217,6 +221,12 @@ class Experiment:
         if self.local is not None:
             left = max(1.0, timeout - (time.monotonic() - started))
             await asyncio.to_thread(self.local.stop, left, min(5.0, left))
+        self._close_launcher()
+
+    def _close_launcher(self) -> None:
+        if self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
 
 
 def _default_run_dir() -> str:

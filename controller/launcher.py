@@ -1,6 +1,12 @@
 """Starts worker processes on this host, restarts the ones that die, stops exactly those, by PID.
 
-Used by `flexmarl run`, `Experiment` and the integration tests. Each worker is a child
+`Launcher` is what `flexmarl run` starts its workers with, chosen by `cluster.launcher`
+from LAUNCHERS: `LocalLauncher` here, `RayLauncher` (ray_launcher.py) on a Ray cluster.
+A launcher says where the controller binds (`endpoint`) and hands back `Workers`: how a
+worker is started, noticed gone, started again and stopped. The restart policy is written
+once, here, over that interface, for every launcher.
+
+Used by `flexmarl run`, `Experiment` and the integration tests. Each local worker is a child
 process in its own process group (so a Ctrl-C in the terminal reaches the controller,
 which then shuts workers down in order) that watches this process and exits when it is
 gone, however it died (runtime/parent_watch.py); `stop()` escalates SIGTERM -> SIGKILL under a
@@ -23,8 +29,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Coroutine, Protocol, TypeVar
 
+from flexmarl.runtime.config import ExperimentConfig, TransportConfig
 from flexmarl.runtime.shm_segments import remove_orphan_segments
 
 log = logging.getLogger("flexmarl.launcher")
@@ -35,7 +42,76 @@ WATCH_INTERVAL_S = 0.25  # how often the restarter looks for exited processes
 
 
 class WorkerFailed(RuntimeError):
-    """A local worker exited and is not started again (it failed too often)."""
+    """A worker exited and is not started again (it failed too often)."""
+
+
+class LaunchError(RuntimeError):
+    """The workers cannot be started where the config says (no Ray, no cluster, no room for
+    them): raised before any worker starts, with one line saying what to do."""
+
+
+class LaunchedWorker(Protocol):
+    """One worker a launcher started (its current process, or Ray actor)."""
+
+    worker_id: str
+    role: str
+    log_path: Path | None
+
+    @property
+    def pid(self) -> int: ...  # its process; 0 while not known (a Ray actor being placed)
+
+    @property
+    def exit_code(self) -> int | None: ...  # None while it runs, or where it ended without one
+
+    def ended(self) -> str: ...  # how it ended, as a predicate: "exited with code -9"
+
+    def why_exited(self) -> str: ...  # the same as a sentence about its process, for the controller
+
+
+W = TypeVar("W", bound=LaunchedWorker)  # a launcher's kind of worker: WorkerProcess, RayWorker
+
+
+class Workers(Protocol[W]):
+    """The workers a launcher started: all the restarter and the experiment use."""
+
+    procs: list[W]  # the current one of every worker id
+
+    def start(self, role: str, worker_id: str, gpus: list[int] | None = None) -> W: ...
+
+    def restart(self, old: W) -> W: ...  # the new one takes `old`'s place in procs
+
+    def exited(self) -> list[W]: ...
+
+    def log_tail(self, worker: W) -> str: ...
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]: ...  # named tasks to run while the run goes on
+
+    def stop(self, timeout: float = 10.0, grace: float = 0.0) -> None: ...
+
+
+class Launcher(Protocol):
+    """Made before anything starts (a missing cluster fails here); closed last."""
+
+    def endpoint(self, transport: TransportConfig) -> tuple[str, str]: ...  # the address to bind, its CURVE dir
+
+    def workers(self, address: str, log_dir: Path) -> Workers[Any]: ...
+
+    def close(self) -> None: ...
+
+
+def worker_argv(role: str, worker_id: str, address: str, threads: int, group_size: int) -> list[str]:
+    """The arguments, after the Python executable, of a worker a launcher starts. It never
+    reconnects to a controller that went away: a new controller starts workers of its own."""
+    argv = ["-m", "flexmarl.workers.main", "--role", role, "--connect", address, "--worker-id", worker_id,
+            "--threads", str(threads), "--reconnect-timeout", "0"]
+    if role == "trainer" and group_size > 1:
+        argv += ["--group-size", str(group_size)]  # it starts its other ranks itself
+    return argv
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """What every started worker's environment says, whoever starts it."""
+    return {"OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass
@@ -45,6 +121,38 @@ class WorkerProcess:
     proc: subprocess.Popen
     log_path: Path | None
     gpus: list[int] | None = None  # what it is pinned to; a restart pins it the same
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.returncode
+
+    def ended(self) -> str:
+        return f"exited with code {self.proc.returncode}"
+
+    def why_exited(self) -> str:
+        return f"its process (pid {self.proc.pid}) {self.ended()}"
+
+
+class LocalLauncher:
+    """Workers as child processes of the controller, on this host, at the address configured."""
+
+    def __init__(self, config: ExperimentConfig) -> None:
+        self.cluster = config.cluster
+        self.curve_dir = config.transport.curve_dir
+
+    def endpoint(self, transport: TransportConfig) -> tuple[str, str]:
+        return transport.address, transport.curve_dir
+
+    def workers(self, address: str, log_dir: Path) -> "LocalWorkers":
+        return LocalWorkers(address, log_dir, curve_dir=self.curve_dir, threads=self.cluster.threads_per_worker,
+                            trainer_group_size=self.cluster.trainer_group_size)
+
+    def close(self) -> None:
+        pass
 
 
 class LocalWorkers:
@@ -63,18 +171,11 @@ class LocalWorkers:
     def start(self, role: str, worker_id: str, gpus: list[int] | None = None) -> WorkerProcess:
         """Start one worker; with `gpus`, pinned to exactly those (CUDA_VISIBLE_DEVICES), so
         inside it they are cuda:0, cuda:1, ... in that order."""
-        # A worker started here never reconnects to a controller that went away: the
-        # controller is its parent, and a new one starts workers of its own.
-        cmd = [sys.executable, "-m", "flexmarl.workers.main", "--role", role,
-               "--connect", self.address, "--worker-id", worker_id,
-               "--threads", str(self.threads), "--reconnect-timeout", "0",
+        cmd = [sys.executable, *worker_argv(role, worker_id, self.address, self.threads, self.trainer_group_size),
                "--parent-pid", str(os.getpid())]  # it exits when this process dies, however it dies
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]
-        if role == "trainer" and self.trainer_group_size > 1:
-            cmd += ["--group-size", str(self.trainer_group_size)]  # it starts its other ranks itself
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   **self.extra_env, **pinning_env(gpus))
+        env = dict(os.environ, **worker_env(self.threads), **self.extra_env, **pinning_env(gpus))
         log_path = None
         stdout = None
         if self.log_dir is not None:
@@ -93,9 +194,7 @@ class LocalWorkers:
     def restart(self, old: WorkerProcess) -> WorkerProcess:
         """Starts `old`'s worker again (same id, role and log); the new process takes
         `old`'s place in `procs`."""
-        if old.log_path is not None and old.log_path.exists():
-            with open(old.log_path, "a") as fh:
-                fh.write(f"\n--- pid {old.proc.pid} exited with code {old.proc.returncode}; restarting ---\n")
+        note_restart(old.log_path, f"pid {old.proc.pid} exited with code {old.proc.returncode}")
         new = self.start(old.role, old.worker_id, old.gpus)
         self.procs.remove(new)
         self.procs[self.procs.index(old)] = new
@@ -105,12 +204,11 @@ class LocalWorkers:
     def exited(self) -> list[WorkerProcess]:
         return [wp for wp in self.procs if wp.proc.poll() is not None]
 
-    def log_tail(self, wp: WorkerProcess, chars: int = LOG_TAIL_CHARS) -> str:
-        if wp.log_path is None or not wp.log_path.exists():
-            return "(no log file: its output went to the controller's terminal)"
-        with open(wp.log_path, "rb") as fh:
-            fh.seek(max(0, wp.log_path.stat().st_size - chars))
-            return fh.read().decode(errors="replace")
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {}  # their output goes straight to their log files
+
+    def log_tail(self, wp: WorkerProcess) -> str:
+        return log_tail(wp.log_path)
 
     def pids(self) -> list[int]:
         """Every process started, restarted ones included."""
@@ -155,6 +253,22 @@ class LocalWorkers:
                 wp.proc.wait(timeout=1.0)
 
 
+def log_tail(log_path: Path | None, chars: int = LOG_TAIL_CHARS) -> str:
+    """The end of a worker's log, for the error that stops a run."""
+    if log_path is None or not log_path.exists():
+        return "(no log file: its output went to the controller's terminal)"
+    with open(log_path, "rb") as fh:
+        fh.seek(max(0, log_path.stat().st_size - chars))
+        return fh.read().decode(errors="replace")
+
+
+def note_restart(log_path: Path | None, what_ended: str) -> None:
+    """Marks in a worker's log where its next life starts (the log is appended to)."""
+    if log_path is not None and log_path.exists():
+        with open(log_path, "a") as fh:
+            fh.write(f"\n--- {what_ended}; restarting ---\n")
+
+
 def pinning_env(gpus: list[int] | None) -> dict[str, str]:
     """The environment that pins a process to `gpus`; None: no pinning (inherited as is)."""
     if gpus is None:
@@ -192,7 +306,7 @@ class RestartPolicy:
 
 
 class WorkerRestarter:
-    """Watches the local worker processes and restarts the ones that exit while the run
+    """Watches the workers a launcher started and restarts the ones that exit while the run
     goes on (see `RestartPolicy`).
 
     `check()` is one look: every process that exited since is reported through `on_exit`
@@ -202,9 +316,9 @@ class WorkerRestarter:
     end. Nothing is restarted once `stopping()` says the run is shutting down. `run()`
     looks every `WATCH_INTERVAL_S` and never returns; its failure stops the run."""
 
-    def __init__(self, workers: LocalWorkers, policy: RestartPolicy, *, stopping: Callable[[], bool],
-                 on_exit: Callable[[WorkerProcess, str], None] = lambda wp, why: None,
-                 on_restart: Callable[[WorkerProcess, WorkerProcess, int], None] = lambda old, new, n: None,
+    def __init__(self, workers: Workers[Any], policy: RestartPolicy, *, stopping: Callable[[], bool],
+                 on_exit: Callable[[LaunchedWorker, str], None] = lambda wp, why: None,
+                 on_restart: Callable[[LaunchedWorker, LaunchedWorker, int], None] = lambda old, new, n: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.workers = workers
         self.policy = policy
@@ -231,13 +345,12 @@ class WorkerRestarter:
                 new = self.workers.restart(wp)
                 self.on_restart(wp, new, self.policy.restarts[wp.worker_id])
 
-    def _noticed(self, wp: WorkerProcess, now: float) -> None:
-        code = wp.proc.returncode
-        why = f"its process (pid {wp.proc.pid}) exited with code {code}"
+    def _noticed(self, wp: LaunchedWorker, now: float) -> None:
+        why = wp.why_exited()
         self.on_exit(wp, why)
         delay = self.policy.next_delay(wp.worker_id)
         if delay is None:
-            message = (f"worker {wp.worker_id} ({wp.role}) exited with code {code} after "
+            message = (f"worker {wp.worker_id} ({wp.role}) {wp.ended()} after "
                        f"{self.policy.max_restarts} restarts; not starting it again. Its log "
                        f"({wp.log_path}) ends with:\n{self.workers.log_tail(wp)}")
             log.error("%s", message)
@@ -245,3 +358,13 @@ class WorkerRestarter:
         log.warning("worker %s %s; starting it again in %.1fs (restart %d of %d)", wp.worker_id, why, delay,
                     self.policy.restarts[wp.worker_id], self.policy.max_restarts)
         self.due[wp.worker_id] = now + delay
+
+
+def _ray_launcher(config: ExperimentConfig) -> Launcher:
+    from .ray_launcher import RayLauncher  # Ray is imported only where it is asked for
+
+    return RayLauncher(config)
+
+
+# cluster.launcher -> what makes the launcher (Ray's connects to its cluster, before anything starts)
+LAUNCHERS: dict[str, Callable[[ExperimentConfig], Launcher]] = {"local": LocalLauncher, "ray": _ray_launcher}

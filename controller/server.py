@@ -80,8 +80,9 @@ class ControllerServer:
 
     # ------------------------------------------------------------ lifecycle
 
-    def bind(self) -> str:
-        self.address = self.socket.bind()
+    def bind(self, address: str = "", curve_dir: str = "") -> str:
+        """Binds `address` with the CURVE keys in `curve_dir` (by default the configured ones)."""
+        self.address = self.socket.bind(address, curve_dir)
         log.info("controller listening on %s", self.address)
         return self.address
 

@@ -15,7 +15,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flexmarl.runtime.protocol import (EngineSettings, LossAggregation, LossOptions, ModelDtype,
                                        OffPolicyCorrection, TrainerSettings, TrainPrecision)
@@ -44,8 +44,15 @@ class TransportConfig:
     curve_dir: str = ""  # holds server.key(_secret) and client.key(_secret); see `flexmarl keys`
 
 
+# Who starts the workers of `flexmarl run`: "local" makes them child processes of the
+# controller on this host; "ray" makes each one a Ray actor on a Ray cluster (see RayConfig).
+Launcher = Literal["local", "ray"]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]  # Ray's names
+
+
 @dataclass
 class ClusterConfig:
+    launcher: Launcher = "local"
     rollout_workers: int = 3
     trainer_workers: int = 1
     # Agents resident at once per trainer; 0 = no limit. Below the number of agents per
@@ -54,8 +61,8 @@ class ClusterConfig:
     worker_start_timeout_s: float = 300.0
     shutdown_timeout_s: float = 15.0
     threads_per_worker: int = 1
-    # A local worker process that exits while the run goes on is started again (same id,
-    # same role, same log) up to this many times; past that the run stops with its exit
+    # A worker process that exits while the run goes on (or whose Ray actor or node is
+    # lost) is started again (same id, same role, same log) up to this many times; past that the run stops with its exit
     # code and log. The first restart waits `restart_backoff_s`, each further one twice as
     # long (at most 30 s).
     max_restarts: int = 3
@@ -93,6 +100,28 @@ class ClusterConfig:
                 if key == "rollout_gpus" and len(gpus) < needed or key == "trainer_gpus" and len(gpus) != needed:
                     raise ConfigError(f"cluster.{key}[{i}] = {gpus} has {len(gpus)} GPUs; it needs "
                                       f"{'at least ' if key == 'rollout_gpus' else ''}{needed} ({what})")
+
+
+@dataclass
+class RayConfig:
+    """Where `cluster.launcher = "ray"` starts the workers: each is a Ray actor that runs the
+    same `flexmarl worker` process, with the CPUs and GPUs it needs, in one placement group
+    for the run."""
+
+    # The Ray cluster to join: "auto" is the one `ray start` made on this host (or
+    # RAY_ADDRESS); otherwise its GCS address, HOST:PORT. `flexmarl run` must run on a node
+    # of the cluster (the workers connect back to it).
+    address: str = "auto"
+    # How Ray lays the workers' bundles out over its nodes. Workers that share a GPU
+    # (cluster.*_gpus) are one bundle, so they always land on one node.
+    placement_strategy: PlacementStrategy = "PACK"
+    # How long to wait for the cluster to find room for every worker at the start (an
+    # autoscaling cluster adds nodes meanwhile); past it, the run stops before any worker starts.
+    placement_timeout_s: float = 60.0
+    # With empty cluster.*_gpus lists: true gives each worker GPUs of its own from its agents'
+    # settings (a rollout worker the largest tensor_parallel_size, a trainer
+    # cluster.trainer_group_size); false runs the workers on CPUs.
+    use_gpus: bool = False
 
 
 @dataclass
@@ -323,6 +352,7 @@ class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -330,6 +360,11 @@ class ExperimentConfig:
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     bases: dict[str, BaseConfig] = field(default_factory=dict)
     agents: dict[str, AgentConfig] = field(default_factory=dict)
+
+    def widest_engine(self) -> int:
+        """The ranks of the widest rollout engine: its agents' largest tensor_parallel_size."""
+        return max([a.tensor_parallel_size for a in self.agents.values()]
+                   + [b.tensor_parallel_size for b in self.bases.values()], default=1)
 
     def validate(self) -> "ExperimentConfig":
         if self.pipeline.mode not in ("sync", "async"):
@@ -374,8 +409,7 @@ class ExperimentConfig:
         from .bases import check_bases  # the LoRA slot arithmetic lives with the bases
 
         check_bases(self)
-        self.cluster.validate_gpus(max([a.tensor_parallel_size for a in self.agents.values()]
-                                       + [b.tensor_parallel_size for b in self.bases.values()], default=1))
+        self.cluster.validate_gpus(self.widest_engine())
         if self.run.samples_per_step < 0:
             raise ConfigError("run.samples_per_step must be >= 0 (0: no samples written)")
         if self.run.checkpoint_every < 0 or self.run.keep_checkpoints < 1:
@@ -394,6 +428,8 @@ class ExperimentConfig:
         if self.cluster.max_restarts < 0 or self.cluster.restart_backoff_s < 0:
             raise ConfigError("cluster.max_restarts and cluster.restart_backoff_s must be >= 0 "
                               "(max_restarts = 0: a worker that dies is not started again)")
+        if self.ray.placement_timeout_s <= 0:
+            raise ConfigError(f"ray.placement_timeout_s must be > 0, got {self.ray.placement_timeout_s}")
         if self.transport.reconnect_timeout_s < 0:
             raise ConfigError("transport.reconnect_timeout_s must be >= 0 (0: a worker exits when its "
                               "controller goes away)")

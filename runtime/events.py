@@ -58,13 +58,13 @@ class WorkerDied(Event):
 
 
 class WorkerRestarted(Event):
-    # The local launcher started a worker process again after it exited; the new process
-    # registers under the same id (a WorkerJoined follows).
+    # The launcher started a worker again after its process exited (or its Ray actor or
+    # node was lost); the new process registers under the same id (a WorkerJoined follows).
     worker: str
     role: str
-    exit_code: int  # of the process that exited (negative: killed by that signal)
+    exit_code: int | None  # of the process that exited (negative: killed by that signal); None: lost with its Ray actor
     restarts: int  # restarts of this worker so far, this one included
-    pid: int  # the new process
+    pid: int  # the new process; 0 where not known yet (a Ray actor still being placed: see its WorkerJoined)
 
 
 class RunFinished(Event):

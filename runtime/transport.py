@@ -89,6 +89,16 @@ def _curve_keys(curve_dir: str, name: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
+def _public_key(curve_dir: str, name: str) -> bytes:
+    import zmq.auth
+
+    path = Path(curve_dir) / f"{name}.key"
+    if not path.exists():
+        raise ConfigError(f"CURVE key {path} is missing; create keys with `flexmarl keys {curve_dir}`")
+    public, _ = zmq.auth.load_certificate(str(path))
+    return public
+
+
 def create_curve_keys(curve_dir: str) -> None:
     """Writes server and client key pairs into `curve_dir` (copy it to every host)."""
     import zmq.auth
@@ -145,29 +155,31 @@ class RouterSocket(_Socket):
         self.address = ""
         self._rearm_pending = False
 
-    def bind(self) -> str:
-        address = self.cfg.address
-        if not _is_loopback(address) and not self.cfg.curve_dir:
+    def bind(self, address: str = "", curve_dir: str = "") -> str:
+        """Binds `address` with the keys in `curve_dir` (by default the configured ones)."""
+        address = address or self.cfg.address
+        curve_dir = curve_dir or self.cfg.curve_dir
+        if not _is_loopback(address) and not curve_dir:
             raise ConfigError(
                 f"refusing to bind {address} without authentication: a non-loopback address "
                 "needs CURVE keys. Run `flexmarl keys DIR` and set transport.curve_dir=DIR, "
                 "or bind tcp://127.0.0.1:PORT")
-        if self.cfg.curve_dir:
-            self._enable_curve_server()
+        if curve_dir:
+            self._enable_curve_server(curve_dir)
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.address.startswith("tcp://0.0.0.0:"):
             self.address = self.address.replace("0.0.0.0", socket.gethostname(), 1)
         return self.address
 
-    def _enable_curve_server(self) -> None:
+    def _enable_curve_server(self, curve_dir: str) -> None:
         from zmq.auth.asyncio import AsyncioAuthenticator
 
-        public, secret = _curve_keys(self.cfg.curve_dir, "server")
+        public, secret = _curve_keys(curve_dir, "server")
         self.authenticator = AsyncioAuthenticator(self.ctx)
         self.authenticator.start()
         # Only clients whose public keys are in curve_dir may connect.
-        self.authenticator.configure_curve(domain="*", location=self.cfg.curve_dir)
+        self.authenticator.configure_curve(domain="*", location=curve_dir)
         self.sock.curve_secretkey = secret
         self.sock.curve_publickey = public
         self.sock.curve_server = True
@@ -231,7 +243,7 @@ class DealerSocket(_Socket):
 
     def connect(self, address: str) -> None:
         if self.cfg.curve_dir:
-            server_public, _ = _curve_keys(self.cfg.curve_dir, "server")
+            server_public = _public_key(self.cfg.curve_dir, "server")  # its secret is the controller's alone
             public, secret = _curve_keys(self.cfg.curve_dir, "client")
             self.sock.curve_serverkey = server_public
             self.sock.curve_publickey = public

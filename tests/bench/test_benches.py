@@ -151,6 +151,14 @@ def test_engine_receive_reports_both_ways_of_loading_into_engines_of_one_and_two
 
 
 @pytest.mark.slow
+def test_ray_launch_runs_the_default_job_with_each_launcher_and_reports_both():
+    rows = json_rows(run_bench("ray_launch.py", "--steps", "1", "--queries", "4", "--repeats", "1"))
+    assert [r.get("launcher", r.get("measure")) for r in rows] == ["cluster_start", "local", "ray", "medians"]
+    runs = rows[1:3]
+    assert all(r["steps"] == 1 and r["samples"] > 0 and r["setup_s"] > 0 and r["samples_per_s"] > 0 for r in runs)
+    assert rows[3]["setup_ratio_ray_over_local"] > 0 and rows[3]["samples_per_s_ratio_ray_over_local"] > 0
+
+
 def test_openai_overhead_runs_the_same_job_and_episodes_through_ctx_chat_and_the_endpoint():
     rows = json_rows(run_bench("openai_overhead.py", "--smoke", timeout=1200))
     jobs, calls = rows[:3], rows[3:]

@@ -47,7 +47,7 @@ def restarter(workers, max_restarts=3, backoff_s=1.0, stopping=lambda: False):
     seen = []
     r = WorkerRestarter(workers, RestartPolicy(max_restarts, backoff_s), stopping=stopping,
                         on_exit=lambda wp, why: seen.append(("exit", wp.worker_id, why)),
-                        on_restart=lambda old, new, n: seen.append(("restart", new.worker_id, old.proc.returncode, n)),
+                        on_restart=lambda old, new, n: seen.append(("restart", new.worker_id, old.exit_code, n)),
                         clock=lambda: clock.now)
     return r, clock, seen
 
@@ -156,3 +156,30 @@ def test_a_trainer_is_started_as_rank_0_of_a_group_of_the_configured_size(monkey
     workers.start("rollout", "rollout-0", [0])
     trainer, rollout = (proc.cmd for proc in FakePopen.started)
     assert trainer[trainer.index("--group-size") + 1] == "2" and "--group-size" not in rollout
+
+
+class LostWorker:
+    """A worker of another launcher that ended without an exit code (its node is gone)."""
+
+    def __init__(self, worker_id):
+        self.worker_id, self.role, self.log_path, self.pid, self.exit_code = worker_id, "trainer", None, 77, None
+
+    def ended(self):
+        return "was lost with its node"
+
+    def why_exited(self):
+        return "its Ray actor (worker pid 77 on node n1) was lost with its node"
+
+
+def test_a_worker_lost_without_an_exit_code_goes_through_the_same_policy_and_its_error_says_how_it_ended():
+    workers = FakeWorkers()
+    workers.procs = [LostWorker("trainer-0")]
+    workers.exited = lambda: list(workers.procs)
+    workers.restart = lambda old: workers.started.append(old) or old
+    r, clock, seen = restarter(workers, max_restarts=1, backoff_s=0.0)
+    r.check()
+    assert seen == [("exit", "trainer-0", "its Ray actor (worker pid 77 on node n1) was lost with its node"),
+                    ("restart", "trainer-0", None, 1)]
+    with pytest.raises(WorkerFailed) as failure:
+        r.check()
+    assert "worker trainer-0 (trainer) was lost with its node after 1 restarts" in str(failure.value)

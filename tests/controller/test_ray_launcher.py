@@ -1,0 +1,54 @@
+"""The Ray launcher's parts that need no cluster: where the controller binds, and the one
+line a missing Ray or a cluster that does not answer gets before anything starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexmarl.controller.launcher import LAUNCHERS, LaunchError
+from flexmarl.controller.ray_launcher import control_address
+from flexmarl.runtime.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_loopback_address_becomes_this_nodes_cluster_address_with_its_port():
+    assert control_address("tcp://127.0.0.1:0", "10.1.2.3") == "tcp://10.1.2.3:0"
+    assert control_address("tcp://localhost:5555", "10.1.2.3") == "tcp://10.1.2.3:5555"
+    assert control_address("tcp://127.0.0.1:0", "fd00::7") == "tcp://[fd00::7]:0"
+
+
+def test_an_address_the_user_chose_off_loopback_or_a_cluster_on_loopback_is_kept():
+    assert control_address("tcp://10.9.9.9:7000", "10.1.2.3") == "tcp://10.9.9.9:7000"
+    assert control_address("tcp://127.0.0.1:0", "127.0.0.1") == "tcp://127.0.0.1:0"  # nodes on one host
+
+
+def test_without_ray_installed_the_ray_launcher_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where it is missing
+    with pytest.raises(LaunchError) as missing:
+        LAUNCHERS["ray"](load_config(None, ["cluster.launcher=ray"]))
+    assert "needs Ray, which is not installed" in str(missing.value)
+    assert "pip install 'flexmarl[ray]'" in str(missing.value)
+
+
+def test_a_ray_client_address_is_refused_saying_where_to_run():
+    pytest.importorskip("ray")
+    with pytest.raises(LaunchError) as refused:
+        LAUNCHERS["ray"](load_config(None, ["cluster.launcher=ray", "ray.address='ray://head:10001'"]))
+    assert "run `flexmarl run` on a node of the cluster" in str(refused.value)
+
+
+def test_flexmarl_run_against_a_cluster_that_does_not_answer_stops_with_one_line_and_no_run_directory(tmp_path):
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    # 127.0.0.2 is loopback, and nothing listens on port 1 there.
+    done = subprocess.run([sys.executable, "-m", "flexmarl.controller.cli", "run", "--launcher", "ray", "--steps", "1",
+                           "--no-progress", "--out", str(run_dir), "--set", "ray.address='127.0.0.2:1'"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("flexmarl:")]
+    assert errors == ["flexmarl: no Ray cluster answers at 127.0.0.2:1 (Connection refused); start it with "
+                      "`ray start --head`, or set ray.address to its HOST:PORT"]
+    assert not run_dir.exists()  # nothing started
