@@ -16,6 +16,10 @@ once under a temporary directory; every part then runs FlexMARL's own code:
   compared on both sides.
 - park: OFFLOAD_AGENT then LOAD_AGENT of a GPU training state with a step in progress;
   every tensor of the state compared byte for byte before and after.
+- mfu: the trainer's FLOP/s as a share of a plain bf16 matmul's (bench/trainer_throughput.py:
+  FLOPs counted from the tokens trained, attention included) on long-tailed GRPO
+  micro-batches of about 4,096 and 16,384 tokens, at the Qwen2.5-1.5B shape (target
+  MFU_TARGET), with its peak memory.
 - lora: four agents as LoRA adapters of one base on one trainer (the base held once): a
   micro-batch and step each (tokens/s, peak memory), a publish of one adapter (its bytes),
   and a park and restore of one adapter with its optimizer state, byte for byte.
@@ -79,6 +83,7 @@ NOT_RUN = {
 
 ROWS: list[dict] = []
 LR = 1e-5  # every trainer's learning rate here
+MFU_SHAPE, MFU_TARGET = "qwen2.5-1.5b", 0.4  # the trainer's share of the matmul rate it should reach
 
 
 def emit(row: dict) -> dict:
@@ -221,6 +226,21 @@ def run_train(args, shape: str, path: Path, device: torch.device) -> None:
             finally:
                 trainer.close()
                 del trainer
+
+
+def run_mfu(args, shape: str, path: Path, device: torch.device) -> None:
+    from trainer_throughput import measure, rates
+
+    budgets = [256] if args.dry_run else [4096, 16384]
+    for tokens in budgets:
+        row = {"part": "mfu", "shape": shape, "budget_tokens": tokens, "target": MFU_TARGET}
+        try:
+            got = rates(measure(shape, str(path), str(device), tokens, checkpointing=False, group_size=4,
+                                seed=tokens, reps=1 if args.dry_run else 3,
+                                matmul_size=256 if args.dry_run else 8192))
+            emit({**row, **got, "meets_target": got.get("of_matmul", 0.0) >= MFU_TARGET})
+        except Exception as exc:  # noqa: BLE001
+            failed(row, exc)
 
 
 RECEIVER = r"""
@@ -613,6 +633,9 @@ def table(rows: list[dict]) -> str:
         elif r["part"] == "train" and "tokens_per_s" in r:
             what = f"{r['precision']} ckpt={'on' if r['activation_checkpointing'] else 'off'}"
             figure = f"{r['tokens_per_s']:,.0f} tok/s, peak {r['peak_gib']:.1f} GiB"
+        elif r["part"] == "mfu" and "of_matmul" in r:
+            what = f"{r['tokens']:,} tokens, {r['samples']} samples"
+            figure = f"{r['of_matmul']:.2f} of matmul, peak {r['peak_gib']:.1f} GiB"
         elif r["part"] == "cuda_ipc" and "receive_gb_per_s" in r:
             what = f"{r['bytes'] / 1e9:.2f} GB {'/'.join(r['dtypes'])}"
             figure = f"{r['receive_gb_per_s']:.0f} GB/s, {r['ratio_vs_d2d']:.2f}x d2d"
@@ -645,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, CUDA-only parts skipped")
     parser.add_argument("--shapes", default="", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--parts",
-                        default="gpu_tests,fork_safe,nccl_setup,train,cuda_ipc,engine_receive,park,lora,fsdp2")
+                        default="gpu_tests,fork_safe,nccl_setup,train,mfu,cuda_ipc,engine_receive,park,lora,fsdp2")
     parser.add_argument("--batch", type=int, default=8, help="samples per micro-batch")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=384)
@@ -696,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if "train" in parts:
                 run_train(args, shape, path, device)
+            if "mfu" in parts and (shape == MFU_SHAPE or args.dry_run and shape == shapes[0]):
+                run_mfu(args, shape, path, device)
             if "cuda_ipc" in parts:
                 run_cuda_ipc(args, shape, path, device)
             if "engine_receive" in parts:

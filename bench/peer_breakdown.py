@@ -11,8 +11,8 @@ Two views, both in milliseconds per step:
 - `components` (CPU time of this one-thread process, the job's model): one rollout round
   through a `VllmEngine` (adding 128 requests one by one, seeded or not, or as 8 groups
   of 16; the engine steps that follow), the weight reload (vLLM's reload and the prefix-cache reset), the
-  trainer's forward/backward of 128 samples (each distinct prompt once, and one pass per
-  sample as before) and its optimizer step, and encoding plus
+  trainer's forward/backward of 128 samples (packed, each distinct prompt once) and its
+  optimizer step, and encoding plus
   decoding the round's three big messages (Generate, Generated, TrainMicroBatch); and, for
   comparison, the peer's way of generating the round (Hugging Face `generate`).
 
@@ -75,7 +75,6 @@ def components(model_dir: str, reps: int = 7) -> dict:
     from flexmarl.runtime import protocol
     from flexmarl.workers.engine import VllmEngine
     from flexmarl.workers.group_requests import group_result
-    from flexmarl.workers import scoring
     from flexmarl.workers.loss import policy_loss
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -132,14 +131,8 @@ def components(model_dir: str, reps: int = 7) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # Each distinct prompt once (scoring.py), and for comparison one pass over prompt + output.
-    takes_cache = scoring._takes_cache
-    for how, shared in (("prompts shared", True), ("one pass per sample", False)):
-        scoring._takes_cache = takes_cache if shared else (lambda _type: False)
-        fwd_bwd()
-        ms[f"trainer: forward/backward of {ROUND} samples, {how}"] = _timed(fwd_bwd, reps)
-    scoring._takes_cache = takes_cache
-    fb = ms[f"trainer: forward/backward of {ROUND} samples, prompts shared"]
+    fwd_bwd()  # warm-up
+    fb = ms[f"trainer: forward/backward of {ROUND} samples, packed"] = _timed(fwd_bwd, reps)
     ms["trainer: clip + Adam step"] = _timed(lambda: (fwd_bwd(), step()), reps) - fb
 
     # What the peer generates with: Hugging Face generate on the same round, left-padded.

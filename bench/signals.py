@@ -105,19 +105,20 @@ def mismatch_sums(model, samples: list, clip_ratio: float) -> dict[str, dict[str
 
     from flexmarl.runtime import protocol as p
     from flexmarl.workers.loss import Tokens, k3
-    from flexmarl.workers.sampling import sampler_log_probs, turn_settings
-    from flexmarl.workers.scoring import output_logits
+    from flexmarl.workers.sampling import turn_settings
+    from flexmarl.workers.scoring import token_scores
 
+    width = max(len(s.output_ids) for s in samples)
+    valid = torch.tensor([[j < len(s.output_ids) for j in range(width)] for s in samples])
     with torch.no_grad():
-        logits, targets, valid = output_logits(model, samples)
-        temperature, top_k, top_p = turn_settings(samples, targets.shape[1])
-        scorings = {"before": torch.log_softmax(logits.float() / temperature.unsqueeze(-1), -1),
-                    "after": sampler_log_probs(logits, targets, temperature, top_k, top_p)}
+        temperature, top_k, top_p = turn_settings(samples, width)
+        uncut = (temperature, torch.zeros_like(top_k), torch.ones_like(top_p))
+        scorings = {"before": token_scores(model, samples, valid, *uncut)[0],
+                    "after": token_scores(model, samples, valid, temperature, top_k, top_p)[0]}
         rollout = torch.tensor([s.rollout_logprobs for s in samples])
         adv = torch.tensor([[s.advantage] for s in samples])
         out = {}
-        for name, log_probs in scorings.items():
-            logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        for name, logp in scorings.items():
             d = (logp - rollout)[valid]
             row = {"tokens": float(valid.sum()), "abs_diff": float(d.abs().sum()), "k3": float(k3(d).sum()),
                    "ratio": float(d.exp().sum()), "ratio_min": float(d.exp().min())}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from flexmarl.runtime.staleness import lag, too_stale  # noqa: F401 (the rule, shared with the trainer)
@@ -72,22 +73,42 @@ def choose_placement(agent: str, trainers: list[str], capacity: int, resident: d
 
 # ---------------------------------------------------------------- micro-batches and steps
 
-def cut_micro_batch(ready_samples: int, micro_batch: int, batch_complete: bool, overlap: bool) -> bool:
-    """Whether to form a micro-batch now. With overlap (async), as soon as a full one is
-    ready; always once the global batch is complete. Cutting only at >= micro_batch
-    keeps the micro-batch composition identical to sync mode for the same arrival order."""
-    if ready_samples == 0:
+@dataclass(frozen=True)
+class MicroBatchSize:
+    """What a micro-batch is cut by: `samples` samples, or, with `tokens` > 0, a budget of
+    that many tokens, counted as the trainer computes them (a group's prompt once, plus
+    every output), so that micro-batches take about the same memory and time whatever
+    lengths the policy writes. Either way a micro-batch holds whole groups."""
+
+    samples: int
+    tokens: int = 0
+
+    @property
+    def limit(self) -> int:
+        return self.tokens or self.samples
+
+    def of_group(self, group: Any) -> int:
+        """A group's size in this measure (a store `Group`: `sample_ids`, `tokens`)."""
+        return group.tokens if self.tokens else len(group.sample_ids)
+
+
+def cut_micro_batch(ready: int, limit: int, batch_complete: bool, overlap: bool) -> bool:
+    """Whether to form a micro-batch now, with `ready` samples or tokens (`MicroBatchSize`)
+    ready. With overlap (async), as soon as a full one is ready; always once the global
+    batch is complete. Cutting only at >= limit keeps the micro-batch composition
+    identical to sync mode for the same arrival order."""
+    if ready == 0:
         return False
-    return batch_complete or (overlap and ready_samples >= micro_batch)
+    return batch_complete or (overlap and ready >= limit)
 
 
-def groups_in_micro_batch(group_sizes: Iterable[int], micro_batch: int) -> int:
-    """How many of the ready groups (oldest first, with these sizes) the next micro-batch
-    takes: consecutive whole groups, as many as fit in `micro_batch` samples, at least one
-    (a group is never split: its advantages are normalised together)."""
+def groups_in_micro_batch(group_sizes: Iterable[int], limit: int) -> int:
+    """How many of the ready groups (oldest first, with these sizes in samples or tokens)
+    the next micro-batch takes: consecutive whole groups, as many as fit in `limit`, at
+    least one (a group is never split: its advantages are normalised together)."""
     taken = filled = 0
     for size in group_sizes:
-        if taken and filled + size > micro_batch:
+        if taken and filled + size > limit:
             break
         taken += 1
         filled += size
@@ -100,17 +121,17 @@ def step_due(batch_complete: bool, ready_samples: int) -> bool:
     return batch_complete and ready_samples == 0
 
 
-def form_micro_batches(store: Any, agent: str, batch: int, micro_batch: int, complete: bool,
+def form_micro_batches(store: Any, agent: str, batch: int, size: MicroBatchSize, complete: bool,
                        overlap: bool, max_staleness: int) -> list[list[Any]]:
     """Every micro-batch the rules allow now for `agent`'s global batch `batch`, taken
-    from `store` (an `ExperienceStore`: `ready_samples`, `take`, `reject`).
+    from `store` (an `ExperienceStore`: `ready_size`, `take`, `reject`), each of `size`.
 
     The staleness bound is enforced here, where samples meet the trainer (at version
     batch - 1): a group with any turn too old is dropped, never trained. The gate makes
     that impossible in normal runs; this is the guarantee, the gate the mechanism."""
     formed = []
-    while cut_micro_batch(store.ready_samples(agent, batch), micro_batch, complete, overlap):
-        taken = store.take(agent, batch, micro_batch)
+    while cut_micro_batch(store.ready_size(agent, batch, size), size.limit, complete, overlap):
+        taken = store.take(agent, batch, size)
         stale = {s.group_id for s in taken if too_stale(batch - 1, s.versions, max_staleness)}
         if stale:
             bad = [s for s in taken if s.group_id in stale]

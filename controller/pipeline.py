@@ -80,6 +80,7 @@ class AgentPipeline:
         self.emit = emit
         self.flush_events = flush_events
         self.overlap = cfg.mode == "async"
+        self.micro_batch_size = decisions.MicroBatchSize(cfg.micro_batch, cfg.micro_batch_tokens)
         self.max_recoveries = max_recoveries
         self.recoveries = 0
         # Read, not yet committed: every micro-batch trained since the agent's last saved
@@ -163,7 +164,7 @@ class AgentPipeline:
         calls = [self._send(version, mb, written) for mb in self.kept[batch]]
         while True:
             complete = self.schedule.rollout_complete(batch)
-            for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.cfg.micro_batch, complete,
+            for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.micro_batch_size, complete,
                                                    self.overlap, self.cfg.max_staleness):
                 self.kept[batch].append(mb)
                 calls.append(self._send(version, mb, written))

@@ -40,7 +40,8 @@ def redrive(log: list) -> list:
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
     start = next(e for e in log if type(e) is ev.RunStarted)
     config = tomllib.loads(start.config_toml)
-    micro_batch, k = config["pipeline"]["micro_batch"], start.max_staleness
+    pipeline, k = config["pipeline"], start.max_staleness
+    size = decisions.MicroBatchSize(pipeline["micro_batch"], pipeline.get("micro_batch_tokens", 0))
     store = ExperienceStore(start.agents)
     # Which trainer runs a step is the allocator's choice, not re-derived here.
     step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is ev.OptimizerStep}
@@ -57,13 +58,14 @@ def redrive(log: list) -> list:
             members = store.groups[e.group_id].sample_ids
             for sid, reward in zip(members, e.rewards):
                 store.set_reward(sid, reward)
+            store.groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
     made: dict[str, list] = {a: [] for a in start.agents}
     # Every agent steps every batch, up to the last batch the log reached.
     last = max([g.batch for g in store.groups.values()] + [v for _, v in step_trainer], default=0)
     for batch in range(1, last + 1):
         for agent in start.agents:
             trained = 0
-            for mb in decisions.form_micro_batches(store, agent, batch, micro_batch, True, False, k):
+            for mb in decisions.form_micro_batches(store, agent, batch, size, True, False, k):
                 trained += len(mb)
                 made[agent].append(ev.MicroBatchFormed(agent, "", batch, [s.sample_id for s in mb],
                                                        [s.min_version for s in mb]))

@@ -3,11 +3,11 @@
 A group is the `n` samples one agent produced for one prompt. Samples arrive from the
 rollout side (tokens, the sampler's logprobs, the policy version of every turn), rewards
 arrive from the workflow, and a group becomes *trainable* only when every member has both;
-then its group-normalised advantages are fixed. Trainable groups queue per agent and per
-global batch in arrival order; `take` hands out whole groups' samples (as many as
-`decisions.groups_in_micro_batch` says) and marks them consumed, so a sample can be
-trained at most once, and a duplicate or late result for a sample that already has
-its output is refused.
+then its group-normalised advantages and its size in tokens are fixed. Trainable groups
+queue per agent and per global batch in arrival order; `take` hands out whole groups'
+samples (as many as `decisions.groups_in_micro_batch` says, in samples or in tokens) and
+marks them consumed, so a sample can be trained at most once, and a duplicate or late
+result for a sample that already has its output is refused.
 
 The records are the store's own: a group's outputs arrive whole (`record_group`), token
 ids and logprobs held as packed arrays, not per-token Python objects. User code sees a
@@ -116,6 +116,7 @@ class Group(msgspec.Struct, gc=False):
     batch: int
     status: str = PENDING
     rewarded: int = 0  # members whose reward is set
+    tokens: int = 0  # once trainable: its prompt once plus every output (what a token budget counts)
 
 
 class ExperienceStore:
@@ -235,7 +236,8 @@ class ExperienceStore:
         members = [self.samples[s] for s in group.sample_ids]
         if group.status != PENDING or any(s.output_ids is None or s.reward is None for s in members):
             return
-        self.emit(ev.GroupComplete(group.agent, group.group_id, [s.reward for s in members]))
+        group.tokens = len(members[0].prompt_ids) + sum(len(s.output_ids) for s in members)
+        self.emit(ev.GroupComplete(group.agent, group.group_id, [s.reward for s in members], group.tokens))
         rewards = [s.reward for s in members]
         seq = next(self._ready_seq)
         for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(group.agent, True))):
@@ -253,13 +255,17 @@ class ExperienceStore:
     def ready_samples(self, agent: str, batch: int) -> int:
         return self._ready_count[(agent, batch)]
 
-    def take(self, agent: str, batch: int, max_samples: int) -> list[Sample]:
-        """Whole ready groups of global batch `batch`, oldest first, up to `max_samples`
+    def ready_size(self, agent: str, batch: int, size: decisions.MicroBatchSize) -> int:
+        """What is ready, in samples or tokens as `size` counts."""
+        return sum(size.of_group(self.groups[g]) for g in self.ready[agent].get(batch, ()))
+
+    def take(self, agent: str, batch: int, size: decisions.MicroBatchSize) -> list[Sample]:
+        """Whole ready groups of global batch `batch`, oldest first, up to `size`'s limit
         (at least one group if any is ready: a group is never split)."""
         taken: list[Sample] = []
         queue = self.ready[agent].get(batch, collections.deque())
-        sizes = (len(self.groups[g].sample_ids) for g in queue)  # read lazily: stops at the cut
-        for _ in range(decisions.groups_in_micro_batch(sizes, max_samples)):
+        sizes = (size.of_group(self.groups[g]) for g in queue)  # read lazily: stops at the cut
+        for _ in range(decisions.groups_in_micro_batch(sizes, size.limit)):
             group = self.groups[queue.popleft()]
             group.status = CONSUMED
             self._ready_count[(agent, batch)] -= len(group.sample_ids)

@@ -234,6 +234,11 @@ class PipelineConfig:
     max_staleness: int = 0
     queries_per_step: int = 8  # episodes per global batch (every agent steps once per batch)
     micro_batch: int = 16  # samples per micro-batch, per agent
+    # Above 0: micro-batches are cut by this many tokens instead (a group's prompt once plus
+    # every output, as the trainer computes them), so each takes about the same memory and
+    # time whatever lengths the policy writes; micro_batch is then unused. Whole groups
+    # either way: a group larger than the budget is a micro-batch of its own.
+    micro_batch_tokens: int = 0
     max_concurrent_episodes: int = 16
     episode_timeout_s: float = 120.0
     # ctx.call: blocking tool, environment and reward functions run in a pool this big,
@@ -378,6 +383,9 @@ class ExperimentConfig:
                               f"got {self.pipeline.clip_ratio}")
         if self.pipeline.micro_batch < 1 or self.pipeline.queries_per_step < 1:
             raise ConfigError("pipeline.micro_batch and pipeline.queries_per_step must be >= 1")
+        if self.pipeline.micro_batch_tokens < 0:
+            raise ConfigError(f"pipeline.micro_batch_tokens must be >= 0 (0: micro-batches counted in samples, "
+                              f"pipeline.micro_batch), got {self.pipeline.micro_batch_tokens}")
         if not 0.0 <= self.pipeline.max_failed_share <= 1.0:
             raise ConfigError(f"pipeline.max_failed_share must be in [0, 1] (1: never stop for failed "
                               f"episodes), got {self.pipeline.max_failed_share}")

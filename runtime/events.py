@@ -190,6 +190,7 @@ class GroupComplete(Event):
     agent: str
     group_id: str
     rewards: list[float]
+    tokens: int = 0  # its prompt once plus every output: its size under a token budget
 
 
 class SamplesDropped(Event):

@@ -146,6 +146,13 @@ class AdapterModel:
 
     __call__ = forward
 
+    # The decoder and head apart, for scoring's packed pass (they carry the adapter's layers).
+    def get_decoder(self) -> Any:
+        return self.base.activate(self.agent).get_decoder()
+
+    def get_output_embeddings(self) -> Any:
+        return self.base.activate(self.agent).get_output_embeddings()
+
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return self.base.adapter_parameters(self.agent)
 
@@ -175,6 +182,18 @@ class AdapterReference:
                                   past_key_values=past_key_values, **kwargs)
 
     __call__ = forward
+
+    def get_decoder(self) -> Any:
+        return self.base.peft.get_decoder()
+
+    def get_output_embeddings(self) -> Any:
+        head = self.base.peft.get_output_embeddings()
+
+        def base_head(states: torch.Tensor) -> torch.Tensor:  # an adapter on the head is off too
+            with self.base.peft.disable_adapter():
+                return head(states)
+
+        return base_head
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.base._base.parameters()

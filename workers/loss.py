@@ -1,14 +1,16 @@
 """The policy-gradient loss of one micro-batch, and the sums an optimizer step reports.
 
 `policy_loss` scores a micro-batch's output tokens under the distribution they were
-sampled from (each turn's temperature, top_k and top_p; sampling.py), builds one loss
-term per token and reduces them to a sum over samples, so that micro-batch gradients add up to the global batch's and the
-optimizer step divides once (`StepSums.denominator`). The options are tables keyed by the
+sampled from (each turn's temperature, top_k and top_p; sampling.py, through
+scoring.py), builds one loss term per token and reduces them to a sum over samples, so
+that micro-batch gradients add up to the global batch's and the optimizer step divides
+once (`StepSums.denominator`). The options are tables keyed by the
 names in `protocol.LossOptions`: AGGREGATIONS (tokens -> one number per sample, and what
 the step divides by) and OFF_POLICY (how a token sampled by an older policy is weighted).
 
-It knows TrainSample and any model whose call returns `.logits`; it knows nothing of
-workers, versions, optimizers or the controller.
+It knows TrainSample and what scoring.py scores (a transformers causal LM, or any model
+whose call returns `.logits`); it knows nothing of workers, versions, optimizers or the
+controller.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 
 from flexmarl.runtime import protocol
 
-from .sampling import entropy, sampler_log_probs, turn_settings
-from .scoring import output_logits, padded
+from .sampling import turn_settings
+from .scoring import padded, token_scores
 
 
 # ---------------------------------------------------------------- options as tables
@@ -235,28 +237,25 @@ def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: proto
     aggregation = AGGREGATIONS[options.agg]
     rule = OFF_POLICY[options.off_policy] if off_policy else on_policy
     n = len(samples)
-    # Output-aligned [n, W]: column j is output token j (scoring.py computes each distinct
-    # prompt once). Only the agent's own tokens are trained and compared with the sampler's.
-    logits, targets, valid = output_logits(model, samples)
-    width = targets.shape[1]
+    # Output-aligned [n, W]: column j is output token j. Only the agent's own tokens are
+    # scored, trained and compared with the sampler's.
+    width = max(1, max(len(s.output_ids) for s in samples))
     own = padded([s.loss_mask or [1] * len(s.output_ids) for s in samples], width, 0, torch.float32)
-    out_mask = own * valid
+    out_mask = own * padded([[1] * len(s.output_ids) for s in samples], width, 0, torch.float32)
     rollout_lp = padded([s.rollout_logprobs or [0.0] * len(s.output_ids) for s in samples], width, 0.0,
                         torch.float32)
     compared = out_mask * torch.tensor([[1.0 if s.rollout_logprobs else 0.0] for s in samples])
     # Each token under the distribution its turn was sampled from (temperature, top_k,
     # top_p), the one the sampler's logprobs are of.
     settings = turn_settings(samples, width)
-    log_probs = sampler_log_probs(logits, targets, *settings)
-    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
     terms, clipped = rule(Tokens(logp, rollout_lp, adv, out_mask), options, clip_ratio)
     terms = terms * out_mask
     ref_kl = torch.zeros_like(logp)
     if options.kl_coef > 0:
         with torch.no_grad():
-            ref_logits = output_logits(reference, samples)[0]
-            ref_lp = sampler_log_probs(ref_logits, targets, *settings).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            ref_lp = token_scores(reference, samples, out_mask > 0, *settings)[0]
         ref_kl = k3(ref_lp - logp) * out_mask  # gradient flows through logp
         terms = terms + options.kl_coef * ref_kl
     loss = aggregation.reduce(terms, out_mask, options).sum()
@@ -265,7 +264,7 @@ def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: proto
         tokens = int(out_mask.sum().item())
         sums = StepSums(
             samples=n, tokens=tokens, denominator=aggregation.denominator(n, tokens), loss=float(loss),
-            entropy=float((entropy(log_probs) * out_mask).sum()),
+            entropy=float((token_entropy * out_mask).sum()),
             length_max=int(out_mask.sum(-1).max().item()),
             compared=float(compared.sum()), abs_diff=float(d.abs().sum()),
             rollout_kl=float((k3(d) * compared).sum()), clipped=float((clipped.float() * out_mask).sum()),

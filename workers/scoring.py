@@ -1,93 +1,142 @@
-"""Logits of a micro-batch's output tokens, with each distinct prompt computed once.
+"""The chosen tokens' log-probabilities and entropies of a micro-batch: packed, the
+vocabulary in chunks.
 
-A GRPO micro-batch holds whole groups: n samples of one prompt. Running every sample as
-prompt + output repeats the prompt's forward and backward n times; when prompts are about as
-long as outputs, that is nearly half of the trainer's work. `output_logits` therefore runs
-the distinct prompts once (right-padded, causal), copies each prompt's keys and values to
-its samples (an index, so the backward sums every sample's gradient into the one prompt
-pass), and runs the outputs on top of that cache with their true positions. The logits are
-the same as a full pass over prompt + output, up to float round-off: causal attention never
-lets a prompt token see anything after it.
+`token_scores(model, samples, scored, temperature, top_k, top_p)` gives, for each output
+token marked in `scored` [n, W], its log-probability under the distribution it was sampled
+from (sampling.py; with gradient) and that distribution's entropy (detached), both [n, W]
+with zeros where nothing was scored.
 
-Models whose forward takes no `past_key_values` (test doubles, say) get the plain pass over
-prompt + output; both strategies return the same output-aligned tensors. Each sample's
-prompt must hold at least one token (the engine refuses empty prompts).
+A model with a transformers decoder and output head (`get_decoder()`,
+`get_output_embeddings()`: Hugging Face causal LMs, and workers/adapters.py's views):
+- its decoder runs the micro-batch packed (packing.py, packed_attention.py): one row with
+  no padding, each distinct prompt once;
+- the head projects only the hidden states that predict a scored token, CHUNK_ELEMENTS
+  logits at a time (by device: a GPU's matmuls want more rows than a CPU's). A chunk's
+  logits are made, scored and dropped, and made again in the backward (activation
+  checkpointing of the head alone), so at most one chunk's float32 logits exist at any
+  time, never the micro-batch's. The price is one more head matmul
+  in the backward (none when every scored token fits in one chunk: it is kept).
+Any other model (called like a causal LM with `input_ids` and `attention_mask`, returning
+`.logits`, such as the tests' doubles), or one whose causal-LM head does more than its
+output embedding (HEAD_EXTRAS: soft-capping, scaling), gets one right-padded pass over
+prompt + output.
 
-It knows TrainSample and the Hugging Face causal-LM call convention; nothing about losses.
+It knows TrainSample and the transformers causal-LM conventions; nothing of losses.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from flexmarl.runtime import protocol
 
+from . import packed_attention
+from .packing import PackedBatch
+from .sampling import entropy, sampler_log_probs
 
-def padded(rows: list[list[Any]], width: int, fill: Any, dtype: torch.dtype) -> torch.Tensor:
+# Logits per chunk of the head: 64 MiB in float32 on a CPU, 512 MiB on a GPU (880 rows
+# of a 152k vocabulary: enough for the tensor cores, a few % of an 80 GB card).
+CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 27}
+# Config fields of causal LMs whose logits are not just the output embedding's product.
+HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def padded(rows: list[Any], width: int, fill: Any, dtype: torch.dtype) -> torch.Tensor:
     """rows right-padded with `fill` to `width`, as one tensor (one call, no per-row tensors)."""
     return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
 
 
-def output_logits(model: Any, samples: list[protocol.TrainSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits [n, W, V], output ids [n, W], valid [n, W]): logits[i, j] predicts output
-    token j of sample i; W is the longest output; `valid` marks real (not padding) tokens."""
-    if any(not s.prompt_ids for s in samples):
+def token_scores(model: Any, samples: list[protocol.TrainSample], scored: torch.Tensor, temperature: torch.Tensor,
+                 top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy), [n, W] each, of the output tokens where `scored` [n, W] is true,
+    under the per-token sampling settings [n, W] (`sampling.turn_settings`)."""
+    if any(len(s.prompt_ids) == 0 for s in samples):
         raise ValueError("a sample with an empty prompt cannot be scored: its first output token has no context")
-    width = max(1, max(len(s.output_ids) for s in samples))
-    out_ids = padded([s.output_ids for s in samples], width, 0, torch.long)
-    valid = padded([[1] * len(s.output_ids) for s in samples], width, 0, torch.bool)
-    # Activation checkpointing turns a model's cache off in training: one pass per sample then.
-    shares = _takes_cache(type(model)) and not getattr(model, "is_gradient_checkpointing", False)
-    score = _shared_prefix if shares else _full_pass
-    return score(model, samples, out_ids, valid), out_ids, valid
+    rows, cols = scored.nonzero(as_tuple=True)
+    targets = padded([s.output_ids for s in samples], scored.shape[1], 0, torch.long)[rows, cols]
+    if packs(model):
+        states, head, vocab = packed_states(model, samples, rows, cols), model.get_output_embeddings(), None
+    else:
+        states, head = padded_logits(model, samples, scored.shape[1])[rows, cols], None
+        vocab = states.shape[-1]
+    logp, ent = chunked_scores(head, vocab or model.config.vocab_size, states, targets, temperature[rows, cols],
+                               top_k[rows, cols], top_p[rows, cols])
+    shape = tuple(scored.shape)
+    return (torch.zeros(shape, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp),
+            torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent))
 
 
-@functools.cache
-def _takes_cache(model_type: type) -> bool:
-    return "past_key_values" in inspect.signature(model_type.forward).parameters
+def packs(model: Any) -> bool:
+    """Whether `model` is scored packed: a decoder and head apart, and nothing after the head."""
+    config = getattr(model, "config", None)
+    return (callable(getattr(model, "get_decoder", None)) and callable(getattr(model, "get_output_embeddings", None))
+            and config is not None and not any(getattr(config, extra, None) for extra in HEAD_EXTRAS))
 
 
-def _full_pass(model: Any, samples: list[protocol.TrainSample], out_ids: torch.Tensor,
-               valid: torch.Tensor) -> torch.Tensor:
-    """One pass over prompt + output per sample (right-padded)."""
+def packed_states(model: Any, samples: list[protocol.TrainSample], rows: torch.Tensor,
+                  cols: torch.Tensor) -> torch.Tensor:
+    """The decoder's final hidden states that predict output token cols[k] of sample rows[k].
+
+    The model is called as a whole, so that what wraps it runs (FSDP gathers its shards);
+    its decoder's output is taken on the way, and its head is given no position to project
+    (`logits_to_keep` empty): `chunked_scores` projects the ones needed."""
+    packed_attention.install(model)
+    batch = PackedBatch.of(samples).to(rows.device)
+    final: list[torch.Tensor] = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, out: final.append(out.last_hidden_state))
+    try:
+        model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+              attention_mask=packed_attention.no_mask(rows.device), packed=packed_attention.Packed(batch),
+              use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=rows.device))
+    finally:
+        hook.remove()
+    return final[0][0].index_select(0, batch.predictor[rows, cols])
+
+
+def padded_logits(model: Any, samples: list[protocol.TrainSample], width: int) -> torch.Tensor:
+    """Logits [n, width, V], output-aligned (column j predicts output token j), from one
+    right-padded pass over prompt + output per sample."""
     seqs = [list(s.prompt_ids) + list(s.output_ids) for s in samples]
-    width = max(map(len, seqs))
-    ids = padded(seqs, width, 0, torch.long)
-    mask = padded([[1] * len(q) for q in seqs], width, 0, torch.long)
+    longest = max(map(len, seqs))
+    ids = padded(seqs, longest, 0, torch.long)
+    mask = padded([[1] * len(q) for q in seqs], longest, 0, torch.long)
     logits = model(input_ids=ids, attention_mask=mask).logits
     # Output token j of sample i is predicted at position len(prompt_i) - 1 + j.
     starts = torch.tensor([len(s.prompt_ids) - 1 for s in samples])
-    positions = (starts[:, None] + torch.arange(out_ids.shape[1])[None, :]).clamp(max=width - 1)
+    positions = (starts[:, None] + torch.arange(width)[None, :]).clamp(max=longest - 1)
     return logits.gather(1, positions[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
-def _shared_prefix(model: Any, samples: list[protocol.TrainSample], out_ids: torch.Tensor,
-                   valid: torch.Tensor) -> torch.Tensor:
-    """Each distinct prompt once, its cache indexed out to its samples, then the outputs."""
-    from transformers.cache_utils import DynamicCache
+def chunked_scores(head: Any, vocab: int, states: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                   top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) [N] of rows `states` [N, ...]: hidden states through `head`, or logits
+    already (head None), CHUNK_ELEMENTS logits at a time."""
+    step = max(1, CHUNK_ELEMENTS.get(states.device.type, CHUNK_ELEMENTS["cpu"]) // vocab)
+    # One chunk holds all of them: its logits are no bigger than a chunk, nothing to recompute.
+    recompute = head is not None and torch.is_grad_enabled() and states.requires_grad and targets.shape[0] > step
+    logps, entropies = [], []
+    for a in range(0, targets.shape[0], step):
+        part = (states[a:a + step], targets[a:a + step], temperature[a:a + step], top_k[a:a + step],
+                top_p[a:a + step])
+        if recompute:
+            logp, ent = checkpoint(_chunk_scores, head, *part, use_reentrant=False)
+        else:
+            logp, ent = _chunk_scores(head, *part)
+        logps.append(logp)
+        entropies.append(ent)
+    if not logps:  # nothing scored: still part of the graph, so a backward (FSDP's hooks) runs
+        empty = states[:, 0].float()
+        return empty, empty.detach()
+    return torch.cat(logps), torch.cat(entropies)
 
-    rows: dict[tuple[int, ...], int] = {}
-    which = torch.tensor([rows.setdefault(tuple(s.prompt_ids), len(rows)) for s in samples])
-    prompts = list(rows)
-    p_width = max(map(len, prompts))
-    p_ids = padded([list(p) for p in prompts], p_width, 0, torch.long)
-    p_mask = padded([[1] * len(p) for p in prompts], p_width, 0, torch.long)
-    p_len = torch.tensor([len(p) for p in prompts])
-    first = model(input_ids=p_ids, attention_mask=p_mask, use_cache=True)
-    if first.past_key_values is None:  # this model would not keep a cache: score each sample whole
-        return _full_pass(model, samples, out_ids, valid)
-    cache = DynamicCache(config=model.config)
-    for index, layer in enumerate(first.past_key_values.layers):
-        cache.update(layer.keys.index_select(0, which), layer.values.index_select(0, which), index)
-    # Prompt padding sits between a short prompt and its output: masked out of attention,
-    # and the output's positions continue from the prompt's true length.
-    mask = torch.cat([p_mask.index_select(0, which), valid.long()], 1)
-    positions = p_len.index_select(0, which)[:, None] + torch.arange(out_ids.shape[1])[None, :]
-    rest = model(input_ids=out_ids, attention_mask=mask, past_key_values=cache, position_ids=positions).logits
-    # The prompt's last position predicts the first output token; each output token the next.
-    last = first.logits[torch.arange(len(prompts)), p_len - 1].index_select(0, which)
-    return torch.cat([last[:, None], rest[:, :-1]], 1)
+
+def _chunk_scores(head: Any, states: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = states if head is None else head(states)
+    log_probs = sampler_log_probs(logits, targets, temperature, top_k, top_p)
+    with torch.no_grad():
+        ent = entropy(log_probs)
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), ent

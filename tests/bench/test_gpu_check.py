@@ -30,6 +30,9 @@ def test_the_gpu_check_dry_run_runs_every_part_it_can_on_the_cpu_and_lists_the_r
     assert {(r["precision"], r["activation_checkpointing"]) for r in train} == {
         ("mixed", False), ("mixed", True), ("pure", False), ("pure", True)}
     assert all(r["tokens_per_s"] > 0 and r["parameters"] > 0 for r in train)
+    mfu, = by_part["mfu"]  # the trainer against the matmul, at the tiny shape
+    assert mfu["fits"] and mfu["flops"] > 0 and 0 < mfu["of_matmul"] and mfu["target"] == 0.4
+    assert "meets_target" in mfu and mfu["peak_gib"] > 0
     received, = by_part["engine_receive"]  # an engine worker's receive, over shm on the CPU
     assert received["transport"] == "shm" and "mismatched" not in received
     assert 0 < received["request_bytes"] < received["bytes"]

@@ -1,5 +1,6 @@
 """The pipeline's rules on plain data: staleness bound, exactly-once, whole groups,
-and async micro-batches identical to sync ones for the same arrival order."""
+and async micro-batches identical to sync ones for the same arrival order, with
+micro-batches counted in samples or cut by a token budget."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,6 +9,7 @@ from flexmarl.controller import decisions
 from flexmarl.controller.store import DROPPED, ExperienceStore
 
 BATCH = 6  # trains version 5 into 6
+MicroBatchSize = decisions.MicroBatchSize
 
 
 @st.composite
@@ -18,28 +20,33 @@ def scenarios(draw):
     order = draw(st.permutations(range(n_groups)))
     # after which arrivals the agent loop wakes up and forms micro-batches
     wakeups = draw(st.lists(st.booleans(), min_size=n_groups, max_size=n_groups))
-    return sizes, versions, list(order), wakeups, draw(st.integers(0, 2)), draw(st.integers(1, 8))
+    # Output lengths, and a micro-batch of 1-8 samples or of a 2-40 token budget.
+    lengths = [[draw(st.integers(1, 9)) for _ in range(s)] for s in sizes]
+    by_tokens = draw(st.booleans())
+    size = MicroBatchSize(8, draw(st.integers(2, 40))) if by_tokens else MicroBatchSize(draw(st.integers(1, 8)))
+    return sizes, versions, list(order), wakeups, draw(st.integers(0, 2)), (lengths, size)
 
 
-def drive(sizes, versions, order, wakeups, k, micro_batch, overlap):
+def drive(sizes, versions, order, wakeups, k, shape, overlap):
+    lengths, size = shape
     store = ExperienceStore(["a"])
-    groups = [store.open_group("a", f"g{i}", [1], size, BATCH) for i, size in enumerate(sizes)]
+    groups = [store.open_group("a", f"g{i}", [1], n, BATCH) for i, n in enumerate(sizes)]
     formed = []
     for i, wake in zip(order, wakeups):
-        for sample, v in zip(groups[i], versions[i]):
-            store.record_output(sample.sample_id, [2], [-1.0], [v])
+        for sample, v, length in zip(groups[i], versions[i], lengths[i]):
+            store.record_output(sample.sample_id, [2] * length, [-1.0] * length, [v])
             store.set_reward(sample.sample_id, float(v % 2))
         if wake:
-            formed += decisions.form_micro_batches(store, "a", BATCH, micro_batch, False, overlap, k)
-    formed += decisions.form_micro_batches(store, "a", BATCH, micro_batch, True, overlap, k)
+            formed += decisions.form_micro_batches(store, "a", BATCH, size, False, overlap, k)
+    formed += decisions.form_micro_batches(store, "a", BATCH, size, True, overlap, k)
     return store, formed
 
 
 @settings(max_examples=300, deadline=None)
 @given(scenarios())
 def test_no_sample_older_than_k_is_ever_trained_over_random_arrival_orders(scenario):
-    sizes, versions, order, wakeups, k, micro_batch = scenario
-    store, formed = drive(sizes, versions, order, wakeups, k, micro_batch, overlap=True)
+    sizes, versions, order, wakeups, k, shape = scenario
+    store, formed = drive(sizes, versions, order, wakeups, k, shape, overlap=True)
     trained = [s for mb in formed for s in mb]
     assert all(decisions.lag(BATCH - 1, s.versions) <= k for s in trained)
     ids = [s.sample_id for s in trained]
@@ -54,15 +61,19 @@ def test_no_sample_older_than_k_is_ever_trained_over_random_arrival_orders(scena
         stale = any(decisions.too_stale(BATCH - 1, [v], k) for v in vs)
         assert (f"g{i}" not in where) == stale
         assert (store.groups[f"g{i}"].status == DROPPED) == stale
-    assert all(len(mb) <= micro_batch or len({s.group_id for s in mb}) == 1 for mb in formed)
+    size = shape[1]
+    # Within the budget, unless one group alone is larger: 1 prompt token + the outputs.
+    measured = [sum(len(s.output_ids) for s in mb) + len({s.group_id for s in mb}) if size.tokens else len(mb)
+                for mb in formed]
+    assert all(m <= size.limit or len({s.group_id for s in mb}) == 1 for m, mb in zip(measured, formed))
 
 
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
 def test_async_micro_batches_equal_sync_ones_for_the_same_arrival_order(scenario):
-    sizes, versions, order, wakeups, k, micro_batch = scenario
-    _, overlapped = drive(sizes, versions, order, wakeups, k, micro_batch, overlap=True)
-    _, batched = drive(sizes, versions, order, wakeups, k, micro_batch, overlap=False)
+    sizes, versions, order, wakeups, k, shape = scenario
+    _, overlapped = drive(sizes, versions, order, wakeups, k, shape, overlap=True)
+    _, batched = drive(sizes, versions, order, wakeups, k, shape, overlap=False)
     assert [[s.sample_id for s in mb] for mb in overlapped] == [[s.sample_id for s in mb] for mb in batched]
 
 
@@ -88,8 +99,22 @@ def test_the_store_takes_what_the_micro_batch_rule_says():
         for s in store.open_group("a", f"g{i}", [1], size, BATCH):
             store.record_output(s.sample_id, [2], [-1.0], [BATCH - 1])
             store.set_reward(s.sample_id, float(len(s.sample_id) % 2))
-    taken = [sorted({s.group_id for s in store.take("a", BATCH, 8)}) for _ in range(3)]
+    taken = [sorted({s.group_id for s in store.take("a", BATCH, MicroBatchSize(8))}) for _ in range(3)]
     assert taken == [["g0", "g1"], ["g2", "g3"], ["g4"]]
+
+
+def test_a_token_budget_takes_whole_groups_by_their_prompt_once_and_every_output():
+    store = ExperienceStore(["a"])
+    # Group sizes in tokens: prompt 3 + outputs. g0: 3 + 2 + 2 = 7, g1: 3 + 5 = 8, g2: 3 + 20 = 23.
+    for i, outputs in enumerate([[2, 2], [5], [20]]):
+        for s, n in zip(store.open_group("a", f"g{i}", [1, 1, 1], len(outputs), BATCH), outputs):
+            store.record_output(s.sample_id, [2] * n, [-1.0] * n, [BATCH - 1])
+            store.set_reward(s.sample_id, 0.0)
+    assert [store.groups[f"g{i}"].tokens for i in range(3)] == [7, 8, 23]
+    budget = MicroBatchSize(samples=1, tokens=16)  # the sample count is then unused
+    assert store.ready_size("a", BATCH, budget) == 38
+    taken = [sorted({s.group_id for s in store.take("a", BATCH, budget)}) for _ in range(2)]
+    assert taken == [["g0", "g1"], ["g2"]]  # 7 + 8 fit in 16; g2 alone is larger, and still whole
 
 
 def test_the_step_is_due_once_the_batch_has_ended_and_nothing_ready_is_left():

@@ -1,5 +1,6 @@
 import pytest
 
+from flexmarl.controller.decisions import MicroBatchSize
 from flexmarl.controller.store import (CONSUMED, DROPPED, DuplicateResult, ExperienceStore,
                                        group_advantages)
 
@@ -36,10 +37,10 @@ def test_a_duplicated_result_is_refused_and_never_trained_twice():
     samples = fill(store, "a", "g", [1.0, 0.0])
     with pytest.raises(DuplicateResult):
         store.record_output(samples[0].sample_id, [9], [-0.1], [0])
-    taken = store.take("a", 0, 100)
+    taken = store.take("a", 0, MicroBatchSize(100))
     assert [s.sample_id for s in taken] == [s.sample_id for s in samples]
     assert all(s.status == CONSUMED for s in taken)
-    assert store.take("a", 0, 100) == []
+    assert store.take("a", 0, MicroBatchSize(100)) == []
     with pytest.raises(DuplicateResult):
         store.record_output(samples[1].sample_id, [9], [-0.1], [0])
 
@@ -49,9 +50,9 @@ def test_take_returns_whole_groups_oldest_first():
     fill(store, "a", "g1", [1.0, 0.0, 0.5])
     fill(store, "a", "g2", [1.0, 0.0, 0.5])
     fill(store, "a", "g3", [1.0, 0.0, 0.5])
-    first = store.take("a", 0, 4)  # a group is never split: 3 fit, the next 3 would not
+    first = store.take("a", 0, MicroBatchSize(4))  # a group is never split: 3 fit, the next 3 would not
     assert {s.group_id for s in first} == {"g1"}
-    second = store.take("a", 0, 6)
+    second = store.take("a", 0, MicroBatchSize(6))
     assert [s.group_id for s in second] == ["g2"] * 3 + ["g3"] * 3
 
 
@@ -80,8 +81,8 @@ def test_take_only_hands_out_groups_of_the_requested_global_batch():
     store = ExperienceStore(["a"])
     fill(store, "a", "old", [1.0, 0.0], batch=1)
     fill(store, "a", "new", [1.0, 0.0], batch=2)
-    assert {s.group_id for s in store.take("a", 2, 100)} == {"new"}
-    assert {s.group_id for s in store.take("a", 1, 100)} == {"old"}
+    assert {s.group_id for s in store.take("a", 2, MicroBatchSize(100))} == {"new"}
+    assert {s.group_id for s in store.take("a", 1, MicroBatchSize(100))} == {"old"}
 
 
 def test_a_reward_after_the_group_completed_is_a_clear_error_not_silently_ignored():

@@ -204,3 +204,27 @@ def test_a_job_started_in_one_directory_resumes_from_another_and_its_samples_rea
     assert "=== step 1  agent writer  (2 samples" in out and "=== step 2  agent writer  (2 samples" in out
     assert "  prompt: 3 1 2" in out or "  prompt: 2 1 3" in out
     assert "  agent (v0): " in out and "  agent (v1): " in out
+
+
+def test_micro_batches_cut_by_a_token_budget_train_whole_groups_and_replay_checks_them(tmp_path):
+    """`pipeline.micro_batch_tokens`: a group here is its prompt plus two outputs of 1-2
+    tokens, 5 to 8 tokens in all, so a budget of 8 takes one group per micro-batch; the
+    re-drive of `flexmarl replay --check` cuts the same ones from the logged token counts."""
+    from flexmarl.runtime import events as ev
+    from flexmarl.runtime.eventlog import read_events
+
+    job = write_job(tmp_path / "job")
+    proc = flexmarl("run", str(job), "--out", str(tmp_path / "run"), "--no-progress",
+                    "--set", "pipeline.micro_batch_tokens=8")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    events, problem = read_events(tmp_path / "run" / "events.log")
+    assert problem is None
+    tokens = {e.group_id: e.tokens for e in events if isinstance(e, ev.GroupComplete)}
+    assert tokens and all(5 <= n <= 8 for n in tokens.values())  # two never fit in 8
+    formed = [e for e in events if isinstance(e, ev.MicroBatchFormed)]
+    assert len(formed) == 2 * 2  # 2 steps of 2 groups, one group each
+    assert all(len({s.rsplit("/", 1)[0] for s in e.sample_ids}) == 1 and len(e.sample_ids) == 2 for e in formed)
+    proc = flexmarl("replay", str(tmp_path / "run" / "events.log"), "--check")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]

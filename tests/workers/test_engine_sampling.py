@@ -15,8 +15,8 @@ from flexmarl.controller import digit_chain  # noqa: E402
 from flexmarl.runtime import protocol as p  # noqa: E402
 from flexmarl.runtime.model_specs import TinyModelSpec  # noqa: E402
 from flexmarl.workers import models  # noqa: E402
-from flexmarl.workers.sampling import sampler_log_probs, turn_settings  # noqa: E402
-from flexmarl.workers.scoring import output_logits  # noqa: E402
+from flexmarl.workers.sampling import turn_settings  # noqa: E402
+from flexmarl.workers.scoring import token_scores  # noqa: E402
 from flexmarl.workers.trainer import TrainerHandler  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -60,10 +60,11 @@ def trainer_logprobs(model_dir, samples):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    width = max(len(s.output_ids) for s in samples)
+    valid = torch.tensor([[j < len(s.output_ids) for j in range(width)] for s in samples])
     with torch.no_grad():
-        logits, targets, valid = output_logits(model, samples)
-        lp = sampler_log_probs(logits, targets, *turn_settings(samples, targets.shape[1]))
-    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), valid
+        logp, _ = token_scores(model, samples, valid, *turn_settings(samples, width))
+    return logp, valid
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=["T0.8-top_p0.7", "T0.8-top_k5"])

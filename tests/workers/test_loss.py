@@ -340,3 +340,46 @@ def test_top_k_and_top_p_samples_are_scored_under_the_truncated_distribution(tem
         samples.append(p.TrainSample(f"s{i}", prompt, output, 1.0 - i, lps, [0], temperature, [], top_p, top_k))
     _, sums = step_gradient(model, [samples], p.LossOptions(off_policy="ppo_clip"), off_policy=True)
     assert sums.stats(0.0).logprob_abs_diff < 1e-6 and sums.clipped == 0
+
+
+@pytest.mark.parametrize("agg", ["seq_mean", "token_mean"])
+def test_a_global_batch_cut_by_tokens_or_by_samples_gives_the_same_step_gradient(agg):
+    """pipeline.micro_batch_tokens moves only where the global batch is cut: gradients
+    accumulate, and the step divides once by the summed denominator."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from flexmarl.controller.decisions import groups_in_micro_batch
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).float()
+    g = torch.Generator().manual_seed(3)
+    groups = []
+    for i, (prompt_len, outputs) in enumerate([(3, [2, 30, 5]), (12, [1, 1]), (2, [40, 3, 9, 8]), (7, [6])]):
+        prompt = torch.randint(1, 50, (prompt_len,), generator=g).tolist()
+        groups.append([p.TrainSample(f"g{i}/{j}", prompt, torch.randint(1, 50, (n,), generator=g).tolist(),
+                                     float(j % 2) - 0.5, [], [0]) for j, n in enumerate(outputs)])
+
+    def cut(sizes, limit):
+        micro_batches, at = [], 0
+        while at < len(groups):
+            n = groups_in_micro_batch(sizes[at:], limit)
+            micro_batches.append([s for group in groups[at:at + n] for s in group])
+            at += n
+        return micro_batches
+
+    by_samples = cut([len(group) for group in groups], 4)
+    by_tokens = cut([len(group[0].prompt_ids) + sum(len(s.output_ids) for s in group) for group in groups], 60)
+    assert [len(mb) for mb in by_samples] == [3, 2, 4, 1] and [len(mb) for mb in by_tokens] == [5, 4, 1]
+    options = p.LossOptions(agg=agg)
+    grads = []
+    for micro_batches in (by_samples, by_tokens):
+        model.zero_grad()
+        total = StepSums()
+        for mb in micro_batches:
+            loss, sums = policy_loss(model, mb, options, False, 2.0)
+            loss.backward()
+            total.add(sums)
+        grads.append([q.grad / total.denominator for q in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
