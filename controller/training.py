@@ -277,9 +277,9 @@ class TrainingRun:
         log.info("rollout placement: %s", placement)
         self.instances.place(placement)
         self.allocator = TrainerAllocator(self.server, self.worker_ids("trainer"), cfg.cluster.trainer_capacity,
-                                          cfg.agents, self.model_path, cfg.run.seed, self._ready_work, self.emit,
+                                          cfg.agents, self.model_path, cfg.run.seed, self._work, self.emit,
                                           settings={a: bases.trainer_settings(cfg, a) for a in self.agents},
-                                          lora=self.lora)
+                                          lora=self.lora, saves_parked=cfg.cluster.trainer_group_size == 1)
         self.allocator.on_parked.append(self.weights.forget)
         if self.resume is not None:
             for agent in self.agents:
@@ -323,8 +323,9 @@ class TrainingRun:
         finally:
             self.allocator.release(agent)
 
-    def _ready_work(self, agent: str) -> int:
-        return sum(len(q) for q in self.store.ready[agent].values())
+    def _work(self, agent: str) -> decisions.AgentWork:
+        pipeline = self.pipelines.get(agent)
+        return pipeline.work() if pipeline is not None else decisions.AgentWork()
 
     def _expected_tokens(self, agent: str) -> float:
         # Rough demand for the initial placement: requests multiply down a chain, so use

@@ -13,6 +13,10 @@ publication (version, handle, transport). The transport is chosen by
 sync names the agent's communicator and each instance's rank (`NcclGroups`): one
 communicator per agent, from its trainer to all its instances, reused while they stay.
 
+`stepping(agent)` is held around the agent's optimizer step, which ends its publication
+(a trainer on the CPU publishes its weights where they live, and the step changes them):
+no load runs meanwhile, and the handle is forgotten.
+
 `load_newest(worker, agent)` loads the newest publication into one instance (for the
 admission, instances.py); if the handle was released (the trainer parked the agent, which
 frees its published weights: `forget`), was an NCCL broadcast (over by then), or is older
@@ -196,6 +200,15 @@ class WeightSync:
         """The agent's published weights were released (its trainer parked it): the handle
         must never be sent again."""
         self.published.pop(agent, None)
+
+    @contextlib.asynccontextmanager
+    async def stepping(self, agent: str):
+        """Held around the agent's optimizer step: the trainer ends the agent's publication
+        with it (its weights may be that publication, and change in place), so no load of
+        it may be running (the sync lock) and its handle is never sent again."""
+        async with self.locks[agent]:
+            self.forget(agent)
+            yield
 
     async def load_newest(self, worker: str, agent: str) -> int:
         """Loads `agent`'s newest weights into `worker`, publishing them again where the last

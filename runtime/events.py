@@ -268,6 +268,10 @@ class AllocationChanged(Event):
     agent: str
     workers: list[str]
     why: str
+    # A trainer swap: "out" (parked), "in" (loaded from a copy a trainer parked); "" otherwise.
+    swap: str = ""
+    seconds: float = 0.0  # what the move took
+    waited_s: float = 0.0  # of a swap-in: the seconds ready work of the agent waited on it
 
 
 class DemandObserved(Event):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from .param_stream import declared
+from .param_stream import TensorStream, declared
 from .param_types import ParamHandle, ParamTransferError, TensorSpec, describe
 
 __all__ = [
@@ -31,6 +31,7 @@ ALIGN = 64  # tensor offsets are cache-line aligned, so a view of any dtype is a
 CHECKSUM_BLOCK = 1 << 20  # part of the checksum's definition: changing it changes every sum
 _PACK_CHUNK = 512 << 10  # copy-then-sum granularity: the chunk is still in L2 when summed
 _MASK = (1 << 64) - 1
+_STOP_CHUNK_BLOCKS = 64  # a checksum that may be abandoned looks up every 64 MiB
 
 
 def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], int]:
@@ -46,7 +47,7 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], 
     return layout, offset
 
 
-def checksum(data: torch.Tensor) -> int:
+def checksum(data: torch.Tensor, stopped: Callable[[], bool] | None = None) -> int | None:
     """Checksum of a bucket: a uint8 tensor on any device whose length is a multiple of 8.
 
     The bucket is read as little-endian 64-bit words and cut into CHECKSUM_BLOCK blocks;
@@ -55,11 +56,20 @@ def checksum(data: torch.Tensor) -> int:
     change B; truncation changes the length. It runs at memory bandwidth (~1.5x faster
     than a memcpy of the same bytes here, where crc32 is 4x and blake2b 20x slower), and
     on a GPU bucket it runs on the GPU.
+
+    `stopped`, asked between chunks of _STOP_CHUNK_BLOCKS blocks: when it says True, the
+    sum is abandoned and None returned (a publication ended before anyone read it).
     """
     words = data.view(torch.int64)
     per_block = CHECKSUM_BLOCK // 8
     full = words.numel() // per_block
-    sums = words[: full * per_block].view(full, per_block).sum(dim=1).tolist()
+    blocks = words[: full * per_block].view(full, per_block)
+    chunk = _STOP_CHUNK_BLOCKS if stopped is not None else max(full, 1)
+    sums: list[int] = []
+    for start in range(0, full, chunk):
+        if stopped is not None and stopped():
+            return None
+        sums += blocks[start : start + chunk].sum(dim=1).tolist()
     if words.numel() > full * per_block:
         sums.append(int(words[full * per_block :].sum()))
     return _fold(sums, data.numel())
@@ -134,6 +144,29 @@ def pack_into(data: torch.Tensor, tensors: Mapping[str, torch.Tensor], layout: l
             running.advance(end)
     flat[end:] = 0
     return running.value()
+
+
+def laid_out(tensors: Mapping[str, torch.Tensor], layout: list[TensorSpec], total: int) -> torch.Tensor | None:
+    """The bucket of `total` bytes that `tensors` already are, if they are: CPU views of one
+    storage, each exactly where `layout` puts it relative to the first (a SharedBucket's
+    tensors, or a leading part of them). A uint8 tensor over those bytes, padding
+    included; None otherwise."""
+    if not layout or isinstance(tensors, TensorStream):  # a stream's tensors are made as they are packed
+        return None
+    first = tensors[layout[0].name]
+    if first.device.type != "cpu":
+        return None
+    storage = first.untyped_storage()
+    base = first.data_ptr() - layout[0].offset
+    for spec in layout:
+        t = tensors[spec.name]
+        if (t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() != base + spec.offset
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    start = base - storage.data_ptr()
+    if start < 0 or start + total > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (total,))
 
 
 def unpack(data: torch.Tensor, layout: list[TensorSpec]) -> dict[str, torch.Tensor]:

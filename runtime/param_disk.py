@@ -16,7 +16,7 @@ import struct
 import msgspec
 import torch
 
-from .param_bucket import pack_into, round_up, unlink_quietly
+from .param_bucket import checksum, compare, laid_out, pack_into, round_up, unlink_quietly
 from .param_transport import Transport
 from .param_types import ParamHandle, ParamTransferError, describe
 
@@ -86,19 +86,38 @@ class DiskTransport(Transport):
     kept_on_close = True  # a checkpoint outlives its writer
 
     def publish(self, tensors, fields, *, bucket=None, path=None, receivers=1, group=""):
+        """Tensors that already are the bucket (a shared training state's part, say) are
+        written as they lie; others are packed into a host buffer first."""
         if path is None:
             raise ValueError("publish(transport='disk') needs path=")
-        staging = self.host.take(fields["total_bytes"])
+        data = laid_out(tensors, fields["layout"], fields["total_bytes"])
+        staging = self.host.take(fields["total_bytes"]) if data is None else None
         try:
-            fields["checksum"] = pack_into(staging, tensors, fields["layout"])
+            if staging is not None:
+                fields["checksum"] = pack_into(staging, tensors, fields["layout"])
+            else:
+                fields["checksum"] = checksum(data)
             handle = ParamHandle(**fields, path=os.fspath(path))
-            _write_disk(handle.path, handle, staging, self.config.disk_fsync)
+            _write_disk(handle.path, handle, data if staging is None else staging, self.config.disk_fsync)
         finally:
-            self.host.give(staging)
+            if staging is not None:
+                self.host.give(staging)
         return handle, None
 
     def receive(self, handle, *, verify, rank):
         return self.staged(handle, verify, lambda staging: _read_disk(handle, staging))
+
+    def receive_into(self, handle, dst, *, verify, atomic, rank):
+        """Into a destination that is the bucket's layout already (a shared training state
+        being made), and may be thrown away on error, the file is read straight in and
+        verified after; anything else through a host buffer."""
+        data = None if atomic else laid_out(dst, handle.layout, handle.total_bytes)
+        if data is None:
+            return super().receive_into(handle, dst, verify=verify, atomic=atomic, rank=rank)
+        _read_disk(handle, data)
+        if verify:
+            compare(handle, handle.checksum, checksum(data),
+                    "Found after reading it in (atomic=False): the destination must be discarded.")
 
     def release(self, handle, resource):
         unlink_quietly({handle.path})

@@ -26,12 +26,14 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+import msgspec
 import numpy as np
 import torch
 
-from .param_bucket import SparePool, checksum, compare, copy_summing, pack_into, plan_layout, unlink_quietly, unpack
+from .param_bucket import (ALIGN, SparePool, checksum, compare, copy_summing, pack_into, plan_layout, round_up,
+                           unlink_quietly, unpack)
 from .param_transport import Transport
 from .param_types import Location, ParamHandle, ParamTransferError, describe
 from .shm_segments import SEGMENT_PREFIX, pid_alive
@@ -64,11 +66,13 @@ class _Segment:
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_SHM_HEADER) if total else torch.empty(0, dtype=torch.uint8)
         self.live_key: str | None = None  # the publication sealed into it; at most one
         self.bucket: SharedBucket | None = None  # the bucket whose tensors live here, if any
-        self.checksummed: threading.Event | None = None  # set once a pending checksum is written
+        self.checksummed: threading.Event | None = None  # set once a pending checksum is written (or abandoned)
+        self.abandoned = threading.Event()  # the pending checksum is no longer wanted: stop it
 
-    def seal(self, key: str, checksum_: int | None) -> None:
-        """checksum_ None: it follows (`finish_checksum`); receivers wait for it."""
-        _SHM_FIELDS.pack_into(self.mm, 0, _SHM_MAGIC, _seal_of(key), self.total, checksum_ or 0,
+    def seal(self, key: str, checksum_: int | None, total: int) -> None:
+        """Seals the segment's first `total` bytes as publication `key`. checksum_ None: it
+        follows (`finish_checksum`); receivers wait for it."""
+        _SHM_FIELDS.pack_into(self.mm, 0, _SHM_MAGIC, _seal_of(key), total, checksum_ or 0,
                               int(checksum_ is not None))
 
     def finish_checksum(self, value: int) -> None:
@@ -82,7 +86,12 @@ class _Segment:
             self.checksummed = None
 
     def unseal(self) -> None:
+        """The publication ends: a checksum still being computed is abandoned (within 64
+        MiB of summing; whoever would have read it is done), and only then is the seal
+        cleared, so no late write reaches the header of what comes next."""
+        self.abandoned.set()
         self.wait_for_checksum()
+        self.abandoned.clear()
         struct.pack_into("<Q", self.mm, 8, 0)
 
 
@@ -129,12 +138,14 @@ class _ShmPublisher:
         thread computes the checksum and writes it into the header while receivers already
         copy or checksum the bytes themselves, and they compare once it is there. A small
         one is checksummed here (faster than waking a thread that may wait for the GIL).
-        A segment holds one publication: a bucket published again while live moves first."""
+        A segment holds one publication: a bucket published again while live moves first
+        (a leading part of one cannot move: it is refused). A leading part publishes its
+        bytes only, from the segment's start."""
         if bucket.segment.live_key is not None:
             bucket.prepare_write()
-        segment = bucket.segment
-        if segment.total < self._defer_bytes:
-            handle = ParamHandle(**fields, checksum=checksum(segment.data), path=segment.path)
+        segment, data = bucket.segment, bucket.segment.data[: fields["total_bytes"]]
+        if data.numel() < self._defer_bytes:
+            handle = ParamHandle(**fields, checksum=checksum(data), path=segment.path)
             self._seal(segment, handle)
             return handle, segment
         handle = ParamHandle(**fields, checksum=None, path=segment.path)
@@ -144,22 +155,24 @@ class _ShmPublisher:
             self._checksummer = threading.Thread(target=self._checksum_loop, args=(self._pending,),
                                                  name="param-checksum", daemon=True)
             self._checksummer.start()
-        self._pending.put((segment, done))
+        self._pending.put((segment, data, done))
         return handle, segment
 
     @staticmethod
     def _checksum_loop(pending: queue.SimpleQueue) -> None:
         while True:
-            segment, done = pending.get()
+            segment, data, done = pending.get()
             try:
-                segment.finish_checksum(checksum(segment.data))
+                value = checksum(data, stopped=segment.abandoned.is_set)
+                if value is not None:
+                    segment.finish_checksum(value)
             finally:
                 done.set()
 
     @staticmethod
     def _seal(segment: _Segment, handle: ParamHandle) -> None:
         segment.live_key = handle.key
-        segment.seal(handle.key, handle.checksum)  # last: receivers only trust sealed segments
+        segment.seal(handle.key, handle.checksum, handle.total_bytes)  # last: receivers only trust sealed segments
 
     def release(self, segment: _Segment) -> None:
         segment.unseal()
@@ -214,6 +227,21 @@ class SharedBucket:
             pack_into(self.segment.data, tensors, self.layout)
         self.tensors = unpack(self.segment.data, self.layout)
         self.moves = 0  # copy-on-write moves so far
+        self.whole = self  # the bucket whose segment this is (itself, unless a leading part)
+
+    def leading(self, count: int, rename: Callable[[str], str]) -> SharedBucket:
+        """The bucket's first `count` tensors, as a bucket of their own (named `rename(name)`)
+        over the start of the same segment: published over shm it seals those bytes only,
+        without a copy. The same rule holds: nothing may change while that is live. It
+        cannot move (prepare_write refuses) and is not closed: the whole bucket owns the
+        segment."""
+        part = object.__new__(SharedBucket)
+        end = self.layout[count - 1].offset + self.layout[count - 1].nbytes if count else 0
+        part.layout = [msgspec.structs.replace(spec, name=rename(spec.name)) for spec in self.layout[:count]]
+        part.total_bytes = round_up(end, ALIGN)
+        part._shm, part.segment, part.moves, part.whole = self._shm, self.segment, 0, self
+        part.tensors = unpack(self.segment.data, part.layout)
+        return part
 
     def prepare_write(self) -> bool:
         """Make `tensors` safe to modify; True if they moved (re-point your references)."""
@@ -221,6 +249,8 @@ class SharedBucket:
             raise RuntimeError("prepare_write() on a closed SharedBucket")
         if self.segment.live_key is None:
             return False
+        if self.whole is not self:
+            raise RuntimeError("the segment of a SharedBucket's leading part is published already; it cannot move")
         old, new = self.segment, self._shm.allocate(self.total_bytes)
         np.copyto(new.data.numpy(), old.data.numpy())
         old.bucket, new.bucket = None, self  # the live publication frees the old one on release
@@ -230,7 +260,9 @@ class SharedBucket:
 
     def close(self) -> None:
         """Give the segment back (now, or when its live publication is released). The
-        tensors must not be used afterwards."""
+        tensors must not be used afterwards. A leading part gives nothing back."""
+        if self.whole is not self:
+            return
         segment, self.segment, self.tensors = self.segment, None, {}
         if segment is not None:
             segment.bucket = None
@@ -304,16 +336,18 @@ class _ShmReceiver:
             os.close(fd)
             raise ParamTransferError(f"{describe(handle)}: segment {handle.path} is truncated ({st.st_size} bytes, "
                                      f"needs {_SHM_HEADER + handle.total_bytes}). Ask for a fresh publish.")
-        ident = (st.st_dev, st.st_ino)
+        ident, needed = (st.st_dev, st.st_ino), _SHM_HEADER + handle.total_bytes
         cached = self._maps.pop(ident, None)
-        if cached is not None and len(cached[1]) == st.st_size:
+        if cached is not None and needed <= len(cached[1]) <= st.st_size:
             os.close(fd)
             fd, mm = cached
         else:
             if cached is not None:
                 os.close(cached[0])
+            # The publication only: a trainer's weights are the first part of a segment
+            # that holds its whole training state.
             populate = getattr(mmap, "MAP_POPULATE", 0)  # one fault pass in the kernel, not 250k
-            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, needed, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
         self._maps[ident] = (fd, mm)
         self._prune()
         return mm

@@ -58,6 +58,9 @@ class CudaIpcInfo(msgspec.Struct, frozen=True, array_like=True):
     # The GPU's UUID: receivers number GPUs their own way (pinning, an engine's workers),
     # so they find the GPU the memory is on by it. Empty: the device index is used.
     uuid: str = ""
+    # Names the allocation, the same for every publication that reuses it: a receiver
+    # that has it mapped maps nothing again.
+    allocation: str = ""
 
 
 class NcclInfo(msgspec.Struct, frozen=True, array_like=True):

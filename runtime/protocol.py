@@ -521,7 +521,8 @@ class OptimStep(Message):
     # counts itself), so the step is the full-batch mean whatever the split. `samples` is
     # how many samples the controller meant the step to cover: a trainer that accumulated
     # a different number refuses the step. A sender without `samples` (-1) states it as
-    # grad_scale = 1 / samples (0: none).
+    # grad_scale = 1 / samples (0: none). The step ends the agent's last publication (its
+    # weights may be published where they live): send it only once nothing reads that.
     KIND = Kind.OPTIM_STEP
     request_id: int
     agent: str

@@ -9,12 +9,19 @@ its 17-19 ms is that machinery's Python, not copying: the kernel packing is abou
 `InPlaceReload` does only the copying and the packing. It works from a plan made once
 from the checkpoint names: which vLLM module takes each tensor, and, for the fused layers
 vLLM builds (q, k, v into `qkv_proj`; gate and up into `gate_up_proj`, in the model's
-`packed_modules_mapping` order), where in the fused matrix it goes. Each reload then
+`packed_modules_mapping` order), where in the fused matrix it goes. Each reload then, once
+every shape is checked, module by module
 - copies plain parameters (norms, embeddings; an embedding's padded rows stay zero) in place;
-- gives each linear layer whose matrix the kernel packing dropped a fresh matrix of the
-  fused rows, and each bias its fused values;
-- runs the post-loading step of every module that has one (the same step vLLM's reload
-  runs), which packs the new matrices.
+- gives each linear layer whose matrix the kernel packing dropped the matrix of its fused
+  rows (an unfused one: the received tensor itself), and each bias its fused values;
+- runs the post-loading step of the module if it has one (the same step vLLM's reload
+  runs), which packs the new matrix.
+A fused matrix is put together in one staging buffer, kept across modules and reloads: the
+packing copies it into the kernel's own layout, so the buffer is free again as soon as the
+module is packed (unless the module kept it as its weight: then it is the module's, and a
+new one is made). Fresh buffers for every layer would be faulted in at every reload. A
+module never keeps a received tensor as its weight: those are views of the publisher's
+memory, which its next publication reuses.
 
 Hand-written because vLLM offers no reload without its layer-wise machinery. Only the
 layouts it knows are taken: a CPU engine, one tensor-parallel rank, unquantized modules,
@@ -104,6 +111,7 @@ class InPlaceReload:
     def __init__(self) -> None:
         self._plan: Plan | None = None
         self.refused: str | None = None  # why the in-place path is off for this engine
+        self._fused: torch.Tensor | None = None  # the staging buffer of fused matrices (bytes)
 
     def __call__(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> bool:
         """Loads `weights` (checkpoint names, every weight of the model) into `model`;
@@ -119,36 +127,76 @@ class InPlaceReload:
             self.refused = str(exc)
             return False
         with torch.no_grad():
-            for module, param, value in staged:
-                current = getattr(module, param)
-                if current.numel() == 0:  # packed away: the kernel packing takes a fresh matrix
-                    setattr(module, param, torch.nn.Parameter(value.to(current.dtype).contiguous(),
-                                                              requires_grad=False))
-                elif tuple(current.shape) == tuple(value.shape):
-                    current.data.copy_(value)
-                else:  # an embedding padded to a multiple of its block: padding rows zero, as vLLM leaves them
-                    current.data[: value.shape[0]].copy_(value)
-                    current.data[value.shape[0]:].zero_()
-            for module in {id(m): m for m, _, _ in staged}.values():
+            for module, params in staged:
+                for param, tensors in params:
+                    self._load(module, param, tensors)
                 method = getattr(module, "quant_method", None)
                 if method is not None:
                     method.process_weights_after_loading(module)
+                self._own(module, [t for _, tensors in params for t in tensors])
         return True
 
-    def _staged(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> list[tuple[Any, str, torch.Tensor]]:
+    def _own(self, module: torch.nn.Module, received: list[torch.Tensor]) -> None:
+        """After packing, the module must hold nothing of the received tensors (the
+        publisher reuses that memory for its next version) nor of the staging buffer: where
+        no kernel packing took a copy of its own (a dtype the kernel does not pack falls
+        back to a plain matmul over the weight as it was given), the weight is copied."""
+        theirs = {t.untyped_storage().data_ptr() for t in received}
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.numel() and p.untyped_storage().data_ptr() in theirs:
+                setattr(module, name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+            elif self._fused is not None and self._holds(p):
+                self._fused = None  # the module computes with it: it is the module's now
+
+    def _load(self, module: torch.nn.Module, param: str, tensors: list[torch.Tensor]) -> None:
+        current = getattr(module, param)
+        if current.numel() == 0:  # packed away: the kernel packing takes a fresh matrix
+            value = tensors[0] if len(tensors) == 1 else self._fuse(tensors, param)
+            setattr(module, param, torch.nn.Parameter(value.to(current.dtype).contiguous(), requires_grad=False))
+            return
+        value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+        if tuple(current.shape) == tuple(value.shape):
+            current.data.copy_(value)
+        else:  # an embedding padded to a multiple of its block: padding rows zero, as vLLM leaves them
+            current.data[: value.shape[0]].copy_(value)
+            current.data[value.shape[0]:].zero_()
+
+    def _fuse(self, tensors: list[torch.Tensor], param: str) -> torch.Tensor:
+        """The fused matrix, in the staging buffer (a bias: a tensor of its own, since the
+        packed module keeps computing with it)."""
+        rows = sum(t.shape[0] for t in tensors)
+        shape, dtype = (rows, *tensors[0].shape[1:]), tensors[0].dtype
+        if param != "weight":
+            return torch.cat(tensors, 0)
+        nbytes = rows * tensors[0][0].numel() * dtype.itemsize
+        if self._fused is None or self._fused.numel() < nbytes:
+            self._fused = torch.empty(nbytes, dtype=torch.uint8)
+        out = self._fused[:nbytes].view(dtype).view(shape)
+        torch.cat(tensors, 0, out=out)
+        return out
+
+    def _holds(self, tensor: torch.Tensor) -> bool:
+        start = self._fused.data_ptr()
+        return tensor.numel() > 0 and start <= tensor.data_ptr() < start + self._fused.numel()
+
+    def _staged(self, model: torch.nn.Module,
+                weights: dict[str, torch.Tensor]) -> list[tuple[torch.nn.Module, list[tuple[str, list[torch.Tensor]]]]]:
+        """Per module of the plan, its parameters and the tensors that fill each (in fused
+        order); raises NotPlannable if any shape does not fit."""
         staged = []
         for target in self._plan.targets:
             module = model.get_submodule(target.module_name)
+            params = []
             for param, names in target.parts.items():
                 tensors = [weights[n] for n in names]
-                value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
                 current = getattr(module, param)
                 expected = _expected_shape(module, param, current)
-                fits = tuple(value.shape) == expected or (
-                    len(names) == 1 and value.ndim == len(expected) and value.shape[1:] == expected[1:]
-                    and value.shape[0] < expected[0] and current.numel() > 0)
-                if not fits:
-                    raise NotPlannable(f"{target.module_name}.{param}: got {tuple(value.shape)} for a "
-                                       f"parameter of shape {expected}")
-                staged.append((module, param, value))
+                shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+                fits = shape == expected or (
+                    len(names) == 1 and tensors[0].ndim == len(expected) and shape[1:] == expected[1:]
+                    and shape[0] < expected[0] and current.numel() > 0)
+                if not fits or any(t.shape[1:] != tensors[0].shape[1:] or t.dtype != tensors[0].dtype for t in tensors):
+                    raise NotPlannable(f"{target.module_name}.{param}: got {shape} for a parameter of shape {expected}")
+                params.append((param, tensors))
+            staged.append((module, params))
         return staged

@@ -3,13 +3,19 @@
 Commands run one at a time on a worker thread (so heartbeats keep flowing while a
 backward pass runs), in arrival order, except that any other command passes queued
 micro-batches of other agents (`CommandQueue`): INIT_AGENT, TRAIN_MICROBATCH (forward/backward,
-gradients accumulate), OPTIM_STEP (one step, zero the gradients, bump the version),
+gradients accumulate), OPTIM_STEP (end the last publication, one step, zero the gradients, bump the version),
 PUBLISH_WEIGHTS (hand the weights to the parameter channel; the bytes go straight to the
-rollout workers), SAVE_CHECKPOINT (Hugging Face safetensors, and the whole training state
+rollout workers; from a shared training state over shm, sealed where they live), SAVE_CHECKPOINT (Hugging Face safetensors, and the whole training state
 for resuming), and the swaps of
 agent-centric training: OFFLOAD_AGENT (park the whole training state in the channel and
 stop holding it), LOAD_AGENT (rebuild it from a parked copy, here or on another trainer),
 RELEASE_STATE (drop a parked copy once its new owner has it).
+
+A trainer of one process parks an agent without a second copy and keeps it whole
+(shared_state.py): on the CPU its training state lives in a shared-memory bucket from the
+start, and parking publishes that bucket as it is; a LOAD_AGENT of a copy it parked
+itself takes it back (nothing is built or copied on the CPU), and SAVE_CHECKPOINT of a
+parked agent writes it from the kept state, without a swap-in.
 
 An agent that is a LoRA adapter (InitAgent/LoadAgent with `lora`) shares its base with the
 trainer's other adapter agents of it (`adapters.SharedBase`, loaded once, frozen); its
@@ -18,9 +24,8 @@ optimizer state, never the base.
 
 Each command type maps to one method in `TrainerHandler.COMMANDS`, written once: a trainer
 group (trainer_group.py) runs the same commands and overrides only the steps that differ
-across ranks (`_new_model`, `_receive`, `_share`, `_reduce`, `_full_weight`,
-`_local_state`, `_gather_handles`, `_checkpoint_state_dict`; `rank` and `world`). The loss
-itself is in `loss.py`.
+across ranks (`_new_model`, `_receive`, `_share`, `_reduce`, `_full_weight`, `_park`,
+`_checkpoint_state_dict`; `rank` and `world`). The loss itself is in `loss.py`.
 
 It decides nothing: which samples, when to step and where weights go all come from the
 controller. It does check what it is told: a micro-batch for the wrong version, a sample
@@ -44,6 +49,7 @@ from flexmarl.runtime.staleness import too_stale
 from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
 from .precision import TrainPlacement
 from .session import CommandHandler
+from .shared_state import SharedTrainingState
 
 log = logging.getLogger("flexmarl.trainer")
 
@@ -96,7 +102,9 @@ class AgentState:
     max_grad_norm: float
     sums: StepSums = field(default_factory=StepSums)  # what the gradients accumulated since the last step cover
     published: Any = None  # the parameter-channel handle of the latest published weights
-    bucket: Any = None  # a SharedBucket holding the parameters, once they are published over shm
+    # Its training state in shared memory (shared_state.py): on the CPU while resident and
+    # parked, on a GPU while parked; None otherwise (a GPU's live state, a trainer group's).
+    shared: Any = None
     # The frozen initial weights a KL penalty pulls towards. Never parked: they are the
     # model at `model_path`, rebuilt from there on first use after the agent moves.
     reference: Any = None
@@ -109,30 +117,32 @@ class AgentState:
         return int(self.sums.samples)
 
 
-def training_state(model: Any, optimizer: Any, sums: StepSums | None = None) -> dict[str, Any]:
-    """Everything needed to resume training exactly: weights, pending gradients, the
-    optimizer's per-parameter state and the sums of the step in progress, as one flat
-    name -> tensor map."""
+def training_state(model: Any, optimizer: Any, sums: StepSums | None = None, grads: bool = True) -> dict[str, Any]:
+    """Everything needed to resume training exactly: weights, pending gradients (none with
+    grads=False: between steps they are zero), the optimizer's per-parameter state and the
+    sums of the step in progress, as one flat name -> tensor map."""
     # Parameters, not the state dict: a tied head is the embedding itself, listed once.
     tensors = {f"param/{k}": v.detach() for k, v in model.named_parameters()}
     tensors.update({f"step/{k}": v for k, v in (sums.to_tensors() if sums else {}).items()})
     for name, p in model.named_parameters():
-        if p.grad is not None:
+        if grads and p.grad is not None:
             tensors[f"grad/{name}"] = p.grad.detach()
         for key, value in optimizer.state.get(p, {}).items():
             tensors[f"optim/{name}/{key}"] = value.detach()
     return tensors
 
 
-def model_skeleton(model_path: str, dtype: Any) -> Any:
-    """The model of `model_path`'s config with its parameters allocated but not initialised,
-    for a state that is about to be copied in (a swap-in, a resume). Initialising first
-    would write every weight twice: for a 0.5B model, random init takes longer than the
-    copy itself. Buffers computed at construction (rotary frequencies) are still built."""
+def model_skeleton(model_path: str, dtype: Any, device: Any = "cpu") -> Any:
+    """The model of `model_path`'s config with its parameters allocated on `device` but not
+    initialised, for a state that is about to be copied in (a swap-in, a resume): on a GPU
+    straight into device memory, never a whole copy in host memory first. Initialising
+    first would write every weight twice: for a 0.5B model, random init takes longer than
+    the copy itself. Buffers computed at construction (rotary frequencies) are still built."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():  # it skips tying too: a tied head would be a separate tensor
+    with no_init_weights(), torch.device(device):  # it skips tying too: a tied head would be a separate tensor
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
     model.tie_weights()
     return model
@@ -209,11 +219,6 @@ def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tupl
     return path, nbytes
 
 
-def _point_parameters_at(model: Any, tensors: dict[str, Any]) -> None:
-    for name, p in model.named_parameters():
-        p.data = tensors[name]
-
-
 class TrainerHandler(CommandHandler):
     role = "trainer"
     # What each micro-batch's loss is multiplied by before backward. 1 here; a trainer group
@@ -228,7 +233,8 @@ class TrainerHandler(CommandHandler):
         self._commands = CommandQueue()
         self.busy_s = 0.0
         self._channel: Any = None
-        self.parked: dict[str, Any] = {}  # handle key -> parked training state this trainer serves
+        self.parked: dict[str, Any] = {}  # handle key -> a copy of a training state this trainer parked
+        self.kept: dict[str, AgentState] = {}  # handle key -> an agent parked here whole (`_park`)
         self.bases: dict[str, Any] = {}  # base model path -> adapters.SharedBase of its resident adapter agents
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
@@ -263,6 +269,17 @@ class TrainerHandler(CommandHandler):
                            f"(resident: {sorted(self.agents)})")
         return state
 
+    def _held(self, agent: str) -> AgentState:
+        """The agent's state where this trainer holds it: resident, or parked here whole."""
+        kept = [state for state in self.kept.values() if state.name == agent]
+        if agent in self.agents or not kept:
+            return self._resident(agent)
+        return kept[0]
+
+    def _shares_state(self, placement: TrainPlacement) -> bool:
+        """Whether an agent's live training state lives in shared memory (shared_state.py)."""
+        return self.world == 1 and placement.device.type == "cpu"
+
     # ---------------------------------------------------------------- the steps a group overrides
 
     def _new_model(self, msg: protocol.InitAgent | protocol.LoadAgent,
@@ -278,17 +295,22 @@ class TrainerHandler(CommandHandler):
         elif pretrained:
             model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
             placement.prepare(model)
-        else:  # received in host memory first, then onto the device (`_receive`)
-            model = model_skeleton(msg.model_path, placement.param_dtype)
+        else:  # the parked state is received into it, on its device (`_receive`)
+            model = model_skeleton(msg.model_path, placement.param_dtype, placement.device)
         return model, torch.optim.Adam(model.parameters(), lr=msg.lr), placement
 
-    def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:
-        """This process's part of the parked state named in `msg` into a model of `_new_model`."""
-        sums = receive_training_state(self.channel(), msg.handle, model, optimizer)
+    def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any,
+                 placement: TrainPlacement) -> tuple[StepSums, Any]:
+        """This process's part of the parked state named in `msg` into a model of
+        `_new_model`; its sums, and the SharedTrainingState it now lives in (or None)."""
+        if self._shares_state(placement):
+            shared, sums = SharedTrainingState.receive(self.channel(), msg.handle, model, optimizer)
+        else:
+            shared, sums = None, receive_training_state(self.channel(), msg.handle, model, optimizer)
         if msg.lora is None:  # an adapter is on its base's device already
             placement.prepare(model)
         placement.move_state(optimizer)
-        return sums
+        return sums, shared
 
     def _share(self, msg: protocol.TrainMicroBatch) -> tuple[protocol.TrainMicroBatch, bool]:
         """The part of a micro-batch this process trains, and whether it holds real samples."""
@@ -313,12 +335,16 @@ class TrainerHandler(CommandHandler):
         """One whole parameter in `dtype`."""
         return param.detach().to(dtype)
 
-    def _local_state(self, state: AgentState) -> dict[str, Any]:
-        """The part of the agent's training state this process parks."""
-        return training_state(state.model, state.optimizer, state.sums)
-
-    def _gather_handles(self, handle: Any) -> list[Any]:
-        """Every process's handle of what it parked, rank 0's first."""
+    def _park(self, state: AgentState, transport: str) -> list[Any]:
+        """Publishes the agent's training state for a LOAD_AGENT here or elsewhere; every
+        process's handle, rank 0's first. Here the state is kept whole, in shared memory
+        (`shared_state`: on the CPU it is there already, nothing is copied) until it is
+        taken back or released."""
+        if state.shared is None:  # on a GPU: copied to host memory tensor by tensor
+            state.shared = SharedTrainingState.adopt(self.channel(), state.model, state.optimizer)
+        handle = state.shared.park(self.channel(), state.name, state.version, state.sums, transport)
+        state.reference = None  # rebuilt from the model path on first use after the swap-in
+        self.kept[handle.key] = state
         return [handle]
 
     def _checkpoint_state_dict(self, state: AgentState) -> dict[str, Any] | None:
@@ -332,8 +358,9 @@ class TrainerHandler(CommandHandler):
 
         torch.manual_seed(msg.seed)
         model, optimizer, placement = self._new_model(msg, pretrained=True)
+        shared = SharedTrainingState.adopt(self.channel(), model, optimizer) if self._shares_state(placement) else None
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm,
-                                            placement=placement)
+                                            placement=placement, shared=shared)
         n = sum(p.numel() for p in model.parameters())
         log.info("agent %s resident: %d parameters from %s on %s (%s weights, %s compute)", msg.agent, n,
                  msg.model_path, placement.device, placement.param_dtype, placement.compute_dtype)
@@ -386,8 +413,10 @@ class TrainerHandler(CommandHandler):
                              "applied: the controller and this trainer disagree on what was trained "
                              "(a micro-batch lost or sent twice?)")
         norm = torch.zeros(())
-        if state.bucket is not None and state.bucket.prepare_write():
-            _point_parameters_at(state.model, state.bucket.tensors)  # the published copy stays frozen
+        # The controller sends a step only while no receiver reads the agent's publication
+        # (it forgets the handle, under its sync lock): the step ends it, since the weights
+        # it may be (shared_state) change in place now.
+        self._end_publication(state)
         sums = state.sums
         skipped = False
         if sums.denominator > 0:  # 0: the global batch had no samples; the version still advances
@@ -403,7 +432,10 @@ class TrainerHandler(CommandHandler):
                             "weights unchanged", state.name, msg.version, float(norm))
             else:
                 state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
+        if state.shared is not None:  # the gradients stay where they live
+            state.shared.zero_grads()
+        else:
+            state.optimizer.zero_grad(set_to_none=True)
         state.version = msg.version
         state.sums = StepSums()
         return protocol.StepDone(msg.request_id, state.name, state.version, float(norm),
@@ -426,24 +458,25 @@ class TrainerHandler(CommandHandler):
 
     def _publish_from(self, source: Any, msg: protocol.PublishWeights, state: AgentState, dtype: Any,
                       t0: float) -> protocol.WeightsPublished:
-        # A model on the CPU can live in shared memory; one on a GPU is copied out at publish.
-        if (msg.transport == "shm" and state.placement.device.type == "cpu" and self.world == 1
-                and dtype == state.placement.param_dtype):
-            if state.bucket is None:
-                # From now on the parameters live in shared memory and a publish copies nothing.
-                state.bucket = self.channel().shared_bucket(source)
-                _point_parameters_at(state.model, state.bucket.tensors)
-            source = state.bucket or source
+        # Nobody reads the last publication any more (the controller sends a publish only
+        # once the last one's receivers loaded it): it goes first, and its memory takes the
+        # new one where it was a copy.
+        self._end_publication(state)
+        if state.shared is not None and msg.transport == "shm" and dtype == state.placement.param_dtype:
+            # The weights where they live, sealed in place: the step ends the publication.
+            source = state.shared.weights()
         handle = self.channel().publish(source, agent=state.name, version=state.version,
                                         transport=msg.transport,
                                         receivers=max(1, len(msg.targets)) * max(1, msg.ranks_per_target),
                                         group=msg.group)
-        # The controller publishes version v + 1 only after every receiver loaded v.
-        if state.published is not None:
-            self.channel().release(state.published)
         state.published = handle
         return protocol.WeightsPublished(msg.request_id, state.name, state.version, handle, handle.total_bytes,
                                          time.perf_counter() - t0)
+
+    def _end_publication(self, state: AgentState) -> None:
+        if state.published is not None:
+            self.channel().release(state.published)
+            state.published = None
 
     def channel(self) -> Any:
         if self._channel is None:
@@ -454,16 +487,9 @@ class TrainerHandler(CommandHandler):
     def _offload(self, msg: protocol.OffloadAgent) -> protocol.AgentOffloaded:
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
-        handle = self.channel().publish(self._local_state(state), agent=state.name, version=state.version,
-                                        transport=msg.transport)
-        handles = self._gather_handles(handle)
-        # The parked copy is complete and checksummed; only now is the live state dropped.
-        if state.published is not None:
-            self.channel().release(state.published)
-        if state.bucket is not None:
-            state.bucket.close()
-        self._drop(state.name)
-        self.parked[handles[0].key] = handle  # every process files its own part under rank 0's key
+        self._end_publication(state)  # parking ends it (the controller forgets it): the segment is parked whole
+        handles = self._park(state, msg.transport)
+        del self.agents[state.name]  # the parked copy is complete; only now is the agent no longer resident
         return protocol.AgentOffloaded(msg.request_id, state.name, state.version, state.accumulated, handles[0],
                                        sum(h.total_bytes for h in handles), time.perf_counter() - t0,
                                        handles[1:])
@@ -471,6 +497,9 @@ class TrainerHandler(CommandHandler):
     def _load_agent(self, msg: protocol.LoadAgent) -> protocol.AgentReady:
         if msg.agent in self.agents:
             raise ValueError(f"agent {msg.agent!r} is already resident here")
+        kept = self.kept.get(msg.handle.key)
+        if kept is not None:
+            return self._take_back(msg, kept)
         if len(msg.shards) + 1 != self.world:
             raise ValueError(f"the parked state of {msg.agent} has {len(msg.shards) + 1} shards and this trainer "
                              f"has {self.world} ranks; a state moves only between trainers of the same size")
@@ -479,12 +508,29 @@ class TrainerHandler(CommandHandler):
         # and the model is dropped (an adapter leaves its base), so this trainer and the
         # parked copy stay as they were.
         try:
-            sums = self._receive(msg, model, optimizer, placement)
+            sums, shared = self._receive(msg, model, optimizer, placement)
         except Exception:
             if msg.lora is not None:
                 self._release_adapter(msg.model_path, msg.agent)
             raise
-        return self._admit(msg, model, optimizer, sums, placement)
+        ready = self._admit(msg, model, optimizer, sums, placement, shared)
+        own = self.parked.pop(msg.handle.key, None)  # a copy this process parked: loaded, so it goes
+        if own is not None:
+            self.channel().release(own)
+        return ready
+
+    def _take_back(self, msg: protocol.LoadAgent, state: AgentState) -> protocol.AgentReady:
+        """An agent this trainer parked whole becomes resident again (shared_state.py)."""
+        if (state.version, state.accumulated) != (msg.version, msg.accumulated):
+            raise ValueError(f"the state of {msg.agent} parked here is at version {state.version} with "
+                             f"{state.accumulated} samples accumulated, the controller says {msg.version} and "
+                             f"{msg.accumulated}; not loaded")
+        del self.kept[msg.handle.key]
+        if not state.shared.take_back(self.channel(), state.model, state.optimizer, state.placement.device):
+            state.shared = None
+        self.agents[msg.agent] = state
+        return protocol.AgentReady(msg.request_id, msg.agent, state.version,
+                                   sum(p.numel() for p in state.model.parameters()))
 
     def _new_adapter(self, msg: protocol.InitAgent | protocol.LoadAgent, placement: TrainPlacement,
                      seed: int) -> Any:
@@ -507,25 +553,27 @@ class TrainerHandler(CommandHandler):
         if not base.agents:  # the last adapter agent of this base left: so does the base
             del self.bases[base_path]
 
-    def _drop(self, agent: str) -> None:
-        """`agent` is no longer resident (parked elsewhere); an adapter leaves its base."""
-        state = self.agents.pop(agent)
-        if hasattr(state.model, "lora"):
-            self._release_adapter(state.model_path, agent)
-
     def _admit(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, sums: StepSums,
-               placement: TrainPlacement) -> protocol.AgentReady:
+               placement: TrainPlacement, shared: Any) -> protocol.AgentReady:
         """A received training state becomes resident, if it holds the gradients the
         controller says it does."""
         if int(sums.samples) != msg.accumulated:
+            if shared is not None:
+                shared.release(self.channel())
             raise ValueError(f"parked state of {msg.agent} holds gradients of {int(sums.samples)} samples, "
                              f"the controller says {msg.accumulated}; not loaded")
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
-                                            msg.max_grad_norm, sums, placement=placement)
+                                            msg.max_grad_norm, sums, placement=placement, shared=shared)
         return protocol.AgentReady(msg.request_id, msg.agent, msg.version,
                                    sum(p.numel() for p in model.parameters()))
 
     def _release_state(self, msg: protocol.ReleaseState) -> protocol.StateReleased:
+        kept = self.kept.pop(msg.handle.key, None)
+        if kept is not None:  # loaded elsewhere: the agent lives on there
+            kept.shared.release(self.channel())
+            if hasattr(kept.model, "lora"):
+                self._release_adapter(kept.model_path, kept.name)
+            return protocol.StateReleased(msg.request_id, msg.agent)
         parked = self.parked.pop(msg.handle.key, None)
         if parked is None:
             raise KeyError(f"no parked state {msg.handle.key} for {msg.agent} on this trainer")
@@ -536,8 +584,9 @@ class TrainerHandler(CommandHandler):
         """Weights in Hugging Face format (loadable by transformers and vLLM) and, with
         `full_state`, the whole training state as a disk file of the parameter channel.
         Written under a temporary name and renamed: a crash or a full disk mid-save never
-        leaves a half-written checkpoint under `path`, and a failed save leaves nothing."""
-        state = self._resident(msg.agent)
+        leaves a half-written checkpoint under `path`, and a failed save leaves nothing. A
+        parked agent is written from the state this trainer keeps of it."""
+        state = self._held(msg.agent)
         if msg.full_state and self.world > 1:
             raise ValueError(f"a trainer of {self.world} ranks saves the weights of {state.name} only; its "
                              "training state is sharded")
@@ -553,7 +602,8 @@ class TrainerHandler(CommandHandler):
             nonlocal handle
             state.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
             if msg.full_state:
-                tensors = training_state(state.model, state.optimizer, state.sums)
+                tensors = (state.shared.saved_tensors(state.sums) if state.shared is not None
+                           else training_state(state.model, state.optimizer, state.sums, grads=False))
                 handle = self.channel().publish(tensors, agent=state.name, version=state.version,
                                                 transport="disk", path=tmp / protocol.TRAINING_STATE_FILE)
                 self.channel().disown(handle)  # the file belongs to the run directory now

@@ -9,7 +9,7 @@ control traffic). Each command rank 0 receives is relayed to the other ranks bef
 rank executes it on its part of the state. The commands are the trainer's, written once in
 trainer.py; this class overrides only the steps that differ per rank (build and wrap a
 model, receive a shard, deal out samples and add up their sums, gather the full weights,
-a rank's local shard, every rank's park handle; `rank` 0 is the root):
+park a rank's local shard; `rank` 0 is the root):
 
 - INIT_AGENT / LOAD_AGENT: the model is sharded with FSDP2 (`fully_shard` on every decoder
   layer, then the root); each rank holds 1/N of the weights, gradients and optimizer state.
@@ -24,8 +24,10 @@ a rank's local shard, every rank's park handle; `rank` 0 is the root):
   on the agent's communicator the controller names).
 - OFFLOAD_AGENT / LOAD_AGENT / RELEASE_STATE: each rank parks its own shard in its own
   parameter channel; rank 0 replies with its handle, the other ranks' in `shards`, and a
-  later LOAD_AGENT hands rank r its own shard back. A state parked by a group of another
-  size cannot be loaded (the shards would not line up) and is refused.
+  later LOAD_AGENT hands rank r its own shard back (each rank copies it in; on the group that
+  parked it, the copy is then released). A state parked by a group of another size cannot
+  be loaded (the shards would not line up) and is refused. A parked agent's checkpoint is
+  written by swapping it in: the group keeps no whole state of it.
 - SAVE_CHECKPOINT: the full weights are gathered once; rank 0 writes them.
 
 Only rank 0 replies. After each command the ranks agree on whether all succeeded; a rank
@@ -214,8 +216,9 @@ class TrainerGroupHandler(TrainerHandler):
                                                 placement.activation_checkpointing,
                                                 serve_dtype=placement.compute_dtype)
 
-    def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any, placement: TrainPlacement) -> StepSums:
-        return receive_shard(self.channel(), ([msg.handle] + list(msg.shards))[self.rank], model, optimizer)
+    def _receive(self, msg: protocol.LoadAgent, model: Any, optimizer: Any,
+                 placement: TrainPlacement) -> tuple[StepSums, None]:
+        return receive_shard(self.channel(), ([msg.handle] + list(msg.shards))[self.rank], model, optimizer), None
 
     def _share(self, msg: protocol.TrainMicroBatch) -> tuple[protocol.TrainMicroBatch, bool]:
         """Rank r trains samples r, r + N, ...; a rank dealt none runs the zero-gradient stand-in."""
@@ -240,8 +243,14 @@ class TrainerGroupHandler(TrainerHandler):
         # first: the gather moves the served dtype's bytes, not float32's.
         return param.detach().to(dtype).full_tensor()
 
-    def _local_state(self, state: AgentState) -> dict[str, Any]:
-        return {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}
+    def _park(self, state: AgentState, transport: str) -> list[Any]:
+        """Each rank parks a copy of its own shard (the sharded tensors' local parts); the
+        live shards go with the agent once every rank's copy is made."""
+        local = {k: _local(v) for k, v in training_state(state.model, state.optimizer, state.sums).items()}
+        handle = self.channel().publish(local, agent=state.name, version=state.version, transport=transport)
+        handles = self._gather_handles(handle)
+        self.parked[handles[0].key] = handle  # every rank files its own part under rank 0's key
+        return handles
 
     def _gather_handles(self, handle: Any) -> list[Any]:
         encoded = msgspec.msgpack.encode(handle)

@@ -3,8 +3,8 @@ parsed, or its report's lines where it prints a table), so none breaks unseen. F
 not judged here: only that each bench runs to the end and reports every measurement.
 
 Benches that train the default job with real engines and trainers take a minute or more
-each and carry the `slow` mark. signals.py, gpu_check.py and controller_scale.py have smoke
-runs of their own (test_signals.py, test_gpu_check.py, test_controller_scale.py)."""
+each and carry the `slow` mark. signals.py, gpu_check.py, controller_scale.py and real_size.py have smoke
+runs of their own (test_signals.py, test_gpu_check.py, test_controller_scale.py, test_real_size.py)."""
 
 import asyncio
 import json
@@ -159,6 +159,14 @@ def test_ray_launch_runs_the_default_job_with_each_launcher_and_reports_both():
     assert rows[3]["setup_ratio_ray_over_local"] > 0 and rows[3]["samples_per_s_ratio_ray_over_local"] > 0
 
 
+def test_sync_stages_reports_each_stage_of_a_weight_sync_against_a_memory_copy(tmp_path):
+    rows = json_rows(run_bench("sync_stages.py", "--smoke", "--models", str(tmp_path)))
+    assert [r["stage"] for r in rows] == ["step", "publish", "receive", "copy", "re-pack", "all"]
+    assert all(r["bytes"] > 0 and r["memcpy_s"] > 0 and r["s"] >= 0 for r in rows)
+    assert rows[-1]["s"] == pytest.approx(sum(r["s"] for r in rows[:-1]), abs=1e-3)
+
+
+@pytest.mark.slow
 def test_openai_overhead_runs_the_same_job_and_episodes_through_ctx_chat_and_the_endpoint():
     rows = json_rows(run_bench("openai_overhead.py", "--smoke", timeout=1200))
     jobs, calls = rows[:3], rows[3:]

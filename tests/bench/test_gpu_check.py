@@ -24,8 +24,11 @@ def test_the_gpu_check_dry_run_runs_every_part_it_can_on_the_cpu_and_lists_the_r
     assert {"vllm_engine", "nccl_two_ranks"} <= {r["part"] for r in rows if r.get("not_run")}
     lora, = by_part["lora"]  # adapters of one base run on the CPU too
     assert lora["one_base"] and "differ" not in lora and 0 < lora["publish_bytes"] < lora["park_bytes"]
-    for part in ("gpu_tests", "cuda_ipc", "fsdp2", "nccl_setup", "fork_safe"):
+    for part in ("gpu_tests", "fsdp2", "nccl_setup", "fork_safe"):
         assert all(r.get("skipped") for r in by_part[part]), part
+    syncs, = by_part["cuda_ipc"]  # the same syncs over shm on the CPU: the first and later ones apart
+    assert syncs["transport"] == "shm" and syncs["syncs"] == 3 and len(syncs["receive_s_each"]) == 3
+    assert syncs["first_vs_copy"] > 0 and syncs["later_vs_copy"] > 0 and "mismatched" not in syncs
     train = by_part["train"]
     assert {(r["precision"], r["activation_checkpointing"]) for r in train} == {
         ("mixed", False), ("mixed", True), ("pure", False), ("pure", True)}

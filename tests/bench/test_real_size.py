@@ -1,6 +1,6 @@
 """bench/real_size.py at tiny shapes: the same `flexmarl run` path as the real-size job
-(model directories built from a config, a swap every step, a checkpoint and a resume),
-its JSON rows parsed. Not timed."""
+(model directories built from a config, a swap every step at capacity 1 against none at
+capacity 2, a checkpoint and a resume), its JSON rows parsed. Not timed."""
 
 import json
 import os
@@ -18,11 +18,16 @@ BENCH = ROOT / "bench" / "real_size.py"
 def test_the_real_size_bench_at_tiny_shapes_swaps_checkpoints_resumes_and_reports_every_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(BENCH), "--smoke", "--modes", "sync", "--steps", "1",
-                          "--keep", str(tmp_path / "runs"), "--models", str(tmp_path / "models")],
+                          "--capacities", "1,2", "--keep", str(tmp_path / "runs"), "--models", str(tmp_path / "models")],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = {r["run"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
-    assert set(rows) == {"sync", "sync-resumed", "memcpy"}
+    assert set(rows) == {"sync", "sync-resumed", "sync-capacity2", "memcpy", "sync-capacity-ratio"}
+    # One slot for two agents: each swapped in at most once a step; two slots: never.
+    assert all(0 <= n <= 1 for n in rows["sync"]["swap_ins_per_agent_step"].values())
+    assert set(rows["sync-capacity2"]["swap_ins_per_agent_step"].values()) == {0.0}
+    assert rows["sync"]["swap_wait_s"] >= 0 and not rows["sync"]["stopped"]
+    assert rows["sync-capacity-ratio"]["step_wall_ratio"] > 0 and len(rows["sync"]["step_wall_s"]) == 1
 
     first, resumed = rows["sync"], rows["sync-resumed"]
     assert first["optimizer_steps"] == 2 and resumed["optimizer_steps"] == 2  # one step of each of two agents

@@ -1,5 +1,11 @@
-from flexmarl.controller.decisions import choose_placement
+import asyncio
+import contextlib
+
+import pytest
+
+from flexmarl.controller.decisions import AgentWork, choose_placement
 from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol as p
 
 TRAINERS = ["t0", "t1"]
 
@@ -13,15 +19,27 @@ def test_unlimited_capacity_never_parks_anyone():
     assert choose_placement("d", TRAINERS, 0, resident, {}, {}, {}) == ("t1", None)
 
 
-def test_full_pool_parks_the_idle_agent_with_least_ready_work():
+def test_full_pool_parks_the_idle_agent_with_the_fewest_samples_coming():
     resident = {"a": "t0", "b": "t1"}
-    assert choose_placement("c", TRAINERS, 1, resident, {}, {"a": 5, "b": 1}, {}) == ("t1", "b")
+    work = {"a": AgentWork(coming=5), "b": AgentWork(coming=1)}
+    assert choose_placement("c", TRAINERS, 1, resident, {}, work, {}) == ("t1", "b")
 
 
-def test_an_agent_with_work_in_flight_is_never_parked():
+def test_an_agent_with_work_in_flight_or_ready_is_never_parked():
     resident = {"a": "t0", "b": "t1"}
-    assert choose_placement("c", TRAINERS, 1, resident, {"b": 1}, {"a": 5, "b": 0}, {}) == ("t0", "a")
+    assert choose_placement("c", TRAINERS, 1, resident, {"b": 1}, {}, {}) == ("t0", "a")
     assert choose_placement("c", TRAINERS, 1, resident, {"a": 1, "b": 2}, {}, {}) is None
+    ready = {"a": AgentWork(ready=4), "b": AgentWork(ready=1)}  # micro-batches formed, or a step due
+    assert choose_placement("c", TRAINERS, 1, resident, {}, ready, {}) is None
+
+
+def test_a_prefetch_parks_nobody_with_samples_coming_so_residents_never_swap_back_and_forth():
+    resident = {"a": "t0"}
+    coming = {"a": AgentWork(coming=2), "c": AgentWork(coming=8)}
+    assert choose_placement("c", ["t0"], 1, resident, {}, coming, {}) == ("t0", "a")  # work waits for c
+    assert choose_placement("c", ["t0"], 1, resident, {}, coming, {}, prefetch=True) is None
+    assert choose_placement("c", ["t0"], 1, resident, {}, {"c": AgentWork(coming=8)}, {},
+                            prefetch=True) == ("t0", "a")  # a has nothing coming: c's work is first
 
 
 def test_ties_go_to_the_longest_unused_agent():
@@ -101,7 +119,7 @@ def make_allocator(server, trainers, capacity=1):
     cfg = {a: AgentConfig(lr=1e-3, max_grad_norm=1.0) for a in ("a", "b", "c")}
     events = []
     alloc = TrainerAllocator(server, trainers, capacity, cfg, {a: f"/models/{a}" for a in cfg}, 0,
-                             lambda a: 0, events.append)
+                             lambda a: AgentWork(), events.append)
     return alloc, events
 
 
@@ -235,12 +253,14 @@ async def test_agents_are_placed_with_their_precision_and_a_groups_shards_travel
     from flexmarl.runtime import protocol as p
 
     server = FakeTrainers()
-    alloc, _ = make_allocator(server, ["t0"])
+    alloc, _ = make_allocator(server, ["t0", "t1"])
     alloc.agent_config["b"].dtype, alloc.agent_config["b"].activation_checkpointing = "bfloat16", True
-    await place(alloc, "a")
-    alloc.last_used.update(a=1.0)
-    await place(alloc, "b")  # a is parked off t0 (its group's three shards), b initialised there
-    await place(alloc, "a")  # and a comes back
+    await place(alloc, "a")  # t0
+    await place(alloc, "b")  # t1, initialised with its precision
+    alloc.last_used.update(a=1.0, b=2.0)
+    await place(alloc, "c")  # a is parked off t0 (its group's three shards), c initialised there
+    alloc.last_used.update(b=1.0, c=2.0)
+    assert await place(alloc, "a") == "t1"  # and a comes back on t1: t0 releases its copy
     by_type = {}
     for _, msg in server.messages:
         by_type.setdefault(type(msg).__name__, []).append(msg)
@@ -250,3 +270,168 @@ async def test_agents_are_placed_with_their_precision_and_a_groups_shards_travel
     assert load_a.settings == p.TrainerSettings() and load_a.shards == [b"shard-a-1", b"shard-a-2"]
     release_a = next(m for m in by_type["ReleaseState"] if m.agent == "a")
     assert release_a.handle == b"parked-a" and release_a.shards == [b"shard-a-1", b"shard-a-2"]
+
+
+# --- two agents sharing one trainer slot, driven by their real pipelines ----------------
+
+
+class OneTrainer:
+    """One trainer as the allocator and pipelines drive it: it refuses work for an agent that
+    is not resident (and a save of one it does not hold), counts what it is sent, and
+    replies only after the event loop has run other tasks, as a real one replies later."""
+
+    def __init__(self, turns=3):
+        import itertools
+
+        self.resident, self.parked, self.sent, self._ids = set(), set(), [], itertools.count(1)
+        self.turns = turns  # loop turns before a reply: 0 replies before anything else runs
+
+    def next_request_id(self):
+        return next(self._ids)
+
+    async def call(self, worker, msg, buffers=(), timeout=None, on_sent=None):
+        if on_sent is not None:
+            on_sent()
+        for _ in range(self.turns):
+            await asyncio.sleep(0)
+        self.sent.append((type(msg).__name__, msg.agent))
+        agent, rid = msg.agent, msg.request_id
+        if isinstance(msg, (p.InitAgent, p.LoadAgent)):
+            assert agent not in self.resident
+            self.parked.discard(agent)
+            self.resident.add(agent)
+            return p.AgentReady(rid, agent, getattr(msg, "version", 0), 10), []
+        if isinstance(msg, p.OffloadAgent):
+            self.resident.remove(agent)
+            self.parked.add(agent)
+            return p.AgentOffloaded(rid, agent, 0, 0, f"parked-{agent}".encode(), 100, 0.0), []
+        if isinstance(msg, p.SaveCheckpoint):
+            assert agent in self.resident | self.parked
+            return p.CheckpointSaved(rid, agent, msg.path, 1), []
+        if isinstance(msg, p.ReleaseState):
+            return p.StateReleased(rid, agent), []
+        assert agent in self.resident, f"{type(msg).__name__} for {agent}, which is not resident"
+        if isinstance(msg, p.TrainMicroBatch):
+            return p.MicroBatchDone(rid, agent, 0.0, 3 * len(msg.samples), 0.01), []
+        return p.StepDone(rid, agent, msg.version, 1.0, 0.01, p.StepStats(samples=msg.samples)), []
+
+    def loads(self, agent):
+        return self.sent.count(("LoadAgent", agent))
+
+
+class Saves:
+    """The checkpointer's side: every step is due, each save a SaveCheckpoint to the trainer named."""
+
+    full_state = True
+
+    def __init__(self, server):
+        self.server = server
+
+    def due(self, step):
+        return True
+
+    async def save_agent(self, agent, trainer, step):
+        await self.server.call(trainer, p.SaveCheckpoint(self.server.next_request_id(), agent, f"/ck/{agent}", True))
+
+
+def two_agents_on_one_trainer(mode="sync", turns=3):
+    from flexmarl.controller.allocator import TrainerAllocator
+    from flexmarl.controller.pipeline import AgentPipeline
+    from flexmarl.controller.schedule import BatchSchedule
+    from flexmarl.controller.store import ExperienceStore
+    from flexmarl.controller.trainer_lanes import TrainerLanes
+    from flexmarl.runtime.config import AgentConfig, PipelineConfig
+
+    agents = ["a", "b"]
+    store = ExperienceStore(agents)
+    schedule = BatchSchedule(agents, 1, 2, overlap=mode == "async", max_staleness=0)
+    store.on_ready.append(lambda g: schedule.work_arrived(g.agent))
+    server, events = OneTrainer(turns), []
+    pipelines = {}
+    alloc = TrainerAllocator(server, ["t0"], 1, {a: AgentConfig() for a in agents}, {a: f"/m/{a}" for a in agents},
+                             0, lambda a: pipelines[a].work(), events.append)
+
+    class Weights:
+        async def sync(self, agent, trainer, version):
+            assert agent in server.resident  # the publish reads the resident state
+            schedule.versions.set(agent, version)
+
+        @contextlib.asynccontextmanager
+        async def stepping(self, agent):
+            yield
+
+    class Metrics:
+        rows = []
+
+        def record(self, step, agent, version, samples, times, **extra):
+            self.rows.append((agent, extra))
+
+        def end_step(self, step, total):
+            pass
+
+        def make_durable(self):
+            pass
+
+    async def flush():
+        pass
+
+    lanes, metrics = TrainerLanes(), Metrics()
+    for a in agents:
+        pipelines[a] = AgentPipeline(a, PipelineConfig(mode=mode, micro_batch=2, queries_per_step=2), store,
+                                     schedule, alloc, Weights(), server, metrics, events.append, flush,
+                                     checkpoints=Saves(server), lanes=lanes)
+    return alloc, pipelines, store, schedule, server, metrics
+
+
+def episode(store, schedule, n):
+    """One episode: a's group, then b's (as in a chain), then the episode ends."""
+    for agent in ("a", "b"):
+        for s in store.open_group(agent, f"{agent}{n}", [1], 2, 1):
+            store.record_output(s.sample_id, [2], [-0.5], [0])
+            store.set_reward(s.sample_id, 1.0)
+    schedule.episode_ended(1)
+
+
+@pytest.mark.parametrize("turns", [0, 3])
+async def test_capacity_one_two_agents_one_sync_step_swaps_each_agent_in_at_most_once(turns):
+    alloc, pipelines, store, schedule, server, metrics = two_agents_on_one_trainer(turns=turns)
+    for agent in ("a", "b"):  # set-up, as the training run places them: b parks a
+        await alloc.acquire(agent)
+        alloc.release(agent)
+    set_up = len(server.sent)
+    runs = [asyncio.ensure_future(pl.run()) for pl in pipelines.values()]
+    episode(store, schedule, 0)
+    await asyncio.sleep(0.01)  # rollout goes on: a prefetch may bring in whoever trains first
+    episode(store, schedule, 1)
+    await asyncio.wait_for(asyncio.gather(*runs), 5)
+    loads = {agent: server.sent[set_up:].count(("LoadAgent", agent)) for agent in ("a", "b")}
+    assert all(n <= 1 for n in loads.values()), f"swap-ins in one step: {loads}; commands: {server.sent[set_up:]}"
+    assert sum(loads.values()) >= 1  # one slot, two agents: one of them comes in
+    # Each agent's metrics row counts its swap-ins.
+    assert {agent: extra["swap_ins"] for agent, extra in metrics.rows} == loads
+    assert all(extra["swap_wait_s"] >= 0 for _, extra in metrics.rows)
+
+
+async def test_a_checkpoint_of_a_parked_agent_is_written_from_its_parked_copy_without_a_swap_in():
+    alloc, pipelines, store, schedule, server, metrics = two_agents_on_one_trainer()
+    for agent in ("a", "b"):  # b's initialisation parks a
+        await alloc.acquire(agent)
+        alloc.release(agent)
+    assert server.parked == {"a"}
+    sent = len(server.sent)
+    await pipelines["a"]._checkpoint(0)
+    assert server.sent[sent:] == [("SaveCheckpoint", "a")]  # to the trainer holding the copy; nothing moved
+    assert server.parked == {"a"} and alloc.resident == {"b": "t0"}
+
+
+async def test_a_parked_agents_checkpoint_is_written_elsewhere_when_the_trainer_keeping_its_copy_is_gone():
+    server = FakeTrainers()
+    alloc, _ = make_allocator(server, ["t0", "t1"])
+    await place(alloc, "a")  # t0
+    await place(alloc, "b")  # t1
+    alloc.last_used.update(a=1.0, b=2.0)
+    await place(alloc, "c")  # a is parked with t0
+    alloc.trainer_died("t0")  # c's state died with it; a's parked copy is still readable where it was
+    async with alloc.holding("a") as trainer:
+        assert trainer == "t1"  # not the dead holder: swapped in on a live trainer for the save
+    assert ("t1", "LoadAgent", b"parked-a") in server.calls

@@ -289,6 +289,7 @@ async def test_after_parking_released_an_agents_weights_a_joining_instance_gets_
 
 async def test_parking_an_agent_makes_the_weight_sync_forget_its_released_handle():
     from flexmarl.controller.allocator import TrainerAllocator
+    from flexmarl.controller.decisions import AgentWork
 
     class Server:
         def next_request_id(self):
@@ -297,7 +298,7 @@ async def test_parking_an_agent_makes_the_weight_sync_forget_its_released_handle
         async def call(self, worker, msg, buffers=(), timeout=None):
             return protocol.AgentOffloaded(msg.request_id, msg.agent, 2, 0, "parked-state", 10, 0.0), []
 
-    alloc = TrainerAllocator(Server(), ["t0"], 1, {"a": None}, {}, 0, lambda a: 0, lambda e: None)
+    alloc = TrainerAllocator(Server(), ["t0"], 1, {"a": None}, {}, 0, lambda a: AgentWork(), lambda e: None)
     weights = WeightSync(["a"], Server(), lambda a: [], lambda e: None, lambda a, v: None)
     weights.published["a"] = "handle-a2"
     alloc.on_parked.append(weights.forget)

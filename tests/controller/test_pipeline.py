@@ -3,6 +3,7 @@ server, metrics): micro-batches go out while rollout runs (async) or after it (s
 then exactly one optimizer step over every sample, then one sync."""
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -37,6 +38,21 @@ class FakeAllocator:
 
     def prefetch(self, agent):
         pass
+
+    def work_changed(self):
+        pass
+
+    def swaps_of(self, agent):
+        from flexmarl.controller.allocator import SwapCount
+        return SwapCount()
+
+    @contextlib.asynccontextmanager
+    async def holding(self, agent):
+        trainer = await self.acquire(agent, lost="raise")
+        try:
+            yield trainer
+        finally:
+            self.release(agent)
 
 
 class FakeTrainer:
@@ -75,6 +91,11 @@ class FakeWeights:
 
     def forget(self, agent):
         self.forgotten = agent
+
+    @contextlib.asynccontextmanager
+    async def stepping(self, agent):
+        self.forget(agent)
+        yield
 
 
 class FakeMetrics:

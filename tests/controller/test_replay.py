@@ -142,6 +142,20 @@ def test_the_summary_prints_as_a_table():
                for line in text.splitlines())
 
 
+def test_the_summary_counts_each_agents_swap_ins_per_step_and_the_seconds_work_waited_on_them():
+    events = stamped(synthetic_run()[:-1],
+                     ev.AllocationChanged("trainer", "a", [], "parked", swap="out", seconds=0.2),
+                     ev.AllocationChanged("trainer", "b", ["t0"], "swapped in", swap="in", seconds=0.5,
+                                          waited_s=0.25),
+                     ev.AllocationChanged("trainer", "a", ["t0"], "swapped in from a checkpoint"),  # a load, no swap
+                     ev.AllocationChanged("rollout", "a", ["r1"], "moved"))
+    s = replay.summarize(events)
+    assert (s.agents["a"].swap_ins, s.agents["b"].swap_ins) == (0, 1)
+    assert s.agents["b"].swap_ins_per_step == 1.0 and s.agents["b"].swap_wait_s == 0.25
+    header = next(line for line in replay.format_summary(s).splitlines() if line.startswith("agent"))
+    assert "swap-ins/step" in header and "swap wait s" in header
+
+
 def test_the_trace_json_loads_and_has_one_named_track_per_worker_and_per_agent(tmp_path):
     path = tmp_path / "trace.json"
     replay.write_trace(replay.summarize(synthetic_run()), path)

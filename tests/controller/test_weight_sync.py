@@ -334,6 +334,7 @@ async def test_a_rank_dying_in_an_nccl_sync_cancels_the_others_and_the_sync_comp
     assert ws.versions["a"] == 1 and ws.instances.held == {"r0": ("a", 1)}
 
 
+<<<<<<< HEAD
 async def test_an_adapter_loads_late_cancel_spares_the_retry_of_the_same_version():
     """An adapter agent's NCCL sync loses r1; r0 is told to give up the first publication.
     That cancel reaching r0 only while it receives the retry (the same agent and version,
@@ -354,3 +355,22 @@ async def test_an_adapter_loads_late_cancel_spares_the_retry_of_the_same_version
     handler._applying = retry  # r0 is receiving the retry when the late cancel arrives
     await handler.handle(cancel, [])
     assert cancelled == [], "the cancel of the first publication cancelled its retry"
+=======
+async def test_a_step_waits_for_a_load_of_the_agents_publication_and_the_handle_is_never_sent_again():
+    from flexmarl.controller.weight_sync import Publication
+
+    ws = WeightSync(["a"], None, None, SyncedVersions(["a"]), lambda e: None)
+    ws.published["a"] = Publication(2, "handle-a2", "shm")
+    stepped = asyncio.Event()
+
+    async def step():
+        async with ws.stepping("a"):  # the trainer ends the publication with the step
+            stepped.set()
+
+    async with ws.locks["a"]:  # a joining instance loads the publication meanwhile
+        task = asyncio.create_task(step())
+        await asyncio.sleep(0.01)
+        assert not stepped.is_set() and ws.published["a"].handle == "handle-a2"
+    await asyncio.wait_for(task, 1)
+    assert stepped.is_set() and "a" not in ws.published  # a later join has it published again
+>>>>>>> issue30

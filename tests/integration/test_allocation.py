@@ -33,7 +33,12 @@ def run(run_dir, *overrides):
 def test_three_agents_swapping_on_one_trainer_match_three_dedicated_trainers(tmp_path):
     swapped_summary, swaps = run(tmp_path / "one", "cluster.trainer_workers=1", "cluster.trainer_capacity=1")
     dedicated_summary, none = run(tmp_path / "three", "cluster.trainer_workers=3")
-    assert none == 0 and swaps >= 3 * 3, "every agent should have been swapped in at every step"
+    assert none == 0 and swaps >= 3 * 2, "with one slot for three agents every step swaps"
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["swap_ins"] <= 1 for row in rows), "an agent was swapped in twice in one step"
+    assert all(sum(r["swap_ins"] for r in rows if r["step"] == step) >= 2 for step in (2, 3))
     for agent in AGENTS:
         assert swapped_summary.rewards[agent] == dedicated_summary.rewards[agent]
         a = load_file(str(tmp_path / "one" / "checkpoints" / "final" / agent / "model.safetensors"))

@@ -204,6 +204,23 @@ def test_k0_equals_sync_with_micro_batches_cut_by_a_token_budget(tmp_path):
     assert replay.check(events) is None  # the re-drive cuts the same micro-batches from the logged token counts
 
 
+def test_k0_equals_sync_bit_for_bit_on_one_trainer_slot_that_swaps_the_agents(tmp_path):
+    """With `cluster.trainer_capacity = 1` every step parks and takes back agents' training
+    states (in shared memory, without a copy); K = 0 still trains exactly what sync mode
+    trains, and no agent is swapped in twice in a step of either."""
+    runs = {}
+    for mode in ("sync", "async"):
+        runs[mode], _ = run_training(small_config(f"pipeline.mode='{mode}'", "pipeline.max_staleness=0",
+                                                  "cluster.trainer_capacity=1"), tmp_path / mode)
+        rows = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        assert sum(r["swap_ins"] for r in rows) >= 2 and (mode == "async" or max(r["swap_ins"] for r in rows) <= 1)
+    for agent in AGENTS:
+        assert runs["sync"].rewards[agent] == runs["async"].rewards[agent]
+        a = weights(tmp_path / "sync" / "checkpoints" / "final" / agent)
+        b = weights(tmp_path / "async" / "checkpoints" / "final" / agent)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), agent
+
+
 def test_async_k1_never_trains_past_the_bound_and_overlaps(tmp_path):
     # The level 1 balancer runs too, so the check below re-drives its observations as well.
     summary, _ = run_training(small_config("pipeline.mode='async'", "pipeline.max_staleness=1",

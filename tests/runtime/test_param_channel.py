@@ -813,3 +813,47 @@ def test_a_receiver_waiting_for_a_dead_publishers_checksum_fails_clearly(channel
     for receive in (lambda: receiver.receive(orphan), lambda: receiver.receive_into(orphan, dst, atomic=False)):
         with pytest.raises(ParamTransferError, match="died or stalled before it finished the checksum"):
             receive()
+
+
+def test_tensors_that_already_are_a_bucket_go_to_disk_as_they_lie_and_are_read_straight_back_verified(
+        channels, tmp_path):
+    channel = channels()
+    state = trained_state()
+    bucket = channel.shared_bucket(state)
+    names = list(bucket.tensors)[: len(state) // 2]  # a leading part, as a checkpoint takes of a training state
+    part = {name: bucket.tensors[name] for name in names}
+    handle = channel.publish(part, agent="a", version=1, transport="disk", path=tmp_path / "part.flexmarl")
+    assert channel.held_receive_buffers() == 0  # written from where the tensors lie: no host buffer made
+    assert all(torch.equal(t, state[k]) for k, t in channel.receive(handle).items())
+    into = channels().shared_bucket(state, copy=False)
+    dst = {name: into.tensors[name] for name in names}
+    reader = channels()
+    reader.receive_into(handle, dst, atomic=False)
+    assert reader.held_receive_buffers() == 0 and all(torch.equal(dst[k], state[k]) for k in names)
+    with open(handle.path, "r+b") as f:  # one flipped byte near the end of the file
+        f.seek(-8, 2)
+        byte = f.read(1)
+        f.seek(-8, 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ParamTransferError, match="checksum mismatch"):
+        reader.receive_into(handle, dst, atomic=False)
+
+
+def test_a_shared_buckets_leading_part_is_published_in_place_and_received_alone(channels):
+    publisher, receiver = channels(), channels()
+    state = trained_state()
+    bucket = publisher.shared_bucket(state)
+    names = list(state)[: len(state) // 3]
+    part = bucket.leading(len(names), lambda name: f"w/{name}")
+    handle = publisher.publish(part, agent="a", version=1, transport="shm")
+    assert handle.path == bucket.segment.path and handle.total_bytes < bucket.total_bytes  # no copy, its bytes only
+    got = receiver.receive(handle)
+    assert list(got) == [f"w/{n}" for n in names] and all(torch.equal(got[f"w/{n}"], state[n]) for n in names)
+    with pytest.raises(RuntimeError, match="cannot move"):
+        part.prepare_write()  # its publication is live, and a part cannot move out from under it
+    del got
+    receiver.release(handle)
+    publisher.release(handle)
+    part.close()  # the whole bucket owns the segment: nothing is given back
+    whole = publisher.publish(bucket, agent="a", version=2, transport="shm")  # then the whole of it
+    assert all(torch.equal(t, state[k]) for k, t in receiver.receive(whole).items())

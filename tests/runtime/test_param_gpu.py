@@ -114,37 +114,62 @@ def test_cuda_ipc_between_two_processes_on_one_gpu_lands_byte_exactly_in_a_model
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_cuda_ipc_publication_nobody_opened_is_freed_at_release():
+def test_a_released_cuda_ipc_allocation_is_reused_by_the_next_publication_and_freed_at_close():
     pytest.importorskip("cupy")
     nbytes = 256 * 2**20
     state = {"w": torch.ones(nbytes // 4, device="cuda:0")}
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info(0)[0]
     with ParamChannel(location=Location.here("cuda:0")) as channel:
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info(0)[0]
-        handle = channel.publish(state, agent="planner", version=1, transport="cuda_ipc")
+        first = channel.publish(state, agent="planner", version=1, transport="cuda_ipc")
+        channel.release(first)  # no receiver ever opened it: kept for the next one
+        second = channel.publish(state, agent="planner", version=2, transport="cuda_ipc")
+        assert second.cuda_ipc.allocation == first.cuda_ipc.allocation and second.key != first.key
         torch.cuda.synchronize()
         held = free_before - torch.cuda.mem_get_info(0)[0]
-        channel.release(handle)  # no receiver ever opened it
-        torch.cuda.synchronize()
-        freed = torch.cuda.mem_get_info(0)[0] - (free_before - held)
-    # The bucket is the state's bytes; the driver hands memory out in 2 MiB pages.
-    assert held >= nbytes and freed >= nbytes
+    torch.cuda.synchronize()
+    freed = torch.cuda.mem_get_info(0)[0] - (free_before - held)
+    # One bucket for both publications; the driver hands memory out in 2 MiB pages.
+    assert nbytes <= held < 2 * nbytes and freed >= nbytes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_receiver_unmaps_a_cuda_ipc_bucket_when_it_releases_the_handle(publisher):
+def test_a_receiver_keeps_a_cuda_ipc_mapping_across_syncs_and_unmaps_it_at_close(publisher):
     pytest.importorskip("cupy")
     proc = publisher("cuda_ipc")
     handle, want = read(proc)
     with ParamChannel(location=Location.here("cuda:0")) as receiver:
+        mappings = receiver._transport("cuda_ipc", ValueError).mappings
         got = receiver.receive(handle)
-        assert digests_of(got) == want
-        assert receiver.held_receive_buffers() == 1  # the mapping, until release
+        assert digests_of(got) == want and mappings.opened == 1
         del got
         receiver.release(handle)
-        assert receiver.held_receive_buffers() == 0
-        again = receiver.receive(handle)  # mapped afresh: the publisher still holds it
-        assert digests_of(again) == want
+        again = receiver.receive(handle)  # the same allocation: nothing mapped again
+        assert digests_of(again) == want and mappings.opened == 1 and len(mappings) == 1
         del again
+    assert len(mappings) == 0  # unmapped at close
     ask(proc, "close")
     assert proc.wait(60) == 0
+
+
+def test_a_receiver_maps_each_allocation_once_and_unmaps_the_least_recently_used_past_its_limit():
+    from flexmarl.runtime.param_gpu import IpcMappings
+    from flexmarl.runtime.param_types import CudaIpcInfo
+
+    opened, closed = [], []
+
+    class Mapping:  # what cudaIpcOpenMemHandle / cudaIpcCloseMemHandle would do, recorded
+        def __init__(self, info):
+            self.info = info
+            opened.append(info.allocation)
+
+        def close(self):
+            closed.append(self.info.allocation)
+
+    mappings = IpcMappings(2, Mapping)
+    a, b, c = (CudaIpcInfo(0, bytes([i]) * 64, 1024, allocation=name) for i, name in enumerate("abc"))
+    assert mappings.get(a) is mappings.get(a)  # a later sync from the same allocation maps nothing
+    mappings.get(b), mappings.get(a), mappings.get(c)  # b is then the least recently used
+    assert opened == ["a", "b", "c"] and closed == ["b"] and len(mappings) == 2
+    mappings.close()
+    assert sorted(closed) == ["a", "b", "c"] and mappings.opened == 3

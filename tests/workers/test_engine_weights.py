@@ -190,3 +190,42 @@ def test_the_in_place_plan_fills_fused_layers_in_order_and_refuses_what_it_canno
         Plan.build(Model(), ["layers.0.q_proj.weight", "layers.0.v_proj.weight"])
     with pytest.raises(NotPlannable, match="no module"):
         Plan.build(Model(), ["layers.0.mlp.down_proj.weight"])
+
+
+def test_a_reloaded_layer_whose_kernel_packs_nothing_keeps_no_view_of_the_received_weights():
+    """Where the matmul kernel cannot pack a dtype (bfloat16 without AVX-512 here), vLLM
+    falls back to a plain matmul over the weight as given: the engine must then hold a copy,
+    because the received tensors are views of the publisher's memory, which its next
+    version overwrites."""
+    from flexmarl.workers.engine_reload import InPlaceReload
+
+    class UnquantizedLinearMethod:  # vLLM's, where its kernel falls back: the weight stays as given
+        def process_weights_after_loading(self, layer):
+            pass
+
+    class Packable(torch.nn.Module):  # a linear layer after its first load: the matrix packed away
+        def __init__(self, out, inp):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+            self.output_size_per_partition, self.input_size_per_partition = out, inp
+            self.quant_method = UnquantizedLinearMethod()
+
+    class Model(torch.nn.Module):
+        packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj, self.down_proj = Packable(8, 4), Packable(4, 4)
+
+    published = {"gate_proj.weight": torch.randn(4, 4), "up_proj.weight": torch.randn(4, 4),
+                 "down_proj.weight": torch.randn(4, 4)}
+    want = {k: v.clone() for k, v in published.items()}
+    model, reload = Model(), InPlaceReload()
+    for _ in range(2):  # a second reload reuses the staging buffer of the first
+        assert reload(model, published)
+        for t in published.values():  # the publisher writes its next version into the same memory
+            t.add_(1.0)
+        assert torch.equal(model.down_proj.weight, want["down_proj.weight"])
+        assert torch.equal(model.gate_up_proj.weight, torch.cat([want["gate_proj.weight"], want["up_proj.weight"]]))
+        for k in want:
+            want[k] += 1.0
