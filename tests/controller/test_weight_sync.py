@@ -334,7 +334,6 @@ async def test_a_rank_dying_in_an_nccl_sync_cancels_the_others_and_the_sync_comp
     assert ws.versions["a"] == 1 and ws.instances.held == {"r0": ("a", 1)}
 
 
-<<<<<<< HEAD
 async def test_an_adapter_loads_late_cancel_spares_the_retry_of_the_same_version():
     """An adapter agent's NCCL sync loses r1; r0 is told to give up the first publication.
     That cancel reaching r0 only while it receives the retry (the same agent and version,
@@ -355,7 +354,8 @@ async def test_an_adapter_loads_late_cancel_spares_the_retry_of_the_same_version
     handler._applying = retry  # r0 is receiving the retry when the late cancel arrives
     await handler.handle(cancel, [])
     assert cancelled == [], "the cancel of the first publication cancelled its retry"
-=======
+
+
 async def test_a_step_waits_for_a_load_of_the_agents_publication_and_the_handle_is_never_sent_again():
     from flexmarl.controller.weight_sync import Publication
 
@@ -373,4 +373,3 @@ async def test_a_step_waits_for_a_load_of_the_agents_publication_and_the_handle_
         assert not stepped.is_set() and ws.published["a"].handle == "handle-a2"
     await asyncio.wait_for(task, 1)
     assert stepped.is_set() and "a" not in ws.published  # a later join has it published again
->>>>>>> issue30
