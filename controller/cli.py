@@ -1,7 +1,7 @@
 """The `flexmarl` command line.
 
     flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
-    flexmarl run --resume RUN_DIR [--steps N] [--resume-anyway]
+    flexmarl run --resume RUN_DIR [--resume-from step-N] [--steps N] [--resume-anyway]
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
@@ -10,8 +10,9 @@
 
 `run` puts everything on this host (workers are child processes); `controller` and
 `worker` are the pieces for several hosts. Any config key can be overridden with
-``--set section.key=value``. `--resume RUN_DIR` continues a run from its last complete
-checkpoint, with the config it was started with (plus any overrides given).
+``--set section.key=value``. `--resume RUN_DIR` continues a run from its newest intact
+checkpoint (or the one `--resume-from` names), with the config it was started with (plus
+any overrides given).
 """
 
 from __future__ import annotations
@@ -65,9 +66,20 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error in the config, "
                    "workflow, data or models (by default: one line)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its last complete checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest intact checkpoint")
+    p.add_argument("--resume-from", metavar="step-N", type=_checkpoint_step,
+                   help="with --resume: continue from the checkpoint of step N instead")
     p.add_argument("--resume-anyway", action="store_true",
                    help="with --resume: go on although run.seed, pipeline.queries_per_step or the data changed")
+
+
+def _checkpoint_step(text: str) -> int:
+    """'step-N', 'step-00000N' or 'N' -> N."""
+    digits = text.removeprefix("step-")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} names no checkpoint: give step-N (a directory under "
+                                         "RUN_DIR/checkpoints) or N")
+    return int(digits)
 
 
 def _experiment(args: argparse.Namespace, spawn_workers: bool):
@@ -78,7 +90,9 @@ def _experiment(args: argparse.Namespace, spawn_workers: bool):
             raise ConfigError("--resume continues a run with the config in its directory; "
                               "give no CONFIG (use --set to change a key)")
         return Experiment.resuming(args.resume, overrides=_overrides(args), spawn_workers=spawn_workers,
-                                   anyway=args.resume_anyway)
+                                   anyway=args.resume_anyway, step=args.resume_from)
+    if args.resume_from is not None:
+        raise ConfigError("--resume-from chooses the checkpoint of a --resume; give --resume RUN_DIR too")
     return Experiment(_config_from_args(args), spawn_workers=spawn_workers)
 
 

@@ -32,7 +32,7 @@ from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
-from .checkpoints import CheckpointError, check_writable, latest_checkpoint
+from .checkpoints import CheckpointError, check_writable, resume_point
 from .launcher import LocalWorkers, RestartPolicy, WorkerRestarter
 from .server import ControllerServer
 from .training import TrainingRun
@@ -50,11 +50,14 @@ GC_THRESHOLDS = (50_000, 20, 10)
 
 class Experiment:
     def __init__(self, config: ExperimentConfig, *, run_dir: str | Path | None = None,
-                 spawn_workers: bool = True, resume: bool = False, resume_anyway: bool = False) -> None:
+                 spawn_workers: bool = True, resume: bool = False, resume_anyway: bool = False,
+                 resume_from: int | None = None) -> None:
         self.config = config
         self.run_dir = Path(run_dir or config.run.out or _default_run_dir())
-        # Continue the run in run_dir from its last complete checkpoint (see `resume`).
+        # Continue the run in run_dir from its newest intact checkpoint (see `resume`), or
+        # from the checkpoint of step `resume_from`.
         self.resume = resume
+        self.resume_from = resume_from
         # ... even where a setting the run's exactness depends on changed (checkpoints.check_resume)
         self.resume_anyway = resume_anyway
         self.spawn_workers = spawn_workers
@@ -82,20 +85,21 @@ class Experiment:
 
     @classmethod
     def resuming(cls, run_dir: str | Path, *, overrides: list[str] | None = None,
-                 spawn_workers: bool = True, anyway: bool = False) -> "Experiment":
-        """The run in `run_dir`, to be continued from its last complete checkpoint with the
-        config it was started with (`overrides`, ``section.key=value``, may change e.g.
-        run.steps to train longer)."""
+                 spawn_workers: bool = True, anyway: bool = False, step: int | None = None) -> "Experiment":
+        """The run in `run_dir`, to be continued from its newest intact checkpoint (or the
+        one of `step`) with the config it was started with (`overrides`,
+        ``section.key=value``, may change e.g. run.steps to train longer)."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.toml").exists():
             raise CheckpointError(f"{run_dir} is not a run directory (no config.toml); nothing to resume")
         config = load_config(run_dir / "config.toml", overrides or [])
-        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True, resume_anyway=anyway)
+        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True, resume_anyway=anyway,
+                   resume_from=step)
 
     async def __aenter__(self) -> "Experiment":
         point = None
         if self.resume:
-            point = latest_checkpoint(self.run_dir)
+            point = resume_point(self.run_dir, self.resume_from)
             if point is None:
                 raise CheckpointError(f"{self.run_dir} has no complete checkpoint to resume from; start the run "
                                       "anew (checkpoints are written every run.checkpoint_every steps)")

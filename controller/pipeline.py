@@ -300,9 +300,10 @@ class AgentPipeline:
             raise RuntimeError(f"{self.agent}'s trainer died and its training state cannot be restored: "
                                "trainer groups checkpoint weights only") from exc
         state = self.checkpoints.agent_state(self.agent, saved) if saved > 0 and self.checkpoints else None
+        checksum = self.checkpoints.agent_state_checksum(self.agent, saved) if state is not None else ""
         log.warning("%s: %s; restoring its state of version %d and training batches %d-%d again",
                     self.agent, exc, saved, saved + 1, batch)
-        self.allocator.recover(self.agent, state, saved)
+        self.allocator.recover(self.agent, state, saved, checksum)
         self.weights.forget(self.agent)  # its last publication died with the trainer
         self.emit(ev.TrainingRestored(self.agent, saved, batch, str(exc)))
         t0 = time.monotonic()

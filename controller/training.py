@@ -273,7 +273,8 @@ class TrainingRun:
         self.allocator.on_parked.append(self.weights.forget)
         if self.resume is not None:
             for agent in self.agents:
-                self.allocator.recover(agent, self.resume.training_state(agent), self.resume.step)
+                self.allocator.recover(agent, self.resume.training_state(agent), self.resume.step,
+                                       self.resume.training_state_checksum(agent))
         lanes = TrainerLanes()  # the order of every trainer's commands, for every agent
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
                                            self.server, self.metrics, self.emit, self.flush_events,
@@ -327,7 +328,8 @@ class TrainingRun:
         message = self.load_model_message(agent)
         if self.resume is not None and not self.lora[agent]:  # a resumed run: engines start at the checkpoint
             message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(agent).resolve()),
-                                              version=self.resume.step)
+                                              version=self.resume.step,
+                                              checksums=self.resume.agent_checksums(agent))
         return await self.admission.admit(worker, agent, engine=message, why="joins: initial placement")
 
     def load_model_message(self, agent: str) -> protocol.LoadModel:

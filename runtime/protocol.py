@@ -25,7 +25,7 @@ import msgspec
 from .param_types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -215,6 +215,9 @@ class LoadModel(Message):
     seed: int = 0
     max_model_len: int = 64  # 0: the device's default (64 on CPU, the model's own on CUDA)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    # A checkpoint's directory: file (relative to model_path) -> SHA-256 from its manifest,
+    # checked before the engine reads any of them (runtime/checksums.py). Empty: none.
+    checksums: dict[str, str] = {}
 
 
 class ModelLoaded(Message):
@@ -594,6 +597,9 @@ class LoadAgent(Message):
     settings: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
     shards: list[ParamHandle] = []  # from AgentOffloaded
     lora: LoraSettings | None = None  # an adapter agent: the parked state is its adapter's (see InitAgent)
+    # A checkpoint's training state file: its SHA-256 from the checkpoint's manifest, checked
+    # before it is read (runtime/checksums.py). Empty: a parked copy in memory, not a file.
+    checksum: str = ""
 
 
 class ReleaseState(Message):

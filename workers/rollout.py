@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.checksums import verify_files
 
 from .engine import RequestRefused
 from .session import CommandHandler
@@ -172,6 +173,7 @@ class RolloutHandler(CommandHandler):
 
         if self._batches:
             raise RuntimeError(f"cannot switch models with {len(self._batches)} batches in flight")
+        verify_files(msg.model_path, msg.checksums)  # a checkpoint's files, before the engine reads them
         if self.engine is not None:
             self.engine.close()
             self.engine = None
