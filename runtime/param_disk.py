@@ -16,7 +16,7 @@ import struct
 import msgspec
 import torch
 
-from .param_bucket import pack_into, round_up, unlink_quietly
+from .param_bucket import checksum, compare, pack_into, round_up, unlink_quietly
 from .param_transport import Transport
 from .param_types import ParamHandle, ParamTransferError, describe
 
@@ -98,7 +98,13 @@ class DiskTransport(Transport):
         return handle, None
 
     def receive(self, handle, *, verify, rank):
-        return self.staged(handle, verify, lambda staging: _read_disk(handle, staging))
+        def read(staging: torch.Tensor) -> None:
+            _read_disk(handle, staging)
+            if verify:  # a file is not published again: say which one is damaged
+                compare(handle, handle.checksum, checksum(staging),
+                        f"The file {handle.path} is damaged (changed after it was written): not loaded.")
+
+        return self.staged(handle, False, read)
 
     def release(self, handle, resource):
         unlink_quietly({handle.path})
