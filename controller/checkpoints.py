@@ -198,7 +198,8 @@ def resume_point(run_dir: str | Path, step: int | None = None,
             return verified(chosen[0][1], step)
         except DamagedFile as exc:
             raise CheckpointError(f"the checkpoint of step {step} is damaged: {exc}; resume from another "
-                                  f"(--resume-from step-N) or leave --resume-from out for the newest intact one") from None
+                                  "(--resume-from step-N), or leave --resume-from out for the newest intact "
+                                  "one") from None
     damaged = []
     for s, path in candidates:
         try:

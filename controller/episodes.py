@@ -28,7 +28,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from .data import Dataset
-from .failures import too_many_failures
+from .failures import RunFailed, too_many_failures
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
@@ -99,6 +99,8 @@ class EpisodeProducer:
                 if why:
                     self.failed += 1
                     failure = f"{why}\n{ctx.failure}" if ctx.failure != why else why
+            except RunFailed as exc:  # not this episode's failure: the run cannot go on
+                self._stop_with(exc)
             finally:
                 limit.release()
                 self.schedule.episode_ended(batch, failure)
@@ -123,7 +125,12 @@ class EpisodeProducer:
         progress = self.schedule.batches[batch]
         error = too_many_failures(batch, progress.episodes_failed, p.queries_per_step, p.max_failed_share,
                                   progress.first_failure)
-        if error is not None and not self._stop.done():
+        if error is not None:
+            self._stop_with(error)
+
+    def _stop_with(self, error: BaseException) -> None:
+        """The first error that stops the run ends `run()`; later ones are dropped."""
+        if not self._stop.done():
             self._stop.set_exception(error)
 
     def continue_data(self, batch: int, episode: int) -> None:

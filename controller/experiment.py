@@ -63,6 +63,7 @@ class Experiment:
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
         self.local: LocalWorkers | None = None
+        self.restarter: WorkerRestarter | None = None  # with local workers, once they registered
         self._tasks: list[asyncio.Task] = []
         self.events: EventLog | None = None
         self.training: TrainingRun | None = None  # while train() runs
@@ -143,7 +144,8 @@ class Experiment:
         self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         # Built before any worker starts: a bad workflow path, dataset or model name fails here, at once.
         self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
-                                    flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point)
+                                    flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point,
+                                    restarting=self.restarting)
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self._teardown()
@@ -168,11 +170,21 @@ class Experiment:
             self._check_local_processes()
         waiter.result()
         if self.local is not None:
+            registry = self.server.registry
             restarter = WorkerRestarter(self.local, RestartPolicy(cluster.max_restarts, cluster.restart_backoff_s),
                                         stopping=lambda: self.server.closing,
                                         on_exit=lambda wp, why: self.server.worker_exited(wp.worker_id, why),
-                                        on_restart=self._restarted)
+                                        on_restart=self._restarted,
+                                        registered=lambda w: w in registry.workers and registry.workers[w].alive)
+            # A worker declared dead (silent, not reading) whose process is still there is
+            # stopped and started again, as if it had exited.
+            self.server.on_died.append(lambda w: restarter.declared_dead(w.worker_id, w.why_gone))
+            self.restarter = restarter
             self._tasks.append(asyncio.create_task(restarter.run(), name="launcher"))
+
+    def restarting(self, role: str) -> bool:
+        """Whether a local worker of `role` is on its way back (see WorkerRestarter)."""
+        return self.restarter is not None and self.restarter.restarting(role)
 
     def _restarted(self, old: Any, new: Any, restarts: int) -> None:
         self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.proc.returncode, restarts, new.proc.pid))

@@ -7,9 +7,12 @@ gone, however it died (runtime/parent_watch.py); `stop()` escalates SIGTERM -> S
 time limit and never touches a process it did not start.
 
 `WorkerRestarter` starts a worker that exited while the run goes on again, with the same
-id, role and (appended) log, after a backoff; `RestartPolicy` decides how long to wait and
-when to give up (`cluster.max_restarts` per worker). It does not know what the worker was
-doing: the controller hands a worker that registers again its work back.
+id, role and (appended) log, after a backoff; `RestartPolicy` decides how long to wait,
+when to give up (`cluster.max_restarts` per worker) and how a worker the controller
+declared dead while its process is still there (hung, stopped, not reading) is stopped:
+SIGTERM, then SIGKILL after a grace period; it is then started again like one that
+exited. It does not know what the worker was doing: the controller hands a worker that
+registers again its work back.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ log = logging.getLogger("flexmarl.launcher")
 LOG_TAIL_CHARS = 2000  # of a worker's log, in the error that stops a run
 MAX_BACKOFF_S = 30.0
 WATCH_INTERVAL_S = 0.25  # how often the restarter looks for exited processes
+KILL_GRACE_S = 5.0  # SIGTERM -> SIGKILL, for a worker declared dead whose process is still there
 
 
 class WorkerFailed(RuntimeError):
@@ -104,6 +108,10 @@ class LocalWorkers:
 
     def exited(self) -> list[WorkerProcess]:
         return [wp for wp in self.procs if wp.proc.poll() is not None]
+
+    def signal(self, wp: WorkerProcess, sig: int) -> None:
+        """Sends `sig` to the worker's process (if it is still there)."""
+        _signal(wp, sig)
 
     def log_tail(self, wp: WorkerProcess, chars: int = LOG_TAIL_CHARS) -> str:
         if wp.log_path is None or not wp.log_path.exists():
@@ -179,6 +187,9 @@ class RestartPolicy:
     max_restarts: int = 3
     backoff_s: float = 1.0
     max_backoff_s: float = MAX_BACKOFF_S
+    # A worker declared dead whose process is still there gets SIGTERM, and SIGKILL this
+    # much later if it is still there (a stopped process never handles SIGTERM).
+    kill_grace_s: float = KILL_GRACE_S
     restarts: dict[str, int] = field(default_factory=dict)  # worker id -> restarts so far
 
     def next_delay(self, worker_id: str) -> float | None:
@@ -190,6 +201,15 @@ class RestartPolicy:
         self.restarts[worker_id] = done + 1
         return min(self.backoff_s * 2 ** done, self.max_backoff_s)
 
+    def stop_signal(self, declared_dead_s: float, signalled: int | None) -> int | None:
+        """The signal for a worker declared dead `declared_dead_s` ago whose process is
+        still there, `signalled` the last one it got (None: none yet); None: wait."""
+        if signalled is None:
+            return signal.SIGTERM
+        if signalled == signal.SIGTERM and declared_dead_s >= self.kill_grace_s:
+            return signal.SIGKILL
+        return None
+
 
 class WorkerRestarter:
     """Watches the local worker processes and restarts the ones that exit while the run
@@ -199,30 +219,58 @@ class WorkerRestarter:
     at once (so the controller declares it dead before anything else reacts) and started
     again once its backoff has passed, reported through `on_restart(old, new, restarts)`. A
     worker past its limit raises `WorkerFailed` naming it, its exit code and its log's
-    end. Nothing is restarted once `stopping()` says the run is shutting down. `run()`
-    looks every `WATCH_INTERVAL_S` and never returns; its failure stops the run."""
+    end. A worker the controller declared dead (`declared_dead`) whose process is still
+    there is stopped as the policy says (`RestartPolicy.stop_signal`), and then restarted
+    like any that exited. Nothing is restarted once `stopping()` says the run is shutting
+    down. `run()` looks every `WATCH_INTERVAL_S` and never returns; its failure stops the
+    run. `restarting(role)` says whether a worker of that role is on its way back."""
 
     def __init__(self, workers: LocalWorkers, policy: RestartPolicy, *, stopping: Callable[[], bool],
                  on_exit: Callable[[WorkerProcess, str], None] = lambda wp, why: None,
                  on_restart: Callable[[WorkerProcess, WorkerProcess, int], None] = lambda old, new, n: None,
+                 registered: Callable[[str], bool] = lambda worker_id: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.workers = workers
         self.policy = policy
         self.stopping = stopping
         self.on_exit = on_exit
         self.on_restart = on_restart
+        self.registered = registered  # whether the worker's current process registered
         self.clock = clock
         self.due: dict[str, float] = {}  # worker id -> when its restart is due
+        # worker id -> (when it was declared dead, the last signal sent to its process)
+        self.hung: dict[str, tuple[float, int | None]] = {}
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             self.check()
 
+    def declared_dead(self, worker_id: str, why: str) -> None:
+        """The controller gave up on the worker; if its process is still there, `check`
+        stops it (and then restarts it)."""
+        wp = next((wp for wp in self.workers.procs if wp.worker_id == worker_id), None)
+        if self.stopping() or wp is None or wp.proc.poll() is not None or worker_id in self.hung:
+            return
+        log.warning("worker %s was declared dead (%s) but its process (pid %d) is still there: stopping it "
+                    "(SIGTERM, then SIGKILL after %gs) to start it again", worker_id, why, wp.proc.pid,
+                    self.policy.kill_grace_s)
+        self.hung[worker_id] = (self.clock(), None)
+
+    def restarting(self, role: str) -> bool:
+        """Whether a worker of `role` is being stopped, waits for its restart, or was
+        started again and has not registered yet."""
+        def on_its_way(worker_id: str) -> bool:
+            restarted = self.policy.restarts.get(worker_id, 0) > 0
+            return worker_id in self.due or worker_id in self.hung or (restarted and not self.registered(worker_id))
+
+        return any(wp.role == role and on_its_way(wp.worker_id) for wp in self.workers.procs)
+
     def check(self) -> None:
         if self.stopping():
             return
         now = self.clock()
+        self._stop_hung(now)
         for wp in self.workers.exited():
             if wp.worker_id not in self.due:
                 self._noticed(wp, now)
@@ -231,7 +279,18 @@ class WorkerRestarter:
                 new = self.workers.restart(wp)
                 self.on_restart(wp, new, self.policy.restarts[wp.worker_id])
 
+    def _stop_hung(self, now: float) -> None:
+        for wp in self.workers.procs:
+            if wp.worker_id not in self.hung or wp.proc.poll() is not None:
+                continue
+            since, signalled = self.hung[wp.worker_id]
+            sig = self.policy.stop_signal(now - since, signalled)
+            if sig is not None:
+                self.workers.signal(wp, sig)
+                self.hung[wp.worker_id] = (since, sig)
+
     def _noticed(self, wp: WorkerProcess, now: float) -> None:
+        self.hung.pop(wp.worker_id, None)
         code = wp.proc.returncode
         why = f"its process (pid {wp.proc.pid}) exited with code {code}"
         self.on_exit(wp, why)

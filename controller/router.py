@@ -27,6 +27,7 @@ from typing import Callable
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
+from .failures import RunFailed
 from .instances import RolloutInstances
 from .server import ControllerServer, RemoteError, WorkerDied
 
@@ -83,8 +84,9 @@ def plan_routes(policy: str, costs: list[int], outstanding: dict[str, float], tu
     return rule(costs, outstanding, turn)
 
 
-class NoInstance(Exception):
-    """No live rollout instance serves the agent."""
+class NoInstance(RunFailed):
+    """No live rollout instance serves the agent, and none is on its way back: the run
+    stops (it is not the episode's failure)."""
 
 
 class RequestRefused(Exception):
@@ -99,14 +101,18 @@ class RequestsFailed(Exception):
 class RolloutClient:
     def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
                  emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded",
-                 version_of: Callable[[str], int] | None = None) -> None:
+                 version_of: Callable[[str], int] | None = None,
+                 instance_expected: Callable[[], bool] = lambda: False) -> None:
         self.server = server
         # The agent's synced version, sent with each batch: an adapter agent's requests run
         # under its adapter at that version (or a newer one the instance already holds).
         self.version_of = version_of or (lambda agent: -1)
         self.emit = emit or (lambda event: None)
         self.owner = instances  # which instances serve an agent; outstanding work per instance
+        # A request waits this long for an instance of its agent, and for as long as
+        # `instance_expected()` says one is on its way back (a worker being restarted).
         self.instance_wait_s = instance_wait_s
+        self.instance_expected = instance_expected
         self.max_attempts = 3  # a request that fails on this many instances fails its episode
         self.within_agent = within_agent
         self._turn: dict[str, int] = defaultdict(int)  # round-robin position per agent
@@ -153,10 +159,18 @@ class RolloutClient:
         await asyncio.gather(*(self._send(agent, w, [batch[i] for i in ix], attempt) for w, ix in plan.items()))
 
     async def _wait_for_instances(self, agent: str) -> list[str]:
-        deadline = asyncio.get_running_loop().time() + self.instance_wait_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.instance_wait_s
         while not (instances := self.instances(agent)):
-            if asyncio.get_running_loop().time() > deadline:
-                raise NoInstance(f"no live rollout instance serves agent {agent!r}")
+            if self.instance_expected():
+                deadline = loop.time() + self.instance_wait_s
+            elif loop.time() > deadline:
+                gone = [f"{w.worker_id} ({w.why_gone})" for w in self.server.registry.workers.values()
+                        if w.role == "rollout" and not w.alive]
+                raise NoInstance(f"the run stopped: no rollout instance served agent {agent!r} for "
+                                 f"{self.instance_wait_s:g}s and none is being restarted"
+                                 + (f"; gone: {', '.join(gone)}" if gone else "")
+                                 + ". See the workers' logs in the run directory's logs/ folder")
             await asyncio.sleep(0.1)
         return instances
 

@@ -108,7 +108,8 @@ class RunSummary:
 class TrainingRun:
     def __init__(self, cfg: ExperimentConfig, server: Any, run_dir: str | Path, *,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
-                 worker_ids: Callable[[str], list[str]], resume: ResumePoint | None = None) -> None:
+                 worker_ids: Callable[[str], list[str]], resume: ResumePoint | None = None,
+                 restarting: Callable[[str], bool] = lambda role: False) -> None:
         self.cfg = cfg
         self.resume = resume  # continue from this checkpoint instead of the models' initial weights
         self.server = server
@@ -136,8 +137,11 @@ class TrainingRun:
                                       versions=self.versions)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
         self.instances = RolloutInstances(server, emit)
+        # Requests wait for an instance while one is on its way back: a rollout worker being
+        # restarted by the launcher (`restarting`), or registered again and being admitted.
         self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent,
-                                    version_of=self.versions.__getitem__)
+                                    version_of=self.versions.__getitem__,
+                                    instance_expected=lambda: restarting("rollout") or self.rejoin.pending())
         self.weights = WeightSync(self.agents, server, self.instances, self.versions, emit,
                                   trainer_for=self._trainer_for, lora=self.lora,
                                   ranks={a: bases.engine_ranks(cfg, a) for a in self.agents})

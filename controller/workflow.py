@@ -51,7 +51,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
 
-from .failures import user_frame, user_traceback
+from .failures import RunFailed, user_frame, user_traceback
 from .store import ExperienceStore, Sample
 
 log = logging.getLogger("flexmarl.workflow")
@@ -345,7 +345,7 @@ async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -
         if unfinished:
             raise RuntimeError(f"episode ended without rewarding every sample of {unfinished[:3]}")
         return ""
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, RunFailed):  # RunFailed: the run's failure (no instance left), not the episode's
         raise
     except Exception as exc:  # a user's reward function or workflow bug: drop, count, go on
         if isinstance(exc, TimeoutError) and deadline.expired():
