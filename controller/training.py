@@ -388,7 +388,7 @@ class TrainingRun:
 
 def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:
     try:
-        return Dataset.from_path(path, seed, shuffle, epochs)
+        return Dataset.from_path(path, seed, shuffle, epochs, name=key)
     except DataError as exc:
         raise DataError(f"{key}: {exc}") from None
 
