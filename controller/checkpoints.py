@@ -44,6 +44,7 @@ import msgspec
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.atomic import sync_dir, write_text_atomically
 from flexmarl.runtime.checksums import MANIFEST, DamagedFile, entries_under, read_manifest, verify_files, write_manifest
 from flexmarl.runtime.config import dump_toml
 from flexmarl.runtime.param_types import ParamHandle
@@ -340,12 +341,13 @@ class Checkpointer:
                  "agents": {a: {"dir": a, "training_state": f"{a}/{TRAINING_STATE_FILE}", "bytes": n}
                             for a, n in saved.items()}}
         try:
-            _write_durably(staging / CONTROLLER_STATE, json.dumps(state, indent=1, sort_keys=True))
+            write_text_atomically(staging / CONTROLLER_STATE, json.dumps(state, indent=1, sort_keys=True),
+                                  durable=True)
             write_manifest(staging)  # last: a checkpoint is complete only with it
             if final.exists():  # written before a crash, then the run resumed from an earlier one
                 shutil.rmtree(final)
             os.rename(staging, final)
-            _sync_dir(self.root)
+            sync_dir(self.root)
             if step == self.steps:
                 link = self.root / "final"
                 tmp = self.root / ".final.tmp"
@@ -401,20 +403,3 @@ class Checkpointer:
                 f"`flexmarl run --resume {self.root.parent}` continues from it") if previous else \
             "no earlier checkpoint exists"
         return CheckpointError(f"the checkpoint of step {step} could not be written: {why}; {kept}")
-
-
-def _write_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

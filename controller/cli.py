@@ -23,6 +23,7 @@ import logging
 import signal
 import sys
 import traceback
+from typing import Any
 
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
@@ -98,20 +99,45 @@ def _experiment(args: argparse.Namespace, spawn_workers: bool):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors in what the user wrote or brought (config, workflow, data, models, a run that
-    cannot learn): shown as their message alone; `--debug` adds the traceback."""
+    cannot learn), and failures the run cannot mend (a worker that keeps dying): shown as
+    their message alone; `--debug` adds the traceback."""
+    from flexmarl.runtime.eventlog import EventLogError
+
     from .checkpoints import CheckpointError
     from .data import DataError
     from .failures import RunFailed
+    from .launcher import WorkerFailed
     from .model_resolution import ModelBuildError, ModelError
     from .user_code import WorkflowError
 
-    return ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed
+    return (ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed,
+            WorkerFailed, EventLogError)
 
 
-def _report(exc: BaseException, debug: bool) -> None:
+def _stop_line(exc: BaseException, run_dir: Any, known: tuple[type[BaseException], ...]) -> str | None:
+    """The one line an error that stopped the run is shown as: a full disk anywhere says
+    what to free and how to go on; a known error (also as a supervised task's cause) its
+    message. None: an error FlexMARL does not expect (a bug), shown with its traceback."""
+    from .disk_full import chain, disk_full_line
+
+    line = disk_full_line(exc, run_dir)
+    if line is not None:
+        return line
+    return next((str(e) for e in chain(exc) if isinstance(e, known)), None)
+
+
+def _report(exc: BaseException, debug: bool, line: str | None = None) -> None:
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    print(f"flexmarl: {exc}", file=sys.stderr)
+    print(f"flexmarl: {line or exc}", file=sys.stderr)
+
+
+def _resume_hint(run_dir: Any) -> str:
+    from .checkpoints import latest_checkpoint
+
+    point = latest_checkpoint(run_dir)
+    return (f"`flexmarl run --resume {run_dir}` continues from the checkpoint of step {point.step}" if point
+            else "no checkpoint was written yet")
 
 
 def _train(make_experiment, debug: bool = False) -> int:
@@ -130,12 +156,16 @@ def _train(make_experiment, debug: bool = False) -> int:
         try:
             async with experiment as exp:
                 summary = await exp.train()
-        except user_errors as exc:
-            _report(exc, debug)
-            return 1
         except asyncio.CancelledError:
-            log.warning("interrupted: workers were shut down; the run directory keeps what was written")
+            print(f"flexmarl: interrupted: the workers were shut down; {_resume_hint(experiment.run_dir)}",
+                  file=sys.stderr)
             return 130
+        except Exception as exc:
+            line = _stop_line(exc, experiment.run_dir, user_errors)
+            if line is None:
+                raise
+            _report(exc, debug, line)
+            return 1
         print(summary.report())
         return 0
 

@@ -29,11 +29,12 @@ from typing import Any, Awaitable, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.aio import supervise
+from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
 from .checkpoints import CheckpointError, check_writable, resume_point
-from .launcher import LocalWorkers, RestartPolicy, WorkerRestarter
+from .launcher import LocalWorkers, RestartPolicy, WorkerFailed, WorkerRestarter
 from .server import ControllerServer
 from .training import TrainingRun
 
@@ -70,7 +71,10 @@ class Experiment:
         self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
 
     def emit(self, event: ev.Event) -> None:
-        if self.events is not None:
+        # Once a write failed, the log's task stops the run with that error; what is emitted
+        # meanwhile (by anything reacting as the run stops) is dropped instead of raising
+        # the same error again in each of those places.
+        if self.events is not None and not self.events.failed:
             self.events.emit(event)
 
     async def flush_events(self) -> None:
@@ -119,7 +123,7 @@ class Experiment:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
         address = self.server.bind()
-        (self.run_dir / "controller.address").write_text(address + "\n")
+        write_text_atomically(self.run_dir / "controller.address", address + "\n")
         if self.config.run.event_log:
             self.events = EventLog(self.run_dir / "events.log", append=point is not None)
         self._gc_thresholds = gc.get_threshold()  # restored by _teardown, which every exit from here runs
@@ -138,7 +142,7 @@ class Experiment:
     def _open_run_dir(self, point: Any) -> None:
         # A run directory that cannot be written fails here, before any worker starts.
         check_writable(self.run_dir)
-        (self.run_dir / "config.toml").write_text(dump_toml(self.config))
+        write_text_atomically(self.run_dir / "config.toml", dump_toml(self.config))
         # The log says a worker died before anything reacts to it.
         self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
         self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
@@ -196,7 +200,7 @@ class Experiment:
             code = wp.proc.poll()
             if code is not None and not self.server.registry.workers.get(wp.worker_id):
                 tail = wp.log_path.read_text()[-2000:] if wp.log_path and wp.log_path.exists() else ""
-                raise RuntimeError(f"worker {wp.worker_id} (pid {wp.proc.pid}) exited with code {code} "
+                raise WorkerFailed(f"worker {wp.worker_id} (pid {wp.proc.pid}) exited with code {code} "
                                    f"before registering; its log ({wp.log_path}) ends with:\n{tail}")
 
     async def supervise(self, driver: Callable[[], Awaitable[Any]], name: str = "driver") -> Any:
@@ -221,8 +225,9 @@ class Experiment:
         if self.events is not None:
             try:
                 await asyncio.wait_for(self.events.close(), timeout)
-            except Exception:
-                log.exception("the event log could not be closed cleanly")
+            except Exception as exc:  # the error that stopped the run, if a write failed, is reported once
+                log.log(logging.INFO if self.events.failed else logging.ERROR,
+                        "the event log could not be closed cleanly: %s", exc)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from flexmarl.runtime.atomic import replace_atomically
+
 from . import decisions
 
 log = logging.getLogger("flexmarl.metrics")
@@ -120,8 +122,8 @@ class MetricsLog:
         if self.rows:
             try:
                 plot_rewards(self.rows, self.agents, self.run_dir / "rewards.png")
-            except Exception:  # a plot must never turn a finished run into a failure
-                log.exception("could not draw the reward plot")
+            except Exception as exc:  # a plot must never turn a finished run into a failure
+                log.warning("could not draw the reward plot (%s); the previous one, if any, is kept", exc)
 
 
 def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> None:
@@ -147,5 +149,7 @@ def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> N
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)

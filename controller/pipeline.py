@@ -161,21 +161,25 @@ class AgentPipeline:
         self._tokens[batch] = 0
         written: list[asyncio.Future] = []
         calls = [self._send(version, mb, written) for mb in self.kept[batch]]
-        while True:
-            complete = self.schedule.rollout_complete(batch)
-            for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.cfg.micro_batch, complete,
-                                                   self.overlap, self.cfg.max_staleness):
-                self.kept[batch].append(mb)
-                calls.append(self._send(version, mb, written))
-            if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):
-                break
-            if self.store.ready_samples(self.agent, batch):
-                self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
-            await self.schedule.wait_for_work(self.agent)
-        trained = [s for mb in self.kept[batch] for s in mb]
-        if not trained:
-            self._no_samples(batch)
-        outcomes = await asyncio.gather(*written, return_exceptions=True)
+        try:
+            while True:
+                complete = self.schedule.rollout_complete(batch)
+                for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.cfg.micro_batch,
+                                                       complete, self.overlap, self.cfg.max_staleness):
+                    self.kept[batch].append(mb)
+                    calls.append(self._send(version, mb, written))
+                if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):
+                    break
+                if self.store.ready_samples(self.agent, batch):
+                    self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
+                await self.schedule.wait_for_work(self.agent)
+            trained = [s for mb in self.kept[batch] for s in mb]
+            if not trained:
+                self._no_samples(batch)
+            outcomes = await asyncio.gather(*written, return_exceptions=True)
+        except BaseException:  # stopped (or failed) before the step: the calls under way end with it
+            await _cancelled(calls)
+            raise
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
         stepping = asyncio.ensure_future(self._step_and_sync(batch, trained))
@@ -225,7 +229,7 @@ class AgentPipeline:
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                         self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
-                        on_sent=lambda: written.set_result(None))
+                        on_sent=lambda: written.done() or written.set_result(None))
             finally:
                 self.allocator.release(self.agent)
         finally:
@@ -323,10 +327,15 @@ async def _all(calls: list[asyncio.Future]) -> float:
     try:
         return sum(await asyncio.gather(*calls))
     except BaseException:
-        for call in calls:
-            call.cancel()
-        await asyncio.gather(*calls, return_exceptions=True)
+        await _cancelled(calls)
         raise
+
+
+async def _cancelled(calls: list[asyncio.Future]) -> None:
+    """Cancels the calls and waits until each has ended (its outcome retrieved)."""
+    for call in calls:
+        call.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:

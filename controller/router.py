@@ -119,6 +119,7 @@ class RolloutClient:
         self.dispatched_tokens: dict[str, float] = defaultdict(float)  # per agent, for demand
         self._queued: dict[str, list[tuple[protocol.GenRequest, asyncio.Future]]] = defaultdict(list)
         self._flush_scheduled: set[str] = set()
+        self._dispatching: set[asyncio.Task] = set()  # batches being sent or waited for
         self.reissued = 0
         self.refused = 0
 
@@ -146,7 +147,15 @@ class RolloutClient:
         batch, self._queued[agent] = self._queued[agent], []
         if batch:
             task = asyncio.ensure_future(self._dispatch(agent, batch))
+            self._dispatching.add(task)
+            task.add_done_callback(self._dispatching.discard)
             task.add_done_callback(lambda t: _fail_all(batch, t))
+
+    async def close(self) -> None:
+        """Ends every dispatch under way (the run is over: nothing is re-issued)."""
+        for task in list(self._dispatching):
+            task.cancel()
+        await asyncio.gather(*self._dispatching, return_exceptions=True)
 
     async def _dispatch(self, agent: str, batch: list[tuple[protocol.GenRequest, asyncio.Future]],
                         attempt: int = 1) -> None:
@@ -215,6 +224,8 @@ class RolloutClient:
         except (WorkerDied, RemoteError) as exc:
             # A batch that fails, or whose instance dies, on max_attempts instances in a row
             # fails its episodes instead of taking down instance after instance.
+            if self.server.closing:  # shutting down: the workers leave, nothing to re-issue
+                raise
             if attempt >= self.max_attempts:
                 failure = RequestsFailed(f"{len(waiting)} requests of {agent} failed on {attempt} instances "
                                          f"in a row; the last, {worker}: {exc}")

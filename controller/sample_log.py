@@ -21,11 +21,12 @@ It does not know pipelines, trainers or how samples are made.
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from flexmarl.runtime.atomic import write_text_atomically
 
 FILE = "samples.jsonl"
 
@@ -54,9 +55,7 @@ class SampleLog:
         elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and _step_of(line) is not None and _step_of(line) <= resumed_after]
-            tmp = self.path.with_name(FILE + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
 
     def group_ready(self, agent: str, samples: list[Any]) -> None:
         for s in samples:

@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ import msgspec
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime import bases
+from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, to_dict
 from flexmarl.runtime.model_specs import has_tokenizer
@@ -226,7 +226,8 @@ class TrainingRun:
             if self.cfg.eval.every > 0:
                 loops.append(asyncio.create_task(self.evaluator.run(), name="eval"))
             await supervise(loops)
-        finally:
+        finally:  # in order: nothing of the loops is left under way, then what they used closes
+            await self.client.close()
             self.tools.shutdown(wait=False, cancel_futures=True)
             self.metrics.close()
             if self.allocator is not None:
@@ -407,6 +408,4 @@ def truncate_metrics(path: Path, step: int) -> None:
         limit = step - 1 if row.get("kind") == "eval" else step
         if row.get("step", 0) <= limit:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))

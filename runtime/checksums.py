@@ -17,6 +17,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from .atomic import write_text_atomically
+
 MANIFEST = "manifest.sha256"
 _CHUNK = 1 << 20
 
@@ -38,15 +40,11 @@ def sha256_file(path: Path | str) -> str:
 
 
 def write_manifest(root: Path) -> dict[str, str]:
-    """Digests every file under `root` (the manifest itself and temporary files aside)
-    and writes the manifest, synced, under a temporary name renamed into place."""
+    """Digests every file under `root` (but the manifest) and writes the manifest, synced,
+    under a temporary name renamed into place."""
     entries = {rel: sha256_file(root / rel) for rel in _files(root)}
-    tmp = root / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write("".join(f"{digest}  {rel}\n" for rel, digest in sorted(entries.items())))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, root / MANIFEST)
+    text = "".join(f"{digest}  {rel}\n" for rel, digest in sorted(entries.items()))
+    write_text_atomically(root / MANIFEST, text, durable=True)
     return entries
 
 
@@ -100,6 +98,6 @@ def _files(root: Path) -> list[str]:
     for dirpath, _, names in os.walk(root):
         for name in names:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if rel not in (MANIFEST, f".{MANIFEST}.tmp"):
+            if rel != MANIFEST:
                 found.append(rel)
     return found

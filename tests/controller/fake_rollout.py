@@ -19,6 +19,7 @@ class FakeServer:
         self.sent: list[tuple[str, protocol.Generate]] = []
         self.streams: dict[int, tuple] = {}
         self._ids = itertools.count(1)
+        self.closing = False
 
     def next_request_id(self) -> int:
         return next(self._ids)
