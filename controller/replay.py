@@ -38,7 +38,7 @@ from flexmarl.runtime.staleness import lag as staleness_lag
 from flexmarl.runtime.staleness import too_stale
 
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
-from .redrive import REDRIVEN_TYPES
+from .redrive import REDRIVEN_TYPES, open_steps
 from .redrive import redrive as redrive_decisions
 
 GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
@@ -79,7 +79,7 @@ class WorkerUsage:
 @dataclass
 class AgentStats:
     agent: str
-    samples_trained: int = 0  # sum of MicroBatchTrained.n
+    samples_trained: int = 0  # sum of OptimizerStep.samples: what went into the weights
     micro_batches: int = 0
     optimizer_steps: int = 0
     version: int = 0  # the last version an optimizer step produced
@@ -115,6 +115,7 @@ class Summary:
     errors: list[str]
     resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
     training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
+    open_steps: dict[str, list[int]] = field(default_factory=dict)  # agent -> steps begun, never taken
 
     @property
     def wall_s(self) -> float:
@@ -135,8 +136,11 @@ def summarize(events: list[Event]) -> Summary:
     agents = _agent_stats(counted, run)
     rows, staleness, errors = _accounting(counted, run)
     resumed_at = [e.step for e in events if isinstance(e, RunResumed)]
+    unfinished: dict[str, list[int]] = {}
+    for agent, batch in sorted(open_steps(counted)):
+        unfinished.setdefault(agent, []).append(batch)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_seconds(events))
+                   training_seconds(events), unfinished)
 
 
 def training_seconds(events: list[Event]) -> float:
@@ -242,9 +246,9 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
         if isinstance(e, MicroBatchFormed):
             iteration_start.setdefault((agent, e.version), e.t)
         elif isinstance(e, MicroBatchTrained):
-            stats.samples_trained += e.n
             stats.micro_batches += 1
         elif isinstance(e, OptimizerStep):
+            stats.samples_trained += e.samples
             stats.optimizer_steps += 1
             stats.version = max(stats.version, e.version)
             start = iteration_start.pop((agent, e.version), e.t)
@@ -263,10 +267,14 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
 def _accounting(events: list[Event], run: RunStarted | None):
     """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
     so that every way of breaking exactly-once also breaks generated = trained + dropped
-    + in flight; the error then says which way it broke."""
+    + in flight; the error then says which way it broke. A sample is trained once the
+    optimizer step of its micro-batch is logged; in a micro-batch whose step is not (the
+    run stopped mid-step), it is in flight: read, never committed to the weights."""
     owner: dict[str, str] = {}  # sample -> agent whose group opened it
     made_by: dict[str, int] = {}  # sample -> oldest policy version that generated it
+    stepped = {(e.agent, e.version) for e in events if isinstance(e, OptimizerStep)}
     trained: collections.Counter = collections.Counter()
+    unstepped: collections.Counter = collections.Counter()  # in micro-batches of a step not logged
     dropped: collections.Counter = collections.Counter()
     trained_by: dict[str, str] = {}
     dropped_by: dict[str, str] = {}
@@ -288,7 +296,7 @@ def _accounting(events: list[Event], run: RunStarted | None):
                               f"samples but {len(e.min_versions)} versions")
             hist = staleness.setdefault(e.agent, collections.Counter())
             for sid, v in zip(e.sample_ids, e.min_versions):
-                trained[sid] += 1
+                (trained if (e.agent, e.version) in stepped else unstepped)[sid] += 1
                 trained_by[sid] = e.agent
                 made_by.setdefault(sid, v)
                 lag = staleness_lag(e.version - 1, [v])
@@ -308,12 +316,15 @@ def _accounting(events: list[Event], run: RunStarted | None):
 
     for sid, agent in owner.items():
         row(agent, sid).generated += 1
-        if not trained[sid] and not dropped[sid]:
+        if not trained[sid] and not dropped[sid] and not unstepped[sid]:
             row(agent, sid).in_flight += 1
     for sid, n in trained.items():
         row(owner.get(sid, trained_by[sid]), sid).trained += n
+    for sid, n in unstepped.items():
+        row(owner.get(sid, trained_by[sid]), sid).in_flight += n
     for sid, n in dropped.items():
         row(owner.get(sid, dropped_by[sid]), sid).dropped += n
+    formed = trained + unstepped  # sent to a trainer, stepped or not
 
     totals: dict[str, AccountRow] = {}
     for r in rows.values():
@@ -323,7 +334,7 @@ def _accounting(events: list[Event], run: RunStarted | None):
         t.dropped += r.dropped
         t.in_flight += r.in_flight
     for agent, t in sorted(totals.items()):
-        why = _why_unreconciled(agent, owner, trained, dropped, trained_by, dropped_by)
+        why = _why_unreconciled(agent, owner, formed, dropped, trained_by, dropped_by)
         if not t.reconciles or why:
             errors.append(f"agent {agent!r}: samples do not reconcile: generated {t.generated} != "
                           f"trained {t.trained} + dropped {t.dropped} + in flight {t.in_flight}"
@@ -367,6 +378,9 @@ def format_summary(s: Summary) -> str:
     if s.resumed_at:
         head += (f"; resumed from the checkpoint of step {', '.join(map(str, s.resumed_at))} (work logged past "
                  "it before the resume is not counted)")
+    if s.open_steps:
+        head += ("\nthe log ends mid-step (the run stopped before these steps were taken; their samples are in "
+                 "flight): " + "; ".join(f"{a} step {', '.join(map(str, b))}" for a, b in s.open_steps.items()))
     out = [head]
     out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
                       [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
@@ -519,10 +533,24 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
           types: tuple = REDRIVEN_TYPES) -> str | None:
     """Re-drives the controller's decision code from the logged inputs (redrive.py);
     returns a message naming the first decision of `types` that differs from the log, or
-    None when all agree. Stamps (seq and t) are ignored."""
+    None when all agree. Stamps (seq and t) are ignored. A step left open by a run that
+    stopped mid-step is compared as far as the log goes: its logged micro-batches must be
+    the first the rules cut; the ones not cut when the log ends are not a difference."""
     types = tuple(types)
-    logged = [e for e in lineage(events) if isinstance(e, types)]
-    again = [e for e in redrive(events) if isinstance(e, types)]
+    counted = lineage(events)
+    logged = [e for e in counted if isinstance(e, types)]
+    unfinished = open_steps(counted)
+    left = collections.Counter((e.agent, e.version) for e in logged
+                               if isinstance(e, MicroBatchFormed) and (e.agent, e.version) in unfinished)
+    again = []
+    for e in redrive(events):
+        if not isinstance(e, types):
+            continue
+        if isinstance(e, MicroBatchFormed) and (e.agent, e.version) in unfinished:
+            if not left[(e.agent, e.version)]:
+                continue  # not cut yet when the log ends
+            left[(e.agent, e.version)] -= 1
+        again.append(e)
     for i, (a, b) in enumerate(zip(logged, again)):
         if without_stamp(a) != without_stamp(b):
             return (f"decision {i} differs: the log has (seq {a.seq}, t {a.t:.3f} s) {without_stamp(a)}; "
@@ -564,7 +592,8 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "check", False):
         diff = check(events)
         if diff is None:
-            print("check: re-driving the decision code reproduces every logged decision")
+            print("check: re-driving the decision code reproduces every logged decision"
+                  + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
         else:
             print(f"CHECK FAILED: {diff}", file=sys.stderr)
             code = 1
