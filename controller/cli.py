@@ -215,11 +215,14 @@ def main(argv: list[str] | None = None) -> None:
               f"transport.curve_dir (controller) and --curve-dir (workers)")
         return
     if args.command == "samples":
-        from .sample_log import format_samples, read_samples
+        from .sample_log import format_samples, read_samples, selection_problem
         try:
             rows = read_samples(args.run_dir)
         except FileNotFoundError as exc:
             sys.exit(f"flexmarl: {exc}")
+        problem = selection_problem(rows, args.step, args.agent)
+        if problem is not None:
+            sys.exit(f"flexmarl: {args.run_dir}: {problem}")
         sys.stdout.write(format_samples(rows, args.step, args.agent))
         return
     if args.command == "replay":

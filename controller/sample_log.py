@@ -163,6 +163,20 @@ def format_samples(rows: list[dict[str, Any]], step: int | None = None, agent: s
     return "\n".join(lines).rstrip() + "\n" if lines else "no samples recorded (is run.samples_per_step set?)\n"
 
 
+def selection_problem(rows: list[dict[str, Any]], step: int | None = None, agent: str | None = None) -> str | None:
+    """Why `--step` / `--agent` select none of `rows`, in a line; None when they select some."""
+    steps, agents = sorted({r["step"] for r in rows}), sorted({r["agent"] for r in rows})
+    if not rows:
+        return "no samples recorded (set run.samples_per_step = N to record N per agent per step)"
+    if step is not None and step not in steps:
+        return f"no samples of step {step}: the run recorded steps {steps[0]} to {steps[-1]}"
+    if agent is not None and agent not in agents:
+        return f"no samples of agent {agent!r}: the run recorded {', '.join(agents)}"
+    if step is not None and agent is not None and not any(r["step"] == step and r["agent"] == agent for r in rows):
+        return f"no samples of agent {agent!r} at step {step}"
+    return None
+
+
 def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / FILE
     if not path.exists():
