@@ -61,7 +61,8 @@ from .episodes import EpisodeProducer
 from .evaluation import Evaluator
 from .instances import Admission, RolloutInstances
 from .metrics import MetricsLog
-from .model_resolution import check_model, resolve_model
+from .lora_targets import check_lora_targets
+from .model_resolution import TINY_PREFIX, check_model, resolve_model
 from .pipeline import AgentPipeline
 from .progress import SetupProgress
 from .balance_loop import Rebalancer
@@ -124,6 +125,9 @@ class TrainingRun:
         self.workflow = load_workflow(cfg.run.workflow)
         for agent in self.agents:  # a model name that names nothing fails now, not after the engines start
             check_model(bases.model_of(cfg, agent))
+            if cfg.agents[agent].base and not bases.model_of(cfg, agent).startswith(TINY_PREFIX):
+                # a base given as a directory: its modules are known before any worker starts
+                check_lora_targets(agent, cfg.agents[agent].lora_target_modules, bases.model_of(cfg, agent))
         # What one rollout engine serves: a whole-model agent, or every adapter agent of a base.
         self.units = bases.engine_units(cfg)
         self.unit_of = {a: u for u, agents in self.units.items() for a in agents}
@@ -257,6 +261,8 @@ class TrainingRun:
                 return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
             self.model_path[agent] = await asyncio.to_thread(resolve_model, bases.model_of(cfg, agent), None,
                                                              building)
+            if self.lora[agent] is not None:  # before any engine or trainer loads the base
+                check_lora_targets(agent, list(self.lora[agent].target_modules), self.model_path[agent])
         with display.stage(f"loading the tokenizers of {len(self.agents)} agents") as stage:
             for agent in self.agents:
                 if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
