@@ -95,11 +95,14 @@ class MetricsLog:
                     if r["agent"] == a and r["reward_mean"] is not None and "kind" not in r]
                 for a in self.agents}
 
-    def record_eval(self, step: int, agent: str, samples: list[Any], failed: int, episodes: int) -> dict[str, Any]:
-        """One evaluation row (`"kind": "eval"`): held-out rewards at the weights after `step`."""
+    def record_eval(self, step: int, agent: str, samples: list[Any], failed: int, episodes: int,
+                    versions: dict[str, list[int]] | None = None) -> dict[str, Any]:
+        """One evaluation row (`"kind": "eval"`): held-out rewards at the weights after `step`;
+        `versions`: every agent's policy versions its evaluation samples ran under."""
         rewards = [s.reward for s in samples if s.reward is not None]
         row = {"kind": "eval", "step": step, "agent": agent,
                "version": min((min(s.versions) for s in samples if s.versions), default=None),
+               "versions": versions or {},
                "reward_mean": sum(rewards) / len(rewards) if rewards else None, "samples": len(rewards),
                "episodes": episodes, "episodes_failed": failed,
                "time": round(self.clock() - self.started, 3)}

@@ -278,6 +278,7 @@ class AgentPipeline:
             async with self.lanes.slot(trainer, Priority.critical(version)):
                 stats = await self._step_in_slot(trainer, version, len(trained))
                 await self.flush_events()
+                await self.schedule.wait_to_sync(version)  # an evaluation of version - 1 first
                 await self.weights.sync(self.agent, trainer, version)
         finally:
             self.allocator.release(self.agent)
