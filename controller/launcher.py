@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from flexmarl.runtime.shm_segments import remove_orphan_segments
+from flexmarl.runtime.shm_segments import remove_orphan_engine_dirs, remove_orphan_segments
 
 log = logging.getLogger("flexmarl.launcher")
 
@@ -113,6 +113,14 @@ class LocalWorkers:
         """Sends `sig` to the worker's process (if it is still there)."""
         _signal(wp, sig)
 
+    def reclaim(self, wp: WorkerProcess) -> None:
+        """Removes what the exited process left that no one else may use (a rollout
+        engine's directories); its parameter segments wait for `stop` (a parked copy in
+        one may still be loaded)."""
+        removed = remove_orphan_engine_dirs(pids=[wp.proc.pid])
+        if removed:
+            log.info("removed %d directories left by %s (pid %d)", len(removed), wp.worker_id, wp.proc.pid)
+
     def log_tail(self, wp: WorkerProcess, chars: int = LOG_TAIL_CHARS) -> str:
         if wp.log_path is None or not wp.log_path.exists():
             return "(no log file: its output went to the controller's terminal)"
@@ -144,9 +152,9 @@ class LocalWorkers:
             self._stop(timeout, grace)
         finally:
             gone = [wp.proc.pid for wp in self.procs + self.retired if wp.proc.returncode is not None]
-            removed = remove_orphan_segments(pids=gone)
+            removed = remove_orphan_segments(pids=gone) + remove_orphan_engine_dirs(pids=gone)
             if removed:
-                log.info("removed %d shared-memory segments left by dead workers", len(removed))
+                log.info("removed %d shared-memory files left by dead workers", len(removed))
 
     def _stop(self, timeout: float, grace: float) -> None:
         if grace > 0 and self.wait(grace):
@@ -291,6 +299,7 @@ class WorkerRestarter:
 
     def _noticed(self, wp: WorkerProcess, now: float) -> None:
         self.hung.pop(wp.worker_id, None)
+        self.workers.reclaim(wp)
         code = wp.proc.returncode
         why = f"its process (pid {wp.proc.pid}) exited with code {code}"
         self.on_exit(wp, why)

@@ -31,6 +31,7 @@ class FakeWorkers:
         self.procs = [WorkerProcess(w, "rollout", FakeProc(100 + i), Path(f"/logs/{w}.log")) for i, w in enumerate(ids)]
         self.started = []
         self.signals = []
+        self.reclaimed = []
 
     def die(self, worker_id, code):
         next(wp for wp in self.procs if wp.worker_id == worker_id).proc.returncode = code
@@ -46,6 +47,9 @@ class FakeWorkers:
 
     def log_tail(self, wp):
         return "Traceback ...\nRuntimeError: engine failed to start"
+
+    def reclaim(self, wp):
+        self.reclaimed.append(wp.worker_id)
 
     def signal(self, wp, sig):
         self.signals.append((wp.worker_id, sig))
@@ -76,6 +80,7 @@ def test_an_exited_worker_is_declared_at_once_and_restarted_after_its_backoff_wi
     workers.die("rollout-1", -9)
     r.check()
     assert seen == [("exit", "rollout-1", "its process (pid 101) exited with code -9")]
+    assert workers.reclaimed == ["rollout-1"]  # what it left in shared memory goes at once
     assert workers.started == []  # waits its backoff first
     clock.now = 0.5
     r.check()
