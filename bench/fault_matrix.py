@@ -93,9 +93,10 @@ async def episode(ctx):
 '''
 
 ROWS = ["3 1 2", "2 1 3", "1 3 2", "3 2 1"]
+STDERR = "controller.stderr"  # every controller process of a run, beside its run directory
 
 
-def write_job(folder: Path, steps: int = 8, field_name: str = "prompt") -> Path:
+def write_job(folder: Path, steps: int = 30, field_name: str = "prompt") -> Path:
     """The job in `folder`; `field_name` is what the data rows call the prompt."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "job.toml").write_text(JOB.replace("STEPS", str(steps)))
@@ -112,7 +113,7 @@ def env(**extra: str) -> dict[str, str]:
 
 
 class Controller:
-    """One `flexmarl run` process; its stderr goes to a file beside the run directory."""
+    """One `flexmarl run` process; its stderr is appended to a file (never on the run's disk)."""
 
     def __init__(self, args: list[str], stderr: Path, extra_env: dict[str, str] | None = None) -> None:
         self.stderr_path = stderr
@@ -131,13 +132,12 @@ class Controller:
         return self.stderr_path.read_text(errors="replace")
 
 
-def start(job: Path, run_dir: Path, *flags: str, extra_env: dict[str, str] | None = None) -> Controller:
-    return Controller([str(job), "--out", str(run_dir), *flags], run_dir.parent / f"{run_dir.name}.stderr",
-                      extra_env)
+def start(job: Path, run_dir: Path, stderr: Path, *flags: str, extra_env: dict[str, str] | None = None) -> Controller:
+    return Controller([str(job), "--out", str(run_dir), *flags], stderr, extra_env)
 
 
-def resume(run_dir: Path, *flags: str) -> Controller:
-    return Controller(["--resume", str(run_dir), *flags], run_dir.parent / f"{run_dir.name}.stderr")
+def resume(run_dir: Path, stderr: Path, *flags: str) -> Controller:
+    return Controller(["--resume", str(run_dir), *flags], stderr)
 
 
 def events(run_dir: Path) -> list:
@@ -165,6 +165,12 @@ def wait_for(condition, controller: Controller, timeout: float = 900, what: str 
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
         time.sleep(0.2)
+
+
+def last_step(run_dir: Path) -> int:
+    from flexmarl.runtime import events as ev
+
+    return max((e.version for e in events(run_dir) if isinstance(e, ev.OptimizerStep)), default=0)
 
 
 def training_began(run_dir: Path) -> bool:
@@ -240,17 +246,17 @@ def judge(outcome: Outcome, run_dir: Path, steps: int) -> Outcome:
     outcome.finished = {v for _, v in stepped} >= set(range(1, steps + 1)) and (run_dir / "checkpoints" /
                                                                               "final").exists()
     outcome.check = "ok" if logged and replay.check(logged) is None else "FAILED" if logged else "-"
-    text = outcome.stderr
+    text = (run_dir.parent / STDERR).read_text(errors="replace")
     outcome.tracebacks = sum(text.count(marker) for marker in UNEXPECTED)
-    lines = [line for line in text.splitlines() if line.strip()]
-    outcome.last_line = lines[-1][:160] if lines else ""
+    lines = [line for line in outcome.stderr.splitlines() if line.strip()]
+    outcome.last_line = lines[-1][:160] if lines and outcome.codes[0] != 0 else "-"
     return outcome
 
 
 # ---------------------------------------------------------------- the faults
 
 
-def run_with(fault: str, work: Path, rng: random.Random, steps: int = 8) -> Outcome:
+def run_with(fault: str, work: Path, rng: random.Random, steps: int = 30) -> Outcome:
     """One run of the job with `fault` injected; returns its outcome."""
     job = write_job(work / "job", steps, "question" if fault == "missing-field" else "prompt")
     run_dir = work / "run"
@@ -264,21 +270,23 @@ def run_with(fault: str, work: Path, rng: random.Random, steps: int = 8) -> Outc
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
         run_dir = mount / "run"
     try:
-        controller = start(job, run_dir, extra_env=extra)
+        controller = start(job, run_dir, work / STDERR, extra_env=extra)
         if fault not in ("missing-field", "workflow-error"):
             wait_for(lambda: training_began(run_dir), controller, what="training began")
             began = time.monotonic()
             if fault in ("flip-weights", "cut-state"):  # a damaged newest one needs an intact one before it
                 wait_for(lambda: len(checkpoints(run_dir)) >= 2, controller, what="two checkpoints")
-            time.sleep(rng.uniform(0.0, 8.0))
-            outcome.at = f"{time.monotonic() - began:.1f} s"
+            time.sleep(rng.uniform(1.0, 8.0))
+            step = last_step(run_dir)
+            if step >= steps:
+                raise RuntimeError(f"{fault}: the run had finished before the fault; give it more --steps")
+            outcome.at = f"{time.monotonic() - began:.1f} s (step {step + 1})"
             controller = INJECT[fault](controller, run_dir, work) or controller
         outcome.codes.append(controller.wait())
-        outcome.stderr = controller.stderr()
+        outcome.stderr = controller.stderr()  # the first process that stopped: what the user saw
         if fault in AFTER:
             later = AFTER[fault](run_dir, work)
             outcome.codes.append(later.wait())
-            outcome.stderr = later.stderr()
     finally:
         for pid in workers(run_dir).values():  # nothing of the run outlives it
             signal_pid(pid, signal.SIGCONT)
@@ -304,7 +312,7 @@ def _kill_controller(damage=None):
         stop_orphans(orphans)
         if damage is not None:
             damage(checkpoints(run_dir)[0] / "writer")
-        return resume(run_dir)
+        return resume(run_dir, work / STDERR)
     return inject
 
 
@@ -324,7 +332,7 @@ def _fill_disk(controller: Controller, run_dir: Path, work: Path) -> None:
 
 def _free_and_resume(run_dir: Path, work: Path) -> Controller:
     (run_dir.parent / "filler").unlink()
-    return resume(run_dir)
+    return resume(run_dir, work / STDERR)
 
 
 INJECT = {
@@ -339,7 +347,7 @@ INJECT = {
     "workflow-error": None,
     "missing-field": None,
 }
-AFTER = {"ctrl-c": lambda run_dir, work: resume(run_dir), "disk-full": _free_and_resume}
+AFTER = {"ctrl-c": lambda run_dir, work: resume(run_dir, work / STDERR), "disk-full": _free_and_resume}
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -353,7 +361,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", default=",".join(INJECT), help="comma-separated, from: " + ", ".join(INJECT))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", type=Path, default=Path("runs/fault_matrix"))
     args = ap.parse_args()
     faults = args.faults.split(",")

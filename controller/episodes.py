@@ -90,7 +90,7 @@ class EpisodeProducer:
         running: list[asyncio.Task] = []
 
         async def one(batch: int, i: int) -> None:
-            failure = ""
+            failure, stopped = "", False
             try:
                 g = self.episode_number(batch, i)
                 ctx = self.contexts.make(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"), self.store,
@@ -100,10 +100,12 @@ class EpisodeProducer:
                     self.failed += 1
                     failure = f"{why}\n{ctx.failure}" if ctx.failure != why else why
             except RunFailed as exc:  # not this episode's failure: the run cannot go on
+                stopped = True  # and the episode never ends: the batch is not trained on what it lacks
                 self._stop_with(exc)
             finally:
                 limit.release()
-                self.schedule.episode_ended(batch, failure)
+                if not stopped:
+                    self.schedule.episode_ended(batch, failure)
             if failure:
                 self._check_failures(batch)
 
