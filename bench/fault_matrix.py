@@ -28,7 +28,8 @@ InvalidStateError: none expected) and the last line of stderr.
 
     sudo .venv/bin/python bench/fault_matrix.py [--faults a,b] [--seed S] [--out DIR]
 
-The job, the injections and the outcome are used by tests/integration/test_faults.py too.
+The job, the injections and the outcome are used by tests/integration/test_faults.py too,
+whose first case is this bench's smoke run (one fault, two steps).
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ def training_began(run_dir: Path) -> bool:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    from flexmarl.controller.checkpoints import checkpoint_dirs
-
-    return [path for _, path in checkpoint_dirs(run_dir) if (path / "manifest.sha256").exists()]
+    """The checkpoints renamed into place (complete), newest first."""
+    found = [p for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir() and not p.is_symlink()]
+    return sorted(found, reverse=True)
 
 
 def signal_pid(pid: int, sig: int) -> None:
@@ -219,11 +220,12 @@ class Outcome:
     tracebacks: int = 0
     last_line: str = ""
     stderr: str = ""
+    resumed_from: list[int] = field(default_factory=list)  # the checkpoints each resume started from
 
     def row(self) -> list[str]:
         return [self.fault, self.at, "finished" if self.finished else "stopped",
-                "/".join(map(str, self.codes)), str(self.lost), str(self.twice), self.check, str(self.tracebacks),
-                self.last_line]
+                "/".join(map(str, self.codes)), ", ".join(map(str, self.resumed_from)) or "-", str(self.lost),
+                str(self.twice), self.check, str(self.tracebacks), self.last_line]
 
 
 UNEXPECTED = ("Traceback (most recent call last)", "never retrieved", "InvalidStateError")
@@ -249,7 +251,8 @@ def judge(outcome: Outcome, run_dir: Path, steps: int) -> Outcome:
     text = (run_dir.parent / STDERR).read_text(errors="replace")
     outcome.tracebacks = sum(text.count(marker) for marker in UNEXPECTED)
     lines = [line for line in outcome.stderr.splitlines() if line.strip()]
-    outcome.last_line = lines[-1][:160] if lines and outcome.codes[0] != 0 else "-"
+    outcome.last_line = lines[-1][:160] if lines and outcome.codes[0] > 0 else "-"  # killed: it said nothing
+    outcome.resumed_from = [e.step for e in logged if isinstance(e, ev.RunResumed)]
     return outcome
 
 
@@ -274,14 +277,17 @@ def run_with(fault: str, work: Path, rng: random.Random, steps: int = 30) -> Out
         if fault not in ("missing-field", "workflow-error"):
             wait_for(lambda: training_began(run_dir), controller, what="training began")
             began = time.monotonic()
-            if fault in ("flip-weights", "cut-state"):  # a damaged newest one needs an intact one before it
-                wait_for(lambda: len(checkpoints(run_dir)) >= 2, controller, what="two checkpoints")
+            need = NEEDS_CHECKPOINTS.get(fault, 0)  # to resume from; a damaged newest one, an intact one before it
+            wait_for(lambda: len(checkpoints(run_dir)) >= need, controller, what=f"{need} checkpoints")
             time.sleep(rng.uniform(1.0, 8.0))
             step = last_step(run_dir)
             if step >= steps:
                 raise RuntimeError(f"{fault}: the run had finished before the fault; give it more --steps")
             outcome.at = f"{time.monotonic() - began:.1f} s (step {step + 1})"
-            controller = INJECT[fault](controller, run_dir, work) or controller
+            replaced = INJECT[fault](controller, run_dir, work)
+            if replaced is not None:  # killed, and resumed by a new controller
+                outcome.codes.append(controller.proc.returncode)
+                controller = replaced
         outcome.codes.append(controller.wait())
         outcome.stderr = controller.stderr()  # the first process that stopped: what the user saw
         if fault in AFTER:
@@ -347,11 +353,12 @@ INJECT = {
     "workflow-error": None,
     "missing-field": None,
 }
+NEEDS_CHECKPOINTS = {"flip-weights": 2, "cut-state": 2, "disk-full": 1, "kill-controller": 1, "ctrl-c": 1}
 AFTER = {"ctrl-c": lambda run_dir, work: resume(run_dir, work / STDERR), "disk-full": _free_and_resume}
 
 
 def table(outcomes: list[Outcome]) -> str:
-    head = ["fault", "injected at", "outcome", "exit codes", "lost", "trained twice", "replay --check", "tracebacks",
+    head = ["fault", "injected at", "outcome", "exit codes", "resumed from step", "lost", "trained twice", "replay --check", "tracebacks",
             "last line of stderr"]
     rows = [head, ["---"] * len(head)] + [o.row() for o in outcomes]
     return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows)

@@ -55,5 +55,6 @@ def disk_full_line(exc: BaseException, run_dir: Path) -> str | None:
 
 
 def _first_line(exc: BaseException) -> str:
+    """What failed, as the error says it first (up to its advice, which this line replaces)."""
     text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    return text[0].split("; ")[0][:300] if text else type(exc).__name__
