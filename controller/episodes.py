@@ -6,10 +6,13 @@ mode: at once), logs `BatchStarted` (with a dataset: which row each episode gets
 starts the batch's `queries_per_step` episodes, at most
 `max_concurrent_episodes` running at once (the bound is the semaphore below). Each turn
 of an episode waits at the schedule's staleness gate. Produces: samples in the store
-(through the episode context) and `episode_ended(t)` for every episode, failed or not;
-a failed episode is counted and its groups dropped (see workflow.run_episode). It ends
-when the last episode has, or raises `RunFailed` as soon as more than
-`pipeline.max_failed_share` of a batch's episodes have failed (the run cannot learn).
+(through the episode context) and `episode_ended(t)` for every episode that ends, failed
+or not (one cut short because the run stops does not end its batch: nothing trains on
+what it lacks); a failed episode is counted and its groups dropped (see
+workflow.run_episode). It ends when the last episode has, or raises `RunFailed` as soon
+as more than `pipeline.max_failed_share` of a batch's episodes have failed (the run
+cannot learn) or an episode met a failure of the run's (no rollout instance, a data field
+no row has).
 
 `EpisodeContexts` is the one place an episode context is made, for these episodes and for
 held-out ones (evaluation.py).
@@ -102,6 +105,9 @@ class EpisodeProducer:
             except RunFailed as exc:  # not this episode's failure: the run cannot go on
                 stopped = True  # and the episode never ends: the batch is not trained on what it lacks
                 self._stop_with(exc)
+            except asyncio.CancelledError:  # the run is stopping: nor does an episode cut short
+                stopped = True
+                raise
             finally:
                 limit.release()
                 if not stopped:
