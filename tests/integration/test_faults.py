@@ -56,16 +56,19 @@ def test_a_run_stopped_by_an_error_mid_step_replays_with_check_its_open_step_nam
     controller, run_dir = run_job(tmp_path, 4, extra_env={"FAULT_FAIL_FROM": "3"})
     assert controller.wait() == 1
     err = controller.stderr()
-    assert "the run cannot learn: 4 of the 4 episodes of step 3 failed" in err
+    assert "the run cannot learn: 3 of the 4 episodes of step 3 failed" in err  # more than half stops it
     assert last_line(err).startswith("Fix the workflow")  # the error is the last thing printed
     assert_no_stray_tracebacks(err)
     events = fm.events(run_dir)
     assert replay.check(events) is None
     summary = replay.summarize(events)
-    assert summary.errors == [] and 3 in summary.open_steps["writer"]
+    # async: the episodes of step 3 fail at once, while steps 1 and 2 are still rolling out or training
+    assert summary.errors == [] and summary.open_steps["writer"]
+    taken = {e.version for e in events if isinstance(e, ev.OptimizerStep)}
+    assert set(summary.open_steps["writer"]) == {1, 2} - taken
     totals = {r.agent: r for r in summary.accounting if r.total}
-    # the table and the accounting agree: 16 samples per step taken (step 2 may be open too: async)
-    assert summary.agents["writer"].samples_trained == totals["writer"].trained in (16, 32)
+    # the table and the accounting agree: 16 samples per step taken, those of open steps in flight
+    assert summary.agents["writer"].samples_trained == totals["writer"].trained == 16 * len(taken)
     code = replay.main(fm_args(run_dir))
     out = capsys.readouterr().out
     assert code == 0 and "the log ends mid-step" in out and "steps left open agree" in out
