@@ -327,13 +327,17 @@ def _interrupt(controller: Controller, run_dir: Path, work: Path) -> None:
 
 
 def _fill_disk(controller: Controller, run_dir: Path, work: Path) -> None:
-    with open(run_dir.parent / "filler", "wb") as fh:
-        try:
-            while True:
-                fh.write(b"\0" * (1 << 20))
-                fh.flush()
-        except OSError:  # full
-            pass
+    """Writes a file beside the run directory until not one byte more fits."""
+    fd = os.open(run_dir.parent / "filler", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for size in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:  # full for writes of this size: on with smaller ones
+                pass
+    finally:
+        os.close(fd)
 
 
 def _free_and_resume(run_dir: Path, work: Path) -> Controller:

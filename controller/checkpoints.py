@@ -395,7 +395,10 @@ class Checkpointer:
         need = sum(f.stat().st_size for f in previous.path.rglob("*") if f.is_file())
         free = shutil.disk_usage(self.root).free
         if free < need * 1.1:
-            raise self._failed(step, f"{free / 2**20:.1f} MiB free, the last checkpoint took {need / 2**20:.1f} MiB")
+            raise self._failed(step, f"{free / 2**20:.1f} MiB free, the last checkpoint took {need / 2**20:.1f} MiB: "
+                                     f"free at least {(need * 1.1 - free) / 2**20:.1f} MiB on the disk holding "
+                                     f"{self.root.parent} (earlier runs, or keep fewer checkpoints with "
+                                     "run.keep_checkpoints)")
 
     def _failed(self, step: int, why: str) -> CheckpointError:
         previous = latest_checkpoint(self.root.parent) if self.root.exists() else None
