@@ -87,14 +87,6 @@ def test_a_flipped_byte_in_an_engines_weights_is_named_and_the_resume_falls_back
     newest = run_dir / "checkpoints" / "step-000003" / "writer" / "model.safetensors"
     fm.flip_byte(newest)
 
-    chosen = fm.resume(run_dir, tmp_path / "chosen.stderr", "--resume-from", "step-3")
-    assert chosen.wait() == 1
-    assert last_line(chosen.stderr()) == (
-        f"flexmarl: the checkpoint of step 3 is damaged: {newest} does not match its checksum in the checkpoint's "
-        f"manifest (sha256 {fm_sha(newest)[:12]}..., recorded {manifest_digest(run_dir, 3)[:12]}...): it was changed "
-        "or damaged after it was written; resume from another (--resume-from step-N), or leave --resume-from out "
-        "for the newest intact one")
-
     resumed = fm.resume(run_dir, tmp_path / "resumed.stderr", "--steps", "4")
     assert resumed.wait() == 0, resumed.stderr()[-3000:]
     err = resumed.stderr()
@@ -104,6 +96,16 @@ def test_a_flipped_byte_in_an_engines_weights_is_named_and_the_resume_falls_back
     assert [e.step for e in events if isinstance(e, ev.RunResumed)] == [2]
     assert replay.check(events) is None and replay.summarize(events).errors == []
     assert (run_dir / "checkpoints" / "step-000004").is_dir()
+
+    older = run_dir / "checkpoints" / "step-000002" / "writer" / "model.safetensors"
+    fm.flip_byte(older)
+    chosen = fm.resume(run_dir, tmp_path / "chosen.stderr", "--resume-from", "step-2", "--steps", "5")
+    assert chosen.wait() == 1
+    assert last_line(chosen.stderr()) == (
+        f"flexmarl: the checkpoint of step 2 is damaged: {older} does not match its checksum in the checkpoint's "
+        f"manifest (sha256 {fm_sha(older)[:12]}..., recorded {manifest_digest(run_dir, 2)[:12]}...): it was changed "
+        "or damaged after it was written; resume from another (--resume-from step-N), or leave --resume-from out "
+        "for the newest intact one")
 
 
 def fm_sha(path):
