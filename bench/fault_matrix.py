@@ -221,11 +221,12 @@ class Outcome:
     last_line: str = ""
     stderr: str = ""
     resumed_from: list[int] = field(default_factory=list)  # the checkpoints each resume started from
+    shm_left: int = 0  # shared-memory files and directories of the run's worker processes still there
 
     def row(self) -> list[str]:
         return [self.fault, self.at, "finished" if self.finished else "stopped",
                 "/".join(map(str, self.codes)), ", ".join(map(str, self.resumed_from)) or "-", str(self.lost),
-                str(self.twice), self.check, str(self.tracebacks), self.last_line]
+                str(self.twice), self.check, str(self.tracebacks), str(self.shm_left), self.last_line]
 
 
 UNEXPECTED = ("Traceback (most recent call last)", "never retrieved", "InvalidStateError")
@@ -253,7 +254,15 @@ def judge(outcome: Outcome, run_dir: Path, steps: int) -> Outcome:
     lines = [line for line in outcome.stderr.splitlines() if line.strip()]
     outcome.last_line = lines[-1][:160] if lines and outcome.codes[0] > 0 else "-"  # killed: it said nothing
     outcome.resumed_from = [e.step for e in logged if isinstance(e, ev.RunResumed)]
+    outcome.shm_left = len(shm_left([e.pid for e in logged if isinstance(e, ev.WorkerJoined)]))
     return outcome
+
+
+def shm_left(pids: list[int]) -> list[str]:
+    """What processes `pids` created in shared memory (parameter segments, an engine's
+    adapter and cancellation directories) and is still there."""
+    names = tuple(f"flexmarl-{kind}-{pid}-" for pid in pids for kind in ("param", "lora", "cancel"))
+    return [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(names)]
 
 
 # ---------------------------------------------------------------- the faults
@@ -362,8 +371,8 @@ AFTER = {"ctrl-c": lambda run_dir, work: resume(run_dir, work / STDERR), "disk-f
 
 
 def table(outcomes: list[Outcome]) -> str:
-    head = ["fault", "injected at", "outcome", "exit codes", "resumed from step", "lost", "trained twice", "replay --check", "tracebacks",
-            "last line of stderr"]
+    head = ["fault", "injected at", "outcome", "exit codes", "resumed from step", "lost", "trained twice",
+            "replay --check", "tracebacks", "shm left", "last line of stderr"]
     rows = [head, ["---"] * len(head)] + [o.row() for o in outcomes]
     return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows)
 
