@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from flexmarl.runtime.shm_segments import remove_orphan_engine_dirs, remove_orphan_segments
+from flexmarl.runtime.shm_segments import OWNER_ENV, remove_orphan_engine_dirs, remove_orphan_segments
 
 log = logging.getLogger("flexmarl.launcher")
 
@@ -78,6 +78,7 @@ class LocalWorkers:
         if role == "trainer" and self.trainer_group_size > 1:
             cmd += ["--group-size", str(self.trainer_group_size)]  # it starts its other ranks itself
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   **{OWNER_ENV: str(os.getpid())},  # names its shared memory as this run's (shm_segments)
                    **self.extra_env, **pinning_env(gpus))
         log_path = None
         stdout = None
