@@ -179,7 +179,8 @@ class Experiment:
                                         stopping=lambda: self.server.closing,
                                         on_exit=lambda wp, why: self.server.worker_exited(wp.worker_id, why),
                                         on_restart=self._restarted,
-                                        registered=lambda w: w in registry.workers and registry.workers[w].alive)
+                                        registered=lambda w: w in registry.workers and registry.workers[w].alive,
+                                        start_timeout_s=cluster.worker_start_timeout_s)
             # A worker declared dead (silent, not reading) whose process is still there is
             # stopped and started again, as if it had exited.
             self.server.on_died.append(lambda w: restarter.declared_dead(w.worker_id, w.why_gone))

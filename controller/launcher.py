@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -237,7 +238,7 @@ class WorkerRestarter:
     def __init__(self, workers: LocalWorkers, policy: RestartPolicy, *, stopping: Callable[[], bool],
                  on_exit: Callable[[WorkerProcess, str], None] = lambda wp, why: None,
                  on_restart: Callable[[WorkerProcess, WorkerProcess, int], None] = lambda old, new, n: None,
-                 registered: Callable[[str], bool] = lambda worker_id: True,
+                 registered: Callable[[str], bool] = lambda worker_id: True, start_timeout_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.workers = workers
         self.policy = policy
@@ -245,8 +246,10 @@ class WorkerRestarter:
         self.on_exit = on_exit
         self.on_restart = on_restart
         self.registered = registered  # whether the worker's current process registered
+        self.start_timeout_s = start_timeout_s  # a restarted process that has not registered by then is not coming
         self.clock = clock
         self.due: dict[str, float] = {}  # worker id -> when its restart is due
+        self.started: dict[str, float] = {}  # worker id -> when its process was last started again
         # worker id -> (when it was declared dead, the last signal sent to its process)
         self.hung: dict[str, tuple[float, int | None]] = {}
 
@@ -268,10 +271,10 @@ class WorkerRestarter:
 
     def restarting(self, role: str) -> bool:
         """Whether a worker of `role` is being stopped, waits for its restart, or was
-        started again and has not registered yet."""
+        started again (less than `start_timeout_s` ago) and has not registered yet."""
         def on_its_way(worker_id: str) -> bool:
-            restarted = self.policy.restarts.get(worker_id, 0) > 0
-            return worker_id in self.due or worker_id in self.hung or (restarted and not self.registered(worker_id))
+            starting = self.clock() - self.started.get(worker_id, -math.inf) < self.start_timeout_s
+            return worker_id in self.due or worker_id in self.hung or (starting and not self.registered(worker_id))
 
         return any(wp.role == role and on_its_way(wp.worker_id) for wp in self.workers.procs)
 
@@ -286,6 +289,7 @@ class WorkerRestarter:
             if self.due[wp.worker_id] <= now:
                 del self.due[wp.worker_id]
                 new = self.workers.restart(wp)
+                self.started[wp.worker_id] = now
                 self.on_restart(wp, new, self.policy.restarts[wp.worker_id])
 
     def _stop_hung(self, now: float) -> None:

@@ -137,6 +137,11 @@ def test_a_worker_declared_dead_whose_process_is_still_there_is_stopped_then_res
     assert [wp.worker_id for wp in workers.started] == ["rollout-1"] and r.restarting("rollout")
     joined.add("rollout-1")  # the new process registered: on its way no more
     assert not r.restarting("rollout")
+    joined.clear()
+    clock.now = 6.0 + 299.0
+    assert r.restarting("rollout")
+    clock.now = 6.0 + 300.0  # not registered within the start timeout: not coming
+    assert not r.restarting("rollout")
 
 
 def test_a_worker_whose_process_already_exited_or_a_run_shutting_down_is_not_signalled():
