@@ -12,6 +12,7 @@ what to do; and the log replays.
 - a full disk under the run directory (a small tmpfs mounted here): one line with what to
   free and the resume command; once freed, the resume finishes (slow)."""
 
+import argparse
 import os
 import random
 import signal
@@ -37,6 +38,22 @@ def last_line(text):
 def assert_no_stray_tracebacks(text):
     for marker in fm.UNEXPECTED:
         assert marker not in text, text[-4000:]
+
+
+def replay_check_args(run_dir):
+    return argparse.Namespace(log=str(run_dir / "events.log"), trace=None, plot=None, check=True)
+
+
+def sha256(path):
+    from flexmarl.runtime.checksums import sha256_file
+
+    return sha256_file(path)
+
+
+def manifest_digest(run_dir, step):
+    from flexmarl.runtime.checksums import read_manifest
+
+    return read_manifest(run_dir / "checkpoints" / f"step-{step:06d}")["writer/model.safetensors"]
 
 
 def test_a_dataset_lacking_the_field_every_episode_reads_stops_with_one_line(tmp_path):
@@ -70,15 +87,9 @@ def test_a_run_stopped_by_an_error_mid_step_replays_with_check_its_open_step_nam
     totals = {r.agent: r for r in summary.accounting if r.total}
     # the table and the accounting agree: 16 samples per step taken, those of open steps in flight
     assert summary.agents["writer"].samples_trained == totals["writer"].trained == 16 * len(taken)
-    code = replay.main(fm_args(run_dir))
+    code = replay.main(replay_check_args(run_dir))
     out = capsys.readouterr().out
     assert code == 0 and "the log ends mid-step" in out and "steps left open agree" in out
-
-
-def fm_args(run_dir):
-    import argparse
-
-    return argparse.Namespace(log=str(run_dir / "events.log"), trace=None, plot=None, check=True)
 
 
 @pytest.mark.slow
@@ -104,21 +115,9 @@ def test_a_flipped_byte_in_an_engines_weights_is_named_and_the_resume_falls_back
     assert chosen.wait() == 1
     assert last_line(chosen.stderr()) == (
         f"flexmarl: the checkpoint of step 2 is damaged: {older} does not match its checksum in the checkpoint's "
-        f"manifest (sha256 {fm_sha(older)[:12]}..., recorded {manifest_digest(run_dir, 2)[:12]}...): it was changed "
+        f"manifest (sha256 {sha256(older)[:12]}..., recorded {manifest_digest(run_dir, 2)[:12]}...): it was changed "
         "or damaged after it was written; resume from another (--resume-from step-N), or leave --resume-from out "
         "for the newest intact one")
-
-
-def fm_sha(path):
-    from flexmarl.runtime.checksums import sha256_file
-
-    return sha256_file(path)
-
-
-def manifest_digest(run_dir, step):
-    from flexmarl.runtime.checksums import read_manifest
-
-    return read_manifest(run_dir / "checkpoints" / f"step-{step:06d}")["writer/model.safetensors"]
 
 
 @pytest.mark.slow
