@@ -3,8 +3,8 @@ became of each run (finished, samples lost or trained twice, the last line the u
 
 Every run is a real `flexmarl run` of one small job (a tiny model, one rollout worker,
 one trainer, async K = 1, a checkpoint every step): controller and workers as processes,
-vLLM and torch. Each fault is injected once training has begun, after a random delay
-(seeded, printed):
+vLLM and torch. Each fault is injected at a random moment of training (seeded): during a
+random step, a random fraction of a second into it, the step and the seconds printed:
 
     kill-rollout      SIGKILL the rollout worker
     stop-rollout      SIGSTOP the rollout worker, never continued (hung: heartbeats stop)
@@ -286,13 +286,16 @@ def run_with(fault: str, work: Path, rng: random.Random, steps: int = 30) -> Out
         if fault not in ("missing-field", "workflow-error"):
             wait_for(lambda: training_began(run_dir), controller, what="training began")
             began = time.monotonic()
-            need = NEEDS_CHECKPOINTS.get(fault, 0)  # to resume from; a damaged newest one, an intact one before it
-            wait_for(lambda: len(checkpoints(run_dir)) >= need, controller, what=f"{need} checkpoints")
-            time.sleep(rng.uniform(1.0, 8.0))
+            # A random moment: during a random step (after the checkpoints the fault needs: one
+            # to resume from; for a damaged newest one, an intact one before it), a random
+            # fraction of a second into it.
+            during = rng.randint(NEEDS_CHECKPOINTS.get(fault, 0) + 1, steps - 2)
+            wait_for(lambda: last_step(run_dir) >= during - 1, controller, what=f"step {during - 1}")
+            time.sleep(rng.uniform(0.0, 0.5))
             step = last_step(run_dir)
             if step >= steps:
                 raise RuntimeError(f"{fault}: the run had finished before the fault; give it more --steps")
-            outcome.at = f"{time.monotonic() - began:.1f} s (step {step + 1})"
+            outcome.at = f"step {step + 1} ({time.monotonic() - began:.1f} s in)"
             replaced = INJECT[fault](controller, run_dir, work)
             if replaced is not None:  # killed, and resumed by a new controller
                 outcome.codes.append(controller.proc.returncode)
@@ -392,7 +395,10 @@ def main() -> int:
     outcomes = []
     for fault in faults:
         t0 = time.monotonic()
-        outcome = run_with(fault, args.out.resolve() / fault, rng, args.steps)
+        try:
+            outcome = run_with(fault, args.out.resolve() / fault, rng, args.steps)
+        except (RuntimeError, TimeoutError) as exc:  # the bench could not inject it: said, and on to the next
+            outcome = Outcome(fault, last_line=f"NOT MEASURED: {exc}"[:160])
         outcomes.append(outcome)
         print(f"{fault}: {outcome.row()} ({time.monotonic() - t0:.0f}s)", flush=True)
     print(f"\nseed {args.seed}, {args.steps} steps per run\n")
