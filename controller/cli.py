@@ -6,6 +6,7 @@
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
     flexmarl samples RUN_DIR [--step N] [--agent NAME]
+    flexmarl serve RUN_DIR|CHECKPOINT [--host H] [--port P]
     flexmarl keys DIR
 
 `run` puts everything on this host (workers are child processes); `controller` and
@@ -140,14 +141,19 @@ def _resume_hint(run_dir: Any) -> str:
             else "no checkpoint was written yet")
 
 
+def _cancel_on_signals() -> None:
+    """Ctrl-C and SIGTERM cancel the running task, which shuts its workers down in order."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+
+
 def _train(make_experiment, debug: bool = False) -> int:
     user_errors = _user_errors()
 
     async def main() -> int:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+        _cancel_on_signals()
         try:
             experiment = make_experiment()
         except user_errors as exc:
@@ -168,6 +174,26 @@ def _train(make_experiment, debug: bool = False) -> int:
             return 1
         print(summary.report())
         return 0
+
+    return run_async(main)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serving import ServedAgents
+
+    overrides = list(args.set or []) + [f"openai.{key}={value!r}" if isinstance(value, str) else f"openai.{key}={value}"
+                                        for key, value in (("host", args.host), ("port", args.port)) if value is not None]
+
+    async def main() -> int:
+        _cancel_on_signals()
+        try:
+            await ServedAgents(args.target, overrides).run()
+        except _user_errors() as exc:
+            _report(exc, args.debug)
+            return 2
+        except asyncio.CancelledError:
+            return 0
+        return 1  # the endpoint stopped on its own
 
     return run_async(main)
 
@@ -201,6 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     p_smp.add_argument("--step", type=int, help="only this step")
     p_smp.add_argument("--agent", help="only this agent")
 
+    p_srv = sub.add_parser("serve", help="serve a run's trained agents behind its OpenAI-compatible API")
+    p_srv.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory (its last checkpoint) or a checkpoint")
+    p_srv.add_argument("--host", help="the address to listen on (default: openai.host, loopback)")
+    p_srv.add_argument("--port", type=int, help="the port (default: openai.port; 0 picks a free one)")
+    p_srv.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    p_srv.add_argument("--log-level", default="INFO")
+    p_srv.add_argument("--debug", action="store_true")
+
     p_keys = sub.add_parser("keys", help="create CURVE keys for non-loopback controllers")
     p_keys.add_argument("dir")
 
@@ -228,6 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "replay":
         from .replay import main as replay_main
         sys.exit(replay_main(args))
+    if args.command == "serve":
+        limit_threads(1)
+        setup_logging(args.log_level, name="serve")
+        sys.exit(_serve(args))
 
     limit_threads(1)
     setup_logging(args.log_level, name="controller")

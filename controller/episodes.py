@@ -14,8 +14,8 @@ as more than `pipeline.max_failed_share` of a batch's episodes have failed (the 
 cannot learn) or an episode met a failure of the run's (no rollout instance, a data field
 no row has).
 
-`EpisodeContexts` is the one place an episode context is made, for these episodes and for
-held-out ones (evaluation.py).
+`EpisodeContexts` is the one place an episode context is made, for these episodes, for
+held-out ones (evaluation.py) and for the calls `flexmarl serve` answers (serving.py).
 
 It does not know trainers, weight syncs or how micro-batches are formed.
 """
@@ -42,28 +42,30 @@ class EpisodeContexts:
     defaults, the tool pool, tokenizers), and the contexts made from it."""
 
     def __init__(self, cfg: ExperimentConfig, client: Any, tools: Executor | None,
-                 tokenizers: dict[str, Any]) -> None:
+                 tokenizers: dict[str, Any], endpoint: Any = None) -> None:
         self.cfg = cfg
         self.client = client  # generate(agent, requests)
         self.tools = tools  # the pool ctx.call runs blocking functions in
         self.tokenizers = tokenizers  # agent -> AgentTokenizer; filled once models are resolved
+        self.endpoint = endpoint  # the run's OpenAI endpoint (openai_api.py), or None
         self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
 
     def make(self, episode_id: str, batch: int, rng: random.Random, store: ExperienceStore, item: Any, *,
-             gate: Any = None, eval_temperature: float | None = None) -> EpisodeContext:
+             gate: Any = None, eval_temperature: float | None = None, trains: bool = True) -> EpisodeContext:
         run = self.cfg.run
         return EpisodeContext(episode_id, batch, rng, store, self.client, self.defaults, run.seed,
                               run.env_latency_ms, gate=gate, item=item, tools=self.tools,
                               tool_timeout_s=self.cfg.pipeline.tool_timeout_s, tokenizers=self.tokenizers,
-                              eval_temperature=eval_temperature)
+                              eval_temperature=eval_temperature, trains=trains, endpoint=self.endpoint)
 
 
 class EpisodeProducer:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: Any,
                  schedule: BatchSchedule, emit: Callable[[ev.Event], Any], dataset: Dataset | None = None,
-                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None) -> None:
+                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None,
+                 endpoint: Any = None) -> None:
         self.cfg = cfg
-        self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {})
+        self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)
         self.emit = emit
         self.dataset = dataset  # episode g (over the run) gets row dataset.item(g)
         # Episode g of batch b, query i: `first_episode` + (b - `first_batch`) x queries + i.

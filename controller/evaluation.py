@@ -45,9 +45,10 @@ def evaluation_steps(every: int, steps: int, at_start: bool) -> list[int]:
 class Evaluator:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, client: Any, schedule: BatchSchedule,
                  metrics: Any, emit: Callable[[ev.Event], Any], dataset: Dataset | None,
-                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None) -> None:
+                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None,
+                 endpoint: Any = None) -> None:
         self.cfg = cfg
-        self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {})
+        self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)
         self.workflow = workflow
         self.schedule = schedule
         self.metrics = metrics

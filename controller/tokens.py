@@ -43,21 +43,24 @@ class AgentTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def _template(self, messages: Messages, generation_prompt: bool) -> str:
+    def _template(self, messages: Messages, generation_prompt: bool, tools: list[dict] | None = None) -> str:
         if not getattr(self.tok, "chat_template", None):
             raise TokenizerError(f"agent {self.agent}: its tokenizer has no chat template; use ctx.generate with "
                                  f"text or ids, or add a chat_template to its tokenizer_config.json")
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                            add_generation_prompt=generation_prompt)
 
-    def chat_prompt(self, messages: Messages) -> list[int]:
-        """The ids of a conversation, ready for the assistant's next turn."""
-        return self._encode_rendered(self._template(messages, True))
+    def chat_prompt(self, messages: Messages, tools: list[dict] | None = None) -> list[int]:
+        """The ids of a conversation, ready for the assistant's next turn; `tools` (JSON
+        schemas, as the OpenAI API gives them) are handed to the chat template."""
+        return self._encode_rendered(self._template(messages, True, tools))
 
-    def chat_delta(self, before: Messages, after: Messages, ended_with_eos: bool) -> list[int]:
+    def chat_delta(self, before: Messages, after: Messages, ended_with_eos: bool,
+                   tools: list[dict] | None = None) -> list[int]:
         """The ids to append to a conversation `before` (whose last message is the
         assistant's, as generated) so that it becomes `after` plus the generation prompt."""
-        old = self._template(before, False)
-        new = self._template(after, True)
+        old = self._template(before, False, tools)
+        new = self._template(after, True, tools)
         if not new.startswith(old):
             # Some templates render the last assistant turn differently once another
             # message follows; cut where the assistant's text ends instead.

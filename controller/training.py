@@ -22,6 +22,9 @@ one supervisor (the first to fail stops the others), and writes the final checkp
 - eval, when `eval.every` > 0 (evaluation.py, `Evaluator.run`): consumes held-out rows;
   produces eval metrics rows; waits for the versions it evaluates to be synced; never
   trains.
+- openai-endpoint, with `openai.enabled` (openai_api.py): consumes HTTP calls whose key
+  names a live episode; produces turns of that episode (through its context); watched
+  like the receive loop: its end stops the run.
 
 What they share is handed to each: the experience store (store.py), the batch schedule
 (schedule.py: per-batch progress, gate, wake-ups), each agent's synced version
@@ -63,6 +66,7 @@ from .instances import Admission, RolloutInstances
 from .metrics import MetricsLog
 from .lora_targets import check_lora_targets
 from .model_resolution import TINY_PREFIX, check_model, resolve_model
+from .openai_api import OpenAIEndpoint
 from .pipeline import AgentPipeline
 from .progress import SetupProgress
 from .balance_loop import Rebalancer
@@ -177,8 +181,11 @@ class TrainingRun:
         # Held-out rows in file order, cycled as often as evaluations ask.
         eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None
         self.tools = ThreadPoolExecutor(max_workers=p.tool_threads, thread_name_prefix="tool")
+        self.endpoint = (OpenAIEndpoint(cfg.openai, {a: bases.model_of(cfg, a) for a in self.agents},
+                                        {a: c.tool_parser for a, c in cfg.agents.items()})
+                         if cfg.openai.enabled else None)
         self.episodes = EpisodeProducer(cfg, self.workflow, self.store, self.client, self.schedule, emit,
-                                        self.dataset, self.tools, self.tokenizers)
+                                        self.dataset, self.tools, self.tokenizers, self.endpoint)
         if resume is not None:
             for change in check_resume(resume, exactness_settings(cfg, self.dataset)):
                 log.warning("resuming with a changed setting, as asked: %s", change)
@@ -186,7 +193,7 @@ class TrainingRun:
             saved = resume.state.get("data", {}).get("next_episode", resume.step * p.queries_per_step)
             self.episodes.continue_data(resume.step + 1, saved)
         self.evaluator = Evaluator(cfg, self.workflow, self.client, self.schedule, self.metrics, emit, eval_data,
-                                   self.tools, self.tokenizers)
+                                   self.tools, self.tokenizers, self.endpoint)
         self.model_path: dict[str, str] = {}
         self.allocator: TrainerAllocator | None = None
         self.pipelines: dict[str, AgentPipeline] = {}
@@ -219,6 +226,8 @@ class TrainingRun:
             self.emit(ev.RunResumed(self.resume.step, str(self.resume.path), dump_toml(self.cfg)))
         try:
             await self.setup()
+            if self.endpoint is not None:
+                write_text_atomically(self.run_dir / "openai.url", await self.endpoint.start() + "\n")
             self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
             self.metrics.training_started()
@@ -229,8 +238,10 @@ class TrainingRun:
                 loops.append(asyncio.create_task(self.rebalancer.run(), name="balance"))
             if self.cfg.eval.every > 0:
                 loops.append(asyncio.create_task(self.evaluator.run(), name="eval"))
-            await supervise(loops)
-        finally:  # in order: nothing of the loops is left under way, then what they used closes
+            await supervise(loops, watch=[self.endpoint.task] if self.endpoint is not None else ())
+        finally:  # in order: nothing of the loops or the endpoint is left under way, then what they used closes
+            if self.endpoint is not None:
+                await self.endpoint.stop()
             await self.client.close()
             self.tools.shutdown(wait=False, cancel_futures=True)
             self.metrics.close()
@@ -354,9 +365,7 @@ class TrainingRun:
             return protocol.LoadModel(self.server.next_request_id(), self.unit_of[agent], self.model_path[agent], 0,
                                       seed=self.cfg.run.seed, max_model_len=self.cfg.bases[cfg.base].max_model_len,
                                       engine=bases.engine_settings(self.cfg, cfg.base))
-        return protocol.LoadModel(self.server.next_request_id(), agent, self.model_path[agent], 0,
-                                  seed=self.cfg.run.seed, max_model_len=cfg.max_model_len,
-                                  engine=cfg.engine_settings())
+        return whole_model_message(self.cfg, agent, self.server.next_request_id(), self.model_path[agent])
 
     def _on_worker_died(self, info: Any) -> None:
         if self.server.closing:  # workers leaving after SHUTDOWN
@@ -391,6 +400,14 @@ class TrainingRun:
                      for a in self.agents}
         return controller_state(self.cfg, step, self.instances.assignment, after_cut, self.dataset,
                                 self.episodes.episode_number(step + 1, 0))
+
+
+def whole_model_message(cfg: ExperimentConfig, agent: str, request_id: int, path: str,
+                        version: int = 0) -> protocol.LoadModel:
+    """What starts an engine on a whole-model agent's weights in `path`, as `version`."""
+    c = cfg.agents[agent]  # max_model_len 0: the engine's device decides
+    return protocol.LoadModel(request_id, agent, path, version, seed=cfg.run.seed, max_model_len=c.max_model_len,
+                              engine=c.engine_settings())
 
 
 def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:

@@ -20,6 +20,12 @@ source of truth: `sample.output_ids` are the engine's ids, `sample.text` only de
 Concurrency inside an episode (branches) and across episodes is plain asyncio; the
 episode runner bounds it.
 
+Agent code written against the OpenAI API takes part through the run's endpoint
+(openai_api.py): `ctx.openai_client()` (or `ctx.openai_base_url` and `ctx.openai_api_key`)
+points it at this episode, and each call becomes a `chat` or `continue_chat` of this
+context (openai_turns.py); `ctx.reward` takes the completion ids it returned, and
+`ctx.reward_all` rewards every sample of an agent at once.
+
 If an episode raises or overruns its timeout, it is closed: its other branches still
 running are cancelled, any later `generate` in it raises `EpisodeClosed`, and every group
 it opened that is not yet trainable is dropped with the reason, counted and logged; the
@@ -52,7 +58,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from flexmarl.runtime import protocol
 
 from .failures import RunFailed, user_frame, user_traceback
-from .store import ExperienceStore, Sample
+from .store import PENDING, ExperienceStore, Sample
 
 log = logging.getLogger("flexmarl.workflow")
 
@@ -148,11 +154,17 @@ class EpisodeContext:
     tool_timeout_s: float = 60.0
     # Evaluation: one greedy (or eval.temperature) sample per call, never trained.
     eval_temperature: float | None = None
+    # Serving (`flexmarl serve`): calls of any n, at their own settings, never trained.
+    trains: bool = True
+    # The run's OpenAI endpoint (openai_api.py), when `openai.enabled`: this episode's
+    # calls through it are turns of this context (openai_turns.py).
+    endpoint: Any = None
     groups: list[str] = field(default_factory=list)
     closed: str = ""  # why the episode failed, once it has
     failure: str = ""  # ... and, when it raised, the traceback of the user's code (failures.py)
     _calls: Counter = field(default_factory=Counter)  # (agent, prompt) -> calls so far
     _branches: set = field(default_factory=set)  # tasks that called generate
+    _openai: Any = None  # this episode's OpenAITurns, once its key was asked for
 
     def group_id(self, agent: str, prompt_ids: list[int]) -> str:
         """The next group's id: the same call in the same place of the workflow (the same
@@ -172,13 +184,16 @@ class EpisodeContext:
         prompt_ids = self.tokenizer(agent).encode(prompt) if isinstance(prompt, str) else list(prompt)
         return await self._open(agent, prompt_ids, n, sampling, None)
 
-    async def chat(self, agent: str, messages: list[dict], n: int | None = None, **sampling: Any) -> list[Sample]:
+    async def chat(self, agent: str, messages: list[dict], n: int | None = None, tools: list[dict] | None = None,
+                   **sampling: Any) -> list[Sample]:
         """n conversations of `agent` starting from `messages` (the agent's chat template
-        makes the prompt); each sample's `messages` ends with the assistant's reply."""
-        prompt_ids = self.tokenizer(agent).chat_prompt(messages)
+        makes the prompt, with `tools` if given); each sample's `messages` ends with the
+        assistant's reply."""
+        prompt_ids = self.tokenizer(agent).chat_prompt(messages, tools)
         return await self._open(agent, prompt_ids, n, sampling, messages)
 
-    async def continue_chat(self, sample: Sample, messages: list[dict], **sampling: Any) -> Sample:
+    async def continue_chat(self, sample: Sample, messages: list[dict], tools: list[dict] | None = None,
+                            **sampling: Any) -> Sample:
         """Another turn of a `chat` sample: `messages` (other agents' words, tool results)
         are appended, then the agent replies. The trained sample stays one sequence whose
         loss covers only the agent's own turns."""
@@ -186,7 +201,7 @@ class EpisodeContext:
             raise ValueError(f"{sample.sample_id} was not made by ctx.chat; use ctx.continue_ids")
         tok = self.tokenizer(sample.agent)
         ended_with_eos = bool(sample.output_ids) and sample.output_ids[-1] == tok.eos_token_id
-        appended = tok.chat_delta(sample.messages, sample.messages + list(messages), ended_with_eos)
+        appended = tok.chat_delta(sample.messages, sample.messages + list(messages), ended_with_eos, tools)
         sample.messages = sample.messages + list(messages)
         return await self._turn(sample, appended, sampling)
 
@@ -212,10 +227,11 @@ class EpisodeContext:
         if self.closed:
             raise EpisodeClosed(self.closed)
         self._check_agent(agent)
-        n = self.agents[agent].group_size if n is None else n
+        if n is None:  # a group; one sample where nothing is trained
+            n = self.agents[agent].group_size if self.trains else 1
         if self.eval_temperature is not None:
             n = 1
-        elif n < 2:
+        elif n < 2 and self.trains:
             raise ValueError(f"generate({agent!r}, n={n}): a group needs at least 2 samples, since "
                              f"advantages are rewards relative to the group's other samples")
         await self._wait_at_gate(agent)
@@ -317,8 +333,64 @@ class EpisodeContext:
             name = getattr(fn, "__qualname__", repr(fn))
             raise TimeoutError(f"{name} did not return within {limit:.1f}s") from None
 
-    def reward(self, sample: Sample, value: float) -> None:
+    def reward(self, sample: Sample | str, value: float | list[float]) -> None:
+        """The reward of a sample; or, given the id of a completion the OpenAI endpoint
+        returned, of its samples: one value, or one per choice (by index)."""
+        if isinstance(sample, str):
+            samples = self._endpoint_turns().completion(sample)
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * (len(samples) == 1)
+            if len(values) != len(samples):
+                raise ValueError(f"completion {sample} has {len(samples)} choices: give one reward per choice "
+                                 f"(a list, by index), or reward them with ctx.reward_all")
+            for s, v in zip(samples, values):
+                self.store.set_reward(s.sample_id, v)
+            return
         self.store.set_reward(sample.sample_id, value)
+
+    def samples(self, agent: str) -> list[Sample]:
+        """Every sample `agent` made in this episode so far (ctx.generate, ctx.chat, the
+        OpenAI endpoint), in the order their groups opened."""
+        self._check_agent(agent)
+        groups = [self.store.groups[g] for g in self.groups if g in self.store.groups]
+        return [self.store.samples[sid] for g in groups if g.agent == agent for sid in g.sample_ids]
+
+    def reward_all(self, agent: str, value: float | Callable[[Sample], float]) -> None:
+        """Rewards every sample of `agent` in this episode that has none yet: with `value`,
+        or with `value(sample)` where it is a function (a sample's reward from its own
+        text or conversation)."""
+        for s in self.samples(agent):
+            if s.reward is None and s.status == PENDING:
+                self.store.set_reward(s.sample_id, value(s) if callable(value) else value)
+
+    # ---------------------------------------------------------------- the OpenAI endpoint
+
+    @property
+    def openai_base_url(self) -> str:
+        """Where an OpenAI client reaches the run's endpoint (`openai.enabled`)."""
+        return self._endpoint_turns().base_url
+
+    @property
+    def openai_api_key(self) -> str:
+        """The key that names this episode: every call made with it is a turn of it."""
+        return self._endpoint_turns().api_key
+
+    def openai_client(self, **options: Any) -> Any:
+        """An `openai.AsyncOpenAI` configured for this episode (`options` go to it). Its
+        calls carry the calling branch's place in the workflow, so they open the same
+        groups, with the same sampling seeds, as the same `ctx.chat` calls would."""
+        return self._endpoint_turns().client(**options)
+
+    def _endpoint_turns(self) -> Any:
+        if self._openai is None:
+            if self.endpoint is None:
+                raise RuntimeError("the OpenAI endpoint is off: set openai.enabled = true in the job's config")
+            self._openai = self.endpoint.open_session(self)
+        return self._openai
+
+    async def end(self) -> None:
+        """The episode is over: its key names no live episode from now on."""
+        if self._openai is not None:
+            await self._openai.end()
 
     async def env(self, mean_ms: float | None = None) -> None:
         """A simulated tool/environment call: exponentially distributed latency."""
@@ -337,24 +409,33 @@ async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -
     track_branches()
     BRANCH.set(())
     _children.pop(asyncio.current_task(), None)
+    try:
+        why = await _outcome(episode, ctx, timeout_s)
+    finally:
+        await ctx.end()
+    if why:
+        log.warning("%s; dropping its unfinished groups", why)
+        await ctx.close(why)
+    return why
+
+
+async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> str:
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
             await episode(ctx)
         unfinished = [g for g in ctx.groups if ctx.store.groups[g].status == "pending"]
         if unfinished:
-            raise RuntimeError(f"episode ended without rewarding every sample of {unfinished[:3]}")
+            named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else unfinished
+            raise RuntimeError(f"episode ended without rewarding every sample of {named[:3]}")
         return ""
     except (asyncio.CancelledError, RunFailed):  # RunFailed: the run's failure (no instance left), not the episode's
         raise
     except Exception as exc:  # a user's reward function or workflow bug: drop, count, go on
         if isinstance(exc, TimeoutError) and deadline.expired():
-            why = f"episode {ctx.episode_id} timed out after {timeout_s:.0f}s"
-            ctx.failure = why
-        else:  # a tool's own timeout (ctx.call) is the episode's failure, not its deadline
-            where = user_frame(exc)
-            why = f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
-            ctx.failure = user_traceback(exc)
-    log.warning("%s; dropping its unfinished groups", why)
-    await ctx.close(why)
-    return why
+            ctx.failure = why = f"episode {ctx.episode_id} timed out after {timeout_s:.0f}s"
+            return why
+        # a tool's own timeout (ctx.call) is the episode's failure, not its deadline
+        where = user_frame(exc)
+        ctx.failure = user_traceback(exc)
+        return f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")

@@ -162,6 +162,9 @@ class AgentConfig:
     activation_checkpointing: bool = False  # trainer recomputes activations in backward (less memory)
     gpu_memory_utilization: float = 0.9  # CUDA rollout engines: share of the GPU vLLM may claim
     tensor_parallel_size: int = 1  # ranks one rollout engine spans (vLLM's tensor parallelism): GPUs, or CPU cores
+    # The vLLM tool parser ("hermes", "llama3_json", ...) that turns this agent's replies on
+    # the OpenAI endpoint into `tool_calls` when a call passes `tools`; "": replies stay text.
+    tool_parser: str = ""
 
     def engine_settings(self) -> EngineSettings:
         """How a rollout engine runs this agent's model (sent in LoadModel)."""
@@ -280,6 +283,19 @@ class EvalConfig:
 
 
 @dataclass
+class OpenAIConfig:
+    # The run's OpenAI-compatible endpoint (controller/openai_api.py): `model` names an
+    # agent, the API key names an episode. Off unless enabled.
+    enabled: bool = False
+    host: str = "127.0.0.1"  # any host but loopback requires a key (key_env)
+    port: int = 0  # 0 picks a free port (logged, and written to RUN_DIR/openai.url)
+    # The environment variable holding the endpoint's key. Off loopback it is required:
+    # episode keys are it plus the episode's id, and `flexmarl serve` accepts it alone.
+    key_env: str = "FLEXMARL_OPENAI_KEY"
+    max_request_bytes: int = 8 * 1024 * 1024  # a larger request body is refused (413)
+
+
+@dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -288,6 +304,7 @@ class ExperimentConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     bases: dict[str, BaseConfig] = field(default_factory=dict)
     agents: dict[str, AgentConfig] = field(default_factory=dict)
 
@@ -355,6 +372,8 @@ class ExperimentConfig:
         if self.transport.reconnect_timeout_s < 0:
             raise ConfigError("transport.reconnect_timeout_s must be >= 0 (0: a worker exits when its "
                               "controller goes away)")
+        if not 0 <= self.openai.port < 65536 or self.openai.max_request_bytes < 1:
+            raise ConfigError("openai.port must be in [0, 65535] (0: a free port) and openai.max_request_bytes >= 1")
         if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
             raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self

@@ -140,3 +140,15 @@ def test_engine_receive_reports_both_ways_of_loading_into_engines_of_one_and_two
     by_value, in_worker = rows[2], rows[3]
     assert by_value["call_bytes"] >= by_value["bytes"] > 100 * in_worker["call_bytes"]  # the handle only
     assert all(r["load_s_median"] > 0 and r["memcpy_gb_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_openai_overhead_runs_the_same_job_and_episodes_through_ctx_chat_and_the_endpoint():
+    rows = json_rows(run_bench("openai_overhead.py", "--smoke", timeout=1200))
+    jobs, calls = rows[:3], rows[3:]
+    assert [r["job"] for r in jobs] == ["review_chain.toml", "openai_team.toml", "openai_team/review_chain"]
+    assert jobs[0]["samples"] > 0 and jobs[1]["samples"] > 0 and jobs[2]["samples_per_s_ratio"] > 0
+    assert [r["way"] for r in calls] == ["chat", "endpoint", "endpoint/chat"]
+    chat, endpoint, ratio = calls
+    assert chat["samples"] == endpoint["samples"] == 2 * 4 and chat["calls"] == endpoint["calls"] == 2 * 5
+    assert ratio["samples_per_s_ratio"] > 0 and endpoint["controller_cpu_ms_per_call"] > 0
