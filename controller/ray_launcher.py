@@ -196,6 +196,9 @@ class RayWorker:
     def exit_code(self) -> int | None:
         return self.code
 
+    def alive(self) -> bool:
+        return not self.outcome
+
     def ended(self) -> str:
         return self.outcome
 
@@ -279,6 +282,30 @@ class RayWorkers:
 
     def log_tail(self, worker: RayWorker) -> str:
         return log_tail(worker.log_path)
+
+    def signal(self, worker: RayWorker, sig: int) -> None:
+        """Stops a hung worker: SIGTERM goes to its process through its actor; SIGKILL goes
+        there too and then its actor is killed, so a worker whose actor or node no longer
+        answers ends as well (`exited` then reports it)."""
+        if not worker.where:
+            self._kill(worker)  # never placed: there is no process to signal
+            return
+        sent = worker.actor.signal.remote(sig)
+        if sig == signal.SIGKILL:
+            self.ray.wait([sent], timeout=CALL_TIMEOUT_S)
+            self._kill(worker)
+
+    def reclaim(self, worker: RayWorker) -> None:
+        """Has the actor remove what its exited process left on its node (a rollout engine's
+        directories); nothing to do where the actor or its node is gone."""
+        if not worker.where:
+            return
+        try:
+            removed = self.ray.get(worker.actor.reclaim.remote(), timeout=CALL_TIMEOUT_S)
+        except self.ray.exceptions.RayError:
+            return
+        if removed:
+            log.info("removed %d directories left by %s (%s)", removed, worker.worker_id, worker.describe())
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
         return {"worker-logs": self._copy_output()}

@@ -173,3 +173,23 @@ def test_an_adapter_checkpoint_is_a_peft_adapter_that_peft_loads_as_it_is(base_d
     assert torch.equal(got, want)
     assert saved.version == 1
     h.close()
+
+
+def test_an_adapter_checkpoint_names_its_base_so_peft_loads_it_from_any_directory(base_dir, tmp_path, monkeypatch):
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(base_dir.parent)  # the run names its base relative to where it runs
+    h = TrainerHandler()
+    init(h, "writer", base_dir.name)
+    step(h, "writer", 1, 0)
+    h._execute(p.SaveCheckpoint(9, "writer", str(tmp_path / "writer"), full_state=True))
+    config = json.loads((tmp_path / "writer" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "writer")
+    ids = torch.tensor([digit_chain.planner_prompt(digit_chain.make_query(random.Random(3)))])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, h.agents["writer"].model(input_ids=ids).logits)
+    h.close()
