@@ -297,7 +297,7 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
 
 # The events _agent_stats reads.
 _AGENT_EVENTS = frozenset({MicroBatchFormed, MicroBatchTrained, OptimizerStep, GroupComplete, RequestsCompleted,
-                           WeightSyncStarted, WeightSyncFinished})
+                           WeightSyncStarted, WeightSyncFinished, AllocationChanged})
 
 
 def _accounting(events: list[Event], run: RunStarted | None):
