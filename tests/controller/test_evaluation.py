@@ -68,9 +68,9 @@ async def test_an_eval_after_step_n_runs_at_version_n_and_its_rows_record_every_
     synced = {"a": 0, "b": 0}
 
     class AtSyncedVersion(FakeGenerator):
-        async def generate(self, agent, requests):
+        async def generate(self, agent, group, after=""):
             await asyncio.sleep(0.01)
-            return [protocol.GenResult(r.sample_id, [3], [-0.1], synced[agent]) for r in requests]
+            return output_of([[3]] * group.n, [[-0.1]] * group.n, synced[agent])
 
     async def episode(ctx):
         for agent in ("a", "b"):
