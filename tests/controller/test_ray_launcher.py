@@ -1,14 +1,17 @@
-"""The Ray launcher's parts that need no cluster: where the controller binds, and the one
-line a missing Ray or a cluster that does not answer gets before anything starts."""
+"""The Ray launcher's parts that need no cluster: where the controller binds, the one
+line a missing Ray or a cluster that does not answer gets before anything starts, and how
+a hung worker's actor is stopped (over a stand-in for `ray`)."""
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from flexmarl.controller.launcher import LAUNCHERS, LaunchError
-from flexmarl.controller.ray_launcher import control_address
+from flexmarl.controller.ray_launcher import RayWorker, RayWorkers, control_address
 from flexmarl.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +55,55 @@ def test_flexmarl_run_against_a_cluster_that_does_not_answer_stops_with_one_line
     assert errors == ["flexmarl: no Ray cluster answers at 127.0.0.2:1 (Connection refused); start it with "
                       "`ray start --head`, or set ray.address to its HOST:PORT"]
     assert not run_dir.exists()  # nothing started
+
+
+class FakeRay:
+    """As much of `ray` as stopping and reclaiming one worker's actor uses; records calls."""
+
+    exceptions = SimpleNamespace(RayError=RuntimeError)
+
+    def __init__(self):
+        self.killed, self.waited = [], []
+
+    def remote(self, **options):
+        return lambda cls: cls
+
+    def wait(self, refs, timeout=None, num_returns=1):
+        self.waited.append(refs)
+        return refs, []
+
+    def get(self, ref, timeout=None):
+        return 2  # what WorkerActor.reclaim removed
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append(actor)
+
+
+class FakeActor:
+    def __init__(self):
+        self.calls = []
+        for method in ("signal", "reclaim"):
+            setattr(self, method, SimpleNamespace(remote=lambda *a, m=method: self.calls.append((m, *a)) or m))
+
+
+def ray_worker(tmp_path, placed=True):
+    where = {"node": "n1", "ip": "10.0.0.1", "host": "h", "pid": 77} if placed else {}
+    return RayWorker("rollout-0", "rollout", tmp_path / "rollout-0.log", "flexmarl-t-rollout-0-1", FakeActor(),
+                     None, None, 0.0, where)
+
+
+def test_a_hung_ray_worker_is_signalled_through_its_actor_and_on_sigkill_its_actor_is_killed(tmp_path):
+    ray = FakeRay()
+    workers = RayWorkers(ray, None, None, "t", tmp_path, argv=lambda role, worker_id: [], env={}, keys={},
+                         start_timeout_s=1.0)
+    worker = ray_worker(tmp_path)
+    workers.signal(worker, signal.SIGTERM)
+    assert worker.actor.calls == [("signal", signal.SIGTERM)] and ray.killed == []
+    workers.signal(worker, signal.SIGKILL)  # the process first, where the actor answers; then the actor
+    assert worker.actor.calls[-1] == ("signal", signal.SIGKILL) and ray.killed == [worker.actor]
+    workers.reclaim(worker)  # on its node, by its actor
+    assert worker.actor.calls[-1] == ("reclaim",)
+    unplaced = ray_worker(tmp_path, placed=False)
+    workers.signal(unplaced, signal.SIGTERM)  # no process to signal: its actor goes
+    workers.reclaim(unplaced)
+    assert unplaced.actor.calls == [] and ray.killed[-1] is unplaced.actor
