@@ -63,14 +63,13 @@ class FakeRay:
     exceptions = SimpleNamespace(RayError=RuntimeError)
 
     def __init__(self):
-        self.killed, self.waited = [], []
+        self.killed = []
 
     def remote(self, **options):
         return lambda cls: cls
 
     def wait(self, refs, timeout=None, num_returns=1):
-        self.waited.append(refs)
-        return refs, []
+        return [], refs  # nothing has ended or been placed since
 
     def get(self, ref, timeout=None):
         return 2  # what WorkerActor.reclaim removed
@@ -92,18 +91,27 @@ def ray_worker(tmp_path, placed=True):
                      None, None, 0.0, where)
 
 
-def test_a_hung_ray_worker_is_signalled_through_its_actor_and_on_sigkill_its_actor_is_killed(tmp_path):
-    ray = FakeRay()
+def test_a_hung_ray_worker_is_signalled_through_its_actor_and_after_sigkill_its_actor_is_killed(tmp_path):
+    ray, clock = FakeRay(), SimpleNamespace(now=0.0)
     workers = RayWorkers(ray, None, None, "t", tmp_path, argv=lambda role, worker_id: [], env={}, keys={},
-                         start_timeout_s=1.0)
+                         start_timeout_s=60.0, clock=lambda: clock.now)
     worker = ray_worker(tmp_path)
+    workers.procs.append(worker)
     workers.signal(worker, signal.SIGTERM)
     assert worker.actor.calls == [("signal", signal.SIGTERM)] and ray.killed == []
-    workers.signal(worker, signal.SIGKILL)  # the process first, where the actor answers; then the actor
-    assert worker.actor.calls[-1] == ("signal", signal.SIGKILL) and ray.killed == [worker.actor]
+    workers.signal(worker, signal.SIGKILL)  # its process first, where the actor answers
+    assert worker.actor.calls[-1] == ("signal", signal.SIGKILL)
+    clock.now = 0.9
+    workers.exited()
+    assert ray.killed == []
+    clock.now = 1.0  # then its actor, whether or not it answered
+    workers.exited()
+    assert ray.killed == [worker.actor]
     workers.reclaim(worker)  # on its node, by its actor
     assert worker.actor.calls[-1] == ("reclaim",)
     unplaced = ray_worker(tmp_path, placed=False)
-    workers.signal(unplaced, signal.SIGTERM)  # no process to signal: its actor goes
+    workers.procs = [unplaced]
+    workers.signal(unplaced, signal.SIGTERM)  # no process to signal: its actor goes at the next look
+    workers.exited()
     workers.reclaim(unplaced)
     assert unplaced.actor.calls == [] and ray.killed[-1] is unplaced.actor
