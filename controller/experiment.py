@@ -36,7 +36,8 @@ from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
 from .checkpoints import CheckpointError, check_writable, resume_point
-from .launcher import LAUNCHERS, LaunchedWorker, Launcher, RestartPolicy, WorkerFailed, WorkerRestarter, Workers
+from .launcher import LaunchedWorker, Launcher, RestartPolicy, WorkerFailed, WorkerRestarter, Workers
+from .launchers import LAUNCHERS
 from .server import ControllerServer
 from .training import TrainingRun
 

@@ -1,10 +1,11 @@
 """Starts worker processes on this host, restarts the ones that die, stops exactly those, by PID.
 
 `Launcher` is what `flexmarl run` starts its workers with, chosen by `cluster.launcher`
-from LAUNCHERS: `LocalLauncher` here, `RayLauncher` (ray_launcher.py) on a Ray cluster.
-A launcher says where the controller binds (`endpoint`) and hands back `Workers`: how a
-worker is started, noticed gone, started again and stopped. The restart policy is written
-once, here, over that interface, for every launcher.
+from LAUNCHERS (launchers.py): `LocalLauncher` here, `RayLauncher` (ray_launcher.py) on a
+Ray cluster. A launcher says where the controller binds (`endpoint`) and hands back
+`Workers`: how a worker is started, noticed gone, started again, stopped when hung
+(`signal`), cleaned up after (`reclaim`) and stopped. The restart policy is written once,
+here, over that interface, for every launcher.
 
 Used by `flexmarl run`, `Experiment` and the integration tests. Each local worker is a child
 process in its own process group (so a Ctrl-C in the terminal reaches the controller,
@@ -441,13 +442,3 @@ class WorkerRestarter:
         log.warning("worker %s %s; starting it again in %.1fs (restart %d of %d)", wp.worker_id, why, delay,
                     self.policy.restarts[wp.worker_id], self.policy.max_restarts)
         self.due[wp.worker_id] = now + delay
-
-
-def _ray_launcher(config: ExperimentConfig) -> Launcher:
-    from .ray_launcher import RayLauncher  # Ray is imported only where it is asked for
-
-    return RayLauncher(config)
-
-
-# cluster.launcher -> what makes the launcher (Ray's connects to its cluster, before anything starts)
-LAUNCHERS: dict[str, Callable[[ExperimentConfig], Launcher]] = {"local": LocalLauncher, "ray": _ray_launcher}

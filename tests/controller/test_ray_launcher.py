@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flexmarl.controller.launcher import LAUNCHERS, LaunchError
+from flexmarl.controller.launcher import LaunchError
+from flexmarl.controller.launchers import LAUNCHERS
 from flexmarl.controller.ray_launcher import RayWorker, RayWorkers, control_address
 from flexmarl.runtime.config import load_config
 
