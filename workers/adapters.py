@@ -104,6 +104,9 @@ class SharedBase:
         else:
             self.peft.add_adapter(_PREFIX + agent, config)
             self.peft.to(self.placement.device)
+            # PEFT makes only the adapter in use trainable: in use now, the new one's training
+            # state (optimizer and gradients) is laid out with it, as the first one's is.
+            self.activate(agent)
         self.settings[agent] = settings
         return AdapterModel(self, agent)
 
