@@ -58,6 +58,7 @@ class Parked:
     accumulated: int
     nbytes: int
     shards: list[ParamHandle] = field(default_factory=list)  # a trainer group's ranks 1..N-1, passed on likewise
+    checksum: str = ""  # a checkpoint file's SHA-256 from its manifest, which the trainer checks
 
 
 @dataclass
@@ -154,15 +155,16 @@ class TrainerAllocator:
         except asyncio.TimeoutError:
             return bool(self.trainers)
 
-    def recover(self, agent: str, state: ParamHandle | None, version: int) -> None:
+    def recover(self, agent: str, state: ParamHandle | None, version: int, checksum: str = "") -> None:
         """After its trainer died: the agent's state is `state` (a saved training state at
-        `version`, loaded on the next acquire) or, with None, a fresh initialisation."""
+        `version`, loaded on the next acquire, its file checked against `checksum` where
+        given) or, with None, a fresh initialisation."""
         self.lost.pop(agent, None)
         self.resident.pop(agent, None)
         if state is None:
             self.parked.pop(agent, None)
         else:
-            self.parked[agent] = Parked("", state, version, 0, state.total_bytes)
+            self.parked[agent] = Parked("", state, version, 0, state.total_bytes, checksum=checksum)
         self._changed.set()
 
     def trainer_joined(self, trainer: str) -> None:
@@ -245,7 +247,7 @@ class TrainerAllocator:
                 await self.server.call(trainer, protocol.LoadAgent(
                     self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
                     parked.version, parked.accumulated, parked.handle, self._settings(agent), parked.shards,
-                    self.lora.get(agent)))
+                    self.lora.get(agent), checksum=parked.checksum))
             except WorkerDied:
                 if getattr(self.server, "closing", False):
                     # Shutting down: the pool keeps its trainers, so acquire() would place

@@ -8,14 +8,18 @@ Layout of RUN_DIR/checkpoints/::
         AGENT/                    Hugging Face weights: config.json, model.safetensors, tokenizer
             training_state.flexmarl   weights, optimizer state, version (a parameter-channel
                                       disk file, which any trainer can load)
+        manifest.sha256           the SHA-256 of every file above, written last
     .step-000012.partial/         being written: each agent saves into it after its step 12
     final -> step-000020          the last step's checkpoint
 
 Why a cut is consistent: each agent's pipeline saves right after its optimizer step t and
 weight sync, before it sends anything of batch t + 1, so no gradient is pending; once the
 last agent saved t, the controller writes its own state into the staging directory and
-only then renames it into place. A crash (or a full disk) before the rename leaves a
-`.partial` directory that is never resumed from; the previous checkpoints stay whole.
+then the manifest, and only then renames it into place. A crash (or a full disk) before the
+rename leaves a `.partial` directory that is never resumed from; the previous checkpoints
+stay whole. A checkpoint is checked against its manifest before a resume uses it
+(`resume_point`): one whose files changed since is named and passed over for the newest
+intact one; the trainer and the rollout engine check the files they load again.
 What the store held past the cut (samples of batches after t, in async mode) is not kept:
 a resumed run generates those batches again, from the same per-episode seeds.
 
@@ -32,7 +36,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +44,8 @@ import msgspec
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.atomic import sync_dir, write_text_atomically
+from flexmarl.runtime.checksums import MANIFEST, DamagedFile, entries_under, read_manifest, verify_files, write_manifest
 from flexmarl.runtime.config import dump_toml
 from flexmarl.runtime.param_types import ParamHandle
 
@@ -73,9 +79,14 @@ class ResumePoint:
     # The user said to go on although a setting the run's exactness depends on changed
     # (`resume_changes`): the run continues from the saved data position with the new one.
     accept_changes: bool = False
+    manifest: dict[str, str] = field(default_factory=dict)  # file -> SHA-256, checked when chosen
 
     def agent_dir(self, agent: str) -> Path:
         return self.path / agent
+
+    def agent_checksums(self, agent: str) -> dict[str, str]:
+        """The digests of the files in the agent's directory, for whoever loads them."""
+        return entries_under(self.manifest, agent)
 
     def training_state(self, agent: str) -> ParamHandle:
         """The handle of the agent's training state file, pointing at where the file is now
@@ -87,6 +98,9 @@ class ResumePoint:
         if not path.exists():
             raise CheckpointError(f"checkpoint {self.path} has no training state for {agent!r} ({path} is missing)")
         return read_state(path)
+
+    def training_state_checksum(self, agent: str) -> str:
+        return self.agent_checksums(agent).get(TRAINING_STATE_FILE, "")
 
 
 # Settings a resumed run must share with its checkpoint to continue the same run exactly:
@@ -130,22 +144,78 @@ def read_state(path: Path) -> ParamHandle:
 def latest_checkpoint(run_dir: str | Path) -> ResumePoint | None:
     """The newest complete checkpoint under RUN_DIR/checkpoints (staging directories are
     never complete), or None when there is none."""
+    found = [(step, path) for step, path in checkpoint_dirs(run_dir) if (path / MANIFEST).exists()]
+    if not found:
+        return None
+    step, path = found[0]
+    return ResumePoint(path, step, _controller_state(path, step))
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every checkpoint directory renamed into place, newest first."""
     root = Path(run_dir) / "checkpoints"
     found = []
     for d in root.iterdir() if root.is_dir() else []:
         m = _STEP_DIR.match(d.name)
-        if m and d.is_dir() and not d.is_symlink() and (d / CONTROLLER_STATE).exists():
+        if m and d.is_dir() and not d.is_symlink():
             found.append((int(m.group(1)), d))
-    if not found:
-        return None
-    step, path = max(found)
+    return sorted(found, reverse=True)
+
+
+def _controller_state(path: Path, step: int) -> dict[str, Any]:
     try:
         state = json.loads((path / CONTROLLER_STATE).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path / CONTROLLER_STATE}: {exc}") from exc
     if state.get("format") != FORMAT or state.get("step") != step:
         raise CheckpointError(f"{path / CONTROLLER_STATE} is not a format-{FORMAT} state of step {step}")
-    return ResumePoint(path, step, state)
+    return state
+
+
+def verified(path: Path, step: int) -> ResumePoint:
+    """The checkpoint in `path` once every file its manifest lists matches its digest;
+    raises DamagedFile naming the first that does not (or the manifest)."""
+    manifest = read_manifest(path)
+    verify_files(path, manifest)
+    try:
+        state = _controller_state(path, step)
+    except CheckpointError as exc:
+        raise DamagedFile(path / CONTROLLER_STATE, f"is not a checkpoint's state: {exc}") from None
+    return ResumePoint(path, step, state, manifest=manifest)
+
+
+def resume_point(run_dir: str | Path, step: int | None = None,
+                 warn: Callable[[str], None] = log.warning) -> ResumePoint | None:
+    """The checkpoint a resume starts from, checked against its manifest: the one of `step`
+    (an error naming the damaged file if it fails the check), or the newest intact one,
+    each damaged newer one named through `warn` and passed over. None: no checkpoint."""
+    candidates = checkpoint_dirs(run_dir)
+    if step is not None:
+        chosen = [(s, p) for s, p in candidates if s == step]
+        if not chosen:
+            have = ", ".join(step_dir_name(s) for s, _ in candidates) or "none"
+            raise CheckpointError(f"{run_dir} has no checkpoint of step {step} (it has: {have})")
+        try:
+            return verified(chosen[0][1], step)
+        except DamagedFile as exc:
+            raise CheckpointError(f"the checkpoint of step {step} is damaged: {exc}; resume from another "
+                                  "(--resume-from step-N), or leave --resume-from out for the newest intact "
+                                  "one") from None
+    damaged = []
+    for s, path in candidates:
+        try:
+            point = verified(path, s)
+        except DamagedFile as exc:
+            damaged.append(f"step {s}: {exc}")
+            warn(f"the checkpoint of step {s} is damaged and is not resumed from: {exc}")
+            continue
+        if damaged:
+            warn(f"resuming from the checkpoint of step {s} instead, the newest intact one")
+        return point
+    if damaged:
+        raise CheckpointError(f"every checkpoint of {run_dir} is damaged ({'; '.join(damaged)}); the run "
+                              "cannot be resumed")
+    return None
 
 
 def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
@@ -226,6 +296,15 @@ class Checkpointer:
                 continue  # renamed in between: look again
         raise CheckpointError(f"the saved training state of {agent} at step {step} is gone from {self.root}")
 
+    def agent_state_checksum(self, agent: str, step: int) -> str:
+        """The SHA-256 of `agent`'s training state file of `step` from its checkpoint's
+        manifest; "" while the checkpoint is still being written (no manifest yet)."""
+        try:
+            manifest = read_manifest(self.root / step_dir_name(step))
+        except DamagedFile:
+            return ""
+        return entries_under(manifest, agent).get(TRAINING_STATE_FILE, "")
+
     def staging(self, step: int) -> Path:
         return self.root / f".{step_dir_name(step)}.partial"
 
@@ -262,11 +341,13 @@ class Checkpointer:
                  "agents": {a: {"dir": a, "training_state": f"{a}/{TRAINING_STATE_FILE}", "bytes": n}
                             for a, n in saved.items()}}
         try:
-            _write_durably(staging / CONTROLLER_STATE, json.dumps(state, indent=1, sort_keys=True))
+            write_text_atomically(staging / CONTROLLER_STATE, json.dumps(state, indent=1, sort_keys=True),
+                                  durable=True)
+            write_manifest(staging)  # last: a checkpoint is complete only with it
             if final.exists():  # written before a crash, then the run resumed from an earlier one
                 shutil.rmtree(final)
             os.rename(staging, final)
-            _sync_dir(self.root)
+            sync_dir(self.root)
             if step == self.steps:
                 link = self.root / "final"
                 tmp = self.root / ".final.tmp"
@@ -314,7 +395,10 @@ class Checkpointer:
         need = sum(f.stat().st_size for f in previous.path.rglob("*") if f.is_file())
         free = shutil.disk_usage(self.root).free
         if free < need * 1.1:
-            raise self._failed(step, f"{free / 2**20:.1f} MiB free, the last checkpoint took {need / 2**20:.1f} MiB")
+            raise self._failed(step, f"{free / 2**20:.1f} MiB free, the last checkpoint took {need / 2**20:.1f} MiB: "
+                                     f"free at least {(need * 1.1 - free) / 2**20:.1f} MiB on the disk holding "
+                                     f"{self.root.parent} (earlier runs, or keep fewer checkpoints with "
+                                     "run.keep_checkpoints)")
 
     def _failed(self, step: int, why: str) -> CheckpointError:
         previous = latest_checkpoint(self.root.parent) if self.root.exists() else None
@@ -322,20 +406,3 @@ class Checkpointer:
                 f"`flexmarl run --resume {self.root.parent}` continues from it") if previous else \
             "no earlier checkpoint exists"
         return CheckpointError(f"the checkpoint of step {step} could not be written: {why}; {kept}")
-
-
-def _write_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

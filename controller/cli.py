@@ -2,7 +2,7 @@
 
     flexmarl run [CONFIG] [--mode sync|async] [--max-staleness K] [--steps N] [--seed S] [--out DIR]
                  [--launcher local|ray]
-    flexmarl run --resume RUN_DIR [--steps N] [--resume-anyway]
+    flexmarl run --resume RUN_DIR [--resume-from step-N] [--steps N] [--resume-anyway]
     flexmarl controller --config CONFIG [--bind ADDR]
     flexmarl worker --role rollout|trainer --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
@@ -13,8 +13,9 @@
 `run` puts everything on this host (workers are child processes), or with `--launcher ray`
 starts the workers as actors on a Ray cluster; `controller` and `worker` are the pieces
 for several hosts. Any config key can be overridden with
-``--set section.key=value``. `--resume RUN_DIR` continues a run from its last complete
-checkpoint, with the config it was started with (plus any overrides given).
+``--set section.key=value``. `--resume RUN_DIR` continues a run from its newest intact
+checkpoint (or the one `--resume-from` names), with the config it was started with (plus
+any overrides given).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import signal
 import sys
 import traceback
+from typing import Any
 
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
@@ -68,9 +70,20 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error in the config, "
                    "workflow, data or models (by default: one line)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its last complete checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest intact checkpoint")
+    p.add_argument("--resume-from", metavar="step-N", type=_checkpoint_step,
+                   help="with --resume: continue from the checkpoint of step N instead")
     p.add_argument("--resume-anyway", action="store_true",
                    help="with --resume: go on although run.seed, pipeline.queries_per_step or the data changed")
+
+
+def _checkpoint_step(text: str) -> int:
+    """'step-N', 'step-00000N' or 'N' -> N."""
+    digits = text.removeprefix("step-")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} names no checkpoint: give step-N (a directory under "
+                                         "RUN_DIR/checkpoints) or N")
+    return int(digits)
 
 
 def _experiment(args: argparse.Namespace, spawn_workers: bool):
@@ -81,27 +94,53 @@ def _experiment(args: argparse.Namespace, spawn_workers: bool):
             raise ConfigError("--resume continues a run with the config in its directory; "
                               "give no CONFIG (use --set to change a key)")
         return Experiment.resuming(args.resume, overrides=_overrides(args), spawn_workers=spawn_workers,
-                                   anyway=args.resume_anyway)
+                                   anyway=args.resume_anyway, step=args.resume_from)
+    if args.resume_from is not None:
+        raise ConfigError("--resume-from chooses the checkpoint of a --resume; give --resume RUN_DIR too")
     return Experiment(_config_from_args(args), spawn_workers=spawn_workers)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors in what the user wrote or brought (config, workflow, data, models, a run that
-    cannot learn): shown as their message alone; `--debug` adds the traceback."""
+    cannot learn), and failures the run cannot mend (a worker that keeps dying): shown as
+    their message alone; `--debug` adds the traceback."""
+    from flexmarl.runtime.eventlog import EventLogError
+
     from .checkpoints import CheckpointError
     from .data import DataError
     from .failures import RunFailed
-    from .launcher import LaunchError
+    from .launcher import LaunchError, WorkerFailed
     from .model_resolution import ModelBuildError, ModelError
     from .user_code import WorkflowError
 
-    return ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed, LaunchError
+    return (ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed,
+            LaunchError, WorkerFailed, EventLogError)
 
 
-def _report(exc: BaseException, debug: bool) -> None:
+def _stop_line(exc: BaseException, run_dir: Any, known: tuple[type[BaseException], ...]) -> str | None:
+    """The one line an error that stopped the run is shown as: a full disk anywhere says
+    what to free and how to go on; a known error (also as a supervised task's cause) its
+    message. None: an error FlexMARL does not expect (a bug), shown with its traceback."""
+    from .disk_full import chain, disk_full_line
+
+    line = disk_full_line(exc, run_dir)
+    if line is not None:
+        return line
+    return next((str(e) for e in chain(exc) if isinstance(e, known)), None)
+
+
+def _report(exc: BaseException, debug: bool, line: str | None = None) -> None:
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    print(f"flexmarl: {exc}", file=sys.stderr)
+    print(f"flexmarl: {line or exc}", file=sys.stderr)
+
+
+def _resume_hint(run_dir: Any) -> str:
+    from .checkpoints import latest_checkpoint
+
+    point = latest_checkpoint(run_dir)
+    return (f"`flexmarl run --resume {run_dir}` continues from the checkpoint of step {point.step}" if point
+            else "no checkpoint was written yet")
 
 
 def _cancel_on_signals() -> None:
@@ -125,12 +164,16 @@ def _train(make_experiment, debug: bool = False) -> int:
         try:
             async with experiment as exp:
                 summary = await exp.train()
-        except user_errors as exc:
-            _report(exc, debug)
-            return 1
         except asyncio.CancelledError:
-            log.warning("interrupted: workers were shut down; the run directory keeps what was written")
+            print(f"flexmarl: interrupted: the workers were shut down; {_resume_hint(experiment.run_dir)}",
+                  file=sys.stderr)
             return 130
+        except Exception as exc:
+            line = _stop_line(exc, experiment.run_dir, user_errors)
+            if line is None:
+                raise
+            _report(exc, debug, line)
+            return 1
         print(summary.report())
         return 0
 
@@ -210,11 +253,14 @@ def main(argv: list[str] | None = None) -> None:
               f"transport.curve_dir (controller) and --curve-dir (workers)")
         return
     if args.command == "samples":
-        from .sample_log import format_samples, read_samples
+        from .sample_log import format_samples, read_samples, selection_problem
         try:
             rows = read_samples(args.run_dir)
         except FileNotFoundError as exc:
             sys.exit(f"flexmarl: {exc}")
+        problem = selection_problem(rows, args.step, args.agent)
+        if problem is not None:
+            sys.exit(f"flexmarl: {args.run_dir}: {problem}")
         sys.stdout.write(format_samples(rows, args.step, args.agent))
         return
     if args.command == "replay":

@@ -1,8 +1,14 @@
 """Datasets: the rows episodes receive as `ctx.item`, in a reproducible order.
 
 `load_rows(path)` reads a .jsonl / .json / .parquet / .csv file or a directory saved by
-`datasets.Dataset.save_to_disk`, through the Hugging Face `datasets` library, into a list
-of plain dicts (the controller keeps them in memory: prompts are small next to models).
+`datasets.Dataset.save_to_disk` into a list of plain dicts (the controller keeps them in
+memory: prompts are small next to models). Each row keeps its own keys: a JSON row is
+read as written (the `datasets` reader would give every row every column, None where a
+row has none), and a table's empty cell (None) is left out of its row.
+
+Episodes get a row as a `Row`: reading a key the row lacks raises `MissingField`, naming
+the row and its keys, which fails that episode alone; a key no row of the data has raises
+`MissingColumn`, which stops the run in one line (every episode would fail the same way).
 
 `DataOrder` says which row episode number g (counted over the whole run) gets: epoch
 g // n, position g % n of that epoch's order (shuffled per epoch from the run's seed when
@@ -21,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .failures import RunFailed, calling_user_frame
+
 # file suffix -> the `datasets` builder that reads it
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -29,15 +37,73 @@ class DataError(ValueError):
     """A dataset that cannot serve the run; the message says what to change."""
 
 
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    import datasets
+class MissingField(KeyError):
+    """An episode read a key its row does not have (other rows may): the episode fails."""
 
-    datasets.disable_progress_bars()  # a few rows in memory: its bars would only clutter the run's output
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class MissingColumn(MissingField, RunFailed):
+    """An episode read a key no row of the data has: every episode would fail alike, so
+    the run stops."""
+
+
+class Row(dict):
+    """A dataset row as an episode sees it (a dict); `row[key]` for a key it lacks raises
+    MissingField or MissingColumn instead of a bare KeyError."""
+
+    def __init__(self, fields: dict[str, Any], index: int, dataset: "Dataset") -> None:
+        super().__init__(fields)
+        self.index = index  # in the file
+        self.dataset = dataset
+
+    def __missing__(self, key: Any) -> Any:
+        name, keys = self.dataset.name, ", ".join(map(repr, self)) or "none"
+        if key not in self.dataset.columns():
+            where = calling_user_frame()
+            raise MissingColumn(f"{name}: no row has a field {key!r}, which the workflow reads"
+                                + (f" (at {where})" if where else "") + f"; the rows' fields: "
+                                f"{', '.join(map(repr, self.dataset.columns())) or 'none'}. Add it to the data, "
+                                "or read a field the rows have")
+        raise MissingField(f"{name} row {self.index} has no field {key!r} (its fields: {keys})")
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset {str(path)!r} does not exist")
     if path.is_file() and path.stat().st_size == 0:
         raise DataError(f"dataset {path} has no rows (the file is empty)")
+    rows = _json_rows(path) if path.is_file() else None
+    if rows is None:
+        rows = [{k: v for k, v in row.items() if v is not None} for row in _table_rows(path)]
+    if not rows:
+        raise DataError(f"dataset {path} has no rows")
+    return rows
+
+
+def _json_rows(path: Path) -> list[dict[str, Any]] | None:
+    """The rows of a .jsonl file, or of a .json file holding one list of objects, as
+    written; None for other files (read as tables)."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return check_jsonl(path)
+    if suffix != ".json":
+        return None
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return check_jsonl(path)  # JSON lines in a .json file
+    if isinstance(rows, list) and all(isinstance(r, dict) for r in rows):
+        return rows
+    return None  # another layout: the `datasets` reader's business
+
+
+def _table_rows(path: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    datasets.disable_progress_bars()  # a few rows in memory: its bars would only clutter the run's output
     if path.is_dir():
         try:
             table = datasets.load_from_disk(str(path))
@@ -47,8 +113,6 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
             raise DataError(f"{path} holds several splits ({', '.join(table)}); point at one split's directory")
     else:
         builder = BUILDERS.get(path.suffix.lower())
-        if path.suffix.lower() == ".jsonl":
-            check_jsonl(path)
         if builder is None:
             raise DataError(f"{path}: unknown dataset format {path.suffix!r} (known: {', '.join(BUILDERS)}, "
                             f"or a save_to_disk directory)")
@@ -56,15 +120,13 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
             table = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as exc:
             raise DataError(f"{path} could not be read as {builder}: {exc}") from None
-    rows = table.to_list()
-    if not rows:
-        raise DataError(f"dataset {path} has no rows")
-    return rows
+    return table.to_list()
 
 
-def check_jsonl(path: Path) -> None:
-    """Every non-blank line of `path` is one JSON object; else a DataError naming the
-    first line that is not and why (the `datasets` reader's own error names neither)."""
+def check_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of `path`, one JSON object per non-blank line; a DataError naming the
+    first line that is not one and why."""
+    rows = []
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
@@ -76,6 +138,8 @@ def check_jsonl(path: Path) -> None:
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {number} is a JSON {type(row).__name__}, not an object "
                                 f"({{\"question\": ..., ...}}): each line is one row") from None
+            rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -114,22 +178,32 @@ class DataOrder:
 
 
 class Dataset:
-    """Rows plus their order: `item(g)` is episode g's row, `position(g)` where it is."""
+    """Rows plus their order: `item(g)` is episode g's row, `position(g)` where it is.
+    `name` is what errors call it (the config key, "data.train")."""
 
-    def __init__(self, rows: list[dict[str, Any]], order: DataOrder) -> None:
-        self.rows, self.order = rows, order
+    def __init__(self, rows: list[dict[str, Any]], order: DataOrder, name: str = "the data") -> None:
+        self.rows, self.order, self.name = rows, order, name
         self._fingerprint: str | None = None
+        self._columns: set[str] | None = None
 
     @classmethod
-    def from_path(cls, path: str | Path, seed: int, shuffle: bool = True, epochs: int = 0) -> "Dataset":
+    def from_path(cls, path: str | Path, seed: int, shuffle: bool = True, epochs: int = 0,
+                  name: str = "the data") -> "Dataset":
         rows = load_rows(path)
-        return cls(rows, DataOrder(len(rows), seed, shuffle, epochs))
+        return cls(rows, DataOrder(len(rows), seed, shuffle, epochs), name)
 
     def position(self, g: int) -> DataPosition:
         return self.order.position(g)
 
-    def item(self, g: int) -> dict[str, Any]:
-        return self.rows[self.order.position(g).index]
+    def item(self, g: int) -> Row:
+        index = self.order.position(g).index
+        return Row(self.rows[index], index, self)
+
+    def columns(self) -> set[str]:
+        """Every key any row has."""
+        if self._columns is None:
+            self._columns = {key for row in self.rows for key in row}
+        return self._columns
 
     def fingerprint(self) -> str:
         """A digest of the rows, in file order: a resume checks it is the same data."""

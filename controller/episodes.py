@@ -7,10 +7,13 @@ starts the batch's `queries_per_step` episodes, at most
 `max_concurrent_episodes` running at once (the bound is the semaphore below), at most
 EPISODES_PER_TURN started in one turn of the event loop. Each turn
 of an episode waits at the schedule's staleness gate. Produces: samples in the store
-(through the episode context) and `episode_ended(t)` for every episode, failed or not;
-a failed episode is counted and its groups dropped (see workflow.run_episode). It ends
-when the last episode has, or raises `RunFailed` as soon as more than
-`pipeline.max_failed_share` of a batch's episodes have failed (the run cannot learn).
+(through the episode context) and `episode_ended(t)` for every episode that ends, failed
+or not (one cut short because the run stops does not end its batch: nothing trains on
+what it lacks); a failed episode is counted and its groups dropped (see
+workflow.run_episode). It ends when the last episode has, or raises `RunFailed` as soon
+as more than `pipeline.max_failed_share` of a batch's episodes have failed (the run
+cannot learn) or an episode met a failure of the run's (no rollout instance, a data field
+no row has).
 
 `EpisodeContexts` is the one place an episode context is made, for these episodes, for
 held-out ones (evaluation.py) and for the calls `flexmarl serve` answers (serving.py).
@@ -29,7 +32,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from .data import Dataset
-from .failures import too_many_failures
+from .failures import RunFailed, too_many_failures
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
@@ -99,7 +102,7 @@ class EpisodeProducer:
         running: list[asyncio.Task] = []
 
         async def one(batch: int, i: int) -> None:
-            failure = ""
+            failure, stopped = "", False
             try:
                 g = self.episode_number(batch, i)
                 ctx = self.contexts.make(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"), self.store,
@@ -108,9 +111,16 @@ class EpisodeProducer:
                 if why:
                     self.failed += 1
                     failure = f"{why}\n{ctx.failure}" if ctx.failure != why else why
+            except RunFailed as exc:  # not this episode's failure: the run cannot go on
+                stopped = True  # and the episode never ends: the batch is not trained on what it lacks
+                self._stop_with(exc)
+            except asyncio.CancelledError:  # the run is stopping: nor does an episode cut short
+                stopped = True
+                raise
             finally:
                 limit.release()
-                self.schedule.episode_ended(batch, failure)
+                if not stopped:
+                    self.schedule.episode_ended(batch, failure)
             if failure:
                 self._check_failures(batch)
 
@@ -134,7 +144,12 @@ class EpisodeProducer:
         progress = self.schedule.batches[batch]
         error = too_many_failures(batch, progress.episodes_failed, p.queries_per_step, p.max_failed_share,
                                   progress.first_failure)
-        if error is not None and not self._stop.done():
+        if error is not None:
+            self._stop_with(error)
+
+    def _stop_with(self, error: BaseException) -> None:
+        """The first error that stops the run ends `run()`; later ones are dropped."""
+        if not self._stop.done():
             self._stop.set_exception(error)
 
     def continue_data(self, batch: int, episode: int) -> None:

@@ -8,8 +8,12 @@ evaluation runs `eval.episodes` episodes of the run's workflow over the eval row
 seed, the same at every evaluation), at `eval.temperature` (greedy by default) with one
 sample per call. Its samples live in a store of their own that nothing trains from.
 
-It does not know trainers or how micro-batches are formed; in async mode later batches
-keep rolling out meanwhile, and each row records the oldest policy version it saw.
+An evaluation after step t measures version t of every agent: the schedule holds each
+agent's sync to version t + 1 until the evaluation has run (later batches may roll out and
+train meanwhile, in async mode), and each row records the versions every agent's samples
+ran under (`versions`).
+
+It does not know trainers or how micro-batches are formed.
 """
 
 from __future__ import annotations
@@ -51,15 +55,18 @@ class Evaluator:
         self.emit = emit
         self.dataset = dataset
         self.results: list[dict[str, Any]] = []
+        e = cfg.eval
+        # Done before the run resumed: not again.
+        self.steps = [t for t in evaluation_steps(e.every, cfg.run.steps, e.at_start) if t >= schedule.first_batch - 1]
+        for step in self.steps:  # from now on, no agent moves past a version still to be evaluated
+            schedule.evaluation_at(step)
 
     async def run(self) -> None:
-        e = self.cfg.eval
-        for step in evaluation_steps(e.every, self.cfg.run.steps, e.at_start):
-            if step < self.schedule.first_batch - 1:  # done before the run resumed
-                continue
+        for step in self.steps:
             if step > 0:
                 await self.schedule.wait_trained(step)
             await self.evaluate(step)
+            self.schedule.evaluated(step)
 
     async def evaluate(self, step: int) -> list[dict[str, Any]]:
         e, seed = self.cfg.eval, self.cfg.run.seed
@@ -77,10 +84,11 @@ class Evaluator:
                     failed += 1
 
         await asyncio.gather(*(one(i) for i in range(e.episodes)))
-        rows = []
-        for agent in self.cfg.agents:
-            samples = [s for s in store.samples.values() if s.agent == agent and s.status != "dropped"]
-            rows.append(self.metrics.record_eval(step, agent, samples, failed, e.episodes))
+        kept = {a: [s for s in store.samples.values() if s.agent == a and s.status != "dropped"]
+                for a in self.cfg.agents}
+        versions = {a: sorted({v for s in samples for v in s.versions}) for a, samples in kept.items()}
+        rows = [self.metrics.record_eval(step, agent, samples, failed, e.episodes, versions)
+                for agent, samples in kept.items()]
         self.emit(ev.EvaluationDone(step, e.episodes, failed,
                                     {r["agent"]: r["reward_mean"] for r in rows if r["reward_mean"] is not None}))
         self.metrics.eval_line(step, rows)

@@ -31,11 +31,13 @@ from typing import Any, Awaitable, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.aio import supervise
+from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
-from .checkpoints import CheckpointError, check_writable, latest_checkpoint
-from .launcher import LAUNCHERS, LaunchedWorker, Launcher, RestartPolicy, WorkerRestarter, Workers
+from .checkpoints import CheckpointError, check_writable, resume_point
+from .launcher import LaunchedWorker, Launcher, RestartPolicy, WorkerFailed, WorkerRestarter, Workers
+from .launchers import LAUNCHERS
 from .server import ControllerServer
 from .training import TrainingRun
 
@@ -52,24 +54,31 @@ GC_THRESHOLDS = (50_000, 20, 10)
 
 class Experiment:
     def __init__(self, config: ExperimentConfig, *, run_dir: str | Path | None = None,
-                 spawn_workers: bool = True, resume: bool = False, resume_anyway: bool = False) -> None:
+                 spawn_workers: bool = True, resume: bool = False, resume_anyway: bool = False,
+                 resume_from: int | None = None) -> None:
         self.config = config
         self.run_dir = Path(run_dir or config.run.out or _default_run_dir())
-        # Continue the run in run_dir from its last complete checkpoint (see `resume`).
+        # Continue the run in run_dir from its newest intact checkpoint (see `resume`), or
+        # from the checkpoint of step `resume_from`.
         self.resume = resume
+        self.resume_from = resume_from
         # ... even where a setting the run's exactness depends on changed (checkpoints.check_resume)
         self.resume_anyway = resume_anyway
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
         self.launcher: Launcher | None = None  # while open, when it starts its workers
         self.local: Workers[Any] | None = None  # the workers the launcher started
+        self.restarter: WorkerRestarter | None = None  # with started workers, once they registered
         self._tasks: list[asyncio.Task] = []
         self.events: EventLog | None = None
         self.training: TrainingRun | None = None  # while train() runs
         self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
 
     def emit(self, event: ev.Event) -> None:
-        if self.events is not None:
+        # Once a write failed, the log's task stops the run with that error; what is emitted
+        # meanwhile (by anything reacting as the run stops) is dropped instead of raising
+        # the same error again in each of those places.
+        if self.events is not None and not self.events.failed:
             self.events.emit(event)
 
     async def flush_events(self) -> None:
@@ -85,20 +94,21 @@ class Experiment:
 
     @classmethod
     def resuming(cls, run_dir: str | Path, *, overrides: list[str] | None = None,
-                 spawn_workers: bool = True, anyway: bool = False) -> "Experiment":
-        """The run in `run_dir`, to be continued from its last complete checkpoint with the
-        config it was started with (`overrides`, ``section.key=value``, may change e.g.
-        run.steps to train longer)."""
+                 spawn_workers: bool = True, anyway: bool = False, step: int | None = None) -> "Experiment":
+        """The run in `run_dir`, to be continued from its newest intact checkpoint (or the
+        one of `step`) with the config it was started with (`overrides`,
+        ``section.key=value``, may change e.g. run.steps to train longer)."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.toml").exists():
             raise CheckpointError(f"{run_dir} is not a run directory (no config.toml); nothing to resume")
         config = load_config(run_dir / "config.toml", overrides or [])
-        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True, resume_anyway=anyway)
+        return cls(config, run_dir=run_dir, spawn_workers=spawn_workers, resume=True, resume_anyway=anyway,
+                   resume_from=step)
 
     async def __aenter__(self) -> "Experiment":
         point = None
         if self.resume:
-            point = latest_checkpoint(self.run_dir)
+            point = resume_point(self.run_dir, self.resume_from)
             if point is None:
                 raise CheckpointError(f"{self.run_dir} has no complete checkpoint to resume from; start the run "
                                       "anew (checkpoints are written every run.checkpoint_every steps)")
@@ -121,7 +131,7 @@ class Experiment:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             self._close_launcher()
             raise
-        (self.run_dir / "controller.address").write_text(address + "\n")
+        write_text_atomically(self.run_dir / "controller.address", address + "\n")
         if self.config.run.event_log:
             self.events = EventLog(self.run_dir / "events.log", append=point is not None)
         self._gc_thresholds = gc.get_threshold()  # restored by _teardown, which every exit from here runs
@@ -140,13 +150,14 @@ class Experiment:
     def _open_run_dir(self, point: Any) -> None:
         # A run directory that cannot be written fails here, before any worker starts.
         check_writable(self.run_dir)
-        (self.run_dir / "config.toml").write_text(dump_toml(self.config))
+        write_text_atomically(self.run_dir / "config.toml", dump_toml(self.config))
         # The log says a worker died before anything reacts to it.
         self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
         self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         # Built before any worker starts: a bad workflow path, dataset or model name fails here, at once.
         self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
-                                    flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point)
+                                    flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point,
+                                    restarting=self.restarting)
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self._teardown()
@@ -170,11 +181,22 @@ class Experiment:
             self._check_local_processes()
         waiter.result()
         if self.local is not None:
+            registry = self.server.registry
             restarter = WorkerRestarter(self.local, RestartPolicy(cluster.max_restarts, cluster.restart_backoff_s),
                                         stopping=lambda: self.server.closing,
                                         on_exit=lambda wp, why: self.server.worker_exited(wp.worker_id, why),
-                                        on_restart=self._restarted)
+                                        on_restart=self._restarted,
+                                        registered=lambda w: w in registry.workers and registry.workers[w].alive,
+                                        start_timeout_s=cluster.worker_start_timeout_s)
+            # A worker declared dead (silent, not reading) whose process is still there is
+            # stopped and started again, as if it had exited.
+            self.server.on_died.append(lambda w: restarter.declared_dead(w.worker_id, w.why_gone))
+            self.restarter = restarter
             self._tasks.append(asyncio.create_task(restarter.run(), name="launcher"))
+
+    def restarting(self, role: str) -> bool:
+        """Whether a started worker of `role` is on its way back (see WorkerRestarter)."""
+        return self.restarter is not None and self.restarter.restarting(role)
 
     def _restarted(self, old: LaunchedWorker, new: LaunchedWorker, restarts: int) -> None:
         self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.exit_code, restarts, new.pid))
@@ -184,7 +206,7 @@ class Experiment:
             return
         for wp in self.local.exited():
             if not self.server.registry.workers.get(wp.worker_id):
-                raise RuntimeError(f"worker {wp.worker_id}: {wp.why_exited()} before registering; its log "
+                raise WorkerFailed(f"worker {wp.worker_id}: {wp.why_exited()} before registering; its log "
                                    f"({wp.log_path}) ends with:\n{self.local.log_tail(wp)}")
 
     async def supervise(self, driver: Callable[[], Awaitable[Any]], name: str = "driver") -> Any:
@@ -209,8 +231,9 @@ class Experiment:
         if self.events is not None:
             try:
                 await asyncio.wait_for(self.events.close(), timeout)
-            except Exception:
-                log.exception("the event log could not be closed cleanly")
+            except Exception as exc:  # the error that stopped the run, if a write failed, is reported once
+                log.log(logging.INFO if self.events.failed else logging.ERROR,
+                        "the event log could not be closed cleanly: %s", exc)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

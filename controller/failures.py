@@ -52,7 +52,15 @@ def _frames(exc: BaseException) -> list[traceback.FrameSummary]:
 
 def user_frame(exc: BaseException) -> str:
     """'FILE:LINE in FUNCTION' of the innermost frame of the user's, or '' if none."""
-    frames = _frames(exc)
+    return _innermost(_frames(exc))
+
+
+def calling_user_frame() -> str:
+    """The same for the code running now: the user's frame that called into FlexMARL."""
+    return _innermost([f for f in traceback.extract_stack() if not _ours_or_stdlib(f.filename)])
+
+
+def _innermost(frames: list[traceback.FrameSummary]) -> str:
     own = [f for f in frames if not _resolved(f.filename).startswith(_INSTALLED)]
     frame = (own or frames or [None])[-1]
     return f"{frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else ""

@@ -1,10 +1,11 @@
 """Starts worker processes on this host, restarts the ones that die, stops exactly those, by PID.
 
 `Launcher` is what `flexmarl run` starts its workers with, chosen by `cluster.launcher`
-from LAUNCHERS: `LocalLauncher` here, `RayLauncher` (ray_launcher.py) on a Ray cluster.
-A launcher says where the controller binds (`endpoint`) and hands back `Workers`: how a
-worker is started, noticed gone, started again and stopped. The restart policy is written
-once, here, over that interface, for every launcher.
+from LAUNCHERS (launchers.py): `LocalLauncher` here, `RayLauncher` (ray_launcher.py) on a
+Ray cluster. A launcher says where the controller binds (`endpoint`) and hands back
+`Workers`: how a worker is started, noticed gone, started again, stopped when hung
+(`signal`), cleaned up after (`reclaim`) and stopped. The restart policy is written once,
+here, over that interface, for every launcher.
 
 Used by `flexmarl run`, `Experiment` and the integration tests. Each local worker is a child
 process in its own process group (so a Ctrl-C in the terminal reaches the controller,
@@ -13,15 +14,19 @@ gone, however it died (runtime/parent_watch.py); `stop()` escalates SIGTERM -> S
 time limit and never touches a process it did not start.
 
 `WorkerRestarter` starts a worker that exited while the run goes on again, with the same
-id, role and (appended) log, after a backoff; `RestartPolicy` decides how long to wait and
-when to give up (`cluster.max_restarts` per worker). It does not know what the worker was
-doing: the controller hands a worker that registers again its work back.
+id, role and (appended) log, after a backoff; `RestartPolicy` decides how long to wait,
+when to give up (`cluster.max_restarts` per worker) and how a worker the controller
+declared dead while its process is still there (hung, stopped, not reading) is stopped:
+SIGTERM, then SIGKILL after a grace period; it is then started again like one that
+exited. It does not know what the worker was doing: the controller hands a worker that
+registers again its work back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -32,13 +37,14 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine, Protocol, TypeVar
 
 from flexmarl.runtime.config import ExperimentConfig, TransportConfig
-from flexmarl.runtime.shm_segments import remove_orphan_segments
+from flexmarl.runtime.shm_segments import OWNER_ENV, remove_orphan_engine_dirs, remove_orphan_segments
 
 log = logging.getLogger("flexmarl.launcher")
 
 LOG_TAIL_CHARS = 2000  # of a worker's log, in the error that stops a run
 MAX_BACKOFF_S = 30.0
 WATCH_INTERVAL_S = 0.25  # how often the restarter looks for exited processes
+KILL_GRACE_S = 5.0  # SIGTERM -> SIGKILL, for a worker declared dead whose process is still there
 
 
 class WorkerFailed(RuntimeError):
@@ -63,6 +69,8 @@ class LaunchedWorker(Protocol):
     @property
     def exit_code(self) -> int | None: ...  # None while it runs, or where it ended without one
 
+    def alive(self) -> bool: ...  # its process (or actor) is still there, as last seen
+
     def ended(self) -> str: ...  # how it ended, as a predicate: "exited with code -9"
 
     def why_exited(self) -> str: ...  # the same as a sentence about its process, for the controller
@@ -83,6 +91,10 @@ class Workers(Protocol[W]):
     def exited(self) -> list[W]: ...
 
     def log_tail(self, worker: W) -> str: ...
+
+    def signal(self, worker: W, sig: int) -> None: ...  # to a hung worker: SIGTERM, then SIGKILL
+
+    def reclaim(self, worker: W) -> None: ...  # what an exited worker left that no one else may use
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]: ...  # named tasks to run while the run goes on
 
@@ -130,6 +142,9 @@ class WorkerProcess:
     def exit_code(self) -> int | None:
         return self.proc.returncode
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def ended(self) -> str:
         return f"exited with code {self.proc.returncode}"
 
@@ -175,7 +190,9 @@ class LocalWorkers:
                "--parent-pid", str(os.getpid())]  # it exits when this process dies, however it dies
         if self.curve_dir:
             cmd += ["--curve-dir", self.curve_dir]
-        env = dict(os.environ, **worker_env(self.threads), **self.extra_env, **pinning_env(gpus))
+        env = dict(os.environ, **worker_env(self.threads),
+                   **{OWNER_ENV: str(os.getpid())},  # names its shared memory as this run's (shm_segments)
+                   **self.extra_env, **pinning_env(gpus))
         log_path = None
         stdout = None
         if self.log_dir is not None:
@@ -203,6 +220,18 @@ class LocalWorkers:
 
     def exited(self) -> list[WorkerProcess]:
         return [wp for wp in self.procs if wp.proc.poll() is not None]
+
+    def signal(self, wp: WorkerProcess, sig: int) -> None:
+        """Sends `sig` to the worker's process (if it is still there)."""
+        _signal(wp, sig)
+
+    def reclaim(self, wp: WorkerProcess) -> None:
+        """Removes what the exited process left that no one else may use (a rollout
+        engine's directories); its parameter segments wait for `stop` (a parked copy in
+        one may still be loaded)."""
+        removed = remove_orphan_engine_dirs(pids=[wp.proc.pid])
+        if removed:
+            log.info("removed %d directories left by %s (pid %d)", len(removed), wp.worker_id, wp.proc.pid)
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
         return {}  # their output goes straight to their log files
@@ -234,9 +263,9 @@ class LocalWorkers:
             self._stop(timeout, grace)
         finally:
             gone = [wp.proc.pid for wp in self.procs + self.retired if wp.proc.returncode is not None]
-            removed = remove_orphan_segments(pids=gone)
+            removed = remove_orphan_segments(pids=gone) + remove_orphan_engine_dirs(pids=gone)
             if removed:
-                log.info("removed %d shared-memory segments left by dead workers", len(removed))
+                log.info("removed %d shared-memory files left by dead workers", len(removed))
 
     def _stop(self, timeout: float, grace: float) -> None:
         if grace > 0 and self.wait(grace):
@@ -293,6 +322,9 @@ class RestartPolicy:
     max_restarts: int = 3
     backoff_s: float = 1.0
     max_backoff_s: float = MAX_BACKOFF_S
+    # A worker declared dead whose process is still there gets SIGTERM, and SIGKILL this
+    # much later if it is still there (a stopped process never handles SIGTERM).
+    kill_grace_s: float = KILL_GRACE_S
     restarts: dict[str, int] = field(default_factory=dict)  # worker id -> restarts so far
 
     def next_delay(self, worker_id: str) -> float | None:
@@ -304,6 +336,15 @@ class RestartPolicy:
         self.restarts[worker_id] = done + 1
         return min(self.backoff_s * 2 ** done, self.max_backoff_s)
 
+    def stop_signal(self, declared_dead_s: float, signalled: int | None) -> int | None:
+        """The signal for a worker declared dead `declared_dead_s` ago whose process is
+        still there, `signalled` the last one it got (None: none yet); None: wait."""
+        if signalled is None:
+            return signal.SIGTERM
+        if signalled == signal.SIGTERM and declared_dead_s >= self.kill_grace_s:
+            return signal.SIGKILL
+        return None
+
 
 class WorkerRestarter:
     """Watches the workers a launcher started and restarts the ones that exit while the run
@@ -313,39 +354,82 @@ class WorkerRestarter:
     at once (so the controller declares it dead before anything else reacts) and started
     again once its backoff has passed, reported through `on_restart(old, new, restarts)`. A
     worker past its limit raises `WorkerFailed` naming it, its exit code and its log's
-    end. Nothing is restarted once `stopping()` says the run is shutting down. `run()`
-    looks every `WATCH_INTERVAL_S` and never returns; its failure stops the run."""
+    end. A worker the controller declared dead (`declared_dead`) whose process is still
+    there is stopped as the policy says (`RestartPolicy.stop_signal`), and then restarted
+    like any that exited. Nothing is restarted once `stopping()` says the run is shutting
+    down. `run()` looks every `WATCH_INTERVAL_S` and never returns; its failure stops the
+    run. `restarting(role)` says whether a worker of that role is on its way back."""
 
     def __init__(self, workers: Workers[Any], policy: RestartPolicy, *, stopping: Callable[[], bool],
                  on_exit: Callable[[LaunchedWorker, str], None] = lambda wp, why: None,
                  on_restart: Callable[[LaunchedWorker, LaunchedWorker, int], None] = lambda old, new, n: None,
+                 registered: Callable[[str], bool] = lambda worker_id: True, start_timeout_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.workers = workers
         self.policy = policy
         self.stopping = stopping
         self.on_exit = on_exit
         self.on_restart = on_restart
+        self.registered = registered  # whether the worker's current process registered
+        self.start_timeout_s = start_timeout_s  # a restarted process that has not registered by then is not coming
         self.clock = clock
         self.due: dict[str, float] = {}  # worker id -> when its restart is due
+        self.started: dict[str, float] = {}  # worker id -> when its process was last started again
+        # worker id -> (when it was declared dead, the last signal sent to its process)
+        self.hung: dict[str, tuple[float, int | None]] = {}
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             self.check()
 
+    def declared_dead(self, worker_id: str, why: str) -> None:
+        """The controller gave up on the worker; if its process is still there, `check`
+        stops it (and then restarts it)."""
+        wp = next((wp for wp in self.workers.procs if wp.worker_id == worker_id), None)
+        if self.stopping() or wp is None or not wp.alive() or worker_id in self.hung:
+            return
+        log.warning("worker %s was declared dead (%s) but its process (pid %d) is still there: stopping it "
+                    "(SIGTERM, then SIGKILL after %gs) to start it again", worker_id, why, wp.pid,
+                    self.policy.kill_grace_s)
+        self.hung[worker_id] = (self.clock(), None)
+
+    def restarting(self, role: str) -> bool:
+        """Whether a worker of `role` is being stopped, waits for its restart, or was
+        started again (less than `start_timeout_s` ago) and has not registered yet."""
+        def on_its_way(worker_id: str) -> bool:
+            starting = self.clock() - self.started.get(worker_id, -math.inf) < self.start_timeout_s
+            return worker_id in self.due or worker_id in self.hung or (starting and not self.registered(worker_id))
+
+        return any(wp.role == role and on_its_way(wp.worker_id) for wp in self.workers.procs)
+
     def check(self) -> None:
         if self.stopping():
             return
         now = self.clock()
+        self._stop_hung(now)
         for wp in self.workers.exited():
             if wp.worker_id not in self.due:
                 self._noticed(wp, now)
             if self.due[wp.worker_id] <= now:
                 del self.due[wp.worker_id]
                 new = self.workers.restart(wp)
+                self.started[wp.worker_id] = now
                 self.on_restart(wp, new, self.policy.restarts[wp.worker_id])
 
+    def _stop_hung(self, now: float) -> None:
+        for wp in self.workers.procs:
+            if wp.worker_id not in self.hung or not wp.alive():
+                continue
+            since, signalled = self.hung[wp.worker_id]
+            sig = self.policy.stop_signal(now - since, signalled)
+            if sig is not None:
+                self.workers.signal(wp, sig)
+                self.hung[wp.worker_id] = (since, sig)
+
     def _noticed(self, wp: LaunchedWorker, now: float) -> None:
+        self.hung.pop(wp.worker_id, None)
+        self.workers.reclaim(wp)
         why = wp.why_exited()
         self.on_exit(wp, why)
         delay = self.policy.next_delay(wp.worker_id)
@@ -358,13 +442,3 @@ class WorkerRestarter:
         log.warning("worker %s %s; starting it again in %.1fs (restart %d of %d)", wp.worker_id, why, delay,
                     self.policy.restarts[wp.worker_id], self.policy.max_restarts)
         self.due[wp.worker_id] = now + delay
-
-
-def _ray_launcher(config: ExperimentConfig) -> Launcher:
-    from .ray_launcher import RayLauncher  # Ray is imported only where it is asked for
-
-    return RayLauncher(config)
-
-
-# cluster.launcher -> what makes the launcher (Ray's connects to its cluster, before anything starts)
-LAUNCHERS: dict[str, Callable[[ExperimentConfig], Launcher]] = {"local": LocalLauncher, "ray": _ray_launcher}

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from flexmarl.runtime.atomic import replace_atomically
+
 from . import decisions
 
 log = logging.getLogger("flexmarl.metrics")
@@ -124,11 +126,14 @@ class MetricsLog:
                     if r["agent"] == a and r["reward_mean"] is not None and "kind" not in r]
                 for a in self.agents}
 
-    def record_eval(self, step: int, agent: str, samples: list[Any], failed: int, episodes: int) -> dict[str, Any]:
-        """One evaluation row (`"kind": "eval"`): held-out rewards at the weights after `step`."""
+    def record_eval(self, step: int, agent: str, samples: list[Any], failed: int, episodes: int,
+                    versions: dict[str, list[int]] | None = None) -> dict[str, Any]:
+        """One evaluation row (`"kind": "eval"`): held-out rewards at the weights after `step`;
+        `versions`: every agent's policy versions its evaluation samples ran under."""
         rewards = [s.reward for s in samples if s.reward is not None]
         row = {"kind": "eval", "step": step, "agent": agent,
                "version": min((min(s.versions) for s in samples if s.versions), default=None),
+               "versions": versions or {},
                "reward_mean": math.fsum(rewards) / len(rewards) if rewards else None, "samples": len(rewards),
                "episodes": episodes, "episodes_failed": failed,
                "time": round(self.clock() - self.started, 3)}
@@ -151,8 +156,8 @@ class MetricsLog:
         if self.rows:
             try:
                 plot_rewards(self.rows, self.agents, self.run_dir / "rewards.png")
-            except Exception:  # a plot must never turn a finished run into a failure
-                log.exception("could not draw the reward plot")
+            except Exception as exc:  # a plot must never turn a finished run into a failure
+                log.warning("could not draw the reward plot (%s); the previous one, if any, is kept", exc)
 
 
 def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> None:
@@ -178,5 +183,7 @@ def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> N
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)

@@ -222,21 +222,25 @@ class AgentPipeline:
         self._tokens[batch] = 0
         written: list[asyncio.Future] = []
         calls = [self._send(version, mb, written) for mb in self.kept[batch]]
-        while True:
-            complete = self.schedule.rollout_complete(batch)
-            for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.micro_batch_size, complete,
-                                                   self.overlap, self.cfg.max_staleness):
-                self.kept[batch].append(mb)
-                calls.append(self._send(version, mb, written))
-            if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):
-                break
-            if self.store.ready_samples(self.agent, batch):
-                self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
-            await self.schedule.wait_for_work(self.agent)
-        trained = [s for mb in self.kept[batch] for s in mb]
-        if not trained:
-            self._no_samples(batch)
-        outcomes = await asyncio.gather(*written, return_exceptions=True)
+        try:
+            while True:
+                complete = self.schedule.rollout_complete(batch)
+                for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.micro_batch_size,
+                                                       complete, self.overlap, self.cfg.max_staleness):
+                    self.kept[batch].append(mb)
+                    calls.append(self._send(version, mb, written))
+                if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):
+                    break
+                if self.store.ready_samples(self.agent, batch):
+                    self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
+                await self.schedule.wait_for_work(self.agent)
+            trained = [s for mb in self.kept[batch] for s in mb]
+            if not trained:
+                self._no_samples(batch)
+            outcomes = await asyncio.gather(*written, return_exceptions=True)
+        except BaseException:  # stopped (or failed) before the step: the calls under way end with it
+            await _cancelled(calls)
+            raise
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
         stepping = self._tracked(self._step_and_sync(batch, trained))
@@ -286,7 +290,7 @@ class AgentPipeline:
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                         self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
-                        on_sent=lambda: written.set_result(None))
+                        on_sent=lambda: written.done() or written.set_result(None))
             finally:
                 self.allocator.release(self.agent)
         finally:
@@ -337,6 +341,7 @@ class AgentPipeline:
             async with self.lanes.slot(trainer, Priority.critical(version)):
                 stats = await self._step_in_slot(trainer, version, len(trained))
                 await self.flush_events()
+                await self.schedule.wait_to_sync(version)  # an evaluation of version - 1 first
                 await self.weights.sync(self.agent, trainer, version)
         finally:
             self.allocator.release(self.agent)
@@ -363,9 +368,10 @@ class AgentPipeline:
             raise RuntimeError(f"{self.agent}'s trainer died and its training state cannot be restored: "
                                "trainer groups checkpoint weights only") from exc
         state = self.checkpoints.agent_state(self.agent, saved) if saved > 0 and self.checkpoints else None
+        checksum = self.checkpoints.agent_state_checksum(self.agent, saved) if state is not None else ""
         log.warning("%s: %s; restoring its state of version %d and training batches %d-%d again",
                     self.agent, exc, saved, saved + 1, batch)
-        self.allocator.recover(self.agent, state, saved)
+        self.allocator.recover(self.agent, state, saved, checksum)
         self.weights.forget(self.agent)  # its last publication died with the trainer
         self.emit(ev.TrainingRestored(self.agent, saved, batch, str(exc)))
         t0 = time.monotonic()
@@ -385,10 +391,15 @@ async def _all(calls: list[asyncio.Future]) -> float:
     try:
         return sum(await asyncio.gather(*calls))
     except BaseException:
-        for call in calls:
-            call.cancel()
-        await asyncio.gather(*calls, return_exceptions=True)
+        await _cancelled(calls)
         raise
+
+
+async def _cancelled(calls: list[asyncio.Future]) -> None:
+    """Cancels the calls and waits until each has ended (its outcome retrieved)."""
+    for call in calls:
+        call.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:

@@ -8,7 +8,8 @@ watches the actor's process and exits when it is gone (runtime/parent_watch.py),
 killed actor or a lost node never leaves a worker behind.
 
 It knows nothing of the run: no ZeroMQ, no protocol, no config; it imports Ray only to say
-which node it is on, so it can be tested as a plain object.
+which node it is on, so it can be tested as a plain object. A hung worker is stopped through
+it (`signal`), and what an exited one left on the node is removed by it (`reclaim`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from flexmarl.runtime.shm_segments import OWNER_ENV, remove_orphan_engine_dirs
 
 OUTPUT_CHUNK = 1 << 20  # the most bytes of output one call returns
 
@@ -39,8 +42,9 @@ class WorkerActor:
         if keys:
             cmd += ["--curve-dir", str(self.home)]
         with open(self.output_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            # Its shared memory is named as this actor's: once both are gone, the next worker removes it.
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **env, OWNER_ENV: str(os.getpid())}, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def where(self) -> dict[str, str | int]:
         """The node, its address and host name, and the worker's PID."""
@@ -68,6 +72,16 @@ class WorkerActor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
+
+    def signal(self, sig: int) -> None:
+        """Sends `sig` to the worker's process, if it is still there."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def reclaim(self) -> int:
+        """Removes the directories the exited worker left on this node (a rollout engine's);
+        returns how many."""
+        return len(remove_orphan_engine_dirs(pids=[self.proc.pid]))
 
     def finish(self, offset: int) -> bytes:
         """The rest of the output from `offset` (the worker has ended), then the folder with

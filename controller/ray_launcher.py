@@ -51,6 +51,7 @@ RAY_EXTRA = "pip install 'flexmarl[ray]' (Ray 2.60.0, the version of the cluster
 CONNECT_TIMEOUT_S = 5.0  # for the cluster's address to answer at all
 LOG_COPY_S = 1.0  # how often the workers' output is copied into logs/
 CALL_TIMEOUT_S = 10.0  # for one actor call while stopping
+KILL_ACTOR_S = 1.0  # after a hung worker's SIGKILL went to its actor, the actor itself is killed
 KEY_FILES = ("server.key", "client.key", "client.key_secret")  # what a worker needs; never the server's secret
 
 
@@ -187,6 +188,7 @@ class RayWorker:
     code: int | None = None
     outcome: str = ""  # how it ended, once it did
     copied: int = 0  # bytes of its output already in log_path
+    kill_at: float | None = None  # when its actor is killed (a hung worker being stopped)
 
     @property
     def pid(self) -> int:
@@ -195,6 +197,9 @@ class RayWorker:
     @property
     def exit_code(self) -> int | None:
         return self.code
+
+    def alive(self) -> bool:
+        return not self.outcome
 
     def ended(self) -> str:
         return self.outcome
@@ -266,6 +271,10 @@ class RayWorkers:
         """Workers whose process exited, whose actor or node was lost, or that found no room
         within the start timeout; the others' placements are noted as they happen."""
         running = [w for w in self.procs if not w.outcome]
+        for worker in running:
+            if worker.kill_at is not None and self.clock() >= worker.kill_at:
+                worker.kill_at = None
+                self._kill(worker)  # its exited_ref then fails: seen as ended below, or at the next look
         self._note_placements([w for w in running if not w.where])
         ready = self._ready([w.exited_ref for w in running])
         for worker in running:
@@ -279,6 +288,27 @@ class RayWorkers:
 
     def log_tail(self, worker: RayWorker) -> str:
         return log_tail(worker.log_path)
+
+    def signal(self, worker: RayWorker, sig: int) -> None:
+        """Stops a hung worker without waiting on Ray: SIGTERM goes to its process through
+        its actor; SIGKILL goes there too, and `KILL_ACTOR_S` later (`exited` looks) its
+        actor is killed, so a worker whose actor or node no longer answers ends as well."""
+        if worker.where:
+            worker.actor.signal.remote(sig)
+        if sig == signal.SIGKILL or not worker.where:  # never placed: no process to signal
+            worker.kill_at = self.clock() + (KILL_ACTOR_S if worker.where else 0.0)
+
+    def reclaim(self, worker: RayWorker) -> None:
+        """Has the actor remove what its exited process left on its node (a rollout engine's
+        directories); nothing to do where the actor or its node is gone."""
+        if not worker.where:
+            return
+        try:
+            removed = self.ray.get(worker.actor.reclaim.remote(), timeout=CALL_TIMEOUT_S)
+        except self.ray.exceptions.RayError:
+            return
+        if removed:
+            log.info("removed %d directories left by %s (%s)", removed, worker.worker_id, worker.describe())
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
         return {"worker-logs": self._copy_output()}

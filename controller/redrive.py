@@ -60,9 +60,11 @@ def redrive(log: list) -> list:
                 store.set_reward(sid, reward)
             store.groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
     made: dict[str, list] = {a: [] for a in start.agents}
-    # Every agent steps every batch, up to the last batch the log reached.
-    last = max([g.batch for g in store.groups.values()] + [v for _, v in step_trainer], default=0)
-    for batch in range(1, last + 1):
+    # Every agent steps every batch up to the last batch the log reached, but a step the
+    # log never took (`open_steps`): its micro-batches are every one the rules would cut
+    # from what was ready when the log ends; the log's must be the first of them.
+    unfinished = open_steps(log)
+    for batch in range(1, last_batch(log) + 1):
         for agent in start.agents:
             trained = 0
             for mb in decisions.form_micro_batches(store, agent, batch, size, True, False, k):
@@ -70,7 +72,8 @@ def redrive(log: list) -> list:
                 made[agent].append(ev.MicroBatchFormed(agent, "", batch, [s.sample_id for s in mb],
                                                        [s.min_version for s in mb]))
             assert decisions.step_due(True, store.ready_samples(agent, batch))
-            made[agent].append(ev.OptimizerStep(agent, step_trainer.get((agent, batch), ""), batch, trained))
+            if (agent, batch) not in unfinished:
+                made[agent].append(ev.OptimizerStep(agent, step_trainer.get((agent, batch), ""), batch, trained))
     moves = _redrive_balancer(log, config["router"])
     # Interleave agents and balancer moves in the order the log shows (timing), keeping
     # each one's own order.
@@ -91,6 +94,22 @@ def redrive(log: list) -> list:
     for agent, items in made.items():
         result += items[cursor[agent]:]
     return result + list(next_move)
+
+
+def last_batch(log: list) -> int:
+    """The last global batch the log reached (a group opened, or a step taken)."""
+    return max([e.batch for e in log if isinstance(e, ev.GroupOpened)]
+               + [e.version for e in log if isinstance(e, ev.OptimizerStep)], default=0)
+
+
+def open_steps(log: list) -> set[tuple[str, int]]:
+    """(agent, batch) of each step the run reached but never took: it stopped mid-step
+    (an error, a crash, Ctrl-C). `log` is a lineage (what a resume undid is cut)."""
+    start = next((e for e in log if isinstance(e, ev.RunStarted)), None)
+    if start is None:
+        return set()
+    stepped = {(e.agent, e.version) for e in log if isinstance(e, ev.OptimizerStep)}
+    return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped}
 
 
 def _redrive_balancer(log: list, router: dict) -> list:

@@ -56,7 +56,12 @@ class Rejoin:
         self.finished = finished
         self.trainer_joined = trainer_joined
         self.queue: asyncio.Queue[str] = asyncio.Queue()  # rollout workers waiting for an agent
+        self.serving: str | None = None  # the worker being admitted now
         self.rejoined: list[tuple[str, str, float]] = []  # (worker, unit, seconds to serve)
+
+    def pending(self) -> bool:
+        """Whether a rollout worker that joined is waiting for, or going through, admission."""
+        return self.serving is not None or not self.queue.empty()
 
     def joined(self, info: Any) -> None:
         if not self.accepting():
@@ -73,7 +78,11 @@ class Rejoin:
                 worker = await asyncio.wait_for(self.queue.get(), POLL_S)
             except asyncio.TimeoutError:
                 continue
-            await self.serve(worker)
+            self.serving = worker
+            try:
+                await self.serve(worker)
+            finally:
+                self.serving = None
 
     async def serve(self, worker: str) -> str | None:
         """Makes `worker` serve a unit (see the module doc); the unit, or None if the

@@ -39,7 +39,7 @@ from flexmarl.runtime.staleness import lag as staleness_lag
 from flexmarl.runtime.staleness import too_stale
 
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
-from .redrive import REDRIVEN_TYPES
+from .redrive import REDRIVEN_TYPES, open_steps
 from .redrive import redrive as redrive_decisions
 
 GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
@@ -80,7 +80,7 @@ class WorkerUsage:
 @dataclass
 class AgentStats:
     agent: str
-    samples_trained: int = 0  # sum of MicroBatchTrained.n
+    samples_trained: int = 0  # sum of OptimizerStep.samples: what went into the weights
     micro_batches: int = 0
     optimizer_steps: int = 0
     version: int = 0  # the last version an optimizer step produced
@@ -129,6 +129,7 @@ class Summary:
     errors: list[str]
     resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
     training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
+    open_steps: dict[str, list[int]] = field(default_factory=dict)  # agent -> steps begun, never taken
 
     @property
     def wall_s(self) -> float:
@@ -149,8 +150,11 @@ def summarize(events: list[Event]) -> Summary:
     agents = _agent_stats(counted, run)
     rows, staleness, errors = _accounting(counted, run)
     resumed_at = [e.step for e in events if type(e) is RunResumed]
+    unfinished: dict[str, list[int]] = {}
+    for agent, batch in sorted(open_steps(counted)):
+        unfinished.setdefault(agent, []).append(batch)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_seconds(events))
+                   training_seconds(events), unfinished)
 
 
 def training_seconds(events: list[Event]) -> float:
@@ -267,9 +271,9 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
         if isinstance(e, MicroBatchFormed):
             iteration_start.setdefault((agent, e.version), e.t)
         elif isinstance(e, MicroBatchTrained):
-            stats.samples_trained += e.n
             stats.micro_batches += 1
         elif isinstance(e, OptimizerStep):
+            stats.samples_trained += e.samples
             stats.optimizer_steps += 1
             stats.version = max(stats.version, e.version)
             start = iteration_start.pop((agent, e.version), e.t)
@@ -293,17 +297,22 @@ def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, Agent
 
 # The events _agent_stats reads.
 _AGENT_EVENTS = frozenset({MicroBatchFormed, MicroBatchTrained, OptimizerStep, GroupComplete, RequestsCompleted,
-                           WeightSyncStarted, WeightSyncFinished})
+                           WeightSyncStarted, WeightSyncFinished, AllocationChanged})
 
 
 def _accounting(events: list[Event], run: RunStarted | None):
     """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
     so that every way of breaking exactly-once also breaks generated = trained + dropped
-    + in flight; the error then says which way it broke. Written for logs of millions of
-    samples: a sample costs a few dictionary operations, done in bulk where they can be."""
+    + in flight; the error then says which way it broke. A sample is trained once the
+    optimizer step of its micro-batch is logged; in a micro-batch whose step is not (the
+    run stopped mid-step), it is in flight: read, never committed to the weights. Written
+    for logs of millions of samples: a sample costs a few dictionary operations, done in
+    bulk where they can be."""
     owner: dict[str, str] = {}  # sample -> agent whose group opened it
     made_by: dict[str, int] = {}  # sample -> oldest policy version that generated it
+    stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
     trained: collections.Counter = collections.Counter()
+    unstepped: collections.Counter = collections.Counter()  # in micro-batches of a step not logged
     dropped: collections.Counter = collections.Counter()
     trained_by: dict[str, str] = {}
     dropped_by: dict[str, str] = {}
@@ -329,7 +338,7 @@ def _accounting(events: list[Event], run: RunStarted | None):
             if len(e.min_versions) != len(e.sample_ids):
                 errors.append(f"agent {e.agent!r}: micro-batch at seq {e.seq} has {len(e.sample_ids)} "
                               f"samples but {len(e.min_versions)} versions")
-            trained.update(e.sample_ids)
+            (trained if (e.agent, e.version) in stepped else unstepped).update(e.sample_ids)
             trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
             made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in made_by})
             lags = [staleness_lag(e.version - 1, [v]) for v in e.min_versions]
@@ -344,7 +353,9 @@ def _accounting(events: list[Event], run: RunStarted | None):
     made = made_by.get
     generated = collections.Counter(zip(owner.values(), map(made, owner)))
     in_flight = collections.Counter((agent, made(sid)) for sid, agent in owner.items()
-                                    if sid not in trained and sid not in dropped)
+                                    if sid not in trained and sid not in dropped and sid not in unstepped)
+    for sid, n in unstepped.items():
+        in_flight[owner.get(sid) or trained_by[sid], made(sid)] += n
     trained_rows: collections.Counter = collections.Counter()
     for sid, n in trained.items():
         trained_rows[owner.get(sid) or trained_by[sid], made(sid)] += n
@@ -352,7 +363,8 @@ def _accounting(events: list[Event], run: RunStarted | None):
     for sid, n in dropped.items():
         dropped_rows[owner.get(sid) or dropped_by[sid], made(sid)] += n
     rows = {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
-            for k in {**generated, **trained_rows, **dropped_rows}}
+            for k in {**generated, **trained_rows, **dropped_rows, **in_flight}}
+    formed = trained + unstepped  # sent to a trainer, stepped or not
 
     totals: dict[str, AccountRow] = {}
     for r in rows.values():
@@ -361,7 +373,7 @@ def _accounting(events: list[Event], run: RunStarted | None):
         t.trained += r.trained
         t.dropped += r.dropped
         t.in_flight += r.in_flight
-    why = _why_unreconciled(owner, trained, dropped, trained_by, dropped_by)
+    why = _why_unreconciled(owner, formed, dropped, trained_by, dropped_by)
     for agent, t in sorted(totals.items()):
         if not t.reconciles or why.get(agent):
             errors.append(f"agent {agent!r}: samples do not reconcile: generated {t.generated} != "
@@ -412,6 +424,9 @@ def format_summary(s: Summary) -> str:
     if s.resumed_at:
         head += (f"; resumed from the checkpoint of step {', '.join(map(str, s.resumed_at))} (work logged past "
                  "it before the resume is not counted)")
+    if s.open_steps:
+        head += ("\nthe log ends mid-step (the run stopped before these steps were taken; their samples are in "
+                 "flight): " + "; ".join(f"{a} step {', '.join(map(str, b))}" for a, b in s.open_steps.items()))
     out = [head]
     out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
                       [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
@@ -571,10 +586,24 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
           types: tuple = REDRIVEN_TYPES) -> str | None:
     """Re-drives the controller's decision code from the logged inputs (redrive.py);
     returns a message naming the first decision of `types` that differs from the log, or
-    None when all agree. Stamps (seq and t) are ignored."""
+    None when all agree. Stamps (seq and t) are ignored. A step left open by a run that
+    stopped mid-step is compared as far as the log goes: its logged micro-batches must be
+    the first the rules cut; the ones not cut when the log ends are not a difference."""
     types = frozenset(types)
-    logged = [e for e in lineage(events) if type(e) in types]
-    again = [e for e in redrive(events) if type(e) in types]
+    counted = lineage(events)
+    logged = [e for e in counted if type(e) in types]
+    unfinished = open_steps(counted)
+    left = collections.Counter((e.agent, e.version) for e in logged
+                               if type(e) is MicroBatchFormed and (e.agent, e.version) in unfinished)
+    again = []
+    for e in redrive(events):
+        if type(e) not in types:
+            continue
+        if type(e) is MicroBatchFormed and (e.agent, e.version) in unfinished:
+            if not left[(e.agent, e.version)]:
+                continue  # not cut yet when the log ends
+            left[(e.agent, e.version)] -= 1
+        again.append(e)
     for i, (a, b) in enumerate(zip(logged, again)):
         if without_stamp(a) != without_stamp(b):
             return (f"decision {i} differs: the log has (seq {a.seq}, t {a.t:.3f} s) {without_stamp(a)}; "
@@ -616,7 +645,8 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "check", False):
         diff = check(events)
         if diff is None:
-            print("check: re-driving the decision code reproduces every logged decision")
+            print("check: re-driving the decision code reproduces every logged decision"
+                  + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
         else:
             print(f"CHECK FAILED: {diff}", file=sys.stderr)
             code = 1

@@ -33,11 +33,12 @@ import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
+from .failures import RunFailed
 from .generation import GroupOutput, assemble
 from .instances import RolloutInstances
 from .server import ControllerServer, RemoteError, WorkerDied
@@ -107,8 +108,9 @@ def stays(previous_load: float, other_load: float, cost: float, bound: float = A
     return previous_load <= bound * other_load + cost
 
 
-class NoInstance(Exception):
-    """No live rollout instance serves the agent."""
+class NoInstance(RunFailed):
+    """No live rollout instance serves the agent, and none is on its way back: the run
+    stops (it is not the episode's failure)."""
 
 
 class RequestRefused(Exception):
@@ -148,14 +150,18 @@ class RolloutClient:
     def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
                  emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded",
                  version_of: Callable[[str], int] | None = None, min_part: int = MIN_PART,
-                 affinity_bound: float = AFFINITY_BOUND, seed: int = 0) -> None:
+                 affinity_bound: float = AFFINITY_BOUND, seed: int = 0,
+                 instance_expected: Callable[[], bool] = lambda: False) -> None:
         self.server = server
         # The agent's synced version, sent with each group: an adapter agent's group runs
         # under its adapter at that version (or a newer one the instance already holds).
         self.version_of = version_of or (lambda agent: -1)
         self.emit = emit or (lambda event: None)
         self.owner = instances  # which instances serve an agent; outstanding work per instance
+        # A request waits this long for an instance of its agent, and for as long as
+        # `instance_expected()` says one is on its way back (a worker being restarted).
         self.instance_wait_s = instance_wait_s
+        self.instance_expected = instance_expected
         self.max_attempts = 3  # a part that fails on this many instances fails its episode
         self.within_agent = within_agent
         self.min_part = min_part
@@ -166,6 +172,8 @@ class RolloutClient:
         self._queued: list[_Part] = []
         self._flush_scheduled = False
         self._waiting: dict[str, list[_Part]] = {}  # agent -> parts waiting for an instance to serve it
+        self._dispatching: set[asyncio.Task] = set()  # messages being sent, waits for an instance
+        self.closed = False  # the run is over: nothing is routed or re-issued
         self.reissued = 0  # samples
         self.refused = 0  # groups
         self.affinity = {"kept": 0, "moved": 0}  # later turns: on their previous instance, or not
@@ -212,8 +220,7 @@ class RolloutClient:
                 bound.setdefault(worker, []).append(piece)
         if bound:
             messages = [self._message(worker, parts) for worker, parts in bound.items()]
-            task = asyncio.ensure_future(self._send_all(messages))
-            task.add_done_callback(_report_failure)
+            self._start(self._send_all(messages))
 
     def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
         agent, load = part.owner.agent, self.outstanding.__getitem__
@@ -246,22 +253,49 @@ class RolloutClient:
             self._waiting[agent].append(part)
             return
         self._waiting[agent] = [part]
-        task = asyncio.ensure_future(self._instance_for(agent))
+        task = self._start(self._instance_for(agent))
+        task.add_done_callback(lambda t: t.cancelled() and self._fail_waiting(agent, asyncio.CancelledError()))
+
+    def _start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        self._dispatching.add(task)
+        task.add_done_callback(self._dispatching.discard)
         task.add_done_callback(_report_failure)
+        return task
+
+    async def close(self) -> None:
+        """Ends every send and wait for an instance under way (the run is over: nothing is
+        re-issued)."""
+        self.closed = True
+        for task in list(self._dispatching):
+            task.cancel()
+        await asyncio.gather(*self._dispatching, return_exceptions=True)
 
     async def _instance_for(self, agent: str) -> None:
         """Waits for an instance to serve `agent`, then routes its waiting parts; past
-        `instance_wait_s` they fail (NoInstance)."""
+        `instance_wait_s` with none on its way back
+        (`instance_expected`) they fail (NoInstance, the run's failure)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.instance_wait_s
-        while not self.owner.instances(agent) and loop.time() <= deadline:
+        while not self.owner.instances(agent):
+            if self.instance_expected():
+                deadline = loop.time() + self.instance_wait_s
+            elif loop.time() > deadline:
+                break
             await asyncio.sleep(0.1)
-        parts = self._waiting.pop(agent)
         if self.owner.instances(agent):
-            self._queue(parts)
+            self._queue(self._waiting.pop(agent))
             return
-        failure = NoInstance(f"no live rollout instance serves agent {agent!r}")
-        for part in parts:
+        gone = [f"{w.worker_id} ({w.why_gone})" for w in self.server.registry.workers.values()
+                if w.role == "rollout" and not w.alive]
+        failure = NoInstance(f"the run stopped: no rollout instance served agent {agent!r} for "
+                             f"{self.instance_wait_s:g}s and none is being restarted"
+                             + (f"; gone: {', '.join(gone)}" if gone else "")
+                             + ". See the workers' logs in the run directory's logs/ folder")
+        self._fail_waiting(agent, failure)
+
+    def _fail_waiting(self, agent: str, failure: BaseException) -> None:
+        for part in self._waiting.pop(agent, []):
             _fail(part.owner, failure)
 
     # ------------------------------------------------------------ messages
@@ -337,7 +371,8 @@ class RolloutClient:
         for part in parts:
             self.owner.work_done(worker, part.cost)
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
-        if not isinstance(exc, (WorkerDied, RemoteError)):
+        # Shutting down, the workers leave: nothing to re-issue.
+        if not isinstance(exc, (WorkerDied, RemoteError)) or self.closed or self.server.closing:
             for part in parts:
                 _fail(part.owner, exc or RuntimeError(f"{worker} ended a message with groups unanswered"))
             return

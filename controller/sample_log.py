@@ -21,11 +21,12 @@ It does not know pipelines, trainers or how samples are made.
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from flexmarl.runtime.atomic import write_text_atomically
 
 FILE = "samples.jsonl"
 
@@ -54,9 +55,7 @@ class SampleLog:
         elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and _step_of(line) is not None and _step_of(line) <= resumed_after]
-            tmp = self.path.with_name(FILE + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
 
     def group_ready(self, agent: str, samples: list[Any]) -> None:
         for s in samples:
@@ -162,6 +161,20 @@ def format_samples(rows: list[dict[str, Any]], step: int | None = None, agent: s
                 lines.append(f"  {t['role']}{version}: {text}")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n" if lines else "no samples recorded (is run.samples_per_step set?)\n"
+
+
+def selection_problem(rows: list[dict[str, Any]], step: int | None = None, agent: str | None = None) -> str | None:
+    """Why `--step` / `--agent` select none of `rows`, in a line; None when they select some."""
+    steps, agents = sorted({r["step"] for r in rows}), sorted({r["agent"] for r in rows})
+    if not rows:
+        return "no samples recorded (set run.samples_per_step = N to record N per agent per step)"
+    if step is not None and step not in steps:
+        return f"no samples of step {step}: the run recorded steps {steps[0]} to {steps[-1]}"
+    if agent is not None and agent not in agents:
+        return f"no samples of agent {agent!r}: the run recorded {', '.join(agents)}"
+    if step is not None and agent is not None and not any(r["step"] == step and r["agent"] == agent for r in rows):
+        return f"no samples of agent {agent!r} at step {step}"
+    return None
 
 
 def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:

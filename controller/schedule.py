@@ -13,7 +13,9 @@ version from `SyncedVersions` (versions.py), which it does not write:
   (a group became trainable) or by any batch's rollout ending, and reports
   `agent_stepped(batch)`;
 - a change of a synced version (the weight sync sets it) unblocks the producer and the
-  turns waiting at the gate for that agent (no other agent's).
+  turns waiting at the gate for that agent (no other agent's);
+- an evaluation after step t (evaluation.py) holds every agent's sync to version t + 1
+  (`wait_to_sync`) until it has run (`evaluated(t)`), so it measures version t.
 
 The rules themselves are in decisions.py. It does not know the store, workers or
 trainers, only counts, versions and times.
@@ -61,6 +63,7 @@ class BatchSchedule:
         self.versions = versions if versions is not None else SyncedVersions(agents)  # read only
         self._work = {a: asyncio.Event() for a in agents}
         self.first_batch = 1  # later after a resume
+        self._evaluations: dict[int, asyncio.Event] = {}  # step -> set once its evaluation ran
 
     def resume_after(self, step: int) -> None:
         """A run resumed from the checkpoint of `step`: batches up to it are done, every
@@ -124,6 +127,22 @@ class BatchSchedule:
 
     async def wait_trained(self, batch: int) -> None:
         await self.batches[batch].trained_done.wait()
+
+    # -- evaluations
+
+    def evaluation_at(self, step: int) -> None:
+        """An evaluation will run after `step`: syncs to version step + 1 wait for it."""
+        self._evaluations.setdefault(step, asyncio.Event())
+
+    def evaluated(self, step: int) -> None:
+        self._evaluations.setdefault(step, asyncio.Event()).set()
+
+    async def wait_to_sync(self, version: int) -> None:
+        """Returns once an agent's instances may move to `version` (no evaluation of
+        version - 1 is still to run)."""
+        held = self._evaluations.get(version - 1)
+        if held is not None:
+            await held.wait()
 
     @property
     def finished(self) -> bool:

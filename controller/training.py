@@ -41,7 +41,6 @@ import collections
 import contextlib
 import json
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ import msgspec
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime import bases
+from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, to_dict
 from flexmarl.runtime.model_specs import has_tokenizer
@@ -65,7 +65,8 @@ from .episodes import EpisodeProducer
 from .evaluation import Evaluator
 from .instances import Admission, RolloutInstances
 from .metrics import MetricsLog
-from .model_resolution import check_model, resolve_model
+from .lora_targets import check_lora_targets
+from .model_resolution import TINY_PREFIX, check_model, resolve_model
 from .openai_api import OpenAIEndpoint
 from .pipeline import AgentPipeline
 from .progress import SetupProgress
@@ -113,7 +114,8 @@ class RunSummary:
 class TrainingRun:
     def __init__(self, cfg: ExperimentConfig, server: Any, run_dir: str | Path, *,
                  emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
-                 worker_ids: Callable[[str], list[str]], resume: ResumePoint | None = None) -> None:
+                 worker_ids: Callable[[str], list[str]], resume: ResumePoint | None = None,
+                 restarting: Callable[[str], bool] = lambda role: False) -> None:
         self.cfg = cfg
         self.resume = resume  # continue from this checkpoint instead of the models' initial weights
         self.server = server
@@ -128,6 +130,9 @@ class TrainingRun:
         self.workflow = load_workflow(cfg.run.workflow)
         for agent in self.agents:  # a model name that names nothing fails now, not after the engines start
             check_model(bases.model_of(cfg, agent))
+            if cfg.agents[agent].base and not bases.model_of(cfg, agent).startswith(TINY_PREFIX):
+                # a base given as a directory: its modules are known before any worker starts
+                check_lora_targets(agent, cfg.agents[agent].lora_target_modules, bases.model_of(cfg, agent))
         # What one rollout engine serves: a whole-model agent, or every adapter agent of a base.
         self.units = bases.engine_units(cfg)
         self.unit_of = {a: u.name for u in self.units.values() for a in u.agents}
@@ -140,9 +145,12 @@ class TrainingRun:
                                       versions=self.versions)
         self.store.on_ready.append(lambda group: self.schedule.work_arrived(group.agent))
         self.instances = RolloutInstances(self.units, emit)
+        # Requests wait for an instance while one is on its way back: a rollout worker being
+        # restarted by the launcher (`restarting`), or registered again and being admitted.
         self.client = RolloutClient(server, self.instances, emit=emit, within_agent=cfg.router.within_agent,
                                     version_of=self.versions.__getitem__, min_part=cfg.router.min_part,
-                                    affinity_bound=cfg.router.affinity_bound, seed=cfg.run.seed)
+                                    affinity_bound=cfg.router.affinity_bound, seed=cfg.run.seed,
+                                    instance_expected=lambda: restarting("rollout") or self.rejoin.pending())
         self.weights = WeightSync(self.agents, server, self.instances, self.versions, emit,
                                   trainer_for=self._trainer_for, lora=self.lora,
                                   ranks={a: self.units[self.unit_of[a]].ranks for a in self.agents})
@@ -218,7 +226,7 @@ class TrainingRun:
         try:
             await self.setup()
             if self.endpoint is not None:
-                (self.run_dir / "openai.url").write_text(await self.endpoint.start() + "\n")
+                write_text_atomically(self.run_dir / "openai.url", await self.endpoint.start() + "\n")
             self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
             self.metrics.training_started()
@@ -230,9 +238,10 @@ class TrainingRun:
             if self.cfg.eval.every > 0:
                 loops.append(asyncio.create_task(self.evaluator.run(), name="eval"))
             await supervise(loops, watch=[self.endpoint.task] if self.endpoint is not None else ())
-        finally:
+        finally:  # in order: nothing of the loops or the endpoint is left under way, then what they used closes
             if self.endpoint is not None:
                 await self.endpoint.stop()
+            await self.client.close()
             self.tools.shutdown(wait=False, cancel_futures=True)
             self.metrics.close()
             if self.allocator is not None:
@@ -262,6 +271,8 @@ class TrainingRun:
                 return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
             self.model_path[agent] = await asyncio.to_thread(resolve_model, bases.model_of(cfg, agent), None,
                                                              building)
+            if self.lora[agent] is not None:  # before any engine or trainer loads the base
+                check_lora_targets(agent, list(self.lora[agent].target_modules), self.model_path[agent])
         with display.stage(f"loading the tokenizers of {len(self.agents)} agents") as stage:
             for agent in self.agents:
                 if has_tokenizer(self.model_path[agent]):  # for text and chat in workflows
@@ -283,7 +294,8 @@ class TrainingRun:
         self.allocator.on_parked.append(self.weights.forget)
         if self.resume is not None:
             for agent in self.agents:
-                self.allocator.recover(agent, self.resume.training_state(agent), self.resume.step)
+                self.allocator.recover(agent, self.resume.training_state(agent), self.resume.step,
+                                       self.resume.training_state_checksum(agent))
         lanes = TrainerLanes()  # the order of every trainer's commands, for every agent
         self.pipelines = {a: AgentPipeline(a, cfg.pipeline, self.store, self.schedule, self.allocator, self.weights,
                                            self.server, self.metrics, self.emit, self.flush_events,
@@ -338,7 +350,8 @@ class TrainingRun:
         u = self.units[unit]
         if self.resume is not None and not u.lora:  # a resumed run: engines start at the checkpoint
             message = msgspec.structs.replace(message, model_path=str(self.resume.agent_dir(u.agents[0]).resolve()),
-                                              version=self.resume.step)
+                                              version=self.resume.step,
+                                              checksums=self.resume.agent_checksums(u.agents[0]))
         return await self.admission.admit(worker, unit, engine=message, why="joins: initial placement")
 
     def load_model_message(self, unit: str) -> protocol.LoadModel:
@@ -393,7 +406,7 @@ def whole_model_message(cfg: ExperimentConfig, agent: str, request_id: int, path
 
 def _dataset(key: str, path: str, seed: int, shuffle: bool, epochs: int = 0) -> Dataset:
     try:
-        return Dataset.from_path(path, seed, shuffle, epochs)
+        return Dataset.from_path(path, seed, shuffle, epochs, name=key)
     except DataError as exc:
         raise DataError(f"{key}: {exc}") from None
 
@@ -412,6 +425,4 @@ def truncate_metrics(path: Path, step: int) -> None:
         limit = step - 1 if row.get("kind") == "eval" else step
         if row.get("step", 0) <= limit:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))

@@ -152,6 +152,7 @@ class WeightSync:
             group, instances = nccl.name, list(nccl.instances)  # targets in rank order
             ranks = {w: nccl.rank(w) for w in instances}
         self.emit(ev.WeightSyncStarted(agent, version, list(instances), transport=transport))
+        loads: dict[str, asyncio.Future] = {}
         try:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), agent, version, transport, instances, group, width))
@@ -162,6 +163,9 @@ class WeightSync:
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
             self.groups.drop(agent)
+            for load in loads.values():  # none is left running (or failing) unseen
+                load.cancel()
+            await asyncio.gather(*loads.values(), return_exceptions=True)
             raise
         if group and any(isinstance(r, BaseException) for r in results):
             self.groups.drop(agent)  # a broadcast some rank left is in no known state

@@ -61,7 +61,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
 
-from .failures import user_frame, user_traceback
+from .failures import RunFailed, user_frame, user_traceback
 from .generation import GroupOutput
 from .store import PENDING, ExperienceStore, SampleView
 
@@ -445,7 +445,7 @@ async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> s
             named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else unfinished
             raise RuntimeError(f"episode ended without rewarding every sample of {named[:3]}")
         return ""
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, RunFailed):  # RunFailed: the run's failure (no instance left), not the episode's
         raise
     except Exception as exc:  # a user's reward function or workflow bug: drop, count, go on
         if isinstance(exc, TimeoutError) and deadline.expired():

@@ -77,6 +77,9 @@ async def supervise(tasks: Sequence[asyncio.Task], *, watch: Sequence[asyncio.Ta
             task.cancel()
         if live:
             await asyncio.gather(*live, return_exceptions=True)
+        for task in tasks:  # a failure behind the one raised (or behind our cancellation) is seen, not reported
+            if not task.cancelled():
+                task.exception()
 
 
 def _exception_of(task: asyncio.Task) -> BaseException:

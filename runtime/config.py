@@ -372,6 +372,9 @@ class ExperimentConfig:
                    + [b.tensor_parallel_size for b in self.bases.values()], default=1)
 
     def validate(self) -> "ExperimentConfig":
+        if self.run.steps < 1:
+            raise ConfigError(f"run.steps must be >= 1, got {self.run.steps}: a run of no optimizer step "
+                              "trains nothing")
         if self.pipeline.mode not in ("sync", "async"):
             raise ConfigError(f"pipeline.mode must be 'sync' or 'async', got {self.pipeline.mode!r}")
         if self.pipeline.max_staleness < 0:

@@ -150,6 +150,11 @@ class EventLog:
     def next_seq(self) -> int:
         return self._seq
 
+    @property
+    def failed(self) -> bool:
+        """A write failed: emit, flush and run raise from now on."""
+        return self._error is not None
+
     def emit(self, event: Event) -> Event:
         """Stamps ``event`` with the next ``seq`` and the time, buffers it, returns it."""
         if self._error is not None:

@@ -105,7 +105,13 @@ class DiskTransport(Transport):
         return handle, None
 
     def receive(self, handle, *, verify, rank):
-        return self.staged(handle, verify, lambda staging: _read_disk(handle, staging))
+        def read(staging: torch.Tensor) -> None:
+            _read_disk(handle, staging)
+            if verify:  # a file is not published again: say which one is damaged
+                compare(handle, handle.checksum, checksum(staging),
+                        f"The file {handle.path} is damaged (changed after it was written): not loaded.")
+
+        return self.staged(handle, False, read)
 
     def receive_into(self, handle, dst, *, verify, atomic, rank):
         """Into a destination that is the bucket's layout already (a shared training state

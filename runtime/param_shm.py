@@ -36,7 +36,7 @@ from .param_bucket import (ALIGN, SparePool, checksum, compare, copy_summing, pa
                            unlink_quietly, unpack)
 from .param_transport import Transport
 from .param_types import Location, ParamHandle, ParamTransferError, describe
-from .shm_segments import SEGMENT_PREFIX, pid_alive
+from .shm_segments import pid_alive, segment_stem
 
 __all__ = ["SharedBucket", "ShmTransport"]
 
@@ -192,7 +192,7 @@ class _ShmPublisher:
         self._finalizer()
 
     def _new_path(self, kind: str) -> str:
-        return os.path.join(self._dir, f"{SEGMENT_PREFIX}{os.getpid()}-{kind}{secrets.token_hex(6)}")
+        return os.path.join(self._dir, f"{segment_stem()}{kind}{secrets.token_hex(6)}")
 
     def _rename(self, segment: _Segment, path: str) -> None:
         os.rename(segment.path, path)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .atomic import write_text_atomically
+
 PROGRESS_FILE_ENV = "FLEXMARL_PROGRESS_FILE"
 
 
@@ -18,10 +20,7 @@ def write_progress(done: int, total: int) -> None:
     path = os.environ.get(PROGRESS_FILE_ENV)
     if not path:
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(f"{done} {total}\n")
-    os.replace(tmp, path)
+    write_text_atomically(path, f"{done} {total}\n")
 
 
 def read_progress(path: str | Path) -> tuple[int, int] | None:

@@ -222,6 +222,9 @@ class LoadModel(Message):
     seed: int = 0
     max_model_len: int = 64  # 0: the device's default (64 on CPU, the model's own on CUDA)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    # A checkpoint's directory: file (relative to model_path) -> SHA-256 from its manifest,
+    # checked before the engine reads any of them (runtime/checksums.py). Empty: none.
+    checksums: dict[str, str] = {}
 
 
 class ModelLoaded(Message):
@@ -642,6 +645,9 @@ class LoadAgent(Message):
     settings: TrainerSettings = msgspec.field(default_factory=TrainerSettings)
     shards: list[ParamHandle] = []  # from AgentOffloaded
     lora: LoraSettings | None = None  # an adapter agent: the parked state is its adapter's (see InitAgent)
+    # A checkpoint's training state file: its SHA-256 from the checkpoint's manifest, checked
+    # before it is read (runtime/checksums.py). Empty: a parked copy in memory, not a file.
+    checksum: str = ""
 
 
 class ReleaseState(Message):

@@ -41,7 +41,15 @@ def lora_config(settings: LoraSettings, base_path: str) -> Any:
 
     return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                       target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=str(base_path))
+                      base_model_name_or_path=base_reference(base_path))
+
+
+def base_reference(base_path: str) -> str:
+    """How an adapter names its base: a local directory by its absolute path, so that PEFT
+    (`AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`) finds it from any working
+    directory; anything else (a hub id) as it is."""
+    path = Path(base_path)
+    return str(path.resolve()) if path.is_dir() else str(base_path)
 
 
 def write_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], settings: LoraSettings,
@@ -70,7 +78,8 @@ class SharedBase:
 
         self.base_path = base_path
         self.placement = placement  # precision.TrainPlacement, shared by every adapter
-        self._base = AutoModelForCausalLM.from_pretrained(base_path, dtype=placement.param_dtype)
+        # Loaded by the name its adapters give it (PEFT warns when the two differ).
+        self._base = AutoModelForCausalLM.from_pretrained(base_reference(base_path), dtype=placement.param_dtype)
         self._base.requires_grad_(False)
         self.peft: Any = None  # the PeftModel, once the first adapter is added
         self.settings: dict[str, LoraSettings] = {}
@@ -95,6 +104,9 @@ class SharedBase:
         else:
             self.peft.add_adapter(_PREFIX + agent, config)
             self.peft.to(self.placement.device)
+            # PEFT makes only the adapter in use trainable: in use now, the new one's training
+            # state (optimizer and gradients) is laid out with it, as the first one's is.
+            self.activate(agent)
         self.settings[agent] = settings
         return AdapterModel(self, agent)
 

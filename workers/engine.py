@@ -53,6 +53,7 @@ import torch
 
 from flexmarl.runtime.model_specs import has_tokenizer
 from flexmarl.runtime.protocol import EngineSettings
+from flexmarl.runtime.shm_segments import CANCEL_PREFIX, LORA_PREFIX, memory_dir
 
 from .engine_adapters import AdapterRegistry, ResidentAdapter
 from .engine_receive import TIED_EMBEDDING, TIED_HEAD, PublishedLoad, cancel_mark, raise_failures, without_tied_head
@@ -173,7 +174,7 @@ class VllmEngine:
         self._inplace = inplace_reload
         self.last_reload = ""  # "in place" or "vllm": how the last load went
         # Where cancel_receive leaves a mark the engine's workers see (engine_receive.py).
-        self._cancel_dir = tempfile.mkdtemp(prefix=f"flexmarl-cancel-{os.getpid()}-", dir=memory_dir())
+        self._cancel_dir = tempfile.mkdtemp(prefix=f"{CANCEL_PREFIX}{os.getpid()}-", dir=memory_dir())
         self.model_path = str(model_path)
         # LoRA adapters of this model (None: the engine was started without LoRA slots).
         self.adapters = AdapterRegistry(max(settings.max_cpu_loras, settings.max_loras)) if settings.max_loras else None
@@ -374,7 +375,7 @@ class VllmEngine:
         start = time.perf_counter()
         self._retire_adapters()
         self.adapters.check_room(name, version)
-        directory = tempfile.mkdtemp(prefix=f"flexmarl-lora-{os.getpid()}-", dir=memory_dir())
+        directory = tempfile.mkdtemp(prefix=f"{LORA_PREFIX}{os.getpid()}-", dir=memory_dir())
         resident = ResidentAdapter(name, version, self.adapters.reserve_id(), directory)
         try:
             write_adapter(directory, tensors, lora, self.model_path)
@@ -520,13 +521,6 @@ class VllmEngine:
         self._group_of.clear()
         if engine is not None:
             engine.engine_core.shutdown()
-
-
-def memory_dir() -> str:
-    """Where adapter directories for vLLM go: memory-backed /dev/shm where the host has it
-    (vLLM loads adapters from a path; the run's disk is never written), else the temp dir."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
 # What the process's own environment set: a user's choice there is never overridden.

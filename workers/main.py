@@ -13,6 +13,7 @@ from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.param_types import ParamChannelConfig
 from flexmarl.runtime.parent_watch import watch_parent
+from flexmarl.runtime.shm_segments import remove_abandoned_segments, remove_orphan_engine_dirs
 
 from .channel_config import channel_config
 from .precision import visible_devices
@@ -63,6 +64,11 @@ def run_worker(args: argparse.Namespace) -> int:
         watch_parent(args.parent_pid)
     limit_threads(args.threads)
     setup_logging(args.log_level, name=args.worker_id or f"{args.role}:{os.getpid()}")
+    removed = remove_abandoned_segments(ParamChannelConfig().shm_dir)
+    if args.role == "rollout":
+        removed += remove_orphan_engine_dirs()
+    if removed:  # what processes that crashed on this host left, that no one may use any more
+        log.info("removed %d shared-memory files left by crashed workers", len(removed))
     cfg = TransportConfig(address=args.connect, handshake_timeout_s=args.handshake_timeout,
                           reconnect_timeout_s=args.reconnect_timeout, curve_dir=args.curve_dir)
 

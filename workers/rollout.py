@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.checksums import verify_files
 
 from .engine import RequestRefused
 from .group_requests import RunningGroups, cost, member_ids
@@ -161,6 +162,7 @@ class RolloutHandler(CommandHandler):
 
         if self._running:
             raise RuntimeError(f"cannot switch models with {self._running.samples} samples in flight")
+        verify_files(msg.model_path, msg.checksums)  # a checkpoint's files, before the engine reads them
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.checksums import verify_files
 from flexmarl.runtime.staleness import too_stale
 
 from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
@@ -503,6 +504,8 @@ class TrainerHandler(CommandHandler):
         if len(msg.shards) + 1 != self.world:
             raise ValueError(f"the parked state of {msg.agent} has {len(msg.shards) + 1} shards and this trainer "
                              f"has {self.world} ranks; a state moves only between trainers of the same size")
+        if msg.checksum:  # a checkpoint's file: checked against its manifest before it is read
+            verify_files(Path(msg.handle.path).parent, {Path(msg.handle.path).name: msg.checksum})
         model, optimizer, placement = self._new_model(msg, pretrained=False)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
         # and the model is dropped (an adapter leaves its base), so this trainer and the

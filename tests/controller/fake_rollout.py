@@ -20,6 +20,7 @@ class FakeServer:
         self.streams: dict[int, tuple] = {}
         self.on_died: list = []
         self._ids = itertools.count(1)
+        self.closing = False
 
     def next_request_id(self) -> int:
         return next(self._ids)

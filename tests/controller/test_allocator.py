@@ -369,7 +369,7 @@ def two_agents_on_one_trainer(mode="sync", turns=3):
         def end_step(self, step, total):
             pass
 
-        def make_durable(self):
+        async def make_durable(self):
             pass
 
     async def flush():

@@ -76,3 +76,65 @@ async def test_rows_reach_ctx_item_in_the_configured_order_and_the_log_records_t
     started = [e for e in events if isinstance(e, ev.BatchStarted)]
     assert [(e.batch, e.first_episode) for e in started] == [(1, 0), (2, 3)]
     assert [ROWS[i]["question"] for e in started for i in e.data_rows] == expected
+
+
+def test_each_row_keeps_its_own_keys_whatever_the_format(tmp_path):
+    import datasets
+
+    rows = [{"question": "q0", "answer": 0}, {"question": "q1"}, {"question": "q2", "answer": None}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_rows(tmp_path / "rows.jsonl") == rows  # as written: a null stays, an absent key stays absent
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    assert load_rows(tmp_path / "rows.json") == rows
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    (tmp_path / "rows.csv").write_text("question,answer\nq0,0\nq1,\n")
+    # a table has every column in every row: an empty cell is left out of its row
+    assert load_rows(tmp_path / "rows.parquet") == [{"question": "q0", "answer": 0}, {"question": "q1"},
+                                                    {"question": "q2"}]
+    assert load_rows(tmp_path / "rows.csv") == [{"question": "q0", "answer": 0}, {"question": "q1"}]
+
+
+def test_a_missing_key_names_the_row_and_its_keys_and_a_key_no_row_has_stops_the_run(tmp_path):
+    from flexmarl.controller.data import MissingColumn, MissingField
+    from flexmarl.controller.failures import RunFailed
+
+    (tmp_path / "rows.jsonl").write_text('{"question": "q0", "answer": 1}\n{"question": "q1"}\n')
+    data = Dataset.from_path(tmp_path / "rows.jsonl", seed=0, shuffle=False, name="data.train")
+    assert data.item(0)["answer"] == 1 and data.item(1).get("answer") is None
+    with pytest.raises(MissingField) as info:
+        data.item(1)["answer"]
+    assert str(info.value) == "data.train row 1 has no field 'answer' (its fields: 'question')"
+    assert isinstance(info.value, KeyError) and not isinstance(info.value, RunFailed)  # this episode's failure
+    with pytest.raises(MissingColumn) as info:
+        data.item(0)["prompt"]
+    assert isinstance(info.value, RunFailed) and isinstance(info.value, KeyError)
+    message = str(info.value)
+    assert message.startswith("data.train: no row has a field 'prompt', which the workflow reads (at ")
+    assert "test_data.py" in message and "the rows' fields: " in message and "\n" not in message
+
+
+async def test_an_episode_reading_a_field_its_row_lacks_fails_alone_and_one_no_row_has_stops_the_run(tmp_path):
+    from flexmarl.controller.data import MissingColumn
+
+    cfg = load_config(None, ["run.steps=1", "pipeline.queries_per_step=2", "pipeline.max_concurrent_episodes=1",
+                             "pipeline.max_failed_share=1.0", "agents.a.model='m'"])
+    (tmp_path / "rows.jsonl").write_text('{"question": "q0", "answer": 1}\n{"question": "q1"}\n')
+    data = Dataset.from_path(tmp_path / "rows.jsonl", seed=0, shuffle=False, name="data.train")
+    answers = []
+
+    async def episode(ctx):
+        answers.append(ctx.item["answer"])
+
+    schedule = BatchSchedule(["a"], 1, 2, overlap=True, max_staleness=0)
+    producer = EpisodeProducer(cfg, episode, ExperienceStore(["a"]), None, schedule, lambda e: None, data)
+    await asyncio.wait_for(producer.run(), 5)
+    assert answers == [1] and producer.failed == 1
+    assert "data.train row 1 has no field 'answer' (its fields: 'question')" in schedule.batches[1].first_failure
+
+    async def typo(ctx):
+        ctx.item["answr"]
+
+    schedule = BatchSchedule(["a"], 1, 2, overlap=True, max_staleness=0)
+    producer = EpisodeProducer(cfg, typo, ExperienceStore(["a"]), None, schedule, lambda e: None, data)
+    with pytest.raises(MissingColumn, match="no row has a field 'answr'"):
+        await asyncio.wait_for(producer.run(), 5)

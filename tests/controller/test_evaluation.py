@@ -58,3 +58,43 @@ async def test_eval_episodes_run_greedy_on_held_out_rows_and_write_eval_rows(tmp
     assert abs(written[0]["reward_mean"] - (0.5 + 1.0 + 0.5) / 3) < 1e-9
     assert metrics.reward_history() == {"a": []}  # eval rows are not training rewards
     assert [e.step for e in events if isinstance(e, ev.EvaluationDone)] == [1, 2]
+
+
+async def test_an_eval_after_step_n_runs_at_version_n_and_its_rows_record_every_agents_versions(tmp_path):
+    """The sync to version n + 1 waits for the evaluation after step n (in async mode the
+    next step may be trained by then), so the evaluation measures version n."""
+    cfg = load_config(None, ["run.steps=2", "eval.every=1", "eval.episodes=2", "agents.a.model='m'",
+                             "agents.b.model='m'"])
+    synced = {"a": 0, "b": 0}
+
+    class AtSyncedVersion(FakeGenerator):
+        async def generate(self, agent, group, after=""):
+            await asyncio.sleep(0.01)
+            return output_of([[3]] * group.n, [[-0.1]] * group.n, synced[agent])
+
+    async def episode(ctx):
+        for agent in ("a", "b"):
+            for s in await ctx.generate(agent, [1]):
+                ctx.reward(s, 1.0)
+
+    events = []
+    schedule = BatchSchedule(["a", "b"], 2, 1, overlap=True, max_staleness=1)
+    metrics = MetricsLog(tmp_path, ["a", "b"], progress=False)
+    evaluator = Evaluator(cfg, episode, AtSyncedVersion(), schedule, metrics, events.append, None)
+
+    async def pipeline(agent):  # steps and syncs as AgentPipeline does, as fast as it can
+        for version in (1, 2):
+            await schedule.wait_to_sync(version)
+            synced[agent] = version
+            events.append(("synced", agent, version))
+            schedule.agent_stepped(version)
+
+    await asyncio.wait_for(asyncio.gather(evaluator.run(), pipeline("a"), pipeline("b")), 5)
+    metrics.close()
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["agent"], r["versions"]) for r in written] == [
+        (1, "a", {"a": [1], "b": [1]}), (1, "b", {"a": [1], "b": [1]}),
+        (2, "a", {"a": [2], "b": [2]}), (2, "b", {"a": [2], "b": [2]})]
+    order = [e if isinstance(e, tuple) else ("evaluated", e.step) for e in events]
+    assert order.index(("evaluated", 1)) < order.index(("synced", "a", 2))
+    assert order.index(("evaluated", 1)) < order.index(("synced", "b", 2))

@@ -1,6 +1,11 @@
 """The local launcher: the restart policy and the restarter over fake processes and a fake
 clock; GPU pinning and trainer groups with a stand-in for the process it would start."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +30,8 @@ class FakeWorkers:
     def __init__(self, *ids):
         self.procs = [WorkerProcess(w, "rollout", FakeProc(100 + i), Path(f"/logs/{w}.log")) for i, w in enumerate(ids)]
         self.started = []
+        self.signals = []
+        self.reclaimed = []
 
     def die(self, worker_id, code):
         next(wp for wp in self.procs if wp.worker_id == worker_id).proc.returncode = code
@@ -41,14 +48,22 @@ class FakeWorkers:
     def log_tail(self, wp):
         return "Traceback ...\nRuntimeError: engine failed to start"
 
+    def reclaim(self, wp):
+        self.reclaimed.append(wp.worker_id)
 
-def restarter(workers, max_restarts=3, backoff_s=1.0, stopping=lambda: False):
+    def signal(self, wp, sig):
+        self.signals.append((wp.worker_id, sig))
+        if sig == signal.SIGKILL:  # a stopped process takes only this one
+            wp.proc.returncode = -sig
+
+
+def restarter(workers, max_restarts=3, backoff_s=1.0, stopping=lambda: False, registered=lambda w: True):
     clock = SimpleNamespace(now=0.0)
     seen = []
-    r = WorkerRestarter(workers, RestartPolicy(max_restarts, backoff_s), stopping=stopping,
+    r = WorkerRestarter(workers, RestartPolicy(max_restarts, backoff_s, kill_grace_s=5.0), stopping=stopping,
                         on_exit=lambda wp, why: seen.append(("exit", wp.worker_id, why)),
                         on_restart=lambda old, new, n: seen.append(("restart", new.worker_id, old.exit_code, n)),
-                        clock=lambda: clock.now)
+                        registered=registered, clock=lambda: clock.now)
     return r, clock, seen
 
 
@@ -65,6 +80,7 @@ def test_an_exited_worker_is_declared_at_once_and_restarted_after_its_backoff_wi
     workers.die("rollout-1", -9)
     r.check()
     assert seen == [("exit", "rollout-1", "its process (pid 101) exited with code -9")]
+    assert workers.reclaimed == ["rollout-1"]  # what it left in shared memory goes at once
     assert workers.started == []  # waits its backoff first
     clock.now = 0.5
     r.check()
@@ -98,6 +114,73 @@ def test_nothing_is_restarted_once_the_run_is_shutting_down():
     workers.die("rollout-0", 0)
     r.check()
     assert seen == [] and workers.started == []
+
+
+def test_a_worker_declared_dead_whose_process_is_still_there_is_stopped_then_restarted():
+    workers = FakeWorkers("rollout-0", "rollout-1")
+    joined = set()
+    r, clock, seen = restarter(workers, backoff_s=1.0, registered=lambda w: w in joined)
+    assert not r.restarting("rollout")
+    r.declared_dead("rollout-1", "no heartbeat for 10.7s (timeout 10.0s)")
+    assert r.restarting("rollout") and not r.restarting("trainer")
+    r.check()
+    assert workers.signals == [("rollout-1", signal.SIGTERM)]  # asked first
+    clock.now = 4.9
+    r.check()
+    assert workers.signals == [("rollout-1", signal.SIGTERM)]
+    clock.now = 5.0
+    r.check()  # ignored for the grace period: killed, then restarted like any worker that exited
+    assert workers.signals[-1] == ("rollout-1", signal.SIGKILL)
+    assert seen == [("exit", "rollout-1", "its process (pid 101) exited with code -9")]
+    clock.now = 6.0
+    r.check()
+    assert [wp.worker_id for wp in workers.started] == ["rollout-1"] and r.restarting("rollout")
+    joined.add("rollout-1")  # the new process registered: on its way no more
+    assert not r.restarting("rollout")
+    joined.clear()
+    clock.now = 6.0 + 299.0
+    assert r.restarting("rollout")
+    clock.now = 6.0 + 300.0  # not registered within the start timeout: not coming
+    assert not r.restarting("rollout")
+
+
+def test_a_worker_whose_process_already_exited_or_a_run_shutting_down_is_not_signalled():
+    workers = FakeWorkers("rollout-0")
+    r, _, _ = restarter(workers, stopping=lambda: True)
+    r.declared_dead("rollout-0", "left: shutdown")
+    r.check()
+    workers = FakeWorkers("rollout-0")
+    r, _, _ = restarter(workers)
+    workers.die("rollout-0", 0)
+    r.declared_dead("rollout-0", "its process exited")
+    r.check()
+    assert workers.signals == []
+
+
+def test_a_stopped_process_is_killed_after_the_grace_period(tmp_path):
+    """A real process that handles SIGTERM (as a worker does), SIGSTOPped: the SIGTERM
+    waits, never handled, and SIGKILL ends it once the grace period is over."""
+    workers = LocalWorkers("tcp://127.0.0.1:1", tmp_path)
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print(1, flush=True); " \
+           "time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"1\n"  # its handler is installed
+        wp = WorkerProcess("rollout-0", "rollout", proc, None)
+        workers.procs.append(wp)
+        os.kill(proc.pid, signal.SIGSTOP)
+        r = WorkerRestarter(workers, RestartPolicy(0, 0.0, kill_grace_s=0.2), stopping=lambda: False,
+                            on_exit=lambda wp, why: None)
+        r.declared_dead("rollout-0", "no heartbeat")
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            r._stop_hung(time.monotonic())
+            time.sleep(0.05)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_restarted_process_takes_the_old_ones_place_and_appends_to_its_log(tmp_path):
@@ -163,6 +246,9 @@ class LostWorker:
 
     def __init__(self, worker_id):
         self.worker_id, self.role, self.log_path, self.pid, self.exit_code = worker_id, "trainer", None, 77, None
+
+    def alive(self):
+        return False
 
     def ended(self):
         return "was lost with its node"

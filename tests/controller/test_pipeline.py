@@ -29,7 +29,7 @@ class FakeAllocator:
         self.held += 1
         return "t0"
 
-    def recover(self, agent, state, version):
+    def recover(self, agent, state, version, checksum=""):
         self.lost.pop(agent)
         self.recovered.append((agent, state, version))
 
@@ -125,6 +125,9 @@ class FakeCheckpoints:
 
     def agent_state(self, agent, step):
         return f"state-{step}"
+
+    def agent_state_checksum(self, agent, step):
+        return ""
 
 
 def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None, allow_empty_steps=False):

@@ -64,3 +64,24 @@ def test_the_process_sees_the_given_environment_over_the_actors():
                         {"CUDA_VISIBLE_DEVICES": ""}, {})
     assert actor.wait() == 0
     assert actor.finish(0).split() == [b"True", b"True"]
+
+
+def test_a_hung_worker_is_stopped_through_its_actor_and_the_directories_it_left_are_removed(monkeypatch, tmp_path):
+    monkeypatch.setattr("flexmarl.runtime.shm_segments.memory_dir", lambda: str(tmp_path))
+    actor = WorkerActor(["-c", "import os; print(os.environ['FLEXMARL_OWNER_PID'], flush=True); "
+                               "import time; time.sleep(60)"], {}, {})
+    try:
+        wait_for(lambda: actor.output(0))
+        assert actor.output(0) == f"{os.getpid()}\n".encode()  # its shared memory is named as the actor's
+        (tmp_path / f"flexmarl-lora-{actor.proc.pid}-a").mkdir()
+        (tmp_path / f"flexmarl-lora-{os.getpid()}-b").mkdir()  # a running process's: kept
+        actor.signal(signal.SIGKILL)
+        assert actor.wait() == -signal.SIGKILL
+        actor.signal(signal.SIGTERM)  # already gone: nothing to do
+        assert actor.reclaim() == 1
+        assert [p.name for p in tmp_path.iterdir()] == [f"flexmarl-lora-{os.getpid()}-b"]
+    finally:
+        if actor.proc.poll() is None:
+            actor.proc.kill()
+            actor.proc.wait()
+        actor.finish(0)

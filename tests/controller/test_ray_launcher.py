@@ -1,14 +1,18 @@
-"""The Ray launcher's parts that need no cluster: where the controller binds, and the one
-line a missing Ray or a cluster that does not answer gets before anything starts."""
+"""The Ray launcher's parts that need no cluster: where the controller binds, the one
+line a missing Ray or a cluster that does not answer gets before anything starts, and how
+a hung worker's actor is stopped (over a stand-in for `ray`)."""
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from flexmarl.controller.launcher import LAUNCHERS, LaunchError
-from flexmarl.controller.ray_launcher import control_address
+from flexmarl.controller.launcher import LaunchError
+from flexmarl.controller.launchers import LAUNCHERS
+from flexmarl.controller.ray_launcher import RayWorker, RayWorkers, control_address
 from flexmarl.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +56,63 @@ def test_flexmarl_run_against_a_cluster_that_does_not_answer_stops_with_one_line
     assert errors == ["flexmarl: no Ray cluster answers at 127.0.0.2:1 (Connection refused); start it with "
                       "`ray start --head`, or set ray.address to its HOST:PORT"]
     assert not run_dir.exists()  # nothing started
+
+
+class FakeRay:
+    """As much of `ray` as stopping and reclaiming one worker's actor uses; records calls."""
+
+    exceptions = SimpleNamespace(RayError=RuntimeError)
+
+    def __init__(self):
+        self.killed = []
+
+    def remote(self, **options):
+        return lambda cls: cls
+
+    def wait(self, refs, timeout=None, num_returns=1):
+        return [], refs  # nothing has ended or been placed since
+
+    def get(self, ref, timeout=None):
+        return 2  # what WorkerActor.reclaim removed
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append(actor)
+
+
+class FakeActor:
+    def __init__(self):
+        self.calls = []
+        for method in ("signal", "reclaim"):
+            setattr(self, method, SimpleNamespace(remote=lambda *a, m=method: self.calls.append((m, *a)) or m))
+
+
+def ray_worker(tmp_path, placed=True):
+    where = {"node": "n1", "ip": "10.0.0.1", "host": "h", "pid": 77} if placed else {}
+    return RayWorker("rollout-0", "rollout", tmp_path / "rollout-0.log", "flexmarl-t-rollout-0-1", FakeActor(),
+                     None, None, 0.0, where)
+
+
+def test_a_hung_ray_worker_is_signalled_through_its_actor_and_after_sigkill_its_actor_is_killed(tmp_path):
+    ray, clock = FakeRay(), SimpleNamespace(now=0.0)
+    workers = RayWorkers(ray, None, None, "t", tmp_path, argv=lambda role, worker_id: [], env={}, keys={},
+                         start_timeout_s=60.0, clock=lambda: clock.now)
+    worker = ray_worker(tmp_path)
+    workers.procs.append(worker)
+    workers.signal(worker, signal.SIGTERM)
+    assert worker.actor.calls == [("signal", signal.SIGTERM)] and ray.killed == []
+    workers.signal(worker, signal.SIGKILL)  # its process first, where the actor answers
+    assert worker.actor.calls[-1] == ("signal", signal.SIGKILL)
+    clock.now = 0.9
+    workers.exited()
+    assert ray.killed == []
+    clock.now = 1.0  # then its actor, whether or not it answered
+    workers.exited()
+    assert ray.killed == [worker.actor]
+    workers.reclaim(worker)  # on its node, by its actor
+    assert worker.actor.calls[-1] == ("reclaim",)
+    unplaced = ray_worker(tmp_path, placed=False)
+    workers.procs = [unplaced]
+    workers.signal(unplaced, signal.SIGTERM)  # no process to signal: its actor goes at the next look
+    workers.exited()
+    workers.reclaim(unplaced)
+    assert unplaced.actor.calls == [] and ray.killed[-1] is unplaced.actor

@@ -238,3 +238,27 @@ async def test_prompt_tokens_and_prefix_cache_hits_are_counted_per_agent_for_fir
     # vLLM counts a group's cached prompt once: its first member is counted as finding none
     assert client.prompt_counts["a"] == {"prompt_tokens": 40, "cached_tokens": 24, "turn_prompt_tokens": 30,
                                          "turn_cached_tokens": 8}
+
+
+async def test_requests_wait_for_an_instance_while_one_is_restarting_and_then_the_run_stops_saying_why():
+    from flexmarl.controller.failures import RunFailed
+    from flexmarl.controller.router import NoInstance
+
+    server = FakeServer(["r0"])
+    client = client_over(server, {"a": ["r0"]})
+    client.instance_wait_s = 0.3
+    restarting = [True]
+    client.instance_expected = lambda: restarting[0]
+    server.kill("r0")
+    server.registry.workers["r0"].why_gone = "no heartbeat for 10.7s (timeout 10.0s)"
+    client.owner.died("r0")
+    task = asyncio.ensure_future(client.generate("a", group("g")))
+    await asyncio.sleep(0.6)  # past instance_wait_s: still waiting, a restart is under way
+    assert not task.done()
+    restarting[0] = False  # the restart gave up (or none is coming): the wait runs out
+    with pytest.raises(NoInstance) as info:
+        await task
+    assert isinstance(info.value, RunFailed)  # the run's failure, not the episode's
+    assert str(info.value) == ("the run stopped: no rollout instance served agent 'a' for 0.3s and none is being "
+                               "restarted; gone: r0 (no heartbeat for 10.7s (timeout 10.0s)). See the workers' "
+                               "logs in the run directory's logs/ folder")

@@ -4,6 +4,8 @@ version, best and worst reward first; printed by step and agent."""
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from flexmarl.controller.sample_log import SampleLog, format_samples, read_samples
 
 
@@ -64,3 +66,20 @@ def test_a_resumed_run_keeps_the_samples_up_to_its_checkpoint_and_writes_the_res
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "ag')
     SampleLog(tmp_path, 1, {}, resumed_after=2)
     assert [r["step"] for r in read_samples(tmp_path)] == [1, 2]
+
+
+def test_flexmarl_samples_for_a_step_or_agent_the_run_never_recorded_exits_non_zero_saying_what_it_has(
+        tmp_path, capsys):
+    from flexmarl.controller import cli
+
+    rows = [{"step": s, "agent": a, "sample_id": f"{a}{s}", "reward": 1.0, "versions": [0],
+             "turns": [{"role": "prompt", "text": "x"}]} for s in (1, 2, 3) for a in ("writer", "critic")]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for flags, line in ((["--step", "999"], "no samples of step 999: the run recorded steps 1 to 3"),
+                        (["--agent", "nobody"], "no samples of agent 'nobody': the run recorded critic, writer")):
+        with pytest.raises(SystemExit) as exit:
+            cli.main(["samples", str(tmp_path), *flags])
+        assert exit.value.code == f"flexmarl: {tmp_path}: {line}"  # printed to stderr, exit status 1
+        assert capsys.readouterr().out == ""
+    cli.main(["samples", str(tmp_path), "--step", "2", "--agent", "critic"])
+    assert capsys.readouterr().out.count("===") == 1

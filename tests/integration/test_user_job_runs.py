@@ -42,7 +42,7 @@ async def episode(ctx):
 
 TYPO = '''
 async def episode(ctx):
-    samples = await ctx.generate("writer", ctx.item["question"])
+    samples = await ctx.generate("writer", ctx.item["prompt"].text)
     for s in samples:
         ctx.reward(s, 1.0)
 '''
@@ -71,10 +71,11 @@ def test_a_workflow_that_always_fails_stops_the_run_with_the_users_file_and_line
     assert proc.returncode == 1, err[-3000:]
     flow = tmp_path / "job" / "flow.py"
     # Every failed episode's log line, and the error that ends the run, name the user's frame.
-    assert f"episode s1q0 failed: KeyError: 'question' (at {flow}:3 in episode)" in err
+    assert f"episode s1q0 failed: AttributeError: 'str' object has no attribute 'text' (at {flow}:3 in episode)" \
+        in err
     assert "flexmarl: the run cannot learn: 2 of the 2 episodes of step 1 failed" in err
     assert f'File "{flow}", line 3, in episode' in err and 'samples = await ctx.generate("writer", ' \
-        'ctx.item["question"])' in err
+        'ctx.item["prompt"].text)' in err
     assert "steps in" not in out  # no summary of a finished run
     assert not (tmp_path / "run" / "checkpoints" / "final").exists()
 

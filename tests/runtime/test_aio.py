@@ -69,3 +69,31 @@ async def test_cancelling_the_caller_cancels_the_supervised_tasks():
     with pytest.raises(asyncio.CancelledError):
         await outer
     assert work.cancelled()
+
+
+async def test_a_failure_behind_the_one_raised_is_never_left_unretrieved():
+    """Two tasks fail at once, or one fails while the caller is being cancelled: only one
+    error is raised, and asyncio never reports the other as 'never retrieved'."""
+    import gc
+
+    reported = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda loop, context: reported.append(context["message"]))
+
+    async def fails(why):
+        raise RuntimeError(why)
+
+    first, second = asyncio.create_task(fails("first")), asyncio.create_task(fails("second"))
+    await asyncio.sleep(0)  # both done before the supervisor looks
+    with pytest.raises(RuntimeError):
+        await supervise([first, second])
+    failed = asyncio.create_task(fails("while cancelled"))
+    outer = asyncio.create_task(supervise([failed, asyncio.create_task(asyncio.sleep(3600))]))
+    await asyncio.sleep(0)
+    outer.cancel()
+    with pytest.raises((asyncio.CancelledError, RuntimeError)):
+        await outer
+    del first, second, failed, outer
+    gc.collect()
+    await asyncio.sleep(0)
+    assert reported == []

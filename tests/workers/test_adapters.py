@@ -125,7 +125,8 @@ def test_parking_and_restoring_an_adapter_with_its_optimizer_state_is_byte_exact
     before = {k: v.clone() for k, v in training_state(state.model, state.optimizer, state.sums).items()}
     assert any(k.startswith("grad/") for k in before) and any(k.startswith("optim/") for k in before)
     out = h._execute(p.OffloadAgent(5, "writer"))
-    assert "writer" not in h.agents and h.bases[str(base_dir)].agents == ["critic"]
+    # kept on its base until its parked copy is released (a swap-in here takes it back)
+    assert "writer" not in h.agents and sorted(h.bases[str(base_dir)].agents) == ["critic", "writer"]
     # the parked copy is the adapter's state and nothing else: no tensor of the base
     assert {spec.name for spec in out.handle.layout} == before.keys()
     assert sum(spec.nbytes for spec in out.handle.layout) == sum(v.numel() * v.element_size()
@@ -139,6 +140,7 @@ def test_parking_and_restoring_an_adapter_with_its_optimizer_state_is_byte_exact
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
     h._execute(p.ReleaseState(7, "writer", out.handle))
+    assert h.bases[str(base_dir)].agents == ["critic"]  # loaded elsewhere: it leaves this base
     other._execute(p.OptimStep(8, "writer", 2, samples=4))
     h.close(), other.close()
 
@@ -147,8 +149,9 @@ def test_the_last_adapter_agent_to_leave_takes_the_base_with_it(base_dir):
     h = TrainerHandler()
     init(h, "writer", base_dir)
     out = h._execute(p.OffloadAgent(5, "writer"))
-    assert h.bases == {}
+    assert list(h.bases) == [str(base_dir)]  # its parked copy is kept here, on its base
     h._execute(p.ReleaseState(7, "writer", out.handle))
+    assert h.bases == {}
     h.close()
 
 
@@ -172,4 +175,24 @@ def test_an_adapter_checkpoint_is_a_peft_adapter_that_peft_loads_as_it_is(base_d
         got = loaded(input_ids=ids).logits
     assert torch.equal(got, want)
     assert saved.version == 1
+    h.close()
+
+
+def test_an_adapter_checkpoint_names_its_base_so_peft_loads_it_from_any_directory(base_dir, tmp_path, monkeypatch):
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(base_dir.parent)  # the run names its base relative to where it runs
+    h = TrainerHandler()
+    init(h, "writer", base_dir.name)
+    step(h, "writer", 1, 0)
+    h._execute(p.SaveCheckpoint(9, "writer", str(tmp_path / "writer"), full_state=True))
+    config = json.loads((tmp_path / "writer" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "writer")
+    ids = torch.tensor([digit_chain.planner_prompt(digit_chain.make_query(random.Random(3)))])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, h.agents["writer"].model(input_ids=ids).logits)
     h.close()

@@ -255,3 +255,16 @@ async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
     handler._applying = p.LoadWeights(5, "coach", 4, handle("coach-v4-a"), rank=1, lora=p.LoraSettings())
     await handler.handle(p.CancelLoad(6, "coach", "coach-v4-a"), [])
     assert cancels == ["coach-v4-a"] and engine_cancels == ["planner-v3-a"]
+
+
+def test_an_engine_is_not_started_on_checkpoint_files_that_fail_their_manifest(tmp_path):
+    from flexmarl.runtime.checksums import DamagedFile, sha256_file
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights" * 100)
+    digests = {name: sha256_file(tmp_path / name) for name in ("config.json", "model.safetensors")}
+    (tmp_path / "model.safetensors").write_bytes(b"weightz" * 100)  # changed after the manifest was written
+    handler = RolloutHandler()
+    with pytest.raises(DamagedFile, match="model.safetensors does not match its checksum"):
+        handler._load_model(p.LoadModel(1, "planner", str(tmp_path), 4, checksums=digests))
+    assert handler.engine is None and handler.version == -1  # vLLM never read a byte of it

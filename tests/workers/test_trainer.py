@@ -321,6 +321,29 @@ def test_a_full_checkpoint_resumes_on_another_trainer_with_weights_and_optimizer
     other.close()
 
 
+def test_a_checkpoints_training_state_is_checked_against_its_manifest_before_it_is_loaded(model_dir, tmp_path):
+    from flexmarl.runtime.checksums import DamagedFile, sha256_file
+
+    h = trained_handler(model_dir)
+    h._execute(p.OptimStep(5, "planner", 3, 1 / 8))
+    saved = h._execute(p.SaveCheckpoint(6, "planner", str(tmp_path / "planner"), full_state=True))
+    h.close()
+    state_file = tmp_path / "planner" / p.TRAINING_STATE_FILE
+    digest = sha256_file(state_file)
+    with open(state_file, "r+b") as fh:  # one byte of the optimizer state flipped on disk
+        fh.seek(state_file.stat().st_size - 100)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    other = TrainerHandler()
+    handle = msgspec.structs.replace(saved.state, path=str(state_file))  # where it is now (it was staged)
+    load = p.LoadAgent(7, "planner", str(model_dir), 1e-3, 1.0, 3, 0, handle, checksum=digest)
+    with pytest.raises(DamagedFile, match=f"{state_file} does not match its checksum in the checkpoint's manifest"):
+        other._execute(load)
+    assert "planner" not in other.agents  # nothing was loaded
+    other.close()
+
+
 def test_a_full_checkpoint_is_refused_while_gradients_are_pending(model_dir, tmp_path):
     h = trained_handler(model_dir)  # leaves a micro-batch accumulated
     with pytest.raises(ValueError, match="between steps"):

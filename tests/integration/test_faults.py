@@ -1,0 +1,180 @@
+"""Faults and mistakes in real runs (`flexmarl run` as a process: controller, workers, vLLM,
+torch), with the job and the injections of bench/fault_matrix.py: each is either mended
+(the run finishes, nothing lost or trained twice) or stops with one line, last, that says
+what to do; and the log replays.
+
+- a dataset lacking the field every episode reads: one line naming the field;
+- a run stopped by an error mid-step: its log replays with --check, the open step named;
+- a flipped byte in an engine's weights in the newest checkpoint: named, and the resume
+  falls back to the checkpoint before it (slow);
+- a rollout worker stopped (SIGSTOP) for longer than the wait for an instance: killed,
+  restarted, and the run finishes (slow);
+- a full disk under the run directory (a small tmpfs mounted here), met by the event log:
+  one line with what to free and the resume command; once freed, the resume finishes (slow)."""
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+
+import pytest
+
+import fault_matrix as fm
+from flexmarl.controller import replay
+from flexmarl.runtime import events as ev
+
+
+def run_job(tmp_path, steps, *flags, field_name="prompt", extra_env=None, run_dir=None):
+    job = fm.write_job(tmp_path / "job", steps, field_name)
+    run_dir = run_dir or tmp_path / "run"
+    return fm.start(job, run_dir, tmp_path / fm.STDERR, *flags, extra_env=extra_env), run_dir
+
+
+def last_line(text):
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+def assert_no_stray_tracebacks(text):
+    for marker in fm.UNEXPECTED:
+        assert marker not in text, text[-4000:]
+
+
+def replay_check_args(run_dir):
+    return argparse.Namespace(log=str(run_dir / "events.log"), trace=None, plot=None, check=True)
+
+
+def sha256(path):
+    from flexmarl.runtime.checksums import sha256_file
+
+    return sha256_file(path)
+
+
+def manifest_digest(run_dir, step):
+    from flexmarl.runtime.checksums import read_manifest
+
+    return read_manifest(run_dir / "checkpoints" / f"step-{step:06d}")["writer/model.safetensors"]
+
+
+def test_a_dataset_lacking_the_field_every_episode_reads_stops_with_one_line(tmp_path):
+    """Through the fault matrix's own run (its smoke run in the suite)."""
+    outcome = fm.run_with("missing-field", tmp_path, random.Random(0), steps=2)  # the workflow reads "prompt"
+    flow = tmp_path / "job" / "flow.py"
+    assert last_line(outcome.stderr) == (
+        f"flexmarl: data.train: no row has a field 'prompt', which the workflow reads (at {flow}:10 in episode); "
+        "the rows' fields: 'question'. Add it to the data, or read a field the rows have")
+    assert outcome.stderr.count("no row has a field") == 1
+    assert (outcome.codes, outcome.finished, outcome.lost, outcome.twice, outcome.tracebacks) == ([1], False, 0, 0, 0)
+    assert outcome.check == "ok" and outcome.last_line.startswith("flexmarl: data.train: no row has a field")
+    assert fm.table([outcome]).splitlines()[2].startswith("| missing-field |  | stopped | 1 | - | 0 | 0 | ok | 0 | 0 | ")
+    assert outcome.shm_left == 0  # a clean exit leaves nothing in shared memory
+
+
+def test_a_run_stopped_by_an_error_mid_step_replays_with_check_its_open_step_named(tmp_path, capsys):
+    controller, run_dir = run_job(tmp_path, 4, extra_env={"FAULT_FAIL_FROM": "3"})
+    assert controller.wait() == 1
+    err = controller.stderr()
+    assert "the run cannot learn: 3 of the 4 episodes of step 3 failed" in err  # more than half stops it
+    assert last_line(err).startswith("Fix the workflow")  # the error is the last thing printed
+    assert_no_stray_tracebacks(err)
+    events = fm.events(run_dir)
+    assert replay.check(events) is None
+    summary = replay.summarize(events)
+    # async: the episodes of step 3 fail at once, while steps 1 and 2 are still rolling out or training
+    assert summary.errors == [] and summary.open_steps["writer"]
+    taken = {e.version for e in events if isinstance(e, ev.OptimizerStep)}
+    assert set(summary.open_steps["writer"]) == {1, 2} - taken
+    totals = {r.agent: r for r in summary.accounting if r.total}
+    # the table and the accounting agree: 16 samples per step taken, those of open steps in flight
+    assert summary.agents["writer"].samples_trained == totals["writer"].trained == 16 * len(taken)
+    code = replay.main(replay_check_args(run_dir))
+    out = capsys.readouterr().out
+    assert code == 0 and "the log ends mid-step" in out and "steps left open agree" in out
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_an_engines_weights_is_named_and_the_resume_falls_back_to_the_checkpoint_before(tmp_path):
+    controller, run_dir = run_job(tmp_path, 3)
+    assert controller.wait() == 0
+    newest = run_dir / "checkpoints" / "step-000003" / "writer" / "model.safetensors"
+    fm.flip_byte(newest)
+
+    resumed = fm.resume(run_dir, tmp_path / "resumed.stderr", "--steps", "4")
+    assert resumed.wait() == 0, resumed.stderr()[-3000:]
+    err = resumed.stderr()
+    assert f"the checkpoint of step 3 is damaged and is not resumed from: {newest} does not match" in err
+    assert "resuming from the checkpoint of step 2 instead, the newest intact one" in err
+    events = fm.events(run_dir)
+    assert [e.step for e in events if isinstance(e, ev.RunResumed)] == [2]
+    assert replay.check(events) is None and replay.summarize(events).errors == []
+    assert (run_dir / "checkpoints" / "step-000004").is_dir()
+
+    older = run_dir / "checkpoints" / "step-000002" / "writer" / "model.safetensors"
+    fm.flip_byte(older)
+    chosen = fm.resume(run_dir, tmp_path / "chosen.stderr", "--resume-from", "step-2", "--steps", "5")
+    assert chosen.wait() == 1
+    assert last_line(chosen.stderr()) == (
+        f"flexmarl: the checkpoint of step 2 is damaged: {older} does not match its checksum in the checkpoint's "
+        f"manifest (sha256 {sha256(older)[:12]}..., recorded {manifest_digest(run_dir, 2)[:12]}...): it was changed "
+        "or damaged after it was written; resume from another (--resume-from step-N), or leave --resume-from out "
+        "for the newest intact one")
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_stopped_longer_than_the_instance_wait_is_replaced_and_the_run_finishes(tmp_path):
+    steps = 40
+    controller, run_dir = run_job(tmp_path, steps)
+    stopped = None
+    try:
+        fm.wait_for(lambda: fm.last_step(run_dir) >= 1, controller, what="the first step")
+        stopped = fm.workers(run_dir)["rollout-0"]
+        os.kill(stopped, signal.SIGSTOP)  # never continued: on its own it would never come back
+        assert controller.wait() == 0, controller.stderr()[-3000:]
+    finally:
+        if stopped is not None:
+            fm.signal_pid(stopped, signal.SIGKILL)
+    err = controller.stderr()
+    assert "worker rollout-0 was declared dead (no heartbeat" in err and "is still there: stopping it" in err
+    events = fm.events(run_dir)
+    mine = [e for e in events if getattr(e, "worker", None) == "rollout-0"]
+    died = next(e for e in mine if isinstance(e, ev.WorkerDied))
+    restarted = next(e for e in mine if isinstance(e, ev.WorkerRestarted))
+    assert "no heartbeat" in died.why and restarted.exit_code in (-signal.SIGTERM, -signal.SIGKILL)
+    assert restarted.pid != stopped
+    summary = replay.summarize(events)
+    assert summary.errors == [] and replay.check(events) is None
+    assert {e.version for e in events if isinstance(e, ev.OptimizerStep)} == set(range(1, steps + 1))
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_run_is_one_line_with_what_to_free_and_the_resume_finishes_once_freed(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        steps = 30
+        # A checkpoint every 5 steps: the event log, written all along, is what meets the full disk
+        # (a checkpoint would be refused before it starts, in a line of its own).
+        controller, run_dir = run_job(tmp_path, steps, "--set", "run.checkpoint_every=5", run_dir=disk / "run")
+        fm.wait_for(lambda: len(fm.checkpoints(run_dir)) >= 1, controller, what="a checkpoint")
+        fm._fill_disk(controller, run_dir, tmp_path)
+        assert controller.wait() == 1
+        err = controller.stderr()
+        assert_no_stray_tracebacks(err)
+        line = last_line(err)
+        point = max(int(p.name.removeprefix("step-")) for p in fm.checkpoints(run_dir))
+        assert line.startswith(f"flexmarl: the disk holding {run_dir} is full (") and "MiB free): " in line
+        assert f"cannot write the event log {run_dir / 'events.log'}" in line
+        assert line.endswith(f"Free some space there (earlier runs, or keep fewer checkpoints with "
+                             f"run.keep_checkpoints), then `flexmarl run --resume {run_dir}` continues from the "
+                             f"checkpoint of step {point}")
+        assert err.count("is full (") == 1
+        (disk / "filler").unlink()
+        resumed = fm.resume(run_dir, tmp_path / "resumed.stderr")
+        assert resumed.wait() == 0, resumed.stderr()[-3000:]
+        events = fm.events(run_dir)
+        assert replay.summarize(events).errors == [] and replay.check(events) is None
+        assert (run_dir / "checkpoints" / "final").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
