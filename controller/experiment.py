@@ -222,12 +222,7 @@ class Experiment:
     async def _teardown(self) -> None:
         timeout = self.config.cluster.shutdown_timeout_s
         started = time.monotonic()
-        alive = [w.worker_id for w in self.server.registry.alive()]
-        try:
-            await self.server.broadcast_shutdown("experiment finished")
-            await self.server.wait_until_gone(alive, timeout)
-        except Exception:
-            log.exception("error while shutting workers down")
+        await self.server.shut_down_workers("experiment finished", timeout)
         if self.events is not None:
             try:
                 await asyncio.wait_for(self.events.close(), timeout)

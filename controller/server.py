@@ -192,6 +192,16 @@ class ControllerServer:
         for info in self.registry.alive():
             await self._send(info.identity, protocol.Shutdown(reason))
 
+    async def shut_down_workers(self, reason: str, timeout: float) -> None:
+        """Tells every live worker to shut down and waits (at most `timeout`) until they
+        have gone; a failure is logged, never raised: the caller goes on tearing down."""
+        alive = [w.worker_id for w in self.registry.alive()]
+        try:
+            await self.broadcast_shutdown(reason)
+            await self.wait_until_gone(alive, timeout)
+        except Exception:
+            log.exception("error while shutting workers down")
+
     async def wait_for_workers(self, counts: dict[str, int], timeout: float) -> None:
         """Returns once at least counts[role] workers of each role are alive."""
         deadline = time.monotonic() + timeout

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,6 @@ from .store import ExperienceStore
 from .tokens import AgentTokenizer
 from .training import whole_model_message
 
-log = logging.getLogger("flexmarl.serve")
 
 
 def served_checkpoint(target: str | Path) -> tuple[Path, ResumePoint]:
@@ -125,12 +123,7 @@ class ServedAgents:
     async def _shut_down(self, workers: LocalWorkers, background: list[asyncio.Task]) -> None:
         timeout = self.cfg.cluster.shutdown_timeout_s
         await self.endpoint.stop()
-        alive = [w.worker_id for w in self.server.registry.alive()]
-        try:
-            await self.server.broadcast_shutdown("serving ended")
-            await self.server.wait_until_gone(alive, timeout)
-        except Exception:
-            log.exception("error while shutting workers down")
+        await self.server.shut_down_workers("serving ended", timeout)
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
