@@ -152,7 +152,7 @@ def child(spec: dict) -> dict:
 
 def measure(shape: str, model: str, device: str, tokens: int, checkpointing: bool, group_size: int, seed: int,
             reps: int, matmul_size: int, prompts: tuple[int, int] = PROMPT_LENGTHS,
-            outputs: tuple[int, int] = OUTPUT_LENGTHS) -> dict:
+            outputs: tuple[int, int] = OUTPUT_LENGTHS, profile: int = 0, compile_layers: bool = False) -> dict:
     """A trainer step on the micro-batch of `tokens` drawn with `seed`: its FLOP/s against
     the matmul's, and its peak memory over what the agent holds between steps."""
     import torch
@@ -166,7 +166,7 @@ def measure(shape: str, model: str, device: str, tokens: int, checkpointing: boo
     config = AutoConfig.from_pretrained(model)
     groups = draw_groups(tokens, group_size, seed, tuple(prompts), tuple(outputs))
     batch = micro_batch(groups, config.vocab_size, seed)
-    row = {"shape": shape, "device": str(device), "budget_tokens": tokens,
+    row = {"shape": shape, "device": str(device), "budget_tokens": tokens, "compile_layers": compile_layers,
            "activation_checkpointing": checkpointing, "groups": len(groups), "samples": len(batch),
            "prompt_lengths": [p for p, _ in groups], "output_lengths": [n for _, outs in groups for n in outs],
            **train_flops(config, groups)}
@@ -175,11 +175,13 @@ def measure(shape: str, model: str, device: str, tokens: int, checkpointing: boo
     trainer = Trainer()
     try:
         settings = protocol.TrainerSettings(dtype=dtype, precision="mixed" if device.type == "cuda" else "pure",
-                                            activation_checkpointing=checkpointing)
+                                            activation_checkpointing=checkpointing, compile_layers=compile_layers)
         trainer.init("a", Path(model), settings)
         # The optimizer state exists from the first step on: a short group makes it.
         trainer.iteration("a", 1, micro_batch([(64, [16, 16])], config.vocab_size, seed + 1))
         steps = timed_steps(trainer, batch, reps, device)
+        if profile and steps.get("fits"):
+            steps["profile"] = profiled_step(trainer, batch, device, profile, version=2 + reps)
         # Timed again after the steps: on a shared machine the rate moves, and the limit is
         # the best it reached.
         matmul.append(matmul_flops_per_s(device, getattr(torch, dtype), matmul_size))
@@ -228,6 +230,29 @@ def timed_steps(trainer, batch: list, reps: int, device) -> dict:
             "step_gib": (peak - resident) / GIB, "loss": done.stats.loss, "grad_norm": done.grad_norm}
 
 
+def profiled_step(trainer, batch: list, device, top: int, version: int) -> dict:
+    """One more step under torch's profiler: the `top` operators by their own time on the
+    device (CUDA) or the CPU, with calls and milliseconds, and the step's total."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from gpu_check import sync
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        trainer.iteration("a", version, batch)
+        sync(device)
+    seconds = time.perf_counter() - t0
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    busy_ms = sum(getattr(e, attr) for e in events) / 1e3
+    return {"seconds": seconds, "busy_ms": busy_ms, "by": attr,
+            "top": [[e.key[:80], e.count, round(getattr(e, attr) / 1e3, 3)] for e in events[:top]]}
+
+
 def rates(row: dict) -> dict:
     """A measured row with its FLOP/s, share of the matmul's and tokens/s."""
     if not row.get("fits"):
@@ -248,11 +273,12 @@ def available_gib() -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'shape':<14} {'tokens':>7} {'ckpt':<5} {'samples':>7} {'step s':>8} {'TFLOP/s':>8} "
+    lines = [f"{'shape':<14} {'tokens':>7} {'ckpt':<5} {'comp':<5} {'samples':>7} {'step s':>8} {'TFLOP/s':>8} "
              f"{'matmul':>8} {'of matmul':>9} {'peak GiB':>9} {'step GiB':>9}"]
     for r in rows:
         head = (f"{r['shape']:<14} {r['tokens']:>7} "
-                f"{'on' if r['activation_checkpointing'] else 'off':<5} {r['samples']:>7}")
+                f"{'on' if r['activation_checkpointing'] else 'off':<5} "
+                f"{'on' if r.get('compile_layers') else 'off':<5} {r['samples']:>7}")
         if r.get("fits", True) and "seconds" in r:
             lines.append(f"{head} {r['seconds']:>8.2f} {r['flops_per_s'] / 1e12:>8.3f} "
                          f"{r['matmul_flops_per_s'] / 1e12:>8.3f} {r['of_matmul']:>9.2f} {r['peak_gib']:>9.2f} "
@@ -279,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="", help="where to build the model (default: a temporary directory)")
     parser.add_argument("--device", default="", help="cpu or cuda:0 (default: cuda:0 where there is one)")
     parser.add_argument("--smoke", action="store_true", help="tiny shape and budgets, for the test suite")
+    parser.add_argument("--compile", default="off", help="torch.compile the norms and MLPs: off, on or off,on")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="after the timed steps, one more under torch's profiler: its N costliest operators")
     parser.add_argument("--out", default="", help="also write the JSON rows here")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -302,23 +331,28 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.models) if args.models else Path(tmp)
         path = build_model(args.shape, root, device)
-        for checkpointing in [c == "on" for c in args.checkpointing.split(",")]:
-            for tokens in [int(t) for t in args.tokens.split(",")]:
-                spec = {"shape": args.shape, "model": str(path), "device": str(device), "tokens": tokens,
-                        "checkpointing": checkpointing, "group_size": args.group_size, "seed": args.seed + tokens,
-                        "reps": args.reps, "matmul_size": matmul_size, "memory_cap_gib": 0 if args.smoke else cap,
-                        "prompts": [int(n) for n in args.prompts.split(",")],
-                        "outputs": [int(n) for n in args.outputs.split(",")]}
-                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT,
-                                      capture_output=True, text=True)
-                lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-                if proc.returncode == 0 and lines:
-                    row = {**rates(json.loads(lines[-1])), "memory_cap_gib": spec["memory_cap_gib"]}
-                else:
-                    row = {"shape": args.shape, "budget_tokens": tokens, "activation_checkpointing": checkpointing,
-                           "ok": False, "error": f"child exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        runs = [(c == "on", t, k == "on") for k in args.compile.split(",") for c in args.checkpointing.split(",")
+                for t in args.tokens.split(",")]
+        for checkpointing, tokens, compiled in runs:
+            tokens = int(tokens)
+            spec = {"shape": args.shape, "model": str(path), "device": str(device), "tokens": tokens,
+                    "checkpointing": checkpointing, "group_size": args.group_size, "seed": args.seed + tokens,
+                    "reps": args.reps, "matmul_size": matmul_size, "memory_cap_gib": 0 if args.smoke else cap,
+                    "prompts": [int(n) for n in args.prompts.split(",")],
+                    "outputs": [int(n) for n in args.outputs.split(",")], "profile": args.profile,
+                    "compile_layers": compiled}
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT,
+                                  capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode == 0 and lines:
+                row = {**rates(json.loads(lines[-1])), "memory_cap_gib": spec["memory_cap_gib"]}
+            else:
+                row = {"shape": args.shape, "budget_tokens": tokens, "activation_checkpointing": checkpointing,
+                       "ok": False, "error": f"child exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for name, calls, ms in row.get("profile", {}).get("top", []):
+                print(f"    {ms:10.3f} ms {calls:6d}x  {name}", flush=True)
     print(table([r for r in rows if "input_tokens" in r]), flush=True)
     if args.out:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))

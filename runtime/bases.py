@@ -28,7 +28,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # What an adapter agent takes from its base, never sets itself (one engine and one frozen
 # copy of the base serve all the base's agents, so these cannot differ between them).
-BASE_KEYS = ("model", "max_model_len", "dtype", "train_precision", "activation_checkpointing",
+BASE_KEYS = ("model", "max_model_len", "dtype", "train_precision", "activation_checkpointing", "compile_layers",
              "gpu_memory_utilization", "tensor_parallel_size", "block_size")
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 
@@ -92,7 +92,7 @@ def trainer_settings(cfg: ExperimentConfig, agent: str) -> TrainerSettings:
     if not a.base:
         return a.trainer_settings()
     b = cfg.bases[a.base]
-    return TrainerSettings(b.dtype, b.train_precision, b.activation_checkpointing)
+    return TrainerSettings(b.dtype, b.train_precision, b.activation_checkpointing, compile_layers=b.compile_layers)
 
 
 def check_bases(cfg: ExperimentConfig) -> None:

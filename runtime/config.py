@@ -135,6 +135,7 @@ class BaseConfig:
     dtype: ModelDtype = "auto"
     train_precision: TrainPrecision = "mixed"
     activation_checkpointing: bool = False
+    compile_layers: bool = False  # as agents.*.compile_layers
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     block_size: int = 0  # as agents.*.block_size
@@ -190,6 +191,7 @@ class AgentConfig:
     dtype: ModelDtype = "auto"
     train_precision: TrainPrecision = "mixed"  # "mixed": float32 weights + optimizer state; "pure": all in dtype
     activation_checkpointing: bool = False  # trainer recomputes activations in backward (less memory)
+    compile_layers: bool = False  # trainer torch.compiles the decoder's norms and MLPs (fused elementwise work)
     gpu_memory_utilization: float = 0.9  # CUDA rollout engines: share of the GPU vLLM may claim
     tensor_parallel_size: int = 1  # ranks one rollout engine spans (vLLM's tensor parallelism): GPUs, or CPU cores
     # Tokens per KV-cache block of the rollout engine; its prefix cache (a later turn reusing
@@ -207,7 +209,8 @@ class AgentConfig:
 
     def trainer_settings(self) -> TrainerSettings:
         """How a trainer holds this agent (sent in InitAgent and LoadAgent)."""
-        return TrainerSettings(self.dtype, self.train_precision, self.activation_checkpointing)
+        return TrainerSettings(self.dtype, self.train_precision, self.activation_checkpointing,
+                               compile_layers=self.compile_layers)
 
     def loss_options(self) -> LossOptions:
         """The loss settings the trainer is sent with each of this agent's micro-batches."""

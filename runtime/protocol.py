@@ -207,6 +207,8 @@ class TrainerSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     dtype: ModelDtype = "auto"
     precision: TrainPrecision = "mixed"
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, more time
+    # torch.compile the decoder's norms and MLPs (their elementwise work fused): CUDA only
+    compile_layers: bool = False
 
 
 # ---------------------------------------------------------------- rollout

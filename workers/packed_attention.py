@@ -10,10 +10,15 @@ none (it would otherwise make a [T, T] mask from the packed positions, and ignor
 prompts shared between segments).
 
 Two kernels, chosen per call (KERNELS):
-- "varlen": torch's variable-length FlashAttention (`torch.nn.attention.varlen`), on CUDA
-  in bfloat16 or float16 where this torch has it. Each segment's keys (its prompt, then itself) are gathered into
-  one key row, and the causal window is aligned to the end of each key run, so an output
-  sees its whole prompt.
+- "varlen": torch's variable-length FlashAttention (`torch.nn.attention.varlen`, with its
+  causal `window_size`: torch 2.11 and later), on CUDA where the attention computes in
+  bfloat16 or float16: half-precision inputs, or float32 ones under an autocast to half
+  precision (mixed precision: the rotary embedding hands float32 queries over, and
+  autocast would run SDPA in half precision anyway, so they are cast as SDPA would cast
+  them). Each segment's keys (its prompt, then itself) are gathered into one key row, and
+  the causal window is aligned to the end of each key run, so an output sees its whole
+  prompt. Grouped-query attention goes to the kernel as it is where it takes
+  `enable_gqa`, with its key heads repeated where it does not (torch 2.11, 2.12).
 - "sdpa_blocks": torch's scaled_dot_product_attention everywhere else (the CPU, float32).
   Consecutive segments are merged into blocks of at most BLOCK_TOKENS queries, each one
   SDPA call with a boolean mask over its queries and the keys they may see, so that a
@@ -77,13 +82,34 @@ def packed_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor
 
 
 def choose_kernel(query: torch.Tensor) -> str:
-    return "varlen" if query.is_cuda and query.dtype in HALF and has_varlen() else "sdpa_blocks"
+    return "varlen" if query.is_cuda and attention_dtype(query) in HALF and has_varlen() else "sdpa_blocks"
+
+
+def attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """What attention computes in: the query's dtype, or autocast's where autocast would
+    lower a float32 SDPA call (mixed precision)."""
+    kind = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return query.dtype
 
 
 @functools.cache
+def varlen_parameters() -> frozenset[str]:
+    """The keyword parameters of this torch's `varlen_attn` (none: it has no such API)."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return frozenset()
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn as kernel
+
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def has_varlen() -> bool:
-    """Whether this torch has its variable-length attention API (newer releases do)."""
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    """Whether this torch's varlen attention takes a causal window (torch 2.11 and later;
+    2.10's `is_causal` does not say how a window of fewer queries than keys aligns)."""
+    return "window_size" in varlen_parameters()
 
 
 # ------------------------------------------------------------------ what each kernel is handed
@@ -196,13 +222,19 @@ def varlen_attn(*args: Any, **kwargs: Any) -> torch.Tensor:
 def varlen_attention(packed: Packed, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scaling: float | None) -> torch.Tensor:
     keys, cu_q, cu_k, max_q, max_k = packed.varlen()
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1).index_select(0, keys)  # [sum of key runs, Hkv, D]
-    v = value[0].transpose(0, 1).index_select(0, keys)
+    dtype = attention_dtype(query)
+    q = query[0].transpose(0, 1).to(dtype)  # [T, H, D]
+    k = key[0].transpose(0, 1).index_select(0, keys).to(dtype)  # [sum of key runs, Hkv, D]
+    v = value[0].transpose(0, 1).index_select(0, keys).to(dtype)
+    groups = query.shape[1] // key.shape[1]
+    gqa = {}
+    if groups > 1 and "enable_gqa" in varlen_parameters():
+        gqa = {"enable_gqa": True}
+    elif groups > 1:  # query head h is served by key head h // groups, as transformers' repeat_kv does
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     # Window (-1, 0) is causal, aligned to the end of each key run: query j of a segment
     # sees its prefix and its own rows up to j.
-    out = varlen_attn(q.contiguous(), k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0),
-                      enable_gqa=key.shape[1] != query.shape[1])
+    out = varlen_attn(q.contiguous(), k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0), **gqa)
     return out[None]
 
 

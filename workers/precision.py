@@ -207,6 +207,7 @@ class TrainPlacement:
     compute_dtype: torch.dtype  # what forward and backward run in
     param_dtype: torch.dtype  # what weights, gradients and optimizer state are stored in
     activation_checkpointing: bool = False
+    compile_layers: bool = False  # torch.compile each norm and MLP module (compile_layers below)
     # What the weights are published in, for engines to serve: the compute dtype, unless
     # set (a trainer group computes through FSDP's own casts and says it here).
     serve_dtype: torch.dtype | None = None
@@ -218,7 +219,8 @@ class TrainPlacement:
         stored = torch.float32 if settings.precision == "mixed" else compute
         if stored == torch.float16:
             raise ValueError(f"pure float16 training is refused: {PURE_FLOAT16_WHY}")
-        return cls(torch.device(device), compute, stored, settings.activation_checkpointing)
+        return cls(torch.device(device), compute, stored, settings.activation_checkpointing,
+                   compile_layers=settings.compile_layers)
 
     @property
     def publish_dtype(self) -> torch.dtype:
@@ -242,6 +244,8 @@ class TrainPlacement:
         """A freshly built model moved to the device, in training mode, with activation
         checkpointing if asked for. Gradients and optimizer state move with `move_state`."""
         model.to(self.device)
+        if self.compile_layers:
+            compile_layers(model)
         if self.activation_checkpointing:
             # Non-reentrant: works with inputs that need no grad and with autocast.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -255,3 +259,22 @@ class TrainPlacement:
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor):
                     state[key] = value.to(self.device)
+
+
+# Module classes whose work is elementwise and memory-bound in eager mode, by name suffix:
+# transformers' RMSNorm and gated MLP classes of every decoder (Qwen2RMSNorm, LlamaMLP, ...).
+COMPILED_SUFFIXES = ("RMSNorm", "MLP")
+
+
+def compile_layers(model: Any) -> int:
+    """torch.compile (dynamic shapes: a packed micro-batch's length changes every call)
+    each norm and MLP module of `model` in place; returns how many. Their eager kernels,
+    one per elementwise op in float32 under mixed precision, are most of a GPU step's
+    time beside the matmuls; compiled, each module's elementwise work is fused. Attention
+    (its own kernels) and the head (chunked, scoring.py) are left as they are."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__.endswith(COMPILED_SUFFIXES):
+            module.compile(dynamic=True)
+            count += 1
+    return count

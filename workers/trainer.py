@@ -421,9 +421,9 @@ class TrainerHandler(CommandHandler):
         sums = state.sums
         skipped = False
         if sums.denominator > 0:  # 0: the global batch had no samples; the version still advances
-            for p in state.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(1 / sums.denominator)
+            grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+            if grads:  # one multi-tensor call: a launch per parameter costs more on a GPU than the work
+                torch._foreach_mul_(grads, 1 / sums.denominator)
             norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.max_grad_norm)
             # A non-finite gradient (one overflow is enough) would make every weight NaN:
             # the step is skipped instead, the weights and optimizer state left as they are.

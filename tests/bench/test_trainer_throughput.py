@@ -15,8 +15,8 @@ import trainer_throughput as tt  # noqa: E402
 
 
 def test_the_smoke_run_measures_a_real_step_with_and_without_activation_checkpointing():
-    proc = subprocess.run([sys.executable, "bench/trainer_throughput.py", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "bench/trainer_throughput.py", "--smoke", "--profile", "5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["activation_checkpointing"] for r in rows] == [False, True]
@@ -25,6 +25,10 @@ def test_the_smoke_run_measures_a_real_step_with_and_without_activation_checkpoi
         assert r["of_matmul"] == r["flops"] / r["seconds"] / r["matmul_flops_per_s"]
         assert r["peak_gib"] >= r["resident_gib"] > 0
         assert r["tokens"] == sum(r["prompt_lengths"]) + sum(r["output_lengths"])
+        # --profile: one more step's costliest operators, most costly first, within its busy time
+        top = r["profile"]["top"]
+        assert len(top) == 5 and [ms for *_, ms in top] == sorted((ms for *_, ms in top), reverse=True)
+        assert sum(ms for *_, ms in top) <= r["profile"]["busy_ms"] + 1e-6
     assert "of matmul" in proc.stdout  # the table
 
 

@@ -87,10 +87,11 @@ def test_pure_float16_training_is_refused_with_what_to_use_instead():
 def test_device_and_precision_settings_reach_the_engine_and_trainer_messages():
     cfg = load_config(None, ["agents.a.dtype=bfloat16", "agents.a.gpu_memory_utilization=0.4",
                              "agents.a.tensor_parallel_size=2", "agents.a.train_precision=pure",
-                             "agents.a.activation_checkpointing=true", "cluster.rollout_gpus=[[0,1],[2,3],[4,5]]"])
+                             "agents.a.activation_checkpointing=true", "agents.a.compile_layers=true",
+                             "cluster.rollout_gpus=[[0,1],[2,3],[4,5]]"])
     agent = cfg.agents["a"]
     assert agent.engine_settings() == p.EngineSettings("bfloat16", 0.4, 2)
-    assert agent.trainer_settings() == p.TrainerSettings("bfloat16", "pure", True)
+    assert agent.trainer_settings() == p.TrainerSettings("bfloat16", "pure", True, compile_layers=True)
     default = load_config(None, ["agents.b.model=m"]).agents["b"]
     assert default.engine_settings() == p.EngineSettings("auto", 0.9, 1)  # auto: bf16 on CUDA, fp32 on CPU
     assert default.trainer_settings() == p.TrainerSettings("auto", "mixed", False)

@@ -284,3 +284,43 @@ def test_a_cuda_ipc_receiver_opens_the_memory_on_the_gpu_it_is_on_in_its_own_num
     assert local_gpu(CudaIpcInfo(3, b"h" * 64, 1024), []) == 3  # no UUID: the index, as before
     with pytest.raises(ParamTransferError, match="GPU GPU-c, which this process does not see"):
         local_gpu(info, ["GPU-a"])
+
+
+def test_a_cuda_ipc_receiver_makes_a_mappings_views_once_for_every_version_of_its_layout(monkeypatch):
+    """Each sync after the first comes in the same allocation with the same layout: the
+    views of the bucket are the ones made for the first (hundreds of views cost more than
+    the bytes' copy on a GPU), and a new layout makes new ones. The mapping is a CPU
+    tensor here, standing in for the publisher's GPU memory."""
+    from flexmarl.runtime import param_gpu
+    from flexmarl.runtime.param_bucket import pack_into, plan_layout
+    from flexmarl.runtime.param_types import CudaIpcInfo
+
+    monkeypatch.setattr(param_gpu, "_require_cuda", lambda handle: None)
+    memory = torch.zeros(4096, dtype=torch.uint8)
+
+    class Mapping:
+        def __init__(self, info):
+            self.tensor = memory
+
+        def close(self):
+            pass
+
+    transport = param_gpu.CudaIpcTransport(ParamChannelConfig(), Location("h", 1), HostBuffers(0),
+                                           open_mapping=Mapping)
+
+    def publish(tensors, version):
+        layout, total = plan_layout(tensors)
+        checksum = pack_into(memory[:total], tensors, layout)
+        return ParamHandle(transport="cuda_ipc", agent="a", version=version, key=f"a-{version}", layout=layout,
+                           total_bytes=total, checksum=checksum, publisher=Location("h", 1),
+                           cuda_ipc=CudaIpcInfo(0, bytes(64), 4096, allocation="one"))
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5, dtype=torch.int32)}
+    first, _ = transport.receive(publish(state, 1), verify=True, rank=None)
+    state = {k: v + 1 for k, v in state.items()}
+    second, _ = transport.receive(publish(state, 2), verify=True, rank=None)
+    assert all(second[k] is first[k] for k in state)  # the same views: nothing made again
+    assert all(torch.equal(second[k], state[k]) for k in state)  # reading this version's bytes
+    other = {"w": torch.ones(2, 2)}
+    third, _ = transport.receive(publish(other, 3), verify=True, rank=None)
+    assert set(third) == {"w"} and third["w"].shape == (2, 2) and torch.equal(third["w"], other["w"])

@@ -104,35 +104,99 @@ def test_with_activation_checkpointing_the_scores_and_gradients_are_the_same():
     assert_same_as_plain(model, spread_batch(seed=2), params, names)
 
 
-def test_the_varlen_kernels_layout_gives_the_same_scores_and_gradients(monkeypatch):
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """FlashAttention's varlen semantics written out, on the CPU."""
+    assert window_size == (-1, 0) and q.shape[1] % k.shape[1] == 0
+    assert enable_gqa or q.shape[1] == k.shape[1], "fewer key heads than query heads without enable_gqa"
+    groups = q.shape[1] // k.shape[1]
+    out = []
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qs = q[a:b].transpose(0, 1)
+        ks = k[c:d].transpose(0, 1).repeat_interleave(groups, 0)
+        vs = v[c:d].transpose(0, 1).repeat_interleave(groups, 0)
+        # query i sees keys up to i + (keys - queries): bottom-right aligned
+        visible = torch.arange(d - c)[None, :] <= torch.arange(b - a)[:, None] + (d - c) - (b - a)
+        out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible,
+                                                                    scale=scale).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_compiled_norms_and_mlps_give_the_same_scores_and_gradients():
+    """compile_layers (trainer setting): each RMSNorm and MLP module compiled in place,
+    dynamic shapes; scores and gradients as the same weights' uncompiled (float round-off
+    apart: fused kernels sum in another order), and a second batch of other lengths (the
+    dynamic shapes) runs too."""
+    from flexmarl.workers.precision import compile_layers
+
+    model = tiny_model("qwen2", tied=True)
+    norms_and_mlps = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+    eager = tiny_model("qwen2", tied=True)
+    assert compile_layers(model) == len(norms_and_mlps) == 2 * 2 + 1 + 2  # two per layer's norms, final norm, MLPs
+    assert all(m._compiled_call_impl is not None for m in norms_and_mlps)
+    names, params = zip(*model.named_parameters())
+    samples = spread_batch(seed=6)
+    compiled = scores_and_grads(scoring.token_scores, model, samples, params)
+    plain = scores_and_grads(scoring.token_scores, eager, samples, list(eager.parameters()))
+    torch.testing.assert_close(compiled[0], plain[0], rtol=1e-5, atol=2e-5)
+    for name, a, b in zip(names, compiled[2], plain[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    scores_and_grads(scoring.token_scores, model, spread_batch(seed=7, groups=2), params)
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["enable_gqa", "torch-2.11-no-enable_gqa"])
+def test_the_varlen_kernels_layout_gives_the_same_scores_and_gradients(monkeypatch, takes_gqa):
     """The CUDA kernel's inputs (each segment's keys gathered: its prompt, then itself;
     cumulative lengths; a causal window aligned to the end of each key run), checked on
-    the CPU through a kernel with FlashAttention's varlen semantics written out here."""
+    the CPU through a kernel with FlashAttention's varlen semantics written out here. A
+    torch whose kernel takes no `enable_gqa` (2.11) is handed the key heads repeated."""
     calls = []
+    parameters = {"scale", "window_size"} | ({"enable_gqa"} if takes_gqa else set())
 
-    def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), enable_gqa=False):
-        assert window_size == (-1, 0) and q.shape[1] % k.shape[1] == 0
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        assert set(kwargs) <= parameters, f"{set(kwargs) - parameters} is not a parameter of this torch's kernel"
         calls.append(len(cu_q) - 1)
-        groups = q.shape[1] // k.shape[1]
-        out = []
-        for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-            qs = q[a:b].transpose(0, 1)
-            ks = k[c:d].transpose(0, 1).repeat_interleave(groups, 0)
-            vs = v[c:d].transpose(0, 1).repeat_interleave(groups, 0)
-            # query i sees keys up to i + (keys - queries): bottom-right aligned
-            visible = torch.arange(d - c)[None, :] <= torch.arange(b - a)[:, None] + (d - c) - (b - a)
-            out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible,
-                                                                        scale=scale).transpose(0, 1))
-        return torch.cat(out)
+        return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
     monkeypatch.setattr(packed_attention, "choose_kernel", lambda query: "varlen")
-    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_reference)
+    monkeypatch.setattr(packed_attention, "varlen_attn", kernel)
+    monkeypatch.setattr(packed_attention, "varlen_parameters", lambda: frozenset(parameters))
     model = tiny_model("llama")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query attention
     names, params = zip(*model.named_parameters())
     samples = spread_batch(seed=3)
     assert_same_as_plain(model, samples, params, names)
     segments = len(PackedBatch.of(samples).segments)
     assert calls and set(calls) == {segments}
+
+
+def test_mixed_precision_attends_through_the_varlen_kernel_in_the_autocast_dtype(monkeypatch):
+    """Under an autocast to bfloat16 over float32 weights (mixed precision) the queries
+    reach attention in float32 (the rotary embedding's cos and sin are float32): the
+    kernel is still the half-precision varlen one, handed bfloat16, as autocast would
+    hand SDPA. A torch without a causal window in its varlen API keeps SDPA."""
+    query = torch.zeros(1, 4, 3, 8)
+    assert packed_attention.attention_dtype(query) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packed_attention.attention_dtype(query) == torch.bfloat16
+        assert packed_attention.attention_dtype(query.bfloat16()) == torch.bfloat16
+    seen = []
+
+    def kernel(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return varlen_reference(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(packed_attention, "choose_kernel", lambda query: "varlen")
+    monkeypatch.setattr(packed_attention, "varlen_attn", kernel)
+    model = tiny_model("llama")
+    samples = spread_batch(seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scored = scored_mask(samples)
+        settings = turn_settings(samples, scored.shape[1])
+        logp, _ = scoring.token_scores(model, samples, scored, *settings)
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+    assert torch.isfinite(logp).all()
+    monkeypatch.setattr(packed_attention, "varlen_parameters", lambda: frozenset({"scale", "is_causal"}))
+    assert not packed_attention.has_varlen()  # torch 2.10: no window, so SDPA everywhere
 
 
 def test_an_adapter_and_its_base_alone_score_as_the_plain_pass(tmp_path):
