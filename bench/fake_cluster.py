@@ -226,7 +226,7 @@ class FakeTrainer(FakeWorker):
 
     async def _step(self, msg: protocol.OptimStep) -> None:
         have = self.accumulated[msg.agent]
-        if msg.samples >= 0 and msg.samples != have:
+        if msg.samples != have:
             await self.refuse(msg.request_id, f"step of {msg.agent} for {msg.samples} samples; {have} accumulated")
             return
         self.accumulated[msg.agent] = 0

@@ -207,7 +207,7 @@ class AgentPipeline:
 
     async def _restep(self, batch: int) -> None:
         """After a recovery, trains `batch` again (its row is already written) and syncs."""
-        trained, _, stepping = await self._train_batch(batch)
+        *_, stepping = await self._train_batch(batch)
         await stepping
 
     async def _train_batch(self, batch: int) -> tuple[list[Sample], float, asyncio.Future]:
@@ -304,12 +304,11 @@ class AgentPipeline:
             return await self._step_in_slot(trainer, version, samples)
 
     async def _step_in_slot(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
-        scale = 1.0 / samples if samples else 0.0
         # The trainer refuses the step unless it accumulated exactly these samples; the step
         # ends the agent's last publication (`WeightSync.stepping`).
         async with self.weights.stepping(self.agent):
             reply, _ = await self.server.call(trainer, protocol.OptimStep(
-                self.server.next_request_id(), self.agent, version, scale, samples=samples))
+                self.server.next_request_id(), self.agent, version, samples))
         self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
         self._stepped[version] = samples
         self._count_skipped(trainer, version, reply.stats)

@@ -27,7 +27,7 @@ import msgspec
 from .param_types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -524,16 +524,15 @@ class OptimStep(Message):
     # Micro-batch losses are sums over samples; the trainer divides the summed gradient
     # once by what the aggregation names (the global batch's samples or tokens, which it
     # counts itself), so the step is the full-batch mean whatever the split. `samples` is
-    # how many samples the controller meant the step to cover: a trainer that accumulated
-    # a different number refuses the step. A sender without `samples` (-1) states it as
-    # grad_scale = 1 / samples (0: none). The step ends the agent's last publication (its
-    # weights may be published where they live): send it only once nothing reads that.
+    # how many samples the step covers (0: none, the version still advances): a trainer
+    # that accumulated a different number refuses the step. The step ends the agent's last
+    # publication (its weights may be published where they live): send it only once
+    # nothing reads that.
     KIND = Kind.OPTIM_STEP
     request_id: int
     agent: str
     version: int
-    grad_scale: float = 1.0
-    samples: int = -1
+    samples: int
 
 
 class StepDone(Message):

@@ -20,7 +20,6 @@ beyond `LoraSettings`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,10 +63,6 @@ def write_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], setti
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     return sum(f.stat().st_size for f in (directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS))
-
-
-def read_adapter_config(directory: str | Path) -> dict[str, Any]:
-    return json.loads((Path(directory) / ADAPTER_CONFIG).read_text())
 
 
 class SharedBase:

@@ -1,4 +1,5 @@
-"""Rollout worker: hosts one inference engine (vLLM) serving one agent at a time.
+"""Rollout worker: hosts one inference engine (vLLM) serving one model at a time: one
+agent's whole weights, or a shared base with the adapters of every agent it was sent.
 
 The receive loop only queues; one engine loop (`run`) owns the engine and, between two
 engine steps, applies control operations in order (load a model, swap weights in place;

@@ -407,9 +407,8 @@ class TrainerHandler(CommandHandler):
         state = self._resident(msg.agent)
         if msg.version != state.version + 1:
             raise ValueError(f"optimizer step to version {msg.version} but {state.name} is at {state.version}")
-        expected = msg.samples if msg.samples >= 0 else round(1 / msg.grad_scale) if msg.grad_scale > 0 else 0
-        if expected != state.accumulated:  # refused before anything changes: gradients are kept
-            raise ValueError(f"optimizer step to {state.name} version {msg.version} should cover {expected} "
+        if msg.samples != state.accumulated:  # refused before anything changes: gradients are kept
+            raise ValueError(f"optimizer step to {state.name} version {msg.version} should cover {msg.samples} "
                              f"samples, but {state.accumulated} were trained since the last step; not "
                              "applied: the controller and this trainer disagree on what was trained "
                              "(a micro-batch lost or sent twice?)")

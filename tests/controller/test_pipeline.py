@@ -75,7 +75,7 @@ class FakeTrainer:
             self.sent_samples = getattr(self, "sent_samples", []) + list(msg.samples)
             self.log.append(("train", sorted(s.sample_id for s in msg.samples)))
             return protocol.MicroBatchDone(msg.request_id, msg.agent, 0.0, 3 * len(msg.samples), 0.01), []
-        self.log.append(("step", msg.version, msg.grad_scale))
+        self.log.append(("step", msg.version, msg.samples))
         self.step_samples = msg.samples
         stats = protocol.StepStats(loss=0.5, grad_norm=1.5, entropy=0.7, samples=msg.samples)
         return protocol.StepDone(msg.request_id, msg.agent, msg.version, 1.5, 0.01, stats), []
@@ -163,7 +163,7 @@ async def test_async_micro_batches_train_while_rollout_runs_then_one_step_and_on
     complete_group(store, "g2")
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
-    assert trainer.log[1:] == [("train", ["g2/0", "g2/1"]), ("step", 1, 1 / 6)]
+    assert trainer.log[1:] == [("train", ["g2/0", "g2/1"]), ("step", 1, 6)]
     assert weights.synced == [1] and schedule.versions["a"] == 1
     assert metrics.rows == [(1, 6)] and metrics.ended == [1] and pipeline.samples_trained == 6
     assert pipeline.tokens_trained == 18 and "flushed" in events
@@ -187,7 +187,7 @@ async def test_a_batch_with_no_trainable_samples_steps_where_empty_steps_are_all
     task = asyncio.ensure_future(pipeline.run())
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
-    assert trainer.log == [("step", 1, 0.0)] and weights.synced == [1]
+    assert trainer.log == [("step", 1, 0)] and weights.synced == [1]
 
 
 async def test_an_agent_with_no_sample_in_a_step_stops_the_run_with_the_first_failure():
@@ -272,7 +272,7 @@ async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_samp
     await asyncio.wait_for(task, 2)
     assert pipeline.allocator.recovered == [("a", "state-2", 2)]  # batch 2 was saved: nothing before to redo
     after = trainer.log[trainer.log.index(("died",)) + 1:]
-    assert after == [("train", ["b3g0/0", "b3g0/1"]), ("train", ["b3g1/0", "b3g1/1"]), ("step", 3, 1 / 4)]
+    assert after == [("train", ["b3g0/0", "b3g0/1"]), ("train", ["b3g1/0", "b3g1/1"]), ("step", 3, 4)]
     assert pipeline.samples_trained == 2 + 2 + 4 and metrics.rows == [(1, 2), (2, 2), (3, 4)]
     # Committed by the checkpoint of step 2, batches 1-2 left the store; batch 3 is kept for a redo.
     assert sorted(store.samples) == ["b3g0/0", "b3g0/1", "b3g1/0", "b3g1/1"]
@@ -301,8 +301,8 @@ async def test_batches_since_the_last_saved_state_are_trained_again_in_the_same_
     await asyncio.wait_for(task, 2)
     assert pipeline.allocator.recovered == [("a", None, 0)]
     after = trainer.log[trainer.log.index(("died",)) + 1:]
-    assert after == [("train", ["b1g0/0", "b1g0/1"]), ("step", 1, 1 / 2),
-                     ("train", ["b2g0/0", "b2g0/1"]), ("step", 2, 1 / 2)]
+    assert after == [("train", ["b1g0/0", "b1g0/1"]), ("step", 1, 2),
+                     ("train", ["b2g0/0", "b2g0/1"]), ("step", 2, 2)]
     assert weights.synced == [1, 2] and pipeline.samples_trained == 4
 
 

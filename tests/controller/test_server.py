@@ -299,7 +299,7 @@ async def test_request_failure_reported_by_worker_raises_remote_error():
     async with controller() as server, healthy_worker(server):
         rid = server.next_request_id()
         with pytest.raises(RemoteError, match="cannot handle OptimStep"):
-            await server.call("healthy", p.OptimStep(rid, "a", 1), timeout=2)
+            await server.call("healthy", p.OptimStep(rid, "a", 1, samples=0), timeout=2)
 
 
 async def test_worker_exits_when_the_controller_is_gone():

@@ -35,7 +35,7 @@ EXAMPLES = [
     p.AgentReady(5, "checker", 0, 1000),
     p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0])]),
     p.MicroBatchDone(6, "checker", 0.1, 10, 0.2),
-    p.OptimStep(7, "checker", 1, 1 / 64),
+    p.OptimStep(7, "checker", 1, samples=64),
     p.StepDone(7, "checker", 1, 0.9, 0.01),
     p.PublishWeights(8, "checker", 1, "shm", ["r1"]),
     p.PublishWeights(8, "checker", 1, "nccl", ["r1", "r4"], "checker/ab12cd-3"),

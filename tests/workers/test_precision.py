@@ -124,7 +124,7 @@ def train_once(model_dir, settings):
     seen = []
     hook = state.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     h._execute(p.TrainMicroBatch(2, "planner", 1, batch(1)))
-    h._execute(p.OptimStep(3, "planner", 1, 1 / 4))
+    h._execute(p.OptimStep(3, "planner", 1, samples=4))
     hook.remove()
     return h, state, seen
 

@@ -35,7 +35,7 @@ def trained_handler(model_dir, steps=2):
     rng = random.Random(0)
     for v in range(1, steps + 1):
         h._execute(p.TrainMicroBatch(2, "planner", v, [sample(i, rng, v - 1) for i in range(8)]))
-        h._execute(p.OptimStep(3, "planner", v, 1 / 8))
+        h._execute(p.OptimStep(3, "planner", v, samples=8))
     # leave gradients pending, so the swap must carry them too
     h._execute(p.TrainMicroBatch(4, "planner", steps + 1, [sample(i, rng, steps) for i in range(8)]))
     return h
@@ -59,7 +59,7 @@ def test_a_swapped_training_state_comes_back_byte_exact(model_dir):
     assert all(torch.equal(before[k], after[k]) for k in before)
     h._execute(p.ReleaseState(7, "planner", out.handle))
     # and it keeps training from exactly where it was
-    other._execute(p.OptimStep(8, "planner", out.version + 1, 1 / 8))
+    other._execute(p.OptimStep(8, "planner", out.version + 1, samples=8))
     assert other.agents["planner"].version == out.version + 1
     h.close(), other.close()
 
@@ -125,7 +125,7 @@ def test_weights_are_published_over_shm_where_they_live_and_the_next_step_ends_t
 
     shm, plain = trained_handler(model_dir), trained_handler(model_dir)
     for h in (shm, plain):
-        h._execute(p.OptimStep(5, "planner", 3, 1 / 8))
+        h._execute(p.OptimStep(5, "planner", 3, samples=8))
     v3 = shm._execute(p.PublishWeights(6, "planner", 3, "shm", ["r"])).handle
     plain._execute(p.PublishWeights(6, "planner", 3, "tcp", ["r"]))
     state = shm.agents["planner"]
@@ -139,7 +139,7 @@ def test_weights_are_published_over_shm_where_they_live_and_the_next_step_ends_t
         receiver.release(v3)
         for h in (shm, plain):
             h._execute(p.TrainMicroBatch(7, "planner", 4, batch))
-            h._execute(p.OptimStep(8, "planner", 4, 1 / 8))
+            h._execute(p.OptimStep(8, "planner", 4, samples=8))
         with pytest.raises(ParamTransferError, match="no longer holds this publication"):
             receiver.receive(v3)  # the step ended it: the weights changed where it was
         v4 = shm._execute(p.PublishWeights(9, "planner", 4, "shm", ["r"])).handle
@@ -166,7 +166,7 @@ def test_a_step_covering_other_samples_than_the_controller_meant_is_refused_and_
     h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(8)]))
     weights, pending = snapshot(h), grads(h)
     for wrong in (p.OptimStep(3, "planner", 1, samples=7), p.OptimStep(3, "planner", 1, samples=9),
-                  p.OptimStep(3, "planner", 1, 1 / 4)):  # a sender stating it as grad_scale = 1 / samples
+                  p.OptimStep(3, "planner", 1, samples=0)):
         with pytest.raises(ValueError, match="should cover .* samples, but 8 were trained"):
             h._execute(wrong)
     state = h.agents["planner"]
@@ -289,7 +289,7 @@ def test_every_trainer_command_is_queued_and_dispatched_through_one_table(model_
 
     h = TrainerHandler()
     h.session = Session()
-    asyncio.run(h.handle(p.OptimStep(1, "planner", 1), []))
+    asyncio.run(h.handle(p.OptimStep(1, "planner", 1, samples=0), []))
     asyncio.run(h.handle(p.LoadModel(2, "planner", "/m", 0), []))  # a rollout command
     assert h._commands.qsize() == 1
     assert isinstance(sent[0], p.Error) and "cannot handle LoadModel" in sent[0].message
@@ -301,7 +301,7 @@ def test_a_full_checkpoint_resumes_on_another_trainer_with_weights_and_optimizer
     from flexmarl.controller.checkpoints import ResumePoint
 
     h = trained_handler(model_dir)
-    h._execute(p.OptimStep(5, "planner", 3, 1 / 8))  # between steps: nothing accumulated
+    h._execute(p.OptimStep(5, "planner", 3, samples=8))  # between steps: nothing accumulated
     before = snapshot(h)
     saved = h._execute(p.SaveCheckpoint(6, "planner", str(tmp_path / "step" / "planner"), full_state=True))
     assert saved.version == 3 and saved.nbytes > 0 and saved.state is not None
@@ -325,7 +325,7 @@ def test_a_checkpoints_training_state_is_checked_against_its_manifest_before_it_
     from flexmarl.runtime.checksums import DamagedFile, sha256_file
 
     h = trained_handler(model_dir)
-    h._execute(p.OptimStep(5, "planner", 3, 1 / 8))
+    h._execute(p.OptimStep(5, "planner", 3, samples=8))
     saved = h._execute(p.SaveCheckpoint(6, "planner", str(tmp_path / "planner"), full_state=True))
     h.close()
     state_file = tmp_path / "planner" / p.TRAINING_STATE_FILE
@@ -362,7 +362,7 @@ def test_a_checkpoint_on_a_full_disk_fails_clearly_and_leaves_nothing(model_dir,
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         h = trained_handler(model_dir)
-        h._execute(p.OptimStep(5, "planner", 3, 1 / 8))
+        h._execute(p.OptimStep(5, "planner", 3, samples=8))
         with pytest.raises(OSError, match="cannot write the checkpoint of planner.*No space left"):
             h._execute(p.SaveCheckpoint(6, "planner", str(disk / "planner"), full_state=True))
         assert list(disk.iterdir()) == []  # no half-written directory, no staging left behind
@@ -405,7 +405,7 @@ def test_a_step_or_publish_passes_other_agents_queued_micro_batches_but_never_it
         return p.TrainMicroBatch(0, agent, 1, [], 0, 2.0, p.LossOptions())
 
     queue = CommandQueue()
-    sent = [mb("a"), mb("b"), p.OptimStep(0, "c", 1, 1.0), p.OptimStep(0, "a", 1, 1.0),
+    sent = [mb("a"), mb("b"), p.OptimStep(0, "c", 1, samples=0), p.OptimStep(0, "a", 1, samples=0),
             p.PublishWeights(0, "c", 1, "shm")]
     for msg in sent:
         queue.put(msg)
