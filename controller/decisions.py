@@ -4,6 +4,8 @@ Kept apart from the asyncio code that applies them so they are unit-tested direc
 re-driven from the event log by `flexmarl replay --check`, and shared by sync and async
 modes (sync mode is the same rules with the overlap switched off). Each rule exists once:
 the live pipeline, the store and the re-drive (redrive.py) all call the functions here.
+A rule reads what it is given and returns its answer; the caller applies it (the store
+cuts micro-batches with `cut_micro_batch`, `groups_in_micro_batch` and `split_stale`).
 
 Versions: an agent at version v trains a global batch into version v + 1. Global batch
 `batch` = t trains every agent from version t - 1 to t. A sample's *lag* is the trainer's
@@ -17,13 +19,10 @@ This module does not know about sockets, workers or asyncio.
 from __future__ import annotations
 
 import collections
-import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
 from flexmarl.runtime.staleness import lag, too_stale  # noqa: F401 (the rule, shared with the trainer)
-
-log = logging.getLogger("flexmarl.decisions")
 
 
 def min_generation_version(batch: int, max_staleness: int) -> int:
@@ -134,23 +133,13 @@ def step_due(batch_complete: bool, ready_samples: int) -> bool:
     return batch_complete and ready_samples == 0
 
 
-def form_micro_batches(store: Any, agent: str, batch: int, size: MicroBatchSize, complete: bool,
-                       overlap: bool, max_staleness: int) -> list[list[Any]]:
-    """Every micro-batch the rules allow now for `agent`'s global batch `batch`, taken
-    from `store` (an `ExperienceStore`: `ready_size`, `take`, `reject`), each of `size`.
+def split_stale(taken: list, batch: int, max_staleness: int) -> tuple[list, list]:
+    """Samples taken for global batch `batch` (store `Sample`s: `group_id`, `versions`),
+    split into those that may train version batch - 1 and those of a group with any turn
+    older than the bound: a group is kept or dropped whole. Changes nothing it is given.
 
-    The staleness bound is enforced here, where samples meet the trainer (at version
-    batch - 1): a group with any turn too old is dropped, never trained. The gate makes
-    that impossible in normal runs; this is the guarantee, the gate the mechanism."""
-    formed = []
-    while cut_micro_batch(store.ready_size(agent, batch, size), size.limit, complete, overlap):
-        taken = store.take(agent, batch, size)
-        stale = {s.group_id for s in taken if too_stale(batch - 1, s.versions, max_staleness)}
-        if stale:
-            bad = [s for s in taken if s.group_id in stale]
-            log.error("dropping %d samples of %s older than the staleness bound %d", len(bad), agent, max_staleness)
-            store.reject(bad, f"lag above max_staleness={max_staleness}")
-        mb = [s for s in taken if s.group_id not in stale]
-        if mb:
-            formed.append(mb)
-    return formed
+    The staleness bound is enforced here, where samples meet the trainer: the gate
+    (`may_generate`) makes a stale sample impossible in normal runs; this is the
+    guarantee, the gate the mechanism."""
+    stale = {s.group_id for s in taken if too_stale(batch - 1, s.versions, max_staleness)}
+    return [s for s in taken if s.group_id not in stale], [s for s in taken if s.group_id in stale]

@@ -2,9 +2,10 @@
 
 `AgentPipeline.run()` loops over the global batches in order. For each it
 - consumes the store's ready groups of the batch, cut into micro-batches by
-  `decisions.form_micro_batches` (async: as soon as a full one is ready, while rollout
-  continues; sync: once the batch's rollout has ended), and sends each to the trainer the
-  allocator binds the agent to (the gradients accumulate there, weights held fixed);
+  `ExperienceStore.form_micro_batches` (async: as soon as a full one is ready, while
+  rollout continues; sync: once the batch's rollout has ended), and sends each to the
+  trainer the allocator binds the agent to (the gradients accumulate there, weights held
+  fixed);
 - waits for: ready groups or the batch's end (`schedule.wait_for_work`), a trainer
   (`allocator.acquire`), a command slot on it (`lanes.slot`: micro-batches in their lane,
   the step and sync in the critical one), the trainer's replies;
@@ -225,7 +226,7 @@ class AgentPipeline:
         try:
             while True:
                 complete = self.schedule.rollout_complete(batch)
-                for mb in decisions.form_micro_batches(self.store, self.agent, batch, self.micro_batch_size,
+                for mb in self.store.form_micro_batches(self.agent, batch, self.micro_batch_size,
                                                        complete, self.overlap, self.cfg.max_staleness):
                     self.kept[batch].append(mb)
                     calls.append(self._send(version, mb, written))

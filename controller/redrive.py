@@ -2,7 +2,7 @@
 
 `redrive(events)` feeds the logged inputs (groups opened, the versions that generated
 each sample, rewards, demand observations) to the very code the controller ran: a fresh
-`ExperienceStore` cut by `decisions.form_micro_batches` and `decisions.step_due`, and a
+`ExperienceStore` cut by its `form_micro_batches` and `decisions.step_due`, and a
 `RolloutBalancer` observing the logged demand. It returns the decision events that code
 makes, for replay to compare with the ones the log recorded.
 
@@ -67,7 +67,7 @@ def redrive(log: list) -> list:
     for batch in range(1, last_batch(log) + 1):
         for agent in start.agents:
             trained = 0
-            for mb in decisions.form_micro_batches(store, agent, batch, size, True, False, k):
+            for mb in store.form_micro_batches(agent, batch, size, True, False, k):
                 trained += len(mb)
                 made[agent].append(ev.MicroBatchFormed(agent, "", batch, [s.sample_id for s in mb],
                                                        [s.min_version for s in mb]))

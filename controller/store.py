@@ -7,7 +7,8 @@ then its group-normalised advantages and its size in tokens are fixed. Trainable
 queue per agent and per global batch in arrival order; `take` hands out whole groups'
 samples (as many as `decisions.groups_in_micro_batch` says, in samples or in tokens) and
 marks them consumed, so a sample can be trained at most once, and a duplicate or late
-result for a sample that already has its output is refused.
+result for a sample that already has its output is refused. `form_micro_batches` cuts
+micro-batches by the pipeline's rules (decisions.py), dropping what is too stale.
 
 The records are the store's own: a group's outputs arrive whole (`record_group`), token
 ids and logprobs held as packed arrays, not per-token Python objects. User code sees a
@@ -22,6 +23,7 @@ from __future__ import annotations
 import array
 import collections
 import itertools
+import logging
 import math
 from typing import Any, Callable, Iterable, Sequence
 
@@ -31,6 +33,8 @@ from flexmarl.runtime import protocol
 
 from . import decisions
 from .generation import GroupOutput
+
+log = logging.getLogger("flexmarl.store")
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 
@@ -276,6 +280,22 @@ class ExperienceStore:
                 taken.append(sample)
             self.counts[(agent, CONSUMED)] += len(group.sample_ids)
         return taken
+
+    def form_micro_batches(self, agent: str, batch: int, size: decisions.MicroBatchSize, complete: bool,
+                           overlap: bool, max_staleness: int) -> list[list[Sample]]:
+        """Takes every micro-batch the rules allow now for `agent`'s global batch `batch`,
+        each of `size` (`decisions.cut_micro_batch`). A group with any turn older than the
+        staleness bound is dropped here, never trained (`decisions.split_stale`)."""
+        formed = []
+        while decisions.cut_micro_batch(self.ready_size(agent, batch, size), size.limit, complete, overlap):
+            kept, stale = decisions.split_stale(self.take(agent, batch, size), batch, max_staleness)
+            if stale:
+                log.error("dropping %d samples of %s older than the staleness bound %d", len(stale), agent,
+                          max_staleness)
+                self.reject(stale, f"lag above max_staleness={max_staleness}")
+            if kept:
+                formed.append(kept)
+        return formed
 
     def reject(self, samples: list[Sample], why: str) -> None:
         """Marks taken samples dropped instead of trained (e.g. found too stale)."""

@@ -115,7 +115,7 @@ async def test_a_conversation_with_a_turn_older_than_the_bound_is_dropped_not_tr
         await ctx.continue_chat(c, [{"role": "user", "content": "again"}])
         ctx.reward(c, float(c is convs[0]))
     assert [c.versions for c in convs] == [[0, 2], [0, 2]]
-    assert decisions.form_micro_batches(store, "solver", 3, decisions.MicroBatchSize(8), True, True,
+    assert store.form_micro_batches("solver", 3, decisions.MicroBatchSize(8), True, True,
                                         max_staleness=1) == []
     assert all(store.samples[c.sample_id].status == DROPPED for c in convs)
     kept = ExperienceStore(["solver"])
@@ -126,7 +126,7 @@ async def test_a_conversation_with_a_turn_older_than_the_bound_is_dropped_not_tr
     for c in convs:
         await ctx.continue_chat(c, [{"role": "user", "content": "again"}])
         ctx.reward(c, float(c is convs[0]))
-    (mb,) = decisions.form_micro_batches(kept, "solver", 3, decisions.MicroBatchSize(8), True, True,
+    (mb,) = kept.form_micro_batches("solver", 3, decisions.MicroBatchSize(8), True, True,
                                           max_staleness=1)
     assert sorted(s.sample_id for s in mb) == sorted(c.sample_id for c in convs)
 

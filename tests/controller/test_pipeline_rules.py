@@ -37,8 +37,8 @@ def drive(sizes, versions, order, wakeups, k, shape, overlap):
             store.record_output(sample.sample_id, [2] * length, [-1.0] * length, [v])
             store.set_reward(sample.sample_id, float(v % 2))
         if wake:
-            formed += decisions.form_micro_batches(store, "a", BATCH, size, False, overlap, k)
-    formed += decisions.form_micro_batches(store, "a", BATCH, size, True, overlap, k)
+            formed += store.form_micro_batches("a", BATCH, size, False, overlap, k)
+    formed += store.form_micro_batches("a", BATCH, size, True, overlap, k)
     return store, formed
 
 
@@ -115,6 +115,22 @@ def test_a_token_budget_takes_whole_groups_by_their_prompt_once_and_every_output
     assert store.ready_size("a", BATCH, budget) == 38
     taken = [sorted({s.group_id for s in store.take("a", BATCH, budget)}) for _ in range(2)]
     assert taken == [["g0", "g1"], ["g2"]]  # 7 + 8 fit in 16; g2 alone is larger, and still whole
+
+
+def test_the_staleness_split_keeps_or_drops_whole_groups_and_changes_nothing_it_is_given():
+    store = ExperienceStore(["a"])
+    for i, versions in enumerate([[BATCH - 1, BATCH - 1], [BATCH - 1, BATCH - 3], [BATCH - 2]]):
+        for s, v in zip(store.open_group("a", f"g{i}", [1], len(versions), BATCH), versions):
+            store.record_output(s.sample_id, [2], [-1.0], [v])
+            store.set_reward(s.sample_id, 0.0)
+    taken = store.take("a", BATCH, MicroBatchSize(8))
+    before = [(s.sample_id, s.status, list(s.versions)) for s in taken]
+    kept, stale = decisions.split_stale(taken, BATCH, max_staleness=1)
+    assert [s.sample_id for s in kept] == ["g0/0", "g0/1", "g2/0"]
+    assert [s.sample_id for s in stale] == ["g1/0", "g1/1"]  # one turn two versions old: the whole group
+    assert [(s.sample_id, s.status, list(s.versions)) for s in taken] == before
+    assert store.counts[("a", DROPPED)] == 0
+    assert decisions.split_stale(taken, BATCH, max_staleness=2) == (taken, [])
 
 
 def test_the_step_is_due_once_the_batch_has_ended_and_nothing_ready_is_left():
