@@ -1,5 +1,6 @@
 """Rollout at scale on a virtual clock: the controller's routing decisions driving
-simulated inference instances (DESIGN section 8).
+simulated inference instances (README, "Pipeline modes and training placement": rollout
+routing; figures in bench/RESULTS.md, "Load balancing under skew").
 
 Simulated: `instances` engines doing continuous batching (each step admits queued requests
 up to `max_batch` sequences and takes `a + b * tokens` seconds of its agent's model, tokens
