@@ -111,6 +111,9 @@ class AgentState:
     reference: Any = None
     # Device and number formats (precision.py); the default is float32 on the CPU.
     placement: TrainPlacement = field(default_factory=lambda: TrainPlacement.resolve(protocol.TrainerSettings(), "cpu"))
+    # A LoRA adapter on a base this trainer shares (`bases`): its model is the adapter, and
+    # it holds a place on the base until its state leaves this trainer.
+    adapter: bool = False
 
     @property
     def accumulated(self) -> int:
@@ -361,7 +364,7 @@ class TrainerHandler(CommandHandler):
         model, optimizer, placement = self._new_model(msg, pretrained=True)
         shared = SharedTrainingState.adopt(self.channel(), model, optimizer) if self._shares_state(placement) else None
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, 0, msg.max_grad_norm,
-                                            placement=placement, shared=shared)
+                                            placement=placement, shared=shared, adapter=msg.lora is not None)
         n = sum(p.numel() for p in model.parameters())
         log.info("agent %s resident: %d parameters from %s on %s (%s weights, %s compute)", msg.agent, n,
                  msg.model_path, placement.device, placement.param_dtype, placement.compute_dtype)
@@ -565,7 +568,8 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"parked state of {msg.agent} holds gradients of {int(sums.samples)} samples, "
                              f"the controller says {msg.accumulated}; not loaded")
         self.agents[msg.agent] = AgentState(msg.agent, model, optimizer, msg.model_path, msg.version,
-                                            msg.max_grad_norm, sums, placement=placement, shared=shared)
+                                            msg.max_grad_norm, sums, placement=placement, shared=shared,
+                                            adapter=msg.lora is not None)
         return protocol.AgentReady(msg.request_id, msg.agent, msg.version,
                                    sum(p.numel() for p in model.parameters()))
 
@@ -573,7 +577,7 @@ class TrainerHandler(CommandHandler):
         kept = self.kept.pop(msg.handle.key, None)
         if kept is not None:  # loaded elsewhere: the agent lives on there
             kept.shared.release(self.channel())
-            if hasattr(kept.model, "lora"):
+            if kept.adapter:
                 self._release_adapter(kept.model_path, kept.name)
             return protocol.StateReleased(msg.request_id, msg.agent)
         parked = self.parked.pop(msg.handle.key, None)

@@ -60,7 +60,7 @@ def test_agents_of_one_base_share_one_frozen_copy_of_it(base_dir):
     a, b = init(h, "writer", base_dir), init(h, "critic", base_dir, seed=1)
     assert list(h.bases) == [str(base_dir)]
     base = h.bases[str(base_dir)]
-    assert base.agents == ["writer", "critic"]
+    assert base.agents == ["writer", "critic"] and h.agents["writer"].adapter and h.agents["critic"].adapter
     assert not any(x.requires_grad for name, x in base._base.named_parameters() if "lora_" not in name)
     config = base._base.config
     expected = adapter_bytes(config, LORA) // 4
@@ -136,6 +136,7 @@ def test_parking_and_restoring_an_adapter_with_its_optimizer_state_is_byte_exact
     other._execute(p.LoadAgent(6, "writer", str(base_dir), 1e-2, 1.0, out.version, out.accumulated, out.handle,
                                lora=LORA))
     moved = other.agents["writer"]
+    assert moved.adapter and other.agents["critic"].adapter
     after = training_state(moved.model, moved.optimizer, moved.sums)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -57,6 +57,7 @@ def test_a_swapped_training_state_comes_back_byte_exact(model_dir):
     after = snapshot(other)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not other.agents["planner"].adapter  # a whole model: no base to leave
     h._execute(p.ReleaseState(7, "planner", out.handle))
     # and it keeps training from exactly where it was
     other._execute(p.OptimStep(8, "planner", out.version + 1, samples=8))
