@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from flexmarl.runtime.bases import (BASE_KEYS, LORA_KEYS, VLLM_LORA_RANKS, adapter_agents, required_slots,
+                                    versions_resident)
 from flexmarl.runtime.protocol import (EngineSettings, LossAggregation, LossOptions, ModelDtype,
                                        OffPolicyCorrection, TrainerSettings, TrainPrecision)
 
@@ -420,8 +422,6 @@ class ExperimentConfig:
                                   "(0: the engine's default)")
             if block_size_problem(agent.block_size):
                 raise ConfigError(f"agents.{name}.{block_size_problem(agent.block_size)}")
-        from .bases import check_bases  # the LoRA slot arithmetic lives with the bases
-
         check_bases(self)
         self.cluster.validate_gpus(self.widest_engine())
         if self.run.samples_per_step < 0:
@@ -618,3 +618,64 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 
 def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def check_bases(cfg: ExperimentConfig) -> None:
+    """Every base used and complete, every adapter agent well formed, every base's slots
+    enough for the job. Raises ConfigError naming the key and the fix."""
+    default = AgentConfig()
+    for name, agent in cfg.agents.items():
+        if not agent.base:
+            stray = [k for k in LORA_KEYS if getattr(agent, k) != getattr(default, k)]
+            if stray:
+                raise ConfigError(f"agents.{name}.{stray[0]} is set but agents.{name} is a whole model (no "
+                                  f"agents.{name}.base); name the base it adapts, or drop the LoRA keys")
+            continue
+        if agent.base not in cfg.bases:
+            raise ConfigError(f"agents.{name}.base = {agent.base!r}: no [bases.{agent.base}] is declared "
+                              f"(declared: {', '.join(cfg.bases) or 'none'})")
+        own = [k for k in BASE_KEYS if getattr(agent, k) != getattr(default, k)]
+        if own:
+            raise ConfigError(f"agents.{name}.{own[0]} is set, but agents.{name} is an adapter of "
+                              f"bases.{agent.base}, whose engine and trainer settings it shares; set "
+                              f"bases.{agent.base}.{own[0]} instead")
+        if not 1 <= agent.lora_rank <= VLLM_LORA_RANKS[-1]:
+            raise ConfigError(f"agents.{name}.lora_rank must be in [1, {VLLM_LORA_RANKS[-1]}], got {agent.lora_rank}")
+        if agent.lora_alpha <= 0 or not 0 <= agent.lora_dropout < 1:
+            raise ConfigError(f"agents.{name}: lora_alpha must be > 0 and lora_dropout in [0, 1), got "
+                              f"{agent.lora_alpha} and {agent.lora_dropout}")
+        if not agent.lora_target_modules:
+            raise ConfigError(f"agents.{name}.lora_target_modules is empty; name the modules the adapter "
+                              f"changes (the default is the attention projections q_proj, k_proj, v_proj, o_proj)")
+    for base, b in cfg.bases.items():
+        _check_base(cfg, base, b, ConfigError)
+
+
+def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> None:
+    agents = adapter_agents(cfg, base)
+    if not b.model:
+        raise error(f"bases.{base}.model is empty; name a built-in model (tiny:...) or a Hugging Face model dir")
+    if not agents:
+        raise error(f"bases.{base} has no agents (no agents.*.base = {base!r}); remove it or add one")
+    if cfg.cluster.trainer_group_size > 1:
+        raise error(f"bases.{base}: adapter agents train on single-process trainers; set "
+                    f"cluster.trainer_group_size = 1 (it is {cfg.cluster.trainer_group_size})")
+    if b.tensor_parallel_size < 1 or b.max_model_len < 0 or not 0 < b.gpu_memory_utilization <= 1:
+        raise error(f"bases.{base}: tensor_parallel_size must be >= 1, max_model_len >= 0 and "
+                    f"gpu_memory_utilization in (0, 1]")
+    if block_size_problem(b.block_size):
+        raise error(f"bases.{base}.{block_size_problem(b.block_size)}")
+    need = required_slots(cfg, base)
+    if b.max_loras and b.max_loras < need.max_loras:
+        raise error(
+            f"bases.{base}.max_loras = {b.max_loras} cannot run this job: its {len(agents)} adapter agents "
+            f"({', '.join(agents)}) may each have {versions_resident(cfg)} versions in use at once "
+            f"(pipeline.max_staleness + 1), so an engine must hold {need.max_loras} adapters. Raise "
+            f"max_loras to {need.max_loras} (or leave it 0 to have it computed), lower "
+            f"pipeline.max_staleness, or move some agents to another base")
+    if b.max_lora_rank and (b.max_lora_rank not in VLLM_LORA_RANKS or b.max_lora_rank < need.max_lora_rank):
+        raise error(f"bases.{base}.max_lora_rank = {b.max_lora_rank} must be one of {VLLM_LORA_RANKS} and at "
+                    f"least the largest lora_rank of its agents; {need.max_lora_rank} would do (or 0: computed)")
+    if b.max_cpu_loras and b.max_cpu_loras < (b.max_loras or need.max_loras):
+        raise error(f"bases.{base}.max_cpu_loras = {b.max_cpu_loras} is below max_loras "
+                    f"({b.max_loras or need.max_loras}); vLLM holds at least as many adapters as a batch mixes")
