@@ -47,38 +47,6 @@ def test_ties_go_to_the_longest_unused_agent():
     assert choose_placement("c", TRAINERS, 1, resident, {}, {}, {"a": 10.0, "b": 5.0}) == ("t1", "b")
 
 
-async def test_trainer_slots_send_steps_at_once_and_order_micro_batches_by_version_then_readiness():
-    import asyncio
-
-    from flexmarl.controller.trainer_lanes import Priority, TrainerLanes
-
-    lanes = TrainerLanes(depth=1)
-    order = []
-    release_first = asyncio.Event()
-    peak = 0
-
-    async def job(name, priority, hold=None):
-        nonlocal peak
-        async with lanes.slot("t0", priority):
-            order.append(name)
-            peak = max(peak, lanes.running["t0"])
-            if hold is not None:
-                await hold.wait()
-
-    first = asyncio.create_task(job("mb-a1", Priority.micro_batch(1, 1), release_first))
-    await asyncio.sleep(0)
-    queued = [asyncio.create_task(job(n, p)) for n, p in
-              [("mb-b1", Priority.micro_batch(1, 4)), ("mb-c1", Priority.micro_batch(2, 3)),
-               ("mb-p1", Priority.micro_batch(1, 2)), ("step-a", Priority.critical(1))]]
-    await asyncio.sleep(0)
-    assert order == ["mb-a1", "step-a"]  # the step did not wait for the slot the micro-batch holds
-    release_first.set()
-    await asyncio.gather(first, *queued)
-    # Version first, then the micro-batch whose samples were ready first.
-    assert order == ["mb-a1", "step-a", "mb-p1", "mb-b1", "mb-c1"]
-    assert peak == 2 and lanes.running["t0"] == 0  # over the depth only by the step
-
-
 # --- trainers dying during swaps (a fake for the other side of the sockets) -------------
 
 
