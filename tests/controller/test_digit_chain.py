@@ -5,7 +5,9 @@ import sys
 import pytest
 
 from flexmarl.controller import digit_chain
-from flexmarl.controller.digit_chain import DIGIT_IDS, PAD_ID, digit_of
+from flexmarl.controller.digit_chain import DIGIT_IDS, PAD_ID, default_config, digit_of
+from flexmarl.controller.user_code import load_workflow
+from flexmarl.runtime.config import load_config
 from flexmarl.runtime.model_specs import VLLM_CPU_HEAD_SIZES
 
 
@@ -119,3 +121,11 @@ def test_warmup_examples_are_reproducible_from_the_seed():
 def test_warmup_examples_for_an_unknown_agent_are_refused():
     with pytest.raises(ValueError, match="unknown agent"):
         digit_chain.warmup_examples("critic", random.Random(0), 1)
+
+
+def test_example_preset_is_the_embedded_default():
+    assert load_config("examples/default.toml") == load_config(None, defaults=default_config())
+
+
+def test_the_built_in_digit_chain_workflow_is_the_job_module_episode():
+    assert load_workflow("digit_chain") is digit_chain.episode

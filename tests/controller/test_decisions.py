@@ -1,6 +1,6 @@
-"""The pipeline's rules on plain data: staleness bound, exactly-once, whole groups,
-and async micro-batches identical to sync ones for the same arrival order, with
-micro-batches counted in samples or cut by a token budget."""
+"""The pipeline's decision rules (controller/decisions.py) on plain data: staleness bound,
+exactly-once, whole groups, and async micro-batches identical to sync ones for the same
+arrival order, with micro-batches counted in samples or cut by a token budget."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
