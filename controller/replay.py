@@ -175,70 +175,88 @@ def training_seconds(events: list[Event]) -> float:
 
 
 def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
-    workers: dict[str, WorkerUsage] = {}
-
-    def worker(name: str, role: str, t: float) -> WorkerUsage:
-        if name not in workers:
-            workers[name] = WorkerUsage(name, role, t, t_end)
-        return workers[name]
-
-    outstanding: dict[tuple[str, int, str], RequestsDispatched] = {}  # (worker, request, agent): a message's groups of an agent
-    sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
-    trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
+    usage = _UsageReader(t_start, t_end)
     last_t = t_start
     for e in events:
         if type(e) not in _USAGE_EVENTS:  # most of a long log: groups opened and completed
             last_t = e.t
             continue
         if isinstance(e, RunResumed):
-            # The controller crashed at its last event: what it had under way ended there.
-            # Its workers went with it; those of the resumed run join again.
-            for (name, _, _), d in outstanding.items():
-                workers[name].spans.append(_request_span(d, last_t, lost=True))
-            for w in workers.values():
-                w.end = min(w.end, max(last_t, w.start))
-            outstanding.clear()
-            sync_started.clear()
+            usage.resumed(last_t)
         last_t = e.t
+        usage.read(e)
+    for (name, _, _), d in usage.outstanding.items():  # still generating when the log ends
+        usage.workers[name].spans.append(_request_span(d, t_end))
+    return usage.workers
+
+
+class _UsageReader:
+    """What `_worker_usage` keeps while it reads the log: each worker's spans, and what is
+    under way (requests, weight syncs)."""
+
+    def __init__(self, t_start: float, t_end: float) -> None:
+        self.t_start, self.t_end = t_start, t_end
+        self.workers: dict[str, WorkerUsage] = {}
+        # (worker, request, agent): a message's groups of an agent
+        self.outstanding: dict[tuple[str, int, str], RequestsDispatched] = {}
+        self.sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
+        self.trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
+
+    def worker(self, name: str, role: str, t: float) -> WorkerUsage:
+        if name not in self.workers:
+            self.workers[name] = WorkerUsage(name, role, t, self.t_end)
+        return self.workers[name]
+
+    def resumed(self, last_t: float) -> None:
+        """The controller crashed at its last event (`last_t`): what it had under way ended
+        there. Its workers went with it; those of the resumed run join again."""
+        for (name, _, _), d in self.outstanding.items():
+            self.workers[name].spans.append(_request_span(d, last_t, lost=True))
+        for w in self.workers.values():
+            w.end = min(w.end, max(last_t, w.start))
+        self.outstanding.clear()
+        self.sync_started.clear()
+
+    def read(self, e: Event) -> None:
         if isinstance(e, WorkerJoined):
-            w = worker(e.worker, e.role, e.t)
-            w.role, w.end = e.role, t_end  # a worker back after dying: its downtime is idle
+            w = self.worker(e.worker, e.role, e.t)
+            w.role, w.end = e.role, self.t_end  # a worker back after dying: its downtime is idle
         elif isinstance(e, WorkerDied):
-            w = worker(e.worker, "?", t_start)
+            w = self.worker(e.worker, "?", self.t_start)
             w.end = e.t
-            for key in [k for k in outstanding if k[0] == e.worker]:
-                d = outstanding.pop(key)
-                w.spans.append(_request_span(d, e.t, lost=True))
+            for key in [k for k in self.outstanding if k[0] == e.worker]:
+                w.spans.append(_request_span(self.outstanding.pop(key), e.t, lost=True))
         elif isinstance(e, WorkerRestarted):
-            worker(e.worker, e.role, e.t).restarts = e.restarts
+            self.worker(e.worker, e.role, e.t).restarts = e.restarts
         elif isinstance(e, RequestsDispatched):
-            worker(e.worker, "rollout", e.t)
-            outstanding[(e.worker, e.request_id, e.agent)] = e
+            self.worker(e.worker, "rollout", e.t)
+            self.outstanding[(e.worker, e.request_id, e.agent)] = e
         elif isinstance(e, RequestsCompleted):
-            d = outstanding.pop((e.worker, e.request_id, e.agent), None)
+            d = self.outstanding.pop((e.worker, e.request_id, e.agent), None)
             if d is not None:
-                worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
-        elif isinstance(e, MicroBatchTrained):
+                self.worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
+        else:
+            self._read_training(e)
+
+    def _read_training(self, e: Event) -> None:
+        if isinstance(e, MicroBatchTrained):
             span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
                         {"agent": e.agent, "version": e.version, "samples": e.n})
-            worker(e.trainer, "trainer", span.start).spans.append(span)
-            trainer_of[e.agent] = e.trainer
+            self.worker(e.trainer, "trainer", span.start).spans.append(span)
+            self.trainer_of[e.agent] = e.trainer
         elif isinstance(e, OptimizerStep):
-            worker(e.trainer, "trainer", e.t).spans.append(
+            self.worker(e.trainer, "trainer", e.t).spans.append(
                 Span(e.t, e.t, STEP, f"{e.agent} step -> v{e.version}", {"samples": e.samples}))
-            trainer_of[e.agent] = e.trainer
+            self.trainer_of[e.agent] = e.trainer
         elif isinstance(e, WeightSyncStarted):
-            sync_started[(e.agent, e.version)] = e
+            self.sync_started[(e.agent, e.version)] = e
         elif isinstance(e, WeightSyncFinished):
-            started = sync_started.pop((e.agent, e.version), None)
+            started = self.sync_started.pop((e.agent, e.version), None)
             start = started.t if started else e.t - e.seconds
             span = Span(start, e.t, SYNC, f"{e.agent} weights v{e.version}", {"bytes": e.nbytes})
-            publishers = [trainer_of[e.agent]] if e.agent in trainer_of else []
+            publishers = [self.trainer_of[e.agent]] if e.agent in self.trainer_of else []
             for name in publishers + (started.targets if started else []):
-                worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
-    for (name, _, _), d in outstanding.items():  # still generating when the log ends
-        workers[name].spans.append(_request_span(d, t_end))
-    return workers
+                self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
 
 
 # The events _worker_usage reads (every other type only moves the clock).
@@ -300,6 +318,22 @@ _AGENT_EVENTS = frozenset({MicroBatchFormed, MicroBatchTrained, OptimizerStep, G
                            WeightSyncStarted, WeightSyncFinished, AllocationChanged})
 
 
+@dataclass
+class _Tally:
+    """What one pass over the log counts per sample (`_tally`), with multiplicity."""
+
+    owner: dict[str, str] = field(default_factory=dict)  # sample -> agent whose group opened it
+    made_by: dict[str, int] = field(default_factory=dict)  # sample -> oldest policy version that generated it
+    trained: collections.Counter = field(default_factory=collections.Counter)
+    unstepped: collections.Counter = field(default_factory=collections.Counter)  # in micro-batches of a step not logged
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    trained_by: dict[str, str] = field(default_factory=dict)
+    dropped_by: dict[str, str] = field(default_factory=dict)
+    staleness: dict[str, collections.Counter] = field(default_factory=dict)  # agent -> lag histogram
+    stale: collections.Counter = field(default_factory=collections.Counter)  # agent -> trained outside the bound
+    errors: list[str] = field(default_factory=list)
+
+
 def _accounting(events: list[Event], run: RunStarted | None):
     """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
     so that every way of breaking exactly-once also breaks generated = trained + dropped
@@ -308,84 +342,95 @@ def _accounting(events: list[Event], run: RunStarted | None):
     run stopped mid-step), it is in flight: read, never committed to the weights. Written
     for logs of millions of samples: a sample costs a few dictionary operations, done in
     bulk where they can be."""
-    owner: dict[str, str] = {}  # sample -> agent whose group opened it
-    made_by: dict[str, int] = {}  # sample -> oldest policy version that generated it
-    stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
-    trained: collections.Counter = collections.Counter()
-    unstepped: collections.Counter = collections.Counter()  # in micro-batches of a step not logged
-    dropped: collections.Counter = collections.Counter()
-    trained_by: dict[str, str] = {}
-    dropped_by: dict[str, str] = {}
-    staleness: dict[str, collections.Counter] = {}
-    errors: list[str] = []
-    stale: collections.Counter = collections.Counter()
     bound = run.max_staleness if run is not None else None
+    t = _tally(events, bound)
+    rows = _account_rows(t)
+    totals: dict[str, AccountRow] = {}
+    for r in rows.values():
+        total = totals.setdefault(r.agent, AccountRow(r.agent, None, total=True))
+        total.generated += r.generated
+        total.trained += r.trained
+        total.dropped += r.dropped
+        total.in_flight += r.in_flight
+    errors = t.errors + _accounting_errors(t, totals, bound)
+    ordered = sorted(rows.values(), key=lambda r: (r.agent, r.version is None, r.version or 0))
+    ordered += [total for _, total in sorted(totals.items())]
+    return ordered, t.staleness, errors
+
+
+def _tally(events: list[Event], bound: int | None) -> _Tally:
+    """One pass over the log: who opened, generated, trained and dropped each sample."""
+    t = _Tally()
+    stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
     for e in events:
         kind = type(e)
         if kind is GroupOpened:
             members = e.members()
-            if not owner.keys().isdisjoint(members):
-                errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
-                           for sid in members if sid in owner]
-                members = [sid for sid in members if sid not in owner]
-            owner.update(dict.fromkeys(members, e.agent))
+            if not t.owner.keys().isdisjoint(members):
+                t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
+                             for sid in members if sid in t.owner]
+                members = [sid for sid in members if sid not in t.owner]
+            t.owner.update(dict.fromkeys(members, e.agent))
         elif kind is RequestsCompleted:
             made = dict(zip(e.samples(), e.sample_versions()))
-            for sid in made.keys() & made_by.keys():  # generated again (re-issued): the oldest counts
-                made[sid] = min(made[sid], made_by[sid])
-            made_by.update(made)
+            for sid in made.keys() & t.made_by.keys():  # generated again (re-issued): the oldest counts
+                made[sid] = min(made[sid], t.made_by[sid])
+            t.made_by.update(made)
         elif kind is MicroBatchFormed:
-            if len(e.min_versions) != len(e.sample_ids):
-                errors.append(f"agent {e.agent!r}: micro-batch at seq {e.seq} has {len(e.sample_ids)} "
-                              f"samples but {len(e.min_versions)} versions")
-            (trained if (e.agent, e.version) in stepped else unstepped).update(e.sample_ids)
-            trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
-            made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in made_by})
-            lags = [staleness_lag(e.version - 1, [v]) for v in e.min_versions]
-            staleness.setdefault(e.agent, collections.Counter()).update(lags)
-            stale[e.agent] += sum(1 for lag, v in zip(lags, e.min_versions)
-                                  if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)))
+            _tally_micro_batch(t, e, (e.agent, e.version) in stepped, bound)
         elif kind is SamplesDropped:
-            dropped.update(e.sample_ids)
-            dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
+            t.dropped.update(e.sample_ids)
+            t.dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
+    return t
 
-    # Rows are keyed (agent, the version that made the sample).
-    made = made_by.get
-    generated = collections.Counter(zip(owner.values(), map(made, owner)))
-    in_flight = collections.Counter((agent, made(sid)) for sid, agent in owner.items()
-                                    if sid not in trained and sid not in dropped and sid not in unstepped)
-    for sid, n in unstepped.items():
-        in_flight[owner.get(sid) or trained_by[sid], made(sid)] += n
+
+def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int | None) -> None:
+    if len(e.min_versions) != len(e.sample_ids):
+        t.errors.append(f"agent {e.agent!r}: micro-batch at seq {e.seq} has {len(e.sample_ids)} "
+                        f"samples but {len(e.min_versions)} versions")
+    (t.trained if stepped else t.unstepped).update(e.sample_ids)
+    t.trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
+    t.made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in t.made_by})
+    lags = [staleness_lag(e.version - 1, [v]) for v in e.min_versions]
+    t.staleness.setdefault(e.agent, collections.Counter()).update(lags)
+    t.stale[e.agent] += sum(1 for lag, v in zip(lags, e.min_versions)
+                            if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)))
+
+
+def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
+    """The rows, keyed (agent, the version that made the sample)."""
+    made = t.made_by.get
+    generated = collections.Counter(zip(t.owner.values(), map(made, t.owner)))
+    in_flight = collections.Counter((agent, made(sid)) for sid, agent in t.owner.items()
+                                    if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
+    for sid, n in t.unstepped.items():
+        in_flight[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
     trained_rows: collections.Counter = collections.Counter()
-    for sid, n in trained.items():
-        trained_rows[owner.get(sid) or trained_by[sid], made(sid)] += n
+    for sid, n in t.trained.items():
+        trained_rows[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
     dropped_rows: collections.Counter = collections.Counter()
-    for sid, n in dropped.items():
-        dropped_rows[owner.get(sid) or dropped_by[sid], made(sid)] += n
-    rows = {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
+    for sid, n in t.dropped.items():
+        dropped_rows[t.owner.get(sid) or t.dropped_by[sid], made(sid)] += n
+    return {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
             for k in {**generated, **trained_rows, **dropped_rows, **in_flight}}
-    formed = trained + unstepped  # sent to a trainer, stepped or not
 
-    totals: dict[str, AccountRow] = {}
-    for r in rows.values():
-        t = totals.setdefault(r.agent, AccountRow(r.agent, None, total=True))
-        t.generated += r.generated
-        t.trained += r.trained
-        t.dropped += r.dropped
-        t.in_flight += r.in_flight
-    why = _why_unreconciled(owner, formed, dropped, trained_by, dropped_by)
-    for agent, t in sorted(totals.items()):
-        if not t.reconciles or why.get(agent):
-            errors.append(f"agent {agent!r}: samples do not reconcile: generated {t.generated} != "
-                          f"trained {t.trained} + dropped {t.dropped} + in flight {t.in_flight}"
+
+def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | None) -> list[str]:
+    """Each agent whose samples do not reconcile (and why), and each that trained a sample
+    outside the staleness bound."""
+    errors = []
+    formed = t.trained + t.unstepped  # sent to a trainer, stepped or not
+    why = _why_unreconciled(t.owner, formed, t.dropped, t.trained_by, t.dropped_by)
+    for agent, total in sorted(totals.items()):
+        if not total.reconciles or why.get(agent):
+            errors.append(f"agent {agent!r}: samples do not reconcile: generated {total.generated} != "
+                          f"trained {total.trained} + dropped {total.dropped} + in flight {total.in_flight}"
                           + (f" ({'; '.join(why[agent])})" if why.get(agent) else ""))
-    for agent, n in sorted(stale.items()):
+    for agent, n in sorted(t.stale.items()):
         if n:
             errors.append(f"agent {agent!r}: {n} trained sample(s) outside the staleness bound "
                           f"0 <= lag <= {bound if bound is not None else '?'} (see the staleness histogram)")
-    ordered = sorted(rows.values(), key=lambda r: (r.agent, r.version is None, r.version or 0))
-    ordered += [t for _, t in sorted(totals.items())]
-    return ordered, staleness, errors
+    return errors
 
 
 def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[str, list[str]]:
