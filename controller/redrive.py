@@ -40,12 +40,16 @@ def redrive(log: list) -> list:
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
     start = next(e for e in log if type(e) is ev.RunStarted)
     config = tomllib.loads(start.config_toml)
-    pipeline, k = config["pipeline"], start.max_staleness
-    size = decisions.MicroBatchSize(pipeline["micro_batch"], pipeline.get("micro_batch_tokens", 0))
-    store = ExperienceStore(start.agents)
-    # Which trainer runs a step is the allocator's choice, not re-derived here.
-    step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is ev.OptimizerStep}
-    for e in log:  # the store's inputs, in the order the controller saw them
+    store = _refilled_store(log, start.agents)
+    made = _redrive_training(log, store, start.agents, config["pipeline"], start.max_staleness)
+    return _in_log_order(log, made, _redrive_balancer(log, config["router"]))
+
+
+def _refilled_store(log: list, agents: list[str]) -> ExperienceStore:
+    """An `ExperienceStore` fed the logged groups, versions and rewards, in the order the
+    controller saw them."""
+    store = ExperienceStore(agents)
+    for e in log:
         kind = type(e)
         if kind is ev.GroupOpened:
             store.open_group(e.agent, e.group_id, [], len(e.members()), e.batch)
@@ -59,13 +63,23 @@ def redrive(log: list) -> list:
             for sid, reward in zip(members, e.rewards):
                 store.set_reward(sid, reward)
             store.groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
-    made: dict[str, list] = {a: [] for a in start.agents}
-    # Every agent steps every batch up to the last batch the log reached, but a step the
-    # log never took (`open_steps`): its micro-batches are every one the rules would cut
-    # from what was ready when the log ends; the log's must be the first of them.
+    return store
+
+
+def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipeline: dict,
+                      k: int) -> dict[str, list]:
+    """Per agent, the micro-batches and steps the rules make of `store`, in order.
+
+    Every agent steps every batch up to the last batch the log reached, but a step the
+    log never took (`open_steps`): its micro-batches are every one the rules would cut
+    from what was ready when the log ends; the log's must be the first of them."""
+    size = decisions.MicroBatchSize(pipeline["micro_batch"], pipeline.get("micro_batch_tokens", 0))
+    # Which trainer runs a step is the allocator's choice, not re-derived here.
+    step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is ev.OptimizerStep}
+    made: dict[str, list] = {a: [] for a in agents}
     unfinished = open_steps(log)
     for batch in range(1, last_batch(log) + 1):
-        for agent in start.agents:
+        for agent in agents:
             trained = 0
             for mb in store.form_micro_batches(agent, batch, size, True, False, k):
                 trained += len(mb)
@@ -74,9 +88,12 @@ def redrive(log: list) -> list:
             assert decisions.step_due(True, store.ready_samples(agent, batch))
             if (agent, batch) not in unfinished:
                 made[agent].append(ev.OptimizerStep(agent, step_trainer.get((agent, batch), ""), batch, trained))
-    moves = _redrive_balancer(log, config["router"])
-    # Interleave agents and balancer moves in the order the log shows (timing), keeping
-    # each one's own order.
+    return made
+
+
+def _in_log_order(log: list, made: dict[str, list], moves: list) -> list:
+    """The agents' decisions and the balancer's moves interleaved in the order the log
+    shows (timing), each one's own order kept."""
     cursor = {a: 0 for a in made}
     result, next_move = [], iter(moves)
     redriven = frozenset(REDRIVEN_TYPES)
