@@ -201,6 +201,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    COMMANDS[args.command](args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,35 +247,47 @@ def main(argv: list[str] | None = None) -> None:
     p_keys = sub.add_parser("keys", help="create CURVE keys for non-loopback controllers")
     p_keys.add_argument("dir")
 
-    args = parser.parse_args(argv)
-    if args.command == "worker":
-        from flexmarl.workers.main import run_worker
-        sys.exit(run_worker(args))
-    if args.command == "keys":
-        from flexmarl.runtime.transport import create_curve_keys
-        create_curve_keys(args.dir)
-        print(f"CURVE keys written to {args.dir}; copy the folder to every host and set "
-              f"transport.curve_dir (controller) and --curve-dir (workers)")
-        return
-    if args.command == "samples":
-        from .sample_log import format_samples, read_samples, selection_problem
-        try:
-            rows = read_samples(args.run_dir)
-        except FileNotFoundError as exc:
-            sys.exit(f"flexmarl: {exc}")
-        problem = selection_problem(rows, args.step, args.agent)
-        if problem is not None:
-            sys.exit(f"flexmarl: {args.run_dir}: {problem}")
-        sys.stdout.write(format_samples(rows, args.step, args.agent))
-        return
-    if args.command == "replay":
-        from .replay import main as replay_main
-        sys.exit(replay_main(args))
-    if args.command == "serve":
-        limit_threads(1)
-        setup_logging(args.log_level, name="serve")
-        sys.exit(_serve(args))
+    return parser
 
+
+def _run_worker(args: argparse.Namespace) -> None:
+    from flexmarl.workers.main import run_worker
+    sys.exit(run_worker(args))
+
+
+def _create_keys(args: argparse.Namespace) -> None:
+    from flexmarl.runtime.transport import create_curve_keys
+    create_curve_keys(args.dir)
+    print(f"CURVE keys written to {args.dir}; copy the folder to every host and set "
+          f"transport.curve_dir (controller) and --curve-dir (workers)")
+
+
+def _print_samples(args: argparse.Namespace) -> None:
+    from .sample_log import format_samples, read_samples, selection_problem
+    try:
+        rows = read_samples(args.run_dir)
+    except FileNotFoundError as exc:
+        sys.exit(f"flexmarl: {exc}")
+    problem = selection_problem(rows, args.step, args.agent)
+    if problem is not None:
+        sys.exit(f"flexmarl: {args.run_dir}: {problem}")
+    sys.stdout.write(format_samples(rows, args.step, args.agent))
+
+
+def _replay(args: argparse.Namespace) -> None:
+    from .replay import main as replay_main
+    sys.exit(replay_main(args))
+
+
+def _serve_run(args: argparse.Namespace) -> None:
+    limit_threads(1)
+    setup_logging(args.log_level, name="serve")
+    sys.exit(_serve(args))
+
+
+def _run_controller(args: argparse.Namespace) -> None:
+    """`run` (the workers as child processes or Ray actors) and `controller` (workers
+    connect to it)."""
     limit_threads(1)
     setup_logging(args.log_level, name="controller")
     spawn = args.command == "run"
@@ -282,6 +299,11 @@ def main(argv: list[str] | None = None) -> None:
                 traceback.print_exc()
             sys.exit(f"flexmarl: bad configuration: {exc}")
     sys.exit(_train(lambda: _experiment(args, spawn), debug=args.debug))
+
+
+# What each subcommand runs.
+COMMANDS = {"run": _run_controller, "controller": _run_controller, "worker": _run_worker, "replay": _replay,
+            "samples": _print_samples, "serve": _serve_run, "keys": _create_keys}
 
 
 if __name__ == "__main__":
