@@ -226,8 +226,8 @@ class AgentPipeline:
         try:
             while True:
                 complete = self.schedule.rollout_complete(batch)
-                for mb in self.store.form_micro_batches(self.agent, batch, self.micro_batch_size,
-                                                       complete, self.overlap, self.cfg.max_staleness):
+                for mb in self.store.form_micro_batches(self.agent, batch, self.micro_batch_size, complete,
+                                                        self.overlap, self.cfg.max_staleness):
                     self.kept[batch].append(mb)
                     calls.append(self._send(version, mb, written))
                 if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):

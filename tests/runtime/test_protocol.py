@@ -116,6 +116,14 @@ def test_no_pickle_on_the_wire():
         p.decode([bytes([p.Kind.ECHO]), pickle.dumps({"x": 1})])
 
 
+def test_an_optimizer_step_that_does_not_say_how_many_samples_it_covers_is_refused():
+    frames = [bytes([p.Kind.OPTIM_STEP]), msgspec.msgpack.encode([7, "checker", 1])]
+    with pytest.raises(p.ProtocolError, match="bad OPTIM_STEP body"):
+        p.decode(frames)
+    frames = [bytes([p.Kind.OPTIM_STEP]), msgspec.msgpack.encode([7, "checker", 1, 64])]
+    assert p.decode(frames)[0] == p.OptimStep(7, "checker", 1, samples=64)
+
+
 def test_loss_options_sample_temperatures_and_step_stats_round_trip():
     batch = p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0], 0.7)], 1, 1.2,
                               p.LossOptions("token_mean", 8.0, "ppo_clip", 0.1))
