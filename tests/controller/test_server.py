@@ -338,3 +338,23 @@ async def test_curve_authenticated_worker_connects_and_an_unkeyed_one_cannot(tmp
         assert "plain" not in server.registry.workers
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_workers_leaving_after_shutdown_are_not_reported_as_deaths_but_their_requests_fail():
+    async with controller() as server:
+        worker = raw_dealer(server, b"w")
+        try:
+            await worker.send_multipart(hello("w"))
+            await asyncio.wait_for(worker.recv_multipart(), PATIENCE)  # WELCOME
+            died = []
+            server.on_died.append(lambda info: died.append(info.worker_id))
+            call = asyncio.create_task(server.call("w", p.Echo(server.next_request_id())))
+            await server.broadcast_shutdown("experiment finished")
+            await worker.send_multipart(p.encode(p.Bye("shutdown")))
+            assert await server.wait_until_gone(["w"], PATIENCE)
+            assert server.registry.workers["w"].why_gone == "left: shutdown"
+            with pytest.raises(WorkerDied):
+                await asyncio.wait_for(call, PATIENCE)
+            assert died == []
+        finally:
+            worker.close()
