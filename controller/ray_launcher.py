@@ -18,8 +18,9 @@ the workers write is copied into the run directory's logs/ every second (the
 to it can fail earlier, while its node is gone but Ray has not yet noticed, and an actor
 restarted then would be sent to the lost node. For the same reason an actor that does not
 answer a hung worker's SIGTERM is left to Ray to declare lost (`UNANSWERED_KILL_S`)
-rather than killed, which would end it as "killed" and start its successor on that node. Stopping stops exactly the actors it started; closing the launcher
-removes the placement group.
+rather than killed, which would end it as "killed" and start its successor on that node.
+Stopping stops exactly the actors it started; closing the launcher removes the placement
+group.
 
 Ray carries none of the run's messages: the control plane stays the controller's socket
 and parameters stay on the parameter channel.
