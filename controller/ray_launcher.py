@@ -302,7 +302,9 @@ class RayWorkers:
     def signal(self, worker: RayWorker, sig: int) -> None:
         """Stops a hung worker without waiting on Ray: SIGTERM goes to its process through
         its actor; SIGKILL goes there too, and `KILL_ACTOR_S` later (`exited` looks) its
-        actor is killed, so a worker whose actor or node no longer answers ends as well."""
+        actor is killed, so a worker whose actor or node no longer answers ends as well
+        (`UNANSWERED_KILL_S` later where the actor did not answer the SIGTERM: Ray is left
+        to declare its node lost first)."""
         unanswered = worker.signalled is not None and not self._answered(worker.signalled)
         if worker.where:
             worker.signalled = worker.actor.signal.remote(sig)
