@@ -199,7 +199,7 @@ class Experiment:
         return self.restarter is not None and self.restarter.restarting(role)
 
     def _restarted(self, old: LaunchedWorker, new: LaunchedWorker, restarts: int) -> None:
-        self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.exit_code, restarts, new.pid))
+        self.emit(ev.WorkerRestarted(new.worker_id, new.role, old.exit_code, restarts, new.pid, why=old.why_exited()))
 
     def _check_local_processes(self) -> None:
         if self.local is None:

@@ -14,8 +14,13 @@ dies or whose node is lost is reported as exited; starting it again makes a new 
 the same bundle, which Ray has moved to a node with room when the old node is gone (an
 actor that finds no room within `cluster.worker_start_timeout_s` counts as exited). What
 the workers write is copied into the run directory's logs/ every second (the
-"worker-logs" task). Stopping stops exactly the actors it started; closing the launcher
-removes the placement group.
+"worker-logs" task). A worker counts as ended only once Ray holds its actor dead: a call
+to it can fail earlier, while its node is gone but Ray has not yet noticed, and an actor
+restarted then would be sent to the lost node. For the same reason an actor that does not
+answer a hung worker's SIGTERM is left to Ray to declare lost (`UNANSWERED_KILL_S`)
+rather than killed, which would end it as "killed" and start its successor on that node.
+Stopping stops exactly the actors it started; closing the launcher removes the placement
+group.
 
 Ray carries none of the run's messages: the control plane stays the controller's socket
 and parameters stay on the parameter channel.
@@ -52,6 +57,10 @@ CONNECT_TIMEOUT_S = 5.0  # for the cluster's address to answer at all
 LOG_COPY_S = 1.0  # how often the workers' output is copied into logs/
 CALL_TIMEOUT_S = 10.0  # for one actor call while stopping
 KILL_ACTOR_S = 1.0  # after a hung worker's SIGKILL went to its actor, the actor itself is killed
+# An actor that did not answer the SIGTERM sent through it is killed only this long after the
+# SIGKILL: its node may be gone, which Ray says (and the actor's death with it) once its
+# health checks give the node up, well within this by default.
+UNANSWERED_KILL_S = 60.0
 KEY_FILES = ("server.key", "client.key", "client.key_secret")  # what a worker needs; never the server's secret
 
 
@@ -189,6 +198,7 @@ class RayWorker:
     outcome: str = ""  # how it ended, once it did
     copied: int = 0  # bytes of its output already in log_path
     kill_at: float | None = None  # when its actor is killed (a hung worker being stopped)
+    signalled: Any = None  # the last signal call through its actor: resolves once the actor answered
 
     @property
     def pid(self) -> int:
@@ -292,11 +302,15 @@ class RayWorkers:
     def signal(self, worker: RayWorker, sig: int) -> None:
         """Stops a hung worker without waiting on Ray: SIGTERM goes to its process through
         its actor; SIGKILL goes there too, and `KILL_ACTOR_S` later (`exited` looks) its
-        actor is killed, so a worker whose actor or node no longer answers ends as well."""
+        actor is killed, so a worker whose actor or node no longer answers ends as well
+        (`UNANSWERED_KILL_S` later where the actor did not answer the SIGTERM: Ray is left
+        to declare its node lost first)."""
+        unanswered = worker.signalled is not None and not self._answered(worker.signalled)
         if worker.where:
-            worker.actor.signal.remote(sig)
+            worker.signalled = worker.actor.signal.remote(sig)
         if sig == signal.SIGKILL or not worker.where:  # never placed: no process to signal
-            worker.kill_at = self.clock() + (KILL_ACTOR_S if worker.where else 0.0)
+            wait = UNANSWERED_KILL_S if unanswered else KILL_ACTOR_S
+            worker.kill_at = self.clock() + (wait if worker.where else 0.0)
 
     def reclaim(self, worker: RayWorker) -> None:
         """Has the actor remove what its exited process left on its node (a rollout engine's
@@ -327,6 +341,15 @@ class RayWorkers:
             self._finish(worker)
             self._kill(worker)
 
+    def _answered(self, ref: Any) -> bool:
+        if not self._ready([ref]):
+            return False
+        try:
+            self.ray.get(ref)
+        except self.ray.exceptions.RayError:
+            return False
+        return True
+
     def _ready(self, refs: list[Any]) -> set[Any]:
         if not refs:
             return set()
@@ -351,11 +374,17 @@ class RayWorkers:
             worker.code = self.ray.get(worker.exited_ref)
             worker.outcome = f"exited with code {worker.code}"
         except self.ray.exceptions.RayError as exc:
+            if self._actor_state(worker) != "DEAD":
+                return  # Ray has not given the actor up yet: its node may be gone unnoticed; looked at again
             node = worker.where.get("node")
             if node and not any(n["NodeID"] == node and n["Alive"] for n in self.ray.nodes()):
                 worker.outcome = "was lost with its node"
             else:
                 worker.outcome = f"died: {_last_line(exc)}"
+
+    def _actor_state(self, worker: RayWorker) -> str:
+        """The actor's state as Ray's control store holds it: ALIVE, RESTARTING, DEAD, ..."""
+        return self.ray._private.state.actors(actor_id=worker.actor._actor_id.hex()).get("State", "DEAD")
 
     def _finish(self, worker: RayWorker) -> None:
         """Copies what `worker` wrote that is not in its log yet, where its actor still answers."""

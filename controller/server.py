@@ -11,7 +11,9 @@ stops the loop. Sends never wait on a peer that does not read: a notice to it is
 worker is declared dead.
 
 It knows nothing about agents, samples or training: the experiment drives it through
-`call`, `stream`, `workers` and the joined/died listeners.
+`call`, `stream`, `workers` and the joined/died listeners. Once it broadcast SHUTDOWN
+(`closing`) the workers' going is the run's own doing: their requests still fail, but no
+died listener is told (nothing is logged as a death).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class ControllerServer:
         self.undelivered: collections.Counter[str] = collections.Counter()
         self._not_reading: set[bytes] = set()  # peers already warned about (one line each)
         self.on_joined: list[Callable[[WorkerInfo], None]] = []
+        # A worker died while the run goes on: not called once closing (the run is stopping its workers).
         self.on_died: list[Callable[[WorkerInfo], None]] = []
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
@@ -366,6 +369,7 @@ class ControllerServer:
                 del self._pending[request_id]
                 if not pending.future.done():
                     pending.future.set_exception(WorkerDied(info.worker_id, why))
-        for listener in self.on_died:
-            listener(info)
+        if not self.closing:
+            for listener in self.on_died:
+                listener(info)
         self._changed.set()

@@ -65,6 +65,9 @@ class WorkerRestarted(Event):
     exit_code: int | None  # of the process that exited (negative: killed by that signal); None: lost with its Ray actor
     restarts: int  # restarts of this worker so far, this one included
     pid: int  # the new process; 0 where not known yet (a Ray actor still being placed: see its WorkerJoined)
+    # How the one it replaces ended, as its launcher saw it ("its Ray actor ... was lost with its
+    # node"): known only now where the controller lost the worker first (its WorkerDied says "connection lost").
+    why: str = ""
 
 
 class RunFinished(Event):

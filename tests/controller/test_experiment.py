@@ -2,11 +2,13 @@
 
 import asyncio
 import gc
+from types import SimpleNamespace
 
 import pytest
 
 from flexmarl.controller import digit_chain
 from flexmarl.controller.experiment import GC_THRESHOLDS, Experiment
+from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 
 
@@ -31,3 +33,13 @@ async def test_an_experiment_makes_collector_passes_rare_while_open_and_restores
     await looking
     assert seen == [GC_THRESHOLDS]
     assert gc.get_threshold() == before
+
+
+def test_a_restarted_worker_is_logged_with_how_the_one_it_replaces_ended_as_its_launcher_saw_it():
+    # The controller may have lost it first ("connection lost"): only the launcher says why.
+    emitted = []
+    lost = "its Ray actor flexmarl-t-rollout-0-1 (worker pid 7 on node n1 at 10.0.0.1) was lost with its node"
+    old = SimpleNamespace(exit_code=None, why_exited=lambda: lost)
+    new = SimpleNamespace(worker_id="rollout-0", role="rollout", pid=0)
+    Experiment._restarted(SimpleNamespace(emit=emitted.append), old, new, 1)
+    assert emitted == [ev.WorkerRestarted("rollout-0", "rollout", None, 1, 0, why=lost)]

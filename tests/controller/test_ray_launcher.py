@@ -12,7 +12,8 @@ import pytest
 
 from flexmarl.controller.launcher import LaunchError
 from flexmarl.controller.launchers import LAUNCHERS
-from flexmarl.controller.ray_launcher import RayWorker, RayWorkers, control_address
+from flexmarl.controller.ray_launcher import (KILL_ACTOR_S, UNANSWERED_KILL_S, RayWorker, RayWorkers,
+                                              control_address)
 from flexmarl.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,47 +60,70 @@ def test_flexmarl_run_against_a_cluster_that_does_not_answer_stops_with_one_line
 
 
 class FakeRay:
-    """As much of `ray` as stopping and reclaiming one worker's actor uses; records calls."""
+    """As much of `ray` as watching, stopping and reclaiming a worker's actor uses: calls
+    resolve when the test says (`answer`), actors are as alive as the test says; records kills."""
 
     exceptions = SimpleNamespace(RayError=RuntimeError)
 
     def __init__(self):
         self.killed = []
+        self.answers = {}  # ref -> its value, or the RayError it failed with
+        self.states = {}  # actor id -> its state in Ray's control store
+        self.dead_nodes = set()
+        self._private = SimpleNamespace(state=SimpleNamespace(
+            actors=lambda actor_id: {"State": self.states.get(actor_id, "ALIVE")}))
+
+    def answer(self, ref, value):
+        self.answers[ref] = value
 
     def remote(self, **options):
         return lambda cls: cls
 
     def wait(self, refs, timeout=None, num_returns=1):
-        return [], refs  # nothing has ended or been placed since
+        ready = [r for r in refs if r in self.answers]
+        return ready, [r for r in refs if r not in self.answers]
 
     def get(self, ref, timeout=None):
-        return 2  # what WorkerActor.reclaim removed
+        value = self.answers.get(ref, 2)  # 2: what WorkerActor.reclaim removed
+        if isinstance(value, Exception):
+            raise value
+        return value
 
     def kill(self, actor, no_restart=True):
         self.killed.append(actor)
+
+    def nodes(self):
+        return [{"NodeID": node, "Alive": node not in self.dead_nodes} for node in ("n1", "n2")]
 
 
 class FakeActor:
     def __init__(self):
         self.calls = []
+        self._actor_id = SimpleNamespace(hex=lambda: "a1")
         for method in ("signal", "reclaim"):
-            setattr(self, method, SimpleNamespace(remote=lambda *a, m=method: self.calls.append((m, *a)) or m))
+            setattr(self, method, SimpleNamespace(remote=lambda *a, m=method: self.calls.append((m, *a)) or
+                                                  f"{m}-{len(self.calls)}"))
 
 
 def ray_worker(tmp_path, placed=True):
     where = {"node": "n1", "ip": "10.0.0.1", "host": "h", "pid": 77} if placed else {}
     return RayWorker("rollout-0", "rollout", tmp_path / "rollout-0.log", "flexmarl-t-rollout-0-1", FakeActor(),
-                     None, None, 0.0, where)
+                     "exited-ref", None, 0.0, where)
+
+
+def ray_workers(ray, tmp_path, clock):
+    return RayWorkers(ray, None, None, "t", tmp_path, argv=lambda role, worker_id: [], env={}, keys={},
+                      start_timeout_s=60.0, clock=lambda: clock.now)
 
 
 def test_a_hung_ray_worker_is_signalled_through_its_actor_and_after_sigkill_its_actor_is_killed(tmp_path):
     ray, clock = FakeRay(), SimpleNamespace(now=0.0)
-    workers = RayWorkers(ray, None, None, "t", tmp_path, argv=lambda role, worker_id: [], env={}, keys={},
-                         start_timeout_s=60.0, clock=lambda: clock.now)
+    workers = ray_workers(ray, tmp_path, clock)
     worker = ray_worker(tmp_path)
     workers.procs.append(worker)
     workers.signal(worker, signal.SIGTERM)
     assert worker.actor.calls == [("signal", signal.SIGTERM)] and ray.killed == []
+    ray.answer("signal-1", None)  # the actor answered: its process got SIGTERM and stays hung
     workers.signal(worker, signal.SIGKILL)  # its process first, where the actor answers
     assert worker.actor.calls[-1] == ("signal", signal.SIGKILL)
     clock.now = 0.9
@@ -116,3 +140,35 @@ def test_a_hung_ray_worker_is_signalled_through_its_actor_and_after_sigkill_its_
     workers.exited()
     workers.reclaim(unplaced)
     assert unplaced.actor.calls == [] and ray.killed[-1] is unplaced.actor
+
+
+def test_a_ray_worker_whose_call_failed_ends_only_once_ray_holds_its_actor_dead_and_then_says_its_node_was_lost(
+        tmp_path):
+    ray, clock = FakeRay(), SimpleNamespace(now=0.0)
+    workers = ray_workers(ray, tmp_path, clock)
+    worker = ray_worker(tmp_path)
+    workers.procs.append(worker)
+    # Its node is gone, which Ray has not noticed yet: the call fails, the actor is still alive to Ray.
+    ray.answer("exited-ref", RuntimeError("The actor a1 is unavailable: The actor is temporarily unavailable"))
+    assert workers.exited() == [] and worker.alive()  # restarted now, its successor would go to the lost node
+    ray.dead_nodes.add("n1")
+    ray.states["a1"] = "DEAD"
+    assert workers.exited() == [worker]
+    assert worker.why_exited() == ("its Ray actor flexmarl-t-rollout-0-1 (worker pid 77 on node n1 at 10.0.0.1) "
+                                   "was lost with its node")
+
+
+def test_a_hung_ray_worker_whose_actor_does_not_answer_is_left_to_ray_to_declare_lost_before_it_is_killed(tmp_path):
+    ray, clock = FakeRay(), SimpleNamespace(now=0.0)
+    workers = ray_workers(ray, tmp_path, clock)
+    worker = ray_worker(tmp_path)
+    workers.procs.append(worker)
+    workers.signal(worker, signal.SIGTERM)  # never answered: the actor's node may be gone
+    clock.now = 5.0
+    workers.signal(worker, signal.SIGKILL)
+    clock.now = 5.0 + KILL_ACTOR_S
+    workers.exited()
+    assert ray.killed == []  # killed now, it would end as killed and its successor go to the lost node
+    clock.now = 5.0 + UNANSWERED_KILL_S
+    workers.exited()
+    assert ray.killed == [worker.actor]  # an actor Ray never gives up on is not waited for forever

@@ -75,6 +75,14 @@ def hello(worker_id, version=p.PROTOCOL_VERSION):
     return p.encode(p.Hello(version, worker_id, "trainer", "h", 1))
 
 
+async def registered_dealer(server, worker_id):
+    """A raw peer registered as `worker_id` (its WELCOME read)."""
+    sock = raw_dealer(server, worker_id.encode())
+    await sock.send_multipart(hello(worker_id))
+    await asyncio.wait_for(sock.recv_multipart(), PATIENCE)  # WELCOME
+    return sock
+
+
 async def wait_for(predicate, timeout=PATIENCE):
     for _ in range(int(timeout / 0.02)):
         if predicate():
@@ -282,10 +290,8 @@ async def test_a_worker_id_whose_process_died_registers_again_as_a_new_incarnati
 
 async def test_silent_worker_is_declared_dead_and_its_requests_fail():
     async with controller() as server:
-        silent = raw_dealer(server, b"silent")
+        silent = await registered_dealer(server, "silent")
         try:
-            await silent.send_multipart(hello("silent"))
-            await asyncio.wait_for(silent.recv_multipart(), PATIENCE)  # WELCOME
             rid = server.next_request_id()
             call = asyncio.create_task(server.call("silent", p.Echo(rid)))
             with pytest.raises(WorkerDied, match="no heartbeat"):
@@ -338,3 +344,21 @@ async def test_curve_authenticated_worker_connects_and_an_unkeyed_one_cannot(tmp
         assert "plain" not in server.registry.workers
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_workers_leaving_after_shutdown_are_not_reported_as_deaths_but_their_requests_fail():
+    async with controller() as server:
+        worker = await registered_dealer(server, "w")
+        try:
+            died = []
+            server.on_died.append(lambda info: died.append(info.worker_id))
+            call = asyncio.create_task(server.call("w", p.Echo(server.next_request_id())))
+            await server.broadcast_shutdown("experiment finished")
+            await worker.send_multipart(p.encode(p.Bye("shutdown")))
+            assert await server.wait_until_gone(["w"], PATIENCE)
+            assert server.registry.workers["w"].why_gone == "left: shutdown"
+            with pytest.raises(WorkerDied):
+                await asyncio.wait_for(call, PATIENCE)
+            assert died == []
+        finally:
+            worker.close()
