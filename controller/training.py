@@ -1,7 +1,7 @@
-"""The training driver: wires the controller's components and runs their loops.
+"""The training driver: places the agents on the workers and runs the components' loops.
 
-`TrainingRun.run()` sets the agents up on the workers (models resolved, rollout
-instances placed and loaded, training states initialised), then runs these loops under
+`TrainingRun.run()` sets the agents up on the workers (rollout instances placed and
+loaded, training states initialised), then runs these loops under
 one supervisor (the first to fail stops the others), and writes the final checkpoint:
 
 - episodes (episodes.py, `EpisodeProducer.run`): consumes the workflow; produces samples

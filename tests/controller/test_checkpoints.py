@@ -258,3 +258,28 @@ def test_a_resume_on_changed_rows_is_refused(tmp_path, models_named):
     (tmp_path / "rows.jsonl").write_text("".join('{"q": %d}\n' % (i + 1) for i in range(10)))
     with pytest.raises(CheckpointError, match=r"data.train \(its rows\) was"):
         training_run(tmp_path, resume=ResumePoint(tmp_path, 2, state))
+
+
+def test_a_resume_places_the_units_as_at_the_checkpoint_only_on_the_same_workers(tmp_path):
+    from flexmarl.controller.checkpoints import ResumePoint, resume_placement
+    from flexmarl.runtime.bases import EngineUnit, Units
+
+    units = Units({"w": EngineUnit("w", ("w",)), "bases.b": EngineUnit("bases.b", ("x", "y"), lora=True)})
+    point = ResumePoint(tmp_path, 2, {"rollout_assignment": {"w": ["r1"], "x": ["r0", "r2"], "y": ["r0", "r2"]}})
+    assert resume_placement(point, units, ["r2", "r0", "r1"]) == {"w": ["r1"], "bases.b": ["r0", "r2"]}
+    assert resume_placement(point, units, ["r0", "r1", "r3"]) is None  # another worker: placed anew
+    assert resume_placement(None, units, ["r0", "r1", "r2"]) is None
+
+
+def test_a_resumed_whole_model_engine_starts_on_the_checkpoint_and_an_adapter_base_on_its_model(tmp_path):
+    from flexmarl.controller.checkpoints import ResumePoint, at_checkpoint
+    from flexmarl.runtime.bases import EngineUnit
+
+    point = ResumePoint(tmp_path / "step-000003", 3, {})
+    whole, base = EngineUnit("w", ("w",)), EngineUnit("bases.b", ("x",), lora=True)
+    message = whole.load_message(1, "/models/w", seed=0)
+    resumed = at_checkpoint(message, point, whole)
+    assert (resumed.model_path, resumed.version) == (str((tmp_path / "step-000003" / "w").resolve()), 3)
+    assert at_checkpoint(message, None, whole) is message
+    base_message = base.load_message(1, "/models/b", seed=0)
+    assert at_checkpoint(base_message, point, base) is base_message
