@@ -183,7 +183,7 @@ class Watch:
         self.t0, self.cpu0, self.log0 = time.monotonic(), time.process_time(), log_bytes(log)
         if self.profiler is not None:
             self.profiler.enable()
-        while not training.schedule.finished:
+        while not training.parts.schedule.finished:
             t = time.perf_counter()
             await asyncio.sleep(self.period)
             self.lags.append(time.perf_counter() - t - self.period)
@@ -230,10 +230,10 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
     trainer_busy = [v for w, v in busy.items() if w.startswith("trainer")]
     costs = {**fake_cluster.DEFAULT_COSTS, **p.get("costs", {})}
     agents = cfg.agents
-    store = training.store
+    store = training.parts.store
     generated = sum(store.counts[(a, "generated")] for a in agents)
     dropped = sum(store.counts[(a, "dropped")] for a in agents)
-    per_agent = {a: training.pipelines[a].samples_trained for a in agents}
+    per_agent = {a: training.parts.pipelines[a].samples_trained for a in agents}
     at_trainers = {a: 0 for a in agents}
     errors = []
     for r in reports:

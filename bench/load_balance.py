@@ -42,6 +42,7 @@ import time
 
 from flexmarl.controller import Experiment
 from flexmarl.controller import balance_loop as rebalance
+from flexmarl.controller import decisions
 from flexmarl.controller.simulator import simulate, skewed_workload
 from flexmarl.controller.training import TrainingRun
 from flexmarl.controller.digit_chain import default_config
@@ -56,20 +57,14 @@ CONFIG_OVERRIDES = {
 SKEW = ["agents.solver.group_size=8"]
 
 
-class EqualSplitRun(TrainingRun):
-    """The same training run, placed with equal weights: the static baseline's split."""
-
-    def _expected_tokens(self, agent: str) -> float:
-        return 1.0
-
-    async def setup(self) -> None:
-        await super().setup()
-        self.cpu_at_start = time.process_time()
-
-    async def run(self):
-        summary = await super().run()
-        self.controller_cpu_s = time.process_time() - self.cpu_at_start
-        return summary
+async def controller_cpu_s(training: TrainingRun) -> float:
+    """The controller's CPU seconds from the end of set-up (training starts) to the run's end."""
+    while not training.started:
+        await asyncio.sleep(0.01)
+    at_start = time.process_time()
+    while not training.wall_s:
+        await asyncio.sleep(0.01)
+    return time.process_time() - at_start
 
 
 def run_real(config: str, args: argparse.Namespace) -> dict:
@@ -79,12 +74,15 @@ def run_real(config: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         async def main():
             async with Experiment(cfg, run_dir=run_dir) as exp:
-                exp.training = EqualSplitRun(exp.config, exp.server, exp.run_dir, emit=exp.emit,
-                                             flush_events=exp.flush_events, worker_ids=exp.worker_ids)
+                # The same training run, placed with equal weights: the static baseline's split.
+                exp.training = TrainingRun(exp.config, exp.server, exp.run_dir, emit=exp.emit,
+                                           flush_events=exp.flush_events, worker_ids=exp.worker_ids,
+                                           demand=decisions.equal_demand)
+                cpu = asyncio.create_task(controller_cpu_s(exp.training))
                 summary = await exp.supervise(exp.training.run, name="training")
-                return summary, exp.training
+                return summary, exp.training, await cpu
 
-        summary, training = asyncio.run(main())
+        summary, training, cpu_s = asyncio.run(main())
     # Engine busy seconds (heartbeat `busy_s`: steps and loads) over the training wall time.
     rollout = sorted(w for w in training.busy if w.startswith("rollout"))
     busy = {w: training.busy[w] for w in rollout}
@@ -94,11 +92,11 @@ def run_real(config: str, args: argparse.Namespace) -> dict:
             "wall_s": round(summary.wall_s, 2), "rollout_s_per_step": round(training.stage_times()["rollout_s"], 3),
             "busy": busy, "busy_mean": round(statistics.mean(busy.values()), 3),
             # The controller is one process on one core: near 1.0 means it, not the engines, paces rollout.
-            "controller_cpu_frac": round(training.controller_cpu_s / summary.wall_s, 3),
+            "controller_cpu_frac": round(cpu_s / summary.wall_s, 3),
             "reassignments": len(moves), "reassign_s": [round(m.seconds, 2) for m in moves],
             "moves": [f"{m.worker}:{m.src}->{m.dst}" for m in moves],
             "first_move_cost_s": rebalance.FIRST_MOVE_COST_S if config == "hierarchical" else None,
-            "final_assignment": {a: len(ws) for a, ws in training.instances.assignment.items()},
+            "final_assignment": {a: len(ws) for a, ws in training.parts.instances.assignment.items()},
             "failed_episodes": summary.episodes_failed}
 
 

@@ -97,7 +97,7 @@ async def one_round(training, way: str, round_no: int, episodes: int) -> tuple[i
     async def episode(ctx) -> None:
         calls.append(await WAYS[way](ctx))
 
-    contexts = [training.episodes.contexts.make(f"{way}{round_no}q{i}", 1, random.Random(i), store, None)
+    contexts = [training.parts.episodes.contexts.make(f"{way}{round_no}q{i}", 1, random.Random(i), store, None)
                 for i in range(episodes)]
     wall, cpu = time.perf_counter(), time.process_time()
     failures = await asyncio.gather(*(run_episode(episode, ctx, 300) for ctx in contexts))
@@ -141,7 +141,7 @@ async def measure(rounds: int, episodes: int, group_size: int) -> list[dict]:
         async with Experiment(cfg, run_dir=run_dir) as exp:
             training = exp.training
             await training.setup()
-            await training.endpoint.start()
+            await training.parts.endpoint.start()
             try:
                 for way in WAYS:  # warm-up: each way's first calls, not counted
                     await one_round(training, way, -1, 1)
@@ -150,8 +150,8 @@ async def measure(rounds: int, episodes: int, group_size: int) -> list[dict]:
                         for i, value in enumerate(await one_round(training, way, r, episodes)):
                             totals[way][i] += value
             finally:
-                await training.endpoint.stop()
-                await training.allocator.close()
+                await training.parts.endpoint.stop()
+                await training.parts.allocator.close()
     rows = []
     for way, (calls, samples, wall, cpu) in totals.items():
         rows.append({"way": way, "rounds": rounds, "episodes": episodes, "calls": calls, "samples": samples,

@@ -38,14 +38,14 @@ def run_breakdown(rows: list[dict], events: list[Any], training: Any, warmup: in
     """Medians over the steps after `warmup` of one run's stage times, in ms."""
     steady = [r for r in rows if r["step"] > warmup]
     syncs = [e.seconds for e in events if type(e).__name__ == "WeightSyncFinished" and e.version > warmup]
-    batches = training.schedule.batches
+    batches = training.parts.schedule.batches
     step = [1000 * (batches[t].trained - batches[t - 1].trained) for t in range(warmup + 1, len(batches) + 1)]
     ms = {"step": _median(step),
           "rollout": 1000 * _median([r["rollout_s"] for r in steady]),
           "train (trainer fwd/bwd)": 1000 * _median([r["train_s"] for r in steady]),
           "optimizer step + weight sync": 1000 * _median([r["sync_s"] for r in steady]),
           "of which weight sync (publish to loaded)": 1000 * _median(syncs)}
-    if training.schedule.overlap:
+    if training.parts.schedule.overlap:
         # Overlapped: a batch's rollout starts while earlier batches train and waits at the
         # gate, so first-to-last episode is no stage time, and nothing adds up to the step.
         del ms["rollout"]

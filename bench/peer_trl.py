@@ -158,8 +158,8 @@ def run_flexmarl(model_dir: Path, prompts: Path, name: str, args: argparse.Names
         summary, training = asyncio.run(main())
         events, problem = read_events(f"{run_dir}/events.log")
         assert problem is None, problem
-    rows = [r for r in training.metrics.rows if "kind" not in r]
-    ends = [training.schedule.batches[t].trained for t in range(1, args.steps + 1)]
+    rows = [r for r in training.parts.metrics.rows if "kind" not in r]
+    ends = [training.parts.schedule.batches[t].trained for t in range(1, args.steps + 1)]
     rewards = [r["reward_mean"] for r in sorted(rows, key=lambda r: r["step"])]
     result = summarize(f"flexmarl {name}", ends, rewards, args.warmup,
                        {"mode": mode, "max_staleness": k, "failed_episodes": summary.episodes_failed})

@@ -63,9 +63,9 @@ def run_mode(mode: str, k: int, args: argparse.Namespace) -> dict:
     # Steady state: the first `--warmup` global batches pay for first-time engine work
     # (every new batch shape costs vLLM seconds once), in every mode alike.
     w = args.warmup
-    batches = training.schedule.batches
+    batches = training.parts.schedule.batches
     steady_s = batches[args.steps].trained - batches[w].trained
-    steady_samples = sum(r["samples"] for r in training.metrics.rows if r["step"] > w)
+    steady_samples = sum(r["samples"] for r in training.parts.metrics.rows if r["step"] > w)
     steady = [batches[t] for t in range(w + 1, args.steps + 1)]
     stage = {"rollout_s": statistics.median(b.rollout_s for b in steady),
              "train_sync_s": statistics.median(b.trained - b.rollout_end for b in steady)}

@@ -30,6 +30,7 @@ it holds).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -259,6 +260,68 @@ def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], stor
         position = dataset.position(next_episode)
         state["data"].update(epoch=position.epoch, next_row=position.index)
     return state
+
+
+def run_state(cfg: Any, step: int, store: Any, instances: Any, dataset: Any, episodes: Any) -> dict[str, Any]:
+    """`controller_state` read off the run's components: the store's samples past the cut,
+    the rollout instances' assignment, the episode numbering."""
+    past = collections.Counter(s.agent for s in store.samples.values() if s.batch > step)
+    after_cut = {a: past[a] for a in cfg.agents}  # one pass over the samples, not one per agent
+    return controller_state(cfg, step, instances.assignment, after_cut, dataset, episodes.episode_number(step + 1, 0))
+
+
+def resume_placement(resume: ResumePoint | None, units: Any, workers: list[str]) -> dict[str, list[str]] | None:
+    """Each engine unit's rollout workers as at the checkpoint, where the same rollout
+    workers are here; else None (they are placed anew)."""
+    saved = resume.state.get("rollout_assignment") if resume is not None else None
+    if saved and sorted({w for ws in saved.values() for w in ws}) == sorted(workers):
+        return {name: list(saved[u.agents[0]]) for name, u in units.items()}
+    return None
+
+
+def at_checkpoint(message: protocol.LoadModel, resume: ResumePoint | None, unit: Any) -> protocol.LoadModel:
+    """The load message of a resumed run's initial placement: a whole-model engine starts
+    on the checkpoint's weights at its step (an adapter base starts on its base, the
+    adapters are synced next). Unchanged without a resume."""
+    if resume is None or unit.lora:
+        return message
+    first = unit.agents[0]
+    return msgspec.structs.replace(message, model_path=str(resume.agent_dir(first).resolve()), version=resume.step,
+                                   checksums=resume.agent_checksums(first))
+
+
+def resume_counters(resume: ResumePoint, run_dir: Path, schedule: Any, versions: Any) -> None:
+    """A resumed run continues after the checkpoint: the metrics rows of later batches are
+    dropped (made again), the schedule starts at the next batch, every agent at its step."""
+    truncate_metrics(run_dir / "metrics.jsonl", resume.step)
+    schedule.resume_after(resume.step)
+    versions.resume_at(resume.step)
+
+
+def continue_episodes(resume: ResumePoint, cfg: Any, dataset: Any, episodes: Any) -> None:
+    """The episodes continue at the saved data position, whatever the batch size now;
+    settings changed since the checkpoint (accepted) are logged."""
+    for change in check_resume(resume, exactness_settings(cfg, dataset)):
+        log.warning("resuming with a changed setting, as asked: %s", change)
+    saved = resume.state.get("data", {}).get("next_episode", resume.step * cfg.pipeline.queries_per_step)
+    episodes.continue_data(resume.step + 1, saved)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drops metrics rows a resumed run writes again: training rows after `step`, and
+    evaluations from `step` on (one at `step` may have been cut short). Atomic."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line torn by the crash
+            continue
+        limit = step - 1 if row.get("kind") == "eval" else step
+        if row.get("step", 0) <= limit:
+            kept.append(line)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 class Checkpointer:

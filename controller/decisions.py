@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from flexmarl.runtime.staleness import lag, too_stale  # noqa: F401 (the rule, shared with the trainer)
 
@@ -38,6 +38,25 @@ def may_start_episode(batch: int, synced_versions: dict[str, int], overlap: bool
     """Sync mode starts global batch t only when every agent's rollout weights are at
     t - 1; async mode starts it at once and gates each turn with `may_generate`."""
     return overlap or all(v >= batch - 1 for v in synced_versions.values())
+
+
+def expected_tokens(agents: dict[str, Any], agent: str) -> float:
+    """An agent's rough demand, for the initial placement: its group size x output length,
+    times its position in the config's agent order (requests multiply down a chain, so a
+    later agent is asked more). `agents`: the config's agent tables, in config order. The
+    router corrects it with measurements once the run goes."""
+    a = agents[agent]
+    return a.group_size * a.max_tokens * (1 + list(agents).index(agent))
+
+
+def equal_demand(agents: dict[str, Any], agent: str) -> float:
+    """Every agent expected to ask alike: spare instances go round the units in turn."""
+    return 1.0
+
+
+def unit_weights(units: dict[str, Any], demand: Callable[[str], float]) -> dict[str, float]:
+    """Each engine unit's expected work for `place_agents`: its agents' demands summed."""
+    return {name: sum(demand(a) for a in u.agents) for name, u in units.items()}
 
 
 def place_agents(agents: list[str], instances: list[str], weight: dict[str, float]) -> dict[str, list[str]]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,7 +41,7 @@ import msgspec
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
-from flexmarl.runtime.bases import EngineUnit
+from flexmarl.runtime.bases import EngineUnit, Units
 
 from .server import RemoteError, WorkerDied
 from .versions import SyncedVersions
@@ -59,9 +60,8 @@ class Instance:
 
 
 class RolloutInstances:
-    def __init__(self, units: dict[str, EngineUnit], emit: Callable[[ev.Event], Any] | None = None) -> None:
-        self.units = units
-        self.unit_of = {a: name for name, u in units.items() for a in u.agents}
+    def __init__(self, units: Mapping[str, EngineUnit], emit: Callable[[ev.Event], Any] | None = None) -> None:
+        self.units = units if isinstance(units, Units) else Units(dict(units))
         self.emit = emit or (lambda event: None)
         self._instances: dict[str, Instance] = {}
         self._live: dict[str, list[str]] = defaultdict(list)  # agent -> instances serving it, in routing order
@@ -127,7 +127,7 @@ class RolloutInstances:
         a whole model replaces it (the engine's weights are this agent's now, whatever
         it held before)."""
         inst = self._get(worker)
-        if self.units[self.unit_of[agent]].lora:
+        if self.units.of(agent).lora:
             inst.holds[agent] = version
         else:
             inst.holds = {agent: version}
@@ -146,7 +146,7 @@ class RolloutInstances:
         """No new request of `agent` reaches `worker` (what is in flight finishes)."""
         inst = self._get(worker)
         inst.serves.discard(agent)
-        inst.served_before = self.unit_of[agent]
+        inst.served_before = self.units.of(agent).name
         if worker in self._live[agent]:
             self._live[agent].remove(worker)
         self.emit(ev.AllocationChanged("rollout", agent, list(self._live[agent]), why))

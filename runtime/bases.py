@@ -16,6 +16,7 @@ knows nothing of how an engine or a trainer holds adapters.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,18 +111,47 @@ class EngineUnit:
     max_model_len: int = 0
     settings: EngineSettings = EngineSettings()
 
-    def load_message(self, request_id: int, model_path: str, seed: int, version: int = 0) -> LoadModel:
-        """What starts an engine of this unit on `model_path` at `version`."""
+    def load_message(self, request_id: int, model_path: str, seed: int, version: int = 0,
+                     checksums: dict[str, str] | None = None) -> LoadModel:
+        """What starts an engine of this unit on `model_path` at `version` (`checksums`:
+        the files' SHA-256s where they are a checkpoint's, which the worker checks)."""
         return LoadModel(request_id, self.name, model_path, version, seed=seed, max_model_len=self.max_model_len,
-                         engine=self.settings)
+                         engine=self.settings, checksums=checksums or {})
 
 
-def whole_models(agents: list[str]) -> dict[str, EngineUnit]:
+class Units(Mapping[str, EngineUnit]):
+    """A job's engine units by name, in config order, with each agent's unit and LoRA
+    shape: one value for what placement, admission, weight syncs and balancing ask."""
+
+    def __init__(self, units: dict[str, EngineUnit], lora: dict[str, LoraSettings | None] | None = None) -> None:
+        self._units = dict(units)
+        self._of = {a: u for u in self._units.values() for a in u.agents}
+        self._lora = lora or {}
+
+    def __getitem__(self, name: str) -> EngineUnit:
+        return self._units[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._units)
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def of(self, agent: str) -> EngineUnit:
+        """The unit whose engines serve `agent`."""
+        return self._of[agent]
+
+    def lora(self, agent: str) -> LoraSettings | None:
+        """An adapter agent's LoRA shape; None for a whole-model agent."""
+        return self._lora.get(agent)
+
+
+def whole_models(agents: list[str]) -> Units:
     """A unit per agent, each a whole model with default settings (tests, simple wiring)."""
-    return {a: EngineUnit(a, (a,)) for a in agents}
+    return Units({a: EngineUnit(a, (a,)) for a in agents})
 
 
-def engine_units(cfg: ExperimentConfig) -> dict[str, EngineUnit]:
+def engine_units(cfg: ExperimentConfig) -> Units:
     """Every engine unit of the job, in config order. Placement, rejoin and balancing give
     instances to these units; an instance of a base serves all of its agents at once, so
     instances never move between agents of one base."""
@@ -136,7 +166,7 @@ def engine_units(cfg: ExperimentConfig) -> dict[str, EngineUnit]:
                                     cfg.bases[a.base].max_model_len, engine_settings(cfg, a.base))
         else:
             made[name] = EngineUnit(name, (name,), False, a.tensor_parallel_size, a.max_model_len, a.engine_settings())
-    return made
+    return Units(made, {a: agent_lora(cfg, a) for a in cfg.agents})
 
 
 def model_of(cfg: ExperimentConfig, agent: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 from flexmarl.controller.checkpoints import (CheckpointError, Checkpointer, check_writable, latest_checkpoint,
                                              step_dir_name)
 from flexmarl.controller.server import RemoteError
-from flexmarl.controller.training import truncate_metrics
+from flexmarl.controller.checkpoints import truncate_metrics
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
 
@@ -166,7 +166,16 @@ async def test_resuming_what_cannot_be_resumed_says_why_before_anything_starts(t
     assert longer.config.run.steps == 8 and longer.resume
 
 
-def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_checkpoint(tmp_path):
+@pytest.fixture
+def models_named(monkeypatch):
+    """Model names resolved to directories named after them, without building anything."""
+    from flexmarl.controller import components
+
+    monkeypatch.setattr(components, "resolve_model", lambda name, *_: f"/models/{name.replace(':', '-')}")
+    monkeypatch.setattr(components, "has_tokenizer", lambda path: False)
+
+
+def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_checkpoint(tmp_path, models_named):
     """A worker that rejoins (or an instance moved to another agent) long after the resume
     starts from the model's own weights and is synced to the current version: the
     checkpoint the run resumed from may be pruned by then."""
@@ -182,12 +191,11 @@ def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_chec
     point = ResumePoint(tmp_path / "checkpoints" / "step-000004", 4, {})
     run = TrainingRun(cfg, server, tmp_path, emit=lambda e: None, flush_events=None,
                       worker_ids=lambda role: [], resume=point)
-    run.model_path = {a: f"/models/{a}" for a in cfg.agents}
-    message = run.load_model_message("planner")
-    assert (message.model_path, message.version) == ("/models/planner", 0)
-    assert run.schedule.first_batch == 5 and run.versions["planner"] == 4
-    run.metrics.close()
-    run.tools.shutdown()
+    message = run.parts.load_message("planner")
+    assert (message.model_path, message.version) == ("/models/tiny-planner", 0)
+    assert run.parts.schedule.first_batch == 5 and run.parts.versions["planner"] == 4
+    run.parts.metrics.close()
+    run.parts.tools.shutdown()
 
 
 def training_run(tmp_path, *overrides, resume=None):
@@ -214,28 +222,28 @@ def training_run(tmp_path, *overrides, resume=None):
                        worker_ids=lambda role: [], resume=resume)
 
 
-def test_a_resume_continues_the_dataset_at_the_next_row(tmp_path):
+def test_a_resume_continues_the_dataset_at_the_next_row(tmp_path, models_named):
     from flexmarl.controller.checkpoints import ResumePoint
 
     first = training_run(tmp_path)
-    state = first._controller_state(2)  # the checkpoint of step 2: episodes 0-5 used
-    rows_of_batch_3 = [first.dataset.item(first.episodes.episode_number(3, i)) for i in range(3)]
+    state = first.parts.checkpoints.controller_state(2)  # the checkpoint of step 2: episodes 0-5 used
+    rows_of_batch_3 = [first.parts.resolved.dataset.item(first.parts.episodes.episode_number(3, i)) for i in range(3)]
     resumed = training_run(tmp_path, resume=ResumePoint(tmp_path, 2, state))
-    assert [resumed.dataset.item(resumed.episodes.episode_number(3, i)) for i in range(3)] == rows_of_batch_3
-    assert resumed.dataset.position(resumed.episodes.episode_number(3, 0)).index == state["data"]["next_row"]
+    assert [resumed.parts.resolved.dataset.item(resumed.parts.episodes.episode_number(3, i)) for i in range(3)] == rows_of_batch_3
+    assert resumed.parts.resolved.dataset.position(resumed.parts.episodes.episode_number(3, 0)).index == state["data"]["next_row"]
     # With a batch size changed (and accepted), the data still goes on at the saved row, none skipped.
     point = ResumePoint(tmp_path, 2, state, accept_changes=True)
     bigger = training_run(tmp_path, "pipeline.queries_per_step=4", resume=point)
-    assert [bigger.episodes.episode_number(b, 0) for b in (3, 4)] == [6, 10]
+    assert [bigger.parts.episodes.episode_number(b, 0) for b in (3, 4)] == [6, 10]
 
 
 @pytest.mark.parametrize("override, named", [("run.seed=3", "run.seed was 0, now 3"),
                                              ("pipeline.queries_per_step=4", "pipeline.queries_per_step was 3"),
                                              ("data.shuffle=false", "data.shuffle was True, now False")])
-def test_a_resume_that_changes_a_setting_exactness_depends_on_is_refused_naming_it(tmp_path, override, named):
+def test_a_resume_that_changes_a_setting_exactness_depends_on_is_refused_naming_it(tmp_path, override, named, models_named):
     from flexmarl.controller.checkpoints import ResumePoint
 
-    state = training_run(tmp_path)._controller_state(2)
+    state = training_run(tmp_path).parts.checkpoints.controller_state(2)
     with pytest.raises(CheckpointError, match=named) as refused:
         training_run(tmp_path, override, resume=ResumePoint(tmp_path, 2, state))
     assert "--resume-anyway" in str(refused.value)
@@ -243,10 +251,35 @@ def test_a_resume_that_changes_a_setting_exactness_depends_on_is_refused_naming_
     training_run(tmp_path, "run.steps=40", resume=ResumePoint(tmp_path, 2, state))  # --steps: always
 
 
-def test_a_resume_on_changed_rows_is_refused(tmp_path):
+def test_a_resume_on_changed_rows_is_refused(tmp_path, models_named):
     from flexmarl.controller.checkpoints import ResumePoint
 
-    state = training_run(tmp_path)._controller_state(2)
+    state = training_run(tmp_path).parts.checkpoints.controller_state(2)
     (tmp_path / "rows.jsonl").write_text("".join('{"q": %d}\n' % (i + 1) for i in range(10)))
     with pytest.raises(CheckpointError, match=r"data.train \(its rows\) was"):
         training_run(tmp_path, resume=ResumePoint(tmp_path, 2, state))
+
+
+def test_a_resume_places_the_units_as_at_the_checkpoint_only_on_the_same_workers(tmp_path):
+    from flexmarl.controller.checkpoints import ResumePoint, resume_placement
+    from flexmarl.runtime.bases import EngineUnit, Units
+
+    units = Units({"w": EngineUnit("w", ("w",)), "bases.b": EngineUnit("bases.b", ("x", "y"), lora=True)})
+    point = ResumePoint(tmp_path, 2, {"rollout_assignment": {"w": ["r1"], "x": ["r0", "r2"], "y": ["r0", "r2"]}})
+    assert resume_placement(point, units, ["r2", "r0", "r1"]) == {"w": ["r1"], "bases.b": ["r0", "r2"]}
+    assert resume_placement(point, units, ["r0", "r1", "r3"]) is None  # another worker: placed anew
+    assert resume_placement(None, units, ["r0", "r1", "r2"]) is None
+
+
+def test_a_resumed_whole_model_engine_starts_on_the_checkpoint_and_an_adapter_base_on_its_model(tmp_path):
+    from flexmarl.controller.checkpoints import ResumePoint, at_checkpoint
+    from flexmarl.runtime.bases import EngineUnit
+
+    point = ResumePoint(tmp_path / "step-000003", 3, {})
+    whole, base = EngineUnit("w", ("w",)), EngineUnit("bases.b", ("x",), lora=True)
+    message = whole.load_message(1, "/models/w", seed=0)
+    resumed = at_checkpoint(message, point, whole)
+    assert (resumed.model_path, resumed.version) == (str((tmp_path / "step-000003" / "w").resolve()), 3)
+    assert at_checkpoint(message, None, whole) is message
+    base_message = base.load_message(1, "/models/b", seed=0)
+    assert at_checkpoint(base_message, point, base) is base_message

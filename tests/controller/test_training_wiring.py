@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from flexmarl.controller import decisions, training
+from flexmarl.controller import components, decisions
 from flexmarl.controller.checkpoints import ResumePoint
 from flexmarl.controller.digit_chain import default_config
 from flexmarl.controller.registry import WorkerInfo, WorkerRegistry
@@ -85,8 +85,8 @@ class ResumedAt(ResumePoint):
 
 @pytest.fixture
 def make_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(training, "resolve_model", lambda name, *_: f"/models/{name.replace(':', '-')}")
-    monkeypatch.setattr(training, "has_tokenizer", lambda path: False)
+    monkeypatch.setattr(components, "resolve_model", lambda name, *_: f"/models/{name.replace(':', '-')}")
+    monkeypatch.setattr(components, "has_tokenizer", lambda path: False)
     runs = []
 
     async def make(server, *overrides, resume_at=None):
@@ -100,13 +100,13 @@ def make_run(tmp_path, monkeypatch):
 
     yield make
     for run in runs:
-        run.metrics.close()
-        run.tools.shutdown()
+        run.parts.metrics.close()
+        run.parts.tools.shutdown()
 
 
 def placed(run) -> dict[str, list[str]]:
     """agent -> its instances, read the way the driver's checkpoint reads them."""
-    return run._controller_state(0)["rollout_assignment"]
+    return run.parts.checkpoints.controller_state(0)["rollout_assignment"]
 
 
 async def test_set_up_admits_every_instance_and_one_synced_version_moves_gate_and_instances(make_run):
@@ -114,17 +114,17 @@ async def test_set_up_admits_every_instance_and_one_synced_version_moves_gate_an
     run = await make_run(server, "router.across_agents=true")
     assert sorted(w for ws in placed(run).values() for w in ws) == ["r0", "r1", "r2", "r3"]
     for agent, workers in placed(run).items():
-        assert run.client.instances(agent) == workers and run.rejoin.instances is run.instances
-        assert [run.instances.holds(w, agent) for w in workers] == [0] * len(workers)
-    agent = run.agents[0]
-    gate = asyncio.ensure_future(run.schedule.gate(agent, 3))  # batch 3 at K = 0 needs version 2
+        assert run.parts.client.instances(agent) == workers and run.parts.rejoin.instances is run.parts.instances
+        assert [run.parts.instances.holds(w, agent) for w in workers] == [0] * len(workers)
+    agent = list(run.cfg.agents)[0]
+    gate = asyncio.ensure_future(run.parts.schedule.gate(agent, 3))  # batch 3 at K = 0 needs version 2
     await asyncio.sleep(0)
     assert not gate.done()
     server.trainer_at[agent] = 2
-    await run.weights.sync(agent, "t0", 2)
+    await run.parts.weights.sync(agent, "t0", 2)
     await asyncio.wait_for(gate, 1)
-    assert run.versions[agent] == 2 and run.schedule.versions is run.versions
-    assert [run.instances.holds(w, agent) for w in placed(run)[agent]] == [2] * len(placed(run)[agent])
+    assert run.parts.versions[agent] == 2 and run.parts.schedule.versions is run.parts.versions
+    assert [run.parts.instances.holds(w, agent) for w in placed(run)[agent]] == [2] * len(placed(run)[agent])
 
 
 async def test_after_a_resume_a_worker_that_rejoins_before_the_first_sync_serves_the_resumed_version(make_run):
@@ -134,13 +134,13 @@ async def test_after_a_resume_a_worker_that_rejoins_before_the_first_sync_serves
     assert server.sent_to(worker) == [(worker, "LoadModel", agent, 4)]  # set-up: the checkpoint's weights
     server.kill(worker)
     server.restart(worker)
-    assert await run.rejoin.serve(worker) == agent
+    assert await run.parts.rejoin.serve(worker) == agent
     loads = [c for c in server.sent_to(worker) if c[1] in ("LoadModel", "LoadWeights")]
     assert loads[-2:] == [(worker, "LoadModel", agent, 0), (worker, "LoadWeights", agent, 4)]
     # K = 0 in batch 5 (trains version 4): what it generates at version 4 is never dropped as stale
     assert run.cfg.pipeline.max_staleness == 0
     assert decisions.may_generate(5, 4, 0) and not decisions.too_stale(4, [loads[-1][3]], 0)
-    await asyncio.wait_for(run.schedule.gate(agent, 5), 1)
+    await asyncio.wait_for(run.parts.schedule.gate(agent, 5), 1)
 
 
 async def test_a_join_racing_a_step_over_nccl_serves_the_version_current_when_it_loads(make_run):
@@ -148,14 +148,14 @@ async def test_a_join_racing_a_step_over_nccl_serves_the_version_current_when_it
     run = await make_run(server)
     agent, worker = next((a, ws[0]) for a, ws in placed(run).items() if len(ws) == 1)
     server.trainer_at[agent] = 1  # the agent steps to 1 and syncs
-    await run.weights.sync(agent, "t0", 1)
+    await run.parts.weights.sync(agent, "t0", 1)
     server.kill(worker)
     server.restart(worker)
     since = len(server.calls)
     server.trainer_at[agent] = 2  # it steps to 2; that sync must wait for the join's hold on the agent
-    join = asyncio.ensure_future(run.rejoin.serve(worker))
+    join = asyncio.ensure_future(run.parts.rejoin.serve(worker))
     await asyncio.sleep(0)  # the join starts the engine, then takes the agent's sync lock
-    sync = asyncio.ensure_future(run.weights.sync(agent, "t0", 2))
+    sync = asyncio.ensure_future(run.parts.weights.sync(agent, "t0", 2))
     assert await join == agent, "the instance was left serving no agent"
     await sync
     publishes = [c for c in server.calls if c[1] == "PublishWeights"]
@@ -169,22 +169,22 @@ async def test_a_worker_dying_while_a_timed_out_move_puts_it_back_fails_only_tha
     server = FakeCluster(rollout=4)
     run = await make_run(server, "router.across_agents=true")
     src, (worker, stays) = next((a, ws) for a, ws in placed(run).items() if len(ws) == 2)
-    dst = next(a for a in run.agents if a != src)
+    dst = next(a for a in run.cfg.agents if a != src)
     server.trainer_at[src] = 1
-    await run.weights.sync(src, "t0", 1)
-    run.client.outstanding[worker] += 40.0  # a request in flight on it that never finishes
+    await run.parts.weights.sync(src, "t0", 1)
+    run.parts.client.outstanding[worker] += 40.0  # a request in flight on it that never finishes
 
     async def src_syncs_and_the_worker_dies():
         await asyncio.sleep(0.02)
         server.trainer_at[src] = 2
-        await run.weights.sync(src, "t0", 2)  # while it was out: putting it back needs a load
+        await run.parts.weights.sync(src, "t0", 2)  # while it was out: putting it back needs a load
         server.dies.add(worker)
 
-    moved, _ = await asyncio.gather(run.rebalancer.reassign(worker, src, dst, drain_timeout_s=0.1),
+    moved, _ = await asyncio.gather(run.parts.rebalancer.reassign(worker, src, dst, drain_timeout_s=0.1),
                                     src_syncs_and_the_worker_dies())
     assert moved is None
     assert placed(run)[src] == [stays] and worker not in placed(run)[dst]
     # the run goes on: the agent still syncs and its other instance loads the new version
     server.trainer_at[src] = 3
-    await run.weights.sync(src, "t0", 3)
+    await run.parts.weights.sync(src, "t0", 3)
     assert server.sent_to(stays)[-1] == (stays, "LoadWeights", src, 3)

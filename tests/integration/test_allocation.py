@@ -25,7 +25,7 @@ def run(run_dir, *overrides):
     async def main():
         async with Experiment(cfg, run_dir=run_dir) as exp:
             summary = await exp.train()
-            return summary, exp.training.allocator.swaps
+            return summary, exp.training.parts.allocator.swaps
 
     return asyncio.run(main())
 
@@ -92,7 +92,7 @@ def test_a_trainer_killed_mid_batch_is_restarted_its_agents_restored_and_every_s
             while not trained_on(tmp_path / "killed", victim, 4):
                 await asyncio.sleep(0.05)
                 assert not train.done(), train.exception()
-            killed["agents"] = sorted(a for a, t in exp.training.allocator.resident.items() if t == victim)
+            killed["agents"] = sorted(a for a, t in exp.training.parts.allocator.resident.items() if t == victim)
             killed["pid"] = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
             os.kill(killed["pid"], signal.SIGKILL)
             return await train

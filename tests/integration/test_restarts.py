@@ -36,9 +36,9 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
     killed = {}
 
     async def kill_the_solver_instance_mid_batch(exp):
-        while exp.training is None or not exp.training.ready.is_set():
+        while exp.training is None or not exp.training.parts.ready.is_set():
             await asyncio.sleep(0.05)
-        instances = exp.training.instances
+        instances = exp.training.parts.instances
         victim = instances.assignment["solver"][0]
         while instances.outstanding[victim] <= 0:  # requests in flight on it: mid-run
             await asyncio.sleep(0.005)
@@ -52,7 +52,7 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
             await kill_the_solver_instance_mid_batch(exp)
             summary = await train
             now = next(wp for wp in exp.local.procs if wp.worker_id == killed["worker"])
-            return summary, now.proc.pid, exp.training.instances.assignment, exp.training.rejoin.rejoined
+            return summary, now.proc.pid, exp.training.parts.instances.assignment, exp.training.parts.rejoin.rejoined
 
     summary, new_pid, assignment, rejoined = asyncio.run(main())
     victim = killed["worker"]

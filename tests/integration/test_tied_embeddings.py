@@ -45,7 +45,7 @@ def test_agents_with_tied_embeddings_train_sync_park_and_checkpoint(tmp_path):
     async def main():
         async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
             summary = await exp.train()
-            return summary, exp.training.allocator.swaps
+            return summary, exp.training.parts.allocator.swaps
 
     summary, swaps = asyncio.run(main())
     assert swaps >= 2, "with one trainer slot the agents are parked and restored"

@@ -26,7 +26,7 @@ def test_the_default_job_trains_on_a_two_rank_trainer_group_with_swaps(tmp_path)
         async with Experiment(cfg, run_dir=tmp_path) as exp:
             summary = await exp.train()
             trainer = exp.training.server.registry.workers["trainer-0"]
-            return summary, trainer, exp.training.allocator.swaps, exp.local.pids()
+            return summary, trainer, exp.training.parts.allocator.swaps, exp.local.pids()
 
     _, trainer, swaps, pids = asyncio.run(main())
     assert trainer.role == "trainer" and trainer.devices == ["cpu"]

@@ -248,10 +248,10 @@ def test_a_killed_rollout_worker_loses_nothing(tmp_path):
                        "transport.heartbeat_timeout_s=3.0")
 
     async def kill_a_solver_instance(exp):
-        while exp.training is None or not exp.training.ready.is_set():
+        while exp.training is None or not exp.training.parts.ready.is_set():
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
-        victim = exp.training.instances.assignment["solver"][-1]
+        victim = exp.training.parts.instances.assignment["solver"][-1]
         pid = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
         os.kill(pid, signal.SIGKILL)
 
