@@ -90,7 +90,7 @@ class EpisodeProducer:
         try:
             await asyncio.wait([producing, self._stop], return_when=asyncio.FIRST_COMPLETED)
             if self._stop.done():
-                raise self._stop.exception()
+                raise self._stop.exception() or asyncio.CancelledError()  # set only with an error
             await producing
         finally:
             producing.cancel()

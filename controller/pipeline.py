@@ -290,7 +290,7 @@ class AgentPipeline:
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                         self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
-                        on_sent=lambda: written.done() or written.set_result(None))
+                        on_sent=lambda: _resolve(written))
             finally:
                 self.allocator.release(self.agent)
         finally:
@@ -395,6 +395,11 @@ async def _all(calls: list[asyncio.Future]) -> float:
         raise
 
 
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 async def _cancelled(calls: list[asyncio.Future]) -> None:
     """Cancels the calls and waits until each has ended (its outcome retrieved)."""
     for call in calls:
@@ -403,6 +408,7 @@ async def _cancelled(calls: list[asyncio.Future]) -> None:
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:
+    assert s.output_ids is not None and s.logprobs is not None and s.advantage is not None  # a scored sample
     mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
     first, *later = s.sampling or [protocol.TurnSampling(0)]
     return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), s.advantage, s.logprobs.tolist(),

@@ -254,7 +254,7 @@ class RolloutClient:
             return
         self._waiting[agent] = [part]
         task = self._start(self._instance_for(agent))
-        task.add_done_callback(lambda t: t.cancelled() and self._fail_waiting(agent, asyncio.CancelledError()))
+        task.add_done_callback(lambda t: self._fail_waiting(agent, asyncio.CancelledError()) if t.cancelled() else None)
 
     def _start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.ensure_future(work)

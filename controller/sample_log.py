@@ -54,7 +54,7 @@ class SampleLog:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and _step_of(line) is not None and _step_of(line) <= resumed_after]
+                    if line.strip() and (step := _step_of(line)) is not None and step <= resumed_after]
             write_text_atomically(self.path, "".join(line + "\n" for line in kept))
 
     def group_ready(self, agent: str, samples: list[Any]) -> None:

@@ -242,6 +242,7 @@ class Simulation:
         snapshot = {a: AgentDemand({w: self.by_name[w].outstanding for w in ws}, self.dispatched[a],
                                    {w: self.by_name[w].busy_s for w in ws})
                     for a, ws in self.assignment.items()}
+        assert self.balancer is not None  # observed only where level 1 balances
         move = self.balancer.observe(snapshot, self.now)
         if move is not None:
             for w in move.instances:

@@ -67,7 +67,7 @@ class WandbTracker:
     def __init__(self, run_dir: Path, config: dict[str, Any], agents: list[str]) -> None:
         import wandb
 
-        mode = os.environ.get("WANDB_MODE", "offline")
+        mode: Any = os.environ.get("WANDB_MODE", "offline")  # wandb validates it
         self.run = wandb.init(project=config.get("run", {}).get("wandb_project", "flexmarl"), dir=str(run_dir),
                               mode=mode, config=config, reinit="create_new")
         for agent in agents:  # each agent on its own step axis

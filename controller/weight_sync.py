@@ -34,7 +34,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncContextManager, Callable
+from typing import Any, AsyncContextManager, Callable, Collection
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
@@ -141,7 +141,7 @@ class WeightSync:
                     lost_ranks.update(lost.dead)
             self.versions.set(agent, version)
 
-    async def _publish_and_load(self, agent: str, trainer: str, version: int, without: set[str] = frozenset()) -> None:
+    async def _publish_and_load(self, agent: str, trainer: str, version: int, without: Collection[str] = frozenset()) -> None:
         instances = [w for w in self.instances.instances(agent) if w not in without]
         t0 = time.monotonic()
         transport = self.transport(trainer, instances, agent)
