@@ -34,14 +34,18 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import ParamHandle
 
 from .decisions import AgentWork, choose_placement
+from .interfaces import Emit, WorkerCalls
 from .server import WorkerDied
+
+if TYPE_CHECKING:
+    from flexmarl.runtime.config import AgentConfig
 
 log = logging.getLogger("flexmarl.allocator")
 
@@ -70,9 +74,9 @@ class SwapCount:
 
 
 class TrainerAllocator:
-    def __init__(self, server: Any, trainers: list[str], capacity: int, agent_config: dict[str, Any],
+    def __init__(self, server: WorkerCalls, trainers: list[str], capacity: int, agent_config: dict[str, AgentConfig],
                  model_path: dict[str, str], seed: int, work: Callable[[str], AgentWork],
-                 emit: Callable[[ev.Event], Any], trainer_wait_s: float = 60.0,
+                 emit: Emit, trainer_wait_s: float = 60.0,
                  settings: dict[str, protocol.TrainerSettings] | None = None,
                  lora: dict[str, protocol.LoraSettings | None] | None = None,
                  saves_parked: bool = True) -> None:

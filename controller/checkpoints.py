@@ -49,6 +49,7 @@ from flexmarl.runtime.checksums import MANIFEST, DamagedFile, entries_under, rea
 from flexmarl.runtime.config import dump_toml
 from flexmarl.runtime.param_types import ParamHandle
 
+from .interfaces import Emit, WorkerCalls
 from .server import WorkerDied
 
 log = logging.getLogger("flexmarl.checkpoints")
@@ -262,8 +263,8 @@ def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], stor
 
 
 class Checkpointer:
-    def __init__(self, root: Path, agents: list[str], *, every: int, keep: int, steps: int, server: Any,
-                 emit: Callable[[ev.Event], Any], controller_state: Callable[[int], dict[str, Any]],
+    def __init__(self, root: Path, agents: list[str], *, every: int, keep: int, steps: int, server: WorkerCalls,
+                 emit: Emit, controller_state: Callable[[int], dict[str, Any]],
                  full_state: bool = True) -> None:
         self.root = Path(root)
         # False: weights only (trainer groups do not save their sharded state yet); such

@@ -26,16 +26,22 @@ from __future__ import annotations
 import asyncio
 import random
 from concurrent.futures import Executor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from .data import Dataset
 from .failures import RunFailed, too_many_failures
+from .interfaces import Emit
 from .schedule import BatchSchedule
 from .store import ExperienceStore
 from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+
+if TYPE_CHECKING:
+    from .openai_api import OpenAIEndpoint
+    from .router import RolloutClient
+    from .tokens import AgentTokenizer
 
 # Episodes started in one turn of the event loop. A batch's episodes all start at once, and
 # each first turn of each branch is work of that loop turn: a thousand branches (a wide
@@ -48,8 +54,8 @@ class EpisodeContexts:
     """What every episode of the run shares (the rollout client, the agents' sampling
     defaults, the tool pool, tokenizers), and the contexts made from it."""
 
-    def __init__(self, cfg: ExperimentConfig, client: Any, tools: Executor | None,
-                 tokenizers: dict[str, Any], endpoint: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, client: RolloutClient, tools: Executor | None,
+                 tokenizers: dict[str, AgentTokenizer], endpoint: OpenAIEndpoint | None = None) -> None:
         self.cfg = cfg
         self.client = client  # generate(agent, requests)
         self.tools = tools  # the pool ctx.call runs blocking functions in
@@ -67,10 +73,10 @@ class EpisodeContexts:
 
 
 class EpisodeProducer:
-    def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: Any,
-                 schedule: BatchSchedule, emit: Callable[[ev.Event], Any], dataset: Dataset | None = None,
-                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None,
-                 endpoint: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: RolloutClient,
+                 schedule: BatchSchedule, emit: Emit, dataset: Dataset | None = None,
+                 tools: Executor | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
+                 endpoint: OpenAIEndpoint | None = None) -> None:
         self.cfg = cfg
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)
         self.emit = emit

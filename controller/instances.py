@@ -42,9 +42,10 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.bases import EngineUnit
 
+from .interfaces import Emit, WorkerServer
 from .server import RemoteError, WorkerDied
 from .versions import SyncedVersions
-from .weight_sync import engines_sharing_gpu
+from .weight_sync import WeightSync, engines_sharing_gpu
 
 log = logging.getLogger("flexmarl.instances")
 
@@ -59,7 +60,7 @@ class Instance:
 
 
 class RolloutInstances:
-    def __init__(self, units: dict[str, EngineUnit], emit: Callable[[ev.Event], Any] | None = None) -> None:
+    def __init__(self, units: dict[str, EngineUnit], emit: Emit | None = None) -> None:
         self.units = units
         self.unit_of = {a: name for name, u in units.items() for a in u.agents}
         self.emit = emit or (lambda event: None)
@@ -173,7 +174,7 @@ class RolloutInstances:
 class Admission:
     """The one path by which an instance comes to serve a unit (see the module doc)."""
 
-    def __init__(self, instances: RolloutInstances, weights: Any, versions: SyncedVersions, server: Any,
+    def __init__(self, instances: RolloutInstances, weights: WeightSync, versions: SyncedVersions, server: WorkerServer,
                  engine_message: Callable[[str], protocol.LoadModel]) -> None:
         self.instances = instances
         self.units = instances.units

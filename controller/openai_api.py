@@ -103,7 +103,7 @@ def embedded_server(app: Any) -> Any:
 
 class OpenAIEndpoint:
     def __init__(self, cfg: OpenAIConfig, agents: dict[str, str], parsers: dict[str, str] | None = None,
-                 serving: Callable[[], Any] | None = None) -> None:
+                 serving: Callable[[], OpenAITurns] | None = None) -> None:
         self.cfg = cfg
         self.agents = agents  # agent -> where its model is (shown in /v1/models)
         configured = endpoint_key(cfg)

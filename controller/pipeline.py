@@ -41,20 +41,25 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, cast
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import PipelineConfig
 
 from . import decisions
-from .allocator import AgentLost
+from .allocator import AgentLost, TrainerAllocator
 from .failures import RunFailed, too_many_failures
+from .interfaces import Emit, WorkerCalls
 from .schedule import BatchSchedule
 from .server import WorkerDied
 from .store import ExperienceStore, Sample
 from .trainer_lanes import Priority, TrainerLanes
 from .weight_sync import WeightSync
+
+if TYPE_CHECKING:
+    from .checkpoints import Checkpointer
+    from .metrics import MetricsLog
 
 log = logging.getLogger("flexmarl.pipeline")
 
@@ -68,9 +73,9 @@ class StepTimes:
 
 class AgentPipeline:
     def __init__(self, agent: str, cfg: PipelineConfig, store: ExperienceStore, schedule: BatchSchedule,
-                 allocator: Any, weights: WeightSync, server: Any, metrics: Any,
-                 emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
-                 loss: protocol.LossOptions | None = None, checkpoints: Any = None,
+                 allocator: TrainerAllocator, weights: WeightSync, server: WorkerCalls, metrics: MetricsLog,
+                 emit: Emit, flush_events: Callable[[], Awaitable[None]],
+                 loss: protocol.LossOptions | None = None, checkpoints: Checkpointer | None = None,
                  lanes: TrainerLanes | None = None, max_recoveries: int = 10) -> None:
         self.agent = agent
         # due(step), save_agent(agent, trainer, step), agent_state(agent, step): see checkpoints.py
@@ -193,17 +198,17 @@ class AgentPipeline:
             return
         await self.metrics.make_durable()
         try:
-            await self._save_where_held(version)
+            await self._save_where_held(self.checkpoints, version)
         except WorkerDied:
             if self.agent in self.allocator.lost:
                 raise  # its state died with its trainer: `_recover` restores it
-            await self._save_where_held(version)  # the trainer keeping its parked copy died: swapped in elsewhere
+            await self._save_where_held(self.checkpoints, version)  # the trainer keeping its parked copy died: swapped in elsewhere
         self._committed(version)
 
-    async def _save_where_held(self, version: int) -> None:
+    async def _save_where_held(self, checkpoints: Checkpointer, version: int) -> None:
         async with self.allocator.holding(self.agent) as trainer:  # resident or parked: saved where it is
             async with self.lanes.slot(trainer, Priority.critical(version)):
-                await self.checkpoints.save_agent(self.agent, trainer, version)
+                await checkpoints.save_agent(self.agent, trainer, version)
 
     async def _restep(self, batch: int) -> None:
         """After a recovery, trains `batch` again (its row is already written) and syncs."""
@@ -367,8 +372,10 @@ class AgentPipeline:
         if self.checkpoints is not None and not self.checkpoints.full_state:
             raise RuntimeError(f"{self.agent}'s trainer died and its training state cannot be restored: "
                                "trainer groups checkpoint weights only") from exc
-        state = self.checkpoints.agent_state(self.agent, saved) if saved > 0 and self.checkpoints else None
-        checksum = self.checkpoints.agent_state_checksum(self.agent, saved) if state is not None else ""
+        state, checksum = None, ""
+        if saved > 0 and self.checkpoints is not None:
+            state = self.checkpoints.agent_state(self.agent, saved)
+            checksum = self.checkpoints.agent_state_checksum(self.agent, saved) if state is not None else ""
         log.warning("%s: %s; restoring its state of version %d and training batches %d-%d again",
                     self.agent, exc, saved, saved + 1, batch)
         self.allocator.recover(self.agent, state, saved, checksum)
@@ -408,10 +415,10 @@ async def _cancelled(calls: list[asyncio.Future]) -> None:
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:
-    assert s.output_ids is not None and s.logprobs is not None and s.advantage is not None  # a scored sample
+    assert s.output_ids is not None and s.logprobs is not None  # a finished sample
     mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
     first, *later = s.sampling or [protocol.TurnSampling(0)]
-    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), s.advantage, s.logprobs.tolist(),
+    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), cast(float, s.advantage), s.logprobs.tolist(),
                                 s.versions, first.temperature, mask, first.top_p, first.top_k, later)
 
 

@@ -31,6 +31,7 @@ from flexmarl.runtime import protocol
 
 from . import decisions
 from .generation import GroupOutput
+from .interfaces import Emit
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 
@@ -120,7 +121,7 @@ class Group(msgspec.Struct, gc=False):
 
 
 class ExperienceStore:
-    def __init__(self, agents: Iterable[str], emit: Callable[[ev.Event], Any] | None = None,
+    def __init__(self, agents: Iterable[str], emit: Emit | None = None,
                  std_normalized: dict[str, bool] | None = None) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
