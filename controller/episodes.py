@@ -36,7 +36,7 @@ from .failures import RunFailed, too_many_failures
 from .interfaces import Emit
 from .schedule import BatchSchedule
 from .store import ExperienceStore
-from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+from .workflow import AgentDefaults, Episode, EpisodeContext, ToolPool, run_episode
 
 if TYPE_CHECKING:
     from .openai_api import OpenAIEndpoint
@@ -67,8 +67,8 @@ class EpisodeContexts:
              gate: Any = None, eval_temperature: float | None = None, trains: bool = True) -> EpisodeContext:
         run = self.cfg.run
         return EpisodeContext(episode_id, batch, rng, store, self.client, self.defaults, run.seed,
-                              run.env_latency_ms, gate=gate, item=item, tools=self.tools,
-                              tool_timeout_s=self.cfg.pipeline.tool_timeout_s, tokenizers=self.tokenizers,
+                              run.env_latency_ms, gate=gate, item=item,
+                              tools=ToolPool(self.tools, self.cfg.pipeline.tool_timeout_s), tokenizers=self.tokenizers,
                               eval_temperature=eval_temperature, trains=trains, endpoint=self.endpoint)
 
 
