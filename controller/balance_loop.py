@@ -78,11 +78,11 @@ class Rebalancer:
                  emit: Emit, finished: Callable[[], bool]) -> None:
         self.cfg = cfg
         self.units = units  # what the balancer sees and moves instances between
-        self.instances = instances  # instances(agent), outstanding, holds(), leave(): the owner
-        self.admission = admission  # admit(worker, unit, restart=...)
-        self.client = client  # dispatched_tokens
-        self.server = server  # registry.workers (heartbeat loads)
-        self.weights = weights  # locks
+        self.instances = instances
+        self.admission = admission
+        self.client = client
+        self.server = server
+        self.weights = weights
         self.model_path = model_path  # unit -> model: whether two units' engines have the same shape
         self.emit = emit
         self.finished = finished

@@ -274,7 +274,7 @@ class Checkpointer:
         self.every = every
         self.keep = max(1, keep)
         self.steps = steps
-        self.server = server  # call(), next_request_id()
+        self.server = server
         self.emit = emit
         self.controller_state = controller_state
         self._saved: dict[int, dict[str, int]] = {}  # step -> agent -> bytes written

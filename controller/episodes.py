@@ -57,7 +57,7 @@ class EpisodeContexts:
     def __init__(self, cfg: ExperimentConfig, client: RolloutClient, tools: Executor | None,
                  tokenizers: dict[str, AgentTokenizer], endpoint: OpenAIEndpoint | None = None) -> None:
         self.cfg = cfg
-        self.client = client  # generate(agent, requests)
+        self.client = client
         self.tools = tools  # the pool ctx.call runs blocking functions in
         self.tokenizers = tokenizers  # agent -> AgentTokenizer; filled once models are resolved
         self.endpoint = endpoint  # the run's OpenAI endpoint (openai_api.py), or None

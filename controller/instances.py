@@ -178,9 +178,9 @@ class Admission:
                  engine_message: Callable[[str], protocol.LoadModel]) -> None:
         self.instances = instances
         self.units = instances.units
-        self.weights = weights  # locks, load_newest(worker, agent) -> version
+        self.weights = weights
         self.versions = versions
-        self.server = server  # call(), registry.workers
+        self.server = server
         self.engine_message = engine_message  # unit -> the LoadModel that starts its engine at version 0
 
     async def admit(self, worker: str, unit: str, *, restart: bool = True, why: str = "joins",

@@ -56,8 +56,8 @@ class Rejoin:
         # every adapter agent of a base.
         self.units = units
         self.instances = instances  # instances(agent), served_before(worker): read only
-        self.admission = admission  # admit(worker, unit)
-        self.server = server  # registry.workers
+        self.admission = admission
+        self.server = server
         self.accepting = accepting
         self.finished = finished
         self.trainer_joined = trainer_joined
