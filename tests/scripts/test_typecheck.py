@@ -22,16 +22,23 @@ def test_the_controller_runtime_and_workers_type_check():
     assert code == 0, out
 
 
-def test_a_call_that_breaks_a_collaborators_protocol_is_caught(tmp_path):
+def break_call(path: Path, call: str, wrong: str) -> None:
+    source = path.read_text()
+    assert call in source
+    path.write_text(source.replace(call, wrong, 1))
+
+
+def test_calls_that_break_a_collaborators_protocol_or_class_are_caught(tmp_path):
     for name in ("controller", "runtime", "workers", "scripts"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     if (ROOT / ".mypy_cache" / "cache").is_dir():  # a warm start: seconds instead of a cold run
         shutil.copytree(ROOT / ".mypy_cache" / "cache", tmp_path / ".mypy_cache" / "cache")
-    pipeline = tmp_path / "controller" / "pipeline.py"
-    source = pipeline.read_text()
-    call = "self.allocator.release(self.agent)"
-    assert call in source
-    pipeline.write_text(source.replace(call, "self.allocator.release(self.agent, 1)", 1))
+    # the server, through the WorkerCalls protocol; the allocator, by its class
+    break_call(tmp_path / "controller" / "allocator.py", "self.server.next_request_id()", "self.server.next_request_id(1)")
+    break_call(tmp_path / "controller" / "pipeline.py", "self.allocator.release(self.agent)",
+               "self.allocator.release(self.agent, 1)")
     code, out = typecheck(tmp_path)
-    assert code == 1 and 'controller/pipeline.py' in out and '"release"' in out, out
+    assert code == 1, out
+    assert 'controller/allocator.py' in out and '"next_request_id" of "WorkerCalls"' in out, out
+    assert 'controller/pipeline.py' in out and '"release" of "TrainerAllocator"' in out, out
