@@ -34,7 +34,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol

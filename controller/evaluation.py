@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig

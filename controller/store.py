@@ -23,7 +23,7 @@ import array
 import collections
 import itertools
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import msgspec
 from flexmarl.runtime import events as ev
