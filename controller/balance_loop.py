@@ -36,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.bases import EngineUnit
@@ -73,8 +73,9 @@ class Reassignment:
 
 
 class Rebalancer:
-    def __init__(self, cfg: RouterConfig, units: dict[str, EngineUnit], instances: RolloutInstances, admission: Admission,
-                 client: RolloutClient, server: WorkerDirectory, weights: WeightSync, model_path: dict[str, str],
+    def __init__(self, cfg: RouterConfig, units: Mapping[str, EngineUnit], instances: RolloutInstances,
+                 admission: Admission, client: RolloutClient, server: WorkerDirectory, weights: WeightSync,
+                 model_path: dict[str, str],
                  emit: Emit, finished: Callable[[], bool]) -> None:
         self.cfg = cfg
         self.units = units  # what the balancer sees and moves instances between

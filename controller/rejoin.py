@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from flexmarl.runtime.bases import EngineUnit
 
@@ -48,7 +48,7 @@ def choose_unit(instances: dict[str, int], served_before: str | None) -> str:
 
 
 class Rejoin:
-    def __init__(self, units: dict[str, EngineUnit], instances: RolloutInstances, admission: Admission,
+    def __init__(self, units: Mapping[str, EngineUnit], instances: RolloutInstances, admission: Admission,
                  server: WorkerDirectory, *,
                  accepting: Callable[[], bool], finished: Callable[[], bool],
                  trainer_joined: Callable[[str], None]) -> None:
