@@ -34,14 +34,18 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import ParamHandle
 
 from .decisions import AgentWork, choose_placement
+from .interfaces import Emit, WorkerCalls
 from .server import WorkerDied
+
+if TYPE_CHECKING:
+    from flexmarl.runtime.config import AgentConfig
 
 log = logging.getLogger("flexmarl.allocator")
 
@@ -69,24 +73,34 @@ class SwapCount:
     waited_s: float = 0.0  # seconds an acquire for ready work waited on them
 
 
+@dataclass
+class AgentSpecs:
+    """What a trainer is told to load for each agent (InitAgent, LoadAgent): its config,
+    model and seed; how a trainer holds it (an adapter agent: as its base says) and, for an
+    adapter agent, its LoRA shape (None: a whole model)."""
+
+    config: dict[str, AgentConfig]
+    model_path: dict[str, str]
+    seed: int
+    settings: dict[str, protocol.TrainerSettings]
+    lora: dict[str, protocol.LoraSettings | None]
+
+    def trainer_settings(self, agent: str) -> protocol.TrainerSettings:
+        return self.settings.get(agent) or self.config[agent].trainer_settings()
+
+
 class TrainerAllocator:
-    def __init__(self, server: Any, trainers: list[str], capacity: int, agent_config: dict[str, Any],
+    def __init__(self, server: WorkerCalls, trainers: list[str], capacity: int, agent_config: dict[str, AgentConfig],
                  model_path: dict[str, str], seed: int, work: Callable[[str], AgentWork],
-                 emit: Callable[[ev.Event], Any], trainer_wait_s: float = 60.0,
+                 emit: Emit, trainer_wait_s: float = 60.0,
                  settings: dict[str, protocol.TrainerSettings] | None = None,
                  lora: dict[str, protocol.LoraSettings | None] | None = None,
                  saves_parked: bool = True) -> None:
         self.server = server
-        # How a trainer holds each agent (an adapter agent: as its base says) and, for an
-        # adapter agent, its LoRA shape (None: a whole model); sent in InitAgent and LoadAgent.
-        self.settings = settings or {}
-        self.lora = lora or {}
+        self.specs = AgentSpecs(agent_config, model_path, seed, settings or {}, lora or {})
         self.trainer_wait_s = trainer_wait_s
         self.trainers = list(trainers)
         self.capacity = capacity
-        self.agent_config = agent_config
-        self.model_path = model_path
-        self.seed = seed
         self.work = work
         # A trainer of one process writes a parked agent's checkpoint from the copy it keeps;
         # a trainer group's parked shards are written by swapping the agent in.
@@ -202,7 +216,7 @@ class TrainerAllocator:
 
     def _placement(self, agent: str, prefetch: bool) -> tuple[str, str | None] | None:
         return choose_placement(agent, self.trainers, self.capacity, self.resident, self.in_flight,
-                                {a: self.work(a) for a in self.agent_config}, self.last_used, prefetch)
+                                {a: self.work(a) for a in self.specs.config}, self.last_used, prefetch)
 
     @contextlib.asynccontextmanager
     async def holding(self, agent: str):
@@ -240,14 +254,14 @@ class TrainerAllocator:
         t0 = time.monotonic()
         if victim is not None:
             await self._park(victim)
-        cfg = self.agent_config[agent]
+        cfg = self.specs.config[agent]
         if agent in self.parked:
             parked = self.parked[agent]
             try:
                 await self.server.call(trainer, protocol.LoadAgent(
-                    self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, cfg.max_grad_norm,
-                    parked.version, parked.accumulated, parked.handle, self._settings(agent), parked.shards,
-                    self.lora.get(agent), checksum=parked.checksum))
+                    self.server.next_request_id(), agent, self.specs.model_path[agent], cfg.lr, cfg.max_grad_norm,
+                    parked.version, parked.accumulated, parked.handle, self.specs.trainer_settings(agent), parked.shards,
+                    self.specs.lora.get(agent), checksum=parked.checksum))
             except WorkerDied:
                 if getattr(self.server, "closing", False):
                     # Shutting down: the pool keeps its trainers, so acquire() would place
@@ -270,8 +284,8 @@ class TrainerAllocator:
             swapped = bool(parked.holder)
         else:
             reply, _ = await self.server.call(trainer, protocol.InitAgent(
-                self.server.next_request_id(), agent, self.model_path[agent], cfg.lr, self.seed, cfg.max_grad_norm,
-                self._settings(agent), self.lora.get(agent)))
+                self.server.next_request_id(), agent, self.specs.model_path[agent], cfg.lr, self.specs.seed, cfg.max_grad_norm,
+                self.specs.trainer_settings(agent), self.specs.lora.get(agent)))
             why = f"initial placement ({reply.num_params / 1e6:.2f}M parameters)"
             swapped = False
         self.resident[agent] = trainer
@@ -288,9 +302,6 @@ class TrainerAllocator:
                                        waited_s=round(waited, 4)))
         log.info("%s bound to %s (%s)", agent, trainer, why)
         self._changed.set()
-
-    def _settings(self, agent: str) -> protocol.TrainerSettings:
-        return self.settings.get(agent) or self.agent_config[agent].trainer_settings()
 
     async def _release_parked(self, agent: str, parked: Parked) -> None:
         try:

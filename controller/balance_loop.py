@@ -36,13 +36,19 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
 from .balance_rules import AgentDemand, RolloutBalancer
+from .interfaces import Emit, WorkerDirectory
+
+if TYPE_CHECKING:
+    from .instances import Admission, RolloutInstances
+    from .router import RolloutClient
+    from .weight_sync import WeightSync
 
 log = logging.getLogger("flexmarl.balance_loop")
 
@@ -67,16 +73,17 @@ class Reassignment:
 
 
 class Rebalancer:
-    def __init__(self, cfg: RouterConfig, units: dict[str, EngineUnit], instances: Any, admission: Any, client: Any,
-                 server: Any, weights: Any, model_path: dict[str, str],
-                 emit: Callable[[ev.Event], Any], finished: Callable[[], bool]) -> None:
+    def __init__(self, cfg: RouterConfig, units: Mapping[str, EngineUnit], instances: RolloutInstances,
+                 admission: Admission, client: RolloutClient, server: WorkerDirectory, weights: WeightSync,
+                 model_path: dict[str, str],
+                 emit: Emit, finished: Callable[[], bool]) -> None:
         self.cfg = cfg
         self.units = units  # what the balancer sees and moves instances between
-        self.instances = instances  # instances(agent), outstanding, holds(), leave(): the owner
-        self.admission = admission  # admit(worker, unit, restart=...)
-        self.client = client  # dispatched_tokens
-        self.server = server  # registry.workers (heartbeat loads)
-        self.weights = weights  # locks
+        self.instances = instances
+        self.admission = admission
+        self.client = client
+        self.server = server
+        self.weights = weights
         self.model_path = model_path  # unit -> model: whether two units' engines have the same shape
         self.emit = emit
         self.finished = finished

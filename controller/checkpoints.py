@@ -50,6 +50,7 @@ from flexmarl.runtime.checksums import MANIFEST, DamagedFile, entries_under, rea
 from flexmarl.runtime.config import dump_toml
 from flexmarl.runtime.param_types import ParamHandle
 
+from .interfaces import Emit, WorkerCalls
 from .server import WorkerDied
 
 log = logging.getLogger("flexmarl.checkpoints")
@@ -325,8 +326,8 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, agents: list[str], *, every: int, keep: int, steps: int, server: Any,
-                 emit: Callable[[ev.Event], Any], controller_state: Callable[[int], dict[str, Any]],
+    def __init__(self, root: Path, agents: list[str], *, every: int, keep: int, steps: int, server: WorkerCalls,
+                 emit: Emit, controller_state: Callable[[int], dict[str, Any]],
                  full_state: bool = True) -> None:
         self.root = Path(root)
         # False: weights only (trainer groups do not save their sharded state yet); such
@@ -336,7 +337,7 @@ class Checkpointer:
         self.every = every
         self.keep = max(1, keep)
         self.steps = steps
-        self.server = server  # call(), next_request_id()
+        self.server = server
         self.emit = emit
         self.controller_state = controller_state
         self._saved: dict[int, dict[str, int]] = {}  # step -> agent -> bytes written

@@ -26,16 +26,22 @@ from __future__ import annotations
 import asyncio
 import random
 from concurrent.futures import Executor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from .data import Dataset
 from .failures import RunFailed, too_many_failures
+from .interfaces import Emit
 from .schedule import BatchSchedule
 from .store import ExperienceStore
-from .workflow import AgentDefaults, Episode, EpisodeContext, run_episode
+from .workflow import AgentDefaults, Episode, EpisodeContext, ToolPool, run_episode
+
+if TYPE_CHECKING:
+    from .openai_api import OpenAIEndpoint
+    from .router import RolloutClient
+    from .tokens import AgentTokenizer
 
 # Episodes started in one turn of the event loop. A batch's episodes all start at once, and
 # each first turn of each branch is work of that loop turn: a thousand branches (a wide
@@ -48,10 +54,10 @@ class EpisodeContexts:
     """What every episode of the run shares (the rollout client, the agents' sampling
     defaults, the tool pool, tokenizers), and the contexts made from it."""
 
-    def __init__(self, cfg: ExperimentConfig, client: Any, tools: Executor | None,
-                 tokenizers: dict[str, Any], endpoint: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, client: RolloutClient, tools: Executor | None,
+                 tokenizers: dict[str, AgentTokenizer], endpoint: OpenAIEndpoint | None = None) -> None:
         self.cfg = cfg
-        self.client = client  # generate(agent, requests)
+        self.client = client
         self.tools = tools  # the pool ctx.call runs blocking functions in
         self.tokenizers = tokenizers  # agent -> AgentTokenizer; filled once models are resolved
         self.endpoint = endpoint  # the run's OpenAI endpoint (openai_api.py), or None
@@ -61,16 +67,16 @@ class EpisodeContexts:
              gate: Any = None, eval_temperature: float | None = None, trains: bool = True) -> EpisodeContext:
         run = self.cfg.run
         return EpisodeContext(episode_id, batch, rng, store, self.client, self.defaults, run.seed,
-                              run.env_latency_ms, gate=gate, item=item, tools=self.tools,
-                              tool_timeout_s=self.cfg.pipeline.tool_timeout_s, tokenizers=self.tokenizers,
+                              run.env_latency_ms, gate=gate, item=item,
+                              tools=ToolPool(self.tools, self.cfg.pipeline.tool_timeout_s), tokenizers=self.tokenizers,
                               eval_temperature=eval_temperature, trains=trains, endpoint=self.endpoint)
 
 
 class EpisodeProducer:
-    def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: Any,
-                 schedule: BatchSchedule, emit: Callable[[ev.Event], Any], dataset: Dataset | None = None,
-                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None,
-                 endpoint: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: RolloutClient,
+                 schedule: BatchSchedule, emit: Emit, dataset: Dataset | None = None,
+                 tools: Executor | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
+                 endpoint: OpenAIEndpoint | None = None) -> None:
         self.cfg = cfg
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)
         self.emit = emit
@@ -90,7 +96,7 @@ class EpisodeProducer:
         try:
             await asyncio.wait([producing, self._stop], return_when=asyncio.FIRST_COMPLETED)
             if self._stop.done():
-                raise self._stop.exception()
+                raise self._stop.exception() or asyncio.CancelledError()  # set only with an error
             await producing
         finally:
             producing.cancel()

@@ -21,16 +21,23 @@ from __future__ import annotations
 import asyncio
 import random
 from concurrent.futures import Executor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from .data import Dataset
+from .episodes import EpisodeContexts
+from .interfaces import Emit
 from .schedule import BatchSchedule
 from .store import ExperienceStore
-from .episodes import EpisodeContexts
 from .workflow import Episode, run_episode
+
+if TYPE_CHECKING:
+    from .metrics import MetricsLog
+    from .openai_api import OpenAIEndpoint
+    from .router import RolloutClient
+    from .tokens import AgentTokenizer
 
 
 def evaluation_steps(every: int, steps: int, at_start: bool) -> list[int]:
@@ -43,10 +50,10 @@ def evaluation_steps(every: int, steps: int, at_start: bool) -> list[int]:
 
 
 class Evaluator:
-    def __init__(self, cfg: ExperimentConfig, workflow: Episode, client: Any, schedule: BatchSchedule,
-                 metrics: Any, emit: Callable[[ev.Event], Any], dataset: Dataset | None,
-                 tools: Executor | None = None, tokenizers: dict[str, Any] | None = None,
-                 endpoint: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, workflow: Episode, client: RolloutClient, schedule: BatchSchedule,
+                 metrics: MetricsLog, emit: Emit, dataset: Dataset | None,
+                 tools: Executor | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
+                 endpoint: OpenAIEndpoint | None = None) -> None:
         self.cfg = cfg
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)
         self.workflow = workflow

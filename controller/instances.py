@@ -35,7 +35,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 
@@ -43,9 +43,10 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.bases import EngineUnit, Units
 
+from .interfaces import Emit, WorkerServer
 from .server import RemoteError, WorkerDied
 from .versions import SyncedVersions
-from .weight_sync import engines_sharing_gpu
+from .weight_sync import WeightSync, engines_sharing_gpu
 
 log = logging.getLogger("flexmarl.instances")
 
@@ -60,7 +61,7 @@ class Instance:
 
 
 class RolloutInstances:
-    def __init__(self, units: Mapping[str, EngineUnit], emit: Callable[[ev.Event], Any] | None = None) -> None:
+    def __init__(self, units: Mapping[str, EngineUnit], emit: Emit | None = None) -> None:
         self.units = units if isinstance(units, Units) else Units(dict(units))
         self.emit = emit or (lambda event: None)
         self._instances: dict[str, Instance] = {}
@@ -173,13 +174,13 @@ class RolloutInstances:
 class Admission:
     """The one path by which an instance comes to serve a unit (see the module doc)."""
 
-    def __init__(self, instances: RolloutInstances, weights: Any, versions: SyncedVersions, server: Any,
+    def __init__(self, instances: RolloutInstances, weights: WeightSync, versions: SyncedVersions, server: WorkerServer,
                  engine_message: Callable[[str], protocol.LoadModel]) -> None:
         self.instances = instances
         self.units = instances.units
-        self.weights = weights  # locks, load_newest(worker, agent) -> version
+        self.weights = weights
         self.versions = versions
-        self.server = server  # call(), registry.workers
+        self.server = server
         self.engine_message = engine_message  # unit -> the LoadModel that starts its engine at version 0
 
     async def admit(self, worker: str, unit: str, *, restart: bool = True, why: str = "joins",

@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Protocol, TypeVar
+from typing import Any, Callable, Coroutine, Generic, Protocol, TypeVar
 
 from flexmarl.runtime.config import ExperimentConfig, TransportConfig
 from flexmarl.runtime.shm_segments import OWNER_ENV, remove_orphan_engine_dirs, remove_orphan_segments
@@ -346,7 +346,7 @@ class RestartPolicy:
         return None
 
 
-class WorkerRestarter:
+class WorkerRestarter(Generic[W]):
     """Watches the workers a launcher started and restarts the ones that exit while the run
     goes on (see `RestartPolicy`).
 
@@ -360,7 +360,7 @@ class WorkerRestarter:
     down. `run()` looks every `WATCH_INTERVAL_S` and never returns; its failure stops the
     run. `restarting(role)` says whether a worker of that role is on its way back."""
 
-    def __init__(self, workers: Workers[Any], policy: RestartPolicy, *, stopping: Callable[[], bool],
+    def __init__(self, workers: Workers[W], policy: RestartPolicy, *, stopping: Callable[[], bool],
                  on_exit: Callable[[LaunchedWorker, str], None] = lambda wp, why: None,
                  on_restart: Callable[[LaunchedWorker, LaunchedWorker, int], None] = lambda old, new, n: None,
                  registered: Callable[[str], bool] = lambda worker_id: True, start_timeout_s: float = 300.0,
@@ -427,7 +427,7 @@ class WorkerRestarter:
                 self.workers.signal(wp, sig)
                 self.hung[wp.worker_id] = (since, sig)
 
-    def _noticed(self, wp: LaunchedWorker, now: float) -> None:
+    def _noticed(self, wp: W, now: float) -> None:
         self.hung.pop(wp.worker_id, None)
         self.workers.reclaim(wp)
         why = wp.why_exited()

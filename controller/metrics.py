@@ -24,19 +24,23 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flexmarl.runtime.atomic import replace_atomically
 
 from . import decisions
+
+if TYPE_CHECKING:
+    from .sample_log import SampleLog
+    from .trackers import Tracker
 
 log = logging.getLogger("flexmarl.metrics")
 
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, agents: Iterable[str], progress: bool = True,
-                 trackers: Iterable[Any] = (), *, resumed: bool = False, first_step: int = 1,
-                 clock: Callable[[], float] = time.monotonic, sample_log: Any = None,
+                 trackers: Iterable[Tracker] = (), *, resumed: bool = False, first_step: int = 1,
+                 clock: Callable[[], float] = time.monotonic, sample_log: SampleLog | None = None,
                  prompt_counts: Callable[[str], dict[str, int]] | None = None) -> None:
         self.sample_log = sample_log  # sample_log.py: given every step's trained samples
         self.prompt_counts = prompt_counts  # agent -> the rollout's prompt counts so far (RolloutClient)

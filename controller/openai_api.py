@@ -39,12 +39,15 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 from flexmarl.runtime.config import ConfigError, OpenAIConfig
 from flexmarl.runtime.transport import is_loopback_host
 
 from .openai_turns import CallError, OpenAITurns
+
+if TYPE_CHECKING:
+    import pydantic
 
 log = logging.getLogger("flexmarl.openai")
 
@@ -100,7 +103,7 @@ def embedded_server(app: Any) -> Any:
 
 class OpenAIEndpoint:
     def __init__(self, cfg: OpenAIConfig, agents: dict[str, str], parsers: dict[str, str] | None = None,
-                 serving: Callable[[], Any] | None = None) -> None:
+                 serving: Callable[[], OpenAITurns] | None = None) -> None:
         self.cfg = cfg
         self.agents = agents  # agent -> where its model is (shown in /v1/models)
         configured = endpoint_key(cfg)
@@ -237,7 +240,7 @@ class OpenAIEndpoint:
         cards = [ModelCard(id=agent, owned_by="flexmarl", root=path) for agent, path in self.agents.items()]
         return _json(ModelList(data=cards))
 
-    async def _call(self, headers: Any, raw: bytes, model: type, method: str) -> Reply:
+    async def _call(self, headers: Any, raw: bytes, model: type[pydantic.BaseModel], method: str) -> Reply:
         from .workflow import BRANCH
 
         try:
@@ -271,7 +274,7 @@ class OpenAIEndpoint:
             raise CallError(400, "the request body must be a JSON object")
         return body
 
-    def _parse(self, model: type, body: dict) -> Any:
+    def _parse(self, model: type[pydantic.BaseModel], body: dict) -> Any:
         import pydantic
 
         if not isinstance(body.get("model"), str) or body["model"] not in self.agents:

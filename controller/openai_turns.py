@@ -36,9 +36,12 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .store import PENDING
+
+if TYPE_CHECKING:
+    from .workflow import EpisodeContext
 
 # The request fields a call may set, besides those honoured below: they change nothing
 # about the tokens drawn (an id, a user name, the sampling seed: each sample's seed
@@ -160,10 +163,23 @@ def last_turn(sample: Any) -> tuple[list[int], list[float]]:
     return list(sample.output_ids[start:]), list(sample.logprobs[start:])
 
 
+class TurnEndpoint(Protocol):
+    """What an episode's turns need of the endpoint they came through (openai_api.py)."""
+
+    base_url: str
+    tool_parsers: dict[str, type]  # agent -> its vLLM tool parser class
+
+    def transport(self) -> Any: ...  # the in-process httpx transport of ctx.openai_client()
+
+    async def mark_branch(self, request: Any) -> None: ...  # an httpx request hook
+
+    def forget(self, key: str) -> None: ...  # the episode ended: its key names nothing now
+
+
 class OpenAITurns:
-    def __init__(self, ctx: Any, endpoint: Any, api_key: str) -> None:
+    def __init__(self, ctx: EpisodeContext, endpoint: TurnEndpoint, api_key: str) -> None:
         self.ctx = ctx
-        self.endpoint = endpoint  # base_url, tool parsers, forget(key)
+        self.endpoint = endpoint
         self.api_key = api_key
         self.conversations: list[Conversation] = []
         self.texts: list[tuple[str, Any, list[int]]] = []  # text completions: agent, sample, prompt + reply ids

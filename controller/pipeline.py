@@ -41,21 +41,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, cast
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import PipelineConfig
 
 from . import decisions
-from .allocator import AgentLost
+from .allocator import AgentLost, TrainerAllocator
 from .failures import RunFailed, too_many_failures
+from .interfaces import Emit, WorkerCalls
 from .schedule import BatchSchedule
 from .server import WorkerDied
 from .store import ExperienceStore, Sample
 from .trainer_lanes import Priority, TrainerLanes
 from .weight_sync import WeightSync
+
+if TYPE_CHECKING:
+    from .checkpoints import Checkpointer
+    from .metrics import MetricsLog
 
 log = logging.getLogger("flexmarl.pipeline")
 
@@ -67,50 +72,74 @@ class StepTimes:
     sync_s: float = 0.0
 
 
+@dataclass
+class Recovery:
+    """What the agent needs to recover from losing its trainer. Read, not yet committed:
+    every micro-batch trained since its last saved training state (`saved_version`), by
+    batch. A trainer that dies loses what it accumulated and stepped since; these are what
+    is trained again, at most `limit` times."""
+
+    limit: int
+    saved_version: int
+    kept: dict[int, list[list[Sample]]] = field(default_factory=dict)
+    count: int = 0  # trainer losses recovered from so far
+
+
+@dataclass
+class TrainedCounts:
+    """Per batch: the samples its optimizer step covered and the tokens trained."""
+
+    samples: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SkippedSteps:
+    """Optimizer steps skipped for a non-finite gradient: in a row now, and in all."""
+
+    in_row: int = 0
+    total: int = 0
+
+
 class AgentPipeline:
     def __init__(self, agent: str, cfg: PipelineConfig, store: ExperienceStore, schedule: BatchSchedule,
-                 allocator: Any, weights: WeightSync, server: Any, metrics: Any,
-                 emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
-                 loss: protocol.LossOptions | None = None, checkpoints: Any = None,
+                 allocator: TrainerAllocator, weights: WeightSync, server: WorkerCalls, metrics: MetricsLog,
+                 emit: Emit, flush_events: Callable[[], Awaitable[None]],
+                 loss: protocol.LossOptions | None = None, checkpoints: Checkpointer | None = None,
                  lanes: TrainerLanes | None = None, max_recoveries: int = 10) -> None:
         self.agent = agent
-        # due(step), save_agent(agent, trainer, step), agent_state(agent, step): see checkpoints.py
         self.checkpoints = checkpoints
         self.loss = loss or protocol.LossOptions()
         self.cfg = cfg
         self.store = store
         self.schedule = schedule
-        self.allocator = allocator  # acquire(), release(), holding(), prefetch(), work_changed(), recover(), swaps_of(), lost
+        self.allocator = allocator
         self.lanes = lanes if lanes is not None else TrainerLanes()  # shared by every agent's pipeline
         self.weights = weights
-        self.server = server  # call(), next_request_id()
+        self.server = server
         self.metrics = metrics
         self.emit = emit
         self.flush_events = flush_events
-        self.overlap = cfg.mode == "async"
         self.micro_batch_size = decisions.MicroBatchSize(cfg.micro_batch, cfg.micro_batch_tokens)
-        self.max_recoveries = max_recoveries
-        self.recoveries = 0
-        # Read, not yet committed: every micro-batch trained since the agent's last saved
-        # training state (`saved_version`), by batch. A trainer that dies loses what it
-        # accumulated and stepped since; these are what is trained again.
-        self.saved_version = schedule.first_batch - 1
-        self.kept: dict[int, list[list[Sample]]] = {}
-        self._stepped: dict[int, int] = {}  # batch -> samples its step covered
-        self.skipped_in_row = 0  # consecutive steps skipped for a non-finite gradient
-        self.skipped_steps = 0
-        self._tokens: dict[int, int] = {}
+        self.recovery = Recovery(max_recoveries, saved_version=schedule.first_batch - 1)
+        self.trained = TrainedCounts()
+        self.skipped = SkippedSteps()
         self.batch = schedule.first_batch  # the global batch being trained
         self._pending = 0  # micro-batches and steps sent for a trainer and not finished
         self._swaps_recorded = (0, 0.0)  # the allocator's swap-ins of the agent at the last metrics row
 
     @property
+    def overlap(self) -> bool:
+        """Async mode: the batch's rollout and training overlap."""
+        return self.cfg.mode == "async"
+
+    @property
     def samples_trained(self) -> int:
-        return sum(self._stepped.values())
+        return sum(self.trained.samples.values())
 
     @property
     def tokens_trained(self) -> int:
-        return sum(self._tokens.values())
+        return sum(self.trained.tokens.values())
 
     def work(self) -> decisions.AgentWork:
         """What the agent has for a trainer now (see the module doc)."""
@@ -160,7 +189,7 @@ class AgentPipeline:
         last_end = time.monotonic()
         for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
             self.batch = batch
-            self.kept[batch] = []
+            self.recovery.kept[batch] = []
             recorded = False
             while True:
                 try:
@@ -173,7 +202,7 @@ class AgentPipeline:
                         # The row is written before the checkpoint of this step can be final: a
                         # crash right after the checkpoint loses no row (the resume starts after it).
                         self.metrics.record(batch, self.agent, batch, trained, times,
-                                            step_s=round(now - last_end, 4), skipped_steps=self.skipped_steps,
+                                            step_s=round(now - last_end, 4), skipped_steps=self.skipped.total,
                                             episodes_failed=self.schedule.batches[batch].episodes_failed,
                                             **self._swaps_since_last_row(), **step_signals(stats))
                         recorded, last_end = True, now
@@ -194,17 +223,17 @@ class AgentPipeline:
             return
         await self.metrics.make_durable()
         try:
-            await self._save_where_held(version)
+            await self._save_where_held(self.checkpoints, version)
         except WorkerDied:
             if self.agent in self.allocator.lost:
                 raise  # its state died with its trainer: `_recover` restores it
-            await self._save_where_held(version)  # the trainer keeping its parked copy died: swapped in elsewhere
+            await self._save_where_held(self.checkpoints, version)  # the trainer keeping its parked copy died: swapped in elsewhere
         self._committed(version)
 
-    async def _save_where_held(self, version: int) -> None:
+    async def _save_where_held(self, checkpoints: Checkpointer, version: int) -> None:
         async with self.allocator.holding(self.agent) as trainer:  # resident or parked: saved where it is
             async with self.lanes.slot(trainer, Priority.critical(version)):
-                await self.checkpoints.save_agent(self.agent, trainer, version)
+                await checkpoints.save_agent(self.agent, trainer, version)
 
     async def _restep(self, batch: int) -> None:
         """After a recovery, trains `batch` again (its row is already written) and syncs."""
@@ -220,22 +249,22 @@ class AgentPipeline:
         instead of waiting behind another agent's micro-batch that took the trainer in the
         meantime."""
         version = batch  # the step trains version batch - 1 into batch
-        self._tokens[batch] = 0
+        self.trained.tokens[batch] = 0
         written: list[asyncio.Future] = []
-        calls = [self._send(version, mb, written) for mb in self.kept[batch]]
+        calls = [self._send(version, mb, written) for mb in self.recovery.kept[batch]]
         try:
             while True:
                 complete = self.schedule.rollout_complete(batch)
                 for mb in self.store.form_micro_batches(self.agent, batch, self.micro_batch_size, complete,
                                                         self.overlap, self.cfg.max_staleness):
-                    self.kept[batch].append(mb)
+                    self.recovery.kept[batch].append(mb)
                     calls.append(self._send(version, mb, written))
                 if decisions.step_due(complete, self.store.ready_samples(self.agent, batch)):
                     break
                 if self.store.ready_samples(self.agent, batch):
                     self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
                 await self.schedule.wait_for_work(self.agent)
-            trained = [s for mb in self.kept[batch] for s in mb]
+            trained = [s for mb in self.recovery.kept[batch] for s in mb]
             if not trained:
                 self._no_samples(batch)
             outcomes = await asyncio.gather(*written, return_exceptions=True)
@@ -291,13 +320,13 @@ class AgentPipeline:
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
                         self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
-                        on_sent=lambda: written.done() or written.set_result(None))
+                        on_sent=lambda: _resolve(written))
             finally:
                 self.allocator.release(self.agent)
         finally:
             written.cancel()  # no-op once written
         self.emit(ev.MicroBatchTrained(self.agent, trainer, version, len(mb), reply.seconds))
-        self._tokens[version] = self._tokens.get(version, 0) + reply.tokens
+        self.trained.tokens[version] = self.trained.tokens.get(version, 0) + reply.tokens
         return reply.seconds
 
     async def _step(self, trainer: str, version: int, samples: int) -> protocol.StepStats:
@@ -311,25 +340,25 @@ class AgentPipeline:
             reply, _ = await self.server.call(trainer, protocol.OptimStep(
                 self.server.next_request_id(), self.agent, version, samples))
         self.emit(ev.OptimizerStep(self.agent, trainer, version, samples))
-        self._stepped[version] = samples
+        self.trained.samples[version] = samples
         self._count_skipped(trainer, version, reply.stats)
         return reply.stats
 
     def _count_skipped(self, trainer: str, version: int, stats: protocol.StepStats) -> None:
         """Logs a step skipped for a non-finite gradient; too many in a row end the run."""
         if not stats.skipped:
-            self.skipped_in_row = 0
+            self.skipped.in_row = 0
             return
-        self.skipped_in_row += 1
-        self.skipped_steps += 1
-        self.emit(ev.StepSkipped(self.agent, trainer, version, stats.grad_norm, self.skipped_in_row))
+        self.skipped.in_row += 1
+        self.skipped.total += 1
+        self.emit(ev.StepSkipped(self.agent, trainer, version, stats.grad_norm, self.skipped.in_row))
         log.warning("%s: step to version %d skipped: its gradient is not finite (norm %s)", self.agent, version,
                     stats.grad_norm)
-        if self.skipped_in_row >= self.cfg.max_skipped_steps:
+        if self.skipped.in_row >= self.cfg.max_skipped_steps:
             raise RuntimeError(
-                f"{self.agent}: {self.skipped_in_row} optimizer steps in a row had a non-finite gradient "
+                f"{self.agent}: {self.skipped.in_row} optimizer steps in a row had a non-finite gradient "
                 f"(the last, to version {version}: norm {stats.grad_norm}); the weights are those of version "
-                f"{version - self.skipped_in_row}. Lower agents.{self.agent}.lr or max_grad_norm, train in "
+                f"{version - self.skipped.in_row}. Lower agents.{self.agent}.lr or max_grad_norm, train in "
                 f"float32 (agents.{self.agent}.dtype), or raise pipeline.max_skipped_steps")
 
     async def _step_and_sync(self, batch: int, trained: list[Sample]) -> protocol.StepStats:
@@ -349,9 +378,9 @@ class AgentPipeline:
 
     def _committed(self, version: int) -> None:
         """The agent's state at `version` is saved: what trained it can go."""
-        self.saved_version = version
-        for batch in [b for b in self.kept if b <= version]:
-            for mb in self.kept.pop(batch):
+        self.recovery.saved_version = version
+        for batch in [b for b in self.recovery.kept if b <= version]:
+            for mb in self.recovery.kept.pop(batch):
                 self.store.forget(mb)
 
     async def _recover(self, batch: int, exc: BaseException) -> None:
@@ -360,15 +389,17 @@ class AgentPipeline:
         micro-batches, every batch since; the batch in progress then starts over."""
         if self.agent not in self.allocator.lost:
             raise exc  # not this agent's trainer (a rollout instance, say): not ours to mend
-        self.recoveries += 1
-        if self.recoveries > self.max_recoveries:
-            raise RuntimeError(f"{self.agent} lost its trainer {self.recoveries} times; giving up") from exc
-        saved = self.saved_version
+        self.recovery.count += 1
+        if self.recovery.count > self.recovery.limit:
+            raise RuntimeError(f"{self.agent} lost its trainer {self.recovery.count} times; giving up") from exc
+        saved = self.recovery.saved_version
         if self.checkpoints is not None and not self.checkpoints.full_state:
             raise RuntimeError(f"{self.agent}'s trainer died and its training state cannot be restored: "
                                "trainer groups checkpoint weights only") from exc
-        state = self.checkpoints.agent_state(self.agent, saved) if saved > 0 and self.checkpoints else None
-        checksum = self.checkpoints.agent_state_checksum(self.agent, saved) if state is not None else ""
+        state, checksum = None, ""
+        if saved > 0 and self.checkpoints is not None:
+            state = self.checkpoints.agent_state(self.agent, saved)
+            checksum = self.checkpoints.agent_state_checksum(self.agent, saved) if state is not None else ""
         log.warning("%s: %s; restoring its state of version %d and training batches %d-%d again",
                     self.agent, exc, saved, saved + 1, batch)
         self.allocator.recover(self.agent, state, saved, checksum)
@@ -376,11 +407,11 @@ class AgentPipeline:
         self.emit(ev.TrainingRestored(self.agent, saved, batch, str(exc)))
         t0 = time.monotonic()
         for b in range(saved + 1, batch):
-            self._tokens[b] = 0
-            await _all([self._send(b, mb, []) for mb in self.kept[b]])
+            self.trained.tokens[b] = 0
+            await _all([self._send(b, mb, []) for mb in self.recovery.kept[b]])
             trainer = await self.allocator.acquire(self.agent, lost="raise")
             try:
-                await self._step(trainer, b, sum(map(len, self.kept[b])))
+                await self._step(trainer, b, sum(map(len, self.recovery.kept[b])))
             finally:
                 self.allocator.release(self.agent)
         log.info("%s is back at version %d after %.2fs", self.agent, batch - 1, time.monotonic() - t0)
@@ -395,6 +426,11 @@ async def _all(calls: list[asyncio.Future]) -> float:
         raise
 
 
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 async def _cancelled(calls: list[asyncio.Future]) -> None:
     """Cancels the calls and waits until each has ended (its outcome retrieved)."""
     for call in calls:
@@ -403,9 +439,10 @@ async def _cancelled(calls: list[asyncio.Future]) -> None:
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:
+    assert s.output_ids is not None and s.logprobs is not None  # a finished sample
     mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
     first, *later = s.sampling or [protocol.TurnSampling(0)]
-    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), s.advantage, s.logprobs.tolist(),
+    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), cast(float, s.advantage), s.logprobs.tolist(),
                                 s.versions, first.temperature, mask, first.top_p, first.top_k, later)
 
 

@@ -39,7 +39,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
 from urllib.parse import urlsplit
 
 from flexmarl.runtime.config import ExperimentConfig, TransportConfig
@@ -48,6 +49,9 @@ from flexmarl.runtime.transport import create_curve_keys, is_loopback_host
 from .launcher import LaunchError, log_tail, note_restart, worker_argv, worker_env
 from .ray_actor import WorkerActor
 from .ray_placement import PlacementPlan, describe_resources, plan_placement
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger("flexmarl.launcher")
 
@@ -227,7 +231,7 @@ class RayWorker:
 
 
 class RayWorkers:
-    def __init__(self, ray: Any, group: Any, plan: PlacementPlan, tag: str, log_dir: Path, *,
+    def __init__(self, ray: ModuleType, group: PlacementGroup, plan: PlacementPlan, tag: str, log_dir: Path, *,
                  argv: Callable[[str, str], list[str]], env: dict[str, str], keys: dict[str, bytes],
                  start_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ray = ray

@@ -24,9 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from flexmarl.runtime.bases import EngineUnit
+
+from .interfaces import WorkerDirectory
+
+if TYPE_CHECKING:
+    from .instances import Admission, RolloutInstances
 
 log = logging.getLogger("flexmarl.rejoin")
 
@@ -43,15 +48,16 @@ def choose_unit(instances: dict[str, int], served_before: str | None) -> str:
 
 
 class Rejoin:
-    def __init__(self, units: dict[str, EngineUnit], instances: Any, admission: Any, server: Any, *,
+    def __init__(self, units: Mapping[str, EngineUnit], instances: RolloutInstances, admission: Admission,
+                 server: WorkerDirectory, *,
                  accepting: Callable[[], bool], finished: Callable[[], bool],
                  trainer_joined: Callable[[str], None]) -> None:
         # Engine units (runtime/bases.engine_units): a worker joins a whole-model agent or
         # every adapter agent of a base.
         self.units = units
         self.instances = instances  # instances(agent), served_before(worker): read only
-        self.admission = admission  # admit(worker, unit)
-        self.server = server  # registry.workers
+        self.admission = admission
+        self.server = server
         self.accepting = accepting
         self.finished = finished
         self.trainer_joined = trainer_joined

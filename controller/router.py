@@ -40,6 +40,7 @@ from flexmarl.runtime import protocol
 
 from .failures import RunFailed
 from .generation import GroupOutput, assemble
+from .interfaces import Emit
 from .instances import RolloutInstances
 from .server import ControllerServer, RemoteError, WorkerDied
 
@@ -146,9 +147,23 @@ class _Part:
         return self.group.n * (len(self.group.prompt_ids) + self.group.max_tokens)
 
 
+@dataclass
+class RoutingPolicy:
+    """How a group picks among its agent's instances: the rule (`route_group`) with its
+    round-robin position per agent and its random draws, the smallest part a group is
+    split into, and how much more loaded a later turn's previous instance may be and still
+    take the turn (`stays`)."""
+
+    within_agent: str
+    min_part: int
+    affinity_bound: float
+    rng: random.Random
+    turn: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
 class RolloutClient:
     def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
-                 emit: Callable[[ev.Event], object] | None = None, within_agent: str = "least_loaded",
+                 emit: Emit | None = None, within_agent: str = "least_loaded",
                  version_of: Callable[[str], int] | None = None, min_part: int = MIN_PART,
                  affinity_bound: float = AFFINITY_BOUND, seed: int = 0,
                  instance_expected: Callable[[], bool] = lambda: False) -> None:
@@ -163,11 +178,7 @@ class RolloutClient:
         self.instance_wait_s = instance_wait_s
         self.instance_expected = instance_expected
         self.max_attempts = 3  # a part that fails on this many instances fails its episode
-        self.within_agent = within_agent
-        self.min_part = min_part
-        self.affinity_bound = affinity_bound
-        self._rng = random.Random(seed)
-        self._turn: dict[str, int] = defaultdict(int)  # round-robin position per agent
+        self.policy = RoutingPolicy(within_agent, min_part, affinity_bound, random.Random(seed))
         self.dispatched_tokens: dict[str, float] = defaultdict(float)  # per agent, for demand
         self._queued: list[_Part] = []
         self._flush_scheduled = False
@@ -226,20 +237,20 @@ class RolloutClient:
         agent, load = part.owner.agent, self.outstanding.__getitem__
         if part.owner.left == 0:  # a new group: parts are counted once
             sizes = [part.group.n]
-            if part.group.n >= 2 * self.min_part and len(instances) > 1:
+            if part.group.n >= 2 * self.policy.min_part and len(instances) > 1:
                 share = (sum(load(w) for w in instances) + part.cost) / len(instances)
-                sizes = split_sizes(part.group.n, part.cost, share, len(instances), self.min_part)
+                sizes = split_sizes(part.group.n, part.cost, share, len(instances), self.policy.min_part)
             pieces = _cut(part, sizes)
             part.owner.left = len(pieces)
         else:  # a part routed again: as it was
             pieces = [part]
         routed = []
         for piece in pieces:
-            worker = route_group(self.within_agent, instances, load, self._turn[agent], self._rng)
-            self._turn[agent] += 1
-            if (self.affinity_bound > 0 and piece.after and piece.after != worker
+            worker = route_group(self.policy.within_agent, instances, load, self.policy.turn[agent], self.policy.rng)
+            self.policy.turn[agent] += 1
+            if (self.policy.affinity_bound > 0 and piece.after and piece.after != worker
                     and self.owner.serving(piece.after, agent)):
-                if stays(load(piece.after), load(worker), piece.cost, self.affinity_bound):
+                if stays(load(piece.after), load(worker), piece.cost, self.policy.affinity_bound):
                     worker = piece.after
             if piece.after:
                 self.affinity["kept" if worker == piece.after else "moved"] += 1
@@ -254,7 +265,7 @@ class RolloutClient:
             return
         self._waiting[agent] = [part]
         task = self._start(self._instance_for(agent))
-        task.add_done_callback(lambda t: t.cancelled() and self._fail_waiting(agent, asyncio.CancelledError()))
+        task.add_done_callback(lambda t: self._fail_waiting(agent, asyncio.CancelledError()) if t.cancelled() else None)
 
     def _start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.ensure_future(work)

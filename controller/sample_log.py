@@ -24,9 +24,13 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flexmarl.runtime.atomic import write_text_atomically
+
+if TYPE_CHECKING:
+    from .tokens import AgentTokenizer
+    from .trackers import Tracker
 
 FILE = "samples.jsonl"
 
@@ -43,8 +47,8 @@ class _Snapshot:
 
 
 class SampleLog:
-    def __init__(self, run_dir: str | Path, per_step: int, tokenizers: dict[str, Any],
-                 trackers: Iterable[Any] = (), *, resumed_after: int | None = None) -> None:
+    def __init__(self, run_dir: str | Path, per_step: int, tokenizers: dict[str, AgentTokenizer],
+                 trackers: Iterable[Tracker] = (), *, resumed_after: int | None = None) -> None:
         self.per_step = per_step
         self.tokenizers = tokenizers  # agent -> AgentTokenizer, filled at set-up
         self.trackers = list(trackers)
@@ -54,7 +58,7 @@ class SampleLog:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and _step_of(line) is not None and _step_of(line) <= resumed_after]
+                    if line.strip() and (step := _step_of(line)) is not None and step <= resumed_after]
             write_text_atomically(self.path, "".join(line + "\n" for line in kept))
 
     def group_ready(self, agent: str, samples: list[Any]) -> None:

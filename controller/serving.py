@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from flexmarl.runtime import bases
 from flexmarl.runtime.aio import supervise
@@ -65,7 +65,7 @@ def served_checkpoint(target: str | Path) -> tuple[Path, ResumePoint]:
 
 
 class ServedAgents:
-    def __init__(self, target: str | Path, overrides: list[str] = ()) -> None:
+    def __init__(self, target: str | Path, overrides: Sequence[str] = ()) -> None:
         self.run_dir, self.point = served_checkpoint(target)
         self.cfg: ExperimentConfig = load_config(self.run_dir / "config.toml", list(overrides))
         adapters = [a for a, c in self.cfg.agents.items() if c.base]

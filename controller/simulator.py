@@ -29,6 +29,7 @@ import random
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from flexmarl.runtime.config import RouterConfig
 
@@ -99,6 +100,43 @@ class _Instance:
         self.outstanding = 0.0  # the router's view: tokens routed here and unfinished
 
 
+@dataclass
+class _Clock:
+    """Virtual time and the events due on it, in time order (ties: in the order scheduled)."""
+
+    now: float = 0.0
+    events: list = field(default_factory=list)  # heap of (time, seq, kind, arg)
+    seq: int = 0
+
+    def at(self, t: float, kind: str, arg) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, arg))
+
+    def pending(self) -> bool:
+        return bool(self.events)
+
+    def pending_now(self) -> bool:
+        """Another event is due at this same instant."""
+        return bool(self.events) and self.events[0][0] <= self.now
+
+    def advance(self) -> tuple[str, Any]:
+        """Moves to the next event's time; its kind and argument."""
+        self.now, _, kind, arg = heapq.heappop(self.events)
+        return kind, arg
+
+
+@dataclass
+class _Counts:
+    """What happened so far: samples finished, queries started and done, instance moves,
+    and when the last query finished."""
+
+    samples: int = 0
+    queries_started: int = 0
+    queries_done: int = 0
+    moved: int = 0
+    last_done_t: float = 0.0
+
+
 class Simulation:
     """One configuration on one workload: equal split at the start, then `run()` to the
     last query. `router` supplies level 1's threshold, patience, cooldown and interval."""
@@ -122,18 +160,18 @@ class Simulation:
         self._turn = {p.name: 0 for p in chain}
         self._rng = random.Random(workload.seed)
         self._coalesce: dict[str, list] = {p.name: [] for p in chain}  # agent -> groups (lists of requests)
-        self._events: list = []
-        self._seq = 0
-        self.now = 0.0
-        self.samples = self.queries_started = self.queries_done = self.moved = 0
+        self.clock = _Clock()
+        self.count = _Counts()
         self._pending: dict[int, int] = {}  # query -> samples not yet finished
-        self._last_done_t = 0.0
 
     # ------------------------------------------------------------ the clock
 
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
     def _at(self, t: float, kind: str, arg) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (t, self._seq, kind, arg))
+        self.clock.at(t, kind, arg)
 
     def run(self) -> SimResult:
         for _ in range(min(self.w.concurrency, self.w.queries)):
@@ -142,21 +180,21 @@ class Simulation:
             self._at(self.router.interval_s, "observe", None)
         self._flush()
         handlers = {"step": self._step_done, "observe": self._observe, "joined": self._joined}
-        while self._events and self.queries_done < self.w.queries:
-            self.now, _, kind, arg = heapq.heappop(self._events)
+        while self.clock.pending() and self.count.queries_done < self.w.queries:
+            kind, arg = self.clock.advance()
             handlers[kind](arg)
-            if not self._events or self._events[0][0] > self.now:
+            if not self.clock.pending_now():
                 self._flush()
-        t = self._last_done_t
-        return SimResult(self.config, len(self.inst), self.samples, t,
-                         [round(i.busy_s / t, 4) if t else 0.0 for i in self.inst], self.moved,
+        t = self.count.last_done_t
+        return SimResult(self.config, len(self.inst), self.count.samples, t,
+                         [round(i.busy_s / t, 4) if t else 0.0 for i in self.inst], self.count.moved,
                          {a: len(ws) for a, ws in self.assignment.items()})
 
     # ------------------------------------------------------------ the workload
 
     def _start_query(self) -> None:
-        q = self.queries_started
-        self.queries_started += 1
+        q = self.count.queries_started
+        self.count.queries_started += 1
         self._pending[q] = 0
         self._spawn(q, 0, str(q))
 
@@ -173,15 +211,15 @@ class Simulation:
 
     def _finished(self, req) -> None:
         q, depth, key, _, _ = req
-        self.samples += 1
+        self.count.samples += 1
         if depth + 1 < len(self.w.chain):
             self._spawn(q, depth + 1, key)
         self._pending[q] -= 1
         if self._pending[q] == 0:
             del self._pending[q]
-            self.queries_done += 1
-            self._last_done_t = self.now
-            if self.queries_started < self.w.queries:
+            self.count.queries_done += 1
+            self.count.last_done_t = self.now
+            if self.count.queries_started < self.w.queries:
                 self._start_query()
 
     # ------------------------------------------------------------ level 2: routing
@@ -243,6 +281,7 @@ class Simulation:
         snapshot = {a: AgentDemand({w: self.by_name[w].outstanding for w in ws}, self.dispatched[a],
                                    {w: self.by_name[w].busy_s for w in ws})
                     for a, ws in self.assignment.items()}
+        assert self.balancer is not None  # observed only where level 1 balances
         move = self.balancer.observe(snapshot, self.now)
         if move is not None:
             for w in move.instances:
@@ -257,7 +296,7 @@ class Simulation:
         inst.agent, inst.leaving = inst.leaving, ""
         inst.finish, inst.step = {}, 0
         self.assignment[inst.agent].append(inst.name)
-        self.moved += 1
+        self.count.moved += 1
 
 
 def simulate(workload: SimWorkload, instances: int, config: str, **kw) -> SimResult:

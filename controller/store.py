@@ -25,7 +25,7 @@ import collections
 import itertools
 import logging
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import msgspec
 from flexmarl.runtime import events as ev
@@ -33,6 +33,7 @@ from flexmarl.runtime import protocol
 
 from . import decisions
 from .generation import GroupOutput
+from .interfaces import Emit
 
 log = logging.getLogger("flexmarl.store")
 
@@ -124,7 +125,7 @@ class Group(msgspec.Struct, gc=False):
 
 
 class ExperienceStore:
-    def __init__(self, agents: Iterable[str], emit: Callable[[ev.Event], Any] | None = None,
+    def __init__(self, agents: Iterable[str], emit: Emit | None = None,
                  std_normalized: dict[str, bool] | None = None) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from flexmarl.runtime.config import TRACKERS as TRACKER_NAMES
 
@@ -46,6 +46,17 @@ def _samples_markdown(rows: list[dict[str, Any]]) -> str:
                          + _conversation(r).replace("\n", "\n    ") for r in rows)
 
 
+class Tracker(Protocol):
+    """An experiment tracker: every metrics row (metrics.py) and the samples logged
+    (sample_log.py) go to each one the run opened."""
+
+    def log(self, row: dict[str, Any]) -> None: ...
+
+    def log_samples(self, step: int, agent: str, rows: list[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class TensorBoardTracker:
     def __init__(self, run_dir: Path, config: dict[str, Any], agents: list[str]) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -67,7 +78,7 @@ class WandbTracker:
     def __init__(self, run_dir: Path, config: dict[str, Any], agents: list[str]) -> None:
         import wandb
 
-        mode = os.environ.get("WANDB_MODE", "offline")
+        mode: Any = os.environ.get("WANDB_MODE", "offline")  # wandb validates it
         self.run = wandb.init(project=config.get("run", {}).get("wandb_project", "flexmarl"), dir=str(run_dir),
                               mode=mode, config=config, reinit="create_new")
         for agent in agents:  # each agent on its own step axis
@@ -91,9 +102,9 @@ class WandbTracker:
         self.run.finish()
 
 
-TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
+TRACKERS: dict[str, Callable[[Path, dict[str, Any], list[str]], Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 assert set(TRACKERS) == set(TRACKER_NAMES), "runtime.config.TRACKERS lists the trackers the config accepts"
 
 
-def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], agents: list[str]) -> list[Any]:
+def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any], agents: list[str]) -> list[Tracker]:
     return [TRACKERS[name](Path(run_dir), config, agents) for name in names]

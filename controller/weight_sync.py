@@ -34,12 +34,13 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncContextManager, Callable
+from typing import Any, AsyncContextManager, Callable, Collection, Protocol
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.param_types import Location, ParamHandle, choose_transport, host_device
 
+from .interfaces import Emit, WorkerServer
 from .nccl_groups import NcclGroups
 from .server import WorkerDied
 from .versions import SyncedVersions
@@ -98,9 +99,18 @@ class Publication:
     transport: str
 
 
+class ServedInstances(Protocol):
+    """What the weight sync needs of the rollout instances (instances.RolloutInstances, the
+    owner of who holds which version): who serves an agent, and word that one loaded it."""
+
+    def instances(self, agent: str) -> list[str]: ...
+
+    def loaded(self, worker: str, agent: str, version: int) -> None: ...
+
+
 class WeightSync:
-    def __init__(self, agents: list[str], server: Any, instances: Any, versions: SyncedVersions,
-                 emit: Callable[[ev.Event], Any],
+    def __init__(self, agents: list[str], server: WorkerServer, instances: ServedInstances,
+                 versions: SyncedVersions, emit: Emit,
                  trainer_for: Callable[[str], AsyncContextManager[str]] | None = None,
                  lora: dict[str, protocol.LoraSettings | None] | None = None,
                  ranks: dict[str, int] | None = None) -> None:
@@ -110,8 +120,8 @@ class WeightSync:
         self.ranks = ranks or {}
         # An adapter agent's LoRA shape: its LoadWeights adds the adapter's new version to
         # the engines of its base instead of replacing their weights.
-        self.lora = lora or {}  # call(), next_request_id(), registry.workers
-        self.instances = instances  # instances(agent), loaded(worker, agent, version): the owner
+        self.lora = lora or {}
+        self.instances = instances
         self.versions = versions  # set(agent, version) once every instance loaded it
         self.trainer_for = trainer_for or _no_trainer
         self.emit = emit
@@ -141,7 +151,7 @@ class WeightSync:
                     lost_ranks.update(lost.dead)
             self.versions.set(agent, version)
 
-    async def _publish_and_load(self, agent: str, trainer: str, version: int, without: set[str] = frozenset()) -> None:
+    async def _publish_and_load(self, agent: str, trainer: str, version: int, without: Collection[str] = frozenset()) -> None:
         instances = [w for w in self.instances.instances(agent) if w not in without]
         t0 = time.monotonic()
         transport = self.transport(trainer, instances, agent)

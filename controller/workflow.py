@@ -142,6 +142,24 @@ def request_seed(run_seed: int, sample_id: str) -> int:
 
 
 @dataclass
+class ToolPool:
+    """Where `ctx.call` runs blocking functions (the bounded pool; None: asyncio's default)
+    and how long one call may take unless it says."""
+
+    executor: Executor | None = None
+    timeout_s: float = 60.0
+
+
+@dataclass
+class _Calls:
+    """What the episode's code called so far: per (agent, prompt, branch) the calls (the
+    next group's id), and the tasks that generated (cancelled when the episode fails)."""
+
+    counts: Counter = field(default_factory=Counter)
+    branches: set = field(default_factory=set)
+
+
+@dataclass
 class EpisodeContext:
     episode_id: str
     batch: int  # the global batch this episode belongs to
@@ -156,8 +174,7 @@ class EpisodeContext:
     gate: Callable[[str, int], Awaitable[None]] | None = None
     item: Any = None  # the episode's dataset row (None without a dataset)
     tokenizers: dict[str, Any] = field(default_factory=dict)  # agent -> AgentTokenizer (tokens.py)
-    tools: Executor | None = None  # the bounded pool `call` runs blocking functions in
-    tool_timeout_s: float = 60.0
+    tools: ToolPool = field(default_factory=lambda: ToolPool())
     # Evaluation: one greedy (or eval.temperature) sample per call, never trained.
     eval_temperature: float | None = None
     # Serving (`flexmarl serve`): calls of any n, at their own settings, never trained.
@@ -168,8 +185,7 @@ class EpisodeContext:
     groups: list[str] = field(default_factory=list)
     closed: str = ""  # why the episode failed, once it has
     failure: str = ""  # ... and, when it raised, the traceback of the user's code (failures.py)
-    _calls: Counter = field(default_factory=Counter)  # (agent, prompt) -> calls so far
-    _branches: set = field(default_factory=set)  # tasks that called generate
+    _called: _Calls = field(default_factory=lambda: _Calls())
     _openai: Any = None  # this episode's OpenAITurns, once its key was asked for
 
     def group_id(self, agent: str, prompt_ids: list[int]) -> str:
@@ -178,8 +194,8 @@ class EpisodeContext:
         run, whatever the timing."""
         branch = BRANCH.get()
         key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()), branch)
-        occurrence = self._calls[key]
-        self._calls[key] += 1
+        occurrence = self._called.counts[key]
+        self._called.counts[key] += 1
         place = f"b{'.'.join(map(str, branch))}-" if branch else ""
         return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"
 
@@ -277,7 +293,7 @@ class EpisodeContext:
     async def _wait_at_gate(self, agent: str) -> None:
         task = asyncio.current_task()
         if task is not None:
-            self._branches.add(task)
+            self._called.branches.add(task)
         if self.gate is not None:
             await self.gate(agent, self.batch)  # every turn: the staleness bound
         if self.closed:  # failed while this branch waited at the gate
@@ -321,7 +337,7 @@ class EpisodeContext:
         that is not yet trainable (including ones a branch opened after the failure)."""
         self.closed = why
         me = asyncio.current_task()
-        branches = [t for t in self._branches if t is not me and not t.done()]
+        branches = [t for t in self._called.branches if t is not me and not t.done()]
         for task in branches:
             task.cancel()
         await asyncio.gather(*branches, return_exceptions=True)
@@ -337,12 +353,12 @@ class EpisodeContext:
         timed-out blocking call keeps its pool thread until it returns.)"""
         if self.closed:
             raise EpisodeClosed(self.closed)
-        limit = self.tool_timeout_s if timeout is None else timeout
+        limit = self.tools.timeout_s if timeout is None else timeout
         if asyncio.iscoroutinefunction(fn):
             work = fn(*args, **kwargs)
         else:
             loop = asyncio.get_running_loop()
-            work = loop.run_in_executor(self.tools, functools.partial(fn, *args, **kwargs))
+            work = loop.run_in_executor(self.tools.executor, functools.partial(fn, *args, **kwargs))
         try:
             return await asyncio.wait_for(work, limit)
         except asyncio.TimeoutError:

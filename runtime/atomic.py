@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 
-def replace_atomically(path: str | os.PathLike, write: Callable[[Path], None], *, durable: bool = False) -> None:
+def replace_atomically(path: str | os.PathLike, write: Callable[[Path], object], *, durable: bool = False) -> None:
     """`write(tmp)` writes the new content to `tmp`, which then replaces `path`. With
     `durable`, the content and the rename are synced to the disk first. A failure removes
     `tmp` and leaves `path` as it was."""

@@ -15,7 +15,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from flexmarl.runtime.bases import (BASE_KEYS, LORA_KEYS, VLLM_LORA_RANKS, adapter_agents, required_slots,
                                     versions_resident)
@@ -518,7 +518,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = _parse_literal(text.strip())
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (),
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
                 defaults: dict[str, Any] | None = None) -> ExperimentConfig:
     """Defaults, then the TOML file, then overrides; every key checked. The file's paths
     (see `resolve_paths`) are relative to its folder, the overrides' to the working

@@ -118,7 +118,9 @@ class AdapterRegistry:
 
     def clear(self) -> list[ResidentAdapter]:
         gone = list(self._resident.values())
-        self._resident.clear(), self._newest.clear(), self._user_of.clear()
+        self._resident.clear()
+        self._newest.clear()
+        self._user_of.clear()
         return gone
 
     def _held(self) -> str:

@@ -33,7 +33,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -66,7 +66,7 @@ class CommandHandler:
     def __init__(self) -> None:
         self.session: WorkerSession | None = None
 
-    async def reply(self, msg: protocol.Message, buffers: list[Any] = ()) -> None:
+    async def reply(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         assert self.session is not None
         await self.session.send(msg, buffers)
 
@@ -92,8 +92,8 @@ class CommandHandler:
 
 class WorkerSession:
     def __init__(self, cfg: TransportConfig, address: str, handler: CommandHandler,
-                 worker_id: str = "", devices: list[str] = (), capacity: dict[str, float] = None,
-                 new_handler: Callable[[], CommandHandler] | None = None, visible_gpus: list[str] = ()) -> None:
+                 worker_id: str = "", devices: Sequence[str] = (), capacity: dict[str, float] | None = None,
+                 new_handler: Callable[[], CommandHandler] | None = None, visible_gpus: Sequence[str] = ()) -> None:
         self.cfg = cfg
         self.address = address
         self.handler = handler
@@ -117,7 +117,7 @@ class WorkerSession:
         identity = f"{self.worker_id}/{uuid.uuid4().hex[:8]}".encode()
         return DealerSocket(self.cfg, identity, immediate=immediate)
 
-    async def send(self, msg: protocol.Message, buffers: list[Any] = ()) -> None:
+    async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         try:
             await self.sock.send(msg, buffers)
         except zmq.Again:

@@ -222,7 +222,7 @@ async def test_agents_are_placed_with_their_precision_and_a_groups_shards_travel
 
     server = FakeTrainers()
     alloc, _ = make_allocator(server, ["t0", "t1"])
-    alloc.agent_config["b"].dtype, alloc.agent_config["b"].activation_checkpointing = "bfloat16", True
+    alloc.specs.config["b"].dtype, alloc.specs.config["b"].activation_checkpointing = "bfloat16", True
     await place(alloc, "a")  # t0
     await place(alloc, "b")  # t1, initialised with its precision
     alloc.last_used.update(a=1.0, b=2.0)

@@ -276,7 +276,7 @@ async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_samp
     assert pipeline.samples_trained == 2 + 2 + 4 and metrics.rows == [(1, 2), (2, 2), (3, 4)]
     # Committed by the checkpoint of step 2, batches 1-2 left the store; batch 3 is kept for a redo.
     assert sorted(store.samples) == ["b3g0/0", "b3g0/1", "b3g1/0", "b3g1/1"]
-    assert sorted(pipeline.kept) == [3]
+    assert sorted(pipeline.recovery.kept) == [3]
     restored = [e for e in events if isinstance(e, ev.TrainingRestored)]
     assert [(e.agent, e.version, e.batch) for e in restored] == [("a", 2, 3)]
     for i, e in enumerate(x for x in events if isinstance(x, ev.Event)):

@@ -7,7 +7,7 @@ import pytest
 
 from flexmarl.controller.generation import output_of
 from flexmarl.controller.store import DROPPED, READY, ExperienceStore
-from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, request_seed, run_episode
+from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, ToolPool, request_seed, run_episode
 
 
 class FakeGenerator:
@@ -218,7 +218,7 @@ async def test_a_slow_blocking_tool_times_out_its_episode_without_stalling_the_o
 
     def ctx(i):
         c = make_ctx(store, gen, episode_id=f"e{i}")
-        c.tools = pool
+        c.tools = ToolPool(pool)
         return c
 
     t0 = time.monotonic()
