@@ -24,7 +24,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from flexmarl.runtime import bases
 from flexmarl.runtime import events as ev
@@ -38,6 +38,7 @@ from .checkpoints import Checkpointer, ResumePoint, continue_episodes, resume_co
 from .data import DataError, Dataset
 from .episodes import EpisodeProducer
 from .evaluation import Evaluator
+from .interfaces import Emit
 from .instances import Admission, RolloutInstances
 from .lora_targets import check_lora_targets
 from .metrics import MetricsLog
@@ -49,6 +50,7 @@ from .rejoin import Rejoin
 from .router import RolloutClient
 from .sample_log import SampleLog
 from .schedule import BatchSchedule
+from .server import ControllerServer
 from .store import ExperienceStore
 from .tokens import AgentTokenizer
 from .trackers import open_trackers
@@ -86,10 +88,10 @@ class Given:
     """What a run is handed from outside: the controller's server and event log, where it
     writes, and what it continues from."""
 
-    server: Any
+    server: ControllerServer
     run_dir: Path
-    emit: Callable[[ev.Event], Any]
-    flush_events: Callable[[], Any]
+    emit: Emit
+    flush_events: Callable[[], Awaitable[None]]
     resume: ResumePoint | None = None  # continue from this checkpoint, not the models' initial weights
     restarting: Callable[[str], bool] = lambda role: False  # a started worker of the role is on its way back
 

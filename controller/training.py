@@ -56,6 +56,8 @@ from flexmarl.runtime.config import ExperimentConfig, dump_toml
 from . import decisions
 from .checkpoints import ResumePoint, at_checkpoint, resume_placement
 from .components import Components, Given, build, resolve
+from .interfaces import Emit
+from .server import ControllerServer
 from .progress import SetupProgress
 
 log = logging.getLogger("flexmarl.training")
@@ -95,8 +97,8 @@ class TrainingRun:
     agent for the initial placement of rollout instances (decisions.expected_tokens, or a
     caller's rule: decisions.equal_demand gives every agent alike)."""
 
-    def __init__(self, cfg: ExperimentConfig, server: Any, run_dir: str | Path, *,
-                 emit: Callable[[ev.Event], Any], flush_events: Callable[[], Awaitable[None]],
+    def __init__(self, cfg: ExperimentConfig, server: ControllerServer, run_dir: str | Path, *,
+                 emit: Emit, flush_events: Callable[[], Awaitable[None]],
                  worker_ids: Callable[[str], list[str]], resume: ResumePoint | None = None,
                  restarting: Callable[[str], bool] = lambda role: False,
                  demand: Demand = decisions.expected_tokens) -> None:
