@@ -275,7 +275,7 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
 
 def time_replay(path: str, wall_s: float) -> dict[str, Any]:
     """`flexmarl replay --check` on the log, in this process, timed by parts."""
-    from flexmarl.controller import replay
+    from flexmarl.controller.records import replay
     from flexmarl.runtime.eventlog import read_events
 
     t0 = time.perf_counter()

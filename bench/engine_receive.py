@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import SHAPES, build_model  # noqa: E402
 
 from flexmarl.runtime import protocol as p  # noqa: E402
-from flexmarl.runtime.param_channel import ParamChannel  # noqa: E402
+from flexmarl.runtime.params.channel import ParamChannel  # noqa: E402
 
 
 def memcpy_s(nbytes: int, reps: int = 3) -> float:

@@ -43,7 +43,7 @@ from typing import Any
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import TransportConfig
-from flexmarl.runtime.param_types import Location, ParamHandle
+from flexmarl.runtime.params.types import Location, ParamHandle
 
 log = logging.getLogger("flexmarl.fake_cluster")
 

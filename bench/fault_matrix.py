@@ -234,7 +234,7 @@ UNEXPECTED = ("Traceback (most recent call last)", "never retrieved", "InvalidSt
 
 def judge(outcome: Outcome, run_dir: Path, steps: int) -> Outcome:
     """Fills what the event log and stderr say about the run."""
-    from flexmarl.controller import replay
+    from flexmarl.controller.records import replay
     from flexmarl.runtime import events as ev
 
     logged = events(run_dir)

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from flexmarl.controller.server import ControllerServer
+from flexmarl.controller.control.server import ControllerServer
 import fuzzing  # bench/fuzzing.py
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.aio import limit_threads, run_async

@@ -249,7 +249,7 @@ def run_mfu(args, shape: str, path: Path, device: torch.device) -> None:
 
 RECEIVER = r"""
 import json, sys, time, msgspec, torch
-from flexmarl.runtime.param_channel import Location, ParamChannel, ParamHandle, torch_dtype
+from flexmarl.runtime.params.channel import Location, ParamChannel, ParamHandle, torch_dtype
 device = torch.device(sys.argv[1])
 dst = None
 with ParamChannel(location=Location.here(str(device))) as channel:
@@ -339,7 +339,7 @@ def device_copy_s(nbytes: int, device: torch.device) -> float:
 ENGINE_WORKER = r"""
 import json, sys, time, types, msgspec, torch
 from transformers import AutoModelForCausalLM
-from flexmarl.runtime.param_channel import ParamHandle
+from flexmarl.runtime.params.channel import ParamHandle
 from flexmarl.workers.engine_receive import PublishedLoad, WeightReceiver
 handle = msgspec.msgpack.decode(bytes.fromhex(sys.stdin.readline()), type=ParamHandle)
 model_path, device = sys.argv[1], sys.argv[2]
@@ -553,7 +553,7 @@ def run_fsdp2(args, shape: str, path: Path, device: torch.device) -> None:
         step_s = time.perf_counter() - t0
         # inproc: CUDA IPC cannot open a handle in the process that made it.
         published = group(protocol.PublishWeights, agent="a", version=1, transport="inproc", targets=["r"])
-        from flexmarl.runtime.param_channel import ParamChannel
+        from flexmarl.runtime.params.channel import ParamChannel
         with ParamChannel() as receiver:
             got = receiver.receive(published.handle)
             # One Adam step moves each weight by lr * m / (sqrt(v) + eps), about +-lr wherever
@@ -638,8 +638,8 @@ def run_nccl_setup(args, device: torch.device) -> None:
         emit({**row, "ok": True, "skipped": "needs CUDA and CuPy"})
         return
     try:
-        from flexmarl.runtime import param_nccl
-        from flexmarl.runtime.param_types import NcclInfo
+        from flexmarl.runtime.params import nccl as param_nccl
+        from flexmarl.runtime.params.types import NcclInfo
 
         t0 = time.perf_counter()
         info = NcclInfo(param_nccl.new_unique_id(), 1, "check")

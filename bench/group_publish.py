@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import SHAPES, build_model  # noqa: E402
 
 from flexmarl.runtime import protocol as p  # noqa: E402
-from flexmarl.runtime.param_types import ParamChannelConfig  # noqa: E402
+from flexmarl.runtime.params.types import ParamChannelConfig  # noqa: E402
 from flexmarl.workers.trainer_group import TrainerGroupHandler  # noqa: E402
 
 MB = 1 << 20

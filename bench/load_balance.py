@@ -11,7 +11,7 @@ Two kinds, one invocation:
   the checker 64 (1 token). Each configuration starts from an equal split (2/2/2 of 6
   instances), whatever the configured weights would place.
 - sim: the same decision code (route_group, RolloutBalancer) driving simulated instances
-  on a virtual clock (controller/simulator.py) at scale.
+  on a virtual clock (controller/rollout/simulator.py) at scale.
 
 One JSON line per configuration and kind: config, kind, samples_per_s, speedup_vs_static,
 busy (per instance), busy_mean, reassignments, and what each kind adds (real: the run with
@@ -41,9 +41,9 @@ import tempfile
 import time
 
 from flexmarl.controller import Experiment
-from flexmarl.controller import balance_loop as rebalance
+from flexmarl.controller.rollout import balance_loop as rebalance
 from flexmarl.controller import decisions
-from flexmarl.controller.simulator import simulate, skewed_workload
+from flexmarl.controller.rollout.simulator import simulate, skewed_workload
 from flexmarl.controller.training import TrainingRun
 from flexmarl.controller.digit_chain import default_config
 from flexmarl.runtime.aio import limit_threads, setup_logging

@@ -72,7 +72,7 @@ async def by_http(ctx) -> int:
     uvicorn, Starlette): what `ctx.openai_client()` did before it went around the socket."""
     import openai
 
-    from flexmarl.controller.openai_api import OpenAIEndpoint
+    from flexmarl.controller.serving.openai_api import OpenAIEndpoint
 
     http = openai.DefaultAsyncHttpxClient(verify=False, event_hooks={"request": [OpenAIEndpoint.mark_branch]})
     client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.openai_api_key, http_client=http,
@@ -88,7 +88,7 @@ WAYS = {"chat": by_chat, "endpoint": by_endpoint, "http": by_http}
 
 async def one_round(training, way: str, round_no: int, episodes: int) -> tuple[int, int, float, float]:
     """(calls, samples, wall seconds, CPU seconds) of `episodes` episodes run at once."""
-    from flexmarl.controller.store import ExperienceStore
+    from flexmarl.controller.episodes.store import ExperienceStore
     from flexmarl.controller.workflow import run_episode
 
     store = ExperienceStore(["critic"])

@@ -48,7 +48,7 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from flexmarl.runtime.param_channel import ParamChannel, ParamHandle  # noqa: E402
+from flexmarl.runtime.params.channel import ParamChannel, ParamHandle  # noqa: E402
 
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
 

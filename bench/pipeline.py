@@ -30,7 +30,9 @@ import json
 import statistics
 import tempfile
 
-from flexmarl.controller import Experiment, replay
+from flexmarl.controller import Experiment
+
+from flexmarl.controller.records import replay
 from flexmarl.controller.digit_chain import default_config
 from flexmarl.runtime.aio import limit_threads, setup_logging
 from flexmarl.runtime import events as ev

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flexmarl.controller import replay
+from flexmarl.controller.records import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import LogTail, read_events
 

@@ -35,7 +35,7 @@ from safetensors.torch import load_file  # noqa: E402
 from flexmarl.controller import digit_chain  # noqa: E402
 from flexmarl.runtime import protocol as p  # noqa: E402
 from flexmarl.runtime.model_specs import TinyModelSpec  # noqa: E402
-from flexmarl.runtime.param_channel import ParamChannel  # noqa: E402
+from flexmarl.runtime.params.channel import ParamChannel  # noqa: E402
 from flexmarl.workers import models  # noqa: E402
 from flexmarl.workers.trainer import TrainerHandler  # noqa: E402
 from flexmarl.workers.trainer_group import TrainerGroupHandler  # noqa: E402

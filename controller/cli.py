@@ -106,12 +106,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     their message alone; `--debug` adds the traceback."""
     from flexmarl.runtime.eventlog import EventLogError
 
-    from .checkpoints import CheckpointError
-    from .data import DataError
-    from .failures import RunFailed
-    from .launcher import LaunchError, WorkerFailed
+    from .episodes.data import DataError
+    from .episodes.failures import RunFailed
+    from .episodes.user_code import WorkflowError
+    from .launch.launcher import LaunchError, WorkerFailed
     from .model_resolution import ModelBuildError, ModelError
-    from .user_code import WorkflowError
+    from .train.checkpoints import CheckpointError
 
     return (ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed,
             LaunchError, WorkerFailed, EventLogError)
@@ -121,7 +121,7 @@ def _stop_line(exc: BaseException, run_dir: Any, known: tuple[type[BaseException
     """The one line an error that stopped the run is shown as: a full disk anywhere says
     what to free and how to go on; a known error (also as a supervised task's cause) its
     message. None: an error FlexMARL does not expect (a bug), shown with its traceback."""
-    from .disk_full import chain, disk_full_line
+    from .records.disk_full import chain, disk_full_line
 
     line = disk_full_line(exc, run_dir)
     if line is not None:
@@ -136,7 +136,7 @@ def _report(exc: BaseException, debug: bool, line: str | None = None) -> None:
 
 
 def _resume_hint(run_dir: Any) -> str:
-    from .checkpoints import latest_checkpoint
+    from .train.checkpoints import latest_checkpoint
 
     point = latest_checkpoint(run_dir)
     return (f"`flexmarl run --resume {run_dir}` continues from the checkpoint of step {point.step}" if point
@@ -181,7 +181,7 @@ def _train(make_experiment, debug: bool = False) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serving import ServedAgents
+    from .serving.serve import ServedAgents
 
     overrides = list(args.set or []) + [f"openai.{key}={value!r}" if isinstance(value, str) else f"openai.{key}={value}"
                                         for key, value in (("host", args.host), ("port", args.port)) if value is not None]
@@ -263,7 +263,7 @@ def _create_keys(args: argparse.Namespace) -> None:
 
 
 def _print_samples(args: argparse.Namespace) -> None:
-    from .sample_log import format_samples, read_samples, selection_problem
+    from .records.sample_log import format_samples, read_samples, selection_problem
     try:
         rows = read_samples(args.run_dir)
     except FileNotFoundError as exc:
@@ -275,7 +275,7 @@ def _print_samples(args: argparse.Namespace) -> None:
 
 
 def _replay(args: argparse.Namespace) -> None:
-    from .replay import main as replay_main
+    from .records.replay import main as replay_main
     sys.exit(replay_main(args))
 
 

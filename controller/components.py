@@ -26,38 +26,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from flexmarl.runtime import bases
+from flexmarl.runtime import bases, protocol
 from flexmarl.runtime import events as ev
-from flexmarl.runtime import protocol
 from flexmarl.runtime.config import ExperimentConfig, to_dict
 from flexmarl.runtime.model_specs import has_tokenizer
 
-from .allocator import TrainerAllocator
-from .balance_loop import Rebalancer
-from .checkpoints import Checkpointer, ResumePoint, continue_episodes, resume_counters, run_state
-from .data import DataError, Dataset
-from .episodes import EpisodeProducer
-from .evaluation import Evaluator
+from .control.server import ControllerServer
+from .episodes.data import DataError, Dataset
+from .episodes.evaluation import Evaluator
+from .episodes.producer import EpisodeProducer
+from .episodes.schedule import BatchSchedule
+from .episodes.store import ExperienceStore
+from .episodes.tokens import AgentTokenizer
+from .episodes.user_code import load_workflow
+from .episodes.versions import SyncedVersions
 from .interfaces import Emit
-from .instances import Admission, RolloutInstances
 from .lora_targets import check_lora_targets
-from .metrics import MetricsLog
 from .model_resolution import TINY_PREFIX, check_model, resolve_model
-from .openai_api import OpenAIEndpoint
-from .pipeline import AgentPipeline
-from .progress import SetupProgress
-from .rejoin import Rejoin
-from .router import RolloutClient
-from .sample_log import SampleLog
-from .schedule import BatchSchedule
-from .server import ControllerServer
-from .store import ExperienceStore
-from .tokens import AgentTokenizer
-from .trackers import open_trackers
-from .trainer_lanes import TrainerLanes
-from .user_code import load_workflow
-from .versions import SyncedVersions
-from .weight_sync import WeightSync
+from .records.metrics import MetricsLog
+from .records.progress import SetupProgress
+from .records.sample_log import SampleLog
+from .records.trackers import open_trackers
+from .rollout.balance_loop import Rebalancer
+from .rollout.instances import Admission, RolloutInstances
+from .rollout.rejoin import Rejoin
+from .rollout.router import RolloutClient
+from .serving.openai_api import OpenAIEndpoint
+from .train.allocator import TrainerAllocator
+from .train.checkpoints import Checkpointer, ResumePoint, continue_episodes, resume_counters, run_state
+from .train.pipeline import AgentPipeline
+from .train.trainer_lanes import TrainerLanes
+from .train.weight_sync import WeightSync
 
 log = logging.getLogger("flexmarl.components")
 

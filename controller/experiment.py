@@ -35,10 +35,10 @@ from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
 
-from .checkpoints import CheckpointError, check_writable, resume_point
-from .launcher import LaunchedWorker, Launcher, RestartPolicy, WorkerFailed, WorkerRestarter, Workers
-from .launchers import LAUNCHERS
-from .server import ControllerServer
+from .control.server import ControllerServer
+from .launch.launcher import LaunchedWorker, Launcher, RestartPolicy, WorkerFailed, WorkerRestarter, Workers
+from .launch.launchers import LAUNCHERS
+from .train.checkpoints import CheckpointError, check_writable, resume_point
 from .training import TrainingRun
 
 log = logging.getLogger("flexmarl.controller")

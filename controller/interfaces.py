@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, Sequence
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
-from .registry import WorkerRegistry
+from .control.registry import WorkerRegistry
 
 # Where a component writes its events: the run's event log (and what watches it).
 Emit = Callable[[ev.Event], None]

@@ -46,19 +46,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from flexmarl.runtime import bases, protocol
 from flexmarl.runtime import events as ev
-from flexmarl.runtime import protocol
-from flexmarl.runtime import bases
-from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.aio import supervise
+from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml
 
 from . import decisions
-from .checkpoints import ResumePoint, at_checkpoint, resume_placement
 from .components import Components, Given, build, resolve
+from .control.server import ControllerServer
 from .interfaces import Emit
-from .server import ControllerServer
-from .progress import SetupProgress
+from .records.progress import SetupProgress
+from .train.checkpoints import ResumePoint, at_checkpoint, resume_placement
 
 log = logging.getLogger("flexmarl.training")
 

@@ -61,9 +61,9 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
 
-from .failures import RunFailed, user_frame, user_traceback
-from .generation import GroupOutput
-from .store import PENDING, ExperienceStore, SampleView
+from .episodes.failures import RunFailed, user_frame, user_traceback
+from .episodes.store import PENDING, ExperienceStore, SampleView
+from .rollout.generation import GroupOutput
 
 log = logging.getLogger("flexmarl.workflow")
 

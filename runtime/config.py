@@ -17,10 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from flexmarl.runtime.bases import (BASE_KEYS, LORA_KEYS, VLLM_LORA_RANKS, adapter_agents, required_slots,
-                                    versions_resident)
-from flexmarl.runtime.protocol import (EngineSettings, LossAggregation, LossOptions, ModelDtype,
-                                       OffPolicyCorrection, TrainerSettings, TrainPrecision)
+from .bases import BASE_KEYS, LORA_KEYS, VLLM_LORA_RANKS, adapter_agents, required_slots, versions_resident
+from .protocol import (
+    EngineSettings,
+    LossAggregation,
+    LossOptions,
+    ModelDtype,
+    OffPolicyCorrection,
+    TrainerSettings,
+    TrainPrecision,
+)
 
 
 class ConfigError(ValueError):
@@ -346,7 +352,7 @@ class EvalConfig:
 
 @dataclass
 class OpenAIConfig:
-    # The run's OpenAI-compatible endpoint (controller/openai_api.py): `model` names an
+    # The run's OpenAI-compatible endpoint (controller/serving/openai_api.py): `model` names an
     # agent, the API key names an episode. Off unless enabled.
     enabled: bool = False
     host: str = "127.0.0.1"  # any host but loopback requires a key (key_env)

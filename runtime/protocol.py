@@ -9,7 +9,7 @@ A message on the wire is a ZeroMQ multipart message:
 Each Struct names its direction in a comment (sender -> receiver). Decoding is typed:
 the kind byte picks the Struct, and msgspec validates field types, so a body that does
 not match its kind is an error, never a half-filled object. Nothing here ever uses pickle.
-Parameter handles (`ParamHandle`, from the torch-free runtime.param_types) travel typed
+Parameter handles (`ParamHandle`, from the torch-free runtime.params.types) travel typed
 inside the messages, so a worker gets them decoded and the controller never imports torch.
 
 This module knows nothing about sockets, workers or the controller's state.
@@ -24,7 +24,7 @@ from typing import Any, Literal, Sequence
 
 import msgspec
 
-from .param_types import ParamHandle
+from .params.types import ParamHandle
 
 # Bumped on every wire-format change: the controller refuses workers of another version.
 PROTOCOL_VERSION = 7

@@ -16,7 +16,7 @@ cannot stall messages to the others. libzmq bounds each frame (MAXMSGSIZE) but n
 number of frames in one message while it is being received; off loopback, CURVE keeps
 unknown peers from sending anything at all.
 
-Heartbeat timing and the registry of workers live above this layer (controller/server.py,
+Heartbeat timing and the registry of workers live above this layer (controller/control/server.py,
 workers/session.py); these classes only move frames.
 """
 

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from flexmarl.runtime.param_types import ParamChannelConfig
+from flexmarl.runtime.params.types import ParamChannelConfig
 from flexmarl.runtime.transport import is_loopback_host
 
 __all__ = ["channel_config", "address_towards"]

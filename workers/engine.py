@@ -52,8 +52,8 @@ import msgspec
 import torch
 
 from flexmarl.runtime.model_specs import has_tokenizer
+from flexmarl.runtime.params.shm_segments import CANCEL_PREFIX, LORA_PREFIX, memory_dir
 from flexmarl.runtime.protocol import EngineSettings
-from flexmarl.runtime.shm_segments import CANCEL_PREFIX, LORA_PREFIX, memory_dir
 
 from .engine_adapters import AdapterRegistry, ResidentAdapter
 from .engine_receive import TIED_EMBEDDING, TIED_HEAD, PublishedLoad, cancel_mark, raise_failures, without_tied_head
@@ -440,7 +440,7 @@ class VllmEngine:
         but the handle passes through vLLM's calls. Every worker receives and verifies
         before any loads, so a bad or cancelled transfer leaves every worker's weights as
         they were. Otherwise as `load_weights`; returns the seconds it took."""
-        from flexmarl.runtime.param_types import ParamChannelConfig
+        from flexmarl.runtime.params.types import ParamChannelConfig
 
         self._check_loadable([(spec.name, tuple(spec.shape)) for spec in handle.layout])
         start = time.perf_counter()

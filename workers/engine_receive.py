@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import torch
 
-from flexmarl.runtime.param_types import ParamChannelConfig, ParamHandle
+from flexmarl.runtime.params.types import ParamChannelConfig, ParamHandle
 
 log = logging.getLogger("flexmarl.engine")
 
@@ -137,7 +137,7 @@ class Outcome(msgspec.Struct, frozen=True, array_like=True):
 def raise_failures(outcomes: list[Outcome], what: str) -> list[Outcome]:
     """The outcomes, if all are done; else raises the first failure as its own kind where
     that kind says something to the caller (a bad transfer, a refused set)."""
-    from flexmarl.runtime.param_types import ParamTransferError
+    from flexmarl.runtime.params.types import ParamTransferError
 
     kinds = {"ParamTransferError": ParamTransferError, "ValueError": ValueError}
     for rank, outcome in enumerate(outcomes):
@@ -162,8 +162,8 @@ def _staged(worker: Any) -> dict[str, tuple[PublishedLoad, dict[str, torch.Tenso
 
 def _worker_channel(worker: Any, load: PublishedLoad) -> Any:
     """This worker's channel end, made on first use (again if the settings change)."""
-    from flexmarl.runtime.param_channel import ParamChannel
-    from flexmarl.runtime.param_types import Location
+    from flexmarl.runtime.params.channel import ParamChannel
+    from flexmarl.runtime.params.types import Location
 
     made = worker.__dict__.get("_flexmarl_channel")
     if made is None or made[0] != (load.config, load.cancel_dir):

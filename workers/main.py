@@ -11,9 +11,9 @@ import sys
 
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
-from flexmarl.runtime.param_types import ParamChannelConfig
+from flexmarl.runtime.params.shm_segments import remove_abandoned_segments, remove_orphan_engine_dirs
+from flexmarl.runtime.params.types import ParamChannelConfig
 from flexmarl.runtime.parent_watch import watch_parent
-from flexmarl.runtime.shm_segments import remove_abandoned_segments, remove_orphan_engine_dirs
 
 from .channel_config import channel_config
 from .precision import visible_devices

@@ -182,7 +182,7 @@ def gpu_total_bytes(index: int = 0) -> int:
         import pynvml
     except ImportError:
         return 0
-    from flexmarl.runtime.param_types import host_device
+    from flexmarl.runtime.params.types import host_device
 
     pinned = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     name = host_device(f"cuda:{index}", pinned).partition(":")[2]

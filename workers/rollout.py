@@ -175,7 +175,7 @@ class RolloutHandler(CommandHandler):
     def channel(self) -> Any:
         """This worker's end of the parameter channel, made on first use."""
         if self._channel is None:
-            from flexmarl.runtime.param_channel import ParamChannel
+            from flexmarl.runtime.params.channel import ParamChannel
             self._channel = ParamChannel(self.channel_config)
         return self._channel
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from flexmarl.runtime.param_stream import TensorStream
+from flexmarl.runtime.params.stream import TensorStream
 
 from .loss import STEP_SUM_FIELDS, StepSums
 
@@ -109,7 +109,7 @@ class SharedTrainingState:
         pointed at it; what the copy lacks (gradients between steps, optimizer state
         before the first step) starts at zero. On any error the bucket is freed, the model
         left as it was."""
-        from flexmarl.runtime.param_channel import ParamTransferError
+        from flexmarl.runtime.params.channel import ParamTransferError
 
         specs, _ = state_specs(model, optimizer)
         sent = {spec.name for spec in handle.layout}

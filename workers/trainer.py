@@ -158,7 +158,7 @@ def receive_training_state(channel: Any, handle: Any, model: Any, optimizer: Any
     one copy, verified on the way. On any error the half-filled model must be thrown away."""
     import torch
 
-    from flexmarl.runtime.param_channel import ParamTransferError, torch_dtype
+    from flexmarl.runtime.params.channel import ParamTransferError, torch_dtype
 
     params = dict(model.named_parameters())
     dst = {}
@@ -329,7 +329,7 @@ class TrainerHandler(CommandHandler):
         receivers know the tie), as a TensorStream: each is made (`_full_weight`) as the
         publish packs it, so a trainer serving bfloat16 from float32 weights, or a group
         gathering its shards, never holds a second copy of the set."""
-        from flexmarl.runtime.param_stream import TensorStream
+        from flexmarl.runtime.params.stream import TensorStream
 
         params = dict(state.model.named_parameters())
         return TensorStream({k: (dtype, tuple(v.shape)) for k, v in params.items()},
@@ -449,7 +449,7 @@ class TrainerHandler(CommandHandler):
         state = self._resident(msg.agent)
         if msg.version not in (state.version, protocol.CURRENT_VERSION):
             raise ValueError(f"asked to publish {state.name} version {msg.version}, holding {state.version}")
-        from flexmarl.runtime.param_stream import drain
+        from flexmarl.runtime.params.stream import drain
 
         dtype = state.placement.publish_dtype  # the compute dtype, not mixed precision's float32
         source = self._full_weights(state, dtype)  # made one by one as rank 0 packs them
@@ -483,7 +483,7 @@ class TrainerHandler(CommandHandler):
 
     def channel(self) -> Any:
         if self._channel is None:
-            from flexmarl.runtime.param_channel import ParamChannel
+            from flexmarl.runtime.params.channel import ParamChannel
             self._channel = ParamChannel(self.channel_config)
         return self._channel
 

@@ -291,7 +291,7 @@ def receive_shard(channel: Any, handle: Any, model: Any, optimizer: Any) -> Step
     sharding. On any error the model must be thrown away."""
     from torch.distributed.tensor import DTensor
 
-    from flexmarl.runtime.param_channel import ParamTransferError, torch_dtype
+    from flexmarl.runtime.params.channel import ParamTransferError, torch_dtype
 
     params = dict(model.named_parameters())
     dst = {}

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flexmarl.controller import replay
+from flexmarl.controller.records import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import read_events
 

@@ -4,8 +4,8 @@ use it: rollout workers that answer only when a test says so, and die when told.
 import asyncio
 import itertools
 
-from flexmarl.controller.registry import WorkerInfo, WorkerRegistry
-from flexmarl.controller.server import WorkerDied
+from flexmarl.controller.control.registry import WorkerInfo, WorkerRegistry
+from flexmarl.controller.control.server import WorkerDied
 from flexmarl.runtime import protocol
 
 

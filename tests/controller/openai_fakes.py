@@ -10,10 +10,10 @@ from typing import NamedTuple
 
 import pytest
 
-from flexmarl.controller.generation import output_of
-from flexmarl.controller.openai_api import OpenAIEndpoint
-from flexmarl.controller.store import ExperienceStore
-from flexmarl.controller.tokens import AgentTokenizer
+from flexmarl.controller.episodes.store import ExperienceStore
+from flexmarl.controller.episodes.tokens import AgentTokenizer
+from flexmarl.controller.rollout.generation import output_of
+from flexmarl.controller.serving.openai_api import OpenAIEndpoint
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext
 from flexmarl.runtime.config import OpenAIConfig
 

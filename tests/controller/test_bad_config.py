@@ -4,8 +4,8 @@ import pytest
 
 from flexmarl.controller import cli
 from flexmarl.controller.decisions import place_agents
+from flexmarl.controller.episodes.user_code import WorkflowError, load_workflow
 from flexmarl.controller.model_resolution import ModelError, resolve_model
-from flexmarl.controller.user_code import WorkflowError, load_workflow
 
 
 def test_unknown_built_in_model_is_named(tmp_path):

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from flexmarl.controller import decisions
-from flexmarl.controller.pipeline import train_sample
-from flexmarl.controller.generation import output_of
-from flexmarl.controller.store import DROPPED, ExperienceStore
-from flexmarl.controller.tokens import AgentTokenizer
+from flexmarl.controller.episodes.store import DROPPED, ExperienceStore
+from flexmarl.controller.episodes.tokens import AgentTokenizer
+from flexmarl.controller.rollout.generation import output_of
+from flexmarl.controller.train.pipeline import train_sample
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext
 from flexmarl.runtime import protocol
 

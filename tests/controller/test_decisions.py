@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexmarl.controller import decisions
-from flexmarl.controller.store import DROPPED, ExperienceStore
+from flexmarl.controller.episodes.store import DROPPED, ExperienceStore
 
 BATCH = 6  # trains version 5 into 6
 MicroBatchSize = decisions.MicroBatchSize

@@ -6,7 +6,7 @@ import pytest
 
 from flexmarl.controller import digit_chain
 from flexmarl.controller.digit_chain import DIGIT_IDS, PAD_ID, default_config, digit_of
-from flexmarl.controller.user_code import load_workflow
+from flexmarl.controller.episodes.user_code import load_workflow
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.model_specs import VLLM_CPU_HEAD_SIZES
 

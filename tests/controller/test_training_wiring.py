@@ -9,10 +9,10 @@ import types
 import pytest
 
 from flexmarl.controller import components, decisions
-from flexmarl.controller.checkpoints import ResumePoint
+from flexmarl.controller.control.registry import WorkerInfo, WorkerRegistry
+from flexmarl.controller.control.server import RemoteError, WorkerDied
 from flexmarl.controller.digit_chain import default_config
-from flexmarl.controller.registry import WorkerInfo, WorkerRegistry
-from flexmarl.controller.server import RemoteError, WorkerDied
+from flexmarl.controller.train.checkpoints import ResumePoint
 from flexmarl.controller.training import TrainingRun
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import load_config

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from flexmarl.controller.generation import output_of
-from flexmarl.controller.store import DROPPED, READY, ExperienceStore
+from flexmarl.controller.episodes.store import DROPPED, READY, ExperienceStore
+from flexmarl.controller.rollout.generation import output_of
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, ToolPool, request_seed, run_episode
 
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from flexmarl.controller.data import Dataset
-from flexmarl.controller.store import ExperienceStore
-from flexmarl.controller.tokens import AgentTokenizer
-from flexmarl.controller.user_code import load_workflow
+from flexmarl.controller.episodes.data import Dataset
+from flexmarl.controller.episodes.store import ExperienceStore
+from flexmarl.controller.episodes.tokens import AgentTokenizer
+from flexmarl.controller.episodes.user_code import load_workflow
+from flexmarl.controller.rollout.generation import output_of
 from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, run_episode
-from flexmarl.controller.generation import output_of
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.model_specs import import_job
 

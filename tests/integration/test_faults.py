@@ -19,10 +19,10 @@ import random
 import signal
 import subprocess
 
+import fault_matrix as fm
 import pytest
 
-import fault_matrix as fm
-from flexmarl.controller import replay
+from flexmarl.controller.records import replay
 from flexmarl.runtime import events as ev
 
 

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from flexmarl.controller.experiment import Experiment
-from flexmarl.controller.launcher import WorkerFailed
-from flexmarl.runtime import events as ev
-from flexmarl.runtime.aio import TaskEnded
-from flexmarl.runtime.eventlog import read_events
-from flexmarl.runtime import protocol as p
-from flexmarl.runtime.config import load_config
 from flexmarl.controller.digit_chain import default_config
+from flexmarl.controller.experiment import Experiment
+from flexmarl.controller.launch.launcher import WorkerFailed
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol as p
+from flexmarl.runtime.aio import TaskEnded
+from flexmarl.runtime.config import load_config
+from flexmarl.runtime.eventlog import read_events
 
 
 def _alive(pid: int) -> bool:

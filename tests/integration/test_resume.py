@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
+from killed_runs import kill_workers_of, trained_into
 from safetensors.torch import load_file
 
-from flexmarl.controller import replay
+from flexmarl.controller.records import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import read_events
-from killed_runs import kill_workers_of, trained_into
 
 pytestmark = pytest.mark.slow
 

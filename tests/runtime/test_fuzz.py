@@ -3,10 +3,10 @@
 import asyncio
 import logging
 
+import fuzzing  # bench/fuzzing.py
 import zmq
 
-from flexmarl.controller.server import ControllerServer
-import fuzzing  # bench/fuzzing.py
+from flexmarl.controller.control.server import ControllerServer
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.workers.session import CommandHandler, WorkerSession

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.param_types import Location, ParamHandle, TensorSpec
+from flexmarl.runtime.params.types import Location, ParamHandle, TensorSpec
 
 HANDLE = ParamHandle(transport="shm", agent="solver", version=1, key="solver-v1-42-abc", total_bytes=128,
                      layout=[TensorSpec("w", "bfloat16", (2, 3), 0, 12), TensorSpec("b", "float32", (), 64, 4)],
@@ -164,6 +164,7 @@ def test_the_protocol_and_its_handles_import_without_torch():
     import sys
 
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from flexmarl.runtime import protocol, param_types\n"
+            "from flexmarl.runtime import protocol\n"
+            "from flexmarl.runtime.params import types as param_types\n"
             "assert protocol.LoadWeights.__annotations__['handle'] in ('ParamHandle', param_types.ParamHandle)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

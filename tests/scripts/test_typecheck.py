@@ -35,10 +35,10 @@ def test_calls_that_break_a_collaborators_protocol_or_class_are_caught(tmp_path)
     if (ROOT / ".mypy_cache" / "cache").is_dir():  # a warm start: seconds instead of a cold run
         shutil.copytree(ROOT / ".mypy_cache" / "cache", tmp_path / ".mypy_cache" / "cache")
     # the server, through the WorkerCalls protocol; the allocator, by its class
-    break_call(tmp_path / "controller" / "allocator.py", "self.server.next_request_id()", "self.server.next_request_id(1)")
-    break_call(tmp_path / "controller" / "pipeline.py", "self.allocator.release(self.agent)",
+    break_call(tmp_path / "controller" / "train" / "allocator.py", "self.server.next_request_id()", "self.server.next_request_id(1)")
+    break_call(tmp_path / "controller" / "train" / "pipeline.py", "self.allocator.release(self.agent)",
                "self.allocator.release(self.agent, 1)")
     code, out = typecheck(tmp_path)
     assert code == 1, out
-    assert 'controller/allocator.py' in out and '"next_request_id" of "WorkerCalls"' in out, out
-    assert 'controller/pipeline.py' in out and '"release" of "TrainerAllocator"' in out, out
+    assert 'controller/train/allocator.py' in out and '"next_request_id" of "WorkerCalls"' in out, out
+    assert 'controller/train/pipeline.py' in out and '"release" of "TrainerAllocator"' in out, out

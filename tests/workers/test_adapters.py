@@ -95,7 +95,7 @@ def test_interleaved_micro_batches_of_two_agents_train_each_exactly_as_alone(bas
 
 
 def test_a_sync_moves_exactly_the_adapters_bytes(base_dir):
-    from flexmarl.runtime.param_channel import ParamChannel
+    from flexmarl.runtime.params.channel import ParamChannel
 
     h = TrainerHandler()
     init(h, "writer", base_dir), init(h, "critic", base_dir, seed=1)

@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 
-from flexmarl.runtime.param_channel import ParamChannel
+from flexmarl.runtime.params.channel import ParamChannel
 from flexmarl.workers import channel_config as cc
 
 

@@ -234,7 +234,7 @@ def test_a_published_load_passes_only_the_handle_through_vllms_calls_and_loads_t
     """The engine's worker receives the publication itself (engine_receive.py): what goes
     through collective_rpc is bytes and names, never a tensor, and the weights loaded are
     the published ones."""
-    from flexmarl.runtime.param_channel import ParamChannel
+    from flexmarl.runtime.params.channel import ParamChannel
 
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -266,7 +266,7 @@ def test_a_published_load_passes_only_the_handle_through_vllms_calls_and_loads_t
 def test_a_corrupt_publication_is_refused_by_the_worker_and_the_old_weights_stay(engine, reference):
     import msgspec
 
-    from flexmarl.runtime.param_channel import ParamChannel, ParamTransferError
+    from flexmarl.runtime.params.channel import ParamChannel, ParamTransferError
 
     prompt = prompts(1, seed=4)[0]
     before = run(engine, [("c0", prompt, 0)], temperature=0.0)["c0"]

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import torch
 
-from flexmarl.runtime.param_channel import ParamChannel, ParamChannelConfig
-from flexmarl.runtime.param_types import ParamTransferError
+from flexmarl.runtime.params.channel import ParamChannel, ParamChannelConfig
+from flexmarl.runtime.params.types import ParamTransferError
 from flexmarl.workers.engine_receive import (
     Outcome,
     PublishedLoad,

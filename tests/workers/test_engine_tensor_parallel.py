@@ -15,11 +15,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import msgspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from test_engine import SCHEDULE, SPEC, prompts, run  # noqa: E402
 
 from flexmarl.runtime import protocol as p  # noqa: E402
-from flexmarl.runtime.param_channel import ParamChannel, ParamTransferError  # noqa: E402
-
-from test_engine import SCHEDULE, SPEC, prompts, run  # noqa: E402
+from flexmarl.runtime.params.channel import ParamChannel, ParamTransferError  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")]

@@ -11,7 +11,7 @@ import torch
 
 from flexmarl.controller import digit_chain
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.param_channel import ParamChannel
+from flexmarl.runtime.params.channel import ParamChannel
 from flexmarl.workers import models
 from flexmarl.workers.engine import Completion
 from flexmarl.workers.rollout import RolloutHandler
@@ -83,7 +83,7 @@ class PublishedLoadRecorder:
 def test_whole_weights_go_to_the_engine_as_a_handle_with_the_rank_and_channel_settings():
     """The rollout process receives no tensors of whole weights: the engine's workers do
     (tests/workers/test_engine_receive.py), each at the rank the controller gave plus its own."""
-    from flexmarl.runtime.param_types import ParamChannelConfig
+    from flexmarl.runtime.params.types import ParamChannelConfig
 
     config = ParamChannelConfig(timeout_s=5.0)
     handler = RolloutHandler(config)

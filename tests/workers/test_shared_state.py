@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flexmarl.controller import digit_chain
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.param_types import ParamChannelConfig
+from flexmarl.runtime.params.types import ParamChannelConfig
 from flexmarl.workers import models
 from flexmarl.workers.trainer import TrainerHandler, training_state
 
@@ -144,8 +144,8 @@ def test_a_parked_agents_checkpoint_is_written_from_the_state_its_trainer_keeps(
         assert (tmp_path / "parked" / name).read_bytes() != b""
     a, b = load_file(str(tmp_path / "resident" / "model.safetensors")), load_file(str(tmp_path / "parked" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    from flexmarl.runtime.param_channel import ParamChannel
-    from flexmarl.controller.checkpoints import read_state
+    from flexmarl.controller.train.checkpoints import read_state
+    from flexmarl.runtime.params.channel import ParamChannel
 
     private = trained(PrivateStateTrainer(), model_dir, pending=False)
     private._execute(p.SaveCheckpoint(8, "planner", str(tmp_path / "private"), full_state=True))
@@ -162,7 +162,7 @@ def test_a_parked_agents_checkpoint_is_written_from_the_state_its_trainer_keeps(
 
 
 def test_a_checkpoints_training_state_is_read_straight_into_a_new_shared_state_and_trains_on(model_dir, tmp_path):
-    from flexmarl.controller.checkpoints import read_state
+    from flexmarl.controller.train.checkpoints import read_state
 
     h = trained(TrainerHandler(), model_dir, pending=False)
     h._execute(p.SaveCheckpoint(5, "planner", str(tmp_path / "ck"), full_state=True))

@@ -12,7 +12,7 @@ import torch
 
 from flexmarl.controller import digit_chain
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.param_channel import ParamHandle, ParamTransferError
+from flexmarl.runtime.params.channel import ParamHandle, ParamTransferError
 from flexmarl.workers import models
 from flexmarl.workers.trainer import TrainerHandler, training_state
 
@@ -122,7 +122,7 @@ def test_a_corrupted_parked_copy_is_refused_and_nothing_is_trained_on_it(model_d
 
 
 def test_weights_are_published_over_shm_where_they_live_and_the_next_step_ends_the_publication(model_dir):
-    from flexmarl.runtime.param_channel import ParamChannel
+    from flexmarl.runtime.params.channel import ParamChannel
 
     shm, plain = trained_handler(model_dir), trained_handler(model_dir)
     for h in (shm, plain):
@@ -299,7 +299,7 @@ def test_every_trainer_command_is_queued_and_dispatched_through_one_table(model_
 
 
 def test_a_full_checkpoint_resumes_on_another_trainer_with_weights_and_optimizer_state(model_dir, tmp_path):
-    from flexmarl.controller.checkpoints import ResumePoint
+    from flexmarl.controller.train.checkpoints import ResumePoint
 
     h = trained_handler(model_dir)
     h._execute(p.OptimStep(5, "planner", 3, samples=8))  # between steps: nothing accumulated
@@ -373,7 +373,7 @@ def test_a_checkpoint_on_a_full_disk_fails_clearly_and_leaves_nothing(model_dir,
 
 
 def test_an_nccl_publish_hands_the_channel_the_controllers_group_and_its_receiver_count(model_dir):
-    from flexmarl.runtime.param_channel import ParamChannel, ParamChannelConfig
+    from flexmarl.runtime.params.channel import ParamChannel, ParamChannelConfig
 
     class RecordingChannel(ParamChannel):
         """The real channel, over tcp (no GPU here), recording what nccl would have been given."""
@@ -447,7 +447,7 @@ def test_a_received_state_puts_gradients_and_optimizer_state_beside_their_parame
     counter on the CPU. A meta-device model stands in for a GPU one here."""
     import types
 
-    from flexmarl.runtime.param_types import TensorSpec
+    from flexmarl.runtime.params.types import TensorSpec
     from flexmarl.workers.trainer import receive_training_state
 
     model = torch.nn.Linear(2, 3, bias=False, device="meta")

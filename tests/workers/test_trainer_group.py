@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from flexmarl.controller import digit_chain
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.param_channel import ParamChannel
+from flexmarl.runtime.params.channel import ParamChannel
 from flexmarl.workers import models
 from flexmarl.workers.trainer import TrainerHandler
 from flexmarl.workers.trainer_group import TrainerGroupHandler

@@ -1,0 +1,1 @@
+"""Starting the workers: local processes or Ray actors, restarts of those that die."""

@@ -1,0 +1,149 @@
+"""Re-driving the controller's decisions from an event log (`flexmarl replay --check`).
+
+`redrive(events)` feeds the logged inputs (groups opened, the versions that generated
+each sample, rewards, demand observations) to the very code the controller ran: a fresh
+`ExperienceStore` cut by its `form_micro_batches` and `decisions.step_due`, and a
+`RolloutBalancer` observing the logged demand. It returns the decision events that code
+makes, for replay to compare with the ones the log recorded.
+
+It does not read files or know how decisions are carried out.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.config import RouterConfig
+
+from .. import decisions
+from ..episodes.store import ExperienceStore, logprob_array, token_array
+from ..rollout.balance_rules import AgentDemand, RolloutBalancer
+from .lineage import lineage
+
+# A re-driven sample's outputs: none (the log keeps versions, not tokens); one empty array for all.
+NO_IDS, NO_LOGPROBS = token_array(()), logprob_array(())
+
+# The decision events the re-drive derives; replay compares these, in order.
+REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
+
+
+def redrive(log: list) -> list:
+    """Recomputes the training decisions (which samples form each micro-batch, which
+    groups the staleness bound drops, each optimizer step) and the level 1 balancer's
+    moves from the logged inputs, by calling the same code the controller ran: an
+    `ExperienceStore` is refilled from the logged groups, versions and rewards, and
+    `form_micro_batches` / `step_due` cut it; `RolloutBalancer.observe` sees the logged
+    demand. `flexmarl replay --check` compares the result with the decisions the log
+    recorded; ordering across agents is taken from the log, since it depends on timing,
+    not on the rules."""
+    log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
+    start = next(e for e in log if type(e) is ev.RunStarted)
+    config = tomllib.loads(start.config_toml)
+    store = _refilled_store(log, start.agents)
+    made = _redrive_training(log, store, start.agents, config["pipeline"], start.max_staleness)
+    return _in_log_order(log, made, _redrive_balancer(log, config["router"]))
+
+
+def _refilled_store(log: list, agents: list[str]) -> ExperienceStore:
+    """An `ExperienceStore` fed the logged groups, versions and rewards, in the order the
+    controller saw them."""
+    store = ExperienceStore(agents)
+    for e in log:
+        kind = type(e)
+        if kind is ev.GroupOpened:
+            store.open_group(e.agent, e.group_id, [], len(e.members()), e.batch)
+        elif kind is ev.RequestsCompleted:
+            for sid, version in zip(e.samples(), e.sample_versions()):
+                sample = store.samples.get(sid)
+                if sample is not None and sample.output_ids is None:
+                    store.record_output(sid, NO_IDS, NO_LOGPROBS, [version])  # the versions are what decide
+        elif kind is ev.GroupComplete:
+            members = store.groups[e.group_id].sample_ids
+            for sid, reward in zip(members, e.rewards):
+                store.set_reward(sid, reward)
+            store.groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
+    return store
+
+
+def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipeline: dict,
+                      k: int) -> dict[str, list]:
+    """Per agent, the micro-batches and steps the rules make of `store`, in order.
+
+    Every agent steps every batch up to the last batch the log reached, but a step the
+    log never took (`open_steps`): its micro-batches are every one the rules would cut
+    from what was ready when the log ends; the log's must be the first of them."""
+    size = decisions.MicroBatchSize(pipeline["micro_batch"], pipeline.get("micro_batch_tokens", 0))
+    # Which trainer runs a step is the allocator's choice, not re-derived here.
+    step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is ev.OptimizerStep}
+    made: dict[str, list] = {a: [] for a in agents}
+    unfinished = open_steps(log)
+    for batch in range(1, last_batch(log) + 1):
+        for agent in agents:
+            trained = 0
+            for mb in store.form_micro_batches(agent, batch, size, True, False, k):
+                trained += len(mb)
+                made[agent].append(ev.MicroBatchFormed(agent, "", batch, [s.sample_id for s in mb],
+                                                       [s.min_version for s in mb]))
+            assert decisions.step_due(True, store.ready_samples(agent, batch))
+            if (agent, batch) not in unfinished:
+                made[agent].append(ev.OptimizerStep(agent, step_trainer.get((agent, batch), ""), batch, trained))
+    return made
+
+
+def _in_log_order(log: list, made: dict[str, list], moves: list) -> list:
+    """The agents' decisions and the balancer's moves interleaved in the order the log
+    shows (timing), each one's own order kept."""
+    cursor = {a: 0 for a in made}
+    result, next_move = [], iter(moves)
+    redriven = frozenset(REDRIVEN_TYPES)
+    for e in log:
+        kind = type(e)
+        if kind not in redriven:
+            continue
+        if kind is ev.RebalanceDecided:
+            move = next(next_move, None)
+            if move is not None:
+                result.append(move)
+        elif cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
+            result.append(made[e.agent][cursor[e.agent]])
+            cursor[e.agent] += 1
+    for agent, items in made.items():
+        result += items[cursor[agent]:]
+    return result + list(next_move)
+
+
+def last_batch(log: list) -> int:
+    """The last global batch the log reached (a group opened, or a step taken)."""
+    return max([e.batch for e in log if isinstance(e, ev.GroupOpened)]
+               + [e.version for e in log if isinstance(e, ev.OptimizerStep)], default=0)
+
+
+def open_steps(log: list) -> set[tuple[str, int]]:
+    """(agent, batch) of each step the run reached but never took: it stopped mid-step
+    (an error, a crash, Ctrl-C). `log` is a lineage (what a resume undid is cut)."""
+    start = next((e for e in log if isinstance(e, ev.RunStarted)), None)
+    if start is None:
+        return set()
+    stepped = {(e.agent, e.version) for e in log if isinstance(e, ev.OptimizerStep)}
+    return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped}
+
+
+def _redrive_balancer(log: list, router: dict) -> list:
+    """The level 1 balancer's moves for the logged demand observations, in order."""
+    balancer, moves = None, []
+    for e in log:
+        kind = type(e)
+        if kind is ev.RunResumed:
+            balancer = None  # the resumed controller's balancer starts afresh
+        if kind is not ev.DemandObserved:
+            continue
+        if balancer is None:  # built as the rebalancer builds it, from the logged config
+            balancer = RolloutBalancer.from_config(RouterConfig(**router))
+        balancer.move_cost_s = e.move_cost_s
+        snapshot = {a: AgentDemand(e.outstanding[a], e.dispatched_tokens[a], e.busy_s.get(a, {}))
+                    for a in e.outstanding}
+        move = balancer.observe(snapshot, e.now)
+        if move is not None:
+            moves.append(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
+    return moves

@@ -1,0 +1,715 @@
+"""`flexmarl replay`: what a run did, read back from its event log.
+
+    flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
+
+- ``summarize(events)``: every worker's busy and idle time, per-agent throughput and
+  prefix-cache hits (the share of prompt tokens the engines found cached, first turns and
+  later turns of conversations), the staleness histogram, and sample accounting (generated = trained + dropped + in flight,
+  per agent and per generating version). Accounting that does not reconcile, or a sample
+  past the staleness bound, is an error: ``main`` prints it and exits 1.
+- ``trace_json(summary)``: a Chrome / Perfetto trace, one named track per worker and agent.
+- ``write_plot(summary, path)``: a timeline of busy spans and utilization per worker.
+- ``check(events)``: re-drives the decision code (redrive.py) from the logged
+  inputs and reports the first decision that differs from the log.
+
+Busy means: a rollout worker while it has a dispatched request not yet completed, or while
+it loads weights; a trainer while it runs a micro-batch or publishes weights.
+
+Works on the event list alone: it knows no sockets, processes or config files, and it
+never trusts the log to be consistent (that is what it checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from flexmarl.runtime.eventlog import EventLogVersionError, read_events
+from flexmarl.runtime.events import (
+    PROMPT_FIELDS,
+    AllocationChanged,
+    BatchStarted,
+    Event,
+    GroupComplete,
+    GroupOpened,
+    MicroBatchFormed,
+    MicroBatchTrained,
+    OptimizerStep,
+    RequestsCompleted,
+    RequestsDispatched,
+    RunResumed,
+    RunStarted,
+    SamplesDropped,
+    WeightSyncFinished,
+    WeightSyncStarted,
+    WorkerDied,
+    WorkerJoined,
+    WorkerRestarted,
+    without_stamp,
+)
+from flexmarl.runtime.staleness import lag as staleness_lag
+from flexmarl.runtime.staleness import too_stale
+
+from .lineage import lineage  # noqa: F401 (also for callers of replay)
+from .redrive import REDRIVEN_TYPES, open_steps
+from .redrive import redrive as redrive_decisions
+
+GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
+
+
+@dataclass
+class Span:
+    start: float
+    end: float
+    kind: str  # GENERATE | TRAIN | SYNC | STEP | ITERATION
+    name: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class WorkerUsage:
+    worker: str
+    role: str
+    start: float  # joined (or first seen)
+    end: float  # died, or the end of the log
+    spans: list[Span] = field(default_factory=list)
+    restarts: int = 0  # times the launcher started its process again
+
+    @property
+    def busy_s(self) -> float:
+        return sum(b - a for a, b in _union(self.spans, self.start, self.end))
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.end - self.start - self.busy_s)
+
+    @property
+    def utilization(self) -> float:
+        life = self.end - self.start
+        return self.busy_s / life if life > 0 else 0.0
+
+
+@dataclass
+class AgentStats:
+    agent: str
+    samples_trained: int = 0  # sum of OptimizerStep.samples: what went into the weights
+    micro_batches: int = 0
+    optimizer_steps: int = 0
+    version: int = 0  # the last version an optimizer step produced
+    rewards: list[float] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)  # iterations and weight syncs
+    # Prompt tokens of its generated samples and those found in the prefix cache, first
+    # turns and later turns (RequestsCompleted's fields of those names).
+    prompts: collections.Counter = field(default_factory=collections.Counter)
+
+    def hit_rate(self, later: bool = False) -> float | None:
+        prompt = self.prompts["turn_prompt_tokens" if later else "prompt_tokens"]
+        return self.prompts["turn_cached_tokens" if later else "cached_tokens"] / prompt if prompt else None
+    swap_ins: int = 0  # training state loaded from a copy a trainer parked
+    swap_wait_s: float = 0.0  # seconds its ready work waited on those swap-ins
+
+    @property
+    def swap_ins_per_step(self) -> float:
+        return self.swap_ins / self.optimizer_steps if self.optimizer_steps else 0.0
+
+
+@dataclass
+class AccountRow:
+    agent: str
+    version: int | None  # the generating policy version; None: not generated yet
+    generated: int = 0
+    trained: int = 0  # with multiplicity, so a double-trained sample breaks the sum
+    dropped: int = 0
+    in_flight: int = 0
+    total: bool = False  # the agent's row over all versions
+
+    @property
+    def reconciles(self) -> bool:
+        return self.generated == self.trained + self.dropped + self.in_flight
+
+
+@dataclass
+class Summary:
+    run: RunStarted | None
+    t_start: float
+    t_end: float
+    events: int
+    workers: dict[str, WorkerUsage]
+    agents: dict[str, AgentStats]
+    staleness: dict[str, collections.Counter]  # agent -> lag -> samples
+    accounting: list[AccountRow]  # per agent and version, then one total row per agent
+    errors: list[str]
+    resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
+    training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
+    open_steps: dict[str, list[int]] = field(default_factory=dict)  # agent -> steps begun, never taken
+
+    @property
+    def wall_s(self) -> float:
+        return self.t_end - self.t_start
+
+
+# ---------------------------------------------------------------- summary
+
+
+def summarize(events: list[Event]) -> Summary:
+    """Everything the log says about the run. Never raises on inconsistent logs: the
+    inconsistencies are in ``errors`` (the table is what helps find them)."""
+    run = next((e for e in events if type(e) is RunStarted), None)
+    t_start = run.t if run else (events[0].t if events else 0.0)
+    t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
+    workers = _worker_usage(events, t_start, t_end)
+    counted = lineage(events)  # without what a resume undid
+    agents = _agent_stats(counted, run)
+    rows, staleness, errors = _accounting(counted, run)
+    resumed_at = [e.step for e in events if type(e) is RunResumed]
+    unfinished: dict[str, list[int]] = {}
+    for agent, batch in sorted(open_steps(counted)):
+        unfinished.setdefault(agent, []).append(batch)
+    return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
+                   training_seconds(events), unfinished)
+
+
+def training_seconds(events: list[Event]) -> float:
+    """Seconds spent training: from each controller process's first `BatchStarted` to its
+    last event (the next `RunResumed` ends a crashed one), so model builds, engine starts
+    and the time a crashed run lay dead are not counted."""
+    total, began, last = 0.0, None, None
+    for e in events:
+        kind = type(e)
+        if kind is RunResumed:
+            if began is not None:
+                total += last - began
+            began = None
+        elif kind is BatchStarted and began is None:
+            began = e.t
+        last = e.t
+    return total + (last - began if began is not None else 0.0)
+
+
+def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
+    usage = _UsageReader(t_start, t_end)
+    last_t = t_start
+    for e in events:
+        if type(e) not in _USAGE_EVENTS:  # most of a long log: groups opened and completed
+            last_t = e.t
+            continue
+        if isinstance(e, RunResumed):
+            usage.resumed(last_t)
+        last_t = e.t
+        usage.read(e)
+    for (name, _, _), d in usage.outstanding.items():  # still generating when the log ends
+        usage.workers[name].spans.append(_request_span(d, t_end))
+    return usage.workers
+
+
+class _UsageReader:
+    """What `_worker_usage` keeps while it reads the log: each worker's spans, and what is
+    under way (requests, weight syncs)."""
+
+    def __init__(self, t_start: float, t_end: float) -> None:
+        self.t_start, self.t_end = t_start, t_end
+        self.workers: dict[str, WorkerUsage] = {}
+        # (worker, request, agent): a message's groups of an agent
+        self.outstanding: dict[tuple[str, int, str], RequestsDispatched] = {}
+        self.sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
+        self.trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
+
+    def worker(self, name: str, role: str, t: float) -> WorkerUsage:
+        if name not in self.workers:
+            self.workers[name] = WorkerUsage(name, role, t, self.t_end)
+        return self.workers[name]
+
+    def resumed(self, last_t: float) -> None:
+        """The controller crashed at its last event (`last_t`): what it had under way ended
+        there. Its workers went with it; those of the resumed run join again."""
+        for (name, _, _), d in self.outstanding.items():
+            self.workers[name].spans.append(_request_span(d, last_t, lost=True))
+        for w in self.workers.values():
+            w.end = min(w.end, max(last_t, w.start))
+        self.outstanding.clear()
+        self.sync_started.clear()
+
+    def read(self, e: Event) -> None:
+        if isinstance(e, WorkerJoined):
+            w = self.worker(e.worker, e.role, e.t)
+            w.role, w.end = e.role, self.t_end  # a worker back after dying: its downtime is idle
+        elif isinstance(e, WorkerDied):
+            w = self.worker(e.worker, "?", self.t_start)
+            w.end = e.t
+            for key in [k for k in self.outstanding if k[0] == e.worker]:
+                w.spans.append(_request_span(self.outstanding.pop(key), e.t, lost=True))
+        elif isinstance(e, WorkerRestarted):
+            self.worker(e.worker, e.role, e.t).restarts = e.restarts
+        elif isinstance(e, RequestsDispatched):
+            self.worker(e.worker, "rollout", e.t)
+            self.outstanding[(e.worker, e.request_id, e.agent)] = e
+        elif isinstance(e, RequestsCompleted):
+            d = self.outstanding.pop((e.worker, e.request_id, e.agent), None)
+            if d is not None:
+                self.worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
+        else:
+            self._read_training(e)
+
+    def _read_training(self, e: Event) -> None:
+        if isinstance(e, MicroBatchTrained):
+            span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
+                        {"agent": e.agent, "version": e.version, "samples": e.n})
+            self.worker(e.trainer, "trainer", span.start).spans.append(span)
+            self.trainer_of[e.agent] = e.trainer
+        elif isinstance(e, OptimizerStep):
+            self.worker(e.trainer, "trainer", e.t).spans.append(
+                Span(e.t, e.t, STEP, f"{e.agent} step -> v{e.version}", {"samples": e.samples}))
+            self.trainer_of[e.agent] = e.trainer
+        elif isinstance(e, WeightSyncStarted):
+            self.sync_started[(e.agent, e.version)] = e
+        elif isinstance(e, WeightSyncFinished):
+            started = self.sync_started.pop((e.agent, e.version), None)
+            start = started.t if started else e.t - e.seconds
+            span = Span(start, e.t, SYNC, f"{e.agent} weights v{e.version}", {"bytes": e.nbytes})
+            publishers = [self.trainer_of[e.agent]] if e.agent in self.trainer_of else []
+            for name in publishers + (started.targets if started else []):
+                self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
+
+
+# The events _worker_usage reads (every other type only moves the clock).
+_USAGE_EVENTS = frozenset({RunResumed, WorkerJoined, WorkerDied, WorkerRestarted, RequestsDispatched, RequestsCompleted,
+                           MicroBatchTrained, OptimizerStep, WeightSyncStarted, WeightSyncFinished})
+
+
+def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
+                  lost: bool = False) -> Span:
+    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids) or sum(d.parts.sizes),
+            "prompt_tokens": d.tokens}
+    if tokens is not None:
+        args["output_tokens"] = tokens
+    if lost:
+        args["lost"] = True  # the worker died with it outstanding
+    return Span(d.t, end, GENERATE, f"{d.agent} generate", args)
+
+
+def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, AgentStats]:
+    agents = {a: AgentStats(a) for a in (run.agents if run else [])}
+    iteration_start: dict[tuple[str, int], float] = {}
+    sync_start: dict[tuple[str, int], float] = {}
+    for e in events:
+        if type(e) not in _AGENT_EVENTS:
+            continue
+        agent = getattr(e, "agent", None)
+        if agent is None:
+            continue
+        stats = agents.setdefault(agent, AgentStats(agent))
+        if isinstance(e, MicroBatchFormed):
+            iteration_start.setdefault((agent, e.version), e.t)
+        elif isinstance(e, MicroBatchTrained):
+            stats.micro_batches += 1
+        elif isinstance(e, OptimizerStep):
+            stats.samples_trained += e.samples
+            stats.optimizer_steps += 1
+            stats.version = max(stats.version, e.version)
+            start = iteration_start.pop((agent, e.version), e.t)
+            stats.spans.append(Span(start, e.t, ITERATION, f"train -> v{e.version}",
+                                    {"samples": e.samples, "trainer": e.trainer}))
+        elif isinstance(e, GroupComplete):
+            stats.rewards.extend(e.rewards)
+        elif isinstance(e, RequestsCompleted):
+            for name, count in zip(PROMPT_FIELDS, e.prompt_counts()):
+                stats.prompts[name] += count
+        elif isinstance(e, AllocationChanged) and e.kind == "trainer" and e.swap == "in":
+            stats.swap_ins += 1
+            stats.swap_wait_s += e.waited_s
+        elif isinstance(e, WeightSyncStarted):
+            sync_start[(agent, e.version)] = e.t
+        elif isinstance(e, WeightSyncFinished):
+            start = sync_start.pop((agent, e.version), e.t - e.seconds)
+            stats.spans.append(Span(start, e.t, SYNC, f"sync v{e.version}", {"bytes": e.nbytes}))
+    return agents
+
+
+# The events _agent_stats reads.
+_AGENT_EVENTS = frozenset({MicroBatchFormed, MicroBatchTrained, OptimizerStep, GroupComplete, RequestsCompleted,
+                           WeightSyncStarted, WeightSyncFinished, AllocationChanged})
+
+
+@dataclass
+class _Tally:
+    """What one pass over the log counts per sample (`_tally`), with multiplicity."""
+
+    owner: dict[str, str] = field(default_factory=dict)  # sample -> agent whose group opened it
+    made_by: dict[str, int] = field(default_factory=dict)  # sample -> oldest policy version that generated it
+    trained: collections.Counter = field(default_factory=collections.Counter)
+    unstepped: collections.Counter = field(default_factory=collections.Counter)  # in micro-batches of a step not logged
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    trained_by: dict[str, str] = field(default_factory=dict)
+    dropped_by: dict[str, str] = field(default_factory=dict)
+    staleness: dict[str, collections.Counter] = field(default_factory=dict)  # agent -> lag histogram
+    stale: collections.Counter = field(default_factory=collections.Counter)  # agent -> trained outside the bound
+    errors: list[str] = field(default_factory=list)
+
+
+def _accounting(events: list[Event], run: RunStarted | None):
+    """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
+    so that every way of breaking exactly-once also breaks generated = trained + dropped
+    + in flight; the error then says which way it broke. A sample is trained once the
+    optimizer step of its micro-batch is logged; in a micro-batch whose step is not (the
+    run stopped mid-step), it is in flight: read, never committed to the weights. Written
+    for logs of millions of samples: a sample costs a few dictionary operations, done in
+    bulk where they can be."""
+    bound = run.max_staleness if run is not None else None
+    t = _tally(events, bound)
+    rows = _account_rows(t)
+    totals: dict[str, AccountRow] = {}
+    for r in rows.values():
+        total = totals.setdefault(r.agent, AccountRow(r.agent, None, total=True))
+        total.generated += r.generated
+        total.trained += r.trained
+        total.dropped += r.dropped
+        total.in_flight += r.in_flight
+    errors = t.errors + _accounting_errors(t, totals, bound)
+    ordered = sorted(rows.values(), key=lambda r: (r.agent, r.version is None, r.version or 0))
+    ordered += [total for _, total in sorted(totals.items())]
+    return ordered, t.staleness, errors
+
+
+def _tally(events: list[Event], bound: int | None) -> _Tally:
+    """One pass over the log: who opened, generated, trained and dropped each sample."""
+    t = _Tally()
+    stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
+    for e in events:
+        kind = type(e)
+        if kind is GroupOpened:
+            members = e.members()
+            if not t.owner.keys().isdisjoint(members):
+                t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
+                             for sid in members if sid in t.owner]
+                members = [sid for sid in members if sid not in t.owner]
+            t.owner.update(dict.fromkeys(members, e.agent))
+        elif kind is RequestsCompleted:
+            made = dict(zip(e.samples(), e.sample_versions()))
+            for sid in made.keys() & t.made_by.keys():  # generated again (re-issued): the oldest counts
+                made[sid] = min(made[sid], t.made_by[sid])
+            t.made_by.update(made)
+        elif kind is MicroBatchFormed:
+            _tally_micro_batch(t, e, (e.agent, e.version) in stepped, bound)
+        elif kind is SamplesDropped:
+            t.dropped.update(e.sample_ids)
+            t.dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
+    return t
+
+
+def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int | None) -> None:
+    if len(e.min_versions) != len(e.sample_ids):
+        t.errors.append(f"agent {e.agent!r}: micro-batch at seq {e.seq} has {len(e.sample_ids)} "
+                        f"samples but {len(e.min_versions)} versions")
+    (t.trained if stepped else t.unstepped).update(e.sample_ids)
+    t.trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
+    t.made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in t.made_by})
+    lags = [staleness_lag(e.version - 1, [v]) for v in e.min_versions]
+    t.staleness.setdefault(e.agent, collections.Counter()).update(lags)
+    t.stale[e.agent] += sum(1 for lag, v in zip(lags, e.min_versions)
+                            if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)))
+
+
+def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
+    """The rows, keyed (agent, the version that made the sample)."""
+    made = t.made_by.get
+    generated = collections.Counter(zip(t.owner.values(), map(made, t.owner)))
+    in_flight = collections.Counter((agent, made(sid)) for sid, agent in t.owner.items()
+                                    if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
+    for sid, n in t.unstepped.items():
+        in_flight[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
+    trained_rows: collections.Counter = collections.Counter()
+    for sid, n in t.trained.items():
+        trained_rows[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
+    dropped_rows: collections.Counter = collections.Counter()
+    for sid, n in t.dropped.items():
+        dropped_rows[t.owner.get(sid) or t.dropped_by[sid], made(sid)] += n
+    return {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
+            for k in {**generated, **trained_rows, **dropped_rows, **in_flight}}
+
+
+def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | None) -> list[str]:
+    """Each agent whose samples do not reconcile (and why), and each that trained a sample
+    outside the staleness bound."""
+    errors = []
+    formed = t.trained + t.unstepped  # sent to a trainer, stepped or not
+    why = _why_unreconciled(t.owner, formed, t.dropped, t.trained_by, t.dropped_by)
+    for agent, total in sorted(totals.items()):
+        if not total.reconciles or why.get(agent):
+            errors.append(f"agent {agent!r}: samples do not reconcile: generated {total.generated} != "
+                          f"trained {total.trained} + dropped {total.dropped} + in flight {total.in_flight}"
+                          + (f" ({'; '.join(why[agent])})" if why.get(agent) else ""))
+    for agent, n in sorted(t.stale.items()):
+        if n:
+            errors.append(f"agent {agent!r}: {n} trained sample(s) outside the staleness bound "
+                          f"0 <= lag <= {bound if bound is not None else '?'} (see the staleness histogram)")
+    return errors
+
+
+def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[str, list[str]]:
+    """Per agent, each way exactly-once broke, with examples (one pass over the samples
+    that need a look: trained or dropped more than once, both, or not generated)."""
+    found: dict[str, dict[str, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for s, n in trained.items():
+        agent = owner.get(s, trained_by[s])
+        if n > 1:
+            found[agent]["trained twice"].append(s)
+        if s in dropped:
+            found[agent]["trained and dropped"].append(s)
+        if s not in owner:
+            found[trained_by[s]]["trained without being generated"].append(s)
+        elif trained_by[s] != owner[s]:
+            found[owner[s]]["trained by another agent"].append(s)
+    for s, n in dropped.items():
+        if n > 1:
+            found[owner.get(s, dropped_by[s])]["dropped twice"].append(s)
+        if s not in owner:
+            found[dropped_by[s]]["dropped without being generated"].append(s)
+    order = ("trained twice", "trained and dropped", "dropped twice", "trained without being generated",
+             "dropped without being generated", "trained by another agent")
+    return {agent: [f"{len(ids[what])} sample(s) {what}, e.g. {', '.join(sorted(ids[what])[:3])}"
+                    for what in order if ids.get(what)] for agent, ids in found.items()}
+
+
+# ---------------------------------------------------------------- text
+
+
+def format_summary(s: Summary) -> str:
+    head = f"run: {s.wall_s:.1f} s ({s.training_s:.1f} s training), {s.events} events"
+    if s.run:
+        head += (f", mode {s.run.mode}, max_staleness {s.run.max_staleness}, seed {s.run.seed}, "
+                 f"agents {', '.join(s.run.agents)}")
+    if s.resumed_at:
+        head += (f"; resumed from the checkpoint of step {', '.join(map(str, s.resumed_at))} (work logged past "
+                 "it before the resume is not counted)")
+    if s.open_steps:
+        head += ("\nthe log ends mid-step (the run stopped before these steps were taken; their samples are in "
+                 "flight): " + "; ".join(f"{a} step {', '.join(map(str, b))}" for a, b in s.open_steps.items()))
+    out = [head]
+    out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
+                      [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
+                       for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
+    out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward",
+                       "prefix hits", "turn prefix hits", "swap-ins/step", "swap wait s"],
+                      [[a.agent, a.samples_trained,
+                        f"{a.samples_trained / s.training_s:.2f}" if s.training_s > 0 else "-",
+                        a.micro_batches, a.optimizer_steps, a.version,
+                        f"{sum(a.rewards) / len(a.rewards):.3f}" if a.rewards else "-",
+                        _share(a.hit_rate()), _share(a.hit_rate(later=True)),
+                        f"{a.swap_ins_per_step:.2f}", f"{a.swap_wait_s:.2f}"]
+                       for a in s.agents.values()]))
+    lags = sorted({lag for h in s.staleness.values() for lag in h})
+    if lags:
+        out.append("staleness: trained samples per lag (policy versions behind the trainer)\n" + _table(
+            ["agent"] + [f"lag {lag}" for lag in lags],
+            [[a] + [h.get(lag, 0) for lag in lags] for a, h in sorted(s.staleness.items())]))
+    rows = sorted(s.accounting, key=lambda r: (r.agent, r.total))  # stable: versions, then total
+    out.append("sample accounting: generated = trained + dropped + in flight\n" + _table(
+        ["agent", "version", "generated", "trained", "dropped", "in flight", ""],
+        [[r.agent, "total" if r.total else "-" if r.version is None else r.version,
+          r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
+         for r in rows]))
+    return "\n\n".join(out)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _table(headers: list[str], rows: list[list], left: int = 1) -> str:
+    """Plain text columns: the first `left` columns left-aligned, the rest right-aligned."""
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# ---------------------------------------------------------------- trace and plot
+
+
+def trace_json(s: Summary) -> dict:
+    """Chrome trace-event JSON (Perfetto opens it): a process per role, a thread per worker
+    and per agent, "X" complete events in microseconds since the run started."""
+    groups = {"rollout": (1, "rollout workers"), "trainer": (2, "trainer workers")}
+    agents_pid, other_pid = 3, 4
+    events: list[dict] = []
+    named: set[int] = set()
+
+    def meta(name: str, pid: int, tid: int, args: dict) -> None:
+        events.append({"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args})
+
+    def track(pid: int, pname: str, tid: int, tname: str) -> None:
+        if pid not in named:
+            named.add(pid)
+            meta("process_name", pid, 0, {"name": pname})
+        meta("thread_name", pid, tid, {"name": tname})
+        meta("thread_sort_index", pid, tid, {"sort_index": tid})
+
+    def spans(pid: int, tid: int, spans: list[Span]) -> None:
+        for sp in spans:
+            events.append({"ph": "X", "name": sp.name, "cat": sp.kind, "pid": pid, "tid": tid,
+                           "ts": _us(sp.start - s.t_start), "dur": _us(sp.end - sp.start),
+                           "args": sp.args})
+
+    for tid, w in enumerate(sorted(s.workers.values(), key=lambda w: (w.role, w.worker)), start=1):
+        pid, pname = groups.get(w.role, (other_pid, "workers"))
+        track(pid, pname, tid, w.worker)
+        # Overlapping requests would not nest on one track; merge them into busy stretches.
+        generating = [sp for sp in w.spans if sp.kind == GENERATE]
+        spans(pid, tid, _merge_requests(generating) + [sp for sp in w.spans if sp.kind != GENERATE])
+    for tid, a in enumerate(s.agents.values(), start=1):
+        track(agents_pid, "agents", tid, a.agent)
+        spans(agents_pid, tid, a.spans)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+def _merge_requests(spans: list[Span]) -> list[Span]:
+    merged: list[Span] = []
+    for sp in sorted(spans, key=lambda sp: sp.start):
+        if merged and sp.start <= merged[-1].end:
+            m = merged[-1]
+            m.end = max(m.end, sp.end)
+            m.args["requests"] += 1
+            m.args["samples"] += sp.args["samples"]
+            m.name = "generate"
+        else:
+            merged.append(Span(sp.start, sp.end, GENERATE, sp.name,
+                               {"requests": 1, "samples": sp.args["samples"]}))
+    return merged
+
+
+def write_trace(s: Summary, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(trace_json(s)))
+
+
+def write_plot(s: Summary, path: str | Path) -> None:
+    """A PNG: busy spans per worker over time (left) and utilization per worker (right)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = {GENERATE: "tab:blue", TRAIN: "tab:orange", SYNC: "tab:green"}
+    workers = sorted(s.workers.values(), key=lambda w: (w.role, w.worker))
+    fig, (ax, ax_util) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * max(1, len(workers))),
+                                      gridspec_kw={"width_ratios": [4, 1]}, sharey=True)
+    for row, w in enumerate(workers):
+        for kind, color in colors.items():
+            busy = _union([sp for sp in w.spans if sp.kind == kind], w.start, w.end)
+            bars = [(a - s.t_start, b - a) for a, b in busy]
+            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, label=kind if row == 0 else None)
+        ax.hlines(row, w.start - s.t_start, w.end - s.t_start, colors="lightgrey", linewidth=0.5,
+                  zorder=0)  # the worker's lifetime, so idle stretches show
+    ax.set_yticks(range(len(workers)), [f"{w.worker} ({w.role})" for w in workers])
+    ax.set_xlabel("seconds since the run started")
+    ax.set_title("busy spans per worker", loc="left")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(colors), fontsize="small",
+              frameon=False)
+    ax.invert_yaxis()
+    util = [100 * w.utilization for w in workers]
+    ax_util.barh(range(len(workers)), util, color="tab:grey")
+    for row, u in enumerate(util):
+        ax_util.text(min(u, 75) + 2, row, f"{u:.0f}%", va="center", fontsize="small")
+    ax_util.set_xlim(0, 100)
+    ax_util.set_xlabel("busy %")
+    ax_util.set_title("utilization")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The union of the spans' intervals, clipped to [lo, hi], as sorted disjoint pairs."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((max(sp.start, lo), min(sp.end, hi)) for sp in spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+# ---------------------------------------------------------------- check
+
+
+def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = redrive_decisions,
+          types: tuple = REDRIVEN_TYPES) -> str | None:
+    """Re-drives the controller's decision code from the logged inputs (redrive.py);
+    returns a message naming the first decision of `types` that differs from the log, or
+    None when all agree. Stamps (seq and t) are ignored. A step left open by a run that
+    stopped mid-step is compared as far as the log goes: its logged micro-batches must be
+    the first the rules cut; the ones not cut when the log ends are not a difference."""
+    types = frozenset(types)
+    counted = lineage(events)
+    logged = [e for e in counted if type(e) in types]
+    unfinished = open_steps(counted)
+    left = collections.Counter((e.agent, e.version) for e in logged
+                               if type(e) is MicroBatchFormed and (e.agent, e.version) in unfinished)
+    again = []
+    for e in redrive(events):
+        if type(e) not in types:
+            continue
+        if type(e) is MicroBatchFormed and (e.agent, e.version) in unfinished:
+            if not left[(e.agent, e.version)]:
+                continue  # not cut yet when the log ends
+            left[(e.agent, e.version)] -= 1
+        again.append(e)
+    for i, (a, b) in enumerate(zip(logged, again)):
+        if without_stamp(a) != without_stamp(b):
+            return (f"decision {i} differs: the log has (seq {a.seq}, t {a.t:.3f} s) {without_stamp(a)}; "
+                    f"re-driving made {without_stamp(b)}")
+    if len(logged) != len(again):
+        n = min(len(logged), len(again))
+        extra = without_stamp(logged[n]) if len(logged) > n else without_stamp(again[n])
+        return (f"the log has {len(logged)} decisions, re-driving made {len(again)}; "
+                f"first unmatched: {extra}")
+    return None
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit codes: 0 fine, 1 the log is unreadable or inconsistent or the check found a
+    difference."""
+    try:
+        events, problem = read_events(args.log)
+    except (OSError, EventLogVersionError) as exc:
+        print(f"flexmarl replay: {exc}", file=sys.stderr)
+        return 1
+    if problem:
+        # Expected after a crash (a torn last frame); everything before it is intact.
+        print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
+    summary = summarize(events)
+    print(format_summary(summary))
+    if getattr(args, "trace", None):
+        write_trace(summary, args.trace)
+        print(f"\ntrace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    if getattr(args, "plot", None):
+        write_plot(summary, args.plot)
+        print(f"plot written to {args.plot}")
+    code = 0
+    for error in summary.errors:
+        print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
+        code = 1
+    if getattr(args, "check", False):
+        diff = check(events)
+        if diff is None:
+            print("check: re-driving the decision code reproduces every logged decision"
+                  + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
+        else:
+            print(f"CHECK FAILED: {diff}", file=sys.stderr)
+            code = 1
+    return code

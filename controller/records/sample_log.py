@@ -1,0 +1,189 @@
+"""What the agents actually said: a few trained samples per agent per step, as text.
+
+With `run.samples_per_step = N`, every optimizer step of every agent writes N of the
+samples it trained to RUN_DIR/samples.jsonl (and to the trackers: `log_samples`), the
+best and the worst reward first, the rest spread evenly between them. Each line:
+
+    {"step": 3, "agent": "solver", "sample_id": "...", "reward": 0.75, "versions": [2, 2],
+     "turns": [{"role": "user", "text": "What is 7 + 5?"},
+               {"role": "assistant", "text": "13", "version": 2}, ...]}
+
+A conversation (`ctx.chat`) is given by its messages; a sample made from text or token ids
+by its prompt and then each stretch of its output ids, decoded with the agent's tokenizer:
+the agent's own turns ("agent", with the policy version of each) and the ids appended
+between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`).
+
+`SampleLog.group_ready` is an experience-store listener: it keeps a reference to each
+trainable sample's ids, which the store lets go once trained, until its step is recorded.
+It does not know pipelines, trainers or how samples are made.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from flexmarl.runtime.atomic import write_text_atomically
+
+if TYPE_CHECKING:
+    from ..episodes.tokens import AgentTokenizer
+    from .trackers import Tracker
+
+FILE = "samples.jsonl"
+
+
+@dataclass
+class _Snapshot:
+    batch: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    mask: list[int]
+    versions: list[int]
+    reward: float
+    messages: list | None
+
+
+class SampleLog:
+    def __init__(self, run_dir: str | Path, per_step: int, tokenizers: dict[str, AgentTokenizer],
+                 trackers: Iterable[Tracker] = (), *, resumed_after: int | None = None) -> None:
+        self.per_step = per_step
+        self.tokenizers = tokenizers  # agent -> AgentTokenizer, filled at set-up
+        self.trackers = list(trackers)
+        self.path = Path(run_dir) / FILE
+        self._kept: dict[str, dict[str, _Snapshot]] = defaultdict(dict)  # agent -> sample id -> snapshot
+        if resumed_after is None:
+            self.path.unlink(missing_ok=True)
+        elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and (step := _step_of(line)) is not None and step <= resumed_after]
+            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
+
+    def group_ready(self, agent: str, samples: list[Any]) -> None:
+        for s in samples:
+            self._kept[agent][s.sample_id] = _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask),
+                                                       list(s.versions), s.reward, s.messages)
+
+    def record(self, step: int, agent: str, sample_ids: list[str]) -> list[dict[str, Any]]:
+        """Writes `per_step` of the samples `agent` trained at `step`; forgets the rest
+        of that step and every earlier one (dropped samples too)."""
+        kept = self._kept[agent]
+        trained = [(sid, kept[sid]) for sid in sample_ids if sid in kept]
+        for sid in [sid for sid, snap in kept.items() if snap.batch <= step]:
+            del kept[sid]
+        rows = [self._row(step, agent, sid, snap) for sid, snap in pick(trained, self.per_step)]
+        if rows:
+            with open(self.path, "a") as fh:
+                fh.writelines(json.dumps(row) + "\n" for row in rows)
+            for tracker in self.trackers:
+                if hasattr(tracker, "log_samples"):
+                    tracker.log_samples(step, agent, rows)
+        return rows
+
+    def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
+        return {"step": step, "agent": agent, "sample_id": sample_id, "reward": snap.reward,
+                "versions": snap.versions, "turns": self._turns(agent, snap)}
+
+    def _turns(self, agent: str, snap: _Snapshot) -> list[dict[str, Any]]:
+        if snap.messages is not None:
+            versions = iter(snap.versions)
+            turns = []
+            replies = sum(1 for m in snap.messages if m.get("role") == "assistant")
+            prompt_replies = replies - len(snap.versions)  # assistant turns given in the prompt
+            for m in snap.messages:
+                turn = {"role": m.get("role", "?"), "text": str(m.get("content", ""))}
+                if m.get("role") == "assistant":
+                    if prompt_replies > 0:
+                        prompt_replies -= 1
+                    else:
+                        turn["version"] = next(versions, None)
+                turns.append(turn)
+            return turns
+        decode = self._decoder(agent)
+        turns = [{"role": "prompt", "text": decode(snap.prompt_ids)}]
+        versions = iter(snap.versions)
+        for generated, ids in _stretches(snap.output_ids, snap.mask):
+            turn = {"role": "agent" if generated else "appended", "text": decode(ids)}
+            if generated:
+                turn["version"] = next(versions, None)
+            turns.append(turn)
+        return turns
+
+    def _decoder(self, agent: str) -> Callable[[list[int]], str]:
+        tok = self.tokenizers.get(agent)
+        return tok.decode if tok is not None else (lambda ids: " ".join(map(str, ids)))
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a line torn by a crash
+        return None
+
+
+def pick(items: list[tuple[str, _Snapshot]], n: int) -> list[tuple[str, _Snapshot]]:
+    """The best and the worst reward first, then the rest evenly spread between them."""
+    ranked = sorted(items, key=lambda item: -item[1].reward)
+    if n <= 0 or not ranked:
+        return []
+    if len(ranked) <= n:
+        chosen = list(range(len(ranked)))
+    else:
+        chosen = sorted({round(i * (len(ranked) - 1) / max(1, n - 1)) for i in range(n)})
+    order = [chosen[0]] + ([chosen[-1]] if len(chosen) > 1 else []) + chosen[1:-1]
+    return [ranked[i] for i in order]
+
+
+def _stretches(ids: list[int], mask: list[int]) -> list[tuple[bool, list[int]]]:
+    """The output ids cut where the mask changes: (generated?, ids) in order."""
+    out: list[tuple[bool, list[int]]] = []
+    for i, m in zip(ids, mask or [1] * len(ids)):
+        if out and out[-1][0] == bool(m):
+            out[-1][1].append(i)
+        else:
+            out.append((bool(m), [i]))
+    return out
+
+
+def format_samples(rows: list[dict[str, Any]], step: int | None = None, agent: str | None = None) -> str:
+    """The rows as a person reads them: by step, then agent, best and worst reward first."""
+    lines: list[str] = []
+    shown = [r for r in rows if (step is None or r["step"] == step) and (agent is None or r["agent"] == agent)]
+    for (s, a) in sorted({(r["step"], r["agent"]) for r in shown}, key=lambda k: (k[0], k[1])):
+        mine = [r for r in shown if r["step"] == s and r["agent"] == a]
+        rewards = [r["reward"] for r in mine]
+        lines.append(f"=== step {s}  agent {a}  ({len(mine)} samples, reward {max(rewards):.3f} best, "
+                     f"{min(rewards):.3f} worst)")
+        for r in mine:
+            label = "best" if r["reward"] == max(rewards) else "worst" if r["reward"] == min(rewards) else ""
+            lines.append(f"--- {r['sample_id']}  reward {r['reward']:.3f} {label}  versions {r['versions']}")
+            for t in r["turns"]:
+                version = f" (v{t['version']})" if t.get("version") is not None else ""
+                text = t["text"].replace("\n", "\n    ")
+                lines.append(f"  {t['role']}{version}: {text}")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n" if lines else "no samples recorded (is run.samples_per_step set?)\n"
+
+
+def selection_problem(rows: list[dict[str, Any]], step: int | None = None, agent: str | None = None) -> str | None:
+    """Why `--step` / `--agent` select none of `rows`, in a line; None when they select some."""
+    steps, agents = sorted({r["step"] for r in rows}), sorted({r["agent"] for r in rows})
+    if not rows:
+        return "no samples recorded (set run.samples_per_step = N to record N per agent per step)"
+    if step is not None and step not in steps:
+        return f"no samples of step {step}: the run recorded steps {steps[0]} to {steps[-1]}"
+    if agent is not None and agent not in agents:
+        return f"no samples of agent {agent!r}: the run recorded {', '.join(agents)}"
+    if step is not None and agent is not None and not any(r["step"] == step and r["agent"] == agent for r in rows):
+        return f"no samples of agent {agent!r} at step {step}"
+    return None
+
+
+def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: set run.samples_per_step = N to record N samples per "
+                                f"agent per step")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

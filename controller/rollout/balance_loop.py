@@ -1,0 +1,182 @@
+"""Level 1 load balancing, the asyncio side: observe demand, move rollout instances.
+
+`Rebalancer.run()` runs next to the training loops when `router.across_agents` is on.
+Consumes: the rollout client's counters (tokens outstanding per instance, tokens
+dispatched per agent) and the rollout workers' heartbeat loads (`busy_s`). Produces:
+moves, each carried out by `reassign`, and `DemandObserved` / `RebalanceDecided` events
+(so `replay --check` re-drives the balancer). Waits for: `router.interval_s` between
+observations, and for a move to finish before the next observation. Ends by itself once
+the schedule says every global batch is trained.
+
+`reassign(worker, src, dst)` moves one instance: it leaves `src` (no new requests), its
+outstanding work drains (bounded wait), and the admission (instances.py) makes it serve
+`dst`: an engine restart on `dst`'s model where the architectures differ, else the weights
+swapped in place, then `dst`'s synced weights under `dst`'s sync lock. If the work does
+not drain in time the instance goes back to `src` through the admission (which loads
+nothing unless `src` synced while it was out). A worker that dies or refuses on the way fails its move
+alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
+the moves with what each cost. An agent is never left without an instance.
+
+It balances engine units (runtime/bases.engine_units): a whole-model agent, or every
+adapter agent of one base, whose instances serve all of them at once. A base's agents
+share its instances, so there is nothing to move between them; a unit's demand is its
+agents' together, and an instance moving into or out of a base restarts its engine (a
+base's engine has LoRA slots, a whole model's has none).
+
+The decisions are in balance_rules.py; this module only gathers numbers and executes.
+It does not know how demand is weighed or when a move is warranted, nor anything of
+training beyond "every batch is trained".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.bases import EngineUnit
+from flexmarl.runtime.config import RouterConfig
+
+from ..interfaces import Emit, WorkerDirectory
+from .balance_rules import AgentDemand, RolloutBalancer
+
+if TYPE_CHECKING:
+    from ..train.weight_sync import WeightSync
+    from .instances import Admission, RolloutInstances
+    from .router import RolloutClient
+
+log = logging.getLogger("flexmarl.balance_loop")
+
+DRAIN_TIMEOUT_S = 30.0  # an instance whose work has not drained by then stays where it was
+# What a move is assumed to cost until one has been measured: a vLLM engine restart on a
+# CPU host took 4-10 s in bench/load_balance.py. Measured costs replace it.
+FIRST_MOVE_COST_S = 5.0
+
+
+@dataclass
+class Reassignment:
+    worker: str
+    src: str
+    dst: str
+    drain_s: float
+    load_s: float
+    restarted: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.drain_s + self.load_s
+
+
+class Rebalancer:
+    def __init__(self, cfg: RouterConfig, units: Mapping[str, EngineUnit], instances: RolloutInstances,
+                 admission: Admission, client: RolloutClient, server: WorkerDirectory, weights: WeightSync,
+                 model_path: dict[str, str],
+                 emit: Emit, finished: Callable[[], bool]) -> None:
+        self.cfg = cfg
+        self.units = units  # what the balancer sees and moves instances between
+        self.instances = instances
+        self.admission = admission
+        self.client = client
+        self.server = server
+        self.weights = weights
+        self.model_path = model_path  # unit -> model: whether two units' engines have the same shape
+        self.emit = emit
+        self.finished = finished
+        self.reassignments: list[Reassignment] = []
+
+    def demand_snapshot(self) -> dict[str, AgentDemand]:
+        owner, workers = self.instances, self.server.registry.workers
+        snapshot = {}
+        for unit, u in self.units.items():
+            instances = owner.instances(u.agents[0])  # every agent of a unit has the same ones
+            snapshot[unit] = AgentDemand(
+                outstanding={w: max(0.0, owner.outstanding[w]) for w in instances},
+                dispatched_tokens=sum(self.client.dispatched_tokens[a] for a in u.agents),
+                busy_s={w: workers[w].load["busy_s"] for w in instances if "busy_s" in workers[w].load})
+        return snapshot
+
+    async def run(self) -> None:
+        """Observes demand every interval and carries out the balancer's moves (see module doc)."""
+        balancer = RolloutBalancer.from_config(self.cfg, move_cost_s=FIRST_MOVE_COST_S)
+        while not self.finished():
+            await asyncio.sleep(self.cfg.interval_s)
+            snapshot, now = self.demand_snapshot(), time.monotonic()
+            self.emit(ev.DemandObserved(
+                now, balancer.move_cost_s, {a: dict(d.outstanding) for a, d in snapshot.items()},
+                {a: d.dispatched_tokens for a, d in snapshot.items()}, {a: dict(d.busy_s) for a, d in snapshot.items()}))
+            move = balancer.observe(snapshot, now)
+            if move is None:
+                continue
+            self.emit(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
+            log.info("moving %s from %s to %s: %s", ", ".join(move.instances), move.src, move.dst, move.why)
+            await asyncio.gather(*(self.reassign(w, move.src, move.dst, move.why) for w in move.instances))
+            if self.reassignments:  # the balancer weighs the next move by what moves really cost
+                balancer.move_cost_s = sum(r.seconds for r in self.reassignments) / len(self.reassignments)
+
+    async def reassign(self, worker: str, src: str, dst: str, why: str = "",
+                       drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Reassignment | None:
+        """Moves `worker` from unit `src` to unit `dst` (see module doc); None if it did not."""
+        owner = self.instances
+        t0 = time.monotonic()
+        first = self.units[src].agents[0]
+        if worker not in owner.instances(first) or len(owner.instances(first)) < 2:
+            log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
+            return None
+        for agent in self.units[src].agents:
+            async with self.weights.locks[agent]:  # no weight sync of it is addressing this instance now
+                owner.leave(worker, agent, f"{worker} leaves for {dst}: {why}")
+        if not await _drained(owner, worker, drain_timeout_s):
+            log.warning("%s did not drain within %.0fs; it keeps serving %s", worker, drain_timeout_s, src)
+            stays = f"stays: its work did not drain within {drain_timeout_s:.0f}s"
+            # Through the admission: nothing to load unless src synced while it was out.
+            await self.admission.admit(worker, src, restart=False, why=stays)
+            return None
+        t_drained = time.monotonic()
+        starts = owner.starts(worker)
+        restart = (self.units[src].lora or self.units[dst].lora
+                   or not same_architecture(self.model_path[src], self.model_path[dst]))
+        if not await self.admission.admit(worker, dst, restart=restart, why=f"joins from {src}"):
+            return None
+        restarted = owner.starts(worker) > starts
+        done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
+        self.reassignments.append(done)
+        log.info("%s now serves %s (from %s) after %.2fs (drain %.2fs, %s %.2fs)", worker, dst, src, done.seconds,
+                 done.drain_s, "engine restart" if restarted else "weights in place", done.load_s)
+        return done
+
+
+async def _drained(instances: Any, worker: str, timeout_s: float) -> bool:
+    """True once no request is outstanding on `worker`. Waits one loop turn first: a batch
+    planned for it just before it left the assignment is counted only when it is sent."""
+    deadline = time.monotonic() + timeout_s
+    await asyncio.sleep(0)
+    while instances.outstanding[worker] > 0.5:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def same_architecture(model_a: str, model_b: str) -> bool:
+    """Whether two Hugging Face model directories share the engine shape: identical
+    config.json (ignoring private `_` keys) and identical tokenizer files."""
+    if model_a == model_b:
+        return True
+    a, b = Path(model_a), Path(model_b)
+    try:
+        ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    except (OSError, ValueError):
+        return False
+    strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_")}  # noqa: E731
+    if strip(ca) != strip(cb):
+        return False
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        fa, fb = a / name, b / name
+        if fa.exists() != fb.exists() or (fa.exists() and fa.read_bytes() != fb.read_bytes()):
+            return False
+    return True

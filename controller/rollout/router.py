@@ -1,0 +1,448 @@
+"""Rollout routing: which instance generates which group.
+
+Two parts, kept apart on purpose:
+- decision functions (`route_group` over the `ROUTING_POLICIES` table, `split_sizes`,
+  `stays`), plain Python over plain numbers, unit-tested and driven by the simulator
+  without sockets;
+- `RolloutClient`, the asyncio side: a group (n samples of one prompt) is one call, one
+  future. Every group queued in one event-loop turn is routed then, whole to one instance
+  (split into contiguous parts only when larger than an instance's fair share of the
+  agent's work, and never into parts under `min_part` samples); a later turn of a sample
+  goes back to the instance that generated its previous turn (its prefix cache holds the
+  conversation) while that instance still serves the agent and its load is within
+  `affinity_bound` of the alternative's. Everything bound for one instance in that turn
+  goes in one GENERATE message, of any agent the instance serves. Replies come back per
+  group, whole; a group resolves when its last part has. If an instance dies or fails a
+  message, its unfinished parts are routed again (to another instance, since a dead one
+  has left every agent); the experience store refuses a second result for a sample, so a
+  re-issue can never add a sample twice.
+
+Routing is O(1) per group: the live instances of an agent are the instances' owner's list
+(instances.py keeps it by join, death and leave events), the least loaded of two drawn at
+random takes a group (every instance when there are two), and only a group large enough to
+be split looks at them all. The owner counts the work outstanding on each instance; the
+client reports it. An adapter agent's instances are every instance of its base, so its
+load is counted with its base's other agents' on each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, Sequence
+
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+
+from ..control.server import ControllerServer, RemoteError, WorkerDied
+from ..episodes.failures import RunFailed
+from ..interfaces import Emit
+from .generation import GroupOutput, assemble
+from .instances import RolloutInstances
+
+log = logging.getLogger("flexmarl.router")
+
+# A group is split over instances only into parts of at least this many samples: each part
+# prefills the prompt once more, and small groups cost an engine about as much as one sample.
+MIN_PART = 16
+# A later turn stays on the instance of the turn before while that instance's outstanding
+# work is at most this many times the alternative's (plus the turn's own cost).
+AFFINITY_BOUND = 2.0
+
+Load = Callable[[str], float]
+
+
+def _least_loaded(instances: Sequence[str], load: Load, turn: int, rng: random.Random) -> str:
+    """The less loaded of two instances drawn at random (of both, when there are two)."""
+    if len(instances) <= 2:
+        return min(instances, key=load)  # ties: the first in routing order
+    a = rng.randrange(len(instances))
+    b = rng.randrange(len(instances) - 1)
+    b += b >= a
+    a, b = min(a, b), max(a, b)  # ties: the first in routing order
+    return instances[b] if load(instances[b]) < load(instances[a]) else instances[a]
+
+
+def _round_robin(instances: Sequence[str], load: Load, turn: int, rng: random.Random) -> str:
+    return instances[turn % len(instances)]
+
+
+# Level 2 policies (`router.within_agent`): least outstanding work, and the static baseline.
+ROUTING_POLICIES: dict[str, Callable[[Sequence[str], Load, int, random.Random], str]] = {
+    "least_loaded": _least_loaded,
+    "round_robin": _round_robin,
+}
+
+
+def route_group(policy: str, instances: Sequence[str], load: Load, turn: int, rng: random.Random) -> str:
+    """The instance a group (or one part of it) goes to: `instances` are the agent's live
+    ones in routing order, `load(w)` the work outstanding on w, `turn` counts the agent's
+    earlier groups (round robin uses it). The live client and the simulator route here."""
+    if not instances:
+        raise ValueError("no instance to route to")
+    try:
+        rule = ROUTING_POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(ROUTING_POLICIES)})") from None
+    return rule(instances, load, turn, rng)
+
+
+def split_sizes(n: int, cost: float, share: float, instances: int, min_part: int = MIN_PART) -> list[int]:
+    """The sizes of the contiguous parts a group of `n` samples (costing `cost` tokens in
+    all) is cut into: [n], whole, unless it is larger than an instance's fair `share` of
+    the agent's work, and then as few parts as bring each within it, none under
+    `min_part` samples, at most one per instance."""
+    if instances < 2 or n < 2 * min_part or cost <= share:
+        return [n]
+    parts = min(instances, n // min_part, math.ceil(cost / max(share, 1e-9)))
+    base, extra = divmod(n, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def stays(previous_load: float, other_load: float, cost: float, bound: float = AFFINITY_BOUND) -> bool:
+    """Whether a later turn goes back to the instance of its previous turn (load
+    `previous_load`) rather than to the routing policy's choice (load `other_load`)."""
+    return previous_load <= bound * other_load + cost
+
+
+class NoInstance(RunFailed):
+    """No live rollout instance serves the agent, and none is on its way back: the run
+    stops (it is not the episode's failure)."""
+
+
+class RequestRefused(Exception):
+    """The engine refused one group (empty, too long for the model, ids outside the
+    vocabulary, settings it rejects); only that group's episode fails."""
+
+
+class RequestsFailed(Exception):
+    """Requests failed (or lost their instance) on `max_attempts` instances in a row."""
+
+
+@dataclass(slots=True)
+class _Group:
+    """One generate call: the parts of its group that came back, one future."""
+
+    agent: str
+    future: asyncio.Future
+    left: int = 0
+    parts: list = field(default_factory=list)  # (GroupResult, worker)
+
+
+@dataclass(slots=True)
+class _Part:
+    """A group, or a contiguous part of one, on its way to an instance."""
+
+    group: protocol.GenGroup
+    owner: _Group
+    after: str  # the instance of the sample's previous turn ("": a first turn)
+    attempt: int = 1
+
+    @property
+    def cost(self) -> int:
+        return self.group.n * (len(self.group.prompt_ids) + self.group.max_tokens)
+
+
+@dataclass
+class RoutingPolicy:
+    """How a group picks among its agent's instances: the rule (`route_group`) with its
+    round-robin position per agent and its random draws, the smallest part a group is
+    split into, and how much more loaded a later turn's previous instance may be and still
+    take the turn (`stays`)."""
+
+    within_agent: str
+    min_part: int
+    affinity_bound: float
+    rng: random.Random
+    turn: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class RolloutClient:
+    def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
+                 emit: Emit | None = None, within_agent: str = "least_loaded",
+                 version_of: Callable[[str], int] | None = None, min_part: int = MIN_PART,
+                 affinity_bound: float = AFFINITY_BOUND, seed: int = 0,
+                 instance_expected: Callable[[], bool] = lambda: False) -> None:
+        self.server = server
+        # The agent's synced version, sent with each group: an adapter agent's group runs
+        # under its adapter at that version (or a newer one the instance already holds).
+        self.version_of = version_of or (lambda agent: -1)
+        self.emit = emit or (lambda event: None)
+        self.owner = instances  # which instances serve an agent; outstanding work per instance
+        # A request waits this long for an instance of its agent, and for as long as
+        # `instance_expected()` says one is on its way back (a worker being restarted).
+        self.instance_wait_s = instance_wait_s
+        self.instance_expected = instance_expected
+        self.max_attempts = 3  # a part that fails on this many instances fails its episode
+        self.policy = RoutingPolicy(within_agent, min_part, affinity_bound, random.Random(seed))
+        self.dispatched_tokens: dict[str, float] = defaultdict(float)  # per agent, for demand
+        self._queued: list[_Part] = []
+        self._flush_scheduled = False
+        self._waiting: dict[str, list[_Part]] = {}  # agent -> parts waiting for an instance to serve it
+        self._dispatching: set[asyncio.Task] = set()  # messages being sent, waits for an instance
+        self.closed = False  # the run is over: nothing is routed or re-issued
+        self.reissued = 0  # samples
+        self.refused = 0  # groups
+        self.affinity = {"kept": 0, "moved": 0}  # later turns: on their previous instance, or not
+        # Per agent, so far: prompt tokens of the samples generated and how many the engines
+        # found in their prefix cache, for first turns and later turns (ev.PROMPT_FIELDS).
+        self.prompt_counts: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ev.PROMPT_FIELDS, 0))
+
+    @property
+    def outstanding(self) -> dict[str, float]:
+        return self.owner.outstanding
+
+    def instances(self, agent: str) -> list[str]:
+        return self.owner.instances(agent)
+
+    async def generate(self, agent: str, group: protocol.GenGroup, after: str = "") -> GroupOutput:
+        """The group's output, every member in order; `after`: the instance that generated
+        the sample's previous turn (a later turn goes back to it if it can)."""
+        owner = _Group(agent, asyncio.get_running_loop().create_future())
+        part = _Part(group, owner, after)
+        self.dispatched_tokens[agent] += part.cost
+        self._queue([part])
+        return await owner.future
+
+    # ------------------------------------------------------------ routing, once per loop turn
+
+    def _queue(self, parts: list[_Part]) -> None:
+        self._queued += parts
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        queued, self._queued = self._queued, []
+        bound: dict[str, list[_Part]] = {}
+        for part in queued:
+            if part.owner.future.done():
+                continue  # its group failed meanwhile (another part was refused)
+            instances = self.owner.instances(part.owner.agent)
+            if not instances:
+                self._wait_for_instance(part)
+                continue
+            for piece, worker in self._route(part, instances):
+                bound.setdefault(worker, []).append(piece)
+        if bound:
+            messages = [self._message(worker, parts) for worker, parts in bound.items()]
+            self._start(self._send_all(messages))
+
+    def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
+        agent, load = part.owner.agent, self.outstanding.__getitem__
+        if part.owner.left == 0:  # a new group: parts are counted once
+            sizes = [part.group.n]
+            if part.group.n >= 2 * self.policy.min_part and len(instances) > 1:
+                share = (sum(load(w) for w in instances) + part.cost) / len(instances)
+                sizes = split_sizes(part.group.n, part.cost, share, len(instances), self.policy.min_part)
+            pieces = _cut(part, sizes)
+            part.owner.left = len(pieces)
+        else:  # a part routed again: as it was
+            pieces = [part]
+        routed = []
+        for piece in pieces:
+            worker = route_group(self.policy.within_agent, instances, load, self.policy.turn[agent], self.policy.rng)
+            self.policy.turn[agent] += 1
+            if (self.policy.affinity_bound > 0 and piece.after and piece.after != worker
+                    and self.owner.serving(piece.after, agent)):
+                if stays(load(piece.after), load(worker), piece.cost, self.policy.affinity_bound):
+                    worker = piece.after
+            if piece.after:
+                self.affinity["kept" if worker == piece.after else "moved"] += 1
+            self.owner.add_work(worker, piece.cost)  # counted now: the next group sees it
+            routed.append((piece, worker))
+        return routed
+
+    def _wait_for_instance(self, part: _Part) -> None:
+        agent = part.owner.agent
+        if agent in self._waiting:
+            self._waiting[agent].append(part)
+            return
+        self._waiting[agent] = [part]
+        task = self._start(self._instance_for(agent))
+        task.add_done_callback(lambda t: self._fail_waiting(agent, asyncio.CancelledError()) if t.cancelled() else None)
+
+    def _start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        self._dispatching.add(task)
+        task.add_done_callback(self._dispatching.discard)
+        task.add_done_callback(_report_failure)
+        return task
+
+    async def close(self) -> None:
+        """Ends every send and wait for an instance under way (the run is over: nothing is
+        re-issued)."""
+        self.closed = True
+        for task in list(self._dispatching):
+            task.cancel()
+        await asyncio.gather(*self._dispatching, return_exceptions=True)
+
+    async def _instance_for(self, agent: str) -> None:
+        """Waits for an instance to serve `agent`, then routes its waiting parts; past
+        `instance_wait_s` with none on its way back
+        (`instance_expected`) they fail (NoInstance, the run's failure)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.instance_wait_s
+        while not self.owner.instances(agent):
+            if self.instance_expected():
+                deadline = loop.time() + self.instance_wait_s
+            elif loop.time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        if self.owner.instances(agent):
+            self._queue(self._waiting.pop(agent))
+            return
+        gone = [f"{w.worker_id} ({w.why_gone})" for w in self.server.registry.workers.values()
+                if w.role == "rollout" and not w.alive]
+        failure = NoInstance(f"the run stopped: no rollout instance served agent {agent!r} for "
+                             f"{self.instance_wait_s:g}s and none is being restarted"
+                             + (f"; gone: {', '.join(gone)}" if gone else "")
+                             + ". See the workers' logs in the run directory's logs/ folder")
+        self._fail_waiting(agent, failure)
+
+    def _fail_waiting(self, agent: str, failure: BaseException) -> None:
+        for part in self._waiting.pop(agent, []):
+            _fail(part.owner, failure)
+
+    # ------------------------------------------------------------ messages
+
+    def _message(self, worker: str, parts: list[_Part]) -> tuple[str, protocol.Generate, dict]:
+        waiting = {}
+        for part in parts:
+            part.group.version = self.version_of(part.owner.agent)
+            waiting[(part.group.key, part.group.first)] = part
+        msg = protocol.Generate(self.server.next_request_id(), [p.group for p in parts])
+        for agent, mine in _by_agent(parts).items():
+            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, [], sum(len(p.group.prompt_ids) for p in mine),
+                                            _parts([p.group for p in mine])))
+        future = self.server.stream(worker, msg, lambda reply, _: self._replied(worker, waiting, reply))
+        future.add_done_callback(lambda f: self._message_ended(worker, waiting, f))
+        return worker, msg, waiting
+
+    async def _send_all(self, messages: list[tuple[str, protocol.Generate, dict]]) -> None:
+        for worker, msg, _ in messages:
+            await self.server.send_request(worker, msg)
+
+    def _replied(self, worker: str, waiting: dict[tuple[str, int], _Part], msg: protocol.Message) -> bool:
+        assert isinstance(msg, protocol.Generated)
+        done = []
+        for result in msg.results:
+            part = waiting.pop((result.key, result.first), None)
+            if part is None:
+                log.warning("%s returned an unknown or repeated group %s/%d", worker, result.key, result.first)
+                continue
+            self.owner.work_done(worker, part.cost)
+            done.append((part, result))
+            owner = part.owner
+            owner.parts.append((result, worker))
+            owner.left -= 1
+            if owner.left == 0 and not owner.future.done():
+                owner.future.set_result(assemble(owner.parts))
+        self._log_completed(worker, msg.request_id, done)
+        for refusal in msg.refused:  # fails its episode alone; never re-issued (same model, same refusal)
+            part = waiting.pop((refusal.key, refusal.first), None)
+            if part is None:
+                log.warning("%s refused an unknown or repeated group %s/%d", worker, refusal.key, refusal.first)
+                continue
+            self.owner.work_done(worker, part.cost)
+            self.refused += 1
+            _fail(part.owner, RequestRefused(f"{part.owner.agent} on {worker} refused {refusal.key}: "
+                                             f"{refusal.reason}"))
+        return msg.done
+
+    def _log_completed(self, worker: str, request_id: int, done: list[tuple[_Part, protocol.GroupResult]]) -> None:
+        for agent, mine in _by_agent([p for p, _ in done]).items():
+            results = [(p, r) for p, r in done if p.owner.agent == agent]
+            prompt = {True: 0, False: 0}
+            cached = {True: 0, False: 0}
+            for p, r in results:
+                later = _later(p.group)
+                prompt[later] += p.group.n * len(p.group.prompt_ids)
+                cached[later] += r.cached_tokens * (p.group.n - 1 if p.group.n > 1 else 1)
+            event = ev.RequestsCompleted(
+                worker, agent, request_id, [], [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
+                prompt[False], cached[False], prompt[True], cached[True], _parts([p.group for p, _ in results]))
+            self.emit(event)
+            counts = self.prompt_counts[agent]
+            for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):
+                counts[name] += value
+
+    def _message_ended(self, worker: str, waiting: dict[tuple[str, int], _Part], future: asyncio.Future) -> None:
+        """The message's last reply came, or its instance died or failed it: what it left
+        unfinished is routed again (the dead have left every agent), up to max_attempts."""
+        if not waiting:
+            return
+        parts = list(waiting.values())
+        waiting.clear()
+        for part in parts:
+            self.owner.work_done(worker, part.cost)
+        exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
+        # Shutting down, the workers leave: nothing to re-issue.
+        if not isinstance(exc, (WorkerDied, RemoteError)) or self.closed or self.server.closing:
+            for part in parts:
+                _fail(part.owner, exc or RuntimeError(f"{worker} ended a message with groups unanswered"))
+            return
+        again = []
+        for part in parts:
+            if part.attempt >= self.max_attempts:
+                # A group that fails, or whose instance dies, on max_attempts instances in a row
+                # fails its episode instead of taking down instance after instance.
+                failure = RequestsFailed(f"{part.group.n} requests of {part.owner.agent} failed on "
+                                         f"{part.attempt} instances in a row; the last, {worker}: {exc}")
+                log.error("%s", failure)
+                _fail(part.owner, failure)
+            else:
+                part.attempt += 1
+                again.append(part)
+        if again:
+            log.warning("re-issuing %d unfinished samples after %s on %s: %s", sum(p.group.n for p in again),
+                        "a worker death" if isinstance(exc, WorkerDied) else "an error", worker, exc)
+            self.reissued += sum(p.group.n for p in again)
+            self._queue(again)
+
+
+def _cut(part: _Part, sizes: list[int]) -> list[_Part]:
+    """A group cut into contiguous parts of `sizes` (itself, when whole): member j of the
+    part starting at `first` keeps its seed, seed + first + j."""
+    if len(sizes) == 1:
+        return [part]
+    pieces, first, g = [], part.group.first, part.group
+    for size in sizes:
+        piece = protocol.GenGroup(g.key, g.agent, size, g.prompt_ids, g.max_tokens, g.temperature,
+                                  g.seed + first - g.first, first, g.top_p, g.top_k, g.stop, g.stop_token_ids,
+                                  g.ignore_eos, g.version)
+        pieces.append(_Part(piece, part.owner, part.after, part.attempt))
+        first += size
+    return pieces
+
+
+def _later(group: protocol.GenGroup) -> bool:
+    """A later turn of a sample (its request id is `SAMPLE@TURN`), not a group's first."""
+    return "@" in group.key
+
+
+def _parts(groups: list[protocol.GenGroup]) -> ev.Parts:
+    """How the event log names these groups' samples."""
+    return ev.Parts([g.key for g in groups], [g.first for g in groups], [g.n for g in groups])
+
+
+def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:
+    out: dict[str, list[_Part]] = {}
+    for p in parts:
+        out.setdefault(p.owner.agent, []).append(p)
+    return out
+
+
+def _fail(owner: _Group, exc: BaseException) -> None:
+    if not owner.future.done():
+        owner.future.set_exception(exc)
+
+
+def _report_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("rollout routing failed: %r", task.exception())

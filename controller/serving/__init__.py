@@ -1,0 +1,1 @@
+"""Agents behind the OpenAI API: the run's endpoint, its calls as turns, `flexmarl serve`."""

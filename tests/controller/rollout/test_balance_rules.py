@@ -1,0 +1,119 @@
+"""Level 1 balancing rules on plain demand snapshots: when instances move between agents,
+how many, and never an oscillation, a move within the cooldown or an agent left without one."""
+
+import itertools
+
+import pytest
+
+from flexmarl.controller.rollout.balance_rules import AgentDemand, Move, RolloutBalancer, instances_to_move
+
+
+def demand(**per_agent: list[float]) -> dict[str, AgentDemand]:
+    """agent=[outstanding tokens of each instance]; instance names are agent + index."""
+    return {a: AgentDemand({f"{a}{i}": tokens for i, tokens in enumerate(load)}) for a, load in per_agent.items()}
+
+
+def at(snapshot: dict[str, AgentDemand], t: float) -> dict[str, AgentDemand]:
+    """The snapshot at time t of agents that each finish 1 token per busy instance-second
+    (so loads in seconds equal loads in tokens) and receive 1 token/s."""
+    return {a: AgentDemand(d.outstanding, t, {w: t / len(d.outstanding) for w in d.outstanding})
+            for a, d in snapshot.items()}
+
+
+def observe_many(balancer: RolloutBalancer, snapshots, step: float = 0.5) -> list:
+    """Observations every `step` seconds; the first only starts the measurements."""
+    return [balancer.observe(at(s, i * step), i * step) for i, s in enumerate(snapshots)]
+
+
+def test_skewed_demand_moves_an_instance_from_the_idlest_agent_to_the_busiest():
+    balancer = RolloutBalancer(threshold=5.0, patience=3, cooldown_s=5.0)
+    skewed = demand(solver=[1000, 1000], planner=[0, 0], checker=[10, 10])
+    moves = observe_many(balancer, [skewed] * 4)
+    assert moves[:3] == [None, None, None]  # patience: the third measured observation in a row decides
+    assert moves[3] == Move(("planner0",), "planner", "solver", moves[3].why)
+    assert "disparity" in moves[3].why
+
+
+def test_equal_demand_moves_nothing():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    equal = demand(solver=[500, 500], planner=[500, 500], checker=[500, 500])
+    assert observe_many(balancer, [equal] * 20) == [None] * 20
+
+
+def test_nothing_moves_before_the_receivers_service_rate_is_measured():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    skewed = demand(solver=[1000, 1000], planner=[0, 0])
+    assert [balancer.observe(skewed, t) for t in range(5)] == [None] * 5  # never seen busy
+
+
+def test_a_receiver_with_less_work_than_a_move_costs_gets_nothing():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0, move_cost_s=600.0)
+    assert observe_many(balancer, [demand(solver=[500, 500], planner=[0, 0])] * 5) == [None] * 5
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0, move_cost_s=400.0)
+    assert observe_many(balancer, [demand(solver=[500, 500], planner=[0, 0])] * 5)[1] is not None
+
+
+def test_idle_system_moves_nothing():
+    balancer = RolloutBalancer(patience=1, cooldown_s=0.0)
+    idle = demand(solver=[0, 0], planner=[0, 0])
+    assert observe_many(balancer, [idle] * 5) == [None] * 5
+
+
+def test_oscillating_demand_never_flip_flops():
+    balancer = RolloutBalancer(threshold=2.0, patience=3, cooldown_s=5.0)
+    a_heavy = demand(a=[900, 900], b=[10, 10])
+    b_heavy = demand(a=[10, 10], b=[900, 900])
+    assert observe_many(balancer, [a_heavy, b_heavy] * 20) == [None] * 40
+
+
+def test_no_second_move_within_the_cooldown_even_if_the_skew_persists():
+    balancer = RolloutBalancer(threshold=2.0, patience=1, cooldown_s=5.0)
+    skewed = demand(a=[900, 900, 900], b=[0, 0, 0, 0, 0, 0])
+    moves = observe_many(balancer, [skewed] * 30, step=0.5)  # 15 s
+    times = [i * 0.5 for i, m in enumerate(moves) if m is not None]
+    assert times and all(t2 - t1 >= 5.0 for t1, t2 in itertools.pairwise(times))
+
+
+def test_an_agent_is_never_left_without_an_instance():
+    balancer = RolloutBalancer(threshold=2.0, patience=1, cooldown_s=0.0)
+    # Every other agent has a single instance: there is no donor, however skewed the load.
+    assert observe_many(balancer, [demand(a=[10_000], b=[0], c=[0])] * 5) == [None] * 5
+    assert instances_to_move(work_dst=1e9, n_dst=1, work_src=0.0, n_src=5) == 4
+    assert instances_to_move(work_dst=1e9, n_dst=1, work_src=0.0, n_src=1) == 0
+
+
+def test_a_move_happens_only_if_it_lowers_the_larger_per_instance_load():
+    # dst 10/instance, src 6/instance: taking one of src's two would leave src at 12 > 10.
+    assert instances_to_move(work_dst=10, n_dst=1, work_src=12, n_src=2) == 0
+    balancer = RolloutBalancer(threshold=1.0, patience=1, cooldown_s=0.0)
+    assert observe_many(balancer, [demand(a=[10], b=[6, 6])] * 3) == [None] * 3
+
+
+def test_at_scale_several_instances_move_at_once_to_even_out_the_load():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    move = observe_many(balancer, [demand(a=[1000] * 10, b=[0] * 10)] * 2)[1]
+    assert move is not None and len(move.instances) == 9 and move.src == "b" and move.dst == "a"
+
+
+def test_token_demand_is_weighed_by_each_agents_measured_service_rate():
+    # Equal tokens outstanding, but agent `slow` finishes ten times fewer tokens per busy
+    # second: its work takes ten times longer, so it is the one that needs instances.
+    balancer = RolloutBalancer(threshold=5.0, patience=2, cooldown_s=0.0, smoothing_s=1.0)
+    def snap(t: int) -> dict[str, AgentDemand]:
+        return {"fast": AgentDemand({"f0": 1000, "f1": 1000}, 1000.0 * t, {"f0": 0.1 * t, "f1": 0.1 * t}),
+                "slow": AgentDemand({"s0": 1000, "s1": 1000}, 1000.0 * t, {"s0": 1.0 * t, "s1": 1.0 * t})}
+    moves = [balancer.observe(snap(t), float(t)) for t in range(4)]
+    move = next(m for m in moves if m is not None)
+    assert (move.src, move.dst) == ("fast", "slow")
+    assert balancer.loads["slow"] == pytest.approx(10 * balancer.loads["fast"])
+
+
+def test_an_agent_that_lost_every_instance_gets_one_back():
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    move = balancer.observe({"a": AgentDemand({}, 0.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 0.0)
+    # a has nothing outstanding but also no instance: no demand, no move.
+    assert move is None
+    balancer = RolloutBalancer(threshold=5.0, patience=1, cooldown_s=0.0)
+    balancer.observe({"a": AgentDemand({}, 0.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 0.0)
+    move = balancer.observe({"a": AgentDemand({}, 800.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 1.0)
+    assert move is not None and move.dst == "a" and move.instances[0] == "b1"  # the least outstanding
