@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
+from typing import overload
 
 import numpy as np
 import torch
@@ -45,6 +46,14 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], 
         layout.append(TensorSpec(name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
         offset = round_up(offset + nbytes, ALIGN)
     return layout, offset
+
+
+@overload
+def checksum(data: torch.Tensor, stopped: None = None) -> int: ...
+
+
+@overload
+def checksum(data: torch.Tensor, stopped: Callable[[], bool]) -> int | None: ...
 
 
 def checksum(data: torch.Tensor, stopped: Callable[[], bool] | None = None) -> int | None:
@@ -206,8 +215,10 @@ def verify_bucket(handle: ParamHandle, data: torch.Tensor) -> None:
     compare(handle, handle.checksum, checksum(data))
 
 
-def compare(handle: ParamHandle, expected: int, got: int,
+def compare(handle: ParamHandle, expected: int | None, got: int,
             outcome: str = "Nothing was overwritten; ask the publisher to publish again.") -> None:
+    if expected is None:
+        raise ParamTransferError(f"{describe(handle)}: the handle carries no checksum to verify the bytes against")
     if got != expected:
         raise ParamTransferError(
             f"{describe(handle)}: checksum mismatch over {handle.total_bytes} bytes "
