@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
-from typing import overload
+from collections.abc import Callable, Hashable, Mapping
+from typing import Generic, TypeVar, overload
 
 import numpy as np
 import torch
@@ -258,21 +258,24 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class SparePool:
+Item = TypeVar("Item")
+
+
+class SparePool(Generic[Item]):
     """Released buffers kept for the next publish or receive of the same size: on this kind
     of VM a fresh 1 GB buffer costs ten memcpys in page faults, a reused one nothing."""
 
-    def __init__(self, limit: int, free: Callable[[object], None]):
+    def __init__(self, limit: int, free: Callable[[Item], None]):
         self._limit, self._free = limit, free
-        self._items: list[tuple[int, object]] = []
+        self._items: list[tuple[Hashable, Item]] = []
 
-    def take(self, size: int) -> object | None:
+    def take(self, size: Hashable) -> Item | None:
         for i, (item_size, item) in enumerate(self._items):
             if item_size == size:
                 return self._items.pop(i)[1]
         return None
 
-    def give(self, size: int, item: object) -> None:
+    def give(self, size: Hashable, item: Item) -> None:
         self._items.append((size, item))
         while len(self._items) > self._limit:
             self._free(self._items.pop(0)[1])

@@ -117,7 +117,7 @@ class _ShmPublisher:
     def __init__(self, shm_dir: str, spares: int, defer_checksum_bytes: int):
         self._dir, self._keep, self._defer_bytes = shm_dir, spares > 0, defer_checksum_bytes
         self._paths: set[str] = set()  # every file owned, live or spare
-        self._spares = SparePool(spares, free=lambda segment: self._unlink(segment.path))
+        self._spares: SparePool[_Segment] = SparePool(spares, free=lambda segment: self._unlink(segment.path))
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._checksummer: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, unlink_quietly, self._paths)
