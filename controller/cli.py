@@ -146,6 +146,7 @@ def _resume_hint(run_dir: Any) -> str:
 def _cancel_on_signals() -> None:
     """Ctrl-C and SIGTERM cancel the running task, which shuts its workers down in order."""
     task = asyncio.current_task()
+    assert task is not None  # called from a coroutine
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)

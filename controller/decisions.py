@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from flexmarl.runtime.staleness import lag, too_stale  # noqa: F401 (the rule, shared with the trainer)
 
@@ -54,7 +54,7 @@ def equal_demand(agents: dict[str, Any], agent: str) -> float:
     return 1.0
 
 
-def unit_weights(units: dict[str, Any], demand: Callable[[str], float]) -> dict[str, float]:
+def unit_weights(units: Mapping[str, Any], demand: Callable[[str], float]) -> dict[str, float]:
     """Each engine unit's expected work for `place_agents`: its agents' demands summed."""
     return {name: sum(demand(a) for a in u.agents) for name, u in units.items()}
 

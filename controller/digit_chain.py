@@ -127,8 +127,8 @@ def checker_prompt(plan: Sequence[int], answer: Sequence[int]) -> Tokens:
 
 def expected_plan(query: Sequence[int]) -> list[int | None]:
     """The query's digits sorted; None everywhere if the query holds a non-digit."""
-    digits = [digit_of(t) for t in query]
-    if None in digits:
+    digits = [d for d in map(digit_of, query) if d is not None]
+    if len(digits) < len(query):
         return [None] * len(query)
     return [DIGIT_IDS[d] for d in sorted(digits)]
 
@@ -180,6 +180,13 @@ def checker_reward(plan: Sequence[int], answer: Sequence[int], verdict: Sequence
 # ---- warm-up -------------------------------------------------------------------------
 
 
+def _all_known(tokens: list[int | None]) -> Tokens:
+    """The right outputs for an input of digits only, which have no None."""
+    known = [t for t in tokens if t is not None]
+    assert len(known) == len(tokens), tokens
+    return known
+
+
 def _noisy(target: Sequence[int], rng: random.Random) -> Tokens:
     return [t if rng.random() < WARMUP_CORRECT_PROB else rng.choice(DIGIT_IDS) for t in target]
 
@@ -189,7 +196,7 @@ def _solver_like_answer(plan: Sequence[int], rng: random.Random) -> Tokens:
     trained solver writes, so the checker warms up on the inputs it will see."""
     error_rate = rng.random()
     return [t if rng.random() >= error_rate else rng.choice(DIGIT_IDS)
-            for t in expected_answer(plan)]
+            for t in _all_known(expected_answer(plan))]
 
 
 def warmup_examples(agent: str, rng: random.Random, n: int) -> list[tuple[Tokens, Tokens]]:
@@ -211,7 +218,7 @@ def warmup_examples(agent: str, rng: random.Random, n: int) -> list[tuple[Tokens
             plan = query  # any three digits, sorted or not, as a partly trained planner writes
             answer = _solver_like_answer(plan, rng)
             prompt, target = checker_prompt(plan, answer), expected_verdict(answer)
-        examples.append((prompt, _noisy(target, rng)))
+        examples.append((prompt, _noisy(_all_known(target), rng)))
     return examples
 
 

@@ -27,7 +27,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.aio import supervise
@@ -209,7 +209,7 @@ class Experiment:
                 raise WorkerFailed(f"worker {wp.worker_id}: {wp.why_exited()} before registering; its log "
                                    f"({wp.log_path}) ends with:\n{self.local.log_tail(wp)}")
 
-    async def supervise(self, driver: Callable[[], Awaitable[Any]], name: str = "driver") -> Any:
+    async def supervise(self, driver: Callable[[], Coroutine[Any, Any, Any]], name: str = "driver") -> Any:
         """Runs `driver()` next to the background tasks; the first failure stops all: a
         background task that ends (or fails) cancels the driver and raises `TaskEnded`."""
         main = asyncio.create_task(driver(), name=name)
@@ -217,6 +217,8 @@ class Experiment:
         return result
 
     async def train(self) -> Any:
+        if self.training is None:
+            raise RuntimeError("Experiment.train() runs inside `async with Experiment(...)`")
         return await self.supervise(self.training.run, name="training")
 
     async def _teardown(self) -> None:

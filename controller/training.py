@@ -44,7 +44,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, cast
 
 from flexmarl.runtime import bases, protocol
 from flexmarl.runtime import events as ev
@@ -133,12 +133,15 @@ class TrainingRun:
             self.emit(ev.RunResumed(self.resume.step, str(self.resume.path), dump_toml(self.cfg)))
         try:
             await self.setup()
+            watch: list[asyncio.Task] = []
             if parts.endpoint is not None:
                 write_text_atomically(self.run_dir / "openai.url", await parts.endpoint.start() + "\n")
+                assert parts.endpoint.task is not None  # start() made it
+                watch.append(parts.endpoint.task)
             self._loads_at_start = await self._worker_loads()
             self.started = time.monotonic()
             parts.metrics.training_started()
-            await supervise(self._loops(), watch=[parts.endpoint.task] if parts.endpoint is not None else ())
+            await supervise(self._loops(), watch=watch)
         finally:  # in order: nothing of the loops or the endpoint is left under way, then what they used closes
             if parts.endpoint is not None:
                 await parts.endpoint.stop()
@@ -246,7 +249,8 @@ class TrainingRun:
         workers = [w.worker_id for w in self.server.registry.alive()]
         replies = await asyncio.gather(*(self.server.call(w, protocol.Echo(self.server.next_request_id()))
                                          for w in workers), return_exceptions=True)
-        return {w: r[0].load.get("busy_s", 0.0) for w, r in zip(workers, replies) if not isinstance(r, BaseException)}
+        return {w: cast(protocol.EchoReply, r[0]).load.get("busy_s", 0.0)  # an Echo's reply is an EchoReply
+                for w, r in zip(workers, replies) if not isinstance(r, BaseException)}
 
     async def _busy_fractions(self) -> dict[str, float]:
         end = await self._worker_loads()

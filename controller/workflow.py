@@ -275,6 +275,8 @@ class EpisodeContext:
             raise EpisodeClosed(self.closed)
         record = self.store.samples[sample_id]
         await self._wait_at_gate(record.agent)
+        if record.output_ids is None:  # its group is still generating its first turn
+            raise ValueError(f"sample {sample_id} cannot take another turn: its first turn has not returned yet")
         request_id = f"{sample_id}@{len(record.versions)}"  # one request per turn
         context = list(record.prompt_ids) + record.output_ids.tolist() + appended
         group, drawn = self._request(record.agent, request_id, context, 1, request_seed(self.run_seed, request_id),
@@ -322,6 +324,7 @@ class EpisodeContext:
         if tok is None:
             return
         record = self.store.samples[sample_id]
+        assert record.output_ids is not None  # the turn's output was just recorded
         turn = record.sampling[-1].start if len(record.sampling) > 1 else 0
         text = tok.decode(record.output_ids[turn:].tolist())
         if record.finish_reason == "stop" and stop:
@@ -377,6 +380,8 @@ class EpisodeContext:
             for s, v in zip(samples, values):
                 self.store.set_reward(s.sample_id, v)
             return
+        if isinstance(value, (list, tuple)):
+            raise TypeError(f"the reward of {sample.sample_id} is one number, not {value!r}")
         self.store.set_reward(sample.sample_id, value)
 
     def samples(self, agent: str) -> list[SampleView]:
@@ -440,7 +445,9 @@ async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -
     It runs in the calling task, which becomes the root of the episode's branches."""
     track_branches()
     BRANCH.set(())
-    _children.pop(asyncio.current_task(), None)
+    task = asyncio.current_task()
+    assert task is not None  # called from a coroutine
+    _children.pop(task, None)
     try:
         why = await _outcome(episode, ctx, timeout_s)
     finally:

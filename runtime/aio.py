@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -29,7 +29,7 @@ def setup_logging(level: str = "INFO", name: str = "") -> None:
     logging.basicConfig(level=level, format=fmt, stream=sys.stderr, force=True)
 
 
-def run_async(main: Callable[[], Awaitable[T]]) -> T:
+def run_async(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Runs `main()` on uvloop (plain asyncio where uvloop is missing)."""
     try:
         import uvloop
@@ -83,7 +83,12 @@ async def supervise(tasks: Sequence[asyncio.Task], *, watch: Sequence[asyncio.Ta
 
 
 def _exception_of(task: asyncio.Task) -> BaseException:
-    return asyncio.CancelledError(f"task {task.get_name()!r} was cancelled") if task.cancelled() else task.exception()
+    """What stopped a task that failed or was cancelled."""
+    if task.cancelled():
+        return asyncio.CancelledError(f"task {task.get_name()!r} was cancelled")
+    exc = task.exception()
+    assert exc is not None  # callers ask only of a task that failed
+    return exc
 
 
 def _ended(task: asyncio.Task) -> TaskEnded:

@@ -462,7 +462,7 @@ class ExperimentConfig:
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a config table's class
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
         return _build(hint, value, key)

@@ -237,6 +237,7 @@ class EventLog:
             try:
                 if self._file is None:
                     self._start()
+                assert self._file is not None  # _start opened it; _rotate replaces it with the next
                 data = b"".join(pieces)
                 if self._segment_bytes + len(data) <= self.max_bytes_per_segment:  # the common case: one write
                     frames = [data]
@@ -294,6 +295,7 @@ class EventLog:
     def _rotate(self) -> None:
         # The finished segment is made durable before the next exists, so a reader never
         # finds a segment N+1 after a segment N that lost its tail.
+        assert self._file is not None  # rotated only while writing to it
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

@@ -29,11 +29,14 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+
+if TYPE_CHECKING:
+    from zmq.auth.asyncio import AsyncioAuthenticator
 
 from . import protocol
 from .config import ConfigError, TransportConfig
@@ -86,6 +89,8 @@ def _curve_keys(curve_dir: str, name: str) -> tuple[bytes, bytes]:
     if not path.exists():
         raise ConfigError(f"CURVE key {path} is missing; create keys with `flexmarl keys {curve_dir}`")
     public, secret = zmq.auth.load_certificate(str(path))
+    if secret is None:
+        raise ConfigError(f"CURVE key {path} holds no secret key; create keys with `flexmarl keys {curve_dir}`")
     return public, secret
 
 
@@ -122,7 +127,7 @@ class _Socket:
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         # The same libzmq socket without the asyncio layer, for sends and receives that
         # cannot wait (see RouterSocket).
-        self._plain = zmq.Socket.shadow(self.sock.underlying)
+        self._plain: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
         if len(frames) > 2 + MAX_BUFFERS:
@@ -151,7 +156,7 @@ class RouterSocket(_Socket):
         super().__init__(cfg, zmq.ROUTER)
         # An unknown identity is an error, not a silent drop: we learn a peer is gone.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.authenticator = None
+        self.authenticator: AsyncioAuthenticator | None = None
         self.address = ""
         self._rearm_pending = False
 

@@ -296,6 +296,7 @@ class VllmEngine:
             self._group_of.update((rid, name) for rid in ids)
         if resident is None:
             return -1
+        assert self.adapters is not None  # the resident adapter came from it
         self.adapters.use(name, resident)
         return resident.version
 

@@ -176,9 +176,8 @@ def _worker_channel(worker: Any, load: PublishedLoad) -> Any:
             key = worker.__dict__.get("_flexmarl_receiving", "")
             return bool(key) and os.path.exists(cancel_mark(cancel_dir, key))
 
-        cancelled = cancelled if cancel_dir else None
         made = (load.config, load.cancel_dir), ParamChannel(load.config, location=Location.here(device),
-                                                            cancelled=cancelled)
+                                                            cancelled=cancelled if cancel_dir else None)
         worker.__dict__["_flexmarl_channel"] = made
     return made[1]
 

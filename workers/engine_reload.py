@@ -176,6 +176,8 @@ class InPlaceReload:
         return out
 
     def _holds(self, tensor: torch.Tensor) -> bool:
+        if self._fused is None:
+            return False
         start = self._fused.data_ptr()
         return tensor.numel() > 0 and start <= tensor.data_ptr() < start + self._fused.numel()
 
@@ -183,6 +185,7 @@ class InPlaceReload:
                 weights: dict[str, torch.Tensor]) -> list[tuple[torch.nn.Module, list[tuple[str, list[torch.Tensor]]]]]:
         """Per module of the plan, its parameters and the tensors that fill each (in fused
         order); raises NotPlannable if any shape does not fit."""
+        assert self._plan is not None  # built before staging
         staged = []
         for target in self._plan.targets:
             module = model.get_submodule(target.module_name)

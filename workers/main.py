@@ -81,6 +81,7 @@ def run_worker(args: argparse.Namespace) -> int:
                                 visible_gpus=pinned,
                                 new_handler=lambda: make_handler(args.role, args.group_size, args.threads, channel))
         task = asyncio.current_task()
+        assert task is not None  # called from a coroutine
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             # An orderly exit: the session's finally-block closes the socket and engine.

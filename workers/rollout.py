@@ -60,7 +60,7 @@ class RolloutHandler(CommandHandler):
         self.engine: Any = None
         self.agent = ""
         self.version = -1
-        self._control: list[protocol.Message] = []
+        self._control: list[protocol.LoadModel | protocol.LoadWeights] = []
         self._adapter_loads: list[protocol.LoadWeights] = []  # applied between steps, in flight or not
         self._admit: list[protocol.Generate] = []
         self._running = RunningGroups()
@@ -68,7 +68,7 @@ class RolloutHandler(CommandHandler):
         self.busy_s = 0.0
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
         self._channel: Any = None
-        self._applying: protocol.Message | None = None  # the LoadModel/LoadWeights running now
+        self._applying: protocol.LoadModel | protocol.LoadWeights | None = None  # the one running now
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         match msg:
@@ -137,7 +137,7 @@ class RolloutHandler(CommandHandler):
             if self.engine is not None and self.engine.has_unfinished():
                 await self._step()
 
-    async def _apply(self, msg: protocol.Message) -> None:
+    async def _apply(self, msg: protocol.LoadModel | protocol.LoadWeights) -> None:
         t0 = time.perf_counter()
         self._applying = msg
         try:

@@ -232,6 +232,7 @@ class WorkerSession:
                 log.warning("worker %s dropped a message: %s", self.worker_id,
                             protocol.shorten(inbound.error, 300))
                 continue
+            assert inbound.msg is not None  # decoded: it has no error
             match inbound.msg:
                 case protocol.Heartbeat():
                     pass

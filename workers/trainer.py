@@ -41,7 +41,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, cast
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.checksums import verify_files
@@ -82,10 +82,9 @@ class CommandQueue:
     def _next_index(self) -> int:
         waiting: set[str] = set()  # agents with a micro-batch queued ahead
         for index, msg in enumerate(self._pending):
-            agent = getattr(msg, "agent", None)
             if isinstance(msg, protocol.TrainMicroBatch):
-                waiting.add(agent)
-            elif agent not in waiting:
+                waiting.add(msg.agent)
+            elif getattr(msg, "agent", None) not in waiting:
                 return index
         return 0
 
@@ -199,7 +198,7 @@ def carried_with_weights(path: Path) -> bool:
     return path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES)
 
 
-def write_checkpoint(path: str, agent: str, model_path: str, write: Any) -> tuple[Path, int]:
+def write_checkpoint(path: str | Path, agent: str, model_path: str, write: Any) -> tuple[Path, int]:
     """Has `write(tmp)` fill a temporary directory next to `path`, adds the other files of
     `model_path` (tokenizer, chat template, generation config: they travel with the
     weights; `carried_with_weights`), then renames it to `path`: a crash or a
@@ -255,7 +254,8 @@ class TrainerHandler(CommandHandler):
                 reply = await asyncio.to_thread(self._execute, msg)
             except Exception as exc:  # one failed command is reported, the worker lives on
                 log.exception("command %s failed", type(msg).__name__)
-                reply = protocol.Error(msg.request_id, f"{type(msg).__name__} for "
+                request_id: int = cast(Any, msg).request_id  # every command carries one
+                reply = protocol.Error(request_id, f"{type(msg).__name__} for "
                                                        f"{getattr(msg, 'agent', '?')} failed: {exc!r}")
             self.busy_s += time.perf_counter() - started
             await self.reply(reply)
@@ -264,7 +264,9 @@ class TrainerHandler(CommandHandler):
         return {"queued_commands": float(self._commands.qsize()), "busy_s": self.busy_s}
 
     def _execute(self, msg: protocol.Message) -> protocol.Message:
-        return self.COMMANDS[type(msg)](self, msg)
+        reply = self.COMMANDS[type(msg)](self, msg)
+        assert reply is not None  # only ranks other than 0 have no reply, and they never execute
+        return reply
 
     def _resident(self, agent: str) -> AgentState:
         state = self.agents.get(agent)
@@ -295,7 +297,7 @@ class TrainerHandler(CommandHandler):
 
         placement = TrainPlacement.resolve(msg.settings)
         if msg.lora is not None:  # the base shared and frozen; the adapter is the model here
-            model = self._new_adapter(msg, placement, msg.seed if pretrained else 0)
+            model = self._new_adapter(msg, placement, msg.seed if pretrained and isinstance(msg, protocol.InitAgent) else 0)
         elif pretrained:
             model = AutoModelForCausalLM.from_pretrained(msg.model_path, dtype=placement.param_dtype)
             placement.prepare(model)
@@ -444,7 +446,7 @@ class TrainerHandler(CommandHandler):
         return protocol.StepDone(msg.request_id, state.name, state.version, float(norm),
                                  time.perf_counter() - t0, sums.stats(float(norm), skipped))
 
-    def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished:
+    def _publish(self, msg: protocol.PublishWeights) -> protocol.WeightsPublished | None:  # None on ranks but 0
         t0 = time.perf_counter()
         state = self._resident(msg.agent)
         if msg.version not in (state.version, protocol.CURRENT_VERSION):
@@ -507,6 +509,8 @@ class TrainerHandler(CommandHandler):
             raise ValueError(f"the parked state of {msg.agent} has {len(msg.shards) + 1} shards and this trainer "
                              f"has {self.world} ranks; a state moves only between trainers of the same size")
         if msg.checksum:  # a checkpoint's file: checked against its manifest before it is read
+            if msg.handle.path is None:
+                raise ValueError(f"the checkpointed state of {msg.agent} has a checksum but no file path")
             verify_files(Path(msg.handle.path).parent, {Path(msg.handle.path).name: msg.checksum})
         model, optimizer, placement = self._new_model(msg, pretrained=False)
         # Into a model built for it, verified on the way: a short or corrupt copy raises
@@ -541,6 +545,7 @@ class TrainerHandler(CommandHandler):
                      seed: int) -> Any:
         """A new adapter for msg.agent on the shared base at msg.model_path, the base loaded
         if no resident agent uses it yet."""
+        assert msg.lora is not None  # called for an agent that is an adapter
         from .adapters import SharedBase
 
         base = self.bases.get(msg.model_path)
@@ -586,7 +591,7 @@ class TrainerHandler(CommandHandler):
         self.channel().release(parked)
         return protocol.StateReleased(msg.request_id, msg.agent)
 
-    def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved:
+    def _save(self, msg: protocol.SaveCheckpoint) -> protocol.CheckpointSaved | None:  # None on ranks but 0
         """Weights in Hugging Face format (loadable by transformers and vLLM) and, with
         `full_state`, the whole training state as a disk file of the parameter channel.
         Written under a temporary name and renamed: a crash or a full disk mid-save never
@@ -618,7 +623,7 @@ class TrainerHandler(CommandHandler):
         return protocol.CheckpointSaved(msg.request_id, state.name, str(path), state.version, handle, nbytes)
 
     # One table from command to method; `handle` queues exactly these.
-    COMMANDS = {
+    COMMANDS: dict[type[protocol.Message], Callable[[Any, Any], protocol.Message | None]] = {
         protocol.InitAgent: _init_agent,
         protocol.TrainMicroBatch: _train,
         protocol.OptimStep: _step,

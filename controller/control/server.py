@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import zmq
 
@@ -159,7 +159,8 @@ class ControllerServer:
         if info is None or not info.alive:
             future.set_exception(WorkerDied(worker_id, "not registered or already dead"))
             return future
-        self._pending[msg.request_id] = _Pending(worker_id, future, on_reply)
+        request_id: int = cast(Any, msg).request_id  # every request carries one (runtime/protocol.py)
+        self._pending[request_id] = _Pending(worker_id, future, on_reply)
         return future
 
     async def send_request(self, worker_id: str, msg: protocol.Message,

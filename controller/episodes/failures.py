@@ -62,8 +62,11 @@ def calling_user_frame() -> str:
 
 def _innermost(frames: list[traceback.FrameSummary]) -> str:
     own = [f for f in frames if not _resolved(f.filename).startswith(_INSTALLED)]
-    frame = (own or frames or [None])[-1]
-    return f"{frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else ""
+    shown = own or frames
+    if not shown:
+        return ""
+    frame = shown[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
 def user_traceback(exc: BaseException) -> str:

@@ -49,6 +49,10 @@ class BatchProgress:
     def rollout_s(self) -> float:
         return (self.rollout_end or 0.0) - (self.started or 0.0)
 
+    @property
+    def train_sync_s(self) -> float:
+        return (self.trained or 0.0) - (self.rollout_end or 0.0)
+
 
 class BatchSchedule:
     def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
@@ -159,4 +163,4 @@ class BatchSchedule:
         if not done:
             return {"rollout_s": 0.0, "train_sync_s": 0.0}
         return {"rollout_s": sum(p.rollout_s for p in done) / len(done),
-                "train_sync_s": sum(p.trained - p.rollout_end for p in done) / len(done)}
+                "train_sync_s": sum(p.train_sync_s for p in done) / len(done)}

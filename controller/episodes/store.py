@@ -68,11 +68,11 @@ class Sample(msgspec.Struct, gc=False):
     logprobs: array.array | None = None  # per output id; 0.0 for appended ids
     # Until its output arrives a sample has none of these (immutable placeholders: a group
     # opened is n small records, nothing more).
-    versions: list[int] = ()  # policy version of every turn
-    mask: array.array = None  # per output id: 1 generated (trained), 0 appended
+    versions: list[int] = ()  # type: ignore[assignment]  # () until set; policy version of every turn
+    mask: array.array | None = None  # per output id: 1 generated (trained), 0 appended
     # What every turn was sampled at (temperature, top_p, top_k, from which output id on):
     # the trainer scores each turn's tokens under its own distribution.
-    sampling: list[protocol.TurnSampling] = ()
+    sampling: list[protocol.TurnSampling] = ()  # type: ignore[assignment]  # () until set
     text: str = ""  # the last turn's generated text (agents with a tokenizer)
     messages: list | None = None  # the conversation so far, for samples made by ctx.chat
     reward: float | None = None
@@ -189,6 +189,7 @@ class ExperienceStore:
         if sample.output_ids is None or sample.status != PENDING or sample.reward is not None:
             raise ValueError(f"sample {sample_id} cannot take another turn: it is {sample.status}"
                              + (" and already rewarded" if sample.reward is not None else ""))
+        assert sample.logprobs is not None and sample.mask is not None  # set with its output_ids
         turn = sampling or protocol.TurnSampling(0)
         generated = output.token_ids[0]
         start = len(sample.output_ids) + len(appended_ids)
@@ -239,12 +240,15 @@ class ExperienceStore:
         self.counts[(group.agent, DROPPED)] += len(group.sample_ids)
 
     def _maybe_ready(self, group: Group) -> None:
-        members = [self.samples[s] for s in group.sample_ids]
-        if group.status != PENDING or any(s.output_ids is None or s.reward is None for s in members):
+        if group.status != PENDING:
             return
-        group.tokens = len(members[0].prompt_ids) + sum(len(s.output_ids) for s in members)
-        self.emit(ev.GroupComplete(group.agent, group.group_id, [s.reward for s in members], group.tokens))
-        rewards = [s.reward for s in members]
+        members = [self.samples[s] for s in group.sample_ids]
+        outputs = [s.output_ids for s in members if s.output_ids is not None]
+        rewards = [s.reward for s in members if s.reward is not None]
+        if len(outputs) < len(members) or len(rewards) < len(members):
+            return
+        group.tokens = len(members[0].prompt_ids) + sum(len(o) for o in outputs)
+        self.emit(ev.GroupComplete(group.agent, group.group_id, list(rewards), group.tokens))
         seq = next(self._ready_seq)
         for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(group.agent, True))):
             s.advantage = adv

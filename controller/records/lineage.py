@@ -70,11 +70,11 @@ def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample
         return e if e.version <= step else None
     if isinstance(e, ev.RequestsCompleted):  # kept in the form that lists every sample
         samples, versions = e.samples(), e.sample_versions()
-        keep = [i for i, sid in enumerate(samples) if batch_of_sample.get(sid, 0) <= step]
-        if not keep:
+        kept_at = [i for i, sid in enumerate(samples) if batch_of_sample.get(sid, 0) <= step]
+        if not kept_at:
             return None
-        return msgspec.structs.replace(e, sample_ids=[samples[i] for i in keep],
-                                       versions=[versions[i] for i in keep], parts=ev.Parts())
+        return msgspec.structs.replace(e, sample_ids=[samples[i] for i in kept_at],
+                                       versions=[versions[i] for i in kept_at], parts=ev.Parts())
     if isinstance(e, ev.RequestsDispatched):
         keep = [sid for sid in e.samples() if batch_of_sample.get(sid, 0) <= step]
         return msgspec.structs.replace(e, sample_ids=keep, parts=ev.Parts()) if keep else None

@@ -98,6 +98,7 @@ class SetupProgress:
             log.info("%s: done in %.1fs", description, seconds)
 
     def _refresh_rich(self, stage: Stage, stop: threading.Event) -> None:
+        assert self._rich is not None  # started only with a rich display
         while not stop.wait(0.2):
             if stage.done is not None:
                 self._rich.update(stage._task, completed=stage.done, total=stage.total)

@@ -178,7 +178,7 @@ def training_seconds(events: list[Event]) -> float:
     """Seconds spent training: from each controller process's first `BatchStarted` to its
     last event (the next `RunResumed` ends a crashed one), so model builds, engine starts
     and the time a crashed run lay dead are not counted."""
-    total, began, last = 0.0, None, None
+    total, began, last = 0.0, None, 0.0  # last: set before began is
     for e in events:
         kind = type(e)
         if kind is RunResumed:
@@ -380,22 +380,21 @@ def _tally(events: list[Event], bound: int | None) -> _Tally:
     t = _Tally()
     stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
     for e in events:
-        kind = type(e)
-        if kind is GroupOpened:
+        if type(e) is GroupOpened:
             members = e.members()
             if not t.owner.keys().isdisjoint(members):
                 t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
                              for sid in members if sid in t.owner]
                 members = [sid for sid in members if sid not in t.owner]
             t.owner.update(dict.fromkeys(members, e.agent))
-        elif kind is RequestsCompleted:
+        elif type(e) is RequestsCompleted:
             made = dict(zip(e.samples(), e.sample_versions()))
             for sid in made.keys() & t.made_by.keys():  # generated again (re-issued): the oldest counts
                 made[sid] = min(made[sid], t.made_by[sid])
             t.made_by.update(made)
-        elif kind is MicroBatchFormed:
+        elif type(e) is MicroBatchFormed:
             _tally_micro_batch(t, e, (e.agent, e.version) in stepped, bound)
-        elif kind is SamplesDropped:
+        elif type(e) is SamplesDropped:
             t.dropped.update(e.sample_ids)
             t.dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
     return t
@@ -422,10 +421,10 @@ def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
                                     if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
     for sid, n in t.unstepped.items():
         in_flight[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
-    trained_rows: collections.Counter = collections.Counter()
+    trained_rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
     for sid, n in t.trained.items():
         trained_rows[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
-    dropped_rows: collections.Counter = collections.Counter()
+    dropped_rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
     for sid, n in t.dropped.items():
         dropped_rows[t.owner.get(sid) or t.dropped_by[sid], made(sid)] += n
     return {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
@@ -651,15 +650,15 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
     None when all agree. Stamps (seq and t) are ignored. A step left open by a run that
     stopped mid-step is compared as far as the log goes: its logged micro-batches must be
     the first the rules cut; the ones not cut when the log ends are not a difference."""
-    types = frozenset(types)
+    wanted = frozenset(types)
     counted = lineage(events)
-    logged = [e for e in counted if type(e) in types]
+    logged = [e for e in counted if type(e) in wanted]
     unfinished = open_steps(counted)
     left = collections.Counter((e.agent, e.version) for e in logged
                                if type(e) is MicroBatchFormed and (e.agent, e.version) in unfinished)
     again = []
     for e in redrive(events):
-        if type(e) not in types:
+        if type(e) not in wanted:
             continue
         if type(e) is MicroBatchFormed and (e.agent, e.version) in unfinished:
             if not left[(e.agent, e.version)]:

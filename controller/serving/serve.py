@@ -106,6 +106,7 @@ class ServedAgents:
                                                self.cfg.cluster.worker_start_timeout_s)
             await asyncio.gather(*(self._load(agent, worker) for agent, worker in names.items()))
             url = await self.endpoint.start()
+            assert self.endpoint.task is not None  # start() made it
             print(f"serving {', '.join(self.models)} (step {self.point.step} of {self.run_dir}) at {url}", flush=True)
             await supervise([self.endpoint.task], watch=background, forever=True)
         finally:

@@ -439,7 +439,7 @@ async def _cancelled(calls: list[asyncio.Future]) -> None:
 
 
 def train_sample(s: Sample) -> protocol.TrainSample:
-    assert s.output_ids is not None and s.logprobs is not None  # a finished sample
+    assert s.output_ids is not None and s.logprobs is not None and s.mask is not None  # a finished sample
     mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
     first, *later = s.sampling or [protocol.TurnSampling(0)]
     return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), cast(float, s.advantage), s.logprobs.tolist(),

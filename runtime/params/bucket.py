@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from typing import Generic, TypeVar, overload
 
 import numpy as np
 import torch
@@ -45,6 +46,14 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], 
         layout.append(TensorSpec(name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
         offset = round_up(offset + nbytes, ALIGN)
     return layout, offset
+
+
+@overload
+def checksum(data: torch.Tensor, stopped: None = None) -> int: ...
+
+
+@overload
+def checksum(data: torch.Tensor, stopped: Callable[[], bool]) -> int | None: ...
 
 
 def checksum(data: torch.Tensor, stopped: Callable[[], bool] | None = None) -> int | None:
@@ -206,8 +215,10 @@ def verify_bucket(handle: ParamHandle, data: torch.Tensor) -> None:
     compare(handle, handle.checksum, checksum(data))
 
 
-def compare(handle: ParamHandle, expected: int, got: int,
+def compare(handle: ParamHandle, expected: int | None, got: int,
             outcome: str = "Nothing was overwritten; ask the publisher to publish again.") -> None:
+    if expected is None:
+        raise ParamTransferError(f"{describe(handle)}: the handle carries no checksum to verify the bytes against")
     if got != expected:
         raise ParamTransferError(
             f"{describe(handle)}: checksum mismatch over {handle.total_bytes} bytes "
@@ -247,21 +258,24 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class SparePool:
+Item = TypeVar("Item")
+
+
+class SparePool(Generic[Item]):
     """Released buffers kept for the next publish or receive of the same size: on this kind
     of VM a fresh 1 GB buffer costs ten memcpys in page faults, a reused one nothing."""
 
-    def __init__(self, limit: int, free: Callable[[object], None]):
+    def __init__(self, limit: int, free: Callable[[Item], None]):
         self._limit, self._free = limit, free
-        self._items: list[tuple[int, object]] = []
+        self._items: list[tuple[Hashable, Item]] = []
 
-    def take(self, size: int) -> object | None:
+    def take(self, size: Hashable) -> Item | None:
         for i, (item_size, item) in enumerate(self._items):
             if item_size == size:
                 return self._items.pop(i)[1]
         return None
 
-    def give(self, size: int, item: object) -> None:
+    def give(self, size: Hashable, item: Item) -> None:
         self._items.append((size, item))
         while len(self._items) > self._limit:
             self._free(self._items.pop(0)[1])

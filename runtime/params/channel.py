@@ -33,6 +33,7 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import msgspec
 import torch
@@ -122,7 +123,7 @@ class ParamChannel:
         unless copy=False (then the contents are undefined until written)."""
         if self._closed:
             raise RuntimeError("shared_bucket() on a closed ParamChannel")
-        return self._transport("shm", ValueError).shared_bucket(tensors, copy)
+        return cast(ShmTransport, self._transport("shm", ValueError)).shared_bucket(tensors, copy)
 
     def publish(self, tensors: Mapping[str, torch.Tensor] | SharedBucket, *, agent: str, version: int,
                 transport: str, path: str | os.PathLike | None = None, receivers: int = 1,
@@ -136,8 +137,9 @@ class ParamChannel:
         if self._closed:
             raise RuntimeError("publish() on a closed ParamChannel")
         impl = self._transport(transport, ValueError)
-        bucket = tensors if isinstance(tensors, SharedBucket) else None
-        if bucket is not None:
+        bucket: SharedBucket | None = None
+        if isinstance(tensors, SharedBucket):
+            bucket = tensors
             if bucket.segment is None:
                 raise RuntimeError("publish() of a closed SharedBucket")
             tensors = bucket.tensors

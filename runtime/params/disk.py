@@ -63,6 +63,8 @@ def _write_disk(path: str, handle: ParamHandle, data: torch.Tensor, fsync: bool)
 
 
 def _read_disk(handle: ParamHandle, dest: torch.Tensor) -> None:
+    if handle.path is None:
+        raise ParamTransferError(f"{describe(handle)}: malformed handle (no file path)")
     try:
         f = open(handle.path, "rb")
     except FileNotFoundError:

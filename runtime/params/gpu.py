@@ -119,7 +119,7 @@ class IpcMappings:
 
     def __init__(self, limit: int, open_mapping) -> None:
         self._limit, self._open = max(limit, 1), open_mapping
-        self._open_now: OrderedDict[str, object] = OrderedDict()
+        self._open_now: OrderedDict[str, _IpcMapping] = OrderedDict()
         self.opened = 0  # mappings made so far: a sync that reused one made none
 
     def get(self, info: CudaIpcInfo):
@@ -142,7 +142,7 @@ class IpcMappings:
 
 
 class NcclTransport(Transport):
-    def __init__(self, *args, new_unique_id=param_nccl.new_unique_id, communicators=None):
+    def __init__(self, *args, new_unique_id=param_nccl.new_unique_id, communicators=None) -> None:
         super().__init__(*args)
         self._new_unique_id = new_unique_id
         self.communicators = communicators or param_nccl.Communicators()
@@ -244,7 +244,8 @@ class _IpcMapping:
     """A receiver's side: a publisher's IPC memory mapped into this process."""
 
     def __init__(self, pointer: int, info: CudaIpcInfo, device: int):
-        self._pointer, self._device = pointer, device
+        self._pointer: int | None = pointer
+        self._device = device
         self.tensor = _as_tensor(pointer, info.size, device, self)
         self.unpacked = None  # (total bytes, layout, views) of the last publication received here
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -160,9 +160,16 @@ def _close(member: _Member) -> None:
         member.lock.release()
 
 
+def group_of(handle: ParamHandle) -> NcclInfo:
+    """The NCCL group a handle names (every nccl handle carries one)."""
+    if handle.nccl is None:
+        raise ParamTransferError(f"{describe(handle)}: malformed handle (no NCCL group)")
+    return handle.nccl
+
+
 def broadcast(comms: Communicators, handle: ParamHandle, rank: int, bucket: torch.Tensor) -> None:
     """Joins the handle's group at `rank` (if not a member yet) and broadcasts `bucket`."""
-    member = comms.member(handle.agent, handle.nccl, rank, bucket.device)
+    member = comms.member(handle.agent, group_of(handle), rank, bucket.device)
     _broadcast(comms, handle, member, bucket)
 
 
@@ -188,14 +195,16 @@ def receive(comms: Communicators, handle: ParamHandle, rank: int | None, device:
     times out in the broadcast aborts its communicator, which stops the kernel and frees
     the bucket. `cancelled()` (polled) ends either wait at once: another rank died, so the
     group will never form or the broadcast never finish."""
-    world = handle.nccl.world_size
+    group = group_of(handle)
+    world = group.world_size
     if rank is None or not 1 <= rank < world:
         raise ValueError(f"nccl receive needs rank= in 1..{world - 1} (the publisher is rank 0), got {rank}")
-    joined, done, state = threading.Event(), threading.Event(), {}
+    joined, done = threading.Event(), threading.Event()
+    state: dict[str, Any] = {}  # "member", then "bucket" or "error"
 
     def join_and_receive() -> None:
         try:
-            member = comms.member(handle.agent, handle.nccl, rank, device)
+            member = comms.member(handle.agent, group, rank, device)
             state["member"] = member
             joined.set()
             bucket = torch.empty(max(handle.total_bytes, ALIGN), dtype=torch.uint8, device=device)
@@ -246,14 +255,15 @@ class Broadcast:
     own, so publish() returns while the receivers are still being told to join."""
 
     def __init__(self, comms: Communicators, handle: ParamHandle, bucket: torch.Tensor):
-        self.bucket, self.error, self._comms, self._handle = bucket, None, comms, handle
+        self.bucket, self._comms, self._handle = bucket, comms, handle
+        self.error: BaseException | None = None
         self._member: _Member | None = None
         self._thread = threading.Thread(target=self._run, name=f"nccl-send-{handle.key}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self._member = self._comms.member(self._handle.agent, self._handle.nccl, 0, self.bucket.device)
+            self._member = self._comms.member(self._handle.agent, group_of(self._handle), 0, self.bucket.device)
             _broadcast(self._comms, self._handle, self._member, self.bucket)
         except BaseException as exc:
             self.error = exc

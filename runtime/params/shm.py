@@ -117,7 +117,7 @@ class _ShmPublisher:
     def __init__(self, shm_dir: str, spares: int, defer_checksum_bytes: int):
         self._dir, self._keep, self._defer_bytes = shm_dir, spares > 0, defer_checksum_bytes
         self._paths: set[str] = set()  # every file owned, live or spare
-        self._spares = SparePool(spares, free=lambda segment: self._unlink(segment.path))
+        self._spares: SparePool[_Segment] = SparePool(spares, free=lambda segment: self._unlink(segment.path))
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._checksummer: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, unlink_quietly, self._paths)
@@ -151,6 +151,8 @@ class _ShmPublisher:
         A segment holds one publication: a bucket published again while live moves first
         (a leading part of one cannot move: it is refused). A leading part publishes its
         bytes only, from the segment's start."""
+        if bucket.segment is None:
+            raise RuntimeError("publish() of a closed SharedBucket")
         if bucket.segment.live_key is not None:
             bucket.prepare_write()
         segment, data = bucket.segment, bucket.segment.data[: fields["total_bytes"]]
@@ -231,7 +233,7 @@ class SharedBucket:
     def __init__(self, shm: _ShmPublisher, tensors: Mapping[str, torch.Tensor], copy: bool):
         self.layout, self.total_bytes = plan_layout(tensors)
         self._shm = shm
-        self.segment = shm.allocate(self.total_bytes)
+        self.segment: _Segment | None = shm.allocate(self.total_bytes)  # None once closed
         self.segment.bucket = self
         if copy:
             pack_into(self.segment.data, tensors, self.layout)
@@ -245,6 +247,8 @@ class SharedBucket:
         without a copy. The same rule holds: nothing may change while that is live. It
         cannot move (prepare_write refuses) and is not closed: the whole bucket owns the
         segment."""
+        if self.segment is None:
+            raise RuntimeError("leading() of a closed SharedBucket")
         part = object.__new__(SharedBucket)
         end = self.layout[count - 1].offset + self.layout[count - 1].nbytes if count else 0
         part.layout = [msgspec.structs.replace(spec, name=rename(spec.name)) for spec in self.layout[:count]]
@@ -336,6 +340,8 @@ class _ShmReceiver:
                                      f"(released and reused, or overwritten). Ask for a fresh publish.")
 
     def _open(self, handle: ParamHandle) -> mmap.mmap:
+        if handle.path is None:
+            raise ParamTransferError(f"{describe(handle)}: malformed handle (no segment path)")
         try:
             fd = os.open(handle.path, os.O_RDONLY)
         except FileNotFoundError:

@@ -63,7 +63,8 @@ class _TcpServer:
         self._buckets: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self._stop, self._ready = threading.Event(), threading.Event()
-        self.endpoint, self.error = "", None
+        self.endpoint = ""
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="param-tcp-server", daemon=True)
         self._thread.start()
         self._ready.wait(10)
@@ -131,7 +132,7 @@ class _TcpServer:
         elif req.offset < 0 or req.size <= 0 or req.offset + req.size > len(bucket):
             error = f"chunk [{req.offset}, {req.offset + req.size}) is outside the {len(bucket)}-byte bucket"
         else:
-            chunk = memoryview(bucket[req.offset : req.offset + req.size])
+            chunk = bucket[req.offset : req.offset + req.size].data  # a memoryview: no copy
             sock.send_multipart([ident, _encode(_ChunkReply(req.key, req.offset)), chunk], copy=False)
             return
         sock.send_multipart([ident, _encode(_ChunkReply(req.key, req.offset, error)), b""])
@@ -167,20 +168,20 @@ def _tcp_pull(ctx: zmq.Context, handle: ParamHandle, dest: np.ndarray, config: P
                 raise ParamTransferError(f"{describe(handle)}: malformed reply from {handle.endpoint}")
             if reply.error:
                 raise ParamTransferError(f"{describe(handle)}: {handle.endpoint} refused: {reply.error}")
-            size = pending.pop(reply.offset, None) if reply.key == handle.key else None
+            asked = pending.pop(reply.offset, None) if reply.key == handle.key else None
             data = frames[1].buffer
-            if size is None or len(data) != size:
+            if asked is None or len(data) != asked:
                 raise ParamTransferError(
                     f"{describe(handle)}: size mismatch: got {len(data)} bytes at offset {reply.offset}, "
-                    f"expected {size if size is not None else 'no chunk there'}. Ask for a fresh publish.")
-            dest[reply.offset : reply.offset + size] = np.frombuffer(data, dtype=np.uint8)
-            received += size
+                    f"expected {asked if asked is not None else 'no chunk there'}. Ask for a fresh publish.")
+            dest[reply.offset : reply.offset + asked] = np.frombuffer(data, dtype=np.uint8)
+            received += asked
     finally:
         sock.close(linger=0)
 
 
 class TcpTransport(Transport):
-    def __init__(self, config, location, host, *args):
+    def __init__(self, config, location, host, *args) -> None:
         super().__init__(config, location, host, *args)
         self._ctx: zmq.Context | None = None
         self._server: _TcpServer | None = None

@@ -28,7 +28,7 @@ class HostBuffers:
     page faults on this kind of VM, a reused one nothing."""
 
     def __init__(self, spares: int):
-        self._spares = SparePool(spares, free=lambda _: None)
+        self._spares: SparePool[torch.Tensor] = SparePool(spares, free=lambda _: None)
 
     def take(self, total: int) -> torch.Tensor:
         buf = self._spares.take(total)
