@@ -3,7 +3,7 @@
 
 A component names the narrowest of these it uses (a trainer's allocator only calls
 workers; the rebalancer only reads the registry), so a test double implements that much
-and no more. `ControllerServer` (server.py) implements them all. Protocols used by one component
+and no more. `ControllerServer` (control/server.py) implements them all. Protocols used by one component
 live beside it instead (weight_sync.ServedInstances, openai_turns.TurnEndpoint, ...).
 """
 
