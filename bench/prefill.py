@@ -40,8 +40,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from flexmarl.controller import Experiment
-
+from flexmarl.controller import Experiment  # noqa: E402
 from flexmarl.controller.records import replay  # noqa: E402
 from flexmarl.runtime import events as ev  # noqa: E402
 from flexmarl.runtime.aio import run_async  # noqa: E402
