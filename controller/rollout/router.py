@@ -160,6 +160,23 @@ class RoutingPolicy:
     rng: random.Random
     turn: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
+    def sizes(self, n: int, cost: float, instances: Sequence[str], load: Load) -> list[int]:
+        """The parts a new group of n samples is cut into (`split_sizes`): [n] unless it can split."""
+        if n < 2 * self.min_part or len(instances) < 2:
+            return [n]
+        share = (sum(load(w) for w in instances) + cost) / len(instances)
+        return split_sizes(n, cost, share, len(instances), self.min_part)
+
+    def choose(self, agent: str, instances: Sequence[str], load: Load) -> str:
+        """The instance the rule picks for the agent's next group or part."""
+        worker = route_group(self.within_agent, instances, load, self.turn[agent], self.rng)
+        self.turn[agent] += 1
+        return worker
+
+    def keeps_turn(self, previous: str, chosen: str, load: Load, cost: float) -> bool:
+        """Whether a later turn goes back to `previous` (still serving its agent) rather than `chosen`."""
+        return self.affinity_bound > 0 and stays(load(previous), load(chosen), cost, self.affinity_bound)
+
 
 class RolloutClient:
     def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
@@ -236,22 +253,16 @@ class RolloutClient:
     def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
         agent, load = part.owner.agent, self.outstanding.__getitem__
         if part.owner.left == 0:  # a new group: parts are counted once
-            sizes = [part.group.n]
-            if part.group.n >= 2 * self.policy.min_part and len(instances) > 1:
-                share = (sum(load(w) for w in instances) + part.cost) / len(instances)
-                sizes = split_sizes(part.group.n, part.cost, share, len(instances), self.policy.min_part)
-            pieces = _cut(part, sizes)
+            pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
             part.owner.left = len(pieces)
         else:  # a part routed again: as it was
             pieces = [part]
         routed = []
         for piece in pieces:
-            worker = route_group(self.policy.within_agent, instances, load, self.policy.turn[agent], self.policy.rng)
-            self.policy.turn[agent] += 1
-            if (self.policy.affinity_bound > 0 and piece.after and piece.after != worker
-                    and self.owner.serving(piece.after, agent)):
-                if stays(load(piece.after), load(worker), piece.cost, self.policy.affinity_bound):
-                    worker = piece.after
+            worker = self.policy.choose(agent, instances, load)
+            if (piece.after and piece.after != worker and self.owner.serving(piece.after, agent)
+                    and self.policy.keeps_turn(piece.after, worker, load, piece.cost)):
+                worker = piece.after
             if piece.after:
                 self.affinity["kept" if worker == piece.after else "moved"] += 1
             self.owner.add_work(worker, piece.cost)  # counted now: the next group sees it
