@@ -331,10 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.models) if args.models else Path(tmp)
         path = build_model(args.shape, root, device)
-        runs = [(c == "on", t, k == "on") for k in args.compile.split(",") for c in args.checkpointing.split(",")
+        runs = [(c == "on", int(t), k == "on") for k in args.compile.split(",") for c in args.checkpointing.split(",")
                 for t in args.tokens.split(",")]
         for checkpointing, tokens, compiled in runs:
-            tokens = int(tokens)
             spec = {"shape": args.shape, "model": str(path), "device": str(device), "tokens": tokens,
                     "checkpointing": checkpointing, "group_size": args.group_size, "seed": args.seed + tokens,
                     "reps": args.reps, "matmul_size": matmul_size, "memory_cap_gib": 0 if args.smoke else cap,
