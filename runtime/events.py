@@ -22,7 +22,9 @@ import msgspec
 # Version of the log format (framing and event schemas). Readers refuse newer logs.
 # 2: a group's samples are named by the group and its members' count (`n`, `parts`), not
 # listed one by one; readers still read format 1.
-FORMAT_VERSION = 2
+# 3: a frame holds the events of one write as a msgpack array (formats 1 and 2: one event a
+# frame); readers still read formats 1 and 2.
+FORMAT_VERSION = 3
 
 
 # gc=False: events hold plain data and never take part in a reference cycle, so the

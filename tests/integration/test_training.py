@@ -23,7 +23,7 @@ from flexmarl.controller.model_resolution import resolve_model
 from flexmarl.controller.records import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
-from flexmarl.runtime.eventlog import encode_frame, read_events
+from flexmarl.runtime.eventlog import HEADER_BYTES, encode_frame, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def test_check_catches_a_deliberately_altered_decision(sync_run, tmp_path):
     body = msgspec.msgpack.Encoder()
     tampered = False
     with open(run_dir / "events.log", "rb") as fh:
-        header = fh.read(_header_len(run_dir / "events.log"))
+        header = fh.read(HEADER_BYTES)
     with open(altered, "wb") as out:
         out.write(header)
         for e in events:
@@ -141,14 +141,6 @@ def test_check_catches_a_deliberately_altered_decision(sync_run, tmp_path):
     again, problem = read_events(altered)
     assert problem is None and len(again) == len(events)
     assert "differs" in replay.check(again)
-
-
-def _header_len(path):
-    # The header is everything before the first frame: find it by re-encoding frame 0.
-    events, _ = read_events(path)
-    first = encode_frame(msgspec.msgpack.Encoder().encode(events[0]))
-    data = Path(path).read_bytes()
-    return data.index(first)
 
 
 def test_async_k0_trains_the_same_weights_as_sync(sync_run, tmp_path):

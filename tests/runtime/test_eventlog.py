@@ -1,12 +1,13 @@
 import asyncio
 import os
 import time
+import zlib
 
 import msgspec
 import pytest
 
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.eventlog import (HEADER_BYTES, MAGIC, EventLog, EventLogError,
+from flexmarl.runtime.eventlog import (HEADER_BYTES, MAGIC, MAX_EVENTS_PER_FRAME, EventLog, EventLogError,
                                        EventLogVersionError, encode_frame, read_events,
                                        segment_path, segment_paths)
 
@@ -48,10 +49,13 @@ class FakeClock:
         return self.now
 
 
-async def write(path, events, **kwargs):
+async def write(path, events, flush_each=False, **kwargs):
+    """Writes `events` in one write (one frame), or one write (frame) each."""
     log = EventLog(path, **kwargs)
     for e in events:
         log.emit(e)
+        if flush_each:
+            await log.flush()
     await log.close()
     return log
 
@@ -106,21 +110,22 @@ async def test_a_resumed_run_continues_the_log_after_cutting_off_the_torn_tail(t
     last = segment_paths(path)[-1]
     last.write_bytes(last.read_bytes()[:-3])  # the crash tore the last frame
     kept, problem = read_events(path)
-    assert "truncated frame" in problem and len(kept) == 29
+    n = len(kept)  # the events before the torn frame (its events are lost with it)
+    assert "truncated frame" in problem and 0 < n < 30 and kept == first[:n]
     clock = FakeClock()
     clock.now = 5000.0  # another process: its own clock
     more = [ev.RunResumed(4, "ckpt", "[run]"), ev.WorkerDied("w99", "after")]
     await write(path, more, max_bytes_per_segment=300, clock=clock, append=True)
     events, problem = read_events(path)
     assert problem is None
-    assert events[:29] == kept and events[29:] == more
-    assert [e.seq for e in events] == list(range(31))  # seq goes on where the intact part ended
-    assert events[29].t > events[28].t  # and so does time
+    assert events[:n] == kept and events[n:] == more
+    assert [e.seq for e in events] == list(range(n + 2))  # seq goes on where the intact part ended
+    assert events[n].t > events[n - 1].t  # and so does time
 
 
 async def test_a_truncated_file_is_read_up_to_the_torn_frame_naming_the_offset(tmp_path):
     path = tmp_path / "events.log"
-    await write(path, EXAMPLES)
+    await write(path, EXAMPLES, flush_each=True)
     data = path.read_bytes()
     last_frame_at = len(data) - len(encode_frame(msgspec.msgpack.encode(EXAMPLES[-1])))
     path.write_bytes(data[:-3])
@@ -131,7 +136,7 @@ async def test_a_truncated_file_is_read_up_to_the_torn_frame_naming_the_offset(t
 
 async def test_a_corrupted_byte_stops_reading_at_the_damaged_frame(tmp_path):
     path = tmp_path / "events.log"
-    await write(path, EXAMPLES)
+    await write(path, EXAMPLES, flush_each=True)
     data = bytearray(path.read_bytes())
     fifth_frame_at = HEADER_BYTES + sum(len(encode_frame(msgspec.msgpack.encode(e))) for e in EXAMPLES[:4])
     data[fifth_frame_at + 10] ^= 0x40
@@ -290,3 +295,54 @@ async def test_a_tail_returns_each_event_once_as_the_log_grows_across_segments_a
     seen += tail.poll()
     assert [e.seq for e in seen] == list(range(41)) and isinstance(seen[-1], ev.RunResumed)
     assert len(segment_paths(path)) > 3
+
+
+def one_event_frame(body):
+    """A frame of formats 1 and 2: one event, no array around it."""
+    length = len(body).to_bytes(4, "little")
+    return length + body + zlib.crc32(body, zlib.crc32(length)).to_bytes(4, "little")
+
+
+async def test_one_write_is_one_frame_and_a_long_write_is_cut_into_frames_of_bounded_size(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, EXAMPLES)
+    bodies = [msgspec.msgpack.encode(e) for e in EXAMPLES]
+    assert path.read_bytes() == MAGIC + ev.FORMAT_VERSION.to_bytes(4, "little") + encode_frame(*bodies)
+    many = [ev.WorkerDied(f"w{i}", "x") for i in range(MAX_EVENTS_PER_FRAME + 10)]
+    await write(path, many)
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0x40  # damage in the second frame keeps the first whole
+    path.write_bytes(bytes(data))
+    events, problem = read_events(path)
+    assert events == many[:MAX_EVENTS_PER_FRAME] and "checksum mismatch" in problem
+
+
+async def test_an_event_of_a_later_kind_inside_a_frame_is_skipped_and_the_rest_kept(tmp_path):
+    path = tmp_path / "events.log"
+    await write(path, EXAMPLES[:1])
+    future = msgspec.msgpack.encode({"event": "AgentCloned", "seq": 1, "t": 1.0, "agent": "x"})
+    later = ev.WorkerDied("r0", "gone")
+    later.seq, later.t = 2, 2.0
+    with open(path, "ab") as f:
+        f.write(encode_frame(future, msgspec.msgpack.encode(later)))
+    events, problem = read_events(path)
+    assert events == [EXAMPLES[0], later]
+    assert "AgentCloned x1" in problem
+
+
+async def test_a_log_of_format_2_is_read_and_a_resumed_run_goes_on_in_a_segment_of_its_own(tmp_path):
+    path = tmp_path / "events.log"
+    old = [ev.WorkerDied(f"w{i}", "format 2") for i in range(5)]
+    for i, e in enumerate(old):
+        e.seq, e.t = i, float(i)
+    path.write_bytes(MAGIC + (2).to_bytes(4, "little")
+                     + b"".join(one_event_frame(msgspec.msgpack.encode(e)) for e in old) + b"\x07\x00")  # torn tail
+    events, problem = read_events(path)
+    assert events == old and "truncated frame" in problem
+    more = [ev.RunResumed(4, "ckpt", "[run]"), ev.WorkerDied("w9", "format 3")]
+    await write(path, more, append=True)
+    assert segment_paths(path) == [path, segment_path(path, 1)]
+    assert path.read_bytes()[:HEADER_BYTES] == MAGIC + (2).to_bytes(4, "little")  # the old segment keeps its format
+    events, problem = read_events(path)
+    assert problem is None and events == old + more
+    assert [e.seq for e in events] == list(range(7))

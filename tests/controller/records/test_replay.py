@@ -59,13 +59,17 @@ def stamped(events, *extra):
     return out
 
 
-async def write_log(path, events):
-    """Writes `events` through the real writer, keeping their times."""
+async def write_log(path, events, writes=1):
+    """Writes `events` through the real writer, keeping their times, in `writes` writes
+    (as many frames) of about equal size."""
     clock = {"now": 0.0}
     log = EventLog(path, clock=lambda: clock["now"])
-    for e in events:
+    per_write = -(-len(events) // writes)
+    for i, e in enumerate(events):
         clock["now"] = e.t
         log.emit(e)
+        if (i + 1) % per_write == 0:
+            await log.flush()
     await log.close()
     return path
 
@@ -208,10 +212,13 @@ async def test_main_writes_trace_and_plot_and_exits_zero_for_a_consistent_log(tm
 
 
 async def test_main_summarizes_a_damaged_log_up_to_the_damage_and_says_where(tmp_path, capsys):
-    log = await write_log(tmp_path / "events.log", synthetic_run())
+    events = synthetic_run()
+    log = await write_log(tmp_path / "events.log", events, writes=2)
     log.write_bytes(log.read_bytes()[:-2])
     assert replay.main(args(log)) == 0
-    assert f"then stopped: {log}: byte offset" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert f"read {-(-len(events) // 2)} events, then stopped: {log}: byte offset" in err
+    assert "sample accounting" in out
 
 
 def test_check_reports_the_first_decision_the_redriven_code_makes_differently():
