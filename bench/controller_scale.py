@@ -11,6 +11,11 @@ one JSON row; the sweep prints the rows and a table. Per point:
     samples_s        samples trained per second, first step's start to last sync's end
     cpu_us_sample    the controller process's CPU seconds (all threads) per sample, in us
     cpu_frac         those CPU seconds over the wall seconds (1.0 = one core, saturated)
+    loop_cpu_frac    the event loop's own thread's CPU seconds over the wall seconds (the rest
+                     of cpu_frac is ZeroMQ's I/O thread and the event log's writer)
+    loop_runq_frac   the seconds the loop's thread was ready to run but waited for a core
+                     (Linux schedstat), over the wall seconds: what the machine's other
+                     processes (here the fake cluster on the same 2 cores) take from it
     lag_p50/p99_ms   event-loop lag: how late a 10 ms sleep wakes up
     log_mb_s         event-log bytes written per second
     rss_mb           the controller's peak resident memory
@@ -138,6 +143,15 @@ def log_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in segment_paths(path)) if path.exists() else 0
 
 
+def runq_seconds() -> float:
+    """Seconds this thread has waited, ready to run, for a core (0.0 where Linux does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -156,6 +170,7 @@ class Watch:
         self.profiler = profiler
         self.lags: list[float] = []
         self.t0 = self.t1 = self.cpu0 = self.cpu1 = 0.0
+        self.loop_cpu = self.loop_runq = 0.0  # the loop thread's CPU and run-queue seconds
         self.log0 = self.log1 = 0
         self.gc_s = 0.0  # seconds in the garbage collector while watching
         self.gc_full = 0  # full (generation 2) collections among them
@@ -181,6 +196,7 @@ class Watch:
             await asyncio.sleep(0.005)
         log = self.exp.run_dir / "events.log"
         self.t0, self.cpu0, self.log0 = time.monotonic(), time.process_time(), log_bytes(log)
+        thread_cpu0, runq0 = time.thread_time(), runq_seconds()
         if self.profiler is not None:
             self.profiler.enable()
         while not training.parts.schedule.finished:
@@ -190,6 +206,7 @@ class Watch:
         if self.profiler is not None:
             self.profiler.disable()
         self.t1, self.cpu1 = time.monotonic(), time.process_time()
+        self.loop_cpu, self.loop_runq = time.thread_time() - thread_cpu0, runq_seconds() - runq0
         await self.exp.flush_events()
         self.log1 = log_bytes(log)
 
@@ -252,6 +269,8 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
         "samples_s": round(samples / wall) if wall else 0,
         "cpu_us_sample": round(cpu / samples * 1e6, 1) if samples else None,
         "cpu_frac": round(cpu_frac, 2),
+        "loop_cpu_frac": round(watch.loop_cpu / wall, 2) if wall else 0.0,
+        "loop_runq_frac": round(watch.loop_runq / wall, 2) if wall else 0.0,
         "lag_p50_ms": round(1e3 * percentile(watch.lags, 0.5), 2),
         "lag_p99_ms": round(1e3 * percentile(watch.lags, 0.99), 2),
         "gc_s": round(watch.gc_s, 2),
@@ -311,7 +330,8 @@ def one_point(point: dict[str, Any], keep: str = "", replay: bool = False, profi
 
 COLUMNS = [("instances", "inst"), ("agents", "agents"), ("trainers", "trn"), ("shape", "shape"), ("mode", "mode"),
            ("k", "K"), ("samples", "samples"), ("samples_s", "samples/s"), ("cpu_us_sample", "cpu us/smp"),
-           ("cpu_frac", "cpu"), ("generate_per_sample", "GENERATE/smp"), ("lag_p50_ms", "lag p50 ms"),
+           ("cpu_frac", "cpu"), ("loop_cpu_frac", "loop cpu"), ("loop_runq_frac", "loop runq"),
+           ("generate_per_sample", "GENERATE/smp"), ("lag_p50_ms", "lag p50 ms"),
            ("lag_p99_ms", "lag p99 ms"),
            ("log_mb_s", "log MB/s"), ("rss_mb", "RSS MB"), ("rollout_busy", "eng busy"),
            ("capacity_s", "eng cap/s"), ("waited", "waited"), ("accounting", "acct")]

@@ -58,8 +58,10 @@ def test_the_bench_smoke_run_prints_a_row_that_parses(tmp_path):
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 1
     row = rows[0]
-    for key in ("samples_s", "cpu_us_sample", "lag_p50_ms", "lag_p99_ms", "log_mb_s", "rss_mb", "waited"):
+    for key in ("samples_s", "cpu_us_sample", "lag_p50_ms", "lag_p99_ms", "log_mb_s", "rss_mb", "waited",
+                "loop_runq_frac"):
         assert key in row
+    assert 0 < row["loop_cpu_frac"] <= row["cpu_frac"] + 0.01  # the loop's thread is part of the process
     assert row["samples"] == row["generated"] > 0
     assert row["accounting"] is True
     assert "| inst |" in out.stdout  # and the table
