@@ -16,7 +16,6 @@ from flexmarl.runtime.params.types import ParamChannelConfig
 from flexmarl.runtime.parent_watch import watch_parent
 
 from .channel_config import channel_config
-from .precision import visible_devices
 from .session import CommandHandler, WorkerSession
 
 log = logging.getLogger("flexmarl.worker")
@@ -76,6 +75,8 @@ def run_worker(args: argparse.Namespace) -> int:
         # Before the session: a trainer group's ranks must all have joined first.
         channel = channel_config(args.connect, args.param_host)
         handler = make_handler(args.role, args.group_size, args.threads, channel)
+        from .precision import visible_devices  # torch: imported by a worker, not by every command's parser
+
         devices, pinned = visible_devices()
         session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id, devices=devices,
                                 visible_gpus=pinned,
