@@ -33,6 +33,10 @@ one JSON row; the sweep prints the rows and a table. Per point:
     .venv/bin/python bench/controller_scale.py --point '{"instances": 1024, "agents": 32, ...}' \
         [--replay] [--profile FILE.prof]
 
+A point with `"pin": true` gives the controller a core of its own (its process, all
+threads, on the first core; the fake cluster on the others), as a controller on a host of
+its own would have.
+
 The machine here has 2 cores: the controller gets about one, the helpers share the other,
 so absolute figures are this machine's; compare points within one sweep.
 """
@@ -109,7 +113,16 @@ def config_for(p: dict[str, Any], run_dir: Path, address: str, model_dir: Path) 
     })
 
 
-def start_helpers(p: dict[str, Any], address: str, root: Path) -> list[tuple[subprocess.Popen, Path]]:
+def split_cores() -> tuple[set[int], set[int]]:
+    """A core for the controller and the others for the fake cluster (`"pin": true`)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("pinning needs at least 2 cores")
+    return {cores[0]}, set(cores[1:])
+
+
+def start_helpers(p: dict[str, Any], address: str, root: Path,
+                  cluster_cores: set[int] | None = None) -> list[tuple[subprocess.Popen, Path]]:
     rollout = [("rollout", f"rollout-{i:04d}") for i in range(p["instances"])]
     trainers = [("trainer", f"trainer-{i:02d}") for i in range(p["trainers"])]
     chunks = [rollout[i:i + WORKERS_PER_HELPER] for i in range(0, len(rollout), WORKERS_PER_HELPER)] + [trainers]
@@ -120,7 +133,8 @@ def start_helpers(p: dict[str, Any], address: str, root: Path) -> list[tuple[sub
                 "transport": {"heartbeat_timeout_s": 30.0, "handshake_timeout_s": 120.0, "reconnect_timeout_s": 0.0}}
         log = open(root / f"helper-{n}.log", "w")
         proc = subprocess.Popen([sys.executable, str(HERE / "fake_cluster.py"), json.dumps(spec)],
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cluster_cores)) if cluster_cores else None)
         helpers.append((proc, out))
     return helpers
 
@@ -217,7 +231,11 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
     (model_dir / "config.json").write_text("{}")
     address = f"ipc://{root}/controller.sock"
     cfg = config_for(p, root / "run", address, model_dir)
-    helpers = start_helpers(p, address, root)
+    cluster_cores = None
+    if p.get("pin"):  # before the controller makes its threads: they inherit it
+        controller_cores, cluster_cores = split_cores()
+        os.sched_setaffinity(0, controller_cores)
+    helpers = start_helpers(p, address, root, cluster_cores)
     profiler = None
     if profile:
         import cProfile
