@@ -27,7 +27,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from operator import attrgetter
+from typing import Any, Callable
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
 from flexmarl.runtime.events import (
@@ -158,50 +159,63 @@ class Summary:
 
 def summarize(events: list[Event]) -> Summary:
     """Everything the log says about the run. Never raises on inconsistent logs: the
-    inconsistencies are in ``errors`` (the table is what helps find them)."""
+    inconsistencies are in ``errors`` (the table is what helps find them).
+
+    Each part below reads only the event types it needs, selected from the log once (a
+    long log is mostly groups opened and completed and requests sent and answered), and
+    counts samples in bulk where it can."""
     run = next((e for e in events if type(e) is RunStarted), None)
     t_start = run.t if run else (events[0].t if events else 0.0)
     t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
     workers = _worker_usage(events, t_start, t_end)
     counted = lineage(events)  # without what a resume undid
     agents = _agent_stats(counted, run)
-    rows, staleness, errors = _accounting(counted, run)
+    accounted = _select(counted, _ACCOUNTED_EVENTS)
+    rows, staleness, errors = _accounting(accounted, run)
     resumed_at = [e.step for e in events if type(e) is RunResumed]
     unfinished: dict[str, list[int]] = {}
-    for agent, batch in sorted(open_steps(counted)):
+    for agent, batch in sorted(open_steps(accounted)):
         unfinished.setdefault(agent, []).append(batch)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
                    training_seconds(events), unfinished)
+
+
+def _select(events: list[Event], types: frozenset[type]) -> list:
+    """The events of `types`, in log order."""
+    return [e for e in events if type(e) in types]
+
+
+def _positions(events: list[Event], types: frozenset[type]) -> list[tuple[int, Event]]:
+    """(index in the log, event) of the events of `types`, in log order."""
+    return [(i, e) for i, e in enumerate(events) if type(e) in types]
 
 
 def training_seconds(events: list[Event]) -> float:
     """Seconds spent training: from each controller process's first `BatchStarted` to its
     last event (the next `RunResumed` ends a crashed one), so model builds, engine starts
     and the time a crashed run lay dead are not counted."""
-    total, began, last = 0.0, None, 0.0  # last: set before began is
-    for e in events:
-        kind = type(e)
-        if kind is RunResumed:
+    total, began = 0.0, None
+    for i, e in _positions(events, _TRAINING_MARKS):
+        if type(e) is RunResumed:
             if began is not None:
-                total += last - began
+                total += events[i - 1].t - began  # the crashed process's last event
             began = None
-        elif kind is BatchStarted and began is None:
+        elif began is None:
             began = e.t
-        last = e.t
-    return total + (last - began if began is not None else 0.0)
+    return total + (events[-1].t - began if began is not None else 0.0)
+
+
+_TRAINING_MARKS = frozenset({RunResumed, BatchStarted})
 
 
 def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
     usage = _UsageReader(t_start, t_end)
-    last_t = t_start
-    for e in events:
-        if type(e) not in _USAGE_EVENTS:  # most of a long log: groups opened and completed
-            last_t = e.t
-            continue
-        if isinstance(e, RunResumed):
-            usage.resumed(last_t)
-        last_t = e.t
-        usage.read(e)
+    for i, e in _positions(events, _USAGE_EVENTS):
+        kind = type(e)
+        if kind is RunResumed:  # the crashed controller's last event is the one before
+            usage.resumed(events[i - 1].t if i else t_start)
+        else:
+            _USAGE_READERS[kind](usage, e)
     for (name, _, _), d in usage.outstanding.items():  # still generating when the log ends
         usage.workers[name].spans.append(_request_span(d, t_end))
     return usage.workers
@@ -209,7 +223,8 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
 
 class _UsageReader:
     """What `_worker_usage` keeps while it reads the log: each worker's spans, and what is
-    under way (requests, weight syncs)."""
+    under way (requests, weight syncs). One method per event type it reads
+    (`_USAGE_READERS`)."""
 
     def __init__(self, t_start: float, t_end: float) -> None:
         self.t_start, self.t_end = t_start, t_end
@@ -220,9 +235,10 @@ class _UsageReader:
         self.trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
 
     def worker(self, name: str, role: str, t: float) -> WorkerUsage:
-        if name not in self.workers:
-            self.workers[name] = WorkerUsage(name, role, t, self.t_end)
-        return self.workers[name]
+        w = self.workers.get(name)
+        if w is None:
+            w = self.workers[name] = WorkerUsage(name, role, t, self.t_end)
+        return w
 
     def resumed(self, last_t: float) -> None:
         """The controller crashed at its last event (`last_t`): what it had under way ended
@@ -234,51 +250,59 @@ class _UsageReader:
         self.outstanding.clear()
         self.sync_started.clear()
 
-    def read(self, e: Event) -> None:
-        if isinstance(e, WorkerJoined):
-            w = self.worker(e.worker, e.role, e.t)
-            w.role, w.end = e.role, self.t_end  # a worker back after dying: its downtime is idle
-        elif isinstance(e, WorkerDied):
-            w = self.worker(e.worker, "?", self.t_start)
-            w.end = e.t
-            for key in [k for k in self.outstanding if k[0] == e.worker]:
-                w.spans.append(_request_span(self.outstanding.pop(key), e.t, lost=True))
-        elif isinstance(e, WorkerRestarted):
-            self.worker(e.worker, e.role, e.t).restarts = e.restarts
-        elif isinstance(e, RequestsDispatched):
-            self.worker(e.worker, "rollout", e.t)
-            self.outstanding[(e.worker, e.request_id, e.agent)] = e
-        elif isinstance(e, RequestsCompleted):
-            d = self.outstanding.pop((e.worker, e.request_id, e.agent), None)
-            if d is not None:
-                self.worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
-        else:
-            self._read_training(e)
+    def joined(self, e: WorkerJoined) -> None:
+        w = self.worker(e.worker, e.role, e.t)
+        w.role, w.end = e.role, self.t_end  # a worker back after dying: its downtime is idle
 
-    def _read_training(self, e: Event) -> None:
-        if isinstance(e, MicroBatchTrained):
-            span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
-                        {"agent": e.agent, "version": e.version, "samples": e.n})
-            self.worker(e.trainer, "trainer", span.start).spans.append(span)
-            self.trainer_of[e.agent] = e.trainer
-        elif isinstance(e, OptimizerStep):
-            self.worker(e.trainer, "trainer", e.t).spans.append(
-                Span(e.t, e.t, STEP, f"{e.agent} step -> v{e.version}", {"samples": e.samples}))
-            self.trainer_of[e.agent] = e.trainer
-        elif isinstance(e, WeightSyncStarted):
-            self.sync_started[(e.agent, e.version)] = e
-        elif isinstance(e, WeightSyncFinished):
-            started = self.sync_started.pop((e.agent, e.version), None)
-            start = started.t if started else e.t - e.seconds
-            span = Span(start, e.t, SYNC, f"{e.agent} weights v{e.version}", {"bytes": e.nbytes})
-            publishers = [self.trainer_of[e.agent]] if e.agent in self.trainer_of else []
-            for name in publishers + (started.targets if started else []):
-                self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
+    def died(self, e: WorkerDied) -> None:
+        w = self.worker(e.worker, "?", self.t_start)
+        w.end = e.t
+        for key in [k for k in self.outstanding if k[0] == e.worker]:
+            w.spans.append(_request_span(self.outstanding.pop(key), e.t, lost=True))
+
+    def restarted(self, e: WorkerRestarted) -> None:
+        self.worker(e.worker, e.role, e.t).restarts = e.restarts
+
+    def dispatched(self, e: RequestsDispatched) -> None:
+        self.worker(e.worker, "rollout", e.t)
+        self.outstanding[(e.worker, e.request_id, e.agent)] = e
+
+    def completed(self, e: RequestsCompleted) -> None:
+        d = self.outstanding.pop((e.worker, e.request_id, e.agent), None)
+        if d is not None:
+            self.worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
+
+    def trained(self, e: MicroBatchTrained) -> None:
+        span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
+                    {"agent": e.agent, "version": e.version, "samples": e.n})
+        self.worker(e.trainer, "trainer", span.start).spans.append(span)
+        self.trainer_of[e.agent] = e.trainer
+
+    def stepped(self, e: OptimizerStep) -> None:
+        self.worker(e.trainer, "trainer", e.t).spans.append(
+            Span(e.t, e.t, STEP, f"{e.agent} step -> v{e.version}", {"samples": e.samples}))
+        self.trainer_of[e.agent] = e.trainer
+
+    def sync_began(self, e: WeightSyncStarted) -> None:
+        self.sync_started[(e.agent, e.version)] = e
+
+    def synced(self, e: WeightSyncFinished) -> None:
+        started = self.sync_started.pop((e.agent, e.version), None)
+        start = started.t if started else e.t - e.seconds
+        span = Span(start, e.t, SYNC, f"{e.agent} weights v{e.version}", {"bytes": e.nbytes})
+        publishers = [self.trainer_of[e.agent]] if e.agent in self.trainer_of else []
+        for name in publishers + (started.targets if started else []):
+            self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
 
 
-# The events _worker_usage reads (every other type only moves the clock).
-_USAGE_EVENTS = frozenset({RunResumed, WorkerJoined, WorkerDied, WorkerRestarted, RequestsDispatched, RequestsCompleted,
-                           MicroBatchTrained, OptimizerStep, WeightSyncStarted, WeightSyncFinished})
+# What _worker_usage does with each event type it reads (a RunResumed ends what was under
+# way; every other type only moves the clock).
+_USAGE_READERS: dict[type, Callable[[_UsageReader, Any], None]] = {
+    WorkerJoined: _UsageReader.joined, WorkerDied: _UsageReader.died, WorkerRestarted: _UsageReader.restarted,
+    RequestsDispatched: _UsageReader.dispatched, RequestsCompleted: _UsageReader.completed,
+    MicroBatchTrained: _UsageReader.trained, OptimizerStep: _UsageReader.stepped,
+    WeightSyncStarted: _UsageReader.sync_began, WeightSyncFinished: _UsageReader.synced}
+_USAGE_EVENTS = frozenset({RunResumed, *_USAGE_READERS})
 
 
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
@@ -294,45 +318,69 @@ def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
 
 def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, AgentStats]:
     agents = {a: AgentStats(a) for a in (run.agents if run else [])}
-    iteration_start: dict[tuple[str, int], float] = {}
-    sync_start: dict[tuple[str, int], float] = {}
-    for e in events:
-        if type(e) not in _AGENT_EVENTS:
-            continue
-        agent = getattr(e, "agent", None)
-        if agent is None:
-            continue
-        stats = agents.setdefault(agent, AgentStats(agent))
-        if isinstance(e, MicroBatchFormed):
-            iteration_start.setdefault((agent, e.version), e.t)
-        elif isinstance(e, MicroBatchTrained):
-            stats.micro_batches += 1
-        elif isinstance(e, OptimizerStep):
-            stats.samples_trained += e.samples
-            stats.optimizer_steps += 1
-            stats.version = max(stats.version, e.version)
-            start = iteration_start.pop((agent, e.version), e.t)
-            stats.spans.append(Span(start, e.t, ITERATION, f"train -> v{e.version}",
-                                    {"samples": e.samples, "trainer": e.trainer}))
-        elif isinstance(e, GroupComplete):
-            stats.rewards.extend(e.rewards)
-        elif isinstance(e, RequestsCompleted):
-            for name, count in zip(PROMPT_FIELDS, e.prompt_counts()):
-                stats.prompts[name] += count
-        elif isinstance(e, AllocationChanged) and e.kind == "trainer" and e.swap == "in":
-            stats.swap_ins += 1
-            stats.swap_wait_s += e.waited_s
-        elif isinstance(e, WeightSyncStarted):
-            sync_start[(agent, e.version)] = e.t
-        elif isinstance(e, WeightSyncFinished):
-            start = sync_start.pop((agent, e.version), e.t - e.seconds)
-            stats.spans.append(Span(start, e.t, SYNC, f"sync v{e.version}", {"bytes": e.nbytes}))
+    reader = _AgentReader()
+    for e in _select(events, _AGENT_EVENTS):
+        stats = agents.get(e.agent)
+        if stats is None:
+            if e.agent is None:
+                continue
+            stats = agents[e.agent] = AgentStats(e.agent)
+        _AGENT_READERS[type(e)](reader, stats, e)
+    for agent, completed in reader.completed.items():
+        agents[agent].prompts.update({name: sum(map(attrgetter(name), completed)) for name in PROMPT_FIELDS})
     return agents
 
 
-# The events _agent_stats reads.
-_AGENT_EVENTS = frozenset({MicroBatchFormed, MicroBatchTrained, OptimizerStep, GroupComplete, RequestsCompleted,
-                           WeightSyncStarted, WeightSyncFinished, AllocationChanged})
+class _AgentReader:
+    """What `_agent_stats` keeps while it reads the log: when each iteration and weight
+    sync began, and each agent's completed requests (their prompt counts are summed at
+    the end). One method per event type it reads (`_AGENT_READERS`)."""
+
+    def __init__(self) -> None:
+        self.iteration_start: dict[tuple[str, int], float] = {}
+        self.sync_start: dict[tuple[str, int], float] = {}
+        self.completed: dict[str, list[RequestsCompleted]] = collections.defaultdict(list)
+
+    def formed(self, stats: AgentStats, e: MicroBatchFormed) -> None:
+        self.iteration_start.setdefault((stats.agent, e.version), e.t)
+
+    def trained(self, stats: AgentStats, e: MicroBatchTrained) -> None:
+        stats.micro_batches += 1
+
+    def stepped(self, stats: AgentStats, e: OptimizerStep) -> None:
+        stats.samples_trained += e.samples
+        stats.optimizer_steps += 1
+        stats.version = max(stats.version, e.version)
+        start = self.iteration_start.pop((stats.agent, e.version), e.t)
+        stats.spans.append(Span(start, e.t, ITERATION, f"train -> v{e.version}",
+                                {"samples": e.samples, "trainer": e.trainer}))
+
+    def group_complete(self, stats: AgentStats, e: GroupComplete) -> None:
+        stats.rewards += e.rewards
+
+    def requests_completed(self, stats: AgentStats, e: RequestsCompleted) -> None:
+        self.completed[stats.agent].append(e)
+
+    def allocation(self, stats: AgentStats, e: AllocationChanged) -> None:
+        if e.kind == "trainer" and e.swap == "in":
+            stats.swap_ins += 1
+            stats.swap_wait_s += e.waited_s
+
+    def sync_began(self, stats: AgentStats, e: WeightSyncStarted) -> None:
+        self.sync_start[(stats.agent, e.version)] = e.t
+
+    def synced(self, stats: AgentStats, e: WeightSyncFinished) -> None:
+        start = self.sync_start.pop((stats.agent, e.version), e.t - e.seconds)
+        stats.spans.append(Span(start, e.t, SYNC, f"sync v{e.version}", {"bytes": e.nbytes}))
+
+
+# What _agent_stats does with each event type it reads.
+_AGENT_READERS: dict[type, Callable[[_AgentReader, AgentStats, Any], None]] = {
+    MicroBatchFormed: _AgentReader.formed, MicroBatchTrained: _AgentReader.trained,
+    OptimizerStep: _AgentReader.stepped, GroupComplete: _AgentReader.group_complete,
+    RequestsCompleted: _AgentReader.requests_completed, AllocationChanged: _AgentReader.allocation,
+    WeightSyncStarted: _AgentReader.sync_began, WeightSyncFinished: _AgentReader.synced}
+_AGENT_EVENTS = frozenset(_AGENT_READERS)
 
 
 @dataclass
@@ -351,6 +399,11 @@ class _Tally:
     errors: list[str] = field(default_factory=list)
 
 
+# The events the accounting reads (and `open_steps` with it).
+_ACCOUNTED_EVENTS = frozenset({RunStarted, GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep,
+                               SamplesDropped})
+
+
 def _accounting(events: list[Event], run: RunStarted | None):
     """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
     so that every way of breaking exactly-once also breaks generated = trained + dropped
@@ -358,7 +411,7 @@ def _accounting(events: list[Event], run: RunStarted | None):
     optimizer step of its micro-batch is logged; in a micro-batch whose step is not (the
     run stopped mid-step), it is in flight: read, never committed to the weights. Written
     for logs of millions of samples: a sample costs a few dictionary operations, done in
-    bulk where they can be."""
+    bulk where they can be. `events` may be just the `_ACCOUNTED_EVENTS` of the log."""
     bound = run.max_staleness if run is not None else None
     t = _tally(events, bound)
     rows = _account_rows(t)
@@ -389,8 +442,9 @@ def _tally(events: list[Event], bound: int | None) -> _Tally:
             t.owner.update(dict.fromkeys(members, e.agent))
         elif type(e) is RequestsCompleted:
             made = dict(zip(e.samples(), e.sample_versions()))
-            for sid in made.keys() & t.made_by.keys():  # generated again (re-issued): the oldest counts
-                made[sid] = min(made[sid], t.made_by[sid])
+            if not t.made_by.keys().isdisjoint(made):  # generated again (re-issued): the oldest counts
+                for sid in made.keys() & t.made_by.keys():
+                    made[sid] = min(made[sid], t.made_by[sid])
             t.made_by.update(made)
         elif type(e) is MicroBatchFormed:
             _tally_micro_batch(t, e, (e.agent, e.version) in stepped, bound)
@@ -407,35 +461,55 @@ def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int
     (t.trained if stepped else t.unstepped).update(e.sample_ids)
     t.trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
     t.made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in t.made_by})
-    lags = [staleness_lag(e.version - 1, [v]) for v in e.min_versions]
-    t.staleness.setdefault(e.agent, collections.Counter()).update(lags)
-    t.stale[e.agent] += sum(1 for lag, v in zip(lags, e.min_versions)
-                            if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)))
+    # The rule per distinct version rather than per sample: a micro-batch has few.
+    histogram = t.staleness.setdefault(e.agent, collections.Counter())
+    stale = 0
+    for v, n in collections.Counter(e.min_versions).items():
+        lag = staleness_lag(e.version - 1, [v])
+        histogram[lag] += n
+        if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)):
+            stale += n
+    t.stale[e.agent] += stale
 
 
 def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
     """The rows, keyed (agent, the version that made the sample)."""
     made = t.made_by.get
     generated = collections.Counter(zip(t.owner.values(), map(made, t.owner)))
-    in_flight = collections.Counter((agent, made(sid)) for sid, agent in t.owner.items()
-                                    if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
-    for sid, n in t.unstepped.items():
-        in_flight[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
-    trained_rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
-    for sid, n in t.trained.items():
-        trained_rows[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
-    dropped_rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
-    for sid, n in t.dropped.items():
-        dropped_rows[t.owner.get(sid) or t.dropped_by[sid], made(sid)] += n
-    return {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
-            for k in {**generated, **trained_rows, **dropped_rows, **in_flight}}
+    in_flight: collections.Counter[tuple[str, int | None]] = collections.Counter()
+    if t.owner.keys() - t.trained.keys() - t.dropped.keys() - t.unstepped.keys():
+        in_flight.update((agent, made(sid)) for sid, agent in t.owner.items()
+                         if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
+    for key, n in _rows_of(t.unstepped, t.owner, t.trained_by, made).items():
+        in_flight[key] += n
+    trained_rows = _rows_of(t.trained, t.owner, t.trained_by, made)
+    dropped_rows = _rows_of(t.dropped, t.owner, t.dropped_by, made)
+    return {(agent, version): AccountRow(agent, version, generated[agent, version], trained_rows[agent, version],
+                                         dropped_rows[agent, version], in_flight[agent, version])
+            for agent, version in {**generated, **trained_rows, **dropped_rows, **in_flight}}
+
+
+def _rows_of(counts: collections.Counter, owner: dict[str, str], by: dict[str, str],
+             made: Callable[[str], int | None]) -> collections.Counter[tuple[str, int | None]]:
+    """`counts` (sample -> times) summed per (the agent that opened the sample, or else the
+    one in `by`; the version that made it)."""
+    keys = zip([agent or by[sid] for sid, agent in zip(counts, map(owner.get, counts))], map(made, counts))
+    if counts.total() == len(counts):  # each once, the usual case
+        return collections.Counter(keys)
+    rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
+    for key, n in zip(keys, counts.values()):
+        rows[key] += n
+    return rows
 
 
 def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | None) -> list[str]:
     """Each agent whose samples do not reconcile (and why), and each that trained a sample
     outside the staleness bound."""
     errors = []
-    formed = t.trained + t.unstepped  # sent to a trainer, stepped or not
+    formed = t.trained  # sent to a trainer, stepped or not
+    if t.unstepped:
+        formed = t.trained.copy()
+        formed.update(t.unstepped)
     why = _why_unreconciled(t.owner, formed, t.dropped, t.trained_by, t.dropped_by)
     for agent, total in sorted(totals.items()):
         if not total.reconciles or why.get(agent):
@@ -450,24 +524,22 @@ def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | No
 
 
 def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[str, list[str]]:
-    """Per agent, each way exactly-once broke, with examples (one pass over the samples
-    that need a look: trained or dropped more than once, both, or not generated)."""
+    """Per agent, each way exactly-once broke, with examples. The samples that need a look
+    (trained or dropped more than once, both, not generated, or by another agent) are
+    found with set operations over all of them; only those are looked at one by one."""
     found: dict[str, dict[str, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for s, n in trained.items():
-        agent = owner.get(s, trained_by[s])
-        if n > 1:
-            found[agent]["trained twice"].append(s)
-        if s in dropped:
-            found[agent]["trained and dropped"].append(s)
-        if s not in owner:
-            found[trained_by[s]]["trained without being generated"].append(s)
-        elif trained_by[s] != owner[s]:
-            found[owner[s]]["trained by another agent"].append(s)
-    for s, n in dropped.items():
-        if n > 1:
-            found[owner.get(s, dropped_by[s])]["dropped twice"].append(s)
-        if s not in owner:
-            found[dropped_by[s]]["dropped without being generated"].append(s)
+
+    def note(what: str, samples, agent_of: Callable[[str], str]) -> None:
+        for s in samples:
+            found[agent_of(s)][what].append(s)
+
+    note("trained twice", [s for s, n in trained.items() if n > 1], lambda s: owner.get(s, trained_by[s]))
+    note("trained and dropped", trained.keys() & dropped.keys(), lambda s: owner.get(s, trained_by[s]))
+    note("trained without being generated", trained.keys() - owner.keys(), trained_by.__getitem__)
+    note("trained by another agent", [s for s in trained if s in owner and trained_by[s] != owner[s]],
+         owner.__getitem__)
+    note("dropped twice", [s for s, n in dropped.items() if n > 1], lambda s: owner.get(s, dropped_by[s]))
+    note("dropped without being generated", dropped.keys() - owner.keys(), dropped_by.__getitem__)
     order = ("trained twice", "trained and dropped", "dropped twice", "trained without being generated",
              "dropped without being generated", "trained by another agent")
     return {agent: [f"{len(ids[what])} sample(s) {what}, e.g. {', '.join(sorted(ids[what])[:3])}"
