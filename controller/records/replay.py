@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from operator import attrgetter
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
 from flexmarl.runtime.events import (
@@ -44,6 +44,7 @@ from flexmarl.runtime.events import (
     RequestsCompleted,
     RequestsDispatched,
     RunResumed,
+    Parts,
     RunStarted,
     SamplesDropped,
     WeightSyncFinished,
@@ -161,59 +162,84 @@ def summarize(events: list[Event]) -> Summary:
     """Everything the log says about the run. Never raises on inconsistent logs: the
     inconsistencies are in ``errors`` (the table is what helps find them).
 
-    Each part below reads only the event types it needs, selected from the log once (a
-    long log is mostly groups opened and completed and requests sent and answered), and
-    counts samples in bulk where it can."""
+    One pass over the log hands each part of the summary the event types it reads, in log
+    order (a long log is mostly groups opened and completed and requests sent and
+    answered, which only some parts read); the parts count samples in bulk where they can."""
     run = next((e for e in events if type(e) is RunStarted), None)
     t_start = run.t if run else (events[0].t if events else 0.0)
     t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
-    workers = _worker_usage(events, t_start, t_end)
+    read = _route(events, tuple(_READS))
+    resumed_at = [e.step for e in read["marks"] if type(e) is RunResumed]
+    crashed_at = _crash_times(events, t_start) if resumed_at else []
+    workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
     counted = lineage(events)  # without what a resume undid
-    agents = _agent_stats(counted, run)
-    accounted = _select(counted, _ACCOUNTED_EVENTS)
-    rows, staleness, errors = _accounting(accounted, run)
-    resumed_at = [e.step for e in events if type(e) is RunResumed]
+    if counted is not events:
+        read.update(_route(counted, ("agents", "accounting")))
+    agents = _agent_stats(read["agents"], run)
+    rows, staleness, errors = _accounting(read["accounting"], run)
     unfinished: dict[str, list[int]] = {}
-    for agent, batch in sorted(open_steps(accounted)):
+    for agent, batch in sorted(open_steps(read["accounting"])):
         unfinished.setdefault(agent, []).append(batch)
+    training_s = _training_seconds(read["marks"], iter(crashed_at), t_end if events else 0.0)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_seconds(events), unfinished)
+                   training_s, unfinished)
 
 
-def _select(events: list[Event], types: frozenset[type]) -> list:
-    """The events of `types`, in log order."""
-    return [e for e in events if type(e) in types]
+def _route(events: list[Event], parts: tuple[str, ...]) -> dict[str, list]:
+    """The events each of `parts` reads (`_READS`), in log order, in one pass over `events`."""
+    read: dict[str, list] = {part: [] for part in parts}
+    appends: dict[type, list[Callable[[Event], None]]] = collections.defaultdict(list)
+    for part in parts:
+        for kind in _READS[part]:
+            appends[kind].append(read[part].append)
+    routes = {kind: tuple(to) for kind, to in appends.items()}
+    nowhere: tuple = ()
+    for e in events:
+        for append in routes.get(type(e), nowhere):
+            append(e)
+    return read
 
 
-def _positions(events: list[Event], types: frozenset[type]) -> list[tuple[int, Event]]:
-    """(index in the log, event) of the events of `types`, in log order."""
-    return [(i, e) for i, e in enumerate(events) if type(e) in types]
+def _crash_times(events: list[Event], t_start: float) -> list[float]:
+    """Per `RunResumed`, in order: when the controller before it crashed (the time of the
+    event before it; `t_start` for a log that begins with one)."""
+    return [events[i - 1].t if i else t_start for i, e in enumerate(events) if type(e) is RunResumed]
 
 
 def training_seconds(events: list[Event]) -> float:
     """Seconds spent training: from each controller process's first `BatchStarted` to its
     last event (the next `RunResumed` ends a crashed one), so model builds, engine starts
     and the time a crashed run lay dead are not counted."""
+    marks = [e for e in events if type(e) in _TRAINING_MARKS]
+    return _training_seconds(marks, iter(_crash_times(events, 0.0)), events[-1].t if events else 0.0)
+
+
+def _training_seconds(marks: list[Event], crashed_at: Iterator[float], last_t: float) -> float:
+    """`training_seconds` from the log's `_TRAINING_MARKS`, when the controller before each
+    `RunResumed` crashed, and the time of the log's last event."""
     total, began = 0.0, None
-    for i, e in _positions(events, _TRAINING_MARKS):
+    for e in marks:
         if type(e) is RunResumed:
+            crashed = next(crashed_at)
             if began is not None:
-                total += events[i - 1].t - began  # the crashed process's last event
+                total += crashed - began
             began = None
         elif began is None:
             began = e.t
-    return total + (events[-1].t - began if began is not None else 0.0)
+    return total + (last_t - began if began is not None else 0.0)
 
 
 _TRAINING_MARKS = frozenset({RunResumed, BatchStarted})
 
 
-def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
+def _worker_usage(events: list[Event], t_start: float, t_end: float,
+                  crashed_at: Iterator[float]) -> dict[str, WorkerUsage]:
+    """From the log's `_USAGE_EVENTS`, and when the controller before each `RunResumed` crashed."""
     usage = _UsageReader(t_start, t_end)
-    for i, e in _positions(events, _USAGE_EVENTS):
+    for e in events:
         kind = type(e)
-        if kind is RunResumed:  # the crashed controller's last event is the one before
-            usage.resumed(events[i - 1].t if i else t_start)
+        if kind is RunResumed:
+            usage.resumed(next(crashed_at))
         else:
             _USAGE_READERS[kind](usage, e)
     for (name, _, _), d in usage.outstanding.items():  # still generating when the log ends
@@ -316,10 +342,11 @@ def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
     return Span(d.t, end, GENERATE, f"{d.agent} generate", args)
 
 
-def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, AgentStats]:
+def _agent_stats(events: list, run: RunStarted | None) -> dict[str, AgentStats]:
+    """From the log's `_AGENT_EVENTS` (without what a resume undid)."""
     agents = {a: AgentStats(a) for a in (run.agents if run else [])}
     reader = _AgentReader()
-    for e in _select(events, _AGENT_EVENTS):
+    for e in events:
         stats = agents.get(e.agent)
         if stats is None:
             if e.agent is None:
@@ -397,11 +424,17 @@ class _Tally:
     staleness: dict[str, collections.Counter] = field(default_factory=dict)  # agent -> lag histogram
     stale: collections.Counter = field(default_factory=collections.Counter)  # agent -> trained outside the bound
     errors: list[str] = field(default_factory=list)
+    members: dict[str, list[str]] = field(default_factory=dict)  # group named by its members' count -> their ids
 
 
 # The events the accounting reads (and `open_steps` with it).
 _ACCOUNTED_EVENTS = frozenset({RunStarted, GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep,
                                SamplesDropped})
+
+# The event types each part of the summary reads (`_route`): a worker's spans, an agent's
+# statistics, the sample accounting (and the steps left open), and training time.
+_READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": _ACCOUNTED_EVENTS,
+          "marks": _TRAINING_MARKS}
 
 
 def _accounting(events: list[Event], run: RunStarted | None):
@@ -434,14 +467,9 @@ def _tally(events: list[Event], bound: int | None) -> _Tally:
     stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
     for e in events:
         if type(e) is GroupOpened:
-            members = e.members()
-            if not t.owner.keys().isdisjoint(members):
-                t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
-                             for sid in members if sid in t.owner]
-                members = [sid for sid in members if sid not in t.owner]
-            t.owner.update(dict.fromkeys(members, e.agent))
+            _tally_group(t, e)
         elif type(e) is RequestsCompleted:
-            made = dict(zip(e.samples(), e.sample_versions()))
+            made = _versions_made(e, t.members)
             if not t.made_by.keys().isdisjoint(made):  # generated again (re-issued): the oldest counts
                 for sid in made.keys() & t.made_by.keys():
                     made[sid] = min(made[sid], t.made_by[sid])
@@ -454,13 +482,43 @@ def _tally(events: list[Event], bound: int | None) -> _Tally:
     return t
 
 
+def _tally_group(t: _Tally, e: GroupOpened) -> None:
+    members = e.members()
+    if not e.sample_ids and "@" not in e.group_id:  # its members are named by the group
+        t.members[e.group_id] = members
+    if not t.owner.keys().isdisjoint(members):
+        t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
+                     for sid in members if sid in t.owner]
+        members = [sid for sid in members if sid not in t.owner]
+    t.owner.update(dict.fromkeys(members, e.agent))
+
+
+def _versions_made(e: RequestsCompleted, members: dict[str, list[str]]) -> dict[str, int]:
+    """`dict(zip(e.samples(), e.sample_versions()))`: sample -> the version that generated it
+    (the last, for a sample named twice), with a part of a group named by its members'
+    count taken as a slice of the group's `members` rather than naming each sample again."""
+    if e.sample_ids:
+        return dict(zip(e.sample_ids, e.versions))
+    made: dict[str, int] = {}
+    parts = e.parts
+    for key, first, size, version in zip(parts.keys, parts.firsts, parts.sizes, e.versions):
+        group = members.get(key)
+        if group is not None and 0 <= first <= first + size <= len(group):
+            made.update(dict.fromkeys(group[first:first + size], version))
+        else:
+            made.update(dict.fromkeys(Parts([key], [first], [size]).sample_ids(), version))
+    return made
+
+
 def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int | None) -> None:
     if len(e.min_versions) != len(e.sample_ids):
         t.errors.append(f"agent {e.agent!r}: micro-batch at seq {e.seq} has {len(e.sample_ids)} "
                         f"samples but {len(e.min_versions)} versions")
     (t.trained if stepped else t.unstepped).update(e.sample_ids)
     t.trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
-    t.made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in t.made_by})
+    versions = dict(zip(e.sample_ids, e.min_versions))
+    if not versions.keys() <= t.made_by.keys():  # made by no request logged before (the oldest counts)
+        t.made_by.update({sid: v for sid, v in versions.items() if sid not in t.made_by})
     # The rule per distinct version rather than per sample: a micro-batch has few.
     histogram = t.staleness.setdefault(e.agent, collections.Counter())
     stale = 0
@@ -477,7 +535,7 @@ def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
     made = t.made_by.get
     generated = collections.Counter(zip(t.owner.values(), map(made, t.owner)))
     in_flight: collections.Counter[tuple[str, int | None]] = collections.Counter()
-    if t.owner.keys() - t.trained.keys() - t.dropped.keys() - t.unstepped.keys():
+    if not all(map(t.trained.__contains__, t.owner)):  # some not trained (in the usual case, none)
         in_flight.update((agent, made(sid)) for sid, agent in t.owner.items()
                          if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
     for key, n in _rows_of(t.unstepped, t.owner, t.trained_by, made).items():
@@ -493,7 +551,10 @@ def _rows_of(counts: collections.Counter, owner: dict[str, str], by: dict[str, s
              made: Callable[[str], int | None]) -> collections.Counter[tuple[str, int | None]]:
     """`counts` (sample -> times) summed per (the agent that opened the sample, or else the
     one in `by`; the version that made it)."""
-    keys = zip([agent or by[sid] for sid, agent in zip(counts, map(owner.get, counts))], map(made, counts))
+    agents = list(map(owner.get, counts))
+    if not all(agents):  # some not opened (or by an agent named "")
+        agents = [agent or by[sid] for sid, agent in zip(counts, agents)]
+    keys = zip(agents, map(made, counts))
     if counts.total() == len(counts):  # each once, the usual case
         return collections.Counter(keys)
     rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
@@ -533,12 +594,15 @@ def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[s
         for s in samples:
             found[agent_of(s)][what].append(s)
 
-    note("trained twice", [s for s, n in trained.items() if n > 1], lambda s: owner.get(s, trained_by[s]))
+    if trained.total() != len(trained):
+        note("trained twice", [s for s, n in trained.items() if n > 1], lambda s: owner.get(s, trained_by[s]))
     note("trained and dropped", trained.keys() & dropped.keys(), lambda s: owner.get(s, trained_by[s]))
-    note("trained without being generated", trained.keys() - owner.keys(), trained_by.__getitem__)
-    note("trained by another agent", [s for s in trained if s in owner and trained_by[s] != owner[s]],
-         owner.__getitem__)
-    note("dropped twice", [s for s, n in dropped.items() if n > 1], lambda s: owner.get(s, dropped_by[s]))
+    if not trained_by.items() <= owner.items():  # not every one trained by the agent that opened it
+        note("trained without being generated", trained.keys() - owner.keys(), trained_by.__getitem__)
+        note("trained by another agent", [s for s in trained if s in owner and trained_by[s] != owner[s]],
+             owner.__getitem__)
+    if dropped.total() != len(dropped):
+        note("dropped twice", [s for s, n in dropped.items() if n > 1], lambda s: owner.get(s, dropped_by[s]))
     note("dropped without being generated", dropped.keys() - owner.keys(), dropped_by.__getitem__)
     order = ("trained twice", "trained and dropped", "dropped twice", "trained without being generated",
              "dropped without being generated", "trained by another agent")
