@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import sys
 from dataclasses import dataclass, field
@@ -236,12 +237,22 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float,
                   crashed_at: Iterator[float]) -> dict[str, WorkerUsage]:
     """From the log's `_USAGE_EVENTS`, and when the controller before each `RunResumed` crashed."""
     usage = _UsageReader(t_start, t_end)
+    workers, outstanding, worker = usage.workers, usage.outstanding, usage.worker
     for e in events:
-        kind = type(e)
-        if kind is RunResumed:
+        # Requests sent and answered, most of a long log, are read here rather than by a
+        # method call each.
+        if type(e) is RequestsDispatched:
+            if e.worker not in workers:
+                worker(e.worker, "rollout", e.t)
+            outstanding[(e.worker, e.request_id, e.agent)] = e
+        elif type(e) is RequestsCompleted:
+            d = outstanding.pop((e.worker, e.request_id, e.agent), None)
+            if d is not None:
+                worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, e.tokens))
+        elif type(e) is RunResumed:
             usage.resumed(next(crashed_at))
         else:
-            _USAGE_READERS[kind](usage, e)
+            _USAGE_READERS[type(e)](usage, e)
     for (name, _, _), d in usage.outstanding.items():  # still generating when the log ends
         usage.workers[name].spans.append(_request_span(d, t_end))
     return usage.workers
@@ -249,8 +260,8 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float,
 
 class _UsageReader:
     """What `_worker_usage` keeps while it reads the log: each worker's spans, and what is
-    under way (requests, weight syncs). One method per event type it reads
-    (`_USAGE_READERS`)."""
+    under way (requests, weight syncs). One method per event type it reads besides
+    requests sent and answered (`_USAGE_READERS`)."""
 
     def __init__(self, t_start: float, t_end: float) -> None:
         self.t_start, self.t_end = t_start, t_end
@@ -289,15 +300,6 @@ class _UsageReader:
     def restarted(self, e: WorkerRestarted) -> None:
         self.worker(e.worker, e.role, e.t).restarts = e.restarts
 
-    def dispatched(self, e: RequestsDispatched) -> None:
-        self.worker(e.worker, "rollout", e.t)
-        self.outstanding[(e.worker, e.request_id, e.agent)] = e
-
-    def completed(self, e: RequestsCompleted) -> None:
-        d = self.outstanding.pop((e.worker, e.request_id, e.agent), None)
-        if d is not None:
-            self.worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
-
     def trained(self, e: MicroBatchTrained) -> None:
         span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
                     {"agent": e.agent, "version": e.version, "samples": e.n})
@@ -321,14 +323,13 @@ class _UsageReader:
             self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
 
 
-# What _worker_usage does with each event type it reads (a RunResumed ends what was under
-# way; every other type only moves the clock).
+# What _worker_usage does with each event type it reads besides requests sent and answered
+# (and a RunResumed, which ends what was under way); every other type only moves the clock.
 _USAGE_READERS: dict[type, Callable[[_UsageReader, Any], None]] = {
     WorkerJoined: _UsageReader.joined, WorkerDied: _UsageReader.died, WorkerRestarted: _UsageReader.restarted,
-    RequestsDispatched: _UsageReader.dispatched, RequestsCompleted: _UsageReader.completed,
     MicroBatchTrained: _UsageReader.trained, OptimizerStep: _UsageReader.stepped,
     WeightSyncStarted: _UsageReader.sync_began, WeightSyncFinished: _UsageReader.synced}
-_USAGE_EVENTS = frozenset({RunResumed, *_USAGE_READERS})
+_USAGE_EVENTS = frozenset({RequestsDispatched, RequestsCompleted, RunResumed, *_USAGE_READERS})
 
 
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
@@ -346,27 +347,35 @@ def _agent_stats(events: list, run: RunStarted | None) -> dict[str, AgentStats]:
     """From the log's `_AGENT_EVENTS` (without what a resume undid)."""
     agents = {a: AgentStats(a) for a in (run.agents if run else [])}
     reader = _AgentReader()
+    completed: dict[str, list[RequestsCompleted]] = collections.defaultdict(list)
     for e in events:
         stats = agents.get(e.agent)
         if stats is None:
             if e.agent is None:
                 continue
             stats = agents[e.agent] = AgentStats(e.agent)
-        _AGENT_READERS[type(e)](reader, stats, e)
-    for agent, completed in reader.completed.items():
-        agents[agent].prompts.update({name: sum(map(attrgetter(name), completed)) for name in PROMPT_FIELDS})
+        kind = type(e)
+        # Groups and requests completed, most of a long log, are read here rather than by
+        # a method call each.
+        if kind is GroupComplete:
+            stats.rewards += e.rewards
+        elif kind is RequestsCompleted:
+            completed[e.agent].append(e)  # their prompt counts are summed at the end
+        else:
+            _AGENT_READERS[kind](reader, stats, e)
+    for agent, requests in completed.items():
+        agents[agent].prompts.update({name: sum(map(attrgetter(name), requests)) for name in PROMPT_FIELDS})
     return agents
 
 
 class _AgentReader:
     """What `_agent_stats` keeps while it reads the log: when each iteration and weight
-    sync began, and each agent's completed requests (their prompt counts are summed at
-    the end). One method per event type it reads (`_AGENT_READERS`)."""
+    sync began. One method per event type it reads besides groups and requests completed
+    (`_AGENT_READERS`)."""
 
     def __init__(self) -> None:
         self.iteration_start: dict[tuple[str, int], float] = {}
         self.sync_start: dict[tuple[str, int], float] = {}
-        self.completed: dict[str, list[RequestsCompleted]] = collections.defaultdict(list)
 
     def formed(self, stats: AgentStats, e: MicroBatchFormed) -> None:
         self.iteration_start.setdefault((stats.agent, e.version), e.t)
@@ -381,12 +390,6 @@ class _AgentReader:
         start = self.iteration_start.pop((stats.agent, e.version), e.t)
         stats.spans.append(Span(start, e.t, ITERATION, f"train -> v{e.version}",
                                 {"samples": e.samples, "trainer": e.trainer}))
-
-    def group_complete(self, stats: AgentStats, e: GroupComplete) -> None:
-        stats.rewards += e.rewards
-
-    def requests_completed(self, stats: AgentStats, e: RequestsCompleted) -> None:
-        self.completed[stats.agent].append(e)
 
     def allocation(self, stats: AgentStats, e: AllocationChanged) -> None:
         if e.kind == "trainer" and e.swap == "in":
@@ -404,10 +407,9 @@ class _AgentReader:
 # What _agent_stats does with each event type it reads.
 _AGENT_READERS: dict[type, Callable[[_AgentReader, AgentStats, Any], None]] = {
     MicroBatchFormed: _AgentReader.formed, MicroBatchTrained: _AgentReader.trained,
-    OptimizerStep: _AgentReader.stepped, GroupComplete: _AgentReader.group_complete,
-    RequestsCompleted: _AgentReader.requests_completed, AllocationChanged: _AgentReader.allocation,
+    OptimizerStep: _AgentReader.stepped, AllocationChanged: _AgentReader.allocation,
     WeightSyncStarted: _AgentReader.sync_began, WeightSyncFinished: _AgentReader.synced}
-_AGENT_EVENTS = frozenset(_AGENT_READERS)
+_AGENT_EVENTS = frozenset({GroupComplete, RequestsCompleted, *_AGENT_READERS})
 
 
 @dataclass
@@ -462,52 +464,85 @@ def _accounting(events: list[Event], run: RunStarted | None):
 
 
 def _tally(events: list[Event], bound: int | None) -> _Tally:
-    """One pass over the log: who opened, generated, trained and dropped each sample."""
+    """One pass over the log: who opened, generated, trained and dropped each sample. The
+    groups opened and the requests completed between two micro-batches are counted
+    together, in bulk, when the next micro-batch (which reads them) comes."""
     t = _Tally()
     stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
+    opened: list[GroupOpened] = []
+    completed: list[RequestsCompleted] = []
     for e in events:
         if type(e) is GroupOpened:
-            _tally_group(t, e)
+            opened.append(e)
         elif type(e) is RequestsCompleted:
-            made = _versions_made(e, t.members)
-            if not t.made_by.keys().isdisjoint(made):  # generated again (re-issued): the oldest counts
-                for sid in made.keys() & t.made_by.keys():
-                    made[sid] = min(made[sid], t.made_by[sid])
-            t.made_by.update(made)
+            completed.append(e)
         elif type(e) is MicroBatchFormed:
+            _tally_opened(t, opened)
+            _tally_completed(t, completed)
+            opened, completed = [], []
             _tally_micro_batch(t, e, (e.agent, e.version) in stepped, bound)
         elif type(e) is SamplesDropped:
             t.dropped.update(e.sample_ids)
             t.dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
+    _tally_opened(t, opened)
+    _tally_completed(t, completed)
     return t
 
 
-def _tally_group(t: _Tally, e: GroupOpened) -> None:
-    members = e.members()
-    if not e.sample_ids and "@" not in e.group_id:  # its members are named by the group
-        t.members[e.group_id] = members
-    if not t.owner.keys().isdisjoint(members):
-        t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
-                     for sid in members if sid in t.owner]
-        members = [sid for sid in members if sid not in t.owner]
-    t.owner.update(dict.fromkeys(members, e.agent))
+def _tally_opened(t: _Tally, groups: list[GroupOpened]) -> None:
+    """Groups opened, in log order: in bulk, or one at a time where a sample is opened
+    again (the first opening counts; the errors name the others)."""
+    members = [e.members() for e in groups]
+    samples = list(itertools.chain.from_iterable(members))
+    agents = itertools.chain.from_iterable(map(itertools.repeat, [e.agent for e in groups], map(len, members)))
+    owner = dict(zip(samples, agents))
+    if len(owner) == len(samples) and t.owner.keys().isdisjoint(owner):
+        t.owner.update(owner)
+    else:
+        for e, group in zip(groups, members):
+            if not t.owner.keys().isdisjoint(group):
+                t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
+                             for sid in group if sid in t.owner]
+                group = [sid for sid in group if sid not in t.owner]
+            t.owner.update(dict.fromkeys(group, e.agent))
+    t.members.update((e.group_id, group) for e, group in zip(groups, members)
+                     if not e.sample_ids and "@" not in e.group_id)  # named by the group
 
 
-def _versions_made(e: RequestsCompleted, members: dict[str, list[str]]) -> dict[str, int]:
-    """`dict(zip(e.samples(), e.sample_versions()))`: sample -> the version that generated it
-    (the last, for a sample named twice), with a part of a group named by its members'
-    count taken as a slice of the group's `members` rather than naming each sample again."""
+def _tally_completed(t: _Tally, completed: list[RequestsCompleted]) -> None:
+    """Requests completed, in log order: in bulk, or one at a time where a sample is
+    generated again (re-issued: the oldest version counts)."""
+    made = [_versions_made(e, t.members) for e in completed]
+    samples = list(itertools.chain.from_iterable(ids for ids, _ in made))
+    versions = dict(zip(samples, itertools.chain.from_iterable(vs for _, vs in made)))
+    if len(versions) == len(samples) and t.made_by.keys().isdisjoint(versions):
+        t.made_by.update(versions)
+        return
+    for ids, vs in made:
+        versions = dict(zip(ids, vs))
+        for sid in versions.keys() & t.made_by.keys():
+            versions[sid] = min(versions[sid], t.made_by[sid])
+        t.made_by.update(versions)
+
+
+def _versions_made(e: RequestsCompleted, members: dict[str, list[str]]) -> tuple[list[str], list[int]]:
+    """`e.samples()` and `e.sample_versions()` (the version that generated each), as far as
+    both go; a part of a group named by its members' count is a slice of the group's
+    `members` rather than each sample named again."""
     if e.sample_ids:
-        return dict(zip(e.sample_ids, e.versions))
-    made: dict[str, int] = {}
+        n = min(len(e.sample_ids), len(e.versions))
+        return e.sample_ids[:n], e.versions[:n]
+    ids: list[str] = []
+    versions: list[int] = []
     parts = e.parts
     for key, first, size, version in zip(parts.keys, parts.firsts, parts.sizes, e.versions):
         group = members.get(key)
         if group is not None and 0 <= first <= first + size <= len(group):
-            made.update(dict.fromkeys(group[first:first + size], version))
+            ids += group[first:first + size]
         else:
-            made.update(dict.fromkeys(Parts([key], [first], [size]).sample_ids(), version))
-    return made
+            ids += Parts([key], [first], [size]).sample_ids()
+        versions += [version] * (len(ids) - len(versions))
+    return ids, versions
 
 
 def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int | None) -> None:
@@ -551,7 +586,7 @@ def _rows_of(counts: collections.Counter, owner: dict[str, str], by: dict[str, s
              made: Callable[[str], int | None]) -> collections.Counter[tuple[str, int | None]]:
     """`counts` (sample -> times) summed per (the agent that opened the sample, or else the
     one in `by`; the version that made it)."""
-    agents = list(map(owner.get, counts))
+    agents: list = list(map(owner.get, counts))
     if not all(agents):  # some not opened (or by an agent named "")
         agents = [agent or by[sid] for sid, agent in zip(counts, agents)]
     keys = zip(agents, map(made, counts))
