@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from operator import attrgetter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
 from flexmarl.runtime.events import (
@@ -495,10 +495,7 @@ def _tally_opened(t: _Tally, groups: list[GroupOpened]) -> None:
     members = [e.members() for e in groups]
     samples = list(itertools.chain.from_iterable(members))
     agents = itertools.chain.from_iterable(map(itertools.repeat, [e.agent for e in groups], map(len, members)))
-    owner = dict(zip(samples, agents))
-    if len(owner) == len(samples) and t.owner.keys().isdisjoint(owner):
-        t.owner.update(owner)
-    else:
+    if not _add_new(t.owner, samples, agents):
         for e, group in zip(groups, members):
             if not t.owner.keys().isdisjoint(group):
                 t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
@@ -512,37 +509,52 @@ def _tally_opened(t: _Tally, groups: list[GroupOpened]) -> None:
 def _tally_completed(t: _Tally, completed: list[RequestsCompleted]) -> None:
     """Requests completed, in log order: in bulk, or one at a time where a sample is
     generated again (re-issued: the oldest version counts)."""
-    made = [_versions_made(e, t.members) for e in completed]
-    samples = list(itertools.chain.from_iterable(ids for ids, _ in made))
-    versions = dict(zip(samples, itertools.chain.from_iterable(vs for _, vs in made)))
-    if len(versions) == len(samples) and t.made_by.keys().isdisjoint(versions):
-        t.made_by.update(versions)
+    samples: list[str] = []
+    versions: list[int] = []
+    ends = [len(_versions_made(e, t.members, samples, versions)) for e in completed]
+    if _add_new(t.made_by, samples, versions):
         return
-    for ids, vs in made:
-        versions = dict(zip(ids, vs))
-        for sid in versions.keys() & t.made_by.keys():
-            versions[sid] = min(versions[sid], t.made_by[sid])
-        t.made_by.update(versions)
+    for start, end in zip([0] + ends, ends):
+        made = dict(zip(samples[start:end], versions[start:end]))
+        for sid in made.keys() & t.made_by.keys():
+            made[sid] = min(made[sid], t.made_by[sid])
+        t.made_by.update(made)
 
 
-def _versions_made(e: RequestsCompleted, members: dict[str, list[str]]) -> tuple[list[str], list[int]]:
-    """`e.samples()` and `e.sample_versions()` (the version that generated each), as far as
-    both go; a part of a group named by its members' count is a slice of the group's
-    `members` rather than each sample named again."""
+def _add_new(into: dict[str, Any], keys: list[str], values: Iterable) -> bool:
+    """Adds `keys` (each with its one of `values`) to `into` if each is new and named once,
+    and says whether it did; if not, `into` is left as it was."""
+    if not into.keys().isdisjoint(keys):
+        return False
+    size = len(into)
+    into.update(zip(keys, values))
+    if len(into) == size + len(keys):
+        return True
+    for key in keys:  # one named twice: take them out again (each was new)
+        into.pop(key, None)
+    return False
+
+
+def _versions_made(e: RequestsCompleted, members: dict[str, list[str]], samples: list[str],
+                   versions: list[int]) -> list[str]:
+    """Appends `e.samples()` and `e.sample_versions()` (the version that generated each),
+    as far as both go, to `samples` and `versions`, and returns `samples`. A part of a
+    group named by its members' count is a slice of the group's `members` rather than each
+    sample named again."""
     if e.sample_ids:
         n = min(len(e.sample_ids), len(e.versions))
-        return e.sample_ids[:n], e.versions[:n]
-    ids: list[str] = []
-    versions: list[int] = []
+        samples += e.sample_ids[:n]
+        versions += e.versions[:n]
+        return samples
     parts = e.parts
     for key, first, size, version in zip(parts.keys, parts.firsts, parts.sizes, e.versions):
         group = members.get(key)
         if group is not None and 0 <= first <= first + size <= len(group):
-            ids += group[first:first + size]
+            samples += group[first:first + size]
         else:
-            ids += Parts([key], [first], [size]).sample_ids()
-        versions += [version] * (len(ids) - len(versions))
-    return ids, versions
+            samples += Parts([key], [first], [size]).sample_ids()
+        versions += [version] * (len(samples) - len(versions))
+    return samples
 
 
 def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int | None) -> None:
