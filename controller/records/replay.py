@@ -58,6 +58,7 @@ from flexmarl.runtime.events import (
 from flexmarl.runtime.staleness import lag as staleness_lag
 from flexmarl.runtime.staleness import too_stale
 
+from .lineage import UNDOING
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
 from .redrive import REDRIVEN_TYPES, open_steps
 from .redrive import redrive as redrive_decisions
@@ -173,9 +174,8 @@ def summarize(events: list[Event]) -> Summary:
     resumed_at = [e.step for e in read["marks"] if type(e) is RunResumed]
     crashed_at = _crash_times(events, t_start) if resumed_at else []
     workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
-    counted = lineage(events)  # without what a resume undid
-    if counted is not events:
-        read.update(_route(counted, ("agents", "accounting")))
+    if read["undoing"]:
+        read.update(_route(lineage(events), ("agents", "accounting")))  # without what a resume undid
     agents = _agent_stats(read["agents"], run)
     rows, staleness, errors = _accounting(read["accounting"], run)
     unfinished: dict[str, list[int]] = {}
@@ -434,9 +434,10 @@ _ACCOUNTED_EVENTS = frozenset({RunStarted, GroupOpened, RequestsCompleted, Micro
                                SamplesDropped})
 
 # The event types each part of the summary reads (`_route`): a worker's spans, an agent's
-# statistics, the sample accounting (and the steps left open), and training time.
+# statistics, the sample accounting (and the steps left open), training time, and whether
+# the lineage differs from the log.
 _READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": _ACCOUNTED_EVENTS,
-          "marks": _TRAINING_MARKS}
+          "marks": _TRAINING_MARKS, "undoing": UNDOING}
 
 
 def _accounting(events: list[Event], run: RunStarted | None):
@@ -563,9 +564,8 @@ def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int
                         f"samples but {len(e.min_versions)} versions")
     (t.trained if stepped else t.unstepped).update(e.sample_ids)
     t.trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
-    versions = dict(zip(e.sample_ids, e.min_versions))
-    if not versions.keys() <= t.made_by.keys():  # made by no request logged before (the oldest counts)
-        t.made_by.update({sid: v for sid, v in versions.items() if sid not in t.made_by})
+    if not all(map(t.made_by.__contains__, e.sample_ids)):  # made by no request logged before
+        t.made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in t.made_by})
     # The rule per distinct version rather than per sample: a micro-batch has few.
     histogram = t.staleness.setdefault(e.agent, collections.Counter())
     stale = 0
@@ -582,12 +582,16 @@ def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
     made = t.made_by.get
     generated = collections.Counter(zip(t.owner.values(), map(made, t.owner)))
     in_flight: collections.Counter[tuple[str, int | None]] = collections.Counter()
-    if not all(map(t.trained.__contains__, t.owner)):  # some not trained (in the usual case, none)
+    all_trained = all(map(t.trained.__contains__, t.owner))  # the usual case
+    if not all_trained:
         in_flight.update((agent, made(sid)) for sid, agent in t.owner.items()
                          if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
     for key, n in _rows_of(t.unstepped, t.owner, t.trained_by, made).items():
         in_flight[key] += n
-    trained_rows = _rows_of(t.trained, t.owner, t.trained_by, made)
+    if all_trained and len(t.trained) == len(t.owner) == t.trained.total() and all(t.owner.values()):
+        trained_rows = generated  # each sample opened trained once, and none other: the same counts
+    else:
+        trained_rows = _rows_of(t.trained, t.owner, t.trained_by, made)
     dropped_rows = _rows_of(t.dropped, t.owner, t.dropped_by, made)
     return {(agent, version): AccountRow(agent, version, generated[agent, version], trained_rows[agent, version],
                                          dropped_rows[agent, version], in_flight[agent, version])
