@@ -196,11 +196,11 @@ def _summarize(events: list[Event]) -> Summary:
     crashed_at = _crash_times(events, t_start) if resumed_at else []
     workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
     if read["undoing"]:
-        read.update(_route(lineage(events), ("agents", "accounting")))  # without what a resume undid
+        read.update(_route(lineage(events), ("agents", "accounting", "steps")))  # without what a resume undid
     agents = _agent_stats(read["agents"], run)
     rows, staleness, errors = _accounting(read["accounting"], run)
     unfinished: dict[str, list[int]] = {}
-    for agent, batch in sorted(open_steps(read["accounting"])):
+    for agent, batch in sorted(open_steps(read["steps"])):
         unfinished.setdefault(agent, []).append(batch)
     training_s = _training_seconds(read["marks"], iter(crashed_at), t_end if events else 0.0)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
@@ -269,7 +269,8 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float,
         elif type(e) is RequestsCompleted:
             d = outstanding.pop((e.worker, e.request_id, e.agent), None)
             if d is not None:
-                worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, e.tokens))
+                w = workers.get(e.worker) or worker(e.worker, "rollout", d.t)
+                w.spans.append(_request_span(d, e.t, e.tokens))
         elif type(e) is RunResumed:
             usage.resumed(next(crashed_at))
         else:
@@ -450,15 +451,15 @@ class _Tally:
     members: dict[str, list[str]] = field(default_factory=dict)  # group named by its members' count -> their ids
 
 
-# The events the accounting reads (and `open_steps` with it).
-_ACCOUNTED_EVENTS = frozenset({RunStarted, GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep,
-                               SamplesDropped})
+# The events the accounting reads.
+_ACCOUNTED_EVENTS = frozenset({GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep, SamplesDropped})
 
 # The event types each part of the summary reads (`_route`): a worker's spans, an agent's
-# statistics, the sample accounting (and the steps left open), training time, and whether
-# the lineage differs from the log.
+# statistics, the sample accounting, the steps left open (what `open_steps` reads),
+# training time, and whether the lineage differs from the log.
 _READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": _ACCOUNTED_EVENTS,
-          "marks": _TRAINING_MARKS, "undoing": UNDOING}
+          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep}), "marks": _TRAINING_MARKS,
+          "undoing": UNDOING}
 
 
 def _accounting(events: list[Event], run: RunStarted | None):
