@@ -449,6 +449,7 @@ class _Tally:
     stale: collections.Counter = field(default_factory=collections.Counter)  # agent -> trained outside the bound
     errors: list[str] = field(default_factory=list)
     members: dict[str, list[str]] = field(default_factory=dict)  # group named by its members' count -> their ids
+    by_opener: bool = True  # every sample sent to a trainer opened, and by the agent it trains
 
 
 # The events the accounting reads.
@@ -509,6 +510,7 @@ def _tally(events: list[Event], bound: int | None) -> _Tally:
             t.dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
     _tally_opened(t, opened)
     _tally_completed(t, completed)
+    t.by_opener = t.trained_by.items() <= t.owner.items()
     return t
 
 
@@ -604,7 +606,8 @@ def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
     made = t.made_by.get
     generated = collections.Counter(zip(t.owner.values(), map(made, t.owner)))
     in_flight: collections.Counter[tuple[str, int | None]] = collections.Counter()
-    all_trained = all(map(t.trained.__contains__, t.owner))  # the usual case
+    # The usual case; with every sample trained opened by its agent, as many trained as opened says it.
+    all_trained = (t.by_opener and len(t.trained) == len(t.owner)) or all(map(t.trained.__contains__, t.owner))
     if not all_trained:
         in_flight.update((agent, made(sid)) for sid, agent in t.owner.items()
                          if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
@@ -644,7 +647,7 @@ def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | No
     if t.unstepped:
         formed = t.trained.copy()
         formed.update(t.unstepped)
-    why = _why_unreconciled(t.owner, formed, t.dropped, t.trained_by, t.dropped_by)
+    why = _why_unreconciled(t.owner, formed, t.dropped, t.trained_by, t.dropped_by, t.by_opener)
     for agent, total in sorted(totals.items()):
         if not total.reconciles or why.get(agent):
             errors.append(f"agent {agent!r}: samples do not reconcile: generated {total.generated} != "
@@ -657,10 +660,11 @@ def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | No
     return errors
 
 
-def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[str, list[str]]:
+def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by, by_opener: bool) -> dict[str, list[str]]:
     """Per agent, each way exactly-once broke, with examples. The samples that need a look
     (trained or dropped more than once, both, not generated, or by another agent) are
-    found with set operations over all of them; only those are looked at one by one."""
+    found with set operations over all of them; only those are looked at one by one.
+    `by_opener`: every sample in `trained` was opened by the agent that trained it."""
     found: dict[str, dict[str, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
 
     def note(what: str, samples, agent_of: Callable[[str], str]) -> None:
@@ -670,7 +674,7 @@ def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[s
     if trained.total() != len(trained):
         note("trained twice", [s for s, n in trained.items() if n > 1], lambda s: owner.get(s, trained_by[s]))
     note("trained and dropped", trained.keys() & dropped.keys(), lambda s: owner.get(s, trained_by[s]))
-    if not trained_by.items() <= owner.items():  # not every one trained by the agent that opened it
+    if not by_opener:
         note("trained without being generated", trained.keys() - owner.keys(), trained_by.__getitem__)
         note("trained by another agent", [s for s in trained if s in owner and trained_by[s] != owner[s]],
              owner.__getitem__)
