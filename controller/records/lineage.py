@@ -26,7 +26,7 @@ _BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.W
 
 
 # The events that undo logged work.
-_UNDOING = frozenset({ev.RunResumed, ev.TrainingRestored})
+UNDOING = frozenset({ev.RunResumed, ev.TrainingRestored})
 
 # What a trainer did to an agent's state: undone for versions after the one a
 # `TrainingRestored` brought the agent back to.
@@ -35,7 +35,7 @@ _TRAINED = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep)
 
 def lineage(events: list[ev.Event]) -> list[ev.Event]:
     """`events` without what a later `RunResumed` undid (see the module docstring)."""
-    if _UNDOING.isdisjoint(map(type, events)):
+    if UNDOING.isdisjoint(map(type, events)):
         return events
     kept: list[ev.Event] = []
     batch_of_group: dict[str, int] = {}

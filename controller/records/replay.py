@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
+import itertools
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from operator import attrgetter
+from typing import Any, Callable, Iterable, Iterator
 
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
 from flexmarl.runtime.events import (
@@ -41,6 +44,7 @@ from flexmarl.runtime.events import (
     MicroBatchFormed,
     MicroBatchTrained,
     OptimizerStep,
+    Parts,
     RequestsCompleted,
     RequestsDispatched,
     RunResumed,
@@ -56,6 +60,7 @@ from flexmarl.runtime.events import (
 from flexmarl.runtime.staleness import lag as staleness_lag
 from flexmarl.runtime.staleness import too_stale
 
+from .lineage import UNDOING
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
 from .redrive import REDRIVEN_TYPES, open_steps
 from .redrive import redrive as redrive_decisions
@@ -159,50 +164,117 @@ class Summary:
 
 def summarize(events: list[Event]) -> Summary:
     """Everything the log says about the run. Never raises on inconsistent logs: the
-    inconsistencies are in ``errors`` (the table is what helps find them)."""
+    inconsistencies are in ``errors`` (the table is what helps find them).
+
+    One pass over the log hands each part of the summary the event types it reads, in log
+    order (a long log is mostly groups opened and completed and requests sent and
+    answered, which only some parts read); the parts count samples in bulk where they can.
+    The summary is hundreds of thousands of new objects for a long log, none in a
+    reference cycle: Python's cyclic garbage collector, which would walk every object of
+    the log again each time they pile up, is paused while they are made."""
+    with _collector_paused():
+        return _summarize(events)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _summarize(events: list[Event]) -> Summary:
     run = next((e for e in events if type(e) is RunStarted), None)
     t_start = run.t if run else (events[0].t if events else 0.0)
     t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
-    workers = _worker_usage(events, t_start, t_end)
-    counted = lineage(events)  # without what a resume undid
-    agents = _agent_stats(counted, run)
-    rows, staleness, errors = _accounting(counted, run)
-    resumed_at = [e.step for e in events if type(e) is RunResumed]
+    read = _route(events, tuple(_READS))
+    resumed_at = [e.step for e in read["marks"] if type(e) is RunResumed]
+    crashed_at = _crash_times(events, t_start) if resumed_at else []
+    workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
+    if read["undoing"]:
+        read.update(_route(lineage(events), ("agents", "accounting", "steps")))  # without what a resume undid
+    agents = _agent_stats(read["agents"], run)
+    rows, staleness, errors = _accounting(read["accounting"], run)
     unfinished: dict[str, list[int]] = {}
-    for agent, batch in sorted(open_steps(counted)):
+    for agent, batch in sorted(open_steps(read["steps"])):
         unfinished.setdefault(agent, []).append(batch)
+    training_s = _training_seconds(read["marks"], iter(crashed_at), t_end if events else 0.0)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_seconds(events), unfinished)
+                   training_s, unfinished)
+
+
+def _route(events: list[Event], parts: tuple[str, ...]) -> dict[str, list]:
+    """The events each of `parts` reads (`_READS`), in log order, in one pass over `events`."""
+    read: dict[str, list] = {part: [] for part in parts}
+    appends: dict[type, list[Callable[[Event], None]]] = collections.defaultdict(list)
+    for part in parts:
+        for kind in _READS[part]:
+            appends[kind].append(read[part].append)
+    routes = {kind: tuple(to) for kind, to in appends.items()}
+    nowhere: tuple = ()
+    for e in events:
+        for append in routes.get(type(e), nowhere):
+            append(e)
+    return read
+
+
+def _crash_times(events: list[Event], t_start: float) -> list[float]:
+    """Per `RunResumed`, in order: when the controller before it crashed (the time of the
+    event before it; `t_start` for a log that begins with one)."""
+    return [events[i - 1].t if i else t_start for i, e in enumerate(events) if type(e) is RunResumed]
 
 
 def training_seconds(events: list[Event]) -> float:
     """Seconds spent training: from each controller process's first `BatchStarted` to its
     last event (the next `RunResumed` ends a crashed one), so model builds, engine starts
     and the time a crashed run lay dead are not counted."""
-    total, began, last = 0.0, None, 0.0  # last: set before began is
-    for e in events:
-        kind = type(e)
-        if kind is RunResumed:
+    marks = [e for e in events if type(e) in _TRAINING_MARKS]
+    return _training_seconds(marks, iter(_crash_times(events, 0.0)), events[-1].t if events else 0.0)
+
+
+def _training_seconds(marks: list[Event], crashed_at: Iterator[float], last_t: float) -> float:
+    """`training_seconds` from the log's `_TRAINING_MARKS`, when the controller before each
+    `RunResumed` crashed, and the time of the log's last event."""
+    total, began = 0.0, None
+    for e in marks:
+        if type(e) is RunResumed:
+            crashed = next(crashed_at)
             if began is not None:
-                total += last - began
+                total += crashed - began
             began = None
-        elif kind is BatchStarted and began is None:
+        elif began is None:
             began = e.t
-        last = e.t
-    return total + (last - began if began is not None else 0.0)
+    return total + (last_t - began if began is not None else 0.0)
 
 
-def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str, WorkerUsage]:
+_TRAINING_MARKS = frozenset({RunResumed, BatchStarted})
+
+
+def _worker_usage(events: list[Event], t_start: float, t_end: float,
+                  crashed_at: Iterator[float]) -> dict[str, WorkerUsage]:
+    """From the log's `_USAGE_EVENTS`, and when the controller before each `RunResumed` crashed."""
     usage = _UsageReader(t_start, t_end)
-    last_t = t_start
+    workers, outstanding, worker = usage.workers, usage.outstanding, usage.worker
     for e in events:
-        if type(e) not in _USAGE_EVENTS:  # most of a long log: groups opened and completed
-            last_t = e.t
-            continue
-        if isinstance(e, RunResumed):
-            usage.resumed(last_t)
-        last_t = e.t
-        usage.read(e)
+        # Requests sent and answered, most of a long log, are read here rather than by a
+        # method call each.
+        if type(e) is RequestsDispatched:
+            if e.worker not in workers:
+                worker(e.worker, "rollout", e.t)
+            outstanding[(e.worker, e.request_id, e.agent)] = e
+        elif type(e) is RequestsCompleted:
+            d = outstanding.pop((e.worker, e.request_id, e.agent), None)
+            if d is not None:
+                w = workers.get(e.worker) or worker(e.worker, "rollout", d.t)
+                w.spans.append(_request_span(d, e.t, e.tokens))
+        elif type(e) is RunResumed:
+            usage.resumed(next(crashed_at))
+        else:
+            _USAGE_READERS[type(e)](usage, e)
     for (name, _, _), d in usage.outstanding.items():  # still generating when the log ends
         usage.workers[name].spans.append(_request_span(d, t_end))
     return usage.workers
@@ -210,7 +282,8 @@ def _worker_usage(events: list[Event], t_start: float, t_end: float) -> dict[str
 
 class _UsageReader:
     """What `_worker_usage` keeps while it reads the log: each worker's spans, and what is
-    under way (requests, weight syncs)."""
+    under way (requests, weight syncs). One method per event type it reads besides
+    requests sent and answered (`_USAGE_READERS`)."""
 
     def __init__(self, t_start: float, t_end: float) -> None:
         self.t_start, self.t_end = t_start, t_end
@@ -221,9 +294,10 @@ class _UsageReader:
         self.trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
 
     def worker(self, name: str, role: str, t: float) -> WorkerUsage:
-        if name not in self.workers:
-            self.workers[name] = WorkerUsage(name, role, t, self.t_end)
-        return self.workers[name]
+        w = self.workers.get(name)
+        if w is None:
+            w = self.workers[name] = WorkerUsage(name, role, t, self.t_end)
+        return w
 
     def resumed(self, last_t: float) -> None:
         """The controller crashed at its last event (`last_t`): what it had under way ended
@@ -235,51 +309,49 @@ class _UsageReader:
         self.outstanding.clear()
         self.sync_started.clear()
 
-    def read(self, e: Event) -> None:
-        if isinstance(e, WorkerJoined):
-            w = self.worker(e.worker, e.role, e.t)
-            w.role, w.end = e.role, self.t_end  # a worker back after dying: its downtime is idle
-        elif isinstance(e, WorkerDied):
-            w = self.worker(e.worker, "?", self.t_start)
-            w.end = e.t
-            for key in [k for k in self.outstanding if k[0] == e.worker]:
-                w.spans.append(_request_span(self.outstanding.pop(key), e.t, lost=True))
-        elif isinstance(e, WorkerRestarted):
-            self.worker(e.worker, e.role, e.t).restarts = e.restarts
-        elif isinstance(e, RequestsDispatched):
-            self.worker(e.worker, "rollout", e.t)
-            self.outstanding[(e.worker, e.request_id, e.agent)] = e
-        elif isinstance(e, RequestsCompleted):
-            d = self.outstanding.pop((e.worker, e.request_id, e.agent), None)
-            if d is not None:
-                self.worker(e.worker, "rollout", d.t).spans.append(_request_span(d, e.t, tokens=e.tokens))
-        else:
-            self._read_training(e)
+    def joined(self, e: WorkerJoined) -> None:
+        w = self.worker(e.worker, e.role, e.t)
+        w.role, w.end = e.role, self.t_end  # a worker back after dying: its downtime is idle
 
-    def _read_training(self, e: Event) -> None:
-        if isinstance(e, MicroBatchTrained):
-            span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
-                        {"agent": e.agent, "version": e.version, "samples": e.n})
-            self.worker(e.trainer, "trainer", span.start).spans.append(span)
-            self.trainer_of[e.agent] = e.trainer
-        elif isinstance(e, OptimizerStep):
-            self.worker(e.trainer, "trainer", e.t).spans.append(
-                Span(e.t, e.t, STEP, f"{e.agent} step -> v{e.version}", {"samples": e.samples}))
-            self.trainer_of[e.agent] = e.trainer
-        elif isinstance(e, WeightSyncStarted):
-            self.sync_started[(e.agent, e.version)] = e
-        elif isinstance(e, WeightSyncFinished):
-            started = self.sync_started.pop((e.agent, e.version), None)
-            start = started.t if started else e.t - e.seconds
-            span = Span(start, e.t, SYNC, f"{e.agent} weights v{e.version}", {"bytes": e.nbytes})
-            publishers = [self.trainer_of[e.agent]] if e.agent in self.trainer_of else []
-            for name in publishers + (started.targets if started else []):
-                self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
+    def died(self, e: WorkerDied) -> None:
+        w = self.worker(e.worker, "?", self.t_start)
+        w.end = e.t
+        for key in [k for k in self.outstanding if k[0] == e.worker]:
+            w.spans.append(_request_span(self.outstanding.pop(key), e.t, lost=True))
+
+    def restarted(self, e: WorkerRestarted) -> None:
+        self.worker(e.worker, e.role, e.t).restarts = e.restarts
+
+    def trained(self, e: MicroBatchTrained) -> None:
+        span = Span(e.t - e.seconds, e.t, TRAIN, f"{e.agent} v{e.version} micro-batch",
+                    {"agent": e.agent, "version": e.version, "samples": e.n})
+        self.worker(e.trainer, "trainer", span.start).spans.append(span)
+        self.trainer_of[e.agent] = e.trainer
+
+    def stepped(self, e: OptimizerStep) -> None:
+        self.worker(e.trainer, "trainer", e.t).spans.append(
+            Span(e.t, e.t, STEP, f"{e.agent} step -> v{e.version}", {"samples": e.samples}))
+        self.trainer_of[e.agent] = e.trainer
+
+    def sync_began(self, e: WeightSyncStarted) -> None:
+        self.sync_started[(e.agent, e.version)] = e
+
+    def synced(self, e: WeightSyncFinished) -> None:
+        started = self.sync_started.pop((e.agent, e.version), None)
+        start = started.t if started else e.t - e.seconds
+        span = Span(start, e.t, SYNC, f"{e.agent} weights v{e.version}", {"bytes": e.nbytes})
+        publishers = [self.trainer_of[e.agent]] if e.agent in self.trainer_of else []
+        for name in publishers + (started.targets if started else []):
+            self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
 
 
-# The events _worker_usage reads (every other type only moves the clock).
-_USAGE_EVENTS = frozenset({RunResumed, WorkerJoined, WorkerDied, WorkerRestarted, RequestsDispatched, RequestsCompleted,
-                           MicroBatchTrained, OptimizerStep, WeightSyncStarted, WeightSyncFinished})
+# What _worker_usage does with each event type it reads besides requests sent and answered
+# (and a RunResumed, which ends what was under way); every other type only moves the clock.
+_USAGE_READERS: dict[type, Callable[[_UsageReader, Any], None]] = {
+    WorkerJoined: _UsageReader.joined, WorkerDied: _UsageReader.died, WorkerRestarted: _UsageReader.restarted,
+    MicroBatchTrained: _UsageReader.trained, OptimizerStep: _UsageReader.stepped,
+    WeightSyncStarted: _UsageReader.sync_began, WeightSyncFinished: _UsageReader.synced}
+_USAGE_EVENTS = frozenset({RequestsDispatched, RequestsCompleted, RunResumed, *_USAGE_READERS})
 
 
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
@@ -293,47 +365,73 @@ def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
     return Span(d.t, end, GENERATE, f"{d.agent} generate", args)
 
 
-def _agent_stats(events: list[Event], run: RunStarted | None) -> dict[str, AgentStats]:
+def _agent_stats(events: list, run: RunStarted | None) -> dict[str, AgentStats]:
+    """From the log's `_AGENT_EVENTS` (without what a resume undid)."""
     agents = {a: AgentStats(a) for a in (run.agents if run else [])}
-    iteration_start: dict[tuple[str, int], float] = {}
-    sync_start: dict[tuple[str, int], float] = {}
+    reader = _AgentReader()
+    completed: dict[str, list[RequestsCompleted]] = collections.defaultdict(list)
     for e in events:
-        if type(e) not in _AGENT_EVENTS:
-            continue
-        agent = getattr(e, "agent", None)
-        if agent is None:
-            continue
-        stats = agents.setdefault(agent, AgentStats(agent))
-        if isinstance(e, MicroBatchFormed):
-            iteration_start.setdefault((agent, e.version), e.t)
-        elif isinstance(e, MicroBatchTrained):
-            stats.micro_batches += 1
-        elif isinstance(e, OptimizerStep):
-            stats.samples_trained += e.samples
-            stats.optimizer_steps += 1
-            stats.version = max(stats.version, e.version)
-            start = iteration_start.pop((agent, e.version), e.t)
-            stats.spans.append(Span(start, e.t, ITERATION, f"train -> v{e.version}",
-                                    {"samples": e.samples, "trainer": e.trainer}))
-        elif isinstance(e, GroupComplete):
-            stats.rewards.extend(e.rewards)
-        elif isinstance(e, RequestsCompleted):
-            for name, count in zip(PROMPT_FIELDS, e.prompt_counts()):
-                stats.prompts[name] += count
-        elif isinstance(e, AllocationChanged) and e.kind == "trainer" and e.swap == "in":
-            stats.swap_ins += 1
-            stats.swap_wait_s += e.waited_s
-        elif isinstance(e, WeightSyncStarted):
-            sync_start[(agent, e.version)] = e.t
-        elif isinstance(e, WeightSyncFinished):
-            start = sync_start.pop((agent, e.version), e.t - e.seconds)
-            stats.spans.append(Span(start, e.t, SYNC, f"sync v{e.version}", {"bytes": e.nbytes}))
+        stats = agents.get(e.agent)
+        if stats is None:
+            if e.agent is None:
+                continue
+            stats = agents[e.agent] = AgentStats(e.agent)
+        kind = type(e)
+        # Groups and requests completed, most of a long log, are read here rather than by
+        # a method call each.
+        if kind is GroupComplete:
+            stats.rewards += e.rewards
+        elif kind is RequestsCompleted:
+            completed[e.agent].append(e)  # their prompt counts are summed at the end
+        else:
+            _AGENT_READERS[kind](reader, stats, e)
+    for agent, requests in completed.items():
+        agents[agent].prompts.update({name: sum(map(attrgetter(name), requests)) for name in PROMPT_FIELDS})
     return agents
 
 
-# The events _agent_stats reads.
-_AGENT_EVENTS = frozenset({MicroBatchFormed, MicroBatchTrained, OptimizerStep, GroupComplete, RequestsCompleted,
-                           WeightSyncStarted, WeightSyncFinished, AllocationChanged})
+class _AgentReader:
+    """What `_agent_stats` keeps while it reads the log: when each iteration and weight
+    sync began. One method per event type it reads besides groups and requests completed
+    (`_AGENT_READERS`)."""
+
+    def __init__(self) -> None:
+        self.iteration_start: dict[tuple[str, int], float] = {}
+        self.sync_start: dict[tuple[str, int], float] = {}
+
+    def formed(self, stats: AgentStats, e: MicroBatchFormed) -> None:
+        self.iteration_start.setdefault((stats.agent, e.version), e.t)
+
+    def trained(self, stats: AgentStats, e: MicroBatchTrained) -> None:
+        stats.micro_batches += 1
+
+    def stepped(self, stats: AgentStats, e: OptimizerStep) -> None:
+        stats.samples_trained += e.samples
+        stats.optimizer_steps += 1
+        stats.version = max(stats.version, e.version)
+        start = self.iteration_start.pop((stats.agent, e.version), e.t)
+        stats.spans.append(Span(start, e.t, ITERATION, f"train -> v{e.version}",
+                                {"samples": e.samples, "trainer": e.trainer}))
+
+    def allocation(self, stats: AgentStats, e: AllocationChanged) -> None:
+        if e.kind == "trainer" and e.swap == "in":
+            stats.swap_ins += 1
+            stats.swap_wait_s += e.waited_s
+
+    def sync_began(self, stats: AgentStats, e: WeightSyncStarted) -> None:
+        self.sync_start[(stats.agent, e.version)] = e.t
+
+    def synced(self, stats: AgentStats, e: WeightSyncFinished) -> None:
+        start = self.sync_start.pop((stats.agent, e.version), e.t - e.seconds)
+        stats.spans.append(Span(start, e.t, SYNC, f"sync v{e.version}", {"bytes": e.nbytes}))
+
+
+# What _agent_stats does with each event type it reads.
+_AGENT_READERS: dict[type, Callable[[_AgentReader, AgentStats, Any], None]] = {
+    MicroBatchFormed: _AgentReader.formed, MicroBatchTrained: _AgentReader.trained,
+    OptimizerStep: _AgentReader.stepped, AllocationChanged: _AgentReader.allocation,
+    WeightSyncStarted: _AgentReader.sync_began, WeightSyncFinished: _AgentReader.synced}
+_AGENT_EVENTS = frozenset({GroupComplete, RequestsCompleted, *_AGENT_READERS})
 
 
 @dataclass
@@ -350,6 +448,19 @@ class _Tally:
     staleness: dict[str, collections.Counter] = field(default_factory=dict)  # agent -> lag histogram
     stale: collections.Counter = field(default_factory=collections.Counter)  # agent -> trained outside the bound
     errors: list[str] = field(default_factory=list)
+    members: dict[str, list[str]] = field(default_factory=dict)  # group named by its members' count -> their ids
+    by_opener: bool = True  # every sample sent to a trainer opened, and by the agent it trains
+
+
+# The events the accounting reads.
+_ACCOUNTED_EVENTS = frozenset({GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep, SamplesDropped})
+
+# The event types each part of the summary reads (`_route`): a worker's spans, an agent's
+# statistics, the sample accounting, the steps left open (what `open_steps` reads),
+# training time, and whether the lineage differs from the log.
+_READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": _ACCOUNTED_EVENTS,
+          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep}), "marks": _TRAINING_MARKS,
+          "undoing": UNDOING}
 
 
 def _accounting(events: list[Event], run: RunStarted | None):
@@ -359,7 +470,7 @@ def _accounting(events: list[Event], run: RunStarted | None):
     optimizer step of its micro-batch is logged; in a micro-batch whose step is not (the
     run stopped mid-step), it is in flight: read, never committed to the weights. Written
     for logs of millions of samples: a sample costs a few dictionary operations, done in
-    bulk where they can be."""
+    bulk where they can be. `events` may be just the `_ACCOUNTED_EVENTS` of the log."""
     bound = run.max_staleness if run is not None else None
     t = _tally(events, bound)
     rows = _account_rows(t)
@@ -377,28 +488,98 @@ def _accounting(events: list[Event], run: RunStarted | None):
 
 
 def _tally(events: list[Event], bound: int | None) -> _Tally:
-    """One pass over the log: who opened, generated, trained and dropped each sample."""
+    """One pass over the log: who opened, generated, trained and dropped each sample. The
+    groups opened and the requests completed between two micro-batches are counted
+    together, in bulk, when the next micro-batch (which reads them) comes."""
     t = _Tally()
     stepped = {(e.agent, e.version) for e in events if type(e) is OptimizerStep}
+    opened: list[GroupOpened] = []
+    completed: list[RequestsCompleted] = []
     for e in events:
         if type(e) is GroupOpened:
-            members = e.members()
-            if not t.owner.keys().isdisjoint(members):
-                t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
-                             for sid in members if sid in t.owner]
-                members = [sid for sid in members if sid not in t.owner]
-            t.owner.update(dict.fromkeys(members, e.agent))
+            opened.append(e)
         elif type(e) is RequestsCompleted:
-            made = dict(zip(e.samples(), e.sample_versions()))
-            for sid in made.keys() & t.made_by.keys():  # generated again (re-issued): the oldest counts
-                made[sid] = min(made[sid], t.made_by[sid])
-            t.made_by.update(made)
+            completed.append(e)
         elif type(e) is MicroBatchFormed:
+            _tally_opened(t, opened)
+            _tally_completed(t, completed)
+            opened, completed = [], []
             _tally_micro_batch(t, e, (e.agent, e.version) in stepped, bound)
         elif type(e) is SamplesDropped:
             t.dropped.update(e.sample_ids)
             t.dropped_by.update(dict.fromkeys(e.sample_ids, e.agent))
+    _tally_opened(t, opened)
+    _tally_completed(t, completed)
+    t.by_opener = t.trained_by.items() <= t.owner.items()
     return t
+
+
+def _tally_opened(t: _Tally, groups: list[GroupOpened]) -> None:
+    """Groups opened, in log order: in bulk, or one at a time where a sample is opened
+    again (the first opening counts; the errors name the others)."""
+    members = [e.members() for e in groups]
+    samples = list(itertools.chain.from_iterable(members))
+    agents = itertools.chain.from_iterable(map(itertools.repeat, [e.agent for e in groups], map(len, members)))
+    if not _add_new(t.owner, samples, agents):
+        for e, group in zip(groups, members):
+            if not t.owner.keys().isdisjoint(group):
+                t.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
+                             for sid in group if sid in t.owner]
+                group = [sid for sid in group if sid not in t.owner]
+            t.owner.update(dict.fromkeys(group, e.agent))
+    t.members.update((e.group_id, group) for e, group in zip(groups, members)
+                     if not e.sample_ids and "@" not in e.group_id)  # named by the group
+
+
+def _tally_completed(t: _Tally, completed: list[RequestsCompleted]) -> None:
+    """Requests completed, in log order: in bulk, or one at a time where a sample is
+    generated again (re-issued: the oldest version counts)."""
+    samples: list[str] = []
+    versions: list[int] = []
+    ends = [len(_versions_made(e, t.members, samples, versions)) for e in completed]
+    if _add_new(t.made_by, samples, versions):
+        return
+    for start, end in zip([0] + ends, ends):
+        made = dict(zip(samples[start:end], versions[start:end]))
+        for sid in made.keys() & t.made_by.keys():
+            made[sid] = min(made[sid], t.made_by[sid])
+        t.made_by.update(made)
+
+
+def _add_new(into: dict[str, Any], keys: list[str], values: Iterable) -> bool:
+    """Adds `keys` (each with its one of `values`) to `into` if each is new and named once,
+    and says whether it did; if not, `into` is left as it was."""
+    if not into.keys().isdisjoint(keys):
+        return False
+    size = len(into)
+    into.update(zip(keys, values))
+    if len(into) == size + len(keys):
+        return True
+    for key in keys:  # one named twice: take them out again (each was new)
+        into.pop(key, None)
+    return False
+
+
+def _versions_made(e: RequestsCompleted, members: dict[str, list[str]], samples: list[str],
+                   versions: list[int]) -> list[str]:
+    """Appends `e.samples()` and `e.sample_versions()` (the version that generated each),
+    as far as both go, to `samples` and `versions`, and returns `samples`. A part of a
+    group named by its members' count is a slice of the group's `members` rather than each
+    sample named again."""
+    if e.sample_ids:
+        n = min(len(e.sample_ids), len(e.versions))
+        samples += e.sample_ids[:n]
+        versions += e.versions[:n]
+        return samples
+    parts = e.parts
+    for key, first, size, version in zip(parts.keys, parts.firsts, parts.sizes, e.versions):
+        group = members.get(key)
+        if group is not None and 0 <= first <= first + size <= len(group):
+            samples += group[first:first + size]
+        else:
+            samples += Parts([key], [first], [size]).sample_ids()
+        versions += [version] * (len(samples) - len(versions))
+    return samples
 
 
 def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int | None) -> None:
@@ -407,37 +588,66 @@ def _tally_micro_batch(t: _Tally, e: MicroBatchFormed, stepped: bool, bound: int
                         f"samples but {len(e.min_versions)} versions")
     (t.trained if stepped else t.unstepped).update(e.sample_ids)
     t.trained_by.update(dict.fromkeys(e.sample_ids, e.agent))
-    t.made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in t.made_by})
-    lags = [staleness_lag(e.version - 1, [v]) for v in e.min_versions]
-    t.staleness.setdefault(e.agent, collections.Counter()).update(lags)
-    t.stale[e.agent] += sum(1 for lag, v in zip(lags, e.min_versions)
-                            if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)))
+    if not all(map(t.made_by.__contains__, e.sample_ids)):  # made by no request logged before
+        t.made_by.update({sid: v for sid, v in zip(e.sample_ids, e.min_versions) if sid not in t.made_by})
+    # The rule per distinct version rather than per sample: a micro-batch has few.
+    histogram = t.staleness.setdefault(e.agent, collections.Counter())
+    stale = 0
+    for v, n in collections.Counter(e.min_versions).items():
+        lag = staleness_lag(e.version - 1, [v])
+        histogram[lag] += n
+        if lag < 0 or (bound is not None and too_stale(e.version - 1, [v], bound)):
+            stale += n
+    t.stale[e.agent] += stale
 
 
 def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
     """The rows, keyed (agent, the version that made the sample)."""
     made = t.made_by.get
     generated = collections.Counter(zip(t.owner.values(), map(made, t.owner)))
-    in_flight = collections.Counter((agent, made(sid)) for sid, agent in t.owner.items()
-                                    if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
-    for sid, n in t.unstepped.items():
-        in_flight[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
-    trained_rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
-    for sid, n in t.trained.items():
-        trained_rows[t.owner.get(sid) or t.trained_by[sid], made(sid)] += n
-    dropped_rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
-    for sid, n in t.dropped.items():
-        dropped_rows[t.owner.get(sid) or t.dropped_by[sid], made(sid)] += n
-    return {k: AccountRow(*k, generated[k], trained_rows[k], dropped_rows[k], in_flight[k])
-            for k in {**generated, **trained_rows, **dropped_rows, **in_flight}}
+    in_flight: collections.Counter[tuple[str, int | None]] = collections.Counter()
+    # The usual case; with every sample trained opened by its agent, as many trained as opened says it.
+    all_trained = (t.by_opener and len(t.trained) == len(t.owner)) or all(map(t.trained.__contains__, t.owner))
+    if not all_trained:
+        in_flight.update((agent, made(sid)) for sid, agent in t.owner.items()
+                         if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
+    for key, n in _rows_of(t.unstepped, t.owner, t.trained_by, made).items():
+        in_flight[key] += n
+    if all_trained and len(t.trained) == len(t.owner) == t.trained.total() and all(t.owner.values()):
+        trained_rows = generated  # each sample opened trained once, and none other: the same counts
+    else:
+        trained_rows = _rows_of(t.trained, t.owner, t.trained_by, made)
+    dropped_rows = _rows_of(t.dropped, t.owner, t.dropped_by, made)
+    return {(agent, version): AccountRow(agent, version, generated[agent, version], trained_rows[agent, version],
+                                         dropped_rows[agent, version], in_flight[agent, version])
+            for agent, version in {**generated, **trained_rows, **dropped_rows, **in_flight}}
+
+
+def _rows_of(counts: collections.Counter, owner: dict[str, str], by: dict[str, str],
+             made: Callable[[str], int | None]) -> collections.Counter[tuple[str, int | None]]:
+    """`counts` (sample -> times) summed per (the agent that opened the sample, or else the
+    one in `by`; the version that made it)."""
+    agents: list = list(map(owner.get, counts))
+    if not all(agents):  # some not opened (or by an agent named "")
+        agents = [agent or by[sid] for sid, agent in zip(counts, agents)]
+    keys = zip(agents, map(made, counts))
+    if counts.total() == len(counts):  # each once, the usual case
+        return collections.Counter(keys)
+    rows: collections.Counter[tuple[str, int | None]] = collections.Counter()
+    for key, n in zip(keys, counts.values()):
+        rows[key] += n
+    return rows
 
 
 def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | None) -> list[str]:
     """Each agent whose samples do not reconcile (and why), and each that trained a sample
     outside the staleness bound."""
     errors = []
-    formed = t.trained + t.unstepped  # sent to a trainer, stepped or not
-    why = _why_unreconciled(t.owner, formed, t.dropped, t.trained_by, t.dropped_by)
+    formed = t.trained  # sent to a trainer, stepped or not
+    if t.unstepped:
+        formed = t.trained.copy()
+        formed.update(t.unstepped)
+    why = _why_unreconciled(t.owner, formed, t.dropped, t.trained_by, t.dropped_by, t.by_opener)
     for agent, total in sorted(totals.items()):
         if not total.reconciles or why.get(agent):
             errors.append(f"agent {agent!r}: samples do not reconcile: generated {total.generated} != "
@@ -450,25 +660,27 @@ def _accounting_errors(t: _Tally, totals: dict[str, AccountRow], bound: int | No
     return errors
 
 
-def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by) -> dict[str, list[str]]:
-    """Per agent, each way exactly-once broke, with examples (one pass over the samples
-    that need a look: trained or dropped more than once, both, or not generated)."""
+def _why_unreconciled(owner, trained, dropped, trained_by, dropped_by, by_opener: bool) -> dict[str, list[str]]:
+    """Per agent, each way exactly-once broke, with examples. The samples that need a look
+    (trained or dropped more than once, both, not generated, or by another agent) are
+    found with set operations over all of them; only those are looked at one by one.
+    `by_opener`: every sample in `trained` was opened by the agent that trained it."""
     found: dict[str, dict[str, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for s, n in trained.items():
-        agent = owner.get(s, trained_by[s])
-        if n > 1:
-            found[agent]["trained twice"].append(s)
-        if s in dropped:
-            found[agent]["trained and dropped"].append(s)
-        if s not in owner:
-            found[trained_by[s]]["trained without being generated"].append(s)
-        elif trained_by[s] != owner[s]:
-            found[owner[s]]["trained by another agent"].append(s)
-    for s, n in dropped.items():
-        if n > 1:
-            found[owner.get(s, dropped_by[s])]["dropped twice"].append(s)
-        if s not in owner:
-            found[dropped_by[s]]["dropped without being generated"].append(s)
+
+    def note(what: str, samples, agent_of: Callable[[str], str]) -> None:
+        for s in samples:
+            found[agent_of(s)][what].append(s)
+
+    if trained.total() != len(trained):
+        note("trained twice", [s for s, n in trained.items() if n > 1], lambda s: owner.get(s, trained_by[s]))
+    note("trained and dropped", trained.keys() & dropped.keys(), lambda s: owner.get(s, trained_by[s]))
+    if not by_opener:
+        note("trained without being generated", trained.keys() - owner.keys(), trained_by.__getitem__)
+        note("trained by another agent", [s for s in trained if s in owner and trained_by[s] != owner[s]],
+             owner.__getitem__)
+    if dropped.total() != len(dropped):
+        note("dropped twice", [s for s, n in dropped.items() if n > 1], lambda s: owner.get(s, dropped_by[s]))
+    note("dropped without being generated", dropped.keys() - owner.keys(), dropped_by.__getitem__)
     order = ("trained twice", "trained and dropped", "dropped twice", "trained without being generated",
              "dropped without being generated", "trained by another agent")
     return {agent: [f"{len(ids[what])} sample(s) {what}, e.g. {', '.join(sorted(ids[what])[:3])}"
