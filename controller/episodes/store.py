@@ -265,12 +265,16 @@ class ExperienceStore:
         if group.status != PENDING:
             return
         members = [self.samples[s] for s in group.sample_ids]
-        outputs = [o for s in members if (o := s.output_ids) is not None]
         rewards = [r for s in members if (r := s.reward) is not None]
-        if len(outputs) < len(members) or len(rewards) < len(members):
+        if len(rewards) < len(members):
             return
+        tokens = len(members[0].prompt_ids)
+        for s in members:
+            if s.output_ids is None:
+                return
+            tokens += len(s.output_ids)
         agent, batch = group.agent, group.batch
-        group.tokens = len(members[0].prompt_ids) + sum(map(len, outputs))
+        group.tokens = tokens
         self.emit(ev.GroupComplete(agent, group.group_id, list(rewards), group.tokens))
         seq = next(self._ready_seq)
         for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(agent, True))):
@@ -359,8 +363,9 @@ def group_advantages(rewards: list[float], eps: float = 1e-6, by_std: bool = Tru
     """GRPO: reward minus the group mean, over the group's standard deviation (by_std);
     without the division (Dr. GRPO) when by_std is False."""
     mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
     if not by_std:
-        return [r - mean for r in rewards]
-    var = sum([(r - mean) ** 2 for r in rewards]) / len(rewards)
-    std = math.sqrt(var)
-    return [(r - mean) / (std + eps) for r in rewards]
+        return centred
+    std = math.sqrt(sum([c ** 2 for c in centred]) / len(rewards))
+    scale = std + eps
+    return [c / scale for c in centred]
