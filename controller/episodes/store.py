@@ -126,6 +126,9 @@ class Group(msgspec.Struct, gc=False):
     status: str = PENDING
     rewarded: int = 0  # members whose reward is set
     tokens: int = 0  # once trainable: its prompt once plus every output (what a token budget counts)
+    # The records of `sample_ids`, in order (the same ones `ExperienceStore.samples` holds):
+    # what the store does to a whole group reaches them without looking each one up.
+    members: list[Sample] = []
 
 
 class ExperienceStore:
@@ -154,7 +157,7 @@ class ExperienceStore:
         members = [Sample(sid, agent, group_id, prompt, batch=batch) for sid in sample_ids]
         self.emit(ev.GroupOpened(agent, group_id, [], batch, n))
         self.samples.update(zip(sample_ids, members))
-        self.groups[group_id] = Group(group_id, agent, sample_ids, batch)
+        self.groups[group_id] = Group(group_id, agent, sample_ids, batch, members=members)
         self.counts[(agent, "generated")] += n
         return members
 
@@ -163,25 +166,30 @@ class ExperienceStore:
         sample = self.samples.get(sample_id)
         if sample is None:
             raise KeyError(f"unknown sample {sample_id}")
+        self._record_first_turn(sample, output_ids, logprobs, versions, sampling)
+        return sample
+
+    def record_group(self, group_id: str, output: GroupOutput, sampling: protocol.TurnSampling) -> None:
+        """Every member's first turn at once, sampled from `sampling`'s distribution."""
+        members = self.groups[group_id].members
+        if len(members) != output.n:
+            raise ValueError(f"group {group_id} has {len(members)} samples; {output.n} outputs came back")
+        record = self._record_first_turn
+        for sample, ids, logprobs, version, served_by, finish_reason in zip(
+                members, output.token_ids, output.logprobs, output.versions, output.served_by, output.finish_reasons):
+            record(sample, ids, logprobs, [version], sampling)
+            sample.served_by, sample.finish_reason = served_by, finish_reason
+
+    @staticmethod
+    def _record_first_turn(sample: Sample, output_ids: Sequence[int], logprobs: Sequence[float],
+                           versions: list[int], sampling: protocol.TurnSampling | None) -> None:
         if sample.output_ids is not None or sample.status != PENDING:
-            raise DuplicateResult(f"sample {sample_id} already has an output ({sample.status})")
+            raise DuplicateResult(f"sample {sample.sample_id} already has an output ({sample.status})")
         sample.output_ids = ids = token_array(output_ids)
         sample.logprobs = logprob_array(logprobs)
         sample.versions = list(versions)
         sample.mask = array.array("b", b"\x01" * len(ids))
         sample.sampling = [sampling or DEFAULT_SAMPLING]
-        return sample
-
-    def record_group(self, group_id: str, output: GroupOutput, sampling: protocol.TurnSampling) -> None:
-        """Every member's first turn at once, sampled from `sampling`'s distribution."""
-        members = self.groups[group_id].sample_ids
-        if len(members) != output.n:
-            raise ValueError(f"group {group_id} has {len(members)} samples; {output.n} outputs came back")
-        record = self.record_output
-        for sid, ids, logprobs, version, served_by, finish_reason in zip(
-                members, output.token_ids, output.logprobs, output.versions, output.served_by, output.finish_reasons):
-            sample = record(sid, ids, logprobs, [version], sampling)
-            sample.served_by, sample.finish_reason = served_by, finish_reason
 
     def record_turn(self, sample_id: str, appended_ids: Sequence[int], output: GroupOutput,
                     sampling: protocol.TurnSampling | None = None) -> Sample:
@@ -228,9 +236,9 @@ class ExperienceStore:
         """The rewards of the group's members, in order (as many as given): what
         `set_reward` of each in turn does, in one call."""
         group = self.groups[group_id]
-        samples, size = self.samples, len(group.sample_ids)
-        for sid, reward in zip(group.sample_ids, rewards):
-            if self._accept_reward(samples[sid], reward):
+        size = len(group.sample_ids)
+        for sample, reward in zip(group.members, rewards):
+            if self._accept_reward(sample, reward):
                 group.rewarded = rewarded = group.rewarded + 1
                 if rewarded == size:
                     self._maybe_ready(group)
@@ -257,14 +265,14 @@ class ExperienceStore:
             return
         self.emit(ev.SamplesDropped(group.agent, list(group.sample_ids), why))
         group.status = DROPPED
-        for sid in group.sample_ids:
-            self.samples[sid].status = DROPPED
+        for sample in group.members:
+            sample.status = DROPPED
         self.counts[(group.agent, DROPPED)] += len(group.sample_ids)
 
     def _maybe_ready(self, group: Group) -> None:
         if group.status != PENDING:
             return
-        members = [self.samples[s] for s in group.sample_ids]
+        members = group.members
         rewards = [r for s in members if (r := s.reward) is not None]
         if len(rewards) < len(members):
             return
@@ -307,17 +315,16 @@ class ExperienceStore:
         (at least one group if any is ready: a group is never split)."""
         taken: list[Sample] = []
         queue = self.ready[agent].get(batch, collections.deque())
-        groups, samples = self.groups, self.samples
+        groups = self.groups
         sizes = (size.of_group(groups[g]) for g in queue)  # read lazily: stops at the cut
         for _ in range(decisions.groups_in_micro_batch(sizes, size.limit)):
             group = groups[queue.popleft()]
             group.status = CONSUMED
             self._ready_count[(agent, batch)] -= len(group.sample_ids)
-            for sid in group.sample_ids:
-                sample = samples[sid]
-                assert sample.status == READY, f"{sid} is {sample.status}, not ready"
+            for sample in group.members:
+                assert sample.status == READY, f"{sample.sample_id} is {sample.status}, not ready"
                 sample.status = CONSUMED
-                taken.append(sample)
+            taken += group.members
             self.counts[(agent, CONSUMED)] += len(group.sample_ids)
         return taken
 
