@@ -49,14 +49,15 @@ def redrive(log: list) -> list:
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
     start = next(e for e in log if type(e) is ev.RunStarted)
     config = tomllib.loads(start.config_toml)
-    with _rare_collections():
+    with rare_collections():
         store = _refilled_store(log, start.agents)
         made = _redrive_training(log, store, start.agents, config["pipeline"], start.max_staleness)
     return _in_log_order(log, made, _redrive_balancer(log, config["router"]))
 
 
 @contextlib.contextmanager
-def _rare_collections() -> Iterator[None]:
+def rare_collections() -> Iterator[None]:
+    """Python's collector at REDRIVE_GC_THRESHOLDS meanwhile (also a decorator)."""
     before = gc.get_threshold()
     gc.set_threshold(*REDRIVE_GC_THRESHOLDS)
     try:
