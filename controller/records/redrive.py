@@ -32,8 +32,8 @@ REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
 
 # A refilled store is a heap of small long-lived records, nearly all freed by reference
 # counting; at Python's default thresholds the collector walks it (and the log) over and
-# over while it fills. The controller's own thresholds (experiment.GC_THRESHOLDS) for the
-# same reason, while a re-drive runs.
+# over while it fills. So a re-drive runs at the controller's own thresholds
+# (experiment.GC_THRESHOLDS), chosen for the same reason.
 REDRIVE_GC_THRESHOLDS = (50_000, 20, 10)
 
 
