@@ -40,6 +40,9 @@ log = logging.getLogger("flexmarl.store")
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 
+# A first turn recorded without its settings (frozen: one value shared by every such sample).
+DEFAULT_SAMPLING = protocol.TurnSampling(0)
+
 
 class DuplicateResult(Exception):
     """A result arrived for a sample that already has one (a retried request, say)."""
@@ -123,6 +126,9 @@ class Group(msgspec.Struct, gc=False):
     status: str = PENDING
     rewarded: int = 0  # members whose reward is set
     tokens: int = 0  # once trainable: its prompt once plus every output (what a token budget counts)
+    # The records of `sample_ids`, in order (the same ones `ExperienceStore.samples` holds):
+    # what the store does to a whole group reaches them without looking each one up.
+    members: list[Sample] = []
 
 
 class ExperienceStore:
@@ -147,11 +153,11 @@ class ExperienceStore:
         if group_id in self.groups:
             raise DuplicateResult(f"group {group_id} already exists")
         prompt = list(prompt_ids)  # one list for the whole group: members never modify it
-        members = [Sample(f"{group_id}/{i}", agent, group_id, prompt, batch=batch) for i in range(n)]
+        sample_ids = [f"{group_id}/{i}" for i in range(n)]
+        members = [Sample(sid, agent, group_id, prompt, batch=batch) for sid in sample_ids]
         self.emit(ev.GroupOpened(agent, group_id, [], batch, n))
-        for s in members:
-            self.samples[s.sample_id] = s
-        self.groups[group_id] = Group(group_id, agent, [s.sample_id for s in members], batch)
+        self.samples.update(zip(sample_ids, members))
+        self.groups[group_id] = Group(group_id, agent, sample_ids, batch, members=members)
         self.counts[(agent, "generated")] += n
         return members
 
@@ -160,23 +166,30 @@ class ExperienceStore:
         sample = self.samples.get(sample_id)
         if sample is None:
             raise KeyError(f"unknown sample {sample_id}")
-        if sample.output_ids is not None or sample.status != PENDING:
-            raise DuplicateResult(f"sample {sample_id} already has an output ({sample.status})")
-        sample.output_ids = token_array(output_ids)
-        sample.logprobs = logprob_array(logprobs)
-        sample.versions = list(versions)
-        sample.mask = array.array("b", b"\x01" * len(sample.output_ids))
-        sample.sampling = [sampling or protocol.TurnSampling(0)]
+        self._record_first_turn(sample, output_ids, logprobs, versions, sampling)
         return sample
 
     def record_group(self, group_id: str, output: GroupOutput, sampling: protocol.TurnSampling) -> None:
         """Every member's first turn at once, sampled from `sampling`'s distribution."""
-        members = self.groups[group_id].sample_ids
+        members = self.groups[group_id].members
         if len(members) != output.n:
             raise ValueError(f"group {group_id} has {len(members)} samples; {output.n} outputs came back")
-        for i, sid in enumerate(members):
-            sample = self.record_output(sid, output.token_ids[i], output.logprobs[i], [output.versions[i]], sampling)
-            sample.served_by, sample.finish_reason = output.served_by[i], output.finish_reasons[i]
+        record = self._record_first_turn
+        for sample, ids, logprobs, version, served_by, finish_reason in zip(
+                members, output.token_ids, output.logprobs, output.versions, output.served_by, output.finish_reasons):
+            record(sample, ids, logprobs, [version], sampling)
+            sample.served_by, sample.finish_reason = served_by, finish_reason
+
+    @staticmethod
+    def _record_first_turn(sample: Sample, output_ids: Sequence[int], logprobs: Sequence[float],
+                           versions: list[int], sampling: protocol.TurnSampling | None) -> None:
+        if sample.output_ids is not None or sample.status != PENDING:
+            raise DuplicateResult(f"sample {sample.sample_id} already has an output ({sample.status})")
+        sample.output_ids = ids = token_array(output_ids)
+        sample.logprobs = logprob_array(logprobs)
+        sample.versions = list(versions)
+        sample.mask = array.array("b", b"\x01" * len(ids))
+        sample.sampling = [sampling or DEFAULT_SAMPLING]
 
     def record_turn(self, sample_id: str, appended_ids: Sequence[int], output: GroupOutput,
                     sampling: protocol.TurnSampling | None = None) -> Sample:
@@ -190,7 +203,7 @@ class ExperienceStore:
             raise ValueError(f"sample {sample_id} cannot take another turn: it is {sample.status}"
                              + (" and already rewarded" if sample.reward is not None else ""))
         assert sample.logprobs is not None and sample.mask is not None  # set with its output_ids
-        turn = sampling or protocol.TurnSampling(0)
+        turn = sampling or DEFAULT_SAMPLING
         generated = output.token_ids[0]
         start = len(sample.output_ids) + len(appended_ids)
         sample.sampling.append(protocol.TurnSampling(start, turn.temperature, turn.top_p, turn.top_k))
@@ -213,21 +226,38 @@ class ExperienceStore:
 
     def set_reward(self, sample_id: str, reward: float) -> None:
         sample = self.samples[sample_id]
+        if self._accept_reward(sample, reward):
+            group = self.groups[sample.group_id]
+            group.rewarded = rewarded = group.rewarded + 1
+            if rewarded == len(group.sample_ids):
+                self._maybe_ready(group)
+
+    def set_group_rewards(self, group_id: str, rewards: Sequence[float]) -> None:
+        """The rewards of the group's members, in order (as many as given): what
+        `set_reward` of each in turn does, in one call."""
+        group = self.groups[group_id]
+        size = len(group.sample_ids)
+        for sample, reward in zip(group.members, rewards):
+            if self._accept_reward(sample, reward):
+                group.rewarded = rewarded = group.rewarded + 1
+                if rewarded == size:
+                    self._maybe_ready(group)
+
+    @staticmethod
+    def _accept_reward(sample: Sample, reward: float) -> bool:
+        """Sets a pending sample's reward; False (nothing set) if its group was dropped."""
         if sample.status == DROPPED:
-            return  # its group was dropped meanwhile (its episode failed)
+            return False  # its group was dropped meanwhile (its episode failed)
         if sample.status != PENDING:
-            raise ValueError(f"reward for {sample_id} arrived after its group was complete ({sample.status}): "
+            raise ValueError(f"reward for {sample.sample_id} arrived after its group was complete ({sample.status}): "
                              f"its advantages are already fixed, so this reward would be ignored. Set every "
                              f"sample's reward before the last one of its group")
         if sample.reward is not None:
-            raise ValueError(f"reward for {sample_id} set twice ({sample.reward} then {reward})")
+            raise ValueError(f"reward for {sample.sample_id} set twice ({sample.reward} then {reward})")
         if not math.isfinite(reward):
-            raise ValueError(f"reward for {sample_id} is not finite: {reward}")
+            raise ValueError(f"reward for {sample.sample_id} is not finite: {reward}")
         sample.reward = float(reward)
-        group = self.groups[sample.group_id]
-        group.rewarded += 1
-        if group.rewarded == len(group.sample_ids):
-            self._maybe_ready(group)
+        return True
 
     def drop_group(self, group_id: str, why: str) -> None:
         group = self.groups[group_id]
@@ -235,28 +265,37 @@ class ExperienceStore:
             return
         self.emit(ev.SamplesDropped(group.agent, list(group.sample_ids), why))
         group.status = DROPPED
-        for sid in group.sample_ids:
-            self.samples[sid].status = DROPPED
+        for sample in group.members:
+            sample.status = DROPPED
         self.counts[(group.agent, DROPPED)] += len(group.sample_ids)
 
     def _maybe_ready(self, group: Group) -> None:
         if group.status != PENDING:
             return
-        members = [self.samples[s] for s in group.sample_ids]
-        outputs = [s.output_ids for s in members if s.output_ids is not None]
-        rewards = [s.reward for s in members if s.reward is not None]
-        if len(outputs) < len(members) or len(rewards) < len(members):
+        members = group.members
+        rewards = [r for s in members if (r := s.reward) is not None]
+        if len(rewards) < len(members):
             return
-        group.tokens = len(members[0].prompt_ids) + sum(len(o) for o in outputs)
-        self.emit(ev.GroupComplete(group.agent, group.group_id, list(rewards), group.tokens))
+        tokens = len(members[0].prompt_ids)
+        for s in members:
+            if s.output_ids is None:
+                return
+            tokens += len(s.output_ids)
+        agent, batch = group.agent, group.batch
+        group.tokens = tokens
+        self.emit(ev.GroupComplete(agent, group.group_id, list(rewards), group.tokens))
         seq = next(self._ready_seq)
-        for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(group.agent, True))):
+        for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(agent, True))):
             s.advantage = adv
             s.status = READY
             s.ready_seq = seq
         group.status = READY
-        self.ready[group.agent].setdefault(group.batch, collections.deque()).append(group.group_id)
-        self._ready_count[(group.agent, group.batch)] += len(members)
+        queues = self.ready[agent]
+        queue = queues.get(batch)
+        if queue is None:
+            queues[batch] = queue = collections.deque()
+        queue.append(group.group_id)
+        self._ready_count[(agent, batch)] += len(members)
         for listener in self.on_ready:
             listener(group)
 
@@ -267,6 +306,8 @@ class ExperienceStore:
 
     def ready_size(self, agent: str, batch: int, size: decisions.MicroBatchSize) -> int:
         """What is ready, in samples or tokens as `size` counts."""
+        if not size.tokens:  # counted as groups become ready and are taken
+            return self._ready_count[(agent, batch)]
         return sum(size.of_group(self.groups[g]) for g in self.ready[agent].get(batch, ()))
 
     def take(self, agent: str, batch: int, size: decisions.MicroBatchSize) -> list[Sample]:
@@ -274,16 +315,16 @@ class ExperienceStore:
         (at least one group if any is ready: a group is never split)."""
         taken: list[Sample] = []
         queue = self.ready[agent].get(batch, collections.deque())
-        sizes = (size.of_group(self.groups[g]) for g in queue)  # read lazily: stops at the cut
+        groups = self.groups
+        sizes = (size.of_group(groups[g]) for g in queue)  # read lazily: stops at the cut
         for _ in range(decisions.groups_in_micro_batch(sizes, size.limit)):
-            group = self.groups[queue.popleft()]
+            group = groups[queue.popleft()]
             group.status = CONSUMED
             self._ready_count[(agent, batch)] -= len(group.sample_ids)
-            for sid in group.sample_ids:
-                sample = self.samples[sid]
-                assert sample.status == READY, f"{sid} is {sample.status}, not ready"
+            for sample in group.members:
+                assert sample.status == READY, f"{sample.sample_id} is {sample.status}, not ready"
                 sample.status = CONSUMED
-                taken.append(sample)
+            taken += group.members
             self.counts[(agent, CONSUMED)] += len(group.sample_ids)
         return taken
 
@@ -319,8 +360,10 @@ class ExperienceStore:
         """Lets trained samples (whole groups, as `take` hands them out) go: a long run's
         store holds what is in flight and not yet committed, not its history (the counts
         stay; the event log has the rest)."""
+        tokens, logprobs = protocol.TOKEN_TYPECODE, protocol.LOGPROB_TYPECODE
         for s in samples:
-            s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], token_array(()), logprob_array(()), array.array("b")
+            s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], array.array(tokens), array.array(logprobs), \
+                array.array("b")
             self.samples.pop(s.sample_id, None)
             self.groups.pop(s.group_id, None)
 
@@ -329,8 +372,9 @@ def group_advantages(rewards: list[float], eps: float = 1e-6, by_std: bool = Tru
     """GRPO: reward minus the group mean, over the group's standard deviation (by_std);
     without the division (Dr. GRPO) when by_std is False."""
     mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
     if not by_std:
-        return [r - mean for r in rewards]
-    var = sum((r - mean) ** 2 for r in rewards) / len(rewards)
-    std = math.sqrt(var)
-    return [(r - mean) / (std + eps) for r in rewards]
+        return centred
+    std = math.sqrt(sum([c ** 2 for c in centred]) / len(rewards))
+    scale = std + eps
+    return [c / scale for c in centred]

@@ -11,7 +11,10 @@ It does not read files or know how decisions are carried out.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import tomllib
+from typing import Iterator
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import RouterConfig
@@ -27,6 +30,12 @@ NO_IDS, NO_LOGPROBS = token_array(()), logprob_array(())
 # The decision events the re-drive derives; replay compares these, in order.
 REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
 
+# A refilled store is a heap of small long-lived records, nearly all freed by reference
+# counting; at Python's default thresholds the collector walks it (and the log) over and
+# over while it fills. So a re-drive runs at the controller's own thresholds
+# (experiment.GC_THRESHOLDS), chosen for the same reason.
+REDRIVE_GC_THRESHOLDS = (50_000, 20, 10)
+
 
 def redrive(log: list) -> list:
     """Recomputes the training decisions (which samples form each micro-batch, which
@@ -40,29 +49,42 @@ def redrive(log: list) -> list:
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
     start = next(e for e in log if type(e) is ev.RunStarted)
     config = tomllib.loads(start.config_toml)
-    store = _refilled_store(log, start.agents)
-    made = _redrive_training(log, store, start.agents, config["pipeline"], start.max_staleness)
+    with rare_collections():
+        store = _refilled_store(log, start.agents)
+        made = _redrive_training(log, store, start.agents, config["pipeline"], start.max_staleness)
     return _in_log_order(log, made, _redrive_balancer(log, config["router"]))
+
+
+@contextlib.contextmanager
+def rare_collections() -> Iterator[None]:
+    """Python's collector at REDRIVE_GC_THRESHOLDS meanwhile (also a decorator)."""
+    before = gc.get_threshold()
+    gc.set_threshold(*REDRIVE_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def _refilled_store(log: list, agents: list[str]) -> ExperienceStore:
     """An `ExperienceStore` fed the logged groups, versions and rewards, in the order the
     controller saw them."""
     store = ExperienceStore(agents)
+    samples, groups = store.samples, store.groups
+    opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
     for e in log:
         kind = type(e)
-        if kind is ev.GroupOpened:
-            store.open_group(e.agent, e.group_id, [], len(e.members()), e.batch)
-        elif kind is ev.RequestsCompleted:
+        if kind is opened:
+            # len(e.members()), without making its ids (open_group makes the same ones)
+            store.open_group(e.agent, e.group_id, [], len(e.sample_ids) or max(e.n, 0), e.batch)
+        elif kind is completed:
             for sid, version in zip(e.samples(), e.sample_versions()):
-                sample = store.samples.get(sid)
+                sample = samples.get(sid)
                 if sample is not None and sample.output_ids is None:
                     store.record_output(sid, NO_IDS, NO_LOGPROBS, [version])  # the versions are what decide
-        elif kind is ev.GroupComplete:
-            members = store.groups[e.group_id].sample_ids
-            for sid, reward in zip(members, e.rewards):
-                store.set_reward(sid, reward)
-            store.groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
+        elif kind is rewarded:
+            store.set_group_rewards(e.group_id, e.rewards)
+            groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
     return store
 
 
@@ -115,8 +137,9 @@ def _in_log_order(log: list, made: dict[str, list], moves: list) -> list:
 
 def last_batch(log: list) -> int:
     """The last global batch the log reached (a group opened, or a step taken)."""
-    return max([e.batch for e in log if isinstance(e, ev.GroupOpened)]
-               + [e.version for e in log if isinstance(e, ev.OptimizerStep)], default=0)
+    opened, stepped = ev.GroupOpened, ev.OptimizerStep
+    return max([e.batch if kind is opened else e.version for e in log
+                if (kind := type(e)) is opened or kind is stepped], default=0)
 
 
 def open_steps(log: list) -> set[tuple[str, int]]:
@@ -125,7 +148,7 @@ def open_steps(log: list) -> set[tuple[str, int]]:
     start = next((e for e in log if isinstance(e, ev.RunStarted)), None)
     if start is None:
         return set()
-    stepped = {(e.agent, e.version) for e in log if isinstance(e, ev.OptimizerStep)}
+    stepped = {(e.agent, e.version) for e in log if type(e) is ev.OptimizerStep}
     return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped}
 
 

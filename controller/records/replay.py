@@ -62,7 +62,7 @@ from flexmarl.runtime.staleness import too_stale
 
 from .lineage import UNDOING
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
-from .redrive import REDRIVEN_TYPES, open_steps
+from .redrive import REDRIVEN_TYPES, open_steps, rare_collections
 from .redrive import redrive as redrive_decisions
 
 GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
@@ -856,6 +856,7 @@ def _union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]
 # ---------------------------------------------------------------- check
 
 
+@rare_collections()
 def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = redrive_decisions,
           types: tuple = REDRIVEN_TYPES) -> str | None:
     """Re-drives the controller's decision code from the logged inputs (redrive.py);

@@ -125,3 +125,52 @@ def test_user_code_sees_a_read_only_view_whose_lists_are_copies_and_a_later_turn
     store.record_turn("g/0", [5], output_of([[6]], [[-0.125]], 1))
     assert view.output_ids == [3, 4, 5, 6] and view.mask == [1, 1, 0, 1] and view.versions == [0, 1]
     assert view.logprobs == [-0.5, -0.25, 0.0, -0.125]  # held as float32 arrays, as vLLM computes them
+
+
+def _opened_with_outputs(rewards_per_group):
+    events = []
+    store = ExperienceStore(["a"], emit=events.append)
+    for g, rewards in enumerate(rewards_per_group):
+        for s in store.open_group("a", f"g{g}", [1, 2], len(rewards), 0):
+            store.record_output(s.sample_id, [3, 4], [-0.5, -0.25], [0])
+    return store, events
+
+
+def test_rewards_set_for_a_whole_group_do_what_setting_each_in_turn_does():
+    rewards = [[1.0, 0.0, 0.5], [0.25, 0.25], [2.0, float("nan"), 1.0]]
+    one_by_one, logged_one_by_one = _opened_with_outputs(rewards)
+    whole, logged_whole = _opened_with_outputs(rewards)
+    errors = []
+    for g, values in enumerate(rewards):
+        try:
+            for sid, r in zip(one_by_one.groups[f"g{g}"].sample_ids, values):
+                one_by_one.set_reward(sid, r)
+        except ValueError as e:
+            errors.append(str(e))
+        try:
+            whole.set_group_rewards(f"g{g}", values)
+        except ValueError as e:
+            errors.append(str(e))
+    assert errors == ["reward for g2/1 is not finite: nan"] * 2
+    assert logged_whole == logged_one_by_one and len(logged_whole) == 3 + 2  # opened, then complete
+    fields = lambda s: (s.reward, s.advantage, s.status, s.ready_seq)  # noqa: E731
+    assert [fields(s) for s in whole.samples.values()] == [fields(s) for s in one_by_one.samples.values()]
+    assert whole.groups["g2"].rewarded == one_by_one.groups["g2"].rewarded == 1
+
+
+def test_ready_size_counts_what_is_ready_in_samples_or_tokens_as_groups_arrive_and_are_taken():
+    store = ExperienceStore(["a"])
+    by_samples, by_tokens = MicroBatchSize(4), MicroBatchSize(4, tokens=7)
+
+    def scanned(size):
+        return sum(size.of_group(store.groups[g]) for g in store.ready["a"].get(0, ()))
+
+    for g, rewards in enumerate([[1.0, 0.0], [1.0, 0.0, 0.5], [0.0, 1.0]]):
+        fill(store, "a", f"g{g}", rewards)
+        assert store.ready_size("a", 0, by_samples) == scanned(by_samples)
+        assert store.ready_size("a", 0, by_tokens) == scanned(by_tokens)
+    while store.ready_size("a", 0, by_samples):
+        store.take("a", 0, by_samples)
+        assert store.ready_size("a", 0, by_samples) == scanned(by_samples)
+        assert store.ready_size("a", 0, by_tokens) == scanned(by_tokens)
+    assert store.ready_size("a", 1, by_samples) == 0
