@@ -311,13 +311,13 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
 
 
 def time_replay(path: str, wall_s: float) -> dict[str, Any]:
-    """`flexmarl replay --check` on the log, in this process, timed by parts (read as
-    the command reads it)."""
+    """`flexmarl replay --check` on the log, in this process, timed by parts."""
     from flexmarl.controller.records import replay
+    from flexmarl.runtime.eventlog import read_events
 
     gc.collect()  # the run's garbage is the run's, not the replay's
     t0 = time.perf_counter()
-    events, problem = replay.read_log(path)
+    events, problem = read_events(path)
     t1 = time.perf_counter()
     summary = replay.summarize(events)
     t2 = time.perf_counter()

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
+from flexmarl.runtime import collector
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.atomic import write_text_atomically
@@ -49,7 +50,7 @@ log = logging.getLogger("flexmarl.controller")
 # quarter of the time at 1,024 instances (bench/RESULTS.md, the controller at scale), in
 # pauses of tens of milliseconds; these make its passes rare. Set while an Experiment is
 # open, restored when it closes.
-GC_THRESHOLDS = (50_000, 20, 10)
+GC_THRESHOLDS = collector.RARE_THRESHOLDS
 
 
 class Experiment:

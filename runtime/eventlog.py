@@ -36,7 +36,6 @@ This module knows the framing, not what events mean; event types live in ``event
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import struct
@@ -48,6 +47,7 @@ from typing import BinaryIO, Callable
 
 import msgspec
 
+from . import collector
 from .events import EVENT_NAMES, FORMAT_VERSION, AnyEvent, Event
 
 log = logging.getLogger(__name__)
@@ -384,19 +384,12 @@ def read_events(path: str | Path) -> tuple[list[Event], str | None]:
     if not paths:
         raise FileNotFoundError(f"no event log at {path}")
     reader = _SegmentReader()
-    # Decoding makes no reference cycles, but its many lists would start collections that
-    # walk everything read so far, again and again: half the time of reading a large log.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector.paused():  # decoding makes no cycles, only many lists
         for seg in paths:
             problem = reader.read(seg)
             if problem is not None:
                 return reader.events, reader.with_skipped_note(problem)
         return reader.events, reader.with_skipped_note(None)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 class LogTail:

@@ -11,11 +11,9 @@ It does not read files or know how decisions are carried out.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import tomllib
-from typing import Iterator
 
+from flexmarl.runtime import collector
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import RouterConfig
 
@@ -30,13 +28,6 @@ NO_IDS, NO_LOGPROBS = token_array(()), logprob_array(())
 # The decision events the re-drive derives; replay compares these, in order.
 REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
 
-# A refilled store is a heap of small long-lived records, nearly all freed by reference
-# counting; at Python's default thresholds the collector walks it (and the log) over and
-# over while it fills. So a re-drive runs at the controller's own thresholds
-# (experiment.GC_THRESHOLDS), chosen for the same reason.
-REDRIVE_GC_THRESHOLDS = (50_000, 20, 10)
-
-
 def redrive(log: list) -> list:
     """Recomputes the training decisions (which samples form each micro-batch, which
     groups the staleness bound drops, each optimizer step) and the level 1 balancer's
@@ -49,21 +40,10 @@ def redrive(log: list) -> list:
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
     start = next(e for e in log if type(e) is ev.RunStarted)
     config = tomllib.loads(start.config_toml)
-    with rare_collections():
+    with collector.rare_collections():  # a refilled store is a heap of records, as the controller's
         store = _refilled_store(log, start.agents)
         made = _redrive_training(log, store, start.agents, config["pipeline"], start.max_staleness)
     return _in_log_order(log, made, _redrive_balancer(log, config["router"]))
-
-
-@contextlib.contextmanager
-def rare_collections() -> Iterator[None]:
-    """Python's collector at REDRIVE_GC_THRESHOLDS meanwhile (also a decorator)."""
-    before = gc.get_threshold()
-    gc.set_threshold(*REDRIVE_GC_THRESHOLDS)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
 
 
 def _refilled_store(log: list, agents: list[str]) -> ExperienceStore:

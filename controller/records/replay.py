@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import gc
 import itertools
 import json
@@ -33,6 +32,7 @@ from pathlib import Path
 from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator
 
+from flexmarl.runtime import collector
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
 from flexmarl.runtime.events import (
     PROMPT_FIELDS,
@@ -62,7 +62,7 @@ from flexmarl.runtime.staleness import too_stale
 
 from .lineage import UNDOING
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
-from .redrive import REDRIVEN_TYPES, open_steps, rare_collections
+from .redrive import REDRIVEN_TYPES, open_steps
 from .redrive import redrive as redrive_decisions
 
 GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
@@ -172,19 +172,8 @@ def summarize(events: list[Event]) -> Summary:
     The summary is hundreds of thousands of new objects for a long log, none in a
     reference cycle: Python's cyclic garbage collector, which would walk every object of
     the log again each time they pile up, is paused while they are made."""
-    with _collector_paused():
+    with collector.paused():
         return _summarize(events)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _summarize(events: list[Event]) -> Summary:
@@ -856,7 +845,7 @@ def _union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]
 # ---------------------------------------------------------------- check
 
 
-@rare_collections()
+@collector.rare_collections()
 def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = redrive_decisions,
           types: tuple = REDRIVEN_TYPES) -> str | None:
     """Re-drives the controller's decision code from the logged inputs (redrive.py);
@@ -894,20 +883,11 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
 # ---------------------------------------------------------------- CLI
 
 
-def read_log(path: str | Path) -> tuple[list[Event], str | None]:
-    """`read_events`, then its events put out of the collector's sight (`gc.freeze`): replay
-    holds every event to its end and events make no reference cycles, so each collection the
-    summary and the check start would otherwise walk all of them again, for nothing."""
-    events, problem = read_events(path)
-    gc.freeze()
-    return events, problem
-
-
 def main(args: argparse.Namespace) -> int:
     """Exit codes: 0 fine, 1 the log is unreadable or inconsistent or the check found a
     difference."""
     try:
-        events, problem = read_log(args.log)
+        events, problem = read_events(args.log)
     except (OSError, EventLogVersionError) as exc:
         print(f"flexmarl replay: {exc}", file=sys.stderr)
         return 1
