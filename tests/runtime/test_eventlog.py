@@ -167,14 +167,16 @@ async def test_a_log_in_a_newer_format_is_refused(tmp_path):
         read_events(path)
 
 
-async def test_events_of_a_kind_added_later_are_skipped_and_mentioned(tmp_path):
+@pytest.mark.parametrize("one_frame", [False, True], ids=["frames of their own", "one frame"])
+async def test_events_of_a_kind_added_later_are_skipped_and_mentioned_and_the_rest_kept(tmp_path, one_frame):
     path = tmp_path / "events.log"
     await write(path, EXAMPLES[:1])
     future = msgspec.msgpack.encode({"event": "AgentCloned", "seq": 1, "t": 1.0, "agent": "x"})
     later = ev.WorkerDied("r0", "gone")
     later.seq, later.t = 2, 2.0
+    bodies = (future, msgspec.msgpack.encode(later))
     with open(path, "ab") as f:
-        f.write(encode_frame(future) + encode_frame(msgspec.msgpack.encode(later)))
+        f.write(encode_frame(*bodies) if one_frame else b"".join(encode_frame(b) for b in bodies))
     events, problem = read_events(path)
     assert events == [EXAMPLES[0], later]
     assert "AgentCloned x1" in problem
@@ -315,19 +317,6 @@ async def test_one_write_is_one_frame_and_a_long_write_is_cut_into_frames_of_bou
     path.write_bytes(bytes(data))
     events, problem = read_events(path)
     assert events == many[:MAX_EVENTS_PER_FRAME] and "checksum mismatch" in problem
-
-
-async def test_an_event_of_a_later_kind_inside_a_frame_is_skipped_and_the_rest_kept(tmp_path):
-    path = tmp_path / "events.log"
-    await write(path, EXAMPLES[:1])
-    future = msgspec.msgpack.encode({"event": "AgentCloned", "seq": 1, "t": 1.0, "agent": "x"})
-    later = ev.WorkerDied("r0", "gone")
-    later.seq, later.t = 2, 2.0
-    with open(path, "ab") as f:
-        f.write(encode_frame(future, msgspec.msgpack.encode(later)))
-    events, problem = read_events(path)
-    assert events == [EXAMPLES[0], later]
-    assert "AgentCloned x1" in problem
 
 
 async def test_a_log_of_format_2_is_read_and_a_resumed_run_goes_on_in_a_segment_of_its_own(tmp_path):
