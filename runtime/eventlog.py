@@ -108,12 +108,9 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def frames_of(bodies: list[bytes], batched: bool = True, room: int = FRAME_BYTES) -> list[bytes]:
+def frames_of(bodies: list[bytes], room: int = FRAME_BYTES) -> list[bytes]:
     """The frames that hold ``bodies`` (encoded events) in order: arrays of events cut at
-    ``MAX_EVENTS_PER_FRAME`` events or ``room`` bytes, or one event a frame when not
-    ``batched`` (a segment of an older format being continued)."""
-    if not batched:
-        return [_frame(b) for b in bodies]
+    ``MAX_EVENTS_PER_FRAME`` events or ``room`` bytes."""
     frames, start, size = [], 0, 0
     for i, body in enumerate(bodies):
         if i > start and (size + len(body) > room or i - start >= MAX_EVENTS_PER_FRAME):
