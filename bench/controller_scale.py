@@ -33,9 +33,9 @@ one JSON row; the sweep prints the rows and a table. Per point:
     .venv/bin/python bench/controller_scale.py --point '{"instances": 1024, "agents": 32, ...}' \
         [--replay] [--profile FILE.prof]
 
-A point with `"pin": true` gives the controller a core of its own (its process, all
-threads, on the first core; the fake cluster on the others), as a controller on a host of
-its own would have.
+A point with `"pin": true` (every point of a sweep with `--pin`) gives the controller a
+core of its own (its process, all threads, on the first core; the fake cluster on the
+others), as a controller on a host of its own would have.
 
 The machine here has 2 cores: the controller gets about one, the helpers share the other,
 so absolute figures are this machine's; compare points within one sweep.
@@ -389,6 +389,7 @@ def main() -> None:
                         "window alone), to this file")
     parser.add_argument("--keep", default="", help="keep the point's run directory here")
     parser.add_argument("--only", default="", help="sweep points to run, by index (e.g. 0,5,7)")
+    parser.add_argument("--pin", action="store_true", help="every point with a core of its own for the controller")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.point or args.smoke:
@@ -402,6 +403,8 @@ def main() -> None:
     points = [dict(zip(("instances", "agents", "trainers", "shape", "mode", "k"), s)) for s in SWEEP]
     if args.only:
         points = [points[int(i)] for i in args.only.split(",")]
+    if args.pin:
+        points = [{**p, "pin": True} for p in points]
     t0 = time.monotonic()
     rows = sweep(points, replay_last=args.replay)
     print(table(rows))
