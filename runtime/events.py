@@ -189,6 +189,10 @@ class GroupOpened(Event):
     def members(self) -> list[str]:
         return self.sample_ids or [f"{self.group_id}/{i}" for i in range(self.n)]
 
+    def size(self) -> int:
+        """len(members()), without making the ids."""
+        return len(self.sample_ids) or max(self.n, 0)
+
 
 class GroupComplete(Event):
     # Every member has output and reward: the group is trainable.

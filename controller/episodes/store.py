@@ -360,10 +360,8 @@ class ExperienceStore:
         """Lets trained samples (whole groups, as `take` hands them out) go: a long run's
         store holds what is in flight and not yet committed, not its history (the counts
         stay; the event log has the rest)."""
-        tokens, logprobs = protocol.TOKEN_TYPECODE, protocol.LOGPROB_TYPECODE
         for s in samples:
-            s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], array.array(tokens), array.array(logprobs), \
-                array.array("b")
+            s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], token_array(()), logprob_array(()), array.array("b")
             self.samples.pop(s.sample_id, None)
             self.groups.pop(s.group_id, None)
 

@@ -28,6 +28,7 @@ NO_IDS, NO_LOGPROBS = token_array(()), logprob_array(())
 # The decision events the re-drive derives; replay compares these, in order.
 REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
 
+
 def redrive(log: list) -> list:
     """Recomputes the training decisions (which samples form each micro-batch, which
     groups the staleness bound drops, each optimizer step) and the level 1 balancer's
@@ -55,8 +56,7 @@ def _refilled_store(log: list, agents: list[str]) -> ExperienceStore:
     for e in log:
         kind = type(e)
         if kind is opened:
-            # len(e.members()), without making its ids (open_group makes the same ones)
-            store.open_group(e.agent, e.group_id, [], len(e.sample_ids) or max(e.n, 0), e.batch)
+            store.open_group(e.agent, e.group_id, [], e.size(), e.batch)  # open_group makes the ids
         elif kind is completed:
             for sid, version in zip(e.samples(), e.sample_versions()):
                 sample = samples.get(sid)
