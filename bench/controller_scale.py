@@ -22,6 +22,9 @@ one JSON row; the sweep prints the rows and a table. Per point:
     rollout_busy     mean busy fraction of the fake engines (their modelled seconds)
     capacity_s       samples/s the fake engines could produce at their modelled rate
     generate_per_sample  (with --replay) GENERATE messages sent per sample trained
+    replay_*         (with --replay) `flexmarl replay --check` on the point's log: read,
+                     summary and check in this process, and the command in a fresh one
+                     (replay_cli_s), over the training window and over the whole run (run_s)
     waited           "yes" when the fake cluster idled waiting on the controller: the
                      controller's loop was saturated (cpu_frac >= WAITED_CPU) while the
                      engines were busy less than 90% of the time
@@ -240,6 +243,7 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
     if profile:
         import cProfile
         profiler = cProfile.Profile()
+    began = time.perf_counter()
     try:
         async with Experiment(cfg, run_dir=root / "run", spawn_workers=False) as exp:
             watch = Watch(exp, profiler=profiler)
@@ -249,9 +253,10 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
             if profiler is not None:
                 profiler.dump_stats(profile)
             training = exp.training
+        run_s = time.perf_counter() - began
     finally:
         reports = stop_helpers(helpers)
-    return measure(p, cfg, training, summary, watch, reports)
+    return {**measure(p, cfg, training, summary, watch, reports), "run_s": round(run_s, 3)}
 
 
 def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Watch,
@@ -310,8 +315,11 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
     }
 
 
-def time_replay(path: str, wall_s: float) -> dict[str, Any]:
-    """`flexmarl replay --check` on the log, in this process, timed by parts."""
+def time_replay(path: str, wall_s: float, run_s: float) -> dict[str, Any]:
+    """`flexmarl replay --check` on the log, in this process, timed by parts; then the
+    command itself, as a user runs it (a fresh process: imports, printing and all), over
+    the training window (`wall_s`) and over the whole run (`run_s`: the controller's
+    start to its end, workers' registration and shutdown included)."""
     from flexmarl.controller.records import replay
     from flexmarl.runtime.eventlog import read_events
 
@@ -326,7 +334,14 @@ def time_replay(path: str, wall_s: float) -> dict[str, Any]:
     # GENERATE messages: one per (instance, request id), whatever agents' groups it carried
     messages = len({(e.worker, e.request_id) for e in events if type(e).__name__ == "RequestsDispatched"})
     samples = sum(e.samples for e in events if type(e).__name__ == "OptimizerStep")
-    return {"generate_messages": messages, "generate_per_sample": round(messages / samples, 3) if samples else None,
+    cli = time.perf_counter()
+    command = subprocess.run([sys.executable, "-m", "flexmarl.controller.cli", "replay", "--check", path],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cli_s = time.perf_counter() - cli
+    return {"replay_cli_s": round(cli_s, 2), "replay_cli_vs_run": round(wall_s / cli_s, 2),
+            "replay_cli_vs_whole_run": round(run_s / cli_s, 2),
+            "replay_cli_ok": command.returncode == 0 or command.stderr[-300:],
+            "generate_messages": messages, "generate_per_sample": round(messages / samples, 3) if samples else None,
             "replay_events": len(events), "replay_read_s": round(t1 - t0, 2), "replay_summary_s": round(t2 - t1, 2),
             "replay_check_s": round(t3 - t2, 2), "replay_total_s": round(t3 - t0, 2),
             "replay_vs_run": round(wall_s / (t3 - t0), 2), "replay_ok": not problem and not summary.errors and diff is None,
@@ -337,10 +352,12 @@ def one_point(point: dict[str, Any], keep: str = "", replay: bool = False, profi
     p = complete(point)
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="flx-scale-", dir="/tmp"))
     root.mkdir(parents=True, exist_ok=True)
+    cores = os.sched_getaffinity(0)
     try:
         row = run_async(lambda: run_point(p, root, profile))
         if replay:
-            row.update(time_replay(row["events_log"], row["wall_s"]))
+            os.sched_setaffinity(0, cores)  # a pinned run's controller had one; the replay may use them all
+            row.update(time_replay(row["events_log"], row["wall_s"], row["run_s"]))
         return row
     finally:
         if not keep:

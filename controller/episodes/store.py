@@ -58,6 +58,11 @@ def logprob_array(values: Sequence[float]) -> array.array:
         array.array(protocol.LOGPROB_TYPECODE, values)
 
 
+# The output of a sample re-driven from the event log (which keeps versions, not tokens):
+# one empty array shared by all (never extended: a re-drive takes no later turns).
+NO_OUTPUT, NO_LOGPROBS, NO_MASK = token_array(()), logprob_array(()), array.array("b")
+
+
 # The store's records are untracked by the collector (gc=False: plain data, no reference
 # cycles): a large run holds hundreds of thousands, and every collection would walk them.
 class Sample(msgspec.Struct, gc=False):
@@ -169,6 +174,15 @@ class ExperienceStore:
         self._record_first_turn(sample, output_ids, logprobs, versions, sampling)
         return sample
 
+    def record_versions(self, group_id: str, first: int, size: int, version: int) -> None:
+        """Members `first` to `first + size - 1` of the group, those without an output yet,
+        get `NO_OUTPUT` from `version`: a re-drive from the event log, where a completed
+        part of a group is its members and the version that generated them."""
+        for sample in self.groups[group_id].members[max(first, 0):first + size]:
+            if sample.output_ids is None:  # a first turn, as _record_first_turn records it
+                sample.output_ids, sample.logprobs, sample.mask = NO_OUTPUT, NO_LOGPROBS, NO_MASK
+                sample.versions, sample.sampling = [version], [DEFAULT_SAMPLING]
+
     def record_group(self, group_id: str, output: GroupOutput, sampling: protocol.TurnSampling) -> None:
         """Every member's first turn at once, sampled from `sampling`'s distribution."""
         members = self.groups[group_id].members
@@ -273,22 +287,19 @@ class ExperienceStore:
         if group.status != PENDING:
             return
         members = group.members
-        rewards = [r for s in members if (r := s.reward) is not None]
-        if len(rewards) < len(members):
-            return
-        tokens = len(members[0].prompt_ids)
+        rewards, tokens = [], len(members[0].prompt_ids)
         for s in members:
-            if s.output_ids is None:
+            reward, output = s.reward, s.output_ids
+            if reward is None or output is None:
                 return
-            tokens += len(s.output_ids)
+            rewards.append(reward)
+            tokens += len(output)
         agent, batch = group.agent, group.batch
         group.tokens = tokens
-        self.emit(ev.GroupComplete(agent, group.group_id, list(rewards), group.tokens))
+        self.emit(ev.GroupComplete(agent, group.group_id, rewards, tokens))  # the event keeps the list
         seq = next(self._ready_seq)
         for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(agent, True))):
-            s.advantage = adv
-            s.status = READY
-            s.ready_seq = seq
+            s.advantage, s.status, s.ready_seq = adv, READY, seq
         group.status = READY
         queues = self.ready[agent]
         queue = queues.get(batch)

@@ -18,12 +18,9 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import RouterConfig
 
 from .. import decisions
-from ..episodes.store import ExperienceStore, logprob_array, token_array
+from ..episodes.store import NO_LOGPROBS, NO_OUTPUT, ExperienceStore
 from ..rollout.balance_rules import AgentDemand, RolloutBalancer
 from .lineage import lineage
-
-# A re-driven sample's outputs: none (the log keeps versions, not tokens); one empty array for all.
-NO_IDS, NO_LOGPROBS = token_array(()), logprob_array(())
 
 # The decision events the re-drive derives; replay compares these, in order.
 REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
@@ -51,21 +48,33 @@ def _refilled_store(log: list, agents: list[str]) -> ExperienceStore:
     """An `ExperienceStore` fed the logged groups, versions and rewards, in the order the
     controller saw them."""
     store = ExperienceStore(agents)
-    samples, groups = store.samples, store.groups
+    groups = store.groups
     opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
     for e in log:
         kind = type(e)
         if kind is opened:
             store.open_group(e.agent, e.group_id, [], e.size(), e.batch)  # open_group makes the ids
         elif kind is completed:
-            for sid, version in zip(e.samples(), e.sample_versions()):
-                sample = samples.get(sid)
-                if sample is not None and sample.output_ids is None:
-                    store.record_output(sid, NO_IDS, NO_LOGPROBS, [version])  # the versions are what decide
+            if e.sample_ids:  # format 1: the samples by name
+                _record_samples(store, e.sample_ids, e.versions)
+                continue
+            parts = e.parts  # a part: members of one group, or a later turn (no group has its key)
+            for key, first, size, version in zip(parts.keys, parts.firsts, parts.sizes, e.versions):
+                if key in groups:
+                    store.record_versions(key, first, size, version)
         elif kind is rewarded:
             store.set_group_rewards(e.group_id, e.rewards)
             groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
     return store
+
+
+def _record_samples(store: ExperienceStore, sample_ids: list[str], versions: list[int]) -> None:
+    """Format 1's completions: per sample named, its version (the versions are what decide)."""
+    samples = store.samples
+    for sid, version in zip(sample_ids, versions):
+        sample = samples.get(sid)
+        if sample is not None and sample.output_ids is None:
+            store.record_output(sid, NO_OUTPUT, NO_LOGPROBS, [version])
 
 
 def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipeline: dict,
@@ -77,7 +86,8 @@ def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipe
     from what was ready when the log ends; the log's must be the first of them."""
     size = decisions.MicroBatchSize(pipeline["micro_batch"], pipeline.get("micro_batch_tokens", 0))
     # Which trainer runs a step is the allocator's choice, not re-derived here.
-    step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is ev.OptimizerStep}
+    step = ev.OptimizerStep
+    step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is step}
     made: dict[str, list] = {a: [] for a in agents}
     unfinished = open_steps(log)
     for batch in range(1, last_batch(log) + 1):
@@ -118,8 +128,14 @@ def _in_log_order(log: list, made: dict[str, list], moves: list) -> list:
 def last_batch(log: list) -> int:
     """The last global batch the log reached (a group opened, or a step taken)."""
     opened, stepped = ev.GroupOpened, ev.OptimizerStep
-    return max([e.batch if kind is opened else e.version for e in log
-                if (kind := type(e)) is opened or kind is stepped], default=0)
+    last = 0
+    for e in log:
+        kind = type(e)
+        if kind is opened:
+            last = max(last, e.batch)
+        elif kind is stepped:
+            last = max(last, e.version)
+    return last
 
 
 def open_steps(log: list) -> set[tuple[str, int]]:
@@ -128,7 +144,8 @@ def open_steps(log: list) -> set[tuple[str, int]]:
     start = next((e for e in log if isinstance(e, ev.RunStarted)), None)
     if start is None:
         return set()
-    stepped = {(e.agent, e.version) for e in log if type(e) is ev.OptimizerStep}
+    step = ev.OptimizerStep
+    stepped = {(e.agent, e.version) for e in log if type(e) is step}
     return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped}
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -617,6 +618,40 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
     return None
 
 
+def check_beside(events: list[Event]) -> Callable[[], str | None]:
+    """Starts `check(events)` and returns what waits for its answer. Where this process may
+    run on more than one core, the check runs in a forked child (it has the events without
+    a copy) while this process makes the summary: the command takes the longer of the two,
+    not their sum. On one core, or if the child fails, it runs here, when asked for."""
+    if len(os.sched_getaffinity(0)) < 2:
+        return lambda: check(events)
+    import multiprocessing  # only here: most replays are not checked
+
+    context = multiprocessing.get_context("fork")
+    answers, answer = context.Pipe(duplex=False)
+    child = context.Process(target=_check_into, args=(events, answer), name="replay-check", daemon=True)
+    child.start()
+    answer.close()  # the child's end: the parent reads EOF if the child dies without answering
+
+    def answered() -> str | None:
+        try:
+            diff = answers.recv()
+        except EOFError:  # the child died (killed, out of memory): check here instead
+            diff = check(events)
+        finally:
+            answers.close()
+            child.join()
+        return diff
+    return answered
+
+
+def _check_into(events: list[Event], answer: Any) -> None:
+    """In the forked child: `check(events)`'s answer into the pipe (nothing if it raised:
+    the parent then checks in its own process and raises the same error there)."""
+    answer.send(check(events))
+    answer.close()
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -631,6 +666,7 @@ def main(args: argparse.Namespace) -> int:
     if problem:
         # Expected after a crash (a torn last frame); everything before it is intact.
         print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
+    checked = check_beside(events) if getattr(args, "check", False) else None
     summary = summarize(events)
     print(format_summary(summary))
     if getattr(args, "trace", None):
@@ -643,8 +679,8 @@ def main(args: argparse.Namespace) -> int:
     for error in summary.errors:
         print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
         code = 1
-    if getattr(args, "check", False):
-        diff = check(events)
+    if checked is not None:
+        diff = checked()
         if diff is None:
             print("check: re-driving the decision code reproduces every logged decision"
                   + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
