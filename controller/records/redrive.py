@@ -128,14 +128,8 @@ def _in_log_order(log: list, made: dict[str, list], moves: list) -> list:
 def last_batch(log: list) -> int:
     """The last global batch the log reached (a group opened, or a step taken)."""
     opened, stepped = ev.GroupOpened, ev.OptimizerStep
-    last = 0
-    for e in log:
-        kind = type(e)
-        if kind is opened:
-            last = max(last, e.batch)
-        elif kind is stepped:
-            last = max(last, e.version)
-    return last
+    return max([e.batch for e in log if type(e) is opened] + [e.version for e in log if type(e) is stepped],
+               default=0)
 
 
 def open_steps(log: list) -> set[tuple[str, int]]:
