@@ -193,11 +193,24 @@ class RouterSocket(_Socket):
         """The next message. One already queued is taken at once from the plain socket
         (no future, no callback); only an empty queue waits through pyzmq's asyncio socket."""
         try:
-            frames = self._plain.recv_multipart(_DONTWAIT, copy=False)
+            frames = self._queued_frames()
         except zmq.Again:
             frames = await self.sock.recv_multipart(copy=False)
         identity = frames[0].bytes
         return self._check(identity, frames[1:])
+
+    def _queued_frames(self) -> list[zmq.Frame]:
+        """The frames of a message already queued (zmq.Again if none is), each frame's own
+        flag saying whether another follows: pyzmq's recv_multipart asks the socket for
+        that flag after every frame, at twice the cost of the whole receive. A message's
+        frames are delivered together, so none after the first has to be waited for."""
+        recv = self._plain.recv
+        frame = recv(_DONTWAIT, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = recv(_DONTWAIT, copy=False)
+            frames.append(frame)
+        return frames
 
     async def send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         """Queues `msg` for one peer without waiting: raises zmq.Again when that peer's

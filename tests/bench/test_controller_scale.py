@@ -35,6 +35,7 @@ def test_a_few_hundred_fake_instances_train_every_sample_exactly_once_and_the_lo
     assert (row["generated"], row["samples"], row["dropped"]) == (expected, expected, 0)
     assert row["accounting"] is True  # what each fake trainer trained, per agent, is what the controller counted
     assert row["replay_ok"] is True, row["replay_problem"]
+    assert row["replay_cli_ok"] is True  # the command itself, in a fresh process, checks the log too
 
     events, problem = read_events(row["events_log"])
     assert problem is None
