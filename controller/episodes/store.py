@@ -58,8 +58,9 @@ def logprob_array(values: Sequence[float]) -> array.array:
         array.array(protocol.LOGPROB_TYPECODE, values)
 
 
-# The output of a sample re-driven from the event log (which keeps versions, not tokens):
-# one empty array shared by all (never extended: a re-drive takes no later turns).
+# No output: a sample's re-driven from the event log (which keeps versions, not tokens), or
+# a trained one's let go. One empty array shared by all (never extended: neither kind of
+# sample takes another turn).
 NO_OUTPUT, NO_LOGPROBS, NO_MASK = token_array(()), logprob_array(()), array.array("b")
 
 
@@ -371,10 +372,11 @@ class ExperienceStore:
         """Lets trained samples (whole groups, as `take` hands them out) go: a long run's
         store holds what is in flight and not yet committed, not its history (the counts
         stay; the event log has the rest)."""
+        records, groups = self.samples, self.groups
         for s in samples:
-            s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], token_array(()), logprob_array(()), array.array("b")
-            self.samples.pop(s.sample_id, None)
-            self.groups.pop(s.group_id, None)
+            s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], NO_OUTPUT, NO_LOGPROBS, NO_MASK
+            records.pop(s.sample_id, None)
+            groups.pop(s.group_id, None)
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6, by_std: bool = True) -> list[float]:
