@@ -367,17 +367,18 @@ class RolloutClient:
         return msg.done
 
     def _log_completed(self, worker: str, request_id: int, done: list[tuple[_Part, protocol.GroupResult]]) -> None:
-        for agent, mine in _by_agent([p for p, _ in done]).items():
-            results = [(p, r) for p, r in done if p.owner.agent == agent]
-            prompt = {True: 0, False: 0}
-            cached = {True: 0, False: 0}
+        by_agent: dict[str, list[tuple[_Part, protocol.GroupResult]]] = {}
+        for p, r in done:
+            by_agent.setdefault(p.owner.agent, []).append((p, r))
+        for agent, results in by_agent.items():
+            prompt, cached = [0, 0], [0, 0]  # first turns, later turns
             for p, r in results:
-                later = _later(p.group)
-                prompt[later] += p.group.n * len(p.group.prompt_ids)
-                cached[later] += r.cached_tokens * (p.group.n - 1 if p.group.n > 1 else 1)
+                later, n = _later(p.group), p.group.n
+                prompt[later] += n * len(p.group.prompt_ids)
+                cached[later] += r.cached_tokens * (n - 1 if n > 1 else 1)
             event = ev.RequestsCompleted(
                 worker, agent, request_id, [], [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
-                prompt[False], cached[False], prompt[True], cached[True], _parts([p.group for p, _ in results]))
+                prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]))
             self.emit(event)
             counts = self.prompt_counts[agent]
             for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):
