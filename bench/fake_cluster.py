@@ -167,7 +167,7 @@ class FakeEngine(FakeWorker):
             for g in msg.groups]
         self.samples += sum(g.n for g in msg.groups)
         self.batches += 1
-        await self.reply(protocol.Generated(msg.request_id, results, True))
+        await self.reply(protocol.Generated(msg.request_id, results, True, self.load()))
 
     def report(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "role": self.role, "samples": self.samples, "batches": self.batches,

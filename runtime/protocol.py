@@ -26,8 +26,10 @@ import msgspec
 
 from .params.types import ParamHandle
 
-# Bumped on every wire-format change: the controller refuses workers of another version.
-PROTOCOL_VERSION = 7
+# Bumped on every wire-format change, and when what a message means changes (8: a reply
+# carrying the worker's load stands in for its heartbeat): the controller refuses workers
+# of another version.
+PROTOCOL_VERSION = 8
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -120,7 +122,9 @@ class Reject(Message):
 
 
 class Heartbeat(Message):
-    # Worker <-> Controller: liveness, both ways on the same socket; workers attach load.
+    # Worker <-> Controller: liveness, both ways on the same socket; workers attach load. Each
+    # side sends one an interval after its last message to the other side, a worker after its
+    # last message carrying its load (a reply to GENERATE does): a busy peer sends none.
     KIND = Kind.HEARTBEAT
     seq: int
     load: dict[str, float] = {}

@@ -2,7 +2,9 @@
 
 `WorkerSession.run()` connects a DEALER, sends HELLO and waits (bounded) for WELCOME,
 then runs three named tasks under `runtime.aio.supervise`: receiving commands, sending
-heartbeats, and the handler's own loop (if any). It ends when the controller says SHUTDOWN,
+heartbeats (none in an interval in which a reply carried the worker's load: the controller
+takes the load from the reply, and any message says the worker lives), and the handler's
+own loop (if any). It ends when the controller says SHUTDOWN,
 refuses the worker, or falls silent for longer than the heartbeat timeout; the first task
 to end, for whatever reason, ends them all. Heartbeat interval and timeout are the
 controller's, from WELCOME; only the wait for WELCOME itself is the worker's setting.
@@ -109,6 +111,7 @@ class WorkerSession:
         self.heartbeat_interval_s = 0.0
         self.heartbeat_timeout_s = 0.0
         self._last_heard = time.monotonic()
+        self._load_told = 0.0  # when a message last told the controller this worker's load
         self.rejected: collections.Counter[str] = collections.Counter()
         self.reconnects = 0  # times the session registered again after losing its controller
 
@@ -123,6 +126,8 @@ class WorkerSession:
         except zmq.Again:
             raise SessionEnded(f"the controller has not read for {self.heartbeat_timeout_s:.1f}s "
                                f"(the send queue stayed full)", EXIT_LOST) from None
+        if getattr(msg, "load", None):  # a reply carrying the load says what a heartbeat would
+            self._load_told = time.monotonic()
 
     async def run(self) -> int:
         """Returns the process exit code: 0 on SHUTDOWN, 2 if refused, 3 if the controller
@@ -261,11 +266,20 @@ class WorkerSession:
                                            f"{type(msg).__name__}: {protocol.shorten(repr(exc))}"))
 
     async def _heartbeat(self) -> None:
-        seq = 0
+        """A heartbeat an interval after the last message that told the controller this
+        worker's load (a heartbeat, or a reply carrying it): never more than an interval
+        without one, none while replies carry it."""
+        seq, interval = 0, self.heartbeat_interval_s
+        due = time.monotonic() + interval
         while True:
-            await asyncio.sleep(self.heartbeat_interval_s)
-            silent = time.monotonic() - self._last_heard
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            now = time.monotonic()
+            silent = now - self._last_heard
             if silent > self.heartbeat_timeout_s:
                 raise SessionEnded(f"controller silent for {silent:.1f}s", EXIT_LOST)
+            if now - self._load_told < interval:  # a reply carried the load meanwhile
+                due = self._load_told + interval
+                continue
             seq += 1
             await self.send(protocol.Heartbeat(seq, self.handler.load()))
+            due = now + interval

@@ -297,6 +297,8 @@ class ControllerServer:
             case protocol.Hello():
                 self._reject(inbound.identity, "duplicate HELLO", "duplicate HELLO on a registered connection")
             case _ if hasattr(msg, "request_id"):
+                if load := getattr(msg, "load", None):  # a busy worker's replies stand in for its heartbeats
+                    info.load = load
                 self._deliver(info, msg, inbound.buffers)
             case _:
                 self._reject(inbound.identity, "unexpected kind",

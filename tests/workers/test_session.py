@@ -209,3 +209,39 @@ async def test_a_controller_that_does_not_come_back_ends_the_session_with_code_3
     waits = [r.getMessage().rsplit(" ", 1)[-1] for r in caplog.records if "next attempt waits" in r.getMessage()]
     assert waits[:3] == ["0.2s", "0.4s", "0.4s"]  # doubling, then capped
     assert any("did not take this worker back within 2s" in r.getMessage() for r in caplog.records)
+
+
+class Replying(CommandHandler):
+    """A handler whose loop sends a reply carrying its load every `every` seconds while
+    `replying` is set (as a rollout worker's replies to GENERATE do)."""
+
+    role = "rollout"
+
+    def __init__(self, every):
+        super().__init__()
+        self.every = every
+        self.replying = asyncio.Event()
+
+    def load(self):
+        return {"busy_s": 1.5}
+
+    async def run(self):
+        while True:
+            await self.replying.wait()
+            await self.session.send(p.Generated(0, [], True, self.load()))
+            await asyncio.sleep(self.every)
+
+
+async def test_a_worker_whose_replies_carry_its_load_sends_no_heartbeat_until_they_stop():
+    handler = Replying(every=0.05)
+    async with session_with(handler, interval=0.5, timeout=30.0) as (router, _, _):
+        assert (await next_of(router, p.Heartbeat)).load == {"busy_s": 1.5}  # idle: heartbeats
+        handler.replying.set()
+        kinds = []
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 2.0  # four intervals of replies ten to an interval
+        while loop.time() < until:
+            kinds.append(type((await asyncio.wait_for(router.recv(), 5)).msg))
+        assert kinds.count(p.Generated) >= 4 and p.Heartbeat not in kinds
+        handler.replying.clear()
+        assert (await next_of(router, p.Heartbeat)).load == {"busy_s": 1.5}  # replies stopped: heartbeats again

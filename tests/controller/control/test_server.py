@@ -289,6 +289,22 @@ async def test_a_worker_id_whose_process_died_registers_again_as_a_new_incarnati
             second.close()
 
 
+async def test_a_reply_carrying_the_workers_load_updates_it_as_a_heartbeat_would():
+    async with controller() as server:
+        sock = await registered_dealer(server, "raw")
+        info = server.registry.workers["raw"]
+        await sock.send_multipart(p.encode(p.Heartbeat(1, {"busy_s": 1.0})))
+        assert await wait_for(lambda: info.load == {"busy_s": 1.0})
+        done = server.stream("raw", p.Generate(7, []), None)
+        await sock.send_multipart(p.encode(p.Generated(7, [], True, {"busy_s": 2.5})))
+        await asyncio.wait_for(done, PATIENCE)
+        assert info.load == {"busy_s": 2.5}  # the reply's, no heartbeat since
+        await sock.send_multipart(p.encode(p.Generated(8, [], True)))  # an unknown request: refused...
+        assert await wait_for(lambda: server.rejected["unknown request"] == 1)
+        assert info.load == {"busy_s": 2.5}  # ... and a reply without a load leaves it
+        sock.close()
+
+
 async def test_silent_worker_is_declared_dead_and_its_requests_fail():
     async with controller() as server:
         silent = await registered_dealer(server, "silent")
