@@ -82,18 +82,23 @@ class WorkerUsage:
     spans: list[Span] = field(default_factory=list)
     restarts: int = 0  # times the launcher started its process again
 
+    def times(self) -> tuple[float, float, float]:
+        """(busy_s, idle_s, utilization), from one union of the spans."""
+        busy = sum(b - a for a, b in _union(self.spans, self.start, self.end))
+        life = self.end - self.start
+        return busy, max(0.0, life - busy), busy / life if life > 0 else 0.0
+
     @property
     def busy_s(self) -> float:
-        return sum(b - a for a, b in _union(self.spans, self.start, self.end))
+        return self.times()[0]
 
     @property
     def idle_s(self) -> float:
-        return max(0.0, self.end - self.start - self.busy_s)
+        return self.times()[1]
 
     @property
     def utilization(self) -> float:
-        life = self.end - self.start
-        return self.busy_s / life if life > 0 else 0.0
+        return self.times()[2]
 
 
 @dataclass
@@ -416,6 +421,7 @@ _READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNT
 # ---------------------------------------------------------------- text
 
 
+@collector.paused()  # makes thousands of objects (a worker's spans sorted), none in a cycle
 def format_summary(s: Summary) -> str:
     head = f"run: {s.wall_s:.1f} s ({s.training_s:.1f} s training), {s.events} events"
     if s.run:
@@ -429,7 +435,7 @@ def format_summary(s: Summary) -> str:
                  "flight): " + "; ".join(f"{a} step {', '.join(map(str, b))}" for a, b in s.open_steps.items()))
     out = [head]
     out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
-                      [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
+                      [[w.worker, w.role, *_worker_times(w), w.restarts]
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
     out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward",
                        "prefix hits", "turn prefix hits", "swap-ins/step", "swap wait s"],
@@ -452,6 +458,11 @@ def format_summary(s: Summary) -> str:
           r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
     return "\n\n".join(out)
+
+
+def _worker_times(w: WorkerUsage) -> list[str]:
+    busy, idle, utilization = w.times()
+    return [f"{busy:.2f}", f"{idle:.2f}", f"{utilization:.0%}"]
 
 
 def _share(x: float | None) -> str:
