@@ -200,14 +200,16 @@ class _PartTally:
 
     def micro_batch_formed(self, e: MicroBatchFormed) -> None:
         _note_micro_batch(self.found, e, self.bound)
-        made = collections.Counter(map(self.waiting.pop, e.sample_ids, itertools.repeat(None)))
-        if None in made or any(agent != e.agent for agent, _ in made):
+        taken: collections.Counter[Any] = collections.Counter(map(self.waiting.pop, e.sample_ids,
+                                                                   itertools.repeat(None)))
+        if None in taken or any(agent != e.agent for agent, _ in taken):
             raise _Irregular  # not generated before, trained again, or by another agent
-        (self.trained if (e.agent, e.version) in self.stepped else self.in_flight).update(made)
+        (self.trained if (e.agent, e.version) in self.stepped else self.in_flight).update(taken)
 
     def samples_dropped(self, e: SamplesDropped) -> None:
         for sid in e.sample_ids:
-            self.dropped[self.waiting.pop(sid, None) or self._dropped_before_generated(sid)] += 1
+            made = self.waiting.pop(sid) if sid in self.waiting else self._dropped_before_generated(sid)
+            self.dropped[made] += 1
 
     def _dropped_before_generated(self, sid: str) -> tuple[str, None]:
         """The opener of `sid`, a member of a group not generated yet, which is never to be."""
