@@ -167,7 +167,9 @@ class _PartTally:
         self.opened: collections.Counter[str] = collections.Counter()  # agent -> members of the groups it opened
         for agent, size in zip(agents, sizes):
             self.opened[agent] += size
-        self.waiting: dict[str, tuple[str, int]] = {}  # generated, not yet trained or dropped -> (agent, version)
+        # agent -> its samples generated, not yet trained or dropped -> the version that generated them
+        self.waiting: dict[str, dict[str, int]] = {agent: {} for agent in self.opened}
+        self.suffixes = [f"/{j}" for j in range(max(sizes, default=0))]  # a member's id: its group's + suffix j
         # (agent, the version that generated the samples; None: not generated) -> samples
         self.generated: collections.Counter[tuple] = collections.Counter()
         self.trained: collections.Counter[tuple] = collections.Counter()
@@ -192,23 +194,27 @@ class _PartTally:
             if named & members:
                 raise _Irregular  # generated again, or after it was dropped
             self.named[key] = named | members
-            made = (opener[0], version)
-            for j in range(first, first + size):
-                self.waiting[f"{key}/{j}"] = made
+            waiting = self.waiting[opener[0]]
+            for suffix in self.suffixes[first:first + size]:
+                waiting[key + suffix] = version
             if size:
-                self.generated[made] += size
+                self.generated[opener[0], version] += size
 
     def micro_batch_formed(self, e: MicroBatchFormed) -> None:
         _note_micro_batch(self.found, e, self.bound)
-        taken: collections.Counter[Any] = collections.Counter(map(self.waiting.pop, e.sample_ids,
-                                                                   itertools.repeat(None)))
-        if None in taken or any(agent != e.agent for agent, _ in taken):
-            raise _Irregular  # not generated before, trained again, or by another agent
-        (self.trained if (e.agent, e.version) in self.stepped else self.in_flight).update(taken)
+        waiting = self.waiting.get(e.agent, {})
+        versions: collections.Counter[int | None] = collections.Counter(
+            map(waiting.pop, e.sample_ids, itertools.repeat(None)))
+        if None in versions:
+            raise _Irregular  # not generated before, trained again, or opened by another agent
+        counts = self.trained if (e.agent, e.version) in self.stepped else self.in_flight
+        for version, n in versions.items():
+            counts[e.agent, version] += n
 
     def samples_dropped(self, e: SamplesDropped) -> None:
+        waiting = self.waiting.get(e.agent, {})
         for sid in e.sample_ids:
-            made = self.waiting.pop(sid) if sid in self.waiting else self._dropped_before_generated(sid)
+            made = (e.agent, waiting.pop(sid)) if sid in waiting else self._dropped_before_generated(sid)
             self.dropped[made] += 1
 
     def _dropped_before_generated(self, sid: str) -> tuple[str, None]:
@@ -236,7 +242,9 @@ class _PartTally:
                 self.generated[agent, None] += unmade
             if unmade - self.dropped[agent, None]:
                 self.in_flight[agent, None] += unmade - self.dropped[agent, None]
-        self.in_flight.update(self.waiting.values())
+        for agent, waiting in self.waiting.items():
+            for version, n in collections.Counter(waiting.values()).items():
+                self.in_flight[agent, version] += n
         return _Counted(_rows_from(self.generated, self.trained, self.dropped, self.in_flight), self.found, {})
 
 
