@@ -158,12 +158,12 @@ class _PartTally:
     def __init__(self, groups: list[GroupOpened], stepped: set[tuple[str, int]], bound: int | None) -> None:
         self.stepped, self.bound = stepped, bound  # the (agent, version)s whose optimizer step is logged
         ids, agents, sizes = [e.group_id for e in groups], [e.agent for e in groups], [e.n for e in groups]
-        # group -> (the agent that opened it, its members' count)
-        self.openers: dict[str, tuple[str, int]] = dict(zip(ids, zip(agents, sizes)))
-        if (len(self.openers) < len(ids) or any(e.sample_ids for e in groups) or "@" in "".join(ids)
+        # group -> [the agent that opened it, its members' count, bit j set once member j is
+        # generated or dropped before it was]: one look-up per part of a request
+        self.groups: dict[str, list] = {key: [agent, size, 0] for key, agent, size in zip(ids, agents, sizes)}
+        if (len(self.groups) < len(ids) or any(e.sample_ids for e in groups) or "@" in "".join(ids)
                 or min(sizes, default=0) < 0):
             raise _Irregular  # a group opened twice, its members listed (format 1), or not a group's id
-        self.named: dict[str, int] = {}  # group -> bit j set once member j is generated, or dropped before it was
         self.opened: collections.Counter[str] = collections.Counter()  # agent -> members of the groups it opened
         for agent, size in zip(agents, sizes):
             self.opened[agent] += size
@@ -186,19 +186,18 @@ class _PartTally:
         for key, first, size, version in zip(p.keys, p.firsts, p.sizes, e.versions):
             if "@" in key:
                 continue  # a later turn (SAMPLE@TURN) names no member of a group
-            opener = self.openers.get(key)
-            if opener is None or not 0 <= first <= first + size <= opener[1]:
+            group = self.groups.get(key)
+            if group is None or not 0 <= first <= first + size <= group[1]:
                 raise _Irregular  # not a group's members
             members = ((1 << size) - 1) << first
-            named = self.named.get(key, 0)
-            if named & members:
+            if group[2] & members:
                 raise _Irregular  # generated again, or after it was dropped
-            self.named[key] = named | members
-            waiting = self.waiting[opener[0]]
+            group[2] |= members
+            waiting = self.waiting[group[0]]
             for suffix in self.suffixes[first:first + size]:
                 waiting[key + suffix] = version
             if size:
-                self.generated[opener[0], version] += size
+                self.generated[group[0], version] += size
 
     def micro_batch_formed(self, e: MicroBatchFormed) -> None:
         _note_micro_batch(self.found, e, self.bound)
@@ -220,15 +219,14 @@ class _PartTally:
     def _dropped_before_generated(self, sid: str) -> tuple[str, None]:
         """The opener of `sid`, a member of a group not generated yet, which is never to be."""
         key, _, index = sid.rpartition("/")
-        opener = self.openers.get(key)
-        if opener is None or not index.isdecimal() or str(int(index)) != index or int(index) >= opener[1]:
+        group = self.groups.get(key)
+        if group is None or not index.isdecimal() or str(int(index)) != index or int(index) >= group[1]:
             raise _Irregular  # no member of a group opened
         member = 1 << int(index)
-        named = self.named.get(key, 0)
-        if named & member:
+        if group[2] & member:
             raise _Irregular  # trained or dropped already
-        self.named[key] = named | member
-        return opener[0], None
+        group[2] |= member
+        return group[0], None
 
     def counted(self) -> _Counted:
         """The rows: members never generated count under version None, in flight unless
