@@ -633,33 +633,38 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = r
 
 def main(args: argparse.Namespace) -> int:
     """Exit codes: 0 fine, 1 the log is unreadable or inconsistent or the check found a
-    difference."""
-    try:
-        events, problem = read_events(args.log)
-    except (OSError, EventLogVersionError) as exc:
-        print(f"flexmarl replay: {exc}", file=sys.stderr)
-        return 1
-    if problem:
-        # Expected after a crash (a torn last frame); everything before it is intact.
-        print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
-    summary = summarize(events)
-    print(format_summary(summary))
-    if getattr(args, "trace", None):
-        write_trace(summary, args.trace)
-        print(f"\ntrace written to {args.trace} (open it in https://ui.perfetto.dev)")
-    if getattr(args, "plot", None):
-        write_plot(summary, args.plot)
-        print(f"plot written to {args.plot}")
-    code = 0
-    for error in summary.errors:
-        print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
-        code = 1
-    if getattr(args, "check", False):
-        diff = check(events)
-        if diff is None:
-            print("check: re-driving the decision code reproduces every logged decision"
-                  + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
-        else:
-            print(f"CHECK FAILED: {diff}", file=sys.stderr)
+    difference. The events and then the summary are set apart from the collector once
+    made (`collector.set_apart`): they are held to the end, and the check's collections
+    need not walk them."""
+    with collector.set_apart() as keep:
+        try:
+            events, problem = read_events(args.log)
+        except (OSError, EventLogVersionError) as exc:
+            print(f"flexmarl replay: {exc}", file=sys.stderr)
+            return 1
+        keep()
+        if problem:
+            # Expected after a crash (a torn last frame); everything before it is intact.
+            print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
+        summary = summarize(events)
+        keep()
+        print(format_summary(summary))
+        if getattr(args, "trace", None):
+            write_trace(summary, args.trace)
+            print(f"\ntrace written to {args.trace} (open it in https://ui.perfetto.dev)")
+        if getattr(args, "plot", None):
+            write_plot(summary, args.plot)
+            print(f"plot written to {args.plot}")
+        code = 0
+        for error in summary.errors:
+            print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
             code = 1
-    return code
+        if getattr(args, "check", False):
+            diff = check(events)
+            if diff is None:
+                print("check: re-driving the decision code reproduces every logged decision"
+                      + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
+            else:
+                print(f"CHECK FAILED: {diff}", file=sys.stderr)
+                code = 1
+        return code
