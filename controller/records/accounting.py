@@ -289,7 +289,7 @@ def _tally_opened(t: _Tally, groups: list[GroupOpened]) -> None:
         for e, group in zip(groups, members):
             if not t.owner.keys().isdisjoint(group):
                 t.found.errors += [f"agent {e.agent!r}: sample {sid} opened twice (group {e.group_id})"
-                             for sid in group if sid in t.owner]
+                                   for sid in group if sid in t.owner]
                 group = [sid for sid in group if sid not in t.owner]
             t.owner.update(dict.fromkeys(group, e.agent))
     t.members.update((e.group_id, group) for e, group in zip(groups, members)
