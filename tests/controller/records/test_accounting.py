@@ -119,6 +119,7 @@ G_BY_0 = completed("a", "g", 0)
     [*GROUPS, ev.SamplesDropped("b", ["h/1"], "failed")],  # no member of its group
     [*GROUPS, completed("a", "g", 0, size=3)],  # a part past its group's members
     [*GROUPS, completed("a", "x", 0)],  # a group never opened
+    [START, G_BY_0, ev.GroupOpened("a", "g", [], 1, 2)],  # a group generated before it was opened
     [*GROUPS, ev.GroupOpened("b", "g", [], 2, 2)],  # a group opened twice
     [START, ev.GroupOpened("a", "g", ["g/0", "g/1"], 1), G_BY_0],  # members listed (format 1)
 ])
