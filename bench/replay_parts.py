@@ -4,10 +4,9 @@
 
 Per repeat, one JSON row: the wall seconds of the command itself (`python -m
 flexmarl.controller.cli replay [--check] LOG`, interpreter start and imports included,
-its output discarded), then the same steps in this process, in the command's order:
-`read_events`, `summarize`, `format_summary` and, with --check, `check`. Each step runs
-as the command runs it (its own collector settings), so the parts add up to about the
-command less its start.
+its output discarded), then, in a fresh process, the seconds of importing replay and of
+each step its `main` takes, timed inside `main` as it runs them (with its own collector
+settings): `read_events`, `summarize`, `format_summary` and, with --check, `check`.
 
 It imports FlexMARL from wherever Python finds it: run it once with the code before a
 change on PYTHONPATH and once without, alternating, to compare the two.
@@ -16,11 +15,14 @@ change on PYTHONPATH and once without, alternating, to compare the two.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 
 
 def command_s(log: str, check: bool) -> float:
@@ -36,19 +38,23 @@ def command_s(log: str, check: bool) -> float:
 def parts_s(log: str, check: bool) -> dict[str, float]:
     t0 = time.perf_counter()
     from flexmarl.controller.records import replay
-    from flexmarl.runtime.eventlog import read_events
-    t1 = time.perf_counter()
-    events, _ = read_events(log)
-    t2 = time.perf_counter()
-    summary = replay.summarize(events)
-    t3 = time.perf_counter()
-    replay.format_summary(summary)
-    t4 = time.perf_counter()
-    out = {"import_s": t1 - t0, "read_s": t2 - t1, "summarize_s": t3 - t2, "format_s": t4 - t3}
-    if check:
-        replay.check(events)
-        out["check_s"] = time.perf_counter() - t4
-    return out
+    spent = {"import_s": time.perf_counter() - t0}
+
+    def timed(name: str, step: Callable) -> Callable:
+        def run(*args: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return step(*args)
+            finally:
+                spent[f"{name}_s"] = time.perf_counter() - t
+        return run
+
+    for name, step in (("read", replay.read_events), ("summarize", replay.summarize),
+                       ("format", replay.format_summary), ("check", replay.check)):
+        setattr(replay, step.__name__, timed(name, step))  # main calls them by these module names
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        replay.main(argparse.Namespace(log=log, check=check, trace=None, plot=None))
+    return spent
 
 
 def main() -> None:
