@@ -137,13 +137,9 @@ def _count_by_part(events: list[Event], bound: int | None) -> _Counted | None:
     parts = _PartTally(bound)
     try:
         for e in events:
-            # Groups opened, most of a long log, are read here rather than by a method call each.
-            if type(e) is GroupOpened:
-                parts.group_opened(e)
-            else:
-                read = _PART_READERS.get(type(e))
-                if read is not None:
-                    read(parts, e)
+            read = _PART_READERS.get(type(e))
+            if read is not None:
+                read(parts, e)
     except _Irregular:
         return None
     return parts.counted()
@@ -260,9 +256,9 @@ class _PartTally:
         return _Counted(_rows_from(self.generated, trained, self.dropped, in_flight), self.found, {})
 
 
-# What _count_by_part does with each event type it reads besides groups opened.
+# What _count_by_part does with each event type it reads.
 _PART_READERS: dict[type, Callable[[_PartTally, Any], None]] = {
-    RequestsCompleted: _PartTally.requests_completed, MicroBatchFormed: _PartTally.micro_batch_formed,
+    GroupOpened: _PartTally.group_opened, RequestsCompleted: _PartTally.requests_completed, MicroBatchFormed: _PartTally.micro_batch_formed,
     SamplesDropped: _PartTally.samples_dropped, OptimizerStep: _PartTally.optimizer_step}
 
 
