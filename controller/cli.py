@@ -18,18 +18,20 @@ checkpoint (or the one `--resume-from` names), with the config it was started wi
 any overrides given).
 """
 
+# (Not in the docstring above, which is `flexmarl --help`.) Each command imports what it
+# runs when it runs (the event loop, the config, the worker package): `replay` and
+# `samples` start in a fraction of the time `run` needs.
+
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
-from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
+if TYPE_CHECKING:
+    from flexmarl.runtime.config import ExperimentConfig
 
 log = logging.getLogger("flexmarl")
 
@@ -48,6 +50,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    from flexmarl.runtime.config import load_config
+
     from .digit_chain import default_config
 
     overrides = _overrides(args)
@@ -87,6 +91,8 @@ def _checkpoint_step(text: str) -> int:
 
 
 def _experiment(args: argparse.Namespace, spawn_workers: bool):
+    from flexmarl.runtime.config import ConfigError
+
     from .experiment import Experiment
 
     if args.resume:
@@ -104,6 +110,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors in what the user wrote or brought (config, workflow, data, models, a run that
     cannot learn), and failures the run cannot mend (a worker that keeps dying): shown as
     their message alone; `--debug` adds the traceback."""
+    from flexmarl.runtime.config import ConfigError
     from flexmarl.runtime.eventlog import EventLogError
 
     from .episodes.data import DataError
@@ -145,6 +152,9 @@ def _resume_hint(run_dir: Any) -> str:
 
 def _cancel_on_signals() -> None:
     """Ctrl-C and SIGTERM cancel the running task, which shuts its workers down in order."""
+    import asyncio
+    import signal
+
     task = asyncio.current_task()
     assert task is not None  # called from a coroutine
     loop = asyncio.get_running_loop()
@@ -153,6 +163,10 @@ def _cancel_on_signals() -> None:
 
 
 def _train(make_experiment, debug: bool = False) -> int:
+    import asyncio
+
+    from flexmarl.runtime.aio import run_async
+
     user_errors = _user_errors()
 
     async def main() -> int:
@@ -182,6 +196,10 @@ def _train(make_experiment, debug: bool = False) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from flexmarl.runtime.aio import run_async
+
     from .serving.serve import ServedAgents
 
     overrides = list(args.set or []) + [f"openai.{key}={value!r}" if isinstance(value, str) else f"openai.{key}={value}"
@@ -202,11 +220,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(worker_options="worker" in argv).parse_args(argv)
     COMMANDS[args.command](args)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(worker_options: bool = True) -> argparse.ArgumentParser:
+    """The command line; `worker_options=False` leaves the worker command's options out
+    (only `worker` reads them, and they live in the worker package)."""
     parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,9 +243,10 @@ def _parser() -> argparse.ArgumentParser:
     p_ctl.add_argument("--bind", metavar="ADDR", help="e.g. tcp://127.0.0.1:5555")
     _add_run_options(p_ctl)
 
-    from flexmarl.workers.main import add_arguments as add_worker_arguments
     p_wrk = sub.add_parser("worker", help="run one worker process")
-    add_worker_arguments(p_wrk)
+    if worker_options:
+        from flexmarl.workers.main import add_arguments as add_worker_arguments
+        add_worker_arguments(p_wrk)
 
     p_rep = sub.add_parser("replay", help="summarise, trace, plot or check a run's event log")
     p_rep.add_argument("log", help="RUN_DIR/events.log")
@@ -281,6 +303,8 @@ def _replay(args: argparse.Namespace) -> None:
 
 
 def _serve_run(args: argparse.Namespace) -> None:
+    from flexmarl.runtime.aio import limit_threads, setup_logging
+
     limit_threads(1)
     setup_logging(args.log_level, name="serve")
     sys.exit(_serve(args))
@@ -289,6 +313,9 @@ def _serve_run(args: argparse.Namespace) -> None:
 def _run_controller(args: argparse.Namespace) -> None:
     """`run` (the workers as child processes or Ray actors) and `controller` (workers
     connect to it)."""
+    from flexmarl.runtime.aio import limit_threads, setup_logging
+    from flexmarl.runtime.config import ConfigError
+
     limit_threads(1)
     setup_logging(args.log_level, name="controller")
     spawn = args.command == "run"

@@ -30,12 +30,12 @@ fatal: a run whose log has holes can be neither replayed nor audited, so ``run()
 Reading: ``read_events`` returns every event up to the first damage (a torn tail after a
 crash, a flipped bit) plus a message naming the file, byte offset and reason.
 
-This module knows the framing, not what events mean; event types live in ``events``.
+This module knows the framing, not what events mean; event types live in ``events``. The
+writer's methods import asyncio themselves: a reader (``flexmarl replay``) never needs it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import struct
@@ -43,12 +43,15 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 import msgspec
 
 from . import collector
 from .events import EVENT_NAMES, FORMAT_VERSION, AnyEvent, Event
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,8 @@ class EventLog:
                  max_buffered_bytes: int = 256 * 1024 * 1024,
                  clock: Callable[[], float] = time.monotonic, append: bool = False,
                  write_interval_s: float = 0.05) -> None:
+        import asyncio
+
         if max_bytes_per_segment <= HEADER_BYTES:
             raise ValueError(f"max_bytes_per_segment must exceed the {HEADER_BYTES}-byte header")
         self.path = Path(path)
@@ -213,6 +218,8 @@ class EventLog:
     async def run(self) -> None:
         """Writes buffered events as they come. Returns after ``close()``; raises
         EventLogError when a write fails (the caller should stop the run)."""
+        import asyncio
+
         while True:
             await self._wake.wait()
             if not self._closed and self._error is None:
@@ -229,6 +236,8 @@ class EventLog:
         await self._drain(fsync=True)
 
     async def close(self) -> None:
+        import asyncio
+
         if self._closed:
             return
         self._closed = True
@@ -240,6 +249,8 @@ class EventLog:
             self._wake.set()  # lets run() return
 
     async def _drain(self, fsync: bool) -> None:
+        import asyncio
+
         async with self._disk:
             # A write whose awaiting task was cancelled goes on in its thread; wait for it
             # so frames still reach the file in emit order.

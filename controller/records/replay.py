@@ -83,18 +83,23 @@ class WorkerUsage:
     spans: list[Span] = field(default_factory=list)
     restarts: int = 0  # times the launcher started its process again
 
+    def times(self) -> tuple[float, float, float]:
+        """(busy_s, idle_s, utilization), from one union of the spans."""
+        busy = sum(b - a for a, b in _union(self.spans, self.start, self.end))
+        life = self.end - self.start
+        return busy, max(0.0, life - busy), busy / life if life > 0 else 0.0
+
     @property
     def busy_s(self) -> float:
-        return sum(b - a for a, b in _union(self.spans, self.start, self.end))
+        return self.times()[0]
 
     @property
     def idle_s(self) -> float:
-        return max(0.0, self.end - self.start - self.busy_s)
+        return self.times()[1]
 
     @property
     def utilization(self) -> float:
-        life = self.end - self.start
-        return self.busy_s / life if life > 0 else 0.0
+        return self.times()[2]
 
 
 @dataclass
@@ -417,6 +422,7 @@ _READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNT
 # ---------------------------------------------------------------- text
 
 
+@collector.paused()  # makes thousands of objects (a worker's spans sorted), none in a cycle
 def format_summary(s: Summary) -> str:
     head = f"run: {s.wall_s:.1f} s ({s.training_s:.1f} s training), {s.events} events"
     if s.run:
@@ -430,7 +436,7 @@ def format_summary(s: Summary) -> str:
                  "flight): " + "; ".join(f"{a} step {', '.join(map(str, b))}" for a, b in s.open_steps.items()))
     out = [head]
     out.append(_table(["worker", "role", "busy s", "idle s", "util", "restarts"],
-                      [[w.worker, w.role, f"{w.busy_s:.2f}", f"{w.idle_s:.2f}", f"{w.utilization:.0%}", w.restarts]
+                      [[w.worker, w.role, *_worker_times(w), w.restarts]
                        for w in sorted(s.workers.values(), key=lambda w: (w.role, w.worker))], left=2))
     out.append(_table(["agent", "samples", "samples/s", "micro-batches", "steps", "version", "reward",
                        "prefix hits", "turn prefix hits", "swap-ins/step", "swap wait s"],
@@ -453,6 +459,11 @@ def format_summary(s: Summary) -> str:
           r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
     return "\n\n".join(out)
+
+
+def _worker_times(w: WorkerUsage) -> list[str]:
+    busy, idle, utilization = w.times()
+    return [f"{busy:.2f}", f"{idle:.2f}", f"{utilization:.0%}"]
 
 
 def _share(x: float | None) -> str:
@@ -657,34 +668,39 @@ def _check_into(events: list[Event], answer: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Exit codes: 0 fine, 1 the log is unreadable or inconsistent or the check found a
-    difference."""
-    try:
-        events, problem = read_events(args.log)
-    except (OSError, EventLogVersionError) as exc:
-        print(f"flexmarl replay: {exc}", file=sys.stderr)
-        return 1
-    if problem:
-        # Expected after a crash (a torn last frame); everything before it is intact.
-        print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
-    checked = check_beside(events) if getattr(args, "check", False) else None
-    summary = summarize(events)
-    print(format_summary(summary))
-    if getattr(args, "trace", None):
-        write_trace(summary, args.trace)
-        print(f"\ntrace written to {args.trace} (open it in https://ui.perfetto.dev)")
-    if getattr(args, "plot", None):
-        write_plot(summary, args.plot)
-        print(f"plot written to {args.plot}")
-    code = 0
-    for error in summary.errors:
-        print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
-        code = 1
-    if checked is not None:
-        diff = checked()
-        if diff is None:
-            print("check: re-driving the decision code reproduces every logged decision"
-                  + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
-        else:
-            print(f"CHECK FAILED: {diff}", file=sys.stderr)
+    difference. The events and then the summary are set apart from the collector once
+    made (`collector.set_apart`): they are held to the end, and the check's collections
+    need not walk them."""
+    with collector.set_apart() as keep:
+        try:
+            events, problem = read_events(args.log)
+        except (OSError, EventLogVersionError) as exc:
+            print(f"flexmarl replay: {exc}", file=sys.stderr)
+            return 1
+        keep()
+        if problem:
+            # Expected after a crash (a torn last frame); everything before it is intact.
+            print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
+        checked = check_beside(events) if getattr(args, "check", False) else None
+        summary = summarize(events)
+        keep()
+        print(format_summary(summary))
+        if getattr(args, "trace", None):
+            write_trace(summary, args.trace)
+            print(f"\ntrace written to {args.trace} (open it in https://ui.perfetto.dev)")
+        if getattr(args, "plot", None):
+            write_plot(summary, args.plot)
+            print(f"plot written to {args.plot}")
+        code = 0
+        for error in summary.errors:
+            print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
             code = 1
-    return code
+        if checked is not None:
+            diff = checked()
+            if diff is None:
+                print("check: re-driving the decision code reproduces every logged decision"
+                      + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
+            else:
+                print(f"CHECK FAILED: {diff}", file=sys.stderr)
+                code = 1
+        return code

@@ -177,3 +177,24 @@ def test_openai_overhead_runs_the_same_job_and_episodes_through_ctx_chat_and_the
     assert chat["samples"] == endpoint["samples"] == http["samples"] == 2 * 4
     assert chat["calls"] == endpoint["calls"] == http["calls"] == 2 * 5
     assert all(r["samples_per_s_ratio"] > 0 for r in ratios) and endpoint["controller_cpu_ms_per_call"] > 0
+
+
+async def test_replay_parts_times_the_command_and_each_of_its_parts_on_a_log(tmp_path):
+    from flexmarl.runtime import events as ev
+    from flexmarl.runtime.config import dump_toml, load_config
+    from flexmarl.runtime.eventlog import EventLog
+
+    config = load_config(None, ["pipeline.micro_batch=2", "pipeline.queries_per_step=1", "agents.a.model='m'"],
+                         defaults={})
+    log = EventLog(tmp_path / "events.log")
+    log.emit(ev.RunStarted(dump_toml(config), ["a"], "async", 1, 0))
+    log.emit(ev.GroupOpened("a", "g", [], 1, 2))
+    log.emit(ev.RequestsCompleted("r0", "a", 1, [], [0], 3, parts=ev.Parts(["g"], [0], [2])))
+    log.emit(ev.MicroBatchFormed("a", "t0", 1, ["g/0", "g/1"], [0, 0]))
+    log.emit(ev.OptimizerStep("a", "t0", 1, 2))
+    await log.close()
+    out = await asyncio.to_thread(run_bench, "replay_parts.py", str(tmp_path / "events.log"), "--check",
+                                  "--repeats", "2")
+    rows = json_rows(out)
+    assert [r["repeat"] for r in rows] == [0, 1]
+    assert all({"command_s", "import_s", "read_s", "summarize_s", "format_s", "check_s"} <= r.keys() for r in rows)

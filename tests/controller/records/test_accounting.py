@@ -1,7 +1,12 @@
 """Replay's sample accounting where a log names a sample more than once: the groups and
-requests between two micro-batches are counted together, and these cases one at a time."""
+requests between two micro-batches are counted together, and these cases one at a time;
+and the count per part of a request, which must give what the count per sample gives, or
+decline where a log names a sample twice or out of order."""
 
-from flexmarl.controller.records import replay
+import msgspec
+import pytest
+
+from flexmarl.controller.records import accounting, replay
 from flexmarl.runtime import events as ev
 
 START = ev.RunStarted("", ["a", "b"], "async", 2, 0)
@@ -57,3 +62,67 @@ def test_a_micro_batch_logged_before_the_request_that_generated_its_sample_keeps
     s = replay.summarize(stamped([
         START, ev.GroupOpened("a", "a", [], 1, 1), *trained("a", 2, ["a/0"], [0]), completed("a", "a", 1, size=1)]))
     assert rows(s) == [("a", 0, 1, 1, 0, 0), ("a", None, 1, 1, 0, 0)]
+
+
+# ---------------------------------------------------------------- counted per part
+
+def by_part_and_by_sample(events):
+    """Both ways of counting the same log (the per-part count None where it declines)."""
+    return accounting._count_by_part(events, START.max_staleness), accounting._count_by_sample(events, START.max_staleness)
+
+
+def test_a_group_generated_in_parts_on_two_instances_counts_each_part_by_its_version_and_later_turns_as_no_sample():
+    # g's members 2..3 answered first (version 1), then 0..1 (version 0); g/0's second
+    # turn (g/0@1, version 2) is a request, not a sample. h is answered whole, one member
+    # trained, one dropped; k's members 1..2 generated and waiting, 0 never generated.
+    events = stamped([
+        START, ev.GroupOpened("a", "g", [], 1, 4), ev.GroupOpened("a", "h", [], 1, 2), ev.GroupOpened("b", "k", [], 1, 3),
+        ev.RequestsCompleted("r1", "a", 1, [], [1], 3, parts=ev.Parts(["g"], [2], [2])),
+        ev.RequestsCompleted("r0", "a", 2, [], [0, 0], 3, parts=ev.Parts(["g", "h"], [0, 0], [2, 2])),
+        ev.RequestsCompleted("r0", "a", 3, [], [2], 3, parts=ev.Parts(["g/0@1"], [0], [1])),
+        ev.RequestsCompleted("r1", "b", 4, [], [1], 3, parts=ev.Parts(["k"], [1], [2])),
+        *trained("a", 2, ["g/0", "g/1", "g/2", "g/3", "h/1"], [0, 0, 1, 1, 0]),
+        ev.SamplesDropped("a", ["h/0"], "failed")])
+    part, sample = by_part_and_by_sample(events)
+    assert part is not None and (part.rows, part.found, part.why) == (sample.rows, sample.found, sample.why)
+    s = replay.summarize(events)
+    assert rows(s) == [("a", 0, 4, 3, 1, 0), ("a", 1, 2, 2, 0, 0), ("b", 1, 2, 0, 0, 2), ("b", None, 1, 0, 0, 1),
+                       ("a", None, 6, 5, 1, 0), ("b", None, 3, 0, 0, 3)]
+    assert s.errors == []
+
+
+def test_a_run_stopped_mid_step_and_a_group_dropped_before_it_was_generated_count_per_part_as_per_sample():
+    events = stamped([
+        START, ev.GroupOpened("a", "g", [], 1, 2), ev.GroupOpened("a", "h", [], 1, 2),
+        ev.RequestsCompleted("r0", "a", 1, [], [0], 3, parts=ev.Parts(["g"], [0], [2])),
+        ev.SamplesDropped("a", ["h/1", "h/0"], "its episode failed"),
+        ev.MicroBatchFormed("a", "t0", 1, ["g/0", "g/1"], [0, 0])])  # its step never logged
+    part, sample = by_part_and_by_sample(events)
+    assert part is not None and (part.rows, part.found, part.why) == (sample.rows, sample.found, sample.why)
+    assert rows(replay.summarize(events)) == [("a", 0, 2, 0, 0, 2), ("a", None, 2, 0, 2, 0), ("a", None, 4, 0, 2, 2)]
+
+
+GROUPS = [START, ev.GroupOpened("a", "g", [], 1, 2), ev.GroupOpened("b", "h", [], 1, 1)]
+G_BY_0 = completed("a", "g", 0)
+
+
+@pytest.mark.parametrize("events", [
+    [*GROUPS, G_BY_0, ev.RequestsCompleted("r1", "a", 2, [], [1], 3, parts=ev.Parts(["g"], [1], [1]))],  # g/1 twice
+    [*GROUPS, G_BY_0, *trained("a", 1, ["g/0", "g/1"], [0, 0]), G_BY_0],  # generated again after training
+    [*GROUPS, G_BY_0, *trained("a", 1, ["g/0", "g/1", "g/1"], [0, 0, 0])],  # named twice in a micro-batch
+    [*GROUPS, G_BY_0, *trained("a", 1, ["g/0"], [0]), *trained("a", 2, ["g/0", "g/1"], [0, 0])],  # trained twice
+    [*GROUPS, G_BY_0, *trained("b", 1, ["g/0", "g/1"], [0, 0])],  # trained by another agent
+    [*GROUPS, *trained("a", 1, ["g/0", "g/1"], [0, 0]), G_BY_0],  # trained before it was generated
+    [*GROUPS, G_BY_0, *trained("a", 1, ["g/0"], [0]), ev.SamplesDropped("a", ["g/0"], "late")],  # trained, dropped
+    [*GROUPS, ev.SamplesDropped("a", ["g/0"], "failed"), G_BY_0],  # generated after it was dropped
+    [*GROUPS, ev.SamplesDropped("b", ["h/0", "h/0"], "failed")],  # dropped twice
+    [*GROUPS, ev.SamplesDropped("b", ["h/1"], "failed")],  # no member of its group
+    [*GROUPS, completed("a", "g", 0, size=3)],  # a part past its group's members
+    [*GROUPS, completed("a", "x", 0)],  # a group never opened
+    [START, G_BY_0, ev.GroupOpened("a", "g", [], 1, 2)],  # a group generated before it was opened
+    [*GROUPS, ev.GroupOpened("b", "g", [], 2, 2)],  # a group opened twice
+    [START, ev.GroupOpened("a", "g", ["g/0", "g/1"], 1), G_BY_0],  # members listed (format 1)
+])
+def test_a_log_naming_a_sample_twice_or_out_of_order_is_counted_per_sample(events):
+    copies = stamped([msgspec.structs.replace(e) for e in events])  # the parameters share their events
+    assert accounting._count_by_part(copies, START.max_staleness) is None
