@@ -11,6 +11,9 @@ again, often under the same sample ids (they derive from the seed). `lineage(eve
 those undone events out, so exactly-once accounting and `replay --check` judge the run
 that counts: every sample in it trained or dropped once.
 
+Also the log's own reach: the last batch it reached (`last_batch`) and the steps it
+reached but never took (`open_steps`).
+
 It knows which fields tie an event to a batch; it does not read files.
 """
 
@@ -82,3 +85,21 @@ def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample
         keep = [sid for sid in e.sample_ids if batch_of_sample.get(sid, 0) <= step]
         return msgspec.structs.replace(e, sample_ids=keep) if keep else None
     return e  # workers, placement, demand: history, not undone
+
+
+def last_batch(log: list) -> int:
+    """The last global batch the log reached (a group opened, or a step taken)."""
+    opened, stepped = ev.GroupOpened, ev.OptimizerStep
+    return max([e.batch for e in log if type(e) is opened] + [e.version for e in log if type(e) is stepped],
+               default=0)
+
+
+def open_steps(log: list) -> set[tuple[str, int]]:
+    """(agent, batch) of each step the run reached but never took: it stopped mid-step
+    (an error, a crash, Ctrl-C). `log` is a lineage (what a resume undid is cut)."""
+    start = next((e for e in log if isinstance(e, ev.RunStarted)), None)
+    if start is None:
+        return set()
+    step = ev.OptimizerStep
+    stepped = {(e.agent, e.version) for e in log if type(e) is step}
+    return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped}

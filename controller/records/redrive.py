@@ -20,7 +20,7 @@ from flexmarl.runtime.config import RouterConfig
 from .. import decisions
 from ..episodes.store import NO_LOGPROBS, NO_OUTPUT, ExperienceStore
 from ..rollout.balance_rules import AgentDemand, RolloutBalancer
-from .lineage import lineage
+from .lineage import last_batch, lineage, open_steps
 
 # The decision events the re-drive derives; replay compares these, in order.
 REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
@@ -123,24 +123,6 @@ def _in_log_order(log: list, made: dict[str, list], moves: list) -> list:
     for agent, items in made.items():
         result += items[cursor[agent]:]
     return result + list(next_move)
-
-
-def last_batch(log: list) -> int:
-    """The last global batch the log reached (a group opened, or a step taken)."""
-    opened, stepped = ev.GroupOpened, ev.OptimizerStep
-    return max([e.batch for e in log if type(e) is opened] + [e.version for e in log if type(e) is stepped],
-               default=0)
-
-
-def open_steps(log: list) -> set[tuple[str, int]]:
-    """(agent, batch) of each step the run reached but never took: it stopped mid-step
-    (an error, a crash, Ctrl-C). `log` is a lineage (what a resume undid is cut)."""
-    start = next((e for e in log if isinstance(e, ev.RunStarted)), None)
-    if start is None:
-        return set()
-    step = ev.OptimizerStep
-    stepped = {(e.agent, e.version) for e in log if type(e) is step}
-    return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped}
 
 
 def _redrive_balancer(log: list, router: dict) -> list:

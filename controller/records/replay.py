@@ -57,10 +57,8 @@ from flexmarl.runtime.events import (
 )
 
 from .accounting import ACCOUNTED_EVENTS, AccountRow, accounting
-from .lineage import UNDOING
+from .lineage import UNDOING, open_steps
 from .lineage import lineage  # noqa: F401 (also for callers of replay)
-from .redrive import REDRIVEN_TYPES, open_steps
-from .redrive import redrive as redrive_decisions
 
 GENERATE, TRAIN, SYNC, STEP, ITERATION = "generate", "train", "sync", "step", "iteration"
 
@@ -595,14 +593,18 @@ def _union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]
 
 
 @collector.rare_collections()
-def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] = redrive_decisions,
-          types: tuple = REDRIVEN_TYPES) -> str | None:
-    """Re-drives the controller's decision code from the logged inputs (redrive.py);
-    returns a message naming the first decision of `types` that differs from the log, or
-    None when all agree. Stamps (seq and t) are ignored. A step left open by a run that
-    stopped mid-step is compared as far as the log goes: its logged micro-batches must be
-    the first the rules cut; the ones not cut when the log ends are not a difference."""
-    wanted = frozenset(types)
+def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] | None = None,
+          types: tuple | None = None) -> str | None:
+    """Re-drives the controller's decision code from the logged inputs (`redrive`, by
+    default redrive.py's, which the summary alone does not load); returns a message naming
+    the first decision of `types` (by default the ones it derives) that differs from the
+    log, or None when all agree. Stamps (seq and t) are ignored. A step left open by a run
+    that stopped mid-step is compared as far as the log goes: its logged micro-batches must
+    be the first the rules cut; the ones not cut when the log ends are not a difference."""
+    from . import redrive as redriving
+
+    redrive = redrive or redriving.redrive
+    wanted = frozenset(types or redriving.REDRIVEN_TYPES)
     counted = lineage(events)
     logged = [e for e in counted if type(e) in wanted]
     unfinished = open_steps(counted)

@@ -401,7 +401,8 @@ async def test_replay_imports_no_torch_event_loop_or_worker_package_so_it_starts
         f"    cli.main(['replay', {str(log)!r}])",
         "except SystemExit as end:",
         "    print('exit', end.code)",
-        "heavy = ('torch', 'asyncio', 'zmq', 'flexmarl.workers.main', 'flexmarl.runtime.aio')",
+        "heavy = ('torch', 'asyncio', 'zmq', 'flexmarl.workers.main', 'flexmarl.runtime.aio',",
+        "         'flexmarl.controller.records.redrive', 'flexmarl.controller.episodes.store')  # --check's",
         "print('loaded:', [name for name in heavy if name in sys.modules])",
     ])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
