@@ -641,6 +641,8 @@ def check_beside(events: list[Event]) -> Callable[[], str | None]:
     import multiprocessing  # only here: most replays are not checked
 
     context = multiprocessing.get_context("fork")
+    for stream in (sys.stdout, sys.stderr):  # the child's exit flushes its copy of what is still buffered
+        stream.flush()
     answers, answer = context.Pipe(duplex=False)
     child = context.Process(target=_check_into, args=(events, answer), name="replay-check", daemon=True)
     child.start()
@@ -649,7 +651,7 @@ def check_beside(events: list[Event]) -> Callable[[], str | None]:
     def answered() -> str | None:
         try:
             diff = answers.recv()
-        except EOFError:  # the child died (killed, out of memory): check here instead
+        except EOFError:  # the child's check raised, or it died (killed, out of memory): check here
             diff = check(events)
         finally:
             answers.close()
@@ -659,9 +661,15 @@ def check_beside(events: list[Event]) -> Callable[[], str | None]:
 
 
 def _check_into(events: list[Event], answer: Any) -> None:
-    """In the forked child: `check(events)`'s answer into the pipe (nothing if it raised:
-    the parent then checks in its own process and raises the same error there)."""
-    answer.send(check(events))
+    """In the forked child: `check(events)`'s answer into the pipe; nothing if it raised,
+    and no traceback here: the parent then checks in its own process and raises the same
+    error there, once."""
+    try:
+        diff = check(events)
+    except Exception:
+        answer.close()
+        return
+    answer.send(diff)
     answer.close()
 
 

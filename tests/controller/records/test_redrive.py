@@ -4,6 +4,8 @@ the summary in a forked child where there is a core for it."""
 
 import os
 
+import pytest
+
 from flexmarl.controller.records import redrive, replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import dump_toml, load_config
@@ -82,3 +84,14 @@ def test_the_check_runs_in_this_process_on_one_core_or_when_its_child_dies(monke
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert replay.check_beside(events)() == expected
     assert len(children) == 1  # one core: no child
+
+
+def test_a_check_that_raises_in_the_child_raises_here_once_with_no_traceback_from_the_child(monkeypatch, capfd):
+    def broken(events):
+        raise RuntimeError("re-drive broke")
+
+    monkeypatch.setattr(replay, "check", broken)  # the forked child has it too
+    waiting = replay.check_beside(split_group_run(True))
+    with pytest.raises(RuntimeError, match="re-drive broke"):
+        waiting()
+    assert "Traceback" not in capfd.readouterr().err
