@@ -258,8 +258,9 @@ class _PartTally:
 
 # What _count_by_part does with each event type it reads.
 _PART_READERS: dict[type, Callable[[_PartTally, Any], None]] = {
-    GroupOpened: _PartTally.group_opened, RequestsCompleted: _PartTally.requests_completed, MicroBatchFormed: _PartTally.micro_batch_formed,
-    SamplesDropped: _PartTally.samples_dropped, OptimizerStep: _PartTally.optimizer_step}
+    GroupOpened: _PartTally.group_opened, RequestsCompleted: _PartTally.requests_completed,
+    MicroBatchFormed: _PartTally.micro_batch_formed, SamplesDropped: _PartTally.samples_dropped,
+    OptimizerStep: _PartTally.optimizer_step}
 
 
 def _tally(events: list[Event], bound: int | None) -> _Tally:
