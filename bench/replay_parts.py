@@ -6,7 +6,10 @@ Per repeat, one JSON row: the wall seconds of the command itself (`python -m
 flexmarl.controller.cli replay [--check] LOG`, interpreter start and imports included,
 its output discarded), then, in a fresh process, the seconds of importing replay and of
 each step its `main` takes, timed inside `main` as it runs them (with its own collector
-settings): `read_events`, `summarize`, `format_summary` and, with --check, `check`.
+settings): `read_events`, `summarize`, `format_summary` and, with --check, `check`. The
+parts run one after the other (the check in the same process, after the summary, not in
+a child beside it as the command runs it where there is a second core): they add up to
+the command on one core.
 
 It imports FlexMARL from wherever Python finds it: run it once with the code before a
 change on PYTHONPATH and once without, alternating, to compare the two.
@@ -52,6 +55,7 @@ def parts_s(log: str, check: bool) -> dict[str, float]:
     for name, step in (("read", replay.read_events), ("summarize", replay.summarize),
                        ("format", replay.format_summary), ("check", replay.check)):
         setattr(replay, step.__name__, timed(name, step))  # main calls them by these module names
+    replay.check_beside = lambda events: lambda: replay.check(events)  # here, when asked: timed on its own
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         replay.main(argparse.Namespace(log=log, check=check, trace=None, plot=None))
     return spent
