@@ -12,6 +12,7 @@ It does not read files or know how decisions are carried out.
 from __future__ import annotations
 
 import tomllib
+from typing import Sequence
 
 from flexmarl.runtime import collector
 from flexmarl.runtime import events as ev
@@ -36,22 +37,42 @@ def redrive(log: list) -> list:
     recorded; ordering across agents is taken from the log, since it depends on timing,
     not on the rules."""
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
-    start = next(e for e in log if type(e) is ev.RunStarted)
-    config = tomllib.loads(start.config_toml)
+    return in_log_order(log, training_decisions(log, run_of(log).agents), balancer_moves(log))
+
+
+def run_of(log: list) -> ev.RunStarted:
+    return next(e for e in log if type(e) is ev.RunStarted)
+
+
+def training_decisions(log: list, agents: Sequence[str]) -> dict[str, list]:
+    """Per agent of `agents` (some or all of the run's), in order: the micro-batches and
+    steps the rules cut from a store refilled with that agent's groups (`log` a lineage).
+    An agent's decisions depend on its own groups alone, so a share of the agents may be
+    re-driven apart from the rest (replay's check re-drives two shares at once) and the
+    results joined."""
+    start = run_of(log)
+    pipeline = tomllib.loads(start.config_toml)["pipeline"]
     with collector.rare_collections():  # a refilled store is a heap of records, as the controller's
-        store = _refilled_store(log, start.agents)
-        made = _redrive_training(log, store, start.agents, config["pipeline"], start.max_staleness)
-    return _in_log_order(log, made, _redrive_balancer(log, config["router"]))
+        store = _refilled_store(log, list(agents), set(start.agents) - set(agents))
+        return _redrive_training(log, store, list(agents), pipeline, start.max_staleness)
 
 
-def _refilled_store(log: list, agents: list[str]) -> ExperienceStore:
-    """An `ExperienceStore` fed the logged groups, versions and rewards, in the order the
-    controller saw them."""
+def balancer_moves(log: list) -> list:
+    """The level 1 balancer's moves for the logged demand observations, in order (`log` a
+    lineage)."""
+    return _redrive_balancer(log, tomllib.loads(run_of(log).config_toml)["router"])
+
+
+def _refilled_store(log: list, agents: list[str], others: set[str]) -> ExperienceStore:
+    """An `ExperienceStore` of `agents` fed their logged groups, versions and rewards, in
+    the order the controller saw them; the run's `others` are left out."""
     store = ExperienceStore(agents)
     groups = store.groups
     opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
     for e in log:
         kind = type(e)
+        if (kind is opened or kind is completed or kind is rewarded) and e.agent in others:
+            continue
         if kind is opened:
             store.open_group(e.agent, e.group_id, [], e.size(), e.batch)  # open_group makes the ids
         elif kind is completed:
@@ -103,7 +124,7 @@ def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipe
     return made
 
 
-def _in_log_order(log: list, made: dict[str, list], moves: list) -> list:
+def in_log_order(log: list, made: dict[str, list], moves: list) -> list:
     """The agents' decisions and the balancer's moves interleaved in the order the log
     shows (timing), each one's own order kept."""
     cursor = {a: 0 for a in made}

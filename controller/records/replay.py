@@ -633,43 +633,72 @@ def check(events: list[Event], redrive: Callable[[list[Event]], list[Event]] | N
 
 def check_beside(events: list[Event]) -> Callable[[], str | None]:
     """Starts `check(events)` and returns what waits for its answer. Where this process may
-    run on more than one core, the check runs in a forked child (it has the events without
-    a copy) while this process makes the summary: the command takes the longer of the two,
-    not their sum. On one core, or if the child fails, it runs here, when asked for."""
-    if len(os.sched_getaffinity(0)) < 2:
+    run on more than one core, the re-drive is shared: a forked child (it has the events
+    without a copy) re-drives most of the agents while this process makes the summary,
+    then re-drives the rest when the answer is asked for, joins the two and compares; the
+    command takes about the longest of the two, not their sum. On one core it all runs
+    here, when asked for; a child that dies leaves its share to this process."""
+    run = next((e for e in events if type(e) is RunStarted), None)
+    if len(os.sched_getaffinity(0)) < 2 or run is None:
         return lambda: check(events)
     import multiprocessing  # only here: most replays are not checked
 
+    from . import redrive as redriving
+
+    theirs, mine = _shares(events, run.agents)
     context = multiprocessing.get_context("fork")
     for stream in (sys.stdout, sys.stderr):  # the child's exit flushes its copy of what is still buffered
         stream.flush()
     answers, answer = context.Pipe(duplex=False)
-    child = context.Process(target=_check_into, args=(events, answer), name="replay-check", daemon=True)
+    child = context.Process(target=_decisions_into, args=(events, theirs, answer), name="replay-check", daemon=True)
     child.start()
     answer.close()  # the child's end: the parent reads EOF if the child dies without answering
 
     def answered() -> str | None:
+        counted = lineage(events)
         try:
-            diff = answers.recv()
-        except EOFError:  # the child's check raised, or it died (killed, out of memory): check here
-            diff = check(events)
+            made = redriving.training_decisions(counted, mine)
+            try:
+                made.update(answers.recv())
+            except EOFError:  # the child's re-drive raised, or it died (killed, out of memory): its share here
+                made.update(redriving.training_decisions(counted, theirs))
         finally:
             answers.close()
             child.join()
-        return diff
+        joined = redriving.in_log_order(counted, {a: made[a] for a in run.agents}, redriving.balancer_moves(counted))
+        return check(events, lambda _: joined)
     return answered
 
 
-def _check_into(events: list[Event], answer: Any) -> None:
-    """In the forked child: `check(events)`'s answer into the pipe; nothing if it raised,
-    and no traceback here: the parent then checks in its own process and raises the same
-    error there, once."""
+# The part of the re-drive's work the child takes: this process also makes the summary,
+# about half a re-drive's time.
+CHILD_SHARE = 0.8
+
+
+def _shares(events: list[Event], agents: list[str]) -> tuple[list[str], list[str]]:
+    """The run's agents in two shares, the child's and this process's, the child's about
+    CHILD_SHARE of the groups opened (what the re-drive's time goes with)."""
+    groups = collections.Counter(e.agent for e in events if type(e) is GroupOpened)
+    wanted, taken, theirs = CHILD_SHARE * sum(groups.values()), 0, []
+    for agent in sorted(agents, key=lambda a: -groups[a]):
+        if taken + groups[agent] / 2 <= wanted:
+            theirs.append(agent)
+            taken += groups[agent]
+    return theirs, [a for a in agents if a not in theirs]
+
+
+def _decisions_into(events: list[Event], agents: list[str], answer: Any) -> None:
+    """In the forked child: the re-drive's training decisions of `agents` into the pipe;
+    nothing if it raised, and no traceback here: the parent then re-drives them itself and
+    raises the same error there, once."""
+    from .redrive import training_decisions
+
     try:
-        diff = check(events)
+        made = training_decisions(lineage(events), agents)
     except Exception:
         answer.close()
         return
-    answer.send(diff)
+    answer.send(made)
     answer.close()
 
 
