@@ -23,6 +23,9 @@ from ..episodes.store import NO_LOGPROBS, NO_OUTPUT, ExperienceStore
 from ..rollout.balance_rules import AgentDemand, RolloutBalancer
 from .lineage import last_batch, lineage, open_steps
 
+# The events that feed a group to the store, each naming its agent.
+_GROUP_EVENTS = frozenset({ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete})
+
 # The decision events the re-drive derives; replay compares these, in order.
 REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
 
@@ -69,10 +72,10 @@ def _refilled_store(log: list, agents: list[str], others: set[str]) -> Experienc
     store = ExperienceStore(agents)
     groups = store.groups
     opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
+    if others:  # a share of the run's agents: the others' groups are not refilled here
+        log = [e for e in log if type(e) not in _GROUP_EVENTS or e.agent not in others]
     for e in log:
         kind = type(e)
-        if (kind is opened or kind is completed or kind is rewarded) and e.agent in others:
-            continue
         if kind is opened:
             store.open_group(e.agent, e.group_id, [], e.size(), e.batch)  # open_group makes the ids
         elif kind is completed:
