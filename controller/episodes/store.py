@@ -179,10 +179,10 @@ class ExperienceStore:
         """Members `first` to `first + size - 1` of the group, those without an output yet,
         get `NO_OUTPUT` from `version`: a re-drive from the event log, where a completed
         part of a group is its members and the version that generated them."""
+        record = self._record_first_turn
         for sample in self.groups[group_id].members[max(first, 0):first + size]:
-            if sample.output_ids is None:  # a first turn, as _record_first_turn records it
-                sample.output_ids, sample.logprobs, sample.mask = NO_OUTPUT, NO_LOGPROBS, NO_MASK
-                sample.versions, sample.sampling = [version], [DEFAULT_SAMPLING]
+            if sample.output_ids is None:
+                record(sample, NO_OUTPUT, NO_LOGPROBS, (version,), None, NO_MASK)
 
     def record_group(self, group_id: str, output: GroupOutput, sampling: protocol.TurnSampling) -> None:
         """Every member's first turn at once, sampled from `sampling`'s distribution."""
@@ -197,13 +197,15 @@ class ExperienceStore:
 
     @staticmethod
     def _record_first_turn(sample: Sample, output_ids: Sequence[int], logprobs: Sequence[float],
-                           versions: list[int], sampling: protocol.TurnSampling | None) -> None:
+                           versions: list[int], sampling: protocol.TurnSampling | None,
+                           mask: array.array | None = None) -> None:
+        """`mask`: every output id trained, unless given (`NO_MASK` with `NO_OUTPUT`)."""
         if sample.output_ids is not None or sample.status != PENDING:
             raise DuplicateResult(f"sample {sample.sample_id} already has an output ({sample.status})")
         sample.output_ids = ids = token_array(output_ids)
         sample.logprobs = logprob_array(logprobs)
         sample.versions = list(versions)
-        sample.mask = array.array("b", b"\x01" * len(ids))
+        sample.mask = array.array("b", b"\x01" * len(ids)) if mask is None else mask
         sample.sampling = [sampling or DEFAULT_SAMPLING]
 
     def record_turn(self, sample_id: str, appended_ids: Sequence[int], output: GroupOutput,
