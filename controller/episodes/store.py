@@ -182,7 +182,7 @@ class ExperienceStore:
         record = self._record_first_turn
         for sample in self.groups[group_id].members[max(first, 0):first + size]:
             if sample.output_ids is None:
-                record(sample, NO_OUTPUT, NO_LOGPROBS, (version,), None, NO_MASK)
+                record(sample, NO_OUTPUT, NO_LOGPROBS, [version], None, NO_MASK)
 
     def record_group(self, group_id: str, output: GroupOutput, sampling: protocol.TurnSampling) -> None:
         """Every member's first turn at once, sampled from `sampling`'s distribution."""
