@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from .bases import BASE_KEYS, LORA_KEYS, VLLM_LORA_RANKS, adapter_agents, required_slots, versions_resident
 from .protocol import (
     EngineSettings,
     LossAggregation,
@@ -624,6 +623,49 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 
 def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+# ---------------------------------------------------------------- what a job needs of its bases
+
+# The ranks vLLM's engines accept for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# What an adapter agent takes from its base, never sets itself (one engine and one frozen
+# copy of the base serve all the base's agents, so these cannot differ between them).
+BASE_KEYS = ("model", "max_model_len", "dtype", "train_precision", "activation_checkpointing", "compile_layers",
+             "gpu_memory_utilization", "tensor_parallel_size", "block_size")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+@dataclass(frozen=True)
+class LoraSlots:
+    """An engine's LoRA sizing for one base: what vLLM's enable_lora arguments become."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+def adapter_agents(cfg: ExperimentConfig, base: str) -> list[str]:
+    """The agents that are adapters of `base`, in config order."""
+    return [name for name, agent in cfg.agents.items() if agent.base == base]
+
+
+def versions_resident(cfg: ExperimentConfig) -> int:
+    """How many versions of one agent an engine may hold at once: the newest and the K
+    older ones requests in flight may still use (K = 0 in sync mode: no request outlives
+    a sync)."""
+    return 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
+
+
+def required_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
+    """The slots the job needs on an engine of `base`: every version of every adapter
+    agent that may be resident at once, and a rank covering every agent's."""
+    agents = [cfg.agents[name] for name in adapter_agents(cfg, base)]
+    loras = len(agents) * versions_resident(cfg)
+    top = max((a.lora_rank for a in agents), default=1)
+    rank = next((r for r in VLLM_LORA_RANKS if r >= top), 0)
+    return LoraSlots(loras, rank, loras)
 
 
 def check_bases(cfg: ExperimentConfig) -> None:

@@ -17,10 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexmarl.controller import Experiment
-from flexmarl.controller.digit_chain import default_config
-from flexmarl.controller.model_resolution import resolve_model
-from flexmarl.controller.records import replay
+from flexmarl.controller import Experiment, replay
+from flexmarl.controller.run.model_resolution import resolve_model
+from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import HEADER_BYTES, encode_frame, read_events
