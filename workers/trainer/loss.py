@@ -225,7 +225,7 @@ def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protoc
     tensor is made where the model is (its device is the default inside)."""
     device = next(model.parameters()).device
     # A device context is a torch function mode: every op of the forward then passes
-    # through Python (3.5 of the peer bench's 50.8 ms forward/backward, bench/RESULTS.md).
+    # through Python (3.5 of the peer bench's 50.8 ms forward/backward, bench/HISTORY.md).
     # The CPU needs none.
     with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
         return _policy_loss(model, samples, options, off_policy, clip_ratio, reference)

@@ -259,7 +259,7 @@ def test_an_agent_left_without_instances_still_publishes_over_host_memory():
 
 
 def test_pinned_workers_are_placed_on_the_gpus_their_host_numbers_not_their_own_cuda_0():
-    """The README's layout: the trainer pinned to GPUs 2-3, rollouts to 0 and to 1. Each
+    """The layout of docs/operations.md, "GPUs and precision": the trainer pinned to GPUs 2-3, rollouts to 0 and to 1. Each
     calls its first GPU cuda:0; they share none, so CUDA IPC cannot reach them: NCCL."""
     from types import SimpleNamespace
 
