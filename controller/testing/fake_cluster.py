@@ -44,8 +44,7 @@ from typing import Any
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.params.types import Location, ParamHandle
-
-from ..session import CommandHandler
+from flexmarl.workers.session import CommandHandler
 
 log = logging.getLogger("flexmarl.fake_cluster")
 
