@@ -20,7 +20,7 @@ test-all: setup
 	$(PY) -m pytest -q -m "not gpu" $(ARGS)
 
 bench: setup
-	$(PY) bench/control_plane.py
+	$(PY) bench/micro/control_plane.py
 
 clean:
 	rm -rf .venv runs .cache

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .experiment import Experiment
+    from .run.experiment import Experiment
 
 __all__ = ["Experiment"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Experiment":
-        from .experiment import Experiment
+        from .run.experiment import Experiment
 
         return Experiment
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

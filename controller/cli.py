@@ -52,7 +52,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def _config_from_args(args: argparse.Namespace) -> ExperimentConfig:
     from flexmarl.runtime.config import load_config
 
-    from .digit_chain import default_config
+    from .tasks.digit_chain import default_config
 
     overrides = _overrides(args)
     defaults = default_config()
@@ -93,7 +93,7 @@ def _checkpoint_step(text: str) -> int:
 def _experiment(args: argparse.Namespace, spawn_workers: bool):
     from flexmarl.runtime.config import ConfigError
 
-    from .experiment import Experiment
+    from .run.experiment import Experiment
 
     if args.resume:
         if args.config is not None:
@@ -114,10 +114,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from flexmarl.runtime.eventlog import EventLogError
 
     from .episodes.data import DataError
-    from .episodes.failures import RunFailed
     from .episodes.user_code import WorkflowError
     from .launch.launcher import LaunchError, WorkerFailed
-    from .model_resolution import ModelBuildError, ModelError
+    from .run.model_resolution import ModelBuildError, ModelError
+    from .state.failures import RunFailed
     from .train.checkpoints import CheckpointError
 
     return (ConfigError, CheckpointError, WorkflowError, DataError, ModelError, ModelBuildError, RunFailed,
@@ -128,7 +128,7 @@ def _stop_line(exc: BaseException, run_dir: Any, known: tuple[type[BaseException
     """The one line an error that stopped the run is shown as: a full disk anywhere says
     what to free and how to go on; a known error (also as a supervised task's cause) its
     message. None: an error FlexMARL does not expect (a bug), shown with its traceback."""
-    from .records.disk_full import chain, disk_full_line
+    from .run.disk_full import chain, disk_full_line
 
     line = disk_full_line(exc, run_dir)
     if line is not None:
@@ -200,7 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from flexmarl.runtime.aio import run_async
 
-    from .serving.serve import ServedAgents
+    from .run.serve import ServedAgents
 
     overrides = list(args.set or []) + [f"openai.{key}={value!r}" if isinstance(value, str) else f"openai.{key}={value}"
                                         for key, value in (("host", args.host), ("port", args.port)) if value is not None]
@@ -298,7 +298,7 @@ def _print_samples(args: argparse.Namespace) -> None:
 
 
 def _replay(args: argparse.Namespace) -> None:
-    from .records.replay import main as replay_main
+    from .replay.command import main as replay_main
     sys.exit(replay_main(args))
 
 

@@ -8,68 +8,26 @@ request uses it, so an engine holds up to K + 1 versions of each agent (K the st
 bound; 0 in sync mode). That product is the engine's `max_loras`, computed here; a base
 whose `max_loras` is set lower cannot run the job and is refused at start.
 
-Plain arithmetic over the configuration (no torch, no vLLM): the controller, the checks
-of `ExperimentConfig.validate` (config.py `check_bases`, which imports this module; this
-module imports config.py for its types only) and the bench call the same functions. It
-knows nothing of how an engine or a trainer holds adapters.
+Plain arithmetic over the configuration (no torch, no vLLM), above config.py: what a job
+needs of a base (`required_slots`, the LoRA ranks vLLM accepts, which keys an adapter
+takes from its base) lives there, beside the checks of `ExperimentConfig.validate` that
+use it; this module derives what the controller and the bench use from a valid config.
+It knows nothing of how an engine or a trainer holds adapters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from .config import AgentConfig, ExperimentConfig, LoraSlots, required_slots
 from .protocol import EngineSettings, LoadModel, LoraSettings, TrainerSettings
-
-if TYPE_CHECKING:
-    from .config import AgentConfig, ExperimentConfig
-
-# The ranks vLLM's engines accept for max_lora_rank (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-# What an adapter agent takes from its base, never sets itself (one engine and one frozen
-# copy of the base serve all the base's agents, so these cannot differ between them).
-BASE_KEYS = ("model", "max_model_len", "dtype", "train_precision", "activation_checkpointing", "compile_layers",
-             "gpu_memory_utilization", "tensor_parallel_size", "block_size")
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
-
-
-@dataclass(frozen=True)
-class LoraSlots:
-    """An engine's LoRA sizing for one base: what vLLM's enable_lora arguments become."""
-
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
-
-
-def adapter_agents(cfg: ExperimentConfig, base: str) -> list[str]:
-    """The agents that are adapters of `base`, in config order."""
-    return [name for name, agent in cfg.agents.items() if agent.base == base]
-
-
-def versions_resident(cfg: ExperimentConfig) -> int:
-    """How many versions of one agent an engine may hold at once: the newest and the K
-    older ones requests in flight may still use (K = 0 in sync mode: no request outlives
-    a sync)."""
-    return 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
 
 
 def lora_settings(agent: AgentConfig) -> LoraSettings:
     """An adapter agent's LoRA shape as the wire carries it."""
     return LoraSettings(agent.lora_rank, float(agent.lora_alpha), float(agent.lora_dropout),
                         tuple(agent.lora_target_modules))
-
-
-def required_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
-    """The slots the job needs on an engine of `base`: every version of every adapter
-    agent that may be resident at once, and a rank covering every agent's."""
-    agents = [cfg.agents[name] for name in adapter_agents(cfg, base)]
-    loras = len(agents) * versions_resident(cfg)
-    top = max((a.lora_rank for a in agents), default=1)
-    rank = next((r for r in VLLM_LORA_RANKS if r >= top), 0)
-    return LoraSlots(loras, rank, loras)
 
 
 def lora_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from .bases import BASE_KEYS, LORA_KEYS, VLLM_LORA_RANKS, adapter_agents, required_slots, versions_resident
 from .protocol import (
     EngineSettings,
     LossAggregation,
@@ -35,21 +34,29 @@ class ConfigError(ValueError):
 
 @dataclass
 class TransportConfig:
-    # tcp://HOST:PORT; port 0 picks a free port (the chosen address is logged and written
-    # to the run directory). Any host but loopback requires CURVE keys in `curve_dir`.
     address: str = "tcp://127.0.0.1:0"
+    """The controller's address, tcp://HOST:PORT; port 0 picks a free port (the chosen address is
+    logged and written to the run directory). Any host but loopback requires CURVE keys in
+    `curve_dir`."""
     heartbeat_interval_s: float = 1.0
-    # A peer silent for this long is declared dead. Generous because workers run heavy
-    # compute on 2-core machines; the liveness check only needs to beat a real crash.
+    """Heartbeats go both ways this often; none to a peer that was sent anything meanwhile, none
+    from a worker whose replies carried its load meanwhile (a busy rollout worker's do)."""
     heartbeat_timeout_s: float = 10.0
+    """A peer silent for this long is declared dead. Generous because workers run heavy compute on
+    2-core machines; the liveness check only needs to beat a real crash."""
     handshake_timeout_s: float = 30.0
-    # A worker whose controller went away (silent, or not reading) tries to register again,
-    # with backoff, for this long before it exits; 0: it exits at once (exit code 3).
-    # Workers that `flexmarl run` starts itself never reconnect: a new controller starts
-    # its own.
+    """A worker waits this long for the controller's WELCOME."""
     reconnect_timeout_s: float = 60.0
+    """A `flexmarl worker` whose controller went away (silent, not reading, or restarted on the same
+    address) tries to register again on a fresh connection for this long, waiting 0.5 s, then
+    twice as long each attempt (at most 10 s); it comes back as a fresh worker. 0: it exits at
+    once (exit code 3). `--reconnect-timeout` sets it. Workers that `flexmarl run` starts itself
+    never reconnect: a new controller starts its own."""
     max_message_bytes: int = 64 * 1024 * 1024
-    curve_dir: str = ""  # holds server.key(_secret) and client.key(_secret); see `flexmarl keys`
+    """Larger messages are refused (logged and dropped)."""
+    curve_dir: str = ""
+    """The folder of CURVE keys `flexmarl keys DIR` writes: `server.key(_secret)` and
+    `client.key(_secret)`; copy it to every host."""
 
 
 # Who starts the workers of `flexmarl run`: "local" makes them child processes of the
@@ -61,31 +68,44 @@ PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]  #
 @dataclass
 class ClusterConfig:
     launcher: Launcher = "local"
+    """Who starts the workers of `flexmarl run`: "local" makes them child processes on this host;
+    "ray" makes each one a Ray actor on a Ray cluster (see `[ray]`). `--launcher` sets it;
+    `flexmarl controller` ignores it and waits for the workers you start."""
     rollout_workers: int = 3
+    """Rollout worker processes, one inference engine each."""
     trainer_workers: int = 1
-    # Agents resident at once per trainer; 0 = no limit. Below the number of agents per
-    # trainer, idle agents' training states are parked in host memory and swapped back in.
+    """Trainer worker processes."""
     trainer_capacity: int = 0
+    """Agents resident at once per trainer; 0: no limit. Below the number of agents per trainer,
+    idle agents' training states are parked in host memory and swapped back in when they have
+    work."""
     worker_start_timeout_s: float = 300.0
+    """How long the controller waits for its workers to register."""
     shutdown_timeout_s: float = 15.0
+    """How long workers get to shut down before they are stopped."""
     threads_per_worker: int = 1
-    # A worker process that exits while the run goes on (or whose Ray actor or node is
-    # lost) is started again (same id, same role, same log) up to this many times; past that the run stops with its exit
-    # code and log. The first restart waits `restart_backoff_s`, each further one twice as
-    # long (at most 30 s).
+    """Compute threads per worker process (under Ray: the CPUs each worker asks for, per rank)."""
     max_restarts: int = 3
+    """A worker process that `flexmarl run` started and that exits while the run goes on (or whose
+    Ray actor or node is lost, or that is declared dead while its process is still there) is
+    started again (same id, same role, its log in `logs/` appended) up to this many times; past
+    that the run stops with an error naming the worker, its exit code and the end of its log.
+    0: a worker that dies is not started again."""
     restart_backoff_s: float = 1.0
-    # GPUs per worker, by worker index, as CUDA device numbers of this host: the launcher
-    # pins each started worker to its list (CUDA_VISIBLE_DEVICES). Empty: not pinned, each
-    # worker sees what its environment shows it. Rollout worker i gets rollout_gpus[i]
-    # (at least the largest tensor_parallel_size of the agents); trainer worker i gets
-    # trainer_gpus[i], one GPU per rank of its group.
+    """The wait before a worker's first restart; each further restart of it waits twice as long
+    (at most 30 s)."""
     rollout_gpus: list[list[int]] = field(default_factory=list)
+    """GPUs per rollout worker, by worker index, as CUDA device numbers of this host: the launcher
+    pins rollout worker i to `rollout_gpus[i]` (CUDA_VISIBLE_DEVICES), which must hold at least
+    the largest `tensor_parallel_size` of the agents. Empty: workers are not pinned, each sees
+    what its environment shows it. Under Ray the numbers name GPUs within the run, not devices."""
     trainer_gpus: list[list[int]] = field(default_factory=list)
-    # Processes per trainer worker: >1 makes each trainer a group of ranks that shard every
-    # agent's training state with FSDP2 and split each micro-batch's samples between them;
-    # the controller still sees one trainer. 1: one process holds whole models.
+    """GPUs per trainer worker, by worker index: trainer worker i is pinned to `trainer_gpus[i]`,
+    exactly `trainer_group_size` GPUs, one per rank of its group. Empty: not pinned."""
     trainer_group_size: int = 1
+    """Processes per trainer worker: above 1 each trainer is a group of ranks that shard every
+    agent's training state with FSDP2 and split each micro-batch's samples between them; the
+    controller still sees one trainer. 1: one process holds whole models."""
 
     def validate_gpus(self, tensor_parallel_size: int) -> None:
         """Each GPU list fits its worker: one per worker, no GPU twice within a worker, as
@@ -116,20 +136,21 @@ class RayConfig:
     same `flexmarl worker` process, with the CPUs and GPUs it needs, in one placement group
     for the run."""
 
-    # The Ray cluster to join: "auto" is the one `ray start` made on this host (or
-    # RAY_ADDRESS); otherwise its GCS address, HOST:PORT. `flexmarl run` must run on a node
-    # of the cluster (the workers connect back to it).
     address: str = "auto"
-    # How Ray lays the workers' bundles out over its nodes. Workers that share a GPU
-    # (cluster.*_gpus) are one bundle, so they always land on one node.
+    """The Ray cluster to join: "auto" is the one `ray start` made on this host (or RAY_ADDRESS);
+    otherwise its GCS address, HOST:PORT. `flexmarl run` must run on a node of the cluster (the
+    workers connect back to it); a Ray Client address (ray://) is refused."""
     placement_strategy: PlacementStrategy = "PACK"
-    # How long to wait for the cluster to find room for every worker at the start (an
-    # autoscaling cluster adds nodes meanwhile); past it, the run stops before any worker starts.
+    """How Ray lays the workers' bundles out over its nodes: PACK (as few nodes as fit), SPREAD,
+    STRICT_PACK or STRICT_SPREAD. Workers that share a GPU (`cluster.*_gpus`) are one bundle, so
+    they always land on one node."""
     placement_timeout_s: float = 60.0
-    # With empty cluster.*_gpus lists: true gives each worker GPUs of its own from its agents'
-    # settings (a rollout worker the largest tensor_parallel_size, a trainer
-    # cluster.trainer_group_size); false runs the workers on CPUs.
+    """How long to wait for the cluster to find room for every worker at the start (an autoscaling
+    cluster adds nodes meanwhile); past it, the run stops before any worker starts."""
     use_gpus: bool = False
+    """With empty `cluster.*_gpus` lists: true gives each worker GPUs of its own from its agents'
+    settings, one per rank (a rollout worker the largest `tensor_parallel_size`, a trainer
+    `cluster.trainer_group_size`); false runs the workers on CPUs only."""
 
 
 @dataclass
@@ -138,77 +159,142 @@ class BaseConfig:
     per rollout instance and once per trainer. The engine and trainer settings of its
     adapter agents are these; runtime/bases.py derives the engine's LoRA slots."""
 
-    model: str = ""  # a built-in tiny model name, or a path to a Hugging Face model dir
-    max_model_len: int = 0  # as agents.*.max_model_len
+    model: str = ""
+    """The model its adapter agents share: a Hugging Face model directory or a `tiny:` recipe
+    (as `agents.*.model`)."""
+    max_model_len: int = 0
+    """As `agents.*.max_model_len`, for the engines of this base."""
     dtype: ModelDtype = "auto"
+    """As `agents.*.dtype`; every adapter agent of the base has it."""
     train_precision: TrainPrecision = "mixed"
+    """As `agents.*.train_precision`."""
     activation_checkpointing: bool = False
-    compile_layers: bool = False  # as agents.*.compile_layers
+    """As `agents.*.activation_checkpointing`."""
+    compile_layers: bool = False
+    """As `agents.*.compile_layers`."""
     gpu_memory_utilization: float = 0.9
+    """As `agents.*.gpu_memory_utilization`."""
     tensor_parallel_size: int = 1
-    block_size: int = 0  # as agents.*.block_size
-    # Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this
-    # base times (pipeline.max_staleness + 1) versions resident at once; a number below
-    # that (what a GPU's memory allows, say) refuses the job at start.
+    """As `agents.*.tensor_parallel_size`."""
+    block_size: int = 0
+    """As `agents.*.block_size`."""
     max_loras: int = 0
-    max_cpu_loras: int = 0  # adapters an engine holds; 0: max_loras
-    max_lora_rank: int = 0  # 0: the smallest rank vLLM accepts that covers every agent's
+    """Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this base
+    times (`pipeline.max_staleness` + 1) versions resident at once; a number below that (what a
+    GPU's memory allows, say) refuses the job at start."""
+    max_cpu_loras: int = 0
+    """Adapters an engine holds; 0: `max_loras`."""
+    max_lora_rank: int = 0
+    """The largest adapter rank an engine accepts; 0: the smallest rank vLLM accepts that covers
+    every agent's."""
 
 
 @dataclass
 class AgentConfig:
-    model: str = ""  # a built-in tiny model name, or a path to a Hugging Face model dir
-    # An agent that is a LoRA adapter of `bases.<base>` (then `model` stays empty and the
-    # base's model, dtype and engine settings are the agent's). PEFT's names: rank r,
-    # scale alpha / r, dropout on the adapter's input, the modules it adapts.
+    model: str = ""
+    """A Hugging Face model directory (one both transformers and vLLM load), or a `tiny:` recipe:
+    `tiny:NAME` for the built-in digit chain's models (tiny:planner, tiny:solver, tiny:checker),
+    `tiny:FILE.py:NAME` or `tiny:package.module:NAME` for one of a job's own. A directory or file
+    in a TOML file is relative to its folder. Empty for an adapter agent (`base`)."""
     base: str = ""
+    """Makes the agent a LoRA adapter of `bases.<base>`: then `model` stays empty and the base's
+    model, dtype and engine settings are the agent's."""
     lora_rank: int = 8
+    """An adapter agent's LoRA rank r (PEFT's names here and below)."""
     lora_alpha: float = 16.0
+    """An adapter agent's LoRA scale: the update is (alpha / r) B A."""
     lora_dropout: float = 0.0
+    """An adapter agent's dropout on the adapter's input."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    group_size: int = 4  # samples per prompt (n); advantages are normalised in a group
+    """The modules an adapter agent adapts, checked against the base's module names before
+    anything loads the base."""
+    group_size: int = 4
+    """Samples per prompt (n, at least 2), the default n of `ctx.generate` and `ctx.chat`;
+    advantages are normalised within the group."""
     max_tokens: int = 8
+    """A cap on each turn's output; generation ends at EOS or a stop string."""
     temperature: float = 1.0
+    """Sampling temperature."""
     lr: float = 2e-3
+    """Adam learning rate."""
     max_grad_norm: float = 1.0
+    """Gradient clipping: the gradient's norm is clipped to this."""
     # Sampling (every ctx.generate / ctx.chat call may override these).
     top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-    stop: list[str] = field(default_factory=list)  # generation ends at these strings (cut from sample.text)
-    stop_token_ids: list[int] = field(default_factory=list)  # ... or at these tokens
-    ignore_eos: bool = False  # true: always write max_tokens tokens (fixed-length outputs)
-    max_model_len: int = 0  # the engine's context length (prompt + output); 0: 64 on CPU, the model's own on CUDA
+    """Nucleus sampling: the most likely tokens until their probability reaches top_p."""
+    top_k: int = 0
+    """Top-k sampling; 0: no top-k cut."""
+    stop: list[str] = field(default_factory=list)
+    """Generation ends at these strings (cut from `sample.text`)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Generation also ends at these token ids."""
+    ignore_eos: bool = False
+    """True: always write `max_tokens` tokens (fixed-length outputs)."""
+    max_model_len: int = 0
+    """The rollout engine's context length (prompt + output); 0: 64 on CPU, the model's own on
+    CUDA."""
     # The loss (protocol.LossOptions says what each name means). Defaults: plain GRPO.
-    loss_agg: LossAggregation = "seq_mean"  # "seq_mean" | "token_mean" | "constant"
-    loss_constant: float = 0.0  # divisor of "constant" aggregation; 0 means max_tokens
-    normalize_adv_std: bool = True  # advantages divided by their group's std (off: Dr. GRPO)
-    # Correction when max_staleness > 0: "tis" | "ppo_clip" | "token_mis" | "seq_mis" |
-    # "gspo" | "cispo" (protocol.OffPolicyCorrection says what each does). TIS's cap is
-    # pipeline.clip_ratio; the others' constants are these:
+    loss_agg: LossAggregation = "seq_mean"
+    """How a sample's per-token loss terms become one number: "seq_mean" (the mean over its tokens;
+    the step divides by the samples), "token_mean" (the sum over its tokens; the step divides by
+    the global batch's tokens) or "constant" (the sum over its tokens / `loss_constant`, as in
+    Dr. GRPO; the step divides by the samples)."""
+    loss_constant: float = 0.0
+    """The divisor of "constant" aggregation; 0: `max_tokens`."""
+    normalize_adv_std: bool = True
+    """Advantages divided by their group's std (false: Dr. GRPO)."""
     off_policy: OffPolicyCorrection = "tis"
-    clip_eps: float = 0.2  # ppo_clip: the ratio clipped to [1 - clip_eps, 1 + clip_eps]
-    dual_clip: float = 0.0  # ppo_clip: > 1 turns on dual-clip with this constant; 0 off
-    is_low: float = 0.5  # token_mis / seq_mis: ratios outside [is_low, is_high] are masked
+    """The correction for samples of older policies when `pipeline.max_staleness` > 0: "tis",
+    "ppo_clip", "token_mis", "seq_mis", "gspo" or "cispo" (protocol.OffPolicyCorrection says what
+    each does). TIS's cap is `pipeline.clip_ratio`; the others' constants are the keys below."""
+    clip_eps: float = 0.2
+    """`ppo_clip`: the ratio clipped to [1 - clip_eps, 1 + clip_eps]."""
+    dual_clip: float = 0.0
+    """`ppo_clip`: above 1 turns on dual-clip with this constant c (a negative advantage's term is
+    bounded at c A); 0: off."""
+    is_low: float = 0.5
+    """`token_mis` / `seq_mis`: ratios outside [is_low, is_high] are masked."""
     is_high: float = 2.0
-    gspo_eps_low: float = 3e-4  # gspo: sequence ratio clipped to [1 - low, 1 + high]
+    """`token_mis` / `seq_mis`: the upper end of the kept ratios (see `is_low`)."""
+    gspo_eps_low: float = 3e-4
+    """`gspo`: the sequence ratio clipped to [1 - gspo_eps_low, 1 + gspo_eps_high]."""
     gspo_eps_high: float = 4e-4
-    cispo_eps_high: float = 2.0  # cispo: detached weight clipped to [0, 1 + cispo_eps_high]
-    kl_coef: float = 0.0  # KL penalty towards the initial weights; 0: none
-    # Devices and precision. "auto" dtype: bfloat16 where the worker has CUDA, float32 on CPU;
-    # the rollout engine runs in it and the trainer computes in it.
+    """`gspo`: the upper clip of the sequence ratio (see `gspo_eps_low`)."""
+    cispo_eps_high: float = 2.0
+    """`cispo`: the detached weight clipped to [0, 1 + cispo_eps_high]."""
+    kl_coef: float = 0.0
+    """KL penalty towards the initial weights; 0: none (no reference model is built)."""
+    # Devices and precision.
     dtype: ModelDtype = "auto"
-    train_precision: TrainPrecision = "mixed"  # "mixed": float32 weights + optimizer state; "pure": all in dtype
-    activation_checkpointing: bool = False  # trainer recomputes activations in backward (less memory)
-    compile_layers: bool = False  # trainer torch.compiles the decoder's norms and MLPs (fused elementwise work)
-    gpu_memory_utilization: float = 0.9  # CUDA rollout engines: share of the GPU vLLM may claim
-    tensor_parallel_size: int = 1  # ranks one rollout engine spans (vLLM's tensor parallelism): GPUs, or CPU cores
-    # Tokens per KV-cache block of the rollout engine; its prefix cache (a later turn reusing
-    # its conversation, a group's samples their prompt) reuses whole blocks only. 0: the
-    # device's default (128 on CPU, where 32 is the least; 16 on CUDA).
+    """What the rollout engine runs in and the trainer computes in; "auto" is resolved by each
+    worker: bfloat16 where it has CUDA, float32 on CPU."""
+    train_precision: TrainPrecision = "mixed"
+    """"mixed": float32 master weights and optimizer state, forward and backward autocast to `dtype`
+    (a no-op in float32); "pure": weights, gradients and optimizer state all in `dtype` (refused
+    with float16, whose Adam eps is 0)."""
+    activation_checkpointing: bool = False
+    """The trainer recomputes activations in backward (Hugging Face
+    `gradient_checkpointing_enable`): less memory, more compute."""
+    compile_layers: bool = False
+    """The trainer `torch.compile`s each RMSNorm and MLP module of the decoder (dynamic shapes),
+    fusing their elementwise work; the first micro-batch pays the compile (seconds), and on the
+    CPU it needs a C++ compiler."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA rollout engines: the share of the GPU vLLM may claim (weights + KV cache), split
+    between the engines of rollout workers that share a GPU. On CPU the KV cache stays 256 MiB."""
+    tensor_parallel_size: int = 1
+    """Ranks one rollout engine spans (vLLM's tensor parallelism), a process each: on CUDA a GPU
+    each (each rollout worker's GPU list must hold at least the largest); on CPU, cores of their
+    own."""
     block_size: int = 0
-    # The vLLM tool parser ("hermes", "llama3_json", ...) that turns this agent's replies on
-    # the OpenAI endpoint into `tool_calls` when a call passes `tools`; "": replies stay text.
+    """Tokens per KV-cache block of the rollout engine; its prefix cache (a group's samples sharing
+    their prompt, a later turn its conversation) reuses whole blocks only. 0: the device's
+    default, 16 on CUDA and 128 on CPU, longer than the CPU's 64-token context: set 32 (the CPU's
+    least) there to see prefix-cache hits. Otherwise a multiple of 16 (of 32 on CPU)."""
     tool_parser: str = ""
+    """The vLLM tool parser ("hermes", "llama3_json", "mistral", ...) that turns this agent's
+    replies on the OpenAI endpoint into `tool_calls` when a call passes `tools`; "": replies stay
+    text."""
 
     def engine_settings(self) -> EngineSettings:
         """How a rollout engine runs this agent's model (sent in LoadModel)."""
@@ -241,55 +327,66 @@ class AgentConfig:
 
 @dataclass
 class PipelineConfig:
-    mode: str = "sync"  # "sync" | "async"
+    mode: str = "sync"
+    """"sync" (roll out the whole global batch, then train each agent, then sync: the baseline) or
+    "async" (micro-batches are trained while rollout continues)."""
     max_staleness: int = 0
-    queries_per_step: int = 8  # episodes per global batch (every agent steps once per batch)
-    micro_batch: int = 16  # samples per micro-batch, per agent
-    # Above 0: micro-batches are cut by this many tokens instead (a group's prompt once plus
-    # every output, as the trainer computes them), so each takes about the same memory and
-    # time whatever lengths the policy writes; micro_batch is then unused. Whole groups
-    # either way: a group larger than the budget is a micro-batch of its own.
+    """K: no sample with a turn older than v - K trains version v. 0: exactly on-policy, the same
+    update as sync mode; above 0 the loss corrects for the lag (`agents.*.off_policy`)."""
+    queries_per_step: int = 8
+    """Episodes per global batch (every agent steps once per batch)."""
+    micro_batch: int = 16
+    """Samples per micro-batch, per agent."""
     micro_batch_tokens: int = 0
+    """Above 0: micro-batches are cut by this many tokens instead (a group's prompt once plus every
+    output, as the trainer computes them), so each takes about the same memory and time whatever
+    lengths the policy writes; `micro_batch` is then unused. Whole groups either way: a group
+    larger than the budget is a micro-batch of its own."""
     max_concurrent_episodes: int = 16
+    """Episodes running at once."""
     episode_timeout_s: float = 120.0
-    # ctx.call: blocking tool, environment and reward functions run in a pool this big,
-    # each limited to tool_timeout_s unless the call says otherwise.
+    """An episode running longer fails (alone)."""
     tool_threads: int = 4
+    """The thread pool `ctx.call` runs blocking tool, environment and reward functions in."""
     tool_timeout_s: float = 60.0
-    # A step whose gradient is not finite is skipped (weights unchanged, an event, a count
-    # in metrics); this many skipped steps of one agent in a row stop the run.
+    """`ctx.call`'s time limit unless the call gives its own; past it only that episode fails."""
     max_skipped_steps: int = 3
-    # TIS's truncation cap (agents' off_policy = "tis"): the importance weight is min(ratio,
-    # clip_ratio). Only TIS reads it; PPO's clip range is agents.*.clip_eps.
+    """A step whose gradient is not finite is skipped (weights unchanged, a `StepSkipped` event, a
+    count in metrics); this many skipped steps of one agent in a row stop the run."""
     clip_ratio: float = 2.0
-    # A run that cannot learn stops (exit status 1, the first failure's traceback shown):
-    # when more than this share of a step's episodes fail (1.0: never), or when an agent
-    # gets no trainable sample in a step (unless allow_empty_steps: a workflow that calls
-    # some agent only now and then).
+    """TIS's truncation cap (`agents.*.off_policy = "tis"`): the importance weight is min(ratio,
+    clip_ratio). Only TIS reads it; PPO's clip range is `agents.*.clip_eps`."""
     max_failed_share: float = 0.5
+    """A run that cannot learn stops (exit status 1, the first failure's traceback shown) when more
+    than this share of a step's episodes fail; 1.0: never."""
     allow_empty_steps: bool = False
+    """False: an agent that gets no trainable sample in a step stops the run (exit status 1); true:
+    it steps on nothing (a workflow that calls some agent only now and then)."""
 
 
 @dataclass
 class RouterConfig:
-    # Level 2 (within an agent): "least_loaded" sends each group (the n samples of one
-    # prompt) whole to the less loaded of two instances drawn at random; "round_robin" is
-    # the static baseline.
     within_agent: str = "least_loaded"
-    # A group larger than an instance's fair share of its agent's work is split over
-    # instances in contiguous parts of at least this many samples (each part prefills the
-    # prompt again).
+    """Level 2 (within an agent): "least_loaded" sends each group (the n samples of one prompt)
+    whole to the less loaded of two instances drawn at random; "round_robin" is the static
+    baseline."""
     min_part: int = 16
-    # A later turn of a conversation goes back to the instance of the turn before (its
-    # prefix cache holds the conversation) while that instance's outstanding work is at
-    # most this many times the alternative's; 0: by load alone.
+    """A group larger than an instance's fair share of its agent's work is split over instances in
+    contiguous parts of at least this many samples (each part prefills the prompt again)."""
     affinity_bound: float = 2.0
-    # Level 1 (across agents): move rollout instances between agents from measured demand.
+    """A later turn of a conversation goes back to the instance of the turn before (its prefix
+    cache holds the conversation) while that instance's outstanding work is at most this many
+    times the alternative's; 0: by load alone."""
     across_agents: bool = False
-    disparity_threshold: float = 5.0  # per-instance demand ratio that triggers a move
-    patience: int = 3  # consecutive observations above the threshold before moving
-    cooldown_s: float = 5.0  # after a move, no other move for this long (no thrashing)
-    interval_s: float = 0.5  # how often demand is observed
+    """Level 1 (across agents): move rollout instances between agents from measured demand."""
+    disparity_threshold: float = 5.0
+    """The per-instance demand ratio between agents that triggers a level-1 move."""
+    patience: int = 3
+    """Consecutive observations above the threshold before a move."""
+    cooldown_s: float = 5.0
+    """After a move, no other move for this long (no thrashing)."""
+    interval_s: float = 0.5
+    """How often demand is observed."""
 
 
 def block_size_problem(block_size: int) -> str:
@@ -311,71 +408,107 @@ TRACKERS = ("tensorboard", "wandb")  # metrics destinations besides metrics.json
 @dataclass
 class RunConfig:
     workflow: str = "digit_chain"
+    """The episode function: a built-in name ("digit_chain"), "package.module:function" or
+    "path/file.py:function" (in a TOML file, relative to its folder)."""
     steps: int = 20
+    """Optimizer steps (global batches); every agent steps once per batch."""
     seed: int = 0
-    out: str = ""  # run directory; empty -> runs/<timestamp>
-    # A checkpoint (weights, optimizer state, controller state; what --resume continues
-    # from) after every this many steps, and always after the last; 0 -> only at the end.
+    """Seeds the data order, every episode's randomness and every sample's sampling."""
+    out: str = ""
+    """The run directory; empty: `runs/<timestamp>`."""
     checkpoint_every: int = 10
-    keep_checkpoints: int = 3  # the newest this many are kept (and checkpoints/final)
-    env_latency_ms: float = 0.0  # mean latency of the simulated environment/tool call
+    """A checkpoint (weights, optimizer state, controller state: what `--resume` continues from)
+    after every this many steps, and always after the last; 0: only at the end."""
+    keep_checkpoints: int = 3
+    """The newest this many checkpoints are kept (and `checkpoints/final`)."""
+    env_latency_ms: float = 0.0
+    """Mean latency of the simulated environment or tool call `ctx.env()`."""
     progress: bool = True
-    event_log: bool = True  # RUN_DIR/events.log; off only to measure its overhead
-    # Where metrics rows go besides metrics.jsonl: any of TRACKERS. W&B runs offline unless
-    # WANDB_MODE says otherwise (its files land in RUN_DIR/wandb; `wandb sync` uploads them).
+    """The progress line per step and the set-up progress; `--no-progress` sets it false."""
+    event_log: bool = True
+    """Write `RUN_DIR/events.log`; off only to measure its overhead."""
     trackers: list[str] = field(default_factory=list)
+    """Where metrics rows (and sample texts) go besides metrics.jsonl: any of "tensorboard"
+    (`RUN_DIR/tensorboard`) and "wandb" (TRACKERS). W&B runs offline unless WANDB_MODE says
+    otherwise (its files land in `RUN_DIR/wandb`; `wandb sync` uploads them)."""
     wandb_project: str = "flexmarl"
-    # Every optimizer step writes this many of each agent's trained samples, as text (each
-    # turn, its policy version, the reward; best and worst first), to RUN_DIR/samples.jsonl
-    # and the trackers; `flexmarl samples RUN_DIR` prints them. 0: none.
+    """The W&B project."""
     samples_per_step: int = 0
+    """Every optimizer step writes this many of each agent's trained samples, as text (each turn,
+    its policy version, the reward; best and worst first), to `RUN_DIR/samples.jsonl` and the
+    trackers; `flexmarl samples RUN_DIR` prints them. 0: none."""
 
 
 @dataclass
 class DataConfig:
-    # Rows a user's episodes receive as `ctx.item`: a .jsonl / .json / .parquet / .csv file
-    # or a directory written by `datasets.Dataset.save_to_disk`. Empty: no dataset (the
-    # workflow makes its own queries, like the built-in digit chain).
     train: str = ""
-    eval: str = ""  # held-out rows for [eval]; never trained
-    shuffle: bool = True  # a new order every epoch, from run.seed
-    epochs: int = 0  # 0: as many passes as the run needs
+    """Rows a user's episodes receive as `ctx.item`: a .jsonl / .json / .parquet / .csv file or a
+    directory written by `datasets.Dataset.save_to_disk` (in a TOML file, relative to its
+    folder). Empty: no dataset (the workflow makes its own queries, like the built-in digit
+    chain)."""
+    eval: str = ""
+    """Held-out rows for `[eval]`; never trained."""
+    shuffle: bool = True
+    """A new order every epoch, from `run.seed`."""
+    epochs: int = 0
+    """Passes over the data; 0: as many as the run needs."""
 
 
 @dataclass
 class EvalConfig:
-    every: int = 0  # evaluate after every N optimizer steps (0: never)
-    episodes: int = 16  # held-out episodes per evaluation (eval rows, cycled)
-    temperature: float = 0.0  # greedy by default
-    at_start: bool = False  # also evaluate the initial weights
+    every: int = 0
+    """Evaluate after every N optimizer steps, and always the final weights at the end; 0: never."""
+    episodes: int = 16
+    """Held-out episodes per evaluation (eval rows, cycled)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluations; 0: greedy. Evaluation episodes take one sample per
+    call."""
+    at_start: bool = False
+    """With `every` above 0: also evaluate the initial weights, before the first step (rows at
+    step 0)."""
 
 
 @dataclass
 class OpenAIConfig:
-    # The run's OpenAI-compatible endpoint (controller/serving/openai_api.py): `model` names an
-    # agent, the API key names an episode. Off unless enabled.
     enabled: bool = False
-    host: str = "127.0.0.1"  # any host but loopback requires a key (key_env)
-    port: int = 0  # 0 picks a free port (logged, and written to RUN_DIR/openai.url)
-    # The environment variable holding the endpoint's key. Off loopback it is required:
-    # episode keys are it plus the episode's id, and `flexmarl serve` accepts it alone.
+    """Serve the run's OpenAI-compatible endpoint (controller/serving/openai_api.py): `model`
+    names an agent, the API key names an episode. Off unless enabled."""
+    host: str = "127.0.0.1"
+    """Where the endpoint listens; any host but loopback requires a key (`key_env`)."""
+    port: int = 0
+    """The endpoint's port; 0 picks a free port (logged, and written to `RUN_DIR/openai.url`)."""
     key_env: str = "FLEXMARL_OPENAI_KEY"
-    max_request_bytes: int = 8 * 1024 * 1024  # a larger request body is refused (413)
+    """The environment variable holding the endpoint's key. Off loopback it is required: episode
+    keys are it, a dash and the episode's id, and `flexmarl serve` accepts it alone."""
+    max_request_bytes: int = 8 * 1024 * 1024
+    """A larger request body is refused (413)."""
 
 
 @dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
+    """`[run]`: what to train, for how long, and what the run writes."""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    """`[transport]`: the controller's ZeroMQ socket, heartbeats and CURVE keys."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """`[cluster]`: the worker processes, their GPUs and their restarts."""
     ray: RayConfig = field(default_factory=RayConfig)
+    """`[ray]`: the Ray cluster, for `cluster.launcher = "ray"`."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """`[pipeline]`: global batches and micro-batches, staleness, episodes and when a run stops."""
     router: RouterConfig = field(default_factory=RouterConfig)
+    """`[router]`: which rollout instance generates each group (level 2), and how many instances
+    each agent has (level 1)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """`[data]`: the rows episodes receive."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """`[eval]`: held-out episodes that never train."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
+    """`[openai]`: the run's OpenAI-compatible endpoint."""
     bases: dict[str, BaseConfig] = field(default_factory=dict)
+    """`[bases.NAME]`, one table per base model that adapter agents share."""
     agents: dict[str, AgentConfig] = field(default_factory=dict)
+    """`[agents.NAME]`, one table per agent: its model, sampling, loss, devices and precision."""
 
     def widest_engine(self) -> int:
         """The ranks of the widest rollout engine: its agents' largest tensor_parallel_size."""
@@ -624,6 +757,49 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 
 def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+# ---------------------------------------------------------------- what a job needs of its bases
+
+# The ranks vLLM's engines accept for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# What an adapter agent takes from its base, never sets itself (one engine and one frozen
+# copy of the base serve all the base's agents, so these cannot differ between them).
+BASE_KEYS = ("model", "max_model_len", "dtype", "train_precision", "activation_checkpointing", "compile_layers",
+             "gpu_memory_utilization", "tensor_parallel_size", "block_size")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+@dataclass(frozen=True)
+class LoraSlots:
+    """An engine's LoRA sizing for one base: what vLLM's enable_lora arguments become."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+def adapter_agents(cfg: ExperimentConfig, base: str) -> list[str]:
+    """The agents that are adapters of `base`, in config order."""
+    return [name for name, agent in cfg.agents.items() if agent.base == base]
+
+
+def versions_resident(cfg: ExperimentConfig) -> int:
+    """How many versions of one agent an engine may hold at once: the newest and the K
+    older ones requests in flight may still use (K = 0 in sync mode: no request outlives
+    a sync)."""
+    return 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
+
+
+def required_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
+    """The slots the job needs on an engine of `base`: every version of every adapter
+    agent that may be resident at once, and a rank covering every agent's."""
+    agents = [cfg.agents[name] for name in adapter_agents(cfg, base)]
+    loras = len(agents) * versions_resident(cfg)
+    top = max((a.lora_rank for a in agents), default=1)
+    rank = next((r for r in VLLM_LORA_RANKS if r >= top), 0)
+    return LoraSlots(loras, rank, loras)
 
 
 def check_bases(cfg: ExperimentConfig) -> None:

@@ -385,13 +385,13 @@ class WeightsLoaded(Message):
 
 
 # How a sample's per-token loss terms become one number, and what the optimizer step
-# divides the global batch's sum by (workers/loss.py holds the table):
+# divides the global batch's sum by (workers/trainer/loss.py holds the table):
 #   seq_mean    mean over the sample's tokens; the step divides by the samples
 #   token_mean  sum over the sample's tokens; the step divides by the global batch's tokens
 #   constant    sum over the sample's tokens / `constant`; the step divides by the samples
 LossAggregation = Literal["seq_mean", "token_mean", "constant"]
 # How a token sampled by an older policy is weighted (only when max_staleness > 0), with
-# r = pi / mu the trainer's over the sampler's probability (workers/loss.py holds the table):
+# r = pi / mu the trainer's over the sampler's probability (workers/trainer/loss.py holds the table):
 #   tis       truncated importance sampling: weight min(r, clip_ratio), detached
 #   ppo_clip  PPO's surrogate, r clipped to [1 - clip_eps, 1 + clip_eps] (dual-clip optional)
 #   token_mis masked importance sampling per token: weight r, detached, 0 outside [is_low, is_high]
@@ -491,7 +491,7 @@ class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
     # The distribution its (first) turn was sampled from, which the sampler's logprobs are
     # of and the trainer scores under: logits / temperature (0, greedy: unscaled), cut to
     # the top_k largest (0: no cut), then to the smallest set of probability >= top_p,
-    # renormalised (workers/sampling.py).
+    # renormalised (workers/trainer/sampling.py).
     temperature: float = 1.0
     # Per output id: 1 where the agent generated it (trained), 0 where it was appended
     # between turns of a conversation (other agents' messages, tool results). Empty: all 1.

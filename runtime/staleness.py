@@ -1,5 +1,5 @@
-"""The staleness rule, once, for both sides: the controller enforces it (decisions.py,
-replay's check) and the trainer refuses what breaks it (workers/trainer.py).
+"""The staleness rule, once, for both sides: the controller enforces it (controller/state/decisions.py,
+replay's check) and the trainer refuses what breaks it (workers/trainer/worker.py).
 
 A sample's *lag* is the trainer's version when it is trained minus the oldest policy
 version that produced any turn of it; the bound `max_staleness` (k) says lag <= k.

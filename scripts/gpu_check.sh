@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (bench/gpu_check.py) on a CUDA machine that has torch, CuPy and transformers
+# The GPU check (scripts/gpu_check.py) on a CUDA machine that has torch, CuPy and transformers
 # but not all of FlexMARL's own Python dependencies, and no project install.
 #
 #   bash scripts/gpu_wheels.sh            # where PyPI is reachable: the wheels into .whl/
@@ -8,7 +8,7 @@
 # The wheels (pyzmq, msgspec, pytest, pytest-asyncio) are installed into a private folder,
 # never into the machine's Python; FlexMARL is imported from this checkout through a
 # folder of links named as its packages (flexmarl.runtime -> runtime/, ...). Where FlexMARL
-# is installed already (make setup on a CUDA machine), run bench/gpu_check.py directly.
+# is installed already (make setup on a CUDA machine), run scripts/gpu_check.py directly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -19,4 +19,4 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 for pkg in runtime controller workers; do ln -sfn "$PWD/$pkg" "$site/flexmarl/$pkg"; done
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1
-exec "$PYTHON" bench/gpu_check.py "$@"
+exec "$PYTHON" scripts/gpu_check.py "$@"

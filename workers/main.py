@@ -25,13 +25,13 @@ def make_handler(role: str, group_size: int = 1, threads: int = 1,
                  channel: ParamChannelConfig | None = None) -> CommandHandler:
     # Imported lazily: a trainer never needs vLLM, and neither needs the other's deps.
     if role == "rollout":
-        from .rollout import RolloutHandler
+        from .rollout.worker import RolloutHandler
         return RolloutHandler(channel)
     if role == "trainer" and group_size > 1:
-        from .trainer_group import TrainerGroupHandler
+        from .trainer.group import TrainerGroupHandler
         return TrainerGroupHandler.start(group_size, threads, channel)  # this process is rank 0
     if role == "trainer":
-        from .trainer import TrainerHandler
+        from .trainer.worker import TrainerHandler
         return TrainerHandler(channel)
     raise SystemExit(f"unknown role {role!r}; use --role rollout or --role trainer")
 

@@ -15,7 +15,7 @@ Run as a program it builds (or finds) one agent's model of a job module (a dotte
 a .py file) and prints the directory as the last line of its output; the controller starts
 it as a child process so that it never loads torch itself:
 
-    python -m flexmarl.workers.models --job flexmarl.controller.digit_chain \\
+    python -m flexmarl.workers.models --job flexmarl.controller.tasks.digit_chain \\
         --agent planner --cache-root .cache/models
     python -m flexmarl.workers.models --job examples/review_chain/models.py \\
         --agent solver --cache-root .cache/models

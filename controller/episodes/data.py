@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .failures import RunFailed, calling_user_frame
+from ..state.failures import RunFailed, calling_user_frame
 
 # file suffix -> the `datasets` builder that reads it
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -26,17 +26,16 @@ from typing import TYPE_CHECKING, Any
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
-from ..interfaces import Emit
-from ..workflow import Episode, run_episode
+from ..control.interfaces import Emit
+from ..state.schedule import BatchSchedule
+from ..state.store import ExperienceStore
 from .data import Dataset
 from .producer import EpisodeContexts
-from .schedule import BatchSchedule
-from .store import ExperienceStore
+from .workflow import Episode, EpisodeEndpoint, run_episode
 
 if TYPE_CHECKING:
     from ..records.metrics import MetricsLog
     from ..rollout.router import RolloutClient
-    from ..serving.openai_api import OpenAIEndpoint
     from .tokens import AgentTokenizer
 
 
@@ -53,7 +52,7 @@ class Evaluator:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, client: RolloutClient, schedule: BatchSchedule,
                  metrics: MetricsLog, emit: Emit, dataset: Dataset | None,
                  tools: Executor | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
-                 endpoint: OpenAIEndpoint | None = None) -> None:
+                 endpoint: EpisodeEndpoint | None = None) -> None:
         self.cfg = cfg
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)
         self.workflow = workflow

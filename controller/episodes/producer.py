@@ -31,16 +31,15 @@ from typing import TYPE_CHECKING, Any
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
-from ..interfaces import Emit
-from ..workflow import AgentDefaults, Episode, EpisodeContext, ToolPool, run_episode
+from ..control.interfaces import Emit
+from ..state.failures import RunFailed, too_many_failures
+from ..state.schedule import BatchSchedule
+from ..state.store import ExperienceStore
 from .data import Dataset
-from .failures import RunFailed, too_many_failures
-from .schedule import BatchSchedule
-from .store import ExperienceStore
+from .workflow import AgentDefaults, Episode, EpisodeContext, EpisodeEndpoint, ToolPool, run_episode
 
 if TYPE_CHECKING:
     from ..rollout.router import RolloutClient
-    from ..serving.openai_api import OpenAIEndpoint
     from .tokens import AgentTokenizer
 
 # Episodes started in one turn of the event loop. A batch's episodes all start at once, and
@@ -55,7 +54,7 @@ class EpisodeContexts:
     defaults, the tool pool, tokenizers), and the contexts made from it."""
 
     def __init__(self, cfg: ExperimentConfig, client: RolloutClient, tools: Executor | None,
-                 tokenizers: dict[str, AgentTokenizer], endpoint: OpenAIEndpoint | None = None) -> None:
+                 tokenizers: dict[str, AgentTokenizer], endpoint: EpisodeEndpoint | None = None) -> None:
         self.cfg = cfg
         self.client = client
         self.tools = tools  # the pool ctx.call runs blocking functions in
@@ -76,7 +75,7 @@ class EpisodeProducer:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: RolloutClient,
                  schedule: BatchSchedule, emit: Emit, dataset: Dataset | None = None,
                  tools: Executor | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
-                 endpoint: OpenAIEndpoint | None = None) -> None:
+                 endpoint: EpisodeEndpoint | None = None) -> None:
         self.cfg = cfg
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)
         self.emit = emit

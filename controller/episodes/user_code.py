@@ -9,6 +9,10 @@
 and what to do; the driver calls it before any worker starts. A workflow is
 `async def episode(ctx)`; see workflow.py for what `ctx` offers.
 
+A built-in is named here by the same reference a user writes (`BUILT_IN`): each lives in
+its task module with everything else of that task (controller/tasks/), a user of the
+workflow API like any user's job, loaded only when a run names it.
+
 It does not run the workflow or know what it does.
 """
 
@@ -21,8 +25,10 @@ from typing import Callable
 
 from flexmarl.runtime.user_modules import import_file
 
-from ..builtin_workflows import WORKFLOWS
-from .failures import user_frame
+from ..state.failures import user_frame
+
+# The built-in workflows by short name, for `run.workflow`.
+BUILT_IN = {"digit_chain": "flexmarl.controller.tasks.digit_chain:episode"}
 
 
 class WorkflowError(ValueError):
@@ -30,10 +36,9 @@ class WorkflowError(ValueError):
 
 
 def load_workflow(spec: str) -> Callable:
-    if spec in WORKFLOWS:
-        return WORKFLOWS[spec]
+    spec = BUILT_IN.get(spec, spec)
     if ":" not in spec:
-        raise WorkflowError(f"run.workflow = {spec!r} is not a built-in ({', '.join(WORKFLOWS)}) and not of the "
+        raise WorkflowError(f"run.workflow = {spec!r} is not a built-in ({', '.join(BUILT_IN)}) and not of the "
                             f"form 'package.module:function' or 'path/to/file.py:function'")
     where, name = spec.rsplit(":", 1)
     module = _import_file(where, spec) if where.endswith(".py") or "/" in where else _import_module(where, spec)

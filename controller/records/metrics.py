@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flexmarl.runtime.atomic import replace_atomically
 
-from .. import decisions
+from ..state import decisions
 
 if TYPE_CHECKING:
     from .sample_log import SampleLog

@@ -22,17 +22,23 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from flexmarl.runtime.atomic import write_text_atomically
 
 if TYPE_CHECKING:
-    from ..episodes.tokens import AgentTokenizer
     from .trackers import Tracker
 
 FILE = "samples.jsonl"
+
+
+class Decoder(Protocol):
+    """What the log needs of an agent's tokenizer (episodes/tokens.AgentTokenizer)."""
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass
@@ -47,7 +53,7 @@ class _Snapshot:
 
 
 class SampleLog:
-    def __init__(self, run_dir: str | Path, per_step: int, tokenizers: dict[str, AgentTokenizer],
+    def __init__(self, run_dir: str | Path, per_step: int, tokenizers: Mapping[str, Decoder],
                  trackers: Iterable[Tracker] = (), *, resumed_after: int | None = None) -> None:
         self.per_step = per_step
         self.tokenizers = tokenizers  # agent -> AgentTokenizer, filled at set-up

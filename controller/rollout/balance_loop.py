@@ -9,7 +9,7 @@ observations, and for a move to finish before the next observation. Ends by itse
 the schedule says every global batch is trained.
 
 `reassign(worker, src, dst)` moves one instance: it leaves `src` (no new requests), its
-outstanding work drains (bounded wait), and the admission (instances.py) makes it serve
+outstanding work drains (bounded wait), and the admission (admission.py) makes it serve
 `dst`: an engine restart on `dst`'s model where the architectures differ, else the weights
 swapped in place, then `dst`'s synced weights under `dst`'s sync lock. If the work does
 not drain in time the instance goes back to `src` through the admission (which loads
@@ -42,19 +42,20 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
-from ..interfaces import Emit, WorkerDirectory
+from ..control.interfaces import Emit, WorkerDirectory
 from .balance_rules import AgentDemand, RolloutBalancer
 
 if TYPE_CHECKING:
-    from ..train.weight_sync import WeightSync
-    from .instances import Admission, RolloutInstances
+    from ..state.instances import RolloutInstances
+    from ..weights.sync import WeightSync
+    from .admission import Admission
     from .router import RolloutClient
 
 log = logging.getLogger("flexmarl.balance_loop")
 
 DRAIN_TIMEOUT_S = 30.0  # an instance whose work has not drained by then stays where it was
 # What a move is assumed to cost until one has been measured: a vLLM engine restart on a
-# CPU host took 4-10 s in bench/load_balance.py. Measured costs replace it.
+# CPU host took 4-10 s in bench/system/load_balance.py. Measured costs replace it.
 FIRST_MOVE_COST_S = 5.0
 
 

@@ -10,7 +10,7 @@ again once shutdown began). After that:
 `Rejoin.run()` runs next to the training loops. Consumes: the rollout workers that joined.
 Produces: each of them serving a unit. For each it picks the engine unit (`choose_unit`: a
 whole-model agent, or every adapter agent of a base at once) and
-hands the rest to the admission (instances.py): the engine starts on the agent's model,
+hands the rest to the admission (admission.py): the engine starts on the agent's model,
 the instance is brought to the agent's synced version (a resumed run's included) and only
 then is routed to. Waits for: a worker to join. Ends once every batch is trained.
 
@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from flexmarl.runtime.bases import EngineUnit
 
-from ..interfaces import WorkerDirectory
+from ..control.interfaces import WorkerDirectory
 
 if TYPE_CHECKING:
-    from .instances import Admission, RolloutInstances
+    from ..state.instances import RolloutInstances
+    from .admission import Admission
 
 log = logging.getLogger("flexmarl.rejoin")
 

@@ -18,7 +18,7 @@ Two parts, kept apart on purpose:
   re-issue can never add a sample twice.
 
 Routing is O(1) per group: the live instances of an agent are the instances' owner's list
-(instances.py keeps it by join, death and leave events), the least loaded of two drawn at
+(state/instances.py keeps it by join, death and leave events), the least loaded of two drawn at
 random takes a group (every instance when there are two), and only a group large enough to
 be split looks at them all. The owner counts the work outstanding on each instance; the
 client reports it. An adapter agent's instances are every instance of its base, so its
@@ -38,11 +38,11 @@ from typing import Any, Callable, Coroutine, Sequence
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 
+from ..control.interfaces import Emit
 from ..control.server import ControllerServer, RemoteError, WorkerDied
-from ..episodes.failures import RunFailed
-from ..interfaces import Emit
-from .generation import GroupOutput, assemble
-from .instances import RolloutInstances
+from ..state.failures import RunFailed
+from ..state.groups import GroupOutput, assemble
+from ..state.instances import RolloutInstances
 
 log = logging.getLogger("flexmarl.router")
 

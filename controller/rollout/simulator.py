@@ -1,6 +1,6 @@
 """Rollout at scale on a virtual clock: the controller's routing decisions driving
-simulated inference instances (README, "Pipeline modes and training placement": rollout
-routing; figures in bench/RESULTS.md, "Load balancing under skew").
+simulated inference instances (docs/architecture.md, "The path a group takes": rollout
+routing; figures in bench/RESULTS.md, "system/load_balance.py").
 
 Simulated: `instances` engines doing continuous batching (each step admits queued requests
 up to `max_batch` sequences and takes `a + b * tokens` seconds of its agent's model, tokens

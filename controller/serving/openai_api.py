@@ -145,7 +145,7 @@ class OpenAIEndpoint:
     async def mark_branch(request: Any) -> None:
         """An httpx request hook, run in the calling task: its place in the episode goes
         with the call, so the call opens the group `ctx.chat` there would."""
-        from ..workflow import BRANCH
+        from ..episodes.workflow import BRANCH
 
         request.headers[BRANCH_HEADER] = ".".join(map(str, BRANCH.get()))
 
@@ -241,7 +241,7 @@ class OpenAIEndpoint:
         return _json(ModelList(data=cards))
 
     async def _call(self, headers: Any, raw: bytes, model: type[pydantic.BaseModel], method: str) -> Reply:
-        from ..workflow import BRANCH
+        from ..episodes.workflow import BRANCH
 
         try:
             session = self._session(headers.get("authorization"))

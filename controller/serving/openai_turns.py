@@ -38,10 +38,10 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..episodes.store import PENDING
+from ..state.store import PENDING
 
 if TYPE_CHECKING:
-    from ..workflow import EpisodeContext
+    from ..episodes.workflow import EpisodeContext
 
 # The request fields a call may set, besides those honoured below: they change nothing
 # about the tokens drawn (an id, a user name, the sampling seed: each sample's seed
@@ -310,8 +310,8 @@ class OpenAITurns:
         """Runs a context call; what it refuses (a bad setting, a prompt the tokenizer or
         the engine cannot take, a sample that cannot go on) is the caller's 400, and a
         group the failed call opened is dropped: the call failed alone."""
+        from ..episodes.workflow import EpisodeClosed
         from ..rollout.router import RequestRefused
-        from ..workflow import EpisodeClosed
 
         opened = len(self.ctx.groups)
         try:

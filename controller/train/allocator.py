@@ -40,9 +40,9 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.params.types import ParamHandle
 
+from ..control.interfaces import Emit, WorkerCalls
 from ..control.server import WorkerDied
-from ..decisions import AgentWork, choose_placement
-from ..interfaces import Emit, WorkerCalls
+from ..state.decisions import AgentWork, choose_placement
 
 if TYPE_CHECKING:
     from flexmarl.runtime.config import AgentConfig

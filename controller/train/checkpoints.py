@@ -50,8 +50,8 @@ from flexmarl.runtime.checksums import MANIFEST, DamagedFile, entries_under, rea
 from flexmarl.runtime.config import dump_toml
 from flexmarl.runtime.params.types import ParamHandle
 
+from ..control.interfaces import Emit, WorkerCalls
 from ..control.server import WorkerDied
-from ..interfaces import Emit, WorkerCalls
 
 log = logging.getLogger("flexmarl.checkpoints")
 

@@ -48,15 +48,15 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import PipelineConfig
 
-from .. import decisions
+from ..control.interfaces import Emit, WorkerCalls
 from ..control.server import WorkerDied
-from ..episodes.failures import RunFailed, too_many_failures
-from ..episodes.schedule import BatchSchedule
-from ..episodes.store import ExperienceStore, Sample
-from ..interfaces import Emit, WorkerCalls
+from ..state import decisions
+from ..state.failures import RunFailed, too_many_failures
+from ..state.schedule import BatchSchedule
+from ..state.store import ExperienceStore, Sample
+from ..weights.sync import WeightSync
 from .allocator import AgentLost, TrainerAllocator
 from .trainer_lanes import Priority, TrainerLanes
-from .weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from ..records.metrics import MetricsLog

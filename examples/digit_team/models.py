@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 import random
 
-from flexmarl.controller.digit_chain import VOCAB
-from flexmarl.runtime.model_specs import TinyModelRecipe, TinyModelSpec, WarmupSchedule
 from tasks import warmup_examples
+
+from flexmarl.controller.tasks.digit_chain import VOCAB
+from flexmarl.runtime.model_specs import TinyModelRecipe, TinyModelSpec, WarmupSchedule
 
 BASE = TinyModelSpec("team_base", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                      intermediate_size=512, seed=7)

@@ -20,8 +20,18 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from flexmarl.controller.digit_chain import (ANSWER_ID, BOS_ID, DIGIT_IDS, QUERY_ID, checker_prompt, expected_answer,
-                                             expected_plan, expected_verdict, planner_prompt, solver_prompt)
+from flexmarl.controller.tasks.digit_chain import (
+    ANSWER_ID,
+    BOS_ID,
+    DIGIT_IDS,
+    QUERY_ID,
+    checker_prompt,
+    expected_answer,
+    expected_plan,
+    expected_verdict,
+    planner_prompt,
+    solver_prompt,
+)
 
 Tokens = list[int]
 

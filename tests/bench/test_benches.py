@@ -22,7 +22,8 @@ BENCH = ROOT / "bench"
 def run_bench(script: str, *args: str, timeout: float = 600.0) -> str:
     """The bench's standard output; fails the test with its error output if it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    done = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
+    (path,) = BENCH.glob(f"*/{script}")  # bench/KIND/NAME.py
+    done = subprocess.run([sys.executable, str(path), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stderr[-4000:]}"
     return done.stdout

@@ -1,4 +1,4 @@
-"""bench/controller_scale.py: the real controller against a fake cluster of a few hundred
+"""bench/system/controller_scale.py: the real controller against a fake cluster of a few hundred
 instances over real sockets; the accounting reconciles and the log replays. Not timed."""
 
 import collections
@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flexmarl.controller.records import replay
+from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "controller_scale.py"
+BENCH = ROOT / "bench" / "system" / "controller_scale.py"
 
 
 def load_bench():

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_gpu_check_dry_run_runs_every_part_it_can_on_the_cpu_and_lists_the_rest(tmp_path):
     out = tmp_path / "rows.jsonl"
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

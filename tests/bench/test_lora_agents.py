@@ -1,4 +1,4 @@
-"""bench/lora_agents.py's smoke run: two agents as adapters of one base and as whole
+"""bench/system/lora_agents.py's smoke run: two agents as adapters of one base and as whole
 models, one step each; the adapter job runs one engine and moves far fewer bytes per sync
 (an adapter is about 2% of the base). Not timed."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # real jobs: vLLM engines and trainers
 
 def test_the_smoke_run_reports_both_jobs_and_the_adapter_sync_is_a_small_fraction():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "bench/lora_agents.py", "--smoke"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "bench/system/lora_agents.py", "--smoke"], capture_output=True, text=True,
                          timeout=900, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = {r["mode"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}

@@ -1,4 +1,4 @@
-"""bench/real_size.py at tiny shapes: the same `flexmarl run` path as the real-size job
+"""bench/system/real_size.py at tiny shapes: the same `flexmarl run` path as the real-size job
 (model directories built from a config, a swap every step at capacity 1 against none at
 capacity 2, a checkpoint and a resume), its JSON rows parsed. Not timed."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "real_size.py"
+BENCH = ROOT / "bench" / "system" / "real_size.py"
 
 
 @pytest.mark.slow

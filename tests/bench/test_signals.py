@@ -1,4 +1,4 @@
-"""bench/signals.py's smoke run: both parts at tiny sizes. On identical weights the
+"""bench/system/signals.py's smoke run: both parts at tiny sizes. On identical weights the
 trainer's scoring of top_p- and top_k-cut samples equals the engine's and no correction
 flags a token, while the plain temperature-scaled softmax beside it does not; the short
 K=2 run reports every agent. Not timed."""
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # starts a vLLM engine and a real job's processes
 
 def test_the_smoke_run_shows_the_cut_scored_exactly_after_and_not_before_and_a_k2_run_per_agent():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "bench/signals.py", "--smoke"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "bench/system/signals.py", "--smoke"], capture_output=True, text=True,
                          timeout=900, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

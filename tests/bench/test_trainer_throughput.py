@@ -1,4 +1,4 @@
-"""bench/trainer_throughput.py at a tiny shape: every (tokens, checkpointing) child runs a real
+"""bench/micro/trainer_throughput.py at a tiny shape: every (tokens, checkpointing) child runs a real
 trainer step and reports its FLOP/s against the matmul it timed, and its peak memory; the
 FLOP count and the micro-batch draw it reports are checked by hand on small cases."""
 
@@ -9,13 +9,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "micro"))
 
 import trainer_throughput as tt  # noqa: E402
 
 
 def test_the_smoke_run_measures_a_real_step_with_and_without_activation_checkpointing():
-    proc = subprocess.run([sys.executable, "bench/trainer_throughput.py", "--smoke", "--profile", "5"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "bench/micro/trainer_throughput.py", "--smoke", "--profile", "5"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

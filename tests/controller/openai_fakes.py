@@ -10,11 +10,11 @@ from typing import NamedTuple
 
 import pytest
 
-from flexmarl.controller.episodes.store import ExperienceStore
 from flexmarl.controller.episodes.tokens import AgentTokenizer
-from flexmarl.controller.rollout.generation import output_of
+from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext
 from flexmarl.controller.serving.openai_api import OpenAIEndpoint
-from flexmarl.controller.workflow import AgentDefaults, EpisodeContext
+from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.runtime.config import OpenAIConfig
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"

@@ -3,9 +3,9 @@
 import pytest
 
 from flexmarl.controller import cli
-from flexmarl.controller.decisions import place_agents
 from flexmarl.controller.episodes.user_code import WorkflowError, load_workflow
-from flexmarl.controller.model_resolution import ModelError, resolve_model
+from flexmarl.controller.run.model_resolution import ModelError, resolve_model
+from flexmarl.controller.state.decisions import place_agents
 
 
 def test_unknown_built_in_model_is_named(tmp_path):

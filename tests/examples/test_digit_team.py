@@ -4,7 +4,7 @@ fraction of its base, and its tasks score exactly."""
 
 from pathlib import Path
 
-from flexmarl.runtime import bases
+from flexmarl.runtime import bases, config
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.model_specs import import_job
 
@@ -14,10 +14,10 @@ tasks = import_job(str(ROOT / "examples" / "digit_team" / "tasks.py"))
 
 def test_the_example_loads_with_four_adapter_agents_of_one_base_and_its_lora_slots():
     cfg = load_config(ROOT / "examples" / "digit_team.toml", [])
-    assert bases.adapter_agents(cfg, "team") == ["sorter", "expander", "copier", "reverser"]
+    assert config.adapter_agents(cfg, "team") == ["sorter", "expander", "copier", "reverser"]
     assert {n: u.agents for n, u in bases.engine_units(cfg).items()} == {
         "bases.team": ("sorter", "expander", "copier", "reverser")}
-    assert bases.lora_slots(cfg, "team") == bases.LoraSlots(max_loras=4 * 2, max_lora_rank=8, max_cpu_loras=8)
+    assert bases.lora_slots(cfg, "team") == config.LoraSlots(max_loras=4 * 2, max_lora_rank=8, max_cpu_loras=8)
     assert cfg.bases["team"].model.endswith("examples/digit_team/models.py:base")
 
 

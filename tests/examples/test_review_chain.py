@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from flexmarl.controller.episodes.data import Dataset
-from flexmarl.controller.episodes.store import ExperienceStore
 from flexmarl.controller.episodes.tokens import AgentTokenizer
 from flexmarl.controller.episodes.user_code import load_workflow
-from flexmarl.controller.rollout.generation import output_of
-from flexmarl.controller.workflow import AgentDefaults, EpisodeContext, run_episode
+from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext, run_episode
+from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.model_specs import import_job
 

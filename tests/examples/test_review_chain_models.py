@@ -11,7 +11,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flexmarl.controller.model_resolution import resolve_model  # noqa: E402
+from flexmarl.controller.run.model_resolution import resolve_model  # noqa: E402
 from flexmarl.runtime.model_specs import import_job  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def test_the_warm_up_leaves_greedy_policies_good_and_sampled_ones_room_to_improv
 def test_vllm_loads_each_model_and_answers_a_chat_prompt(model_dirs):
     from transformers import AutoTokenizer
 
-    from flexmarl.workers.engine import VllmEngine
+    from flexmarl.workers.rollout.engine import VllmEngine
 
     asked = {"solver": ("What is 4 + 4?", "8"),
              "verifier": ("Question: What is 4 + 4? Answer: 9", "It is 8, wrong.")}

@@ -7,9 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexmarl.controller import Experiment
-from flexmarl.controller.digit_chain import default_config
-from flexmarl.controller.records import replay
+from flexmarl.controller import Experiment, replay
+from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events

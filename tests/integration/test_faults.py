@@ -1,5 +1,5 @@
 """Faults and mistakes in real runs (`flexmarl run` as a process: controller, workers, vLLM,
-torch), with the job and the injections of bench/fault_matrix.py: each is either mended
+torch), with the job and the injections of flexmarl.controller.testing.faults: each is either mended
 (the run finishes, nothing lost or trained twice) or stops with one line, last, that says
 what to do; and the log replays.
 
@@ -19,10 +19,10 @@ import random
 import signal
 import subprocess
 
-import fault_matrix as fm
+from flexmarl.controller.testing import faults as fm
 import pytest
 
-from flexmarl.controller.records import replay
+from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from flexmarl.controller.digit_chain import default_config
-from flexmarl.controller.experiment import Experiment
 from flexmarl.controller.launch.launcher import WorkerFailed
+from flexmarl.controller.run.experiment import Experiment
+from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.aio import TaskEnded

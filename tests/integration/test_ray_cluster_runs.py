@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flexmarl.controller.records import replay
+from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import read_events
 

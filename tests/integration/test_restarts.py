@@ -13,10 +13,9 @@ import sys
 import pytest
 import zmq
 
-from flexmarl.controller import Experiment
+from flexmarl.controller import Experiment, replay
 from flexmarl.controller.control.server import ControllerServer
-from flexmarl.controller.digit_chain import default_config
-from flexmarl.controller.records import replay
+from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig, load_config

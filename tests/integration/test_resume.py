@@ -11,7 +11,7 @@ import torch
 from killed_runs import kill_workers_of, trained_into
 from safetensors.torch import load_file
 
-from flexmarl.controller.records import replay
+from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import read_events
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from flexmarl.controller import digit_chain as tasks
+from flexmarl.controller.tasks import digit_chain as tasks
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.transport import RouterSocket

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_user_job_runs import JOB, ROOT, flexmarl, write_job
 
 pytestmark = [pytest.mark.slow,
@@ -27,7 +26,7 @@ def test_an_agent_on_two_rank_engines_trains_through_flexmarl_run_and_replays(tm
     log = (run_dir / "logs" / "rollout-0.log").read_text()
     assert "tensor_parallel_size=2" in log
     # Both ranks' processes took the receive in (vLLM logs it once per worker process).
-    assert log.count("Injected <class 'flexmarl.workers.engine_receive.WeightReceiver'>") == 2
+    assert log.count("Injected <class 'flexmarl.workers.rollout.engine_receive.WeightReceiver'>") == 2
     events = subprocess.run([sys.executable, "-m", "flexmarl.controller.cli", "replay", str(run_dir / "events.log"),
                              "--check"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert events.returncode == 0, events.stdout[-2000:] + events.stderr[-2000:]

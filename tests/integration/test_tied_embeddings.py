@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexmarl.controller import Experiment
-from flexmarl.controller import digit_chain as chain
+from flexmarl.controller.tasks import digit_chain as chain
 from flexmarl.runtime.config import load_config
 from flexmarl.workers import models
 

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flexmarl.controller import Experiment
-from flexmarl.controller.digit_chain import default_config
+from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime.config import load_config
 
 pytestmark = pytest.mark.slow

@@ -17,10 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexmarl.controller import Experiment
-from flexmarl.controller.digit_chain import default_config
-from flexmarl.controller.model_resolution import resolve_model
-from flexmarl.controller.records import replay
+from flexmarl.controller import Experiment, replay
+from flexmarl.controller.run.model_resolution import resolve_model
+from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import HEADER_BYTES, encode_frame, read_events
@@ -161,7 +160,7 @@ def test_async_k0_trains_the_same_weights_as_sync(sync_run, tmp_path):
 
 
 def test_k0_equals_sync_with_environment_latency_and_two_instances_per_agent(tmp_path):
-    """Guarantee (README, "Pipeline modes and training placement"): same seed, same data ->
+    """Guarantee (docs/guide.md, "Modes and staleness"): same seed, same data ->
     the same update in sync mode and at K = 0, also when branches finish in a different
     order (environment latency) and requests spread over several instances: seeds follow
     the call, never the timing."""

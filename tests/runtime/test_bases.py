@@ -4,7 +4,7 @@ and a malformed adapter agent is refused naming its key."""
 
 import pytest
 
-from flexmarl.runtime import bases
+from flexmarl.runtime import bases, config
 from flexmarl.runtime.config import ConfigError, dump_toml, load_config
 
 JOB = """
@@ -35,9 +35,9 @@ def job(tmp_path, text=JOB, overrides=()):
 
 def test_max_loras_holds_k_plus_one_versions_of_every_adapter_agent_of_the_base(tmp_path):
     cfg = job(tmp_path)
-    assert bases.adapter_agents(cfg, "shared") == ["a", "b", "c"]
+    assert config.adapter_agents(cfg, "shared") == ["a", "b", "c"]
     slots = bases.lora_slots(cfg, "shared")
-    assert slots == bases.LoraSlots(max_loras=3 * (2 + 1), max_lora_rank=16, max_cpu_loras=9)
+    assert slots == config.LoraSlots(max_loras=3 * (2 + 1), max_lora_rank=16, max_cpu_loras=9)
     engine = bases.engine_settings(cfg, "shared")
     assert (engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (9, 16, 9)
     assert bases.lora_settings(cfg.agents["b"]).target_modules == ("q_proj", "v_proj")

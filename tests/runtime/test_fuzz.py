@@ -3,13 +3,13 @@
 import asyncio
 import logging
 
-import fuzzing  # bench/fuzzing.py
 import zmq
 
 from flexmarl.controller.control.server import ControllerServer
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.workers.session import CommandHandler, WorkerSession
+from flexmarl.controller.testing import fuzzing
 
 CFG = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0, handshake_timeout_s=5.0,
                       max_message_bytes=64 * 1024)

@@ -139,7 +139,7 @@ def test_a_job_file_is_imported_once_and_can_import_its_neighbours(tmp_path):
     path = str(tmp_path / "job_models.py")
     assert import_job(path) is import_job(path)
     assert list(job_recipes(path)) == ["solver"]
-    assert job_recipes("flexmarl.controller.digit_chain").keys() == {"planner", "solver", "checker"}
+    assert job_recipes("flexmarl.controller.tasks.digit_chain").keys() == {"planner", "solver", "checker"}
 
 
 def test_a_missing_job_file_or_a_job_without_recipes_is_named(tmp_path):

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from flexmarl.controller import digit_chain
+from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.workers import models
-from flexmarl.workers.trainer import TrainerHandler, training_state
+from flexmarl.workers.trainer.worker import TrainerHandler, training_state
 
 LORA = p.LoraSettings(rank=4, alpha=8.0)
 

@@ -5,7 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexmarl.runtime.model_specs import SPECIAL_TOKENS, TinyModelRecipe, TinyModelSpec, TrainedTokenizer, WarmupSchedule
+from flexmarl.runtime.model_specs import (
+    SPECIAL_TOKENS,
+    TinyModelRecipe,
+    TinyModelSpec,
+    TrainedTokenizer,
+    WarmupSchedule,
+)
 from flexmarl.workers import models
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -135,7 +141,7 @@ def test_the_command_line_builds_a_job_modules_model_then_finds_it_and_prints_it
 
 def test_the_command_line_names_the_agents_a_job_has(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        models.main(["--job", "flexmarl.controller.digit_chain", "--agent", "critic",
+        models.main(["--job", "flexmarl.controller.tasks.digit_chain", "--agent", "critic",
                      "--cache-root", str(tmp_path)])
     err = capsys.readouterr().err
     assert "no built-in model for agent 'critic'" in err and "planner, solver, checker" in err
@@ -143,8 +149,8 @@ def test_the_command_line_names_the_agents_a_job_has(tmp_path, capsys):
 
 
 def test_a_job_module_without_tiny_models_is_named():
-    with pytest.raises(ValueError, match="'flexmarl.controller.builtin_workflows' has no TINY_MODELS"):
-        models.job_recipes("flexmarl.controller.builtin_workflows")
+    with pytest.raises(ValueError, match="'flexmarl.controller.episodes.user_code' has no TINY_MODELS"):
+        models.job_recipes("flexmarl.controller.episodes.user_code")
 
 
 # ---- a recipe with the job's own trained tokenizer and chat template ------------------
@@ -155,7 +161,8 @@ JOB_TEXT = ["copy red", "red", "copy blue", "blue", "copy green", "green"]
 
 
 def trained_tokenizer():
-    from tokenizers import Tokenizer, decoders, models as bpe_models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as bpe_models
 
     core = Tokenizer(bpe_models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

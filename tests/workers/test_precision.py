@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from flexmarl.controller import digit_chain
+from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.workers import models, precision
 from flexmarl.workers.precision import TrainPlacement, engine_args
-from flexmarl.workers.trainer import TrainerHandler
+from flexmarl.workers.trainer.worker import TrainerHandler
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_a_trainer_step_runs_on_cuda_in_bfloat16(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_rollout_engine_runs_on_cuda_in_bfloat16_within_its_memory_share(model_dir):
     pytest.importorskip("vllm")  # a GPU machine without vLLM runs the other gpu tests
-    from flexmarl.workers.engine import VllmEngine
+    from flexmarl.workers.rollout.engine import VllmEngine
 
     engine = VllmEngine(model_dir, max_model_len=0, settings=p.EngineSettings(gpu_memory_utilization=0.3))
     try:

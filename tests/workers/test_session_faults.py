@@ -4,10 +4,10 @@ import asyncio
 
 import zmq
 
-import fuzzing  # bench/fuzzing.py
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.workers.session import CommandHandler, WorkerSession
+from flexmarl.controller.testing import fuzzing
 
 CFG = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, handshake_timeout_s=5.0,
                       reconnect_timeout_s=0.0)

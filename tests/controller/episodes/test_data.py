@@ -7,8 +7,8 @@ import pytest
 
 from flexmarl.controller.episodes.data import DataError, DataOrder, Dataset, load_rows
 from flexmarl.controller.episodes.producer import EpisodeProducer
-from flexmarl.controller.episodes.schedule import BatchSchedule
-from flexmarl.controller.episodes.store import ExperienceStore
+from flexmarl.controller.state.schedule import BatchSchedule
+from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 
@@ -96,7 +96,7 @@ def test_each_row_keeps_its_own_keys_whatever_the_format(tmp_path):
 
 def test_a_missing_key_names_the_row_and_its_keys_and_a_key_no_row_has_stops_the_run(tmp_path):
     from flexmarl.controller.episodes.data import MissingColumn, MissingField
-    from flexmarl.controller.episodes.failures import RunFailed
+    from flexmarl.controller.state.failures import RunFailed
 
     (tmp_path / "rows.jsonl").write_text('{"question": "q0", "answer": 1}\n{"question": "q1"}\n')
     data = Dataset.from_path(tmp_path / "rows.jsonl", seed=0, shuffle=False, name="data.train")

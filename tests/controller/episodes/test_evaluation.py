@@ -6,9 +6,9 @@ import json
 
 from flexmarl.controller.episodes.data import DataOrder, Dataset
 from flexmarl.controller.episodes.evaluation import Evaluator, evaluation_steps
-from flexmarl.controller.episodes.schedule import BatchSchedule
 from flexmarl.controller.records.metrics import MetricsLog
-from flexmarl.controller.rollout.generation import output_of
+from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.schedule import BatchSchedule
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from flexmarl.controller.builtin_workflows import WORKFLOWS
 from flexmarl.controller.episodes.user_code import WorkflowError, load_workflow
+from flexmarl.controller.tasks import digit_chain
 
 GOOD = """
 import helper_mod
@@ -33,7 +33,7 @@ def user_dir(tmp_path, monkeypatch):
 
 
 def test_a_built_in_is_found_by_its_short_name():
-    assert load_workflow("digit_chain") is WORKFLOWS["digit_chain"]
+    assert load_workflow("digit_chain") is digit_chain.episode
 
 
 async def test_a_workflow_loads_from_a_module_path(user_dir):
@@ -68,7 +68,7 @@ def test_a_workflow_file_that_raises_on_import_names_the_file_and_the_error(tmp_
 
 async def test_a_bad_workflow_fails_the_experiment_before_any_worker_starts(tmp_path):
     from flexmarl.controller import Experiment
-    from flexmarl.controller.digit_chain import default_config
+    from flexmarl.controller.tasks.digit_chain import default_config
     from flexmarl.runtime.config import load_config
 
     cfg = load_config(None, ["run.workflow='nope.flows:episode'", "run.progress=false"], defaults=default_config())

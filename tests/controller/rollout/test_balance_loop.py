@@ -10,11 +10,12 @@ from fake_rollout import FakeServer, until
 
 from flexmarl.controller.control.registry import WorkerInfo
 from flexmarl.controller.control.server import RemoteError, WorkerDied
-from flexmarl.controller.episodes.versions import SyncedVersions
+from flexmarl.controller.rollout.admission import Admission
 from flexmarl.controller.rollout.balance_loop import Rebalancer, same_architecture
-from flexmarl.controller.rollout.instances import Admission, RolloutInstances
 from flexmarl.controller.rollout.router import RolloutClient
-from flexmarl.controller.train.weight_sync import Publication, WeightSync
+from flexmarl.controller.state.instances import RolloutInstances
+from flexmarl.controller.state.versions import SyncedVersions
+from flexmarl.controller.weights.sync import Publication, WeightSync
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.bases import whole_models
@@ -202,9 +203,9 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
     import collections
     import time
 
-    from flexmarl.controller.digit_chain import default_config
-    from flexmarl.controller.records import replay
+    from flexmarl.controller import replay
     from flexmarl.controller.rollout import balance_loop as rebalance
+    from flexmarl.controller.tasks.digit_chain import default_config
     from flexmarl.runtime.config import dump_toml, load_config
     from flexmarl.runtime.eventlog import EventLog, read_events
 
@@ -288,7 +289,7 @@ async def test_after_parking_released_an_agents_weights_a_joining_instance_gets_
 
 
 async def test_parking_an_agent_makes_the_weight_sync_forget_its_released_handle():
-    from flexmarl.controller.decisions import AgentWork
+    from flexmarl.controller.state.decisions import AgentWork
     from flexmarl.controller.train.allocator import TrainerAllocator
 
     class Server:

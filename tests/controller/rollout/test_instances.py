@@ -2,7 +2,7 @@
 version of each it holds (a whole model's load replacing it, an adapter's adding to it), its
 outstanding work and what it served before, with the AllocationChanged event of every change."""
 
-from flexmarl.controller.rollout.instances import RolloutInstances
+from flexmarl.controller.state.instances import RolloutInstances
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.bases import EngineUnit, whole_models
 

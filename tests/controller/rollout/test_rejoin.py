@@ -6,10 +6,11 @@ import asyncio
 import types
 
 from flexmarl.controller.control.server import WorkerDied
-from flexmarl.controller.episodes.versions import SyncedVersions
-from flexmarl.controller.rollout.instances import Admission, RolloutInstances
+from flexmarl.controller.rollout.admission import Admission
 from flexmarl.controller.rollout.rejoin import Rejoin, choose_unit
-from flexmarl.controller.train.weight_sync import Publication, WeightSync
+from flexmarl.controller.state.instances import RolloutInstances
+from flexmarl.controller.state.versions import SyncedVersions
+from flexmarl.controller.weights.sync import Publication, WeightSync
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.bases import whole_models

@@ -8,13 +8,13 @@ import random
 import pytest
 from fake_rollout import FakeServer, until
 
-from flexmarl.controller.episodes.store import ExperienceStore
-from flexmarl.controller.rollout.instances import RolloutInstances
+from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext
 from flexmarl.controller.rollout.router import RolloutClient, route_group, split_sizes, stays
-from flexmarl.controller.workflow import AgentDefaults, EpisodeContext
+from flexmarl.controller.state.instances import RolloutInstances
+from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.runtime import protocol
 from flexmarl.runtime.bases import whole_models
-from flexmarl.workers.rollout import RolloutHandler
+from flexmarl.workers.rollout.worker import RolloutHandler
 
 
 def client_over(server, assignment):
@@ -240,8 +240,8 @@ async def test_prompt_tokens_and_prefix_cache_hits_are_counted_per_agent_for_fir
 
 
 async def test_requests_wait_for_an_instance_while_one_is_restarting_and_then_the_run_stops_saying_why():
-    from flexmarl.controller.episodes.failures import RunFailed
     from flexmarl.controller.rollout.router import NoInstance
+    from flexmarl.controller.state.failures import RunFailed
 
     server = FakeServer(["r0"])
     client = client_over(server, {"a": ["r0"]})

@@ -12,12 +12,13 @@ import types
 from fake_rollout import FakeServer as StreamingServer
 from fake_rollout import until
 
-from flexmarl.controller.episodes.versions import SyncedVersions
+from flexmarl.controller.rollout.admission import Admission
 from flexmarl.controller.rollout.balance_loop import Rebalancer
-from flexmarl.controller.rollout.instances import Admission, RolloutInstances
 from flexmarl.controller.rollout.rejoin import Rejoin
 from flexmarl.controller.rollout.router import RolloutClient
-from flexmarl.controller.train.weight_sync import WeightSync
+from flexmarl.controller.state.instances import RolloutInstances
+from flexmarl.controller.state.versions import SyncedVersions
+from flexmarl.controller.weights.sync import WeightSync
 from flexmarl.runtime import protocol
 from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig

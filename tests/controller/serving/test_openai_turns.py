@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from openai_fakes import QUESTION, ScriptedEngine, make_context, running_endpoint, tok  # noqa: F401 (a fixture)
 
-from flexmarl.controller.workflow import run_episode
+from flexmarl.controller.episodes.workflow import run_episode
 
 
 async def test_a_call_without_n_is_one_group_of_the_agents_group_size_and_with_n_of_that_size(tok):

@@ -3,7 +3,7 @@ import contextlib
 
 import pytest
 
-from flexmarl.controller.decisions import AgentWork, choose_placement
+from flexmarl.controller.state.decisions import AgentWork, choose_placement
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
 
@@ -303,8 +303,8 @@ class Saves:
 
 
 def two_agents_on_one_trainer(mode="sync", turns=3):
-    from flexmarl.controller.episodes.schedule import BatchSchedule
-    from flexmarl.controller.episodes.store import ExperienceStore
+    from flexmarl.controller.state.schedule import BatchSchedule
+    from flexmarl.controller.state.store import ExperienceStore
     from flexmarl.controller.train.allocator import TrainerAllocator
     from flexmarl.controller.train.pipeline import AgentPipeline
     from flexmarl.controller.train.trainer_lanes import TrainerLanes

@@ -150,8 +150,8 @@ async def test_a_trainer_dying_mid_save_leaves_the_cut_open_for_the_agent_to_sav
 
 
 async def test_resuming_what_cannot_be_resumed_says_why_before_anything_starts(tmp_path):
-    from flexmarl.controller.digit_chain import default_config
-    from flexmarl.controller.experiment import Experiment
+    from flexmarl.controller.run.experiment import Experiment
+    from flexmarl.controller.tasks.digit_chain import default_config
     from flexmarl.runtime.config import dump_toml, load_config
 
     with pytest.raises(CheckpointError, match="not a run directory"):
@@ -174,7 +174,7 @@ async def test_resuming_what_cannot_be_resumed_says_why_before_anything_starts(t
 @pytest.fixture
 def models_named(monkeypatch):
     """Model names resolved to directories named after them, without building anything."""
-    from flexmarl.controller import components
+    from flexmarl.controller.run import components
 
     monkeypatch.setattr(components, "resolve_model", lambda name, *_: f"/models/{name.replace(':', '-')}")
     monkeypatch.setattr(components, "has_tokenizer", lambda path: False)
@@ -186,9 +186,9 @@ def test_after_a_resume_engines_started_later_load_the_model_not_the_pruned_chec
     checkpoint the run resumed from may be pruned by then."""
     from types import SimpleNamespace
 
-    from flexmarl.controller.digit_chain import default_config
+    from flexmarl.controller.run.training import TrainingRun
+    from flexmarl.controller.tasks.digit_chain import default_config
     from flexmarl.controller.train.checkpoints import ResumePoint
-    from flexmarl.controller.training import TrainingRun
     from flexmarl.runtime.config import load_config
 
     cfg = load_config(None, ["run.steps=8", "run.progress=false"], defaults=default_config())
@@ -209,7 +209,7 @@ def training_run(tmp_path, *overrides, resume=None):
     import json
     from types import SimpleNamespace
 
-    from flexmarl.controller.training import TrainingRun
+    from flexmarl.controller.run.training import TrainingRun
     from flexmarl.runtime.config import load_config
 
     rows = tmp_path / "rows.jsonl"

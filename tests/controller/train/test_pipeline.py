@@ -7,10 +7,10 @@ import contextlib
 
 import pytest
 
-from flexmarl.controller.episodes.failures import RunFailed
-from flexmarl.controller.episodes.schedule import BatchSchedule
-from flexmarl.controller.episodes.store import ExperienceStore
-from flexmarl.controller.rollout.generation import output_of
+from flexmarl.controller.state.failures import RunFailed
+from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.schedule import BatchSchedule
+from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.controller.train.pipeline import AgentPipeline
 from flexmarl.runtime import protocol
 from flexmarl.runtime.config import PipelineConfig
@@ -253,7 +253,7 @@ def test_a_conversations_loss_mask_travels_with_it():
 
 
 async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_sample_is_trained_once_more():
-    from flexmarl.controller.records.lineage import lineage
+    from flexmarl.controller.replay.lineage import lineage
     from flexmarl.runtime import events as ev
 
     checkpoints = FakeCheckpoints(every=2)

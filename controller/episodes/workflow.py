@@ -1,0 +1,487 @@
+"""The workflow API: a multi-agent episode is a user-written async function.
+
+    async def episode(ctx: EpisodeContext) -> None:
+        plans = await ctx.generate("planner", "Sort 3 1 2", n=4)      # text or token ids
+        for plan in plans:
+            ctx.reward(plan, score(plan.text))
+        answers = await ctx.chat("solver", [{"role": "user", "content": ctx.item["question"]}])
+        for a in answers:                                              # a conversation each
+            verdict = await ctx.generate("verifier", f"Q: ... A: {a.text} Verdict:")
+            await ctx.continue_chat(a, [{"role": "user", "content": f"A reviewer says {verdict[0].text}"}])
+            ctx.reward(a, await ctx.call(check, a.text, timeout=5))    # blocking code off the loop
+
+`ctx.generate` / `ctx.chat` open one group in the experience store (n samples of one
+prompt; their advantages are relative to each other), send it through the rollout client
+as one request (the prompt once, n, the seed base: one future for the group) and return
+read-only views of its samples (store.SampleView) with their outputs. `ctx.continue_chat`
+(or `ctx.continue_ids`) adds another turn to a sample: the new messages' ids are appended
+(not trained), then the agent's next turn is generated (trained), by the instance that
+generated the turn before if it can (its prefix cache holds the conversation); every turn
+records the policy version that produced it and waits at the staleness gate first. Token
+ids are the source of truth: `sample.output_ids` are the engine's ids, `sample.text` only
+decodes them. A sample changes only through the context (`reward`, `continue_*`).
+Concurrency inside an episode (branches) and across episodes is plain asyncio; the
+episode runner bounds it.
+
+Agent code written against the OpenAI API takes part through the run's endpoint
+(openai_api.py): `ctx.openai_client()` (or `ctx.openai_base_url` and `ctx.openai_api_key`)
+points it at this episode, and each call becomes a `chat` or `continue_chat` of this
+context (openai_turns.py); `ctx.reward` takes the completion ids it returned, and
+`ctx.reward_all` rewards every sample of an agent at once.
+
+If an episode raises or overruns its timeout, it is closed: its other branches still
+running are cancelled, any later `generate` in it raises `EpisodeClosed`, and every group
+it opened that is not yet trainable is dropped with the reason, counted and logged; the
+run goes on.
+
+Group ids (and with them the per-sample sampling seeds) follow from the episode, the
+agent, the prompt, the calling branch's place in the workflow and how many identical calls
+that branch made before, never from which branch happens to call or finish first, so the
+same episode draws the same tokens in sync and async mode, with any latency and any number
+of instances. A branch's place is its path of task creation from the episode: the episode
+is (), the i-th task it creates (asyncio.gather creates one per awaitable, in order) is
+(i,), that task's j-th is (i, j). `run_episode` installs the task factory that records it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import functools
+import itertools
+import logging
+import random
+import weakref
+import zlib
+from collections import Counter
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from flexmarl.runtime import protocol
+
+from ..state.failures import RunFailed, user_frame, user_traceback
+from ..state.groups import GroupOutput
+from ..state.store import PENDING, ExperienceStore, SampleView
+
+log = logging.getLogger("flexmarl.workflow")
+
+
+SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos"})
+
+
+class UnknownAgent(ValueError):
+    """A workflow named an agent the config does not define."""
+
+
+# The running task's place in its episode's tree of tasks (see the module docstring).
+BRANCH: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("flexmarl_branch", default=())
+_children: "weakref.WeakKeyDictionary[asyncio.Task, itertools.count]" = weakref.WeakKeyDictionary()
+
+
+def _branch_task_factory(loop: asyncio.AbstractEventLoop, coro: Any, *, context: Any = None,
+                         **kwargs: Any) -> asyncio.Task:
+    """Creates tasks as asyncio does, each with its BRANCH: the parent's plus the number
+    of tasks the parent created before it (program order, never timing)."""
+    parent = asyncio.current_task(loop)
+    context = (context or contextvars.copy_context()).copy()
+    if parent is not None:
+        counter = _children.setdefault(parent, itertools.count())
+        context.run(BRANCH.set, BRANCH.get() + (next(counter),))
+    return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+
+
+def track_branches() -> None:
+    """Installs the factory that gives every task its BRANCH on the running loop (unless
+    the loop already has a task factory of its own, which is then left alone)."""
+    loop = asyncio.get_running_loop()
+    if loop.get_task_factory() is None:
+        loop.set_task_factory(_branch_task_factory)
+
+
+class EpisodeClosed(Exception):
+    """The episode already failed; its remaining branches may not generate."""
+
+
+class Generator(Protocol):
+    async def generate(self, agent: str, group: protocol.GenGroup, after: str = "") -> GroupOutput:
+        """The group's output; `after`: the instance that generated the turn before (a later turn)."""
+
+
+class EpisodeEndpoint(Protocol):
+    """What an episode needs of the run's OpenAI endpoint (serving/openai_api.py): a session
+    whose key names this episode, its calls turns of this context."""
+
+    def open_session(self, ctx: EpisodeContext) -> Any: ...
+
+
+@dataclass
+class AgentDefaults:
+    """An agent's sampling settings from the config; every call may override them."""
+    max_tokens: int
+    temperature: float
+    group_size: int
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @classmethod
+    def of(cls, c: Any) -> "AgentDefaults":
+        return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
+                   list(c.stop_token_ids), c.ignore_eos)
+
+
+def request_seed(run_seed: int, sample_id: str) -> int:
+    """Deterministic per-sample sampling seed: the same sample id draws the same tokens
+    under the same weights, whatever the batch it lands in (sync and async agree).
+
+    A group's members (`GROUP/i`, the first turn of sample i) get consecutive seeds, base +
+    i with the base from the group id: a rollout worker then adds the group to its engine
+    as one request of n samples (vLLM seeds sample i with base + i), the tokens unchanged.
+    Any other request id (a later turn, `SAMPLE@k`) is hashed whole."""
+    group, _, member = sample_id.rpartition("/")
+    if group and member.isdigit() and len(member) < 9:
+        return (zlib.crc32(f"{run_seed}:{group}".encode()) & 0x3FFFFFFF) + int(member)
+    return zlib.crc32(f"{run_seed}:{sample_id}".encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class ToolPool:
+    """Where `ctx.call` runs blocking functions (the bounded pool; None: asyncio's default)
+    and how long one call may take unless it says."""
+
+    executor: Executor | None = None
+    timeout_s: float = 60.0
+
+
+@dataclass
+class _Calls:
+    """What the episode's code called so far: per (agent, prompt, branch) the calls (the
+    next group's id), and the tasks that generated (cancelled when the episode fails)."""
+
+    counts: Counter = field(default_factory=Counter)
+    branches: set = field(default_factory=set)
+
+
+@dataclass
+class EpisodeContext:
+    episode_id: str
+    batch: int  # the global batch this episode belongs to
+    rng: random.Random
+    store: ExperienceStore
+    generator: Generator
+    agents: dict[str, AgentDefaults]
+    run_seed: int
+    env_latency_ms: float = 0.0
+    # Awaited before every turn: blocks until the agent's rollout weights are recent
+    # enough for this global batch (the staleness bound, checked per turn).
+    gate: Callable[[str, int], Awaitable[None]] | None = None
+    item: Any = None  # the episode's dataset row (None without a dataset)
+    tokenizers: dict[str, Any] = field(default_factory=dict)  # agent -> AgentTokenizer (tokens.py)
+    tools: ToolPool = field(default_factory=lambda: ToolPool())
+    # Evaluation: one greedy (or eval.temperature) sample per call, never trained.
+    eval_temperature: float | None = None
+    # Serving (`flexmarl serve`): calls of any n, at their own settings, never trained.
+    trains: bool = True
+    # The run's OpenAI endpoint (openai_api.py), when `openai.enabled`: this episode's
+    # calls through it are turns of this context (openai_turns.py).
+    endpoint: EpisodeEndpoint | None = None
+    groups: list[str] = field(default_factory=list)
+    closed: str = ""  # why the episode failed, once it has
+    failure: str = ""  # ... and, when it raised, the traceback of the user's code (state/failures.py)
+    _called: _Calls = field(default_factory=lambda: _Calls())
+    _openai: Any = None  # this episode's OpenAITurns, once its key was asked for
+
+    def group_id(self, agent: str, prompt_ids: list[int]) -> str:
+        """The next group's id: the same call in the same place of the workflow (the same
+        branch, after as many identical calls of that branch) gets the same id in every
+        run, whatever the timing."""
+        branch = BRANCH.get()
+        key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()), branch)
+        occurrence = self._called.counts[key]
+        self._called.counts[key] += 1
+        place = f"b{'.'.join(map(str, branch))}-" if branch else ""
+        return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"
+
+    async def generate(self, agent: str, prompt: str | list[int], n: int | None = None,
+                       **sampling: Any) -> list[SampleView]:
+        """n samples of `agent` for one prompt (text, tokenized with the agent's tokenizer,
+        or token ids). `sampling` overrides the agent's settings for this call:
+        max_tokens, temperature, top_p, top_k, stop, stop_token_ids, ignore_eos."""
+        prompt_ids = self.tokenizer(agent).encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return await self._open(agent, prompt_ids, n, sampling, None)
+
+    async def chat(self, agent: str, messages: list[dict], n: int | None = None, tools: list[dict] | None = None,
+                   **sampling: Any) -> list[SampleView]:
+        """n conversations of `agent` starting from `messages` (the agent's chat template
+        makes the prompt, with `tools` if given); each sample's `messages` ends with the
+        assistant's reply."""
+        prompt_ids = self.tokenizer(agent).chat_prompt(messages, tools)
+        return await self._open(agent, prompt_ids, n, sampling, messages)
+
+    async def continue_chat(self, sample: SampleView, messages: list[dict], tools: list[dict] | None = None,
+                            **sampling: Any) -> SampleView:
+        """Another turn of a `chat` sample: `messages` (other agents' words, tool results)
+        are appended, then the agent replies. The trained sample stays one sequence whose
+        loss covers only the agent's own turns."""
+        record = self._record(sample)
+        if record.messages is None:
+            raise ValueError(f"{record.sample_id} was not made by ctx.chat; use ctx.continue_ids")
+        tok = self.tokenizer(record.agent)
+        ended_with_eos = bool(record.output_ids) and record.output_ids[-1] == tok.eos_token_id
+        appended = tok.chat_delta(record.messages, record.messages + list(messages), ended_with_eos, tools)
+        self.store.annotate(record.sample_id, record.text, record.messages + list(messages))
+        return await self._turn(record.sample_id, appended, sampling)
+
+    async def continue_ids(self, sample: SampleView, appended_ids: list[int], **sampling: Any) -> SampleView:
+        """Another turn of any sample: `appended_ids` (not trained), then the agent's turn."""
+        return await self._turn(self._record(sample).sample_id, list(appended_ids), sampling)
+
+    def tokenizer(self, agent: str) -> Any:
+        self._check_agent(agent)
+        if agent not in self.tokenizers:
+            raise ValueError(f"agent {agent!r}'s model has no tokenizer; pass token ids instead of text")
+        return self.tokenizers[agent]
+
+    def _check_agent(self, agent: str) -> None:
+        if agent not in self.agents:
+            raise UnknownAgent(f"workflow asked for agent {agent!r}, which is not configured "
+                               f"(agents: {', '.join(self.agents)})")
+
+    # ---------------------------------------------------------------- one turn
+
+    async def _open(self, agent: str, prompt_ids: list[int], n: int | None, sampling: dict,
+                    messages: list[dict] | None) -> list[SampleView]:
+        if self.closed:
+            raise EpisodeClosed(self.closed)
+        self._check_agent(agent)
+        if n is None:  # a group; one sample where nothing is trained
+            n = self.agents[agent].group_size if self.trains else 1
+        if self.eval_temperature is not None:
+            n = 1
+        elif n < 2 and self.trains:
+            raise ValueError(f"generate({agent!r}, n={n}): a group needs at least 2 samples, since "
+                             f"advantages are rewards relative to the group's other samples")
+        await self._wait_at_gate(agent)
+        group_id = self.group_id(agent, prompt_ids)
+        members = self.store.open_group(agent, group_id, prompt_ids, n, self.batch)
+        self.groups.append(group_id)
+        group, drawn = self._request(agent, group_id, members[0].prompt_ids, n, request_seed(self.run_seed, f"{group_id}/0"),
+                                     sampling)
+        self.store.record_group(group_id, await self.generator.generate(agent, group), drawn)
+        stop = group.stop
+        for s in members:
+            self._after_turn(s.sample_id, s.agent, None if messages is None else list(messages), stop)
+        return [SampleView(s) for s in members]
+
+    async def _turn(self, sample_id: str, appended: list[int], sampling: dict) -> SampleView:
+        if self.closed:
+            raise EpisodeClosed(self.closed)
+        record = self.store.samples[sample_id]
+        await self._wait_at_gate(record.agent)
+        if record.output_ids is None:  # its group is still generating its first turn
+            raise ValueError(f"sample {sample_id} cannot take another turn: its first turn has not returned yet")
+        request_id = f"{sample_id}@{len(record.versions)}"  # one request per turn
+        context = list(record.prompt_ids) + record.output_ids.tolist() + appended
+        group, drawn = self._request(record.agent, request_id, context, 1, request_seed(self.run_seed, request_id),
+                                     sampling)
+        output = await self.generator.generate(record.agent, group, record.served_by)
+        self.store.record_turn(sample_id, appended, output, drawn)
+        self._after_turn(sample_id, record.agent, record.messages, group.stop)
+        return SampleView(record)
+
+    def _record(self, sample: SampleView) -> Any:
+        record = self.store.samples.get(sample.sample_id)
+        if record is None or record.group_id not in self.groups:
+            raise ValueError(f"{sample.sample_id} belongs to another episode")
+        return record
+
+    async def _wait_at_gate(self, agent: str) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._called.branches.add(task)
+        if self.gate is not None:
+            await self.gate(agent, self.batch)  # every turn: the staleness bound
+        if self.closed:  # failed while this branch waited at the gate
+            raise EpisodeClosed(self.closed)
+
+    def _request(self, agent: str, key: str, context: list[int], n: int, seed: int,
+                 sampling: dict) -> tuple[protocol.GenGroup, protocol.TurnSampling]:
+        """The group to generate (`key` naming it, `context` its prompt, member j drawn with
+        seed + j) and the distribution it is sampled from (what the trainer will score it under)."""
+        d = self.agents[agent]
+        if sampling:  # the call's own settings over the agent's
+            unknown = set(sampling) - SAMPLING_KEYS
+            if unknown:
+                raise TypeError(f"unknown sampling settings {sorted(unknown)} (known: "
+                                f"{', '.join(sorted(SAMPLING_KEYS))})")
+            d = dataclasses.replace(d, **{k: v for k, v in sampling.items() if v is not None})
+        temperature = self.eval_temperature if self.eval_temperature is not None else d.temperature
+        group = protocol.GenGroup(key, agent, n, context, d.max_tokens, temperature, seed, 0, d.top_p, d.top_k,
+                                  list(d.stop), list(d.stop_token_ids), d.ignore_eos)
+        return group, protocol.TurnSampling(0, temperature, d.top_p, d.top_k)
+
+    def _after_turn(self, sample_id: str, agent: str, messages: list | None, stop: list[str]) -> None:
+        """The turn's text (decoded; a stop string's last token is in the ids, not the text)
+        and the conversation with the reply appended."""
+        tok = self.tokenizers.get(agent)
+        if tok is None:
+            return
+        record = self.store.samples[sample_id]
+        assert record.output_ids is not None  # the turn's output was just recorded
+        turn = record.sampling[-1].start if len(record.sampling) > 1 else 0
+        text = tok.decode(record.output_ids[turn:].tolist())
+        if record.finish_reason == "stop" and stop:
+            cut = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        if messages is not None:
+            messages = messages + [{"role": "assistant", "content": text}]
+        self.store.annotate(sample_id, text, messages)
+
+    async def close(self, why: str) -> None:
+        """Fails the episode: cancels its other branches and drops every group it opened
+        that is not yet trainable (including ones a branch opened after the failure)."""
+        self.closed = why
+        me = asyncio.current_task()
+        branches = [t for t in self._called.branches if t is not me and not t.done()]
+        for task in branches:
+            task.cancel()
+        await asyncio.gather(*branches, return_exceptions=True)
+        for group_id in self.groups:
+            self.store.drop_group(group_id, why)
+
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Runs a tool, environment or reward function off the event loop and returns its
+        result. A plain (blocking) function runs in the controller's bounded tool pool
+        (`pipeline.tool_threads` threads); an async one is awaited. Past `timeout` seconds
+        (default `pipeline.tool_timeout_s`) it raises TimeoutError, which fails this
+        episode only: other episodes never wait for it. (A thread cannot be stopped: a
+        timed-out blocking call keeps its pool thread until it returns.)"""
+        if self.closed:
+            raise EpisodeClosed(self.closed)
+        limit = self.tools.timeout_s if timeout is None else timeout
+        if asyncio.iscoroutinefunction(fn):
+            work = fn(*args, **kwargs)
+        else:
+            loop = asyncio.get_running_loop()
+            work = loop.run_in_executor(self.tools.executor, functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.wait_for(work, limit)
+        except asyncio.TimeoutError:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise TimeoutError(f"{name} did not return within {limit:.1f}s") from None
+
+    def reward(self, sample: SampleView | str, value: float | list[float]) -> None:
+        """The reward of a sample; or, given the id of a completion the OpenAI endpoint
+        returned, of its samples: one value, or one per choice (by index)."""
+        if isinstance(sample, str):
+            samples = self._endpoint_turns().completion(sample)
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * (len(samples) == 1)
+            if len(values) != len(samples):
+                raise ValueError(f"completion {sample} has {len(samples)} choices: give one reward per choice "
+                                 f"(a list, by index), or reward them with ctx.reward_all")
+            for s, v in zip(samples, values):
+                self.store.set_reward(s.sample_id, v)
+            return
+        if isinstance(value, (list, tuple)):
+            raise TypeError(f"the reward of {sample.sample_id} is one number, not {value!r}")
+        self.store.set_reward(sample.sample_id, value)
+
+    def samples(self, agent: str) -> list[SampleView]:
+        """Every sample `agent` made in this episode so far (ctx.generate, ctx.chat, the
+        OpenAI endpoint), in the order their groups opened."""
+        self._check_agent(agent)
+        groups = [self.store.groups[g] for g in self.groups if g in self.store.groups]
+        return [SampleView(self.store.samples[sid]) for g in groups if g.agent == agent for sid in g.sample_ids]
+
+    def reward_all(self, agent: str, value: float | Callable[[SampleView], float]) -> None:
+        """Rewards every sample of `agent` in this episode that has none yet: with `value`,
+        or with `value(sample)` where it is a function (a sample's reward from its own
+        text or conversation)."""
+        for s in self.samples(agent):
+            if s.reward is None and s.status == PENDING:
+                self.store.set_reward(s.sample_id, value(s) if callable(value) else value)
+
+    # ---------------------------------------------------------------- the OpenAI endpoint
+
+    @property
+    def openai_base_url(self) -> str:
+        """Where an OpenAI client reaches the run's endpoint (`openai.enabled`)."""
+        return self._endpoint_turns().base_url
+
+    @property
+    def openai_api_key(self) -> str:
+        """The key that names this episode: every call made with it is a turn of it."""
+        return self._endpoint_turns().api_key
+
+    def openai_client(self, **options: Any) -> Any:
+        """An `openai.AsyncOpenAI` configured for this episode (`options` go to it). Its
+        calls carry the calling branch's place in the workflow, so they open the same
+        groups, with the same sampling seeds, as the same `ctx.chat` calls would."""
+        return self._endpoint_turns().client(**options)
+
+    def _endpoint_turns(self) -> Any:
+        if self._openai is None:
+            if self.endpoint is None:
+                raise RuntimeError("the OpenAI endpoint is off: set openai.enabled = true in the job's config")
+            self._openai = self.endpoint.open_session(self)
+        return self._openai
+
+    async def end(self) -> None:
+        """The episode is over: its key names no live episode from now on."""
+        if self._openai is not None:
+            await self._openai.end()
+
+    async def env(self, mean_ms: float | None = None) -> None:
+        """A simulated tool/environment call: exponentially distributed latency."""
+        mean = self.env_latency_ms if mean_ms is None else mean_ms
+        if mean > 0:
+            await asyncio.sleep(self.rng.expovariate(1000.0 / mean))
+
+
+Episode = Callable[[EpisodeContext], Awaitable[None]]
+
+
+async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> str:
+    """Runs one episode; returns "" on success or the reason it failed (groups dropped).
+    The reason names the user's frame that raised; `ctx.failure` keeps their traceback.
+    It runs in the calling task, which becomes the root of the episode's branches."""
+    track_branches()
+    BRANCH.set(())
+    task = asyncio.current_task()
+    assert task is not None  # called from a coroutine
+    _children.pop(task, None)
+    try:
+        why = await _outcome(episode, ctx, timeout_s)
+    finally:
+        await ctx.end()
+    if why:
+        log.warning("%s; dropping its unfinished groups", why)
+        await ctx.close(why)
+    return why
+
+
+async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> str:
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            await episode(ctx)
+        unfinished = [g for g in ctx.groups if ctx.store.groups[g].status == "pending"]
+        if unfinished:
+            named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else unfinished
+            raise RuntimeError(f"episode ended without rewarding every sample of {named[:3]}")
+        return ""
+    except (asyncio.CancelledError, RunFailed):  # RunFailed: the run's failure (no instance left), not the episode's
+        raise
+    except Exception as exc:  # a user's reward function or workflow bug: drop, count, go on
+        if isinstance(exc, TimeoutError) and deadline.expired():
+            ctx.failure = why = f"episode {ctx.episode_id} timed out after {timeout_s:.0f}s"
+            return why
+        # a tool's own timeout (ctx.call) is the episode's failure, not its deadline
+        where = user_frame(exc)
+        ctx.failure = user_traceback(exc)
+        return f"episode {ctx.episode_id} failed: {type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")

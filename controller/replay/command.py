@@ -1,0 +1,56 @@
+"""The `flexmarl replay` command: read the log, print the summary, write the trace and the
+plot, and check the decisions when asked.
+
+    flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flexmarl.runtime import collector
+from flexmarl.runtime.eventlog import EventLogVersionError, read_events
+
+from .checking import check_beside
+from .summary import format_summary, summarize, write_plot, write_trace
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit codes: 0 fine, 1 the log is unreadable or inconsistent or the check found a
+    difference. The events and then the summary are set apart from the collector once
+    made (`collector.set_apart`): they are held to the end, and the check's collections
+    need not walk them."""
+    with collector.set_apart() as keep:
+        try:
+            events, problem = read_events(args.log)
+        except (OSError, EventLogVersionError) as exc:
+            print(f"flexmarl replay: {exc}", file=sys.stderr)
+            return 1
+        keep()
+        if problem:
+            # Expected after a crash (a torn last frame); everything before it is intact.
+            print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
+        checked = check_beside(events) if getattr(args, "check", False) else None
+        summary = summarize(events)
+        keep()
+        print(format_summary(summary))
+        if getattr(args, "trace", None):
+            write_trace(summary, args.trace)
+            print(f"\ntrace written to {args.trace} (open it in https://ui.perfetto.dev)")
+        if getattr(args, "plot", None):
+            write_plot(summary, args.plot)
+            print(f"plot written to {args.plot}")
+        code = 0
+        for error in summary.errors:
+            print(f"ACCOUNTING FAILED: {error}", file=sys.stderr)
+            code = 1
+        if checked is not None:
+            diff = checked()
+            if diff is None:
+                print("check: re-driving the decision code reproduces every logged decision"
+                      + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
+            else:
+                print(f"CHECK FAILED: {diff}", file=sys.stderr)
+                code = 1
+        return code

@@ -1,0 +1,169 @@
+"""Re-driving the controller's decisions from an event log (`flexmarl replay --check`).
+
+`redrive(events)` feeds the logged inputs (groups opened, the versions that generated
+each sample, rewards, demand observations) to the very code the controller ran: a fresh
+`ExperienceStore` cut by its `form_micro_batches` and `decisions.step_due`, and a
+`RolloutBalancer` observing the logged demand. It returns the decision events that code
+makes, for replay to compare with the ones the log recorded.
+
+It does not read files or know how decisions are carried out.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Sequence
+
+from flexmarl.runtime import collector
+from flexmarl.runtime import events as ev
+from flexmarl.runtime.config import RouterConfig
+
+from ..rollout.balance_rules import AgentDemand, RolloutBalancer
+from ..state import decisions
+from ..state.store import NO_LOGPROBS, NO_OUTPUT, ExperienceStore
+from .lineage import last_batch, lineage, open_steps
+
+# The events that feed a group to the store, each naming its agent.
+_GROUP_EVENTS = frozenset({ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete})
+
+# The decision events the re-drive derives; replay compares these, in order.
+REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
+
+
+def redrive(log: list) -> list:
+    """Recomputes the training decisions (which samples form each micro-batch, which
+    groups the staleness bound drops, each optimizer step) and the level 1 balancer's
+    moves from the logged inputs, by calling the same code the controller ran: an
+    `ExperienceStore` is refilled from the logged groups, versions and rewards, and
+    `form_micro_batches` / `step_due` cut it; `RolloutBalancer.observe` sees the logged
+    demand. `flexmarl replay --check` compares the result with the decisions the log
+    recorded; ordering across agents is taken from the log, since it depends on timing,
+    not on the rules."""
+    log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
+    return in_log_order(log, training_decisions(log, run_of(log).agents), balancer_moves(log))
+
+
+def run_of(log: list) -> ev.RunStarted:
+    return next(e for e in log if type(e) is ev.RunStarted)
+
+
+def training_decisions(log: list, agents: Sequence[str]) -> dict[str, list]:
+    """Per agent of `agents` (some or all of the run's), in order: the micro-batches and
+    steps the rules cut from a store refilled with that agent's groups (`log` a lineage).
+    An agent's decisions depend on its own groups alone, so a share of the agents may be
+    re-driven apart from the rest (replay's check re-drives two shares at once) and the
+    results joined."""
+    start = run_of(log)
+    pipeline = tomllib.loads(start.config_toml)["pipeline"]
+    with collector.rare_collections():  # a refilled store is a heap of records, as the controller's
+        store = _refilled_store(log, list(agents), set(start.agents) - set(agents))
+        return _redrive_training(log, store, list(agents), pipeline, start.max_staleness)
+
+
+def balancer_moves(log: list) -> list:
+    """The level 1 balancer's moves for the logged demand observations, in order (`log` a
+    lineage)."""
+    return _redrive_balancer(log, tomllib.loads(run_of(log).config_toml)["router"])
+
+
+def _refilled_store(log: list, agents: list[str], others: set[str]) -> ExperienceStore:
+    """An `ExperienceStore` of `agents` fed their logged groups, versions and rewards, in
+    the order the controller saw them; the run's `others` are left out."""
+    store = ExperienceStore(agents)
+    groups = store.groups
+    opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
+    if others:  # a share of the run's agents: the others' groups are not refilled here
+        log = [e for e in log if type(e) not in _GROUP_EVENTS or e.agent not in others]
+    for e in log:
+        kind = type(e)
+        if kind is opened:
+            store.open_group(e.agent, e.group_id, [], e.size(), e.batch)  # open_group makes the ids
+        elif kind is completed:
+            if e.sample_ids:  # format 1: the samples by name
+                _record_samples(store, e.sample_ids, e.versions)
+                continue
+            parts = e.parts  # a part: members of one group, or a later turn (no group has its key)
+            for key, first, size, version in zip(parts.keys, parts.firsts, parts.sizes, e.versions):
+                if key in groups:
+                    store.record_versions(key, first, size, version)
+        elif kind is rewarded:
+            store.set_group_rewards(e.group_id, e.rewards)
+            groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
+    return store
+
+
+def _record_samples(store: ExperienceStore, sample_ids: list[str], versions: list[int]) -> None:
+    """Format 1's completions: per sample named, its version (the versions are what decide)."""
+    samples = store.samples
+    for sid, version in zip(sample_ids, versions):
+        sample = samples.get(sid)
+        if sample is not None and sample.output_ids is None:
+            store.record_output(sid, NO_OUTPUT, NO_LOGPROBS, [version])
+
+
+def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipeline: dict,
+                      k: int) -> dict[str, list]:
+    """Per agent, the micro-batches and steps the rules make of `store`, in order.
+
+    Every agent steps every batch up to the last batch the log reached, but a step the
+    log never took (`open_steps`): its micro-batches are every one the rules would cut
+    from what was ready when the log ends; the log's must be the first of them."""
+    size = decisions.MicroBatchSize(pipeline["micro_batch"], pipeline.get("micro_batch_tokens", 0))
+    # Which trainer runs a step is the allocator's choice, not re-derived here.
+    step = ev.OptimizerStep
+    step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is step}
+    made: dict[str, list] = {a: [] for a in agents}
+    unfinished = open_steps(log)
+    for batch in range(1, last_batch(log) + 1):
+        for agent in agents:
+            trained = 0
+            for mb in store.form_micro_batches(agent, batch, size, True, False, k):
+                trained += len(mb)
+                made[agent].append(ev.MicroBatchFormed(agent, "", batch, [s.sample_id for s in mb],
+                                                       [s.min_version for s in mb]))
+            assert decisions.step_due(True, store.ready_samples(agent, batch))
+            if (agent, batch) not in unfinished:
+                made[agent].append(ev.OptimizerStep(agent, step_trainer.get((agent, batch), ""), batch, trained))
+    return made
+
+
+def in_log_order(log: list, made: dict[str, list], moves: list) -> list:
+    """The agents' decisions and the balancer's moves interleaved in the order the log
+    shows (timing), each one's own order kept."""
+    cursor = {a: 0 for a in made}
+    result, next_move = [], iter(moves)
+    redriven = frozenset(REDRIVEN_TYPES)
+    for e in log:
+        kind = type(e)
+        if kind not in redriven:
+            continue
+        if kind is ev.RebalanceDecided:
+            move = next(next_move, None)
+            if move is not None:
+                result.append(move)
+        elif cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
+            result.append(made[e.agent][cursor[e.agent]])
+            cursor[e.agent] += 1
+    for agent, items in made.items():
+        result += items[cursor[agent]:]
+    return result + list(next_move)
+
+
+def _redrive_balancer(log: list, router: dict) -> list:
+    """The level 1 balancer's moves for the logged demand observations, in order."""
+    balancer, moves = None, []
+    for e in log:
+        kind = type(e)
+        if kind is ev.RunResumed:
+            balancer = None  # the resumed controller's balancer starts afresh
+        if kind is not ev.DemandObserved:
+            continue
+        if balancer is None:  # built as the rebalancer builds it, from the logged config
+            balancer = RolloutBalancer.from_config(RouterConfig(**router))
+        balancer.move_cost_s = e.move_cost_s
+        snapshot = {a: AgentDemand(e.outstanding[a], e.dispatched_tokens[a], e.busy_s.get(a, {}))
+                    for a in e.outstanding}
+        move = balancer.observe(snapshot, e.now)
+        if move is not None:
+            moves.append(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
+    return moves

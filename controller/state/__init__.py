@@ -1,0 +1,1 @@
+"""What the controller knows: the experience store and its group records, the batch schedule and synced versions, the rollout instances, the decision rules, failures. The lowest layer above the worker plane (control/): it imports nothing else of the controller."""

@@ -1,0 +1,166 @@
+"""The batch schedule: where every global batch stands, the staleness gate, wake-ups.
+
+One `BatchProgress` record per global batch (episodes left and failed, when its rollout
+started and ended, how many agents have stepped it, when the last one synced).
+`BatchSchedule` holds them and the events the loops wait on; it reads each agent's synced
+version from `SyncedVersions` (versions.py), which it does not write:
+- the episode producer waits in `wait_to_start(batch)` (sync mode: until every agent's
+  weights are at batch - 1; async mode: never) and reports `episode_ended(batch)` (a
+  failed one with why: counted, the first kept for the error that stops the run);
+- every turn of an episode waits at `gate(agent, batch)` until the agent's rollout weights
+  are within the staleness bound for the batch;
+- each agent's pipeline waits in `wait_for_work(agent)`, woken by `work_arrived(agent)`
+  (a group became trainable) or by any batch's rollout ending, and reports
+  `agent_stepped(batch)`;
+- a change of a synced version (the weight sync sets it) unblocks the producer and the
+  turns waiting at the gate for that agent (no other agent's);
+- an evaluation after step t (evaluation.py) holds every agent's sync to version t + 1
+  (`wait_to_sync`) until it has run (`evaluated(t)`), so it measures version t.
+
+The rules themselves are in decisions.py. It does not know the store, workers or
+trainers, only counts, versions and times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import decisions
+from .versions import SyncedVersions
+
+
+@dataclass
+class BatchProgress:
+    batch: int
+    episodes_left: int
+    rollout_done: asyncio.Event = field(default_factory=asyncio.Event)  # every episode ended
+    trained_done: asyncio.Event = field(default_factory=asyncio.Event)  # every agent stepped and synced
+    started: float | None = None  # its first episode started
+    rollout_end: float | None = None  # its last episode ended
+    agents_stepped: int = 0
+    trained: float | None = None  # every agent stepped and synced it
+    episodes_failed: int = 0
+    first_failure: str = ""  # the first failed episode's reason and the user's traceback
+
+    @property
+    def rollout_s(self) -> float:
+        return (self.rollout_end or 0.0) - (self.started or 0.0)
+
+    @property
+    def train_sync_s(self) -> float:
+        return (self.trained or 0.0) - (self.rollout_end or 0.0)
+
+
+class BatchSchedule:
+    def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
+                 max_staleness: int, versions: SyncedVersions | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.agents = list(agents)
+        self.steps = steps
+        self.overlap = overlap
+        self.max_staleness = max_staleness
+        self.clock = clock
+        self.batches = {t: BatchProgress(t, episodes_per_batch) for t in range(1, steps + 1)}
+        self.versions = versions if versions is not None else SyncedVersions(agents)  # read only
+        self._work = {a: asyncio.Event() for a in agents}
+        self.first_batch = 1  # later after a resume
+        self._evaluations: dict[int, asyncio.Event] = {}  # step -> set once its evaluation ran
+
+    def resume_after(self, step: int) -> None:
+        """A run resumed from the checkpoint of `step`: batches up to it are done, every
+        agent's instances hold version `step` (set in `SyncedVersions.resume_at`), and
+        the loops start at batch step + 1."""
+        for t in range(1, step + 1):
+            progress = self.batches[t]
+            progress.episodes_left, progress.agents_stepped = 0, len(self.agents)
+            progress.rollout_done.set()
+            progress.trained_done.set()
+            progress.trained = progress.rollout_end = progress.started = None  # not timed in this process
+        self.first_batch = step + 1
+
+    # -- the episode producer and the gate
+
+    async def wait_to_start(self, batch: int) -> None:
+        while not decisions.may_start_episode(batch, self.versions.as_dict(), self.overlap):
+            await self.versions.changed()
+        progress = self.batches[batch]
+        if progress.started is None:
+            progress.started = self.clock()
+
+    def episode_ended(self, batch: int, failure: str = "") -> None:
+        """One episode of `batch` ended; `failure` says why it failed ("" if it did not)."""
+        progress = self.batches[batch]
+        progress.episodes_left -= 1
+        if failure:
+            progress.episodes_failed += 1
+            progress.first_failure = progress.first_failure or failure
+        if progress.episodes_left == 0:
+            progress.rollout_end = self.clock()
+            progress.rollout_done.set()
+            for event in self._work.values():  # pipelines waiting for the batch's end
+                event.set()
+
+    async def gate(self, agent: str, batch: int) -> None:
+        while not decisions.may_generate(batch, self.versions[agent], self.max_staleness):
+            await self.versions.changed(agent)  # its own agent's syncs only
+
+    # -- the per-agent pipelines
+
+    def rollout_complete(self, batch: int) -> bool:
+        return self.batches[batch].rollout_done.is_set()
+
+    def work_arrived(self, agent: str) -> None:
+        self._work[agent].set()
+
+    async def wait_for_work(self, agent: str) -> None:
+        await self._work[agent].wait()
+        self._work[agent].clear()
+
+    def agent_stepped(self, batch: int) -> bool:
+        """Counts one agent's step (and sync) of `batch`; True when it was the last."""
+        progress = self.batches[batch]
+        progress.agents_stepped += 1
+        if progress.agents_stepped == len(self.agents):
+            progress.trained = self.clock()
+            progress.trained_done.set()
+            return True
+        return False
+
+    async def wait_trained(self, batch: int) -> None:
+        await self.batches[batch].trained_done.wait()
+
+    # -- evaluations
+
+    def evaluation_at(self, step: int) -> None:
+        """An evaluation will run after `step`: syncs to version step + 1 wait for it."""
+        self._evaluations.setdefault(step, asyncio.Event())
+
+    def evaluated(self, step: int) -> None:
+        self._evaluations.setdefault(step, asyncio.Event()).set()
+
+    async def wait_to_sync(self, version: int) -> None:
+        """Returns once an agent's instances may move to `version` (no evaluation of
+        version - 1 is still to run)."""
+        held = self._evaluations.get(version - 1)
+        if held is not None:
+            await held.wait()
+
+    @property
+    def finished(self) -> bool:
+        return all(p.trained_done.is_set() for p in self.batches.values())
+
+    def trained_batches(self) -> list[BatchProgress]:
+        return [p for p in self.batches.values() if p.trained is not None and p.started is not None]
+
+    def stage_times(self) -> dict[str, float]:
+        """Mean seconds per global batch from its first episode to its last (rollout) and
+        from there to the last agent's synced weights (train + sync). Back to back in sync
+        mode; overlapped (and then less meaningful) in async mode."""
+        done = self.trained_batches()
+        if not done:
+            return {"rollout_s": 0.0, "train_sync_s": 0.0}
+        return {"rollout_s": sum(p.rollout_s for p in done) / len(done),
+                "train_sync_s": sum(p.train_sync_s for p in done) / len(done)}

@@ -1,0 +1,1 @@
+"""Moving an agent's weights from its trainer to its rollout instances: the weight sync and its NCCL groups."""

@@ -1,0 +1,276 @@
+"""The workflow API with a fake rollout side (the other end of the socket)."""
+
+import asyncio
+import random
+
+import pytest
+
+from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext, ToolPool, request_seed, run_episode
+from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.store import DROPPED, READY, ExperienceStore
+
+
+class FakeGenerator:
+    def __init__(self, delay=0.0):
+        self.delay = delay
+        self.batches = []
+
+    async def generate(self, agent, group, after=""):
+        self.batches.append((agent, [f"{group.key}/{j}" for j in range(group.n)]))
+        await asyncio.sleep(self.delay)
+        return output_of([[(group.seed + j) % 10] * group.max_tokens for j in range(group.n)],
+                         [[-1.0] * group.max_tokens] * group.n)
+
+
+def make_ctx(store, gen, episode_id="e0"):
+    agents = {"a": AgentDefaults(2, 1.0, 3), "b": AgentDefaults(1, 1.0, 2)}
+    return EpisodeContext(episode_id, 0, random.Random(0), store, gen, agents, run_seed=7)
+
+
+async def chain(ctx):
+    first = await ctx.generate("a", [1, 2])
+    for s in first:
+        ctx.reward(s, 1.0 if s.output_ids[0] % 2 else 0.0)
+    seconds = await asyncio.gather(*(ctx.generate("b", s.output_ids) for s in first))
+    for group in seconds:
+        for s in group:
+            ctx.reward(s, 0.5)
+
+
+async def test_episode_chains_agents_and_makes_every_group_trainable():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    assert await run_episode(chain, make_ctx(store, gen), 5.0) == ""
+    assert store.ready_samples("a", 0) == 3 and store.ready_samples("b", 0) == 6
+    assert all(s.status == READY and s.versions == [0] for s in store.samples.values())
+
+
+async def test_a_reward_function_that_raises_drops_the_episode_and_the_run_goes_on():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def broken(ctx):
+        await ctx.generate("a", [1])
+        raise ZeroDivisionError("reward bug")
+
+    why = await run_episode(broken, make_ctx(store, gen), 5.0)
+    assert "ZeroDivisionError: reward bug" in why
+    assert all(s.status == DROPPED for s in store.samples.values())
+    assert await run_episode(chain, make_ctx(store, gen, "e1"), 5.0) == ""
+
+
+async def test_an_episode_that_hangs_past_its_timeout_is_dropped():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator(delay=10.0)
+    why = await run_episode(chain, make_ctx(store, gen), 0.2)
+    assert "timed out" in why
+    assert store.counts[("a", DROPPED)] == 3
+
+
+async def test_asking_for_an_unconfigured_agent_names_it():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def typo(ctx):
+        await ctx.generate("plannr", [1])
+
+    assert "'plannr', which is not configured" in await run_episode(typo, make_ctx(store, gen), 5.0)
+
+
+@pytest.mark.parametrize("call", [lambda ctx: ctx.generate("plannr", "sort 3 1 2"),
+                                  lambda ctx: ctx.chat("plannr", [{"role": "user", "content": "hi"}])])
+async def test_an_unconfigured_agent_in_any_ctx_call_names_the_configured_ones(call):
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def typo(ctx):
+        await call(ctx)
+
+    why = await run_episode(typo, make_ctx(store, gen), 5.0)
+    assert "UnknownAgent: workflow asked for agent 'plannr', which is not configured (agents: a, b)" in why
+
+
+async def test_a_failed_episode_names_the_users_file_and_line_and_keeps_their_traceback():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def typo(ctx):
+        row = {"q": "1 2"}
+        return row["question"]
+
+    ctx = make_ctx(store, gen)
+    why = await run_episode(typo, ctx, 5.0)
+    line = typo.__code__.co_firstlineno + 2
+    assert why == f"episode e0 failed: KeyError: 'question' (at {__file__}:{line} in typo)"
+    assert f'File "{__file__}", line {line}, in typo' in ctx.failure
+    assert ctx.failure.endswith("KeyError: 'question'")
+    assert "asyncio" not in ctx.failure and "controller/episodes/workflow.py" not in ctx.failure
+
+
+async def test_an_episode_that_forgets_a_reward_is_dropped_not_reported_as_success():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+    async def forgetful(ctx):
+        await ctx.generate("a", [1])
+
+    assert "without rewarding" in await run_episode(forgetful, make_ctx(store, gen), 5.0)
+    assert store.counts[("a", DROPPED)] == 3
+
+
+def test_request_seeds_depend_only_on_run_seed_and_sample_id():
+    assert request_seed(1, "e0/a0/1") == request_seed(1, "e0/a0/1")
+    assert request_seed(1, "e0/a0/1") != request_seed(2, "e0/a0/1")
+    assert request_seed(1, "e0/a0/1") != request_seed(1, "e0/a0/2")
+
+
+def test_a_groups_members_get_consecutive_seeds_and_later_turns_their_own():
+    base = request_seed(3, "e0/a-1f/0")
+    assert [request_seed(3, f"e0/a-1f/{i}") for i in range(4)] == [base + i for i in range(4)]
+    assert request_seed(3, "e0/a-2f/0") != base  # another group, another base
+    later = request_seed(3, "e0/a-1f/1@1")  # a sample's second turn: hashed whole
+    assert later not in {base + i for i in range(4)} and 0 <= later < 2**31
+
+
+# ---------------------------------------------------------------- failures and determinism
+
+
+async def test_a_failing_episode_cancels_its_other_branches_and_leaves_nothing_in_flight():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator(delay=0.05)
+    opened_after_failure = []
+
+    async def branching(ctx):
+        async def failing():
+            await ctx.generate("a", [1])
+            raise RuntimeError("tool crashed")
+
+        async def slow():
+            await ctx.generate("a", [2])
+            await asyncio.sleep(0.2)  # still running when its sibling fails
+            opened_after_failure.append(True)
+            for s in await ctx.generate("b", [3]):
+                ctx.reward(s, 1.0)
+
+        await asyncio.gather(failing(), slow())
+
+    why = await run_episode(branching, make_ctx(store, gen), 5.0)
+    assert "tool crashed" in why
+    await asyncio.sleep(0.4)  # a surviving branch would open its group by now
+    assert opened_after_failure == []
+    assert all(g.status == DROPPED for g in store.groups.values())
+    assert not [s for s in store.samples.values() if s.status not in (DROPPED,)]
+
+
+async def test_a_closed_episode_refuses_to_generate():
+    from flexmarl.controller.episodes.workflow import EpisodeClosed
+
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    ctx = make_ctx(store, gen)
+    await ctx.close("failed earlier")
+    with pytest.raises(EpisodeClosed, match="failed earlier"):
+        await ctx.generate("a", [1])
+
+
+async def test_group_ids_and_seeds_follow_the_call_not_which_branch_finishes_first():
+    def run(delays):
+        store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+
+        async def episode(ctx):
+            async def branch(prompt, delay):
+                await asyncio.sleep(delay)  # an environment call of varying latency
+                for s in await ctx.generate("b", prompt):
+                    ctx.reward(s, 0.0)
+
+            await asyncio.gather(branch([4, 4], delays[0]), branch([5, 5], delays[1]), branch([4, 4], 0.0))
+
+        return store, gen, episode
+
+    seen = []
+    for delays in ((0.01, 0.05), (0.05, 0.01)):
+        store, gen, episode = run(delays)
+        assert await run_episode(episode, make_ctx(store, gen), 5.0) == ""
+        seen.append({(tuple(g_prompt), gid) for gid, g_prompt in
+                     ((g.group_id, store.samples[g.sample_ids[0]].prompt_ids) for g in store.groups.values())})
+        seeds = {sid: request_seed(7, sid) for sid in store.samples}
+        assert len(set(seeds.values())) == len(seeds)
+    assert seen[0] == seen[1]
+
+
+async def test_a_group_of_one_is_refused():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    with pytest.raises(ValueError, match="at least 2"):
+        await make_ctx(store, gen).generate("a", [1], n=1)
+
+
+# ---------------------------------------------------------------- tools off the event loop
+
+
+async def test_a_slow_blocking_tool_times_out_its_episode_without_stalling_the_others():
+    import concurrent.futures
+    import time
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    finished = []
+
+    def slow_tool(seconds):
+        time.sleep(seconds)  # blocking: would freeze every episode if run on the loop
+        return "done"
+
+    async def uses_tool(ctx, seconds):
+        result = await ctx.call(slow_tool, seconds, timeout=0.3)
+        for s in await ctx.generate("a", [1]):
+            ctx.reward(s, 1.0)
+        finished.append((ctx.episode_id, result, time.monotonic()))
+
+    def ctx(i):
+        c = make_ctx(store, gen, episode_id=f"e{i}")
+        c.tools = ToolPool(pool)
+        return c
+
+    t0 = time.monotonic()
+    slow, fast = await asyncio.gather(run_episode(lambda c: uses_tool(c, 2.0), ctx(0), 5.0),
+                                      run_episode(lambda c: uses_tool(c, 0.01), ctx(1), 5.0))
+    assert "did not return within 0.3s" in slow and fast == ""
+    assert [f[:2] for f in finished] == [("e1", "done")]
+    assert finished[0][2] - t0 < 1.0  # the fast episode never waited for the slow tool
+    pool.shutdown(wait=False)
+
+
+async def test_an_async_tool_is_awaited_with_its_timeout():
+    store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
+    ctx = make_ctx(store, gen)
+
+    async def tool(x):
+        await asyncio.sleep(0.01)
+        return x * 2
+
+    assert await ctx.call(tool, 21) == 42
+    with pytest.raises(TimeoutError):
+        await ctx.call(asyncio.sleep, 1.0, timeout=0.05)
+
+
+async def test_identical_prompts_from_two_concurrent_branches_get_the_same_seeds_whichever_calls_first():
+    """Two branches send agent "a" the same prompt; which one calls first is decided by
+    the test (as latency would decide it). Each branch draws the same seeds either way."""
+
+    async def seeds_by_branch(first: str) -> dict:
+        store = ExperienceStore(["a"])
+        released = {"left": asyncio.Event(), "right": asyncio.Event()}
+        seeds = {}
+        gen = FakeGenerator()
+
+        async def branch(ctx, name):
+            await released[name].wait()
+            samples = await ctx.generate("a", [4, 2])
+            seeds[name] = [request_seed(7, s.sample_id) for s in samples]
+            for s in samples:
+                ctx.reward(s, 0.0)
+            if name == first:
+                released["right" if first == "left" else "left"].set()
+
+        async def episode(ctx):
+            released[first].set()
+            await asyncio.gather(branch(ctx, "left"), branch(ctx, "right"))
+
+        assert await run_episode(episode, make_ctx(store, gen), 5.0) == ""
+        assert [agent for agent, _ in gen.batches] == ["a", "a"]
+        assert gen.batches[0][1][0].startswith("e0/") and seeds[first] != []
+        return seeds
+
+    left_first, right_first = await seeds_by_branch("left"), await seeds_by_branch("right")
+    assert left_first == right_first
+    assert left_first["left"] != left_first["right"]

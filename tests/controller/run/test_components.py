@@ -1,0 +1,116 @@
+"""The wiring root: what `resolve` checks and loads, and that `build` makes every
+component of a run at once, wired to one another, with nothing left to fill in later."""
+
+import dataclasses
+import typing
+from types import SimpleNamespace
+
+import pytest
+
+from flexmarl.controller.run import components
+from flexmarl.controller.run.components import Components, Given, Resolved, build, resolve
+from flexmarl.controller.state import decisions
+from flexmarl.controller.tasks.digit_chain import default_config
+from flexmarl.runtime import bases, protocol
+from flexmarl.runtime.config import load_config
+
+
+@pytest.fixture
+def models_named(monkeypatch):
+    """Model names resolved to directories named after them, without building anything."""
+    monkeypatch.setattr(components, "resolve_model", lambda name, *_: f"/models/{name.replace(':', '-')}")
+    monkeypatch.setattr(components, "has_tokenizer", lambda path: False)
+
+
+def built(tmp_path, *overrides):
+    cfg = load_config(None, ["run.progress=false", *overrides], defaults=default_config())
+    server = SimpleNamespace(on_died=[], on_joined=[], closing=False, next_request_id=lambda: 7)
+    parts = build(cfg, resolve(cfg), Given(server, tmp_path, emit=lambda e: None, flush_events=None))
+    return cfg, parts
+
+
+def close(parts: Components) -> None:
+    parts.metrics.close()
+    parts.tools.shutdown()
+
+
+def test_build_sets_every_component_to_its_declared_type(tmp_path, models_named):
+    cfg, parts = built(tmp_path)
+    hints = typing.get_type_hints(Components)
+    for field in dataclasses.fields(Components):
+        value, kind = getattr(parts, field.name), hints[field.name]
+        if field.name == "endpoint":  # made only with openai.enabled
+            assert value is None and not cfg.openai.enabled
+        elif typing.get_origin(kind) is dict:
+            assert list(value) == list(cfg.agents)
+            assert all(isinstance(v, typing.get_args(kind)[1]) for v in value.values())
+        elif typing.get_origin(kind) in (typing.Callable, __import__("collections.abc").abc.Callable):
+            assert callable(value), field.name
+        else:
+            assert isinstance(value, kind), (field.name, value)
+    close(parts)
+
+
+def test_components_are_frozen(tmp_path, models_named):
+    _, parts = built(tmp_path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parts.allocator = None
+    close(parts)
+
+
+def test_the_components_share_one_of_each_piece_of_state(tmp_path, models_named):
+    cfg, parts = built(tmp_path, "router.across_agents=true")
+    assert parts.schedule.versions is parts.versions and parts.weights.versions is parts.versions
+    assert parts.rejoin.instances is parts.instances and parts.client.owner is parts.instances
+    assert parts.rebalancer.instances is parts.instances and parts.admission.weights is parts.weights
+    assert all(pl.allocator is parts.allocator and pl.store is parts.store for pl in parts.pipelines.values())
+    # the allocator weighs each agent's work as its pipeline reports it
+    assert all(parts.allocator.work(a) == parts.pipelines[a].work() for a in cfg.agents)
+    assert parts.allocator.trainers == []  # the registered trainers join at set-up
+    close(parts)
+
+
+def test_an_engine_starts_on_its_units_model_at_version_zero(tmp_path, models_named):
+    _, parts = built(tmp_path)
+    message = parts.load_message("solver")
+    assert isinstance(message, protocol.LoadModel)
+    assert (message.request_id, message.agent, message.model_path, message.version) == (
+        7, "solver", "/models/tiny-solver", 0)
+    close(parts)
+
+
+def test_resolve_names_a_model_that_names_nothing_before_building_anything(tmp_path, models_named):
+    cfg = load_config(None, ["run.progress=false", f"agents.solver.model='{tmp_path}/none'"],
+                      defaults=default_config())
+    with pytest.raises(Exception, match="no such directory"):
+        resolve(cfg)
+
+
+def test_resolved_models_and_units_cover_every_agent(models_named):
+    cfg = load_config(None, ["run.progress=false"], defaults=default_config())
+    resolved = resolve(cfg)
+    assert isinstance(resolved, Resolved) and resolved.dataset is None and resolved.tokenizers == {}
+    assert resolved.model_path == {a: f"/models/tiny-{a}" for a in cfg.agents}
+    assert [resolved.units.of(a).name for a in cfg.agents] == list(cfg.agents)
+
+
+def test_units_look_an_agent_up_by_its_unit_and_lora_shape():
+    lora = protocol.LoraSettings(8)
+    units = bases.Units({"w": bases.EngineUnit("w", ("w",)),
+                         "bases.b": bases.EngineUnit("bases.b", ("x", "y"), lora=True)}, {"x": lora, "y": lora})
+    assert list(units) == ["w", "bases.b"] and len(units) == 2
+    assert units.of("y") is units["bases.b"] and units.of("w").name == "w"
+    assert units.lora("x") is lora and units.lora("w") is None
+
+
+def test_the_demand_rule_weighs_group_size_output_length_and_config_position():
+    cfg = load_config(None, [], defaults=default_config())
+    # planner 4 x 3 x 1, solver 4 x 6 x 2, checker 2 x 1 x 3: what the driver computed inline before
+    assert {a: decisions.expected_tokens(cfg.agents, a) for a in cfg.agents} == {
+        "planner": 12, "solver": 48, "checker": 6}
+    weights = decisions.unit_weights(bases.engine_units(cfg), lambda a: decisions.expected_tokens(cfg.agents, a))
+    assert decisions.place_agents(list(weights), [f"r{i}" for i in range(6)], weights) == {
+        "planner": ["r0"], "solver": ["r1", "r3", "r4", "r5"], "checker": ["r2"]}
+    equal = decisions.unit_weights(bases.engine_units(cfg), lambda a: decisions.equal_demand(cfg.agents, a))
+    assert decisions.place_agents(list(equal), [f"r{i}" for i in range(6)], equal) == {
+        "planner": ["r0", "r4"], "solver": ["r1", "r3"], "checker": ["r2", "r5"]}  # ties: the later name

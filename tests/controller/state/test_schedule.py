@@ -1,0 +1,84 @@
+"""The batch schedule on its own: start rule, staleness gate, wake-ups, progress records."""
+
+import asyncio
+
+from flexmarl.controller.state import decisions
+from flexmarl.controller.state.schedule import BatchSchedule
+
+
+def schedule(overlap=False, k=0, steps=3, episodes=2):
+    clock = iter(range(100))
+    return BatchSchedule(["a", "b"], steps, episodes, overlap=overlap, max_staleness=k, clock=lambda: next(clock))
+
+
+async def test_sync_mode_starts_a_batch_only_when_every_agent_has_synced_the_previous_one():
+    s = schedule(overlap=False)
+    await asyncio.wait_for(s.wait_to_start(1), 1)
+    waiter = asyncio.ensure_future(s.wait_to_start(2))
+    s.versions.set("a", 1)
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    s.versions.set("b", 1)
+    await asyncio.wait_for(waiter, 1)
+    assert s.batches[2].started is not None
+
+
+async def test_async_mode_starts_at_once_and_the_gate_holds_turns_past_the_bound():
+    s = schedule(overlap=True, k=1)
+    await asyncio.wait_for(s.wait_to_start(3), 1)
+    await asyncio.wait_for(s.gate("a", 2), 1)  # batch 2 may use version 0 with k = 1
+    gated = asyncio.ensure_future(s.gate("a", 3))  # batch 3 needs version >= 1
+    await asyncio.sleep(0.01)
+    assert not gated.done()
+    s.versions.set("b", 1)  # another agent's version does not open a's gate
+    await asyncio.sleep(0.01)
+    assert not gated.done()
+    s.versions.set("a", 1)
+    await asyncio.wait_for(gated, 1)
+
+
+async def test_the_last_episode_of_a_batch_completes_its_rollout_and_wakes_every_pipeline():
+    s = schedule(episodes=2)
+    waiters = [asyncio.ensure_future(s.wait_for_work(a)) for a in ("a", "b")]
+    s.episode_ended(1)
+    await asyncio.sleep(0.01)
+    assert not s.rollout_complete(1) and not any(w.done() for w in waiters)
+    s.episode_ended(1)
+    await asyncio.wait_for(asyncio.gather(*waiters), 1)
+    assert s.rollout_complete(1) and s.batches[1].rollout_end is not None
+
+
+async def test_work_arriving_wakes_only_that_agents_pipeline():
+    s = schedule()
+    a, b = asyncio.ensure_future(s.wait_for_work("a")), asyncio.ensure_future(s.wait_for_work("b"))
+    s.work_arrived("a")
+    await asyncio.wait_for(a, 1)
+    await asyncio.sleep(0.01)
+    assert not b.done()
+    b.cancel()
+
+
+async def test_a_turn_waiting_at_the_gate_wakes_on_its_own_agents_sync_only(monkeypatch):
+    s = schedule(overlap=True, k=0)
+    checks, rule = [], decisions.may_generate
+    monkeypatch.setattr(decisions, "may_generate", lambda *args: checks.append(args) or rule(*args))
+    waiter = asyncio.ensure_future(s.gate("a", 2))  # batch 2 at K = 0 needs a's version 1
+    await asyncio.sleep(0.01)
+    for version in (1, 2, 3):  # other agents' syncs
+        s.versions.set("b", version)
+        await asyncio.sleep(0.01)
+    assert not waiter.done() and checks == [(2, 0, 0)]
+    s.versions.set("a", 1)
+    await asyncio.wait_for(waiter, 1)
+    assert checks == [(2, 0, 0), (2, 1, 0)]
+
+
+def test_a_batch_is_trained_when_its_last_agent_steps_and_the_run_when_every_batch_is():
+    s = schedule(steps=1)
+    s.batches[1].started = 0.0
+    s.episode_ended(1)
+    s.episode_ended(1)
+    assert s.agent_stepped(1) is False and not s.finished
+    assert s.agent_stepped(1) is True and s.finished
+    # the test clock ticks 0, 1, ...: the rollout ended at 0 (started at 0), trained at 1
+    assert s.stage_times() == {"rollout_s": 0.0, "train_sync_s": 1.0}

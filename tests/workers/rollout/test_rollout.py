@@ -1,0 +1,270 @@
+"""The rollout worker's weight handling, run directly: on a real vLLM engine, and on a
+stand-in for the engine where only what the handler does with the channel (or how it
+adds requests) matters."""
+
+import asyncio
+import random
+import types
+
+import pytest
+import torch
+
+from flexmarl.controller.tasks import digit_chain
+from flexmarl.runtime import protocol as p
+from flexmarl.runtime.params.channel import ParamChannel
+from flexmarl.workers import models
+from flexmarl.workers.rollout.engine import Completion
+from flexmarl.workers.rollout.worker import RolloutHandler
+
+
+def greedy(handler, prompt):
+    handler.engine.add("greedy", prompt, 6, 0.0, 0)
+    out = []
+    while handler.engine.has_unfinished():
+        out += handler.engine.step()
+    return out[0].token_ids
+
+
+def transformers_greedy(model_dir, prompt):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             min_new_tokens=6)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+def test_an_idle_instance_switches_agents_in_place_when_architectures_match(tmp_path):
+    spec = digit_chain.AGENTS["planner"]
+    first = models.build_model(spec, digit_chain.VOCAB, tmp_path / "a")
+    other_spec = type(spec)(**{**spec.__dict__, "name": "other", "seed": spec.seed + 100})
+    other = models.build_model(other_spec, digit_chain.VOCAB, tmp_path / "b")
+    handler = RolloutHandler()
+    handler._load_model(p.LoadModel(1, "planner", str(first), 0))
+    prompt = digit_chain.planner_prompt(digit_chain.make_query(random.Random(3)))
+    from safetensors.torch import load_file
+    with ParamChannel() as channel:
+        handle = channel.publish(load_file(str(other / "model.safetensors")), agent="other", version=4,
+                                 transport="shm")
+        handler._load_weights(p.LoadWeights(2, "other", 4, handle))
+        assert (handler.agent, handler.version) == ("other", 4)
+        assert greedy(handler, prompt) == transformers_greedy(other, prompt)
+        # a set that does not fit this engine is refused, and the instance is unchanged:
+        # other names (solver: 4 layers), or the same names with other shapes (checker)
+        for agent, match in (("solver", None), ("checker", "wrong shape")):
+            model_dir = models.build_model(digit_chain.AGENTS[agent], digit_chain.VOCAB, tmp_path / agent)
+            bad = channel.publish(load_file(str(model_dir / "model.safetensors")), agent=agent, version=1,
+                                  transport="shm")
+            with pytest.raises(ValueError, match=match):
+                handler._load_weights(p.LoadWeights(3, agent, 1, bad))
+            assert (handler.agent, handler.version) == ("other", 4)
+            assert greedy(handler, prompt) == transformers_greedy(other, prompt)
+    handler.close()
+
+
+class PublishedLoadRecorder:
+    """Stands in for the engine the handler is handed: records the published loads."""
+
+    def __init__(self):
+        self.loads = []
+
+    def load_published(self, handle, *, rank=0, config=None):
+        self.loads.append((handle, rank, config))
+
+    def has_unfinished(self):
+        return False
+
+    def close(self):
+        pass
+
+
+def test_whole_weights_go_to_the_engine_as_a_handle_with_the_rank_and_channel_settings():
+    """The rollout process receives no tensors of whole weights: the engine's workers do
+    (tests/workers/rollout/test_engine_receive.py), each at the rank the controller gave plus its own."""
+    from flexmarl.runtime.params.types import ParamChannelConfig
+
+    config = ParamChannelConfig(timeout_s=5.0)
+    handler = RolloutHandler(config)
+    handler.engine, handler.agent = PublishedLoadRecorder(), "planner"
+    handler._load_weights(p.LoadWeights(1, "planner", 1, "nccl handle", rank=3))
+    handler._load_weights(p.LoadWeights(2, "planner", 2, "shm handle"))
+    assert handler.engine.loads == [("nccl handle", 3, config), ("shm handle", 0, config)]
+    assert handler.version == 2 and handler._channel is None  # no channel of its own was needed
+
+
+class Outbox:
+    """Stands in for the session: collects what the handler sends."""
+
+    def __init__(self):
+        self.sent = []
+        self.arrived = asyncio.Event()
+
+    async def send(self, msg, buffers=()):
+        self.sent.append(msg)
+        self.arrived.set()
+
+
+async def generate(handler, outbox, request_id, groups):
+    """Every group's result (key -> GroupResult) and refusal (key -> reason)."""
+    await handler.handle(p.Generate(request_id, groups), [])
+    while not any(isinstance(m, p.Generated) and m.request_id == request_id and m.done for m in outbox.sent):
+        outbox.arrived.clear()
+        await asyncio.wait_for(outbox.arrived.wait(), 60)
+    replies = [m for m in outbox.sent if isinstance(m, p.Generated) and m.request_id == request_id]
+    return ({r.key: r for m in replies for r in m.results}, {r.key: r.reason for m in replies for r in m.refused})
+
+
+def tokens(result):
+    """A group result's token ids, one list per member."""
+    ids, out, start = p.unpacked(p.TOKEN_TYPECODE, result.token_ids).tolist(), [], 0
+    for n in result.lengths:
+        out.append(ids[start:start + n])
+        start += n
+    return out
+
+
+@pytest.mark.slow
+async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path):
+    spec = digit_chain.AGENTS["planner"]
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler._load_model(p.LoadModel(1, "planner", str(models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")), 0,
+                                    max_model_len=64))
+    rng = random.Random(5)
+    good = [p.GenGroup(f"good-{i}", "planner", 2, digit_chain.planner_prompt(digit_chain.make_query(rng)), 6, 1.0, i)
+            for i in range(4)]
+    bad = [
+        p.GenGroup("empty", "planner", 2, [], 6, 1.0, 0),
+        p.GenGroup("too-long", "planner", 2, [digit_chain.BOS_ID] * 60, 6, 1.0, 0),  # 60 + 6 > max_model_len 64
+        p.GenGroup("oov", "planner", 2, [digit_chain.BOS_ID, len(digit_chain.VOCAB) + 7], 6, 1.0, 0),
+        p.GenGroup("bad-temperature", "planner", 2, good[0].prompt_ids, 6, -1.0, 0),  # refused by vLLM itself
+    ]
+    loop = asyncio.create_task(handler.run())
+    try:
+        results, refused = await generate(handler, outbox, 2, [good[0], bad[0], good[1], bad[1], good[2],
+                                                               bad[2], bad[3], good[3]])
+        assert sorted(results) == [f"good-{i}" for i in range(4)]
+        assert sorted(refused) == sorted(b.key for b in bad)
+        assert "empty" in refused["empty"] and "max_model_len 64" in refused["too-long"]
+        assert f"token id {len(digit_chain.VOCAB) + 7}" in refused["oov"]
+        assert "vLLM refused" in refused["bad-temperature"]
+        # the refusals changed nothing for the others: alone they sample the same tokens
+        again, none = await generate(handler, outbox, 3, [
+            p.GenGroup(f"again-{i}", "planner", 2, r.prompt_ids, r.max_tokens, r.temperature, r.seed)
+            for i, r in enumerate(good)])
+        assert not none and not loop.done()
+        assert [tokens(again[f"again-{i}"]) for i in range(4)] == [tokens(results[f"good-{i}"]) for i in range(4)]
+        assert handler.engine.num_queued_requests == 0
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        handler.close()
+
+
+def test_load_model_hands_the_agents_engine_settings_to_the_engine(monkeypatch):
+    from flexmarl.workers.rollout import engine as engine_module
+
+    built = []
+
+    class RecordingEngine:
+        def __init__(self, model_path, **kwargs):
+            built.append((model_path, kwargs))
+
+    monkeypatch.setattr(engine_module, "VllmEngine", RecordingEngine)
+    settings = p.EngineSettings("bfloat16", 0.5, 2)
+    RolloutHandler()._load_model(p.LoadModel(1, "solver", "/models/solver", 0, seed=3, max_model_len=0,
+                                             engine=settings))
+    assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings})]
+
+
+class GroupingEngine:
+    """Stands in for the engine: records how requests are added, finishes them at once."""
+
+    def __init__(self):
+        self.added, self._done = [], []
+
+    def add_group(self, ids, prompt_ids, max_tokens, temperature, seed, **_):
+        self.added.append((list(ids), seed))
+        self._done += [Completion(rid, [7] * max_tokens, [-0.5] * max_tokens, "length", cached_tokens=3) for rid in ids]
+        return -1
+
+    def has_unfinished(self):
+        return bool(self._done)
+
+    def step(self):
+        done, self._done = self._done, []
+        return done
+
+
+async def test_a_group_goes_to_the_engine_as_one_request_and_comes_back_whole_as_arrays():
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler.engine, handler.agent, handler.version = GroupingEngine(), "solver", 3
+    groups = [p.GenGroup("g", "solver", 4, [1, 2], 4, 1.0, 10), p.GenGroup("h", "solver", 2, [1, 2], 4, 1.0, 20, 2),
+              p.GenGroup("x@1", "solver", 1, [5], 4, 1.0, 2)]
+    loop = asyncio.create_task(handler.run())
+    try:
+        results, refused = await generate(handler, outbox, 9, groups)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    assert handler.engine.added == [(["g/0", "g/1", "g/2", "g/3"], 10), (["h/2", "h/3"], 20), (["x@1/0"], 2)]
+    assert not refused and sorted(results) == ["g", "h", "x@1"]
+    assert [(r.first, r.version, r.lengths, r.cached_tokens) for r in (results["g"], results["h"])] == [
+        (0, 3, [4] * 4, 3), (2, 3, [4, 4], 3)]
+    assert tokens(results["g"]) == [[7] * 4] * 4
+    assert p.unpacked(p.LOGPROB_TYPECODE, results["x@1"].logprobs).tolist() == [-0.5] * 4
+
+
+async def test_a_message_naming_an_agent_the_instance_does_not_serve_is_answered_with_an_error():
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler.engine, handler.agent = GroupingEngine(), "solver"
+    await handler.handle(p.Generate(4, [p.GenGroup("g", "solver", 2, [1], 2, 1.0, 0),
+                                        p.GenGroup("h", "planner", 2, [1], 2, 1.0, 0)]), [])
+    (error,) = outbox.sent
+    assert isinstance(error, p.Error) and "serves solver, not planner" in error.message
+    assert handler.engine.added == [] and handler._admit == []
+
+
+async def test_a_cancelled_load_fails_at_once_whether_queued_or_receiving():
+    """Another rank of an NCCL broadcast died: the LoadWeights of the publication the
+    controller names fails, dropped from the queue if it had not started (a whole model's
+    or an adapter's), its receive given up if it had; another publication is never touched."""
+    handler, outbox = RolloutHandler(), Outbox()
+    handler.session = outbox
+    cancels, engine_cancels = [], []
+    handler._channel = types.SimpleNamespace(cancel=cancels.append, close=lambda: None)
+    # Whole weights are received in the engine's own workers; an adapter in this process.
+    handler.engine = types.SimpleNamespace(cancel_receive=engine_cancels.append, close=lambda: None, adapters=None)
+    handle = lambda key: types.SimpleNamespace(key=key)  # noqa: E731
+    handler._control.append(p.LoadWeights(1, "planner", 2, handle("planner-v2-a"), rank=1))
+    handler._adapter_loads.append(p.LoadWeights(7, "coach", 2, handle("coach-v2-a"), lora=p.LoraSettings()))
+    await handler.handle(p.CancelLoad(2, "planner", "planner-v2-a"), [])
+    await handler.handle(p.CancelLoad(8, "coach", "coach-v2-a"), [])
+    assert handler._control == [] and handler._adapter_loads == [] and cancels == []
+    errors = [m for m in outbox.sent if isinstance(m, p.Error)]
+    assert [e.request_id for e in errors] == [1, 7] and all("cancelled" in e.message for e in errors)
+    assert [m.request_id for m in outbox.sent if isinstance(m, p.LoadCancelled)] == [2, 8]
+    handler._applying = p.LoadWeights(3, "planner", 3, handle("planner-v3-a"), rank=1)  # receiving
+    await handler.handle(p.CancelLoad(4, "planner", "planner-v3-b"), [])  # another publication of v3
+    await handler.handle(p.CancelLoad(5, "planner", "planner-v3-a"), [])
+    assert engine_cancels == ["planner-v3-a"] and cancels == []
+    handler._applying = p.LoadWeights(5, "coach", 4, handle("coach-v4-a"), rank=1, lora=p.LoraSettings())
+    await handler.handle(p.CancelLoad(6, "coach", "coach-v4-a"), [])
+    assert cancels == ["coach-v4-a"] and engine_cancels == ["planner-v3-a"]
+
+
+def test_an_engine_is_not_started_on_checkpoint_files_that_fail_their_manifest(tmp_path):
+    from flexmarl.runtime.checksums import DamagedFile, sha256_file
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights" * 100)
+    digests = {name: sha256_file(tmp_path / name) for name in ("config.json", "model.safetensors")}
+    (tmp_path / "model.safetensors").write_bytes(b"weightz" * 100)  # changed after the manifest was written
+    handler = RolloutHandler()
+    with pytest.raises(DamagedFile, match="model.safetensors does not match its checksum"):
+        handler._load_model(p.LoadModel(1, "planner", str(tmp_path), 4, checksums=digests))
+    assert handler.engine is None and handler.version == -1  # vLLM never read a byte of it

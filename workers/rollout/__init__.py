@@ -1,0 +1,1 @@
+"""The rollout worker: a vLLM engine behind the worker session, groups in and out, weights loaded from the parameter channel."""

