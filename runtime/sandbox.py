@@ -362,7 +362,7 @@ def _exchange(proc: subprocess.Popen, data: bytes, limits: Limits, deadline: flo
     (stdout, stderr, "wall" or "output" or "")."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     chunks: dict[Any, list[bytes]] = {proc.stdout: [], proc.stderr: []}
-    sizes = {proc.stdout: 0, proc.stderr: 0}
+    sizes: dict[Any, int] = {proc.stdout: 0, proc.stderr: 0}
     limit = ""
     with selectors.DefaultSelector() as sel:
         for stream in (proc.stdout, proc.stderr):

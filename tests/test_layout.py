@@ -14,13 +14,13 @@ import cycle among the modules of each package.
 
     controller/                         workers/               runtime/
       cli (and __init__) | testing        main, models           bases, transport, eventlog, model_specs
-      replay                              rollout | trainer      config
-      run                                 session, precision,    protocol, events
-      launch                              adapters,              params
-      tasks                               channel_config         aio, atomic, checksums, ...
-      serving
+      replay                              rollout | trainer |    config
+      run                                   env                  protocol, events
+      launch                              session, precision,    params
+      tasks                               adapters,              aio, atomic, checksums,
+      serving                             channel_config           sandbox, tracebacks, ...
       episodes
-      rollout | train
+      rollout | train | environments
       weights
       records
       state
@@ -44,7 +44,7 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
         [("controller.state",)],
         [("controller.records",)],
         [("controller.weights",)],
-        [("controller.rollout",), ("controller.train",)],
+        [("controller.rollout",), ("controller.train",), ("controller.environments",)],
         [("controller.episodes",)],
         [("controller.serving",)],
         [("controller.tasks",)],
@@ -55,7 +55,8 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
     ],
     "runtime": [
         [("runtime.aio", "runtime.atomic", "runtime.checksums", "runtime.collector", "runtime.parent_watch",
-          "runtime.progress_file", "runtime.staleness", "runtime.user_modules")],
+          "runtime.progress_file", "runtime.sandbox", "runtime.staleness", "runtime.tracebacks",
+          "runtime.user_modules")],
         [("runtime.params",)],
         [("runtime.protocol", "runtime.events")],
         [("runtime.config",)],
@@ -65,7 +66,7 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
     ],
     "workers": [
         [("workers.session", "workers.precision", "workers.adapters", "workers.channel_config")],
-        [("workers.rollout",), ("workers.trainer",)],
+        [("workers.rollout",), ("workers.trainer",), ("workers.env",)],
         [("workers.main", "workers.models", "workers"), ("controller.testing",)],
     ],
 }
