@@ -44,7 +44,7 @@ from flexmarl.runtime.config import EnvConfig
 from ..control.registry import WorkerInfo, WorkerRegistry
 from ..control.server import RemoteError, ReplyHandler, WorkerDied
 from . import routing
-from .references import decode, describe, encode_arguments, reference
+from .references import decode, describe, encode_arguments, label, reference
 
 log = logging.getLogger("flexmarl.environments")
 
@@ -232,7 +232,7 @@ class EnvClient:
         module, name = reference(fn)
         call = protocol.EnvCall(next(self._ids), module, name,
                                 encode_arguments(f"ctx.call({name}, ...)", args, kwargs), timeout_s, episode=episode)
-        return await self._ask(call, f"{module}.{name}", timeout_s)
+        return await self._ask(call, label(module, name), timeout_s)
 
     async def open_session(self, factory: Callable[..., Any], args: tuple, kwargs: dict[str, Any], timeout_s: float,
                            episode: str = "") -> EnvSession:
@@ -241,7 +241,7 @@ class EnvClient:
         call = protocol.EnvCall(next(self._ids), module, name,
                                 encode_arguments(f"ctx.env_session({name}, ...)", args, kwargs), timeout_s,
                                 op="open", session=session_id, episode=episode)
-        await self._ask(call, f"{module}.{name}", timeout_s)
+        await self._ask(call, label(module, name), timeout_s)
         return EnvSession(self, session_id, name, timeout_s, episode)
 
     async def session_call(self, session: EnvSession, method: str, args: tuple, kwargs: dict[str, Any],

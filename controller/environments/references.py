@@ -62,6 +62,16 @@ def reference(fn: Callable[..., Any]) -> tuple[str, str]:
     return module, name
 
 
+def label(module: str, name: str) -> str:
+    """How messages name a function: `flow.py:score` for one of a file imported by path
+    (the workflow's), `pkg.module.score` otherwise."""
+    loaded = sys.modules.get(module)
+    path = getattr(loaded, "__file__", None) or ""
+    if module.startswith("flexmarl_") and path:
+        return f"{path.rsplit('/', 1)[-1]}:{name}"
+    return f"{module}.{name}"
+
+
 def _resolve(module: str, name: str) -> Any:
     try:
         obj: Any = sys.modules.get(module) or importlib.import_module(module)

@@ -170,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     send(channel, protocol.EnvResult(READY))
     runner = Runner()
-    while (call := receive(channel)) is not None:
-        send(channel, runner.run(call))
+    try:
+        while (call := receive(channel)) is not None:
+            send(channel, runner.run(call))
+    except OSError:  # the worker closed the channel under a call: it is going, and so is this process
+        pass
     return 0
 
 
