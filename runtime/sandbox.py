@@ -379,7 +379,7 @@ def _exchange(proc: subprocess.Popen, data: bytes, limits: Limits, deadline: flo
             if left <= 0:
                 limit = limit or "wall"
                 break
-            ended = proc.poll() is not None  # one more pass drains what it wrote before it ended
+            ended = _exited(proc.pid)  # one more pass drains what it wrote before it ended
             for key, _ in sel.select(0 if ended else min(left, 0.05)):
                 if key.fileobj is proc.stdin:
                     try:
@@ -411,6 +411,14 @@ def _exchange(proc: subprocess.Popen, data: bytes, limits: Limits, deadline: flo
         if not stream.closed:
             stream.close()
     return out, err, limit
+
+
+def _exited(pid: int) -> bool:
+    """Whether the process has ended, without reaping it (wait4 does, for its CPU time)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _kill_group(pid: int) -> None:

@@ -45,6 +45,9 @@ LIMITS = Limits(cpu_s=2, wall_s=30, memory_mb=128, processes=2)
 # How each operation reads as a program, and what it computes.
 PROGRAMS = {"add": "x + {d}", "sub": "x - {d}", "mul": "x * {d}", "mod": "x % {d}",
             "max": "max( x , {d} )", "min": "min( x , {d} )"}
+# How often each kind of bug is planted: a special case (exposed by one digit, which the
+# program names) most, so a tester that reads the program beats one that guesses.
+BUG_WEIGHTS = (0.35, 0.15, 0.5)
 NEIGHBOUR = {"add": "sub", "sub": "add", "mul": "add", "mod": "sub", "max": "min", "min": "max"}
 
 
@@ -71,7 +74,7 @@ def tester_prompt(op: str, d: int, planted: str) -> str:
 def plant_bug(op: str, d: int, rng: random.Random) -> str:
     """A wrong program for the spec: one that differs from it on at least one digit."""
     while True:
-        kind = rng.choice(("constant", "operation", "special"))
+        kind = rng.choices(("constant", "operation", "special"), weights=BUG_WEIGHTS)[0]
         if kind == "constant":
             wrong = program(op, rng.choice([c for c in (d - 1, d + 1) if c in SPEC_DIGITS]))
         elif kind == "operation":

@@ -23,7 +23,7 @@ CODER_RIGHT = 0.3
 TESTER_RIGHT = 0.3
 WARMUP_EXAMPLES = 6000
 SCHEDULE = WarmupSchedule(steps=500, batch_size=64, lr=3e-3)
-WARMUP_VERSION = "code-team-1"
+WARMUP_VERSION = "code-team-2"
 
 SPECS = {
     "coder": TinyModelSpec("code_coder", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,

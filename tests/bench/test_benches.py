@@ -199,3 +199,9 @@ async def test_replay_parts_times_the_command_and_each_of_its_parts_on_a_log(tmp
     rows = json_rows(out)
     assert [r["repeat"] for r in rows] == [0, 1]
     assert all({"command_s", "import_s", "read_s", "summarize_s", "format_s", "check_s"} <= r.keys() for r in rows)
+
+
+def test_env_scaling_reports_every_cost_for_the_controller_and_for_environment_workers():
+    rows = json_rows(run_bench("env_scaling.py", "--costs", "1", "--workers", "0,1", "--seconds", "0.2"))
+    assert [(r["ms"], r["workers"]) for r in rows] == [(1.0, 0), (1.0, 1)]
+    assert all(r["samples"] >= 128 and r["samples_s"] > 0 and r["ctl_cpu_frac"] > 0 for r in rows)

@@ -1,8 +1,8 @@
 """An environment worker's process pool: where its calls run, each under its time limit.
 
 `ProcessPool` keeps `processes` processes (process.py) for stateless calls, each running
-one call at a time and taking the next from one queue, so a call goes to whichever
-process frees up first. A session (op "open") gets a process of its own, for its life:
+one call at a time, with the next already in its channel (PIPELINE), taking calls from
+one queue, so a call goes to whichever process frees up first. A session (op "open") gets a process of its own, for its life:
 its object lives there, its calls run there in order, and "close" ends it. At most
 `max_sessions` are open at once (another's "open" waits for one to close); one spare
 process is kept started, so an "open" rarely waits for a process to start.
@@ -11,7 +11,8 @@ Every call submitted is reported exactly once through `report` (the worker sends
 
 - its value, or the error its function raised;
 - "timeout": it ran `timeout_s` (from the start of its run, not of its wait in the queue):
-  its process is killed and another started;
+  its process is killed and another started (a call waiting in that process's channel
+  behind it runs in the next one);
 - "crashed": its process died under it (a segfault, a memory limit, `os._exit`): another
   is started;
 - "cancelled": the controller gave up on it (`cancel`): dropped from the queue, or its
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import signal
@@ -47,6 +49,7 @@ from .process import HEADER, READY
 log = logging.getLogger("flexmarl.env")
 
 START_TIMEOUT_S = 120.0  # for a process to import the workflow's module
+PIPELINE = 2  # stateless calls in one process's channel at once: it never idles between two
 
 _results = msgspec.msgpack.Decoder(protocol.EnvResult)
 _encode = msgspec.msgpack.Encoder().encode
@@ -67,8 +70,23 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+class NotStarted(Exception):
+    """A call queued in a process's channel that never began: the process died first."""
+
+
+@dataclass
+class _InFlight:
+    call: protocol.EnvCall
+    future: asyncio.Future
+    started: float = 0.0  # when its turn in the process came
+    cancelled: bool = False  # nobody waits for it: its result is reported as cancelled
+
+
 class PoolProcess:
-    """One started process (process.py) and its channel."""
+    """One started process (process.py) and its channel. Calls sent to it run one at a
+    time, in order; up to PIPELINE of them may wait in its channel, so it starts the next
+    the moment it answers one (it never waits for this side to be scheduled). A call's
+    time limit counts from when it began: when the call before it was answered."""
 
     def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
@@ -76,6 +94,10 @@ class PoolProcess:
         self.reader = reader
         self.writer = writer
         self.stopping = ""  # why this side is killing it (a time limit, a cancel)
+        self.inflight: collections.deque[_InFlight] = collections.deque()
+        self.room = asyncio.Event()  # set when a call left its channel (or it died)
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading: asyncio.Task | None = None
 
     @classmethod
     async def start(cls, workflow: str, memory_mb: int) -> "PoolProcess":
@@ -99,38 +121,47 @@ class PoolProcess:
         if hello.call_id != READY or hello.failure:
             await process.close()
             raise PoolError(f"an environment process could not import the workflow {workflow!r}: {hello.error}")
+        process._reading = asyncio.ensure_future(process._read_results())
         return process
 
     @property
     def alive(self) -> bool:
         return self.proc.returncode is None and not self.stopping
 
+    def send(self, call: protocol.EnvCall) -> asyncio.Future:
+        """Queues the call in the process's channel: a future of its result. Past its time
+        limit, or once `stop` is called while it runs, the process is killed and the result
+        says why; a call that had not begun then fails with NotStarted (to run elsewhere)."""
+        item = _InFlight(call, asyncio.get_running_loop().create_future())
+        if not self.alive:
+            item.future.set_exception(NotStarted())
+            return item.future
+        body = _encode(call)
+        self.writer.write(HEADER.pack(len(body)) + body)
+        self.inflight.append(item)
+        if len(self.inflight) == 1:
+            self._begin(item)
+        return item.future
+
     async def run(self, call: protocol.EnvCall) -> protocol.EnvResult:
-        """The call's result; past its time limit, or once `stop` is called, the process is
-        killed and the result says why."""
-        started = time.monotonic()
+        """The call's result, sent alone (a session's calls)."""
         try:
-            body = _encode(call)
-            self.writer.write(HEADER.pack(len(body)) + body)
-            await self.writer.drain()
-            return await asyncio.wait_for(self._read(), call.timeout_s)
-        except asyncio.TimeoutError:
-            self.stop("timeout")
-            await self.proc.wait()
-            return protocol.EnvResult(call.call_id, failure="timeout", seconds=time.monotonic() - started,
-                                      error=f"{call.name} did not return within {call.timeout_s:g}s; the process "
-                                            f"running it was stopped")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            code = await self.proc.wait()
-            seconds = time.monotonic() - started
-            if self.stopping == "cancelled":
-                return protocol.EnvResult(call.call_id, failure="cancelled", seconds=seconds,
-                                          error=f"{call.name} was cancelled; the process running it was stopped")
-            return protocol.EnvResult(call.call_id, failure="crashed", seconds=seconds,
-                                      error=f"the process running {call.name} died under it ({describe_exit(code)})")
+            return await self.send(call)
+        except NotStarted:
+            return protocol.EnvResult(call.call_id, failure="crashed",
+                                      error=f"the process for {call.name} had died before it began")
+
+    def cancel(self, call_id: int) -> None:
+        """A running call's process is stopped; one waiting in the channel runs, but is
+        reported cancelled."""
+        for i, item in enumerate(self.inflight):
+            if item.call.call_id == call_id:
+                if i == 0:
+                    self.stop("cancelled")
+                item.cancelled = True
 
     def stop(self, why: str) -> None:
-        """Kills the process now; a call running in it ends as `why` says."""
+        """Kills the process now; the call running in it ends as `why` says."""
         self.stopping = self.stopping or why
         if self.proc.returncode is None:
             try:
@@ -142,6 +173,60 @@ class PoolProcess:
         self.stop("closed")
         self.writer.close()
         await self.proc.wait()
+        if self._reading is not None:
+            await asyncio.gather(self._reading, return_exceptions=True)
+
+    def _begin(self, item: _InFlight) -> None:
+        item.started = time.monotonic()
+        self._timer = asyncio.get_running_loop().call_later(item.call.timeout_s, self._expired, item)
+
+    def _expired(self, item: _InFlight) -> None:
+        if self.inflight and self.inflight[0] is item:
+            self.stop("timeout")
+
+    async def _read_results(self) -> None:
+        try:
+            while True:
+                result = await self._read()
+                item = self.inflight.popleft()
+                if self._timer is not None:
+                    self._timer.cancel()
+                if self.inflight:
+                    self._begin(self.inflight[0])
+                if item.cancelled:
+                    result = protocol.EnvResult(item.call.call_id, failure="cancelled", seconds=result.seconds,
+                                                error=f"{item.call.name} was cancelled")
+                item.future.set_result(result)
+                self.room.set()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._died(await self.proc.wait())
+
+    def _died(self, code: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        items, self.inflight = list(self.inflight), collections.deque()
+        if items:
+            head, call = items[0], items[0].call
+            seconds = time.monotonic() - head.started
+            if self.stopping == "timeout":
+                result = protocol.EnvResult(call.call_id, failure="timeout", seconds=seconds,
+                                            error=f"{call.name} did not return within {call.timeout_s:g}s; the "
+                                                  f"process running it was stopped")
+            elif self.stopping == "cancelled" or head.cancelled:
+                result = protocol.EnvResult(call.call_id, failure="cancelled", seconds=seconds,
+                                            error=f"{call.name} was cancelled; the process running it was stopped")
+            else:
+                result = protocol.EnvResult(call.call_id, failure="crashed", seconds=seconds,
+                                            error=f"the process running {call.name} died under it "
+                                                  f"({describe_exit(code)})")
+            head.future.set_result(result)
+            for item in items[1:]:
+                if item.cancelled:
+                    item.future.set_result(protocol.EnvResult(item.call.call_id, failure="cancelled",
+                                                              error=f"{item.call.name} was cancelled before it ran"))
+                else:
+                    item.future.set_exception(NotStarted())
+        self.room.set()
 
     async def _read(self) -> protocol.EnvResult:
         head = await self.reader.readexactly(HEADER.size)
@@ -221,7 +306,7 @@ class ProcessPool:
         for call_id in call_ids:
             process = self.running.get(call_id)
             if process is not None:
-                process.stop("cancelled")
+                process.cancel(call_id)
             else:
                 self.cancelled.add(call_id)
 
@@ -250,16 +335,33 @@ class ProcessPool:
     # ------------------------------------------------------------ stateless calls
 
     async def _serve(self, slot: int) -> None:
+        """Keeps the slot's process fed: up to PIPELINE calls in its channel."""
         while True:
-            call = await self._next()
             process = self._slots[slot]
             if process is None or not process.alive:
                 process = self._slots[slot] = await self._replacement()
                 if process is None:
+                    call = await self._next()
                     self._answer(call, "crashed", f"no process could be started to run {call.name}; see the "
                                                   f"worker's log")
                     continue
-            await self._run(process, call)
+            while process.alive and len(process.inflight) >= PIPELINE:
+                process.room.clear()
+                await process.room.wait()
+            call = await self._next()
+            if not process.alive:
+                self.queue.appendleft(call)  # it died meanwhile: the next process takes it
+                continue
+            self.running[call.call_id] = process
+            process.send(call).add_done_callback(functools.partial(self._sent_done, call))
+
+    def _sent_done(self, call: protocol.EnvCall, future: asyncio.Future) -> None:
+        del self.running[call.call_id]
+        if isinstance(future.exception(), NotStarted):
+            self.queue.appendleft(call)  # it never began: it runs in the slot's next process
+            self._queued.set()
+            return
+        self._finished(call, future.result())
 
     async def _next(self) -> protocol.EnvCall:
         while True:
@@ -287,12 +389,15 @@ class ProcessPool:
             result = await process.run(call)
         finally:
             del self.running[call.call_id]
+        self._finished(call, result)
+        return result
+
+    def _finished(self, call: protocol.EnvCall, result: protocol.EnvResult) -> None:
         self.busy_s += result.seconds
         self.calls += 1
         if result.failure in ("timeout", "crashed"):
             log.warning("%s%s", result.error, f" (episode {call.episode})" if call.episode else "")
         self.report(result)
-        return result
 
     def _answer(self, call: protocol.EnvCall, failure: protocol.EnvFailure, error: str) -> None:
         value = b"" if failure else _encode(None)
