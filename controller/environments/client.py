@@ -265,7 +265,9 @@ class EnvClient:
             return
         call = protocol.EnvCall(next(self._ids), "", "close", encode_arguments("close", (), {}), CLOSE_TIMEOUT_S,
                                 op="close", session=session.session_id, episode=session._episode)
-        self._queue([_Pending(call, asyncio.get_running_loop().create_future(), f"{session._label}.close")])
+        closing = asyncio.get_running_loop().create_future()
+        closing.add_done_callback(_log_close)  # nobody waits for a close: a failure is logged, never raised
+        self._queue([_Pending(call, closing, f"{session._label}.close")])
 
     async def _ask(self, call: protocol.EnvCall, label: str, timeout_s: float) -> Any:
         pending = _Pending(call, asyncio.get_running_loop().create_future(), label)
@@ -461,6 +463,11 @@ class EnvClient:
         waiting, self._waiting = self._waiting, []
         for pending in waiting:
             self._fail(pending, asyncio.CancelledError())
+
+
+def _log_close(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("an environment session did not close cleanly: %s", future.exception())
 
 
 def _report_failure(task: asyncio.Task) -> None:
