@@ -157,6 +157,15 @@ def request_seed(run_seed: int, sample_id: str) -> int:
     return zlib.crc32(f"{run_seed}:{sample_id}".encode()) & 0x7FFFFFFF
 
 
+class EnvSessionHandle(Protocol):
+    """A session as an episode holds it: on a worker (environments/client.py, `EnvSession`)
+    or here (environments/local.py, `LocalSession`); `env.NAME(...)` is `env.call("NAME", ...)`."""
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any: ...
+
+    def close_soon(self) -> None: ...
+
+
 class EnvCaller(Protocol):
     """Environment workers, as `ctx.call` and `ctx.env_session` use them
     (environments/client.py, `EnvClient`)."""
@@ -165,7 +174,7 @@ class EnvCaller(Protocol):
                    episode: str = "") -> Any: ...
 
     async def open_session(self, factory: Callable[..., Any], args: tuple, kwargs: dict[str, Any], timeout_s: float,
-                           episode: str = "") -> Any: ...
+                           episode: str = "") -> EnvSessionHandle: ...
 
 
 @dataclass
@@ -404,6 +413,7 @@ class EpisodeContext:
         if self.closed:
             raise EpisodeClosed(self.closed)
         limit = self.tools.timeout_s if timeout is None else timeout
+        env: EnvSessionHandle
         if self.tools.remote is not None:
             env = await self.tools.remote.open_session(factory, args, kwargs, limit, self.episode_id)
         else:
