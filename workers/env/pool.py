@@ -1,8 +1,8 @@
 """An environment worker's process pool: where its calls run, each under its time limit.
 
 `ProcessPool` keeps `processes` processes (process.py) for stateless calls, each running
-one call at a time, with the next already in its channel (PIPELINE), taking calls from
-one queue, so a call goes to whichever process frees up first. A session (op "open") gets a process of its own, for its life:
+one call at a time (PIPELINE says why not two) and taking the next from one queue, so a
+call goes to whichever process frees up first. A session (op "open") gets a process of its own, for its life:
 its object lives there, its calls run there in order, and "close" ends it. At most
 `max_sessions` are open at once (another's "open" waits for one to close); one spare
 process is kept started, so an "open" rarely waits for a process to start.
@@ -11,8 +11,7 @@ Every call submitted is reported exactly once through `report` (the worker sends
 
 - its value, or the error its function raised;
 - "timeout": it ran `timeout_s` (from the start of its run, not of its wait in the queue):
-  its process is killed and another started (a call waiting in that process's channel
-  behind it runs in the next one);
+  its process is killed and another started;
 - "crashed": its process died under it (a segfault, a memory limit, `os._exit`): another
   is started;
 - "cancelled": the controller gave up on it (`cancel`): dropped from the queue, or its
@@ -49,7 +48,11 @@ from .process import HEADER, READY
 log = logging.getLogger("flexmarl.env")
 
 START_TIMEOUT_S = 120.0  # for a process to import the workflow's module
-PIPELINE = 2  # stateless calls in one process's channel at once: it never idles between two
+# Stateless calls in one process's channel at once. 1: a call never waits behind another in
+# a channel. At 2 a process would never idle between two calls (more calls per second on a
+# loaded machine), but a call queued behind one that hangs would wait for that one's time
+# limit, and likely run past its own: one hung call would cost two episodes.
+PIPELINE = 1
 
 _results = msgspec.msgpack.Decoder(protocol.EnvResult)
 _encode = msgspec.msgpack.Encoder().encode
@@ -84,9 +87,8 @@ class _InFlight:
 
 class PoolProcess:
     """One started process (process.py) and its channel. Calls sent to it run one at a
-    time, in order; up to PIPELINE of them may wait in its channel, so it starts the next
-    the moment it answers one (it never waits for this side to be scheduled). A call's
-    time limit counts from when it began: when the call before it was answered."""
+    time, in order (the pool sends up to PIPELINE at once). A call's time limit counts
+    from when it began: when the call before it was answered."""
 
     def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
