@@ -246,15 +246,15 @@ class EnvClient:
 
     async def session_call(self, session: EnvSession, method: str, args: tuple, kwargs: dict[str, Any],
                            timeout_s: float) -> Any:
-        label = f"{session._label}.{method}"
+        what = f"{session._label}.{method}"
         place = self.sessions.get(session.session_id)
         if place is None:
-            raise EnvWorkerLost(f"{label}: session {session.session_id} is closed")
+            raise EnvWorkerLost(f"{what}: session {session.session_id} is closed")
         if place.lost:
-            raise EnvWorkerLost(f"{label}: its session is lost: {place.lost}")
-        call = protocol.EnvCall(next(self._ids), "", method, encode_arguments(label, args, kwargs), timeout_s,
+            raise EnvWorkerLost(f"{what}: its session is lost: {place.lost}")
+        call = protocol.EnvCall(next(self._ids), "", method, encode_arguments(what, args, kwargs), timeout_s,
                                 session=session.session_id, episode=session._episode)
-        return await self._ask(call, label, timeout_s)
+        return await self._ask(call, what, timeout_s)
 
     def close_session(self, session: EnvSession) -> None:
         place = self.sessions.get(session.session_id)
@@ -301,24 +301,25 @@ class EnvClient:
         self._flush_scheduled = False
         queued, self._queued = self._queued, []
         bound: dict[str, list[_Pending]] = collections.defaultdict(list)
+        load = {w: s.outstanding for w, s in self.ready.items()}  # counted as calls are routed
+        capacity = {w: s.processes for w, s in self.ready.items()}
         for pending in queued:
             if pending.future.done() and pending.call.op != "close":
                 continue  # timed out or cancelled before it went
-            worker = self._route(pending)
+            worker = self._route(pending, load, capacity)
             if worker is None:
                 continue
             pending.worker = worker
             pending.tries += 1
             self.ready[worker].outstanding += 1
+            load[worker] += 1
             bound[worker].append(pending)
         for worker, pendings in bound.items():
             self._send(worker, pendings)
 
-    def _route(self, pending: _Pending) -> str | None:
+    def _route(self, pending: _Pending, load: dict[str, int], capacity: dict[str, int]) -> str | None:
         """The worker for this call, or None (it waits for one, or has failed)."""
         call = pending.call
-        load = {w: s.outstanding for w, s in self.ready.items()}
-        capacity = {w: s.processes for w, s in self.ready.items()}
         if call.op == "open":
             held = collections.Counter(p.worker for p in self.sessions.values() if not p.lost)
             worker = routing.place_session(held, load, capacity)
