@@ -1,0 +1,231 @@
+"""The cluster as the event log tells it: each rollout instance's and trainer's busy and idle
+time, on a timeline, and what happened to it (weight syncs, swaps, balancer moves, deaths,
+restarts, checkpoints, resumes).
+
+What counts as busy is the replay summary's rule (replay/summary.py: `UsageReader` makes
+each worker's spans, `WorkerUsage.times` their union over its life): this module feeds it
+the log a part at a time instead of all at once, and keeps what it made small. A worker's
+spans are folded, kind by kind, into the union of their intervals once enough are new
+(a request span's details are not shown here), so a long run costs a pair of numbers per
+busy stretch, not an object per request. A request still under way counts as busy up to
+the log's last event.
+
+The timeline is a grid: a row per worker, a column per stretch of time, each cell the
+busy share of that stretch, computed from a worker's busy intervals by prefix sums
+(`busy_grid`), so a zoomed-in stretch of a long run costs what the whole run costs.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import numpy as np
+
+from flexmarl.runtime.events import (
+    AllocationChanged,
+    CheckpointWritten,
+    Event,
+    RebalanceDecided,
+    RunFinished,
+    RunResumed,
+    RunStarted,
+    TrainingRestored,
+    WeightSyncFinished,
+    WeightSyncStarted,
+    WorkerDied,
+    WorkerRestarted,
+)
+
+from ..replay.summary import (
+    TRAINING_MARKS,
+    USAGE_EVENTS,
+    Span,
+    UsageReader,
+    WorkerUsage,
+    crash_times,
+    training_time,
+    union,
+)
+
+# A worker's spans are folded once this many are new.
+FOLD_AFTER = 256
+_NO_ARGS: dict = {}  # the folded spans' (never changed)
+
+
+class ClusterView:
+    """`read(events)` takes the log a part at a time, in order. `workers()` is each worker's
+    busy and idle time so far, `grid(...)` the timeline, `happenings` the list of what
+    happened, oldest first."""
+
+    def __init__(self) -> None:
+        self.usage = UsageReader(0.0)
+        self.t_start: float | None = None
+        self.last_t = 0.0
+        self.marks: list[Event] = []  # TRAINING_MARKS, for training_time
+        self.crashed_at: list[float] = []
+        self.happenings: list[dict[str, Any]] = []
+        self.finished = False
+        self._sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
+        self._folded: dict[str, int] = {}  # worker -> spans of it that are folded
+        self._cache: dict[str, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}  # worker -> _intervals
+        self._times: dict[str, tuple[tuple, tuple[float, float, float]]] = {}  # worker -> its last times()
+
+    def read(self, events: list[Event]) -> None:
+        if not events:
+            return
+        if self.t_start is None:
+            first = next((e for e in events if type(e) is RunStarted), events[0])
+            self.t_start = self.usage.t_start = first.t
+        crashes = crash_times(events, self.last_t)
+        self.crashed_at += crashes
+        self.usage.read([e for e in events if type(e) in USAGE_EVENTS], iter(crashes))
+        self.marks += [e for e in events if type(e) in TRAINING_MARKS]
+        for e in events:
+            note = _NOTES.get(type(e))
+            if note is not None:
+                note(self, e)
+        self.last_t = events[-1].t
+        for name, w in self.usage.workers.items():
+            if len(w.spans) - self._folded.get(name, 0) > FOLD_AFTER:
+                w.spans[:] = fold(w.spans)
+                self._folded[name] = len(w.spans)
+
+    @property
+    def training_s(self) -> float:
+        return training_time(self.marks, iter(self.crashed_at), self.last_t)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Per worker, sorted by role and name: busy and idle seconds, utilization, restarts,
+        and whether it is alive at the end of what was read."""
+        now, rows = self.last_t, []
+        under_way = self._under_way()
+        for w in sorted(self.usage.workers.values(), key=lambda w: (w.role, w.worker)):
+            extra = under_way.get(w.worker, [])
+            key = (len(w.spans), len(extra), now, w.end)
+            cached = self._times.get(w.worker)
+            if cached is None or cached[0] != key:
+                whole = WorkerUsage(w.worker, w.role, w.start, w.end, w.spans + extra) if extra else w
+                cached = self._times[w.worker] = (key, whole.times(now))
+            busy, idle, utilization = cached[1]
+            rows.append({"worker": w.worker, "role": w.role, "busy_s": round(busy, 3), "idle_s": round(idle, 3),
+                         "utilization": round(utilization, 4), "restarts": w.restarts,
+                         "alive": w.end > now})
+        return rows
+
+    def _under_way(self) -> dict[str, list[Span]]:
+        """Per worker, its requests still generating, as spans up to the last event."""
+        found: dict[str, list[Span]] = {}
+        for name, span in self.usage.under_way(self.last_t):
+            found.setdefault(name, []).append(span)
+        return found
+
+    def grid(self, t0: float | None = None, t1: float | None = None, columns: int = 200) -> dict[str, Any]:
+        """The timeline between t0 and t1 (seconds since the run started; default: all of
+        it): per worker (as `workers()` orders them) a row of `columns` busy shares, 0-255."""
+        start = self.t_start or 0.0
+        lo = start + (t0 if t0 is not None else 0.0)
+        hi = start + (t1 if t1 is not None else self.last_t - start)
+        columns = max(1, min(columns, 2000))
+        hi = max(hi, lo + 1e-6)
+        edges = np.linspace(lo, hi, columns + 1)
+        under_way = self._under_way()
+        workers = sorted(self.usage.workers.values(), key=lambda w: (w.role, w.worker))
+        grid = np.zeros((len(workers), columns), dtype=np.uint8)
+        for row, w in enumerate(workers):
+            starts, ends, before = self._intervals(w, under_way.get(w.worker, []))
+            busy = np.diff(busy_until(edges, starts, ends, before))
+            grid[row] = np.clip(np.round(255 * busy / np.diff(edges)), 0, 255)
+        return {"t0": lo - start, "t1": hi - start, "columns": columns,
+                "workers": [{"worker": w.worker, "role": w.role} for w in workers],
+                "busy": base64.b64encode(grid.tobytes()).decode()}
+
+    def _intervals(self, w: WorkerUsage, extra: list[Span]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A worker's busy intervals over its life (sorted, disjoint) and the busy seconds
+        before each; kept until it gets new spans."""
+        cached = self._cache.get(w.worker)
+        if cached is not None and cached[0] == len(w.spans) and not extra:
+            return cached[1], cached[2], cached[3]
+        pairs = union(w.spans + extra, w.start, w.end)
+        starts = np.array([a for a, _ in pairs], dtype=np.float64)
+        ends = np.array([b for _, b in pairs], dtype=np.float64)
+        before = np.concatenate(([0.0], np.cumsum(ends - starts)[:-1])) if len(pairs) else np.zeros(0)
+        if not extra:
+            self._cache[w.worker] = (len(w.spans), starts, ends, before)
+        return starts, ends, before
+
+    # ------------------------------------------------------------ what happened
+
+    def _note(self, e: Event, kind: str, who: str, what: str, seconds: float | None = None) -> None:
+        self.happenings.append({"t": round(e.t - (self.t_start or 0.0), 3), "kind": kind, "who": who,
+                                "what": what, "seconds": None if seconds is None else round(seconds, 3)})
+
+    def _sync_began(self, e: WeightSyncStarted) -> None:
+        self._sync_started[(e.agent, e.version)] = e
+
+    def _synced(self, e: WeightSyncFinished) -> None:
+        began = self._sync_started.pop((e.agent, e.version), None)
+        to = f" to {len(began.targets)} instance{'s' if len(began.targets) != 1 else ''}" if began else ""
+        over = f" over {began.transport}" if began is not None and began.transport else ""
+        self._note(e, "sync", e.agent, f"v{e.version}{to}{over}, {e.nbytes / 1e6:.1f} MB", e.seconds)
+
+    def _allocated(self, e: AllocationChanged) -> None:
+        if e.swap:
+            waited = f", its work waited {e.waited_s:.2f} s" if e.waited_s else ""
+            self._note(e, "swap", e.agent, f"{e.swap} on {', '.join(e.workers) or '-'}{waited}", e.seconds)
+        elif e.kind == "rollout":
+            self._note(e, "placement", e.agent, f"{len(e.workers)} instances: {e.why}", e.seconds or None)
+        else:
+            self._note(e, "placement", e.agent, f"trainer {', '.join(e.workers) or '-'}: {e.why}", e.seconds or None)
+
+    def _moved(self, e: RebalanceDecided) -> None:
+        self._note(e, "move", f"{e.src} -> {e.dst}", f"{', '.join(e.instances)}: {e.why}")
+
+    def _died(self, e: WorkerDied) -> None:
+        self._note(e, "death", e.worker, e.why)
+
+    def _restarted(self, e: WorkerRestarted) -> None:
+        code = "" if e.exit_code is None else f" (exit code {e.exit_code})"
+        self._note(e, "restart", e.worker, f"restart {e.restarts}{code}{': ' + e.why if e.why else ''}")
+
+    def _checkpoint(self, e: CheckpointWritten) -> None:
+        self._note(e, "checkpoint", f"step {e.step}", f"{e.nbytes / 1e6:.1f} MB at {e.path}", e.seconds)
+
+    def _resumed(self, e: RunResumed) -> None:
+        self.finished = False
+        self._note(e, "resume", f"step {e.step}", f"resumed from {e.checkpoint}")
+
+    def _restored(self, e: TrainingRestored) -> None:
+        self._note(e, "restore", e.agent, f"restored at v{e.version}, batch {e.batch} on trained again: {e.why}")
+
+    def _finished(self, e: RunFinished) -> None:
+        self.finished = True
+        self._note(e, "finish", f"{e.steps} steps", f"{e.wall_s:.1f} s of training")
+
+
+# What ClusterView notes of each event type (besides the usage the summary's reader takes).
+_NOTES: dict[type, Any] = {
+    WeightSyncStarted: ClusterView._sync_began, WeightSyncFinished: ClusterView._synced,
+    AllocationChanged: ClusterView._allocated, RebalanceDecided: ClusterView._moved, WorkerDied: ClusterView._died,
+    WorkerRestarted: ClusterView._restarted, CheckpointWritten: ClusterView._checkpoint,
+    RunResumed: ClusterView._resumed, TrainingRestored: ClusterView._restored, RunFinished: ClusterView._finished}
+HAPPENINGS = ("sync", "swap", "placement", "move", "death", "restart", "checkpoint", "resume", "restore", "finish")
+
+
+def fold(spans: list[Span]) -> list[Span]:
+    """The spans as the union of their intervals, kind by kind (zero-length marks, which add
+    no busy time, are left out): the same busy time, and a span per stretch."""
+    kinds = sorted({sp.kind for sp in spans})
+    return [Span(a, b, kind, kind, _NO_ARGS)
+            for kind in kinds for a, b in union([sp for sp in spans if sp.kind == kind], -math.inf, math.inf)]
+
+
+def busy_until(times: np.ndarray, starts: np.ndarray, ends: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """At each of `times`, the busy seconds so far, of disjoint sorted intervals `starts` to
+    `ends` with `before` the busy seconds ahead of each."""
+    if len(starts) == 0:
+        return np.zeros(len(times))
+    i = np.searchsorted(starts, times, side="right") - 1
+    inside = np.clip(times - starts[np.maximum(i, 0)], 0.0, ends[np.maximum(i, 0)] - starts[np.maximum(i, 0)])
+    return np.where(i >= 0, before[np.maximum(i, 0)] + inside, 0.0)
