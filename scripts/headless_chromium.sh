@@ -11,10 +11,11 @@
 # path printed; 3 node or npm is missing (the tests skip, saying so); 1 anything else.
 set -euo pipefail
 version=153.0.0
+launcher_version=3  # of the launcher written below: a change rewrites it
 dir=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/flexmarl/headless-chromium}
 dir=$(mkdir -p "$dir" && cd "$dir" && pwd)
 launcher="$dir/chromium-headless"
-if [ -x "$launcher" ] && [ -f "$dir/.version-$version" ]; then echo "$launcher"; exit 0; fi
+if [ -x "$launcher" ] && [ -f "$dir/.version-$version-$launcher_version" ]; then echo "$launcher"; exit 0; fi
 for tool in node npm; do
   command -v "$tool" >/dev/null || { echo "headless_chromium.sh: needs $tool (not found)" >&2; exit 3; }
 done
@@ -47,8 +48,12 @@ cat > "$launcher" <<W
 #!/usr/bin/env bash
 export LD_LIBRARY_PATH="$dir/libs/lib:$dir/libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export FONTCONFIG_FILE="$dir/fonts/fonts.conf"
-exec "$dir/chromium" --headless=new --no-sandbox --disable-gpu --disable-dev-shm-usage "\$@"
+# A POSIX locale (LANG unset, C or C.UTF-8) gives the page the language tag "en-US@posix",
+# which Intl refuses (and charting libraries with it): the browser gets a named one.
+export LANG=en_US.UTF-8 LC_ALL=en_US.UTF-8
+exec "$dir/chromium" --headless=new --no-sandbox --disable-gpu --disable-dev-shm-usage --lang=en-US "\$@"
 W
 chmod +x "$launcher"
-touch "$dir/.version-$version"
+rm -f "$dir"/.version-*
+touch "$dir/.version-$version-$launcher_version"
 echo "$launcher"

@@ -74,7 +74,11 @@ class ViewServer:
     # ------------------------------------------------------------ lifetime
 
     async def start(self) -> str:
-        """Binds, serves and follows the run in this event loop; returns the page's URL."""
+        """Binds, serves and follows the run in this event loop; returns the page's URL.
+        Following all the time, the first slice of the run is read first: the first page
+        shows something."""
+        if self.always:
+            self.watch.refresh()
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.cfg.host, self.cfg.port))

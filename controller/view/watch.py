@@ -57,7 +57,6 @@ class RunWatch:
     def refresh(self, max_bytes: int = SLICE_BYTES) -> bool:
         """Reads what was written since the last call (of the event log, at most about
         `max_bytes`); returns whether the event log has more to read now."""
-        self._read_config()
         replaced, events = self._events.poll(max_bytes)
         if replaced:  # a new run in this directory: everything read is another run's
             self.epoch += 1
@@ -65,6 +64,7 @@ class RunWatch:
             replaced, events = self._events.poll(max_bytes)
         if self.run is None:
             self.run = next((e for e in events if type(e) is RunStarted), None)
+        self._read_config()
         self.cluster.read(events)
         self.episodes.read(events)
         self.events_read += len(events)

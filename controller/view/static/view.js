@@ -13,6 +13,7 @@
   window.flexmarlView = state;
 
   const CURVES = ["reward", "samples_s", "staleness", "mismatch", "loss", "grad_norm"];
+  const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];  // whole steps on the x axis
   const PALETTE = ["#4a6fd8", "#e07b39", "#3c9a5f", "#c0392b", "#8e5cc4", "#8c6d31", "#d35fa8", "#7f8c8d",
                    "#b5a82a", "#2aa1b5"];
   const color = (i) => i < PALETTE.length ? PALETTE[i] : `hsl(${(i * 47) % 360}, 55%, 45%)`;
@@ -25,8 +26,12 @@
   }
   function num(v, digits = 3) {
     if (v === null || v === undefined) return "-";
-    if (Math.abs(v) >= 1000) return Math.round(v).toLocaleString("en");
+    if (v !== 0 && Math.abs(v) < 10 ** -digits) return v.toExponential(2);
+    if (Math.abs(v) >= 1000) return count(Math.round(v));
     return String(+v.toFixed(digits));
+  }
+  function count(n) {  // 12345 -> "12,345" (no Intl: the page's locale is whatever the browser says)
+    return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
   }
   function text(tag, content, cls) {
     const el = document.createElement(tag);
@@ -52,7 +57,7 @@
     status.className = `pill ${h.finished ? "finished" : stale ? "stopped" : "running"}`;
     $("#step").textContent = h.steps ? `step ${h.step} of ${h.steps}` : `step ${h.step}`;
     const facts = [`${h.agents.length} agents`, `${h.workers} workers`, h.mode ? `${h.mode}, K = ${h.max_staleness}` : "",
-                   `${h.samples.toLocaleString("en")} samples`, `${h.episodes.toLocaleString("en")} episodes`,
+                   `${count(h.samples)} samples`, `${count(h.episodes)} episodes`,
                    `${num(h.training_s, 1)} s training`].filter(Boolean);
     $("#facts").textContent = facts.join(" · ");
     const log = h.log;
@@ -61,7 +66,7 @@
     $("#reading-bar").style.width = `${log.bytes ? (100 * log.bytes_read / log.bytes).toFixed(1) : 0}%`;
     $("#reading-text").textContent = log.problem ? `the log: ${log.problem}` :
       `reading the event log: ${(log.bytes_read / 1e6).toFixed(1)} of ${(log.bytes / 1e6).toFixed(1)} MB, ` +
-      `${log.events.toLocaleString("en")} events`;
+      `${count(log.events)} events`;
     if (first) fillFilters(h);
     const seen = `${h.epoch}/${log.events}/${h.step}/${h.samples}`;
     if (seen !== state.seen) {
@@ -162,7 +167,8 @@
       const chart = new uPlot({
         width: Math.max(300, el.clientWidth || 460), height: 220,
         scales: { x: { time: false } },
-        axes: [{ label: "step", size: 36 }, { size: 56 }],
+        axes: [{ label: "step", size: 36, incrs: STEP_INCRS },
+               { size: 64, values: (u, splits) => splits.map((v) => num(v, 3)) }],
         legend: { live: true },
         series: [{ label: "step" }, ...labels.map((l) => ({
           label: l.label, stroke: color(l.a), width: 1.5, spanGaps: true, dash: l.dash ? [5, 4] : undefined,
@@ -222,7 +228,8 @@
       width, height, legend: { show: false },
       scales: { x: { time: false, min: d.t0, max: d.t1, auto: false }, y: { min: 0, max: Math.max(rows, 1), auto: false, dir: -1 } },
       axes: [{ label: "seconds since the run started", size: 36 },
-             { size: 120, splits: () => rowSplits(rows), values: (u, splits) => splits.map((s) => (d.workers[s] || {}).worker || "") }],
+             { size: 120, splits: () => rowSplits(rows),
+               values: (u, splits) => splits.map((s) => (d.workers[Math.floor(s)] || {}).worker || "") }],
       cursor: { drag: { x: true, y: false, setScale: false }, points: { show: false } },
       series: [{}, { label: "busy", stroke: "transparent" }],
       hooks: { draw: [drawGrid], setSelect: [zoomTimeline], setCursor: [timelineReadout] },
@@ -233,7 +240,7 @@
   function rowSplits(rows) {
     const step = Math.max(1, Math.ceil(rows / 24));
     const out = [];
-    for (let r = 0; r < rows; r += step) out.push(r);
+    for (let r = 0; r < rows; r += step) out.push(r + 0.5);  // a label in the middle of its row
     return out;
   }
 
