@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from flexmarl.runtime import collector
 from flexmarl.runtime.events import (
@@ -76,7 +76,7 @@ class WorkerUsage:
         """(busy_s, idle_s, utilization), from one union of the spans; of a log still being
         written, up to `now` (its last event's time)."""
         end = min(self.end, now)
-        busy = sum(b - a for a, b in union(self.spans, self.start, end))
+        busy = sum(b - a for a, b in union(((sp.start, sp.end) for sp in self.spans), self.start, end))
         life = end - self.start
         return busy, max(0.0, life - busy), busy / life if life > 0 else 0.0
 
@@ -562,7 +562,7 @@ def write_plot(s: Summary, path: str | Path) -> None:
                                       gridspec_kw={"width_ratios": [4, 1]}, sharey=True)
     for row, w in enumerate(workers):
         for kind, color in colors.items():
-            busy = union([sp for sp in w.spans if sp.kind == kind], w.start, w.end)
+            busy = union(((sp.start, sp.end) for sp in w.spans if sp.kind == kind), w.start, w.end)
             bars = [(a - s.t_start, b - a) for a, b in busy]
             ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, label=kind if row == 0 else None)
         ax.hlines(row, w.start - s.t_start, w.end - s.t_start, colors="lightgrey", linewidth=0.5,
@@ -586,10 +586,11 @@ def write_plot(s: Summary, path: str | Path) -> None:
     plt.close(fig)
 
 
-def union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]:
-    """The union of the spans' intervals, clipped to [lo, hi], as sorted disjoint pairs."""
+def union(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals (a worker's spans': what counts as busy), clipped
+    to [lo, hi], as sorted disjoint pairs."""
     out: list[tuple[float, float]] = []
-    for a, b in sorted((max(sp.start, lo), min(sp.end, hi)) for sp in spans):
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
         if b <= a:
             continue
         if out and a <= out[-1][1]:

@@ -2,24 +2,24 @@
 time, on a timeline, and what happened to it (weight syncs, swaps, balancer moves, deaths,
 restarts, checkpoints, resumes).
 
-What counts as busy is the replay summary's rule (replay/summary.py: `UsageReader` makes
-each worker's spans, `WorkerUsage.times` their union over its life): this module feeds it
-the log a part at a time instead of all at once, and keeps what it made small. A worker's
-spans are folded, kind by kind, into the union of their intervals once enough are new
-(a request span's details are not shown here), so a long run costs a pair of numbers per
-busy stretch, not an object per request. A request still under way counts as busy up to
-the log's last event.
+What counts as busy is the replay summary's rule (replay/summary.py): `UsageReader` makes
+each worker's spans and busy time is their `union` over the worker's life. This module
+feeds the reader the log a part at a time instead of all at once, and keeps what it made
+small: after each part, a worker's new spans are merged, kind by kind, into the union of
+its earlier ones (`WorkerBusy`; only the end of that union can meet new spans, so a long
+run costs a pair of numbers per busy stretch and each part only its own work). A request
+still under way counts as busy up to the log's last event.
 
-The timeline is a grid: a row per worker, a column per stretch of time, each cell the
-busy share of that stretch, computed from a worker's busy intervals by prefix sums
-(`busy_grid`), so a zoomed-in stretch of a long run costs what the whole run costs.
+Busy seconds between any two times come from prefix sums over a worker's intervals
+(`busy_until`), so the timeline (a row per worker, a column per stretch of time, each
+cell its busy share) costs the same zoomed in on a long run as over all of it.
 """
 
 from __future__ import annotations
 
 import base64
-import math
-from typing import Any
+import bisect
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -38,20 +38,48 @@ from flexmarl.runtime.events import (
     WorkerRestarted,
 )
 
-from ..replay.summary import (
-    TRAINING_MARKS,
-    USAGE_EVENTS,
-    Span,
-    UsageReader,
-    WorkerUsage,
-    crash_times,
-    training_time,
-    union,
-)
+from ..replay.summary import TRAINING_MARKS, USAGE_EVENTS, Span, UsageReader, crash_times, training_time, union
 
-# A worker's spans are folded once this many are new.
-FOLD_AFTER = 256
-_NO_ARGS: dict = {}  # the folded spans' (never changed)
+
+class WorkerBusy:
+    """One worker's busy intervals: per kind of span the union of those read so far (sorted,
+    disjoint), and over all kinds the union with the busy seconds before each interval."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, list[tuple[float, float]]] = {}
+        self._all: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def add(self, spans: list[Span]) -> None:
+        by_kind: dict[str, list[tuple[float, float]]] = {}
+        for sp in spans:
+            if sp.end > sp.start:  # an instant (an optimizer step's mark) adds no busy time
+                by_kind.setdefault(sp.kind, []).append((sp.start, sp.end))
+        for kind, new in by_kind.items():
+            old = self.kinds.setdefault(kind, [])
+            # Disjoint and sorted, so their ends are sorted: the ones a new span can touch are at the end.
+            keep = bisect.bisect_left(old, min(a for a, _ in new), key=lambda pair: pair[1])
+            old[keep:] = union(old[keep:] + new, -np.inf, np.inf)
+        if by_kind:
+            self._all = None
+
+    def intervals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Over all kinds: the busy intervals' starts and ends, and the busy seconds before each."""
+        if self._all is None:
+            pairs = union((pair for kind in self.kinds.values() for pair in kind), -np.inf, np.inf)
+            starts = np.array([a for a, _ in pairs], dtype=np.float64)
+            ends = np.array([b for _, b in pairs], dtype=np.float64)
+            self._all = starts, ends, np.concatenate(([0.0], np.cumsum(ends - starts)[:-1])) if pairs else ends
+        return self._all
+
+    def until(self, times: np.ndarray, under_way: Sequence[Span] = ()) -> np.ndarray:
+        """At each of `times`, the busy seconds so far; with `under_way`, spans not yet read
+        into it (requests still generating), counted where they add to it."""
+        starts, ends, before = self.intervals()
+        busy = busy_until(times, starts, ends, before)
+        for a, b in union(((sp.start, sp.end) for sp in under_way), -np.inf, np.inf):
+            inside = np.clip(times, a, b)  # |this one up to t| minus what of it is busy already
+            busy = busy + (inside - a) - (busy_until(inside, starts, ends, before) - busy_until(np.array([a]), starts, ends, before))
+        return busy
 
 
 class ClusterView:
@@ -61,6 +89,7 @@ class ClusterView:
 
     def __init__(self) -> None:
         self.usage = UsageReader(0.0)
+        self.busy: dict[str, WorkerBusy] = {}
         self.t_start: float | None = None
         self.last_t = 0.0
         self.marks: list[Event] = []  # TRAINING_MARKS, for training_time
@@ -68,9 +97,6 @@ class ClusterView:
         self.happenings: list[dict[str, Any]] = []
         self.finished = False
         self._sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
-        self._folded: dict[str, int] = {}  # worker -> spans of it that are folded
-        self._cache: dict[str, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}  # worker -> _intervals
-        self._times: dict[str, tuple[tuple, tuple[float, float, float]]] = {}  # worker -> its last times()
 
     def read(self, events: list[Event]) -> None:
         if not events:
@@ -88,29 +114,33 @@ class ClusterView:
                 note(self, e)
         self.last_t = events[-1].t
         for name, w in self.usage.workers.items():
-            if len(w.spans) - self._folded.get(name, 0) > FOLD_AFTER:
-                w.spans[:] = fold(w.spans)
-                self._folded[name] = len(w.spans)
+            if w.spans:  # the reader only appends to them: what it made is taken over here
+                self.busy.setdefault(name, WorkerBusy()).add(w.spans)
+                w.spans.clear()
 
     @property
     def training_s(self) -> float:
         return training_time(self.marks, iter(self.crashed_at), self.last_t)
 
+    def _ordered(self) -> list[Any]:
+        return sorted(self.usage.workers.values(), key=lambda w: (w.role, w.worker))
+
     def workers(self) -> list[dict[str, Any]]:
-        """Per worker, sorted by role and name: busy and idle seconds, utilization, restarts,
-        and whether it is alive at the end of what was read."""
+        """Per worker, sorted by role and name: busy and idle seconds over its life so far
+        (`WorkerUsage.times`'s figures), utilization, restarts, and whether it is alive at
+        the end of what was read."""
         now, rows = self.last_t, []
         under_way = self._under_way()
-        for w in sorted(self.usage.workers.values(), key=lambda w: (w.role, w.worker)):
-            extra = under_way.get(w.worker, [])
-            key = (len(w.spans), len(extra), now, w.end)
-            cached = self._times.get(w.worker)
-            if cached is None or cached[0] != key:
-                whole = WorkerUsage(w.worker, w.role, w.start, w.end, w.spans + extra) if extra else w
-                cached = self._times[w.worker] = (key, whole.times(now))
-            busy, idle, utilization = cached[1]
-            rows.append({"worker": w.worker, "role": w.role, "busy_s": round(busy, 3), "idle_s": round(idle, 3),
-                         "utilization": round(utilization, 4), "restarts": w.restarts,
+        for w in self._ordered():
+            lo, hi = w.start, min(w.end, now)
+            life = hi - lo
+            busy = 0.0
+            if life > 0:
+                at = self.busy.get(w.worker, WorkerBusy()).until(np.array([lo, hi]), under_way.get(w.worker, []))
+                busy = float(at[1] - at[0])
+            rows.append({"worker": w.worker, "role": w.role, "busy_s": round(busy, 3),
+                         "idle_s": round(max(0.0, life - busy), 3),
+                         "utilization": round(busy / life, 4) if life > 0 else 0.0, "restarts": w.restarts,
                          "alive": w.end > now})
         return rows
 
@@ -131,29 +161,16 @@ class ClusterView:
         hi = max(hi, lo + 1e-6)
         edges = np.linspace(lo, hi, columns + 1)
         under_way = self._under_way()
-        workers = sorted(self.usage.workers.values(), key=lambda w: (w.role, w.worker))
-        grid = np.zeros((len(workers), columns), dtype=np.uint8)
+        workers = self._ordered()
+        grid: np.ndarray = np.zeros((len(workers), columns), dtype=np.uint8)
         for row, w in enumerate(workers):
-            starts, ends, before = self._intervals(w, under_way.get(w.worker, []))
-            busy = np.diff(busy_until(edges, starts, ends, before))
+            # Busy only within its life, as the figures count it.
+            clipped = np.clip(edges, w.start, max(w.start, min(w.end, self.last_t)))
+            busy = np.diff(self.busy.get(w.worker, WorkerBusy()).until(clipped, under_way.get(w.worker, [])))
             grid[row] = np.clip(np.round(255 * busy / np.diff(edges)), 0, 255)
         return {"t0": lo - start, "t1": hi - start, "columns": columns,
                 "workers": [{"worker": w.worker, "role": w.role} for w in workers],
                 "busy": base64.b64encode(grid.tobytes()).decode()}
-
-    def _intervals(self, w: WorkerUsage, extra: list[Span]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A worker's busy intervals over its life (sorted, disjoint) and the busy seconds
-        before each; kept until it gets new spans."""
-        cached = self._cache.get(w.worker)
-        if cached is not None and cached[0] == len(w.spans) and not extra:
-            return cached[1], cached[2], cached[3]
-        pairs = union(w.spans + extra, w.start, w.end)
-        starts = np.array([a for a, _ in pairs], dtype=np.float64)
-        ends = np.array([b for _, b in pairs], dtype=np.float64)
-        before = np.concatenate(([0.0], np.cumsum(ends - starts)[:-1])) if len(pairs) else np.zeros(0)
-        if not extra:
-            self._cache[w.worker] = (len(w.spans), starts, ends, before)
-        return starts, ends, before
 
     # ------------------------------------------------------------ what happened
 
@@ -211,14 +228,6 @@ _NOTES: dict[type, Any] = {
     WorkerRestarted: ClusterView._restarted, CheckpointWritten: ClusterView._checkpoint,
     RunResumed: ClusterView._resumed, TrainingRestored: ClusterView._restored, RunFinished: ClusterView._finished}
 HAPPENINGS = ("sync", "swap", "placement", "move", "death", "restart", "checkpoint", "resume", "restore", "finish")
-
-
-def fold(spans: list[Span]) -> list[Span]:
-    """The spans as the union of their intervals, kind by kind (zero-length marks, which add
-    no busy time, are left out): the same busy time, and a span per stretch."""
-    kinds = sorted({sp.kind for sp in spans})
-    return [Span(a, b, kind, kind, _NO_ARGS)
-            for kind in kinds for a, b in union([sp for sp in spans if sp.kind == kind], -math.inf, math.inf)]
 
 
 def busy_until(times: np.ndarray, starts: np.ndarray, ends: np.ndarray, before: np.ndarray) -> np.ndarray:

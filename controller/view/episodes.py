@@ -23,7 +23,7 @@ skipped).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class EpisodeIndex:
         self.reasons: list[str] = []
         self._reason_index: dict[str, int] = {}
         self.stepped: set[tuple[int, int]] = set()  # (agent, version): that optimizer step is logged
-        self._waiting_texts: dict[str, int] = {}  # sample id -> offset: a line ahead of the log
+        self._waiting_texts: dict[str, list[tuple[int, int]]] = {}  # group -> (member, offset): lines ahead of the log
 
     @property
     def samples(self) -> int:
@@ -110,27 +110,29 @@ class EpisodeIndex:
     # ------------------------------------------------------------ reading
 
     def read(self, events: list[Event]) -> None:
+        """The next part of the log. The groups it opens are made first, in bulk (whatever
+        else the part says of a group comes after its opening in the log), unless the part
+        holds a resume, after which a group may be opened again: then all in order."""
         readers = _READERS
+        if not any(type(e) is RunResumed for e in events):
+            self._open([e for e in events if type(e) is GroupOpened])
+            readers = _AFTER_OPENING
         for e in events:
             reader = readers.get(type(e))
             if reader is not None:
                 reader(self, e)
-        if self._waiting_texts:
-            for sample_id, offset in list(self._waiting_texts.items()):
-                s = self._sample(sample_id)
-                if s is not None:
-                    self.s_text.data[s] = offset
-                    del self._waiting_texts[sample_id]
 
     def add_text(self, offset: int, row: dict[str, Any]) -> None:
         sample_id = row.get("sample_id")
         if not isinstance(sample_id, str):
             return
         s = self._sample(sample_id)
-        if s is None:
-            self._waiting_texts[sample_id] = offset
-        else:
+        if s is not None:
             self.s_text.data[s] = offset
+            return
+        key, _, member = sample_id.rpartition("/")  # a line ahead of the log: kept until its group opens
+        if member.isdecimal():
+            self._waiting_texts.setdefault(key, []).append((int(member), offset))
 
     def forget_texts(self) -> None:
         """samples.jsonl started over (a resumed run rewrote it): its lines are added again."""
@@ -138,33 +140,57 @@ class EpisodeIndex:
         self._waiting_texts.clear()
 
     def _opened(self, e: GroupOpened) -> None:
-        n = e.size()
-        g = self.group_of.get(e.group_id)
-        if g is not None:  # opened again: a resumed run generates the batches after its checkpoint anew
-            first, before = int(self.g_first.data[g]), int(self.g_n.data[g])
-            self._clear(first, before)
-            if before != n:  # its old members stay behind, marked, and new ones are made
-                self.s_dropped.data[first:first + before] = 1 + self._index(
-                    "opened again with another size", self.reasons, self._reason_index)
-                self.g_first.data[g], self.g_n.data[g] = self._new_samples(g, n), n
+        self._open([e])
+
+    def _open(self, opened: list[GroupOpened]) -> None:
+        new = []
+        for e in opened:
+            g = self.group_of.get(e.group_id)
+            if g is None:
+                new.append(e)
+            else:  # opened again: a resumed run generates the batches after its checkpoint anew
+                self._reopen(g, e.size())
+        if not new:
             return
-        g = len(self.group_ids)
-        self.group_ids.append(e.group_id)
-        self.group_of[e.group_id] = g
+        g0, first, sizes = len(self.group_ids), self.samples, [e.size() for e in new]
+        firsts = np.cumsum([first] + sizes[:-1])
+        total = sum(sizes)
         for column in (self.g_agent, self.g_batch, self.g_first, self.g_n, self.g_episode):
-            column.grow(g + 1)
-        self.g_agent.data[g] = self._index(e.agent, self.agents, self._agent_index)
-        self.g_batch.data[g] = e.batch
-        self.g_first.data[g], self.g_n.data[g] = self._new_samples(g, n), n
-        place = group_place(e.group_id, e.agent)
-        episode = place.episode if place is not None else e.group_id
-        ep = self.episode_of.get(episode)
-        if ep is None:
-            ep = self.episode_of[episode] = len(self.episodes)
-            self.episodes.append(episode)
-            self.episode_groups.append([])
-        self.episode_groups[ep].append(g)
-        self.g_episode.data[g] = ep
+            column.grow(g0 + len(new))
+        for column in (self.s_group, self.s_reward, self.s_version, self.s_worker, self.s_formed,
+                       self.s_dropped, self.s_text):
+            column.grow(first + total)
+        span = slice(g0, g0 + len(new))
+        self.g_agent.data[span] = [self._index(e.agent, self.agents, self._agent_index) for e in new]
+        self.g_batch.data[span] = [e.batch for e in new]
+        self.g_first.data[span], self.g_n.data[span] = firsts, sizes
+        self.s_group.data[first:first + total] = np.repeat(np.arange(g0, g0 + len(new)), sizes)
+        episodes = []
+        for g, e in enumerate(new, start=g0):
+            self.group_ids.append(e.group_id)
+            self.group_of[e.group_id] = g
+            place = group_place(e.group_id, e.agent)
+            episode = place.episode if place is not None else e.group_id
+            ep = self.episode_of.get(episode)
+            if ep is None:
+                ep = self.episode_of[episode] = len(self.episodes)
+                self.episodes.append(episode)
+                self.episode_groups.append([])
+            self.episode_groups[ep].append(g)
+            episodes.append(ep)
+            waiting = self._waiting_texts.pop(e.group_id, None) if self._waiting_texts else None
+            for member, offset in waiting or ():
+                if member < sizes[g - g0]:
+                    self.s_text.data[firsts[g - g0] + member] = offset
+        self.g_episode.data[span] = episodes
+
+    def _reopen(self, g: int, n: int) -> None:
+        first, before = int(self.g_first.data[g]), int(self.g_n.data[g])
+        self._clear(first, before)
+        if before != n:  # its old members stay behind, marked, and new ones are made
+            self.s_dropped.data[first:first + before] = 1 + self._index(
+                "opened again with another size", self.reasons, self._reason_index)
+            self.g_first.data[g], self.g_n.data[g] = self._new_samples(g, n), n
 
     def _new_samples(self, g: int, n: int) -> int:
         first = self.samples
@@ -183,6 +209,7 @@ class EpisodeIndex:
     def _completed(self, e: RequestsCompleted) -> None:
         w = self._index(e.worker, self.workers, self._worker_index)
         parts = e.parts
+        named: Iterable[tuple[str, int | None, int, int]]
         if parts.keys:
             named = zip(parts.keys, parts.firsts, parts.sizes, e.versions)
         else:  # format 1: one sample at a time
@@ -211,21 +238,17 @@ class EpisodeIndex:
             self.s_reward.data[first:first + len(e.rewards)] = e.rewards
 
     def _formed(self, e: MicroBatchFormed) -> None:
-        formed, sample = self.s_formed.data, self._sample
-        for sample_id in e.sample_ids:
-            s = sample(sample_id)
-            if s is not None:
-                formed[s] = e.version
+        formed = self.s_formed.data
+        for s in self._samples_of(e.sample_ids):
+            formed[s] = e.version
 
     def _stepped(self, e: OptimizerStep) -> None:
         self.stepped.add((self._index(e.agent, self.agents, self._agent_index), e.version))
 
     def _dropped(self, e: SamplesDropped) -> None:
         reason = 1 + self._index(e.why, self.reasons, self._reason_index)
-        for sample_id in e.sample_ids:
-            s = self._sample(sample_id)
-            if s is not None:
-                self.s_dropped.data[s] = reason
+        for s in self._samples_of(e.sample_ids):
+            self.s_dropped.data[s] = reason
 
     def _restored(self, e: TrainingRestored) -> None:
         """What was trained into versions after `e.version` no longer counts (trained again)."""
@@ -244,6 +267,21 @@ class EpisodeIndex:
             names.append(name)
         return i
 
+    def _samples_of(self, sample_ids: list[str]) -> list[int]:
+        """The indices of the samples `GROUP/MEMBER` that were opened (a group's members come
+        together in the lists the log holds: its group is looked up once for them)."""
+        found, key, g, first, n = [], None, None, 0, 0
+        group_of, g_first, g_n = self.group_of, self.g_first.data, self.g_n.data
+        for sample_id in sample_ids:
+            k, _, member = sample_id.rpartition("/")
+            if k != key:
+                key, g = k, group_of.get(k)
+                if g is not None:
+                    first, n = int(g_first[g]), int(g_n[g])
+            if g is not None and member.isdecimal() and int(member) < n:
+                found.append(first + int(member))
+        return found
+
     def _sample(self, sample_id: str) -> int | None:
         """The index of the sample `GROUP/MEMBER`, or None where no such member was opened."""
         key, _, member = sample_id.rpartition("/")
@@ -254,16 +292,16 @@ class EpisodeIndex:
 
     # ------------------------------------------------------------ asking
 
-    def status(self) -> np.ndarray:
-        """Each sample's index into STATUSES."""
+    def status(self, samples: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The index into STATUSES of each of `samples` (indices; all of them by default)."""
         n = self.samples
-        formed, dropped = self.s_formed.view(), self.s_dropped.view()
-        agent = self.g_agent.data[self.s_group.view()]
+        formed, dropped = self.s_formed.data[:n][samples], self.s_dropped.data[:n][samples]
+        agent = self.g_agent.data[self.s_group.data[:n][samples]]
         codes = agent.astype(np.int64) << 32 | formed.astype(np.int64) & 0xFFFFFFFF
         taken = np.fromiter((a << 32 | v & 0xFFFFFFFF for a, v in self.stepped), dtype=np.int64, count=len(self.stepped))
-        out = np.full(n, STATUSES.index("opened"), dtype=np.int8)
-        out[self.s_version.view() >= 0] = STATUSES.index("generated")
-        out[~np.isnan(self.s_reward.view())] = STATUSES.index("ready")
+        out: np.ndarray = np.full(len(formed), STATUSES.index("opened"), dtype=np.int8)
+        out[self.s_version.data[:n][samples] >= 0] = STATUSES.index("generated")
+        out[~np.isnan(self.s_reward.data[:n][samples])] = STATUSES.index("ready")
         out[formed >= 0] = STATUSES.index("in micro-batch")
         out[dropped > 0] = STATUSES.index("dropped")
         out[(formed >= 0) & np.isin(codes, taken)] = STATUSES.index("trained")
@@ -275,7 +313,7 @@ class EpisodeIndex:
         """The indices of the samples that pass every filter given, in `order` ("step": as
         opened; "reward" or "-reward": by reward, ascending or descending)."""
         n = self.samples
-        keep = np.ones(n, dtype=bool)
+        keep: np.ndarray = np.ones(n, dtype=bool)
         groups = self.s_group.view()
         if agent is not None:
             if agent not in self._agent_index:
@@ -304,13 +342,13 @@ class EpisodeIndex:
 
     def rows(self, chosen: np.ndarray) -> list[dict[str, Any]]:
         """The list's row of each sample in `chosen`."""
-        status = self.status() if len(chosen) else None
+        status = dict(zip(chosen.tolist(), self.status(chosen).tolist()))
         out = []
         for s in chosen.tolist():
             g = int(self.s_group.data[s])
             row = self._member(s, g, self._advantages(g))
             row.update(episode=self.episodes[self.g_episode.data[g]], agent=self.agents[self.g_agent.data[g]],
-                       step=int(self.g_batch.data[g]), status=STATUSES[status[s]] if status is not None else "")
+                       step=int(self.g_batch.data[g]), status=STATUSES[status[s]])
             out.append(row)
         return out
 
@@ -319,7 +357,9 @@ class EpisodeIndex:
         ep = self.episode_of.get(name)
         if ep is None:
             return None
-        status = self.status()
+        members = np.concatenate([np.arange(self.g_first.data[g], self.g_first.data[g] + self.g_n.data[g])
+                                  for g in self.episode_groups[ep]])
+        status = dict(zip(members.tolist(), self.status(members).tolist()))
         groups = []
         for g in self.episode_groups[ep]:
             agent = self.agents[self.g_agent.data[g]]
@@ -366,8 +406,9 @@ class EpisodeIndex:
 
 
 # What EpisodeIndex.read does with each event type it reads; others are passed over.
-_READERS: dict[type, Callable[[EpisodeIndex, Any], None]] = {
-    GroupOpened: EpisodeIndex._opened, RequestsCompleted: EpisodeIndex._completed,
-    GroupComplete: EpisodeIndex._complete, MicroBatchFormed: EpisodeIndex._formed,
-    OptimizerStep: EpisodeIndex._stepped, SamplesDropped: EpisodeIndex._dropped,
-    TrainingRestored: EpisodeIndex._restored, RunResumed: EpisodeIndex._resumed}
+_AFTER_OPENING: dict[type, Callable[[EpisodeIndex, Any], None]] = {
+    RequestsCompleted: EpisodeIndex._completed, GroupComplete: EpisodeIndex._complete,
+    MicroBatchFormed: EpisodeIndex._formed, OptimizerStep: EpisodeIndex._stepped,
+    SamplesDropped: EpisodeIndex._dropped, TrainingRestored: EpisodeIndex._restored,
+    RunResumed: EpisodeIndex._resumed}
+_READERS = {GroupOpened: EpisodeIndex._opened, **_AFTER_OPENING}

@@ -48,6 +48,10 @@ log = logging.getLogger("flexmarl.view")
 
 STATIC = Path(__file__).parent / "static"
 WATCHED_S = 30.0  # a controller's view keeps reading this long after a page last asked
+# Of the event log, what the follower reads between requests: `flexmarl view` has its
+# process to itself; a controller's view shares the controller's event loop, so it reads
+# in small slices (a few tens of milliseconds each) and the controller's loop goes on between them.
+SLICE_BYTES = {True: 2 * 1024 * 1024, False: 256 * 1024}
 POLL_S = 1.0  # how often a caught-up follower looks for more
 MAX_PAGE = 500  # rows of a list per request
 COOKIE = "flexmarl_view"
@@ -78,7 +82,7 @@ class ViewServer:
         Following all the time, the first slice of the run is read first: the first page
         shows something."""
         if self.always:
-            self.watch.refresh()
+            self.watch.refresh(SLICE_BYTES[True])
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.cfg.host, self.cfg.port))
@@ -123,7 +127,7 @@ class ViewServer:
         the next; once caught up, looks again every POLL_S seconds (or when a page asks)."""
         while True:
             watched = self.always or time.monotonic() - self._asked_at < WATCHED_S
-            if watched and self.watch.refresh():
+            if watched and self.watch.refresh(SLICE_BYTES[self.always]):
                 await asyncio.sleep(0)
                 continue
             self._asked.clear()

@@ -27,9 +27,9 @@ from .cluster import HAPPENINGS, ClusterView
 from .episodes import STATUSES, EpisodeIndex
 from .files import EventTail, LineTail
 
-# What one refresh reads of the event log at most (bytes): a slice decodes in about a
-# tenth of a second, so a page's requests are answered between slices of a long log.
-SLICE_BYTES = 2 * 1024 * 1024
+# What one refresh reads of the event log at most (bytes), unless told: a page's requests
+# are answered between slices of a long log.
+SLICE_BYTES = 1024 * 1024
 
 
 class RunWatch:
@@ -55,8 +55,8 @@ class RunWatch:
     # ------------------------------------------------------------ reading
 
     def refresh(self, max_bytes: int = SLICE_BYTES) -> bool:
-        """Reads what was written since the last call (of the event log, at most about
-        `max_bytes`); returns whether the event log has more to read now."""
+        """Reads what was written since the last call (of each file, at most about
+        `max_bytes`); returns whether there is more to read now."""
         replaced, events = self._events.poll(max_bytes)
         if replaced:  # a new run in this directory: everything read is another run's
             self.epoch += 1
@@ -68,20 +68,20 @@ class RunWatch:
         self.cluster.read(events)
         self.episodes.read(events)
         self.events_read += len(events)
-        replaced, rows = self._metrics.poll()
+        replaced, rows = self._metrics.poll(max_bytes)
         if replaced:
             self.epoch += 1
             self.curves = AgentCurves()
         for _, row in rows:
             self.curves.add(row)
-        replaced, rows = self._samples.poll()
+        replaced, rows = self._samples.poll(max_bytes)
         if replaced:
             self.episodes.forget_texts()
         for offset, row in rows:
             self.episodes.add_text(offset, row)
         more = self._events.bytes_read < self._events.size() and not self._events.problem and bool(events)
         self.caught_up = self.caught_up or not more
-        return more
+        return more or self._metrics.more or self._samples.more
 
     def _read_config(self) -> None:
         path = self.run_dir / "config.toml"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from flexmarl.controller.replay import summarize
-from flexmarl.controller.view import cluster as cluster_module
-from flexmarl.controller.view.cluster import ClusterView, busy_until, fold
+from flexmarl.controller.replay.summary import Span, union
+from flexmarl.controller.view.cluster import ClusterView, WorkerBusy, busy_until
 from flexmarl.runtime import events as ev
 
 
@@ -60,8 +60,7 @@ def a_log(seed=0, requests=400):
 
 
 @pytest.mark.parametrize("part", [1, 7, 100, 10**6])
-def test_busy_and_idle_read_a_part_at_a_time_are_the_replay_summarys(part, monkeypatch):
-    monkeypatch.setattr(cluster_module, "FOLD_AFTER", 5)  # fold often: folding must not change the figures
+def test_busy_and_idle_read_a_part_at_a_time_are_the_replay_summarys(part):
     events = a_log()
     view = ClusterView()
     for i in range(0, len(events), part):
@@ -71,17 +70,27 @@ def test_busy_and_idle_read_a_part_at_a_time_are_the_replay_summarys(part, monke
     # the summary ends a request still outstanding at the log's last event; so does the view
     assert mine == {name: (round(u.busy_s, 3), round(u.idle_s, 3), u.restarts) for name, u in summary.workers.items()}
     assert view.training_s == pytest.approx(summary.training_s)
-    assert all(len(u.spans) < 200 for u in view.usage.workers.values())  # folded: a span per busy stretch
+    assert all(not u.spans for u in view.usage.workers.values())  # taken over: a pair per busy stretch is kept
 
 
-def test_folding_keeps_the_union_of_each_kind_and_drops_instants():
-    from flexmarl.controller.replay.summary import Span, union
-
-    spans = [Span(0, 2, "generate", "x"), Span(1, 3, "generate", "x"), Span(5, 6, "generate", "x"),
-             Span(2, 2, "step", "x"), Span(2.5, 4, "train", "x")]
-    folded = fold(spans)
-    assert [(s.start, s.end, s.kind) for s in folded] == [(0, 3, "generate"), (5, 6, "generate"), (2.5, 4, "train")]
-    assert union(folded, 0, 10) == union(spans, 0, 10)
+def test_a_workers_busy_intervals_grow_by_merging_new_spans_into_the_end_of_the_union():
+    rng = random.Random(1)
+    spans = []
+    for i in range(500):
+        start = i * 0.1 + rng.random() * 0.5 - (3.0 if i % 97 == 0 else 0.0)  # now and then one that reaches back
+        spans.append(Span(start, start + rng.random() * 0.3, rng.choice(["generate", "sync"]), "x"))
+    spans.append(Span(7.0, 7.0, "step", "x"))  # an instant: no busy time
+    busy = WorkerBusy()
+    for i in range(0, len(spans), 37):
+        busy.add(spans[i:i + 37])
+    for kind in ("generate", "sync"):
+        assert busy.kinds[kind] == union(((s.start, s.end) for s in spans if s.kind == kind), -np.inf, np.inf)
+    assert "step" not in busy.kinds
+    starts, ends, _ = busy.intervals()
+    assert list(zip(starts, ends)) == union(((s.start, s.end) for s in spans), -np.inf, np.inf)
+    under_way = [Span(49.0, 60.0, "generate", "x"), Span(55.0, 58.0, "generate", "x")]
+    expected = sum(b - a for a, b in union(((s.start, s.end) for s in spans + under_way), -np.inf, 60.0))
+    assert busy.until(np.array([60.0]), under_way)[0] == pytest.approx(expected)
 
 
 def test_the_grid_is_each_workers_busy_share_of_each_stretch():

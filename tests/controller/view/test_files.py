@@ -15,14 +15,15 @@ def test_a_line_tail_returns_whole_lines_once_and_skips_what_is_not_a_json_objec
     path = tmp_path / "metrics.jsonl"
     tail = LineTail(path)
     assert tail.poll() == (False, [])  # no file yet
-    path.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\n{"step": 3, "tor')
+    path.write_text('{"step": 1}\n[1, 2]\n{"step": 2, "loss": NaN}\nnot json\n{"step": 3, "tor')
     replaced, rows = tail.poll()
-    assert not replaced and [r for _, r in rows] == [{"step": 1}, {"step": 2}] and tail.bad_lines == 1
+    assert not replaced and [r["step"] for _, r in rows] == [1, 2] and tail.bad_lines == 2
+    assert rows[1][1]["loss"] != rows[1][1]["loss"]  # NaN, as Python's json writes it
     with open(path, "a") as fh:
         fh.write('n": 1}\n')
     assert [r for _, r in tail.poll()[1]] == [{"step": 3, "torn": 1}]
     offset = rows[1][0]
-    assert tail.read_at(offset) == {"step": 2}
+    assert tail.read_at(offset)["step"] == 2
     assert tail.poll() == (False, [])
 
 
@@ -66,6 +67,22 @@ async def test_an_event_tail_starts_over_when_a_new_run_replaces_the_log(tmp_pat
     assert replaced and [e.why for e in events] == ["second run, which is longer than the first"]
     path.write_bytes(b"FLXEVLOG" + (99).to_bytes(4, "little"))
     assert tail.poll(1 << 20)[1] == [] and "newer FlexMARL" in tail.problem
+
+
+async def test_an_event_tail_reads_a_log_of_many_segments_a_slice_at_a_time_as_one_log(tmp_path):
+    path = tmp_path / "events.log"
+    log = EventLog(path, max_bytes_per_segment=400)
+    for i in range(60):
+        log.emit(ev.WorkerDied(f"w{i}", "x" * 20))
+    await log.close()
+    tail, seen = EventTail(path), []
+    while True:
+        replaced, events = tail.poll(100)
+        assert not replaced
+        if not events:
+            break
+        seen += events
+    assert [e.seq for e in seen] == list(range(60)) and tail.bytes_read == tail.size() > 400 * 5
 
 
 async def test_a_watch_follows_a_run_as_it_grows_and_reads_nothing_twice(tmp_path):
