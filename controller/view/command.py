@@ -33,11 +33,8 @@ async def view(run_dir: str, host: str | None, port: int | None) -> int:
     try:
         server = ViewServer(path, cfg)
         url = await server.start()
-    except ConfigError as exc:
+    except ConfigError as exc:  # a host off loopback without a key, a port taken
         print(f"flexmarl view: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"flexmarl view: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(f"viewing {path.resolve()} at {url} (Ctrl-C stops)", flush=True)
     try:

@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
-from flexmarl.runtime.config import ViewConfig
+from flexmarl.runtime.config import ConfigError, ViewConfig
 from flexmarl.runtime.transport import listen_key
 
 from ..serving.openai_api import embedded_server
@@ -84,8 +84,13 @@ class ViewServer:
         if self.always:
             self.watch.refresh(SLICE_BYTES[True])
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.cfg.host, self.cfg.port))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.cfg.host, self.cfg.port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"the web view cannot listen on {self.cfg.host}:{self.cfg.port}: {exc.strerror or exc}; "
+                              "choose another view.port (0: a free one)") from exc
         host, port = sock.getsockname()[:2]
         self._server = embedded_server(self.app())
         self.task = asyncio.create_task(self._serve(sock), name="view")

@@ -13,6 +13,7 @@
   window.flexmarlView = state;
 
   const CURVES = ["reward", "samples_s", "staleness", "mismatch", "loss", "grad_norm"];
+  const FROM_ZERO = new Set(["samples_s", "staleness"]);  // never below 0: their axis starts there
   const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];  // whole steps on the x axis
   const PALETTE = ["#4a6fd8", "#e07b39", "#3c9a5f", "#c0392b", "#8e5cc4", "#8c6d31", "#d35fa8", "#7f8c8d",
                    "#b5a82a", "#2aa1b5"];
@@ -166,7 +167,7 @@
       const few = columns[0].length < 80;
       const chart = new uPlot({
         width: Math.max(300, el.clientWidth || 460), height: 220,
-        scales: { x: { time: false } },
+        scales: { x: { time: false }, y: FROM_ZERO.has(curve) ? { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] } : {} },
         axes: [{ label: "step", size: 36, incrs: STEP_INCRS },
                { size: 64, values: (u, splits) => splits.map((v) => num(v, 3)) }],
         legend: { live: true },

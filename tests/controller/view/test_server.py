@@ -108,3 +108,24 @@ def test_the_page_loads_nothing_from_elsewhere_and_its_libraries_are_the_ones_re
         for name, digest in zip(files, sums):
             assert hashlib.sha256((STATIC / "vendor" / name).read_bytes()).hexdigest() == digest, name
     assert {p.name for p in (STATIC / "vendor").glob("*.LICENSE")} == {"uPlot.LICENSE", "gridjs.LICENSE"}
+
+
+async def test_flexmarl_view_says_in_one_line_why_it_cannot_show_a_run(tmp_path, capsys, monkeypatch):
+    import socket
+
+    from flexmarl.controller.view.command import view
+
+    monkeypatch.delenv("FLEXMARL_VIEW_KEY", raising=False)
+    assert await view(str(tmp_path / "nowhere"), None, None) == 2
+    assert "is not a run directory (none of events.log, metrics.jsonl, config.toml in it)" in capsys.readouterr().err
+    await a_run(tmp_path)
+    assert await view(str(tmp_path), "0.0.0.0", None) == 2
+    assert "view.host = '0.0.0.0' is not loopback" in capsys.readouterr().err
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        assert await view(str(tmp_path), None, taken.getsockname()[1]) == 2
+        assert f"the web view cannot listen on 127.0.0.1:{taken.getsockname()[1]}" in capsys.readouterr().err
+    finally:
+        taken.close()
