@@ -411,4 +411,4 @@ _AFTER_OPENING: dict[type, Callable[[EpisodeIndex, Any], None]] = {
     MicroBatchFormed: EpisodeIndex._formed, OptimizerStep: EpisodeIndex._stepped,
     SamplesDropped: EpisodeIndex._dropped, TrainingRestored: EpisodeIndex._restored,
     RunResumed: EpisodeIndex._resumed}
-_READERS = {GroupOpened: EpisodeIndex._opened, **_AFTER_OPENING}
+_READERS: dict[type, Callable[[EpisodeIndex, Any], None]] = {GroupOpened: EpisodeIndex._opened, **_AFTER_OPENING}

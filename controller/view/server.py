@@ -51,7 +51,11 @@ WATCHED_S = 30.0  # a controller's view keeps reading this long after a page las
 # Of the event log, what the follower reads between requests: `flexmarl view` has its
 # process to itself; a controller's view shares the controller's event loop, so it reads
 # in small slices (a few tens of milliseconds each) and the controller's loop goes on between them.
-SLICE_BYTES = {True: 2 * 1024 * 1024, False: 256 * 1024}
+SLICE_BYTES = {True: 512 * 1024, False: 256 * 1024}
+# ... and how long it then leaves the loop to the rest: a controller's view takes at most
+# about half of it while it catches up with a long log. Requests go first either way: while
+# one is under way (it takes several turns of the loop), the follower waits.
+PAUSE_S = {True: 0.0, False: 0.05}
 POLL_S = 1.0  # how often a caught-up follower looks for more
 MAX_PAGE = 500  # rows of a list per request
 COOKIE = "flexmarl_view"
@@ -73,6 +77,7 @@ class ViewServer:
         self._follower: asyncio.Task | None = None
         self._asked_at = -math.inf
         self._asked = asyncio.Event()
+        self._in_flight = 0  # HTTP requests being answered
         self._server: Any = None
 
     # ------------------------------------------------------------ lifetime
@@ -133,7 +138,9 @@ class ViewServer:
         while True:
             watched = self.always or time.monotonic() - self._asked_at < WATCHED_S
             if watched and self.watch.refresh(SLICE_BYTES[self.always]):
-                await asyncio.sleep(0)
+                await asyncio.sleep(PAUSE_S[self.always])
+                while self._in_flight:
+                    await asyncio.sleep(0.002)
                 continue
             self._asked.clear()
             try:
@@ -180,7 +187,8 @@ class ViewServer:
                   Route("/api/episode", api(self._episode)),
                   Route("/api/config", api(lambda q: self.watch.config_text, "text/plain")),
                   Mount("/static", StaticFiles(directory=STATIC), name="static")]
-        return Starlette(routes=routes, middleware=[Middleware(KeyCheck, key=self.key, cookie=self._cookie),
+        return Starlette(routes=routes, middleware=[Middleware(Counted, server=self),
+                                                    Middleware(KeyCheck, key=self.key, cookie=self._cookie),
                                                     Middleware(GZipMiddleware, minimum_size=2048)])
 
     def _agents(self, q: Any) -> dict[str, Any]:
@@ -225,6 +233,20 @@ class ViewServer:
         if found is None:
             raise LookupError(f"no episode {name!r} in the log read so far")
         return found
+
+
+class Counted:
+    """ASGI middleware: counts the requests being answered (the follower lets them go first)."""
+
+    def __init__(self, app: Any, server: ViewServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.server._in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.server._in_flight -= 1
 
 
 class KeyCheck:
