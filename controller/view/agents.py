@@ -1,10 +1,13 @@
 """Each agent's curves, read from metrics.jsonl (records/metrics.py writes it): a point per
 optimizer step, and a point per evaluation (`"kind": "eval"` rows, the held-out reward).
 
-A step's samples/s is the samples it trained over the seconds since the agent's step
-before it (`time` counts from the controller's start; the first step of a process, whose
-time before it includes set-up, uses the step's own `step_s`). Every other curve is a
-column of the row as written; a row without it leaves a gap.
+A step's samples/s is what the agent trained over its last `WINDOW` steps (this one
+included) over the seconds they took: from the end of the step before them (`time`
+counts seconds since the controller started) or, for the first ones, from when its first
+step began (its `time` less its `step_s`, so set-up is not counted). Over one step alone
+the rate jumps wherever an agent takes two steps close together after waiting (async
+pipelines do). Every other curve is a column of the row as written; a row without it
+leaves a gap.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ COLUMNS = {"reward": "reward_mean", "staleness": "staleness_mean", "staleness_ma
            "mismatch": "logprob_abs_diff", "rollout_kl": "rollout_kl", "loss": "loss", "grad_norm": "grad_norm",
            "entropy": "entropy", "time": "time"}
 CURVES = ("samples_s", *COLUMNS)
+WINDOW = 5  # steps the samples/s curve is taken over
 
 
 class AgentCurves:
@@ -28,7 +32,8 @@ class AgentCurves:
         self._index: dict[str, int] = {}
         self.train: dict[str, list[Any]] = {k: [] for k in ("agent", "step", *CURVES)}
         self.eval: dict[str, list[Any]] = {k: [] for k in ("agent", "step", "reward")}
-        self._last_time: dict[str, float] = {}
+        self._recent: dict[str, list[tuple[float, float]]] = {}  # agent -> (time, samples) of its last steps
+        self._began: dict[str, float] = {}  # agent -> when its first step began
 
     def agent(self, name: str) -> int:
         if name not in self._index:
@@ -55,11 +60,21 @@ class AgentCurves:
 
     def _samples_per_s(self, agent: str, row: dict[str, Any]) -> float | None:
         samples, now = _number(row.get("samples")), _number(row.get("time"))
-        before = self._last_time.get(agent)
-        if now is not None:
-            self._last_time[agent] = now
-        seconds = now - before if now is not None and before is not None and now > before else _number(row.get("step_s"))
-        return round(samples / seconds, 3) if samples is not None and seconds else None
+        if samples is None or now is None:
+            return None
+        recent = self._recent.setdefault(agent, [])
+        if recent and now < recent[-1][0]:  # a resumed run's clock starts again
+            recent.clear()
+            self._began.pop(agent, None)
+        if agent not in self._began:
+            self._began[agent] = now - (_number(row.get("step_s")) or 0.0)
+        recent.append((now, samples))
+        if len(recent) > WINDOW + 1:
+            del recent[0]
+        window = recent[-WINDOW:]
+        start = recent[0][0] if len(recent) > WINDOW else self._began[agent]
+        seconds = now - start
+        return round(sum(n for _, n in window) / seconds, 3) if seconds > 0 else None
 
     def since(self, train: int, evals: int) -> dict[str, Any]:
         """The columns from row `train` (and eval row `evals`) on."""

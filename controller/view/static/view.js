@@ -190,14 +190,17 @@
   }
 
   function agentsTable() {
-    const rows = state.agents.map((agent) => {
+    const named = state.header && state.header.agents.length ? state.header.agents : [];
+    const agents = [...named, ...state.agents.filter((a) => !named.includes(a))].filter((a) => state.latest[a]);
+    const rows = agents.map((agent) => {
       const last = state.latest[agent] || {};
       return [agent, last.step ?? "-", num(last.reward), num(last.samples_s, 1), num(last.staleness, 2),
               num(last.mismatch, 6), num(last.loss, 4), num(last.grad_norm, 4)];
     });
     const columns = ["agent", "step", "reward", "samples/s", "staleness", "mismatch", "loss", "grad norm"];
     if (!state.grids.agents) {
-      state.grids.agents = new gridjs.Grid({ columns, data: rows, sort: true }).render($("#agents-table"));
+      state.grids.agents = new gridjs.Grid({ columns, data: rows, sort: true, pagination: { limit: 16 } })
+        .render($("#agents-table"));
     } else {
       state.grids.agents.updateConfig({ data: rows }).forceRender();
     }

@@ -102,7 +102,7 @@ async def test_a_watch_follows_a_run_as_it_grows_and_reads_nothing_twice(tmp_pat
         watch.refresh()
         header = watch.header()
         assert header["step"] == step and header["log"]["events"] == 1 + step and header["log"]["caught_up"]
-    assert watch.curves.train["reward"] == [0.1, 0.2] and watch.curves.train["samples_s"] == [None, 0.4]
+    assert watch.curves.train["reward"] == [0.1, 0.2] and watch.curves.train["samples_s"] == [None, 0.8]
     metrics.close()
     await log.close()
     before = {p.name: (p.read_bytes(), os.stat(p).st_mtime_ns) for p in tmp_path.iterdir()}
