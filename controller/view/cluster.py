@@ -97,6 +97,9 @@ class ClusterView:
         self.happenings: list[dict[str, Any]] = []
         self.finished = False
         self._sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
+        # every weight sync, as columns: the agent's index in `sync_agents`, its version, seconds, bytes
+        self.sync_agents: list[str] = []
+        self.syncs: dict[str, list[Any]] = {"agent": [], "version": [], "seconds": [], "bytes": []}
 
     def read(self, events: list[Event]) -> None:
         if not events:
@@ -186,6 +189,11 @@ class ClusterView:
         to = f" to {len(began.targets)} instance{'s' if len(began.targets) != 1 else ''}" if began else ""
         over = f" over {began.transport}" if began is not None and began.transport else ""
         self._note(e, "sync", e.agent, f"v{e.version}{to}{over}, {e.nbytes / 1e6:.1f} MB", e.seconds)
+        if e.agent not in self.sync_agents:
+            self.sync_agents.append(e.agent)
+        for column, value in (("agent", self.sync_agents.index(e.agent)), ("version", e.version),
+                              ("seconds", round(e.seconds, 4)), ("bytes", e.nbytes)):
+            self.syncs[column].append(value)
 
     def _allocated(self, e: AllocationChanged) -> None:
         if e.swap:

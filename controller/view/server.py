@@ -6,6 +6,7 @@
     GET /api/workers            each worker's busy and idle seconds, utilization, restarts
     GET /api/timeline           the busy grid: a row per worker, `columns` stretches from `t0` to `t1`
     GET /api/happenings         syncs, swaps, moves, deaths, restarts, ...: `kind`, `offset`, `limit`
+    GET /api/syncs              every weight sync's agent, version, seconds and bytes, from row `since` on
     GET /api/samples            the samples that pass the filters, a page at a time
     GET /api/episode?name=E     one episode: its groups, their branches and members (texts where recorded)
     GET /api/config             the resolved config (config.toml)
@@ -183,6 +184,7 @@ class ViewServer:
                   Route("/api/workers", api(lambda q: self.watch.cluster.workers())),
                   Route("/api/timeline", api(self._timeline)),
                   Route("/api/happenings", api(self._happenings)),
+                  Route("/api/syncs", api(self._syncs)),
                   Route("/api/samples", api(self._samples)),
                   Route("/api/episode", api(self._episode)),
                   Route("/api/config", api(lambda q: self.watch.config_text, "text/plain")),
@@ -211,6 +213,11 @@ class ViewServer:
         offset, limit = _page(q)
         return {"total": len(chosen), "rows": chosen[offset:offset + limit],
                 "counts": {k: sum(1 for r in rows if r["kind"] == k) for k in HAPPENINGS}}
+
+    def _syncs(self, q: Any) -> dict[str, Any]:
+        cluster, since = self.watch.cluster, _int(q, "since", 0)
+        return {"agents": cluster.sync_agents, "rows": len(cluster.syncs["version"]),
+                **{k: v[since:] for k, v in cluster.syncs.items()}}
 
     def _samples(self, q: Any) -> dict[str, Any]:
         status = q.get("status") or None

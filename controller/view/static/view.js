@@ -7,7 +7,7 @@
   const $ = (sel) => document.querySelector(sel);
   const state = {
     header: null, epoch: -1, trainRows: 0, evalRows: 0, agents: [], latest: {},
-    series: {}, evalSeries: [], charts: {}, timeline: null, timelineWindow: null,
+    series: {}, evalSeries: [], charts: {}, timeline: null, timelineWindow: null, syncs: [], syncRows: 0, syncEpoch: -1,
     tab: "agents", grids: {}, seen: "", errors: [],
   };
   window.flexmarlView = state;
@@ -18,6 +18,11 @@
   const PALETTE = ["#4a6fd8", "#e07b39", "#3c9a5f", "#c0392b", "#8e5cc4", "#8c6d31", "#d35fa8", "#7f8c8d",
                    "#b5a82a", "#2aa1b5"];
   const color = (i) => i < PALETTE.length ? PALETTE[i] : `hsl(${(i * 47) % 360}, 55%, 45%)`;
+  function colorOf(agent) {  // an agent's colour on every chart: by its place among the run's agents
+    const named = state.header ? state.header.agents : [];
+    const i = named.indexOf(agent);
+    return color(i >= 0 ? i : named.length + Math.max(0, state.agents.indexOf(agent)));
+  }
   const ROLE_RGB = { rollout: [74, 111, 216], trainer: [224, 123, 57] };
 
   async function api(path) {
@@ -172,7 +177,7 @@
                { size: 64, values: (u, splits) => splits.map((v) => num(v, 3)) }],
         legend: { live: true },
         series: [{ label: "step" }, ...labels.map((l) => ({
-          label: l.label, stroke: color(l.a), width: 1.5, spanGaps: true, dash: l.dash ? [5, 4] : undefined,
+          label: l.label, stroke: colorOf(state.agents[l.a]), width: 1.5, spanGaps: true, dash: l.dash ? [5, 4] : undefined,
           points: { show: few || l.dash, size: 4 }, value: (u, v) => num(v, 4),
         }))],
       }, columns, el);
@@ -210,6 +215,7 @@
 
   async function refreshCluster(tables) {
     await loadTimeline();
+    await loadSyncs();
     if (tables || !state.grids.workers) await workersTable();
     if (!state.grids.happenings) happeningsTable();
   }
@@ -239,6 +245,32 @@
       hooks: { draw: [drawGrid], setSelect: [zoomTimeline], setCursor: [timelineReadout] },
     }, [[d.t0, d.t1], [null, null]], el);
     state.charts.timeline = chart;
+  }
+
+  async function loadSyncs() {
+    const epoch = state.header ? state.header.epoch : 0;
+    if (epoch !== state.syncEpoch) { state.syncs = []; state.syncRows = 0; state.syncEpoch = epoch; }
+    const d = await api(`api/syncs?since=${state.syncRows}`);
+    state.syncRows = d.rows;
+    d.version.forEach((version, i) => {
+      const a = d.agent[i];
+      (state.syncs[a] || (state.syncs[a] = new Map())).set(version, d.seconds[i]);
+    });
+    const versions = [...new Set(state.syncs.flatMap((m) => (m ? [...m.keys()] : [])))].sort((x, y) => x - y);
+    const columns = [versions, ...d.agents.map((_, a) => versions.map((v) => (state.syncs[a] && state.syncs[a].has(v) ? state.syncs[a].get(v) : null)))];
+    const old = state.charts.syncs, el = $("#chart-syncs");
+    if (old && old._key === d.agents.join("|")) { old.setData(columns); return; }
+    if (old) old.destroy();
+    const chart = new uPlot({
+      width: Math.max(300, el.clientWidth || 460), height: 200,
+      scales: { x: { time: false }, y: { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] } },
+      axes: [{ label: "version", size: 36, incrs: STEP_INCRS }, { size: 64, values: (u, splits) => splits.map((v) => num(v, 3)) }],
+      series: [{ label: "version" }, ...d.agents.map((agent, a) => ({
+        label: agent, stroke: colorOf(agent), width: 1.5, spanGaps: true, points: { show: versions.length < 80, size: 4 },
+        value: (u, v) => num(v, 4) }))],
+    }, columns, el);
+    chart._key = d.agents.join("|");
+    state.charts.syncs = chart;
   }
 
   function rowSplits(rows) {

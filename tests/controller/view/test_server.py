@@ -23,6 +23,8 @@ async def a_run(run_dir: Path) -> None:
     log.emit(ev.RequestsDispatched("r0", "a", 1, [], 2, ev.Parts(["s1q0/a-0000000a-0"], [0], [2])))
     log.emit(ev.RequestsCompleted("r0", "a", 1, [], [0], 2, parts=ev.Parts(["s1q0/a-0000000a-0"], [0], [2])))
     log.emit(ev.GroupComplete("a", "s1q0/a-0000000a-0", [0.0, 1.0]))
+    log.emit(ev.WeightSyncStarted("a", 1, ["r0"], "shm"))
+    log.emit(ev.WeightSyncFinished("a", 1, 0.25, 1000))
     await log.close()
     (run_dir / "config.toml").write_text('[run]\nsteps = 1\n\n[agents.a]\nmodel = "m"\n')
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "agent": "a", "reward_mean": 0.5}) + "\n")
@@ -54,6 +56,11 @@ async def test_the_api_answers_from_the_run_and_refuses_bad_parameters_in_words(
     assert [w["worker"] for w in (await client.get("/api/workers")).json()] == ["r0"]
     assert (await client.get("/api/timeline", params={"columns": 10})).json()["columns"] == 10
     assert "steps = 1" in (await client.get("/api/config")).text
+    syncs = (await client.get("/api/syncs")).json()
+    assert (syncs["agents"], syncs["version"], syncs["seconds"], syncs["bytes"]) == (["a"], [1], [0.25], [1000])
+    assert (await client.get("/api/syncs", params={"since": 1})).json()["version"] == []
+    happenings = (await client.get("/api/happenings", params={"kind": "sync"})).json()
+    assert [h["what"] for h in happenings["rows"]] == ["v1 to 1 instance over shm, 0.0 MB"]
     for path, params, said in [("/api/samples", {"status": "eaten"}, "status must be one of trained"),
                                ("/api/samples", {"limit": 0}, "limit in [1, 500]"),
                                ("/api/samples", {"reward_min": "lots"}, "reward_min must be a number"),
