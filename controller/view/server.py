@@ -122,16 +122,15 @@ class ViewServer:
             await asyncio.gather(server, self._follower, return_exceptions=True)
 
     async def stop(self, timeout: float = 5.0) -> None:
+        """Asks the server to finish (the follower stops with it); past `timeout`, cancels it."""
         if self.task is None:
             return
-        self._server.should_exit = True
-        if self._follower is not None:
-            self._follower.cancel()
-        try:
-            await asyncio.wait_for(asyncio.shield(self.task), timeout)
-        except BaseException:  # late, failed or cancelled: it stops all the same
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        if not self.task.done():
+            self._server.should_exit = True
+            done, _ = await asyncio.wait([self.task], timeout=timeout)
+            if not done:
+                self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
     async def follow(self) -> None:
         """Reads the run as it grows: a slice of the log, then whatever requests wait, then
