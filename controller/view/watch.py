@@ -30,6 +30,9 @@ from .files import EventTail, LineTail
 # What one refresh reads of the event log at most (bytes), unless told: a page's requests
 # are answered between slices of a long log.
 SLICE_BYTES = 1024 * 1024
+# ... of metrics.jsonl, this many times that: its rows are the first thing a page shows
+# (every agent's curves), and a long run's file is a small part of what it wrote.
+METRICS_SLICES = 8
 
 
 class RunWatch:
@@ -68,7 +71,7 @@ class RunWatch:
         self.cluster.read(events)
         self.episodes.read(events)
         self.events_read += len(events)
-        replaced, rows = self._metrics.poll(max_bytes)
+        replaced, rows = self._metrics.poll(METRICS_SLICES * max_bytes)
         if replaced:
             self.epoch += 1
             self.curves = AgentCurves()
