@@ -2,6 +2,7 @@
 
     python bench/system/view_load.py RUN_DIR [--repeats N]
     python bench/system/view_load.py --synthetic STEPS,AGENTS,INSTANCES,SAMPLES_PER_STEP [--keep DIR]
+    python bench/system/view_load.py RUN_DIR --idle SECONDS
 
 The largest log the benches write is controller_scale's 1,024 instances x 32 agents
 (`python bench/system/controller_scale.py --keep DIR --point '{"instances":1024,"agents":32,
@@ -26,8 +27,13 @@ and the view process's peak resident memory (`rss_mb`), the log's size and the r
 samples and workers. The page is served and drawn while the log is still being read:
 `header_s` and `curves_s` do not wait for `read_s`.
 
+With `--idle SECONDS`, instead: what a running controller's view costs while no page is
+open, as the CPU milliseconds per second an otherwise idle uvloop event loop spends
+without the view and then with one started on RUN_DIR and never asked (`idle_ms_per_s`,
+`view_ms_per_s`), each over SECONDS.
+
 Needs node and npm (scripts/headless_chromium.sh unpacks the browser) and the playwright
-package (the test extra).
+package (the test extra); `--idle` needs neither.
 """
 
 from __future__ import annotations
@@ -163,6 +169,23 @@ def one_load(browser: Any, run_dir: Path) -> dict[str, Any]:
             "page_errors": errors}
 
 
+async def idle_cost(run_dir: Path, seconds: float) -> dict[str, Any]:
+    from flexmarl.controller.view.server import ViewServer
+    from flexmarl.runtime.config import ViewConfig
+
+    t = time.process_time()
+    await asyncio.sleep(seconds)
+    idle = time.process_time() - t
+    server = ViewServer(run_dir, ViewConfig(), always=False)  # as a controller starts it
+    await server.start()
+    t = time.process_time()
+    await asyncio.sleep(seconds)
+    viewing = time.process_time() - t
+    await server.stop()
+    return {"seconds": seconds, "idle_ms_per_s": round(1e3 * idle / seconds, 3),
+            "view_ms_per_s": round(1e3 * viewing / seconds, 3), "events_read": server.watch.events_read}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", nargs="?", help="a run directory to open")
@@ -170,6 +193,8 @@ def main() -> None:
                         help="write a run of this size first (into --keep DIR, else a temporary folder)")
     parser.add_argument("--keep", default="", help="with --synthetic: write the run here and keep it")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--idle", type=float, metavar="SECONDS",
+                        help="measure what an unwatched view costs an idle event loop instead")
     args = parser.parse_args()
     if bool(args.run_dir) == bool(args.synthetic):
         parser.error("give RUN_DIR or --synthetic")
@@ -182,6 +207,12 @@ def main() -> None:
         print(f"wrote a synthetic run in {time.perf_counter() - t:.1f} s: {made}", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else made
     assert run_dir is not None
+    if args.idle:
+        import uvloop
+
+        for _ in range(args.repeats):
+            print(json.dumps(uvloop.run(idle_cost(run_dir, args.idle))), flush=True)
+        return
     from playwright.sync_api import sync_playwright
 
     try:
