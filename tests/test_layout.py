@@ -14,11 +14,12 @@ import cycle among the modules of each package.
 
     controller/                         workers/               runtime/
       cli (and __init__) | testing        main, models           bases, transport, eventlog, model_specs
-      replay                              rollout | trainer |    config
-      run                                   env                  protocol, events
-      launch                              session, precision,    params
-      tasks                               adapters,              aio, atomic, checksums,
-      serving                             channel_config           sandbox, tracebacks, ...
+      run                                 rollout | trainer |    config
+      view                                  env                  protocol, events
+      replay                              session, precision,    params
+      launch                              adapters,              aio, atomic, checksums,
+      tasks                               channel_config           sandbox, tracebacks, ...
+      serving
       episodes
       rollout | train | environments
       weights
@@ -49,8 +50,9 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
         [("controller.serving",)],
         [("controller.tasks",)],
         [("controller.launch",)],
-        [("controller.run",)],
         [("controller.replay",)],
+        [("controller.view",)],
+        [("controller.run",)],
         [("controller.cli", "controller"), ("controller.testing",)],
     ],
     "runtime": [
@@ -274,7 +276,7 @@ def test_the_layer_test_fails_on_an_upward_import_in_a_copy_of_the_tree(tmp_path
     engine.write_text(engine.read_text() + "\nfrom ..trainer.loss import policy_loss\n")
     assert layer_violations("controller", tree) == [
         "controller.rollout.router imports controller.train.allocator, a room beside its own in layer 4",
-        "controller.state.store (layer 1) imports controller.run.components, a higher layer (9)"]
+        "controller.state.store (layer 1) imports controller.run.components, a higher layer (11)"]
     assert layer_violations("workers", tree) == [
         "workers.rollout.engine imports workers.trainer.loss, a room beside its own in layer 1"]
 
