@@ -120,6 +120,10 @@ class PoolProcess:
             await process.close()
             raise PoolError(f"an environment process did not start: it {describe_exit(proc.returncode)}; see the "
                             f"worker's log") from None
+        except asyncio.CancelledError:  # the pool is closing: the process is not left behind
+            process.stop("closed")
+            await asyncio.shield(proc.wait())
+            raise
         if hello.call_id != READY or hello.failure:
             await process.close()
             raise PoolError(f"an environment process could not import the workflow {workflow!r}: {hello.error}")
