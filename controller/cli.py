@@ -4,7 +4,7 @@
                  [--launcher local|ray]
     flexmarl run --resume RUN_DIR [--resume-from step-N] [--steps N] [--resume-anyway]
     flexmarl controller --config CONFIG [--bind ADDR]
-    flexmarl worker --role rollout|trainer --connect ADDR
+    flexmarl worker --role rollout|trainer|env --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
     flexmarl samples RUN_DIR [--step N] [--agent NAME]
     flexmarl serve RUN_DIR|CHECKPOINT [--host H] [--port P]

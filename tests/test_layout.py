@@ -14,14 +14,14 @@ import cycle among the modules of each package.
 
     controller/                         workers/               runtime/
       cli (and __init__) | testing        main, models           bases, transport, eventlog, model_specs
-      run                                 rollout | trainer      config
-      view                                session, precision,    protocol, events
-      replay                              adapters,              params
-      launch
-      tasks                               channel_config         aio, atomic, checksums, ...
+      run                                 rollout | trainer |    config
+      view                                  env                  protocol, events
+      replay                              session, precision,    params
+      launch                              adapters,              aio, atomic, checksums,
+      tasks                               channel_config           sandbox, tracebacks, ...
       serving
       episodes
-      rollout | train
+      rollout | train | environments
       weights
       records
       state
@@ -45,7 +45,7 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
         [("controller.state",)],
         [("controller.records",)],
         [("controller.weights",)],
-        [("controller.rollout",), ("controller.train",)],
+        [("controller.rollout",), ("controller.train",), ("controller.environments",)],
         [("controller.episodes",)],
         [("controller.serving",)],
         [("controller.tasks",)],
@@ -57,7 +57,8 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
     ],
     "runtime": [
         [("runtime.aio", "runtime.atomic", "runtime.checksums", "runtime.collector", "runtime.parent_watch",
-          "runtime.progress_file", "runtime.staleness", "runtime.user_modules")],
+          "runtime.progress_file", "runtime.sandbox", "runtime.staleness", "runtime.tracebacks",
+          "runtime.user_modules")],
         [("runtime.params",)],
         [("runtime.protocol", "runtime.events")],
         [("runtime.config",)],
@@ -67,7 +68,7 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
     ],
     "workers": [
         [("workers.session", "workers.precision", "workers.adapters", "workers.channel_config")],
-        [("workers.rollout",), ("workers.trainer",)],
+        [("workers.rollout",), ("workers.trainer",), ("workers.env",)],
         [("workers.main", "workers.models", "workers"), ("controller.testing",)],
     ],
 }

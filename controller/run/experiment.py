@@ -176,8 +176,8 @@ class Experiment:
 
     async def _start_workers(self) -> None:
         cluster = self.config.cluster
-        counts = {"rollout": cluster.rollout_workers, "trainer": cluster.trainer_workers}
-        gpus = {"rollout": cluster.rollout_gpus, "trainer": cluster.trainer_gpus}  # [] or one list per worker
+        counts = {"rollout": cluster.rollout_workers, "trainer": cluster.trainer_workers, "env": cluster.env_workers}
+        gpus = {"rollout": cluster.rollout_gpus, "trainer": cluster.trainer_gpus, "env": []}  # [] or one list per worker
         if self.launcher is not None:
             self.local = self.launcher.workers(self.address, self.run_dir / "logs")
             for role, n in counts.items():

@@ -218,3 +218,9 @@ def test_view_load_measures_what_an_unwatched_view_costs_an_idle_loop(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     (row,) = json_rows(run_bench("view_load.py", str(tmp_path), "--idle", "0.3"))
     assert row["idle_ms_per_s"] >= 0 and row["view_ms_per_s"] >= 0 and row["events_read"] == 0  # never read
+
+
+def test_env_scaling_reports_every_cost_for_the_controller_and_for_environment_workers():
+    rows = json_rows(run_bench("env_scaling.py", "--costs", "1", "--workers", "0,1", "--seconds", "0.2"))
+    assert [(r["ms"], r["workers"]) for r in rows] == [(1.0, 0), (1.0, 1)]
+    assert all(r["samples"] >= 128 and r["samples_s"] > 0 and r["ctl_cpu_frac"] > 0 for r in rows)
