@@ -115,6 +115,8 @@ def test_a_finished_runs_page_ends_each_agents_curve_at_its_metrics_and_shows_an
             return c.series.slice(1).map((s, i) => [s.label, c.data[i + 1].filter((v) => v !== null)]); }""")
         ends = {label: values[-1] for label, values in curves if "held-out" not in label}
         assert ends == pytest.approx(last, abs=1e-12)
+        # the table is drawn by the grid after the charts; wait for its rows, not its header
+        page.wait_for_function("document.querySelectorAll('#agents-table tbody tr').length === 3", timeout=30_000)
         table = page.inner_text("#agents-table")
         for agent, reward in last.items():
             assert re.search(rf"{agent}\s+{STEPS}\s+{re.escape(str(round(reward, 3)))}\b", table), table
