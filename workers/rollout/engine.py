@@ -43,6 +43,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,28 @@ from .engine_receive import TIED_EMBEDDING, TIED_HEAD, PublishedLoad, cancel_mar
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 log = logging.getLogger("flexmarl.engine")
+
+# vLLM's loggers that say, on a CPU, that Triton is missing or unusable and what it does
+# instead; the CPU engine never uses Triton and no setting changes that, so in a worker's
+# log those notes would be warnings nobody can act on.
+CPU_TRITON_LOGGERS = ("vllm.triton_utils.importing", "vllm.platforms.cpu", "vllm.config.vllm")
+
+
+class _WithoutTritonNotes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Triton" not in record.getMessage() and "triton" not in record.getMessage()
+
+
+def quiet_notes(device: str) -> None:
+    """Drops what an engine's start would log that the user cannot act on: vLLM's Triton
+    notes on a CPU, and a deprecation inside vLLM's own code (torch's `reduce_op`). Once
+    per process; before vLLM is imported, since it logs the first as it loads."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
+    if torch.device(device).type == "cpu":
+        for name in CPU_TRITON_LOGGERS:
+            target = logging.getLogger(name)
+            if not any(isinstance(f, _WithoutTritonNotes) for f in target.filters):
+                target.addFilter(_WithoutTritonNotes())
 
 __all__ = ["Completion", "RequestRefused", "TIED_EMBEDDING", "TIED_HEAD", "VllmEngine", "without_tied_head"]
 
@@ -130,9 +153,10 @@ class VllmEngine:
     ) -> None:
         # The first engine in a process also pays for importing vLLM (seconds); counted.
         start = time.perf_counter()
+        self.device = device or worker_device()
+        quiet_notes(self.device)
         from vllm import LLM
 
-        self.device = device or worker_device()
         receive_bytes = gpu_bytes = 0
         if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
             receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
