@@ -66,27 +66,40 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 log = logging.getLogger("flexmarl.engine")
 
-# vLLM's loggers that say, on a CPU, that Triton is missing or unusable and what it does
-# instead; the CPU engine never uses Triton and no setting changes that, so in a worker's
-# log those notes would be warnings nobody can act on.
-CPU_TRITON_LOGGERS = ("vllm.triton_utils.importing", "vllm.platforms.cpu", "vllm.config.vllm")
+# What an engine's start logs that nobody running a job can act on, by vLLM's logger: the
+# start of each such message. Notes that Triton is missing or unusable on a CPU (the CPU
+# engine never uses it), and warnings about what follows from FlexMARL's own engine
+# settings (a seeded engine in-process, eager mode, no chunked prefill, thread binding).
+# Dropped from the worker's log (`quiet_notes`), so a warning there is one to act on.
+QUIET_NOTES: dict[str, tuple[str, ...]] = {
+    "vllm.triton_utils.importing": ("Triton",),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
+    "vllm.config.vllm": ("Model Runner V2 requires Triton", "Enforce eager set", "Inductor compilation was disabled"),
+    "vllm.engine.arg_utils": ("The global random seed is set", "This model does not officially support disabling "
+                              "chunked prefill"),
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
+}
 
 
-class _WithoutTritonNotes(logging.Filter):
+class _QuietNotes(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Triton" not in record.getMessage() and "triton" not in record.getMessage()
+        return not str(record.msg).startswith(self.starts)
 
 
-def quiet_notes(device: str) -> None:
-    """Drops what an engine's start would log that the user cannot act on: vLLM's Triton
-    notes on a CPU, and a deprecation inside vLLM's own code (torch's `reduce_op`). Once
-    per process; before vLLM is imported, since it logs the first as it loads."""
+def quiet_notes() -> None:
+    """Drops the messages of QUIET_NOTES, and torch's deprecation of `reduce_op` that
+    vLLM's own code triggers, from this process's log. Before vLLM is imported: it logs
+    the first of them as it loads."""
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
-    if torch.device(device).type == "cpu":
-        for name in CPU_TRITON_LOGGERS:
-            target = logging.getLogger(name)
-            if not any(isinstance(f, _WithoutTritonNotes) for f in target.filters):
-                target.addFilter(_WithoutTritonNotes())
+    for name, starts in QUIET_NOTES.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _QuietNotes) for f in target.filters):
+            target.addFilter(_QuietNotes(starts))
+
 
 __all__ = ["Completion", "RequestRefused", "TIED_EMBEDDING", "TIED_HEAD", "VllmEngine", "without_tied_head"]
 
@@ -154,7 +167,7 @@ class VllmEngine:
         # The first engine in a process also pays for importing vLLM (seconds); counted.
         start = time.perf_counter()
         self.device = device or worker_device()
-        quiet_notes(self.device)
+        quiet_notes()
         from vllm import LLM
 
         receive_bytes = gpu_bytes = 0
