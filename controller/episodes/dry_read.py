@@ -1,9 +1,9 @@
 """A workflow's reads of the data, tried before any worker starts.
 
 `check_fields(workflow, dataset, agents, seed)` runs the episode function once on the
-data's first row with a `DryContext`: the episode runs as written up to its first use of
-anything but its row, its random generator and the agents' names and settings (an agent
-call, a tool, the OpenAI endpoint, a reward), which ends it quietly. A field it read on the
+data's first row with a `DryContext`: the episode runs as written up to its first call of
+anything but its row, its random generator and the agents' names and settings (an agent,
+a tool, the OpenAI endpoint, a reward), which ends it quietly once its arguments are made. A field it read on the
 way that no row of the data has raises the data's `MissingColumn` there, and
 `check_fields` turns that into a `DataError`: one line naming the field, where the
 workflow read it and the fields the rows have, before any worker starts or any model is
@@ -36,10 +36,15 @@ class DryRunOver(BaseException):
     `except Exception` does not take it for an error of its own."""
 
 
+# The context's attributes that are values, not calls: reading one ends the dry run.
+ENDS_ON_READ = frozenset({"openai_base_url", "openai_api_key"})
+
+
 class DryContext:
     """What an episode may read in a dry run: its row, a random generator, the agents
-    (name -> settings), the episode's names and seed. Any other attribute (a call of an
-    agent, a tool, the endpoint, a reward) ends the dry run."""
+    (name -> settings), the episode's names and seed. Calling anything else (an agent, a
+    tool, the endpoint, a reward) ends the dry run, once its arguments are made: a row's
+    field read in the arguments (`ctx.generate("solver", ctx.item["question"])`) is read."""
 
     def __init__(self, item: Any, agents: dict[str, Any], seed: int) -> None:
         self.item = item
@@ -52,7 +57,13 @@ class DryContext:
         self.eval_temperature = None
 
     def __getattr__(self, name: str) -> Any:
-        raise DryRunOver(name)
+        if name in ENDS_ON_READ or name.startswith("_"):
+            raise DryRunOver(name)
+
+        def ends_the_dry_run(*args: Any, **kwargs: Any) -> Any:
+            raise DryRunOver(name)
+
+        return ends_the_dry_run
 
 
 def check_fields(workflow: Callable[..., Any], dataset: Dataset, agents: dict[str, Any], seed: int) -> None:

@@ -165,7 +165,7 @@ def resolve(cfg: ExperimentConfig, run_dir: Path | None = None) -> Resolved:
 def _model_paths(cfg: ExperimentConfig, kept: dict[str, Path], run_dir: Path | None) -> dict[str, str]:
     """Each agent's model directory, each model resolved once (a base once for all its
     agents) and its build shown under the name of what uses it."""
-    display = SetupProgress(cfg.run.progress)
+    display, cache = SetupProgress(cfg.run.progress), _shown(model_cache())
     users: dict[str, list[str]] = {}  # model name -> the agents that use it
     for agent in cfg.agents:
         users.setdefault(bases.model_of(cfg, agent), []).append(agent)
@@ -178,14 +178,21 @@ def _model_paths(cfg: ExperimentConfig, kept: dict[str, Path], run_dir: Path | N
             log.info("model of %s: %s (kept in the run directory)", who, path)
         else:
             def building(model: str, who: str = who) -> Any:
-                return display.stage(f"building model {model} for {who} into {model_cache()} (once per machine: "
-                                     f"every run finds it there)")
+                return display.stage(f"building model {model} for {who} (once per machine, cached in {cache})")
             path = resolve_model(name, None, building)
             if base and run_dir is not None and name.startswith(TINY_PREFIX):  # adapters name the kept base
                 path = str(keep_base(run_dir, base, path))
             log.info("model of %s: %s", who, path)
         paths.update(dict.fromkeys(agents, path))
     return paths
+
+
+def _shown(path: Path) -> str:
+    """A path as a user reads it: under the home directory, from ~."""
+    try:
+        return f"~/{path.expanduser().absolute().relative_to(Path.home())}"
+    except ValueError:
+        return str(path)
 
 
 def _tokenizers(cfg: ExperimentConfig, model_path: dict[str, str]) -> dict[str, AgentTokenizer]:

@@ -57,9 +57,8 @@ def write_job(folder: Path, flow: str = WORKS, job: str = JOB) -> Path:
 
 
 def flexmarl(*args, cwd=ROOT, env=None):
-    # The tiny models are cached under the repository, whatever the working directory.
-    env = env or dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      FLEXMARL_MODEL_CACHE=os.environ.get("FLEXMARL_MODEL_CACHE") or str(ROOT / ".cache" / "models"))
+    # The tiny models are cached once per machine (or in FLEXMARL_MODEL_CACHE), whatever the working directory.
+    env = env or dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     return subprocess.Popen([sys.executable, "-m", "flexmarl.controller.cli", *args], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -28,6 +28,14 @@ def test_a_field_no_row_has_read_before_the_first_agent_call_is_one_line_naming_
     assert "test_dry_read.py:" in message and "the rows' fields: " in message and "\n" not in message
 
 
+def test_a_field_read_in_the_first_agent_calls_arguments_is_read(data):
+    async def episode(ctx):
+        await ctx.generate("solver", ctx.item["prompt"])
+
+    with pytest.raises(DataError, match="no row has a field 'prompt'"):
+        check_fields(episode, data, {"solver": None}, seed=0)
+
+
 def test_fields_some_rows_have_and_reads_after_the_first_agent_call_pass(data):
     seen = []
 
