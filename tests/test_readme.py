@@ -71,13 +71,13 @@ def test_the_committed_reference_is_what_the_generator_writes():
 
 def test_the_generators_check_fails_on_a_stale_reference_and_says_how_to_fix_it(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "reference.md"
-    stale.write_text(generator.reference().replace("Adam learning rate.", "The learning rate."))
+    stale.write_text(generator.reference().replace("Adam learning rate. The default", "The learning rate. The default"))
     monkeypatch.setattr(generator, "REFERENCE", stale)
     monkeypatch.setattr(generator, "ROOT", tmp_path)
     assert generator.main(["--check"]) == 1
     err = capsys.readouterr().err
     assert "out of date" in err and "python scripts/config_reference.py" in err
-    assert "-| `agents.*.lr` | `float` | `0.002` | The learning rate. |" in err
+    assert "-| `agents.*.lr` | `float` | `0.002` | The learning rate. The default suits" in err
     assert generator.main([]) == 0 and stale.read_text() == generator.reference()
 
 

@@ -128,3 +128,37 @@ def test_flexmarl_serve_serves_adapter_and_whole_model_agents_of_a_copied_run_to
     assert not (tmp_path / "empty-cache").exists()  # nothing was built: the base is the run's own
     logs = "".join(p.read_text() for p in (copy / "serve-logs").glob("*.log"))
     assert "Triton" not in logs and "adapter" in logs
+
+
+@pytest.mark.slow
+def test_the_review_teams_adapters_are_served_to_chat_clients_after_a_short_run(tmp_path):
+    """The multi-turn adapter team (examples/review_team.toml), two steps, then served: each
+    agent answers a chat turn of its own kind through the plain `openai` client."""
+    import openai
+
+    cache = Path(os.environ.get("FLEXMARL_MODEL_CACHE") or tmp_path / "cache")
+    proc = flexmarl("run", str(ROOT / "examples" / "review_team.toml"), "--steps", "2", "--out", str(tmp_path / "run"),
+                    "--no-progress", "--set", "eval.every=0", cache=cache)
+    out, err = proc.communicate(timeout=1800)
+    assert proc.returncode == 0, err[-4000:]
+    server = flexmarl("serve", str(tmp_path / "run"), "--log-level", "WARNING", cache=cache)
+    try:
+        line = ""
+        deadline = time.monotonic() + 600
+        while "serving" not in line and time.monotonic() < deadline and server.poll() is None:
+            line = server.stdout.readline()
+        assert "serving drafter, critic, reviser (step 2 of" in line, line
+        client = openai.OpenAI(base_url=line.rsplit(" at ", 1)[1].strip(), api_key="anything", max_retries=0)
+        turns = {"drafter": [{"role": "user", "content": "What is 3 + 4?"}],
+                 "critic": [{"role": "user", "content": "Question: What is 3 + 4? Answer: 8"}],
+                 "reviser": [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "8"},
+                             {"role": "user", "content": "It is 7, wrong."}]}
+        said = {agent: client.chat.completions.create(model=agent, messages=messages, max_tokens=10,
+                                                      temperature=0).choices[0].message.content
+                for agent, messages in turns.items()}
+        assert said["drafter"].strip().isdigit() and said["reviser"].strip().isdigit(), said
+        assert said["critic"].startswith("It is "), said
+    finally:
+        server.send_signal(2)
+        server.wait(timeout=120)
+    assert server.returncode == 0
