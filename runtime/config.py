@@ -217,8 +217,9 @@ class AgentConfig:
     """Sampling temperature."""
     lr: float = 2e-3
     """Adam learning rate. The default suits a LoRA adapter agent too: on the adapter jobs shipped
-    in examples/ it learned best of 1e-3 to 2e-2, and 1e-2 or more collapsed some agents
-    (bench/RESULTS.md, adapter_lr)."""
+    in examples/ it did best of the rates measured (1e-3 to 2e-2), 5e-3 already hurt the review
+    team's critic and reviser and 1e-2 or more collapsed agents of both jobs (bench/RESULTS.md,
+    adapter_lr)."""
     max_grad_norm: float = 1.0
     """Gradient clipping: the gradient's norm is clipped to this."""
     # Sampling (every ctx.generate / ctx.chat call may override these).

@@ -25,15 +25,11 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
-from flexmarl.runtime.model_specs import CACHE_ENV, JobModel, default_model_cache, job_models
+from flexmarl.runtime.model_specs import JobModel, default_model_cache, job_models
 from flexmarl.runtime.progress_file import PROGRESS_FILE_ENV, read_progress
 
 from ..tasks import digit_chain
 from .lora_targets import model_tensor_names
-
-__all__ = ["CACHE_ENV", "ModelBuildError", "ModelError", "check_model", "model_cache", "resolve_model",
-           "tensor_names", "tiny_model_name"]
-
 
 def model_cache() -> Path:
     """Where built tiny models are cached: FLEXMARL_MODEL_CACHE, else the machine's per-user
@@ -42,9 +38,9 @@ def model_cache() -> Path:
 
 
 TINY_PREFIX = "tiny:"
-# The largest model a job here builds (the digit team's base, warm-up included) took 662 s
-# on a 2-core machine shared with other jobs; a second run asking for the same model waits
-# for the first one's build. Far beyond that the builder is stuck, not slow.
+# The largest model the shipped jobs build (a team's base, warm-up included) takes 3-4
+# minutes on a 2-core machine and took 11 under heavy load; a second run asking for the
+# same model waits for the first one's build. Far beyond that the builder is stuck.
 BUILD_TIMEOUT_S = 3600.0
 # Lines of the builder's output quoted when it fails.
 OUTPUT_TAIL_LINES = 20
