@@ -185,7 +185,7 @@ def test_a_job_started_in_one_directory_resumes_from_another_and_its_samples_rea
                     "--set", "run.samples_per_step=2", cwd=tmp_path / "me", env=env)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    assert "building model tiny:planner for agent writer (first use only: it is cached): done in" in err
+    assert f"building model tiny:planner for agent writer (once per machine, cached in {tmp_path / 'models'}): done in" in err
     assert "starting 1 rollout engines and 1 training states: done in" in err
     saved = (tmp_path / "run" / "config.toml").read_text()
     assert f'workflow = "{tmp_path}/me/job/flow.py:episode"' in saved
