@@ -221,7 +221,10 @@ class AgentConfig:
     temperature: float = 1.0
     """Sampling temperature."""
     lr: float = 2e-3
-    """Adam learning rate."""
+    """Adam learning rate. The default suits a LoRA adapter agent too: on the adapter jobs shipped
+    in examples/ it did best of the rates measured (1e-3 to 2e-2), 5e-3 already hurt the review
+    team's critic and reviser and 1e-2 or more collapsed agents of both jobs (bench/RESULTS.md,
+    adapter_lr)."""
     max_grad_norm: float = 1.0
     """Gradient clipping: the gradient's norm is clipped to this."""
     # Sampling (every ctx.generate / ctx.chat call may override these).

@@ -28,8 +28,8 @@ from .params.types import ParamHandle
 
 # Bumped on every wire-format change, and when what a message means changes (8: a reply
 # carrying the worker's load stands in for its heartbeat; 9: environment workers and their
-# calls): the controller refuses workers of another version.
-PROTOCOL_VERSION = 9
+# calls; 10: LoadAdapter): the controller refuses workers of another version.
+PROTOCOL_VERSION = 10
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -65,6 +65,7 @@ class Kind(enum.IntEnum):
     WEIGHTS_LOADED = 15
     CANCEL_LOAD = 16
     LOAD_CANCELLED = 17
+    LOAD_ADAPTER = 18
     INIT_AGENT = 20
     AGENT_READY = 21
     TRAIN_MICROBATCH = 22
@@ -203,7 +204,7 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
 
 class LoraSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     # An agent that is a LoRA adapter of a base model: its adapter's shape (inside
-    # InitAgent, LoadAgent and LoadWeights). PEFT's names: the update is
+    # InitAgent, LoadAgent, LoadWeights and LoadAdapter). PEFT's names: the update is
     # (alpha / rank) * B @ A on each module named in `target_modules`.
     rank: int = 8
     alpha: float = 16.0
@@ -375,6 +376,21 @@ class LoadCancelled(Message):
     KIND = Kind.LOAD_CANCELLED
     request_id: int
     agent: str
+
+
+class LoadAdapter(Message):
+    # Controller -> Rollout: add the PEFT adapter directory `path` (a checkpoint's agent
+    # directory) as `agent`'s adapter at `version` to the engine of its base, as a
+    # LoadWeights with `lora` adds a published one (`flexmarl serve`). `checksums`: its
+    # files' SHA-256s from the checkpoint's manifest, checked before any is read. Replied
+    # to with WeightsLoaded.
+    KIND = Kind.LOAD_ADAPTER
+    request_id: int
+    agent: str
+    version: int
+    path: str
+    lora: LoraSettings
+    checksums: dict[str, str] = {}
 
 
 class WeightsLoaded(Message):

@@ -2,9 +2,11 @@
 
 In order:
 
-1. `resolve(cfg)`: what the components are made from, checked and loaded: the workflow,
-   the engine units, the datasets, each agent's model directory (a tiny model is built on
-   first use) and tokenizer. A bad name fails here, before any worker starts.
+1. `resolve(cfg, run_dir)`: what the components are made from, checked and loaded: the
+   workflow, the engine units, the datasets (and the fields the workflow reads of them,
+   dry_read.py), each agent's model directory (a tiny model is built on first use; an
+   adapter base built so is kept in the run directory, run_bases.py) and tokenizer. A bad
+   name fails here, before any worker starts, and before any model is built.
 2. `build(cfg, resolved, given)`: makes every component, each handed what it needs, and
    returns them as one frozen `Components`. `given` is what the run is handed from outside
    (the server, the run directory, the event log's `emit`, the checkpoint it resumes from).
@@ -34,11 +36,12 @@ from flexmarl.runtime.model_specs import has_tokenizer
 from ..control.interfaces import Emit
 from ..control.server import ControllerServer
 from ..episodes.data import DataError, Dataset
+from ..episodes.dry_read import check_fields
 from ..episodes.evaluation import Evaluator
 from ..episodes.producer import EpisodeProducer
 from ..episodes.tokens import AgentTokenizer
 from ..episodes.user_code import load_workflow, workflow_reference
-from ..episodes.workflow import ToolPool
+from ..episodes.workflow import AgentDefaults, ToolPool
 from ..environments.client import EnvClient
 from ..records.metrics import MetricsLog
 from ..records.progress import SetupProgress
@@ -59,7 +62,8 @@ from ..train.pipeline import AgentPipeline
 from ..train.trainer_lanes import TrainerLanes
 from ..weights.sync import WeightSync
 from .lora_targets import check_lora_targets
-from .model_resolution import TINY_PREFIX, check_model, resolve_model
+from .model_resolution import TINY_PREFIX, check_model, model_cache, resolve_model, tensor_names
+from .run_bases import keep_base, kept_base
 
 log = logging.getLogger("flexmarl.components")
 
@@ -128,39 +132,69 @@ class Components:
 # ------------------------------------------------------------ 1. resolve
 
 
-def resolve(cfg: ExperimentConfig) -> Resolved:
-    """Checks every name the config gives (agents, workflow, models, LoRA targets, data)
-    and loads what they name; builds a tiny model on its first use."""
+def resolve(cfg: ExperimentConfig, run_dir: Path | None = None) -> Resolved:
+    """Checks every name the config gives (agents, workflow, models, LoRA targets, data,
+    the fields the workflow reads) before anything is built, then loads what they name;
+    builds a tiny model on its first use. With `run_dir`, the bases built from recipes are
+    kept there (run_bases.py), and a base the run keeps already is used as it is."""
     agents = list(cfg.agents)
     if not agents:
         raise ValueError("the config defines no agents ([agents.NAME] tables)")
     workflow = load_workflow(cfg.run.workflow)
-    for agent in agents:  # a model name that names nothing fails before anything is built
+    kept = {b: path for b in cfg.bases if run_dir is not None and (path := kept_base(run_dir, b)) is not None}
+    for agent in agents:  # a model name that names nothing, or a target its base lacks, fails before any build
+        a = cfg.agents[agent]
+        if a.base in kept:
+            continue
         check_model(bases.model_of(cfg, agent))
-        if cfg.agents[agent].base and not bases.model_of(cfg, agent).startswith(TINY_PREFIX):
-            # a base given as a directory: its modules are known before any model is built
-            check_lora_targets(agent, cfg.agents[agent].lora_target_modules, bases.model_of(cfg, agent))
+        if a.base:
+            check_lora_targets(agent, a.lora_target_modules, cfg.bases[a.base].model,
+                               tensor_names(cfg.bases[a.base].model))
     d = cfg.data
     dataset = _dataset("data.train", d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
     if dataset is not None:
         dataset.check_serves(cfg.run.steps * cfg.pipeline.queries_per_step, "run.steps x pipeline.queries_per_step")
     eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None  # cycled as asked
+    defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
+    for data in (dataset, eval_data):
+        if data is not None:
+            check_fields(workflow, data, defaults, cfg.run.seed)
     units = bases.engine_units(cfg)
-    model_path = _model_paths(cfg, units)
+    model_path = _model_paths(cfg, kept, run_dir)
     return Resolved(workflow, units, model_path, _tokenizers(cfg, model_path), dataset, eval_data)
 
 
-def _model_paths(cfg: ExperimentConfig, units: bases.Units) -> dict[str, str]:
-    display = SetupProgress(cfg.run.progress)
-    paths = {}
+def _model_paths(cfg: ExperimentConfig, kept: dict[str, Path], run_dir: Path | None) -> dict[str, str]:
+    """Each agent's model directory, each model resolved once (a base once for all its
+    agents) and its build shown under the name of what uses it."""
+    display, cache = SetupProgress(cfg.run.progress), _shown(model_cache())
+    users: dict[str, list[str]] = {}  # model name -> the agents that use it
     for agent in cfg.agents:
-        def building(name: str, agent: str = agent) -> Any:
-            return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
-        paths[agent] = resolve_model(bases.model_of(cfg, agent), None, building)
-        lora = units.lora(agent)
-        if lora is not None:  # before any engine or trainer loads the base
-            check_lora_targets(agent, list(lora.target_modules), paths[agent])
+        users.setdefault(bases.model_of(cfg, agent), []).append(agent)
+    paths: dict[str, str] = {}
+    for name, agents in users.items():
+        base = cfg.agents[agents[0]].base
+        who = f"base {base} (agents {', '.join(agents)})" if base else f"agent {', '.join(agents)}"
+        if base in kept:
+            path = str(kept[base])
+            log.info("model of %s: %s (kept in the run directory)", who, path)
+        else:
+            def building(model: str, who: str = who) -> Any:
+                return display.stage(f"building model {model} for {who} (once per machine, cached in {cache})")
+            path = resolve_model(name, None, building)
+            if base and run_dir is not None and name.startswith(TINY_PREFIX):  # adapters name the kept base
+                path = str(keep_base(run_dir, base, path))
+            log.info("model of %s: %s", who, path)
+        paths.update(dict.fromkeys(agents, path))
     return paths
+
+
+def _shown(path: Path) -> str:
+    """A path as a user reads it: under the home directory, from ~."""
+    try:
+        return f"~/{path.expanduser().absolute().relative_to(Path.home())}"
+    except ValueError:
+        return str(path)
 
 
 def _tokenizers(cfg: ExperimentConfig, model_path: dict[str, str]) -> dict[str, AgentTokenizer]:

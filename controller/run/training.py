@@ -112,8 +112,8 @@ class TrainingRun:
         self.worker_ids = worker_ids  # the registered workers of a role, at set-up
         self.resume = resume
         self.demand = demand
-        self.parts: Components = build(cfg, resolve(cfg), Given(server, self.run_dir, emit, flush_events, resume,
-                                                                 restarting))
+        self.parts: Components = build(cfg, resolve(cfg, self.run_dir),
+                                       Given(server, self.run_dir, emit, flush_events, resume, restarting))
         self.started = self.wall_s = 0.0
         self.busy: dict[str, float] = {}  # worker -> busy fraction of the training wall time, once run
         self._loads_at_start: dict[str, float] = {}

@@ -83,10 +83,8 @@ def write_job(folder: Path, steps: int = 30, field_name: str = "prompt") -> Path
 
 
 def env(**extra: str) -> dict[str, str]:
-    # The tiny models are cached under the repository, whatever the working directory.
-    return dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                FLEXMARL_MODEL_CACHE=os.environ.get("FLEXMARL_MODEL_CACHE") or str(ROOT / ".cache" / "models"),
-                **extra)
+    # The tiny models are cached once per machine (or in FLEXMARL_MODEL_CACHE), whatever the working directory.
+    return dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **extra)
 
 
 class Controller:

@@ -57,18 +57,20 @@ def manifest_digest(run_dir, step):
     return read_manifest(run_dir / "checkpoints" / f"step-{step:06d}")["writer/model.safetensors"]
 
 
-def test_a_dataset_lacking_the_field_every_episode_reads_stops_with_one_line(tmp_path):
-    """Through the fault matrix's own run (its smoke run in the suite)."""
-    outcome = fm.run_with("missing-field", tmp_path, random.Random(0), steps=2)  # the workflow reads "prompt"
+def test_a_dataset_lacking_the_field_every_episode_reads_stops_with_one_line_before_any_worker_starts(tmp_path):
+    """Through the fault matrix's own run (its smoke run in the suite): the workflow reads
+    "prompt" before its first agent call, so the dry read finds it; nothing starts and no
+    run directory is left."""
+    outcome = fm.run_with("missing-field", tmp_path, random.Random(0), steps=2)
     flow = tmp_path / "job" / "flow.py"
     assert last_line(outcome.stderr) == (
         f"flexmarl: data.train: no row has a field 'prompt', which the workflow reads (at {flow}:10 in episode); "
         "the rows' fields: 'question'. Add it to the data, or read a field the rows have")
-    assert outcome.stderr.count("no row has a field") == 1
+    assert outcome.stderr.count("no row has a field") == 1 and "started rollout worker" not in outcome.stderr
     assert (outcome.codes, outcome.finished, outcome.lost, outcome.twice, outcome.tracebacks) == ([1], False, 0, 0, 0)
-    assert outcome.check == "ok" and outcome.last_line.startswith("flexmarl: data.train: no row has a field")
-    assert fm.table([outcome]).splitlines()[2].startswith("| missing-field |  | stopped | 1 | - | 0 | 0 | ok | 0 | 0 | ")
-    assert outcome.shm_left == 0  # a clean exit leaves nothing in shared memory
+    assert outcome.check == "-" and outcome.last_line.startswith("flexmarl: data.train: no row has a field")
+    assert fm.table([outcome]).splitlines()[2].startswith("| missing-field |  | stopped | 1 | - | 0 | 0 | - | 0 | 0 | ")
+    assert not (tmp_path / "run").exists() and outcome.shm_left == 0
 
 
 def test_a_run_stopped_by_an_error_mid_step_replays_with_check_its_open_step_named(tmp_path, capsys):

@@ -31,6 +31,8 @@ EXAMPLES = [
     p.WeightsLoaded(4, "solver", 1, 0.01),
     p.CancelLoad(5, "solver", "solver-v1-123-ab12"),  # another rank of its NCCL broadcast died
     p.LoadCancelled(5, "solver"),
+    p.LoadAdapter(6, "critic", 20, "/runs/r/checkpoints/step-000020/critic", p.LoraSettings(8, 16.0, 0.0, ("q_proj",)),
+                  {"adapter_model.safetensors": "ab" * 32}),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),
     p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0])]),

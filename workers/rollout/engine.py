@@ -43,6 +43,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,41 @@ from .engine_receive import TIED_EMBEDDING, TIED_HEAD, PublishedLoad, cancel_mar
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 log = logging.getLogger("flexmarl.engine")
+
+# What an engine's start logs that nobody running a job can act on, by vLLM's logger: the
+# start of each such message. Notes that Triton is missing or unusable on a CPU (the CPU
+# engine never uses it), and warnings about what follows from FlexMARL's own engine
+# settings (a seeded engine in-process, eager mode, no chunked prefill, thread binding).
+# Dropped from the worker's log (`quiet_notes`), so a warning there is one to act on.
+QUIET_NOTES: dict[str, tuple[str, ...]] = {
+    "vllm.triton_utils.importing": ("Triton",),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
+    "vllm.config.vllm": ("Model Runner V2 requires Triton", "Enforce eager set", "Inductor compilation was disabled"),
+    "vllm.engine.arg_utils": ("The global random seed is set", "This model does not officially support disabling "
+                              "chunked prefill"),
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
+}
+
+
+class _QuietNotes(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_notes() -> None:
+    """Drops the messages of QUIET_NOTES, and torch's deprecation of `reduce_op` that
+    vLLM's own code triggers, from this process's log. Before vLLM is imported: it logs
+    the first of them as it loads."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
+    for name, starts in QUIET_NOTES.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _QuietNotes) for f in target.filters):
+            target.addFilter(_QuietNotes(starts))
+
 
 __all__ = ["Completion", "RequestRefused", "TIED_EMBEDDING", "TIED_HEAD", "VllmEngine", "without_tied_head"]
 
@@ -130,9 +166,10 @@ class VllmEngine:
     ) -> None:
         # The first engine in a process also pays for importing vLLM (seconds); counted.
         start = time.perf_counter()
+        self.device = device or worker_device()
+        quiet_notes()
         from vllm import LLM
 
-        self.device = device or worker_device()
         receive_bytes = gpu_bytes = 0
         if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
             receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])

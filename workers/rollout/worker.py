@@ -18,9 +18,9 @@ worker, carry on. Any other engine failure ends the worker: the engine is then i
 state.
 
 An engine started with LoRA slots serves every agent whose adapter it was sent (LOAD_WEIGHTS
-with `lora`): such a load waits for nothing, since requests in flight keep the adapter
-version they were admitted under (the engine unloads it after them); each sample carries
-that version.
+with `lora`, or LOAD_ADAPTER with a checkpoint's adapter directory): such a load waits for
+nothing, since requests in flight keep the adapter version they were admitted under (the
+engine unloads it after them); each sample carries that version.
 
 Whole weights (LOAD_WEIGHTS without `lora`) are received by the engine's own workers, one
 per tensor-parallel rank, each through a parameter channel of its own (engine_receive.py):
@@ -61,18 +61,20 @@ class RolloutHandler(CommandHandler):
         self.agent = ""
         self.version = -1
         self._control: list[protocol.LoadModel | protocol.LoadWeights] = []
-        self._adapter_loads: list[protocol.LoadWeights] = []  # applied between steps, in flight or not
+        self._adapter_loads: list[protocol.LoadWeights | protocol.LoadAdapter] = []  # between steps, in flight or not
         self._admit: list[protocol.Generate] = []
         self._running = RunningGroups()
         self._wake = asyncio.Event()
         self.busy_s = 0.0
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
         self._channel: Any = None
-        self._applying: protocol.LoadModel | protocol.LoadWeights | None = None  # the one running now
+        self._applying: protocol.LoadModel | protocol.LoadWeights | protocol.LoadAdapter | None = None  # running now
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         match msg:
             case protocol.LoadWeights() if msg.lora is not None:
+                self._adapter_loads.append(msg)
+            case protocol.LoadAdapter():
                 self._adapter_loads.append(msg)
             case protocol.Generate():
                 stranger = next((g.agent for g in msg.groups if not self._serves(g.agent)), None)
@@ -137,7 +139,7 @@ class RolloutHandler(CommandHandler):
             if self.engine is not None and self.engine.has_unfinished():
                 await self._step()
 
-    async def _apply(self, msg: protocol.LoadModel | protocol.LoadWeights) -> None:
+    async def _apply(self, msg: protocol.LoadModel | protocol.LoadWeights | protocol.LoadAdapter) -> None:
         t0 = time.perf_counter()
         self._applying = msg
         try:
@@ -148,6 +150,10 @@ class RolloutHandler(CommandHandler):
                                                                    time.perf_counter() - t0)
                 case protocol.LoadWeights():
                     await asyncio.to_thread(self._load_weights, msg)
+                    reply = protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version,
+                                                   time.perf_counter() - t0)
+                case protocol.LoadAdapter():
+                    await asyncio.to_thread(self._load_adapter_dir, msg)
                     reply = protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version,
                                                    time.perf_counter() - t0)
         except Exception as exc:
@@ -212,6 +218,18 @@ class RolloutHandler(CommandHandler):
             del tensors
             self.channel().release(msg.handle)
         log.info("serving %s version %d as an adapter", msg.agent, msg.version)
+
+    def _load_adapter_dir(self, msg: protocol.LoadAdapter) -> None:
+        """An adapter agent's version from a PEFT adapter directory, its files checked first."""
+        from safetensors.torch import load_file
+
+        from ..adapters import ADAPTER_WEIGHTS
+
+        if self.engine is None:
+            raise RuntimeError(f"no engine is loaded here to take the adapter of {msg.agent}; load its base first")
+        verify_files(msg.path, msg.checksums)
+        self.engine.load_adapter(msg.agent, msg.version, load_file(f"{msg.path}/{ADAPTER_WEIGHTS}"), msg.lora)
+        log.info("serving %s version %d as an adapter from %s", msg.agent, msg.version, msg.path)
 
     def _start(self, msg: protocol.Generate) -> protocol.Generated | None:
         """Hand a message's groups to the engine, each as one request of n samples; the
