@@ -274,6 +274,9 @@ class WorkerSession:
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
+            if now - due > self.heartbeat_timeout_s / 2:  # this process was held: what the controller
+                # sent meanwhile is unread in the socket, so its silence is counted from now
+                self._last_heard = max(self._last_heard, now - interval)
             silent = now - self._last_heard
             if silent > self.heartbeat_timeout_s:
                 raise SessionEnded(f"controller silent for {silent:.1f}s", EXIT_LOST)

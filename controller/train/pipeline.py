@@ -264,6 +264,10 @@ class AgentPipeline:
                 if self.store.ready_samples(self.agent, batch):
                     self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
                 await self.schedule.wait_for_work(self.agent)
+                if self.agent in self.allocator.lost:  # woken by its trainer's death: restored now, not at
+                    # its next micro-batch (an instance joining meanwhile loads the restored weights)
+                    raise AgentLost(f"the training state of {self.agent} died with trainer "
+                                    f"{self.allocator.lost[self.agent]}")
             trained = [s for mb in self.recovery.kept[batch] for s in mb]
             if not trained:
                 self._no_samples(batch)
@@ -412,6 +416,13 @@ class AgentPipeline:
             trainer = await self.allocator.acquire(self.agent, lost="raise")
             try:
                 await self._step(trainer, b, sum(map(len, self.recovery.kept[b])))
+            finally:
+                self.allocator.release(self.agent)
+        if batch - 1 > saved:  # an instance that joined meanwhile loaded the restored, older version
+            trainer = await self.allocator.acquire(self.agent, lost="raise")
+            try:
+                async with self.lanes.slot(trainer, Priority.critical(batch - 1)):
+                    await self.weights.catch_up(self.agent, trainer, batch - 1)
             finally:
                 self.allocator.release(self.agent)
         log.info("%s is back at version %d after %.2fs", self.agent, batch - 1, time.monotonic() - t0)

@@ -92,6 +92,9 @@ class FakeWeights:
     def forget(self, agent):
         self.forgotten = agent
 
+    async def catch_up(self, agent, trainer, version):
+        self.caught_up = version  # every instance already holds it here
+
     @contextlib.asynccontextmanager
     async def stepping(self, agent):
         self.forget(agent)
