@@ -123,21 +123,31 @@ class StallWatch:
         self._loop_thread = threading.get_ident()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ticker: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Starts watching the running loop (call from it); `stop()` ends it."""
+        self._loop_thread = threading.get_ident()
+        self._mark = time.monotonic()
+        self._ticker = asyncio.create_task(self._tick(), name="stall-watch")
+        self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+            self._ticker = None
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[StallWatch]:
         """Watches the running loop while the block runs."""
-        self._loop_thread = threading.get_ident()
-        self._mark = time.monotonic()
-        ticker = asyncio.create_task(self._tick(), name="stall-watch")
-        self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
-        self._thread.start()
+        self.start()
         try:
             yield self
         finally:
-            self._stop.set()
-            ticker.cancel()
-            await asyncio.gather(ticker, return_exceptions=True)
+            await self.stop()
 
     async def _tick(self) -> None:
         while True:

@@ -260,7 +260,8 @@ class EpisodeContext:
         turn's max_tokens, and the call's own cap (PROMPT_CAP); 0: no limit known."""
         tok = self.tokenizers.get(agent)
         max_tokens = sampling.get("max_tokens") or self.agents[agent].max_tokens
-        rooms = [max(1, tok.context - max_tokens)] if tok is not None and getattr(tok, "context", 0) else []
+        context = getattr(tok, "context", 0) or 0  # 0 (or no tokenizer): unknown, the engine alone checks
+        rooms = [max(1, context - max_tokens)] if context else []
         rooms += [PROMPT_CAP.get()] if PROMPT_CAP.get() else []
         return min(rooms, default=0)
 

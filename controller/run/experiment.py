@@ -31,7 +31,7 @@ from typing import Any, Callable, Coroutine
 
 from flexmarl.runtime import collector
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.aio import supervise
+from flexmarl.runtime.aio import StallWatch, supervise
 from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
@@ -74,6 +74,7 @@ class Experiment:
         self.events: EventLog | None = None
         self.training: TrainingRun | None = None  # while train() runs
         self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
+        self.stall_watch = StallWatch("controller")  # a loop held over a second is logged with what held it
 
     def emit(self, event: ev.Event) -> None:
         # Once a write failed, the log's task stops the run with that error; what is emitted
@@ -137,6 +138,7 @@ class Experiment:
             self.events = EventLog(self.run_dir / "events.log", append=point is not None)
         self._gc_thresholds = gc.get_threshold()  # restored by _teardown, which every exit from here runs
         gc.set_threshold(*GC_THRESHOLDS)
+        self.stall_watch.start()
         self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
                        asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
         if self.events is not None:
@@ -235,6 +237,7 @@ class Experiment:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.stall_watch.stop()
         self.server.close()
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)

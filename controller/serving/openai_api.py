@@ -312,6 +312,7 @@ class OpenAIEndpoint:
 
     def _parse(self, model: type[pydantic.BaseModel], raw: bytes) -> Any:
         import pydantic
+        from vllm.exceptions import VLLMClientError
 
         try:
             body = json.loads(raw)
@@ -332,6 +333,8 @@ class OpenAIEndpoint:
             raise _field_error(exc) from None
         except RecursionError:
             raise CallError(400, "the request body is nested too deeply") from None
+        except (ValueError, VLLMClientError) as exc:  # a check of vLLM's request model (an empty prompt, say)
+            raise CallError(400, protocol_shorten(str(exc), 300), getattr(exc, "parameter", None)) from None
 
     def _check_n(self, call: Any) -> None:
         if "n" not in call.model_fields_set or call.n is None:

@@ -369,6 +369,19 @@ class Checkpointer:
             return ""
         return entries_under(manifest, agent).get(TRAINING_STATE_FILE, "")
 
+    async def intact_state(self, agent: str, step: int) -> tuple[ParamHandle, str]:
+        """`agent`'s saved training state of `step` and its checksum, once its file matches
+        the checkpoint's manifest (hashed in a thread; a state whose checkpoint is still
+        being written has no manifest yet and is taken as written). Raises DamagedFile
+        naming the file when it does not match, CheckpointError when it is gone."""
+        import asyncio
+
+        checksum = self.agent_state_checksum(agent, step)
+        if checksum:  # the checkpoint is complete: its file is in place
+            await asyncio.to_thread(verify_files, self.root / step_dir_name(step) / agent,
+                                    {TRAINING_STATE_FILE: checksum})
+        return self.agent_state(agent, step), checksum
+
     def staging(self, step: int) -> Path:
         return self.root / f".{step_dir_name(step)}.partial"
 
