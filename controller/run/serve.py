@@ -59,7 +59,8 @@ def served_checkpoint(target: str | Path) -> tuple[Path, ResumePoint]:
         raise CheckpointError(f"{target} is neither a run directory nor one of its checkpoints (no config.toml in "
                               f"{run_dir})")
     if run_dir == target:
-        point = resume_point(run_dir, warn=lambda line: print(f"flexmarl: {line}", file=sys.stderr, flush=True))
+        point = resume_point(run_dir, warn=lambda line: print(f"flexmarl: {line}", file=sys.stderr, flush=True),
+                             use=("served", "serving"))
         if point is None:
             raise CheckpointError(f"{run_dir} has no complete checkpoint to serve")
         return run_dir, point
