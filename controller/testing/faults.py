@@ -208,11 +208,13 @@ class Outcome:
     stderr: str = ""
     resumed_from: list[int] = field(default_factory=list)  # the checkpoints each resume started from
     shm_left: int = 0  # shared-memory files and directories of the run's worker processes still there
+    left_out: list[int] = field(default_factory=list)  # batches damage to the event log split (replay leaves them out)
 
     def row(self) -> list[str]:
         return [self.fault, self.at, "finished" if self.finished else "stopped",
                 "/".join(map(str, self.codes)), ", ".join(map(str, self.resumed_from)) or "-", str(self.lost),
-                str(self.twice), self.check, str(self.tracebacks), str(self.shm_left), self.last_line]
+                str(self.twice), self.check, str(self.tracebacks), str(self.shm_left),
+                ", ".join(map(str, self.left_out)) or "-", self.last_line]
 
 
 UNEXPECTED = ("Traceback (most recent call last)", "never retrieved", "InvalidStateError")
@@ -232,8 +234,9 @@ def judge(outcome: Outcome, run_dir: Path, steps: int) -> Outcome:
     summary = replay.summarize(logged)
     totals = [r for r in summary.accounting if r.total]
     outcome.lost = sum(max(0, r.generated - r.trained - r.dropped - r.in_flight) for r in totals)
-    outcome.finished = {v for _, v in stepped} >= set(range(1, steps + 1)) and (run_dir / "checkpoints" /
-                                                                              "final").exists()
+    outcome.left_out = sorted(replay.lost_batches(counted))  # stepped, but the log lost what of them
+    outcome.finished = ({v for _, v in stepped} | set(outcome.left_out)) >= set(range(1, steps + 1)) and (
+        run_dir / "checkpoints" / "final").exists()
     outcome.check = "ok" if logged and replay.check(logged) is None else "FAILED" if logged else "-"
     text = (run_dir.parent / STDERR).read_text(errors="replace")
     outcome.tracebacks = sum(text.count(marker) for marker in UNEXPECTED)
@@ -436,6 +439,6 @@ AFTER = {"ctrl-c": lambda run_dir, work: resume(run_dir, work / STDERR), "disk-f
 
 def table(outcomes: list[Outcome]) -> str:
     head = ["fault", "injected at", "outcome", "exit codes", "resumed from step", "lost", "trained twice",
-            "replay --check", "tracebacks", "shm left", "last line of stderr"]
+            "replay --check", "tracebacks", "shm left", "left out (log damage)", "last line of stderr"]
     rows = [head, ["---"] * len(head)] + [o.row() for o in outcomes]
     return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows)

@@ -79,7 +79,7 @@ def test_a_dataset_lacking_the_field_every_episode_reads_stops_with_one_line(tmp
     assert outcome.stderr.count("no row has a field") == 1
     assert (outcome.codes, outcome.finished, outcome.lost, outcome.twice, outcome.tracebacks) == ([1], False, 0, 0, 0)
     assert outcome.check == "ok" and outcome.last_line.startswith("flexmarl: data.train: no row has a field")
-    assert fm.table([outcome]).splitlines()[2].startswith("| missing-field |  | stopped | 1 | - | 0 | 0 | ok | 0 | 0 | ")
+    assert fm.table([outcome]).splitlines()[2].startswith("| missing-field |  | stopped | 1 | - | 0 | 0 | ok | 0 | 0 | - | ")
     assert outcome.shm_left == 0  # a clean exit leaves nothing in shared memory
 
 
