@@ -408,3 +408,22 @@ async def test_a_crash_right_after_a_checkpoint_loses_no_metrics_row():
     assert checkpoints.saved == [2]
     # a resume continues at step 3: rows 1 and 2 were already durable when 2 became final
     assert metrics.durable == metrics.rows == [(1, 2), (2, 2)]
+
+
+async def test_an_agent_whose_trainer_died_while_it_waits_for_samples_is_restored_at_once():
+    checkpoints = FakeCheckpoints(every=1)
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", micro_batch=2, steps=2,
+                                                                           checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "b1g0", batch=1)
+    schedule.episode_ended(1)
+    await asyncio.sleep(0.02)
+    assert checkpoints.saved == [1] and pipeline.allocator.recovered == []  # waiting for batch 2's samples
+    pipeline.allocator.lost["a"] = "t0"  # its trainer died meanwhile (what TrainingRun tells the allocator)
+    schedule.work_arrived("a")  # ... and wakes the pipeline with
+    await asyncio.sleep(0.02)
+    assert pipeline.allocator.recovered == [("a", "state-1", 1)]  # before any sample of batch 2 came
+    complete_group(store, "b2g0", batch=2)
+    schedule.episode_ended(2)
+    await asyncio.wait_for(task, 2)
+    assert metrics.rows == [(1, 2), (2, 2)]
