@@ -64,7 +64,7 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
             for sid in e.members():
                 batch_of_sample[sid] = e.batch
         if isinstance(e, ev.EventsLost):
-            if (e.first_seq, e.segment) in _named(kept):
+            if e.first_seq in _named(kept):
                 continue  # another record of damage already kept (the reader's and the resume's)
             kept.append(e if e.batches else
                         msgspec.structs.replace(e, batches=sorted(lost.get(_epoch_of(events, e), set()))))
@@ -100,8 +100,10 @@ def lost_batches(log: list) -> set[int]:
 _BALANCER = (ev.DemandObserved, ev.RebalanceDecided)
 
 
-def _named(kept: list[ev.Event]) -> set[tuple[int, str]]:
-    return {(x.first_seq, x.segment) for x in kept if type(x) is ev.EventsLost}
+def _named(kept: list[ev.Event]) -> set[int]:
+    """The damage already kept, by its first lost event (the same damage read where it lies
+    and recorded by a resume, perhaps under another path to the file)."""
+    return {x.first_seq for x in kept if type(x) is ev.EventsLost}
 
 
 def _epochs(events: list[ev.Event]) -> list[int]:
@@ -123,11 +125,11 @@ def _damage(events: list[ev.Event]) -> tuple[dict[int, set[int]], dict[int, int]
     bounds = [-1] + [r.seq for r in resumes]
     lost: dict[int, set[int]] = {}
     taints: dict[int, int] = {}
-    seen: set[tuple[int, str]] = set()
+    seen: set[int] = set()
     for gap in (e for e in events if type(e) is ev.EventsLost):
-        if (gap.first_seq, gap.segment) in seen:
+        if gap.first_seq in seen:
             continue
-        seen.add((gap.first_seq, gap.segment))
+        seen.add(gap.first_seq)
         epoch = sum(1 for s in bounds[1:] if s < gap.first_seq)
         lo = resumes[epoch - 1].step if epoch else 0
         hi = resumes[epoch].step if epoch < len(resumes) else None

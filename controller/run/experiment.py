@@ -170,10 +170,10 @@ class Experiment:
         before the checkpoint of `step` it resumes from. Replay then leaves out the batches
         they split and judges the rest; a torn tail after the checkpoint (a crash) is not
         damage: the resume undoes what it held anyway."""
-        recorded = {(e.first_seq, e.segment) for e in written.intact
+        recorded = {e.first_seq for e in written.intact
                     if type(e) is ev.EventsLost and e.seq != e.first_seq}  # by an earlier resume
         for lost in written.lost:
-            if (lost.first_seq, lost.segment) in recorded:
+            if lost.first_seq in recorded:
                 continue
             held = (f"events {lost.first_seq}-{lost.next_seq - 1}" if lost.next_seq > lost.first_seq else "no event")
             self.emit(ev.EventsLost(lost.segment, lost.offset, lost.nbytes, lost.first_seq, lost.next_seq, lost.why))
