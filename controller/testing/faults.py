@@ -429,9 +429,11 @@ NEEDS_CHECKPOINTS = {"flip-weights": 2, "cut-state": 2, "disk-full": 1, "kill-co
                      "zero-log": 2, "halve-log": 2, "damage-state": 2}
 # Faults that need the job otherwise: flags to `flexmarl run`, environment (WORK: the fault's folder).
 # The stall: sync mode, episodes that wait (the pipeline idles, waiting for samples, when the
-# trainer dies with the stall). The large request: the run's endpoint, each episode's key written.
+# trainer dies with the stall); the damaged state likewise (the damaged checkpoint stays the
+# newest until the trainer is killed). The large request: the run's endpoint, each episode's key written.
 JOB_SETTINGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "stall-controller": (("--mode", "sync"), {"FAULT_SLEEP_S": "1.5"}),
+    "damage-state": (("--mode", "sync"), {"FAULT_SLEEP_S": "1.5"}),  # the trainer dies before the next checkpoint
     "large-request": (("--set", "openai.enabled=true"), {"FAULT_KEY_FILE": "WORK/keys", "FAULT_SLEEP_S": "0.5"}),
 }
 AFTER = {"ctrl-c": lambda run_dir, work: resume(run_dir, work / STDERR), "disk-full": _free_and_resume}
