@@ -163,16 +163,17 @@ def train_one_step(folder: Path) -> Path:
     return folder / "run"
 
 
+# The malformed requests, made once (every client sends the same bytes).
+DEEP = b'{"model": "critic", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+HUGE = json.dumps({"model": "critic", "messages": [{"role": "user", "content": "7 " * (3 * 1024 * 1024)}]}).encode()
+N0 = json.dumps({"model": "critic", "messages": [{"role": "user", "content": "hi"}], "n": 0}).encode()
+
+
 async def client_loop(http, rng: random.Random, load: Load, hostile: float, until: float) -> None:
-    deep = b'{"model": "critic", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    huge = {"model": "critic", "messages": [{"role": "user", "content": "7 " * (3 * 1024 * 1024)}]}
     while time.monotonic() < until:
         bad = rng.random() < hostile
         if bad:
-            kind = rng.choice(["n0", "huge", "deep"])
-            request = {"content": deep} if kind == "deep" else {
-                "json": huge if kind == "huge" else {"model": "critic", "messages": [{"role": "user", "content": "hi"}],
-                                                     "n": 0}}
+            request = {"content": rng.choice([N0, HUGE, DEEP]), "headers": {"content-type": "application/json"}}
         else:
             request = {"json": {"model": "critic", "n": rng.choice([1, 2, 4]), "max_tokens": rng.randint(2, 8),
                                 "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}]}}
