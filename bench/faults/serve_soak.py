@@ -49,7 +49,7 @@ JOB = f'''
 [run]
 workflow = "flow.py:episode"
 steps = STEPS
-checkpoint_every = 0
+checkpoint_every = 10
 
 [cluster]
 rollout_workers = ROLLOUTS
