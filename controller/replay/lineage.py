@@ -71,15 +71,15 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
             continue
         if isinstance(e, ev.RunResumed):
             step = e.step
-            kept = [c for x in kept if (c := _cut(x, lambda b: b <= step, batch_of_group, batch_of_sample))
-                    is not None]
+            kept = [c for x in kept if (c := _cut(x, lambda b: b is None or b <= step, batch_of_group,
+                                                  batch_of_sample)) is not None]
             # Ids of undone batches may be opened again: forget what they were.
             batch_of_group = {g: b for g, b in batch_of_group.items() if b <= e.step}
             batch_of_sample = {s: b for s, b in batch_of_sample.items() if b <= e.step}
             epoch += 1
             tainted_from, cut_here = taints.get(epoch), lost.get(epoch, set())
-        if cut_here:
-            part = _cut(e, lambda b: b not in cut_here, batch_of_group, batch_of_sample)
+        if cut_here:  # a group or sample of no known batch was opened in the damage: its batch is split
+            part = _cut(e, lambda b: b is not None and b not in cut_here, batch_of_group, batch_of_sample)
             if part is None:
                 continue
             e = part
@@ -182,14 +182,18 @@ def _batches_of(e: ev.Event, batch_of_group: dict[str, int]) -> list[int]:
     return []
 
 
-def _cut(e: ev.Event, keep: Callable[[int], bool], batch_of_group: dict[str, int],
+def _cut(e: ev.Event, keep: Callable[[int | None], bool], batch_of_group: dict[str, int],
          batch_of_sample: dict[str, int]) -> ev.Event | None:
     """`e` as far as it concerns batches `keep` keeps; None if nothing of it does (a
-    sample or group of no known batch counts as batch 0)."""
+    sample or group of no known batch is asked about as None; a later turn, `SAMPLE@k`,
+    belongs to its sample's batch)."""
+    def of_sample(sid: str) -> int | None:
+        return batch_of_sample.get(sid.partition("@")[0])
+
     if isinstance(e, ev.GroupOpened):
         return e if keep(e.batch) else None
     if isinstance(e, ev.GroupComplete):
-        return e if keep(batch_of_group.get(e.group_id, 0)) else None
+        return e if keep(batch_of_group.get(e.group_id)) else None
     if isinstance(e, ev.BatchStarted):
         return e if keep(e.batch) else None
     if isinstance(e, ev.EvaluationDone):
@@ -198,7 +202,7 @@ def _cut(e: ev.Event, keep: Callable[[int], bool], batch_of_group: dict[str, int
         return e if keep(e.version) else None
     if isinstance(e, ev.RequestsCompleted):  # kept in the form that lists every sample
         samples = e.samples()
-        kept_at = [i for i, sid in enumerate(samples) if keep(batch_of_sample.get(sid, 0))]
+        kept_at = [i for i, sid in enumerate(samples) if keep(of_sample(sid))]
         if len(kept_at) == len(samples):
             return e
         if not kept_at:
@@ -208,12 +212,12 @@ def _cut(e: ev.Event, keep: Callable[[int], bool], batch_of_group: dict[str, int
                                        versions=[versions[i] for i in kept_at], parts=ev.Parts())
     if isinstance(e, ev.RequestsDispatched):
         samples = e.samples()
-        keep_ids = [sid for sid in samples if keep(batch_of_sample.get(sid, 0))]
+        keep_ids = [sid for sid in samples if keep(of_sample(sid))]
         if len(keep_ids) == len(samples):
             return e
         return msgspec.structs.replace(e, sample_ids=keep_ids, parts=ev.Parts()) if keep_ids else None
     if isinstance(e, ev.SamplesDropped):
-        keep_ids = [sid for sid in e.sample_ids if keep(batch_of_sample.get(sid, 0))]
+        keep_ids = [sid for sid in e.sample_ids if keep(of_sample(sid))]
         if len(keep_ids) == len(e.sample_ids):
             return e
         return msgspec.structs.replace(e, sample_ids=keep_ids) if keep_ids else None
