@@ -509,6 +509,13 @@ class OpenAIConfig:
     keys are it, a dash and the episode's id, and `flexmarl serve` accepts it alone."""
     max_request_bytes: int = 8 * 1024 * 1024
     """A larger request body is refused (413)."""
+    max_request_tokens: int = 0
+    """A call whose prompt (with what its conversation already holds) is longer, in tokens, is
+    refused (400) before any engine sees it; 0: as long as the agent's context allows (its
+    `max_model_len` less the call's `max_tokens`). Text that cannot fit is refused before it is
+    tokenized."""
+    max_n: int = 64
+    """The most samples one call may ask for (`n`); more is refused (400)."""
 
 
 @dataclass
@@ -645,6 +652,8 @@ class ExperimentConfig:
             raise ConfigError("openai.port must be in [0, 65535] (0: a free port) and openai.max_request_bytes >= 1")
         if not 0 <= self.view.port < 65536:
             raise ConfigError(f"view.port must be in [0, 65535] (0: a free port), got {self.view.port}")
+        if self.openai.max_request_tokens < 0 or self.openai.max_n < 1:
+            raise ConfigError("openai.max_request_tokens must be >= 0 (0: the agent's context) and openai.max_n >= 1")
         if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
             raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self

@@ -85,6 +85,21 @@ class RunResumed(Event):
     config_toml: str
 
 
+class EventsLost(Event):
+    # Damaged bytes of the log held events `first_seq` to `next_seq` - 1 (next_seq -1: the
+    # log ended there, before the checkpoint a resume started from, so how many followed is
+    # not known). Written by the resume that found them (before its RunResumed), or made up
+    # by the reader where damage was never recorded (at `first_seq`, then). Replay leaves
+    # out the batches whose events the damage split (`batches`, filled by replay's lineage).
+    segment: str  # the file holding the damage
+    offset: int  # the byte offset where it begins
+    nbytes: int  # how many bytes it spans
+    first_seq: int
+    next_seq: int
+    why: str
+    batches: list[int] = []
+
+
 class CheckpointWritten(Event):
     # A consistent cut of the run after `step` optimizer steps is complete on disk.
     step: int

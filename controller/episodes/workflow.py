@@ -73,6 +73,7 @@ from ..environments.local import LocalSession, run_here
 from ..state.failures import RunFailed, user_frame, user_traceback
 from ..state.groups import GroupOutput
 from ..state.store import PENDING, ExperienceStore, SampleView
+from .tokens import PromptTooLong, text_size
 
 log = logging.getLogger("flexmarl.workflow")
 
@@ -86,6 +87,9 @@ class UnknownAgent(ValueError):
 
 # The running task's place in its episode's tree of tasks (see the module docstring).
 BRANCH: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("flexmarl_branch", default=())
+# The most tokens the prompt of the call being made may have, besides the agent's context
+# (0: no cap of its own): set by the OpenAI endpoint around each call it hands over.
+PROMPT_CAP: contextvars.ContextVar[int] = contextvars.ContextVar("flexmarl_prompt_cap", default=0)
 _children: "weakref.WeakKeyDictionary[asyncio.Task, itertools.count]" = weakref.WeakKeyDictionary()
 
 
@@ -268,7 +272,11 @@ class EpisodeContext:
         """n samples of `agent` for one prompt (text, tokenized with the agent's tokenizer,
         or token ids). `sampling` overrides the agent's settings for this call:
         max_tokens, temperature, top_p, top_k, stop, stop_token_ids, ignore_eos."""
-        prompt_ids = self.tokenizer(agent).encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            tok = self.tokenizer(agent)
+            prompt_ids = await tok.sized(len(prompt), self.prompt_room(agent, sampling), lambda: tok.encode(prompt))
+        else:
+            prompt_ids = list(prompt)
         return await self._open(agent, prompt_ids, n, sampling, None)
 
     async def chat(self, agent: str, messages: list[dict], n: int | None = None, tools: list[dict] | None = None,
@@ -276,7 +284,9 @@ class EpisodeContext:
         """n conversations of `agent` starting from `messages` (the agent's chat template
         makes the prompt, with `tools` if given); each sample's `messages` ends with the
         assistant's reply."""
-        prompt_ids = self.tokenizer(agent).chat_prompt(messages, tools)
+        tok = self.tokenizer(agent)
+        prompt_ids = await tok.sized(text_size(messages), self.prompt_room(agent, sampling),
+                                     lambda: tok.chat_prompt(messages, tools))
         return await self._open(agent, prompt_ids, n, sampling, messages)
 
     async def continue_chat(self, sample: SampleView, messages: list[dict], tools: list[dict] | None = None,
@@ -289,13 +299,33 @@ class EpisodeContext:
             raise ValueError(f"{record.sample_id} was not made by ctx.chat; use ctx.continue_ids")
         tok = self.tokenizer(record.agent)
         ended_with_eos = bool(record.output_ids) and record.output_ids[-1] == tok.eos_token_id
-        appended = tok.chat_delta(record.messages, record.messages + list(messages), ended_with_eos, tools)
+        room = self.prompt_room(record.agent, sampling)
+        if room:  # what the conversation holds already takes room too
+            room = max(1, room - len(record.prompt_ids) - len(record.output_ids))
+        appended = await tok.sized(text_size(record.messages) + text_size(messages), room,
+                                   lambda: tok.chat_delta(record.messages, record.messages + list(messages),
+                                                          ended_with_eos, tools), "the appended messages")
         self.store.annotate(record.sample_id, record.text, record.messages + list(messages))
         return await self._turn(record.sample_id, appended, sampling)
 
     async def continue_ids(self, sample: SampleView, appended_ids: list[int], **sampling: Any) -> SampleView:
         """Another turn of any sample: `appended_ids` (not trained), then the agent's turn."""
         return await self._turn(self._record(sample).sample_id, list(appended_ids), sampling)
+
+    def prompt_room(self, agent: str, sampling: dict) -> int:
+        """The most tokens a prompt of `agent` may have in this call: its context less the
+        turn's max_tokens, and the call's own cap (PROMPT_CAP); 0: no limit known."""
+        tok = self.tokenizers.get(agent)
+        max_tokens = sampling.get("max_tokens") or self.agents[agent].max_tokens
+        context = getattr(tok, "context", 0) or 0  # 0 (or no tokenizer): unknown, the engine alone checks
+        rooms = [max(1, context - max_tokens)] if context else []
+        rooms += [PROMPT_CAP.get()] if PROMPT_CAP.get() else []
+        return min(rooms, default=0)
+
+    def _fits(self, agent: str, tokens: int, sampling: dict) -> None:
+        room = self.prompt_room(agent, sampling)
+        if room and tokens > room:
+            raise PromptTooLong(f"the prompt is {tokens} tokens; agent {agent} takes at most {room} here")
 
     def tokenizer(self, agent: str) -> Any:
         self._check_agent(agent)
@@ -315,6 +345,9 @@ class EpisodeContext:
         if self.closed:
             raise EpisodeClosed(self.closed)
         self._check_agent(agent)
+        if not prompt_ids:
+            raise ValueError(f"{agent}: the prompt is empty; an agent needs something to continue")
+        self._fits(agent, len(prompt_ids), sampling)
         if n is None:  # a group; one sample where nothing is trained
             n = self.agents[agent].group_size if self.trains else 1
         if self.eval_temperature is not None:
@@ -342,6 +375,7 @@ class EpisodeContext:
         if record.output_ids is None:  # its group is still generating its first turn
             raise ValueError(f"sample {sample_id} cannot take another turn: its first turn has not returned yet")
         request_id = f"{sample_id}@{len(record.versions)}"  # one request per turn
+        self._fits(record.agent, len(record.prompt_ids) + len(record.output_ids) + len(appended), sampling)
         context = list(record.prompt_ids) + record.output_ids.tolist() + appended
         group, drawn = self._request(record.agent, request_id, context, 1, request_seed(self.run_seed, request_id),
                                      sampling)

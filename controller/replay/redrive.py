@@ -21,7 +21,7 @@ from flexmarl.runtime.config import RouterConfig
 from ..rollout.balance_rules import AgentDemand, RolloutBalancer
 from ..state import decisions
 from ..state.store import NO_LOGPROBS, NO_OUTPUT, ExperienceStore
-from .lineage import last_batch, lineage, open_steps
+from .lineage import last_batch, lineage, lost_batches, open_steps
 
 # The events that feed a group to the store, each naming its agent.
 _GROUP_EVENTS = frozenset({ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete})
@@ -114,7 +114,10 @@ def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipe
     step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is step}
     made: dict[str, list] = {a: [] for a in agents}
     unfinished = open_steps(log)
+    lost = lost_batches(log)  # damage to the log split them: neither re-driven nor compared
     for batch in range(1, last_batch(log) + 1):
+        if batch in lost:
+            continue
         for agent in agents:
             trained = 0
             for mb in store.form_micro_batches(agent, batch, size, True, False, k):

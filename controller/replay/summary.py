@@ -32,6 +32,7 @@ from flexmarl.runtime.events import (
     AllocationChanged,
     BatchStarted,
     Event,
+    EventsLost,
     GroupComplete,
     GroupOpened,
     MicroBatchFormed,
@@ -131,6 +132,7 @@ class Summary:
     resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
     training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
     open_steps: dict[str, list[int]] = field(default_factory=dict)  # agent -> steps begun, never taken
+    lost: list[EventsLost] = field(default_factory=list)  # damage to the log, with the batches it split
 
     @property
     def wall_s(self) -> float:
@@ -170,8 +172,9 @@ def _summarize(events: list[Event]) -> Summary:
     for agent, batch in sorted(open_steps(read["steps"])):
         unfinished.setdefault(agent, []).append(batch)
     training_s = training_time(read["marks"], iter(crashed_at), t_end if events else 0.0)
+    lost = [e for e in read["steps"] if type(e) is EventsLost]
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_s, unfinished)
+                   training_s, unfinished, lost)
 
 
 def _route(events: list[Event], parts: tuple[str, ...]) -> dict[str, list]:
@@ -422,8 +425,8 @@ _AGENT_EVENTS = frozenset({GroupComplete, RequestsCompleted, *_AGENT_READERS})
 # statistics, the sample accounting, the steps left open (what `open_steps` reads),
 # training time, and whether the lineage differs from the log.
 _READS = {"usage": USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTED_EVENTS,
-          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep}), "marks": TRAINING_MARKS,
-          "undoing": UNDOING}
+          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep, EventsLost}), "marks": TRAINING_MARKS,
+          "undoing": UNDOING | {EventsLost}}
 
 
 
@@ -431,6 +434,17 @@ _READS = {"usage": USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTE
 
 
 @collector.paused()  # makes thousands of objects (a worker's spans sorted), none in a cycle
+def _spans(batches: list[int]) -> str:
+    """1, 2, 3, 7 -> "1-3, 7"."""
+    spans: list[list[int]] = []
+    for b in sorted(batches):
+        if spans and b == spans[-1][1] + 1:
+            spans[-1][1] = b
+        else:
+            spans.append([b, b])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def format_summary(s: Summary) -> str:
     head = f"run: {s.wall_s:.1f} s ({s.training_s:.1f} s training), {s.events} events"
     if s.run:
@@ -439,6 +453,12 @@ def format_summary(s: Summary) -> str:
     if s.resumed_at:
         head += (f"; resumed from the checkpoint of step {', '.join(map(str, s.resumed_at))} (work logged past "
                  "it before the resume is not counted)")
+    for gap in s.lost:
+        held = (f"events {gap.first_seq}-{gap.next_seq - 1}" if gap.next_seq > gap.first_seq else
+                "no event" if gap.next_seq >= 0 else f"the events from {gap.first_seq} on")
+        head += (f"\ndamage to the log ({gap.segment}, byte offset {gap.offset}, {gap.nbytes} bytes: {gap.why}) held "
+                 f"{held}; " + (f"batches {_spans(gap.batches)} are left out of the counts and the check: it split "
+                                "their events" if gap.batches else "no batch lost events to it"))
     if s.open_steps:
         head += ("\nthe log ends mid-step (the run stopped before these steps were taken; their samples are in "
                  "flight): " + "; ".join(f"{a} step {', '.join(map(str, b))}" for a, b in s.open_steps.items()))

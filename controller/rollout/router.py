@@ -310,8 +310,8 @@ class RolloutClient:
             return
         gone = [f"{w.worker_id} ({w.why_gone})" for w in self.server.registry.workers.values()
                 if w.role == "rollout" and not w.alive]
-        failure = NoInstance(f"the run stopped: no rollout instance served agent {agent!r} for "
-                             f"{self.instance_wait_s:g}s and none is being restarted"
+        failure = NoInstance(f"the run stopped: no rollout instance could be made to serve agent {agent!r} "
+                             f"for {self.instance_wait_s:g}s: none is being restarted or admitted"
                              + (f"; gone: {', '.join(gone)}" if gone else "")
                              + ". See the workers' logs in the run directory's logs/ folder")
         self._fail_waiting(agent, failure)

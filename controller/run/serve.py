@@ -25,12 +25,16 @@ import asyncio
 import dataclasses
 import itertools
 import random
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import msgspec
+
 from flexmarl.runtime import bases, protocol
-from flexmarl.runtime.aio import supervise
-from flexmarl.runtime.config import ExperimentConfig, load_config
+from flexmarl.runtime.aio import StallWatch, supervise
+from flexmarl.runtime.checksums import DamagedFile
+from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
 from flexmarl.runtime.model_specs import has_tokenizer
 
 from ..control.server import ControllerServer
@@ -42,7 +46,7 @@ from ..serving.openai_api import OpenAIEndpoint
 from ..serving.openai_turns import OpenAITurns
 from ..state.instances import RolloutInstances
 from ..state.store import ExperienceStore
-from ..train.checkpoints import CheckpointError, ResumePoint, latest_checkpoint
+from ..train.checkpoints import CheckpointError, ResumePoint, resume_point, verified
 from .model_resolution import resolve_model
 from .run_bases import kept_base
 from .training import whole_model_message
@@ -50,21 +54,28 @@ from .training import whole_model_message
 
 def served_checkpoint(target: str | Path) -> tuple[Path, ResumePoint]:
     """The run directory and the checkpoint that `target` (a run directory or one of its
-    checkpoints) names."""
+    checkpoints) names, checked against its manifest as a resume checks it: a run
+    directory's newest intact checkpoint (a damaged newer one named and passed over), or
+    the one named, refused when a file of it does not match."""
     target = Path(target).resolve()
     run_dir = target.parent.parent if target.parent.name == "checkpoints" else target
     if not (run_dir / "config.toml").exists():
         raise CheckpointError(f"{target} is neither a run directory nor one of its checkpoints (no config.toml in "
                               f"{run_dir})")
     if run_dir == target:
-        point = latest_checkpoint(run_dir)
+        point = resume_point(run_dir, warn=lambda line: print(f"flexmarl: {line}", file=sys.stderr, flush=True),
+                             use=("served", "serving"))
         if point is None:
             raise CheckpointError(f"{run_dir} has no complete checkpoint to serve")
         return run_dir, point
     step = int(target.name.rsplit("-", 1)[-1]) if target.name.startswith("step-") else None
     if step is None or not target.is_dir():
         raise CheckpointError(f"{target} is not a checkpoint (checkpoints/step-NNNNNN)")
-    return run_dir, ResumePoint(target, step, {})
+    try:
+        return run_dir, verified(target, step)
+    except DamagedFile as exc:
+        raise CheckpointError(f"the checkpoint of step {step} is damaged: {exc}; serve another (or the run "
+                              f"directory, for its newest intact one)") from None
 
 
 class ServedAgents:
@@ -94,6 +105,10 @@ class ServedAgents:
         return OpenAITurns(ctx, self.endpoint, self.endpoint.key)
 
     async def run(self) -> None:
+        async with StallWatch("serve").watching():
+            await self._serve()
+
+    async def _serve(self) -> None:
         address = self.server.bind()
         background = [asyncio.create_task(self.server.serve(), name="receive"),
                       asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
@@ -120,7 +135,9 @@ class ServedAgents:
         for agent in u.agents:
             self.tokenizers[agent] = await asyncio.to_thread(AgentTokenizer, agent, self.models[agent])
         if not u.lora:
-            message = whole_model_message(self.cfg, unit, self.server.next_request_id(), self.models[unit], step)
+            message = msgspec.structs.replace(  # the engine checks the files it reads against the manifest
+                whole_model_message(self.cfg, unit, self.server.next_request_id(), self.models[unit], step),
+                checksums=self.point.agent_checksums(unit))
         else:
             message = u.load_message(self.server.next_request_id(), await asyncio.to_thread(self._base_path, unit),
                                      self.cfg.run.seed, step)

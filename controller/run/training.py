@@ -249,6 +249,8 @@ class TrainingRun:
             if lost:
                 log.warning("trainer %s died holding %s; each is restored from its last saved state and "
                             "trained again from there", info.worker_id, ", ".join(lost))
+            for agent in lost:  # a pipeline waiting for samples restores its agent at once
+                self.parts.schedule.work_arrived(agent)
 
     # ------------------------------------------------------------ measurements
 

@@ -187,10 +187,12 @@ def verified(path: Path, step: int) -> ResumePoint:
 
 
 def resume_point(run_dir: str | Path, step: int | None = None,
-                 warn: Callable[[str], None] = log.warning) -> ResumePoint | None:
+                 warn: Callable[[str], None] = log.warning, use: tuple[str, str] = ("resumed from", "resuming from")
+                 ) -> ResumePoint | None:
     """The checkpoint a resume starts from, checked against its manifest: the one of `step`
     (an error naming the damaged file if it fails the check), or the newest intact one,
-    each damaged newer one named through `warn` and passed over. None: no checkpoint."""
+    each damaged newer one named through `warn` and passed over. None: no checkpoint.
+    `use` says what is done with it, for those lines ("served", "serving")."""
     candidates = checkpoint_dirs(run_dir)
     if step is not None:
         chosen = [(s, p) for s, p in candidates if s == step]
@@ -209,14 +211,14 @@ def resume_point(run_dir: str | Path, step: int | None = None,
             point = verified(path, s)
         except DamagedFile as exc:
             damaged.append(f"step {s}: {exc}")
-            warn(f"the checkpoint of step {s} is damaged and is not resumed from: {exc}")
+            warn(f"the checkpoint of step {s} is damaged and is not {use[0]}: {exc}")
             continue
         if damaged:
-            warn(f"resuming from the checkpoint of step {s} instead, the newest intact one")
+            warn(f"{use[1]} the checkpoint of step {s} instead, the newest intact one")
         return point
     if damaged:
         raise CheckpointError(f"every checkpoint of {run_dir} is damaged ({'; '.join(damaged)}); the run "
-                              "cannot be resumed")
+                              f"cannot be {use[0].split()[0]}")
     return None
 
 
@@ -368,6 +370,19 @@ class Checkpointer:
         except DamagedFile:
             return ""
         return entries_under(manifest, agent).get(TRAINING_STATE_FILE, "")
+
+    async def intact_state(self, agent: str, step: int) -> tuple[ParamHandle, str]:
+        """`agent`'s saved training state of `step` and its checksum, once its file matches
+        the checkpoint's manifest (hashed in a thread; a state whose checkpoint is still
+        being written has no manifest yet and is taken as written). Raises DamagedFile
+        naming the file when it does not match, CheckpointError when it is gone."""
+        import asyncio
+
+        checksum = self.agent_state_checksum(agent, step)
+        if checksum:  # the checkpoint is complete: its file is in place
+            await asyncio.to_thread(verify_files, self.root / step_dir_name(step) / agent,
+                                    {TRAINING_STATE_FILE: checksum})
+        return self.agent_state(agent, step), checksum
 
     def staging(self, step: int) -> Path:
         return self.root / f".{step_dir_name(step)}.partial"

@@ -19,9 +19,11 @@ no load runs meanwhile, and the handle is forgotten.
 
 `load_newest(worker, agent)` loads the newest publication into one instance (for the
 admission, rollout/admission.py); if the handle was released (the trainer parked the agent, which
-frees its published weights: `forget`), was an NCCL broadcast (over by then), or is older
-than the synced version (a resume), the trainer publishes again, through `trainer_for`,
-whatever version it holds then.
+frees its published weights: `forget`), was an NCCL broadcast (over by then), is older
+than the synced version (a resume), or its trainer died since (its segments went with its
+process, even when a new trainer registered under its id), the trainer holding the agent
+publishes again, through `trainer_for`, whatever version it holds then: after a trainer's
+death, that is the agent's state restored from its newest intact checkpoint.
 
 It does not decide when to sync (the pipeline does) or which instances serve an agent
 (the instances' owner).
@@ -97,6 +99,9 @@ class Publication:
     version: int
     handle: ParamHandle
     transport: str
+    # The publishing trainer's connection (its registry identity): the bytes live in that
+    # process, so the publication dies with it, even if a new trainer registers under its id.
+    publisher: bytes = b""
 
 
 class ServedInstances(Protocol):
@@ -104,6 +109,8 @@ class ServedInstances(Protocol):
     owner of who holds which version): who serves an agent, and word that one loaded it."""
 
     def instances(self, agent: str) -> list[str]: ...
+
+    def holds(self, worker: str, agent: str) -> int | None: ...
 
     def loaded(self, worker: str, agent: str, version: int) -> None: ...
 
@@ -189,7 +196,7 @@ class WeightSync:
                 raise result
             else:
                 self.instances.loaded(worker, agent, version)
-        self.published[agent] = Publication(version, reply.handle, transport)
+        self.published[agent] = Publication(version, reply.handle, transport, self._identity(trainer))
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
     async def _cancel_if_a_rank_dies(self, agent: str, handle: ParamHandle,
@@ -210,6 +217,17 @@ class WeightSync:
                                for w in waiting), return_exceptions=True)  # a cancel that fails changes nothing
         return waiting
 
+    async def catch_up(self, agent: str, trainer: str, version: int) -> None:
+        """After the agent's state was restored and trained again up to `version` (the synced
+        one): an instance admitted meanwhile was loaded with what the trainer held then, an
+        older version; every instance is brought to `version` by a sync of it. Nothing is
+        sent when all hold it already."""
+        behind = [w for w in self.instances.instances(agent) if (self.instances.holds(w, agent) or 0) < version]
+        if behind:
+            log.info("%s held %s at an older version than %d after its trainer was restored; syncing them",
+                     ", ".join(behind), agent, version)
+            await self.sync(agent, trainer, version)
+
     def forget(self, agent: str) -> None:
         """The agent's published weights were released (its trainer parked it): the handle
         must never be sent again."""
@@ -229,8 +247,9 @@ class WeightSync:
         publication cannot be read (see the module doc); the version loaded, never older
         than the synced one. The caller holds the agent's lock (no sync runs in between)."""
         pub = self.published.get(agent)
-        # An NCCL publication was a broadcast to the ranks of its time: it cannot be read again.
-        if pub is None or pub.transport == "nccl" or pub.version < self.versions[agent]:
+        # An NCCL publication was a broadcast to the ranks of its time: it cannot be read again;
+        # one whose trainer died went with its process (a restarted trainer holds nothing of it).
+        if pub is None or pub.transport == "nccl" or pub.version < self.versions[agent] or not self._live(pub):
             pub = await self._republish(agent, worker)
         rank = 1 if pub.transport == "nccl" else 0
         await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, pub.version,
@@ -247,10 +266,19 @@ class WeightSync:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), agent, protocol.CURRENT_VERSION, transport, [worker],
                 ranks_per_target=self.ranks.get(agent, 1)))
-        self.published[agent] = pub = Publication(reply.version, reply.handle, transport)
+        self.published[agent] = pub = Publication(reply.version, reply.handle, transport, self._identity(trainer))
         log.info("published %s version %d again for %s (%s)", agent, reply.version, worker,
                  "an NCCL broadcast is read once" if transport == "nccl" else "no readable publication")
         return pub
+
+    def _identity(self, trainer: str) -> bytes:
+        info = self.server.registry.workers.get(trainer)
+        return getattr(info, "identity", b"")  # b"": a publisher not known by connection is taken as live
+
+    def _live(self, pub: Publication) -> bool:
+        """Whether the process that published `pub` is still the one registered: a
+        publication outlives neither its trainer's death nor its re-registration."""
+        return not pub.publisher or self.server.registry.by_identity(pub.publisher) is not None
 
 
 class _BroadcastLostARank(Exception):

@@ -132,6 +132,18 @@ def test_soak_kills_a_process_and_accounts_for_every_sample(tmp_path):
     assert "killed rollout" in out and "lost or trained twice: none" in out
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["serve", "train"])
+def test_serve_soak_loads_an_endpoint_and_reports_requests_latency_and_every_processs_memory(tmp_path, target):
+    out = run_bench("serve_soak.py", "--target", target, "--minutes", "0.4", "--clients", "4", "--sample-s", "3",
+                    "--hostile", "0.2", "--rollout-workers", "1", "--out", str(tmp_path / target), timeout=1200)
+    (row,) = json_rows(out)
+    assert row["target"] == target and row["answered"] > 0 and row["errors"] == 0
+    assert (row["meant_refusals"] > 0) == (target == "serve")  # the malformed share is the served target's
+    names = {name.split(":")[0] for name in row["rss_mib"]}
+    assert names >= ({"serve", "serve-0"} if target == "serve" else {"controller", "rollout-0", "trainer-0"})
+
+
 def test_group_publish_reports_rank_0s_peak_for_a_whole_and_a_streamed_publish(tmp_path):
     rows = json_rows(run_bench("group_publish.py", "--shape", "tiny-qwen2", "--reps", "1", "--models", str(tmp_path)))
     assert [r["way"] for r in rows[:-1]] == ["whole", "streamed"] and rows[-1]["summary"]

@@ -373,3 +373,28 @@ async def test_a_step_waits_for_a_load_of_the_agents_publication_and_the_handle_
         assert not stepped.is_set() and ws.published["a"].handle == "handle-a2"
     await asyncio.wait_for(task, 1)
     assert stepped.is_set() and "a" not in ws.published  # a later join has it published again
+
+
+async def test_a_publication_dies_with_its_trainers_process_even_when_a_new_trainer_registers_under_its_id():
+    import contextlib
+
+    server = FakeServer({"t0": "h1", "r0": "h1", "r1": "h1"})
+    workers = server.registry.workers
+    for name, info in workers.items():
+        info.identity = f"{name}/first".encode()
+    server.registry.by_identity = lambda identity: next((w for w in workers.values() if w.identity == identity), None)
+
+    @contextlib.asynccontextmanager
+    async def trainer_for(agent):
+        yield "t0"  # the trainer holding the agent now: the restarted one
+
+    ws, versions = weight_sync(server, ["r0"], trainer_for=trainer_for)
+    await ws.sync("a", "t0", 1)
+    assert ws.published["a"].publisher == b"t0/first"
+    workers["t0"].identity = b"t0/second"  # its process died; a new one registered as t0
+    assert await ws.load_newest("r1", "a") == 1
+    publishes = [m for _, m in calls_of(server, protocol.PublishWeights)]
+    loads = [m for w, m in calls_of(server, protocol.LoadWeights) if w == "r1"]
+    assert [m.version for m in publishes] == [1, protocol.CURRENT_VERSION]  # published again, by the live one
+    assert loads[0].handle.key == fake_handle("a", 1, publishes[1].request_id).key
+    assert ws.published["a"].publisher == b"t0/second"
