@@ -398,7 +398,11 @@ LossAggregation = Literal["seq_mean", "token_mean", "constant"]
 #   seq_mis   the same with the sample's whole ratio prod r_t, so a sample is kept or masked whole
 #   gspo      GSPO: PPO's surrogate on the sample's length-normalised ratio (prod r_t)^(1/|y|)
 #   cispo     CISPO: weight clip(r, 0, 1 + cispo_eps_high), detached, on every token's logp
-OffPolicyCorrection = Literal["tis", "ppo_clip", "token_mis", "seq_mis", "gspo", "cispo"]
+#   decoupled AReaL's decoupled PPO: PPO's surrogate on pi / pi_prox (the proximal policy: the
+#             agent's weights at the previous version, scored by the trainer), clipped as
+#             ppo_clip, times the behaviour weight pi_prox / mu, detached, a token whose
+#             behaviour weight exceeds behav_weight_cap masked
+OffPolicyCorrection = Literal["tis", "ppo_clip", "token_mis", "seq_mis", "gspo", "cispo", "decoupled"]
 
 
 class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -419,6 +423,12 @@ class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, f
     gspo_eps_low: float = 3e-4  # gspo: the sequence ratio clipped to [1 - low, 1 + high]
     gspo_eps_high: float = 4e-4
     cispo_eps_high: float = 2.0  # cispo: the detached weight clipped to [0, 1 + cispo_eps_high]
+    behav_weight_cap: float = 5.0  # decoupled: tokens whose pi_prox / mu exceeds it are masked
+    # On-policy distillation: each sample's tokens come with a teacher's logprobs
+    # (TrainSample.teacher_logprobs); the per-token advantage is the reward's (0 with
+    # teacher_only) minus teacher_coef * (the student's logprob - the teacher's), detached.
+    teacher_coef: float = 0.0
+    teacher_only: bool = False
 
 
 class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

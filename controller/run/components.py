@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from flexmarl.runtime import bases, protocol
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.config import ExperimentConfig, to_dict
+from flexmarl.runtime.config import ConfigError, ExperimentConfig, to_dict
 from flexmarl.runtime.model_specs import has_tokenizer
 
 from ..control.interfaces import Emit
@@ -144,7 +144,37 @@ def resolve(cfg: ExperimentConfig) -> Resolved:
     eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None  # cycled as asked
     units = bases.engine_units(cfg)
     model_path = _model_paths(cfg, units)
-    return Resolved(workflow, units, model_path, _tokenizers(cfg, model_path), dataset, eval_data)
+    tokenizers = _tokenizers(cfg, model_path)
+    _check_teachers(cfg, model_path, tokenizers)
+    return Resolved(workflow, units, model_path, tokenizers, dataset, eval_data)
+
+
+def _check_teachers(cfg: ExperimentConfig, model_path: dict[str, str], tokenizers: dict[str, AgentTokenizer]) -> None:
+    """A teacher scores its student's token ids as they are: both must read them alike, so
+    they share one tokenizer (the same vocabulary, ids and special tokens)."""
+    for student, agent in cfg.agents.items():
+        if not agent.teacher:
+            continue
+        mine, theirs = (_vocabulary(tokenizers.get(a), model_path[a]) for a in (student, agent.teacher))
+        if mine != theirs:
+            raise ConfigError(f"agents.{student}.teacher = {agent.teacher!r}, whose tokenizer differs from "
+                              f"{student}'s ({_difference(mine, theirs)}); a teacher scores the student's own token "
+                              f"ids, so both models must share one tokenizer")
+
+
+def _vocabulary(tokenizer: AgentTokenizer | None, path: str) -> dict[str, Any]:
+    if tokenizer is not None:
+        return {"vocabulary": tokenizer.tok.get_vocab(), "special tokens": tokenizer.tok.all_special_ids}
+    import json
+    return {"vocabulary size": json.loads((Path(path) / "config.json").read_text()).get("vocab_size")}
+
+
+def _difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    key = next((k for k in mine if mine[k] != theirs.get(k)), "")
+    if not key or key not in theirs:
+        return "one has a tokenizer, the other none"
+    sizes = [len(v) if key == "vocabulary" else v for v in (mine[key], theirs.get(key))]
+    return f"{key}: {sizes[0]} against {sizes[1]}" if sizes[0] != sizes[1] else f"{key}: other ids"
 
 
 def _model_paths(cfg: ExperimentConfig, units: bases.Units) -> dict[str, str]:

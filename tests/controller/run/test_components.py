@@ -114,3 +114,27 @@ def test_the_demand_rule_weighs_group_size_output_length_and_config_position():
     equal = decisions.unit_weights(bases.engine_units(cfg), lambda a: decisions.equal_demand(cfg.agents, a))
     assert decisions.place_agents(list(equal), [f"r{i}" for i in range(6)], equal) == {
         "planner": ["r0", "r4"], "solver": ["r1", "r3"], "checker": ["r2", "r5"]}  # ties: the later name
+
+
+def test_a_teacher_whose_tokenizer_differs_from_its_students_is_refused_in_one_line():
+    """The digit chain's models share one vocabulary; the review chain's verifier has a BPE
+    tokenizer of its own (both built once and cached)."""
+    from pathlib import Path
+
+    from flexmarl.runtime.config import ConfigError
+
+    review = Path(__file__).parents[3] / "examples" / "review_chain" / "models.py"
+    ok = load_config(None, ["run.progress=false", "agents.planner.teacher=\"solver\""], defaults=default_config())
+    components._check_teachers(ok, *_paths_and_tokenizers(ok))
+    bad = load_config(None, ["run.progress=false", "agents.planner.teacher=\"verifier\"",
+                             f"agents.verifier.model=\"tiny:{review}:verifier\""], defaults=default_config())
+    with pytest.raises(ConfigError, match=r"agents.planner.teacher = 'verifier', whose tokenizer differs from "
+                                          r"planner's \(vocabulary: \d+ against \d+\)") as caught:
+        components._check_teachers(bad, *_paths_and_tokenizers(bad))
+    assert "\n" not in str(caught.value)
+
+
+def _paths_and_tokenizers(cfg):
+    units = bases.engine_units(cfg)
+    paths = components._model_paths(cfg, units)
+    return paths, components._tokenizers(cfg, paths)
