@@ -603,6 +603,10 @@ class ExperimentConfig:
                 raise ConfigError(f"agents.{name}: kl_coef and loss_constant must be >= 0")
             if agent.loss_problem():
                 raise ConfigError(f"agents.{name}.{agent.loss_problem()}")
+            if agent.off_policy == "decoupled" and self.cluster.trainer_group_size > 1:
+                raise ConfigError(f"agents.{name}.off_policy = \"decoupled\" keeps the previous version's weights "
+                                  f"on a single-process trainer; set cluster.trainer_group_size = 1 or choose "
+                                  f"another correction")
             if not 0 < agent.gpu_memory_utilization <= 1:
                 raise ConfigError(f"agents.{name}.gpu_memory_utilization must be in (0, 1], got "
                                   f"{agent.gpu_memory_utilization}: it is the share of a GPU's memory "

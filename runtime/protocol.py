@@ -27,9 +27,9 @@ import msgspec
 from .params.types import ParamHandle
 
 # Bumped on every wire-format change, and when what a message means changes (8: a reply
-# carrying the worker's load stands in for its heartbeat): the controller refuses workers
-# of another version.
-PROTOCOL_VERSION = 8
+# carrying the worker's load stands in for its heartbeat; 9: teachers' logprobs, decoupled
+# PPO): the controller refuses workers of another version.
+PROTOCOL_VERSION = 9
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -453,6 +453,9 @@ class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # and optimizer state are as before it and the gradients are dropped; the version
     # still advances (versions count global batches), its weights those of the last.
     skipped: bool = False
+    # On-policy distillation: the student's logprob minus its teacher's, per trained token
+    # (an estimate of the reverse KL on the student's own samples); 0 without a teacher.
+    teacher_kl: float = 0.0
 
 
 class InitAgent(Message):
@@ -509,6 +512,10 @@ class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
     top_p: float = 1.0
     top_k: int = 0
     turns: list[TurnSampling] = []  # a conversation's later turns, each with its own settings
+    # On-policy distillation: the teacher's logprob of every output id (0.0 for ids
+    # appended between turns), from a prefill of prompt + output on the teacher; empty
+    # for an agent without a teacher.
+    teacher_logprobs: list[float] = []
 
 
 class TrainMicroBatch(Message):
