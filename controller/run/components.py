@@ -173,7 +173,7 @@ def _difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
     key = next((k for k in mine if mine[k] != theirs.get(k)), "")
     if not key or key not in theirs:
         return "one has a tokenizer, the other none"
-    sizes = [len(v) if key == "vocabulary" else v for v in (mine[key], theirs.get(key))]
+    sizes = [len(v) if key == "vocabulary" else v for v in (mine[key], theirs[key])]
     return f"{key}: {sizes[0]} against {sizes[1]}" if sizes[0] != sizes[1] else f"{key}: other ids"
 
 
