@@ -741,7 +741,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
 def resolve_paths(data: dict[str, Any], base: Path) -> None:
     """Makes the file paths among the raw config's values absolute against `base`:
     `run.workflow` given as FILE.py:FUNCTION (or with a folder), `data.train`,
-    `data.eval`, and every `agents.*.model` and `bases.*.model` that is a directory or a
+    `data.eval`, every `agents.*.adapter`, and every `agents.*.model` and `bases.*.model` that is a directory or a
     `tiny:FILE.py:AGENT` recipe. Built-in names (`digit_chain`, `tiny:planner`) and dotted modules stay as they
     are; values of the wrong type are left for the type check to name."""
     def absolute(text: str) -> str:
@@ -760,6 +760,9 @@ def resolve_paths(data: dict[str, Any], base: Path) -> None:
             if isinstance(data_table.get(key), str):
                 data_table[key] = absolute(data_table[key])
     tables = [t for key in ("agents", "bases") if isinstance(data.get(key), dict) for t in data[key].values()]
+    for agent in tables:  # a frozen adapter agent's directory too
+        if isinstance(agent, dict) and isinstance(agent.get("adapter"), str) and agent["adapter"]:
+            agent["adapter"] = absolute(agent["adapter"])
     for agent in tables:
         model = agent.get("model") if isinstance(agent, dict) else None
         if not isinstance(model, str) or not model:

@@ -209,6 +209,15 @@ class SamplesDropped(Event):
     why: str
 
 
+class GroupServed(Event):
+    # A frozen agent's group (members GROUP/0 .. GROUP/n-1) once its episode ended well:
+    # generated, never to be trained; the rewards the workflow gave it, if any, in order.
+    agent: str
+    group_id: str
+    n: int
+    rewards: list[float] = []
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -269,6 +278,14 @@ class WeightSyncFinished(Event):
     version: int
     seconds: float
     nbytes: int
+
+
+class SnapshotRefreshed(Event):
+    # A snapshot agent's instances now hold its source's weights of `version` (their
+    # WeightSyncStarted / Finished, under the snapshot's name, precede this).
+    agent: str
+    source: str
+    version: int
 
 
 class AllocationChanged(Event):

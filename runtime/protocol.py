@@ -348,10 +348,13 @@ class LoadWeights(Message):
     request_id: int
     agent: str
     version: int
-    handle: ParamHandle  # from WeightsPublished; the controller passes it on, never reads it
+    # From WeightsPublished; the controller passes it on, never reads it. None: with
+    # `adapter_dir`, a frozen adapter agent's weights are read from that directory.
+    handle: ParamHandle | None
     rank: int = 0  # nccl: the instance's first rank in the handle's communicator (its engine's
     # worker r takes rank + r); 0 otherwise
     lora: LoraSettings | None = None
+    adapter_dir: str = ""  # a PEFT adapter directory (adapter_model.safetensors) on the worker's host
 
 
 class CancelLoad(Message):

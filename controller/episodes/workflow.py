@@ -127,11 +127,12 @@ class AgentDefaults:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    frozen: bool = False  # served, never trained: its samples need no reward
 
     @classmethod
     def of(cls, c: Any) -> "AgentDefaults":
         return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
-                   list(c.stop_token_ids), c.ignore_eos)
+                   list(c.stop_token_ids), c.ignore_eos, c.frozen)
 
 
 def request_seed(run_seed: int, sample_id: str) -> int:
@@ -377,7 +378,8 @@ class EpisodeContext:
 
     def reward(self, sample: SampleView | str, value: float | list[float]) -> None:
         """The reward of a sample; or, given the id of a completion the OpenAI endpoint
-        returned, of its samples: one value, or one per choice (by index)."""
+        returned, of its samples: one value, or one per choice (by index). A frozen agent's
+        samples need none; one given is recorded with them, never trained on."""
         if isinstance(sample, str):
             samples = self._endpoint_turns().completion(sample)
             values = list(value) if isinstance(value, (list, tuple)) else [value] * (len(samples) == 1)
@@ -431,6 +433,19 @@ class EpisodeContext:
             self._openai = self.endpoint.open_session(self)
         return self._openai
 
+    def unrewarded(self) -> list[str]:
+        """The groups this episode opened that still wait for rewards (a frozen agent's need none)."""
+        groups = self.store.groups
+        return [g for g in self.groups if g in groups and groups[g].status == PENDING
+                and not self.agents[groups[g].agent].frozen]
+
+    def serve_frozen(self) -> None:
+        """The episode ended well: its frozen agents' groups are served (generated, never trained)."""
+        groups = self.store.groups
+        for g in self.groups:
+            if g in groups and self.agents[groups[g].agent].frozen:
+                self.store.serve_group(g)
+
     async def end(self) -> None:
         """The episode is over: its key names no live episode from now on."""
         if self._openai is not None:
@@ -470,10 +485,11 @@ async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> s
     try:
         async with deadline:
             await episode(ctx)
-        unfinished = [g for g in ctx.groups if ctx.store.groups[g].status == "pending"]
+        unfinished = ctx.unrewarded()
         if unfinished:
             named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else unfinished
             raise RuntimeError(f"episode ended without rewarding every sample of {named[:3]}")
+        ctx.serve_frozen()
         return ""
     except (asyncio.CancelledError, RunFailed):  # RunFailed: the run's failure (no instance left), not the episode's
         raise

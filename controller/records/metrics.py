@@ -109,6 +109,8 @@ class MetricsLog:
             self._durable = written
 
     def end_step(self, step: int, total: int) -> None:
+        if self.sample_log is not None:  # every agent stepped: the frozen agents' samples of the step
+            self.sample_log.record_served(step)
         if not self.progress:
             return
         last = {r["agent"]: r["reward_mean"] for r in self.rows if r["step"] == step and "kind" not in r}

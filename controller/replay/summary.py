@@ -441,10 +441,11 @@ def format_summary(s: Summary) -> str:
             ["agent"] + [f"lag {lag}" for lag in lags],
             [[a] + [h.get(lag, 0) for lag in lags] for a, h in sorted(s.staleness.items())]))
     rows = sorted(s.accounting, key=lambda r: (r.agent, r.total))  # stable: versions, then total
-    out.append("sample accounting: generated = trained + dropped + in flight\n" + _table(
-        ["agent", "version", "generated", "trained", "dropped", "in flight", ""],
+    served = any(r.served for r in rows)  # frozen agents' samples: a column only where there are some
+    out.append(f"sample accounting: generated = trained + dropped + in flight{' + served' * served}\n" + _table(
+        ["agent", "version", "generated", "trained", "dropped", "in flight", *["served"] * served, ""],
         [[r.agent, "total" if r.total else "-" if r.version is None else r.version,
-          r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
+          r.generated, r.trained, r.dropped, r.in_flight, *[r.served] * served, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
     return "\n\n".join(out)
 

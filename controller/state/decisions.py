@@ -34,6 +34,19 @@ def may_generate(batch: int, rollout_version: int, max_staleness: int) -> bool:
     return rollout_version >= min_generation_version(batch, max_staleness)
 
 
+def snapshot_version(batch: int, every: int) -> int:
+    """The version of its source a snapshot refreshed every `every` steps plays at in
+    global batch `batch`: the last multiple of `every` its source had reached when the
+    batch started (sync mode: version batch - 1)."""
+    return (batch - 1) // every * every
+
+
+def may_play_snapshot(batch: int, snapshot_at: int, every: int, max_staleness: int) -> bool:
+    """A snapshot's turn in `batch` waits for its refresh, as any agent's turn waits at the
+    staleness gate: its weights at most `max_staleness` versions behind what it is due."""
+    return snapshot_at >= snapshot_version(batch, every) - max_staleness
+
+
 def may_start_episode(batch: int, synced_versions: dict[str, int], overlap: bool) -> bool:
     """Sync mode starts global batch t only when every agent's rollout weights are at
     t - 1; async mode starts it at once and gates each turn with `may_generate`."""

@@ -8,7 +8,8 @@ version from `SyncedVersions` (versions.py), which it does not write:
   weights are at batch - 1; async mode: never) and reports `episode_ended(batch)` (a
   failed one with why: counted, the first kept for the error that stops the run);
 - every turn of an episode waits at `gate(agent, batch)` until the agent's rollout weights
-  are within the staleness bound for the batch;
+  are within the staleness bound for the batch (a snapshot's: until its refresh due before
+  the batch, within the same bound; a frozen agent's never wait);
 - each agent's pipeline waits in `wait_for_work(agent)`, woken by `work_arrived(agent)`
   (a group became trainable) or by any batch's rollout ending, and reports
   `agent_stepped(batch)`;
@@ -57,8 +58,11 @@ class BatchProgress:
 class BatchSchedule:
     def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
                  max_staleness: int, versions: SyncedVersions | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.agents = list(agents)
+                 clock: Callable[[], float] = time.monotonic, snapshots: dict[str, int] | None = None) -> None:
+        self.agents = list(agents)  # the trained agents: each steps every batch
+        # Snapshot agents and their refresh intervals: their turns wait for their refresh.
+        # Any other agent not in `agents` is frozen: no gate.
+        self.snapshots = dict(snapshots or {})
         self.steps = steps
         self.overlap = overlap
         self.max_staleness = max_staleness
@@ -84,7 +88,7 @@ class BatchSchedule:
     # -- the episode producer and the gate
 
     async def wait_to_start(self, batch: int) -> None:
-        while not decisions.may_start_episode(batch, self.versions.as_dict(), self.overlap):
+        while not decisions.may_start_episode(batch, {a: self.versions[a] for a in self.agents}, self.overlap):
             await self.versions.changed()
         progress = self.batches[batch]
         if progress.started is None:
@@ -104,6 +108,13 @@ class BatchSchedule:
                 event.set()
 
     async def gate(self, agent: str, batch: int) -> None:
+        every = self.snapshots.get(agent)
+        if every is not None:
+            while not decisions.may_play_snapshot(batch, self.versions[agent], every, self.max_staleness):
+                await self.versions.changed(agent)  # its refreshes only
+            return
+        if agent not in self.agents:  # frozen: its weights never change, nothing to wait for
+            return
         while not decisions.may_generate(batch, self.versions[agent], self.max_staleness):
             await self.versions.changed(agent)  # its own agent's syncs only
 

@@ -39,6 +39,7 @@ from .groups import GroupOutput
 log = logging.getLogger("flexmarl.store")
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
+SERVED = "served"  # a frozen agent's: generated, never to be trained
 
 # A first turn recorded without its settings (frozen: one value shared by every such sample).
 DEFAULT_SAMPLING = protocol.TurnSampling(0)
@@ -139,10 +140,14 @@ class Group(msgspec.Struct, gc=False):
 
 class ExperienceStore:
     def __init__(self, agents: Iterable[str], emit: Emit | None = None,
-                 std_normalized: dict[str, bool] | None = None) -> None:
+                 std_normalized: dict[str, bool] | None = None, frozen: Iterable[str] = ()) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
         self.std_normalized = std_normalized or {}
+        # Agents that are served, never trained: their groups never become trainable; the
+        # episode serves them when it ends (`serve_group`).
+        self.frozen = frozenset(frozen)
+        self.on_served: list[Callable[[Group], None]] = []
         self.samples: dict[str, Sample] = {}
         self.groups: dict[str, Group] = {}
         self.ready: dict[str, dict[int, collections.deque[str]]] = {a: {} for a in agents}
@@ -286,8 +291,24 @@ class ExperienceStore:
             sample.status = DROPPED
         self.counts[(group.agent, DROPPED)] += len(group.sample_ids)
 
+    def serve_group(self, group_id: str) -> None:
+        """A frozen agent's group whose episode ended: generated, never to be trained (its
+        rewards, if the workflow gave any, are recorded with it); then let go."""
+        group = self.groups[group_id]
+        if group.status != PENDING or any(s.output_ids is None for s in group.members):
+            return
+        self.emit(ev.GroupServed(group.agent, group_id, len(group.members),
+                                 [s.reward for s in group.members if s.reward is not None]))
+        group.status = SERVED
+        for sample in group.members:
+            sample.status = SERVED
+        self.counts[(group.agent, SERVED)] += len(group.members)
+        for listener in self.on_served:
+            listener(group)
+        self.forget(group.members)
+
     def _maybe_ready(self, group: Group) -> None:
-        if group.status != PENDING:
+        if group.status != PENDING or group.agent in self.frozen:  # a frozen agent's: served at its episode's end
             return
         members = group.members
         rewards, tokens = [], len(members[0].prompt_ids)

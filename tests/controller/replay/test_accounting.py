@@ -127,3 +127,20 @@ G_BY_0 = completed("a", "g", 0)
 def test_a_log_naming_a_sample_twice_or_out_of_order_is_counted_per_sample(events):
     copies = stamped([msgspec.structs.replace(e) for e in events])  # the parameters share their events
     assert accounting._count_by_part(copies, START.max_staleness) is None
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["per-part", "per-sample"])
+def test_a_frozen_agents_served_samples_reconcile_as_generated_not_trained(per_sample):
+    log = [START, ev.GroupOpened("a", "g", [], 1, 2), ev.GroupOpened("b", "j", [], 1, 2),
+           completed("a", "g", 0), completed("b", "j", 0), ev.GroupServed("b", "j", 2, [1.0]),
+           *trained("a", 1, ["g/0", "g/1"], [0, 0])]
+    if per_sample:  # a format-1 group (members listed) sends the count per sample
+        log.insert(1, ev.GroupOpened("a", "x", ["x/0"], 1))
+    s = replay.summarize(stamped(log))
+    assert s.errors == []
+    served = {(r.agent, r.version): r.served for r in s.accounting}
+    assert served[("b", 0)] == 2 and served[("a", 0)] == 0
+    total_b = next(r for r in s.accounting if r.agent == "b" and r.total)
+    assert (total_b.generated, total_b.trained, total_b.served, total_b.in_flight) == (2, 0, 2, 0)
+    text = replay.format_summary(s) if hasattr(replay, "format_summary") else ""
+    assert not text or "+ served" in text
