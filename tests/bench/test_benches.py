@@ -199,3 +199,14 @@ async def test_replay_parts_times_the_command_and_each_of_its_parts_on_a_log(tmp
     rows = json_rows(out)
     assert [r["repeat"] for r in rows] == [0, 1]
     assert all({"command_s", "import_s", "read_s", "summarize_s", "format_s", "check_s"} <= r.keys() for r in rows)
+
+
+@pytest.mark.slow
+def test_frozen_agents_compares_a_frozen_judge_with_one_trained_at_lr_0():
+    rows = json_rows(run_bench("frozen_agents.py", "--smoke"))
+    frozen, lr0, ratio = rows
+    assert (frozen["mode"], lr0["mode"]) == ("frozen", "lr0")
+    assert frozen["trainer_agents"] == ["player"] and lr0["trainer_agents"] == ["judge", "player"]
+    assert frozen["judge_micro_batches"] == frozen["judge_weight_syncs"] == 0
+    assert lr0["judge_optimizer_steps"] == lr0["judge_weight_syncs"] == 2
+    assert len(ratio["lr0_over_frozen_step_s"]) == 1
