@@ -101,6 +101,21 @@ class BatchStarted(Event):
     data_rows: list[int] = []  # the dataset row of each episode of the batch, in order
 
 
+class GroupTargets(Event):
+    # Dynamic sampling: batch `batch`'s regular episodes ended; each dynamic-sampling agent
+    # trains this many groups of it (those they opened), groups beyond them are surplus.
+    batch: int
+    targets: dict[str, int]
+
+
+class EpisodesDrawn(Event):
+    # Dynamic sampling: `episodes` extra episodes of batch `batch` start, for the groups
+    # each agent is `missing` (dropped because their rewards were all equal).
+    batch: int
+    episodes: int
+    missing: dict[str, int]
+
+
 class EvaluationDone(Event):
     # Held-out episodes at the weights after `step` optimizer steps; nothing of them trains.
     step: int

@@ -19,13 +19,16 @@ It knows which fields tie an event to a batch; it does not read files.
 
 from __future__ import annotations
 
+import tomllib
+from dataclasses import dataclass
+
 import msgspec
 
 from flexmarl.runtime import events as ev
 
 # Events of one version (= the batch that steps into it): undone when version > t.
 _BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.WeightSyncStarted,
-               ev.WeightSyncFinished)
+               ev.WeightSyncFinished, ev.SnapshotRefreshed)
 
 
 # The events that undo logged work.
@@ -65,8 +68,10 @@ def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample
         return e if e.batch <= step else None
     if isinstance(e, ev.GroupComplete):
         return e if batch_of_group.get(e.group_id, 0) <= step else None
-    if isinstance(e, ev.BatchStarted):
+    if isinstance(e, (ev.BatchStarted, ev.GroupTargets, ev.EpisodesDrawn)):
         return e if e.batch <= step else None
+    if isinstance(e, ev.GroupServed):
+        return e if batch_of_group.get(e.group_id, 0) <= step else None
     if isinstance(e, ev.EvaluationDone):
         return e if e.step < step else None
     if isinstance(e, _BY_VERSION):
@@ -102,4 +107,21 @@ def open_steps(log: list) -> set[tuple[str, int]]:
         return set()
     step = ev.OptimizerStep
     stepped = {(e.agent, e.version) for e in log if type(e) is step}
-    return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped}
+    return {(a, b) for b in range(1, last_batch(log) + 1) for a in agent_roles(start).trained if (a, b) not in stepped}
+
+
+@dataclass(frozen=True)
+class AgentRoles:
+    """What the run's config says of its agents, as the re-drive needs it."""
+
+    trained: list[str]  # those that step (not frozen, not snapshots), in config order
+    dynamic: list[str]  # those with dynamic sampling
+
+
+def agent_roles(start: ev.RunStarted) -> AgentRoles:
+    """The run's agents by role, from the config its log starts with (a log without one:
+    every agent trained, none with dynamic sampling)."""
+    tables = tomllib.loads(start.config_toml).get("agents", {}) if start.config_toml else {}
+    trained = [a for a in start.agents
+               if tables.get(a, {}).get("train", True) and not tables.get(a, {}).get("snapshot_of")]
+    return AgentRoles(trained, [a for a in start.agents if tables.get(a, {}).get("dynamic_sampling", False)])

@@ -30,6 +30,7 @@ from flexmarl.runtime.events import (
     PROMPT_FIELDS,
     AllocationChanged,
     BatchStarted,
+    EpisodesDrawn,
     Event,
     GroupComplete,
     GroupOpened,
@@ -40,6 +41,7 @@ from flexmarl.runtime.events import (
     RequestsDispatched,
     RunResumed,
     RunStarted,
+    SamplesDropped,
     WeightSyncFinished,
     WeightSyncStarted,
     WorkerDied,
@@ -128,6 +130,9 @@ class Summary:
     resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
     training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
     open_steps: dict[str, list[int]] = field(default_factory=dict)  # agent -> steps begun, never taken
+    # (agent, why) -> samples dropped: too stale, a failed episode, dynamic sampling's equal rewards ...
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    extra_episodes: int = 0  # dynamic sampling's extra episodes (EpisodesDrawn)
 
     @property
     def wall_s(self) -> float:
@@ -160,7 +165,14 @@ def _summarize(events: list[Event]) -> Summary:
     crashed_at = _crash_times(events, t_start) if resumed_at else []
     workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
     if read["undoing"]:
-        read.update(_route(lineage(events), ("agents", "accounting", "steps")))  # without what a resume undid
+        read.update(_route(lineage(events), ("agents", "accounting", "steps", "drops")))  # without what a resume undid
+    dropped: collections.Counter = collections.Counter()
+    extra = 0
+    for e in read["drops"]:
+        if type(e) is SamplesDropped:
+            dropped[(e.agent, _reason(e.why))] += len(e.sample_ids)
+        else:
+            extra += e.episodes
     agents = _agent_stats(read["agents"], run)
     rows, staleness, errors = accounting(read["accounting"], run)
     unfinished: dict[str, list[int]] = {}
@@ -168,7 +180,15 @@ def _summarize(events: list[Event]) -> Summary:
         unfinished.setdefault(agent, []).append(batch)
     training_s = _training_seconds(read["marks"], iter(crashed_at), t_end if events else 0.0)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_s, unfinished)
+                   training_s, unfinished, dropped, extra)
+
+
+def _reason(why: str) -> str:
+    """A drop's reason as the summary counts it: an episode's failure (each names its own
+    episode and error) as one reason."""
+    if why.startswith("its call failed"):
+        return "its call failed"
+    return "its episode failed" if why.startswith("episode ") else why
 
 
 def _route(events: list[Event], parts: tuple[str, ...]) -> dict[str, list]:
@@ -403,7 +423,7 @@ _AGENT_EVENTS = frozenset({GroupComplete, RequestsCompleted, *_AGENT_READERS})
 # training time, and whether the lineage differs from the log.
 _READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTED_EVENTS,
           "steps": frozenset({RunStarted, GroupOpened, OptimizerStep}), "marks": _TRAINING_MARKS,
-          "undoing": UNDOING}
+          "undoing": UNDOING, "drops": frozenset({SamplesDropped, EpisodesDrawn})}
 
 
 
@@ -447,6 +467,11 @@ def format_summary(s: Summary) -> str:
         [[r.agent, "total" if r.total else "-" if r.version is None else r.version,
           r.generated, r.trained, r.dropped, r.in_flight, *[r.served] * served, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
+    if s.dropped:
+        out.append("dropped samples by reason\n" + _table(
+            ["agent", "samples", "why"], [[agent, n, why] for (agent, why), n in sorted(s.dropped.items())]))
+    if s.extra_episodes:
+        out.append(f"dynamic sampling drew {s.extra_episodes} extra episodes")
     return "\n\n".join(out)
 
 

@@ -6,7 +6,9 @@ started and ended, how many agents have stepped it, when the last one synced).
 version from `SyncedVersions` (versions.py), which it does not write:
 - the episode producer waits in `wait_to_start(batch)` (sync mode: until every agent's
   weights are at batch - 1; async mode: never) and reports `episode_ended(batch)` (a
-  failed one with why: counted, the first kept for the error that stops the run);
+  failed one with why: counted, the first kept for the error that stops the run); with
+  dynamic sampling it holds a batch's rollout open (`hold`) until it has drawn the extra
+  episodes the batch needs (`add_episodes`, `settled`) and `release`s it;
 - every turn of an episode waits at `gate(agent, batch)` until the agent's rollout weights
   are within the staleness bound for the batch (a snapshot's: until its refresh due before
   the batch, within the same bound; a frozen agent's never wait);
@@ -45,6 +47,11 @@ class BatchProgress:
     trained: float | None = None  # every agent stepped and synced it
     episodes_failed: int = 0
     first_failure: str = ""  # the first failed episode's reason and the user's traceback
+    # Dynamic sampling: the batch's rollout stays open while a top-up holds it (`hold`),
+    # which may add extra episodes; `settled` is set whenever no episode of it is running.
+    held: int = 0
+    extra_episodes: int = 0
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def rollout_s(self) -> float:
@@ -102,10 +109,38 @@ class BatchSchedule:
             progress.episodes_failed += 1
             progress.first_failure = progress.first_failure or failure
         if progress.episodes_left == 0:
+            progress.settled.set()
+            self._complete_if_done(progress)
+
+    def _complete_if_done(self, progress: BatchProgress) -> None:
+        if progress.episodes_left == 0 and not progress.held and not progress.rollout_done.is_set():
             progress.rollout_end = self.clock()
             progress.rollout_done.set()
             for event in self._work.values():  # pipelines waiting for the batch's end
                 event.set()
+
+    # -- dynamic sampling's top-ups (the producer's)
+
+    def hold(self, batch: int) -> None:
+        """The batch's rollout stays open after its episodes end, until `release`."""
+        self.batches[batch].held += 1
+
+    def release(self, batch: int) -> None:
+        progress = self.batches[batch]
+        progress.held -= 1
+        self._complete_if_done(progress)
+
+    def add_episodes(self, batch: int, n: int) -> None:
+        """`n` extra episodes of a held batch are starting (each ends with `episode_ended`)."""
+        progress = self.batches[batch]
+        progress.episodes_left += n
+        progress.extra_episodes += n
+        if n:
+            progress.settled.clear()
+
+    async def settled(self, batch: int) -> None:
+        """Returns once no episode of `batch` is running."""
+        await self.batches[batch].settled.wait()
 
     async def gate(self, agent: str, batch: int) -> None:
         every = self.snapshots.get(agent)

@@ -140,7 +140,8 @@ class Group(msgspec.Struct, gc=False):
 
 class ExperienceStore:
     def __init__(self, agents: Iterable[str], emit: Emit | None = None,
-                 std_normalized: dict[str, bool] | None = None, frozen: Iterable[str] = ()) -> None:
+                 std_normalized: dict[str, bool] | None = None, frozen: Iterable[str] = (),
+                 dynamic: Iterable[str] = ()) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
         self.std_normalized = std_normalized or {}
@@ -148,6 +149,13 @@ class ExperienceStore:
         # episode serves them when it ends (`serve_group`).
         self.frozen = frozenset(frozen)
         self.on_served: list[Callable[[Group], None]] = []
+        # Dynamic sampling (decisions.dynamic_drop): per (agent, batch) the groups opened and
+        # kept, and the batch's target once its regular episodes ended (`set_target`).
+        self.dynamic = frozenset(dynamic)
+        self._opened: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._kept: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._targets: dict[tuple[str, int], int] = {}
+        self.dynamic_drops: collections.Counter[tuple[str, int, str]] = collections.Counter()  # (agent, batch, why) -> groups
         self.samples: dict[str, Sample] = {}
         self.groups: dict[str, Group] = {}
         self.ready: dict[str, dict[int, collections.deque[str]]] = {a: {} for a in agents}
@@ -167,6 +175,7 @@ class ExperienceStore:
         sample_ids = [f"{group_id}/{i}" for i in range(n)]
         members = [Sample(sid, agent, group_id, prompt, batch=batch) for sid in sample_ids]
         self.emit(ev.GroupOpened(agent, group_id, [], batch, n))
+        self._opened[(agent, batch)] += 1
         self.samples.update(zip(sample_ids, members))
         self.groups[group_id] = Group(group_id, agent, sample_ids, batch, members=members)
         self.counts[(agent, "generated")] += n
@@ -321,6 +330,13 @@ class ExperienceStore:
         agent, batch = group.agent, group.batch
         group.tokens = tokens
         self.emit(ev.GroupComplete(agent, group.group_id, rewards, tokens))  # the event keeps the list
+        if agent in self.dynamic:
+            why = decisions.dynamic_drop(rewards, self._kept[(agent, batch)], self._targets.get((agent, batch)))
+            if why:
+                self.dynamic_drops[(agent, batch, why)] += 1
+                self.drop_group(group.group_id, why)
+                return
+            self._kept[(agent, batch)] += 1
         seq = next(self._ready_seq)
         for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(agent, True))):
             s.advantage, s.status, s.ready_seq = adv, READY, seq
@@ -333,6 +349,20 @@ class ExperienceStore:
         self._ready_count[(agent, batch)] += len(members)
         for listener in self.on_ready:
             listener(group)
+
+    # ---------------------------------------------------------------- dynamic sampling
+
+    def groups_opened(self, agent: str, batch: int) -> int:
+        return self._opened[(agent, batch)]
+
+    def groups_kept(self, agent: str, batch: int) -> int:
+        """A dynamic-sampling agent's groups of `batch` that became trainable."""
+        return self._kept[(agent, batch)]
+
+    def set_target(self, agent: str, batch: int, groups: int) -> None:
+        """The groups `agent` trains in `batch` (its regular episodes'): more from extra
+        episodes are surplus (`decisions.dynamic_drop`)."""
+        self._targets[(agent, batch)] = groups
 
     # ---------------------------------------------------------------- training side
 

@@ -179,6 +179,16 @@ class AgentPipeline:
         self._pending -= 1
         self.allocator.work_changed()
 
+    def _dynamic_sampling(self, batch: int) -> dict[str, int]:
+        """With dynamic sampling: the step's groups dropped for equal rewards and as surplus,
+        and the extra episodes its batch drew."""
+        if self.agent not in self.store.dynamic:
+            return {}
+        drops = self.store.dynamic_drops
+        return {"groups_equal_dropped": drops[(self.agent, batch, decisions.EQUAL_REWARDS)],
+                "groups_surplus_dropped": drops[(self.agent, batch, decisions.SURPLUS)],
+                "extra_episodes": self.schedule.batches[batch].extra_episodes}
+
     def _swaps_since_last_row(self) -> dict[str, float]:
         count = self.allocator.swaps_of(self.agent)
         ins, waited = self._swaps_recorded
@@ -204,7 +214,8 @@ class AgentPipeline:
                         self.metrics.record(batch, self.agent, batch, trained, times,
                                             step_s=round(now - last_end, 4), skipped_steps=self.skipped.total,
                                             episodes_failed=self.schedule.batches[batch].episodes_failed,
-                                            **self._swaps_since_last_row(), **step_signals(stats))
+                                            **self._swaps_since_last_row(), **step_signals(stats),
+                                            **self._dynamic_sampling(batch))
                         recorded, last_end = True, now
                     else:
                         await self._restep(batch)
