@@ -224,6 +224,17 @@ class SamplesDropped(Event):
     why: str
 
 
+class TeacherScored(Event):
+    # On-policy distillation: every member of the distilled agent's group (of batch
+    # `batch`) was scored by `teacher` (a prefill of its sequence), member j by the
+    # teacher's policy version `versions[j]`.
+    agent: str
+    group_id: str
+    batch: int
+    teacher: str
+    versions: list[int]
+
+
 class GroupServed(Event):
     # A frozen agent's group (members GROUP/0 .. GROUP/n-1) once its episode ended well:
     # generated, never to be trained; the rewards the workflow gave it, if any, in order.

@@ -264,6 +264,10 @@ class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=F
     # An adapter agent's version the group is generated with (its adapter at that version
     # must be loaded); -1: the newest the instance holds.
     version: int = -1
+    # >= 1: score, do not generate (n is 1): the model's logprob of each of prompt_ids
+    # from this index on, in one prefill (a teacher scoring a student's sample); they come
+    # back as the member's ids and logprobs. -1: generate.
+    score_from: int = -1
 
 
 class Generate(Message):

@@ -11,8 +11,8 @@ agent whose learning rate is 0 (its weights never change, but it costs all of th
 only way to have such a judge before frozen agents existed. The judge's samples get reward
 0 in both modes (the frozen judge needs none; the trained one must have one).
 
-Per run it prints a JSON row: the steady seconds per step (the player's metrics rows after
---warmup steps), the judge's micro-batches, optimizer steps and weight syncs (event log),
+Per run it prints a JSON row: the steady seconds per step (the run's clock in the player's
+metrics rows, from the end of step --warmup to the end of the last), the judge's micro-batches, optimizer steps and weight syncs (event log),
 and the trainer's resident agents; then the ratio lr0 / frozen of the seconds per step,
 per pair and overall (mean of the pairs). Timings on a shared machine are noisy: compare
 within one invocation, pairs alternating.
@@ -77,10 +77,12 @@ def run(mode: str, steps: int, queries: int, warmup: int) -> dict:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         events, _ = read_events(run_dir / "events.log")
     player = sorted((r for r in rows if r["agent"] == "player" and "kind" not in r), key=lambda r: r["step"])
-    steady = [r["step_s"] for r in player[warmup:]] or [r["step_s"] for r in player]
+    first = player[min(warmup, len(player) - 1) - 1] if warmup else None  # the clock from the end of step `warmup`
+    start = first["time"] if first is not None else 0.0
+    step_s = (player[-1]["time"] - start) / (len(player) - warmup)
     judge = lambda kind: sum(1 for e in events if isinstance(e, kind) and e.agent == "judge")  # noqa: E731
     trainer_agents = {e.agent for e in events if isinstance(e, ev.AllocationChanged) and e.kind == "trainer"}
-    return {"mode": mode, "steps": steps, "queries_per_step": queries, "step_s": round(statistics.mean(steady), 3),
+    return {"mode": mode, "steps": steps, "queries_per_step": queries, "step_s": round(step_s, 3),
             "wall_s": round(summary.wall_s, 2), "judge_micro_batches": judge(ev.MicroBatchTrained),
             "judge_optimizer_steps": judge(ev.OptimizerStep), "judge_weight_syncs": judge(ev.WeightSyncFinished),
             "trainer_agents": sorted(trainer_agents)}

@@ -128,11 +128,12 @@ class AgentDefaults:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     frozen: bool = False  # served, never trained: its samples need no reward
+    teacher: str = ""  # on-policy distillation: the agent that scores its samples
 
     @classmethod
     def of(cls, c: Any) -> "AgentDefaults":
         return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
-                   list(c.stop_token_ids), c.ignore_eos, c.frozen)
+                   list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher)
 
 
 def request_seed(run_seed: int, sample_id: str) -> int:
@@ -439,6 +440,30 @@ class EpisodeContext:
         return [g for g in self.groups if g in groups and groups[g].status == PENDING
                 and not self.agents[groups[g].agent].frozen]
 
+    async def score_by_teachers(self) -> None:
+        """The episode's workflow ended: every sample of a distilled agent is final (no turn
+        follows), so its teacher scores it, each member's prompt and output in one prefill on
+        the teacher's engine (no second generation), after the teacher's own turn of the
+        staleness gate; the store records which teacher version scored which member."""
+        if not self.trains or self.eval_temperature is not None:
+            return  # nothing of it is trained
+        groups = self.store.groups
+        scoring = [groups[g] for g in self.groups if g in groups and groups[g].status == PENDING
+                   and self.agents[groups[g].agent].teacher]
+        await asyncio.gather(*(self._score_group(group) for group in scoring))
+
+    async def _score_group(self, group: Any) -> None:
+        teacher = self.agents[group.agent].teacher
+        await self._wait_at_gate(teacher)
+
+        async def score(s: Any) -> GroupOutput:
+            ids = list(s.prompt_ids) + s.output_ids.tolist()
+            return await self.generator.generate(teacher, protocol.GenGroup(
+                f"{s.sample_id}@teacher", teacher, 1, ids, 1, 1.0, 0, score_from=len(s.prompt_ids)))
+
+        outputs = await asyncio.gather(*(score(s) for s in group.members))
+        self.store.record_teacher(group.group_id, [o.logprobs[0] for o in outputs], [o.versions[0] for o in outputs])
+
     def serve_frozen(self) -> None:
         """The episode ended well: its frozen agents' groups are served (generated, never trained)."""
         groups = self.store.groups
@@ -485,6 +510,7 @@ async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> s
     try:
         async with deadline:
             await episode(ctx)
+            await ctx.score_by_teachers()
         unfinished = ctx.unrewarded()
         if unfinished:
             named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else unfinished

@@ -28,6 +28,7 @@ from flexmarl.runtime.events import (
     Event,
     GroupOpened,
     GroupServed,
+    TeacherScored,
     MicroBatchFormed,
     OptimizerStep,
     Parts,
@@ -37,6 +38,9 @@ from flexmarl.runtime.events import (
 )
 from flexmarl.runtime.staleness import lag as staleness_lag
 from flexmarl.runtime.staleness import too_stale
+
+from ..state import decisions
+from .lineage import agent_roles
 
 
 @dataclass
@@ -85,7 +89,7 @@ class _Tally:
 
 # The events the accounting reads.
 ACCOUNTED_EVENTS = frozenset({GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep, SamplesDropped,
-                              GroupServed})
+                              GroupServed, TeacherScored})
 
 def accounting(events: list[Event], run: RunStarted | None):
     """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
@@ -107,6 +111,7 @@ def accounting(events: list[Event], run: RunStarted | None):
         total.in_flight += r.in_flight
         total.served += r.served
     errors = counted.found.errors + _accounting_errors(totals, counted.why, counted.found.stale, bound)
+    errors += _teacher_errors(events, run)
     ordered = sorted(counted.rows.values(), key=lambda r: (r.agent, r.version is None, r.version or 0))
     ordered += [total for _, total in sorted(totals.items())]
     return ordered, counted.found.staleness, errors
@@ -462,6 +467,28 @@ def _accounting_errors(totals: dict[str, AccountRow], why: dict[str, list[str]],
         if n:
             errors.append(f"agent {agent!r}: {n} trained sample(s) outside the staleness bound "
                           f"0 <= lag <= {bound if bound is not None else '?'} (see the staleness histogram)")
+    return errors
+
+
+def _teacher_errors(events: list[Event], run: RunStarted | None) -> list[str]:
+    """Each distilled group scored by a teacher version its batch may not use: a trained
+    teacher's as a generation's (the staleness bound), a snapshot's within the bound of its
+    refresh due, a frozen teacher's version 0 alone."""
+    scored = [e for e in events if type(e) is TeacherScored]
+    if not scored or run is None:
+        return []
+    roles, k = agent_roles(run), run.max_staleness
+    errors = []
+    for e in scored:
+        if e.teacher in roles.trained:
+            bad = [v for v in e.versions if not decisions.may_generate(e.batch, v, k)]
+        elif e.teacher in roles.snapshots:
+            bad = [v for v in e.versions if not decisions.may_play_snapshot(e.batch, v, roles.snapshots[e.teacher], k)]
+        else:
+            bad = [v for v in e.versions if v != 0]
+        if bad:
+            errors.append(f"agent {e.agent!r}: group {e.group_id} of batch {e.batch} scored by {e.teacher!r} at "
+                          f"version {bad[0]}, outside what the batch may use")
     return errors
 
 

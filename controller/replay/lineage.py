@@ -70,6 +70,8 @@ def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample
         return e if batch_of_group.get(e.group_id, 0) <= step else None
     if isinstance(e, (ev.BatchStarted, ev.GroupTargets, ev.EpisodesDrawn)):
         return e if e.batch <= step else None
+    if isinstance(e, ev.TeacherScored):
+        return e if e.batch <= step else None
     if isinstance(e, ev.GroupServed):
         return e if batch_of_group.get(e.group_id, 0) <= step else None
     if isinstance(e, ev.EvaluationDone):
@@ -116,6 +118,7 @@ class AgentRoles:
 
     trained: list[str]  # those that step (not frozen, not snapshots), in config order
     dynamic: list[str]  # those with dynamic sampling
+    snapshots: dict[str, int]  # snapshot agents -> their refresh interval
 
 
 def agent_roles(start: ev.RunStarted) -> AgentRoles:
@@ -124,4 +127,5 @@ def agent_roles(start: ev.RunStarted) -> AgentRoles:
     tables = tomllib.loads(start.config_toml).get("agents", {}) if start.config_toml else {}
     trained = [a for a in start.agents
                if tables.get(a, {}).get("train", True) and not tables.get(a, {}).get("snapshot_of")]
-    return AgentRoles(trained, [a for a in start.agents if tables.get(a, {}).get("dynamic_sampling", False)])
+    return AgentRoles(trained, [a for a in start.agents if tables.get(a, {}).get("dynamic_sampling", False)],
+                      {a: tables[a].get("snapshot_every", 1) for a in start.agents if tables.get(a, {}).get("snapshot_of")})

@@ -241,7 +241,8 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     snapshots = {a: (c.snapshot_of, c.snapshot_every) for a, c in cfg.agents.items() if c.snapshot_of}
     store = ExperienceStore(agents, emit=emit, std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()},
                             frozen=[a for a in agents if a not in trained],
-                            dynamic=[a for a, c in cfg.agents.items() if c.dynamic_sampling])
+                            dynamic=[a for a, c in cfg.agents.items() if c.dynamic_sampling],
+                            teachers={a: c.teacher for a, c in cfg.agents.items() if c.teacher})
     versions = SyncedVersions(agents)
     schedule = BatchSchedule(trained, cfg.run.steps, cfg.pipeline.queries_per_step,
                              overlap=cfg.pipeline.mode == "async", max_staleness=cfg.pipeline.max_staleness,

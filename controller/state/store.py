@@ -92,6 +92,8 @@ class Sample(msgspec.Struct, gc=False):
     ready_seq: int = 0  # the order in which its group became trainable, across every agent
     served_by: str = ""  # the instance that generated its last turn (its prefix cache has it)
     finish_reason: str = ""  # why its last turn ended
+    # On-policy distillation: its teacher's logprob of each output id, once scored.
+    teacher_logprobs: array.array | None = None
 
     @property
     def min_version(self) -> int:
@@ -141,13 +143,15 @@ class Group(msgspec.Struct, gc=False):
 class ExperienceStore:
     def __init__(self, agents: Iterable[str], emit: Emit | None = None,
                  std_normalized: dict[str, bool] | None = None, frozen: Iterable[str] = (),
-                 dynamic: Iterable[str] = ()) -> None:
+                 dynamic: Iterable[str] = (), teachers: dict[str, str] | None = None) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
         self.std_normalized = std_normalized or {}
         # Agents that are served, never trained: their groups never become trainable; the
         # episode serves them when it ends (`serve_group`).
         self.frozen = frozenset(frozen)
+        # Distilled agent -> its teacher: a group of it is trainable once scored too (`record_teacher`).
+        self.teachers = dict(teachers or {})
         self.on_served: list[Callable[[Group], None]] = []
         # Dynamic sampling (decisions.dynamic_drop): per (agent, batch) the groups opened and
         # kept, and the batch's target once its regular episodes ended (`set_target`).
@@ -300,6 +304,23 @@ class ExperienceStore:
             sample.status = DROPPED
         self.counts[(group.agent, DROPPED)] += len(group.sample_ids)
 
+    def record_teacher(self, group_id: str, logprobs: Sequence[Sequence[float]], versions: list[int]) -> None:
+        """A distilled agent's group scored by its teacher: member j's teacher logprobs (one
+        per output id) from the teacher's policy version `versions[j]`; the group becomes
+        trainable now if every member has its reward."""
+        group = self.groups[group_id]
+        if group.status != PENDING:
+            return  # dropped meanwhile (its episode failed)
+        for sample, lps in zip(group.members, logprobs):
+            if sample.output_ids is None or len(lps) != len(sample.output_ids):
+                raise ValueError(f"{sample.sample_id}: {len(lps)} teacher logprobs for "
+                                 f"{0 if sample.output_ids is None else len(sample.output_ids)} output ids")
+            sample.teacher_logprobs = logprob_array(lps)
+        self.emit(ev.TeacherScored(group.agent, group_id, group.batch, self.teachers.get(group.agent, ""),
+                                   list(versions)))
+        if group.rewarded == len(group.members):
+            self._maybe_ready(group)
+
     def serve_group(self, group_id: str) -> None:
         """A frozen agent's group whose episode ended: generated, never to be trained (its
         rewards, if the workflow gave any, are recorded with it); then let go."""
@@ -319,6 +340,8 @@ class ExperienceStore:
     def _maybe_ready(self, group: Group) -> None:
         if group.status != PENDING or group.agent in self.frozen:  # a frozen agent's: served at its episode's end
             return
+        if group.agent in self.teachers and any(s.teacher_logprobs is None for s in group.members):
+            return  # not scored by its teacher yet
         members = group.members
         rewards, tokens = [], len(members[0].prompt_ids)
         for s in members:
@@ -428,6 +451,7 @@ class ExperienceStore:
         records, groups = self.samples, self.groups
         for s in samples:
             s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], NO_OUTPUT, NO_LOGPROBS, NO_MASK
+            s.teacher_logprobs = None
             records.pop(s.sample_id, None)
             groups.pop(s.group_id, None)
 

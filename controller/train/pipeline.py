@@ -453,8 +453,9 @@ def train_sample(s: Sample) -> protocol.TrainSample:
     assert s.output_ids is not None and s.logprobs is not None and s.mask is not None  # a finished sample
     mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
     first, *later = s.sampling or [protocol.TurnSampling(0)]
+    teacher = [] if s.teacher_logprobs is None else s.teacher_logprobs.tolist()
     return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), cast(float, s.advantage), s.logprobs.tolist(),
-                                s.versions, first.temperature, mask, first.top_p, first.top_k, later)
+                                s.versions, first.temperature, mask, first.top_p, first.top_k, later, teacher)
 
 
 def step_signals(stats: protocol.StepStats) -> dict[str, float]:

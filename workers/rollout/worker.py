@@ -233,7 +233,8 @@ class RolloutHandler(CommandHandler):
             try:
                 used = self.engine.add_group(member_ids(group), group.prompt_ids, group.max_tokens, group.temperature,
                                              group.seed, top_p=group.top_p, top_k=group.top_k, stop=group.stop,
-                                             stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos, **adapter)
+                                             stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos,
+                                             score_from=group.score_from, **adapter)
             except RequestRefused as exc:
                 log.warning("%s: %s", group.agent, exc)
                 refused.append(protocol.GroupRefused(group.key, group.first, str(exc)))

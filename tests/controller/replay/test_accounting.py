@@ -144,3 +144,14 @@ def test_a_frozen_agents_served_samples_reconcile_as_generated_not_trained(per_s
     assert (total_b.generated, total_b.trained, total_b.served, total_b.in_flight) == (2, 0, 2, 0)
     text = replay.format_summary(s) if hasattr(replay, "format_summary") else ""
     assert not text or "+ served" in text
+
+
+def test_a_teacher_version_outside_what_the_batch_may_use_is_an_error():
+    config = '[agents.s]\nteacher = "t"\n[agents.t]\ntrain = true\n[agents.f]\ntrain = false\n'
+    run = ev.RunStarted(config, ["s", "t", "f"], "async", 1, 0)
+    ok = [ev.TeacherScored("s", "g1", 3, "t", [1, 2]), ev.TeacherScored("s", "g2", 3, "f", [0])]
+    bad = [ev.TeacherScored("s", "g3", 4, "t", [1]), ev.TeacherScored("s", "g4", 1, "f", [2])]
+    assert accounting._teacher_errors(ok, run) == []
+    assert accounting._teacher_errors(bad, run) == [
+        "agent 's': group g3 of batch 4 scored by 't' at version 1, outside what the batch may use",
+        "agent 's': group g4 of batch 1 scored by 'f' at version 2, outside what the batch may use"]
