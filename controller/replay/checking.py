@@ -92,7 +92,7 @@ def check_beside(events: list[Event]) -> Callable[[], str | None]:
         finally:
             answers.close()
             child.join()
-        joined = redriving.in_log_order(counted, {a: made[a] for a in run.agents}, redriving.balancer_moves(counted))
+        joined = redriving.in_log_order(counted, {a: made[a] for a in run.agents if a in made}, redriving.balancer_moves(counted))
         return check(events, lambda _: joined)
     return answered
 
