@@ -10,7 +10,7 @@ One invocation:
    same start twice: "rl" (its reward alone) and "distill" (the same, plus the teacher's
    per-token reverse KL, `agents.student.teacher`), evaluating it every --eval-every steps;
    the frozen teacher is placed on its own engine in both modes, so both use the same
-   workers.
+   workers. With --only the distilled student learns from the reverse KL alone.
 
 It prints a JSON row per run (the student's held-out reward per evaluated step) and then,
 per mode and seed, the first evaluated step at which the student's held-out reward reached
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
+    parser.add_argument("--only", action="store_true", help="distil with the reverse KL alone (teacher_only)")
     parser.add_argument("--out", default="", help="keep the run directories here")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -88,7 +89,8 @@ def main() -> None:
         curves: dict[str, dict[int, dict[int, float]]] = {"rl": {}, "distill": {}}
         for seed in seeds:
             for mode in ("rl", "distill"):
-                student = ["agents.student.teacher=''"] if mode == "rl" else [f"agents.student.teacher_coef={args.coef}"]
+                student = (["agents.student.teacher=''"] if mode == "rl" else
+                           [f"agents.student.teacher_coef={args.coef}", f"agents.student.teacher_only={str(args.only).lower()}"])
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
                               f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
