@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
     parser.add_argument("--only", action="store_true", help="distil with the reverse KL alone (teacher_only)")
+    parser.add_argument("--modes", default="rl,distill", help="which of the student's runs to make")
     parser.add_argument("--out", default="", help="keep the run directories here")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -86,9 +87,10 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         teacher_dir, target = teacher(args, work)
         print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4)}), flush=True)
-        curves: dict[str, dict[int, dict[int, float]]] = {"rl": {}, "distill": {}}
+        modes = args.modes.split(",")
+        curves: dict[str, dict[int, dict[int, float]]] = {mode: {} for mode in modes}
         for seed in seeds:
-            for mode in ("rl", "distill"):
+            for mode in modes:
                 student = (["agents.student.teacher=''"] if mode == "rl" else
                            [f"agents.student.teacher_coef={args.coef}", f"agents.student.teacher_only={str(args.only).lower()}"])
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
