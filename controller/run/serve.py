@@ -41,6 +41,7 @@ from ..serving.openai_turns import OpenAITurns
 from ..state.instances import RolloutInstances
 from ..state.store import ExperienceStore
 from ..train.checkpoints import CheckpointError, ResumePoint, latest_checkpoint
+from .model_resolution import resolve_model
 from .training import whole_model_message
 
 
@@ -71,7 +72,7 @@ class ServedAgents:
         if adapters:
             raise ConfigError(f"flexmarl serve loads whole models; {', '.join(adapters)} are LoRA adapters of a base "
                               f"(serve the base with vLLM's own server and the adapters in the checkpoint)")
-        self.models = {a: str(self.point.agent_dir(a)) for a in self.cfg.agents}
+        self.models = {a: self._model_dir(a) for a in self.cfg.agents}
         for agent, path in self.models.items():
             if not has_tokenizer(path):
                 raise CheckpointError(f"{path} holds no model with a tokenizer for agent {agent}")
@@ -85,6 +86,16 @@ class ServedAgents:
                                        serving=self.session)
         self.contexts = EpisodeContexts(self.cfg, self.client, None, self.tokenizers, self.endpoint)
         self._calls = itertools.count()
+
+    def _model_dir(self, agent: str) -> str:
+        """Where the served agent's weights are: its checkpoint's directory; a frozen agent's
+        own model (a checkpoint names it, never copies it); a snapshot's source's checkpoint."""
+        c = self.cfg.agents[agent]
+        if c.snapshot_of:
+            return str(self.point.agent_dir(c.snapshot_of))
+        if not c.train:
+            return resolve_model(c.model)
+        return str(self.point.agent_dir(agent))
 
     def session(self) -> Any:
         """One call's context: a store of its own that nothing trains from."""

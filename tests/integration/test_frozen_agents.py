@@ -72,3 +72,14 @@ def test_the_checkpoint_names_the_frozen_agents_instead_of_copying_them(frozen_r
     assert state["frozen"]["judge"] == {"model": "tiny:checker"}
     assert state["frozen"]["past"] == {"snapshot_of": "player", "every": 1, "version": 2}
     assert set(state["agents"]) == {"player"}
+
+
+def test_flexmarl_serve_serves_a_frozen_agent_from_its_own_model_and_a_snapshot_from_its_source(frozen_run):
+    from flexmarl.controller.run.model_resolution import resolve_model
+    from flexmarl.controller.run.serve import ServedAgents
+
+    run_dir = frozen_run[0]
+    served = ServedAgents(run_dir)
+    final = (run_dir / "checkpoints" / "final").resolve()
+    assert served.models == {"player": str(final / "player"), "past": str(final / "player"),
+                             "judge": resolve_model("tiny:checker")}
