@@ -17,6 +17,7 @@ per mode and seed, the first evaluated step at which the student's held-out rewa
 the teacher's (null: not within the run), and the mean curve over the seeds.
 
     python bench/system/distillation.py --seeds 0,1,2 --steps 30 --teacher-steps 30
+    python bench/system/distillation.py --reward exact ...   # a sparse reward: 1 only when all three are right
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
 
@@ -31,6 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+
+
+WORKFLOW = {"fraction": "episode", "exact": "episode_exact"}
 
 
 def train(toml: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
@@ -48,6 +52,10 @@ def train(toml: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def workflow(args: argparse.Namespace) -> str:
+    return f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:{WORKFLOW[args.reward]}"'
+
+
 def held_out(rows: list[dict], agent: str) -> dict[int, float]:
     return {r["step"]: r["reward_mean"] for r in rows if r.get("kind") == "eval" and r["agent"] == agent}
 
@@ -58,7 +66,7 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
     if not args.teacher:
         train(EXAMPLES / "distill_teacher.toml", run_dir,
               [f"run.steps={args.teacher_steps}", f"eval.every={args.teacher_steps}", f"eval.episodes={args.episodes}",
-               f"pipeline.queries_per_step={args.queries}"])
+               f"pipeline.queries_per_step={args.queries}", workflow(args)])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = held_out(rows, "sorter")
     return (run_dir / "checkpoints" / "final" / "sorter").resolve(), rewards[max(rewards)]
@@ -76,6 +84,8 @@ def main() -> None:
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
     parser.add_argument("--only", action="store_true", help="distil with the reverse KL alone (teacher_only)")
     parser.add_argument("--modes", default="rl,distill", help="which of the student's runs to make")
+    parser.add_argument("--reward", choices=("fraction", "exact"), default="fraction",
+                        help="the task's reward: the fraction of positions right, or 1 only when all are")
     parser.add_argument("--out", default="", help="keep the run directories here")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -96,7 +106,7 @@ def main() -> None:
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
                               f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
-                              f'agents.teacher.model="{teacher_dir}"', *student])
+                              f'agents.teacher.model="{teacher_dir}"', workflow(args), *student])
                 curves[mode][seed] = curve = held_out(rows, "student")
                 kl = [r["teacher_kl"] for r in rows if r["agent"] == "student" and "kind" not in r]
                 print(json.dumps({"mode": mode, "seed": seed, "held_out": {str(k): round(v, 4) for k, v in curve.items()},
