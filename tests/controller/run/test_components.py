@@ -138,3 +138,17 @@ def _paths_and_tokenizers(cfg):
     units = bases.engine_units(cfg)
     paths = components._model_paths(cfg, units)
     return paths, components._tokenizers(cfg, paths)
+
+
+def test_frozen_agents_and_snapshots_get_no_pipeline_allocator_entry_or_checkpoint_part(tmp_path, models_named,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(components, "_check_teachers", lambda *args: None)  # no model files here
+    cfg, parts = built(tmp_path, "agents.checker.train=false", "agents.past.snapshot_of='planner'",
+                       "agents.solver.dynamic_sampling=true", "agents.solver.teacher='checker'")
+    assert set(parts.pipelines) == set(parts.allocator.specs.config) == {"planner", "solver"}
+    assert parts.checkpoints.agents == ["planner", "solver"] and parts.schedule.agents == ["planner", "solver"]
+    assert parts.schedule.snapshots == {"past": 1} and parts.weights.snapshots == {"past": ("planner", 1)}
+    assert parts.store.frozen == {"checker", "past"} and parts.store.dynamic == {"solver"}
+    assert parts.store.teachers == {"solver": "checker"}
+    assert set(parts.resolved.units) == {"planner", "solver", "checker", "past"}  # every agent is served
+    close(parts)
