@@ -536,6 +536,22 @@ class OpenAIConfig:
 
 
 @dataclass
+class ViewConfig:
+    enabled: bool = True
+    """Serve the run's web view from the controller (controller/view/): every agent's curves, each
+    worker's busy and idle time, the episodes as trees of turns; the pages `flexmarl view RUN_DIR`
+    serves. It reads the run's files, and only while a page is open."""
+    host: str = "127.0.0.1"
+    """Where the view listens; any host but loopback requires a key (`key_env`)."""
+    port: int = 0
+    """The view's port; 0 picks a free port (logged, and written to `RUN_DIR/view.url`)."""
+    key_env: str = "FLEXMARL_VIEW_KEY"
+    """The environment variable holding the view's key. Off loopback it is required: a browser opens
+    `URL/?key=KEY` once (a cookie keeps it for the session), a script sends `Authorization: Bearer
+    KEY`."""
+
+
+@dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     """`[run]`: what to train, for how long, and what the run writes."""
@@ -556,6 +572,8 @@ class ExperimentConfig:
     """`[eval]`: held-out episodes that never train."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     """`[openai]`: the run's OpenAI-compatible endpoint."""
+    view: ViewConfig = field(default_factory=ViewConfig)
+    """`[view]`: the run's web view, served by the controller while it runs."""
     bases: dict[str, BaseConfig] = field(default_factory=dict)
     """`[bases.NAME]`, one table per base model that adapter agents share."""
     agents: dict[str, AgentConfig] = field(default_factory=dict)
@@ -647,6 +665,8 @@ class ExperimentConfig:
                               "controller goes away)")
         if not 0 <= self.openai.port < 65536 or self.openai.max_request_bytes < 1:
             raise ConfigError("openai.port must be in [0, 65535] (0: a free port) and openai.max_request_bytes >= 1")
+        if not 0 <= self.view.port < 65536:
+            raise ConfigError(f"view.port must be in [0, 65535] (0: a free port), got {self.view.port}")
         if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
             raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self

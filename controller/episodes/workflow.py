@@ -150,6 +150,32 @@ def request_seed(run_seed: int, sample_id: str) -> int:
     return zlib.crc32(f"{run_seed}:{sample_id}".encode()) & 0x7FFFFFFF
 
 
+@dataclass(frozen=True)
+class GroupPlace:
+    """Where an episode opened a group: the episode, and the branch of its tree of tasks the
+    call came from (`BRANCH`: () the episode's own task, (2, 0) the first task the third
+    one made)."""
+
+    episode: str
+    branch: tuple[int, ...]
+
+
+def group_place(group_id: str, agent: str) -> GroupPlace | None:
+    """`agent`'s group `group_id` read back into its place: the inverse of
+    `EpisodeContext.group_id`, for readers of the event log (the web view); None for an id
+    that method did not make."""
+    episode, slash, rest = group_id.partition("/")
+    parts = rest.removeprefix(f"{agent}-").split("-")
+    if not slash or not rest.startswith(f"{agent}-") or len(parts) not in (2, 3) or not parts[-1].isdigit():
+        return None
+    if len(parts) == 2:
+        return GroupPlace(episode, ())
+    place = parts[1].removeprefix("b").split(".")
+    if not parts[1].startswith("b") or not all(p.isdigit() for p in place):
+        return None
+    return GroupPlace(episode, tuple(int(p) for p in place))
+
+
 @dataclass
 class ToolPool:
     """Where `ctx.call` runs blocking functions (the bounded pool; None: asyncio's default)
@@ -206,7 +232,7 @@ class EpisodeContext:
         occurrence = self._called.counts[key]
         self._called.counts[key] += 1
         place = f"b{'.'.join(map(str, branch))}-" if branch else ""
-        return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"
+        return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"  # read back by group_place
 
     async def generate(self, agent: str, prompt: str | list[int], n: int | None = None,
                        **sampling: Any) -> list[SampleView]:

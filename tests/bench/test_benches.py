@@ -232,3 +232,22 @@ def test_dynamic_sampling_runs_the_task_with_and_without_it():
     with_it, without = json_rows(run_bench("dynamic_sampling.py", "--smoke"))
     assert with_it["dynamic_sampling"] and not without["dynamic_sampling"]
     assert with_it["samples"] == [12, 12] and without["groups_equal_dropped"] == [0, 0]
+
+
+def test_view_load_opens_a_small_synthetic_run_in_a_real_browser():
+    from flexmarl.controller.testing.browser import BrowserMissing, headless_chromium
+
+    try:
+        headless_chromium()
+    except BrowserMissing as exc:
+        pytest.skip(f"no headless browser here: {exc}")
+    (row,) = json_rows(run_bench("view_load.py", "--synthetic", "3,2,4,16"))
+    assert (row["steps"], row["agents"], row["workers"], row["samples"]) == (3, 2, 5, 48)  # 4 instances, 1 trainer
+    assert row["page_errors"] == []
+    assert 0 < row["listening_s"] <= row["header_s"] <= row["episode_s"] and row["rss_mb"] > 0
+
+
+def test_view_load_measures_what_an_unwatched_view_costs_an_idle_loop(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    (row,) = json_rows(run_bench("view_load.py", str(tmp_path), "--idle", "0.3"))
+    assert row["idle_ms_per_s"] >= 0 and row["view_ms_per_s"] >= 0 and row["events_read"] == 0  # never read

@@ -5,7 +5,16 @@ import random
 
 import pytest
 
-from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext, ToolPool, request_seed, run_episode
+from flexmarl.controller.episodes.workflow import (
+    BRANCH,
+    AgentDefaults,
+    EpisodeContext,
+    GroupPlace,
+    ToolPool,
+    group_place,
+    request_seed,
+    run_episode,
+)
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.store import DROPPED, READY, ExperienceStore
 
@@ -187,6 +196,19 @@ async def test_group_ids_and_seeds_follow_the_call_not_which_branch_finishes_fir
         seeds = {sid: request_seed(7, sid) for sid in store.samples}
         assert len(set(seeds.values())) == len(seeds)
     assert seen[0] == seen[1]
+
+
+def test_a_group_id_reads_back_into_its_episode_and_branch_whatever_the_agents_name():
+    ctx = make_ctx(ExperienceStore(["a"]), FakeGenerator(), "s3q7")
+    for agent in ("a", "b-b1", "0000000a"):
+        for branch in ((), (0,), (1, 0), (12, 3, 4)):
+            for _ in range(2):  # the second identical call: another occurrence
+                token = BRANCH.set(branch)
+                group_id = ctx.group_id(agent, [5, 6])
+                BRANCH.reset(token)
+                assert group_place(group_id, agent) == GroupPlace("s3q7", branch), group_id
+    assert group_place("s3q7/a-0000000a-0", "b") is None and group_place("junk", "a") is None
+    assert group_place("e/a-0000000a-bx-0", "a") is None
 
 
 async def test_a_group_of_one_is_refused():

@@ -1,0 +1,414 @@
+"""Every sample of a run and the episode it belongs to, read from the event log, for the
+page's list of samples (filtered by agent, step, reward and what became of them) and its
+episodes (one opened as its tree of groups across agents).
+
+The log names a group when it opens (`GroupOpened`: agent, id, batch, members), which
+instance generated which members and under which policy version (`RequestsCompleted`,
+a later turn of a conversation by its own key), the members' rewards (`GroupComplete`),
+the micro-batch each went into (`MicroBatchFormed`), whether that step was taken
+(`OptimizerStep`) and what was dropped and why (`SamplesDropped`). A group's place in its
+episode (which episode, which branch of its tree of tasks) is read back from the group's
+id by the rule that made it (`episodes.workflow.group_place`); advantages are computed by
+the store's own rule (`state.store.group_advantages`). What an agent said is in
+samples.jsonl for the samples a run recorded (`run.samples_per_step`): the index keeps
+where each recorded sample's line is and reads it when a page asks.
+
+Per sample, the index keeps a few numbers in growing numpy columns (about 30 bytes a
+sample) and per group its id: a run of a million samples stays in tens of megabytes, and
+a filter over all of them is one vectorised pass. Events of types it does not read are
+passed over; it never trusts the log to be consistent (a member it cannot place is
+skipped).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from flexmarl.runtime.events import (
+    Event,
+    GroupComplete,
+    GroupOpened,
+    MicroBatchFormed,
+    OptimizerStep,
+    RequestsCompleted,
+    RunResumed,
+    SamplesDropped,
+    TrainingRestored,
+)
+
+from ..episodes.workflow import group_place
+from ..state.store import group_advantages
+
+# What became of a sample, as the list filters it.
+STATUSES = ("trained", "in micro-batch", "dropped", "ready", "generated", "opened")
+
+
+class Column:
+    """A numpy array that grows by doubling; `view()` is its filled part."""
+
+    def __init__(self, dtype: Any, fill: Any) -> None:
+        self.fill = fill
+        self.data = np.full(1024, fill, dtype=dtype)
+        self.n = 0
+
+    def grow(self, n: int) -> None:
+        """Room for `n` entries (new ones hold the fill value)."""
+        if n > len(self.data):
+            data = np.full(max(n, 2 * len(self.data)), self.fill, dtype=self.data.dtype)
+            data[:self.n] = self.data[:self.n]
+            self.data = data
+        self.n = max(self.n, n)
+
+    def view(self) -> np.ndarray:
+        return self.data[:self.n]
+
+
+class EpisodeIndex:
+    """The samples of a run, by index (a group's members are consecutive), and its episodes.
+    `read(events)` takes the log a part at a time, in order; `texts` are added as
+    samples.jsonl grows (`add_text`) and read back through `read_text`."""
+
+    def __init__(self, read_text: Callable[[int], dict[str, Any] | None],
+                 std_normalized: Callable[[str], bool] = lambda agent: True) -> None:
+        self.read_text = read_text  # samples.jsonl's row at a byte offset
+        self.std_normalized = std_normalized  # agent -> its advantages are divided by the group's std
+        self.agents: list[str] = []
+        self.workers: list[str] = []
+        self._agent_index: dict[str, int] = {}
+        self._worker_index: dict[str, int] = {}
+        # per group
+        self.group_ids: list[str] = []
+        self.group_of: dict[str, int] = {}
+        self.g_agent, self.g_batch = Column(np.int32, -1), Column(np.int32, -1)
+        self.g_first, self.g_n = Column(np.int64, 0), Column(np.int32, 0)
+        self.g_episode = Column(np.int32, -1)
+        # per episode
+        self.episodes: list[str] = []
+        self.episode_of: dict[str, int] = {}
+        self.episode_groups: list[list[int]] = []
+        # per sample
+        self.s_group = Column(np.int32, -1)
+        self.s_reward = Column(np.float64, math.nan)
+        self.s_version = Column(np.int32, -1)  # its first turn's
+        self.s_worker = Column(np.int32, -1)  # the instance of its first turn
+        self.s_formed = Column(np.int32, -1)  # the version its micro-batch trains into
+        self.s_dropped = Column(np.int32, 0)  # 0, or 1 + the index of the reason
+        self.s_text = Column(np.int64, -1)  # the byte offset of its line in samples.jsonl
+        self.later_turns: dict[int, list[tuple[int, int]]] = {}  # sample -> (version, instance) of turns 2, 3, ...
+        self.reasons: list[str] = []
+        self._reason_index: dict[str, int] = {}
+        self.stepped: set[tuple[int, int]] = set()  # (agent, version): that optimizer step is logged
+        self._waiting_texts: dict[str, list[tuple[int, int]]] = {}  # group -> (member, offset): lines ahead of the log
+
+    @property
+    def samples(self) -> int:
+        return self.s_group.n
+
+    # ------------------------------------------------------------ reading
+
+    def read(self, events: list[Event]) -> None:
+        """The next part of the log. The groups it opens are made first, in bulk (whatever
+        else the part says of a group comes after its opening in the log), unless the part
+        holds a resume, after which a group may be opened again: then all in order."""
+        readers = _READERS
+        if not any(type(e) is RunResumed for e in events):
+            self._open([e for e in events if type(e) is GroupOpened])
+            readers = _AFTER_OPENING
+        for e in events:
+            reader = readers.get(type(e))
+            if reader is not None:
+                reader(self, e)
+
+    def add_text(self, offset: int, row: dict[str, Any]) -> None:
+        sample_id = row.get("sample_id")
+        if not isinstance(sample_id, str):
+            return
+        s = self._sample(sample_id)
+        if s is not None:
+            self.s_text.data[s] = offset
+            return
+        key, _, member = sample_id.rpartition("/")  # a line ahead of the log: kept until its group opens
+        if member.isdecimal():
+            self._waiting_texts.setdefault(key, []).append((int(member), offset))
+
+    def forget_texts(self) -> None:
+        """samples.jsonl started over (a resumed run rewrote it): its lines are added again."""
+        self.s_text.data[:] = -1
+        self._waiting_texts.clear()
+
+    def _opened(self, e: GroupOpened) -> None:
+        self._open([e])
+
+    def _open(self, opened: list[GroupOpened]) -> None:
+        new = []
+        for e in opened:
+            g = self.group_of.get(e.group_id)
+            if g is None:
+                new.append(e)
+            else:  # opened again: a resumed run generates the batches after its checkpoint anew
+                self._reopen(g, e.size())
+        if not new:
+            return
+        g0, first, sizes = len(self.group_ids), self.samples, [e.size() for e in new]
+        firsts = np.cumsum([first] + sizes[:-1])
+        total = sum(sizes)
+        for column in (self.g_agent, self.g_batch, self.g_first, self.g_n, self.g_episode):
+            column.grow(g0 + len(new))
+        for column in (self.s_group, self.s_reward, self.s_version, self.s_worker, self.s_formed,
+                       self.s_dropped, self.s_text):
+            column.grow(first + total)
+        span = slice(g0, g0 + len(new))
+        self.g_agent.data[span] = [self._index(e.agent, self.agents, self._agent_index) for e in new]
+        self.g_batch.data[span] = [e.batch for e in new]
+        self.g_first.data[span], self.g_n.data[span] = firsts, sizes
+        self.s_group.data[first:first + total] = np.repeat(np.arange(g0, g0 + len(new)), sizes)
+        episodes = []
+        for g, e in enumerate(new, start=g0):
+            self.group_ids.append(e.group_id)
+            self.group_of[e.group_id] = g
+            place = group_place(e.group_id, e.agent)
+            episode = place.episode if place is not None else e.group_id
+            ep = self.episode_of.get(episode)
+            if ep is None:
+                ep = self.episode_of[episode] = len(self.episodes)
+                self.episodes.append(episode)
+                self.episode_groups.append([])
+            self.episode_groups[ep].append(g)
+            episodes.append(ep)
+            waiting = self._waiting_texts.pop(e.group_id, None) if self._waiting_texts else None
+            for member, offset in waiting or ():
+                if member < sizes[g - g0]:
+                    self.s_text.data[firsts[g - g0] + member] = offset
+        self.g_episode.data[span] = episodes
+
+    def _reopen(self, g: int, n: int) -> None:
+        first, before = int(self.g_first.data[g]), int(self.g_n.data[g])
+        self._clear(first, before)
+        if before != n:  # its old members stay behind, marked, and new ones are made
+            self.s_dropped.data[first:first + before] = 1 + self._index(
+                "opened again with another size", self.reasons, self._reason_index)
+            self.g_first.data[g], self.g_n.data[g] = self._new_samples(g, n), n
+
+    def _new_samples(self, g: int, n: int) -> int:
+        first = self.samples
+        for column in (self.s_group, self.s_reward, self.s_version, self.s_worker, self.s_formed,
+                       self.s_dropped, self.s_text):
+            column.grow(first + n)
+        self.s_group.data[first:first + n] = g
+        return first
+
+    def _clear(self, first: int, n: int) -> None:
+        for column in (self.s_reward, self.s_version, self.s_worker, self.s_formed, self.s_dropped):
+            column.data[first:first + n] = column.fill
+        for s in range(first, first + n):
+            self.later_turns.pop(s, None)
+
+    def _completed(self, e: RequestsCompleted) -> None:
+        w = self._index(e.worker, self.workers, self._worker_index)
+        parts = e.parts
+        named: Iterable[tuple[str, int | None, int, int]]
+        if parts.keys:
+            named = zip(parts.keys, parts.firsts, parts.sizes, e.versions)
+        else:  # format 1: one sample at a time
+            named = ((sid, None, 1, v) for sid, v in zip(e.samples(), e.sample_versions()))
+        for key, first, size, version in named:
+            if "@" in key:  # a later turn of a conversation (events.Parts)
+                s = self._sample(key.partition("@")[0])
+                if s is not None:
+                    self.later_turns.setdefault(s, []).append((version, w))
+                continue
+            if first is None:
+                s = self._sample(key)
+                span = slice(s, s + 1) if s is not None else None
+            else:
+                g = self.group_of.get(key)
+                start = int(self.g_first.data[g]) + first if g is not None else 0
+                span = slice(start, start + size) if g is not None and first + size <= self.g_n.data[g] else None
+            if span is not None:
+                self.s_version.data[span] = version
+                self.s_worker.data[span] = w
+
+    def _complete(self, e: GroupComplete) -> None:
+        g = self.group_of.get(e.group_id)
+        if g is not None and len(e.rewards) == self.g_n.data[g]:
+            first = int(self.g_first.data[g])
+            self.s_reward.data[first:first + len(e.rewards)] = e.rewards
+
+    def _formed(self, e: MicroBatchFormed) -> None:
+        formed = self.s_formed.data
+        for s in self._samples_of(e.sample_ids):
+            formed[s] = e.version
+
+    def _stepped(self, e: OptimizerStep) -> None:
+        self.stepped.add((self._index(e.agent, self.agents, self._agent_index), e.version))
+
+    def _dropped(self, e: SamplesDropped) -> None:
+        reason = 1 + self._index(e.why, self.reasons, self._reason_index)
+        for s in self._samples_of(e.sample_ids):
+            self.s_dropped.data[s] = reason
+
+    def _restored(self, e: TrainingRestored) -> None:
+        """What was trained into versions after `e.version` no longer counts (trained again)."""
+        agent = self._agent_index.get(e.agent)
+        self.stepped = {(a, v) for a, v in self.stepped if a != agent or v <= e.version}
+
+    def _resumed(self, e: RunResumed) -> None:
+        """The steps after the checkpoint are taken again."""
+        self.stepped = {(a, v) for a, v in self.stepped if v <= e.step}
+
+    @staticmethod
+    def _index(name: str, names: list[str], index: dict[str, int]) -> int:
+        i = index.get(name)
+        if i is None:
+            i = index[name] = len(names)
+            names.append(name)
+        return i
+
+    def _samples_of(self, sample_ids: list[str]) -> list[int]:
+        """The indices of the samples `GROUP/MEMBER` that were opened (a group's members come
+        together in the lists the log holds: its group is looked up once for them)."""
+        found, key, g, first, n = [], None, None, 0, 0
+        group_of, g_first, g_n = self.group_of, self.g_first.data, self.g_n.data
+        for sample_id in sample_ids:
+            k, _, member = sample_id.rpartition("/")
+            if k != key:
+                key, g = k, group_of.get(k)
+                if g is not None:
+                    first, n = int(g_first[g]), int(g_n[g])
+            if g is not None and member.isdecimal() and int(member) < n:
+                found.append(first + int(member))
+        return found
+
+    def _sample(self, sample_id: str) -> int | None:
+        """The index of the sample `GROUP/MEMBER`, or None where no such member was opened."""
+        key, _, member = sample_id.rpartition("/")
+        g = self.group_of.get(key)
+        if g is None or not member.isdecimal() or int(member) >= self.g_n.data[g]:
+            return None
+        return int(self.g_first.data[g]) + int(member)
+
+    # ------------------------------------------------------------ asking
+
+    def status(self, samples: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The index into STATUSES of each of `samples` (indices; all of them by default)."""
+        n = self.samples
+        formed, dropped = self.s_formed.data[:n][samples], self.s_dropped.data[:n][samples]
+        agent = self.g_agent.data[self.s_group.data[:n][samples]]
+        codes = agent.astype(np.int64) << 32 | formed.astype(np.int64) & 0xFFFFFFFF
+        taken = np.fromiter((a << 32 | v & 0xFFFFFFFF for a, v in self.stepped), dtype=np.int64, count=len(self.stepped))
+        out: np.ndarray = np.full(len(formed), STATUSES.index("opened"), dtype=np.int8)
+        out[self.s_version.data[:n][samples] >= 0] = STATUSES.index("generated")
+        out[~np.isnan(self.s_reward.data[:n][samples])] = STATUSES.index("ready")
+        out[formed >= 0] = STATUSES.index("in micro-batch")
+        out[dropped > 0] = STATUSES.index("dropped")
+        out[(formed >= 0) & np.isin(codes, taken)] = STATUSES.index("trained")
+        return out
+
+    def select(self, agent: str | None = None, steps: tuple[int | None, int | None] = (None, None),
+               rewards: tuple[float | None, float | None] = (None, None), status: str | None = None,
+               with_text: bool = False, order: str = "step") -> np.ndarray:
+        """The indices of the samples that pass every filter given, in `order` ("step": as
+        opened; "reward" or "-reward": by reward, ascending or descending)."""
+        n = self.samples
+        keep: np.ndarray = np.ones(n, dtype=bool)
+        groups = self.s_group.view()
+        if agent is not None:
+            if agent not in self._agent_index:
+                return np.zeros(0, dtype=np.int64)
+            keep &= self.g_agent.data[groups] == self._agent_index[agent]
+        if steps != (None, None):
+            batch = self.g_batch.data[groups]
+            if steps[0] is not None:
+                keep &= batch >= steps[0]
+            if steps[1] is not None:
+                keep &= batch <= steps[1]
+        reward = self.s_reward.view()
+        if rewards[0] is not None:
+            keep &= reward >= rewards[0]
+        if rewards[1] is not None:
+            keep &= reward <= rewards[1]
+        if status is not None:
+            keep &= self.status() == STATUSES.index(status)
+        if with_text:
+            keep &= self.s_text.view() >= 0
+        chosen = np.flatnonzero(keep)
+        if order in ("reward", "-reward"):
+            by = reward[chosen]
+            chosen = chosen[np.argsort(-by if order == "-reward" else by, kind="stable")]
+        return chosen
+
+    def rows(self, chosen: np.ndarray) -> list[dict[str, Any]]:
+        """The list's row of each sample in `chosen`."""
+        status = dict(zip(chosen.tolist(), self.status(chosen).tolist()))
+        out = []
+        for s in chosen.tolist():
+            g = int(self.s_group.data[s])
+            row = self._member(s, g, self._advantages(g))
+            row.update(episode=self.episodes[self.g_episode.data[g]], agent=self.agents[self.g_agent.data[g]],
+                       step=int(self.g_batch.data[g]), status=STATUSES[status[s]])
+            out.append(row)
+        return out
+
+    def episode(self, name: str) -> dict[str, Any] | None:
+        """An episode's groups in the order they opened, each with its branch and members."""
+        ep = self.episode_of.get(name)
+        if ep is None:
+            return None
+        members = np.concatenate([np.arange(self.g_first.data[g], self.g_first.data[g] + self.g_n.data[g])
+                                  for g in self.episode_groups[ep]])
+        status = dict(zip(members.tolist(), self.status(members).tolist()))
+        groups = []
+        for g in self.episode_groups[ep]:
+            agent = self.agents[self.g_agent.data[g]]
+            place = group_place(self.group_ids[g], agent)
+            first, n = int(self.g_first.data[g]), int(self.g_n.data[g])
+            advantages = self._advantages(g)
+            members = []
+            for s in range(first, first + n):
+                member = self._member(s, g, advantages)
+                member["status"] = STATUSES[status[s]]
+                offset = int(self.s_text.data[s])
+                text = self.read_text(offset) if offset >= 0 else None
+                if text is not None:
+                    member["turns"] = text.get("turns", [])
+                    member["versions"] = text.get("versions", member["versions"])
+                members.append(member)
+            groups.append({"group": self.group_ids[g], "agent": agent, "step": int(self.g_batch.data[g]),
+                           "branch": list(place.branch) if place is not None else [], "members": members})
+        return {"episode": name, "groups": groups}
+
+    def _advantages(self, g: int) -> list[float] | None:
+        first, n = int(self.g_first.data[g]), int(self.g_n.data[g])
+        rewards = self.s_reward.data[first:first + n]
+        if n == 0 or np.isnan(rewards).any():
+            return None
+        return group_advantages(rewards.tolist(), by_std=self.std_normalized(self.agents[self.g_agent.data[g]]))
+
+    def _member(self, s: int, g: int, advantages: list[float] | None) -> dict[str, Any]:
+        first = int(self.g_first.data[g])
+        reward = float(self.s_reward.data[s])
+        versions, instances = [int(self.s_version.data[s])], [int(self.s_worker.data[s])]
+        for version, worker in self.later_turns.get(s, ()):
+            versions.append(version)
+            instances.append(worker)
+        formed, dropped = int(self.s_formed.data[s]), int(self.s_dropped.data[s])
+        return {"sample": f"{self.group_ids[g]}/{s - first}", "member": s - first,
+                "reward": None if math.isnan(reward) else reward,
+                "advantage": round(advantages[s - first], 4) if advantages is not None else None,
+                "versions": [v for v in versions if v >= 0],
+                "instances": [self.workers[w] for w in instances if w >= 0],
+                "trained_into": formed if formed >= 0 else None,
+                "dropped": self.reasons[dropped - 1] if dropped else None,
+                "text": bool(self.s_text.data[s] >= 0)}
+
+
+# What EpisodeIndex.read does with each event type it reads; others are passed over.
+_AFTER_OPENING: dict[type, Callable[[EpisodeIndex, Any], None]] = {
+    RequestsCompleted: EpisodeIndex._completed, GroupComplete: EpisodeIndex._complete,
+    MicroBatchFormed: EpisodeIndex._formed, OptimizerStep: EpisodeIndex._stepped,
+    SamplesDropped: EpisodeIndex._dropped, TrainingRestored: EpisodeIndex._restored,
+    RunResumed: EpisodeIndex._resumed}
+_READERS: dict[type, Callable[[EpisodeIndex, Any], None]] = {GroupOpened: EpisodeIndex._opened, **_AFTER_OPENING}
