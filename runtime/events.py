@@ -116,6 +116,21 @@ class BatchStarted(Event):
     data_rows: list[int] = []  # the dataset row of each episode of the batch, in order
 
 
+class GroupTargets(Event):
+    # Dynamic sampling: batch `batch`'s regular episodes ended; each dynamic-sampling agent
+    # trains this many groups of it (those they opened), groups beyond them are surplus.
+    batch: int
+    targets: dict[str, int]
+
+
+class EpisodesDrawn(Event):
+    # Dynamic sampling: `episodes` extra episodes of batch `batch` start, for the groups
+    # each agent is `missing` (dropped because their rewards were all equal).
+    batch: int
+    episodes: int
+    missing: dict[str, int]
+
+
 class EvaluationDone(Event):
     # Held-out episodes at the weights after `step` optimizer steps; nothing of them trains.
     step: int
@@ -224,6 +239,26 @@ class SamplesDropped(Event):
     why: str
 
 
+class TeacherScored(Event):
+    # On-policy distillation: every member of the distilled agent's group (of batch
+    # `batch`) was scored by `teacher` (a prefill of its sequence), member j by the
+    # teacher's policy version `versions[j]`.
+    agent: str
+    group_id: str
+    batch: int
+    teacher: str
+    versions: list[int]
+
+
+class GroupServed(Event):
+    # A frozen agent's group (members GROUP/0 .. GROUP/n-1) once its episode ended well:
+    # generated, never to be trained; the rewards the workflow gave it, if any, in order.
+    agent: str
+    group_id: str
+    n: int
+    rewards: list[float] = []
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -284,6 +319,14 @@ class WeightSyncFinished(Event):
     version: int
     seconds: float
     nbytes: int
+
+
+class SnapshotRefreshed(Event):
+    # A snapshot agent's instances now hold its source's weights of `version` (their
+    # WeightSyncStarted / Finished, under the snapshot's name, precede this).
+    agent: str
+    source: str
+    version: int
 
 
 class AllocationChanged(Event):

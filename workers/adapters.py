@@ -77,6 +77,26 @@ def write_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], setti
     return sum(f.stat().st_size for f in (directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS))
 
 
+def read_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], LoraSettings]:
+    """A PEFT adapter directory's tensors (under PEFT's file names) and its shape, as
+    `write_adapter` (or PEFT itself) wrote them."""
+    import json
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{directory} is no PEFT adapter directory ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}): "
+                         f"{exc}") from None
+    targets = config.get("target_modules") or []
+    return tensors, LoraSettings(int(config["r"]), float(config.get("lora_alpha", config["r"])),
+                                 float(config.get("lora_dropout", 0.0)),
+                                 tuple(sorted(targets) if isinstance(targets, (list, set)) else [targets]))
+
+
 class SharedBase:
     """One frozen base model and the adapters of the agents that share it."""
 

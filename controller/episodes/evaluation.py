@@ -90,7 +90,7 @@ class Evaluator:
 
         await asyncio.gather(*(one(i) for i in range(e.episodes)))
         kept = {a: [s for s in store.samples.values() if s.agent == a and s.status != "dropped"]
-                for a in self.cfg.agents}
+                for a, c in self.cfg.agents.items() if not c.frozen}  # a frozen agent's are served, not measured
         versions = {a: sorted({v for s in samples for v in s.versions}) for a, samples in kept.items()}
         rows = [self.metrics.record_eval(step, agent, samples, failed, e.episodes, versions)
                 for agent, samples in kept.items()]

@@ -140,11 +140,13 @@ class AgentDefaults:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    frozen: bool = False  # served, never trained: its samples need no reward
+    teacher: str = ""  # on-policy distillation: the agent that scores its samples
 
     @classmethod
     def of(cls, c: Any) -> "AgentDefaults":
         return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
-                   list(c.stop_token_ids), c.ignore_eos)
+                   list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher)
 
 
 def request_seed(run_seed: int, sample_id: str) -> int:
@@ -485,7 +487,8 @@ class EpisodeContext:
 
     def reward(self, sample: SampleView | str, value: float | list[float]) -> None:
         """The reward of a sample; or, given the id of a completion the OpenAI endpoint
-        returned, of its samples: one value, or one per choice (by index)."""
+        returned, of its samples: one value, or one per choice (by index). A frozen agent's
+        samples need none; one given is recorded with them, never trained on."""
         if isinstance(sample, str):
             samples = self._endpoint_turns().completion(sample)
             values = list(value) if isinstance(value, (list, tuple)) else [value] * (len(samples) == 1)
@@ -539,6 +542,43 @@ class EpisodeContext:
             self._openai = self.endpoint.open_session(self)
         return self._openai
 
+    def unrewarded(self) -> list[str]:
+        """The groups this episode opened that still wait for rewards (a frozen agent's need none)."""
+        groups = self.store.groups
+        return [g for g in self.groups if g in groups and groups[g].status == PENDING
+                and not self.agents[groups[g].agent].frozen]
+
+    async def score_by_teachers(self) -> None:
+        """The episode's workflow ended: every sample of a distilled agent is final (no turn
+        follows), so its teacher scores it, each member's prompt and output in one prefill on
+        the teacher's engine (no second generation), after the teacher's own turn of the
+        staleness gate; the store records which teacher version scored which member."""
+        if not self.trains or self.eval_temperature is not None:
+            return  # nothing of it is trained
+        groups = self.store.groups
+        scoring = [groups[g] for g in self.groups if g in groups and groups[g].status == PENDING
+                   and self.agents[groups[g].agent].teacher]
+        await asyncio.gather(*(self._score_group(group) for group in scoring))
+
+    async def _score_group(self, group: Any) -> None:
+        teacher = self.agents[group.agent].teacher
+        await self._wait_at_gate(teacher)
+
+        async def score(s: Any) -> GroupOutput:
+            ids = list(s.prompt_ids) + s.output_ids.tolist()
+            return await self.generator.generate(teacher, protocol.GenGroup(
+                f"{s.sample_id}@teacher", teacher, 1, ids, 1, 1.0, 0, score_from=len(s.prompt_ids)))
+
+        outputs = await asyncio.gather(*(score(s) for s in group.members))
+        self.store.record_teacher(group.group_id, [o.logprobs[0] for o in outputs], [o.versions[0] for o in outputs])
+
+    def serve_frozen(self) -> None:
+        """The episode ended well: its frozen agents' groups are served (generated, never trained)."""
+        groups = self.store.groups
+        for g in self.groups:
+            if g in groups and self.agents[groups[g].agent].frozen:
+                self.store.serve_group(g)
+
     async def end(self) -> None:
         """The episode is over: its key names no live episode from now on."""
         if self._openai is not None:
@@ -578,10 +618,12 @@ async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> s
     try:
         async with deadline:
             await episode(ctx)
-        unfinished = [g for g in ctx.groups if ctx.store.groups[g].status == "pending"]
+            await ctx.score_by_teachers()
+        unfinished = ctx.unrewarded()
         if unfinished:
             named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else unfinished
             raise RuntimeError(f"episode ended without rewarding every sample of {named[:3]}")
+        ctx.serve_frozen()
         return ""
     except (asyncio.CancelledError, RunFailed):  # RunFailed: the run's failure (no instance left), not the episode's
         raise

@@ -27,6 +27,8 @@ It knows which fields tie an event to a batch; it does not read files.
 
 from __future__ import annotations
 
+import tomllib
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -35,7 +37,7 @@ from flexmarl.runtime import events as ev
 
 # Events of one version (= the batch that steps into it): undone when version > t.
 _BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.WeightSyncStarted,
-               ev.WeightSyncFinished)
+               ev.WeightSyncFinished, ev.SnapshotRefreshed)
 
 
 # The events that undo logged work.
@@ -120,7 +122,7 @@ def _damage(events: list[ev.Event]) -> tuple[dict[int, set[int]], dict[int, int]
     """Per epoch (see `_epochs`): the batches damage split, and the seq from which the
     balancer's events are not judged (the first damage in it)."""
     start = next((e for e in events if type(e) is ev.RunStarted), None)
-    agents = start.agents if start is not None else []
+    agents = agent_roles(start).trained if start is not None else []
     resumes = [e for e in events if type(e) is ev.RunResumed]
     bounds = [-1] + [r.seq for r in resumes]
     lost: dict[int, set[int]] = {}
@@ -173,11 +175,11 @@ def _split(members: list[ev.Event], gap: ev.EventsLost, agents: list[str], lo: i
 
 def _batches_of(e: ev.Event, batch_of_group: dict[str, int]) -> list[int]:
     """The batches an event concerns (none: history, such as workers and placement)."""
-    if isinstance(e, (ev.GroupOpened, ev.BatchStarted)):
+    if isinstance(e, (ev.GroupOpened, ev.BatchStarted, ev.GroupTargets, ev.EpisodesDrawn, ev.TeacherScored)):
         return [e.batch]
     if isinstance(e, _BY_VERSION):
         return [e.version]
-    if isinstance(e, ev.GroupComplete):
+    if isinstance(e, (ev.GroupComplete, ev.GroupServed)):
         return [batch_of_group[e.group_id]] if e.group_id in batch_of_group else []
     return []
 
@@ -192,9 +194,9 @@ def _cut(e: ev.Event, keep: Callable[[int | None], bool], batch_of_group: dict[s
 
     if isinstance(e, ev.GroupOpened):
         return e if keep(e.batch) else None
-    if isinstance(e, ev.GroupComplete):
+    if isinstance(e, (ev.GroupComplete, ev.GroupServed)):
         return e if keep(batch_of_group.get(e.group_id)) else None
-    if isinstance(e, ev.BatchStarted):
+    if isinstance(e, (ev.BatchStarted, ev.GroupTargets, ev.EpisodesDrawn, ev.TeacherScored)):
         return e if keep(e.batch) else None
     if isinstance(e, ev.EvaluationDone):
         return e if keep(e.step + 1) else None  # an evaluation of step t belongs to batch t + 1
@@ -240,5 +242,24 @@ def open_steps(log: list) -> set[tuple[str, int]]:
     step = ev.OptimizerStep
     stepped = {(e.agent, e.version) for e in log if type(e) is step}
     lost = lost_batches(log)
-    return {(a, b) for b in range(1, last_batch(log) + 1) for a in start.agents if (a, b) not in stepped
-            and b not in lost}
+    return {(a, b) for b in range(1, last_batch(log) + 1) for a in agent_roles(start).trained
+            if (a, b) not in stepped and b not in lost}
+
+
+@dataclass(frozen=True)
+class AgentRoles:
+    """What the run's config says of its agents, as the re-drive needs it."""
+
+    trained: list[str]  # those that step (not frozen, not snapshots), in config order
+    dynamic: list[str]  # those with dynamic sampling
+    snapshots: dict[str, int]  # snapshot agents -> their refresh interval
+
+
+def agent_roles(start: ev.RunStarted) -> AgentRoles:
+    """The run's agents by role, from the config its log starts with (a log without one:
+    every agent trained, none with dynamic sampling)."""
+    tables = tomllib.loads(start.config_toml).get("agents", {}) if start.config_toml else {}
+    trained = [a for a in start.agents
+               if tables.get(a, {}).get("train", True) and not tables.get(a, {}).get("snapshot_of")]
+    return AgentRoles(trained, [a for a in start.agents if tables.get(a, {}).get("dynamic_sampling", False)],
+                      {a: tables[a].get("snapshot_every", 1) for a in start.agents if tables.get(a, {}).get("snapshot_of")})

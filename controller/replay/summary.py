@@ -31,6 +31,7 @@ from flexmarl.runtime.events import (
     PROMPT_FIELDS,
     AllocationChanged,
     BatchStarted,
+    EpisodesDrawn,
     Event,
     EventsLost,
     GroupComplete,
@@ -42,6 +43,7 @@ from flexmarl.runtime.events import (
     RequestsDispatched,
     RunResumed,
     RunStarted,
+    SamplesDropped,
     WeightSyncFinished,
     WeightSyncStarted,
     WorkerDied,
@@ -133,6 +135,9 @@ class Summary:
     training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
     open_steps: dict[str, list[int]] = field(default_factory=dict)  # agent -> steps begun, never taken
     lost: list[EventsLost] = field(default_factory=list)  # damage to the log, with the batches it split
+    # (agent, why) -> samples dropped: too stale, a failed episode, dynamic sampling's equal rewards ...
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    extra_episodes: int = 0  # dynamic sampling's extra episodes (EpisodesDrawn)
 
     @property
     def wall_s(self) -> float:
@@ -165,7 +170,14 @@ def _summarize(events: list[Event]) -> Summary:
     crashed_at = crash_times(events, t_start) if resumed_at else []
     workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
     if read["undoing"]:
-        read.update(_route(lineage(events), ("agents", "accounting", "steps")))  # without what a resume undid
+        read.update(_route(lineage(events), ("agents", "accounting", "steps", "drops")))  # without what a resume undid
+    dropped: collections.Counter = collections.Counter()
+    extra = 0
+    for e in read["drops"]:
+        if type(e) is SamplesDropped:
+            dropped[(e.agent, _reason(e.why))] += len(e.sample_ids)
+        else:
+            extra += e.episodes
     agents = _agent_stats(read["agents"], run)
     rows, staleness, errors = accounting(read["accounting"], run)
     unfinished: dict[str, list[int]] = {}
@@ -174,7 +186,15 @@ def _summarize(events: list[Event]) -> Summary:
     training_s = training_time(read["marks"], iter(crashed_at), t_end if events else 0.0)
     lost = [e for e in read["steps"] if type(e) is EventsLost]
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_s, unfinished, lost)
+                   training_s, unfinished, lost, dropped, extra)
+
+
+def _reason(why: str) -> str:
+    """A drop's reason as the summary counts it: an episode's failure (each names its own
+    episode and error) as one reason."""
+    if why.startswith("its call failed"):
+        return "its call failed"
+    return "its episode failed" if why.startswith("episode ") else why
 
 
 def _route(events: list[Event], parts: tuple[str, ...]) -> dict[str, list]:
@@ -426,7 +446,7 @@ _AGENT_EVENTS = frozenset({GroupComplete, RequestsCompleted, *_AGENT_READERS})
 # training time, and whether the lineage differs from the log.
 _READS = {"usage": USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTED_EVENTS,
           "steps": frozenset({RunStarted, GroupOpened, OptimizerStep, EventsLost}), "marks": TRAINING_MARKS,
-          "undoing": UNDOING | {EventsLost}}
+          "undoing": UNDOING | {EventsLost}, "drops": frozenset({SamplesDropped, EpisodesDrawn})}
 
 
 
@@ -481,11 +501,17 @@ def format_summary(s: Summary) -> str:
             ["agent"] + [f"lag {lag}" for lag in lags],
             [[a] + [h.get(lag, 0) for lag in lags] for a, h in sorted(s.staleness.items())]))
     rows = sorted(s.accounting, key=lambda r: (r.agent, r.total))  # stable: versions, then total
-    out.append("sample accounting: generated = trained + dropped + in flight\n" + _table(
-        ["agent", "version", "generated", "trained", "dropped", "in flight", ""],
+    served = any(r.served for r in rows)  # frozen agents' samples: a column only where there are some
+    out.append(f"sample accounting: generated = trained + dropped + in flight{' + served' * served}\n" + _table(
+        ["agent", "version", "generated", "trained", "dropped", "in flight", *["served"] * served, ""],
         [[r.agent, "total" if r.total else "-" if r.version is None else r.version,
-          r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
+          r.generated, r.trained, r.dropped, r.in_flight, *[r.served] * served, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
+    if s.dropped:
+        out.append("dropped samples by reason\n" + _table(
+            ["agent", "samples", "why"], [[agent, n, why] for (agent, why), n in sorted(s.dropped.items())]))
+    if s.extra_episodes:
+        out.append(f"dynamic sampling drew {s.extra_episodes} extra episodes")
     return "\n\n".join(out)
 
 

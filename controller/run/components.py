@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from flexmarl.runtime import bases, protocol
-from flexmarl.runtime import events as ev
-from flexmarl.runtime.config import ExperimentConfig, to_dict
+from flexmarl.runtime.config import ConfigError, ExperimentConfig, to_dict, trained_agents
 from flexmarl.runtime.model_specs import has_tokenizer
 
 from ..control.interfaces import Emit
@@ -161,7 +160,59 @@ def resolve(cfg: ExperimentConfig, run_dir: Path | None = None) -> Resolved:
             check_fields(workflow, data, defaults, cfg.run.seed)
     units = bases.engine_units(cfg)
     model_path = _model_paths(cfg, kept, run_dir)
-    return Resolved(workflow, units, model_path, _tokenizers(cfg, model_path), dataset, eval_data)
+    tokenizers = _tokenizers(cfg, model_path)
+    _check_teachers(cfg, model_path, tokenizers)
+    _check_frozen_adapters(cfg)
+    return Resolved(workflow, units, model_path, tokenizers, dataset, eval_data)
+
+
+def _check_teachers(cfg: ExperimentConfig, model_path: dict[str, str], tokenizers: dict[str, AgentTokenizer]) -> None:
+    """A teacher scores its student's token ids as they are: both must read them alike, so
+    they share one tokenizer (the same vocabulary, ids and special tokens)."""
+    for student, agent in cfg.agents.items():
+        if not agent.teacher:
+            continue
+        mine, theirs = (_vocabulary(tokenizers.get(a), model_path[a]) for a in (student, agent.teacher))
+        if mine != theirs:
+            raise ConfigError(f"agents.{student}.teacher = {agent.teacher!r}, whose tokenizer differs from "
+                              f"{student}'s ({_difference(mine, theirs)}); a teacher scores the student's own token "
+                              f"ids, so both models must share one tokenizer")
+
+
+def _check_frozen_adapters(cfg: ExperimentConfig) -> None:
+    """A frozen adapter agent's directory holds a PEFT adapter of its configured rank (the
+    engines' LoRA slots are sized from the config)."""
+    import json
+
+    for name, agent in cfg.agents.items():
+        if not agent.adapter:
+            continue
+        where = Path(agent.adapter)
+        try:
+            rank = json.loads((where / "adapter_config.json").read_text())["r"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"agents.{name}.adapter = {agent.adapter!r} is no PEFT adapter directory "
+                              f"(adapter_config.json with its rank r, adapter_model.safetensors): {exc}") from None
+        if not (where / "adapter_model.safetensors").is_file():
+            raise ConfigError(f"agents.{name}.adapter = {agent.adapter!r} has no adapter_model.safetensors")
+        if rank != agent.lora_rank:
+            raise ConfigError(f"agents.{name}.adapter has rank {rank}, agents.{name}.lora_rank is {agent.lora_rank}: "
+                              f"set agents.{name}.lora_rank = {rank}")
+
+
+def _vocabulary(tokenizer: AgentTokenizer | None, path: str) -> dict[str, Any]:
+    if tokenizer is not None:
+        return {"vocabulary": tokenizer.tok.get_vocab(), "special tokens": tokenizer.tok.all_special_ids}
+    import json
+    return {"vocabulary size": json.loads((Path(path) / "config.json").read_text()).get("vocab_size")}
+
+
+def _difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    key = next((k for k in mine if mine[k] != theirs.get(k)), "")
+    if not key or key not in theirs:
+        return "one has a tokenizer, the other none"
+    sizes = [len(v) if key == "vocabulary" else v for v in (mine[key], theirs[key])]
+    return f"{key}: {sizes[0]} against {sizes[1]}" if sizes[0] != sizes[1] else f"{key}: other ids"
 
 
 def _model_paths(cfg: ExperimentConfig, kept: dict[str, Path], run_dir: Path | None) -> dict[str, str]:
@@ -222,21 +273,27 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     The allocator weighs the pipelines' work and the pipelines use the allocator: the
     allocator reads `pipelines` (filled below, before anything runs) when it weighs."""
     agents, server, emit, units = list(cfg.agents), given.server, given.emit, resolved.units
-    store = ExperienceStore(agents, emit=emit, std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
+    trained = trained_agents(cfg)  # the others are frozen: served, never trained, never synced
+    snapshots = {a: (c.snapshot_of, c.snapshot_every) for a, c in cfg.agents.items() if c.snapshot_of}
+    store = ExperienceStore(agents, emit=emit, std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()},
+                            frozen=[a for a in agents if a not in trained],
+                            dynamic=[a for a, c in cfg.agents.items() if c.dynamic_sampling],
+                            teachers={a: c.teacher for a, c in cfg.agents.items() if c.teacher})
     versions = SyncedVersions(agents)
-    schedule = BatchSchedule(agents, cfg.run.steps, cfg.pipeline.queries_per_step,
+    schedule = BatchSchedule(trained, cfg.run.steps, cfg.pipeline.queries_per_step,
                              overlap=cfg.pipeline.mode == "async", max_staleness=cfg.pipeline.max_staleness,
-                             versions=versions)
+                             versions=versions, snapshots={a: every for a, (_, every) in snapshots.items()})
     store.on_ready.append(lambda group: schedule.work_arrived(group.agent))
     instances = RolloutInstances(units, emit)
     pipelines: dict[str, AgentPipeline] = {}
-    allocator = TrainerAllocator(server, [], cfg.cluster.trainer_capacity, cfg.agents, resolved.model_path,
-                                 cfg.run.seed, lambda agent: pipelines[agent].work(), emit,
-                                 settings={a: bases.trainer_settings(cfg, a) for a in agents},
-                                 lora={a: units.lora(a) for a in agents},
+    allocator = TrainerAllocator(server, [], cfg.cluster.trainer_capacity, {a: cfg.agents[a] for a in trained},
+                                 resolved.model_path, cfg.run.seed, lambda agent: pipelines[agent].work(), emit,
+                                 settings={a: bases.trainer_settings(cfg, a) for a in trained},
+                                 lora={a: units.lora(a) for a in trained},
                                  saves_parked=cfg.cluster.trainer_group_size == 1)
     weights = WeightSync(agents, server, instances, versions, emit, trainer_for=_trainer_for(allocator),
-                         lora={a: units.lora(a) for a in agents}, ranks={a: units.of(a).ranks for a in agents})
+                         lora={a: units.lora(a) for a in agents}, ranks={a: units.of(a).ranks for a in agents},
+                         snapshots=snapshots, adapter_dirs={a: c.adapter for a, c in cfg.agents.items() if c.adapter})
     allocator.on_parked.append(weights.forget)
     def load_message(unit: str) -> protocol.LoadModel:
         return resolved.load_message(unit, server.next_request_id(), cfg.run.seed)
@@ -262,10 +319,10 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                                {a: c.tool_parser for a, c in cfg.agents.items()}) if cfg.openai.enabled else None)
     episodes = EpisodeProducer(cfg, resolved.workflow, store, client, schedule, emit, resolved.dataset, tool_pool,
                                resolved.tokenizers, endpoint)
-    checkpoints = Checkpointer(given.run_dir / "checkpoints", agents, every=cfg.run.checkpoint_every,
+    checkpoints = Checkpointer(given.run_dir / "checkpoints", trained, every=cfg.run.checkpoint_every,
                                keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                controller_state=lambda step: run_state(cfg, step, store, instances,
-                                                                       resolved.dataset, episodes),
+                                                                       resolved.dataset, episodes, versions),
                                full_state=cfg.cluster.trainer_group_size == 1)
     if given.resume is not None:
         continue_episodes(given.resume, cfg, resolved.dataset, episodes)
@@ -274,7 +331,7 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     lanes = TrainerLanes()  # the order of every trainer's commands, for every agent
     pipelines.update({a: AgentPipeline(a, cfg.pipeline, store, schedule, allocator, weights, server, metrics, emit,
                                        given.flush_events, cfg.agents[a].loss_options(), checkpoints=checkpoints,
-                                       lanes=lanes) for a in agents})
+                                       lanes=lanes) for a in trained})
     rebalancer = Rebalancer(cfg.router, units, instances, admission, client, server, weights,
                             {name: resolved.model_path[u.agents[0]] for name, u in units.items()}, emit,
                             lambda: schedule.finished)
@@ -296,7 +353,8 @@ def _metrics(cfg: ExperimentConfig, resolved: Resolved, given: Given, store: Exp
                                resumed_after=resume.step if resume is not None else None)
         store.on_ready.append(lambda group: sample_log.group_ready(
             group.agent, [store.samples[sid] for sid in group.sample_ids]))
-    return MetricsLog(given.run_dir, list(cfg.agents), progress=cfg.run.progress, trackers=trackers,
+        store.on_served.append(lambda group: sample_log.group_served(group.agent, group.members))
+    return MetricsLog(given.run_dir, schedule.agents, progress=cfg.run.progress, trackers=trackers,
                       resumed=resume is not None, first_step=schedule.first_batch, sample_log=sample_log,
                       prompt_counts=client.prompt_counts.__getitem__)
 

@@ -34,7 +34,7 @@ import msgspec
 from flexmarl.runtime import bases, protocol
 from flexmarl.runtime.aio import StallWatch, supervise
 from flexmarl.runtime.checksums import DamagedFile
-from flexmarl.runtime.config import ConfigError, ExperimentConfig, load_config
+from flexmarl.runtime.config import ExperimentConfig, load_config
 from flexmarl.runtime.model_specs import has_tokenizer
 
 from ..control.server import ControllerServer
@@ -83,7 +83,7 @@ class ServedAgents:
         self.run_dir, self.point = served_checkpoint(target)
         self.cfg: ExperimentConfig = load_config(self.run_dir / "config.toml", list(overrides))
         self.units = bases.engine_units(self.cfg)
-        self.models = {a: str(self.point.agent_dir(a)) for a in self.cfg.agents}  # an adapter's carries the tokenizer
+        self.models = {a: self._model_dir(a) for a in self.cfg.agents}  # an adapter's carries the tokenizer
         for agent, path in self.models.items():
             if not has_tokenizer(path):
                 raise CheckpointError(f"{path} holds no model with a tokenizer for agent {agent}")
@@ -97,6 +97,23 @@ class ServedAgents:
                                        serving=self.session)
         self.contexts = EpisodeContexts(self.cfg, self.client, None, self.tokenizers, self.endpoint)
         self._calls = itertools.count()
+
+    def _model_dir(self, agent: str) -> str:
+        """Where the served agent's weights are: its checkpoint's directory; a frozen agent's
+        own model or adapter (a checkpoint names it, never copies it); a snapshot's source's
+        checkpoint."""
+        c = self.cfg.agents[agent]
+        if c.snapshot_of:
+            return str(self.point.agent_dir(c.snapshot_of))
+        if not c.train:
+            return c.adapter if c.adapter else resolve_model(c.model)
+        return str(self.point.agent_dir(agent))
+
+    def _checksums(self, agent: str) -> dict[str, str]:
+        """The checkpoint's digests of what is loaded for `agent` (none for a frozen agent's
+        own files, which no checkpoint holds)."""
+        c = self.cfg.agents[agent]
+        return self.point.agent_checksums(c.snapshot_of or agent) if c.train or c.snapshot_of else {}
 
     def session(self) -> Any:
         """One call's context: a store of its own that nothing trains from."""
@@ -137,7 +154,7 @@ class ServedAgents:
         if not u.lora:
             message = msgspec.structs.replace(  # the engine checks the files it reads against the manifest
                 whole_model_message(self.cfg, unit, self.server.next_request_id(), self.models[unit], step),
-                checksums=self.point.agent_checksums(unit))
+                checksums=self._checksums(unit))
         else:
             message = u.load_message(self.server.next_request_id(), await asyncio.to_thread(self._base_path, unit),
                                      self.cfg.run.seed, step)
@@ -149,7 +166,7 @@ class ServedAgents:
                 assert lora is not None  # an agent of a base's unit is an adapter
                 await self.server.call(worker, protocol.LoadAdapter(
                     self.server.next_request_id(), agent, step, self.models[agent], lora,
-                    self.point.agent_checksums(agent)))
+                    self._checksums(agent)))
                 self.instances.loaded(worker, agent, step)
             self.instances.serve(worker, agent, "serves the checkpoint")
 

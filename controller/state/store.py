@@ -39,6 +39,7 @@ from .groups import GroupOutput
 log = logging.getLogger("flexmarl.store")
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
+SERVED = "served"  # a frozen agent's: generated, never to be trained
 
 # A first turn recorded without its settings (frozen: one value shared by every such sample).
 DEFAULT_SAMPLING = protocol.TurnSampling(0)
@@ -91,6 +92,8 @@ class Sample(msgspec.Struct, gc=False):
     ready_seq: int = 0  # the order in which its group became trainable, across every agent
     served_by: str = ""  # the instance that generated its last turn (its prefix cache has it)
     finish_reason: str = ""  # why its last turn ended
+    # On-policy distillation: its teacher's logprob of each output id, once scored.
+    teacher_logprobs: array.array | None = None
 
     @property
     def min_version(self) -> int:
@@ -139,10 +142,24 @@ class Group(msgspec.Struct, gc=False):
 
 class ExperienceStore:
     def __init__(self, agents: Iterable[str], emit: Emit | None = None,
-                 std_normalized: dict[str, bool] | None = None) -> None:
+                 std_normalized: dict[str, bool] | None = None, frozen: Iterable[str] = (),
+                 dynamic: Iterable[str] = (), teachers: dict[str, str] | None = None) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
         self.std_normalized = std_normalized or {}
+        # Agents that are served, never trained: their groups never become trainable; the
+        # episode serves them when it ends (`serve_group`).
+        self.frozen = frozenset(frozen)
+        # Distilled agent -> its teacher: a group of it is trainable once scored too (`record_teacher`).
+        self.teachers = dict(teachers or {})
+        self.on_served: list[Callable[[Group], None]] = []
+        # Dynamic sampling (decisions.dynamic_drop): per (agent, batch) the groups opened and
+        # kept, and the batch's target once its regular episodes ended (`set_target`).
+        self.dynamic = frozenset(dynamic)
+        self._opened: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._kept: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._targets: dict[tuple[str, int], int] = {}
+        self.dynamic_drops: collections.Counter[tuple[str, int, str]] = collections.Counter()  # (agent, batch, why) -> groups
         self.samples: dict[str, Sample] = {}
         self.groups: dict[str, Group] = {}
         self.ready: dict[str, dict[int, collections.deque[str]]] = {a: {} for a in agents}
@@ -162,6 +179,7 @@ class ExperienceStore:
         sample_ids = [f"{group_id}/{i}" for i in range(n)]
         members = [Sample(sid, agent, group_id, prompt, batch=batch) for sid in sample_ids]
         self.emit(ev.GroupOpened(agent, group_id, [], batch, n))
+        self._opened[(agent, batch)] += 1
         self.samples.update(zip(sample_ids, members))
         self.groups[group_id] = Group(group_id, agent, sample_ids, batch, members=members)
         self.counts[(agent, "generated")] += n
@@ -286,9 +304,44 @@ class ExperienceStore:
             sample.status = DROPPED
         self.counts[(group.agent, DROPPED)] += len(group.sample_ids)
 
-    def _maybe_ready(self, group: Group) -> None:
+    def record_teacher(self, group_id: str, logprobs: Sequence[Sequence[float]], versions: list[int]) -> None:
+        """A distilled agent's group scored by its teacher: member j's teacher logprobs (one
+        per output id) from the teacher's policy version `versions[j]`; the group becomes
+        trainable now if every member has its reward."""
+        group = self.groups[group_id]
         if group.status != PENDING:
+            return  # dropped meanwhile (its episode failed)
+        for sample, lps in zip(group.members, logprobs):
+            if sample.output_ids is None or len(lps) != len(sample.output_ids):
+                raise ValueError(f"{sample.sample_id}: {len(lps)} teacher logprobs for "
+                                 f"{0 if sample.output_ids is None else len(sample.output_ids)} output ids")
+            sample.teacher_logprobs = logprob_array(lps)
+        self.emit(ev.TeacherScored(group.agent, group_id, group.batch, self.teachers.get(group.agent, ""),
+                                   list(versions)))
+        if group.rewarded == len(group.members):
+            self._maybe_ready(group)
+
+    def serve_group(self, group_id: str) -> None:
+        """A frozen agent's group whose episode ended: generated, never to be trained (its
+        rewards, if the workflow gave any, are recorded with it); then let go."""
+        group = self.groups[group_id]
+        if group.status != PENDING or any(s.output_ids is None for s in group.members):
             return
+        self.emit(ev.GroupServed(group.agent, group_id, len(group.members),
+                                 [s.reward for s in group.members if s.reward is not None]))
+        group.status = SERVED
+        for sample in group.members:
+            sample.status = SERVED
+        self.counts[(group.agent, SERVED)] += len(group.members)
+        for listener in self.on_served:
+            listener(group)
+        self.forget(group.members)
+
+    def _maybe_ready(self, group: Group) -> None:
+        if group.status != PENDING or group.agent in self.frozen:  # a frozen agent's: served at its episode's end
+            return
+        if group.agent in self.teachers and any(s.teacher_logprobs is None for s in group.members):
+            return  # not scored by its teacher yet
         members = group.members
         rewards, tokens = [], len(members[0].prompt_ids)
         for s in members:
@@ -300,6 +353,13 @@ class ExperienceStore:
         agent, batch = group.agent, group.batch
         group.tokens = tokens
         self.emit(ev.GroupComplete(agent, group.group_id, rewards, tokens))  # the event keeps the list
+        if agent in self.dynamic:
+            why = decisions.dynamic_drop(rewards, self._kept[(agent, batch)], self._targets.get((agent, batch)))
+            if why:
+                self.dynamic_drops[(agent, batch, why)] += 1
+                self.drop_group(group.group_id, why)
+                return
+            self._kept[(agent, batch)] += 1
         seq = next(self._ready_seq)
         for s, adv in zip(members, group_advantages(rewards, by_std=self.std_normalized.get(agent, True))):
             s.advantage, s.status, s.ready_seq = adv, READY, seq
@@ -312,6 +372,20 @@ class ExperienceStore:
         self._ready_count[(agent, batch)] += len(members)
         for listener in self.on_ready:
             listener(group)
+
+    # ---------------------------------------------------------------- dynamic sampling
+
+    def groups_opened(self, agent: str, batch: int) -> int:
+        return self._opened[(agent, batch)]
+
+    def groups_kept(self, agent: str, batch: int) -> int:
+        """A dynamic-sampling agent's groups of `batch` that became trainable."""
+        return self._kept[(agent, batch)]
+
+    def set_target(self, agent: str, batch: int, groups: int) -> None:
+        """The groups `agent` trains in `batch` (its regular episodes'): more from extra
+        episodes are surplus (`decisions.dynamic_drop`)."""
+        self._targets[(agent, batch)] = groups
 
     # ---------------------------------------------------------------- training side
 
@@ -377,6 +451,7 @@ class ExperienceStore:
         records, groups = self.samples, self.groups
         for s in samples:
             s.prompt_ids, s.output_ids, s.logprobs, s.mask = [], NO_OUTPUT, NO_LOGPROBS, NO_MASK
+            s.teacher_logprobs = None
             records.pop(s.sample_id, None)
             groups.pop(s.group_id, None)
 

@@ -153,10 +153,10 @@ class FakeEngine(FakeWorker):
         await self.reply(protocol.ModelLoaded(msg.request_id, msg.agent, msg.version, self.costs["load_s"]))
 
     async def _weights(self, msg: protocol.LoadWeights) -> None:
-        h = msg.handle
-        if msg.agent != self.agent or h.agent != msg.agent or h.version != msg.version:
-            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}; handle of {h.agent} "
-                                              f"v{h.version} for {msg.agent} v{msg.version}")
+        h = msg.handle  # a snapshot's is its source's: the version alone must match
+        if h is None or msg.agent != self.agent or h.version != msg.version:
+            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}; handle {h} for {msg.agent} "
+                                              f"v{msg.version}")
             return
         self.version = msg.version
         await self.reply(protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version, self.costs["load_s"]))

@@ -6,6 +6,8 @@ Layout of RUN_DIR/checkpoints/::
     step-000010/                  one consistent cut: every agent at version 10
         controller.json           the controller's state at the cut (see `controller_state`)
         AGENT/                    Hugging Face weights: config.json, model.safetensors, tokenizer
+                              (trained agents only: a frozen one is named in controller.json's
+                              "frozen" by its model, or its source agent and version)
             training_state.flexmarl   weights, optimizer state, version (a parameter-channel
                                       disk file, which any trainer can load)
         manifest.sha256           the SHA-256 of every file above, written last
@@ -243,17 +245,20 @@ def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
 
 
 def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], store_after_cut: dict[str, int],
-                     dataset: Any, next_episode: int) -> dict[str, Any]:
+                     dataset: Any, next_episode: int, versions: Any = None) -> dict[str, Any]:
     """What the controller adds to a checkpoint of `step`: enough to continue the run from
     it and to say where it stood. Episodes draw their randomness from seeds made of
     (run.seed, batch, episode), so the seed and the step are the random state; the
     settings exactness depends on are recorded for the resume to compare.
     `store_after_cut`: samples of later batches the store held per agent (a resumed run
     makes them again); `dataset`: the training data, or None; `next_episode`: the number
-    of the first episode after the cut."""
+    of the first episode after the cut; `versions`: the synced versions (a snapshot's).
+    Frozen agents are named by their source, never copied (`frozen_sources`)."""
+    frozen = frozen_sources(cfg, versions)
     state = {"steps": cfg.run.steps,
              **{key: value for key, (_, value) in exactness_settings(cfg, dataset).items()},
-             "versions": {a: step for a in cfg.agents},
+             "versions": {a: step for a in cfg.agents if a not in frozen},
+             "frozen": frozen,
              "episodes_done": next_episode,
              "rollout_assignment": {a: list(ws) for a, ws in assignment.items()},
              "store_after_cut": dict(store_after_cut),
@@ -265,12 +270,30 @@ def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], stor
     return state
 
 
-def run_state(cfg: Any, step: int, store: Any, instances: Any, dataset: Any, episodes: Any) -> dict[str, Any]:
+def frozen_sources(cfg: Any, versions: Any = None) -> dict[str, dict[str, Any]]:
+    """What each frozen agent's weights are, named instead of copied into a checkpoint:
+    its model, its base and adapter directory, or the agent a snapshot copies and at
+    which version (`versions`, the synced ones; a resumed run's snapshot is loaded from
+    its source's weights at the resumed step)."""
+    sources: dict[str, dict[str, Any]] = {}
+    for name, agent in cfg.agents.items():
+        if agent.snapshot_of:
+            sources[name] = {"snapshot_of": agent.snapshot_of, "every": agent.snapshot_every,
+                             "version": versions[name] if versions is not None else None}
+        elif not agent.train:
+            sources[name] = ({"base": cfg.bases[agent.base].model, "adapter": agent.adapter} if agent.base
+                             else {"model": agent.model})
+    return sources
+
+
+def run_state(cfg: Any, step: int, store: Any, instances: Any, dataset: Any, episodes: Any,
+              versions: Any = None) -> dict[str, Any]:
     """`controller_state` read off the run's components: the store's samples past the cut,
-    the rollout instances' assignment, the episode numbering."""
+    the rollout instances' assignment, the episode numbering, the synced versions."""
     past = collections.Counter(s.agent for s in store.samples.values() if s.batch > step)
     after_cut = {a: past[a] for a in cfg.agents}  # one pass over the samples, not one per agent
-    return controller_state(cfg, step, instances.assignment, after_cut, dataset, episodes.episode_number(step + 1, 0))
+    return controller_state(cfg, step, instances.assignment, after_cut, dataset, episodes.episode_number(step + 1, 0),
+                            versions)
 
 
 def resume_placement(resume: ResumePoint | None, units: Any, workers: list[str]) -> dict[str, list[str]] | None:
@@ -285,8 +308,9 @@ def resume_placement(resume: ResumePoint | None, units: Any, workers: list[str])
 def at_checkpoint(message: protocol.LoadModel, resume: ResumePoint | None, unit: Any) -> protocol.LoadModel:
     """The load message of a resumed run's initial placement: a whole-model engine starts
     on the checkpoint's weights at its step (an adapter base starts on its base, the
-    adapters are synced next). Unchanged without a resume."""
-    if resume is None or unit.lora:
+    adapters are synced next; a frozen agent's engine on its own model, the checkpoint
+    naming it). Unchanged without a resume."""
+    if resume is None or unit.lora or unit.agents[0] in resume.state.get("frozen", {}):
         return message
     first = unit.agents[0]
     return msgspec.structs.replace(message, model_path=str(resume.agent_dir(first).resolve()), version=resume.step,
@@ -298,7 +322,7 @@ def resume_counters(resume: ResumePoint, run_dir: Path, schedule: Any, versions:
     dropped (made again), the schedule starts at the next batch, every agent at its step."""
     truncate_metrics(run_dir / "metrics.jsonl", resume.step)
     schedule.resume_after(resume.step)
-    versions.resume_at(resume.step)
+    versions.resume_at(resume.step, schedule.agents + list(schedule.snapshots))  # a frozen agent stays at 0
 
 
 def continue_episodes(resume: ResumePoint, cfg: Any, dataset: Any, episodes: Any) -> None:

@@ -185,6 +185,16 @@ class AgentPipeline:
         self._pending -= 1
         self.allocator.work_changed()
 
+    def _dynamic_sampling(self, batch: int) -> dict[str, int]:
+        """With dynamic sampling: the step's groups dropped for equal rewards and as surplus,
+        and the extra episodes its batch drew."""
+        if self.agent not in self.store.dynamic:
+            return {}
+        drops = self.store.dynamic_drops
+        return {"groups_equal_dropped": drops[(self.agent, batch, decisions.EQUAL_REWARDS)],
+                "groups_surplus_dropped": drops[(self.agent, batch, decisions.SURPLUS)],
+                "extra_episodes": self.schedule.batches[batch].extra_episodes}
+
     def _swaps_since_last_row(self) -> dict[str, float]:
         count = self.allocator.swaps_of(self.agent)
         ins, waited = self._swaps_recorded
@@ -210,7 +220,8 @@ class AgentPipeline:
                         self.metrics.record(batch, self.agent, batch, trained, times,
                                             step_s=round(now - last_end, 4), skipped_steps=self.skipped.total,
                                             episodes_failed=self.schedule.batches[batch].episodes_failed,
-                                            **self._swaps_since_last_row(), **step_signals(stats))
+                                            **self._swaps_since_last_row(), **step_signals(stats),
+                                            **self._dynamic_sampling(batch))
                         recorded, last_end = True, now
                     else:
                         await self._restep(batch)
@@ -493,8 +504,9 @@ def train_sample(s: Sample) -> protocol.TrainSample:
     assert s.output_ids is not None and s.logprobs is not None and s.mask is not None  # a finished sample
     mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
     first, *later = s.sampling or [protocol.TurnSampling(0)]
+    teacher = [] if s.teacher_logprobs is None else s.teacher_logprobs.tolist()
     return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), cast(float, s.advantage), s.logprobs.tolist(),
-                                s.versions, first.temperature, mask, first.top_p, first.top_k, later)
+                                s.versions, first.temperature, mask, first.top_p, first.top_k, later, teacher)
 
 
 def step_signals(stats: protocol.StepStats) -> dict[str, float]:
@@ -503,5 +515,5 @@ def step_signals(stats: protocol.StepStats) -> dict[str, float]:
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "entropy": stats.entropy,
             "response_len_mean": stats.response_len_mean, "response_len_max": stats.response_len_max,
             "logprob_abs_diff": stats.logprob_abs_diff, "rollout_kl": stats.rollout_kl,
-            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "tokens": stats.tokens,
-            "skipped": int(stats.skipped)}
+            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "teacher_kl": stats.teacher_kl,
+            "tokens": stats.tokens, "skipped": int(stats.skipped)}

@@ -213,6 +213,39 @@ async def test_replay_parts_times_the_command_and_each_of_its_parts_on_a_log(tmp
     assert all({"command_s", "import_s", "read_s", "summarize_s", "format_s", "check_s"} <= r.keys() for r in rows)
 
 
+@pytest.mark.slow
+def test_frozen_agents_compares_a_frozen_judge_with_one_trained_at_lr_0():
+    rows = json_rows(run_bench("frozen_agents.py", "--smoke"))
+    frozen, lr0, ratio = rows
+    assert (frozen["mode"], lr0["mode"]) == ("frozen", "lr0")
+    assert frozen["trainer_agents"] == ["player"] and lr0["trainer_agents"] == ["judge", "player"]
+    assert frozen["judge_micro_batches"] == frozen["judge_weight_syncs"] == 0
+    assert lr0["judge_optimizer_steps"] == lr0["judge_weight_syncs"] == 2
+    assert len(ratio["lr0_over_frozen_step_s"]) == 1
+
+
+@pytest.mark.slow
+def test_distillation_trains_a_teacher_then_the_student_with_and_without_it():
+    rows = json_rows(run_bench("distillation.py", "--smoke", timeout=1200))
+    assert "teacher_held_out_reward" in rows[0]
+    assert [(r["mode"], r["seed"]) for r in rows[1:3]] == [("rl", 0), ("distill", 0)]
+    assert rows[1]["teacher_kl_first_last"] == [0.0, 0.0] and rows[2]["teacher_kl_first_last"][0] > 0
+    assert [r["mode"] for r in rows[3:]] == ["rl", "distill"] and "steps_to_teacher_reward" in rows[3]
+
+
+@pytest.mark.slow
+def test_self_play_reports_the_players_reward_per_refresh_of_its_snapshot():
+    rows = json_rows(run_bench("self_play.py", "--smoke"))
+    assert [r["snapshot_version"] for r in rows] == [0, 1] and all(r["past_score"] is not None for r in rows)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_runs_the_task_with_and_without_it():
+    with_it, without = json_rows(run_bench("dynamic_sampling.py", "--smoke"))
+    assert with_it["dynamic_sampling"] and not without["dynamic_sampling"]
+    assert with_it["samples"] == [12, 12] and without["groups_equal_dropped"] == [0, 0]
+
+
 def test_view_load_opens_a_small_synthetic_run_in_a_real_browser():
     from flexmarl.controller.testing.browser import BrowserMissing, headless_chromium
 

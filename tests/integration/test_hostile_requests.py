@@ -7,7 +7,6 @@ server's key; and a checkpoint whose files do not match its manifest is refused 
 anything loads it."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess

@@ -206,6 +206,8 @@ class VllmEngine:
         self._outstanding: dict[str, int] = {}
         # A group added as one vLLM request (see add_group): its id -> the member ids, in order.
         self._groups: dict[str, list[str]] = {}
+        # A scoring request (add_group's `score_from`): its id -> the ids it scores.
+        self._scoring: dict[str, list[int]] = {}
         self._group_of: dict[str, str] = {}
         # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
         self._inplace = inplace_reload
@@ -265,6 +267,7 @@ class VllmEngine:
         ignore_eos: bool = True,
         adapter: str = "",
         adapter_version: int = -1,
+        score_from: int = -1,
     ) -> int:
         """Queue requests that differ only in their seeds, request j with seed `seed + j`:
         exactly `add(request_ids[j], ..., seed + j)` for every j, tokens and logprobs alike,
@@ -275,7 +278,12 @@ class VllmEngine:
 
         With `adapter`, they run under that LoRA adapter at `adapter_version` (-1: its
         newest; a version retired for a newer one: the newer), which stays loaded until
-        they finish; returns the adapter version they run under (-1 without an adapter)."""
+        they finish; returns the adapter version they run under (-1 without an adapter).
+
+        With `score_from` >= 1 (one request), nothing is generated: the prompt is prefilled
+        with vLLM's prompt logprobs, and the request's completion is `prompt_ids[score_from:]`
+        with the model's logprob of each (its unscaled distribution: a teacher's view of
+        a student's sample)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
@@ -287,6 +295,9 @@ class VllmEngine:
         if taken or len(set(ids)) != len(ids):
             raise RequestRefused(f"request {(taken or ids)[0]!r} is already in this engine")
         reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
+        if reason is None and score_from >= 0 and not (len(ids) == 1 and 1 <= score_from < len(prompt_ids)):
+            reason = (f"a scoring request scores ids of one prompt from index 1 on; got {len(ids)} requests, "
+                      f"score_from {score_from} of {len(prompt_ids)} ids")
         if reason is None and stop and not self.has_tokenizer:
             reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
         resident = None
@@ -304,22 +315,26 @@ class VllmEngine:
         # The end-of-sequence ids are named explicitly: without a tokenizer vLLM knows none.
         ends = [] if ignore_eos else [t for t in self.eos_token_ids if t not in stop_token_ids]
         try:
-            params = SamplingParams(
-                # vLLM gives sample j of an n-sample request the seed `seed + j` (its
-                # ParentRequest), the very seed request_ids[j] would have alone.
-                n=len(ids),
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k if top_k > 0 else 0,
-                seed=seed,
-                logprobs=0,  # only the sampled token's logprob
-                ignore_eos=ignore_eos,
-                stop=list(stop) or None,
-                stop_token_ids=list(stop_token_ids) + ends,
-                detokenize=bool(stop),  # only stop strings need text
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
+            if score_from >= 0:  # a prefill: the prompt's own logprobs, one token written and dropped
+                params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, logprobs=0,
+                                        ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            else:
+                params = SamplingParams(
+                    # vLLM gives sample j of an n-sample request the seed `seed + j` (its
+                    # ParentRequest), the very seed request_ids[j] would have alone.
+                    n=len(ids),
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k if top_k > 0 else 0,
+                    seed=seed,
+                    logprobs=0,  # only the sampled token's logprob
+                    ignore_eos=ignore_eos,
+                    stop=list(stop) or None,
+                    stop_token_ids=list(stop_token_ids) + ends,
+                    detokenize=bool(stop),  # only stop strings need text
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
             # vLLM validates the request completely before registering any of it, so a
             # refusal here leaves nothing behind.
             self._engine.add_request(name, tokens_input(list(prompt_ids)), params,
@@ -328,6 +343,8 @@ class VllmEngine:
             raise RequestRefused(f"vLLM refused request {name!r}: {exc}") from exc
         for rid in ids:
             self._outstanding[rid] = len(prompt_ids) + max_tokens
+        if score_from >= 0:
+            self._scoring[name] = list(prompt_ids[score_from:])
         if len(ids) > 1:
             self._groups[name] = ids
             self._group_of.update((rid, name) for rid in ids)
@@ -347,6 +364,15 @@ class VllmEngine:
             finished = True
             if self.adapters is not None:
                 self.adapters.release(output.request_id)
+            scored = self._scoring.pop(output.request_id, None)
+            if scored is not None:
+                if self._outstanding.pop(output.request_id, None) is not None:
+                    logprobs = output.prompt_logprobs[-len(scored):]
+                    completions.append(Completion(
+                        request_id=output.request_id, token_ids=scored,
+                        logprobs=[step[token].logprob for token, step in zip(scored, logprobs)],
+                        finish_reason="score", cached_tokens=output.num_cached_tokens or 0))
+                continue
             members = self._groups.pop(output.request_id, None) or [output.request_id]
             for sample in output.outputs:
                 rid = members[sample.index]
@@ -388,6 +414,7 @@ class VllmEngine:
         if names:
             self._engine.abort_request(list(names))
             for name in names:
+                self._scoring.pop(name, None)
                 for rid in self._groups.pop(name, [name]):
                     del self._outstanding[rid]
                     self._group_of.pop(rid, None)
@@ -556,6 +583,7 @@ class VllmEngine:
         self._llm = None
         self._outstanding.clear()
         self._groups.clear()
+        self._scoring.clear()
         self._group_of.clear()
         if engine is not None:
             engine.engine_core.shutdown()

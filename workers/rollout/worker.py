@@ -97,12 +97,13 @@ class RolloutHandler(CommandHandler):
         """The LoadWeights of the publication `msg.key` fails now: dropped if still queued,
         its receive given up if running (it waits on an NCCL group one of whose ranks died)."""
         for queue in (self._control, self._adapter_loads):
-            for load in [m for m in queue if isinstance(m, protocol.LoadWeights) and m.handle.key == msg.key]:
+            for load in [m for m in queue if isinstance(m, protocol.LoadWeights) and m.handle is not None
+                         and m.handle.key == msg.key]:
                 queue.remove(load)
                 await self.reply(protocol.Error(load.request_id, f"LoadWeights for {load.agent} version {load.version} "
                                                                  "cancelled: another rank of its broadcast died"))
         applying = self._applying
-        if isinstance(applying, protocol.LoadWeights) and applying.handle.key == msg.key:
+        if isinstance(applying, protocol.LoadWeights) and applying.handle is not None and applying.handle.key == msg.key:
             if applying.lora is not None:
                 self.channel().cancel(msg.key)  # an adapter is received here
             elif self.engine is not None:
@@ -195,6 +196,8 @@ class RolloutHandler(CommandHandler):
     def _load_weights(self, msg: protocol.LoadWeights) -> None:
         if msg.lora is not None:
             return self._load_adapter(msg)
+        if msg.handle is None:
+            raise ValueError(f"weights for {msg.agent} came without a handle; only an adapter loads from a directory")
         if msg.agent != self.agent and self._running:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
         # Each of the engine's workers receives the bucket itself and verifies it before any
@@ -211,6 +214,13 @@ class RolloutHandler(CommandHandler):
         """An adapter agent's new version joins the engine beside the versions in use."""
         if self.engine is None:
             raise RuntimeError(f"no engine is loaded here to take the adapter of {msg.agent}; load its base first")
+        if msg.handle is None:  # a frozen adapter agent: its adapter as a PEFT directory wrote it
+            from ..adapters import read_adapter
+
+            tensors, lora = read_adapter(msg.adapter_dir)
+            self.engine.load_adapter(msg.agent, msg.version, tensors, lora)
+            log.info("serving %s as a frozen adapter from %s", msg.agent, msg.adapter_dir)
+            return
         tensors = self.channel().receive(msg.handle, rank=msg.rank or None)
         try:
             self.engine.load_adapter(msg.agent, msg.version, tensors, msg.lora)
@@ -241,7 +251,8 @@ class RolloutHandler(CommandHandler):
             try:
                 used = self.engine.add_group(member_ids(group), group.prompt_ids, group.max_tokens, group.temperature,
                                              group.seed, top_p=group.top_p, top_k=group.top_k, stop=group.stop,
-                                             stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos, **adapter)
+                                             stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos,
+                                             score_from=group.score_from, **adapter)
             except RequestRefused as exc:
                 log.warning("%s: %s", group.agent, exc)
                 refused.append(protocol.GroupRefused(group.key, group.first, str(exc)))

@@ -227,7 +227,7 @@ class TrainerGroupHandler(TrainerHandler):
         if share:
             return replace(msg, samples=share), True
         return replace(msg, samples=[replace(msg.samples[0], advantage=0.0)],
-                       loss=replace(msg.loss, kl_coef=0.0)), False
+                       loss=replace(msg.loss, kl_coef=0.0, teacher_coef=0.0)), False
 
     def _reduce(self, sums: StepSums) -> StepSums:
         tensors = sums.to_tensors()

@@ -127,3 +127,31 @@ G_BY_0 = completed("a", "g", 0)
 def test_a_log_naming_a_sample_twice_or_out_of_order_is_counted_per_sample(events):
     copies = stamped([msgspec.structs.replace(e) for e in events])  # the parameters share their events
     assert accounting._count_by_part(copies, START.max_staleness) is None
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["per-part", "per-sample"])
+def test_a_frozen_agents_served_samples_reconcile_as_generated_not_trained(per_sample):
+    log = [START, ev.GroupOpened("a", "g", [], 1, 2), ev.GroupOpened("b", "j", [], 1, 2),
+           completed("a", "g", 0), completed("b", "j", 0), ev.GroupServed("b", "j", 2, [1.0]),
+           *trained("a", 1, ["g/0", "g/1"], [0, 0])]
+    if per_sample:  # a format-1 group (members listed) sends the count per sample
+        log.insert(1, ev.GroupOpened("a", "x", ["x/0"], 1))
+    s = replay.summarize(stamped(log))
+    assert s.errors == []
+    served = {(r.agent, r.version): r.served for r in s.accounting}
+    assert served[("b", 0)] == 2 and served[("a", 0)] == 0
+    total_b = next(r for r in s.accounting if r.agent == "b" and r.total)
+    assert (total_b.generated, total_b.trained, total_b.served, total_b.in_flight) == (2, 0, 2, 0)
+    text = replay.format_summary(s) if hasattr(replay, "format_summary") else ""
+    assert not text or "+ served" in text
+
+
+def test_a_teacher_version_outside_what_the_batch_may_use_is_an_error():
+    config = '[agents.s]\nteacher = "t"\n[agents.t]\ntrain = true\n[agents.f]\ntrain = false\n'
+    run = ev.RunStarted(config, ["s", "t", "f"], "async", 1, 0)
+    ok = [ev.TeacherScored("s", "g1", 3, "t", [1, 2]), ev.TeacherScored("s", "g2", 3, "f", [0])]
+    bad = [ev.TeacherScored("s", "g3", 4, "t", [1]), ev.TeacherScored("s", "g4", 1, "f", [2])]
+    assert accounting._teacher_errors(ok, run) == []
+    assert accounting._teacher_errors(bad, run) == [
+        "agent 's': group g3 of batch 4 scored by 't' at version 1, outside what the batch may use",
+        "agent 's': group g4 of batch 1 scored by 'f' at version 2, outside what the batch may use"]

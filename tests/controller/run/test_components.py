@@ -168,3 +168,40 @@ def test_a_base_is_resolved_once_under_its_own_name_and_kept_in_the_run_director
     cfg = load_config(None, ["run.progress=false", "bases.team.model='tiny:/gone/models.py:base'",
                              "agents.sorter.base='team'", "agents.copier.base='team'"])
     assert resolve(cfg, run_dir).model_path == paths and resolved_names == []  # the recipe may be gone
+
+
+def test_a_teacher_whose_tokenizer_differs_from_its_students_is_refused_in_one_line():
+    """The digit chain's models share one vocabulary; the review chain's verifier has a BPE
+    tokenizer of its own (both built once and cached)."""
+    from pathlib import Path
+
+    from flexmarl.runtime.config import ConfigError
+
+    review = Path(__file__).parents[3] / "examples" / "review_chain" / "models.py"
+    ok = load_config(None, ["run.progress=false", "agents.planner.teacher=\"solver\""], defaults=default_config())
+    components._check_teachers(ok, *_paths_and_tokenizers(ok))
+    bad = load_config(None, ["run.progress=false", "agents.planner.teacher=\"verifier\"",
+                             f"agents.verifier.model=\"tiny:{review}:verifier\""], defaults=default_config())
+    with pytest.raises(ConfigError, match=r"agents.planner.teacher = 'verifier', whose tokenizer differs from "
+                                          r"planner's \(vocabulary: \d+ against \d+\)") as caught:
+        components._check_teachers(bad, *_paths_and_tokenizers(bad))
+    assert "\n" not in str(caught.value)
+
+
+def _paths_and_tokenizers(cfg):
+    paths = components._model_paths(cfg, {}, None)
+    return paths, components._tokenizers(cfg, paths)
+
+
+def test_frozen_agents_and_snapshots_get_no_pipeline_allocator_entry_or_checkpoint_part(tmp_path, models_named,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(components, "_check_teachers", lambda *args: None)  # no model files here
+    cfg, parts = built(tmp_path, "agents.checker.train=false", "agents.past.snapshot_of='planner'",
+                       "agents.solver.dynamic_sampling=true", "agents.solver.teacher='checker'")
+    assert set(parts.pipelines) == set(parts.allocator.specs.config) == {"planner", "solver"}
+    assert parts.checkpoints.agents == ["planner", "solver"] and parts.schedule.agents == ["planner", "solver"]
+    assert parts.schedule.snapshots == {"past": 1} and parts.weights.snapshots == {"past": ("planner", 1)}
+    assert parts.store.frozen == {"checker", "past"} and parts.store.dynamic == {"solver"}
+    assert parts.store.teachers == {"solver": "checker"}
+    assert set(parts.resolved.units) == {"planner", "solver", "checker", "past"}  # every agent is served
+    close(parts)
