@@ -7,16 +7,16 @@ One invocation:
    final weights, sampled at temperature 1, on examples/distill/eval.jsonl). With
    --teacher DIR, an earlier run's teacher (and its reward, from its metrics) is reused;
 2. for each seed, trains the student (the digit chain's planner, `tiny:planner`) from the
-   same start twice: "rl" (its reward alone) and "distill" (the same, plus the teacher's
-   per-token reverse KL, `agents.student.teacher`), evaluating it every --eval-every steps;
-   the frozen teacher is placed on its own engine in both modes, so both use the same
-   workers. With --only the distilled student learns from the reverse KL alone.
+   same start in each of --modes: "rl" (its reward alone), "distill" (the same, plus the
+   teacher's per-token reverse KL, `agents.student.teacher`) and "only" (the reverse KL
+   alone, `teacher_only`), evaluating it every --eval-every steps; the frozen teacher is
+   placed on its own engine in every mode, so all use the same workers.
 
 It prints a JSON row per run (the student's held-out reward per evaluated step) and then,
 per mode and seed, the first evaluated step at which the student's held-out reward reached
 the teacher's (null: not within the run), and the mean curve over the seeds.
 
-    python bench/system/distillation.py --seeds 0,1,2 --steps 30 --teacher-steps 30
+    python bench/system/distillation.py --seeds 0,1,2 --steps 60 --teacher-steps 200 --modes rl,distill,only
     python bench/system/distillation.py --reward exact ...   # a sparse reward: 1 only when all three are right
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
@@ -28,6 +28,7 @@ import asyncio
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,8 +83,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
-    parser.add_argument("--only", action="store_true", help="distil with the reverse KL alone (teacher_only)")
-    parser.add_argument("--modes", default="rl,distill", help="which of the student's runs to make")
+    parser.add_argument("--modes", default="rl,distill",
+                        help="the student's runs per seed: rl (reward alone), distill (reward and reverse KL), "
+                             "only (reverse KL alone)")
     parser.add_argument("--reward", choices=("fraction", "exact"), default="fraction",
                         help="the task's reward: the fraction of positions right, or 1 only when all are")
     parser.add_argument("--out", default="", help="keep the run directories here")
@@ -98,11 +100,15 @@ def main() -> None:
         teacher_dir, target = teacher(args, work)
         print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4)}), flush=True)
         modes = args.modes.split(",")
+        if not set(modes) <= {"rl", "distill", "only"}:
+            parser.error(f"--modes {args.modes!r}: each mode is one of rl, distill, only")
         curves: dict[str, dict[int, dict[int, float]]] = {mode: {} for mode in modes}
         for seed in seeds:
             for mode in modes:
                 student = (["agents.student.teacher=''"] if mode == "rl" else
-                           [f"agents.student.teacher_coef={args.coef}", f"agents.student.teacher_only={str(args.only).lower()}"])
+                           [f"agents.student.teacher_coef={args.coef}",
+                            f"agents.student.teacher_only={str(mode == 'only').lower()}"])
+                start = time.perf_counter()
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
                               f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
@@ -110,7 +116,8 @@ def main() -> None:
                 curves[mode][seed] = curve = held_out(rows, "student")
                 kl = [r["teacher_kl"] for r in rows if r["agent"] == "student" and "kind" not in r]
                 print(json.dumps({"mode": mode, "seed": seed, "held_out": {str(k): round(v, 4) for k, v in curve.items()},
-                                  "teacher_kl_first_last": [round(kl[0], 4), round(kl[-1], 4)] if kl else None}),
+                                  "teacher_kl_first_last": [round(kl[0], 4), round(kl[-1], 4)] if kl else None,
+                                  "seconds": round(time.perf_counter() - start)}),
                       flush=True)
         for mode, per_seed in curves.items():
             reached = {seed: next((t for t, r in sorted(c.items()) if r >= target), None) for seed, c in per_seed.items()}
