@@ -66,7 +66,8 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
     run_dir = Path(args.teacher) if args.teacher else work / "teacher"
     if not args.teacher:
         train(EXAMPLES / "distill_teacher.toml", run_dir,
-              [f"run.steps={args.teacher_steps}", f"eval.every={args.teacher_steps}", f"eval.episodes={args.episodes}",
+              [f'agents.sorter.model="tiny:{EXAMPLES / "distill" / "models.py"}:{args.teacher_model}"',
+               f"run.steps={args.teacher_steps}", f"eval.every={args.teacher_steps}", f"eval.episodes={args.episodes}",
                f"pipeline.queries_per_step={args.queries}", workflow(args)])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = held_out(rows, "sorter")
@@ -79,6 +80,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="the student's steps per run")
     parser.add_argument("--teacher-steps", type=int, default=30)
     parser.add_argument("--teacher", default="", help="a teacher run directory to reuse")
+    parser.add_argument("--teacher-model", default="teacher", choices=("teacher", "strong_teacher"),
+                        help="the teacher's recipe in examples/distill/models.py (before its RL)")
     parser.add_argument("--queries", type=int, default=16, help="episodes per step")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")

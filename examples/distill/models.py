@@ -2,7 +2,11 @@
 student, `tiny:planner`), warmed up on the same sorting task with cleaner targets, over the
 same vocabulary (so the two share one tokenizer, as a teacher and its student must). The
 job trains it with RL first (examples/distill_teacher.toml); its checkpoint is then the
-frozen teacher of examples/distill.toml."""
+frozen teacher of examples/distill.toml.
+
+Two teachers of the same size: `teacher`, warmed up on targets right 70% of the time, and
+`strong_teacher`, on targets right 95% of the time (a teacher that knows the task better
+than RL from the student's start finds out in a few dozen steps)."""
 
 from __future__ import annotations
 
@@ -15,19 +19,23 @@ from flexmarl.runtime.model_specs import TinyModelRecipe, TinyModelSpec, WarmupS
 TEACHER = TinyModelSpec("sort_teacher", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                         intermediate_size=256, seed=21)
 CORRECT_PROB = 0.7  # each warm-up target token right with this probability, else a random digit
+STRONG_CORRECT_PROB = 0.95
 
 
-def _warmup(n: int = 4096) -> list:
-    rng = random.Random("warmup-sort-teacher")
+def _warmup(n: int = 4096, correct: float = CORRECT_PROB, name: str = "warmup-sort-teacher") -> list:
+    rng = random.Random(name)
     examples = []
     for _ in range(n):
         query = make_query(rng)
-        target = [t if rng.random() < CORRECT_PROB else rng.choice(DIGIT_IDS) for t in expected_plan(query)]
+        target = [t if rng.random() < correct else rng.choice(DIGIT_IDS) for t in expected_plan(query)]
         examples.append((planner_prompt(query), target))
     return examples
 
 
+SCHEDULE = WarmupSchedule(steps=300, batch_size=64, lr=3e-3)
 TINY_MODELS = {
-    "teacher": TinyModelRecipe(TEACHER, VOCAB, functools.partial(_warmup), "sort-teacher-1",
-                               WarmupSchedule(steps=300, batch_size=64, lr=3e-3)),
+    "teacher": TinyModelRecipe(TEACHER, VOCAB, functools.partial(_warmup), "sort-teacher-1", SCHEDULE),
+    "strong_teacher": TinyModelRecipe(
+        TEACHER, VOCAB, functools.partial(_warmup, correct=STRONG_CORRECT_PROB, name="warmup-strong-sort-teacher"),
+        "strong-sort-teacher-1", SCHEDULE),
 }
