@@ -74,13 +74,58 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
     return (run_dir / "checkpoints" / "final" / "sorter").resolve(), rewards[max(rewards)]
 
 
+def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
+    """What the reverse KL tells the student at its start: `samples` outputs per held-out
+    query drawn from the untrained student (temperature 1, with transformers), and per
+    sampled token its advantage -(log p_student - log p_teacher), split by whether the
+    token is the right one (its mean, and the share of right tokens pushed up and of wrong
+    ones pushed down); the teacher's greedy accuracy per position besides."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flexmarl.controller.run.model_resolution import resolve_model
+    from flexmarl.controller.tasks.digit_chain import DIGIT_IDS, expected_plan, planner_prompt
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    student, teach = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+                      for path in (resolve_model("tiny:planner"), teacher_dir))
+    right: list[float] = []
+    wrong: list[float] = []
+    greedy = []
+    with torch.no_grad():
+        for line in (EXAMPLES / "distill" / "eval.jsonl").read_text().splitlines():
+            query = [DIGIT_IDS[d] for d in json.loads(line)["digits"]]
+            prompt, want = planner_prompt(query), expected_plan(query)
+            ids = torch.tensor([prompt] * samples)
+            for _ in want:
+                ids = torch.cat([ids, torch.multinomial(student(ids).logits[:, -1].float().softmax(-1), 1)], 1)
+            n = len(prompt)
+            lp_s, lp_t = (torch.log_softmax(m(ids).logits[:, n - 1:-1].float(), -1).gather(-1, ids[:, n:, None])[..., 0]
+                          for m in (student, teach))
+            for row, adv in zip(ids[:, n:].tolist(), (lp_t - lp_s).tolist()):
+                for token, target, a in zip(row, want, adv):
+                    (right if token == target else wrong).append(a)
+            ids = torch.tensor([prompt])
+            for _ in want:
+                ids = torch.cat([ids, teach(ids).logits[:, -1:].argmax(-1)], 1)
+            greedy += [t == w for t, w in zip(ids[0, len(prompt):].tolist(), want)]
+    return {"student_tokens_right": round(len(right) / (len(right) + len(wrong)), 3),
+            "advantage_mean_right": round(statistics.mean(right), 3),
+            "advantage_mean_wrong": round(statistics.mean(wrong), 3),
+            "right_pushed_up": round(sum(a > 0 for a in right) / len(right), 3),
+            "wrong_pushed_down": round(sum(a < 0 for a in wrong) / len(wrong), 3),
+            "advantage_abs_share_wrong": round(sum(map(abs, wrong)) / (sum(map(abs, right)) + sum(map(abs, wrong))), 3),
+            "teacher_greedy_right": round(sum(greedy) / len(greedy), 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=30, help="the student's steps per run")
     parser.add_argument("--teacher-steps", type=int, default=30)
     parser.add_argument("--teacher", default="", help="a teacher run directory to reuse")
-    parser.add_argument("--teacher-model", default="teacher", choices=("teacher", "strong_teacher"),
+    parser.add_argument("--teacher-model", default="teacher", choices=("teacher", "strong_teacher", "clean_teacher"),
                         help="the teacher's recipe in examples/distill/models.py (before its RL)")
     parser.add_argument("--queries", type=int, default=16, help="episodes per step")
     parser.add_argument("--eval-every", type=int, default=5)
@@ -101,8 +146,9 @@ def main() -> None:
         work = Path(args.out) if args.out else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         teacher_dir, target = teacher(args, work)
-        print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4)}), flush=True)
-        modes = args.modes.split(",")
+        print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4),
+                          "reverse_kl_at_the_students_start": advantage_profile(teacher_dir)}), flush=True)
+        modes = [mode for mode in args.modes.split(",") if mode]
         if not set(modes) <= {"rl", "distill", "only"}:
             parser.error(f"--modes {args.modes!r}: each mode is one of rl, distill, only")
         curves: dict[str, dict[int, dict[int, float]]] = {mode: {} for mode in modes}
@@ -126,6 +172,8 @@ def main() -> None:
             reached = {seed: next((t for t, r in sorted(c.items()) if r >= target), None) for seed, c in per_seed.items()}
             steps = sorted(set.intersection(*(set(c) for c in per_seed.values())))
             mean = {str(t): round(statistics.mean(c[t] for c in per_seed.values()), 4) for t in steps}
+            if not per_seed:
+                continue
             print(json.dumps({"mode": mode, "steps_to_teacher_reward": {str(s): r for s, r in reached.items()},
                               "mean_held_out": mean}), flush=True)
 
