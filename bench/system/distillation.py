@@ -78,8 +78,9 @@ def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
     """What the reverse KL tells the student at its start: `samples` outputs per held-out
     query drawn from the untrained student (temperature 1, with transformers), and per
     sampled token its advantage -(log p_student - log p_teacher), split by whether the
-    token is the right one (its mean, and the share of right tokens pushed up and of wrong
-    ones pushed down); the teacher's greedy accuracy per position besides."""
+    token is the right one (its mean, and the share of right tokens pushed up, after a right
+    prefix and after a mistake, and of wrong ones pushed down); the teacher's greedy
+    accuracy per position besides."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -92,6 +93,8 @@ def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
                       for path in (resolve_model("tiny:planner"), teacher_dir))
     right: list[float] = []
     wrong: list[float] = []
+    clean_prefix: list[float] = []  # right tokens after a right prefix
+    after_mistake: list[float] = []  # right tokens (for the position's reward) after a wrong one
     greedy = []
     with torch.no_grad():
         for line in (EXAMPLES / "distill" / "eval.jsonl").read_text().splitlines():
@@ -104,8 +107,10 @@ def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
             lp_s, lp_t = (torch.log_softmax(m(ids).logits[:, n - 1:-1].float(), -1).gather(-1, ids[:, n:, None])[..., 0]
                           for m in (student, teach))
             for row, adv in zip(ids[:, n:].tolist(), (lp_t - lp_s).tolist()):
-                for token, target, a in zip(row, want, adv):
+                for j, (token, target, a) in enumerate(zip(row, want, adv)):
                     (right if token == target else wrong).append(a)
+                    if token == target:
+                        (clean_prefix if row[:j] == want[:j] else after_mistake).append(a)
             ids = torch.tensor([prompt])
             for _ in want:
                 ids = torch.cat([ids, teach(ids).logits[:, -1:].argmax(-1)], 1)
@@ -115,6 +120,8 @@ def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
             "advantage_mean_wrong": round(statistics.mean(wrong), 3),
             "right_pushed_up": round(sum(a > 0 for a in right) / len(right), 3),
             "wrong_pushed_down": round(sum(a < 0 for a in wrong) / len(wrong), 3),
+            "right_pushed_up_after_right_prefix": round(sum(a > 0 for a in clean_prefix) / len(clean_prefix), 3),
+            "right_pushed_up_after_a_mistake": round(sum(a > 0 for a in after_mistake) / len(after_mistake), 3),
             "advantage_abs_share_wrong": round(sum(map(abs, wrong)) / (sum(map(abs, right)) + sum(map(abs, wrong))), 3),
             "teacher_greedy_right": round(sum(greedy) / len(greedy), 3)}
 
