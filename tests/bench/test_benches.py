@@ -226,11 +226,13 @@ def test_frozen_agents_compares_a_frozen_judge_with_one_trained_at_lr_0():
 
 @pytest.mark.slow
 def test_distillation_trains_a_teacher_then_the_student_with_and_without_it():
-    rows = json_rows(run_bench("distillation.py", "--smoke", timeout=1200))
+    rows = json_rows(run_bench("distillation.py", "--smoke", "--modes", "rl,distill,only", timeout=1200))
     assert "teacher_held_out_reward" in rows[0]
-    assert [(r["mode"], r["seed"]) for r in rows[1:3]] == [("rl", 0), ("distill", 0)]
+    assert 0 < rows[0]["reverse_kl_at_the_students_start"]["wrong_pushed_down"] <= 1
+    assert [(r["mode"], r["seed"]) for r in rows[1:4]] == [("rl", 0), ("distill", 0), ("only", 0)]
     assert rows[1]["teacher_kl_first_last"] == [0.0, 0.0] and rows[2]["teacher_kl_first_last"][0] > 0
-    assert [r["mode"] for r in rows[3:]] == ["rl", "distill"] and "steps_to_teacher_reward" in rows[3]
+    assert rows[3]["teacher_kl_first_last"][0] > 0
+    assert [r["mode"] for r in rows[4:]] == ["rl", "distill", "only"] and "steps_to_teacher_reward" in rows[4]
 
 
 @pytest.mark.slow
