@@ -12,11 +12,17 @@ One invocation:
    alone, `teacher_only`), evaluating it every --eval-every steps; the frozen teacher is
    placed on its own engine in every mode, so all use the same workers.
 
+--teacher-model picks the teacher's recipe (examples/distill/models.py): they differ in
+how clean their warm-up targets are. Before the students, it prints what the reverse KL
+tells the untrained student (`advantage_profile`).
+
 It prints a JSON row per run (the student's held-out reward per evaluated step) and then,
 per mode and seed, the first evaluated step at which the student's held-out reward reached
 the teacher's (null: not within the run), and the mean curve over the seeds.
 
     python bench/system/distillation.py --seeds 0,1,2 --steps 60 --teacher-steps 200 --modes rl,distill,only
+    python bench/system/distillation.py --teacher-model clean_teacher --teacher-steps 100 ...
+    python bench/system/distillation.py --teacher RUN_DIR --modes ''   # a trained teacher's profile alone
     python bench/system/distillation.py --reward exact ...   # a sparse reward: 1 only when all three are right
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
