@@ -88,7 +88,7 @@ async def episode(ctx):
     client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.openai_api_key, max_retries=0,
                                 timeout=120)
     question = random.Random(ctx.episode_id).choice(QUESTIONS)
-    t0 = time.monotonic()
+    t0, status = time.monotonic(), -1  # -1: the episode was cancelled before an answer (the run stopping)
     try:
         reply = await client.chat.completions.create(model="critic", messages=[{"role": "user", "content": question}])
         status = 200
@@ -275,6 +275,8 @@ def train_soak(args: argparse.Namespace) -> tuple[Load, Memory, float]:
     load = Load()
     for line in calls.read_text().splitlines():
         call = json.loads(line)
+        if call["s"] == -1:
+            continue  # a call the run's own stop cancelled (Ctrl-C after --minutes): not an answer, not an error
         if call["s"] == 200:
             load.latencies_ms.append(call["ms"])
         else:
