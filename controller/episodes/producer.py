@@ -114,7 +114,21 @@ class EpisodeProducer:
     async def _produce(self) -> None:
         p, seed = self.cfg.pipeline, self.cfg.run.seed
         limit = asyncio.Semaphore(p.max_concurrent_episodes)
-        running: list[asyncio.Task] = []
+        # The episodes (and top-ups) under way. A finished one leaves at once: a run starts
+        # millions, and a finished task keeps its context (and what that reaches) alive. One
+        # that ended with an error escaping `one` is kept, to be raised at the end.
+        running: set[asyncio.Task] = set()
+        failed: list[asyncio.Task] = []
+
+        def finished(task: asyncio.Task) -> None:
+            running.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failed.append(task)
+
+        def spawn(coro: Any, name: str) -> None:
+            task = asyncio.create_task(coro, name=name)
+            running.add(task)
+            task.add_done_callback(finished)
 
         async def one(batch: int, i: int, extra: bool = False) -> None:
             failure, stopped = "", False
@@ -142,7 +156,7 @@ class EpisodeProducer:
 
         async def start(batch: int, i: int, extra: bool = False) -> None:
             await limit.acquire()
-            running.append(asyncio.create_task(one(batch, i, extra), name=f"episode-s{batch}{'x' if extra else 'q'}{i}"))
+            spawn(one(batch, i, extra), f"episode-s{batch}{'x' if extra else 'q'}{i}")
             if i % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
                 await asyncio.sleep(0)  # the rest start in later loop turns
 
@@ -152,15 +166,18 @@ class EpisodeProducer:
                 self.emit(self.batch_started(batch))
                 if self.dynamic:
                     self.schedule.hold(batch)
-                    running.append(asyncio.create_task(self._top_up(batch, start), name=f"top-up-s{batch}"))
+                    spawn(self._top_up(batch, start), f"top-up-s{batch}")
                 for i in range(p.queries_per_step):
                     await start(batch, i)
-            while not all(t.done() for t in running):  # top-ups add episodes meanwhile
+            while running and not failed:  # top-ups add episodes meanwhile
                 await asyncio.gather(*running)
+            for task in failed:
+                task.result()  # raises what ended it
         finally:
-            for task in running:
+            left = list(running)
+            for task in left:
                 task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
+            await asyncio.gather(*left, return_exceptions=True)
 
     async def _top_up(self, batch: int, start: Any) -> None:
         """Draws extra episodes of `batch` until every dynamic-sampling agent has as many
