@@ -89,8 +89,7 @@ def components(model_dir: str, reps: int = 7) -> dict:
         if how == "as 8 groups of 16":  # what the rollout worker does with a group's members
             for g in range(8):
                 n = next(counter)
-                engine.add_group([f"r{n}/{j}" for j in range(16)], prompts[g], peer_task.MAX_TOKENS, 1.0, 16 * n,
-                                 ignore_eos=False)
+                engine.add(f"r{n}", prompts[g], peer_task.MAX_TOKENS, 1.0, 16 * n, n=16, ignore_eos=False)
             return
         for i in range(ROUND):  # one request per sample (seeded, or not to show what seeds cost)
             n = next(counter)

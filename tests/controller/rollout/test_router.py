@@ -78,15 +78,15 @@ async def test_a_group_of_8_over_2_instances_lands_on_one_and_reaches_the_engine
     class GroupingEngine:  # the engine's side: how requests are added
         added = []
 
-        def add_group(self, ids, prompt_ids, max_tokens, temperature, seed, **_):
-            self.added.append((list(ids), list(prompt_ids), seed))
+        def add(self, request_id, prompt_ids, max_tokens, temperature, seed, n=1, **_):
+            self.added.append((n, list(prompt_ids), seed))
             return -1
 
     handler = RolloutHandler()
     handler.engine, handler.agent = GroupingEngine(), "a"
     assert handler._start(msg) is None
-    (ids, prompt, seed), = GroupingEngine.added  # one engine request of 8 samples
-    assert ids == [f"{sent.key}/{j}" for j in range(8)] and prompt == [1, 2, 3] and seed == sent.seed
+    (n, prompt, seed), = GroupingEngine.added  # one engine request of 8 samples
+    assert n == 8 and prompt == [1, 2, 3] and seed == sent.seed
 
 
 async def test_a_second_turn_of_an_episode_goes_to_the_instance_of_its_first():

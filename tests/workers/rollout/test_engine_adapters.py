@@ -199,7 +199,7 @@ def test_a_rollout_worker_takes_a_trainers_adapter_sync_and_stamps_each_sample_w
         assert rollout._serves_adapter("writer") and rollout.engine.adapters.resident() == [("writer", 0)]
         groups = [p.GenGroup(f"s{i}", "writer", 2, prompt(i), 8, 1.0, i, version=0) for i in range(3)]
         assert rollout._start(p.Generate(5, groups)) is None
-        assert {run.version for run, _ in rollout._running._member.values()} == {0}
+        assert {run.version for run in rollout._running._running.values()} == {0}
         refused = rollout._start(p.Generate(6, [p.GenGroup("x", "writer", 1, prompt(0), 8, 1.0, 0, version=7)]))
         assert "version 7 is not loaded" in refused.refused[0].reason
         drain(rollout.engine)

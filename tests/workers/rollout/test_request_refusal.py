@@ -35,20 +35,18 @@ class FakeEngine:
     def __init__(self):
         self.queued: dict[str, int] = {}
 
-    def add(self, request_id, prompt_ids, max_tokens, temperature, seed, **sampling):
-        self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, **sampling)
-
-    def add_group(self, request_ids, prompt_ids, max_tokens, temperature, seed, **sampling):
+    def add(self, request_id, prompt_ids, max_tokens, temperature, seed, n=1, **sampling):
         reason = refusal_reason(prompt_ids, max_tokens, MAX_MODEL_LEN, VOCAB)
         if reason:
-            raise RequestRefused(f"request {request_ids[0]!r} refused: {reason}")
-        self.queued.update((rid, max_tokens) for rid in request_ids)
+            raise RequestRefused(f"request {request_id!r} refused: {reason}")
+        self.queued[request_id] = (n, max_tokens)
 
     def has_unfinished(self):
         return bool(self.queued)
 
     def step(self):
-        done = [Completion(rid, [3] * n, [-0.5] * n, "length") for rid, n in self.queued.items()]
+        done = [Completion(rid, [3] * (n * t), [-0.5] * (n * t), [t] * n, ["length"] * n)
+                for rid, (n, t) in self.queued.items()]
         self.queued.clear()
         return done
 

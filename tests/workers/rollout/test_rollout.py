@@ -185,9 +185,10 @@ class GroupingEngine:
     def __init__(self):
         self.added, self._done = [], []
 
-    def add_group(self, ids, prompt_ids, max_tokens, temperature, seed, **_):
-        self.added.append((list(ids), seed))
-        self._done += [Completion(rid, [7] * max_tokens, [-0.5] * max_tokens, "length", cached_tokens=3) for rid in ids]
+    def add(self, request_id, prompt_ids, max_tokens, temperature, seed, n=1, **_):
+        self.added.append((request_id, n, seed))
+        self._done.append(Completion(request_id, [7] * (n * max_tokens), [-0.5] * (n * max_tokens), [max_tokens] * n,
+                                     ["length"] * n, cached_tokens=3))
         return -1
 
     def has_unfinished(self):
@@ -210,7 +211,8 @@ async def test_a_group_goes_to_the_engine_as_one_request_and_comes_back_whole_as
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
-    assert handler.engine.added == [(["g/0", "g/1", "g/2", "g/3"], 10), (["h/2", "h/3"], 20), (["x@1/0"], 2)]
+    # one engine request per group, under an id of the worker's own (a number, no grammar)
+    assert handler.engine.added == [("0", 4, 10), ("1", 2, 20), ("2", 1, 2)]
     assert not refused and sorted(results) == ["g", "h", "x@1"]
     assert [(r.first, r.version, r.lengths, r.cached_tokens) for r in (results["g"], results["h"])] == [
         (0, 3, [4] * 4, 3), (2, 3, [4, 4], 3)]
