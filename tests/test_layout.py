@@ -15,7 +15,7 @@ import cycle among the modules of each package.
     controller/                         workers/               runtime/
       cli (and __init__) | testing        main, models           bases, transport, eventlog, model_specs
       replay                              rollout | trainer      config
-      run                                 session, precision,    protocol, events
+      run                                 session, precision,    protocol, events, keys
       launch                              adapters,              params
       tasks                               channel_config         aio, atomic, checksums, ...
       serving
@@ -57,7 +57,7 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
         [("runtime.aio", "runtime.atomic", "runtime.checksums", "runtime.collector", "runtime.parent_watch",
           "runtime.progress_file", "runtime.staleness", "runtime.user_modules")],
         [("runtime.params",)],
-        [("runtime.protocol", "runtime.events")],
+        [("runtime.protocol", "runtime.events", "runtime.keys", "runtime.legacy_events")],
         [("runtime.config",)],
         [("runtime.bases", "runtime.transport", "runtime.eventlog", "runtime.model_specs")],
         [("controller.testing",)],

@@ -13,8 +13,9 @@ by its prompt and then each stretch of its output ids, decoded with the agent's 
 the agent's own turns ("agent", with the policy version of each) and the ids appended
 between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`).
 
-`SampleLog.group_ready` is an experience-store listener: it keeps a reference to each
-trainable sample's ids, which the store lets go once trained, until its step is recorded.
+`SampleLog.group_ready` is told each trainable group's samples (read-only views) and keeps
+what a row needs of them (the store lets the group go once trained) until its step is
+recorded.
 It does not know pipelines, trainers or how samples are made.
 """
 
@@ -59,7 +60,8 @@ class SampleLog:
         self.tokenizers = tokenizers  # agent -> AgentTokenizer, filled at set-up
         self.trackers = list(trackers)
         self.path = Path(run_dir) / FILE
-        self._kept: dict[str, dict[str, _Snapshot]] = defaultdict(dict)  # agent -> sample id -> snapshot
+        # agent -> group key -> (sample name, snapshot) per member
+        self._kept: dict[str, dict[Any, list[tuple[str, _Snapshot]]]] = defaultdict(dict)
         if resumed_after is None:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
@@ -67,18 +69,19 @@ class SampleLog:
                     if line.strip() and (step := _step_of(line)) is not None and step <= resumed_after]
             write_text_atomically(self.path, "".join(line + "\n" for line in kept))
 
-    def group_ready(self, agent: str, samples: list[Any]) -> None:
-        for s in samples:
-            self._kept[agent][s.sample_id] = _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask),
-                                                       list(s.versions), s.reward, s.messages)
+    def group_ready(self, agent: str, key: Any, samples: list[Any]) -> None:
+        """The group `key` is trainable: its members' views."""
+        self._kept[agent][key] = [(s.sample_id, _Snapshot(
+            s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
+            None if s.messages is None else [dict(m) for m in s.messages])) for s in samples]
 
-    def record(self, step: int, agent: str, sample_ids: list[str]) -> list[dict[str, Any]]:
-        """Writes `per_step` of the samples `agent` trained at `step`; forgets the rest
-        of that step and every earlier one (dropped samples too)."""
+    def record(self, step: int, agent: str, keys: list[Any]) -> list[dict[str, Any]]:
+        """Writes `per_step` of the samples `agent` trained at `step` (the groups `keys`);
+        forgets the rest of that step and every earlier one (dropped samples too)."""
         kept = self._kept[agent]
-        trained = [(sid, kept[sid]) for sid in sample_ids if sid in kept]
-        for sid in [sid for sid, snap in kept.items() if snap.batch <= step]:
-            del kept[sid]
+        trained = [member for key in keys for member in kept.get(key, ())]
+        for key in [key for key, members in kept.items() if members and members[0][1].batch <= step]:
+            del kept[key]
         rows = [self._row(step, agent, sid, snap) for sid, snap in pick(trained, self.per_step)]
         if rows:
             with open(self.path, "a") as fh:

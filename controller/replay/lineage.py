@@ -7,7 +7,7 @@ count no more: the same samples are trained again after the marker. And a resume
 restarts from the checkpoint of step t (`RunResumed`): whatever the crashed
 controller had done for the batches after t (groups opened, outputs received, micro-batches
 formed, steps taken) was undone with it, and those batches are generated and trained
-again, often under the same sample ids (they derive from the seed). `lineage(events)` cuts
+again, often under the same group keys (they derive from the seed). `lineage(events)` cuts
 those undone events out, so exactly-once accounting and `replay --check` judge the run
 that counts: every sample in it trained or dropped once.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import msgspec
 
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.keys import GroupKey
 
 # Events of one version (= the batch that steps into it): undone when version > t.
 _BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.WeightSyncStarted,
@@ -41,50 +42,53 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
     if UNDOING.isdisjoint(map(type, events)):
         return events
     kept: list[ev.Event] = []
-    batch_of_group: dict[str, int] = {}
-    batch_of_sample: dict[str, int] = {}
+    batch_of_group: dict[GroupKey, int] = {}
     for e in events:
         if isinstance(e, ev.GroupOpened):
-            batch_of_group[e.group_id] = e.batch
-            for sid in e.members():
-                batch_of_sample[sid] = e.batch
+            batch_of_group[e.key] = e.batch
         if isinstance(e, ev.TrainingRestored):
             kept = [x for x in kept if not (isinstance(x, _TRAINED) and x.agent == e.agent and x.version > e.version)]
         if isinstance(e, ev.RunResumed):
-            kept = [c for x in kept if (c := _cut(x, e.step, batch_of_group, batch_of_sample)) is not None]
-            # Ids of undone batches may be opened again: forget what they were.
+            kept = [c for x in kept if (c := _cut(x, e.step, batch_of_group)) is not None]
+            # Keys of undone batches may be opened again: forget what they were.
             batch_of_group = {g: b for g, b in batch_of_group.items() if b <= e.step}
-            batch_of_sample = {s: b for s, b in batch_of_sample.items() if b <= e.step}
         kept.append(e)
     return kept
 
 
-def _cut(e: ev.Event, step: int, batch_of_group: dict[str, int], batch_of_sample: dict[str, int]) -> ev.Event | None:
+def _cut(e: ev.Event, step: int, batch_of_group: dict[GroupKey, int]) -> ev.Event | None:
     """`e` as far as it concerns batches up to `step`; None if nothing of it does."""
     if isinstance(e, ev.GroupOpened):
         return e if e.batch <= step else None
     if isinstance(e, ev.GroupComplete):
-        return e if batch_of_group.get(e.group_id, 0) <= step else None
+        return e if batch_of_group.get(e.key, 0) <= step else None
     if isinstance(e, ev.BatchStarted):
         return e if e.batch <= step else None
     if isinstance(e, ev.EvaluationDone):
         return e if e.step < step else None
     if isinstance(e, _BY_VERSION):
         return e if e.version <= step else None
-    if isinstance(e, ev.RequestsCompleted):  # kept in the form that lists every sample
-        samples, versions = e.samples(), e.sample_versions()
-        kept_at = [i for i, sid in enumerate(samples) if batch_of_sample.get(sid, 0) <= step]
+    if isinstance(e, ev.RequestsCompleted):
+        kept_at = _kept_parts(e.parts, step, batch_of_group)
         if not kept_at:
             return None
-        return msgspec.structs.replace(e, sample_ids=[samples[i] for i in kept_at],
-                                       versions=[versions[i] for i in kept_at], parts=ev.Parts())
-    if isinstance(e, ev.RequestsDispatched):
-        keep = [sid for sid in e.samples() if batch_of_sample.get(sid, 0) <= step]
-        return msgspec.structs.replace(e, sample_ids=keep, parts=ev.Parts()) if keep else None
-    if isinstance(e, ev.SamplesDropped):
-        keep = [sid for sid in e.sample_ids if batch_of_sample.get(sid, 0) <= step]
-        return msgspec.structs.replace(e, sample_ids=keep) if keep else None
+        return msgspec.structs.replace(e, versions=[e.versions[i] for i in kept_at], parts=_parts(e.parts, kept_at))
+    if isinstance(e, (ev.RequestsDispatched, ev.SamplesDropped)):
+        kept_at = _kept_parts(e.parts, step, batch_of_group)
+        return msgspec.structs.replace(e, parts=_parts(e.parts, kept_at)) if kept_at else None
     return e  # workers, placement, demand: history, not undone
+
+
+def _kept_parts(parts: ev.Parts, step: int, batch_of_group: dict[GroupKey, int]) -> list[int]:
+    """The indices of the parts whose groups belong to batches up to `step`."""
+    return [i for i, key in enumerate(parts.keys) if batch_of_group.get(key, 0) <= step]
+
+
+def _parts(parts: ev.Parts, at: list[int]) -> ev.Parts:
+    if len(at) == len(parts.keys):
+        return parts
+    return ev.Parts([parts.keys[i] for i in at], [parts.firsts[i] for i in at], [parts.sizes[i] for i in at],
+                    [parts.turns[i] for i in at] if parts.turns else [])
 
 
 def last_batch(log: list) -> int:

@@ -320,7 +320,7 @@ _USAGE_EVENTS = frozenset({RequestsDispatched, RequestsCompleted, RunResumed, *_
 
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
                   lost: bool = False) -> Span:
-    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids) or sum(d.parts.sizes),
+    args = {"agent": d.agent, "request_id": d.request_id, "samples": d.parts.count,
             "prompt_tokens": d.tokens}
     if tokens is not None:
         args["output_tokens"] = tokens

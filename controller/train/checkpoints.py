@@ -30,7 +30,6 @@ it holds).
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -261,14 +260,6 @@ def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], stor
         position = dataset.position(next_episode)
         state["data"].update(epoch=position.epoch, next_row=position.index)
     return state
-
-
-def run_state(cfg: Any, step: int, store: Any, instances: Any, dataset: Any, episodes: Any) -> dict[str, Any]:
-    """`controller_state` read off the run's components: the store's samples past the cut,
-    the rollout instances' assignment, the episode numbering."""
-    past = collections.Counter(s.agent for s in store.samples.values() if s.batch > step)
-    after_cut = {a: past[a] for a in cfg.agents}  # one pass over the samples, not one per agent
-    return controller_state(cfg, step, instances.assignment, after_cut, dataset, episodes.episode_number(step + 1, 0))
 
 
 def resume_placement(resume: ResumePoint | None, units: Any, workers: list[str]) -> dict[str, list[str]] | None:

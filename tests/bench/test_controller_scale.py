@@ -39,8 +39,8 @@ def test_a_few_hundred_fake_instances_train_every_sample_exactly_once_and_the_lo
 
     events, problem = read_events(row["events_log"])
     assert problem is None
-    opened = [s for e in events if isinstance(e, ev.GroupOpened) for s in e.members()]
-    formed = collections.Counter(s for e in events if isinstance(e, ev.MicroBatchFormed) for s in e.sample_ids)
+    opened = [(e.key, j) for e in events if isinstance(e, ev.GroupOpened) for j in range(e.n)]
+    formed = collections.Counter(s for e in events if isinstance(e, ev.MicroBatchFormed) for s in e.parts.samples())
     assert len(opened) == expected
     assert set(formed) == set(opened) and set(formed.values()) == {1}  # every sample in one micro-batch
     steps = [e for e in events if isinstance(e, ev.OptimizerStep)]

@@ -3,11 +3,17 @@ import numpy as np
 import pytest
 
 from flexmarl.runtime import protocol as p
+from flexmarl.runtime.keys import GroupKey
 from flexmarl.runtime.params.types import Location, ParamHandle, TensorSpec
 
 HANDLE = ParamHandle(transport="shm", agent="solver", version=1, key="solver-v1-42-abc", total_bytes=128,
                      layout=[TensorSpec("w", "bfloat16", (2, 3), 0, 12), TensorSpec("b", "float32", (), 64, 4)],
                      checksum=2**64 - 1, publisher=Location("host", 42), path="/dev/shm/flexmarl-param-42-abc")
+
+G1, G2 = GroupKey("s1q0", "solver", "00ab12cd-0"), GroupKey("s1q0", "solver", "00ab12cd-b0-1")
+# Two members, three output ids; member 1 took a second turn from its output id 1 on.
+GROUP = p.TrainGroup(G1, p.packed("i", [1]), [1, 2], p.packed("i", [2, 3, 4]), p.packed("f", [-0.3, -0.1, -0.2]),
+                     [0.5, -0.5], [0, 0], 0.7, loss_mask=bytes([1, 0, 1]), turns=[p.MemberTurn(1, 1, 0.5)])
 
 EXAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "w1", "rollout", "host", 123, ["cpu"], {"slots": 4.0}),
@@ -22,10 +28,12 @@ EXAMPLES = [
     p.EchoReply(2, b"", {"busy_s": 1.5, "queued_commands": 0.0}),
     p.LoadModel(2, "planner", "/tmp/m", 0, seed=3),
     p.ModelLoaded(2, "planner", 0, 1.5),
-    p.Generate(3, [p.GenGroup("g1", "solver", 8, [1, 2, 3], 6, 1.0, 42),
-                   p.GenGroup("g2", "solver", 4, [1, 2], 6, 1.0, 50, first=4, version=2)]),
-    p.Generated(3, [p.GroupResult("g1", 0, 0, [2, 1], p.packed("i", [4, 5, 6]), p.packed("f", [-0.5, -0.25, -1.0]),
-                                  ["length", "stop"], 16)], True, {"queued": 0.0}),
+    p.Generate(3, [p.GenGroup(G1, "solver", 8, [1, 2, 3], 6, 1.0, 42),
+                   p.GenGroup(G2, "solver", 4, [1, 2], 6, 1.0, 50, first=4, version=2),
+                   p.GenGroup(G2, "solver", 1, [1, 2, 7], 6, 1.0, 77, first=1, turn=2)]),  # member 1's third turn
+    p.Generated(3, [p.GroupResult(G1, 0, 0, [2, 1], p.packed("i", [4, 5, 6]), p.packed("f", [-0.5, -0.25, -1.0]),
+                                  ["length", "stop"], 16)], True, {"queued": 0.0},
+                [p.GroupRefused(G2, 1, "too long", turn=2)]),
     p.LoadWeights(4, "solver", 1, HANDLE),
     p.LoadWeights(4, "solver", 1, HANDLE, rank=2),  # nccl: the instance's rank in the agent's group
     p.WeightsLoaded(4, "solver", 1, 0.01),
@@ -33,7 +41,7 @@ EXAMPLES = [
     p.LoadCancelled(5, "solver"),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),
-    p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0])]),
+    p.TrainMicroBatch(6, "checker", 1, [GROUP]),
     p.MicroBatchDone(6, "checker", 0.1, 10, 0.2),
     p.OptimStep(7, "checker", 1, samples=64),
     p.StepDone(7, "checker", 1, 0.9, 0.01),
@@ -125,7 +133,7 @@ def test_an_optimizer_step_that_does_not_say_how_many_samples_it_covers_is_refus
 
 
 def test_loss_options_sample_temperatures_and_step_stats_round_trip():
-    batch = p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0], 0.7)], 1, 1.2,
+    batch = p.TrainMicroBatch(6, "checker", 1, [GROUP], 1, 1.2,
                               p.LossOptions("token_mean", 8.0, "ppo_clip", 0.1))
     step = p.OptimStep(7, "checker", 1, samples=64)
     done = p.StepDone(7, "checker", 1, 0.9, 0.01, p.StepStats(0.1, 0.9, 2.3, 5.5, 8, 0.01, 0.001, 0.2, 0.0, 64, 352))

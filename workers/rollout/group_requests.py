@@ -85,4 +85,4 @@ def group_result(group: protocol.GenGroup, version: int, completion: Any) -> pro
     return protocol.GroupResult(group.key, group.first, version, list(completion.lengths),
                                 protocol.packed(protocol.TOKEN_TYPECODE, completion.token_ids),
                                 protocol.packed(protocol.LOGPROB_TYPECODE, completion.logprobs),
-                                list(completion.finish_reasons), completion.cached_tokens)
+                                list(completion.finish_reasons), completion.cached_tokens, group.turn)

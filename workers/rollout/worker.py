@@ -227,7 +227,7 @@ class RolloutHandler(CommandHandler):
                                        stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos, **adapter)
             except RequestRefused as exc:
                 log.warning("%s: %s", group.agent, exc)
-                refused.append(protocol.GroupRefused(group.key, group.first, str(exc)))
+                refused.append(protocol.GroupRefused(group.key, group.first, str(exc), group.turn))
                 continue
             self._running.started(engine_id, msg.request_id, group, used if adapter else self.version)
         if not refused:

@@ -25,6 +25,7 @@ import torch
 
 from flexmarl.runtime import protocol
 
+from .batch import Sample
 from .sampling import turn_settings
 from .scoring import padded, token_scores
 
@@ -215,7 +216,7 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
-def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protocol.LossOptions,
+def policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions,
                 off_policy: bool, clip_ratio: float, reference: Any = None) -> tuple[torch.Tensor, StepSums]:
     """The micro-batch's loss, a sum over its samples, and its share of the step's sums.
 
@@ -231,7 +232,7 @@ def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protoc
         return _policy_loss(model, samples, options, off_policy, clip_ratio, reference)
 
 
-def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: protocol.LossOptions,
+def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions,
                  off_policy: bool, clip_ratio: float, reference: Any) -> tuple[torch.Tensor, StepSums]:
     aggregation = AGGREGATIONS[options.agg]
     rule = OFF_POLICY[options.off_policy] if off_policy else on_policy

@@ -8,6 +8,12 @@ import pytest
 from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext, ToolPool, request_seed, run_episode
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.store import DROPPED, READY, ExperienceStore
+from flexmarl.runtime.keys import GroupKey
+
+
+def every_sample(store):
+    """Every sample the store holds (the test looks inside it)."""
+    return [v for key in store._groups for v in store.views(key)]
 
 
 class FakeGenerator:
@@ -16,7 +22,7 @@ class FakeGenerator:
         self.batches = []
 
     async def generate(self, agent, group, after=""):
-        self.batches.append((agent, [f"{group.key}/{j}" for j in range(group.n)]))
+        self.batches.append((agent, [group.key.sample(j) for j in range(group.n)]))
         await asyncio.sleep(self.delay)
         return output_of([[(group.seed + j) % 10] * group.max_tokens for j in range(group.n)],
                          [[-1.0] * group.max_tokens] * group.n)
@@ -41,7 +47,7 @@ async def test_episode_chains_agents_and_makes_every_group_trainable():
     store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
     assert await run_episode(chain, make_ctx(store, gen), 5.0) == ""
     assert store.ready_samples("a", 0) == 3 and store.ready_samples("b", 0) == 6
-    assert all(s.status == READY and s.versions == [0] for s in store.samples.values())
+    assert all(s.status == READY and s.versions == [0] for s in every_sample(store))
 
 
 async def test_a_reward_function_that_raises_drops_the_episode_and_the_run_goes_on():
@@ -53,7 +59,7 @@ async def test_a_reward_function_that_raises_drops_the_episode_and_the_run_goes_
 
     why = await run_episode(broken, make_ctx(store, gen), 5.0)
     assert "ZeroDivisionError: reward bug" in why
-    assert all(s.status == DROPPED for s in store.samples.values())
+    assert all(s.status == DROPPED for s in every_sample(store))
     assert await run_episode(chain, make_ctx(store, gen, "e1"), 5.0) == ""
 
 
@@ -61,7 +67,7 @@ async def test_an_episode_that_hangs_past_its_timeout_is_dropped():
     store, gen = ExperienceStore(["a", "b"]), FakeGenerator(delay=10.0)
     why = await run_episode(chain, make_ctx(store, gen), 0.2)
     assert "timed out" in why
-    assert store.counts[("a", DROPPED)] == 3
+    assert store.count("a", DROPPED) == 3
 
 
 async def test_asking_for_an_unconfigured_agent_names_it():
@@ -108,21 +114,34 @@ async def test_an_episode_that_forgets_a_reward_is_dropped_not_reported_as_succe
         await ctx.generate("a", [1])
 
     assert "without rewarding" in await run_episode(forgetful, make_ctx(store, gen), 5.0)
-    assert store.counts[("a", DROPPED)] == 3
+    assert store.count("a", DROPPED) == 3
 
 
-def test_request_seeds_depend_only_on_run_seed_and_sample_id():
-    assert request_seed(1, "e0/a0/1") == request_seed(1, "e0/a0/1")
-    assert request_seed(1, "e0/a0/1") != request_seed(2, "e0/a0/1")
-    assert request_seed(1, "e0/a0/1") != request_seed(1, "e0/a0/2")
+def test_request_seeds_depend_only_on_run_seed_and_the_samples_key():
+    g, h = GroupKey("e0", "a", "1f-0"), GroupKey("e0", "a", "1f-1")
+    assert request_seed(1, g, 1) == request_seed(1, GroupKey("e0", "a", "1f-0"), 1)
+    assert request_seed(1, g, 1) != request_seed(2, g, 1)
+    assert request_seed(1, g, 1) != request_seed(1, h, 1)
 
 
 def test_a_groups_members_get_consecutive_seeds_and_later_turns_their_own():
-    base = request_seed(3, "e0/a-1f/0")
-    assert [request_seed(3, f"e0/a-1f/{i}") for i in range(4)] == [base + i for i in range(4)]
-    assert request_seed(3, "e0/a-2f/0") != base  # another group, another base
-    later = request_seed(3, "e0/a-1f/1@1")  # a sample's second turn: hashed whole
+    g = GroupKey("e0", "a", "1f")
+    base = request_seed(3, g)
+    assert [request_seed(3, g, i) for i in range(4)] == [base + i for i in range(4)]
+    assert request_seed(3, GroupKey("e0", "a", "2f")) != base  # another group, another base
+    later = request_seed(3, g, 1, turn=1)  # a sample's second turn: hashed whole
     assert later not in {base + i for i in range(4)} and 0 <= later < 2**31
+
+
+def test_seeds_from_typed_keys_are_the_seeds_the_string_ids_drew():
+    """A run draws the same tokens as before keys were typed: a group's seeds come from the
+    name its string id was, a later turn's from `SAMPLE@TURN`."""
+    import zlib
+
+    g = GroupKey("s1q0", "solver", "1a2b3c4d-b0.1-2")
+    assert str(g) == "s1q0/solver-1a2b3c4d-b0.1-2"
+    assert request_seed(3, g, 5) == (zlib.crc32(b"3:s1q0/solver-1a2b3c4d-b0.1-2") & 0x3FFFFFFF) + 5
+    assert request_seed(3, g, 1, turn=2) == zlib.crc32(b"3:s1q0/solver-1a2b3c4d-b0.1-2/1@2") & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------- failures and determinism
@@ -150,8 +169,7 @@ async def test_a_failing_episode_cancels_its_other_branches_and_leaves_nothing_i
     assert "tool crashed" in why
     await asyncio.sleep(0.4)  # a surviving branch would open its group by now
     assert opened_after_failure == []
-    assert all(g.status == DROPPED for g in store.groups.values())
-    assert not [s for s in store.samples.values() if s.status not in (DROPPED,)]
+    assert all(s.status == DROPPED for s in every_sample(store)) and every_sample(store)
 
 
 async def test_a_closed_episode_refuses_to_generate():
@@ -182,9 +200,8 @@ async def test_group_ids_and_seeds_follow_the_call_not_which_branch_finishes_fir
     for delays in ((0.01, 0.05), (0.05, 0.01)):
         store, gen, episode = run(delays)
         assert await run_episode(episode, make_ctx(store, gen), 5.0) == ""
-        seen.append({(tuple(g_prompt), gid) for gid, g_prompt in
-                     ((g.group_id, store.samples[g.sample_ids[0]].prompt_ids) for g in store.groups.values())})
-        seeds = {sid: request_seed(7, sid) for sid in store.samples}
+        seen.append({(tuple(s.prompt_ids.tolist()), s.key) for s in every_sample(store)})
+        seeds = {(s.key, s.member): request_seed(7, s.key, s.member) for s in every_sample(store)}
         assert len(set(seeds.values())) == len(seeds)
     assert seen[0] == seen[1]
 
@@ -256,7 +273,7 @@ async def test_identical_prompts_from_two_concurrent_branches_get_the_same_seeds
         async def branch(ctx, name):
             await released[name].wait()
             samples = await ctx.generate("a", [4, 2])
-            seeds[name] = [request_seed(7, s.sample_id) for s in samples]
+            seeds[name] = [request_seed(7, s.key, s.member) for s in samples]
             for s in samples:
                 ctx.reward(s, 0.0)
             if name == first:
