@@ -13,12 +13,12 @@
 `ctx.generate` / `ctx.chat` open one group in the experience store (n samples of one
 prompt; their advantages are relative to each other), send it through the rollout client
 as one request (the prompt once, n, the seed base: one future for the group) and return
-read-only views of its samples (store.SampleView, O(1) per access) with their outputs. `ctx.continue_chat`
-(or `ctx.continue_ids`) adds another turn to a sample: the new messages' ids are appended
-(not trained), then the agent's next turn is generated (trained), by the instance that
-generated the turn before if it can (its prefix cache holds the conversation); every turn
-records the policy version that produced it and waits at the staleness gate first. Token
-ids are the source of truth: `sample.output_ids` are the engine's ids, `sample.text` only
+read-only views of its samples (store.SampleView, O(1) per access) with their outputs.
+`ctx.continue_chat` (or `ctx.continue_ids`) adds another turn to a sample: the new
+messages' ids are appended (not trained), then the agent's next turn is generated
+(trained), by the instance that generated the turn before if it can (its prefix cache
+holds the conversation); every turn records the policy version that produced it and waits
+at the staleness gate first. Token ids are the source of truth: `sample.output_ids` are the engine's ids, `sample.text` only
 decodes them. A sample changes only through the context (`reward`, `continue_*`), and the
 context exposes nothing else of the run: the store, the rollout client, the staleness gate
 and the endpoint it works with are its own. Concurrency inside an episode (branches) and
@@ -37,9 +37,9 @@ run goes on.
 
 Group keys (runtime/keys.py: the episode, the agent, the call's place; and with them the
 per-sample sampling seeds) follow from the episode, the agent, the prompt, the calling
-branch's place in the workflow and how many identical calls that branch made before, never from which branch happens to call or finish first, so the
-same episode draws the same tokens in sync and async mode, with any latency and any number
-of instances. A branch's place is its path of task creation from the episode: the episode
+branch's place in the workflow and how many identical calls that branch made before,
+never from which branch happens to call or finish first, so the same episode draws the
+same tokens in sync and async mode, with any latency and any number of instances. A branch's place is its path of task creation from the episode: the episode
 is (), the i-th task it creates (asyncio.gather creates one per awaitable, in order) is
 (i,), that task's j-th is (i, j). `run_episode` installs the task factory that records it.
 """
