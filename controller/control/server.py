@@ -51,9 +51,12 @@ class RemoteError(Exception):
 
 # Heartbeats sent in one turn of the event loop (the rest in the next turns).
 HEARTBEATS_PER_TURN = 64
-# Inbound messages taken and dispatched in one turn of the event loop: under a flood the
-# loop still gives the heartbeats and the driver a turn this often.
-MESSAGES_PER_TURN = 64
+# Inbound messages taken and dispatched in one turn of the event loop. A reply wakes the
+# work waiting on it in the next turn, so a larger batch makes longer turns: at 1,024
+# instances x 32 agents (wide, async K = 2, a shared machine) 64 saved under a microsecond
+# of the 2.5-3.5 us a reply costs here and raised the loop's median lag from 0.2-1.4 ms to
+# 4-5 ms; 8 kept it at 0.8-1.6 ms (bench/HISTORY.md).
+MESSAGES_PER_TURN = 8
 
 # A streaming reply handler returns True when the reply it was given is the last one.
 ReplyHandler = Callable[[protocol.Message, list[Any]], bool]

@@ -90,6 +90,7 @@ class ExperienceStore:
         self._counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (agent, status)
         self._ready_seq = itertools.count(1)
         self._ready_count: collections.Counter[tuple[str, int]] = collections.Counter()  # (agent, batch) -> samples in ready
+        self._waiting: collections.Counter[str] = collections.Counter()  # agent -> samples in ready, every batch
 
     # ---------------------------------------------------------------- rollout side
 
@@ -233,6 +234,7 @@ class ExperienceStore:
             queues[batch] = queue = collections.deque()
         queue.append(group)
         self._ready_count[(agent, batch)] += group.n
+        self._waiting[agent] += group.n
         for listener in self.on_ready:
             listener(group.key)
 
@@ -249,7 +251,7 @@ class ExperienceStore:
 
     def waiting(self, agent: str) -> int:
         """The agent's trainable samples not yet taken, of every batch."""
-        return sum(n for (a, _), n in self._ready_count.items() if a == agent)
+        return self._waiting[agent]
 
     def ready_size(self, agent: str, batch: int, size: decisions.MicroBatchSize) -> int:
         """What is ready, in samples or tokens as `size` counts."""
@@ -271,6 +273,7 @@ class ExperienceStore:
             group.status = CONSUMED
             samples += group.n
         self._ready_count[(agent, batch)] -= samples
+        self._waiting[agent] -= samples
         self._counts[(agent, CONSUMED)] += samples
         return taken
 
