@@ -87,7 +87,7 @@ def _branch_task_factory(loop: asyncio.AbstractEventLoop, coro: Any, *, context:
     """Creates tasks as asyncio does, each with its BRANCH: the parent's plus the number
     of tasks the parent created before it (program order, never timing)."""
     parent = asyncio.current_task(loop)
-    context = (context or contextvars.copy_context()).copy()
+    context = context.copy() if context is not None else contextvars.copy_context()  # the task's own
     if parent is not None:
         counter = _children.setdefault(parent, itertools.count())
         context.run(BRANCH.set, BRANCH.get() + (next(counter),))
@@ -209,7 +209,7 @@ class EpisodeContext:
         branch, after as many identical calls of that branch) gets the same key in every
         run, whatever the timing."""
         branch = BRANCH.get()
-        crc = zlib.crc32(repr(list(prompt_ids)).encode())
+        crc = zlib.crc32(repr(prompt_ids if type(prompt_ids) is list else list(prompt_ids)).encode())
         counted, counts = (agent, crc, branch), self._called.counts
         occurrence = counts.get(counted, 0)
         counts[counted] = occurrence + 1
@@ -334,8 +334,9 @@ class EpisodeContext:
                                 f"{', '.join(sorted(SAMPLING_KEYS))})")
             d = dataclasses.replace(d, **{k: v for k, v in sampling.items() if v is not None})
         temperature = self.eval_temperature if self.eval_temperature is not None else d.temperature
+        # The agent's stop lists are shared, not copied: nothing changes a group once made.
         group = protocol.GenGroup(key, agent, n, context, d.max_tokens, temperature, seed, member, d.top_p, d.top_k,
-                                  list(d.stop), list(d.stop_token_ids), d.ignore_eos, turn=turn)
+                                  d.stop, d.stop_token_ids, d.ignore_eos, turn=turn)
         return group, TurnSampling(0, temperature, d.top_p, d.top_k)
 
     def _after_turn(self, sample: SampleView, messages: list | None, stop: list[str]) -> None:
