@@ -238,9 +238,7 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
     profiler = None
     if profile:
         import cProfile
-        # The loop thread's CPU time, not the wall clock: on a shared machine a function
-        # would otherwise be charged for the time the thread waited for a core.
-        profiler = cProfile.Profile(time.thread_time)
+        profiler = cProfile.Profile()
     began = time.perf_counter()
     try:
         async with Experiment(cfg, run_dir=root / "run", spawn_workers=False) as exp:
@@ -400,8 +398,8 @@ def main() -> None:
     parser.add_argument("--point", help="run one point (JSON: instances, agents, trainers, shape, mode, k, ...)")
     parser.add_argument("--smoke", action="store_true", help="one tiny point, printed as a row and a table")
     parser.add_argument("--replay", action="store_true", help="time `replay --check` on the point's log")
-    parser.add_argument("--profile", default="", help="cProfile the controller's loop (its CPU time) while it "
-                        "trains (the measured window alone), to this file")
+    parser.add_argument("--profile", default="", help="cProfile the controller while it trains (the measured "
+                        "window alone), to this file")
     parser.add_argument("--keep", default="", help="keep the point's run directory here")
     parser.add_argument("--only", default="", help="sweep points to run, by index (e.g. 0,5,7)")
     parser.add_argument("--pin", action="store_true", help="every point with a core of its own for the controller")
