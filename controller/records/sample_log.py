@@ -4,14 +4,17 @@ With `run.samples_per_step = N`, every optimizer step of every agent writes N of
 samples it trained to RUN_DIR/samples.jsonl (and to the trackers: `log_samples`), the
 best and the worst reward first, the rest spread evenly between them. Each line:
 
-    {"step": 3, "agent": "solver", "sample_id": "...", "reward": 0.75, "versions": [2, 2],
+    {"step": 3, "agent": "solver", "sample_id": "...", "group": [EPISODE, AGENT, CALL],
+     "member": 1, "reward": 0.75, "versions": [2, 2],
      "turns": [{"role": "user", "text": "What is 7 + 5?"},
                {"role": "assistant", "text": "13", "version": 2}, ...]}
 
 A conversation (`ctx.chat`) is given by its messages; a sample made from text or token ids
 by its prompt and then each stretch of its output ids, decoded with the agent's tokenizer:
 the agent's own turns ("agent", with the policy version of each) and the ids appended
-between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`).
+between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`). `sample_id` is the sample's
+name for people; `group` (its group's key, runtime/keys.py, as a list) and `member` say
+which sample it is to a program (the web view).
 
 `SampleLog.group_ready` is told each trainable group's samples (read-only views) and keeps
 what a row needs of them (the store lets the group go once trained) until its step is
@@ -51,6 +54,8 @@ class _Snapshot:
     versions: list[int]
     reward: float
     messages: list | None
+    group: list[str]  # the group's key (episode, agent, call)
+    member: int
 
 
 class SampleLog:
@@ -73,7 +78,8 @@ class SampleLog:
         """The group `key` is trainable: its members' views."""
         self._kept[agent][key] = [(s.sample_id, _Snapshot(
             s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
-            None if s.messages is None else [dict(m) for m in s.messages])) for s in samples]
+            None if s.messages is None else [dict(m) for m in s.messages],
+            [s.key.episode, s.key.agent, s.key.call], s.member)) for s in samples]
 
     def record(self, step: int, agent: str, keys: list[Any]) -> list[dict[str, Any]]:
         """Writes `per_step` of the samples `agent` trained at `step` (the groups `keys`);
@@ -92,7 +98,8 @@ class SampleLog:
         return rows
 
     def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
-        return {"step": step, "agent": agent, "sample_id": sample_id, "reward": snap.reward,
+        return {"step": step, "agent": agent, "sample_id": sample_id, "group": snap.group, "member": snap.member,
+                "reward": snap.reward,
                 "versions": snap.versions, "turns": self._turns(agent, snap)}
 
     def _turns(self, agent: str, snap: _Snapshot) -> list[dict[str, Any]]:
