@@ -211,6 +211,9 @@ def test_group_record_reports_training_wire_bytes_and_view_reads():
     assert {(r["wire"], r["agent"]) for r in wire} == {("default", "planner"), ("default", "solver"),
                                                        ("default", "checker"), ("group16", "agent")}
     assert all(r["bytes_per_micro_batch"] > 0 and r["micro_batches"] > 0 for r in wire)
+    assert all(r["old_bytes_per_micro_batch"] > 0 for r in wire)  # the same samples in the earlier message shape
+    (group16,) = [r for r in wire if r["wire"] == "group16"]
+    assert group16["old_bytes_per_micro_batch"] > group16["bytes_per_micro_batch"]  # the prompt once, not 16 times
     views = [r for r in rows if "view" in r]
     assert [r["view"] for r in views] == [f"{n} tokens x 8 choices" for n in (256, 1024, 4096)]
     assert all(r["last_turn_us"] > 0 and r["output_ids_us"] > 0 for r in views)
