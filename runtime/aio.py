@@ -1,13 +1,18 @@
 """Process start-up and task supervision shared by the controller and workers: uvloop,
-one thread, logging, and `supervise` (the first failure stops everything)."""
+one thread, logging, `supervise` (the first failure stops everything) and `StallWatch`
+(an event loop held for more than a second is logged with what held it)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+import threading
+import time
+import traceback
+from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -94,3 +99,96 @@ def _exception_of(task: asyncio.Task) -> BaseException:
 def _ended(task: asyncio.Task) -> TaskEnded:
     cause = _exception_of(task) if task.cancelled() or task.exception() is not None else None
     return TaskEnded(task.get_name(), cause)
+
+
+class StallWatch:
+    """Notices when the event loop stops turning: a task in the loop marks every TICK_S
+    that it turned, and a thread of its own looks at the mark. A loop held longer than
+    `threshold_s` is logged once while held, with the innermost frames its thread is
+    running ("what ran"), and again when it turns, with how long it was held. When the
+    watching thread was held as long (the whole process was stopped, or starved of the
+    CPU), it says that instead: nothing of ours ran.
+
+    It changes nothing: it only tells. The loop's own work is kept short by its callers
+    (proportional work goes to threads); this is how a regression shows."""
+
+    TICK_S = 0.1
+
+    def __init__(self, name: str, threshold_s: float = 1.0, log: logging.Logger | None = None) -> None:
+        self.name = name
+        self.threshold_s = threshold_s
+        self.log = log or logging.getLogger("flexmarl.loop")
+        self.stalls: list[tuple[float, str]] = []  # (seconds held, what ran), for tests and benches
+        self._mark = time.monotonic()
+        self._loop_thread = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ticker: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Starts watching the running loop (call from it); `stop()` ends it."""
+        self._loop_thread = threading.get_ident()
+        self._mark = time.monotonic()
+        self._ticker = asyncio.create_task(self._tick(), name="stall-watch")
+        self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+            self._ticker = None
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[StallWatch]:
+        """Watches the running loop while the block runs."""
+        self.start()
+        try:
+            yield self
+        finally:
+            await self.stop()
+
+    async def _tick(self) -> None:
+        while True:
+            self._mark = time.monotonic()
+            await asyncio.sleep(self.TICK_S)
+
+    def _watch(self) -> None:
+        period = min(0.25, self.threshold_s / 4)
+        held_by, longest, told = "", 0.0, False
+        woke, cpu = time.monotonic(), time.process_time()
+        while not self._stop.wait(period):
+            now, cpu_now = time.monotonic(), time.process_time()
+            overslept, used = now - woke - period, cpu_now - cpu
+            woke, cpu = now, cpu_now
+            held = now - self._mark - self.TICK_S
+            if held > self.threshold_s:
+                if not held_by:
+                    held_by = self._why(overslept, used)
+                longest = held
+                if not told and overslept <= self.threshold_s:
+                    self.log.warning("%s: the event loop has been held for %.1fs; it is running: %s", self.name,
+                                     held, held_by)
+                    told = True
+            elif held_by:
+                self.stalls.append((longest, held_by))
+                self.log.warning("%s: the event loop was held for about %.1fs by %s", self.name, longest, held_by)
+                held_by, longest, told = "", 0.0, False
+
+    def _why(self, overslept: float, used: float) -> str:
+        """What held the loop, seen from this thread: the loop thread's frames, or (when this
+        thread could not run either) whether the process ran at all meanwhile."""
+        if overslept <= self.threshold_s:
+            return self._running()
+        if used < 0.1 * overslept:
+            return "nothing of ours: the whole process was held (stopped, or starved of the CPU)"
+        return f"code that kept this thread from running too (the loop's thread is now at: {self._running()})"
+
+    def _running(self) -> str:
+        """The innermost frames of the loop's thread, one line: file:line in function, outermost last."""
+        frame = sys._current_frames().get(self._loop_thread)
+        if frame is None:
+            return "(its thread is gone)"
+        frames = traceback.extract_stack(frame)[-6:]
+        return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in reversed(frames))

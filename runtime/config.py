@@ -221,7 +221,10 @@ class AgentConfig:
     temperature: float = 1.0
     """Sampling temperature."""
     lr: float = 2e-3
-    """Adam learning rate."""
+    """Adam learning rate. The default suits a LoRA adapter agent too: on the adapter jobs shipped
+    in examples/ it did best of the rates measured (1e-3 to 2e-2), 5e-3 already hurt the review
+    team's critic and reviser and 1e-2 or more collapsed agents of both jobs (bench/RESULTS.md,
+    adapter_lr)."""
     max_grad_norm: float = 1.0
     """Gradient clipping: the gradient's norm is clipped to this."""
     # Sampling (every ctx.generate / ctx.chat call may override these).
@@ -250,8 +253,9 @@ class AgentConfig:
     """Advantages divided by their group's std (false: Dr. GRPO)."""
     off_policy: OffPolicyCorrection = "tis"
     """The correction for samples of older policies when `pipeline.max_staleness` > 0: "tis",
-    "ppo_clip", "token_mis", "seq_mis", "gspo" or "cispo" (protocol.OffPolicyCorrection says what
-    each does). TIS's cap is `pipeline.clip_ratio`; the others' constants are the keys below."""
+    "ppo_clip", "token_mis", "seq_mis", "gspo", "cispo" or "decoupled" (protocol.OffPolicyCorrection
+    says what each does). TIS's cap is `pipeline.clip_ratio`; the others' constants are the keys
+    below."""
     clip_eps: float = 0.2
     """`ppo_clip`: the ratio clipped to [1 - clip_eps, 1 + clip_eps]."""
     dual_clip: float = 0.0
@@ -267,8 +271,41 @@ class AgentConfig:
     """`gspo`: the upper clip of the sequence ratio (see `gspo_eps_low`)."""
     cispo_eps_high: float = 2.0
     """`cispo`: the detached weight clipped to [0, 1 + cispo_eps_high]."""
+    behav_weight_cap: float = 5.0
+    """`decoupled` (AReaL's decoupled PPO): a token whose behaviour weight, the proximal policy's
+    probability over the sampler's, exceeds this is masked; the trust region around the proximal
+    policy is `clip_eps` (and `dual_clip`), as for `ppo_clip`."""
     kl_coef: float = 0.0
     """KL penalty towards the initial weights; 0: none (no reference model is built)."""
+    # Agents that play but do not learn, and distillation from them.
+    train: bool = True
+    """False: a frozen agent (a judge, an opponent, a teacher): served by rollout engines like any
+    agent, never trained: no trainer, no optimizer state, no weight sync; its samples need no
+    reward and are recorded as generated, not trained."""
+    adapter: str = ""
+    """A frozen adapter agent's weights (`train = false` with `base`): a PEFT adapter directory of
+    its base, such as an agent's folder in an earlier run's checkpoint."""
+    snapshot_of: str = ""
+    """Makes the agent a frozen copy of the trained agent named here at an earlier version
+    (self-play against one's past): it takes that agent's model (for an adapter agent, one more
+    adapter of its base), starts at its initial weights and is refreshed to its newest version
+    every `snapshot_every` of its steps, through the weight sync's parameter channel."""
+    snapshot_every: int = 1
+    """A snapshot's refresh interval, in steps of the agent it copies."""
+    teacher: str = ""
+    """On-policy distillation: the agent (frozen, a snapshot, or trained) that scores this agent's
+    sampled tokens; its per-token reverse KL, this agent's logprob minus the teacher's, enters
+    this agent's loss (`teacher_coef`). The teacher must share this agent's tokenizer."""
+    teacher_coef: float = 1.0
+    """With `teacher`: the per-token advantage is the reward's minus teacher_coef x (student
+    logprob - teacher logprob), the reverse KL's gradient on the student's own samples."""
+    teacher_only: bool = False
+    """With `teacher`: the reward's advantage is left out, the reverse KL alone trains the agent
+    (rewards are still recorded)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (no advantage, no gradient) is
+    dropped before it reaches a micro-batch, and more episodes are drawn so that the step keeps
+    its batch size, up to `pipeline.max_extra_episodes`."""
     # Devices and precision.
     dtype: ModelDtype = "auto"
     """What the rollout engine runs in and the trainer computes in; "auto" is resolved by each
@@ -315,7 +352,13 @@ class AgentConfig:
         """The loss settings the trainer is sent with each of this agent's micro-batches."""
         return LossOptions(self.loss_agg, self.loss_constant or float(self.max_tokens), self.off_policy,
                            self.kl_coef, self.clip_eps, self.dual_clip, self.is_low, self.is_high,
-                           self.gspo_eps_low, self.gspo_eps_high, self.cispo_eps_high)
+                           self.gspo_eps_low, self.gspo_eps_high, self.cispo_eps_high, self.behav_weight_cap,
+                           self.teacher_coef if self.teacher else 0.0, self.teacher_only)
+
+    @property
+    def frozen(self) -> bool:
+        """Served, never trained: `train = false`, or a snapshot of another agent."""
+        return not self.train or bool(self.snapshot_of)
 
     def loss_problem(self) -> str:
         """What is wrong with the correction constants, or ""."""
@@ -327,6 +370,9 @@ class AgentConfig:
             return f"is_low and is_high must satisfy 0 <= is_low < 1 < is_high, got {self.is_low}, {self.is_high}"
         if not (0 < self.gspo_eps_low < 1 and self.gspo_eps_high > 0 and self.cispo_eps_high > 0):
             return "gspo_eps_low must be in (0, 1), gspo_eps_high and cispo_eps_high > 0"
+        if self.behav_weight_cap <= 1:
+            return (f"behav_weight_cap must be > 1, got {self.behav_weight_cap} (decoupled PPO masks tokens whose "
+                    f"behaviour weight exceeds it; a weight of 1 is on-policy)")
         return ""
 
 
@@ -367,6 +413,14 @@ class PipelineConfig:
     allow_empty_steps: bool = False
     """False: an agent that gets no trainable sample in a step stops the run (exit status 1); true:
     it steps on nothing (a workflow that calls some agent only now and then)."""
+    max_extra_episodes: int = 0
+    """With `agents.*.dynamic_sampling`: the episodes a global batch may draw beyond
+    `queries_per_step` to replace the groups dynamic sampling dropped; a batch that still lacks
+    groups then stops the run with an error naming the agent. 0: 3 x `queries_per_step`."""
+
+    def extra_episodes(self) -> int:
+        """The bound on a batch's extra episodes (`max_extra_episodes`, 0 read as its default)."""
+        return self.max_extra_episodes or 3 * self.queries_per_step
 
 
 @dataclass
@@ -506,6 +560,13 @@ class OpenAIConfig:
     keys are it, a dash and the episode's id, and `flexmarl serve` accepts it alone."""
     max_request_bytes: int = 8 * 1024 * 1024
     """A larger request body is refused (413)."""
+    max_request_tokens: int = 0
+    """A call whose prompt (with what its conversation already holds) is longer, in tokens, is
+    refused (400) before any engine sees it; 0: as long as the agent's context allows (its
+    `max_model_len` less the call's `max_tokens`). Text that cannot fit is refused before it is
+    tokenized."""
+    max_n: int = 64
+    """The most samples one call may ask for (`n`); more is refused (400)."""
 
 
 @dataclass
@@ -577,6 +638,9 @@ class ExperimentConfig:
         if self.pipeline.micro_batch_tokens < 0:
             raise ConfigError(f"pipeline.micro_batch_tokens must be >= 0 (0: micro-batches counted in samples, "
                               f"pipeline.micro_batch), got {self.pipeline.micro_batch_tokens}")
+        if self.pipeline.max_extra_episodes < 0:
+            raise ConfigError(f"pipeline.max_extra_episodes must be >= 0 (0: 3 x queries_per_step), got "
+                              f"{self.pipeline.max_extra_episodes}")
         if not 0.0 <= self.pipeline.max_failed_share <= 1.0:
             raise ConfigError(f"pipeline.max_failed_share must be in [0, 1] (1: never stop for failed "
                               f"episodes), got {self.pipeline.max_failed_share}")
@@ -601,6 +665,10 @@ class ExperimentConfig:
                 raise ConfigError(f"agents.{name}: kl_coef and loss_constant must be >= 0")
             if agent.loss_problem():
                 raise ConfigError(f"agents.{name}.{agent.loss_problem()}")
+            if agent.off_policy == "decoupled" and self.cluster.trainer_group_size > 1:
+                raise ConfigError(f"agents.{name}.off_policy = \"decoupled\" keeps the previous version's weights "
+                                  f"on a single-process trainer; set cluster.trainer_group_size = 1 or choose "
+                                  f"another correction")
             if not 0 < agent.gpu_memory_utilization <= 1:
                 raise ConfigError(f"agents.{name}.gpu_memory_utilization must be in (0, 1], got "
                                   f"{agent.gpu_memory_utilization}: it is the share of a GPU's memory "
@@ -613,6 +681,7 @@ class ExperimentConfig:
                                   "(0: the engine's default)")
             if block_size_problem(agent.block_size):
                 raise ConfigError(f"agents.{name}.{block_size_problem(agent.block_size)}")
+        check_roles(self)
         check_bases(self)
         self.cluster.validate_gpus(self.widest_engine())
         if self.run.samples_per_step < 0:
@@ -642,6 +711,8 @@ class ExperimentConfig:
             raise ConfigError("openai.port must be in [0, 65535] (0: a free port) and openai.max_request_bytes >= 1")
         if not 0 <= self.view.port < 65536:
             raise ConfigError(f"view.port must be in [0, 65535] (0: a free port), got {self.view.port}")
+        if self.openai.max_request_tokens < 0 or self.openai.max_n < 1:
+            raise ConfigError("openai.max_request_tokens must be >= 0 (0: the agent's context) and openai.max_n >= 1")
         if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
             raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self
@@ -736,7 +807,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
 def resolve_paths(data: dict[str, Any], base: Path) -> None:
     """Makes the file paths among the raw config's values absolute against `base`:
     `run.workflow` given as FILE.py:FUNCTION (or with a folder), `data.train`,
-    `data.eval`, and every `agents.*.model` and `bases.*.model` that is a directory or a
+    `data.eval`, every `agents.*.adapter`, and every `agents.*.model` and `bases.*.model` that is a directory or a
     `tiny:FILE.py:AGENT` recipe. Built-in names (`digit_chain`, `tiny:planner`) and dotted modules stay as they
     are; values of the wrong type are left for the type check to name."""
     def absolute(text: str) -> str:
@@ -755,6 +826,9 @@ def resolve_paths(data: dict[str, Any], base: Path) -> None:
             if isinstance(data_table.get(key), str):
                 data_table[key] = absolute(data_table[key])
     tables = [t for key in ("agents", "bases") if isinstance(data.get(key), dict) for t in data[key].values()]
+    for agent in tables:  # a frozen adapter agent's directory too
+        if isinstance(agent, dict) and isinstance(agent.get("adapter"), str) and agent["adapter"]:
+            agent["adapter"] = absolute(agent["adapter"])
     for agent in tables:
         model = agent.get("model") if isinstance(agent, dict) else None
         if not isinstance(model, str) or not model:
@@ -811,6 +885,79 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 
 def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+# ---------------------------------------------------------------- agents that play but do not learn
+
+# What a snapshot takes from the agent it copies (the same model, or one more adapter of
+# the same base, so that the copy's weights load into its engine as they are).
+SNAPSHOT_KEYS = ("model", "base", "max_model_len", "dtype", "gpu_memory_utilization", "tensor_parallel_size",
+                 "block_size", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+def trained_agents(cfg: ExperimentConfig) -> list[str]:
+    """The agents that learn (every one but the frozen and the snapshots), in config order."""
+    return [name for name, agent in cfg.agents.items() if not agent.frozen]
+
+
+def check_roles(cfg: ExperimentConfig) -> None:
+    """Frozen agents, snapshots and teachers well formed, one line per mistake; a snapshot
+    takes the model (or base and LoRA shape) of the agent it copies."""
+    default = AgentConfig()
+    declared = ", ".join(cfg.agents)
+    for name, agent in cfg.agents.items():
+        if agent.snapshot_of:
+            _inherit_snapshot(cfg, name, agent, default, declared)
+        if agent.frozen:
+            trains = [k for k in ("teacher", "dynamic_sampling") if getattr(agent, k) != getattr(default, k)]
+            if trains:
+                raise ConfigError(f"agents.{name}.{trains[0]} is set, but agents.{name} is frozen "
+                                  f"({'a snapshot' if agent.snapshot_of else 'train = false'}): it learns nothing")
+        if agent.adapter and not (agent.base and not agent.train and not agent.snapshot_of):
+            raise ConfigError(f"agents.{name}.adapter is for a frozen adapter agent (train = false with base); "
+                              f"a trained adapter agent starts from its base")
+        if agent.base and not agent.train and not agent.snapshot_of and not agent.adapter:
+            raise ConfigError(f"agents.{name} is a frozen adapter of bases.{agent.base} without its adapter: set "
+                              f"agents.{name}.adapter to a PEFT adapter directory (an agent's folder of an "
+                              f"earlier run's checkpoint), or make it a whole model")
+        if agent.teacher:
+            if agent.teacher == name or agent.teacher not in cfg.agents:
+                raise ConfigError(f"agents.{name}.teacher = {agent.teacher!r}: "
+                                  + ("an agent cannot teach itself" if agent.teacher == name else
+                                     f"no [agents.{agent.teacher}] is declared (declared: {declared})"))
+            if agent.teacher_coef <= 0:
+                raise ConfigError(f"agents.{name}.teacher_coef must be > 0, got {agent.teacher_coef}")
+    for name in cfg.agents:  # a cycle of teachers: each would wait for the other's version
+        seen = [name]
+        while cfg.agents[seen[-1]].teacher:
+            seen.append(cfg.agents[seen[-1]].teacher)
+            if seen[-1] in seen[:-1]:
+                raise ConfigError(f"agents.{name}.teacher: the teachers form a cycle "
+                                  f"({' -> '.join(seen[seen.index(seen[-1]):])}); a teacher learns from none of "
+                                  f"its students")
+    if not trained_agents(cfg) and cfg.agents:
+        raise ConfigError("every agent is frozen (train = false or snapshot_of): the run would train nothing; "
+                          "leave at least one agent trained")
+
+
+def _inherit_snapshot(cfg: ExperimentConfig, name: str, agent: AgentConfig, default: AgentConfig,
+                      declared: str) -> None:
+    source = cfg.agents.get(agent.snapshot_of)
+    if agent.snapshot_of == name or source is None:
+        raise ConfigError(f"agents.{name}.snapshot_of = {agent.snapshot_of!r}: "
+                          + ("an agent cannot be a snapshot of itself" if source is agent else
+                             f"no [agents.{agent.snapshot_of}] is declared (declared: {declared})"))
+    if source.frozen:
+        raise ConfigError(f"agents.{name}.snapshot_of = {agent.snapshot_of!r}, a frozen agent: its weights never "
+                          f"change, so a snapshot of it is the agent itself; name {agent.snapshot_of!r} instead")
+    if agent.snapshot_every < 1:
+        raise ConfigError(f"agents.{name}.snapshot_every must be >= 1, got {agent.snapshot_every}")
+    for key in SNAPSHOT_KEYS:
+        own, theirs = getattr(agent, key), getattr(source, key)
+        if own != getattr(default, key) and own != theirs:
+            raise ConfigError(f"agents.{name}.{key} is set, but agents.{name} is a snapshot of "
+                              f"agents.{agent.snapshot_of}, whose model it takes; remove it")
+        setattr(agent, key, list(theirs) if isinstance(theirs, list) else theirs)
 
 
 # ---------------------------------------------------------------- what a job needs of its bases

@@ -27,8 +27,14 @@ event would (a crash loses at most that interval's events; ``flush()`` loses non
 fatal: a run whose log has holes can be neither replayed nor audited, so ``run()``,
 ``flush()`` and later ``emit`` calls raise ``EventLogError`` instead of dropping events.
 
-Reading: ``read_events`` returns every event up to the first damage (a torn tail after a
-crash, a flipped bit) plus a message naming the file, byte offset and reason.
+Reading: ``read_events`` returns every event of every intact frame plus a message naming
+each damage (file, byte offset, reason). Damage in the middle (a flipped bit, zeroed or
+lost bytes with intact frames after them) is passed over: the reader finds the next frame
+whose length, checksum and sequence numbers hold, and puts an ``EventsLost`` event naming
+the events the damage held where they were (replay leaves out the batches it split). A
+torn tail after a crash ends the log. A resumed run (``append=True``) keeps every intact
+frame, cuts only a torn tail, and ``lost`` says what the damage took, for the resume to
+record.
 
 This module knows the framing, not what events mean; event types live in ``events``. The
 writer's methods import asyncio themselves: a reader (``flexmarl replay``) never needs it.
@@ -48,7 +54,7 @@ from typing import TYPE_CHECKING, BinaryIO, Callable
 import msgspec
 
 from . import collector
-from .events import EVENT_NAMES, FORMAT_VERSION, AnyEvent, Event
+from .events import EVENT_NAMES, FORMAT_VERSION, AnyEvent, Event, EventsLost
 from .legacy_events import TYPED_FORMAT, AnyLegacyEvent, LegacyReader
 
 if TYPE_CHECKING:
@@ -69,6 +75,13 @@ MAX_EVENTS_PER_FRAME = 4096
 FRAME_BYTES = 1024 * 1024
 # The first format whose frames hold an array of events.
 BATCHED_FORMAT = 3
+# Past damage, the reader looks for the next frame among lengths up to this (a frame holds
+# at most FRAME_BYTES of events, unless one event alone is larger): a wrong guess costs a
+# checksum over that many bytes.
+RESYNC_FRAME_BYTES = 4 * FRAME_BYTES
+# The first byte of a frame's body: a msgpack array (format 3) or map (formats 1 and 2).
+_ARRAY_STARTS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+_MAP_STARTS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 
 
 class EventLogError(Exception):
@@ -145,7 +158,8 @@ class EventLog:
     An existing log at ``path`` (and its numbered segments) is replaced when the first
     write happens, so a reused run directory never mixes two runs in one log; with
     ``append=True`` (a resumed run) it is continued instead: seq and t go on from its last
-    intact event, and a torn tail left by a crash is cut off first.
+    intact event, a torn tail left by a crash is cut off first, and damage before it stays
+    where it is (the intact frames after it are kept); ``lost`` names what it held.
     """
 
     def __init__(self, path: str | Path, *, max_bytes_per_segment: int = 64 * 1024 * 1024,
@@ -178,12 +192,23 @@ class EventLog:
         self._segment_bytes = 0
         self._dir_dirty = False
         self._append_at: tuple[int, int] | None = None  # (segment, intact bytes) to continue
+        # What damage before the point of appending held (EventsLost, for the resume to record).
+        self.lost: list[EventsLost] = []
+        self.torn: str | None = None  # the torn tail cut off, if any: where and why
+        # What was read to append (for the resume to judge; it lets go of them): the events,
+        # and the last segment's path, intact bytes and size.
+        self.intact: list[Event] = []
+        self.tail: tuple[Path, int, int] | None = None
         if append and segment_paths(self.path):
             reader = _SegmentReader()
-            for index, seg in enumerate(segment_paths(self.path)):
+            paths = segment_paths(self.path)
+            for index, seg in enumerate(paths):
                 reader.segment = index
-                if reader.read(seg) is not None:
-                    break
+                torn = reader.read(seg, last=index == len(paths) - 1)
+            self.torn = torn
+            self.lost = reader.lost
+            self.intact = reader.events
+            self.tail = (paths[-1], reader.good_end, paths[-1].stat().st_size)
             self._seq = reader.next_seq
             self._t0 = clock() - (reader.events[-1].t if reader.events else 0.0)
             self._append_at = (reader.segment, reader.good_end)
@@ -328,13 +353,14 @@ class EventLog:
         self._dir_dirty = True
 
     def _continue(self, index: int, intact: int) -> None:
-        """Appends to segment `index` after its `intact` bytes; what follows them (a torn
-        frame, later segments written after damage) is removed. A segment of an older
-        format is cut there and the log goes on in a new segment of this one."""
-        for later in segment_paths(self.path)[index + 1:]:
-            later.unlink()
+        """Appends to segment `index` (the last) after its `intact` bytes; what follows them
+        (a torn frame) is removed. A segment of an older format, or one whose header is
+        damaged, is left as it is and the log goes on in a new segment of this one."""
         if intact < HEADER_BYTES:
-            self._open_segment(index)
+            if segment_path(self.path, index).stat().st_size < HEADER_BYTES:
+                self._open_segment(index)  # torn while its header was written: nothing was in it
+            else:
+                self._open_segment(index + 1)  # its header is damaged: kept as it is, the reader passes it over
             return
         self._segment = index
         self._file = open(segment_path(self.path, index), "r+b")
@@ -393,12 +419,26 @@ def read_events(path: str | Path) -> tuple[list[Event], str | None]:
     if not paths:
         raise FileNotFoundError(f"no event log at {path}")
     reader = _SegmentReader()
+    problems = []
     with collector.paused():  # decoding makes no cycles, only many lists
-        for seg in paths:
-            problem = reader.read(seg)
-            if problem is not None:
-                return reader.events, reader.with_skipped_note(problem)
-        return reader.events, reader.with_skipped_note(None)
+        for index, seg in enumerate(paths):
+            torn = reader.read(seg, last=index == len(paths) - 1)
+        problems = [f"{lost.segment}: byte offset {lost.offset}: {lost.why}; {_held(lost)}; read on after it"
+                    for lost in reader.lost]
+        if torn is not None:
+            problems.append(torn)
+        if reader._open_gap is not None:  # damage no intact frame followed: in its place, at the end
+            gap = reader._open_gap
+            gap.seq, gap.t = gap.first_seq, reader.events[-1].t if reader.events else 0.0
+            reader.events.append(gap)
+        return reader.events, reader.with_skipped_note("; ".join(problems) or None)
+
+
+def _held(lost: EventsLost) -> str:
+    if lost.next_seq < 0:
+        return f"the events from seq {lost.first_seq} on were in it"
+    n = lost.next_seq - lost.first_seq
+    return f"{n} event{'s' * (n != 1)} (seq {lost.first_seq}-{lost.next_seq - 1}) were in its {lost.nbytes} bytes"
 
 
 class LogTail:
@@ -499,6 +539,8 @@ class _SegmentReader:
         self.skipped: dict[str, int] = {}
         self.segment = 0  # for appending: the segment read last and its intact bytes
         self.good_end = 0
+        self.lost: list[EventsLost] = []  # damage passed over, in order (its events put in place)
+        self._open_gap: EventsLost | None = None  # damage to a segment's end: closed by the next frame
 
     def with_skipped_note(self, problem: str | None) -> str | None:
         if not self.skipped:
@@ -507,19 +549,63 @@ class _SegmentReader:
         note = f"skipped events of kinds this FlexMARL does not know ({kinds}); upgrade to see them"
         return note if problem is None else f"{problem}; {note}"
 
-    def read(self, seg: Path) -> str | None:
+    def read(self, seg: Path, last: bool = True) -> str | None:
+        """Reads one segment, passing over damage to the next intact frame (see the module
+        docstring); what is wrong with its tail, if the log ends there torn (`last`)."""
         self.good_end = 0
         data = memoryview(seg.read_bytes())
         where = f"{seg}: byte offset"
         bad_header = self.header(data, seg)
         if bad_header is not None:
-            return f"{where} {bad_header}"
+            if last:
+                return f"{where} {bad_header}"
+            self._damaged(seg, 0, len(data), bad_header.partition(": ")[2], self.next_seq)
+            return None
         off = self.good_end = HEADER_BYTES
         while off < len(data):
             nxt = self._read_frame(data, off)
             if isinstance(nxt, str):
-                return f"{where} {off}: {nxt}; {len(self.events)} events read before it"
+                expected = self.next_seq
+                found = self._resync(data, off + 1)
+                if found is None and last:
+                    return f"{where} {off}: {nxt}; {len(self.events)} events read before it"
+                end = len(data) if found is None else found
+                self._damaged(seg, off, end, nxt, expected)
+                if found is None:
+                    return None
+                nxt = self._read_frame(data, found)
+                assert not isinstance(nxt, str)  # _resync read it
             off = self.good_end = nxt
+        return None
+
+    def _damaged(self, seg: Path, offset: int, end: int, why: str, first_seq: int) -> None:
+        """Damage from `offset` to `end`: its events are from `first_seq` (the next expected)
+        to the first of the next intact frame (filled in when that frame is read)."""
+        gap = EventsLost(str(seg), offset, end - offset, first_seq, -1, why)
+        self.lost.append(gap)
+        self._open_gap = gap
+
+    def _resync(self, data: memoryview, start: int) -> int | None:
+        """The offset of the first intact frame at or after `start` (its length plausible,
+        its checksum right, its events decodable and numbered on from the last read), or
+        None: damage to the segment's end."""
+        starts = _ARRAY_STARTS if self.batched else _MAP_STARTS
+        size, unpack = len(data), _U32.unpack_from
+        for off in range(start, size - FRAME_OVERHEAD):
+            (length,) = unpack(data, off)
+            if not 0 < length <= min(RESYNC_FRAME_BYTES, size - off - FRAME_OVERHEAD) or data[off + 4] not in starts:
+                continue
+            end = off + _U32.size + length + _U32.size
+            (crc,) = unpack(data, end - _U32.size)
+            if zlib.crc32(data[off + _U32.size:end - _U32.size], zlib.crc32(data[off:off + _U32.size])) != crc:
+                continue
+            items = self._decode(data[off + _U32.size:end - _U32.size])
+            if isinstance(items, str) or not items:
+                continue
+            first = items[0][1] if type(items[0]) is tuple else items[0].seq
+            if first >= self.next_seq:
+                self.next_seq = first  # what the damage held is counted from here on
+                return off
         return None
 
     def header(self, data: memoryview, seg: Path) -> str | None:
@@ -564,6 +650,8 @@ class _SegmentReader:
         if isinstance(items, str):
             return items
         seq, skipped = self.next_seq, []
+        if self._open_gap is not None and items:  # after damage that ran to a segment's end: numbered on from here
+            seq = max(seq, items[0][1] if type(items[0]) is tuple else items[0].seq)
         for item in items:
             if type(item) is tuple:  # an event of a kind this version does not know
                 skipped.append(item[0])
@@ -574,6 +662,11 @@ class _SegmentReader:
                 seq += 1
         for kind in skipped:
             self.skipped[kind] = self.skipped.get(kind, 0) + 1
+        if self._open_gap is not None:  # the first frame after damage: what it held, in its place
+            gap, self._open_gap = self._open_gap, None
+            gap.next_seq = items[0][1] if type(items[0]) is tuple else items[0].seq
+            gap.seq, gap.t = gap.first_seq, self.events[-1].t if self.events else 0.0
+            self.events.append(gap)
         if skipped:
             items = [e for e in items if type(e) is not tuple]
         if self.decoders is not _TYPED and self.legacy is not None:

@@ -19,7 +19,7 @@ from typing import Iterator, Union
 
 import msgspec
 
-from .keys import GroupKey
+from .keys import SCORE_TURN, GroupKey
 
 # Version of the log format (framing and event schemas). Readers refuse newer logs.
 # 2: a group's samples are named by the group and its members' count (`n`, `parts`), not
@@ -29,7 +29,8 @@ from .keys import GroupKey
 # 4: groups, samples and later turns are named by typed keys (runtime/keys.py: a group's
 # key, its members by index, a turn by its number), never by strings; micro-batches and
 # drops name parts of groups. Readers read formats 1 to 3 as format 4
-# (runtime/legacy_events.py).
+# (runtime/legacy_events.py), the frozen agents' GroupServed and the teachers'
+# TeacherScored of format 3 among them.
 FORMAT_VERSION = 4
 
 
@@ -91,6 +92,21 @@ class RunResumed(Event):
     config_toml: str
 
 
+class EventsLost(Event):
+    # Damaged bytes of the log held events `first_seq` to `next_seq` - 1 (next_seq -1: the
+    # log ended there, before the checkpoint a resume started from, so how many followed is
+    # not known). Written by the resume that found them (before its RunResumed), or made up
+    # by the reader where damage was never recorded (at `first_seq`, then). Replay leaves
+    # out the batches whose events the damage split (`batches`, filled by replay's lineage).
+    segment: str  # the file holding the damage
+    offset: int  # the byte offset where it begins
+    nbytes: int  # how many bytes it spans
+    first_seq: int
+    next_seq: int
+    why: str
+    batches: list[int] = []
+
+
 class CheckpointWritten(Event):
     # A consistent cut of the run after `step` optimizer steps is complete on disk.
     step: int
@@ -105,6 +121,21 @@ class BatchStarted(Event):
     first_episode: int  # episodes are numbered over the whole run: batch b starts at (b - 1) x queries
     data_epoch: int = -1  # -1: no dataset
     data_rows: list[int] = []  # the dataset row of each episode of the batch, in order
+
+
+class GroupTargets(Event):
+    # Dynamic sampling: batch `batch`'s regular episodes ended; each dynamic-sampling agent
+    # trains this many groups of it (those they opened), groups beyond them are surplus.
+    batch: int
+    targets: dict[str, int]
+
+
+class EpisodesDrawn(Event):
+    # Dynamic sampling: `episodes` extra episodes of batch `batch` start, for the groups
+    # each agent is `missing` (dropped because their rewards were all equal).
+    batch: int
+    episodes: int
+    missing: dict[str, int]
 
 
 class EvaluationDone(Event):
@@ -151,6 +182,8 @@ class Parts(msgspec.Struct, array_like=True, gc=False):
 
 
 def _named(key: GroupKey, first: int, size: int, turn: int) -> str:
+    if turn == SCORE_TURN:
+        return f"{key}/{first}@teacher"
     if turn:
         return f"{key}/{first}@{turn}"
     return f"{key}/{first}" if size == 1 else f"{key}/{first}..{first + size - 1}"
@@ -223,6 +256,32 @@ class SamplesDropped(Event):
     why: str
 
 
+class TeacherScored(Event):
+    # On-policy distillation: every member of the distilled agent's group (of batch
+    # `batch`) was scored by `teacher` (a prefill of its sequence), member j by the
+    # teacher's policy version `versions[j]`.
+    key: GroupKey
+    batch: int
+    teacher: str
+    versions: list[int]
+
+    @property
+    def agent(self) -> str:
+        return self.key.agent
+
+
+class GroupServed(Event):
+    # A frozen agent's group (members 0 .. n-1 of the group `key`) once its episode ended
+    # well: generated, never to be trained; the rewards the workflow gave it, if any, in order.
+    key: GroupKey
+    n: int
+    rewards: list[float] = []
+
+    @property
+    def agent(self) -> str:
+        return self.key.agent
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -284,6 +343,14 @@ class WeightSyncFinished(Event):
     version: int
     seconds: float
     nbytes: int
+
+
+class SnapshotRefreshed(Event):
+    # A snapshot agent's instances now hold its source's weights of `version` (their
+    # WeightSyncStarted / Finished, under the snapshot's name, precede this).
+    agent: str
+    source: str
+    version: int
 
 
 class AllocationChanged(Event):

@@ -20,6 +20,12 @@ from __future__ import annotations
 import msgspec
 
 
+# The turn that names a teacher's scoring of a member (a prefill of the member's prompt and
+# output on the teacher, protocol.GenGroup.score_from): a request of the member that
+# generates no sample; turn 0 is its first turn, k >= 1 its later ones.
+SCORE_TURN = -1
+
+
 class GroupKey(msgspec.Struct, array_like=True, frozen=True, order=True, gc=False):
     """A group: `call` names the call's place in its episode (made by the episode context
     from the prompt, the calling branch and how many identical calls came before; an

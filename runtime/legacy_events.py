@@ -3,7 +3,7 @@
 Before format 4 a group was named by a string id (`EPISODE/AGENT-CALL`), a sample by its
 group's id and its index (`GROUP/INDEX`), a later turn of a sample by the sample's id and
 the turn (`SAMPLE@TURN`), and format 1 listed a group's sample ids one by one. This module
-declares the six event types whose fields held those strings as they were, and
+declares the eight event types whose fields held those strings as they were, and
 `LegacyReader` turns each into its format-4 event (runtime/keys.py's typed keys, parts of
 groups): the one place those strings are ever read. The same string always gives the same
 key, so every event of an old log still names the same groups and samples: replay, its
@@ -22,7 +22,7 @@ from typing import Any, Callable, Union
 import msgspec
 
 from . import events as ev
-from .keys import GroupKey
+from .keys import SCORE_TURN, GroupKey
 
 # The first format whose events name groups by typed keys.
 TYPED_FORMAT = 4
@@ -86,9 +86,24 @@ class MicroBatchFormed(ev.Event, tag="MicroBatchFormed"):
     min_versions: list[int]
 
 
-_LEGACY = (RequestsDispatched, RequestsCompleted, GroupOpened, GroupComplete, SamplesDropped, MicroBatchFormed)
+class TeacherScored(ev.Event, tag="TeacherScored"):
+    agent: str
+    group_id: str
+    batch: int
+    teacher: str
+    versions: list[int]
+
+
+class GroupServed(ev.Event, tag="GroupServed"):
+    agent: str
+    group_id: str
+    n: int
+    rewards: list[float] = []
+
+
+_LEGACY = (TeacherScored, GroupServed, RequestsDispatched, RequestsCompleted, GroupOpened, GroupComplete, SamplesDropped, MicroBatchFormed)
 _CHANGED = frozenset(cls.__name__ for cls in _LEGACY)
-# What a frame of formats 1 to 3 may hold: the six above as they were, the rest as now.
+# What a frame of formats 1 to 3 may hold: the eight above as they were, the rest as now.
 AnyLegacyEvent = Union[tuple(_LEGACY) + tuple(c for c in ev.EVENT_TYPES if c.__name__ not in _CHANGED)]  # type: ignore[valid-type]
 
 Sample = tuple[GroupKey, int, int]  # (group, member, turn)
@@ -100,6 +115,9 @@ class LegacyReader:
 
     def __init__(self) -> None:
         self._listed: dict[str, tuple[GroupKey, int]] = {}  # format 1: a listed member's id -> (group, index)
+        # A group's id -> its key, as opened: another agent's event naming it (a teacher's
+        # scoring of a member) finds the opener's key.
+        self._group_keys: dict[str, GroupKey] = {}
 
     def __call__(self, e: ev.Event) -> ev.Event:
         read = _READERS.get(type(e))
@@ -107,8 +125,10 @@ class LegacyReader:
 
     # ---------------------------------------------------------------- names
 
-    @staticmethod
-    def group(agent: str, text: str) -> GroupKey:
+    def group(self, agent: str, text: str) -> GroupKey:
+        known = self._group_keys.get(text)
+        if known is not None:
+            return known
         episode, sep, rest = text.partition("/")
         if sep and rest.startswith(f"{agent}-"):
             return GroupKey(episode, agent, rest[len(agent) + 1:])
@@ -120,6 +140,8 @@ class LegacyReader:
             return listed[0], listed[1], 0
         base, at, after = text.rpartition("@")
         turn = _index(after) if at else None
+        if at and after == "teacher":  # a teacher's scoring of the member
+            turn = SCORE_TURN
         if turn is not None:
             key, member, _ = self.sample(agent, base)
             return key, member, turn
@@ -166,13 +188,19 @@ class LegacyReader:
     # ---------------------------------------------------------------- events
 
     def _opened(self, e: GroupOpened) -> ev.Event:
-        key = self.group(e.agent, e.group_id)
+        key = self._group_keys[e.group_id] = self.group(e.agent, e.group_id)
         for j, text in enumerate(e.sample_ids):
             self._listed[text] = (key, j)
         return _stamped(ev.GroupOpened(key, e.batch, len(e.sample_ids) or e.n), e)
 
     def _complete(self, e: GroupComplete) -> ev.Event:
         return _stamped(ev.GroupComplete(self.group(e.agent, e.group_id), e.rewards, e.tokens), e)
+
+    def _scored(self, e: TeacherScored) -> ev.Event:
+        return _stamped(ev.TeacherScored(self.group(e.agent, e.group_id), e.batch, e.teacher, e.versions), e)
+
+    def _served(self, e: GroupServed) -> ev.Event:
+        return _stamped(ev.GroupServed(self.group(e.agent, e.group_id), e.n, e.rewards), e)
 
     def _dropped(self, e: SamplesDropped) -> ev.Event:
         return _stamped(ev.SamplesDropped(e.agent, self.parts(e.agent, e.sample_ids)[0], e.why), e)
@@ -196,7 +224,8 @@ class LegacyReader:
 
 _READERS: dict[type, Callable[[LegacyReader, Any], ev.Event]] = {GroupOpened: LegacyReader._opened, GroupComplete: LegacyReader._complete,
             SamplesDropped: LegacyReader._dropped, MicroBatchFormed: LegacyReader._formed,
-            RequestsDispatched: LegacyReader._dispatched, RequestsCompleted: LegacyReader._completed}
+            RequestsDispatched: LegacyReader._dispatched, RequestsCompleted: LegacyReader._completed,
+            TeacherScored: LegacyReader._scored, GroupServed: LegacyReader._served}
 
 
 def _index(text: str) -> int | None:

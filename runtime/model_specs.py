@@ -14,14 +14,18 @@ recipes under one name the builder looks for:
 A config names one as `tiny:AGENT` (the built-in digit chain) or `tiny:JOB:AGENT`, where JOB
 is a dotted module or a path to a .py file (`import_job` loads either).
 
+Built models live in one cache per machine and user (`default_model_cache`: the platform's
+cache directory, or `FLEXMARL_MODEL_CACHE`), shared by every run from every directory.
 `flexmarl.workers.models` builds a recipe into a Hugging Face directory under
-`cache_root / cache_key(...)`. The controller only needs to know whether that directory is
-already there (`cached_model_dir`), which is why this module imports neither torch nor
-transformers: finding a cached model must not pay for loading them.
+`cache_root / JobModel.key()`: a name for everything that decides the files (the recipe's
+fields, its name in the job, the job file's content, the versions of the libraries that
+build it). The controller only needs to know whether that directory is already there
+(`JobModel.cached`), which is why this module imports neither torch nor transformers:
+finding a cached model must not pay for loading them.
 
 An entry is published by one atomic rename, so a directory that exists is complete; a
-build in progress lives under a dot-prefixed staging name that `cached_model_dir` never
-returns.
+build in progress lives under a dot-prefixed staging name that is never returned, and two
+processes building the same entry take turns on its lock file (workers/models.py).
 
 This module knows nothing about any task, any vocabulary's meaning, or how models are built.
 It imports neither `tokenizers` nor transformers: a trained tokenizer is plain JSON here.
@@ -34,6 +38,7 @@ import hashlib
 import importlib
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +54,14 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # vLLM's CPU attention backend accepts only these head sizes; checked up front so a bad
 # spec fails with a clear message, not deep inside vLLM start-up.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# Where built models are cached when set; else `default_model_cache()`.
+CACHE_ENV = "FLEXMARL_MODEL_CACHE"
+
+# The libraries whose versions decide a built model's files: the initialisation and the
+# warm-up's arithmetic (torch), the model's code and saved format (transformers,
+# safetensors), the tokenizer's files (tokenizers).
+BUILD_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors")
 
 # Bump when the build or warm-up loop itself changes, so cached models built by the old
 # loop are not silently reused.
@@ -78,6 +91,15 @@ class TinyModelSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def tensor_names(self) -> list[str]:
+        """The names of the weights the built model's safetensors file holds (transformers'
+        Llama, untied head): what its modules are called, known without building it."""
+        layer = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+        layer += ["input_layernorm", "post_attention_layernorm"]
+        names = ["model.embed_tokens", "model.norm", "lm_head"]
+        names += [f"model.layers.{i}.{module}" for i in range(self.num_layers) for module in layer]
+        return [f"{name}.weight" for name in names]
 
 
 @dataclass(frozen=True)
@@ -207,6 +229,67 @@ def cached_model_dir(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> 
     return entry if entry.is_dir() else None
 
 
+def default_model_cache() -> Path:
+    """Where built models are cached: `FLEXMARL_MODEL_CACHE` when set, else the platform's
+    per-user cache directory ($XDG_CACHE_HOME/flexmarl/models, else
+    ~/.cache/flexmarl/models; ~/Library/Caches/flexmarl/models on macOS)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "flexmarl" / "models"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flexmarl" / "models"
+
+
+def library_versions() -> dict[str, str]:
+    """The installed versions of BUILD_LIBRARIES, read from their metadata (none imported)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in BUILD_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """One recipe of a job module and what names its build: the recipe's own fields
+    (`TinyModelRecipe.cache_key`), its name in TINY_MODELS, the SHA-256 of the file that
+    defines it (an edit to the recipe file builds anew, whatever `warmup_version` says)
+    and the versions of the libraries that build it."""
+
+    name: str
+    recipe: TinyModelRecipe
+    source: str  # SHA-256 of the job module's file
+    libraries: tuple[tuple[str, str], ...] = ()  # (library, version); default: what is installed
+
+    def key(self) -> str:
+        fields = {"recipe": self.recipe.cache_key(), "name": self.name, "source": self.source,
+                  "libraries": dict(self.libraries or library_versions().items())}
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{self.recipe.spec.name}-{digest}"
+
+    def cached(self, cache_root: str | os.PathLike) -> Path | None:
+        """The built directory under cache_root, or None if it has not been built. An entry
+        exists only after its atomic rename, so existing means complete."""
+        entry = Path(cache_root) / self.key()
+        return entry if entry.is_dir() else None
+
+
+def job_models(job: str) -> dict[str, JobModel]:
+    """Every recipe of the job module `job` (see `import_job`) with what names its build."""
+    module = import_job(job)
+    recipes = getattr(module, "TINY_MODELS", None)
+    if not isinstance(recipes, dict):
+        raise ValueError(f"job module {job!r} has no TINY_MODELS table (agent name -> "
+                         f"TinyModelRecipe); it ships no built-in models")
+    source = hashlib.sha256(Path(module.__file__ or "").read_bytes()).hexdigest() if module.__file__ else ""
+    libraries = tuple(library_versions().items())
+    return {name: JobModel(name, recipe, source, libraries) for name, recipe in recipes.items()}
+
+
 def has_tokenizer(model_dir: str | os.PathLike) -> bool:
     """Whether a Hugging Face model directory ships a tokenizer."""
     return any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
@@ -227,8 +310,4 @@ def import_job(job: str) -> ModuleType:
 
 def job_recipes(job: str) -> dict[str, TinyModelRecipe]:
     """The TINY_MODELS table of the job module `job` (see `import_job`)."""
-    recipes = getattr(import_job(job), "TINY_MODELS", None)
-    if not isinstance(recipes, dict):
-        raise ValueError(f"job module {job!r} has no TINY_MODELS table (agent name -> "
-                         f"TinyModelRecipe); it ships no built-in models")
-    return recipes
+    return {name: model.recipe for name, model in job_models(job).items()}

@@ -29,9 +29,10 @@ from .params.types import ParamHandle
 
 # Bumped on every wire-format change, and when what a message means changes (8: a reply
 # carrying the worker's load stands in for its heartbeat; 9: environment workers and their
-# calls; 10: groups named by typed keys, a later turn by its turn number, and the training
-# message carries groups): the controller refuses workers of another version.
-PROTOCOL_VERSION = 10
+# calls; 10: LoadAdapter; 11: teachers' logprobs, decoupled PPO; 12: groups named by typed
+# keys, a later turn by its turn number, the training message carries groups, a teacher's
+# logprobs packed per group): the controller refuses workers of another version.
+PROTOCOL_VERSION = 12
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -67,6 +68,7 @@ class Kind(enum.IntEnum):
     WEIGHTS_LOADED = 15
     CANCEL_LOAD = 16
     LOAD_CANCELLED = 17
+    LOAD_ADAPTER = 18
     INIT_AGENT = 20
     AGENT_READY = 21
     TRAIN_MICROBATCH = 22
@@ -205,7 +207,7 @@ class EngineSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True
 
 class LoraSettings(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     # An agent that is a LoRA adapter of a base model: its adapter's shape (inside
-    # InitAgent, LoadAgent and LoadWeights). PEFT's names: the update is
+    # InitAgent, LoadAgent, LoadWeights and LoadAdapter). PEFT's names: the update is
     # (alpha / rank) * B @ A on each module named in `target_modules`.
     rank: int = 8
     alpha: float = 16.0
@@ -272,7 +274,13 @@ class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=F
     # An adapter agent's version the group is generated with (its adapter at that version
     # must be loaded); -1: the newest the instance holds.
     version: int = -1
-    turn: int = 0  # 0: the group's first turn; k: turn k of member `first` (n is 1)
+    # 0: the group's first turn; k >= 1: turn k of member `first` (n is 1); keys.SCORE_TURN:
+    # a teacher's scoring of member `first` (with score_from)
+    turn: int = 0
+    # >= 1: score, do not generate (n is 1): the model's logprob of each of prompt_ids
+    # from this index on, in one prefill (a teacher scoring member `first` of the student's
+    # group `key`); they come back as the member's ids and logprobs. -1: generate.
+    score_from: int = -1
 
 
 class Generate(Message):
@@ -369,10 +377,13 @@ class LoadWeights(Message):
     request_id: int
     agent: str
     version: int
-    handle: ParamHandle  # from WeightsPublished; the controller passes it on, never reads it
+    # From WeightsPublished; the controller passes it on, never reads it. None: with
+    # `adapter_dir`, a frozen adapter agent's weights are read from that directory.
+    handle: ParamHandle | None
     rank: int = 0  # nccl: the instance's first rank in the handle's communicator (its engine's
     # worker r takes rank + r); 0 otherwise
     lora: LoraSettings | None = None
+    adapter_dir: str = ""  # a PEFT adapter directory (adapter_model.safetensors) on the worker's host
 
 
 class CancelLoad(Message):
@@ -391,6 +402,21 @@ class LoadCancelled(Message):
     KIND = Kind.LOAD_CANCELLED
     request_id: int
     agent: str
+
+
+class LoadAdapter(Message):
+    # Controller -> Rollout: add the PEFT adapter directory `path` (a checkpoint's agent
+    # directory) as `agent`'s adapter at `version` to the engine of its base, as a
+    # LoadWeights with `lora` adds a published one (`flexmarl serve`). `checksums`: its
+    # files' SHA-256s from the checkpoint's manifest, checked before any is read. Replied
+    # to with WeightsLoaded.
+    KIND = Kind.LOAD_ADAPTER
+    request_id: int
+    agent: str
+    version: int
+    path: str
+    lora: LoraSettings
+    checksums: dict[str, str] = {}
 
 
 class WeightsLoaded(Message):
@@ -419,7 +445,11 @@ LossAggregation = Literal["seq_mean", "token_mean", "constant"]
 #   seq_mis   the same with the sample's whole ratio prod r_t, so a sample is kept or masked whole
 #   gspo      GSPO: PPO's surrogate on the sample's length-normalised ratio (prod r_t)^(1/|y|)
 #   cispo     CISPO: weight clip(r, 0, 1 + cispo_eps_high), detached, on every token's logp
-OffPolicyCorrection = Literal["tis", "ppo_clip", "token_mis", "seq_mis", "gspo", "cispo"]
+#   decoupled AReaL's decoupled PPO: PPO's surrogate on pi / pi_prox (the proximal policy: the
+#             agent's weights at the previous version, scored by the trainer), clipped as
+#             ppo_clip, times the behaviour weight pi_prox / mu, detached, a token whose
+#             behaviour weight exceeds behav_weight_cap masked
+OffPolicyCorrection = Literal["tis", "ppo_clip", "token_mis", "seq_mis", "gspo", "cispo", "decoupled"]
 
 
 class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -440,6 +470,12 @@ class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, f
     gspo_eps_low: float = 3e-4  # gspo: the sequence ratio clipped to [1 - low, 1 + high]
     gspo_eps_high: float = 4e-4
     cispo_eps_high: float = 2.0  # cispo: the detached weight clipped to [0, 1 + cispo_eps_high]
+    behav_weight_cap: float = 5.0  # decoupled: tokens whose pi_prox / mu exceeds it are masked
+    # On-policy distillation: each sample's tokens come with a teacher's logprobs
+    # (TrainSample.teacher_logprobs); the per-token advantage is the reward's (0 with
+    # teacher_only) minus teacher_coef * (the student's logprob - the teacher's), detached.
+    teacher_coef: float = 0.0
+    teacher_only: bool = False
 
 
 class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -464,6 +500,9 @@ class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # and optimizer state are as before it and the gradients are dropped; the version
     # still advances (versions count global batches), its weights those of the last.
     skipped: bool = False
+    # On-policy distillation: the student's logprob minus its teacher's, per trained token
+    # (an estimate of the reverse KL on the student's own samples); 0 without a teacher.
+    teacher_kl: float = 0.0
 
 
 class InitAgent(Message):
@@ -525,6 +564,10 @@ class TrainGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc
     # between turns of a conversation (other agents' messages, tool results). Empty: all 1.
     loss_mask: bytes = b""
     turns: list[MemberTurn] = []  # the members' later turns, each with its own settings
+    # On-policy distillation: LOGPROB_TYPECODE array, the teacher's logprob of every output
+    # id (0.0 for ids appended between turns), packed as output_ids, from a prefill of
+    # prompt + output on the teacher; empty for an agent without a teacher.
+    teacher_logprobs: bytes = b""
 
 
 class TrainMicroBatch(Message):

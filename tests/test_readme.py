@@ -1,8 +1,10 @@
 """The documents tell the truth: every configuration key has a docstring and a row in
 docs/reference.md (and nothing else has a row), the reference is what
 scripts/config_reference.py writes from runtime/config.py, the Python snippet runs as
-written, every relative link in the README, docs/ and the examples' READMEs points to a
-file (and heading) that exists, and the README stays the newcomer's short page."""
+written, and the README stays the newcomer's short page. In the README, docs/ and the
+examples' READMEs alike: every relative link points to a file (and heading) that exists,
+every file of the repository a command or a path names exists, and a block that quotes a
+file (its first line `# examples/...`) says what the file says."""
 
 import dataclasses
 import importlib.util
@@ -69,13 +71,13 @@ def test_the_committed_reference_is_what_the_generator_writes():
 
 def test_the_generators_check_fails_on_a_stale_reference_and_says_how_to_fix_it(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "reference.md"
-    stale.write_text(generator.reference().replace("Adam learning rate.", "The learning rate."))
+    stale.write_text(generator.reference().replace("Adam learning rate. The default", "The learning rate. The default"))
     monkeypatch.setattr(generator, "REFERENCE", stale)
     monkeypatch.setattr(generator, "ROOT", tmp_path)
     assert generator.main(["--check"]) == 1
     err = capsys.readouterr().err
     assert "out of date" in err and "python scripts/config_reference.py" in err
-    assert "-| `agents.*.lr` | `float` | `0.002` | The learning rate. |" in err
+    assert "-| `agents.*.lr` | `float` | `0.002` | The learning rate. The default suits" in err
     assert generator.main([]) == 0 and stale.read_text() == generator.reference()
 
 
@@ -231,3 +233,76 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path, mon
                     "[gone](missing.md) [nowhere](other.md#no-section) `[code](missing.md)`\n"
                     "```\n[block](missing.md)\n```\n")
     assert broken_links(page) == ["missing.md (no such file)", "other.md#no-section (no such heading in other.md)"]
+
+
+# ---- files named and quoted ---------------------------------------------------------------
+
+# A path of the repository as documents write it: from its root, to a file of these kinds.
+REPOSITORY_PATH = re.compile(r"(?<![\w/.])((?:examples|bench|scripts|docs|tests)/[\w./-]*\w\.(?:py|toml|jsonl|md|sh))\b")
+
+
+def code(markdown: str) -> str:
+    """The text inside fenced code blocks and code spans, where commands and paths are."""
+    blocks = re.findall(r"^```.*?^```", markdown, flags=re.M | re.S)
+    spans = re.findall(r"(`+)(.*?)\1", re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S), flags=re.S)
+    return "\n".join(blocks + [span for _, span in spans])
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_a_command_or_path_names_exists(document):
+    named = set(REPOSITORY_PATH.findall(code(document.read_text())))
+    placeholder = re.compile(r"(^|/)[A-Z_]+[./]")  # bench/KIND/NAME.py: a pattern, not a file
+    assert sorted(path for path in named if not (ROOT / path).exists() and not placeholder.search(path)) == []
+
+
+def quoting_blocks(markdown: str) -> list[tuple[str, str, bool, str]]:
+    """(language, quoted file, abridged, body) of every fenced block whose first line is a
+    comment naming a file of the repository (`# examples/x/workflow.py`, `(abridged)` after
+    it for a shortened quote)."""
+    found = []
+    for language, first, body in re.findall(r"^```(\w+)\n# ((?:examples|bench|scripts)/\S+)([^\n]*\n.*?)^```",
+                                             markdown, flags=re.M | re.S):
+        found.append((language, first, "(abridged)" in body.split("\n", 1)[0], body.split("\n", 1)[1]))
+    return found
+
+
+def code_lines(text: str) -> list[str]:
+    """Lines of Python without comments, indentation or blank lines, for comparing a quote."""
+    lines = (re.sub(r"\s+#.*$|^\s*#.*$", "", line).strip() for line in text.splitlines())
+    return [line for line in lines if line and line != "..."]
+
+
+def quote_mismatches(language: str, path: str, abridged: bool, body: str) -> list[str]:
+    import tomllib
+
+    text = (ROOT / path).read_text()
+    if language == "toml":
+        def flat(table: dict, prefix: str = "") -> dict:
+            return {k: v for key, value in table.items()
+                    for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
+                                 else [(f"{prefix}{key}", value)])}
+        quoted, actual = flat(tomllib.loads(body)), flat(tomllib.loads(text))
+        return [f"{key} = {value!r} (the file: {actual.get(key)!r})" for key, value in quoted.items()
+                if actual.get(key, object()) != value]
+    if language == "python" and not abridged:
+        lines = set(code_lines(text))
+        return [line for line in code_lines(body) if line not in lines]
+    return []
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_block_that_quotes_a_file_says_what_the_file_says(document):
+    mismatches = {path: wrong for language, path, abridged, body in quoting_blocks(document.read_text())
+                  if (wrong := quote_mismatches(language, path, abridged, body))}
+    assert mismatches == {}
+
+
+def test_the_quote_and_path_checks_find_a_wrong_value_a_changed_line_and_a_missing_file():
+    page = ("Run `python examples/nowhere.py`, then `flexmarl run examples/review_chain.toml`.\n\n"
+            "```toml\n# examples/review_chain.toml (abridged)\n[run]\nsteps = 61\n[agents.solver]\nlr = 0.001\n```\n\n"
+            "```python\n# examples/review_chain/workflow.py\nasync def episode(ctx) -> None:\n    return 1  # changed\n```\n")
+    assert sorted(set(REPOSITORY_PATH.findall(code(page)))) == ["examples/nowhere.py", "examples/review_chain.toml",
+                                                                "examples/review_chain/workflow.py"]
+    found = {path: quote_mismatches(*block) for block in quoting_blocks(page) for path in [block[1]]}
+    assert found == {"examples/review_chain.toml": ["run.steps = 61 (the file: 60)"],
+                     "examples/review_chain/workflow.py": ["return 1"]}

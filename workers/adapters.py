@@ -12,7 +12,9 @@ never the base.
 Parameter names are PEFT's file names (`...q_proj.lora_A.weight`, without the adapter's
 name), so the published tensors are what `adapter_model.safetensors` holds and a receiver
 writes them as they come (`write_adapter`): the directory then loads in
-`peft.PeftModel.from_pretrained(base, dir)` and in vLLM's `LoRARequest`.
+`peft.PeftModel.from_pretrained(base, dir)` and in vLLM's `LoRARequest`. A written adapter
+names its base so that `AutoPeftModelForCausalLM.from_pretrained(dir)` finds it wherever
+it is loaded from (`base_reference`).
 
 It knows torch, transformers and peft; nothing of commands, agents' versions or the wire
 beyond `LoraSettings`.
@@ -34,21 +36,31 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 _PREFIX = "agent_"
 
 
-def lora_config(settings: LoraSettings, base_path: str) -> Any:
-    """The PEFT configuration of an adapter of this shape on the base at `base_path`."""
+def lora_config(settings: LoraSettings, base_name: str, revision: str | None = None) -> Any:
+    """The PEFT configuration of an adapter of this shape on the base named `base_name`
+    (at `revision`, for a hub id)."""
     from peft import LoraConfig
 
     return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                       target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=base_reference(base_path))
+                      base_model_name_or_path=base_name, revision=revision)
 
 
-def base_reference(base_path: str) -> str:
-    """How an adapter names its base: a local directory by its absolute path, so that PEFT
-    (`AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`) finds it from any working
-    directory; anything else (a hub id) as it is."""
+def base_reference(base_path: str) -> tuple[str, str | None]:
+    """How a written adapter names its base, and at what revision: a snapshot of a Hugging
+    Face hub cache (`.../models--ORG--NAME/snapshots/REV`) by its hub id and revision,
+    which any machine with the hub, or the model in its cache, resolves; any other local
+    directory by its absolute path (for a base built from a recipe, the run's own copy,
+    controller/run/run_bases.py), so PEFT finds it from any working directory; anything
+    else (a hub id) as it is."""
     path = Path(base_path)
-    return str(path.resolve()) if path.is_dir() else str(base_path)
+    if not path.is_dir():
+        return str(base_path), None
+    path = path.absolute()
+    snapshots, repo = path.parent, path.parent.parent
+    if snapshots.name == "snapshots" and repo.name.startswith("models--"):
+        return repo.name[len("models--"):].replace("--", "/"), path.name
+    return str(path), None
 
 
 def write_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], settings: LoraSettings,
@@ -59,10 +71,30 @@ def write_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], setti
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    lora_config(settings, base_path).save_pretrained(str(directory))
+    lora_config(settings, *base_reference(base_path)).save_pretrained(str(directory))
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     return sum(f.stat().st_size for f in (directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS))
+
+
+def read_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], LoraSettings]:
+    """A PEFT adapter directory's tensors (under PEFT's file names) and its shape, as
+    `write_adapter` (or PEFT itself) wrote them."""
+    import json
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{directory} is no PEFT adapter directory ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}): "
+                         f"{exc}") from None
+    targets = config.get("target_modules") or []
+    return tensors, LoraSettings(int(config["r"]), float(config.get("lora_alpha", config["r"])),
+                                 float(config.get("lora_dropout", 0.0)),
+                                 tuple(sorted(targets) if isinstance(targets, (list, set)) else [targets]))
 
 
 class SharedBase:
@@ -73,8 +105,8 @@ class SharedBase:
 
         self.base_path = base_path
         self.placement = placement  # precision.TrainPlacement, shared by every adapter
-        # Loaded by the name its adapters give it (PEFT warns when the two differ).
-        self._base = AutoModelForCausalLM.from_pretrained(base_reference(base_path), dtype=placement.param_dtype)
+        # Loaded from where it is here; a written adapter names it as base_reference says.
+        self._base = AutoModelForCausalLM.from_pretrained(base_path, dtype=placement.param_dtype)
         self._base.requires_grad_(False)
         self.peft: Any = None  # the PeftModel, once the first adapter is added
         self.settings: dict[str, LoraSettings] = {}
@@ -92,7 +124,7 @@ class SharedBase:
         if agent in self.settings:
             raise ValueError(f"agent {agent!r} already has an adapter on the base {self.base_path}")
         torch.manual_seed(seed)
-        config = lora_config(settings, self.base_path)
+        config = lora_config(settings, self._base.name_or_path)  # as loaded: PEFT warns when the two differ
         if self.peft is None:
             self.peft = get_peft_model(self._base, config, adapter_name=_PREFIX + agent)
             self.placement.prepare(self.peft)

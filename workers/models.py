@@ -7,18 +7,19 @@ template) saved in Hugging Face format, a small Llama config from the spec and i
 optional short supervised warm-up, and a directory that transformers
 (`AutoModelForCausalLM`, `AutoTokenizer` with `apply_chat_template`) and vLLM both load.
 
-`ensure_model` caches built directories under the recipe's cache key and publishes an entry
-with one atomic `os.rename`, so a crash never leaves a half-written entry and concurrent
-builders of the same entry cannot corrupt it.
+`ensure_model` caches built directories under the model's cache key and publishes an entry
+with one atomic `os.rename`, so a crash never leaves a half-written entry. Two processes
+that need the same entry at once (two runs starting together) take turns on the entry's
+lock file: one builds, the other waits and then finds the entry, so a model is built once
+per cache however many runs start.
 
 Run as a program it builds (or finds) one agent's model of a job module (a dotted module or
-a .py file) and prints the directory as the last line of its output; the controller starts
-it as a child process so that it never loads torch itself:
+a .py file) in the machine's model cache (`--cache-root` to choose another) and prints the
+directory as the last line of its output; the controller starts it as a child process so
+that it never loads torch itself:
 
-    python -m flexmarl.workers.models --job flexmarl.controller.tasks.digit_chain \\
-        --agent planner --cache-root .cache/models
-    python -m flexmarl.workers.models --job examples/review_chain/models.py \\
-        --agent solver --cache-root .cache/models
+    python -m flexmarl.workers.models --job flexmarl.controller.tasks.digit_chain --agent planner
+    python -m flexmarl.workers.models --job examples/review_chain/models.py --agent solver
 
 This module knows nothing about any task: the vocabulary, the warm-up examples and what
 they mean all come from the recipe.
@@ -27,23 +28,26 @@ they mean all come from the recipe.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from flexmarl.runtime.model_specs import (
     SPECIAL_TOKENS,
     Example,
+    JobModel,
     TinyModelRecipe,
     TinyModelSpec,
     TrainedTokenizer,
     WarmupSchedule,
-    cached_model_dir,
     check_spec,
-    job_recipes,
+    default_model_cache,
+    job_models,
 )
 from flexmarl.runtime.progress_file import write_progress
 
@@ -202,35 +206,53 @@ def warmup_examples(recipe: TinyModelRecipe, tokenizer) -> Sequence[Example] | N
     return recipe.warmup(tokenizer) if recipe.tokenizer is not None else recipe.warmup()
 
 
-def ensure_model(recipe: TinyModelRecipe, cache_root: str | os.PathLike) -> Path:
-    """The cached model directory for recipe, building it first if it is not there.
-    The recipe's warm-up examples are only made on a miss."""
-    found = cached_model_dir(recipe, cache_root)
-    if found is not None:
-        return found
+def ensure_model(model: JobModel | TinyModelRecipe, cache_root: str | os.PathLike) -> Path:
+    """The cached model directory for a job's model (a bare recipe: keyed by its own fields
+    alone), building it first if it is not there. The recipe's warm-up examples are only
+    made on a miss."""
+    recipe = model.recipe if isinstance(model, JobModel) else model
+    key = model.key() if isinstance(model, JobModel) else model.cache_key()
+    final = Path(cache_root) / key
+    if final.is_dir():
+        return final
+
     def build(staging: Path) -> None:
         tokenizer = recipe_tokenizer(recipe)
         build_model(recipe.spec, tokenizer, staging, warmup_examples(recipe, tokenizer), recipe.schedule)
 
-    return publish_build(Path(cache_root) / recipe.cache_key(), build)
+    return publish_build(final, build)
 
 
 def publish_build(final: Path, build: Callable[[Path], None]) -> Path:
     """`build(staging)` fills a fresh directory next to final, which is then renamed to
-    final: a reader never sees a half-built model, and when another process published the
-    same entry first, theirs is kept (it is equally good)."""
+    final: a reader never sees a half-built model. Under the entry's lock: a second
+    process asking for the same entry waits for the first and then finds it built; a
+    staging directory left by a builder that died is removed."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=final.parent))
-    try:
-        build(staging)
+    with entry_lock(final):
+        if final.is_dir():  # built by another process while this one waited
+            return final
+        for stale in final.parent.glob(f".building-{final.name}-*"):  # no one else holds the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=final.parent))
         try:
+            build(staging)
             os.rename(staging, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def entry_lock(final: Path) -> Iterator[None]:
+    """An exclusive lock on the cache entry `final` (its `.NAME.lock` file beside it),
+    held while it is built; released by the kernel if the process dies."""
+    with open(final.parent / f".{final.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True,
                         help="the job module exposing TINY_MODELS: a dotted module path or a .py file")
     parser.add_argument("--agent", required=True)
-    parser.add_argument("--cache-root", required=True, type=Path)
+    parser.add_argument("--cache-root", type=Path, default=None,
+                        help=f"default: the machine's model cache (now {default_model_cache()})")
     args = parser.parse_args(argv)
-    recipes = job_recipes(args.job)
-    if args.agent not in recipes:
+    found = job_models(args.job)
+    if args.agent not in found:
         parser.error(f"job {args.job!r} has no built-in model for agent {args.agent!r} "
-                     f"(it has: {', '.join(recipes)})")
-    print(ensure_model(recipes[args.agent], args.cache_root), flush=True)
+                     f"(it has: {', '.join(found)})")
+    print(ensure_model(found[args.agent], args.cache_root or default_model_cache()), flush=True)
     return 0
 
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from flexmarl.runtime import protocol
-from flexmarl.runtime.aio import TaskEnded, supervise
+from flexmarl.runtime.aio import StallWatch, TaskEnded, supervise
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.transport import DealerSocket
 
@@ -133,6 +133,8 @@ class WorkerSession:
         """Returns the process exit code: 0 on SHUTDOWN, 2 if refused, 3 if the controller
         is lost (and did not take the worker back within `reconnect_timeout_s`)."""
         self.sock.connect(self.address)
+        watch = StallWatch(f"worker {self.worker_id}")  # a loop held over a second is logged with what held it
+        watch.start()
         try:
             await self._send_hello()
             await self._await_welcome()
@@ -145,6 +147,7 @@ class WorkerSession:
             log.error("worker %s: %s", self.worker_id, exc)
             return exc.exit_code
         finally:
+            await watch.stop()
             self.handler.close()
             self.sock.close()
 
@@ -274,6 +277,9 @@ class WorkerSession:
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
+            if now - due > self.heartbeat_timeout_s / 2:  # this process was held: what the controller
+                # sent meanwhile is unread in the socket, so its silence is counted from now
+                self._last_heard = max(self._last_heard, now - interval)
             silent = now - self._last_heard
             if silent > self.heartbeat_timeout_s:
                 raise SessionEnded(f"controller silent for {silent:.1f}s", EXIT_LOST)

@@ -6,6 +6,16 @@ one trainer, async K = 1, a checkpoint every step): controller and workers as pr
 vLLM and torch. Each fault is injected at a random moment of training (seeded): during a
 random step, a random fraction of a second into it, the step and the seconds printed:
 
+    stall-controller  SIGSTOP the controller for 20 s (four heartbeat timeouts), then SIGCONT:
+                      every worker leaves and is restarted (the job in sync mode, each
+                      episode waiting 1.5 s first: the pipeline waits for samples)
+    zero-log          SIGKILL the controller, zero 64 bytes halfway through events.log
+                      (intact frames after them), then `--resume`
+    halve-log         SIGKILL the controller, cut events.log to half its size, then `--resume`
+    damage-state      flip a byte in the newest checkpoint's training state, then SIGKILL
+                      the trainer (its agent is restored from a checkpoint during the run)
+    large-request     a text completion of 6 MiB (under the 8 MiB body cap) posted to the
+                      run's endpoint with a live episode's key (the job with openai.enabled)
     kill-rollout      SIGKILL the rollout worker
     stop-rollout      SIGSTOP the rollout worker, never continued (hung: heartbeats stop)
     kill-trainer      SIGKILL the trainer
@@ -24,7 +34,9 @@ What is measured per fault, from the run's event log (through `flexmarl replay`'
 and the controller's stderr: whether the run reached its last step (after the resume
 where there is one), samples lost (generated but neither trained, dropped nor in flight)
 and trained twice, `replay --check`, the tracebacks printed (Python's, "never retrieved",
-InvalidStateError: none expected) and the last line of stderr.
+InvalidStateError: none expected) and the last line of stderr. A resumed run whose log was
+damaged counts without the batches the damage split (replay names them); the large
+request's row says how it was answered.
 
     sudo .venv/bin/python bench/faults/fault_matrix.py [--faults a,b] [--seed S] [--out DIR]
 

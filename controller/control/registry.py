@@ -75,6 +75,13 @@ class WorkerRegistry:
     def seen(self, info: WorkerInfo, now: float) -> None:
         info.last_seen = now
 
+    def heard_all(self, at: float) -> None:
+        """Every live worker counts as heard from at `at` or later: the controller itself
+        could not listen until then."""
+        for w in self.workers.values():
+            if w.alive:
+                w.last_seen = max(w.last_seen, at)
+
     def expired(self, now: float, timeout_s: float) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.alive and now - w.last_seen > timeout_s]
 

@@ -119,10 +119,20 @@ class ControllerServer:
             await asyncio.sleep(0)
 
     async def heartbeat(self) -> None:
-        """Sends a heartbeat to every live worker each interval; declares silent ones dead."""
+        """Sends a heartbeat to every live worker each interval; declares silent ones dead.
+        A turn that comes late by more than half the timeout means this process was held
+        (stopped, or its loop busy): what the workers sent meanwhile is still unread in the
+        socket, so their silence is counted from now, not held against them."""
+        interval, timeout = self.cfg.heartbeat_interval_s, self.cfg.heartbeat_timeout_s
+        due = time.monotonic() + interval
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
+            if now - due > timeout / 2:
+                log.warning("the controller did not run for %.1fs; the workers' silence is counted from now",
+                            now - due + interval)
+                self.registry.heard_all(now - interval)
+            due = now + interval
             for info in self.registry.expired(now, self.cfg.heartbeat_timeout_s):
                 self._declare_dead(info, f"no heartbeat for {now - info.last_seen:.1f}s "
                                          f"(timeout {self.cfg.heartbeat_timeout_s}s)")

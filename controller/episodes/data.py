@@ -4,11 +4,15 @@
 `datasets.Dataset.save_to_disk` into a list of plain dicts (the controller keeps them in
 memory: prompts are small next to models). Each row keeps its own keys: a JSON row is
 read as written (the `datasets` reader would give every row every column, None where a
-row has none), and a table's empty cell (None) is left out of its row.
+row has none), and a table's empty cell (None) is left out of its row. Messages name a
+row as the file counts it: a JSON-lines row by its line (from 1, blank lines counted),
+any other row by its number from 1 (`Dataset.place`).
 
 Episodes get a row as a `Row`: reading a key the row lacks raises `MissingField`, naming
 the row and its keys, which fails that episode alone; a key no row of the data has raises
-`MissingColumn`, which stops the run in one line (every episode would fail the same way).
+`MissingColumn`, which stops the run in one line (every episode would fail the same way;
+dry_read.py finds such a read before any worker starts, where the workflow makes it
+before its first agent call).
 
 `DataOrder` says which row episode number g (counted over the whole run) gets: epoch
 g // n, position g % n of that epoch's order (shuffled per epoch from the run's seed when
@@ -66,38 +70,49 @@ class Row(dict):
                                 + (f" (at {where})" if where else "") + f"; the rows' fields: "
                                 f"{', '.join(map(repr, self.dataset.columns())) or 'none'}. Add it to the data, "
                                 "or read a field the rows have")
-        raise MissingField(f"{name} row {self.index} has no field {key!r} (its fields: {keys})")
+        raise MissingField(f"{name} {self.dataset.place(self.index)} has no field {key!r} (its fields: {keys})")
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    return read_rows(path)[0]
+
+
+def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[int] | None]:
+    """The rows of `path` and, for JSON lines, each row's line number (from 1); None for
+    files whose rows are counted, not lined."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset {str(path)!r} does not exist")
     if path.is_file() and path.stat().st_size == 0:
         raise DataError(f"dataset {path} has no rows (the file is empty)")
-    rows = _json_rows(path) if path.is_file() else None
-    if rows is None:
-        rows = [{k: v for k, v in row.items() if v is not None} for row in _table_rows(path)]
-    if not rows:
+    found = _json_rows(path) if path.is_file() else None
+    if found is None:
+        found = [{k: v for k, v in row.items() if v is not None} for row in _table_rows(path)], None
+    if not found[0]:
         raise DataError(f"dataset {path} has no rows")
-    return rows
+    return found
 
 
-def _json_rows(path: Path) -> list[dict[str, Any]] | None:
-    """The rows of a .jsonl file, or of a .json file holding one list of objects, as
-    written; None for other files (read as tables)."""
+def _json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None] | None:
+    """The rows of a .jsonl file (with their lines), or of a .json file holding one list of
+    objects, as written; None for other files (read as tables)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return check_jsonl(path)
+        return _lined(path)
     if suffix != ".json":
         return None
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
-        return check_jsonl(path)  # JSON lines in a .json file
+        return _lined(path)  # JSON lines in a .json file
     if isinstance(rows, list) and all(isinstance(r, dict) for r in rows):
-        return rows
+        return rows, None
     return None  # another layout: the `datasets` reader's business
+
+
+def _lined(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    lines: list[int] = []
+    return check_jsonl(path, lines), lines
 
 
 def _table_rows(path: Path) -> list[dict[str, Any]]:
@@ -123,9 +138,10 @@ def _table_rows(path: Path) -> list[dict[str, Any]]:
     return table.to_list()
 
 
-def check_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The rows of `path`, one JSON object per non-blank line; a DataError naming the
-    first line that is not one and why."""
+def check_jsonl(path: Path, lines: list[int] | None = None) -> list[dict[str, Any]]:
+    """The rows of `path`, one JSON object per non-blank line (each row's line number,
+    from 1, appended to `lines` when given); a DataError naming the first line that is not
+    one and why."""
     rows = []
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
@@ -139,6 +155,8 @@ def check_jsonl(path: Path) -> list[dict[str, Any]]:
                 raise DataError(f"{path} line {number} is a JSON {type(row).__name__}, not an object "
                                 f"({{\"question\": ..., ...}}): each line is one row") from None
             rows.append(row)
+            if lines is not None:
+                lines.append(number)
     return rows
 
 
@@ -181,16 +199,23 @@ class Dataset:
     """Rows plus their order: `item(g)` is episode g's row, `position(g)` where it is.
     `name` is what errors call it (the config key, "data.train")."""
 
-    def __init__(self, rows: list[dict[str, Any]], order: DataOrder, name: str = "the data") -> None:
+    def __init__(self, rows: list[dict[str, Any]], order: DataOrder, name: str = "the data",
+                 lines: list[int] | None = None) -> None:
         self.rows, self.order, self.name = rows, order, name
+        self.lines = lines  # each row's line in a JSON-lines file; None: rows counted from 1
         self._fingerprint: str | None = None
         self._columns: set[str] | None = None
 
     @classmethod
     def from_path(cls, path: str | Path, seed: int, shuffle: bool = True, epochs: int = 0,
                   name: str = "the data") -> "Dataset":
-        rows = load_rows(path)
-        return cls(rows, DataOrder(len(rows), seed, shuffle, epochs), name)
+        rows, lines = read_rows(path)
+        return cls(rows, DataOrder(len(rows), seed, shuffle, epochs), name, lines)
+
+    def place(self, index: int) -> str:
+        """Where the row of index `index` is, as the file counts: "line 8" of a JSON-lines
+        file (blank lines counted), "row 3" (from 1) of anything else."""
+        return f"line {self.lines[index]}" if self.lines is not None else f"row {index + 1}"
 
     def position(self, g: int) -> DataPosition:
         return self.order.position(g)

@@ -18,6 +18,14 @@ no row has).
 `EpisodeContexts` is the one place an episode context is made, for these episodes, for
 held-out ones (evaluation.py) and for the calls `flexmarl serve` answers (serving.py).
 
+With dynamic sampling (`agents.*.dynamic_sampling`), each batch is held open (`_top_up`)
+after its regular episodes end: each such agent's target is the groups those episodes
+opened (`GroupTargets`); while an agent has fewer trainable ones (the store dropped those
+whose rewards were all equal), more episodes of the batch are drawn, in waves sized by
+`decisions.extra_episodes` (`EpisodesDrawn`), up to `pipeline.max_extra_episodes`, past
+which the run stops with an error naming the agent. An extra episode is `s{batch}x{j}`,
+seeded by its name, and takes its data row after every regular episode's rows.
+
 It does not know trainers, weight syncs or how micro-batches are formed.
 """
 
@@ -31,6 +39,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
 
 from ..control.interfaces import Emit
+from ..state import decisions
 from ..state.failures import RunFailed, too_many_failures
 from ..state.schedule import BatchSchedule
 from ..state.store import ExperienceStore
@@ -87,6 +96,7 @@ class EpisodeProducer:
         self.store = store
         self.schedule = schedule
         self.failed = 0
+        self.dynamic = [a for a, c in cfg.agents.items() if c.dynamic_sampling]
 
     async def run(self) -> None:
         """Produces every batch; the first batch with too many failed episodes stops it."""
@@ -106,11 +116,12 @@ class EpisodeProducer:
         limit = asyncio.Semaphore(p.max_concurrent_episodes)
         running: list[asyncio.Task] = []
 
-        async def one(batch: int, i: int) -> None:
+        async def one(batch: int, i: int, extra: bool = False) -> None:
             failure, stopped = "", False
             try:
-                g = self.episode_number(batch, i)
-                ctx = self.contexts.make(f"s{batch}q{i}", batch, random.Random(f"{seed}-{batch}-{i}"), self.store,
+                g = self.extra_episode_number(batch, i) if extra else self.episode_number(batch, i)
+                name = f"s{batch}{'x' if extra else 'q'}{i}"
+                ctx = self.contexts.make(name, batch, random.Random(f"{seed}-{batch}-{'x' * extra}{i}"), self.store,
                                          self.dataset.item(g) if self.dataset else None, gate=self.schedule.gate)
                 why = await run_episode(self.workflow, ctx, p.episode_timeout_s)
                 if why:
@@ -129,20 +140,60 @@ class EpisodeProducer:
             if failure:
                 self._check_failures(batch)
 
+        async def start(batch: int, i: int, extra: bool = False) -> None:
+            await limit.acquire()
+            running.append(asyncio.create_task(one(batch, i, extra), name=f"episode-s{batch}{'x' if extra else 'q'}{i}"))
+            if i % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
+                await asyncio.sleep(0)  # the rest start in later loop turns
+
         try:
             for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
                 await self.schedule.wait_to_start(batch)
                 self.emit(self.batch_started(batch))
+                if self.dynamic:
+                    self.schedule.hold(batch)
+                    running.append(asyncio.create_task(self._top_up(batch, start), name=f"top-up-s{batch}"))
                 for i in range(p.queries_per_step):
-                    await limit.acquire()
-                    running.append(asyncio.create_task(one(batch, i), name=f"episode-s{batch}q{i}"))
-                    if i % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
-                        await asyncio.sleep(0)  # the rest start in later loop turns
-            await asyncio.gather(*running)
+                    await start(batch, i)
+            while not all(t.done() for t in running):  # top-ups add episodes meanwhile
+                await asyncio.gather(*running)
         finally:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+    async def _top_up(self, batch: int, start: Any) -> None:
+        """Draws extra episodes of `batch` until every dynamic-sampling agent has as many
+        trainable groups as its regular episodes opened (see the module doc)."""
+        p = self.cfg.pipeline
+        await self.schedule.settled(batch)
+        targets = {a: self.store.groups_opened(a, batch) for a in self.dynamic}
+        for agent, n in targets.items():
+            self.store.set_target(agent, batch, n)
+        self.emit(ev.GroupTargets(batch, targets))
+        per_episode = {a: n / p.queries_per_step for a, n in targets.items()}
+        drawn = 0
+        while True:
+            missing = {a: n - self.store.groups_kept(a, batch) for a, n in targets.items()}
+            if all(n <= 0 for n in missing.values()):
+                break
+            more = decisions.extra_episodes(missing, per_episode, drawn, p.extra_episodes())
+            if more == 0:
+                agent = max(missing, key=lambda a: missing[a])
+                self._stop_with(RunFailed(
+                    f"dynamic sampling: agent {agent!r} has {targets[agent] - missing[agent]} of the "
+                    f"{targets[agent]} groups step {batch} trains after {drawn} extra episodes "
+                    f"(pipeline.max_extra_episodes = {p.extra_episodes()}): the rest had all rewards equal. Raise "
+                    f"pipeline.max_extra_episodes, make the rewards vary within a group, or set "
+                    f"agents.{agent}.dynamic_sampling = false"))
+                return  # the batch stays held: nothing trains on what it lacks
+            self.schedule.add_episodes(batch, more)
+            self.emit(ev.EpisodesDrawn(batch, more, {a: n for a, n in missing.items() if n > 0}))
+            for j in range(drawn, drawn + more):
+                await start(batch, j, extra=True)
+            drawn += more
+            await self.schedule.settled(batch)
+        self.schedule.release(batch)
 
     def _check_failures(self, batch: int) -> None:
         p = self.cfg.pipeline
@@ -164,6 +215,12 @@ class EpisodeProducer:
     def episode_number(self, batch: int, i: int) -> int:
         """Which episode of the run (and so which row of the data) query i of `batch` is."""
         return self.first_episode + (batch - self.first_batch) * self.cfg.pipeline.queries_per_step + i
+
+    def extra_episode_number(self, batch: int, j: int) -> int:
+        """Which episode of the run (and row of the data) extra episode j of `batch` is:
+        after every regular one, each batch its own `pipeline.extra_episodes()` of them."""
+        return (self.episode_number(self.schedule.steps + 1, 0)
+                + (batch - 1) * self.cfg.pipeline.extra_episodes() + j)
 
     def batch_started(self, batch: int) -> ev.BatchStarted:
         q = self.cfg.pipeline.queries_per_step

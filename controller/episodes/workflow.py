@@ -69,12 +69,13 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
-from flexmarl.runtime.keys import GroupKey, TurnKey
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey, TurnKey
 
 from ..environments.local import LocalSession, run_here
 from ..state.failures import RunFailed, user_frame, user_traceback
-from ..state.groups import GroupOutput
+from ..state.groups import GroupOutput, scored
 from ..state.store import PENDING, ExperienceStore, SampleView, TurnSampling
+from .tokens import PromptTooLong, text_size
 
 log = logging.getLogger("flexmarl.workflow")
 
@@ -88,6 +89,9 @@ class UnknownAgent(ValueError):
 
 # The running task's place in its episode's tree of tasks (see the module docstring).
 BRANCH: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("flexmarl_branch", default=())
+# The most tokens the prompt of the call being made may have, besides the agent's context
+# (0: no cap of its own): set by the OpenAI endpoint around each call it hands over.
+PROMPT_CAP: contextvars.ContextVar[int] = contextvars.ContextVar("flexmarl_prompt_cap", default=0)
 _children: "weakref.WeakKeyDictionary[asyncio.Task, itertools.count]" = weakref.WeakKeyDictionary()
 
 
@@ -138,11 +142,13 @@ class AgentDefaults:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    frozen: bool = False  # served, never trained: its samples need no reward
+    teacher: str = ""  # on-policy distillation: the agent that scores its samples
 
     @classmethod
     def of(cls, c: Any) -> "AgentDefaults":
         return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
-                   list(c.stop_token_ids), c.ignore_eos)
+                   list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher)
 
 
 def request_seed(run_seed: int, key: GroupKey, member: int = 0, turn: int = 0) -> int:
@@ -277,7 +283,11 @@ class EpisodeContext:
         """n samples of `agent` for one prompt (text, tokenized with the agent's tokenizer,
         or token ids). `sampling` overrides the agent's settings for this call:
         max_tokens, temperature, top_p, top_k, stop, stop_token_ids, ignore_eos."""
-        prompt_ids = self.tokenizer(agent).encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            tok = self.tokenizer(agent)
+            prompt_ids = await tok.sized(len(prompt), self.prompt_room(agent, sampling), lambda: tok.encode(prompt))
+        else:
+            prompt_ids = list(prompt)
         return await self._open(agent, prompt_ids, n, sampling, None)
 
     async def chat(self, agent: str, messages: list[dict], n: int | None = None, tools: list[dict] | None = None,
@@ -285,7 +295,9 @@ class EpisodeContext:
         """n conversations of `agent` starting from `messages` (the agent's chat template
         makes the prompt, with `tools` if given); each sample's `messages` ends with the
         assistant's reply."""
-        prompt_ids = self.tokenizer(agent).chat_prompt(messages, tools)
+        tok = self.tokenizer(agent)
+        prompt_ids = await tok.sized(text_size(messages), self.prompt_room(agent, sampling),
+                                     lambda: tok.chat_prompt(messages, tools))
         return await self._open(agent, prompt_ids, n, sampling, messages)
 
     async def continue_chat(self, sample: SampleView, messages: list[dict], tools: list[dict] | None = None,
@@ -302,7 +314,11 @@ class EpisodeContext:
         ended_with_eos = ids is not None and len(ids) > 0 and ids[-1] == tok.eos_token_id
         before = [dict(m) for m in said]
         after = before + [dict(m) for m in messages]
-        appended = tok.chat_delta(before, after, ended_with_eos, tools)
+        room = self.prompt_room(sample.agent, sampling)
+        if room:  # what the conversation holds already takes room too
+            room = max(1, room - len(sample.prompt_ids) - len(ids))
+        appended = await tok.sized(text_size(before) + text_size(messages), room,
+                                   lambda: tok.chat_delta(before, after, ended_with_eos, tools), "the appended messages")
         self._store.annotate(sample.key, sample.member, sample.text, after)
         return await self._turn(sample, appended, sampling)
 
@@ -310,6 +326,21 @@ class EpisodeContext:
         """Another turn of any sample: `appended_ids` (not trained), then the agent's turn."""
         self._own(sample)
         return await self._turn(sample, list(appended_ids), sampling)
+
+    def prompt_room(self, agent: str, sampling: dict) -> int:
+        """The most tokens a prompt of `agent` may have in this call: its context less the
+        turn's max_tokens, and the call's own cap (PROMPT_CAP); 0: no limit known."""
+        tok = self.tokenizers.get(agent)
+        max_tokens = sampling.get("max_tokens") or self.agents[agent].max_tokens
+        context = getattr(tok, "context", 0) or 0  # 0 (or no tokenizer): unknown, the engine alone checks
+        rooms = [max(1, context - max_tokens)] if context else []
+        rooms += [PROMPT_CAP.get()] if PROMPT_CAP.get() else []
+        return min(rooms, default=0)
+
+    def _fits(self, agent: str, tokens: int, sampling: dict) -> None:
+        room = self.prompt_room(agent, sampling)
+        if room and tokens > room:
+            raise PromptTooLong(f"the prompt is {tokens} tokens; agent {agent} takes at most {room} here")
 
     def tokenizer(self, agent: str) -> Any:
         self._check_agent(agent)
@@ -329,6 +360,9 @@ class EpisodeContext:
         if self.closed:
             raise EpisodeClosed(self.closed)
         self._check_agent(agent)
+        if not prompt_ids:
+            raise ValueError(f"{agent}: the prompt is empty; an agent needs something to continue")
+        self._fits(agent, len(prompt_ids), sampling)
         if n is None:  # a group; one sample where nothing is trained
             n = self.agents[agent].group_size if self.trains else 1
         if self.eval_temperature is not None:
@@ -354,6 +388,7 @@ class EpisodeContext:
         key, member, agent = sample.key, sample.member, sample.agent
         await self._wait_at_gate(agent)
         context, after, turn = self._store.turn_context(key, member, appended)  # one request per turn
+        self._fits(agent, len(context), sampling)
         group, drawn = self._request(agent, key, context, 1, request_seed(self.run_seed, key, member, turn), sampling,
                                      member, turn)
         output = await self._generator.generate(agent, group, after)
@@ -461,7 +496,8 @@ class EpisodeContext:
 
     def reward(self, sample: SampleView | str, value: float | list[float]) -> None:
         """The reward of a sample; or, given the id of a completion the OpenAI endpoint
-        returned, of its samples: one value, or one per choice (by index)."""
+        returned, of its samples: one value, or one per choice (by index). A frozen agent's
+        samples need none; one given is recorded with them, never trained on."""
         if isinstance(sample, str):
             samples = self._endpoint_turns().completion(sample)
             values = list(value) if isinstance(value, (list, tuple)) else [value] * (len(samples) == 1)
@@ -524,6 +560,34 @@ class EpisodeContext:
         for key in self._opened[count:]:
             self._store.drop_group(key, why)
 
+    # ---------------------------------------------------------------- the episode's end
+
+    async def score_by_teachers(self) -> None:
+        """The episode's workflow ended: every sample of a distilled agent is final (no turn
+        follows), so its teacher scores it, each member's prompt and output in one prefill on
+        the teacher's engine (no second generation), after the teacher's own turn of the
+        staleness gate; the store records which teacher version scored which member."""
+        if not self.trains or self.eval_temperature is not None:
+            return  # nothing of it is trained
+        await asyncio.gather(*(self._score_group(key) for key in self._store.to_score(self._opened)))
+
+    async def _score_group(self, key: GroupKey) -> None:
+        teacher = self._store.teacher_of(key.agent)
+        await self._wait_at_gate(teacher)
+
+        async def score(member: int, ids: list[int], start: int) -> tuple[list[float], int]:
+            # The student's group and member name the request; the teacher serves it.
+            return scored(await self._generator.generate(teacher, protocol.GenGroup(
+                key, teacher, 1, ids, 1, 1.0, 0, member, turn=SCORE_TURN, score_from=start)))
+
+        outputs = await asyncio.gather(*(score(j, ids, start)
+                                         for j, (ids, start) in enumerate(self._store.sequences(key))))
+        self._store.record_teacher(key, [lps for lps, _ in outputs], [version for _, version in outputs])
+
+    def serve_frozen(self) -> None:
+        """The episode ended well: its frozen agents' groups are served (generated, never trained)."""
+        self._store.serve_groups(self._opened)
+
     async def end(self) -> None:
         """The episode is over: its key names no live episode from now on."""
         if self._openai is not None:
@@ -563,10 +627,13 @@ async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> s
     try:
         async with deadline:
             await episode(ctx)
-        unfinished = ctx._store.pending(ctx._opened)
+            await ctx.score_by_teachers()
+        # A frozen agent's groups need no reward: they are served, never trained.
+        unfinished = [k for k in ctx._store.pending(ctx._opened) if not ctx.agents[k.agent].frozen]
         if unfinished:
             named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else list(map(str, unfinished))
             raise RuntimeError(f"episode ended without rewarding every sample of {named[:3]}")
+        ctx.serve_frozen()
         return ""
     except (asyncio.CancelledError, RunFailed):  # RunFailed: the run's failure (no instance left), not the episode's
         raise

@@ -16,15 +16,19 @@ between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_s
 name for people; `group` (its group's key, runtime/keys.py, as a list) and `member` say
 which sample it is to a program (the web view).
 
+A frozen agent's samples (generated, never trained) are written the same way, marked
+`"trained": false`, once the step of their batch has ended (`record_served`).
+
 `SampleLog.group_ready` is told each trainable group's samples (read-only views) and keeps
 what a row needs of them (the store lets the group go once trained) until its step is
-recorded.
+recorded; `group_served` keeps a frozen agent's served samples the same way.
 It does not know pipelines, trainers or how samples are made.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,7 +56,7 @@ class _Snapshot:
     output_ids: list[int]
     mask: list[int]
     versions: list[int]
-    reward: float
+    reward: float | None  # None: a frozen agent's sample the workflow gave no reward
     messages: list | None
     group: list[str]  # the group's key (episode, agent, call)
     member: int
@@ -67,6 +71,7 @@ class SampleLog:
         self.path = Path(run_dir) / FILE
         # agent -> group key -> (sample name, snapshot) per member
         self._kept: dict[str, dict[Any, list[tuple[str, _Snapshot]]]] = defaultdict(dict)
+        self._served: dict[str, list[tuple[str, _Snapshot]]] = defaultdict(list)  # frozen agent -> its served samples
         if resumed_after is None:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
@@ -76,10 +81,22 @@ class SampleLog:
 
     def group_ready(self, agent: str, key: Any, samples: list[Any]) -> None:
         """The group `key` is trainable: its members' views."""
-        self._kept[agent][key] = [(s.sample_id, _Snapshot(
-            s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
-            None if s.messages is None else [dict(m) for m in s.messages],
-            [s.key.episode, s.key.agent, s.key.call], s.member)) for s in samples]
+        self._kept[agent][key] = [(s.sample_id, _snapshot(s)) for s in samples]
+
+    def group_served(self, agent: str, samples: list[Any]) -> None:
+        """A frozen agent's group was served: its members' views."""
+        self._served[agent] += [(s.sample_id, _snapshot(s)) for s in samples]
+
+    def record_served(self, step: int) -> list[dict[str, Any]]:
+        """Writes `per_step` of each frozen agent's samples of the batches up to `step`
+        (marked not trained) and forgets the rest of them."""
+        rows = []
+        for agent, kept in self._served.items():
+            due = [(sid, snap) for sid, snap in kept if snap.batch <= step]
+            kept[:] = [(sid, snap) for sid, snap in kept if snap.batch > step]
+            rows += [{**self._row(step, agent, sid, snap), "trained": False} for sid, snap in pick(due, self.per_step)]
+        self._write(step, rows)
+        return rows
 
     def record(self, step: int, agent: str, keys: list[Any]) -> list[dict[str, Any]]:
         """Writes `per_step` of the samples `agent` trained at `step` (the groups `keys`);
@@ -89,13 +106,17 @@ class SampleLog:
         for key in [key for key, members in kept.items() if members and members[0][1].batch <= step]:
             del kept[key]
         rows = [self._row(step, agent, sid, snap) for sid, snap in pick(trained, self.per_step)]
+        self._write(step, rows)
+        return rows
+
+    def _write(self, step: int, rows: list[dict[str, Any]]) -> None:
         if rows:
             with open(self.path, "a") as fh:
                 fh.writelines(json.dumps(row) + "\n" for row in rows)
-            for tracker in self.trackers:
-                if hasattr(tracker, "log_samples"):
-                    tracker.log_samples(step, agent, rows)
-        return rows
+            for agent in dict.fromkeys(row["agent"] for row in rows):
+                for tracker in self.trackers:
+                    if hasattr(tracker, "log_samples"):
+                        tracker.log_samples(step, agent, [row for row in rows if row["agent"] == agent])
 
     def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
         return {"step": step, "agent": agent, "sample_id": sample_id, "group": snap.group, "member": snap.member,
@@ -132,6 +153,13 @@ class SampleLog:
         return tok.decode if tok is not None else (lambda ids: " ".join(map(str, ids)))
 
 
+def _snapshot(s: Any) -> _Snapshot:
+    """What a row needs of a sample's view."""
+    return _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
+                     None if s.messages is None else [dict(m) for m in s.messages],
+                     [s.key.episode, s.key.agent, s.key.call], s.member)
+
+
 def _step_of(line: str) -> int | None:
     try:
         return json.loads(line)["step"]
@@ -141,7 +169,7 @@ def _step_of(line: str) -> int | None:
 
 def pick(items: list[tuple[str, _Snapshot]], n: int) -> list[tuple[str, _Snapshot]]:
     """The best and the worst reward first, then the rest evenly spread between them."""
-    ranked = sorted(items, key=lambda item: -item[1].reward)
+    ranked = sorted(items, key=lambda item: -(item[1].reward if item[1].reward is not None else -math.inf))
     if n <= 0 or not ranked:
         return []
     if len(ranked) <= n:
@@ -169,12 +197,14 @@ def format_samples(rows: list[dict[str, Any]], step: int | None = None, agent: s
     shown = [r for r in rows if (step is None or r["step"] == step) and (agent is None or r["agent"] == agent)]
     for (s, a) in sorted({(r["step"], r["agent"]) for r in shown}, key=lambda k: (k[0], k[1])):
         mine = [r for r in shown if r["step"] == s and r["agent"] == a]
-        rewards = [r["reward"] for r in mine]
+        rewards = [r["reward"] for r in mine if r["reward"] is not None] or [math.nan]
         lines.append(f"=== step {s}  agent {a}  ({len(mine)} samples, reward {max(rewards):.3f} best, "
                      f"{min(rewards):.3f} worst)")
         for r in mine:
             label = "best" if r["reward"] == max(rewards) else "worst" if r["reward"] == min(rewards) else ""
-            lines.append(f"--- {r['sample_id']}  reward {r['reward']:.3f} {label}  versions {r['versions']}")
+            served = "  (served: generated, not trained)" if r.get("trained") is False else ""
+            reward = "none" if r["reward"] is None else f"{r['reward']:.3f}"
+            lines.append(f"--- {r['sample_id']}  reward {reward} {label}  versions {r['versions']}{served}")
             for t in r["turns"]:
                 version = f" (v{t['version']})" if t.get("version") is not None else ""
                 text = t["text"].replace("\n", "\n    ")

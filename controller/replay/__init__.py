@@ -16,8 +16,8 @@ package's API for scripts and tests.
 
 from .checking import check, check_beside
 from .command import main
-from .lineage import lineage
+from .lineage import lineage, lost_batches
 from .summary import Summary, format_summary, summarize, trace_json, training_seconds, write_plot, write_trace
 
-__all__ = ["Summary", "check", "check_beside", "format_summary", "lineage", "summarize", "trace_json",
+__all__ = ["Summary", "check", "check_beside", "format_summary", "lineage", "lost_batches", "summarize", "trace_json",
            "main", "training_seconds", "write_plot", "write_trace"]

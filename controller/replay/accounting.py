@@ -1,5 +1,6 @@
 """The sample accounting of a run's log: every sample generated once and then trained,
-dropped or still in flight once (`flexmarl replay`'s table and its errors).
+dropped, served or still in flight once (`flexmarl replay`'s table and its errors).
+Served: a frozen agent's sample, generated and never to be trained (`GroupServed`).
 
 `accounting(events, run)` counts per agent and generating version, with multiplicity, so
 that every way of breaking exactly-once also breaks generated = trained + dropped + in
@@ -26,15 +27,20 @@ from typing import Any, Callable, Iterable
 from flexmarl.runtime.events import (
     Event,
     GroupOpened,
+    GroupServed,
     MicroBatchFormed,
     OptimizerStep,
     RequestsCompleted,
     RunStarted,
     SamplesDropped,
+    TeacherScored,
 )
 from flexmarl.runtime.keys import GroupKey
 from flexmarl.runtime.staleness import lag as staleness_lag
 from flexmarl.runtime.staleness import too_stale
+
+from ..state import decisions
+from .lineage import agent_roles
 
 
 @dataclass
@@ -46,10 +52,11 @@ class AccountRow:
     dropped: int = 0
     in_flight: int = 0
     total: bool = False  # the agent's row over all versions
+    served: int = 0  # a frozen agent's: generated, never to be trained
 
     @property
     def reconciles(self) -> bool:
-        return self.generated == self.trained + self.dropped + self.in_flight
+        return self.generated == self.trained + self.dropped + self.in_flight + self.served
 
 
 Sample = tuple[GroupKey, int]  # (its group's key, its index in the group)
@@ -80,6 +87,7 @@ class _Tally:
     trained: collections.Counter = field(default_factory=collections.Counter)
     unstepped: collections.Counter = field(default_factory=collections.Counter)  # in micro-batches of a step not logged
     dropped: collections.Counter = field(default_factory=collections.Counter)
+    served: collections.Counter = field(default_factory=collections.Counter)
     trained_by: dict[Sample, str] = field(default_factory=dict)
     dropped_by: dict[Sample, str] = field(default_factory=dict)
     found: _Findings = field(default_factory=_Findings)
@@ -87,7 +95,8 @@ class _Tally:
 
 
 # The events the accounting reads.
-ACCOUNTED_EVENTS = frozenset({GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep, SamplesDropped})
+ACCOUNTED_EVENTS = frozenset({GroupOpened, RequestsCompleted, MicroBatchFormed, OptimizerStep, SamplesDropped,
+                              GroupServed, TeacherScored})
 
 def accounting(events: list[Event], run: RunStarted | None):
     """(rows, staleness histograms, errors). Counts trained and dropped with multiplicity
@@ -107,7 +116,9 @@ def accounting(events: list[Event], run: RunStarted | None):
         total.trained += r.trained
         total.dropped += r.dropped
         total.in_flight += r.in_flight
+        total.served += r.served
     errors = counted.found.errors + _accounting_errors(totals, counted.why, counted.found.stale, bound)
+    errors += _teacher_errors(events, run)
     ordered = sorted(counted.rows.values(), key=lambda r: (r.agent, r.version is None, r.version or 0))
     ordered += [total for _, total in sorted(totals.items())]
     return ordered, counted.found.staleness, errors
@@ -175,6 +186,7 @@ class _PartTally:
         # (agent, the version that generated the samples; None: not generated) -> samples
         self.generated: collections.Counter[tuple] = collections.Counter()
         self.dropped: collections.Counter[tuple] = collections.Counter()
+        self.served: collections.Counter[tuple] = collections.Counter()
         self.found = _Findings()
 
     def group_opened(self, e: GroupOpened) -> None:
@@ -219,6 +231,14 @@ class _PartTally:
             made = (e.agent, waiting.pop(sample)) if sample in waiting else self._dropped_before_generated(sample)
             self.dropped[made] += 1
 
+    def group_served(self, e: GroupServed) -> None:
+        waiting = self.waiting.get(e.agent, {})
+        for j in range(e.n):
+            version = waiting.pop((e.key, j), None)
+            if version is None:
+                raise _Irregular  # not generated, or trained, dropped or served already
+            self.served[e.agent, version] += 1
+
     def _dropped_before_generated(self, sample: Sample) -> tuple[str, None]:
         """The opener of `sample`, a member of a group not generated yet, which is never to be."""
         key, index = sample
@@ -252,14 +272,14 @@ class _PartTally:
         for agent, waiting in self.waiting.items():
             for version, n in collections.Counter(waiting.values()).items():
                 in_flight[agent, version] += n
-        return _Counted(_rows_from(self.generated, trained, self.dropped, in_flight), self.found, {})
+        return _Counted(_rows_from(self.generated, trained, self.dropped, in_flight, self.served), self.found, {})
 
 
 # What _count_by_part does with each event type it reads.
 _PART_READERS: dict[type, Callable[[_PartTally, Any], None]] = {
     GroupOpened: _PartTally.group_opened, RequestsCompleted: _PartTally.requests_completed,
     MicroBatchFormed: _PartTally.micro_batch_formed, SamplesDropped: _PartTally.samples_dropped,
-    OptimizerStep: _PartTally.optimizer_step}
+    OptimizerStep: _PartTally.optimizer_step, GroupServed: _PartTally.group_served}
 
 
 def _tally(events: list[Event], bound: int | None) -> _Tally:
@@ -284,6 +304,8 @@ def _tally(events: list[Event], bound: int | None) -> _Tally:
             samples = e.parts.samples()
             t.dropped.update(samples)
             t.dropped_by.update(dict.fromkeys(samples, e.agent))
+        elif type(e) is GroupServed:
+            t.served.update((e.key, j) for j in range(e.n))
     _tally_opened(t, opened)
     _tally_completed(t, completed)
     t.by_opener = t.trained_by.items() <= t.owner.items()
@@ -378,24 +400,27 @@ def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
     # The usual case; with every sample trained opened by its agent, as many trained as opened says it.
     all_trained = (t.by_opener and len(t.trained) == len(t.owner)) or all(map(t.trained.__contains__, t.owner))
     if not all_trained:
-        in_flight.update((agent, made(sid)) for sid, agent in t.owner.items()
-                         if sid not in t.trained and sid not in t.dropped and sid not in t.unstepped)
+        in_flight.update((agent, made(sid)) for sid, agent in t.owner.items() if sid not in t.trained
+                         and sid not in t.dropped and sid not in t.unstepped and sid not in t.served)
     for key, n in _rows_of(t.unstepped, t.owner, t.trained_by, made).items():
         in_flight[key] += n
     if all_trained and len(t.trained) == len(t.owner) == t.trained.total() and all(t.owner.values()):
         trained_rows = generated  # each sample opened trained once, and none other: the same counts
     else:
         trained_rows = _rows_of(t.trained, t.owner, t.trained_by, made)
-    return _rows_from(generated, trained_rows, _rows_of(t.dropped, t.owner, t.dropped_by, made), in_flight)
+    return _rows_from(generated, trained_rows, _rows_of(t.dropped, t.owner, t.dropped_by, made), in_flight,
+                      _rows_of(t.served, t.owner, t.owner, made))
 
 
 def _rows_from(generated: collections.Counter, trained: collections.Counter, dropped: collections.Counter,
-               in_flight: collections.Counter) -> dict[tuple, AccountRow]:
+               in_flight: collections.Counter, served: collections.Counter | None = None) -> dict[tuple, AccountRow]:
     """The rows from the samples counted per (agent, version), each column a Counter of
     positive counts: a row per key found in any of them."""
+    served = served or collections.Counter()
     return {(agent, version): AccountRow(agent, version, generated[agent, version], trained[agent, version],
-                                         dropped[agent, version], in_flight[agent, version])
-            for agent, version in {**generated, **trained, **dropped, **in_flight}}
+                                         dropped[agent, version], in_flight[agent, version],
+                                         served=served[agent, version])
+            for agent, version in {**generated, **trained, **dropped, **in_flight, **served}}
 
 
 def _rows_of(counts: collections.Counter, owner: dict[Sample, str], by: dict[Sample, str],
@@ -423,11 +448,34 @@ def _accounting_errors(totals: dict[str, AccountRow], why: dict[str, list[str]],
         if not total.reconciles or why.get(agent):
             errors.append(f"agent {agent!r}: samples do not reconcile: generated {total.generated} != "
                           f"trained {total.trained} + dropped {total.dropped} + in flight {total.in_flight}"
+                          + (f" + served {total.served}" if total.served else "")
                           + (f" ({'; '.join(why[agent])})" if why.get(agent) else ""))
     for agent, n in sorted(stale.items()):
         if n:
             errors.append(f"agent {agent!r}: {n} trained sample(s) outside the staleness bound "
                           f"0 <= lag <= {bound if bound is not None else '?'} (see the staleness histogram)")
+    return errors
+
+
+def _teacher_errors(events: list[Event], run: RunStarted | None) -> list[str]:
+    """Each distilled group scored by a teacher version its batch may not use: a trained
+    teacher's as a generation's (the staleness bound), a snapshot's within the bound of its
+    refresh due, a frozen teacher's version 0 alone."""
+    scored = [e for e in events if type(e) is TeacherScored]
+    if not scored or run is None:
+        return []
+    roles, k = agent_roles(run), run.max_staleness
+    errors = []
+    for e in scored:
+        if e.teacher in roles.trained:
+            bad = [v for v in e.versions if not decisions.may_generate(e.batch, v, k)]
+        elif e.teacher in roles.snapshots:
+            bad = [v for v in e.versions if not decisions.may_play_snapshot(e.batch, v, roles.snapshots[e.teacher], k)]
+        else:
+            bad = [v for v in e.versions if v != 0]
+        if bad:
+            errors.append(f"agent {e.agent!r}: group {e.key} of batch {e.batch} scored by {e.teacher!r} at "
+                          f"version {bad[0]}, outside what the batch may use")
     return errors
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from flexmarl.runtime import collector
 from flexmarl.runtime.events import Event, GroupOpened, MicroBatchFormed, RunStarted, without_stamp
 
-from .lineage import lineage, open_steps
+from .lineage import agent_roles, lineage, open_steps
 
 
 @collector.rare_collections()
@@ -72,7 +72,7 @@ def check_beside(events: list[Event]) -> Callable[[], str | None]:
 
     from . import redrive as redriving
 
-    theirs, mine = _shares(events, run.agents)
+    theirs, mine = _shares(events, agent_roles(run).trained)
     context = multiprocessing.get_context("fork")
     for stream in (sys.stdout, sys.stderr):  # the child's exit flushes its copy of what is still buffered
         stream.flush()
@@ -92,7 +92,7 @@ def check_beside(events: list[Event]) -> Callable[[], str | None]:
         finally:
             answers.close()
             child.join()
-        joined = redriving.in_log_order(counted, {a: made[a] for a in run.agents}, redriving.balancer_moves(counted))
+        joined = redriving.in_log_order(counted, {a: made[a] for a in run.agents if a in made}, redriving.balancer_moves(counted))
         return check(events, lambda _: joined)
     return answered
 

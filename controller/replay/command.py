@@ -13,6 +13,7 @@ from flexmarl.runtime import collector
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
 
 from .checking import check_beside
+from .lineage import lineage, lost_batches
 from .summary import format_summary, summarize, write_plot, write_trace
 
 
@@ -29,8 +30,8 @@ def main(args: argparse.Namespace) -> int:
             return 1
         keep()
         if problem:
-            # Expected after a crash (a torn last frame); everything before it is intact.
-            print(f"warning: read {len(events)} events, then stopped: {problem}", file=sys.stderr)
+            # A torn last frame is expected after a crash; damage before it is read past.
+            print(f"warning: read {len(events)} events: {problem}", file=sys.stderr)
         checked = check_beside(events) if getattr(args, "check", False) else None
         summary = summarize(events)
         keep()
@@ -48,8 +49,11 @@ def main(args: argparse.Namespace) -> int:
         if checked is not None:
             diff = checked()
             if diff is None:
+                lost = sorted(lost_batches(lineage(events)))
                 print("check: re-driving the decision code reproduces every logged decision"
-                      + (" (the steps left open agree as far as the log goes)" if summary.open_steps else ""))
+                      + (" (the steps left open agree as far as the log goes)" if summary.open_steps else "")
+                      + (f" (batches {', '.join(map(str, lost))} left out: damage to the log split their events)"
+                         if lost else ""))
             else:
                 print(f"CHECK FAILED: {diff}", file=sys.stderr)
                 code = 1

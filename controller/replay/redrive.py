@@ -21,7 +21,7 @@ from flexmarl.runtime.config import RouterConfig
 from ..rollout.balance_rules import AgentDemand, RolloutBalancer
 from ..state import decisions
 from ..state.store import ExperienceStore
-from .lineage import last_batch, lineage, open_steps
+from .lineage import agent_roles, last_batch, lineage, lost_batches, open_steps
 
 # The events that feed a group to the store, each naming its agent.
 _GROUP_EVENTS = frozenset({ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete})
@@ -40,7 +40,7 @@ def redrive(log: list) -> list:
     recorded; ordering across agents is taken from the log, since it depends on timing,
     not on the rules."""
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
-    return in_log_order(log, training_decisions(log, run_of(log).agents), balancer_moves(log))
+    return in_log_order(log, training_decisions(log, agent_roles(run_of(log)).trained), balancer_moves(log))
 
 
 def run_of(log: list) -> ev.RunStarted:
@@ -56,7 +56,7 @@ def training_decisions(log: list, agents: Sequence[str]) -> dict[str, list]:
     start = run_of(log)
     pipeline = tomllib.loads(start.config_toml)["pipeline"]
     with collector.rare_collections():  # a refilled store is a heap of records, as the controller's
-        store = _refilled_store(log, list(agents), set(start.agents) - set(agents))
+        store = _refilled_store(log, list(agents), set(start.agents) - set(agents), agent_roles(start).dynamic)
         return _redrive_training(log, store, list(agents), pipeline, start.max_staleness)
 
 
@@ -66,10 +66,11 @@ def balancer_moves(log: list) -> list:
     return _redrive_balancer(log, tomllib.loads(run_of(log).config_toml)["router"])
 
 
-def _refilled_store(log: list, agents: list[str], others: set[str]) -> ExperienceStore:
+def _refilled_store(log: list, agents: list[str], others: set[str], dynamic: Sequence[str] = ()) -> ExperienceStore:
     """An `ExperienceStore` of `agents` fed their logged groups, versions and rewards, in
-    the order the controller saw them; the run's `others` are left out."""
-    store = ExperienceStore(agents)
+    the order the controller saw them (and, for the agents with dynamic sampling, each
+    batch's targets when the log set them); the run's `others` are left out."""
+    store = ExperienceStore(agents, dynamic=[a for a in dynamic if a in agents])
     opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
     if others:  # a share of the run's agents: the others' groups are not refilled here
         log = [e for e in log if type(e) not in _GROUP_EVENTS or e.agent not in others]
@@ -83,6 +84,10 @@ def _refilled_store(log: list, agents: list[str], others: set[str]) -> Experienc
                     store.record_versions(key, first, size, version)
         elif kind is rewarded:  # the log has no token ids, only the count
             store.set_group_rewards(e.key, e.rewards, size=e.tokens)
+        elif kind is ev.GroupTargets:
+            for agent, n in e.targets.items():
+                if agent in store.dynamic:
+                    store.set_target(agent, e.batch, n)
     return store
 
 
@@ -99,7 +104,10 @@ def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipe
     step_trainer = {(e.agent, e.version): e.trainer for e in log if type(e) is step}
     made: dict[str, list] = {a: [] for a in agents}
     unfinished = open_steps(log)
+    lost = lost_batches(log)  # damage to the log split them: neither re-driven nor compared
     for batch in range(1, last_batch(log) + 1):
+        if batch in lost:
+            continue
         for agent in agents:
             trained = 0
             for mb in store.form_micro_batches(agent, batch, size, True, False, k):

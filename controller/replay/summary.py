@@ -31,7 +31,9 @@ from flexmarl.runtime.events import (
     PROMPT_FIELDS,
     AllocationChanged,
     BatchStarted,
+    EpisodesDrawn,
     Event,
+    EventsLost,
     GroupComplete,
     GroupOpened,
     MicroBatchFormed,
@@ -41,6 +43,7 @@ from flexmarl.runtime.events import (
     RequestsDispatched,
     RunResumed,
     RunStarted,
+    SamplesDropped,
     WeightSyncFinished,
     WeightSyncStarted,
     WorkerDied,
@@ -131,6 +134,10 @@ class Summary:
     resumed_at: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from
     training_s: float = 0.0  # from each process's first batch to its last event: no set-up, no downtime
     open_steps: dict[str, list[int]] = field(default_factory=dict)  # agent -> steps begun, never taken
+    lost: list[EventsLost] = field(default_factory=list)  # damage to the log, with the batches it split
+    # (agent, why) -> samples dropped: too stale, a failed episode, dynamic sampling's equal rewards ...
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    extra_episodes: int = 0  # dynamic sampling's extra episodes (EpisodesDrawn)
 
     @property
     def wall_s(self) -> float:
@@ -163,15 +170,31 @@ def _summarize(events: list[Event]) -> Summary:
     crashed_at = crash_times(events, t_start) if resumed_at else []
     workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
     if read["undoing"]:
-        read.update(_route(lineage(events), ("agents", "accounting", "steps")))  # without what a resume undid
+        read.update(_route(lineage(events), ("agents", "accounting", "steps", "drops")))  # without what a resume undid
+    dropped: collections.Counter = collections.Counter()
+    extra = 0
+    for e in read["drops"]:
+        if type(e) is SamplesDropped:
+            dropped[(e.agent, _reason(e.why))] += e.parts.count
+        else:
+            extra += e.episodes
     agents = _agent_stats(read["agents"], run)
     rows, staleness, errors = accounting(read["accounting"], run)
     unfinished: dict[str, list[int]] = {}
     for agent, batch in sorted(open_steps(read["steps"])):
         unfinished.setdefault(agent, []).append(batch)
     training_s = training_time(read["marks"], iter(crashed_at), t_end if events else 0.0)
+    lost = [e for e in read["steps"] if type(e) is EventsLost]
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
-                   training_s, unfinished)
+                   training_s, unfinished, lost, dropped, extra)
+
+
+def _reason(why: str) -> str:
+    """A drop's reason as the summary counts it: an episode's failure (each names its own
+    episode and error) as one reason."""
+    if why.startswith("its call failed"):
+        return "its call failed"
+    return "its episode failed" if why.startswith("episode ") else why
 
 
 def _route(events: list[Event], parts: tuple[str, ...]) -> dict[str, list]:
@@ -422,8 +445,8 @@ _AGENT_EVENTS = frozenset({GroupComplete, RequestsCompleted, *_AGENT_READERS})
 # statistics, the sample accounting, the steps left open (what `open_steps` reads),
 # training time, and whether the lineage differs from the log.
 _READS = {"usage": USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTED_EVENTS,
-          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep}), "marks": TRAINING_MARKS,
-          "undoing": UNDOING}
+          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep, EventsLost}), "marks": TRAINING_MARKS,
+          "undoing": UNDOING | {EventsLost}, "drops": frozenset({SamplesDropped, EpisodesDrawn})}
 
 
 
@@ -431,6 +454,17 @@ _READS = {"usage": USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTE
 
 
 @collector.paused()  # makes thousands of objects (a worker's spans sorted), none in a cycle
+def _spans(batches: list[int]) -> str:
+    """1, 2, 3, 7 -> "1-3, 7"."""
+    spans: list[list[int]] = []
+    for b in sorted(batches):
+        if spans and b == spans[-1][1] + 1:
+            spans[-1][1] = b
+        else:
+            spans.append([b, b])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def format_summary(s: Summary) -> str:
     head = f"run: {s.wall_s:.1f} s ({s.training_s:.1f} s training), {s.events} events"
     if s.run:
@@ -439,6 +473,12 @@ def format_summary(s: Summary) -> str:
     if s.resumed_at:
         head += (f"; resumed from the checkpoint of step {', '.join(map(str, s.resumed_at))} (work logged past "
                  "it before the resume is not counted)")
+    for gap in s.lost:
+        held = (f"events {gap.first_seq}-{gap.next_seq - 1}" if gap.next_seq > gap.first_seq else
+                "no event" if gap.next_seq >= 0 else f"the events from {gap.first_seq} on")
+        head += (f"\ndamage to the log ({gap.segment}, byte offset {gap.offset}, {gap.nbytes} bytes: {gap.why}) held "
+                 f"{held}; " + (f"batches {_spans(gap.batches)} are left out of the counts and the check: it split "
+                                "their events" if gap.batches else "no batch lost events to it"))
     if s.open_steps:
         head += ("\nthe log ends mid-step (the run stopped before these steps were taken; their samples are in "
                  "flight): " + "; ".join(f"{a} step {', '.join(map(str, b))}" for a, b in s.open_steps.items()))
@@ -461,11 +501,17 @@ def format_summary(s: Summary) -> str:
             ["agent"] + [f"lag {lag}" for lag in lags],
             [[a] + [h.get(lag, 0) for lag in lags] for a, h in sorted(s.staleness.items())]))
     rows = sorted(s.accounting, key=lambda r: (r.agent, r.total))  # stable: versions, then total
-    out.append("sample accounting: generated = trained + dropped + in flight\n" + _table(
-        ["agent", "version", "generated", "trained", "dropped", "in flight", ""],
+    served = any(r.served for r in rows)  # frozen agents' samples: a column only where there are some
+    out.append(f"sample accounting: generated = trained + dropped + in flight{' + served' * served}\n" + _table(
+        ["agent", "version", "generated", "trained", "dropped", "in flight", *["served"] * served, ""],
         [[r.agent, "total" if r.total else "-" if r.version is None else r.version,
-          r.generated, r.trained, r.dropped, r.in_flight, "" if r.reconciles else "MISMATCH"]
+          r.generated, r.trained, r.dropped, r.in_flight, *[r.served] * served, "" if r.reconciles else "MISMATCH"]
          for r in rows]))
+    if s.dropped:
+        out.append("dropped samples by reason\n" + _table(
+            ["agent", "samples", "why"], [[agent, n, why] for (agent, why), n in sorted(s.dropped.items())]))
+    if s.extra_episodes:
+        out.append(f"dynamic sampling drew {s.extra_episodes} extra episodes")
     return "\n\n".join(out)
 
 

@@ -60,8 +60,8 @@ class Admission:
         try:
             if restart:
                 await self._start_engine(worker, unit, engine)
-            for agent in u.agents:  # one lock at a time: each agent's syncs wait only for its own load
-                async with self.weights.locks[agent]:
+            for agent in u.agents:  # one agent at a time: each agent's syncs wait only for its own load
+                async with self.weights.locks_of(agent):  # a snapshot's: its source's too
                     held = self.instances.holds(worker, agent)
                     if held is None or held < self.versions[agent]:
                         if u.lora:  # an adapter comes from its trainer, version 0 included

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("flexmarl.rejoin")
 
 POLL_S = 0.5  # how often run() checks whether every batch is trained while no worker joins
+# A live worker whose admission failed (a load it could not make, a trainer that died during
+# it) is admitted again this many times in all, RETRY_S apart, before it is left idle.
+ADMISSION_ATTEMPTS = 3
+RETRY_S = 2.0
 
 
 def choose_unit(instances: dict[str, int], served_before: str | None) -> str:
@@ -65,10 +69,12 @@ class Rejoin:
         self.queue: asyncio.Queue[str] = asyncio.Queue()  # rollout workers waiting for an agent
         self.serving: str | None = None  # the worker being admitted now
         self.rejoined: list[tuple[str, str, float]] = []  # (worker, unit, seconds to serve)
+        self.attempts: dict[str, int] = {}  # worker -> admissions tried for its live incarnation
+        self.retrying: set[str] = set()  # workers waiting RETRY_S for their next admission
 
     def pending(self) -> bool:
         """Whether a rollout worker that joined is waiting for, or going through, admission."""
-        return self.serving is not None or not self.queue.empty()
+        return self.serving is not None or not self.queue.empty() or bool(self.retrying)
 
     def joined(self, info: Any) -> None:
         if not self.accepting():
@@ -77,6 +83,7 @@ class Rejoin:
             log.info("trainer %s joined; it is in the trainer pool again", info.worker_id)
             self.trainer_joined(info.worker_id)
         elif info.role == "rollout":  # an environment worker is the environment client's (environments/)
+            self.attempts[info.worker_id] = 0
             self.queue.put_nowait(info.worker_id)
 
     async def run(self) -> None:
@@ -87,9 +94,29 @@ class Rejoin:
                 continue
             self.serving = worker
             try:
-                await self.serve(worker)
+                if await self.serve(worker) is None:
+                    self._again(worker)
             finally:
                 self.serving = None
+
+    def _again(self, worker: str) -> None:
+        """A live worker whose admission failed is admitted again RETRY_S later, up to
+        ADMISSION_ATTEMPTS in all; a dead one comes back through its next registration."""
+        info = self.server.registry.workers.get(worker)
+        if info is None or not info.alive:
+            return
+        self.attempts[worker] = self.attempts.get(worker, 0) + 1
+        if self.attempts[worker] >= ADMISSION_ATTEMPTS:
+            log.error("%s could not be made to serve an agent in %d attempts; it stays idle (its log in the run "
+                      "directory's logs/ folder says why)", worker, self.attempts[worker])
+            return
+        self.retrying.add(worker)
+
+        def requeue() -> None:
+            self.retrying.discard(worker)
+            self.queue.put_nowait(worker)
+
+        asyncio.get_running_loop().call_later(RETRY_S, requeue)
 
     async def serve(self, worker: str) -> str | None:
         """Makes `worker` serve a unit (see the module doc); the unit, or None if the

@@ -311,8 +311,8 @@ class RolloutClient:
             return
         gone = [f"{w.worker_id} ({w.why_gone})" for w in self.server.registry.workers.values()
                 if w.role == "rollout" and not w.alive]
-        failure = NoInstance(f"the run stopped: no rollout instance served agent {agent!r} for "
-                             f"{self.instance_wait_s:g}s and none is being restarted"
+        failure = NoInstance(f"the run stopped: no rollout instance could be made to serve agent {agent!r} "
+                             f"for {self.instance_wait_s:g}s: none is being restarted or admitted"
                              + (f"; gone: {', '.join(gone)}" if gone else "")
                              + ". See the workers' logs in the run directory's logs/ folder")
         self._fail_waiting(agent, failure)
@@ -431,7 +431,7 @@ def _cut(part: _Part, sizes: list[int]) -> list[_Part]:
     for size in sizes:
         piece = protocol.GenGroup(g.key, g.agent, size, g.prompt_ids, g.max_tokens, g.temperature,
                                   g.seed + first - g.first, first, g.top_p, g.top_k, g.stop, g.stop_token_ids,
-                                  g.ignore_eos, g.version, g.turn)
+                                  g.ignore_eos, g.version, g.turn, g.score_from)
         pieces.append(_Part(piece, part.owner, part.after, part.attempt))
         first += size
     return pieces

@@ -2,9 +2,11 @@
 
 In order:
 
-1. `resolve(cfg)`: what the components are made from, checked and loaded: the workflow,
-   the engine units, the datasets, each agent's model directory (a tiny model is built on
-   first use) and tokenizer. A bad name fails here, before any worker starts.
+1. `resolve(cfg, run_dir)`: what the components are made from, checked and loaded: the
+   workflow, the engine units, the datasets (and the fields the workflow reads of them,
+   dry_read.py), each agent's model directory (a tiny model is built on first use; an
+   adapter base built so is kept in the run directory, run_bases.py) and tokenizer. A bad
+   name fails here, before any worker starts, and before any model is built.
 2. `build(cfg, resolved, given)`: makes every component, each handed what it needs, and
    returns them as one frozen `Components`. `given` is what the run is handed from outside
    (the server, the run directory, the event log's `emit`, the checkpoint it resumes from).
@@ -27,18 +29,18 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from flexmarl.runtime import bases, protocol
-from flexmarl.runtime import events as ev
-from flexmarl.runtime.config import ExperimentConfig, to_dict
+from flexmarl.runtime.config import ConfigError, ExperimentConfig, to_dict, trained_agents
 from flexmarl.runtime.model_specs import has_tokenizer
 
 from ..control.interfaces import Emit
 from ..control.server import ControllerServer
 from ..episodes.data import DataError, Dataset
+from ..episodes.dry_read import check_fields
 from ..episodes.evaluation import Evaluator
 from ..episodes.producer import EpisodeProducer
 from ..episodes.tokens import AgentTokenizer
 from ..episodes.user_code import load_workflow, workflow_reference
-from ..episodes.workflow import ToolPool
+from ..episodes.workflow import AgentDefaults, ToolPool
 from ..environments.client import EnvClient
 from ..records.metrics import MetricsLog
 from ..records.progress import SetupProgress
@@ -59,7 +61,8 @@ from ..train.pipeline import AgentPipeline
 from ..train.trainer_lanes import TrainerLanes
 from ..weights.sync import WeightSync
 from .lora_targets import check_lora_targets
-from .model_resolution import TINY_PREFIX, check_model, resolve_model
+from .model_resolution import TINY_PREFIX, check_model, model_cache, resolve_model, tensor_names
+from .run_bases import keep_base, kept_base
 
 log = logging.getLogger("flexmarl.components")
 
@@ -128,39 +131,121 @@ class Components:
 # ------------------------------------------------------------ 1. resolve
 
 
-def resolve(cfg: ExperimentConfig) -> Resolved:
-    """Checks every name the config gives (agents, workflow, models, LoRA targets, data)
-    and loads what they name; builds a tiny model on its first use."""
+def resolve(cfg: ExperimentConfig, run_dir: Path | None = None) -> Resolved:
+    """Checks every name the config gives (agents, workflow, models, LoRA targets, data,
+    the fields the workflow reads) before anything is built, then loads what they name;
+    builds a tiny model on its first use. With `run_dir`, the bases built from recipes are
+    kept there (run_bases.py), and a base the run keeps already is used as it is."""
     agents = list(cfg.agents)
     if not agents:
         raise ValueError("the config defines no agents ([agents.NAME] tables)")
     workflow = load_workflow(cfg.run.workflow)
-    for agent in agents:  # a model name that names nothing fails before anything is built
+    kept = {b: path for b in cfg.bases if run_dir is not None and (path := kept_base(run_dir, b)) is not None}
+    for agent in agents:  # a model name that names nothing, or a target its base lacks, fails before any build
+        a = cfg.agents[agent]
+        if a.base in kept:
+            continue
         check_model(bases.model_of(cfg, agent))
-        if cfg.agents[agent].base and not bases.model_of(cfg, agent).startswith(TINY_PREFIX):
-            # a base given as a directory: its modules are known before any model is built
-            check_lora_targets(agent, cfg.agents[agent].lora_target_modules, bases.model_of(cfg, agent))
+        if a.base:
+            check_lora_targets(agent, a.lora_target_modules, cfg.bases[a.base].model,
+                               tensor_names(cfg.bases[a.base].model))
     d = cfg.data
     dataset = _dataset("data.train", d.train, cfg.run.seed, d.shuffle, d.epochs) if d.train else None
     if dataset is not None:
         dataset.check_serves(cfg.run.steps * cfg.pipeline.queries_per_step, "run.steps x pipeline.queries_per_step")
     eval_data = _dataset("data.eval", d.eval, cfg.run.seed, shuffle=False) if d.eval else None  # cycled as asked
+    defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
+    for data in (dataset, eval_data):
+        if data is not None:
+            check_fields(workflow, data, defaults, cfg.run.seed)
     units = bases.engine_units(cfg)
-    model_path = _model_paths(cfg, units)
-    return Resolved(workflow, units, model_path, _tokenizers(cfg, model_path), dataset, eval_data)
+    model_path = _model_paths(cfg, kept, run_dir)
+    tokenizers = _tokenizers(cfg, model_path)
+    _check_teachers(cfg, model_path, tokenizers)
+    _check_frozen_adapters(cfg)
+    return Resolved(workflow, units, model_path, tokenizers, dataset, eval_data)
 
 
-def _model_paths(cfg: ExperimentConfig, units: bases.Units) -> dict[str, str]:
-    display = SetupProgress(cfg.run.progress)
-    paths = {}
+def _check_teachers(cfg: ExperimentConfig, model_path: dict[str, str], tokenizers: dict[str, AgentTokenizer]) -> None:
+    """A teacher scores its student's token ids as they are: both must read them alike, so
+    they share one tokenizer (the same vocabulary, ids and special tokens)."""
+    for student, agent in cfg.agents.items():
+        if not agent.teacher:
+            continue
+        mine, theirs = (_vocabulary(tokenizers.get(a), model_path[a]) for a in (student, agent.teacher))
+        if mine != theirs:
+            raise ConfigError(f"agents.{student}.teacher = {agent.teacher!r}, whose tokenizer differs from "
+                              f"{student}'s ({_difference(mine, theirs)}); a teacher scores the student's own token "
+                              f"ids, so both models must share one tokenizer")
+
+
+def _check_frozen_adapters(cfg: ExperimentConfig) -> None:
+    """A frozen adapter agent's directory holds a PEFT adapter of its configured rank (the
+    engines' LoRA slots are sized from the config)."""
+    import json
+
+    for name, agent in cfg.agents.items():
+        if not agent.adapter:
+            continue
+        where = Path(agent.adapter)
+        try:
+            rank = json.loads((where / "adapter_config.json").read_text())["r"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"agents.{name}.adapter = {agent.adapter!r} is no PEFT adapter directory "
+                              f"(adapter_config.json with its rank r, adapter_model.safetensors): {exc}") from None
+        if not (where / "adapter_model.safetensors").is_file():
+            raise ConfigError(f"agents.{name}.adapter = {agent.adapter!r} has no adapter_model.safetensors")
+        if rank != agent.lora_rank:
+            raise ConfigError(f"agents.{name}.adapter has rank {rank}, agents.{name}.lora_rank is {agent.lora_rank}: "
+                              f"set agents.{name}.lora_rank = {rank}")
+
+
+def _vocabulary(tokenizer: AgentTokenizer | None, path: str) -> dict[str, Any]:
+    if tokenizer is not None:
+        return {"vocabulary": tokenizer.tok.get_vocab(), "special tokens": tokenizer.tok.all_special_ids}
+    import json
+    return {"vocabulary size": json.loads((Path(path) / "config.json").read_text()).get("vocab_size")}
+
+
+def _difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    key = next((k for k in mine if mine[k] != theirs.get(k)), "")
+    if not key or key not in theirs:
+        return "one has a tokenizer, the other none"
+    sizes = [len(v) if key == "vocabulary" else v for v in (mine[key], theirs[key])]
+    return f"{key}: {sizes[0]} against {sizes[1]}" if sizes[0] != sizes[1] else f"{key}: other ids"
+
+
+def _model_paths(cfg: ExperimentConfig, kept: dict[str, Path], run_dir: Path | None) -> dict[str, str]:
+    """Each agent's model directory, each model resolved once (a base once for all its
+    agents) and its build shown under the name of what uses it."""
+    display, cache = SetupProgress(cfg.run.progress), _shown(model_cache())
+    users: dict[str, list[str]] = {}  # model name -> the agents that use it
     for agent in cfg.agents:
-        def building(name: str, agent: str = agent) -> Any:
-            return display.stage(f"building model {name} for agent {agent} (first use only: it is cached)")
-        paths[agent] = resolve_model(bases.model_of(cfg, agent), None, building)
-        lora = units.lora(agent)
-        if lora is not None:  # before any engine or trainer loads the base
-            check_lora_targets(agent, list(lora.target_modules), paths[agent])
+        users.setdefault(bases.model_of(cfg, agent), []).append(agent)
+    paths: dict[str, str] = {}
+    for name, agents in users.items():
+        base = cfg.agents[agents[0]].base
+        who = f"base {base} (agents {', '.join(agents)})" if base else f"agent {', '.join(agents)}"
+        if base in kept:
+            path = str(kept[base])
+            log.info("model of %s: %s (kept in the run directory)", who, path)
+        else:
+            def building(model: str, who: str = who) -> Any:
+                return display.stage(f"building model {model} for {who} (once per machine, cached in {cache})")
+            path = resolve_model(name, None, building)
+            if base and run_dir is not None and name.startswith(TINY_PREFIX):  # adapters name the kept base
+                path = str(keep_base(run_dir, base, path))
+            log.info("model of %s: %s", who, path)
+        paths.update(dict.fromkeys(agents, path))
     return paths
+
+
+def _shown(path: Path) -> str:
+    """A path as a user reads it: under the home directory, from ~."""
+    try:
+        return f"~/{path.expanduser().absolute().relative_to(Path.home())}"
+    except ValueError:
+        return str(path)
 
 
 def _tokenizers(cfg: ExperimentConfig, model_path: dict[str, str]) -> dict[str, AgentTokenizer]:
@@ -188,21 +273,27 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     The allocator weighs the pipelines' work and the pipelines use the allocator: the
     allocator reads `pipelines` (filled below, before anything runs) when it weighs."""
     agents, server, emit, units = list(cfg.agents), given.server, given.emit, resolved.units
-    store = ExperienceStore(agents, emit=emit, std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()})
+    trained = trained_agents(cfg)  # the others are frozen: served, never trained, never synced
+    snapshots = {a: (c.snapshot_of, c.snapshot_every) for a, c in cfg.agents.items() if c.snapshot_of}
+    store = ExperienceStore(agents, emit=emit, std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()},
+                            frozen=[a for a in agents if a not in trained],
+                            dynamic=[a for a, c in cfg.agents.items() if c.dynamic_sampling],
+                            teachers={a: c.teacher for a, c in cfg.agents.items() if c.teacher})
     versions = SyncedVersions(agents)
-    schedule = BatchSchedule(agents, cfg.run.steps, cfg.pipeline.queries_per_step,
+    schedule = BatchSchedule(trained, cfg.run.steps, cfg.pipeline.queries_per_step,
                              overlap=cfg.pipeline.mode == "async", max_staleness=cfg.pipeline.max_staleness,
-                             versions=versions)
+                             versions=versions, snapshots={a: every for a, (_, every) in snapshots.items()})
     store.on_ready.append(lambda key: schedule.work_arrived(key.agent))
     instances = RolloutInstances(units, emit)
     pipelines: dict[str, AgentPipeline] = {}
-    allocator = TrainerAllocator(server, [], cfg.cluster.trainer_capacity, cfg.agents, resolved.model_path,
-                                 cfg.run.seed, lambda agent: pipelines[agent].work(), emit,
-                                 settings={a: bases.trainer_settings(cfg, a) for a in agents},
-                                 lora={a: units.lora(a) for a in agents},
+    allocator = TrainerAllocator(server, [], cfg.cluster.trainer_capacity, {a: cfg.agents[a] for a in trained},
+                                 resolved.model_path, cfg.run.seed, lambda agent: pipelines[agent].work(), emit,
+                                 settings={a: bases.trainer_settings(cfg, a) for a in trained},
+                                 lora={a: units.lora(a) for a in trained},
                                  saves_parked=cfg.cluster.trainer_group_size == 1)
     weights = WeightSync(agents, server, instances, versions, emit, trainer_for=_trainer_for(allocator),
-                         lora={a: units.lora(a) for a in agents}, ranks={a: units.of(a).ranks for a in agents})
+                         lora={a: units.lora(a) for a in agents}, ranks={a: units.of(a).ranks for a in agents},
+                         snapshots=snapshots, adapter_dirs={a: c.adapter for a, c in cfg.agents.items() if c.adapter})
     allocator.on_parked.append(weights.forget)
     def load_message(unit: str) -> protocol.LoadModel:
         return resolved.load_message(unit, server.next_request_id(), cfg.run.seed)
@@ -228,10 +319,10 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                                {a: c.tool_parser for a, c in cfg.agents.items()}) if cfg.openai.enabled else None)
     episodes = EpisodeProducer(cfg, resolved.workflow, store, client, schedule, emit, resolved.dataset, tool_pool,
                                resolved.tokenizers, endpoint)
-    checkpoints = Checkpointer(given.run_dir / "checkpoints", agents, every=cfg.run.checkpoint_every,
+    checkpoints = Checkpointer(given.run_dir / "checkpoints", trained, every=cfg.run.checkpoint_every,
                                keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
                                controller_state=lambda step: _run_state(cfg, step, store, instances,
-                                                                        resolved.dataset, episodes),
+                                                                        resolved.dataset, episodes, versions),
                                full_state=cfg.cluster.trainer_group_size == 1)
     if given.resume is not None:
         continue_episodes(given.resume, cfg, resolved.dataset, episodes)
@@ -240,7 +331,7 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     lanes = TrainerLanes()  # the order of every trainer's commands, for every agent
     pipelines.update({a: AgentPipeline(a, cfg.pipeline, store, schedule, allocator, weights, server, metrics, emit,
                                        given.flush_events, cfg.agents[a].loss_options(), checkpoints=checkpoints,
-                                       lanes=lanes) for a in agents})
+                                       lanes=lanes) for a in trained})
     rebalancer = Rebalancer(cfg.router, units, instances, admission, client, server, weights,
                             {name: resolved.model_path[u.agents[0]] for name, u in units.items()}, emit,
                             lambda: schedule.finished)
@@ -251,12 +342,12 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
 
 
 def _run_state(cfg: ExperimentConfig, step: int, store: ExperienceStore, instances: RolloutInstances,
-               dataset: Dataset | None, episodes: EpisodeProducer) -> dict[str, Any]:
+               dataset: Dataset | None, episodes: EpisodeProducer, versions: SyncedVersions) -> dict[str, Any]:
     """`controller_state` read off the run's components: the store's samples past the cut,
-    the rollout instances' assignment, the episode numbering."""
+    the rollout instances' assignment, the episode numbering, the synced versions."""
     past = store.samples_past(step)
     return controller_state(cfg, step, instances.assignment, {a: past[a] for a in cfg.agents}, dataset,
-                            episodes.episode_number(step + 1, 0))
+                            episodes.episode_number(step + 1, 0), versions)
 
 
 def _metrics(cfg: ExperimentConfig, resolved: Resolved, given: Given, store: ExperienceStore,
@@ -270,7 +361,8 @@ def _metrics(cfg: ExperimentConfig, resolved: Resolved, given: Given, store: Exp
         sample_log = SampleLog(given.run_dir, cfg.run.samples_per_step, resolved.tokenizers, trackers,
                                resumed_after=resume.step if resume is not None else None)
         store.on_ready.append(lambda key: sample_log.group_ready(key.agent, key, store.views(key)))
-    return MetricsLog(given.run_dir, list(cfg.agents), progress=cfg.run.progress, trackers=trackers,
+        store.on_served.append(lambda key: sample_log.group_served(key.agent, store.views(key)))
+    return MetricsLog(given.run_dir, schedule.agents, progress=cfg.run.progress, trackers=trackers,
                       resumed=resume is not None, first_step=schedule.first_batch, sample_log=sample_log,
                       prompt_counts=client.prompt_counts.__getitem__)
 

@@ -29,11 +29,11 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, cast
 
 from flexmarl.runtime import collector
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.aio import supervise
+from flexmarl.runtime.aio import StallWatch, supervise
 from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, load_config
 from flexmarl.runtime.eventlog import EventLog
@@ -79,6 +79,7 @@ class Experiment:
         self.events: EventLog | None = None
         self.training: TrainingRun | None = None  # while train() runs
         self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
+        self.stall_watch = StallWatch("controller")  # a loop held over a second is logged with what held it
 
     def emit(self, event: ev.Event) -> None:
         # Once a write failed, the log's task stops the run with that error; what is emitted
@@ -140,8 +141,11 @@ class Experiment:
         write_text_atomically(self.run_dir / "controller.address", address + "\n")
         if self.config.run.event_log:
             self.events = EventLog(self.run_dir / "events.log", append=point is not None)
+            if point is not None:
+                self._record_damage(self.events, point.step)
         self._gc_thresholds = gc.get_threshold()  # restored by _teardown, which every exit from here runs
         gc.set_threshold(*GC_THRESHOLDS)
+        self.stall_watch.start()
         self._tasks = [asyncio.create_task(self.server.serve(), name="receive"),
                        asyncio.create_task(self.server.heartbeat(), name="heartbeat")]
         if self.events is not None:
@@ -170,6 +174,31 @@ class Experiment:
         self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
                                     flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point,
                                     restarting=self.restarting)
+
+    def _record_damage(self, written: EventLog, step: int) -> None:
+        """A resumed run records what damage to its log cost (each as EventsLost, before its
+        RunResumed): the damaged stretches the log keeps and reads past, and a tail lost
+        before the checkpoint of `step` it resumes from. Replay then leaves out the batches
+        they split and judges the rest; a torn tail after the checkpoint (a crash) is not
+        damage: the resume undoes what it held anyway."""
+        recorded = {e.first_seq for e in written.intact
+                    if type(e) is ev.EventsLost and e.seq != e.first_seq}  # by an earlier resume
+        for lost in written.lost:
+            if lost.first_seq in recorded:
+                continue
+            held = (f"events {lost.first_seq}-{lost.next_seq - 1}" if lost.next_seq > lost.first_seq else "no event")
+            self.emit(ev.EventsLost(lost.segment, lost.offset, lost.nbytes, lost.first_seq, lost.next_seq, lost.why))
+            log.warning("the event log is damaged at %s byte offset %d (%s): %s lost; the run goes on with every "
+                         "intact event before and after it, and replay leaves out the batches it split",
+                         lost.segment, lost.offset, lost.why, held)
+        if not _reaches(written.intact, step) and written.tail is not None:
+            segment, intact, size = written.tail
+            why = (f"the log ends at byte {intact} of {segment.name}, before the checkpoint of step {step} this run "
+                   f"resumes from")
+            self.emit(ev.EventsLost(str(segment), intact, size - intact, written.next_seq, -1, why))
+            log.warning("%s: what it held from there was lost (%d bytes torn); the run goes on from the "
+                         "checkpoint, and replay leaves out the batches the loss split", why, size - intact)
+        written.intact = []
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self._teardown()
@@ -248,6 +277,7 @@ class Experiment:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.stall_watch.stop()
         self.server.close()
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)
@@ -261,6 +291,19 @@ class Experiment:
         if self.launcher is not None:
             self.launcher.close()
             self.launcher = None
+
+
+def _reaches(events: list[ev.Event], step: int) -> bool:
+    """Whether the log holds every agent's step `step` (or a resume from it, or from later)."""
+    resumes = [i for i, e in enumerate(events) if type(e) is ev.RunResumed]
+    if resumes and cast(ev.RunResumed, events[resumes[-1]]).step >= step:
+        return True
+    start = next((e for e in events if type(e) is ev.RunStarted), None)
+    if start is None:
+        return not events  # a log of nothing: nothing lost (a run that stopped before it began)
+    since = events[resumes[-1]:] if resumes else events
+    stepped = {e.agent for e in since if type(e) is ev.OptimizerStep and e.version == step}
+    return set(start.agents) <= stepped
 
 
 def _default_run_dir() -> str:

@@ -3,11 +3,13 @@
 `tiny:AGENT` names one of the digit chain's built-in tiny models (digit_chain.TINY_MODELS);
 `tiny:JOB:AGENT` one of a user's job module's TINY_MODELS, JOB being a dotted module
 (`tiny:mypkg.models:solver`) or a .py file (`tiny:examples/review_chain/models.py:solver`;
-in a TOML relative to its folder, see config.resolve_paths). A cached build is found with the torch-free cache key;
-on a miss the model is built by `python -m flexmarl.workers.models` in a child process,
-under a time limit, so the controller never imports torch or the workers' code (the job
-module itself is imported here, to read its recipes: it must not import torch at the top).
-Anything else must be a Hugging Face model directory.
+in a TOML relative to its folder, see config.resolve_paths). A cached build is found in the
+machine's model cache (model_specs.default_model_cache) by its torch-free key; on a miss
+the model is built by `python -m flexmarl.workers.models` in a child process, under a time
+limit, so the controller never imports torch or the workers' code (the job module itself
+is imported here, to read its recipes: it must not import torch at the top). Anything else
+must be a Hugging Face model directory. `tensor_names` says what a model's weights are
+called without building it (a recipe knows its shape), for checking adapters' targets.
 
 This module knows nothing about how a model is built or what its vocabulary means.
 """
@@ -23,24 +25,23 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
-from flexmarl.runtime.model_specs import cached_model_dir, job_recipes
+from flexmarl.runtime.model_specs import JobModel, default_model_cache, job_models
 from flexmarl.runtime.progress_file import PROGRESS_FILE_ENV, read_progress
 
 from ..tasks import digit_chain
-
-# Where built tiny models are cached: FLEXMARL_MODEL_CACHE, else .cache/models under the
-# working directory.
-CACHE_ENV = "FLEXMARL_MODEL_CACHE"
-
+from .lora_targets import model_tensor_names
 
 def model_cache() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or ".cache/models")
+    """Where built tiny models are cached: FLEXMARL_MODEL_CACHE, else the machine's per-user
+    cache directory (~/.cache/flexmarl/models on Linux)."""
+    return default_model_cache()
 
 
 TINY_PREFIX = "tiny:"
-# Building the largest built-in model, warm-up included, takes a minute or two on a busy
-# 2-core machine; far beyond that the builder is stuck, not slow.
-BUILD_TIMEOUT_S = 1200.0
+# The largest model the shipped jobs build (a team's base, warm-up included) takes 3-4
+# minutes on a 2-core machine and took 11 under heavy load; a second run asking for the
+# same model waits for the first one's build. Far beyond that the builder is stuck.
+BUILD_TIMEOUT_S = 3600.0
 # Lines of the builder's output quoted when it fails.
 OUTPUT_TAIL_LINES = 20
 
@@ -62,7 +63,7 @@ def resolve_model(name: str, cache_root: Path | None = None,
     cache_root = model_cache() if cache_root is None else cache_root
     if name.startswith(TINY_PREFIX):
         job, agent = tiny_model_name(name)
-        cached = cached_model_dir(_recipe(name, job, agent), Path(cache_root))
+        cached = _job_model(name, job, agent).cached(cache_root)
         if cached is not None:
             return str(cached)
         with (on_build or _no_display)(name) as display:
@@ -79,9 +80,18 @@ def check_model(name: str) -> None:
     """Raises what `resolve_model` would for a name that names no model, without
     building anything: a config's models are checked before any worker starts."""
     if name.startswith(TINY_PREFIX):
-        _recipe(name, *tiny_model_name(name))
+        _job_model(name, *tiny_model_name(name))
     else:
         _model_dir(name)
+
+
+def tensor_names(name: str) -> list[str] | None:
+    """The names of a model's weights without building or loading it: a recipe's from its
+    shape, a directory's from its safetensors headers; None when they cannot be known
+    (weights in another format)."""
+    if name.startswith(TINY_PREFIX):
+        return _job_model(name, *tiny_model_name(name)).recipe.spec.tensor_names()
+    return model_tensor_names(_model_dir(name))
 
 
 def _model_dir(name: str) -> Path:
@@ -105,9 +115,9 @@ def tiny_model_name(name: str) -> tuple[str, str]:
     return job, agent
 
 
-def _recipe(name: str, job: str, agent: str):
+def _job_model(name: str, job: str, agent: str) -> JobModel:
     try:
-        recipes = job_recipes(job)
+        recipes = job_models(job)
     except (ImportError, OSError, ValueError) as exc:
         raise ModelBuildError(f"model {name!r}: the job module {job!r} could not be read: "
                               f"{type(exc).__name__}: {exc}") from None

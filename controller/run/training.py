@@ -112,8 +112,8 @@ class TrainingRun:
         self.worker_ids = worker_ids  # the registered workers of a role, at set-up
         self.resume = resume
         self.demand = demand
-        self.parts: Components = build(cfg, resolve(cfg), Given(server, self.run_dir, emit, flush_events, resume,
-                                                                 restarting))
+        self.parts: Components = build(cfg, resolve(cfg, self.run_dir),
+                                       Given(server, self.run_dir, emit, flush_events, resume, restarting))
         self.started = self.wall_s = 0.0
         self.busy: dict[str, float] = {}  # worker -> busy fraction of the training wall time, once run
         self._loads_at_start: dict[str, float] = {}
@@ -191,7 +191,7 @@ class TrainingRun:
         engines started, the agents' training states initialised and the environment
         workers' pools started (a worker that cannot import the workflow's module stops the
         run here, in one line)."""
-        parts, agents = self.parts, list(self.cfg.agents)
+        parts, agents = self.parts, parts_trained(self.parts)
         for trainer in self.worker_ids("trainer"):
             parts.allocator.trainer_joined(trainer)
         if self.resume is not None:
@@ -231,7 +231,7 @@ class TrainingRun:
         return decisions.place_agents(list(units), workers, weight)
 
     async def _init_agents(self) -> None:
-        for agent in self.cfg.agents:  # in order: with limited capacity, later ones park earlier ones
+        for agent in parts_trained(self.parts):  # in order: with limited capacity, later ones park earlier ones
             await self.parts.allocator.acquire(agent)
             self.parts.allocator.release(agent)
 
@@ -249,6 +249,8 @@ class TrainingRun:
             if lost:
                 log.warning("trainer %s died holding %s; each is restored from its last saved state and "
                             "trained again from there", info.worker_id, ", ".join(lost))
+            for agent in lost:  # a pipeline waiting for samples restores its agent at once
+                self.parts.schedule.work_arrived(agent)
 
     # ------------------------------------------------------------ measurements
 
@@ -268,6 +270,11 @@ class TrainingRun:
         end = await self._worker_loads()
         return {w: round((end[w] - self._loads_at_start.get(w, 0.0)) / self.wall_s, 3)
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
+
+
+def parts_trained(parts: Components) -> list[str]:
+    """The agents that train (a frozen agent has no training state), in config order."""
+    return list(parts.pipelines)
 
 
 def whole_model_message(cfg: ExperimentConfig, agent: str, request_id: int, path: str,

@@ -19,9 +19,18 @@ key from another run names nothing.
 
 Every error is the OpenAI shape, `{"error": {"message", "type", "param", "code"}}`: a key
 of no live episode is 401, an unknown model 404 (naming the agents), a bad field 400
-(naming it), a body too large 413; the call's own failure (a prompt the engine refuses)
-is 400 and fails only that call. A request is checked whole before any engine sees it,
-and nothing a request does stops the run. `stream: true` is answered as server-sent
+(naming it: `n` below 1 or above `openai.max_n`, an empty prompt, JSON nested too deep), a
+body too large 413 (refused before it is read whole), a prompt longer than the agent's
+context or `openai.max_request_tokens` 400; the call's own failure (a prompt the engine
+refuses) is 400 and fails only that call; an agent with no instance serving right now is
+503. A request is checked whole before any engine sees it, and nothing a request does
+stops the run. No answer carries a file path or an exception's text: a failure of ours is
+a 500 that says so, with the error in the server's log.
+
+Nothing proportional to a request's size runs on the event loop, which the controller's
+heartbeats share: a large body is parsed and validated in a thread, and a prompt's size is
+checked against what the agent can take before it is rendered or tokenized (large text is
+tokenized in a thread: episodes/tokens.py). `stream: true` is answered as server-sent
 events: the reply arrives whole (the engines return whole turns), in one chunk per
 choice, then `[DONE]`.
 
@@ -41,6 +50,7 @@ import socket
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 from flexmarl.runtime.config import ConfigError, OpenAIConfig
+from flexmarl.runtime.protocol import shorten as protocol_shorten
 from flexmarl.runtime.transport import listen_key
 
 from .openai_turns import CallError, OpenAITurns
@@ -52,7 +62,9 @@ log = logging.getLogger("flexmarl.openai")
 
 BRANCH_HEADER = "x-flexmarl-branch"  # the calling task's place in its episode (workflow.BRANCH)
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
-               413: "BadRequestError", 500: "InternalServerError"}
+               413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+# A body larger than this (bytes) is parsed and validated in a thread, off the event loop.
+OFF_LOOP_BYTES = 64 * 1024
 
 
 def endpoint_key(cfg: OpenAIConfig) -> str:
@@ -100,7 +112,7 @@ class OpenAIEndpoint:
     def __init__(self, cfg: OpenAIConfig, agents: dict[str, str], parsers: dict[str, str] | None = None,
                  serving: Callable[[], OpenAITurns] | None = None) -> None:
         self.cfg = cfg
-        self.agents = agents  # agent -> where its model is (shown in /v1/models)
+        self.agents = agents  # agent -> where its model is (for the log: never in an answer)
         configured = endpoint_key(cfg)
         self.key = configured or f"fx{secrets.token_hex(12)}"
         # `flexmarl serve`: a fresh session per call, for the endpoint's key alone (or any
@@ -130,6 +142,9 @@ class OpenAIEndpoint:
         key = (authorization or "").removeprefix("Bearer ").strip()
         if self.serving is not None and (key == self.key or not self.key_required):
             return self.serving()
+        if self.serving is not None:
+            raise CallError(401, f"this API key is not the server's: use the key in the environment variable "
+                                 f"{self.cfg.key_env} (openai.key_env) that the server was started with")
         session = self.sessions.get(key)
         if session is None:
             raise CallError(401, "no live episode has this API key: use the episode's ctx.openai_api_key (or "
@@ -181,10 +196,26 @@ class OpenAIEndpoint:
         from starlette.routing import Route
 
         async def route(request: Any) -> Any:
-            reply = await self.handle(request.method, request.url.path, request.headers, await request.body())
+            raw = await self._read(request)
+            reply = _error(raw) if isinstance(raw, CallError) else \
+                await self.handle(request.method, request.url.path, request.headers, raw)
             return Response(reply.content, status_code=reply.status, media_type=reply.media_type)
 
         return Starlette(routes=[Route(path, route, methods=[method]) for path, (method, _) in self.routes.items()])
+
+    async def _read(self, request: Any) -> bytes | CallError:
+        """The body, or the 413 of one larger than `max_request_bytes`, refused as soon as
+        its declared length or the bytes read so far say so (never read whole)."""
+        cap = self.cfg.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            return _too_large(f"the request body ({declared} bytes)", cap)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cap:
+                return _too_large("the request body", cap)
+        return bytes(body)
 
     def transport(self) -> Any:
         """An HTTP transport that hands each request to `handle` in the calling task: the
@@ -232,61 +263,104 @@ class OpenAIEndpoint:
             self._session(headers.get("authorization"))
         except CallError as exc:
             return _error(exc)
-        cards = [ModelCard(id=agent, owned_by="flexmarl", root=path) for agent, path in self.agents.items()]
+        cards = [ModelCard(id=agent, owned_by="flexmarl") for agent in self.agents]
         return _json(ModelList(data=cards))
 
     async def _call(self, headers: Any, raw: bytes, model: type[pydantic.BaseModel], method: str) -> Reply:
-        from ..episodes.workflow import BRANCH
+        from ..episodes.workflow import BRANCH, PROMPT_CAP
 
         try:
             session = self._session(headers.get("authorization"))
-            call = self._parse(model, self._body(headers, raw))
+            call = await self._request(model, headers, raw)
             branch = headers.get(BRANCH_HEADER, "")
             BRANCH.set(tuple(int(i) for i in branch.split(".")) if branch.replace(".", "").isdigit() else ())
-            response = await getattr(session, method)(call)
+            cap = PROMPT_CAP.set(self.cfg.max_request_tokens)
+            try:
+                response = await getattr(session, method)(call)
+            finally:
+                PROMPT_CAP.reset(cap)
         except CallError as exc:
             log.info("refused a call to %s: %s", method, exc.message)
             return _error(exc)
         except Exception as exc:  # never the run's failure: this call's alone
-            log.exception("a call to %s failed", method)
-            return _error(CallError(500, f"{type(exc).__name__}: {exc}"))
+            unavailable = _unavailable(exc)
+            if unavailable is not None:
+                log.warning("a call to %s found no instance: %s", method, exc)
+                return _error(unavailable)
+            log.error("a call to %s failed: %s", method, protocol_shorten(repr(exc)))
+            log.debug("the failed call's traceback", exc_info=True)
+            return _error(CallError(500, "the server failed to answer this call; its log says why"))
         if call.stream:
             return _stream(response, bool(call.stream_options and call.stream_options.include_usage))
         return _json(response)
 
-    def _body(self, headers: Any, raw: bytes) -> dict:
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.cfg.max_request_bytes:
-            raise CallError(413, f"the request body ({declared} bytes) is larger than openai.max_request_bytes "
-                                 f"({self.cfg.max_request_bytes})")
+    async def _request(self, model: type[pydantic.BaseModel], headers: Any, raw: bytes) -> Any:
+        """The body parsed and validated as `model`: in a thread when it is large."""
         if len(raw) > self.cfg.max_request_bytes:
-            raise CallError(413, f"the request body is larger than openai.max_request_bytes ({self.cfg.max_request_bytes})")
+            raise _too_large("the request body", self.cfg.max_request_bytes)
+        if len(raw) <= OFF_LOOP_BYTES:
+            call = self._parse(model, raw)
+        else:
+            call = await asyncio.to_thread(self._parse, model, raw)
+        self._check_n(call)
+        return call
+
+    def _parse(self, model: type[pydantic.BaseModel], raw: bytes) -> Any:
+        import pydantic
+        from vllm.exceptions import VLLMClientError
+
         try:
             body = json.loads(raw)
+        except RecursionError:
+            raise CallError(400, "the request body is nested too deeply") from None
         except ValueError as exc:
             raise CallError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise CallError(400, "the request body must be a JSON object")
-        return body
-
-    def _parse(self, model: type[pydantic.BaseModel], body: dict) -> Any:
-        import pydantic
-
         if not isinstance(body.get("model"), str) or body["model"] not in self.agents:
-            named = f"model {body.get('model')!r} is not an agent of this run" if "model" in body else "no model"
+            named = (f"model {protocol_shorten(repr(body.get('model')), 80)} is not an agent of this run"
+                     if "model" in body else "no model")
             status = 404 if isinstance(body.get("model"), str) else 400
             raise CallError(status, f"{named}: `model` names an agent, one of {', '.join(self.agents)}", "model")
         try:
             return model.model_validate(body)
         except pydantic.ValidationError as exc:
             raise _field_error(exc) from None
+        except RecursionError:
+            raise CallError(400, "the request body is nested too deeply") from None
+        except (ValueError, VLLMClientError) as exc:  # a check of vLLM's request model (an empty prompt, say)
+            raise CallError(400, protocol_shorten(str(exc), 300), getattr(exc, "parameter", None)) from None
+
+    def _check_n(self, call: Any) -> None:
+        if "n" not in call.model_fields_set or call.n is None:
+            return
+        if call.n < 1:
+            raise CallError(400, f"n must be at least 1 (got {call.n})", "n")
+        if call.n > self.cfg.max_n:
+            raise CallError(400, f"n = {call.n} is more samples than one call may ask for here (openai.max_n = "
+                                 f"{self.cfg.max_n})", "n")
+
+
+def _too_large(what: str, cap: int) -> CallError:
+    return CallError(413, f"{what} is larger than openai.max_request_bytes ({cap})")
+
+
+def _unavailable(exc: Exception) -> CallError | None:
+    """The 503 of a call no instance could serve right now (its agent's instances died, or
+    none is left), or None for any other failure."""
+    from ..control.server import WorkerDied
+    from ..rollout.router import NoInstance
+
+    if isinstance(exc, (WorkerDied, NoInstance)):
+        return CallError(503, "no instance of the agent could serve this call right now; try again later")
+    return None
 
 
 def _field_error(exc: Any) -> CallError:
     first = exc.errors()[0]
     error = (first.get("ctx") or {}).get("error")
     param = getattr(error, "parameter", None) or _param(first.get("loc", ()))
-    message = str(error) if error is not None else first.get("msg", "invalid")
+    message = protocol_shorten(str(error) if error is not None else first.get("msg", "invalid"), 300)
     return CallError(400, f"{param}: {message}" if param else message, param or None)
 
 

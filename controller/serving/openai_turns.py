@@ -236,6 +236,8 @@ class OpenAITurns:
 
         check_supported(request)
         agent = request.model
+        if not request.messages:
+            raise CallError(400, "messages is empty: a chat call needs at least one message", "messages")
         messages = [plain_message(m, i) for i, m in enumerate(request.messages)]
         said = [canonical(m) for m in messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
@@ -276,8 +278,14 @@ class OpenAITurns:
 
         check_supported(request)
         agent, tok = request.model, self.ctx.tokenizer(request.model)
-        prompt_ids = self._prompt_ids(request, tok)
         sampling = sampling_of(request)
+        prompt = self._prompt_ids(request, tok)
+        if isinstance(prompt, str):  # checked for size before it is tokenized (in a thread when large)
+            text = prompt
+            prompt_ids = await self._turn(tok.sized(len(text), self.ctx.prompt_room(agent, sampling),
+                                                    lambda: tok.encode(text)))
+        else:
+            prompt_ids = prompt
         held = next((t for t in self.texts if t[0] == agent and len(t[2]) < len(prompt_ids)
                      and prompt_ids[:len(t[2])] == t[2] and _open(t[1])), None)
         if held is not None:
@@ -340,12 +348,14 @@ class OpenAITurns:
         self.completions[cid] = samples
         return cid
 
-    def _prompt_ids(self, request: Any, tok: Any) -> list[int]:
+    def _prompt_ids(self, request: Any, tok: Any) -> str | list[int]:
         prompt = request.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
+        if isinstance(prompt, str) and not prompt:
+            raise CallError(400, "prompt is empty: the agent needs something to continue", "prompt")
         if isinstance(prompt, str):
-            return tok.encode(prompt)
+            return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
             return list(prompt)
         raise CallError(400, "prompt must be one text or one list of token ids (one prompt per call; use n for "

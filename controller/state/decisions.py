@@ -19,6 +19,7 @@ This module does not know about sockets, workers or asyncio.
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
@@ -32,6 +33,45 @@ def min_generation_version(batch: int, max_staleness: int) -> int:
 
 def may_generate(batch: int, rollout_version: int, max_staleness: int) -> bool:
     return rollout_version >= min_generation_version(batch, max_staleness)
+
+
+def snapshot_version(batch: int, every: int) -> int:
+    """The version of its source a snapshot refreshed every `every` steps plays at in
+    global batch `batch`: the last multiple of `every` its source had reached when the
+    batch started (sync mode: version batch - 1)."""
+    return (batch - 1) // every * every
+
+
+def may_play_snapshot(batch: int, snapshot_at: int, every: int, max_staleness: int) -> bool:
+    """A snapshot's turn in `batch` waits for its refresh, as any agent's turn waits at the
+    staleness gate: its weights at most `max_staleness` versions behind what it is due."""
+    return snapshot_at >= snapshot_version(batch, every) - max_staleness
+
+
+# Why dynamic sampling drops a complete group (DAPO's dynamic sampling).
+EQUAL_REWARDS = "dynamic sampling: every reward of the group equal (no advantage, no gradient)"
+SURPLUS = "dynamic sampling: the step already has its groups"
+
+
+def dynamic_drop(rewards: list[float], kept: int, target: int | None) -> str:
+    """Why dynamic sampling drops a group that just became complete ("": it is kept):
+    its rewards all equal (its advantages are all 0), or, once the batch knows how many
+    groups it should train (`target`: the agent's groups of the batch's regular episodes)
+    and has `kept` of them, a group beyond that from an extra episode."""
+    if max(rewards) == min(rewards):
+        return EQUAL_REWARDS
+    if target is not None and kept >= target:
+        return SURPLUS
+    return ""
+
+
+def extra_episodes(missing: dict[str, int], per_episode: dict[str, float], drawn: int, bound: int) -> int:
+    """How many more episodes a batch draws so that each dynamic-sampling agent gets back
+    the groups it is `missing`: as many as would make them if none were dropped, from the
+    agent's groups per regular episode; never past `bound` episodes in all (`drawn` so far).
+    0 when nothing is missing, or when the bound is reached."""
+    want = max((math.ceil(n / per_episode[a]) for a, n in missing.items() if n > 0 and per_episode[a] > 0), default=0)
+    return max(0, min(want, bound - drawn))
 
 
 def may_start_episode(batch: int, synced_versions: dict[str, int], overlap: bool) -> bool:

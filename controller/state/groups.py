@@ -10,8 +10,9 @@ Plain data: no sockets, no asyncio.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.keys import GroupKey
@@ -25,6 +26,14 @@ class GroupOutput:
     @property
     def n(self) -> int:
         return sum(len(result.lengths) for result, _ in self.parts)
+
+
+def scored(output: GroupOutput) -> tuple[list[float], int]:
+    """A scoring request's output (a group of one, `GenGroup.score_from`): the logprob of
+    each scored id, and the version that scored them."""
+    (result, _), = output.parts
+    logprobs = array.array(protocol.LOGPROB_TYPECODE, protocol.native(protocol.LOGPROB_TYPECODE, result.logprobs))
+    return cast(list[float], logprobs.tolist()), result.version
 
 
 def assemble(parts: Sequence[tuple[protocol.GroupResult, str]]) -> GroupOutput:

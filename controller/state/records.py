@@ -6,7 +6,9 @@ ids once, and every member's output in packed buffers that share per-member offs
 the sampler's logprob of each, the policy version that produced each, and (once a member
 took a later turn) a mask of which ids it generated. Beside them, per member: the version
 and sampling of its first turn, its later turns, the instance and finish reason of its last
-turn, its reward and, once trainable, its advantage. The group's status is its members'.
+turn, its reward and, once trainable, its advantage. A distilled agent's group gets its teacher's
+logprob of every output id once scored, one more column of the same offsets. The group's
+status is its members'.
 
 A reply is kept as it arrived: a part's packed arrays are the buffers (several parts are
 joined once, in member order). A later turn of member j makes new buffers with the turn's
@@ -38,6 +40,7 @@ from flexmarl.runtime.keys import GroupKey
 from .groups import GroupOutput
 
 PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
+SERVED = "served"  # a frozen agent's: generated, never to be trained
 
 TOKEN, LOGPROB = protocol.TOKEN_TYPECODE, protocol.LOGPROB_TYPECODE
 # A member whose first turn has not come back yet (its version, until then).
@@ -83,6 +86,8 @@ class GroupRecord(msgspec.Struct, gc=False):
     logprobs: bytes = b""  # LOGPROB per token; 0.0 for ids appended between turns
     versions: bytes = b""  # TOKEN per token: the policy version that produced it (appended ids: their turn's)
     mask: bytes | None = None  # int8 per token: 1 generated (trained), 0 appended; None: all generated
+    # On-policy distillation: LOGPROB per token, the teacher's (once scored; None: not yet, or no teacher).
+    teacher_logprobs: bytes | None = None
     offsets: array.array = msgspec.field(default_factory=lambda: array.array("q"))  # n + 1 once outputs arrive
     first: array.array = msgspec.field(default_factory=lambda: array.array("i"))  # per member: its first turn's version
     sampling: TurnSampling = DEFAULT_SAMPLING  # the members' first turn
@@ -207,6 +212,23 @@ class GroupRecord(msgspec.Struct, gc=False):
         self.finish_reasons[member] = (result.finish_reasons or [""])[0]
         self.served_by[member] = worker
 
+    def sequence(self, member: int) -> tuple[list[int], int]:
+        """The member's prompt and output ids, one list, and where its output begins (what a teacher scores)."""
+        prompt = _ids(self.prompt)
+        a, b = self.span(member)
+        return prompt.tolist() + _ids(self.tokens)[a:b].tolist(), len(prompt)
+
+    def record_teacher(self, logprobs: Sequence[Sequence[float]]) -> None:
+        """Every member's teacher logprobs (one per output id, member order), one column
+        beside the sampler's."""
+        if len(logprobs) != self.n:
+            raise ValueError(f"group {self.key}: teacher logprobs for {len(logprobs)} of its {self.n} members")
+        for j, lps in enumerate(logprobs):
+            a, b = self.span(j)
+            if len(lps) != b - a:
+                raise ValueError(f"{self.key.sample(j)}: {len(lps)} teacher logprobs for {b - a} output ids")
+        self.teacher_logprobs = b"".join(array.array(LOGPROB, lps).tobytes() for lps in logprobs)
+
     def annotate(self, member: int, text: str, messages: list[dict] | None) -> None:
         if self.texts is None:
             self.texts = [""] * self.n
@@ -232,7 +254,8 @@ class GroupRecord(msgspec.Struct, gc=False):
         return protocol.TrainGroup(
             self.key, protocol.native(TOKEN, self.prompt), lengths, protocol.native(TOKEN, self.tokens),
             protocol.native(LOGPROB, self.logprobs), self.advantages.tolist(), self.oldest(),
-            s.temperature, s.top_p, s.top_k, self.mask or b"", turns)
+            s.temperature, s.top_p, s.top_k, self.mask or b"", turns,
+            protocol.native(LOGPROB, self.teacher_logprobs) if self.teacher_logprobs is not None else b"")
 
 
 class SampleView(msgspec.Struct, frozen=True, gc=False):

@@ -6,9 +6,12 @@ started and ended, how many agents have stepped it, when the last one synced).
 version from `SyncedVersions` (versions.py), which it does not write:
 - the episode producer waits in `wait_to_start(batch)` (sync mode: until every agent's
   weights are at batch - 1; async mode: never) and reports `episode_ended(batch)` (a
-  failed one with why: counted, the first kept for the error that stops the run);
+  failed one with why: counted, the first kept for the error that stops the run); with
+  dynamic sampling it holds a batch's rollout open (`hold`) until it has drawn the extra
+  episodes the batch needs (`add_episodes`, `settled`) and `release`s it;
 - every turn of an episode waits at `gate(agent, batch)` until the agent's rollout weights
-  are within the staleness bound for the batch;
+  are within the staleness bound for the batch (a snapshot's: until its refresh due before
+  the batch, within the same bound; a frozen agent's never wait);
 - each agent's pipeline waits in `wait_for_work(agent)`, woken by `work_arrived(agent)`
   (a group became trainable) or by any batch's rollout ending, and reports
   `agent_stepped(batch)`;
@@ -44,6 +47,11 @@ class BatchProgress:
     trained: float | None = None  # every agent stepped and synced it
     episodes_failed: int = 0
     first_failure: str = ""  # the first failed episode's reason and the user's traceback
+    # Dynamic sampling: the batch's rollout stays open while a top-up holds it (`hold`),
+    # which may add extra episodes; `settled` is set whenever no episode of it is running.
+    held: int = 0
+    extra_episodes: int = 0
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def rollout_s(self) -> float:
@@ -57,8 +65,11 @@ class BatchProgress:
 class BatchSchedule:
     def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
                  max_staleness: int, versions: SyncedVersions | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.agents = list(agents)
+                 clock: Callable[[], float] = time.monotonic, snapshots: dict[str, int] | None = None) -> None:
+        self.agents = list(agents)  # the trained agents: each steps every batch
+        # Snapshot agents and their refresh intervals: their turns wait for their refresh.
+        # Any other agent not in `agents` is frozen: no gate.
+        self.snapshots = dict(snapshots or {})
         self.steps = steps
         self.overlap = overlap
         self.max_staleness = max_staleness
@@ -84,7 +95,7 @@ class BatchSchedule:
     # -- the episode producer and the gate
 
     async def wait_to_start(self, batch: int) -> None:
-        while not decisions.may_start_episode(batch, self.versions.as_dict(), self.overlap):
+        while not decisions.may_start_episode(batch, {a: self.versions[a] for a in self.agents}, self.overlap):
             await self.versions.changed()
         progress = self.batches[batch]
         if progress.started is None:
@@ -98,12 +109,47 @@ class BatchSchedule:
             progress.episodes_failed += 1
             progress.first_failure = progress.first_failure or failure
         if progress.episodes_left == 0:
+            progress.settled.set()
+            self._complete_if_done(progress)
+
+    def _complete_if_done(self, progress: BatchProgress) -> None:
+        if progress.episodes_left == 0 and not progress.held and not progress.rollout_done.is_set():
             progress.rollout_end = self.clock()
             progress.rollout_done.set()
             for event in self._work.values():  # pipelines waiting for the batch's end
                 event.set()
 
+    # -- dynamic sampling's top-ups (the producer's)
+
+    def hold(self, batch: int) -> None:
+        """The batch's rollout stays open after its episodes end, until `release`."""
+        self.batches[batch].held += 1
+
+    def release(self, batch: int) -> None:
+        progress = self.batches[batch]
+        progress.held -= 1
+        self._complete_if_done(progress)
+
+    def add_episodes(self, batch: int, n: int) -> None:
+        """`n` extra episodes of a held batch are starting (each ends with `episode_ended`)."""
+        progress = self.batches[batch]
+        progress.episodes_left += n
+        progress.extra_episodes += n
+        if n:
+            progress.settled.clear()
+
+    async def settled(self, batch: int) -> None:
+        """Returns once no episode of `batch` is running."""
+        await self.batches[batch].settled.wait()
+
     async def gate(self, agent: str, batch: int) -> None:
+        every = self.snapshots.get(agent)
+        if every is not None:
+            while not decisions.may_play_snapshot(batch, self.versions[agent], every, self.max_staleness):
+                await self.versions.changed(agent)  # its refreshes only
+            return
+        if agent not in self.agents:  # frozen: its weights never change, nothing to wait for
+            return
         while not decisions.may_generate(batch, self.versions[agent], self.max_staleness):
             await self.versions.changed(agent)  # its own agent's syncs only
 

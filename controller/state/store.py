@@ -36,12 +36,12 @@ from flexmarl.runtime.keys import GroupKey
 from ..control.interfaces import Emit
 from . import decisions
 from .groups import GroupOutput
-from .records import (CONSUMED, DROPPED, NOT_YET, PENDING, READY, DuplicateResult, GroupRecord, SampleView,
-                      TurnSampling)
+from .records import (CONSUMED, DROPPED, NOT_YET, PENDING, READY, SERVED, DuplicateResult, GroupRecord,
+                      SampleView, TurnSampling)
 
 log = logging.getLogger("flexmarl.store")
 
-__all__ = ["CONSUMED", "DROPPED", "PENDING", "READY", "DuplicateResult", "ExperienceStore", "MicroBatch",
+__all__ = ["CONSUMED", "DROPPED", "PENDING", "READY", "SERVED", "DuplicateResult", "ExperienceStore", "MicroBatch",
            "SampleView", "TurnSampling", "group_advantages"]
 
 
@@ -79,10 +79,24 @@ class MicroBatch:
 
 class ExperienceStore:
     def __init__(self, agents: Iterable[str], emit: Emit | None = None,
-                 std_normalized: dict[str, bool] | None = None) -> None:
+                 std_normalized: dict[str, bool] | None = None, frozen: Iterable[str] = (),
+                 dynamic: Iterable[str] = (), teachers: dict[str, str] | None = None) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
         self._by_std = std_normalized or {}
+        # Agents that are served, never trained: their groups never become trainable; the
+        # episode serves them when it ends (`serve_groups`); told the key of each served.
+        self.frozen = frozenset(frozen)
+        self.on_served: list[Callable[[GroupKey], None]] = []
+        # Distilled agent -> its teacher: a group of it is trainable once scored too (`record_teacher`).
+        self._teachers = dict(teachers or {})
+        # Dynamic sampling (decisions.dynamic_drop): per (agent, batch) the groups opened and
+        # kept, and the batch's target once its regular episodes ended (`set_target`).
+        self.dynamic = frozenset(dynamic)
+        self._opened_of: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._kept: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._targets: dict[tuple[str, int], int] = {}
+        self._dynamic_drops: collections.Counter[tuple[str, int, str]] = collections.Counter()  # (agent, batch, why) -> groups
         self._groups: dict[GroupKey, GroupRecord] = {}
         self._ready: dict[str, dict[int, collections.deque[GroupRecord]]] = {a: {} for a in agents}
         # Told the key of each group that becomes trainable, as it does.
@@ -101,6 +115,7 @@ class ExperienceStore:
         if key in self._groups:
             raise DuplicateResult(f"group {key} already exists")
         self.emit(ev.GroupOpened(key, batch, n))
+        self._opened_of[(agent, batch)] += 1
         self._groups[key] = GroupRecord.opened(key, prompt_ids, n, batch)
         self._counts[(agent, "generated")] += n
 
@@ -169,9 +184,54 @@ class ExperienceStore:
                 for j in range(g.n)]
 
     def pending(self, keys: Iterable[GroupKey]) -> list[GroupKey]:
-        """Those of `keys` whose groups are not trainable yet (nor dropped)."""
+        """Those of `keys` whose groups are not trainable yet (nor dropped, nor served)."""
         groups = self._groups
         return [k for k in keys if k in groups and groups[k].status == PENDING]
+
+    # ---------------------------------------------------------------- teachers and frozen agents
+
+    def teacher_of(self, agent: str) -> str:
+        """The agent whose logprobs a distilled `agent` is trained towards ("": none)."""
+        return self._teachers.get(agent, "")
+
+    def to_score(self, keys: Iterable[GroupKey]) -> list[GroupKey]:
+        """Those of `keys` whose groups wait for their teacher's scores (a distilled agent's, pending)."""
+        groups, teachers = self._groups, self._teachers
+        return [k for k in keys if k.agent in teachers and k in groups and groups[k].status == PENDING
+                and groups[k].teacher_logprobs is None]
+
+    def sequences(self, key: GroupKey) -> list[tuple[list[int], int]]:
+        """Per member, what a teacher scores: its prompt and output ids, and where its output begins."""
+        group = self._group(key)
+        return [group.sequence(j) for j in range(group.n)]
+
+    def record_teacher(self, key: GroupKey, logprobs: Sequence[Sequence[float]], versions: list[int]) -> None:
+        """A distilled agent's group scored by its teacher: member j's teacher logprobs (one
+        per output id) from the teacher's policy version `versions[j]`; the group becomes
+        trainable now if every member has its reward."""
+        group = self._group(key)
+        if group.status != PENDING:
+            return  # dropped meanwhile (its episode failed)
+        group.record_teacher(logprobs)
+        self.emit(ev.TeacherScored(key, group.batch, self._teachers.get(group.agent, ""), list(versions)))
+        if group.rewarded == group.n:
+            self._maybe_ready(group)
+
+    def serve_groups(self, keys: Iterable[GroupKey]) -> None:
+        """Those of `keys` that are a frozen agent's groups, their episode ended: generated,
+        never to be trained (their rewards, if the workflow gave any, recorded with them);
+        then let go."""
+        for key in keys:
+            group = self._groups.get(key)
+            if (group is None or group.agent not in self.frozen or group.status != PENDING
+                    or NOT_YET in group.first):
+                continue
+            self.emit(ev.GroupServed(key, group.n, [r for r in group.rewards if r == r]))
+            group.status = SERVED
+            self._counts[(group.agent, SERVED)] += group.n
+            for listener in self.on_served:
+                listener(key)
+            del self._groups[key]
 
     def set_reward(self, key: GroupKey, member: int, reward: float) -> None:
         group = self._group(key)
@@ -222,10 +282,21 @@ class ExperienceStore:
         if group.status != PENDING or NOT_YET in group.first:  # a member without its first turn
             return
         agent, batch = group.agent, group.batch
+        if agent in self.frozen:  # a frozen agent's: served at its episode's end
+            return
+        if agent in self._teachers and group.teacher_logprobs is None and not group.size:
+            return  # not scored by its teacher yet (a re-drive's groups keep no outputs to score)
         rewards = group.rewards.tolist()
         if not group.size:  # set beforehand only where the outputs are not kept (a re-drive)
             group.size = len(group.prompt) // 4 + group.offsets[-1]
         self.emit(ev.GroupComplete(group.key, rewards, group.size))  # the event keeps the list
+        if agent in self.dynamic:
+            why = decisions.dynamic_drop(rewards, self._kept[(agent, batch)], self._targets.get((agent, batch)))
+            if why:
+                self._dynamic_drops[(agent, batch, why)] += 1
+                self.drop_group(group.key, why)
+                return
+            self._kept[(agent, batch)] += 1
         group.advantages = array.array("d", group_advantages(rewards, by_std=self._by_std.get(agent, True)))
         group.status, group.ready_seq = READY, next(self._ready_seq)
         queues = self._ready[agent]
@@ -243,6 +314,24 @@ class ExperienceStore:
         if group is None:
             raise KeyError(f"unknown group {key}")
         return group
+
+    # ---------------------------------------------------------------- dynamic sampling
+
+    def groups_opened(self, agent: str, batch: int) -> int:
+        return self._opened_of[(agent, batch)]
+
+    def groups_kept(self, agent: str, batch: int) -> int:
+        """A dynamic-sampling agent's groups of `batch` that became trainable."""
+        return self._kept[(agent, batch)]
+
+    def dynamic_dropped(self, agent: str, batch: int, why: str) -> int:
+        """A dynamic-sampling agent's groups of `batch` dropped for `why` (decisions.EQUAL_REWARDS, SURPLUS)."""
+        return self._dynamic_drops[(agent, batch, why)]
+
+    def set_target(self, agent: str, batch: int, groups: int) -> None:
+        """The groups `agent` trains in `batch` (its regular episodes'): more from extra
+        episodes are surplus (`decisions.dynamic_drop`)."""
+        self._targets[(agent, batch)] = groups
 
     # ---------------------------------------------------------------- training side
 
@@ -315,7 +404,7 @@ class ExperienceStore:
         return key in self._groups
 
     def count(self, agent: str, what: str) -> int:
-        """How many of `agent`'s samples were "generated", "consumed" or "dropped" so far."""
+        """How many of `agent`'s samples were "generated", "consumed", "dropped" or "served" so far."""
         return self._counts[(agent, what)]
 
     def samples_past(self, batch: int) -> collections.Counter[str]:

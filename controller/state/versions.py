@@ -4,7 +4,8 @@ known to hold (or hold a newer one), the truth the staleness gate reads.
 `SyncedVersions` has two writers by design of the run's life, never at once: a resumed
 run sets every agent to the checkpoint's step before any loop starts (`resume_at`), and
 from then on only the weight sync moves an agent forward (`set`), once every instance of
-the agent loaded the new version. Readers (the schedule's gate and start rule, the
+the agent loaded the new version (a snapshot's version is its source's at its last
+refresh; a frozen agent's stays 0). Readers (the schedule's gate and start rule, the
 admission of an instance) read it; a waiter for one agent is woken by that agent's changes
 only (the staleness gate of each turn), a waiter for any by every change (the start rule).
 
@@ -33,11 +34,13 @@ class SyncedVersions:
         self._version[agent] = version
         self._wake([agent])
 
-    def resume_at(self, step: int) -> None:
-        """A run resumed from the checkpoint of `step`: every agent is at version `step`."""
-        for agent in self._version:
+    def resume_at(self, step: int, agents: list[str] | None = None) -> None:
+        """A run resumed from the checkpoint of `step`: every agent (of `agents`: the ones
+        whose weights follow the steps; a frozen agent stays at 0) is at version `step`."""
+        moved = list(self._version) if agents is None else agents
+        for agent in moved:
             self._version[agent] = step
-        self._wake(list(self._version))
+        self._wake(moved)
 
     async def changed(self, agent: str | None = None) -> None:
         """Returns after the next change of `agent`'s version (None: of any agent's)."""

@@ -153,10 +153,10 @@ class FakeEngine(FakeWorker):
         await self.reply(protocol.ModelLoaded(msg.request_id, msg.agent, msg.version, self.costs["load_s"]))
 
     async def _weights(self, msg: protocol.LoadWeights) -> None:
-        h = msg.handle
-        if msg.agent != self.agent or h.agent != msg.agent or h.version != msg.version:
-            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}; handle of {h.agent} "
-                                              f"v{h.version} for {msg.agent} v{msg.version}")
+        h = msg.handle  # a snapshot's is its source's: the version alone must match
+        if h is None or msg.agent != self.agent or h.version != msg.version:
+            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}; handle {h} for {msg.agent} "
+                                              f"v{msg.version}")
             return
         self.version = msg.version
         await self.reply(protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version, self.costs["load_s"]))
@@ -166,7 +166,7 @@ class FakeEngine(FakeWorker):
         if stranger is not None:
             await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}, not {stranger}")
             return
-        results = [protocol.GroupResult(
+        results = [_scored(g, self.version) if g.score_from >= 0 else protocol.GroupResult(
             g.key, g.first, self.version, [g.max_tokens] * g.n,
             protocol.packed(protocol.TOKEN_TYPECODE, [t for j in range(g.n) for t in fake_tokens(g.seed + j, g.max_tokens)]),
             protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * (g.n * g.max_tokens)), ["length"] * g.n, turn=g.turn)
@@ -364,5 +364,13 @@ async def wide_episode(ctx: Any) -> None:
 WORKFLOWS = {"chain": ("chain_episode", chain_agents), "wide": ("wide_episode", wide_agents)}
 
 
+def _scored(g: protocol.GenGroup, version: int) -> protocol.GroupResult:
+    """A scoring request's reply (a teacher's view of a member): -1.0 for each id scored."""
+    scored = g.prompt_ids[g.score_from:]
+    return protocol.GroupResult(g.key, g.first, version, [len(scored)], protocol.packed(protocol.TOKEN_TYPECODE, scored),
+                                protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * len(scored)), ["score"], turn=g.turn)
+
+
 if __name__ == "__main__":
     main()
+

@@ -55,15 +55,25 @@ max_tokens = 4
 '''
 
 # The workflow raises from step FAIL_FROM on (never when it is 0): the workflow-error fault.
+# Each episode first waits FAULT_SLEEP_S (an environment's latency: the pipeline idles,
+# waiting for samples, most of the time) and, with FAULT_KEY_FILE, writes its OpenAI API
+# key there (the large-request fault posts with it).
 FLOW = '''
+import asyncio
 import os
 
 FAIL_FROM = int(os.environ.get("FAULT_FAIL_FROM", "0"))
+SLEEP_S = float(os.environ.get("FAULT_SLEEP_S", "0"))
+KEY_FILE = os.environ.get("FAULT_KEY_FILE", "")
 
 
 async def episode(ctx):
     if FAIL_FROM and ctx.batch >= FAIL_FROM:
         raise RuntimeError(f"the workflow fails from step {FAIL_FROM} on")
+    if KEY_FILE:
+        with open(KEY_FILE, "a") as f:
+            f.write(ctx.openai_api_key + "\\n")
+    await asyncio.sleep(SLEEP_S)
     samples = await ctx.generate("writer", ctx.item["prompt"])
     for s in samples:
         ctx.reward(s, float(len(set(s.text.split()))))
@@ -83,10 +93,8 @@ def write_job(folder: Path, steps: int = 30, field_name: str = "prompt") -> Path
 
 
 def env(**extra: str) -> dict[str, str]:
-    # The tiny models are cached under the repository, whatever the working directory.
-    return dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                FLEXMARL_MODEL_CACHE=os.environ.get("FLEXMARL_MODEL_CACHE") or str(ROOT / ".cache" / "models"),
-                **extra)
+    # The tiny models are cached once per machine (or in FLEXMARL_MODEL_CACHE), whatever the working directory.
+    return dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **extra)
 
 
 class Controller:
@@ -198,11 +206,13 @@ class Outcome:
     stderr: str = ""
     resumed_from: list[int] = field(default_factory=list)  # the checkpoints each resume started from
     shm_left: int = 0  # shared-memory files and directories of the run's worker processes still there
+    left_out: list[int] = field(default_factory=list)  # batches damage to the event log split (replay leaves them out)
 
     def row(self) -> list[str]:
         return [self.fault, self.at, "finished" if self.finished else "stopped",
                 "/".join(map(str, self.codes)), ", ".join(map(str, self.resumed_from)) or "-", str(self.lost),
-                str(self.twice), self.check, str(self.tracebacks), str(self.shm_left), self.last_line]
+                str(self.twice), self.check, str(self.tracebacks), str(self.shm_left),
+                ", ".join(map(str, self.left_out)) or "-", self.last_line]
 
 
 UNEXPECTED = ("Traceback (most recent call last)", "never retrieved", "InvalidStateError")
@@ -222,8 +232,9 @@ def judge(outcome: Outcome, run_dir: Path, steps: int) -> Outcome:
     summary = replay.summarize(logged)
     totals = [r for r in summary.accounting if r.total]
     outcome.lost = sum(max(0, r.generated - r.trained - r.dropped - r.in_flight) for r in totals)
-    outcome.finished = {v for _, v in stepped} >= set(range(1, steps + 1)) and (run_dir / "checkpoints" /
-                                                                              "final").exists()
+    outcome.left_out = sorted(replay.lost_batches(counted))  # stepped, but the log lost what of them
+    outcome.finished = ({v for _, v in stepped} | set(outcome.left_out)) >= set(range(1, steps + 1)) and (
+        run_dir / "checkpoints" / "final").exists()
     outcome.check = "ok" if logged and replay.check(logged) is None else "FAILED" if logged else "-"
     text = (run_dir.parent / STDERR).read_text(errors="replace")
     outcome.tracebacks = sum(text.count(marker) for marker in UNEXPECTED)
@@ -249,8 +260,10 @@ def run_with(fault: str, work: Path, rng: random.Random, steps: int = 30) -> Out
     job = write_job(work / "job", steps, "question" if fault == "missing-field" else "prompt")
     run_dir = work / "run"
     outcome = Outcome(fault)
-    extra = {"FAULT_FAIL_FROM": str(rng.randint(2, steps - 1))} if fault == "workflow-error" else None
-    if extra:
+    flags, extra = JOB_SETTINGS.get(fault, ((), {}))
+    extra = {k: v.replace("WORK", str(work)) for k, v in extra.items()}
+    if fault == "workflow-error":
+        extra["FAULT_FAIL_FROM"] = str(rng.randint(2, steps - 1))
         outcome.at = f"step {extra['FAULT_FAIL_FROM']}"
     mount = work / "disk" if fault == "disk-full" else None
     if mount is not None:
@@ -258,7 +271,7 @@ def run_with(fault: str, work: Path, rng: random.Random, steps: int = 30) -> Out
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
         run_dir = mount / "run"
     try:
-        controller = start(job, run_dir, work / STDERR, extra_env=extra)
+        controller = start(job, run_dir, work / STDERR, *flags, extra_env=extra)
         if fault not in ("missing-field", "workflow-error"):
             wait_for(lambda: training_began(run_dir), controller, what="training began")
             began = time.monotonic()
@@ -273,6 +286,9 @@ def run_with(fault: str, work: Path, rng: random.Random, steps: int = 30) -> Out
                 raise RuntimeError(f"{fault}: the run had finished before the fault; give it more --steps")
             outcome.at = f"step {step + 1} ({time.monotonic() - began:.1f} s in)"
             replaced = INJECT[fault](controller, run_dir, work)
+            if isinstance(replaced, str):  # what the injection saw
+                outcome.at += f"; {replaced}"
+                replaced = None
             if replaced is not None:  # killed, and resumed by a new controller
                 outcome.codes.append(controller.proc.returncode)
                 controller = replaced
@@ -297,7 +313,7 @@ def _kill_worker(role: str, sig: int):
     return inject
 
 
-def _kill_controller(damage=None):
+def _kill_controller(damage=None, damage_log=None):
     def inject(controller: Controller, run_dir: Path, work: Path) -> Controller:
         orphans = workers(run_dir)
         controller.proc.kill()
@@ -306,8 +322,65 @@ def _kill_controller(damage=None):
         stop_orphans(orphans)
         if damage is not None:
             damage(checkpoints(run_dir)[0] / "writer")
+        if damage_log is not None:
+            damage_log(run_dir / "events.log")
         return resume(run_dir, work / STDERR)
     return inject
+
+
+def zero_middle(path: Path, nbytes: int = 64) -> None:
+    """`nbytes` zeroed halfway through the file: intact frames stay after them."""
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size // 2)
+        fh.write(bytes(nbytes))
+
+
+def halve(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+STALL_S = 20.0  # the controller stall: four times the job's heartbeat timeout
+
+
+def _stall_controller(controller: Controller, run_dir: Path, work: Path) -> None:
+    """SIGSTOP the controller for STALL_S: every worker finds it silent and leaves."""
+    controller.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(STALL_S)
+    finally:
+        controller.proc.send_signal(signal.SIGCONT)
+
+
+def _damage_state_then_kill_trainer(controller: Controller, run_dir: Path, work: Path) -> None:
+    """A flipped byte in the newest checkpoint's training state, then the trainer killed:
+    its agent is restored from a checkpoint during the run."""
+    flip_byte(checkpoints(run_dir)[0] / "writer" / "training_state.flexmarl")
+    signal_pid(workers(run_dir)["trainer-0"], signal.SIGKILL)
+
+
+LARGE_PROMPT_CHARS = 3 * 1024 * 1024  # "7 " each: 6 MiB of text, under the 8 MiB body cap
+
+
+def _large_request(controller: Controller, run_dir: Path, work: Path) -> str:
+    """A text completion of 6 MiB with a live episode's key, to the run's own endpoint."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    key = (work / "keys").read_text().split()[-1]
+    url = (run_dir / "openai.url").read_text().strip()
+    body = json.dumps({"model": "writer", "prompt": "7 " * LARGE_PROMPT_CHARS}).encode()
+    request = urllib.request.Request(f"{url}/completions", data=body, headers={
+        "authorization": f"Bearer {key}", "content-type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            status = answer.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (urllib.error.URLError, TimeoutError) as exc:
+        return f"no answer ({exc})"
+    return f"answered {status} in {time.monotonic() - t0:.1f} s"
 
 
 def _interrupt(controller: Controller, run_dir: Path, work: Path) -> None:
@@ -334,6 +407,11 @@ def _free_and_resume(run_dir: Path, work: Path) -> Controller:
 
 
 INJECT = {
+    "stall-controller": _stall_controller,
+    "zero-log": _kill_controller(damage_log=zero_middle),
+    "halve-log": _kill_controller(damage_log=halve),
+    "damage-state": _damage_state_then_kill_trainer,
+    "large-request": _large_request,
     "kill-rollout": _kill_worker("rollout", signal.SIGKILL),
     "stop-rollout": _kill_worker("rollout", signal.SIGSTOP),
     "kill-trainer": _kill_worker("trainer", signal.SIGKILL),
@@ -345,12 +423,22 @@ INJECT = {
     "workflow-error": None,
     "missing-field": None,
 }
-NEEDS_CHECKPOINTS = {"flip-weights": 2, "cut-state": 2, "disk-full": 1, "kill-controller": 1, "ctrl-c": 1}
+NEEDS_CHECKPOINTS = {"flip-weights": 2, "cut-state": 2, "disk-full": 1, "kill-controller": 1, "ctrl-c": 1,
+                     "zero-log": 2, "halve-log": 2, "damage-state": 2}
+# Faults that need the job otherwise: flags to `flexmarl run`, environment (WORK: the fault's folder).
+# The stall: sync mode, episodes that wait (the pipeline idles, waiting for samples, when the
+# trainer dies with the stall); the damaged state likewise (the damaged checkpoint stays the
+# newest until the trainer is killed). The large request: the run's endpoint, each episode's key written.
+JOB_SETTINGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "stall-controller": (("--mode", "sync"), {"FAULT_SLEEP_S": "1.5"}),
+    "damage-state": (("--mode", "sync"), {"FAULT_SLEEP_S": "1.5"}),  # the trainer dies before the next checkpoint
+    "large-request": (("--set", "openai.enabled=true"), {"FAULT_KEY_FILE": "WORK/keys", "FAULT_SLEEP_S": "0.5"}),
+}
 AFTER = {"ctrl-c": lambda run_dir, work: resume(run_dir, work / STDERR), "disk-full": _free_and_resume}
 
 
 def table(outcomes: list[Outcome]) -> str:
     head = ["fault", "injected at", "outcome", "exit codes", "resumed from step", "lost", "trained twice",
-            "replay --check", "tracebacks", "shm left", "last line of stderr"]
+            "replay --check", "tracebacks", "shm left", "left out (log damage)", "last line of stderr"]
     rows = [head, ["---"] * len(head)] + [o.row() for o in outcomes]
     return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows)

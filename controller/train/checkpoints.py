@@ -6,6 +6,8 @@ Layout of RUN_DIR/checkpoints/::
     step-000010/                  one consistent cut: every agent at version 10
         controller.json           the controller's state at the cut (see `controller_state`)
         AGENT/                    Hugging Face weights: config.json, model.safetensors, tokenizer
+                              (trained agents only: a frozen one is named in controller.json's
+                              "frozen" by its model, or its source agent and version)
             training_state.flexmarl   weights, optimizer state, version (a parameter-channel
                                       disk file, which any trainer can load)
         manifest.sha256           the SHA-256 of every file above, written last
@@ -186,10 +188,12 @@ def verified(path: Path, step: int) -> ResumePoint:
 
 
 def resume_point(run_dir: str | Path, step: int | None = None,
-                 warn: Callable[[str], None] = log.warning) -> ResumePoint | None:
+                 warn: Callable[[str], None] = log.warning, use: tuple[str, str] = ("resumed from", "resuming from")
+                 ) -> ResumePoint | None:
     """The checkpoint a resume starts from, checked against its manifest: the one of `step`
     (an error naming the damaged file if it fails the check), or the newest intact one,
-    each damaged newer one named through `warn` and passed over. None: no checkpoint."""
+    each damaged newer one named through `warn` and passed over. None: no checkpoint.
+    `use` says what is done with it, for those lines ("served", "serving")."""
     candidates = checkpoint_dirs(run_dir)
     if step is not None:
         chosen = [(s, p) for s, p in candidates if s == step]
@@ -208,14 +212,14 @@ def resume_point(run_dir: str | Path, step: int | None = None,
             point = verified(path, s)
         except DamagedFile as exc:
             damaged.append(f"step {s}: {exc}")
-            warn(f"the checkpoint of step {s} is damaged and is not resumed from: {exc}")
+            warn(f"the checkpoint of step {s} is damaged and is not {use[0]}: {exc}")
             continue
         if damaged:
-            warn(f"resuming from the checkpoint of step {s} instead, the newest intact one")
+            warn(f"{use[1]} the checkpoint of step {s} instead, the newest intact one")
         return point
     if damaged:
         raise CheckpointError(f"every checkpoint of {run_dir} is damaged ({'; '.join(damaged)}); the run "
-                              "cannot be resumed")
+                              f"cannot be {use[0].split()[0]}")
     return None
 
 
@@ -240,17 +244,20 @@ def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
 
 
 def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], store_after_cut: dict[str, int],
-                     dataset: Any, next_episode: int) -> dict[str, Any]:
+                     dataset: Any, next_episode: int, versions: Any = None) -> dict[str, Any]:
     """What the controller adds to a checkpoint of `step`: enough to continue the run from
     it and to say where it stood. Episodes draw their randomness from seeds made of
     (run.seed, batch, episode), so the seed and the step are the random state; the
     settings exactness depends on are recorded for the resume to compare.
     `store_after_cut`: samples of later batches the store held per agent (a resumed run
     makes them again); `dataset`: the training data, or None; `next_episode`: the number
-    of the first episode after the cut."""
+    of the first episode after the cut; `versions`: the synced versions (a snapshot's).
+    Frozen agents are named by their source, never copied (`frozen_sources`)."""
+    frozen = frozen_sources(cfg, versions)
     state = {"steps": cfg.run.steps,
              **{key: value for key, (_, value) in exactness_settings(cfg, dataset).items()},
-             "versions": {a: step for a in cfg.agents},
+             "versions": {a: step for a in cfg.agents if a not in frozen},
+             "frozen": frozen,
              "episodes_done": next_episode,
              "rollout_assignment": {a: list(ws) for a, ws in assignment.items()},
              "store_after_cut": dict(store_after_cut),
@@ -260,6 +267,22 @@ def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], stor
         position = dataset.position(next_episode)
         state["data"].update(epoch=position.epoch, next_row=position.index)
     return state
+
+
+def frozen_sources(cfg: Any, versions: Any = None) -> dict[str, dict[str, Any]]:
+    """What each frozen agent's weights are, named instead of copied into a checkpoint:
+    its model, its base and adapter directory, or the agent a snapshot copies and at
+    which version (`versions`, the synced ones; a resumed run's snapshot is loaded from
+    its source's weights at the resumed step)."""
+    sources: dict[str, dict[str, Any]] = {}
+    for name, agent in cfg.agents.items():
+        if agent.snapshot_of:
+            sources[name] = {"snapshot_of": agent.snapshot_of, "every": agent.snapshot_every,
+                             "version": versions[name] if versions is not None else None}
+        elif not agent.train:
+            sources[name] = ({"base": cfg.bases[agent.base].model, "adapter": agent.adapter} if agent.base
+                             else {"model": agent.model})
+    return sources
 
 
 def resume_placement(resume: ResumePoint | None, units: Any, workers: list[str]) -> dict[str, list[str]] | None:
@@ -274,8 +297,9 @@ def resume_placement(resume: ResumePoint | None, units: Any, workers: list[str])
 def at_checkpoint(message: protocol.LoadModel, resume: ResumePoint | None, unit: Any) -> protocol.LoadModel:
     """The load message of a resumed run's initial placement: a whole-model engine starts
     on the checkpoint's weights at its step (an adapter base starts on its base, the
-    adapters are synced next). Unchanged without a resume."""
-    if resume is None or unit.lora:
+    adapters are synced next; a frozen agent's engine on its own model, the checkpoint
+    naming it). Unchanged without a resume."""
+    if resume is None or unit.lora or unit.agents[0] in resume.state.get("frozen", {}):
         return message
     first = unit.agents[0]
     return msgspec.structs.replace(message, model_path=str(resume.agent_dir(first).resolve()), version=resume.step,
@@ -287,7 +311,7 @@ def resume_counters(resume: ResumePoint, run_dir: Path, schedule: Any, versions:
     dropped (made again), the schedule starts at the next batch, every agent at its step."""
     truncate_metrics(run_dir / "metrics.jsonl", resume.step)
     schedule.resume_after(resume.step)
-    versions.resume_at(resume.step)
+    versions.resume_at(resume.step, schedule.agents + list(schedule.snapshots))  # a frozen agent stays at 0
 
 
 def continue_episodes(resume: ResumePoint, cfg: Any, dataset: Any, episodes: Any) -> None:
@@ -359,6 +383,19 @@ class Checkpointer:
         except DamagedFile:
             return ""
         return entries_under(manifest, agent).get(TRAINING_STATE_FILE, "")
+
+    async def intact_state(self, agent: str, step: int) -> tuple[ParamHandle, str]:
+        """`agent`'s saved training state of `step` and its checksum, once its file matches
+        the checkpoint's manifest (hashed in a thread; a state whose checkpoint is still
+        being written has no manifest yet and is taken as written). Raises DamagedFile
+        naming the file when it does not match, CheckpointError when it is gone."""
+        import asyncio
+
+        checksum = self.agent_state_checksum(agent, step)
+        if checksum:  # the checkpoint is complete: its file is in place
+            await asyncio.to_thread(verify_files, self.root / step_dir_name(step) / agent,
+                                    {TRAINING_STATE_FILE: checksum})
+        return self.agent_state(agent, step), checksum
 
     def staging(self, step: int) -> Path:
         return self.root / f".{step_dir_name(step)}.partial"

@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.checksums import DamagedFile
 from flexmarl.runtime.config import PipelineConfig
+from flexmarl.runtime.params.types import ParamHandle
 
 from ..control.interfaces import Emit, WorkerCalls
 from ..control.server import WorkerDied
@@ -56,6 +58,7 @@ from ..state.schedule import BatchSchedule
 from ..state.store import ExperienceStore, MicroBatch
 from ..weights.sync import WeightSync
 from .allocator import AgentLost, TrainerAllocator
+from .checkpoints import CheckpointError
 from .trainer_lanes import Priority, TrainerLanes
 
 if TYPE_CHECKING:
@@ -75,12 +78,15 @@ class StepTimes:
 @dataclass
 class Recovery:
     """What the agent needs to recover from losing its trainer. Read, not yet committed:
-    every micro-batch trained since its last saved training state (`saved_version`), by
-    batch. A trainer that dies loses what it accumulated and stepped since; these are what
-    is trained again, at most `limit` times."""
+    every micro-batch trained since the saved training state before its last one
+    (`earlier_version`; the last is `saved_version`), by batch. A trainer that dies loses
+    what it accumulated and stepped since; these are what is trained again, at most
+    `limit` times, from the last saved state, or from the one before when the last was
+    damaged on disk since it was written."""
 
     limit: int
     saved_version: int
+    earlier_version: int | None = None  # None: no earlier saved state to fall back to
     kept: dict[int, list[MicroBatch]] = field(default_factory=dict)
     count: int = 0  # trainer losses recovered from so far
 
@@ -179,6 +185,16 @@ class AgentPipeline:
         self._pending -= 1
         self.allocator.work_changed()
 
+    def _dynamic_sampling(self, batch: int) -> dict[str, int]:
+        """With dynamic sampling: the step's groups dropped for equal rewards and as surplus,
+        and the extra episodes its batch drew."""
+        if self.agent not in self.store.dynamic:
+            return {}
+        dropped = self.store.dynamic_dropped
+        return {"groups_equal_dropped": dropped(self.agent, batch, decisions.EQUAL_REWARDS),
+                "groups_surplus_dropped": dropped(self.agent, batch, decisions.SURPLUS),
+                "extra_episodes": self.schedule.batches[batch].extra_episodes}
+
     def _swaps_since_last_row(self) -> dict[str, float]:
         count = self.allocator.swaps_of(self.agent)
         ins, waited = self._swaps_recorded
@@ -204,7 +220,8 @@ class AgentPipeline:
                         self.metrics.record(batch, self.agent, batch, trained, times,
                                             step_s=round(now - last_end, 4), skipped_steps=self.skipped.total,
                                             episodes_failed=self.schedule.batches[batch].episodes_failed,
-                                            **self._swaps_since_last_row(), **step_signals(stats))
+                                            **self._swaps_since_last_row(), **step_signals(stats),
+                                            **self._dynamic_sampling(batch))
                         recorded, last_end = True, now
                     else:
                         await self._restep(batch)
@@ -264,6 +281,10 @@ class AgentPipeline:
                 if self.store.ready_samples(self.agent, batch):
                     self.allocator.prefetch(self.agent)  # work is coming: swap in while rollout runs
                 await self.schedule.wait_for_work(self.agent)
+                if self.agent in self.allocator.lost:  # woken by its trainer's death: restored now, not at
+                    # its next micro-batch (an instance joining meanwhile loads the restored weights)
+                    raise AgentLost(f"the training state of {self.agent} died with trainer "
+                                    f"{self.allocator.lost[self.agent]}")
             trained = list(self.recovery.kept[batch])
             if not trained:
                 self._no_samples(batch)
@@ -375,9 +396,12 @@ class AgentPipeline:
         return stats
 
     def _committed(self, version: int) -> None:
-        """The agent's state at `version` is saved: what trained it can go."""
-        self.recovery.saved_version = version
-        for batch in [b for b in self.recovery.kept if b <= version]:
+        """The agent's state at `version` is saved: what trained the state saved before it
+        can go (kept until then: the state at `version` may be found damaged when it is
+        needed, and the earlier one is restored instead)."""
+        earlier = self.recovery.saved_version
+        self.recovery.earlier_version, self.recovery.saved_version = earlier, version
+        for batch in [b for b in self.recovery.kept if b <= earlier]:
             for mb in self.recovery.kept.pop(batch):
                 self.store.forget(mb)
 
@@ -390,16 +414,13 @@ class AgentPipeline:
         self.recovery.count += 1
         if self.recovery.count > self.recovery.limit:
             raise RuntimeError(f"{self.agent} lost its trainer {self.recovery.count} times; giving up") from exc
-        saved = self.recovery.saved_version
         if self.checkpoints is not None and not self.checkpoints.full_state:
             raise RuntimeError(f"{self.agent}'s trainer died and its training state cannot be restored: "
                                "trainer groups checkpoint weights only") from exc
-        state, checksum = None, ""
-        if saved > 0 and self.checkpoints is not None:
-            state = self.checkpoints.agent_state(self.agent, saved)
-            checksum = self.checkpoints.agent_state_checksum(self.agent, saved) if state is not None else ""
+        saved, state, checksum = await self._intact_state()
         log.warning("%s: %s; restoring its state of version %d and training batches %d-%d again",
                     self.agent, exc, saved, saved + 1, batch)
+        self.recovery.saved_version = saved
         self.allocator.recover(self.agent, state, saved, checksum)
         self.weights.forget(self.agent)  # its last publication died with the trainer
         self.emit(ev.TrainingRestored(self.agent, saved, batch, str(exc)))
@@ -412,7 +433,48 @@ class AgentPipeline:
                 await self._step(trainer, b, sum(mb.samples for mb in self.recovery.kept[b]))
             finally:
                 self.allocator.release(self.agent)
+        if batch - 1 > saved:  # an instance that joined meanwhile loaded the restored, older version
+            trainer = await self.allocator.acquire(self.agent, lost="raise")
+            try:
+                async with self.lanes.slot(trainer, Priority.critical(batch - 1)):
+                    await self.weights.catch_up(self.agent, trainer, batch - 1)
+            finally:
+                self.allocator.release(self.agent)
         log.info("%s is back at version %d after %.2fs", self.agent, batch - 1, time.monotonic() - t0)
+
+
+    async def _intact_state(self) -> tuple[int, ParamHandle | None, str]:
+        """The saved state to restore (version, handle, checksum): the last one, or the one
+        before it when the last no longer matches its checkpoint's manifest (said in one
+        line); the initial weights (None) before anything was saved."""
+        recovery = self.recovery
+        if recovery.saved_version <= 0 or self.checkpoints is None:
+            return 0, None, ""
+        try:
+            last, checksum = await self.checkpoints.intact_state(self.agent, recovery.saved_version)
+            return recovery.saved_version, last, checksum
+        except (DamagedFile, CheckpointError) as exc:
+            damaged = exc
+        earlier = recovery.earlier_version
+        where = f"`flexmarl run --resume {self.checkpoints.root.parent}` starts from the newest intact checkpoint"
+        if earlier is None:
+            raise RunFailed(f"{self.agent}'s trainer died and its saved training state of step "
+                            f"{recovery.saved_version} cannot be restored: {damaged}; no earlier state of this run is "
+                            f"at hand to restore instead. {where}") from None
+        state: ParamHandle | None = None
+        checksum = ""
+        try:
+            if earlier > 0:
+                state, checksum = await self.checkpoints.intact_state(self.agent, earlier)
+        except (DamagedFile, CheckpointError) as exc:
+            raise RunFailed(f"{self.agent}'s trainer died and neither its saved training state of step "
+                            f"{recovery.saved_version} ({damaged}) nor that of step {earlier} ({exc}) can be "
+                            f"restored. {where}") from None
+        log.warning("%s: the checkpoint of step %d is damaged and is not restored from: %s; restoring from %s "
+                    "instead, the newest intact one", self.agent, recovery.saved_version, damaged,
+                    f"the checkpoint of step {earlier}" if earlier > 0 else "the initial weights")
+        recovery.earlier_version = None
+        return earlier, state, checksum
 
 
 async def _all(calls: list[asyncio.Future]) -> float:
@@ -442,5 +504,5 @@ def step_signals(stats: protocol.StepStats) -> dict[str, float]:
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "entropy": stats.entropy,
             "response_len_mean": stats.response_len_mean, "response_len_max": stats.response_len_max,
             "logprob_abs_diff": stats.logprob_abs_diff, "rollout_kl": stats.rollout_kl,
-            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "tokens": stats.tokens,
-            "skipped": int(stats.skipped)}
+            "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "teacher_kl": stats.teacher_kl,
+            "tokens": stats.tokens, "skipped": int(stats.skipped)}

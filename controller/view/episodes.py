@@ -40,7 +40,7 @@ from flexmarl.runtime.events import (
     SamplesDropped,
     TrainingRestored,
 )
-from flexmarl.runtime.keys import GroupKey
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey
 from flexmarl.runtime.legacy_events import LegacyReader
 
 from ..episodes.workflow import group_place
@@ -212,6 +212,8 @@ class EpisodeIndex:
     def _completed(self, e: RequestsCompleted) -> None:
         w = self._index(e.worker, self.workers, self._worker_index)
         for (key, first, size, turn), version in zip(e.parts, e.versions):
+            if turn == SCORE_TURN:  # a teacher scored member `first`: nothing generated
+                continue
             if turn:  # a later turn of a conversation (events.Parts): member `first` alone
                 s = self._sample(key, first)
                 if s is not None:

@@ -19,9 +19,20 @@ no load runs meanwhile, and the handle is forgotten.
 
 `load_newest(worker, agent)` loads the newest publication into one instance (for the
 admission, rollout/admission.py); if the handle was released (the trainer parked the agent, which
-frees its published weights: `forget`), was an NCCL broadcast (over by then), or is older
-than the synced version (a resume), the trainer publishes again, through `trainer_for`,
-whatever version it holds then.
+frees its published weights: `forget`), was an NCCL broadcast (over by then), is older
+than the synced version (a resume), or its trainer died since (its segments went with its
+process, even when a new trainer registered under its id), the trainer holding the agent
+publishes again, through `trainer_for`, whatever version it holds then: after a trainer's
+death, that is the agent's state restored from its newest intact checkpoint.
+
+A snapshot agent (a frozen copy of another agent, `agents.X.snapshot_of`) is refreshed
+by its source's sync when one is due (`decisions.snapshot_version`): its instances load the
+source's new version from the same publication where it can be read again (otherwise the
+source's trainer publishes it once more for them), under the snapshot's name, and its
+synced version becomes the source's; all before the source's synced version moves, so
+the next batch never meets a stale snapshot in sync mode. A snapshot's lock is taken after
+its source's, always (`locks_of`). A frozen adapter agent is loaded from its directory
+(`adapter_dirs`); a frozen whole model is the engine's own weights and never loads any.
 
 It does not decide when to sync (the pipeline does) or which instances serve an agent
 (the instances' owner).
@@ -42,6 +53,7 @@ from flexmarl.runtime.params.types import Location, ParamHandle, choose_transpor
 
 from ..control.interfaces import Emit, WorkerServer
 from ..control.server import WorkerDied
+from ..state import decisions
 from ..state.versions import SyncedVersions
 from .nccl_groups import NcclGroups
 
@@ -97,6 +109,9 @@ class Publication:
     version: int
     handle: ParamHandle
     transport: str
+    # The publishing trainer's connection (its registry identity): the bytes live in that
+    # process, so the publication dies with it, even if a new trainer registers under its id.
+    publisher: bytes = b""
 
 
 class ServedInstances(Protocol):
@@ -104,6 +119,8 @@ class ServedInstances(Protocol):
     owner of who holds which version): who serves an agent, and word that one loaded it."""
 
     def instances(self, agent: str) -> list[str]: ...
+
+    def holds(self, worker: str, agent: str) -> int | None: ...
 
     def loaded(self, worker: str, agent: str, version: int) -> None: ...
 
@@ -113,8 +130,12 @@ class WeightSync:
                  versions: SyncedVersions, emit: Emit,
                  trainer_for: Callable[[str], AsyncContextManager[str]] | None = None,
                  lora: dict[str, protocol.LoraSettings | None] | None = None,
-                 ranks: dict[str, int] | None = None) -> None:
+                 ranks: dict[str, int] | None = None, snapshots: dict[str, tuple[str, int]] | None = None,
+                 adapter_dirs: dict[str, str] | None = None) -> None:
         self.server = server
+        # Snapshot agent -> (the agent it copies, its refresh interval in that agent's steps).
+        self.snapshots = snapshots or {}
+        self.adapter_dirs = adapter_dirs or {}  # frozen adapter agent -> its PEFT directory
         # Per agent, the workers of each of its engines (tensor parallelism): each receives
         # the weights itself, so each is a receiving rank of its own. Default 1.
         self.ranks = ranks or {}
@@ -135,24 +156,76 @@ class WeightSync:
         return transport_between(location_of(workers[trainer]),
                                  [end for w in instances for end in locations_of(workers[w], width)])
 
+    def source_of(self, agent: str) -> str:
+        """The agent whose trainer publishes `agent`'s weights: itself, or the one a snapshot copies."""
+        return self.snapshots[agent][0] if agent in self.snapshots else agent
+
+    @contextlib.asynccontextmanager
+    async def locks_of(self, agent: str):
+        """The agent's sync lock, a snapshot's after its source's (the order a sync takes them in)."""
+        async with contextlib.AsyncExitStack() as held:
+            for a in dict.fromkeys((self.source_of(agent), agent)):
+                await held.enter_async_context(self.locks[a])
+            yield
+
     async def sync(self, agent: str, trainer: str, version: int) -> None:
         async with self.locks[agent]:
-            lost_ranks: set[str] = set()
-            while True:  # ends: each round that loses a rank has one instance fewer to lose
-                try:
-                    await self._publish_and_load(agent, trainer, version, without=lost_ranks)
-                    break
-                except _BroadcastLostARank as lost:
-                    # The others could never have received it: again, over a new group of the
-                    # instances still serving the agent (the dead have left them).
-                    log.warning("%s died during the NCCL weight sync of %s version %d; %s cancelled, "
-                                "published again without it", ", ".join(lost.dead), agent, version,
-                                ", ".join(lost.cancelled) or "no other receive")
-                    lost_ranks.update(lost.dead)
+            await self._with_lost_ranks(agent, trainer, version)
+            for snapshot, (source, every) in self.snapshots.items():
+                if source == agent and decisions.snapshot_version(version + 1, every) == version:
+                    async with self.locks[snapshot]:
+                        await self._refresh(snapshot, trainer, version)
             self.versions.set(agent, version)
+
+    async def _with_lost_ranks(self, agent: str, trainer: str, version: int) -> None:
+        lost_ranks: set[str] = set()
+        while True:  # ends: each round that loses a rank has one instance fewer to lose
+            try:
+                await self._publish_and_load(agent, trainer, version, without=lost_ranks)
+                return
+            except _BroadcastLostARank as lost:
+                # The others could never have received it: again, over a new group of the
+                # instances still serving the agent (the dead have left them).
+                log.warning("%s died during the NCCL weight sync of %s version %d; %s cancelled, "
+                            "published again without it", ", ".join(lost.dead), agent, version,
+                            ", ".join(lost.cancelled) or "no other receive")
+                lost_ranks.update(lost.dead)
+
+    async def _refresh(self, snapshot: str, trainer: str, version: int) -> None:
+        """The snapshot's instances load its source's `version` (just synced): from the
+        source's publication where every one of them can read it again, else published once
+        more for them. Its synced version is then the source's."""
+        source = self.source_of(snapshot)
+        pub, instances = self.published.get(source), self.instances.instances(snapshot)
+        if instances:
+            if (pub is not None and pub.version == version and pub.transport != "nccl" and self._live(pub)
+                    and pub.transport == self.transport(trainer, instances, snapshot)):
+                t0 = time.monotonic()
+                self.emit(ev.WeightSyncStarted(snapshot, version, list(instances), transport=pub.transport))
+                await self._load_each(snapshot, version, pub.handle, {w: 0 for w in instances})
+                self.emit(ev.WeightSyncFinished(snapshot, version, time.monotonic() - t0, 0))
+            else:
+                await self._with_lost_ranks(snapshot, trainer, version)
+        self.versions.set(snapshot, version)
+        self.emit(ev.SnapshotRefreshed(snapshot, source, version))
+        log.info("snapshot %s refreshed to %s version %d", snapshot, source, version)
+
+    async def _load_each(self, agent: str, version: int, handle: ParamHandle, ranks: dict[str, int]) -> None:
+        """Every instance of `ranks` loads `handle` as `agent` at `version`; one that dies leaves the agent."""
+        results = await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
+            self.server.next_request_id(), agent, version, handle, rank, self.lora.get(agent)))
+            for w, rank in ranks.items()), return_exceptions=True)
+        for worker, result in zip(ranks, results):
+            if isinstance(result, WorkerDied):
+                log.warning("%s died while loading %s version %d; it leaves the agent", worker, agent, version)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self.instances.loaded(worker, agent, version)
 
     async def _publish_and_load(self, agent: str, trainer: str, version: int, without: Collection[str] = frozenset()) -> None:
         instances = [w for w in self.instances.instances(agent) if w not in without]
+        source = self.source_of(agent)  # a snapshot's weights are its source's, published by its trainer
         t0 = time.monotonic()
         transport = self.transport(trainer, instances, agent)
         width = self.ranks.get(agent, 1)
@@ -165,7 +238,7 @@ class WeightSync:
         loads: dict[str, asyncio.Future] = {}
         try:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
-                self.server.next_request_id(), agent, version, transport, instances, group, width))
+                self.server.next_request_id(), source, version, transport, instances, group, width))
             loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
                 self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent))))
                 for w in instances}
@@ -189,7 +262,8 @@ class WeightSync:
                 raise result
             else:
                 self.instances.loaded(worker, agent, version)
-        self.published[agent] = Publication(version, reply.handle, transport)
+        self.published[source] = Publication(version, reply.handle, transport,  # the trainer's one live publication of it
+                                             self._identity(trainer))
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
 
     async def _cancel_if_a_rank_dies(self, agent: str, handle: ParamHandle,
@@ -210,6 +284,17 @@ class WeightSync:
                                for w in waiting), return_exceptions=True)  # a cancel that fails changes nothing
         return waiting
 
+    async def catch_up(self, agent: str, trainer: str, version: int) -> None:
+        """After the agent's state was restored and trained again up to `version` (the synced
+        one): an instance admitted meanwhile was loaded with what the trainer held then, an
+        older version; every instance is brought to `version` by a sync of it. Nothing is
+        sent when all hold it already."""
+        behind = [w for w in self.instances.instances(agent) if (self.instances.holds(w, agent) or 0) < version]
+        if behind:
+            log.info("%s held %s at an older version than %d after its trainer was restored; syncing them",
+                     ", ".join(behind), agent, version)
+            await self.sync(agent, trainer, version)
+
     def forget(self, agent: str) -> None:
         """The agent's published weights were released (its trainer parked it): the handle
         must never be sent again."""
@@ -227,11 +312,23 @@ class WeightSync:
     async def load_newest(self, worker: str, agent: str) -> int:
         """Loads `agent`'s newest weights into `worker`, publishing them again where the last
         publication cannot be read (see the module doc); the version loaded, never older
-        than the synced one. The caller holds the agent's lock (no sync runs in between)."""
-        pub = self.published.get(agent)
-        # An NCCL publication was a broadcast to the ranks of its time: it cannot be read again.
-        if pub is None or pub.transport == "nccl" or pub.version < self.versions[agent]:
-            pub = await self._republish(agent, worker)
+        than the synced one. The caller holds the agent's locks (`locks_of`: no sync runs
+        in between). A snapshot loads its source's publication under its own name: its
+        synced version where that can still be read, else its source's version now, newer
+        (the source's trainer holds no older weights); a frozen adapter its directory."""
+        if agent in self.adapter_dirs:
+            await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, 0, None, 0,
+                                                                self.lora.get(agent), self.adapter_dirs[agent]))
+            return 0
+        source = self.source_of(agent)
+        pub = self.published.get(source)
+        # An NCCL publication was a broadcast to the ranks of its time: it cannot be read again;
+        # one whose trainer died went with its process (a restarted trainer holds nothing of it).
+        if pub is None or pub.transport == "nccl" or pub.version < self.versions[agent] or not self._live(pub):
+            pub = await self._republish(source, worker)
+        if source != agent and pub.version != self.versions[agent]:
+            log.warning("%s joins snapshot %s at %s version %d, not its synced %d (no older weights are held)",
+                        worker, agent, source, pub.version, self.versions[agent])
         rank = 1 if pub.transport == "nccl" else 0
         await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, pub.version,
                                                             pub.handle, rank, self.lora.get(agent)))
@@ -247,10 +344,19 @@ class WeightSync:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), agent, protocol.CURRENT_VERSION, transport, [worker],
                 ranks_per_target=self.ranks.get(agent, 1)))
-        self.published[agent] = pub = Publication(reply.version, reply.handle, transport)
+        self.published[agent] = pub = Publication(reply.version, reply.handle, transport, self._identity(trainer))
         log.info("published %s version %d again for %s (%s)", agent, reply.version, worker,
                  "an NCCL broadcast is read once" if transport == "nccl" else "no readable publication")
         return pub
+
+    def _identity(self, trainer: str) -> bytes:
+        info = self.server.registry.workers.get(trainer)
+        return getattr(info, "identity", b"")  # b"": a publisher not known by connection is taken as live
+
+    def _live(self, pub: Publication) -> bool:
+        """Whether the process that published `pub` is still the one registered: a
+        publication outlives neither its trainer's death nor its re-registration."""
+        return not pub.publisher or self.server.registry.by_identity(pub.publisher) is not None
 
 
 class _BroadcastLostARank(Exception):

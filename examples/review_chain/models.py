@@ -4,8 +4,7 @@ template, and each agent's recipe with a short supervised warm-up.
 FlexMARL builds a recipe on first use and caches it (`model = "tiny:examples/review_chain/
 models.py:solver"` in the job's TOML); to build one by hand:
 
-    python -m flexmarl.workers.models --job examples/review_chain/models.py \\
-        --agent solver --cache-root .cache/models
+    python -m flexmarl.workers.models --job examples/review_chain/models.py --agent solver
 
 The tokenizer is a byte-level BPE trained with the `tokenizers` library on the dataset's
 questions and answers plus the verifier's phrases (milliseconds, at import). Warm-up

@@ -134,6 +134,18 @@ def test_soak_kills_a_process_and_accounts_for_every_sample(tmp_path):
     assert "killed rollout" in out and "lost or trained twice: none" in out
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["serve", "train"])
+def test_serve_soak_loads_an_endpoint_and_reports_requests_latency_and_every_processs_memory(tmp_path, target):
+    out = run_bench("serve_soak.py", "--target", target, "--minutes", "0.4", "--clients", "4", "--sample-s", "3",
+                    "--hostile", "0.2", "--rollout-workers", "1", "--out", str(tmp_path / target), timeout=1200)
+    (row,) = json_rows(out)
+    assert row["target"] == target and row["answered"] > 0 and row["errors"] == 0
+    assert (row["meant_refusals"] > 0) == (target == "serve")  # the malformed share is the served target's
+    names = {name.split(":")[0] for name in row["rss_mib"]}
+    assert names >= ({"serve", "serve-0"} if target == "serve" else {"controller", "rollout-0", "trainer-0"})
+
+
 def test_group_publish_reports_rank_0s_peak_for_a_whole_and_a_streamed_publish(tmp_path):
     rows = json_rows(run_bench("group_publish.py", "--shape", "tiny-qwen2", "--reps", "1", "--models", str(tmp_path)))
     assert [r["way"] for r in rows[:-1]] == ["whole", "streamed"] and rows[-1]["summary"]
@@ -217,6 +229,38 @@ def test_group_record_reports_training_wire_bytes_and_view_reads():
     views = [r for r in rows if "view" in r]
     assert [r["view"] for r in views] == [f"{n} tokens x 8 choices" for n in (256, 1024, 4096)]
     assert all(r["last_turn_us"] > 0 and r["output_ids_us"] > 0 for r in views)
+
+@pytest.mark.slow
+def test_frozen_agents_compares_a_frozen_judge_with_one_trained_at_lr_0():
+    rows = json_rows(run_bench("frozen_agents.py", "--smoke"))
+    frozen, lr0, ratio = rows
+    assert (frozen["mode"], lr0["mode"]) == ("frozen", "lr0")
+    assert frozen["trainer_agents"] == ["player"] and lr0["trainer_agents"] == ["judge", "player"]
+    assert frozen["judge_micro_batches"] == frozen["judge_weight_syncs"] == 0
+    assert lr0["judge_optimizer_steps"] == lr0["judge_weight_syncs"] == 2
+    assert len(ratio["lr0_over_frozen_step_s"]) == 1
+
+
+@pytest.mark.slow
+def test_distillation_trains_a_teacher_then_the_student_with_and_without_it():
+    rows = json_rows(run_bench("distillation.py", "--smoke", timeout=1200))
+    assert "teacher_held_out_reward" in rows[0]
+    assert [(r["mode"], r["seed"]) for r in rows[1:3]] == [("rl", 0), ("distill", 0)]
+    assert rows[1]["teacher_kl_first_last"] == [0.0, 0.0] and rows[2]["teacher_kl_first_last"][0] > 0
+    assert [r["mode"] for r in rows[3:]] == ["rl", "distill"] and "steps_to_teacher_reward" in rows[3]
+
+
+@pytest.mark.slow
+def test_self_play_reports_the_players_reward_per_refresh_of_its_snapshot():
+    rows = json_rows(run_bench("self_play.py", "--smoke"))
+    assert [r["snapshot_version"] for r in rows] == [0, 1] and all(r["past_score"] is not None for r in rows)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_runs_the_task_with_and_without_it():
+    with_it, without = json_rows(run_bench("dynamic_sampling.py", "--smoke"))
+    assert with_it["dynamic_sampling"] and not without["dynamic_sampling"]
+    assert with_it["samples"] == [12, 12] and without["groups_equal_dropped"] == [0, 0]
 
 
 def test_view_load_opens_a_small_synthetic_run_in_a_real_browser():

@@ -1,10 +1,12 @@
-"""The one supervisor: the first failure stops everything, a loop that ends is a crash."""
+"""The one supervisor: the first failure stops everything, a loop that ends is a crash;
+and the stall watch: a loop held over its threshold is logged with what held it."""
 
 import asyncio
+import time
 
 import pytest
 
-from flexmarl.runtime.aio import TaskEnded, supervise
+from flexmarl.runtime.aio import StallWatch, TaskEnded, supervise
 
 
 async def test_finite_tasks_return_their_results_in_order():
@@ -97,3 +99,27 @@ async def test_a_failure_behind_the_one_raised_is_never_left_unretrieved():
     gc.collect()
     await asyncio.sleep(0)
     assert reported == []
+
+
+def hold_the_loop(seconds):
+    time.sleep(seconds)
+
+
+async def test_a_loop_held_past_the_threshold_is_logged_with_the_code_that_held_it(caplog):
+    async with StallWatch("test", threshold_s=0.4).watching() as watch:
+        await asyncio.sleep(0.3)
+        hold_the_loop(1.5)
+        await asyncio.sleep(0.6)  # it turns again: the stall ends
+    held = [(seconds, what) for seconds, what in watch.stalls if "hold_the_loop" in what]
+    assert held and held[0][1].startswith("test_aio.py:") and held[0][0] > 0.4
+    said = [r.getMessage() for r in caplog.records if "hold_the_loop" in r.getMessage()]
+    assert any(m.startswith("test: the event loop has been held for ") for m in said)
+    assert any(m.startswith("test: the event loop was held for about ") for m in said)
+    assert "Traceback" not in caplog.text
+
+
+async def test_a_loop_that_keeps_turning_is_not_logged(caplog):
+    async with StallWatch("test", threshold_s=0.4).watching() as watch:
+        for _ in range(10):
+            await asyncio.sleep(0.05)
+    assert not [s for s in watch.stalls if "test_aio" in s[1]]

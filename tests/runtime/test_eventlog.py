@@ -8,7 +8,7 @@ import pytest
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import legacy_events as old
-from flexmarl.runtime.keys import GroupKey
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey
 from flexmarl.runtime.eventlog import (HEADER_BYTES, MAGIC, MAX_EVENTS_PER_FRAME, EventLog, EventLogError,
                                        EventLogVersionError, encode_frame, read_events,
                                        segment_path, segment_paths)
@@ -23,6 +23,7 @@ EXAMPLES = [
     ev.RunFinished(10, 123.5),
     ev.RunResumed(4, "runs/x/checkpoints/step-000004", "[run]\nseed = 1\n"),
     ev.CheckpointWritten(4, "runs/x/checkpoints/step-000004", 123456, 0.25),
+    ev.EventsLost("runs/x/events.log", 4096, 64, 120, 133, "damaged frame: checksum mismatch"),
     ev.BatchStarted(2, 16, 0, [3, 1, 4]),
     ev.EvaluationDone(4, 16, 1, {"planner": 0.5}),
     ev.RequestsDispatched("r0", "solver", 3, 40, ev.Parts([G1, G1], [0, 1], [2, 1], [0, 1])),
@@ -31,6 +32,11 @@ EXAMPLES = [
     ev.GroupComplete(G1, [1.0, 0.0]),
     ev.SamplesDropped("solver", ev.whole([(G2, 3)]), "too stale"),
     ev.MicroBatchFormed("solver", "t0", 2, ev.whole([(G1, 2)]), [0, 1]),
+    ev.GroupServed(G2, 2, [1.0]),
+    ev.TeacherScored(G1, 1, "teacher", [0, 0]),
+    ev.GroupTargets(1, {"solver": 8}),
+    ev.EpisodesDrawn(1, 3, {"solver": 2}),
+    ev.SnapshotRefreshed("past", "solver", 5),
     ev.MicroBatchTrained("solver", "t0", 2, 2, 0.25),
     ev.OptimizerStep("solver", "t0", 2, 64),
     ev.StepSkipped("solver", "t0", 3, float("inf"), 1),
@@ -138,28 +144,73 @@ async def test_a_truncated_file_is_read_up_to_the_torn_frame_naming_the_offset(t
     assert f"{path}: byte offset {last_frame_at}: truncated frame" in problem
 
 
-async def test_a_corrupted_byte_stops_reading_at_the_damaged_frame(tmp_path):
+async def test_a_corrupted_byte_costs_its_frame_alone_and_the_frames_after_it_are_read(tmp_path):
     path = tmp_path / "events.log"
     await write(path, EXAMPLES, flush_each=True)
     data = bytearray(path.read_bytes())
     fifth_frame_at = HEADER_BYTES + sum(len(encode_frame(msgspec.msgpack.encode(e))) for e in EXAMPLES[:4])
+    fifth_size = len(encode_frame(msgspec.msgpack.encode(EXAMPLES[4])))
     data[fifth_frame_at + 10] ^= 0x40
     path.write_bytes(bytes(data))
     events, problem = read_events(path)
-    assert events == EXAMPLES[:4]
-    assert f"byte offset {fifth_frame_at}: damaged frame: checksum mismatch" in problem
-    assert str(path) in problem
+    lost = events[4]
+    assert events[:4] == EXAMPLES[:4] and events[5:] == EXAMPLES[5:]
+    assert isinstance(lost, ev.EventsLost) and (lost.first_seq, lost.next_seq, lost.seq) == (4, 5, 4)
+    assert (lost.segment, lost.offset, lost.nbytes) == (str(path), fifth_frame_at, fifth_size)
+    assert problem == (f"{path}: byte offset {fifth_frame_at}: damaged frame: checksum mismatch; 1 event (seq 4-4) "
+                       f"were in its {fifth_size} bytes; read on after it")
 
 
-async def test_damage_in_a_later_segment_keeps_the_events_before_it(tmp_path):
+async def test_zeroed_bytes_in_the_middle_cost_the_frames_they_touch_and_the_rest_is_read(tmp_path):
     path = tmp_path / "events.log"
-    await write(path, [ev.WorkerDied(f"w{i}", "x") for i in range(30)], max_bytes_per_segment=200)
+    many = [ev.WorkerDied(f"w{i}", "x" * (i % 7)) for i in range(200)]
+    await write(path, many, flush_each=True)
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2
+    data[at:at + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+    events, problem = read_events(path)
+    (lost,) = [e for e in events if isinstance(e, ev.EventsLost)]
+    kept = [e for e in events if not isinstance(e, ev.EventsLost)]
+    assert kept == many[:lost.first_seq] + many[lost.next_seq:]
+    assert 1 <= lost.next_seq - lost.first_seq <= 6 and lost.offset <= at < lost.offset + lost.nbytes
+    assert "read on after it" in problem
+
+
+async def test_damage_in_a_later_segment_is_passed_over_to_the_segments_after_it(tmp_path):
+    path = tmp_path / "events.log"
+    written = [ev.WorkerDied(f"w{i}", "x") for i in range(30)]
+    await write(path, written, max_bytes_per_segment=200)
+    assert len(segment_paths(path)) > 3
     second = segment_path(path, 1)
     second.write_bytes(second.read_bytes()[:HEADER_BYTES + 5])
     events, problem = read_events(path)
-    assert 0 < len(events) < 30
-    assert [e.worker for e in events] == [f"w{i}" for i in range(len(events))]
-    assert f"{second}: byte offset {HEADER_BYTES}: truncated frame" in problem
+    (lost,) = [e for e in events if isinstance(e, ev.EventsLost)]
+    assert [e for e in events if e is not lost] == written[:lost.first_seq] + written[lost.next_seq:]
+    assert lost.segment == str(second) and lost.offset == HEADER_BYTES and lost.next_seq > lost.first_seq
+    assert problem.startswith(f"{second}: byte offset {HEADER_BYTES}: truncated frame")
+
+
+async def test_a_resumed_run_keeps_every_intact_frame_after_damage_and_says_what_it_lost(tmp_path):
+    path = tmp_path / "events.log"
+    first = [ev.WorkerDied(f"w{i}", "before the crash") for i in range(60)]
+    await write(path, first, flush_each=True, clock=FakeClock())
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3:len(data) // 3 + 64] = bytes(64)  # damage in the middle
+    path.write_bytes(bytes(data[:-3]))  # and a torn tail
+    resumed = EventLog(path, append=True)
+    (lost,) = resumed.lost
+    assert "truncated frame" in resumed.torn
+    more = [ev.RunResumed(4, "ckpt", "[run]")]
+    task = asyncio.create_task(resumed.run())
+    for e in more:
+        resumed.emit(e)
+    await resumed.close()
+    await task
+    events, problem = read_events(path)
+    kept = [e for e in events if not isinstance(e, ev.EventsLost)]
+    assert kept == first[:lost.first_seq] + first[lost.next_seq:59] + more  # only the torn last frame cut
+    assert events[-1].seq == 59 and "read on after it" in problem and "truncated" not in problem
 
 
 async def test_a_log_in_a_newer_format_is_refused(tmp_path):
@@ -395,6 +446,28 @@ async def test_a_log_of_format_3_names_groups_and_turns_by_typed_keys_when_read(
         ev.MicroBatchFormed("solver", "", 3, ev.whole([(key, 3)]), [0, 0, 0])])
     assert events[5].parts == ev.Parts([GroupKey("", "solver", "hand-made")], [0], [1])
     assert str(key) == group and key.sample(1) == f"{group}/1"
+
+
+async def test_a_log_of_format_3_reads_the_agents_menus_events_by_typed_keys(tmp_path):
+    """A frozen agent's GroupServed and a teacher's TeacherScored named groups by strings,
+    and a teacher's scoring of member j was the request `GROUP/j@teacher` of the teacher's:
+    read, they name the student's group by its key, the scoring as SCORE_TURN."""
+    group, judged = "s2q0/solver-1a2b3c4d-0", "s2q0/judge-99-0"
+    written = stamped([
+        old.GroupOpened("solver", group, [], 2, 3),
+        old.GroupOpened("judge", judged, [], 2, 2),
+        old.RequestsCompleted("r1", "teacher", 4, [], [5], 3, parts=old.Parts([f"{group}/1@teacher"], [0], [1])),
+        old.TeacherScored("solver", group, 2, "teacher", [5, 5, 5]),
+        old.GroupServed("judge", judged, 2, [1.0])])
+    path = tmp_path / "events.log"
+    path.write_bytes(MAGIC + (3).to_bytes(4, "little") + encode_frame(*map(msgspec.msgpack.encode, written)))
+    events, problem = read_events(path)
+    judge = GroupKey("s2q0", "judge", "99-0")
+    assert problem is None
+    assert events[2].parts == ev.Parts([G1], [1], [1], [SCORE_TURN])
+    assert ev.without_stamp(events[3]) == ev.without_stamp(ev.TeacherScored(G1, 2, "teacher", [5, 5, 5]))
+    assert ev.without_stamp(events[4]) == ev.without_stamp(ev.GroupServed(judge, 2, [1.0]))
+    assert [e.seq for e in events] == list(range(5)) and (events[3].agent, events[4].agent) == ("solver", "judge")
 
 
 async def test_a_log_of_format_1_finds_the_members_its_groups_listed(tmp_path):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.keys import GroupKey
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey
 from flexmarl.runtime.params.types import Location, ParamHandle, TensorSpec
 
 HANDLE = ParamHandle(transport="shm", agent="solver", version=1, key="solver-v1-42-abc", total_bytes=128,
@@ -39,6 +39,8 @@ EXAMPLES = [
     p.WeightsLoaded(4, "solver", 1, 0.01),
     p.CancelLoad(5, "solver", "solver-v1-123-ab12"),  # another rank of its NCCL broadcast died
     p.LoadCancelled(5, "solver"),
+    p.LoadAdapter(6, "critic", 20, "/runs/r/checkpoints/step-000020/critic", p.LoraSettings(8, 16.0, 0.0, ("q_proj",)),
+                  {"adapter_model.safetensors": "ab" * 32}),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),
     p.TrainMicroBatch(6, "checker", 1, [GROUP]),
@@ -159,6 +161,20 @@ def test_loss_options_sample_temperatures_and_step_stats_round_trip():
 HANDLE_CARRIERS = [m for m in EXAMPLES if "handle" in m.__struct_fields__]
 
 
+def test_the_agents_menus_fields_round_trip():
+    """A frozen adapter's directory instead of a handle, a scoring group, a teacher's
+    logprobs per output id, the teacher's KL in a step's stats."""
+    msgs = [p.LoadWeights(3, "judge", 0, None, lora=p.LoraSettings(rank=8), adapter_dir="/runs/x/final/judge"),
+            p.Generate(4, [p.GenGroup(G1, "t", 1, [1, 2, 3], 1, 1.0, 0, 1, turn=SCORE_TURN, score_from=2)]),
+            p.TrainMicroBatch(5, "s", 1, [p.TrainGroup(G1, p.packed("i", [1]), [2], p.packed("i", [2, 3]),
+                                                       p.packed("f", [-0.3, -0.1]), [0.5], [0],
+                                                       teacher_logprobs=p.packed("f", [-0.2, -0.4]))],
+                              loss=p.LossOptions(off_policy="decoupled", behav_weight_cap=3.0, teacher_coef=0.5)),
+            p.StepDone(6, "s", 1, 0.9, 0.01, p.StepStats(teacher_kl=0.25))]
+    for msg in msgs:
+        assert p.decode(p.encode(msg))[0] == msg
+
+
 @pytest.mark.parametrize("msg", HANDLE_CARRIERS, ids=lambda m: type(m).__name__)
 def test_a_message_carrying_a_handle_decodes_it_as_a_typed_param_handle(msg):
     decoded, _ = p.decode(p.encode(msg))
@@ -169,7 +185,9 @@ def test_a_message_carrying_a_handle_decodes_it_as_a_typed_param_handle(msg):
 def test_every_message_that_names_a_parameter_handle_carries_it_typed():
     assert {type(m).__name__ for m in HANDLE_CARRIERS} == {
         "LoadWeights", "WeightsPublished", "AgentOffloaded", "LoadAgent", "ReleaseState"}
-    assert all(cls.__annotations__.get("handle") in (ParamHandle, "ParamHandle") for cls in map(type, HANDLE_CARRIERS))
+    # LoadWeights may carry none: a frozen adapter agent's weights come from a directory
+    assert all(cls.__annotations__.get("handle") in (ParamHandle, "ParamHandle", "ParamHandle | None")
+               for cls in map(type, HANDLE_CARRIERS))
 
 
 def test_a_malformed_handle_is_a_protocol_error_not_a_half_filled_message():
@@ -186,5 +204,6 @@ def test_the_protocol_and_its_handles_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "from flexmarl.runtime import protocol\n"
             "from flexmarl.runtime.params import types as param_types\n"
-            "assert protocol.LoadWeights.__annotations__['handle'] in ('ParamHandle', param_types.ParamHandle)")
+            "assert protocol.LoadAgent.__annotations__['handle'] in ('ParamHandle', param_types.ParamHandle)\n"
+            "assert protocol.LoadWeights.__annotations__['handle'] == 'ParamHandle | None'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -31,6 +31,11 @@ def copy_task(n: int = 64):
     return [([ID["<bos>"], ID["<copy>"], ID[x], ID["<then>"]], [ID[x]]) for x in LETTERS] * (n // 10)
 
 
+def entries(cache: Path) -> list[str]:
+    """What the cache holds besides its lock files: entries, and staging left behind."""
+    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+
+
 def recipe(spec=TINY, warmup=copy_task, version="copy-1"):
     return TinyModelRecipe(spec, VOCAB, warmup, version, QUICK)
 
@@ -86,7 +91,7 @@ def test_ensure_model_builds_once_and_then_reuses_the_cached_directory(tmp_path)
     second = models.ensure_model(recipe(warmup=examples), tmp_path)
     assert first == second and len(calls) == 1
     assert (second / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    assert entries(tmp_path) == [first.name]
 
 
 def test_a_new_warmup_version_or_spec_gets_its_own_cache_entry(tmp_path):
@@ -102,9 +107,53 @@ def test_a_build_that_crashes_leaves_no_cache_entry_behind(tmp_path):
 
     with pytest.raises(RuntimeError, match="mid-build"):
         models.ensure_model(recipe(warmup=crash), tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    assert entries(tmp_path) == []
     # The next attempt builds normally.
     assert models.ensure_model(recipe(), tmp_path).is_dir()
+
+
+JOB = """
+import time
+from pathlib import Path
+
+from flexmarl.runtime.model_specs import SPECIAL_TOKENS, TinyModelRecipe, TinyModelSpec, WarmupSchedule
+
+def examples():
+    with open(Path(__file__).with_name("warmups.txt"), "a") as f:
+        f.write("warm-up ran\\n")
+    time.sleep(3)  # the other builder asks meanwhile
+    return [([1, 4], [5])] * 8
+
+TINY_MODELS = {"m": TinyModelRecipe(TinyModelSpec("m", 64, 1, 2, 1, 64, seed=3), SPECIAL_TOKENS + ("x", "y"),
+                                    examples, "v1", WarmupSchedule(steps=2, batch_size=4))}
+"""
+
+
+def test_two_processes_asking_for_the_same_model_at_once_build_it_once(tmp_path):
+    """Two builders (real processes, as two runs starting together start them): one builds
+    while the other waits on the entry's lock, then finds it; the warm-up ran once."""
+    import subprocess
+    import sys
+
+    (tmp_path / "job.py").write_text(JOB)
+    command = [sys.executable, "-m", "flexmarl.workers.models", "--job", str(tmp_path / "job.py"), "--agent", "m",
+               "--cache-root", str(tmp_path / "cache")]
+    builders = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [b.communicate(timeout=600) for b in builders]
+    assert [b.returncode for b in builders] == [0, 0], [err[-2000:] for _, err in outputs]
+    paths = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(paths) == 1 and Path(paths.pop()).is_dir()
+    assert (tmp_path / "warmups.txt").read_text().count("warm-up ran") == 1
+    assert len(entries(tmp_path / "cache")) == 1  # the entry, no staging left
+
+
+def test_the_builder_defaults_to_the_machines_model_cache(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job.py").write_text(JOB.replace("time.sleep(3)", "pass"))
+    monkeypatch.delenv("FLEXMARL_MODEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.main(["--job", str(tmp_path / "job.py"), "--agent", "m"]) == 0
+    built = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert built.parent == tmp_path / "xdg" / "flexmarl" / "models" and (built / "config.json").exists()
 
 
 def test_a_spec_with_a_head_size_vllm_cpu_rejects_is_refused(tmp_path):
@@ -150,7 +199,7 @@ def test_the_command_line_names_the_agents_a_job_has(tmp_path, capsys):
 
 def test_a_job_module_without_tiny_models_is_named():
     with pytest.raises(ValueError, match="'flexmarl.controller.episodes.user_code' has no TINY_MODELS"):
-        models.job_recipes("flexmarl.controller.episodes.user_code")
+        models.job_models("flexmarl.controller.episodes.user_code")
 
 
 # ---- a recipe with the job's own trained tokenizer and chat template ------------------

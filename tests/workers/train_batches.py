@@ -38,6 +38,7 @@ class TrainSample:
     top_p: float = 1.0
     top_k: int = 0
     turns: list = field(default_factory=list)
+    teacher_logprobs: list = field(default_factory=list)  # empty: no teacher
 
 
 def _group_name(s: TrainSample) -> str:
@@ -52,7 +53,8 @@ def groups_of(samples: list[TrainSample]) -> list[p.TrainGroup]:
         if (last is not None and _group_name(last) == _group_name(s) != s.sample_id
                 and list(last.prompt_ids) == list(s.prompt_ids)
                 and (last.temperature, last.top_p, last.top_k) == (s.temperature, s.top_p, s.top_k)
-                and bool(last.rollout_logprobs) == bool(s.rollout_logprobs)):
+                and bool(last.rollout_logprobs) == bool(s.rollout_logprobs)
+                and bool(last.teacher_logprobs) == bool(s.teacher_logprobs)):
             runs[-1].append(s)
         else:
             runs.append([s])
@@ -61,7 +63,8 @@ def groups_of(samples: list[TrainSample]) -> list[p.TrainGroup]:
                         [min(s.versions) for s in run], run[0].temperature, run[0].top_p, run[0].top_k,
                         [list(s.loss_mask) or [1] * len(s.output_ids) for s in run],
                         [p.MemberTurn(j, t.start, t.temperature, t.top_p, t.top_k) for j, s in enumerate(run)
-                         for t in s.turns])
+                         for t in s.turns],
+                        [s.teacher_logprobs for s in run] if run[0].teacher_logprobs else None)
             for run in runs]
 
 

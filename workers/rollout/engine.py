@@ -43,6 +43,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,41 @@ from .engine_receive import TIED_EMBEDDING, TIED_HEAD, PublishedLoad, cancel_mar
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 log = logging.getLogger("flexmarl.engine")
+
+# What an engine's start logs that nobody running a job can act on, by vLLM's logger: the
+# start of each such message. Notes that Triton is missing or unusable on a CPU (the CPU
+# engine never uses it), and warnings about what follows from FlexMARL's own engine
+# settings (a seeded engine in-process, eager mode, no chunked prefill, thread binding).
+# Dropped from the worker's log (`quiet_notes`), so a warning there is one to act on.
+QUIET_NOTES: dict[str, tuple[str, ...]] = {
+    "vllm.triton_utils.importing": ("Triton",),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
+    "vllm.config.vllm": ("Model Runner V2 requires Triton", "Enforce eager set", "Inductor compilation was disabled"),
+    "vllm.engine.arg_utils": ("The global random seed is set", "This model does not officially support disabling "
+                              "chunked prefill"),
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
+}
+
+
+class _QuietNotes(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_notes() -> None:
+    """Drops the messages of QUIET_NOTES, and torch's deprecation of `reduce_op` that
+    vLLM's own code triggers, from this process's log. Before vLLM is imported: it logs
+    the first of them as it loads."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
+    for name, starts in QUIET_NOTES.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _QuietNotes) for f in target.filters):
+            target.addFilter(_QuietNotes(starts))
+
 
 __all__ = ["Completion", "RequestRefused", "TIED_EMBEDDING", "TIED_HEAD", "VllmEngine", "without_tied_head"]
 
@@ -137,9 +173,10 @@ class VllmEngine:
     ) -> None:
         # The first engine in a process also pays for importing vLLM (seconds); counted.
         start = time.perf_counter()
+        self.device = device or worker_device()
+        quiet_notes()
         from vllm import LLM
 
-        self.device = device or worker_device()
         receive_bytes = gpu_bytes = 0
         if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
             receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
@@ -174,6 +211,8 @@ class VllmEngine:
         self._weight_shapes = checkpoint_weight_shapes(model_path)
         # request_id -> its samples' prompt tokens + max_tokens: the work it may still cost.
         self._outstanding: dict[str, int] = {}
+        # A scoring request (add's `score_from`): its id -> the ids it scores.
+        self._scoring: dict[str, list[int]] = {}
         # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
         self._inplace = inplace_reload
         self.last_reload = ""  # "in place" or "vllm": how the last load went
@@ -202,6 +241,7 @@ class VllmEngine:
         ignore_eos: bool = True,
         adapter: str = "",
         adapter_version: int = -1,
+        score_from: int = -1,
     ) -> int:
         """Queue one request of `n` samples of the prompt, sample j drawn with seed
         `seed + j`; it starts at the next `step()` and comes back whole, every sample in
@@ -220,7 +260,12 @@ class VllmEngine:
 
         With `adapter`, the request runs under that LoRA adapter at `adapter_version` (-1:
         its newest; a version retired for a newer one: the newer), which stays loaded until
-        it finishes; returns the adapter version it runs under (-1 without an adapter)."""
+        it finishes; returns the adapter version it runs under (-1 without an adapter).
+
+        With `score_from` >= 1 (n is 1), nothing is generated: the prompt is prefilled with
+        vLLM's prompt logprobs, and the request's completion is `prompt_ids[score_from:]`
+        with the model's logprob of each (its unscaled distribution: a teacher's view of a
+        student's sample)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
@@ -231,6 +276,9 @@ class VllmEngine:
         reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
         if reason is None and n < 1:
             reason = f"n is {n}; a request needs at least one sample"
+        if reason is None and score_from >= 0 and not (n == 1 and 1 <= score_from < len(prompt_ids)):
+            reason = (f"a scoring request scores ids of one prompt from index 1 on, one sample; got n {n}, "
+                      f"score_from {score_from} of {len(prompt_ids)} ids")
         if reason is None and stop and not self.has_tokenizer:
             reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
         resident = None
@@ -248,22 +296,26 @@ class VllmEngine:
         # The end-of-sequence ids are named explicitly: without a tokenizer vLLM knows none.
         ends = [] if ignore_eos else [t for t in self.eos_token_ids if t not in stop_token_ids]
         try:
-            params = SamplingParams(
-                # vLLM gives sample j of an n-sample request the seed `seed + j` (its
-                # ParentRequest): what a request of one sample with that seed draws.
-                n=n,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k if top_k > 0 else 0,
-                seed=seed,
-                logprobs=0,  # only the sampled token's logprob
-                ignore_eos=ignore_eos,
-                stop=list(stop) or None,
-                stop_token_ids=list(stop_token_ids) + ends,
-                detokenize=bool(stop),  # only stop strings need text
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
+            if score_from >= 0:  # a prefill: the prompt's own logprobs, one token written and dropped
+                params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, logprobs=0,
+                                        ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            else:
+                params = SamplingParams(
+                    # vLLM gives sample j of an n-sample request the seed `seed + j` (its
+                    # ParentRequest): what a request of one sample with that seed draws.
+                    n=n,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k if top_k > 0 else 0,
+                    seed=seed,
+                    logprobs=0,  # only the sampled token's logprob
+                    ignore_eos=ignore_eos,
+                    stop=list(stop) or None,
+                    stop_token_ids=list(stop_token_ids) + ends,
+                    detokenize=bool(stop),  # only stop strings need text
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
             # vLLM validates the request completely before registering any of it, so a
             # refusal here leaves nothing behind.
             self._engine.add_request(request_id, tokens_input(list(prompt_ids)), params,
@@ -271,6 +323,8 @@ class VllmEngine:
         except (VLLMClientError, ValueError, TypeError) as exc:
             raise RequestRefused(f"vLLM refused request {request_id!r}: {exc}") from exc
         self._outstanding[request_id] = n * (len(prompt_ids) + max_tokens)
+        if score_from >= 0:
+            self._scoring[request_id] = list(prompt_ids[score_from:])
         if resident is None:
             return -1
         assert self.adapters is not None  # the resident adapter came from it
@@ -286,7 +340,15 @@ class VllmEngine:
             if self.adapters is not None:
                 self.adapters.release(output.request_id)
             if self._outstanding.pop(output.request_id, None) is None:
+                self._scoring.pop(output.request_id, None)
                 continue  # aborted meanwhile
+            scored = self._scoring.pop(output.request_id, None)
+            if scored is not None:
+                steps = output.prompt_logprobs[-len(scored):]
+                completions.append(Completion(output.request_id, scored,
+                                              [step[token].logprob for token, step in zip(scored, steps)],
+                                              [len(scored)], ["score"], output.num_cached_tokens or 0))
+                continue
             token_ids: list[int] = []
             logprobs: list[float] = []
             lengths, reasons = [], []
@@ -324,6 +386,7 @@ class VllmEngine:
             self._engine.abort_request(names)
             for name in names:
                 del self._outstanding[name]
+                self._scoring.pop(name, None)
                 if self.adapters is not None:
                     self.adapters.release(name)
             self._retire_adapters()
@@ -488,6 +551,7 @@ class VllmEngine:
         engine, self._engine = self._engine, None
         self._llm = None
         self._outstanding.clear()
+        self._scoring.clear()
         if engine is not None:
             engine.engine_core.shutdown()
 

@@ -18,9 +18,9 @@ worker, carry on. Any other engine failure ends the worker: the engine is then i
 state.
 
 An engine started with LoRA slots serves every agent whose adapter it was sent (LOAD_WEIGHTS
-with `lora`): such a load waits for nothing, since requests in flight keep the adapter
-version they were admitted under (the engine unloads it after them); each sample carries
-that version.
+with `lora`, or LOAD_ADAPTER with a checkpoint's adapter directory): such a load waits for
+nothing, since requests in flight keep the adapter version they were admitted under (the
+engine unloads it after them); each sample carries that version.
 
 Whole weights (LOAD_WEIGHTS without `lora`) are received by the engine's own workers, one
 per tensor-parallel rank, each through a parameter channel of its own (engine_receive.py):
@@ -61,18 +61,20 @@ class RolloutHandler(CommandHandler):
         self.agent = ""
         self.version = -1
         self._control: list[protocol.LoadModel | protocol.LoadWeights] = []
-        self._adapter_loads: list[protocol.LoadWeights] = []  # applied between steps, in flight or not
+        self._adapter_loads: list[protocol.LoadWeights | protocol.LoadAdapter] = []  # between steps, in flight or not
         self._admit: list[protocol.Generate] = []
         self._running = RunningGroups()
         self._wake = asyncio.Event()
         self.busy_s = 0.0
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
         self._channel: Any = None
-        self._applying: protocol.LoadModel | protocol.LoadWeights | None = None  # the one running now
+        self._applying: protocol.LoadModel | protocol.LoadWeights | protocol.LoadAdapter | None = None  # running now
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         match msg:
             case protocol.LoadWeights() if msg.lora is not None:
+                self._adapter_loads.append(msg)
+            case protocol.LoadAdapter():
                 self._adapter_loads.append(msg)
             case protocol.Generate():
                 stranger = next((g.agent for g in msg.groups if not self._serves(g.agent)), None)
@@ -95,12 +97,13 @@ class RolloutHandler(CommandHandler):
         """The LoadWeights of the publication `msg.key` fails now: dropped if still queued,
         its receive given up if running (it waits on an NCCL group one of whose ranks died)."""
         for queue in (self._control, self._adapter_loads):
-            for load in [m for m in queue if isinstance(m, protocol.LoadWeights) and m.handle.key == msg.key]:
+            for load in [m for m in queue if isinstance(m, protocol.LoadWeights) and m.handle is not None
+                         and m.handle.key == msg.key]:
                 queue.remove(load)
                 await self.reply(protocol.Error(load.request_id, f"LoadWeights for {load.agent} version {load.version} "
                                                                  "cancelled: another rank of its broadcast died"))
         applying = self._applying
-        if isinstance(applying, protocol.LoadWeights) and applying.handle.key == msg.key:
+        if isinstance(applying, protocol.LoadWeights) and applying.handle is not None and applying.handle.key == msg.key:
             if applying.lora is not None:
                 self.channel().cancel(msg.key)  # an adapter is received here
             elif self.engine is not None:
@@ -137,7 +140,7 @@ class RolloutHandler(CommandHandler):
             if self.engine is not None and self.engine.has_unfinished():
                 await self._step()
 
-    async def _apply(self, msg: protocol.LoadModel | protocol.LoadWeights) -> None:
+    async def _apply(self, msg: protocol.LoadModel | protocol.LoadWeights | protocol.LoadAdapter) -> None:
         t0 = time.perf_counter()
         self._applying = msg
         try:
@@ -148,6 +151,10 @@ class RolloutHandler(CommandHandler):
                                                                    time.perf_counter() - t0)
                 case protocol.LoadWeights():
                     await asyncio.to_thread(self._load_weights, msg)
+                    reply = protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version,
+                                                   time.perf_counter() - t0)
+                case protocol.LoadAdapter():
+                    await asyncio.to_thread(self._load_adapter_dir, msg)
                     reply = protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version,
                                                    time.perf_counter() - t0)
         except Exception as exc:
@@ -189,6 +196,8 @@ class RolloutHandler(CommandHandler):
     def _load_weights(self, msg: protocol.LoadWeights) -> None:
         if msg.lora is not None:
             return self._load_adapter(msg)
+        if msg.handle is None:
+            raise ValueError(f"weights for {msg.agent} came without a handle; only an adapter loads from a directory")
         if msg.agent != self.agent and self._running:
             raise ValueError(f"weights for {msg.agent} sent to an instance still generating for {self.agent}")
         # Each of the engine's workers receives the bucket itself and verifies it before any
@@ -205,6 +214,13 @@ class RolloutHandler(CommandHandler):
         """An adapter agent's new version joins the engine beside the versions in use."""
         if self.engine is None:
             raise RuntimeError(f"no engine is loaded here to take the adapter of {msg.agent}; load its base first")
+        if msg.handle is None:  # a frozen adapter agent: its adapter as a PEFT directory wrote it
+            from ..adapters import read_adapter
+
+            tensors, lora = read_adapter(msg.adapter_dir)
+            self.engine.load_adapter(msg.agent, msg.version, tensors, lora)
+            log.info("serving %s as a frozen adapter from %s", msg.agent, msg.adapter_dir)
+            return
         tensors = self.channel().receive(msg.handle, rank=msg.rank or None)
         try:
             self.engine.load_adapter(msg.agent, msg.version, tensors, msg.lora)
@@ -212,6 +228,18 @@ class RolloutHandler(CommandHandler):
             del tensors
             self.channel().release(msg.handle)
         log.info("serving %s version %d as an adapter", msg.agent, msg.version)
+
+    def _load_adapter_dir(self, msg: protocol.LoadAdapter) -> None:
+        """An adapter agent's version from a PEFT adapter directory, its files checked first."""
+        from safetensors.torch import load_file
+
+        from ..adapters import ADAPTER_WEIGHTS
+
+        if self.engine is None:
+            raise RuntimeError(f"no engine is loaded here to take the adapter of {msg.agent}; load its base first")
+        verify_files(msg.path, msg.checksums)
+        self.engine.load_adapter(msg.agent, msg.version, load_file(f"{msg.path}/{ADAPTER_WEIGHTS}"), msg.lora)
+        log.info("serving %s version %d as an adapter from %s", msg.agent, msg.version, msg.path)
 
     def _start(self, msg: protocol.Generate) -> protocol.Generated | None:
         """Hand a message's groups to the engine, each as one request of n samples; the
@@ -224,7 +252,8 @@ class RolloutHandler(CommandHandler):
             try:
                 used = self.engine.add(engine_id, group.prompt_ids, group.max_tokens, group.temperature, group.seed,
                                        n=group.n, top_p=group.top_p, top_k=group.top_k, stop=group.stop,
-                                       stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos, **adapter)
+                                       stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos,
+                                       score_from=group.score_from, **adapter)
             except RequestRefused as exc:
                 log.warning("%s: %s", group.agent, exc)
                 refused.append(protocol.GroupRefused(group.key, group.first, str(exc), group.turn))

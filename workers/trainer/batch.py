@@ -38,6 +38,8 @@ class Sample:
     top_p: float = 1.0
     top_k: int = 0
     turns: Sequence[protocol.MemberTurn] = ()  # its later turns, each with its own settings
+    # On-policy distillation: the teacher's logprob of each output id (empty: no teacher).
+    teacher_logprobs: Sequence[float] = ()
 
     def with_advantage(self, advantage: float) -> Sample:
         return dataclasses.replace(self, advantage=advantage)
@@ -51,6 +53,7 @@ def samples_of(groups: Sequence[protocol.TrainGroup]) -> list[Sample]:
         ids = _ids(g.output_ids)
         logprobs = memoryview(protocol.native(protocol.LOGPROB_TYPECODE, g.rollout_logprobs)).cast("f")
         mask = memoryview(g.loss_mask).cast("b")
+        teacher = memoryview(protocol.native(protocol.LOGPROB_TYPECODE, g.teacher_logprobs)).cast("f")
         turns: dict[int, list[protocol.MemberTurn]] = {}
         for turn in g.turns:
             turns.setdefault(turn.member, []).append(turn)
@@ -59,7 +62,8 @@ def samples_of(groups: Sequence[protocol.TrainGroup]) -> list[Sample]:
             end = start + length
             out.append(Sample(index, g.key.sample(j), prompt, ids[start:end], advantage,
                               logprobs[start:end] if len(logprobs) else (), [version], g.temperature,
-                              mask[start:end] if len(mask) else (), g.top_p, g.top_k, turns.get(j, ())))
+                              mask[start:end] if len(mask) else (), g.top_p, g.top_k, turns.get(j, ()),
+                              teacher[start:end] if len(teacher) else ()))
             start = end
     return out
 
@@ -72,14 +76,17 @@ def train_group(key: GroupKey, prompt_ids: Sequence[int], outputs: Sequence[Sequ
                 advantages: Sequence[float], logprobs: Sequence[Sequence[float]] | None = None,
                 versions: Sequence[int] | None = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 masks: Sequence[Sequence[int]] | None = None,
-                turns: Sequence[protocol.MemberTurn] = ()) -> protocol.TrainGroup:
+                turns: Sequence[protocol.MemberTurn] = (),
+                teacher_logprobs: Sequence[Sequence[float]] | None = None) -> protocol.TrainGroup:
     """A group from plain lists, one entry per member (benches and tests; the controller
     sends its store's records): no `logprobs`, none compared; no `versions`, all 0; no
-    `masks`, every output id trained."""
+    `masks`, every output id trained; no `teacher_logprobs`, no teacher."""
     trained = masks is None or all(all(m) for m in masks)
     return protocol.TrainGroup(
         key, protocol.packed(protocol.TOKEN_TYPECODE, prompt_ids), [len(o) for o in outputs],
         protocol.packed(protocol.TOKEN_TYPECODE, [t for o in outputs for t in o]),
         protocol.packed(protocol.LOGPROB_TYPECODE, [lp for lps in logprobs for lp in lps]) if logprobs else b"",
         list(advantages), list(versions) if versions is not None else [0] * len(outputs), temperature, top_p, top_k,
-        b"" if trained else bytes(m for mask in masks or () for m in mask), list(turns))
+        b"" if trained else bytes(m for mask in masks or () for m in mask), list(turns),
+        protocol.packed(protocol.LOGPROB_TYPECODE, [lp for lps in teacher_logprobs for lp in lps])
+        if teacher_logprobs else b"")

@@ -226,7 +226,7 @@ class TrainerGroupHandler(TrainerHandler):
         share = samples[self.rank::self.world]
         if share:
             return share, loss, True
-        return [samples[0].with_advantage(0.0)], msgspec.structs.replace(loss, kl_coef=0.0), False
+        return [samples[0].with_advantage(0.0)], msgspec.structs.replace(loss, kl_coef=0.0, teacher_coef=0.0), False
 
     def _reduce(self, sums: StepSums) -> StepSums:
         tensors = sums.to_tensors()

@@ -56,8 +56,11 @@ class Tokens:
 
     logp: torch.Tensor  # the trained policy's logprobs (with gradient)
     rollout_lp: torch.Tensor  # the sampler's
-    adv: torch.Tensor  # [n, 1]
+    adv: torch.Tensor  # [n, 1], or [n, W] where a teacher's reverse KL makes it per token
     mask: torch.Tensor  # 1 where a token is trained
+    # The proximal policy's (decoupled PPO: the agent's weights at the previous version);
+    # None: the trained weights themselves (an agent at version 0 has no earlier one).
+    proximal_lp: torch.Tensor | None = None
 
     def ratio(self) -> torch.Tensor:
         """pi / mu per token, detached."""
@@ -151,9 +154,24 @@ def cispo(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.T
     return -t.adv * r.clamp(max=high) * t.logp, r > high
 
 
+def decoupled_ppo(t: Tokens, opt: protocol.LossOptions, tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO (Fu et al. 2025, "AReaL: a large-scale asynchronous reinforcement
+    learning system"): the trust region is around a proximal policy pi_prox, the agent's
+    weights one version before the trained ones, not around the sampler mu. Per token,
+    w * -min(u A, clip(u, 1 - eps, 1 + eps) A) with u = pi / pi_prox (dual-clip as
+    `ppo_clip`) and the behaviour weight w = pi_prox / mu, detached; a token whose w exceeds
+    behav_weight_cap is masked (weight 0), as AReaL filters it."""
+    proximal = t.logp.detach() if t.proximal_lp is None else t.proximal_lp
+    u = torch.exp(t.logp - proximal)
+    terms, clipped = _pessimistic(u, t.adv, 1.0 - opt.clip_eps, 1.0 + opt.clip_eps, opt.dual_clip)
+    w = torch.exp(proximal - t.rollout_lp)
+    masked = w > opt.behav_weight_cap
+    return terms * w.masked_fill(masked, 0.0), clipped | masked
+
+
 OFF_POLICY: dict[str, OffPolicyRule] = {
     "tis": truncated_importance_sampling, "ppo_clip": ppo_clip, "token_mis": token_masked_is,
-    "seq_mis": sequence_masked_is, "gspo": gspo, "cispo": cispo,
+    "seq_mis": sequence_masked_is, "gspo": gspo, "cispo": cispo, "decoupled": decoupled_ppo,
 }
 
 
@@ -177,6 +195,7 @@ class StepSums:
     rollout_kl: float = 0.0
     clipped: float = 0.0
     ref_kl: float = 0.0
+    teacher_kl: float = 0.0  # the student's logprob minus its teacher's, summed over trained tokens
 
     def add(self, other: StepSums) -> None:
         for f in dataclasses.fields(self):
@@ -201,7 +220,8 @@ class StepSums:
             logprob_abs_diff=per_token(self.abs_diff, self.compared),
             rollout_kl=per_token(self.rollout_kl, self.compared),
             clip_frac=per_token(self.clipped, self.tokens), ref_kl=per_token(self.ref_kl, self.tokens),
-            samples=int(self.samples), tokens=int(self.tokens), skipped=skipped)
+            samples=int(self.samples), tokens=int(self.tokens), skipped=skipped,
+            teacher_kl=per_token(self.teacher_kl, self.tokens))
 
 
 STEP_SUM_FIELDS = frozenset(f.name for f in dataclasses.fields(StepSums))
@@ -216,24 +236,35 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
+# Puts the proximal policy's weights in the model's place for the span of a `with` (the
+# trainer's previous version; a test's other table); None: the trained weights are it.
+Proximal = Callable[[], contextlib.AbstractContextManager[Any]] | None
+
+
 def policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions,
-                off_policy: bool, clip_ratio: float, reference: Any = None) -> tuple[torch.Tensor, StepSums]:
+                off_policy: bool, clip_ratio: float, reference: Any = None,
+                proximal: Proximal = None) -> tuple[torch.Tensor, StepSums]:
     """The micro-batch's loss, a sum over its samples, and its share of the step's sums.
 
     Token terms: the policy-gradient term of OFF_POLICY[options.off_policy] when
     `off_policy` (samples may lag the trained weights), else the exact on-policy one;
-    plus kl_coef * k3 KL to `reference` (the initial weights) when kl_coef > 0. Every
-    tensor is made where the model is (its device is the default inside)."""
+    plus kl_coef * k3 KL to `reference` (the initial weights) when kl_coef > 0. With
+    teacher_coef > 0 the advantage is per token: the reward's (none with teacher_only)
+    minus teacher_coef * (logp - the teacher's logprob), detached, whose policy gradient
+    is the reverse KL's to the teacher on the student's own tokens (on-policy
+    distillation). Decoupled PPO scores the tokens under `proximal` first. Every tensor
+    is made where the model is (its device is the default inside)."""
     device = next(model.parameters()).device
     # A device context is a torch function mode: every op of the forward then passes
     # through Python (3.5 of the peer bench's 50.8 ms forward/backward, bench/HISTORY.md).
     # The CPU needs none.
     with torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
-        return _policy_loss(model, samples, options, off_policy, clip_ratio, reference)
+        return _policy_loss(model, samples, options, off_policy, clip_ratio, reference, proximal)
 
 
 def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions,
-                 off_policy: bool, clip_ratio: float, reference: Any) -> tuple[torch.Tensor, StepSums]:
+                 off_policy: bool, clip_ratio: float, reference: Any,
+                 proximal: Proximal) -> tuple[torch.Tensor, StepSums]:
     aggregation = AGGREGATIONS[options.agg]
     rule = OFF_POLICY[options.off_policy] if off_policy else on_policy
     n = len(samples)
@@ -248,9 +279,17 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
     # Each token under the distribution its turn was sampled from (temperature, top_k,
     # top_p), the one the sampler's logprobs are of.
     settings = turn_settings(samples, width)
+    proximal_lp = None
+    if rule is decoupled_ppo and proximal is not None:  # before the trained pass: its graph holds the weights
+        with torch.no_grad(), proximal():
+            proximal_lp = token_scores(model, samples, out_mask > 0, *settings)[0]
     logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
-    terms, clipped = rule(Tokens(logp, rollout_lp, adv, out_mask), options, clip_ratio)
+    teacher_kl = torch.zeros_like(logp)
+    if options.teacher_coef > 0:
+        teacher_kl = (logp.detach() - teacher_logprobs(samples, width)) * out_mask
+        adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * teacher_kl
+    terms, clipped = rule(Tokens(logp, rollout_lp, adv, out_mask, proximal_lp), options, clip_ratio)
     terms = terms * out_mask
     ref_kl = torch.zeros_like(logp)
     if options.kl_coef > 0:
@@ -268,5 +307,15 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
             length_max=int(out_mask.sum(-1).max().item()),
             compared=float(compared.sum()), abs_diff=float(d.abs().sum()),
             rollout_kl=float((k3(d) * compared).sum()), clipped=float((clipped.float() * out_mask).sum()),
-            ref_kl=float(ref_kl.sum()))
+            ref_kl=float(ref_kl.sum()), teacher_kl=float(teacher_kl.sum()))
     return loss, sums
+
+
+def teacher_logprobs(samples: list[Sample], width: int) -> torch.Tensor:
+    """The teacher's logprob of each output token, [n, W] (0 where the token is not the
+    agent's own: appended between turns, never trained)."""
+    missing = [s.name for s in samples if len(s.teacher_logprobs) != len(s.output_ids)]
+    if missing:
+        raise ValueError(f"samples {missing[:3]} came without their teacher's logprobs (one per output token); "
+                         "a distilled agent's samples are scored by its teacher before they are trained")
+    return padded([s.teacher_logprobs for s in samples], width, 0.0, torch.float32)

@@ -51,6 +51,7 @@ from ..precision import TrainPlacement
 from ..session import CommandHandler
 from .batch import Sample, samples_of
 from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
+from .proximal import PreviousWeights
 from .shared_state import SharedTrainingState
 
 log = logging.getLogger("flexmarl.trainer")
@@ -114,6 +115,10 @@ class AgentState:
     # A LoRA adapter on a base this trainer shares (`bases`): its model is the adapter, and
     # it holds a place on the base until its state leaves this trainer.
     adapter: bool = False
+    # Decoupled PPO's proximal policy: the weights before the last step, kept from the first
+    # micro-batch that asks for them on (proximal.py).
+    previous: PreviousWeights = field(default_factory=PreviousWeights)
+    keeps_previous: bool = False
 
     @property
     def accumulated(self) -> int:
@@ -352,6 +357,7 @@ class TrainerHandler(CommandHandler):
             state.shared = SharedTrainingState.adopt(self.channel(), state.model, state.optimizer)
         handle = state.shared.park(self.channel(), state.name, state.version, state.sums, transport)
         state.reference = None  # rebuilt from the model path on first use after the swap-in
+        state.previous.to("cpu")  # kept with the parked state, in host memory
         self.kept[handle.key] = state
         return [handle]
 
@@ -388,9 +394,14 @@ class TrainerHandler(CommandHandler):
         if loss_options.kl_coef > 0 and state.reference is None:
             state.reference = (state.model.reference() if hasattr(state.model, "reference")
                                else self._reference_model(state.model_path, state.placement))
+        proximal = None
+        if msg.max_staleness > 0 and loss_options.off_policy == "decoupled":
+            state.keeps_previous = True  # from now on each step keeps the weights it changes
+            if state.previous.tensors is not None:
+                proximal = lambda: state.previous.in_place(state.model)  # noqa: E731
         with state.placement.autocast():
             loss, sums = policy_loss(state.model, samples, loss_options, off_policy=msg.max_staleness > 0,
-                                     clip_ratio=msg.clip_ratio, reference=state.reference)
+                                     clip_ratio=msg.clip_ratio, reference=state.reference, proximal=proximal)
         (loss * self.loss_scale).backward()
         total = self._reduce(sums if real else StepSums())
         state.sums.add(total)
@@ -424,6 +435,8 @@ class TrainerHandler(CommandHandler):
         # (it forgets the handle, under its sync lock): the step ends it, since the weights
         # it may be (shared_state) change in place now.
         self._end_publication(state)
+        if state.keeps_previous:  # the next batch's proximal policy: this version's weights
+            state.previous.keep(state.model)
         sums = state.sums
         skipped = False
         if sums.denominator > 0:  # 0: the global batch had no samples; the version still advances
@@ -539,6 +552,7 @@ class TrainerHandler(CommandHandler):
         del self.kept[msg.handle.key]
         if not state.shared.take_back(self.channel(), state.model, state.optimizer, state.placement.device):
             state.shared = None
+        state.previous.to(state.placement.device)
         self.agents[msg.agent] = state
         return protocol.AgentReady(msg.request_id, msg.agent, state.version,
                                    sum(p.numel() for p in state.model.parameters()))

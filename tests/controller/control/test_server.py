@@ -384,3 +384,16 @@ async def test_workers_leaving_after_shutdown_are_not_reported_as_deaths_but_the
             assert died == []
         finally:
             worker.close()
+
+
+async def test_a_controller_held_past_the_timeout_keeps_its_workers_and_they_keep_it():
+    # The controller and the worker share this loop: holding it holds both, as a stalled
+    # or stopped process holds all of its own. Neither end counts its own silence against the other.
+    async with controller() as server, healthy_worker(server) as (session, task):
+        await echo(server, "healthy")
+        import time
+        time.sleep(3 * CFG.heartbeat_timeout_s)  # the whole loop held: no heartbeat read or sent
+        for _ in range(5):  # several heartbeat intervals and timeouts' worth of turns after it
+            await echo(server, "healthy")
+            await asyncio.sleep(CFG.heartbeat_timeout_s / 2)
+        assert server.registry.workers["healthy"].alive and not task.done()

@@ -103,7 +103,7 @@ def test_a_missing_key_names_the_row_and_its_keys_and_a_key_no_row_has_stops_the
     assert data.item(0)["answer"] == 1 and data.item(1).get("answer") is None
     with pytest.raises(MissingField) as info:
         data.item(1)["answer"]
-    assert str(info.value) == "data.train row 1 has no field 'answer' (its fields: 'question')"
+    assert str(info.value) == "data.train line 2 has no field 'answer' (its fields: 'question')"  # as the file counts
     assert isinstance(info.value, KeyError) and not isinstance(info.value, RunFailed)  # this episode's failure
     with pytest.raises(MissingColumn) as info:
         data.item(0)["prompt"]
@@ -129,7 +129,7 @@ async def test_an_episode_reading_a_field_its_row_lacks_fails_alone_and_one_no_r
     producer = EpisodeProducer(cfg, episode, ExperienceStore(["a"]), None, schedule, lambda e: None, data)
     await asyncio.wait_for(producer.run(), 5)
     assert answers == [1] and producer.failed == 1
-    assert "data.train row 1 has no field 'answer' (its fields: 'question')" in schedule.batches[1].first_failure
+    assert "data.train line 2 has no field 'answer' (its fields: 'question')" in schedule.batches[1].first_failure
 
     async def typo(ctx):
         ctx.item["answr"]

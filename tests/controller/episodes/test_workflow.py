@@ -313,3 +313,80 @@ async def test_identical_prompts_from_two_concurrent_branches_get_the_same_seeds
     left_first, right_first = await seeds_by_branch("left"), await seeds_by_branch("right")
     assert left_first == right_first
     assert left_first["left"] != left_first["right"]
+
+
+async def test_a_frozen_agents_samples_need_no_reward_and_are_served_when_the_episode_ends():
+    from flexmarl.runtime import events as ev
+
+    events = []
+    store = ExperienceStore(["a", "judge"], emit=events.append, frozen=["judge"])
+    ctx = EpisodeContext("e0", 1, random.Random(0), store, FakeGenerator(),
+                         {"a": AgentDefaults(2, 1.0, 2), "judge": AgentDefaults(1, 1.0, 2, frozen=True)}, run_seed=7)
+
+    async def judged(ctx):
+        answers = await ctx.generate("a", [1, 2])
+        for a in answers:
+            verdicts = await ctx.generate("judge", a.output_ids)
+            ctx.reward(a, float(verdicts[0].output_ids[0] % 2))
+            ctx.reward(verdicts[1], 1.0)  # a reward given to a frozen agent's sample is recorded, not trained
+            assert verdicts[0].status == "pending"  # until its episode ends
+
+    assert await run_episode(judged, ctx, 5.0) == ""
+    assert store.ready_samples("a", 1) == 2 and store.ready_samples("judge", 1) == 0
+    assert store.count("judge", "served") == 4 and store.kept_views("judge") == []
+    served = [e for e in events if isinstance(e, ev.GroupServed)]
+    assert [(e.agent, e.n, e.rewards) for e in served] == [("judge", 2, [1.0]), ("judge", 2, [1.0])]
+
+
+async def test_a_failed_episode_drops_its_frozen_agents_groups_too():
+    store = ExperienceStore(["a", "judge"], frozen=["judge"])
+    ctx = EpisodeContext("e0", 1, random.Random(0), store, FakeGenerator(),
+                         {"a": AgentDefaults(2, 1.0, 2), "judge": AgentDefaults(1, 1.0, 2, frozen=True)}, run_seed=7)
+
+    async def broken(ctx):
+        await ctx.generate("judge", [3])
+        raise ValueError("bug")
+
+    assert "bug" in await run_episode(broken, ctx, 5.0)
+    assert store.count("judge", "dropped") == 2 and store.count("judge", "served") == 0
+
+
+class ScoringGenerator(FakeGenerator):
+    """A teacher's engine too: a scoring group gets -0.25 per scored id, at version 3."""
+
+    async def generate(self, agent, group, after=""):
+        if group.score_from >= 0:
+            self.batches.append((agent, group.key, group.prompt_ids, group.score_from))
+            scored = group.prompt_ids[group.score_from:]
+            return output_of([scored], [[-0.25] * len(scored)], version=3)
+        return await super().generate(agent, group, after)
+
+
+async def test_a_distilled_agents_samples_are_scored_by_its_teacher_before_they_are_trainable():
+    from flexmarl.controller.state.decisions import MicroBatchSize
+    from flexmarl.runtime import events as ev
+    from flexmarl.runtime import protocol
+
+    events, gen = [], ScoringGenerator()
+    store = ExperienceStore(["s", "t"], emit=events.append, frozen=["t"], teachers={"s": "t"})
+    ctx = EpisodeContext("e0", 1, random.Random(0), store, gen,
+                         {"s": AgentDefaults(3, 1.0, 2, teacher="t"), "t": AgentDefaults(1, 1.0, 2, frozen=True)},
+                         run_seed=7)
+
+    async def student(ctx):
+        for s in await ctx.generate("s", [1, 2]):
+            ctx.reward(s, float(s.output_ids[0] % 2))
+        assert store.ready_samples("s", 1) == 0  # rewarded, not yet scored: not trainable
+
+    assert await run_episode(student, ctx, 5.0) == ""
+    assert store.ready_samples("s", 1) == 2
+    scoring = [b for b in gen.batches if len(b) == 4]
+    assert [(agent, prompt[:2], start) for agent, _, prompt, start in scoring] == [("t", [1, 2], 2)] * 2
+    assert [key for _, key, _, _ in scoring] == [store.kept_views("s")[0].key] * 2  # the student's group names them
+    (mb,) = store.form_micro_batches("s", 1, MicroBatchSize(2), True, False, 0)
+    (group,) = mb.wire()  # the teacher's logprobs travel as a column of the group, packed as its outputs
+    assert group.teacher_logprobs == protocol.packed(protocol.LOGPROB_TYPECODE, [-0.25] * 6)
+    scored = [e for e in events if isinstance(e, ev.TeacherScored)]
+    assert [(e.agent, e.teacher, e.batch, e.versions) for e in scored] == [("s", "t", 1, [3, 3])]
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.index("TeacherScored") < kinds.index("GroupComplete")

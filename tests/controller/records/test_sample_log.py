@@ -87,3 +87,14 @@ def test_flexmarl_samples_for_a_step_or_agent_the_run_never_recorded_exits_non_z
         assert capsys.readouterr().out == ""
     cli.main(["samples", str(tmp_path), "--step", "2", "--agent", "critic"])
     assert capsys.readouterr().out.count("===") == 1
+
+
+def test_a_frozen_agents_served_samples_are_written_once_their_step_ends_marked_not_trained(tmp_path):
+    log = SampleLog(tmp_path, 2, {"judge": WordTokenizer()})
+    log.group_served("judge", [sample("j/0", None), sample("j/1", 1.0), sample("k/0", 0.5, batch=2)])
+    rows = log.record_served(1)
+    assert [(r["sample_id"], r["reward"], r["trained"]) for r in rows] == [("j/1", 1.0, False), ("j/0", None, False)]
+    assert log.record_served(1) == []  # each once
+    text = format_samples(read_samples(tmp_path))
+    assert "reward none" in text and "(served: generated, not trained)" in text
+    assert [r["sample_id"] for r in log.record_served(2)] == ["k/0"]

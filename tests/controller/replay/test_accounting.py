@@ -9,7 +9,7 @@ import pytest
 from flexmarl.controller.replay import accounting
 from flexmarl.controller.replay import summary as replay
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.keys import GroupKey
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey
 
 START = ev.RunStarted("", ["a", "b"], "async", 2, 0)
 
@@ -156,3 +156,44 @@ G_BY_0 = completed("a", "g", 0)
 def test_a_log_naming_a_sample_twice_or_out_of_order_is_counted_per_sample(events):
     copies = stamped([msgspec.structs.replace(e) for e in events])  # the parameters share their events
     assert accounting._count_by_part(copies, START.max_staleness) is None
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["per-part", "per-sample"])
+def test_a_frozen_agents_served_samples_reconcile_as_generated_not_trained(per_sample):
+    g, j = K("g"), K("h")  # h: the frozen agent b's
+    log = [START, opened("g", 1, 2), opened("h", 1, 2),
+           completed("a", "g", 0), completed("b", "h", 0), ev.GroupServed(j, 2, [1.0]),
+           *trained("a", 1, ["g/0", "g/1"], [0, 0])]
+    if per_sample:  # a request answered again (re-issued): counted per sample
+        log.insert(4, completed("a", "g", 0))
+    s = replay.summarize(stamped(log))
+    assert s.errors == []
+    served = {(r.agent, r.version): r.served for r in s.accounting}
+    assert served[("b", 0)] == 2 and served[("a", 0)] == 0
+    total_b = next(r for r in s.accounting if r.agent == "b" and r.total)
+    assert (total_b.generated, total_b.trained, total_b.served, total_b.in_flight) == (2, 0, 2, 0)
+    assert "+ served" in replay.format_summary(s) and g != j
+
+
+def test_a_teachers_scoring_of_a_member_generates_no_sample():
+    """The teacher's request names the student's group and member at SCORE_TURN: the
+    student's samples are counted once, the teacher generated none."""
+    g = K("g", "a")
+    log = stamped([START, opened("g", 1, 2, "a"), completed("a", "g", 0),
+                   ev.RequestsCompleted("r1", "b", 2, [3, 3], 4, parts=ev.Parts([g, g], [0, 1], [1, 1],
+                                                                                  [SCORE_TURN, SCORE_TURN])),
+                   *trained("a", 1, ["g/0", "g/1"], [0, 0])])
+    s = replay.summarize(log)
+    assert s.errors == [] and rows(s) == [("a", 0, 2, 2, 0, 0), ("a", None, 2, 2, 0, 0)]
+
+
+def test_a_teacher_version_outside_what_the_batch_may_use_is_an_error():
+    config = '[agents.s]\nteacher = "t"\n[agents.t]\ntrain = true\n[agents.f]\ntrain = false\n'
+    run = ev.RunStarted(config, ["s", "t", "f"], "async", 1, 0)
+    g1, g2, g3, g4 = (K(f"g{i}", "s") for i in range(1, 5))
+    ok = [ev.TeacherScored(g1, 3, "t", [1, 2]), ev.TeacherScored(g2, 3, "f", [0])]
+    bad = [ev.TeacherScored(g3, 4, "t", [1]), ev.TeacherScored(g4, 1, "f", [2])]
+    assert accounting._teacher_errors(ok, run) == []
+    assert accounting._teacher_errors(bad, run) == [
+        f"agent 's': group {g3} of batch 4 scored by 't' at version 1, outside what the batch may use",
+        f"agent 's': group {g4} of batch 1 scored by 'f' at version 2, outside what the batch may use"]

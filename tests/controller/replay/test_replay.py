@@ -232,7 +232,7 @@ async def test_main_summarizes_a_damaged_log_up_to_the_damage_and_says_where(tmp
     log.write_bytes(log.read_bytes()[:-2])
     assert replay.main(args(log)) == 0
     out, err = capsys.readouterr()
-    assert f"read {-(-len(events) // 2)} events, then stopped: {log}: byte offset" in err
+    assert f"read {-(-len(events) // 2)} events: {log}: byte offset" in err
     assert "sample accounting" in out
 
 

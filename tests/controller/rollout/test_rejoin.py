@@ -134,3 +134,57 @@ async def test_the_loop_serves_queued_workers_and_ends_once_every_batch_is_train
     rejoin.joined(types.SimpleNamespace(worker_id="r1", role="rollout"))
     await asyncio.wait_for(rejoin.run(), 5)
     assert [(w, a) for w, a, _ in rejoin.rejoined] == [("r1", "solver")] and rejoin.queue.empty()
+
+
+async def test_a_live_worker_whose_admission_failed_is_admitted_again_and_counts_as_on_its_way(monkeypatch):
+    from flexmarl.controller.control.server import RemoteError
+    from flexmarl.controller.rollout import rejoin as rejoining
+
+    monkeypatch.setattr(rejoining, "RETRY_S", 0.05)
+    server, client, _, rejoin, _, _ = setup(synced={"solver": 3})
+    client.died("r1")
+    failures = [RemoteError("r1: LoadWeights for solver failed: the publisher exited")]
+    answer = server.call
+
+    async def call(worker, msg, buffers=(), timeout=None):
+        if isinstance(msg, protocol.LoadWeights) and failures:
+            raise failures.pop()
+        return await answer(worker, msg, buffers, timeout)
+
+    server.call = call
+    rejoin.finished = lambda: bool(client.instances("solver"))
+    rejoin.joined(types.SimpleNamespace(worker_id="r1", role="rollout"))
+    seen_pending = []
+    loop = asyncio.create_task(rejoin.run())
+    while not loop.done():
+        seen_pending.append(rejoin.pending())
+        await asyncio.sleep(0.01)
+    await loop
+    assert client.instances("solver") == ["r1"] and client.holds("r1", "solver") == 3
+    assert all(seen_pending[:-1]), "between its failed admission and the next, nothing said it was on its way"
+    assert rejoin.attempts["r1"] == 1
+
+
+async def test_a_live_worker_that_fails_every_admission_is_left_idle_after_the_last(monkeypatch):
+    from flexmarl.controller.control.server import RemoteError
+    from flexmarl.controller.rollout import rejoin as rejoining
+
+    monkeypatch.setattr(rejoining, "RETRY_S", 0.01)
+    server, client, _, rejoin, _, _ = setup(synced={"solver": 3})
+    client.died("r1")
+
+    async def refuses(worker, msg, buffers=(), timeout=None):
+        raise RemoteError("r1: cannot load")
+
+    server.call = refuses
+    rejoin.joined(types.SimpleNamespace(worker_id="r1", role="rollout"))
+    for _ in range(200):
+        if rejoin.attempts.get("r1") == rejoining.ADMISSION_ATTEMPTS and not rejoin.pending():
+            break
+        if not rejoin.queue.empty():
+            worker = rejoin.queue.get_nowait()
+            if await rejoin.serve(worker) is None:
+                rejoin._again(worker)
+        await asyncio.sleep(0.01)
+    assert rejoin.attempts["r1"] == rejoining.ADMISSION_ATTEMPTS and not rejoin.pending()
+    assert client.instances("solver") == []

@@ -266,6 +266,6 @@ async def test_requests_wait_for_an_instance_while_one_is_restarting_and_then_th
     with pytest.raises(NoInstance) as info:
         await task
     assert isinstance(info.value, RunFailed)  # the run's failure, not the episode's
-    assert str(info.value) == ("the run stopped: no rollout instance served agent 'a' for 0.3s and none is being "
-                               "restarted; gone: r0 (no heartbeat for 10.7s (timeout 10.0s)). See the workers' "
+    assert str(info.value) == ("the run stopped: no rollout instance could be made to serve agent 'a' for 0.3s: none "
+                               "is being restarted or admitted; gone: r0 (no heartbeat for 10.7s (timeout 10.0s)). See the workers' "
                                "logs in the run directory's logs/ folder")

@@ -114,3 +114,94 @@ def test_the_demand_rule_weighs_group_size_output_length_and_config_position():
     equal = decisions.unit_weights(bases.engine_units(cfg), lambda a: decisions.equal_demand(cfg.agents, a))
     assert decisions.place_agents(list(equal), [f"r{i}" for i in range(6)], equal) == {
         "planner": ["r0", "r4"], "solver": ["r1", "r3"], "checker": ["r2", "r5"]}  # ties: the later name
+
+
+def test_a_field_the_workflow_reads_and_no_row_has_fails_before_any_model_is_built(tmp_path, monkeypatch):
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was resolved before the data's fields were checked")
+
+    monkeypatch.setattr(components, "resolve_model", no_build)
+    (tmp_path / "flow.py").write_text("async def episode(ctx):\n    q, a = ctx.item['question'], ctx.item['answer']\n"
+                                      "    await ctx.generate('solver', q)\n")
+    (tmp_path / "train.jsonl").write_text('{"question": "What is 2 + 3?", "truth": "5"}\n')
+    cfg = load_config(None, ["run.progress=false", f"run.workflow='{tmp_path}/flow.py:episode'",
+                             f"data.train='{tmp_path}/train.jsonl'", "agents.solver.model='tiny:solver'"])
+    with pytest.raises(components.DataError, match=r"^data.train: no row has a field 'answer', which the workflow "
+                                                   r"reads \(at .*flow.py:2 in episode\); the rows' fields: "):
+        resolve(cfg, tmp_path / "run")
+
+
+TEAM = components.Path(__file__).resolve().parents[3] / "examples" / "digit_team" / "models.py"
+
+
+def test_a_base_is_resolved_once_under_its_own_name_and_kept_in_the_run_directory(tmp_path, monkeypatch, caplog):
+    """A base built from a recipe is resolved once for all its agents (its build shown
+    under the base's name) and kept as RUN_DIR/bases/NAME, which its agents load; a run
+    that keeps it already uses it without resolving its recipe again."""
+    cache_entry = tmp_path / "cache" / "team_base-0123"
+    cache_entry.mkdir(parents=True)
+    (cache_entry / "config.json").write_text("{}")
+    (cache_entry / "model.safetensors").write_bytes(b"weights")
+    labels, resolved_names = [], []
+
+    def resolve_model(name, cache_root, on_build):
+        resolved_names.append(name)
+        with on_build(name) as stage:  # as a build on a miss shows itself
+            labels.append(stage.description)
+        return str(cache_entry)
+
+    monkeypatch.setattr(components, "resolve_model", resolve_model)
+    monkeypatch.setattr(components, "has_tokenizer", lambda path: False)
+    cfg = load_config(None, ["run.progress=false", f"bases.team.model='tiny:{TEAM}:base'", "agents.sorter.base='team'",
+                             "agents.copier.base='team'"])
+    run_dir = tmp_path / "run"
+    with caplog.at_level("INFO", logger="flexmarl.components"):
+        paths = resolve(cfg, run_dir).model_path
+    kept = run_dir.absolute() / "bases" / "team"
+    assert paths == {"sorter": str(kept), "copier": str(kept)} and resolved_names == [f"tiny:{TEAM}:base"]
+    assert labels[0].startswith(f"building model tiny:{TEAM}:base for base team (agents sorter, copier)")
+    assert (kept / "model.safetensors").read_bytes() == b"weights"
+    assert (kept / "model.safetensors").stat().st_ino == (cache_entry / "model.safetensors").stat().st_ino  # a link
+    assert f"model of base team (agents sorter, copier): {kept}" in caplog.text
+
+    resolved_names.clear()
+    cfg = load_config(None, ["run.progress=false", "bases.team.model='tiny:/gone/models.py:base'",
+                             "agents.sorter.base='team'", "agents.copier.base='team'"])
+    assert resolve(cfg, run_dir).model_path == paths and resolved_names == []  # the recipe may be gone
+
+
+def test_a_teacher_whose_tokenizer_differs_from_its_students_is_refused_in_one_line():
+    """The digit chain's models share one vocabulary; the review chain's verifier has a BPE
+    tokenizer of its own (both built once and cached)."""
+    from pathlib import Path
+
+    from flexmarl.runtime.config import ConfigError
+
+    review = Path(__file__).parents[3] / "examples" / "review_chain" / "models.py"
+    ok = load_config(None, ["run.progress=false", "agents.planner.teacher=\"solver\""], defaults=default_config())
+    components._check_teachers(ok, *_paths_and_tokenizers(ok))
+    bad = load_config(None, ["run.progress=false", "agents.planner.teacher=\"verifier\"",
+                             f"agents.verifier.model=\"tiny:{review}:verifier\""], defaults=default_config())
+    with pytest.raises(ConfigError, match=r"agents.planner.teacher = 'verifier', whose tokenizer differs from "
+                                          r"planner's \(vocabulary: \d+ against \d+\)") as caught:
+        components._check_teachers(bad, *_paths_and_tokenizers(bad))
+    assert "\n" not in str(caught.value)
+
+
+def _paths_and_tokenizers(cfg):
+    paths = components._model_paths(cfg, {}, None)
+    return paths, components._tokenizers(cfg, paths)
+
+
+def test_frozen_agents_and_snapshots_get_no_pipeline_allocator_entry_or_checkpoint_part(tmp_path, models_named,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(components, "_check_teachers", lambda *args: None)  # no model files here
+    cfg, parts = built(tmp_path, "agents.checker.train=false", "agents.past.snapshot_of='planner'",
+                       "agents.solver.dynamic_sampling=true", "agents.solver.teacher='checker'")
+    assert set(parts.pipelines) == set(parts.allocator.specs.config) == {"planner", "solver"}
+    assert parts.checkpoints.agents == ["planner", "solver"] and parts.schedule.agents == ["planner", "solver"]
+    assert parts.schedule.snapshots == {"past": 1} and parts.weights.snapshots == {"past": ("planner", 1)}
+    assert parts.store.frozen == {"checker", "past"} and parts.store.dynamic == {"solver"}
+    assert parts.store.teacher_of("solver") == "checker" and parts.store.teacher_of("planner") == ""
+    assert set(parts.resolved.units) == {"planner", "solver", "checker", "past"}  # every agent is served
+    close(parts)

@@ -9,6 +9,7 @@ import pytest
 from flexmarl.controller.run import model_resolution as models
 from flexmarl.controller.run.model_resolution import ModelBuildError, ModelError, resolve_model
 from flexmarl.controller.tasks import digit_chain
+from flexmarl.runtime.model_specs import job_models
 
 
 class FakeBuilder:
@@ -34,14 +35,14 @@ def builder(monkeypatch):
 
 
 def test_a_cached_built_in_model_is_returned_without_starting_a_process(tmp_path, builder):
-    entry = tmp_path / digit_chain.TINY_MODELS["solver"].cache_key()
+    entry = tmp_path / job_models(digit_chain.__name__)["solver"].key()
     entry.mkdir()
     assert resolve_model("tiny:solver", tmp_path) == str(entry)
     assert builder.starts == []
 
 
 def test_a_half_built_entry_is_not_taken_for_a_cached_model(tmp_path, builder):
-    key = digit_chain.TINY_MODELS["solver"].cache_key()
+    key = job_models(digit_chain.__name__)["solver"].key()
     (tmp_path / f".building-{key}-x1y2").mkdir()
     builder.reply = subprocess.CompletedProcess([], 0, "", "")
     with pytest.raises(ModelBuildError):
@@ -80,9 +81,9 @@ def test_a_miss_builds_the_model_in_a_child_process_and_then_it_is_cached(tmp_pa
     monkeypatch.setattr(models.subprocess, "run", counting_run)
     built = Path(resolve_model("tiny:planner", tmp_path))
     assert len(starts) == 1 and starts[0][1:3] == ["-m", "flexmarl.workers.models"]
-    assert built == tmp_path / digit_chain.TINY_MODELS["planner"].cache_key()
+    assert built == tmp_path / job_models(digit_chain.__name__)["planner"].key()
     assert (built / "config.json").exists() and (built / "tokenizer.json").exists()
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no staging left behind
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [built.name]  # no staging left
     assert resolve_model("tiny:planner", tmp_path) == str(built)
     assert len(starts) == 1
 
@@ -123,9 +124,7 @@ def user_job(tmp_path, monkeypatch):
 
 
 def test_a_users_job_file_names_its_cached_models_without_starting_a_process(user_job, tmp_path, builder):
-    from flexmarl.runtime.model_specs import job_recipes
-
-    entry = tmp_path / "cache" / job_recipes(str(user_job))["judge"].cache_key()
+    entry = tmp_path / "cache" / job_models(str(user_job))["judge"].key()
     entry.mkdir(parents=True)
     assert resolve_model("tiny:job/models.py:judge", tmp_path / "cache") == str(entry)
     assert builder.starts == []
@@ -142,7 +141,7 @@ def test_a_users_job_model_is_built_by_the_builder_given_the_absolute_job_file(u
 
 
 def test_a_dotted_job_module_names_its_models_too(tmp_path, builder):
-    entry = tmp_path / digit_chain.TINY_MODELS["checker"].cache_key()
+    entry = tmp_path / job_models(digit_chain.__name__)["checker"].key()
     entry.mkdir()
     assert resolve_model("tiny:flexmarl.controller.tasks.digit_chain:checker", tmp_path) == str(entry)
     assert builder.starts == []

@@ -146,3 +146,90 @@ def test_an_endpoint_off_loopback_needs_a_key_and_a_tool_parser_must_be_vllms(mo
     with pytest.raises(ConfigError, match="agents.solver.tool_parser = 'hermez' is not one of vLLM's tool parsers "
                                           r"\(.*hermes"):
         OpenAIEndpoint(OpenAIConfig(enabled=True), {"solver": "m"}, {"solver": "hermez"})
+
+
+async def test_malformed_requests_are_each_a_4xx_in_the_openai_shape_and_nothing_reaches_the_engine(tok, caplog):
+    engine = ScriptedEngine(tok, ["It is 42."] * 2)
+    async with running_endpoint(max_n=8) as endpoint:
+        ctx = make_context(endpoint, engine, tok)
+        headers = {"authorization": f"Bearer {ctx.openai_api_key}", "content-type": "application/json"}
+        deep = b'{"model": "solver", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        asked = {
+            "n = 0": ("/chat/completions", json.dumps({"model": "solver", "messages": QUESTION, "n": 0}).encode()),
+            "n = 1000": ("/chat/completions", json.dumps({"model": "solver", "messages": QUESTION, "n": 1000}).encode()),
+            "an empty prompt": ("/completions", json.dumps({"model": "solver", "prompt": ""}).encode()),
+            "no messages": ("/chat/completions", json.dumps({"model": "solver", "messages": []}).encode()),
+            "JSON nested 100,000 deep": ("/chat/completions", deep),
+        }
+        async with httpx.AsyncClient(base_url=endpoint.base_url) as raw:
+            answers = {what: await raw.post(path, content=body, headers=headers) for what, (path, body) in asked.items()}
+        for what, answer in answers.items():
+            assert answer.status_code == 400, (what, answer.text)
+            assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}, what
+        assert answers["n = 0"].json()["error"]["message"] == "n must be at least 1 (got 0)"
+        assert "openai.max_n = 8" in answers["n = 1000"].json()["error"]["message"]
+        assert answers["an empty prompt"].json()["error"]["param"] == "prompt"
+        assert answers["JSON nested 100,000 deep"].json()["error"]["message"] == "the request body is nested too deeply"
+        assert engine.requests == [] and "Traceback" not in caplog.text
+        answer = await ctx.openai_client().chat.completions.create(model="solver", messages=QUESTION)
+        assert answer.choices[0].message.content == "It is 42."  # still serving
+        ctx.reward_all("solver", 1.0)
+        await ctx.end()
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized_and_a_cap_in_tokens_holds(tok, monkeypatch):
+    from flexmarl.controller.episodes.tokens import AgentTokenizer
+
+    sized = AgentTokenizer("solver", tok.tok.name_or_path, context=64)
+    engine = ScriptedEngine(sized, ["It is 42."] * 2)
+
+    def never(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    async with running_endpoint(max_request_tokens=12) as endpoint:
+        ctx = make_context(endpoint, engine, sized)
+        client = ctx.openai_client()
+        monkeypatch.setattr(sized, "chat_prompt", never)
+        monkeypatch.setattr(sized, "encode", never)
+        huge = [{"role": "user", "content": "7 " * 3_145_728}]  # 6 MiB: under the body cap
+        with pytest.raises(openai.BadRequestError, match=r"the prompt is at least \d+ tokens \(6291456 characters\); "
+                                                         r"agent solver takes at most 12 here"):
+            await client.chat.completions.create(model="solver", messages=huge)
+        with pytest.raises(openai.BadRequestError, match="takes at most 12 here"):
+            await client.completions.create(model="solver", prompt="7 " * 3_145_728)
+        monkeypatch.undo()
+        with pytest.raises(openai.BadRequestError, match=r"the prompt is \d+ tokens; agent solver takes at most 12 here"):
+            await client.chat.completions.create(model="solver", messages=[
+                {"role": "user", "content": "What is 12 + 30? " * 4}])  # few characters, more tokens than the cap
+        assert engine.requests == []
+        answer = await client.chat.completions.create(model="solver", messages=QUESTION)
+        assert answer.choices[0].message.content == "It is 42."
+        ctx.reward_all("solver", 1.0)
+        await ctx.end()
+
+
+async def test_answers_carry_no_file_path_nor_exception_text_and_the_servers_401_names_its_key(tok, caplog):
+    engine = ScriptedEngine(tok, [RuntimeError("cannot open /secret/run/model.safetensors")])
+    async with running_endpoint() as endpoint:
+        ctx = make_context(endpoint, engine, tok)
+        client = ctx.openai_client()
+        with pytest.raises(openai.InternalServerError) as err:
+            await client.chat.completions.create(model="solver", messages=QUESTION)
+        assert err.value.body["message"] == "the server failed to answer this call; its log says why"
+        assert "/secret" in caplog.text and "Traceback" not in caplog.text  # the log says it, in one line
+        models = await client.models.list()
+        assert "models/solver" not in models.model_dump_json()  # where the agent's model is: never shown
+        await ctx.end()
+    served = OpenAIEndpoint(OpenAIConfig(enabled=True, key_env="SERVE_KEY_FOR_TEST"), {"solver": "/m"},
+                            serving=lambda: None)
+    served.key_required = True
+    await served.start()
+    try:
+        async with httpx.AsyncClient(base_url=served.base_url) as raw:
+            refused = await raw.get("/models", headers={"authorization": "Bearer sk-wrong"})
+    finally:
+        await served.stop()
+    assert refused.status_code == 401
+    assert refused.json()["error"]["message"] == ("this API key is not the server's: use the key in the environment "
+                                                  "variable SERVE_KEY_FOR_TEST (openai.key_env) that the server was "
+                                                  "started with")

@@ -82,3 +82,35 @@ def test_a_batch_is_trained_when_its_last_agent_steps_and_the_run_when_every_bat
     assert s.agent_stepped(1) is True and s.finished
     # the test clock ticks 0, 1, ...: the rollout ended at 0 (started at 0), trained at 1
     assert s.stage_times() == {"rollout_s": 0.0, "train_sync_s": 1.0}
+
+
+def with_roles(overlap=False, k=0):
+    """a trained; s a snapshot of it refreshed every 2 steps; j frozen."""
+    return BatchSchedule(["a"], 6, 1, overlap=overlap, max_staleness=k, snapshots={"s": 2},
+                         versions=decisions_versions())
+
+
+def decisions_versions():
+    from flexmarl.controller.state.versions import SyncedVersions
+    return SyncedVersions(["a", "s", "j"])
+
+
+async def test_a_frozen_agent_never_waits_and_a_snapshot_waits_for_its_refresh():
+    s = with_roles()
+    await asyncio.wait_for(s.gate("j", 6), 1)  # frozen: no policy being trained, nothing to wait for
+    await asyncio.wait_for(s.gate("s", 2), 1)  # batch 2 plays the snapshot of version 0
+    gated = asyncio.ensure_future(s.gate("s", 3))  # batch 3 plays version 2's
+    s.versions.set("a", 2)  # the source's sync alone does not open it
+    await asyncio.sleep(0.01)
+    assert not gated.done()
+    s.versions.set("s", 2)
+    await asyncio.wait_for(gated, 1)
+    s.versions.set("j", 0)
+    assert decisions.snapshot_version(5, 2) == 4 and decisions.snapshot_version(4, 2) == 2
+
+
+async def test_sync_mode_starts_a_batch_once_the_trained_agents_synced_whatever_the_frozen_hold():
+    s = with_roles()
+    s.versions.set("a", 1)
+    await asyncio.wait_for(s.wait_to_start(2), 1)  # the snapshot is still at 0, the frozen agent always
+    assert s.agent_stepped(1)  # one trained agent: its step ends the batch

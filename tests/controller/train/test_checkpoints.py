@@ -288,3 +288,13 @@ def test_a_resumed_whole_model_engine_starts_on_the_checkpoint_and_an_adapter_ba
     assert at_checkpoint(message, None, whole) is message
     base_message = base.load_message(1, "/models/b", seed=0)
     assert at_checkpoint(base_message, point, base) is base_message
+
+
+def test_a_checkpoint_names_frozen_agents_by_their_source_and_snapshots_by_their_version():
+    from flexmarl.controller.train.checkpoints import frozen_sources
+    from flexmarl.runtime.config import load_config
+
+    cfg = load_config(None, ["agents.p.model='tiny:planner'", "agents.j.model='tiny:checker'", "agents.j.train=false",
+                             "agents.s.snapshot_of='p'", "agents.s.snapshot_every=3"])
+    assert frozen_sources(cfg, {"s": 6}) == {"j": {"model": "tiny:checker"},
+                                             "s": {"snapshot_of": "p", "every": 3, "version": 6}}

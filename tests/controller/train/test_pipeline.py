@@ -4,6 +4,7 @@ then exactly one optimizer step over every sample, then one sync."""
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from flexmarl.controller.state.schedule import BatchSchedule
 from flexmarl.controller.state.store import ExperienceStore, TurnSampling
 from flexmarl.controller.train.pipeline import AgentPipeline
 from flexmarl.runtime import protocol
+from flexmarl.runtime.checksums import DamagedFile
 from flexmarl.runtime.config import PipelineConfig
 
 
@@ -95,6 +97,9 @@ class FakeWeights:
     def forget(self, agent):
         self.forgotten = agent
 
+    async def catch_up(self, agent, trainer, version):
+        self.caught_up = version  # every instance already holds it here
+
     @contextlib.asynccontextmanager
     async def stepping(self, agent):
         self.forget(agent)
@@ -117,8 +122,10 @@ class FakeMetrics:
 
 
 class FakeCheckpoints:
-    def __init__(self, every):
+    def __init__(self, every, damaged=()):
         self.every, self.saved, self.full_state = every, [], True
+        self.damaged = set(damaged)  # steps whose saved state no longer matches the manifest
+        self.root = Path("/runs/r/checkpoints")
 
     def due(self, step):
         return step % self.every == 0
@@ -126,11 +133,11 @@ class FakeCheckpoints:
     async def save_agent(self, agent, trainer, step):
         self.saved.append(step)
 
-    def agent_state(self, agent, step):
-        return f"state-{step}"
-
-    def agent_state_checksum(self, agent, step):
-        return ""
+    async def intact_state(self, agent, step):
+        if step in self.damaged:
+            raise DamagedFile(f"/runs/r/checkpoints/step-{step:06d}/{agent}/training_state.flexmarl",
+                              "does not match its checksum")
+        return f"state-{step}", ""
 
 
 def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None, allow_empty_steps=False):
@@ -262,9 +269,10 @@ async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_samp
     after = trainer.log[trainer.log.index(("died",)) + 1:]
     assert after == [("train", ["b3g0/0", "b3g0/1"]), ("train", ["b3g1/0", "b3g1/1"]), ("step", 3, 4)]
     assert pipeline.samples_trained == 2 + 2 + 4 and metrics.rows == [(1, 2), (2, 2), (3, 4)]
-    # Committed by the checkpoint of step 2, batches 1-2 left the store; batch 3 is kept for a redo.
-    assert [store.holds(key(call)) for call in ("b1g0", "b2g0", "b3g0", "b3g1")] == [False, False, True, True]
-    assert sorted(pipeline.recovery.kept) == [3]
+    # The checkpoint of step 2 is the first: what came before it (the initial weights) needs
+    # nothing, so batches 1-3 are kept, should the state of step 2 be found damaged.
+    assert [store.holds(key(call)) for call in ("b1g0", "b2g0", "b3g0", "b3g1")] == [True, True, True, True]
+    assert sorted(pipeline.recovery.kept) == [1, 2, 3]
     restored = [e for e in events if isinstance(e, ev.TrainingRestored)]
     assert [(e.agent, e.version, e.batch) for e in restored] == [("a", 2, 3)]
     for i, e in enumerate(x for x in events if isinstance(x, ev.Event)):
@@ -273,6 +281,54 @@ async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_samp
               if isinstance(e, ev.MicroBatchFormed)]
     ids = [sid for mb in formed for sid in mb]
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 8  # each sample once in what counts
+
+
+async def test_a_damaged_saved_state_is_passed_over_for_the_one_before_and_the_batches_since_are_trained_again(caplog):
+    checkpoints = FakeCheckpoints(every=2, damaged={4})
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", micro_batch=2, steps=5,
+                                                                           checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    for batch in (1, 2, 3, 4):
+        complete_group(store, f"b{batch}g0", batch=batch)
+        schedule.episode_ended(batch)
+        await asyncio.sleep(0.02)
+    assert checkpoints.saved == [2, 4]
+    # Held: the groups of the batches since the state before the last.
+    assert [store.holds(key(f"b{b}g0")) for b in (1, 2, 3, 4)] == [False, False, True, True]
+    trainer.dies_at = len(trainer.log) + 1  # in batch 5: its trainer is gone
+    complete_group(store, "b5g0", batch=5)
+    schedule.episode_ended(5)
+    await asyncio.wait_for(task, 2)
+    assert pipeline.allocator.recovered == [("a", "state-2", 2)]
+    after = trainer.log[trainer.log.index(("died",)) + 1:]
+    assert after == [("train", ["b3g0/0", "b3g0/1"]), ("step", 3, 2), ("train", ["b4g0/0", "b4g0/1"]),
+                     ("step", 4, 2), ("train", ["b5g0/0", "b5g0/1"]), ("step", 5, 2)]
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert said == ["a: the checkpoint of step 4 is damaged and is not restored from: /runs/r/checkpoints/step-000004/a/"
+                    "training_state.flexmarl does not match its checksum; restoring from the checkpoint of step 2 "
+                    "instead, the newest intact one"]
+    from flexmarl.runtime import events as ev
+    assert [(e.version, e.batch) for e in events if isinstance(e, ev.TrainingRestored)] == [(2, 5)]
+
+
+async def test_a_damaged_saved_state_with_none_before_it_at_hand_stops_the_run_with_the_resume_command():
+    checkpoints = FakeCheckpoints(every=1, damaged={2, 3})
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", micro_batch=2, steps=4,
+                                                                           checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    for batch in (1, 2, 3):
+        complete_group(store, f"b{batch}g0", batch=batch)
+        schedule.episode_ended(batch)
+        await asyncio.sleep(0.02)
+    trainer.dies_at = len(trainer.log) + 1
+    complete_group(store, "b4g0", batch=4)
+    schedule.episode_ended(4)
+    with pytest.raises(RunFailed) as failed:
+        await asyncio.wait_for(task, 2)
+    assert str(failed.value).startswith("a's trainer died and neither its saved training state of step 3 (")
+    assert str(failed.value).endswith("nor that of step 2 (/runs/r/checkpoints/step-000002/a/training_state.flexmarl "
+                                      "does not match its checksum) can be restored. `flexmarl run --resume /runs/r` "
+                                      "starts from the newest intact checkpoint")
 
 
 async def test_batches_since_the_last_saved_state_are_trained_again_in_the_same_micro_batches():
@@ -342,3 +398,22 @@ async def test_a_crash_right_after_a_checkpoint_loses_no_metrics_row():
     assert checkpoints.saved == [2]
     # a resume continues at step 3: rows 1 and 2 were already durable when 2 became final
     assert metrics.durable == metrics.rows == [(1, 2), (2, 2)]
+
+
+async def test_an_agent_whose_trainer_died_while_it_waits_for_samples_is_restored_at_once():
+    checkpoints = FakeCheckpoints(every=1)
+    pipeline, store, schedule, trainer, weights, metrics, events = make("sync", micro_batch=2, steps=2,
+                                                                           checkpoints=checkpoints)
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "b1g0", batch=1)
+    schedule.episode_ended(1)
+    await asyncio.sleep(0.02)
+    assert checkpoints.saved == [1] and pipeline.allocator.recovered == []  # waiting for batch 2's samples
+    pipeline.allocator.lost["a"] = "t0"  # its trainer died meanwhile (what TrainingRun tells the allocator)
+    schedule.work_arrived("a")  # ... and wakes the pipeline with
+    await asyncio.sleep(0.02)
+    assert pipeline.allocator.recovered == [("a", "state-1", 1)]  # before any sample of batch 2 came
+    complete_group(store, "b2g0", batch=2)
+    schedule.episode_ended(2)
+    await asyncio.wait_for(task, 2)
+    assert metrics.rows == [(1, 2), (2, 2)]

@@ -373,3 +373,99 @@ async def test_a_step_waits_for_a_load_of_the_agents_publication_and_the_handle_
         assert not stepped.is_set() and ws.published["a"].handle == "handle-a2"
     await asyncio.wait_for(task, 1)
     assert stepped.is_set() and "a" not in ws.published  # a later join has it published again
+
+
+async def test_a_publication_dies_with_its_trainers_process_even_when_a_new_trainer_registers_under_its_id():
+    import contextlib
+
+    server = FakeServer({"t0": "h1", "r0": "h1", "r1": "h1"})
+    workers = server.registry.workers
+    for name, info in workers.items():
+        info.identity = f"{name}/first".encode()
+    server.registry.by_identity = lambda identity: next((w for w in workers.values() if w.identity == identity), None)
+
+    @contextlib.asynccontextmanager
+    async def trainer_for(agent):
+        yield "t0"  # the trainer holding the agent now: the restarted one
+
+    ws, versions = weight_sync(server, ["r0"], trainer_for=trainer_for)
+    await ws.sync("a", "t0", 1)
+    assert ws.published["a"].publisher == b"t0/first"
+    workers["t0"].identity = b"t0/second"  # its process died; a new one registered as t0
+    assert await ws.load_newest("r1", "a") == 1
+    publishes = [m for _, m in calls_of(server, protocol.PublishWeights)]
+    loads = [m for w, m in calls_of(server, protocol.LoadWeights) if w == "r1"]
+    assert [m.version for m in publishes] == [1, protocol.CURRENT_VERSION]  # published again, by the live one
+    assert loads[0].handle.key == fake_handle("a", 1, publishes[1].request_id).key
+    assert ws.published["a"].publisher == b"t0/second"
+
+
+class AgentInstances(Instances):
+    """Instances per agent (a snapshot's apart from its source's); what each holds per agent."""
+
+    def __init__(self, serving_of):
+        super().__init__([])
+        self.serving_of, self.held = serving_of, {}
+
+    def instances(self, agent):
+        return list(self.serving_of.get(agent, []))
+
+    def loaded(self, worker, agent, version):
+        self.held[worker, agent] = version
+
+
+def snapshot_sync(every=2, hosts=None):
+    server = FakeServer(hosts or {"t": "h", "ia": "h", "is": "h"})
+    instances = AgentInstances({"a": ["ia"], "s": ["is"]})
+    versions = SyncedVersions(["a", "s"])
+    events = []
+    ws = WeightSync(["a", "s"], server, instances, versions, events.append, snapshots={"s": ("a", every)})
+    return ws, server, instances, versions, events
+
+
+def test_a_snapshot_is_refreshed_by_its_sources_sync_when_due_from_the_same_publication():
+    ws, server, instances, versions, events = snapshot_sync(every=2)
+    asyncio.run(ws.sync("a", "t", 1))  # not due: a snapshot refreshed every 2 steps
+    assert versions["s"] == 0 and ("is", "s") not in instances.held
+    server.calls.clear()
+    asyncio.run(ws.sync("a", "t", 2))
+    publishes = [m for _, m in server.calls if isinstance(m, protocol.PublishWeights)]
+    loads = {(w, m.agent): m for w, m in server.calls if isinstance(m, protocol.LoadWeights)}
+    assert len(publishes) == 1  # one publication over shm, read by both agents' instances
+    assert loads["is", "s"].handle is loads["ia", "a"].handle and loads["is", "s"].version == 2
+    assert versions["s"] == 2 and versions["a"] == 2 and instances.held["is", "s"] == 2
+    refreshed = [e for e in events if type(e).__name__ == "SnapshotRefreshed"]
+    assert [(e.agent, e.source, e.version) for e in refreshed] == [("s", "a", 2)]
+
+
+def test_a_snapshots_instances_on_another_host_get_a_publication_of_their_own():
+    ws, server, instances, versions, _ = snapshot_sync(every=1, hosts={"t": "h", "ia": "h", "is": "other"})
+    asyncio.run(ws.sync("a", "t", 1))
+    publishes = [m for _, m in server.calls if isinstance(m, protocol.PublishWeights)]
+    assert [(m.agent, m.transport, m.targets) for m in publishes] == [("a", "shm", ["ia"]), ("a", "tcp", ["is"])]
+    assert versions["s"] == 1 and ws.published["a"].transport == "tcp"  # the trainer's live publication of a
+
+
+def test_a_snapshot_joining_loads_its_sources_publication_under_its_own_name():
+    ws, server, instances, versions, _ = snapshot_sync(every=1)
+    asyncio.run(ws.sync("a", "t", 1))
+    server.calls.clear()
+
+    async def join():
+        async with ws.locks_of("s"):  # the source's lock, then the snapshot's
+            assert ws.locks["a"].locked() and ws.locks["s"].locked()
+            return await ws.load_newest("is2", "s")
+
+    assert asyncio.run(join()) == 1
+    (worker, load), = server.calls
+    assert (worker, load.agent, load.version, load.handle) == ("is2", "s", 1, ws.published["a"].handle)
+
+
+def test_a_frozen_adapter_agent_is_loaded_from_its_directory():
+    server = FakeServer({"t": "h", "i": "h"})
+    lora = protocol.LoraSettings(rank=8)
+    ws = WeightSync(["j"], server, Instances(["i"]), SyncedVersions(["j"]), [].append, lora={"j": lora},
+                    adapter_dirs={"j": "/runs/old/checkpoints/final/j"})
+    assert asyncio.run(ws.load_newest("i", "j")) == 0
+    (_, load), = server.calls
+    assert (load.handle, load.adapter_dir, load.lora) == (None, "/runs/old/checkpoints/final/j", lora)

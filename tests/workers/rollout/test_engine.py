@@ -279,3 +279,20 @@ def test_a_corrupt_publication_is_refused_by_the_worker_and_the_old_weights_stay
             engine.load_published(forged)
     after = run(engine, [("c1", prompt, 0)], temperature=0.0)["c1"]
     assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)
+
+
+def test_a_scoring_request_returns_the_models_logprob_of_each_given_id_and_generates_nothing(engine, reference):
+    """A teacher's view of a student's sample: one prefill of prompt + output with vLLM's
+    prompt logprobs, against transformers' log-softmax of the same weights."""
+    prompt, output = prompts(1, seed=9)[0], [digit_chain.DIGIT_IDS[d] for d in (3, 4, 1, 2, 7, 8)]
+    engine.add("score-0", prompt + output, 1, 1.0, None, score_from=len(prompt))
+    done = run(engine, [])["score-0"]
+    assert done.token_ids == output and done.finish_reason == "score"
+    with torch.no_grad():
+        ids = torch.tensor([prompt + output])
+        lp = torch.log_softmax(reference(ids).logits[0].float(), -1)
+    want = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(output)]
+    assert done.logprobs == pytest.approx(want, abs=1e-4)
+    with pytest.raises(ValueError, match="a scoring request scores ids of one prompt from index 1 on"):
+        engine.add("s-a", prompt, 1, 1.0, None, n=2, score_from=2)
+    assert engine.num_queued_requests == 0

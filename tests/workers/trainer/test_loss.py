@@ -385,3 +385,131 @@ def test_a_global_batch_cut_by_tokens_or_by_samples_gives_the_same_step_gradient
         grads.append([q.grad / total.denominator for q in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- decoupled PPO and distillation
+
+
+def proximal_of(model, table):
+    """The proximal policy as the trainer gives it: `table` in the model's place in a `with`."""
+    from flexmarl.workers.trainer.proximal import PreviousWeights
+
+    previous = PreviousWeights()
+    previous.tensors = {"table": table}
+    return lambda: previous.in_place(model)
+
+
+def test_decoupled_ppo_clips_around_the_proximal_policy_and_masks_large_behaviour_weights():
+    """u = pi / pi_prox, w = pi_prox / mu: the term is w * -min(u A, clip(u) A), its
+    gradient -w u A where the unclipped branch wins, 0 where the clipped one does or where
+    w exceeds the cap."""
+    model = Bigram(seed=0)
+    before = model.table.detach().clone()
+    prox_table = model.table.detach() + 0.3 * torch.randn(V, V, generator=torch.Generator().manual_seed(9))
+    # mu = pi_prox - behaviour shift: w = e^shift; (1, 1): e^2 = 7.4 above the cap 5, masked
+    behaviour = {(0, 0): 0.4, (1, 1): 2.0, (2, 0): -0.7}
+    rows = [([1], [2, 3], 1.0), ([4, 0], [1, 1, 2], -0.5), ([3], [0], 0.25)]
+    samples = []
+    for i, (prompt, output, adv) in enumerate(rows):
+        s = TrainSample(f"s{i}", prompt, output, adv, [], [0])
+        lps = [hand_logprob(prox_table, x, y) - behaviour.get((i, j), 0.0) for j, x, y in tokens(s)]
+        samples.append(TrainSample(f"s{i}", prompt, output, adv, lps, [0]))
+    eps, cap = 0.2, 5.0
+    counted = {"clipped": 0}
+
+    def coef(i, j, lp):
+        _, x, y = tokens(samples[i])[j]
+        u = math.exp(lp - hand_logprob(prox_table, x, y))
+        w = math.exp(behaviour.get((i, j), 0.0))
+        a = samples[i].advantage
+        clipped = min(max(u, 1 - eps), 1 + eps) * a < u * a
+        counted["clipped"] += clipped or w > cap
+        return 0.0 if clipped or w > cap else -w * u * a / len(samples[i].output_ids) / len(samples)
+
+    options = p.LossOptions(off_policy="decoupled", clip_eps=eps, behav_weight_cap=cap)
+    model.zero_grad()
+    loss, sums = policy_loss(model, as_trained(samples), options, True, 2.0, proximal=proximal_of(model, prox_table))
+    loss.backward()
+    want = hand_gradient(model.table.detach(), samples, coef)
+    torch.testing.assert_close(model.table.grad.double() / sums.denominator, want, rtol=1e-5, atol=1e-7)
+    assert sums.clipped == counted["clipped"] and counted["clipped"] >= 2  # the cap and the trust region both bit
+    assert torch.equal(model.table.detach(), before)  # and the model's own weights are back
+    value = 0.0
+    for i, s in enumerate(samples):
+        terms = []
+        for j, x, y in tokens(s):
+            u = math.exp(hand_logprob(model.table, x, y) - hand_logprob(prox_table, x, y))
+            w = math.exp(behaviour.get((i, j), 0.0))
+            objective = min(u * s.advantage, min(max(u, 1 - eps), 1 + eps) * s.advantage)
+            terms.append(0.0 if w > cap else -w * objective)
+        value += sum(terms) / len(terms)
+    assert loss.item() == pytest.approx(value, rel=1e-5)
+
+
+def test_decoupled_ppo_without_a_previous_version_takes_the_trained_weights_as_proximal():
+    """At version 0 (or on a trainer the state just moved to) u = 1: the gradient is the
+    behaviour-weighted policy gradient, w = pi / mu masked above the cap."""
+    shift = {(0, 0): 1.0, (1, 2): 1.7, (2, 0): -0.3}  # w = e^shift; e^1.7 = 5.5 above the cap
+    w = lambda i, j: math.exp(shift.get((i, j), 0.0))  # noqa: E731
+    coef = lambda s, i, j: 0.0 if w(i, j) > 5.0 else -s[i].advantage * w(i, j) * per_sample(s, i)  # noqa: E731
+    sums = correction_gradient("decoupled", shift, coef)
+    assert sums.clipped == 1
+
+
+def test_the_proximal_weights_are_in_place_only_inside_the_with():
+    model = Bigram(seed=0)
+    own = model.table.data_ptr()
+    other = torch.zeros(V, V)
+    with proximal_of(model, other)():
+        assert model.table.data_ptr() == other.data_ptr()
+    assert model.table.data_ptr() == own
+    with pytest.raises(RuntimeError), proximal_of(model, other)():
+        raise RuntimeError("a failure while scoring")
+    assert model.table.data_ptr() == own
+
+
+def with_teacher(samples, teacher_table):
+    return [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs, s.versions,
+                        s.temperature, teacher_logprobs=[hand_logprob(teacher_table, x, y) for _, x, y in tokens(s)])
+            for s in samples]
+
+
+@pytest.mark.parametrize("only", [False, True], ids=["added-to-the-reward", "alone"])
+def test_a_teachers_reverse_kl_is_a_per_token_advantage_on_the_students_own_tokens(only):
+    """d = logp - teacher logp per token; the advantage A - beta d (A left out when alone),
+    detached: the gradient of beta * KL(student || teacher) on the student's own samples."""
+    model, teacher = Bigram(seed=0), Bigram(seed=4)
+    samples = with_teacher(make_samples(model), teacher.table.detach())
+    beta = 0.7
+
+    def coef(i, j, lp):
+        _, x, y = tokens(samples[i])[j]
+        d = lp - hand_logprob(teacher.table, x, y)
+        return -((0.0 if only else samples[i].advantage) - beta * d) / len(samples[i].output_ids) / len(samples)
+
+    got, sums = step_gradient(model, [samples], p.LossOptions(teacher_coef=beta, teacher_only=only))
+    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+    kl = sum(hand_logprob(model.table, x, y) - hand_logprob(teacher.table, x, y)
+             for s in samples for _, x, y in tokens(s))
+    assert sums.teacher_kl == pytest.approx(kl, rel=1e-5) and sums.stats(0.0).teacher_kl == pytest.approx(kl / 6)
+    assert teacher.table.grad is None
+
+
+def test_a_teachers_advantage_goes_through_the_off_policy_correction():
+    model, teacher = Bigram(seed=0), Bigram(seed=4)
+    shift = {(0, 0): 1.0, (1, 1): 0.3}  # TIS: weight min(e^shift, 2)
+    samples = with_teacher(make_samples(model, shift), teacher.table.detach())
+
+    def coef(i, j, lp):
+        _, x, y = tokens(samples[i])[j]
+        a = samples[i].advantage - 0.5 * (lp - hand_logprob(teacher.table, x, y))
+        return -a * min(math.exp(shift.get((i, j), 0.0)), 2.0) / len(samples[i].output_ids) / len(samples)
+
+    got, _ = step_gradient(model, [samples], p.LossOptions(teacher_coef=0.5), off_policy=True, clip_ratio=2.0)
+    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+
+
+def test_a_distilled_sample_without_its_teachers_logprobs_is_refused():
+    model = Bigram()
+    with pytest.raises(ValueError, match=r"came without their teacher's logprobs"):
+        policy_loss(model, as_trained(make_samples(model)), p.LossOptions(teacher_coef=1.0), False, 2.0)

@@ -338,3 +338,92 @@ def test_a_micro_batch_with_no_trained_token_still_backpropagates_a_zero_loss():
     loss.backward()
     assert loss.item() == 0 and sums.tokens == 0
     assert all(q.grad is not None and not q.grad.any() for q in model.get_decoder().layers.parameters())
+
+
+# ---------------------------------------------------------------- decoupled PPO and distillation on real models
+
+
+def hand_decoupled_distilled_loss(model, samples, proximal_lp, eps, cap, beta):
+    """Decoupled PPO with a teacher's reverse KL, written out per sample from each one's
+    whole logits (seq_mean): a = A - beta (logp - teacher), u = pi / pi_prox,
+    w = pi_prox / mu, term = w * -min(u a, clip(u) a), 0 where w > cap."""
+    total = 0.0
+    for i, s in enumerate(samples):
+        ids = torch.tensor([list(s.prompt_ids) + list(s.output_ids)])
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(s.prompt_ids) - 1:-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        prox, mu, teacher = proximal_lp[i], torch.tensor(s.rollout_logprobs), torch.tensor(s.teacher_logprobs)
+        a = s.advantage - beta * (lp.detach() - teacher)
+        u = torch.exp(lp - prox)
+        objective = torch.minimum(u * a, u.clamp(1 - eps, 1 + eps) * a)
+        w = torch.exp(prox - mu)
+        terms = torch.where(w > cap, torch.zeros_like(w), -w * objective)
+        mask = torch.tensor(s.loss_mask or [1] * len(s.output_ids), dtype=torch.float32)
+        total = total + (terms * mask).sum() / mask.sum()
+    return total
+
+
+def plain_logprobs(model, samples):
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([list(s.prompt_ids) + list(s.output_ids)])
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(s.prompt_ids) - 1:-1]
+            out.append(torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0])
+    return out
+
+
+def adapter_model(tmp_path):
+    from flexmarl.workers.adapters import SharedBase
+    from flexmarl.workers.precision import TrainPlacement
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    shared = SharedBase(str(tmp_path), TrainPlacement.resolve(p.TrainerSettings(), "cpu"))
+    lora = p.LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
+    adapter = shared.add("a", lora, seed=0)
+    with torch.no_grad():
+        for _, param in adapter.named_parameters():
+            param.normal_(0, 0.1)
+    return adapter
+
+
+@pytest.mark.parametrize("kind", ["qwen2-tied", "llama-untied", "adapter"])
+def test_decoupled_ppo_with_a_teacher_equals_its_formula_on_whole_logits(kind, tmp_path):
+    """The packed, chunked loss of decoupled PPO (the proximal weights put in place by the
+    trainer's PreviousWeights) plus a teacher's reverse KL, against the formula written
+    out per sample: values and gradients."""
+    from flexmarl.workers.trainer.loss import policy_loss
+    from flexmarl.workers.trainer.proximal import PreviousWeights
+
+    model = {"qwen2-tied": lambda: tiny_model("qwen2", tied=True), "llama-untied": lambda: tiny_model("llama"),
+             "adapter": lambda: adapter_model(tmp_path)}[kind]()
+    previous = PreviousWeights()
+    previous.keep(model)  # the previous version: the weights now; then the live ones move on
+    with torch.no_grad():
+        for q in model.parameters():
+            q.add_(0.05 * torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel())))
+    teacher = tiny_model("qwen2", tied=True)
+    with torch.no_grad():
+        for q in teacher.parameters():
+            q.add_(0.3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel() + 1)))
+    rng = random.Random(3)
+    base = [s for s in spread_batch(seed=6, groups=3) if not s.loss_mask][:6]
+    base = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids[:12], rng.uniform(-1, 1), [], [0]) for s in base]
+    teacher_lp = plain_logprobs(teacher, base)
+    with previous.in_place(model):
+        proximal_lp = plain_logprobs(model, base)
+    samples = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage,
+                           (prox - torch.tensor([rng.gauss(0, 0.6) for _ in prox])).tolist(), [0],
+                           teacher_logprobs=t.tolist()) for s, prox, t in zip(base, proximal_lp, teacher_lp)]
+    eps, cap, beta = 0.2, 2.0, 0.4
+    options = p.LossOptions(off_policy="decoupled", clip_eps=eps, behav_weight_cap=cap, teacher_coef=beta)
+    params = list(model.parameters())
+
+    loss, sums = policy_loss(model, as_trained(samples), options, True, 2.0, proximal=lambda: previous.in_place(model))
+    got = torch.autograd.grad(loss, params)
+    want_loss = hand_decoupled_distilled_loss(model, samples, proximal_lp, eps, cap, beta)
+    want = torch.autograd.grad(want_loss, params)
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, _), a, b in zip(model.named_parameters(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    assert 0 < sums.clipped < sums.tokens  # some tokens clipped or masked, not all

@@ -465,3 +465,41 @@ def test_a_received_state_puts_gradients_and_optimizer_state_beside_their_parame
     weight = model.weight
     assert weight.grad.device == weight.device and dst["optim/weight/exp_avg"].device == weight.device
     assert dst["optim/weight/step"].device == torch.device("cpu")
+
+
+def test_decoupled_ppo_keeps_the_previous_versions_weights_and_they_stay_through_a_swap_here(model_dir):
+    """From the first decoupled micro-batch on, each step keeps the weights it changes:
+    batch v + 1 is scored under version v - 1's weights as its proximal policy, also after
+    the agent was parked and taken back on this trainer."""
+    h = fresh_handler(model_dir)
+    rng = random.Random(5)
+    decoupled = p.LossOptions(off_policy="decoupled")
+    initial = {k: v.detach().clone() for k, v in h.agents["planner"].model.named_parameters()}
+    h._execute(micro_batch(2, "planner", 1, [sample(i, rng, 0) for i in range(4)], max_staleness=1, loss=decoupled))
+    assert h.agents["planner"].keeps_previous and h.agents["planner"].previous.tensors is None  # version 0: none yet
+    h._execute(p.OptimStep(3, "planner", 1, samples=4))
+    state = h.agents["planner"]
+    kept = state.previous.tensors
+    assert all(torch.equal(kept[k], initial[k]) for k in initial)
+    assert any(not torch.equal(p_.detach(), initial[k]) for k, p_ in state.model.named_parameters())
+    out = h._execute(p.OffloadAgent(4, "planner"))
+    h._execute(p.LoadAgent(5, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
+    state = h.agents["planner"]
+    assert all(torch.equal(state.previous.tensors[k], initial[k]) for k in initial)
+    version1 = {k: v.detach().clone() for k, v in state.model.named_parameters()}
+    h._execute(micro_batch(6, "planner", 2, [sample(i, rng, 1) for i in range(4)], max_staleness=1, loss=decoupled))
+    assert all(torch.equal(v.detach(), version1[k]) for k, v in state.model.named_parameters())  # put back
+    h._execute(p.OptimStep(7, "planner", 2, samples=4))
+    assert all(torch.equal(state.previous.tensors[k], version1[k]) for k in version1)
+    h.close()
+
+
+def test_only_a_decoupled_off_policy_agent_keeps_a_previous_version(model_dir):
+    h = fresh_handler(model_dir)
+    rng = random.Random(6)
+    for loss, staleness in ((p.LossOptions(off_policy="decoupled"), 0), (p.LossOptions(off_policy="ppo_clip"), 1)):
+        h._execute(micro_batch(2, "planner", h.agents["planner"].version + 1,
+                               [sample(i, rng, 0) for i in range(2)], max_staleness=staleness, loss=loss))
+        h._execute(p.OptimStep(3, "planner", h.agents["planner"].version + 1, samples=2))
+    assert h.agents["planner"].previous.tensors is None
+    h.close()
