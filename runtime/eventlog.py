@@ -55,6 +55,7 @@ import msgspec
 
 from . import collector
 from .events import EVENT_NAMES, FORMAT_VERSION, AnyEvent, Event, EventsLost
+from .legacy_events import TYPED_FORMAT, AnyLegacyEvent, LegacyReader
 
 if TYPE_CHECKING:
     import asyncio
@@ -514,13 +515,26 @@ class LogTail:
             return memoryview(data), len(data) < want
 
 
+class _Decoders:
+    """The decoders of one format's events: one at a time, an array, raw."""
+
+    def __init__(self, union: object) -> None:
+        self.one = msgspec.msgpack.Decoder(union)
+        self.array = msgspec.msgpack.Decoder(list[union])  # type: ignore[valid-type]
+
+
+_TYPED = _Decoders(AnyEvent)
+
+
 class _SegmentReader:
     def __init__(self) -> None:
         self.events: list[Event] = []
-        self.decoder = msgspec.msgpack.Decoder(AnyEvent)
-        self.batch_decoder = msgspec.msgpack.Decoder(list[AnyEvent])
+        self.decoders = _TYPED
         self.raw_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
         self.batched = True  # the format of the segment being read: an array of events a frame
+        # Formats 1 to 3 (groups named by strings), read as format 4; None for format 4.
+        self.legacy: LegacyReader | None = None
+        self._legacy_decoders: _Decoders | None = None
         self.next_seq = 0
         self.skipped: dict[str, int] = {}
         self.segment = 0  # for appending: the segment read last and its intact bytes
@@ -608,6 +622,12 @@ class _SegmentReader:
         if version < 1:
             return f"8: unknown format version {version}"
         self.batched = version >= BATCHED_FORMAT
+        if version < TYPED_FORMAT:
+            if self._legacy_decoders is None:
+                self._legacy_decoders = _Decoders(AnyLegacyEvent)
+            self.decoders, self.legacy = self._legacy_decoders, self.legacy or LegacyReader()
+        else:
+            self.decoders = _TYPED
         return None
 
     def _read_frame(self, data: memoryview, off: int) -> int | str:
@@ -647,14 +667,19 @@ class _SegmentReader:
             gap.next_seq = items[0][1] if type(items[0]) is tuple else items[0].seq
             gap.seq, gap.t = gap.first_seq, self.events[-1].t if self.events else 0.0
             self.events.append(gap)
-        self.events += items if not skipped else [e for e in items if type(e) is not tuple]
+        if skipped:
+            items = [e for e in items if type(e) is not tuple]
+        if self.decoders is not _TYPED and self.legacy is not None:
+            items = list(map(self.legacy, items))
+        self.events += items
         self.next_seq = seq
         return end
 
     def _decode(self, body: memoryview) -> list | str:
         """A frame's events; one of a kind added after this version is (kind, seq)."""
+        decoders = self.decoders
         try:
-            return self.batch_decoder.decode(body) if self.batched else [self.decoder.decode(body)]
+            return decoders.array.decode(body) if self.batched else [decoders.one.decode(body)]
         except msgspec.DecodeError as exc:
             error = exc
         try:
@@ -664,7 +689,7 @@ class _SegmentReader:
         items: list = []
         for raw in raws:
             try:
-                items.append(self.decoder.decode(raw))
+                items.append(decoders.one.decode(raw))
             except msgspec.DecodeError as exc:
                 unknown = _unknown_kind(raw)
                 if unknown is None:

@@ -15,16 +15,23 @@ This module knows nothing about files, the controller or workers: it is plain da
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Iterator, Union
 
 import msgspec
+
+from .keys import SCORE_TURN, GroupKey
 
 # Version of the log format (framing and event schemas). Readers refuse newer logs.
 # 2: a group's samples are named by the group and its members' count (`n`, `parts`), not
 # listed one by one; readers still read format 1.
 # 3: a frame holds the events of one write as a msgpack array (formats 1 and 2: one event a
 # frame); readers still read formats 1 and 2.
-FORMAT_VERSION = 3
+# 4: groups, samples and later turns are named by typed keys (runtime/keys.py: a group's
+# key, its members by index, a turn by its number), never by strings; micro-batches and
+# drops name parts of groups. Readers read formats 1 to 3 as format 4
+# (runtime/legacy_events.py), the frozen agents' GroupServed and the teachers'
+# TeacherScored of format 3 among them.
+FORMAT_VERSION = 4
 
 
 # gc=False: events hold plain data and never take part in a reference cycle, so the
@@ -148,18 +155,43 @@ PROMPT_FIELDS = ("prompt_tokens", "cached_tokens", "turn_prompt_tokens", "turn_c
 
 class Parts(msgspec.Struct, array_like=True, gc=False):
     """Groups, or contiguous parts of them, named compactly: part i is members `firsts[i]`
-    to `firsts[i] + sizes[i] - 1` of the group `keys[i]` (their sample ids `KEY/INDEX`); a
-    key naming a later turn of a conversation (`SAMPLE@TURN`) is that turn's one request."""
+    to `firsts[i] + sizes[i] - 1` of the group `keys[i]`, at turn `turns[i]` (no `turns`:
+    every part a first turn). A later turn (turn k >= 1) is member `firsts[i]` alone."""
 
-    keys: list[str] = []
+    keys: list[GroupKey] = []
     firsts: list[int] = []
     sizes: list[int] = []
+    turns: list[int] = []
 
-    def sample_ids(self) -> list[str]:
-        out: list[str] = []
-        for key, first, size in zip(self.keys, self.firsts, self.sizes):
-            out += [key] if "@" in key else [f"{key}/{j}" for j in range(first, first + size)]
-        return out
+    def __iter__(self) -> Iterator[tuple[GroupKey, int, int, int]]:
+        """(key, first, size, turn) of each part."""
+        turns = self.turns or (0,) * len(self.keys)
+        return zip(self.keys, self.firsts, self.sizes, turns)
+
+    def samples(self) -> list[tuple[GroupKey, int]]:
+        """The members of the parts that are first turns, as (group key, member), in order."""
+        return [(key, j) for key, first, size, turn in self if not turn for j in range(first, first + size)]
+
+    @property
+    def count(self) -> int:
+        """The samples the parts hold (a later turn: its one sample)."""
+        return sum(self.sizes)
+
+    def __repr__(self) -> str:  # for people: replay's check prints the decisions that differ
+        return f"Parts({', '.join(_named(*part) for part in self)})"
+
+
+def _named(key: GroupKey, first: int, size: int, turn: int) -> str:
+    if turn == SCORE_TURN:
+        return f"{key}/{first}@teacher"
+    if turn:
+        return f"{key}/{first}@{turn}"
+    return f"{key}/{first}" if size == 1 else f"{key}/{first}..{first + size - 1}"
+
+
+def whole(groups: list[tuple[GroupKey, int]]) -> Parts:
+    """Whole groups, (key, size) each, as parts."""
+    return Parts([key for key, _ in groups], [0] * len(groups), [size for _, size in groups])
 
 
 class RequestsDispatched(Event):
@@ -167,12 +199,8 @@ class RequestsDispatched(Event):
     worker: str
     agent: str
     request_id: int
-    sample_ids: list[str]  # format 1 (format 2 names them in `parts`: use `samples()`)
     tokens: int  # prompt tokens sent
     parts: Parts = msgspec.field(default_factory=Parts)
-
-    def samples(self) -> list[str]:
-        return self.sample_ids or self.parts.sample_ids()
 
 
 class RequestsCompleted(Event):
@@ -180,8 +208,7 @@ class RequestsCompleted(Event):
     worker: str
     agent: str
     request_id: int
-    sample_ids: list[str]  # format 1 (format 2 names them in `parts`: use `samples()`)
-    versions: list[int]  # the policy version that generated them: per sample (format 1), per part (format 2)
+    versions: list[int]  # per part: the policy version that generated it
     tokens: int  # output tokens received
     # Prompt tokens of these samples' requests (each sample counting its prompt) and how
     # many of them the engine found in its prefix cache (vLLM's count; a group's first
@@ -192,50 +219,40 @@ class RequestsCompleted(Event):
     turn_cached_tokens: int = 0
     parts: Parts = msgspec.field(default_factory=Parts)
 
-    def samples(self) -> list[str]:
-        return self.sample_ids or self.parts.sample_ids()
-
     def prompt_counts(self) -> tuple[int, int, int, int]:
         """The PROMPT_FIELDS, in order."""
         return self.prompt_tokens, self.cached_tokens, self.turn_prompt_tokens, self.turn_cached_tokens
 
-    def sample_versions(self) -> list[int]:
-        """Per sample of `samples()`: the policy version that generated it."""
-        if self.sample_ids:
-            return self.versions
-        return [v for key, size, v in zip(self.parts.keys, self.parts.sizes, self.versions)
-                for _ in range(1 if "@" in key else size)]
-
 
 class GroupOpened(Event):
-    # The n samples of one prompt exist from here on (this is what "generated" counts).
-    agent: str
-    group_id: str
-    sample_ids: list[str]  # format 1 (format 2: `n`, the members GROUP/0 .. GROUP/n-1; use `members()`)
+    # The n samples of one prompt, members 0 .. n-1 of the group `key`, exist from here on
+    # (this is what "generated" counts).
+    key: GroupKey
     # The global batch (iteration) that started it; stored under its first name, "tag".
     batch: int = msgspec.field(name="tag")
     n: int = 0
 
-    def members(self) -> list[str]:
-        return self.sample_ids or [f"{self.group_id}/{i}" for i in range(self.n)]
-
-    def size(self) -> int:
-        """len(members()), without making the ids."""
-        return len(self.sample_ids) or max(self.n, 0)
+    @property
+    def agent(self) -> str:
+        return self.key.agent
 
 
 class GroupComplete(Event):
     # Every member has output and reward: the group is trainable.
-    agent: str
-    group_id: str
+    key: GroupKey
     rewards: list[float]
     tokens: int = 0  # its prompt once plus every output: its size under a token budget
 
+    @property
+    def agent(self) -> str:
+        return self.key.agent
+
 
 class SamplesDropped(Event):
-    # Samples that will never train (too stale, failed, abandoned at shutdown).
+    # Samples that will never train (too stale, failed, abandoned at shutdown): whole groups
+    # as the controller drops them.
     agent: str
-    sample_ids: list[str]
+    parts: Parts
     why: str
 
 
@@ -243,32 +260,39 @@ class TeacherScored(Event):
     # On-policy distillation: every member of the distilled agent's group (of batch
     # `batch`) was scored by `teacher` (a prefill of its sequence), member j by the
     # teacher's policy version `versions[j]`.
-    agent: str
-    group_id: str
+    key: GroupKey
     batch: int
     teacher: str
     versions: list[int]
 
+    @property
+    def agent(self) -> str:
+        return self.key.agent
+
 
 class GroupServed(Event):
-    # A frozen agent's group (members GROUP/0 .. GROUP/n-1) once its episode ended well:
-    # generated, never to be trained; the rewards the workflow gave it, if any, in order.
-    agent: str
-    group_id: str
+    # A frozen agent's group (members 0 .. n-1 of the group `key`) once its episode ended
+    # well: generated, never to be trained; the rewards the workflow gave it, if any, in order.
+    key: GroupKey
     n: int
     rewards: list[float] = []
+
+    @property
+    def agent(self) -> str:
+        return self.key.agent
 
 
 # ---------------------------------------------------------------- training
 
 
 class MicroBatchFormed(Event):
-    # The pipeline's decision: these samples train `agent` into policy `version`.
+    # The pipeline's decision: these samples (whole groups, as the controller forms them)
+    # train `agent` into policy `version`.
     agent: str
     trainer: str
     version: int  # the version the optimizer step after this micro-batch produces
-    sample_ids: list[str]
-    min_versions: list[int]  # per sample: the oldest policy version in any of its turns
+    parts: Parts
+    min_versions: list[int]  # per sample of `parts`, in order: the oldest policy version in any of its turns
 
 
 class MicroBatchTrained(Event):

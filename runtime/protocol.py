@@ -24,13 +24,15 @@ from typing import Any, Literal, Sequence
 
 import msgspec
 
+from .keys import GroupKey
 from .params.types import ParamHandle
 
 # Bumped on every wire-format change, and when what a message means changes (8: a reply
 # carrying the worker's load stands in for its heartbeat; 9: environment workers and their
-# calls; 10: LoadAdapter; 11: teachers' logprobs, decoupled PPO): the controller refuses
-# workers of another version.
-PROTOCOL_VERSION = 11
+# calls; 10: LoadAdapter; 11: teachers' logprobs, decoupled PPO; 12: groups named by typed
+# keys, a later turn by its turn number, the training message carries groups, a teacher's
+# logprobs packed per group): the controller refuses workers of another version.
+PROTOCOL_VERSION = 12
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -253,9 +255,10 @@ class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=F
     """The samples of one prompt (part of a Generate): `n` of them, drawn with seeds
     `seed`, `seed + 1`, ..., run by the engine as one request with n outputs (the prompt's
     pass shared). A group split over instances travels as contiguous parts, each naming
-    its first member; a later turn of a conversation is a group of one."""
+    its first member; a later turn of a conversation is a group of one: member `first` of
+    the group `key`, at turn `turn`. Replies name the part by (key, first, turn)."""
 
-    key: str  # the group's id (a first turn) or the turn's request id (a later turn); replies name it
+    key: GroupKey
     agent: str
     n: int
     prompt_ids: list[int]
@@ -271,9 +274,12 @@ class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=F
     # An adapter agent's version the group is generated with (its adapter at that version
     # must be loaded); -1: the newest the instance holds.
     version: int = -1
+    # 0: the group's first turn; k >= 1: turn k of member `first` (n is 1); keys.SCORE_TURN:
+    # a teacher's scoring of member `first` (with score_from)
+    turn: int = 0
     # >= 1: score, do not generate (n is 1): the model's logprob of each of prompt_ids
-    # from this index on, in one prefill (a teacher scoring a student's sample); they come
-    # back as the member's ids and logprobs. -1: generate.
+    # from this index on, in one prefill (a teacher scoring member `first` of the student's
+    # group `key`); they come back as the member's ids and logprobs. -1: generate.
     score_from: int = -1
 
 
@@ -302,6 +308,16 @@ def packed(typecode: str, values: Any) -> bytes:
     return out.tobytes()
 
 
+def native(typecode: str, data: bytes) -> bytes:
+    """Packed little-endian bytes as this machine's own order (the bytes themselves on a
+    little-endian machine: no copy), for a memoryview cast to read; and back, the same swap."""
+    if not _SWAP:
+        return data
+    out = array.array(typecode, data)
+    out.byteswap()
+    return out.tobytes()
+
+
 def unpacked(typecode: str, data: bytes | memoryview) -> array.array:
     """The array `packed` made (a copy the caller owns)."""
     out = array.array(typecode)
@@ -315,7 +331,7 @@ class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
     """One finished part of a group: every member's tokens, the sampler's logprobs, the
     weights version used."""
 
-    key: str
+    key: GroupKey
     first: int
     version: int
     lengths: list[int]  # output tokens of each member, in order
@@ -327,6 +343,7 @@ class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
     # Prompt tokens the engine found in its prefix cache, as vLLM counts them for the
     # request (for a group of n, the count of a member after the first).
     cached_tokens: int = 0
+    turn: int = 0  # the GenGroup's
 
 
 class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -335,9 +352,10 @@ class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, 
     does not serve). Only this group failed: the worker is up and the rest of its message
     runs. Retrying it on an instance of the same model fails the same way."""
 
-    key: str
+    key: GroupKey
     first: int
     reason: str
+    turn: int = 0  # the GenGroup's
 
 
 class Generated(Message):
@@ -511,40 +529,45 @@ class AgentReady(Message):
     num_params: int
 
 
-class TurnSampling(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True, gc=False):
-    """The distribution a later turn of a conversation was sampled from, from output id
-    `start` on (its first generated id) until the next turn's start."""
+class MemberTurn(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True, gc=False):
+    """A later turn of one member of a TrainGroup: its output ids from `start` (its first
+    generated id) until the member's next turn were sampled at these settings."""
 
+    member: int
     start: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
 
 
-class TrainSample(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
-    """One sample in a micro-batch. `rollout_logprobs` are the sampler's, per output token."""
+class TrainGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """One group of a micro-batch (the n samples of one prompt), as the experience store
+    keeps it: the prompt once, every member's output ids and the sampler's logprobs packed
+    back to back (member j's are the `lengths[j]` after the members before it), an
+    advantage per member."""
 
-    sample_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    advantage: float
-    rollout_logprobs: list[float]
-    versions: list[int]  # policy version of every turn that produced the sample
-    # The distribution its (first) turn was sampled from, which the sampler's logprobs are
-    # of and the trainer scores under: logits / temperature (0, greedy: unscaled), cut to
-    # the top_k largest (0: no cut), then to the smallest set of probability >= top_p,
-    # renormalised (workers/trainer/sampling.py).
+    key: GroupKey
+    prompt_ids: bytes  # TOKEN_TYPECODE array
+    lengths: list[int]  # output ids of each member, in order
+    output_ids: bytes  # TOKEN_TYPECODE array: every member's, back to back
+    rollout_logprobs: bytes  # LOGPROB_TYPECODE array: the sampler's, one per output id (empty: none)
+    advantages: list[float]  # per member
+    versions: list[int]  # per member: the oldest policy version of any of its turns
+    # The distribution the members' first turn was sampled from, which the sampler's
+    # logprobs are of and the trainer scores under: logits / temperature (0, greedy:
+    # unscaled), cut to the top_k largest (0: no cut), then to the smallest set of
+    # probability >= top_p, renormalised (workers/trainer/sampling.py).
     temperature: float = 1.0
-    # Per output id: 1 where the agent generated it (trained), 0 where it was appended
-    # between turns of a conversation (other agents' messages, tool results). Empty: all 1.
-    loss_mask: list[int] = []
     top_p: float = 1.0
     top_k: int = 0
-    turns: list[TurnSampling] = []  # a conversation's later turns, each with its own settings
-    # On-policy distillation: the teacher's logprob of every output id (0.0 for ids
-    # appended between turns), from a prefill of prompt + output on the teacher; empty
-    # for an agent without a teacher.
-    teacher_logprobs: list[float] = []
+    # int8 per output id: 1 where the agent generated it (trained), 0 where it was appended
+    # between turns of a conversation (other agents' messages, tool results). Empty: all 1.
+    loss_mask: bytes = b""
+    turns: list[MemberTurn] = []  # the members' later turns, each with its own settings
+    # On-policy distillation: LOGPROB_TYPECODE array, the teacher's logprob of every output
+    # id (0.0 for ids appended between turns), packed as output_ids, from a prefill of
+    # prompt + output on the teacher; empty for an agent without a teacher.
+    teacher_logprobs: bytes = b""
 
 
 class TrainMicroBatch(Message):
@@ -553,7 +576,7 @@ class TrainMicroBatch(Message):
     request_id: int
     agent: str
     version: int  # the version these gradients will produce (current + 1)
-    samples: list[TrainSample]
+    groups: list[TrainGroup]
     max_staleness: int = 0  # above 0, samples are corrected as `loss.off_policy` says
     clip_ratio: float = 2.0  # importance ratio cap for off-policy samples
     loss: LossOptions = msgspec.field(default_factory=LossOptions)

@@ -352,9 +352,9 @@ def run_park(args, shape: str, path: Path, device: torch.device) -> None:
         vocab = SHAPES[shape]["vocab_size"]
         trainer.iteration("a", 1, samples(2, 16, 16, vocab, seed=2))  # Adam state exists
         pending = samples(2, 16, 16, vocab, seed=3)
-        for sample in pending:
-            sample.versions = [1]
-        trainer(protocol.TrainMicroBatch, agent="a", version=2, samples=pending)
+        for group in pending:
+            group.versions = [1] * len(group.lengths)
+        trainer(protocol.TrainMicroBatch, agent="a", version=2, groups=pending)
         before = state_of(trainer)
         sync(device)
         parked = trainer(protocol.OffloadAgent, agent="a", transport="shm")
@@ -417,9 +417,9 @@ def run_lora(args, shape: str, path: Path, device: torch.device, agents: int = 4
         adapter_elements = sum(p.numel() for p in trainer.handler.agents[names[0]].model.parameters())
         state = trainer.handler.agents[names[-1]]
         pending = samples(2, 16, 16, vocab, seed=6)
-        for sample in pending:
-            sample.versions = [2]
-        trainer(protocol.TrainMicroBatch, agent=names[-1], version=3, samples=pending)
+        for group in pending:
+            group.versions = [2] * len(group.lengths)
+        trainer(protocol.TrainMicroBatch, agent=names[-1], version=3, groups=pending)
         before = {k: v.detach().to("cpu", copy=True) for k, v in
                   training_state(state.model, state.optimizer, state.sums).items()}
         parked = trainer(protocol.OffloadAgent, agent=names[-1], transport="shm")

@@ -15,7 +15,7 @@ import cycle among the modules of each package.
     controller/                         workers/               runtime/
       cli (and __init__) | testing        main, models           bases, transport, eventlog, model_specs
       run                                 rollout | trainer |    config
-      view                                  env                  protocol, events
+      view                                  env                  protocol, events, keys
       replay                              session, precision,    params
       launch                              adapters,              aio, atomic, checksums,
       tasks                               channel_config           sandbox, tracebacks, ...
@@ -60,7 +60,7 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
           "runtime.progress_file", "runtime.sandbox", "runtime.staleness", "runtime.tracebacks",
           "runtime.user_modules")],
         [("runtime.params",)],
-        [("runtime.protocol", "runtime.events")],
+        [("runtime.protocol", "runtime.events", "runtime.keys", "runtime.legacy_events")],
         [("runtime.config",)],
         [("runtime.bases", "runtime.transport", "runtime.eventlog", "runtime.model_specs")],
         [("controller.testing",)],

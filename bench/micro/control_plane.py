@@ -25,6 +25,7 @@ import numpy as np
 from flexmarl.controller.run.experiment import Experiment
 from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import protocol as p
+from flexmarl.runtime.keys import GroupKey
 from flexmarl.runtime.aio import limit_threads, run_async
 from flexmarl.runtime.config import load_config
 
@@ -53,7 +54,7 @@ async def pipelined(exp: Experiment, workers: list[str], n: int, inflight: int) 
 
 async def batched(exp: Experiment, worker: str, n: int, batch: int) -> float:
     """Items per second when requests travel `batch` to a message (as Generate does with groups)."""
-    items = [p.GenGroup(f"g{i}", "a", 1, list(range(8)), 6, 1.0, i) for i in range(batch)]
+    items = [p.GenGroup(GroupKey("e", "a", f"g{i}"), "a", 1, list(range(8)), 6, 1.0, i) for i in range(batch)]
     t0 = time.perf_counter()
     for _ in range(n // batch):
         payload = msgspec.msgpack.encode(items)

@@ -104,7 +104,7 @@ async def one_round(training, way: str, round_no: int, episodes: int) -> tuple[i
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     if any(failures):
         raise RuntimeError(f"an episode failed: {[f for f in failures if f][0]}")
-    return sum(calls), len(store.samples), wall, cpu
+    return sum(calls), store.count("critic", "generated"), wall, cpu
 
 
 async def train_job(toml: str, steps: int) -> dict:

@@ -4,7 +4,7 @@ trainer driven in this process: what the GPU benches and the GPU check
 
     SHAPES                    the real shapes (and a tiny one for dry runs), keyed by name
     build_model(shape, root, device) -> the model directory, Hugging Face format
-    samples(n, prompt_len, output_len, vocab, seed) -> training samples
+    samples(n, prompt_len, output_len, vocab, seed) -> a micro-batch's groups (of one sample each)
     Trainer                   a TrainerHandler driven through its command table
     sync(device), memcpy_gb_s(nbytes)
 """
@@ -64,14 +64,17 @@ def build_model(shape: str, root: Path, device: torch.device) -> Path:
     return path
 
 
-def samples(n: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> list[protocol.TrainSample]:
+def samples(n: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> list[protocol.TrainGroup]:
+    """n samples of random ids, each a group of its own, advantages of both signs."""
+    from flexmarl.runtime.keys import GroupKey
+    from flexmarl.workers.trainer.batch import train_group
+
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         ids = torch.randint(4, vocab, (prompt_len + output_len,), generator=g).tolist()
-        out.append(protocol.TrainSample(f"s{seed}-{i}", ids[:prompt_len], ids[prompt_len:],
-                                        advantage=1.0 if i % 2 else -1.0,
-                                        rollout_logprobs=[-1.0] * output_len, versions=[0]))
+        out.append(train_group(GroupKey("bench", "a", f"s{seed}-{i}"), ids[:prompt_len], [ids[prompt_len:]],
+                               [1.0 if i % 2 else -1.0], [[-1.0] * output_len]))
     return out
 
 
@@ -95,13 +98,13 @@ class Trainer:
         lr = LR if lr is None else lr
         return self(protocol.InitAgent, agent=agent, model_path=str(path), lr=lr, seed=0, settings=settings)
 
-    def iteration(self, agent: str, version: int, batch: list[protocol.TrainSample]):
-        """One micro-batch and the step to `version`; the samples count as drawn from the
-        version before it (on-policy)."""
-        for sample in batch:
-            sample.versions = [version - 1]
-        self(protocol.TrainMicroBatch, agent=agent, version=version, samples=batch)
-        return self(protocol.OptimStep, agent=agent, version=version, samples=len(batch))
+    def iteration(self, agent: str, version: int, groups: list[protocol.TrainGroup]):
+        """One micro-batch of `groups` and the step to `version`; the samples count as drawn
+        from the version before it (on-policy)."""
+        for group in groups:
+            group.versions = [version - 1] * len(group.lengths)
+        self(protocol.TrainMicroBatch, agent=agent, version=version, groups=groups)
+        return self(protocol.OptimStep, agent=agent, version=version, samples=sum(len(g.lengths) for g in groups))
 
     def close(self):
         self.handler.close()

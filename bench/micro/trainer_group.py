@@ -37,18 +37,21 @@ from flexmarl.runtime import protocol as p  # noqa: E402
 from flexmarl.runtime.model_specs import TinyModelSpec  # noqa: E402
 from flexmarl.runtime.params.channel import ParamChannel  # noqa: E402
 from flexmarl.workers import models  # noqa: E402
+from flexmarl.runtime.keys import GroupKey  # noqa: E402
+from flexmarl.workers.trainer.batch import train_group  # noqa: E402
 from flexmarl.workers.trainer.group import TrainerGroupHandler  # noqa: E402
 from flexmarl.workers.trainer.worker import TrainerHandler  # noqa: E402
 
 
-def job(steps: int, micro_batches: int, samples: int) -> list[list[list[p.TrainSample]]]:
+def job(steps: int, micro_batches: int, samples: int) -> list[list[list[p.TrainGroup]]]:
+    """Per step, per micro-batch: `samples` groups of one sample each (its own prompt)."""
     rng = random.Random(0)
 
-    def sample(i: int, version: int) -> p.TrainSample:
+    def sample(i: int, version: int) -> p.TrainGroup:
         query = digit_chain.make_query(rng)
         output = digit_chain.make_query(rng) + digit_chain.make_query(rng)
-        return p.TrainSample(f"s{i}", digit_chain.solver_prompt(query), output, rng.uniform(-1, 1), [],
-                             [version - 1])
+        return train_group(GroupKey("bench", "agent", str(i)), digit_chain.solver_prompt(query), [output],
+                           [rng.uniform(-1, 1)], versions=[version - 1])
 
     return [[[sample(m * samples + i, v) for i in range(samples)] for m in range(micro_batches)]
             for v in range(1, steps + 1)]

@@ -79,18 +79,18 @@ def draw_groups(budget: int, group_size: int, seed: int, prompts: tuple[int, int
 
 
 def micro_batch(groups: list[tuple[int, list[int]]], vocab: int, seed: int) -> list:
-    """TrainSamples of the groups: random token ids, advantages of both signs, on-policy."""
-    from flexmarl.runtime import protocol
+    """The groups as the controller sends them: random token ids, advantages of both signs."""
+    from flexmarl.runtime.keys import GroupKey
+    from flexmarl.workers.trainer.batch import train_group
 
     rng = random.Random(seed)
-    samples = []
+    sent = []
     for g, (prompt_len, outs) in enumerate(groups):
         prompt = [rng.randrange(4, vocab) for _ in range(prompt_len)]
-        for i, n in enumerate(outs):
-            samples.append(protocol.TrainSample(f"g{g}/{i}", prompt, [rng.randrange(4, vocab) for _ in range(n)],
-                                                advantage=1.0 if i % 2 else -1.0, rollout_logprobs=[-1.0] * n,
-                                                versions=[0]))
-    return samples
+        outputs = [[rng.randrange(4, vocab) for _ in range(n)] for n in outs]
+        sent.append(train_group(GroupKey("bench", "agent", f"g{g}"), prompt, outputs,
+                                [1.0 if i % 2 else -1.0 for i in range(len(outs))], [[-1.0] * n for n in outs]))
+    return sent
 
 
 def train_flops(config, groups: list[tuple[int, list[int]]]) -> dict[str, float]:
@@ -166,7 +166,8 @@ def measure(shape: str, model: str, device: str, tokens: int, checkpointing: boo
     groups = draw_groups(tokens, group_size, seed, tuple(prompts), tuple(outputs))
     batch = micro_batch(groups, config.vocab_size, seed)
     row = {"shape": shape, "device": str(device), "budget_tokens": tokens, "compile_layers": compile_layers,
-           "activation_checkpointing": checkpointing, "groups": len(groups), "samples": len(batch),
+           "activation_checkpointing": checkpointing, "groups": len(groups),
+           "samples": sum(len(g.lengths) for g in batch),
            "prompt_lengths": [p for p, _ in groups], "output_lengths": [n for _, outs in groups for n in outs],
            **train_flops(config, groups)}
     dtype = {"cpu": "float32", "cuda": "bfloat16"}[device.type]

@@ -21,6 +21,7 @@ It knows the peer job's shape (peer_task), not how the stages are scheduled.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Any
@@ -74,8 +75,14 @@ def components(model_dir: str, reps: int = 7) -> dict:
 
     from flexmarl.runtime import protocol
     from flexmarl.workers.rollout.engine import VllmEngine
+    from flexmarl.runtime.keys import GroupKey
     from flexmarl.workers.rollout.group_requests import group_result
+    from flexmarl.workers.trainer.batch import samples_of, train_group
     from flexmarl.workers.trainer.loss import policy_loss
+
+    def split(values: list, lengths: list[int]) -> list[list]:
+        ends = list(itertools.accumulate(lengths))
+        return [values[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(p) for p in peer_task.prompts(8, 1234)]
@@ -89,8 +96,7 @@ def components(model_dir: str, reps: int = 7) -> dict:
         if how == "as 8 groups of 16":  # what the rollout worker does with a group's members
             for g in range(8):
                 n = next(counter)
-                engine.add_group([f"r{n}/{j}" for j in range(16)], prompts[g], peer_task.MAX_TOKENS, 1.0, 16 * n,
-                                 ignore_eos=False)
+                engine.add(f"r{n}", prompts[g], peer_task.MAX_TOKENS, 1.0, 16 * n, n=16, ignore_eos=False)
             return
         for i in range(ROUND):  # one request per sample (seeded, or not to show what seeds cost)
             n = next(counter)
@@ -117,9 +123,11 @@ def components(model_dir: str, reps: int = 7) -> dict:
     ms["weight reload: load_weights (all)"] = _timed(lambda: engine.load_weights(weights), reps)
     ms["weight reload: of which reset_prefix_cache"] = _timed(lambda: engine._engine.reset_prefix_cache(), reps)
 
-    done = completions[-ROUND:]
-    samples = [protocol.TrainSample(c.request_id, prompts[i % 8], c.token_ids, 1.0 if i % 2 else -1.0, c.logprobs,
-                                    [0]) for i, c in enumerate(done)]
+    done = completions[-8:]  # the last round, as 8 groups of 16
+    groups = [train_group(GroupKey("bench", "solver", str(g)), prompts[g], split(c.token_ids, c.lengths),
+                          [1.0 if i % 2 else -1.0 for i in range(len(c.lengths))], split(c.logprobs, c.lengths))
+              for g, c in enumerate(done)]
+    samples = samples_of(groups)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def fwd_bwd() -> None:
@@ -144,11 +152,10 @@ def components(model_dir: str, reps: int = 7) -> dict:
             lambda: model.generate(**batch, do_sample=True, max_new_tokens=peer_task.MAX_TOKENS, top_k=0,
                                    pad_token_id=tokenizer.pad_token_id), reps)
 
-    gen = protocol.Generate(1, [protocol.GenGroup(f"e/s-{g}", "solver", ROUND // 8, prompts[g], 5, 1.0, g * ROUND // 8)
-                                for g in range(8)])
-    per = ROUND // 8
-    out = protocol.Generated(1, [group_result(gen.groups[g], 0, done[g * per:(g + 1) * per]) for g in range(8)], True)
-    train = protocol.TrainMicroBatch(1, "solver", 1, samples, 0, 2.0, protocol.LossOptions())
+    gen = protocol.Generate(1, [protocol.GenGroup(GroupKey("e", "solver", str(g)), "solver", ROUND // 8, prompts[g], 5,
+                                                  1.0, g * ROUND // 8) for g in range(8)])
+    out = protocol.Generated(1, [group_result(gen.groups[g], 0, done[g]) for g in range(8)], True)
+    train = protocol.TrainMicroBatch(1, "solver", 1, groups, 0, 2.0, protocol.LossOptions())
     for name, msg in (("Generate", gen), ("Generated", out), ("TrainMicroBatch", train)):
         ms[f"message: {name} of {ROUND}, encode + decode"] = _timed(lambda: protocol.decode(protocol.encode(msg)),
                                                                     reps)

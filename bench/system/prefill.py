@@ -89,7 +89,7 @@ def tally(events: list[ev.Event]) -> dict[str, float]:
             t["turn_prompt"] += e.turn_prompt_tokens
             t["turn_cached"] += e.turn_cached_tokens
         elif isinstance(e, ev.GroupOpened):
-            t["generated"] += len(e.members()) if hasattr(e, "members") else len(e.sample_ids)
+            t["generated"] += e.n
     return t
 
 

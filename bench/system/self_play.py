@@ -33,14 +33,14 @@ def periods(events: list, every: int) -> list[dict]:
     from flexmarl.controller.state.decisions import snapshot_version
     from flexmarl.runtime import events as ev
 
-    batch_of = {e.group_id: e.batch for e in events if isinstance(e, ev.GroupOpened)}
+    batch_of = {e.key: e.batch for e in events if isinstance(e, ev.GroupOpened)}
     player: dict[int, list[float]] = collections.defaultdict(list)
     past: dict[int, list[float]] = collections.defaultdict(list)
     for e in events:
         if isinstance(e, ev.GroupComplete) and e.agent == "player":
-            player[snapshot_version(batch_of[e.group_id], every)] += e.rewards
+            player[snapshot_version(batch_of[e.key], every)] += e.rewards
         elif isinstance(e, ev.GroupServed) and e.agent == "past":
-            past[snapshot_version(batch_of[e.group_id], every)] += e.rewards
+            past[snapshot_version(batch_of[e.key], every)] += e.rewards
     refreshed = {e.version for e in events if isinstance(e, ev.SnapshotRefreshed)}
     rows = []
     for version in sorted(player):

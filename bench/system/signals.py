@@ -84,8 +84,10 @@ def prompts_for(agent: str, rng: random.Random, n: int) -> list[list[int]]:
 
 
 def draw(engine, prompts: list[list[int]], max_tokens: int, setting: tuple[float, float, int], seed: int) -> list:
-    """TrainSamples of what the engine wrote at `setting`, with its logprobs; advantages +1, -1 in turn."""
-    from flexmarl.runtime import protocol as p
+    """What the engine wrote at `setting`, with its logprobs, as the trainer reads it (each
+    sample a group of its own); advantages +1, -1 in turn."""
+    from flexmarl.runtime.keys import GroupKey
+    from flexmarl.workers.trainer.batch import samples_of, train_group
 
     temperature, top_p, top_k = setting
     for i, prompt in enumerate(prompts):
@@ -93,9 +95,9 @@ def draw(engine, prompts: list[list[int]], max_tokens: int, setting: tuple[float
     done = {}
     while engine.has_unfinished():
         done.update((c.request_id, c) for c in engine.step())
-    return [p.TrainSample(str(i), prompt, done[str(i)].token_ids, 1.0 if i % 2 else -1.0, done[str(i)].logprobs,
-                          [0], temperature=temperature, top_p=top_p, top_k=top_k)
-            for i, prompt in enumerate(prompts)]
+    return samples_of([train_group(GroupKey("bench", "agent", str(i)), prompt, [done[str(i)].token_ids],
+                                   [1.0 if i % 2 else -1.0], [done[str(i)].logprobs], temperature=temperature,
+                                   top_p=top_p, top_k=top_k) for i, prompt in enumerate(prompts)])
 
 
 def mismatch_sums(model, samples: list, clip_ratio: float) -> dict[str, dict[str, float]]:
@@ -115,7 +117,7 @@ def mismatch_sums(model, samples: list, clip_ratio: float) -> dict[str, dict[str
         uncut = (temperature, torch.zeros_like(top_k), torch.ones_like(top_p))
         scorings = {"before": token_scores(model, samples, valid, *uncut)[0],
                     "after": token_scores(model, samples, valid, temperature, top_k, top_p)[0]}
-        rollout = torch.tensor([s.rollout_logprobs for s in samples])
+        rollout = torch.tensor([list(s.rollout_logprobs) for s in samples])
         adv = torch.tensor([[s.advantage] for s in samples])
         out = {}
         for name, logp in scorings.items():

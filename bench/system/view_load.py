@@ -52,6 +52,7 @@ from typing import Any
 from flexmarl.controller.testing.browser import ViewProcess, headless_chromium
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import EventLog, segment_paths
+from flexmarl.runtime.keys import GroupKey
 
 GROUP = 4
 
@@ -81,25 +82,26 @@ async def write_synthetic(run_dir: Path, steps: int, agents: int, instances: int
     for step in range(1, steps + 1):
         log.emit(ev.BatchStarted(step, (step - 1) * queries))
         for a, agent in enumerate(names):
-            keys = [f"s{step}q{q}/{agent}-{a * 7919 + q:08x}-0" for q in range(queries)]
+            keys = [GroupKey(f"s{step}q{q}", agent, f"{a * 7919 + q:08x}-0") for q in range(queries)]
             rewards = {}
             for key in keys:
-                log.emit(ev.GroupOpened(agent, key, [], step, GROUP))
+                log.emit(ev.GroupOpened(key, step, GROUP))
             for first in range(0, len(keys), 4):  # four groups to a message, to one instance
                 part = keys[first:first + 4]
                 worker = workers[(request * 31) % len(workers)]
                 request += 1
-                parts = ev.Parts(part, [0] * len(part), [GROUP] * len(part))
-                log.emit(ev.RequestsDispatched(worker, agent, request, [], 8 * len(part), parts))
+                parts = ev.whole([(key, GROUP) for key in part])
+                log.emit(ev.RequestsDispatched(worker, agent, request, 8 * len(part), parts))
                 now[0] += 0.0005
-                log.emit(ev.RequestsCompleted(worker, agent, request, [], [step - 1] * len(part), 16 * len(part),
+                log.emit(ev.RequestsCompleted(worker, agent, request, [step - 1] * len(part), 16 * len(part),
                                               parts=parts))
                 for key in part:
                     rewards[key] = [round(rng.random(), 3) for _ in range(GROUP)]
-                    log.emit(ev.GroupComplete(agent, key, rewards[key], 24))
+                    log.emit(ev.GroupComplete(key, rewards[key], 24))
             trainer = trainers[a % len(trainers)]
-            members = [f"{key}/{m}" for key in keys for m in range(GROUP)]
-            log.emit(ev.MicroBatchFormed(agent, trainer, step, members, [step - 1] * len(members)))
+            members = [(key, m) for key in keys for m in range(GROUP)]
+            log.emit(ev.MicroBatchFormed(agent, trainer, step, ev.whole([(key, GROUP) for key in keys]),
+                                         [step - 1] * len(members)))
             now[0] += 0.001
             log.emit(ev.MicroBatchTrained(agent, trainer, step, len(members), 0.001))
             log.emit(ev.OptimizerStep(agent, trainer, step, len(members)))
@@ -110,7 +112,9 @@ async def write_synthetic(run_dir: Path, steps: int, agents: int, instances: int
                                       "samples": len(members), "time": round(now[0], 3), "staleness_mean": 0.0,
                                       "loss": -mean, "grad_norm": 1.0 - mean / 2, "logprob_abs_diff": 1e-7}) + "\n")
             for key in keys[:2]:
-                texts.write(json.dumps({"step": step, "agent": agent, "sample_id": f"{key}/0", "reward": rewards[key][0],
+                texts.write(json.dumps({"step": step, "agent": agent, "sample_id": key.sample(0),
+                                        "group": [key.episode, key.agent, key.call], "member": 0,
+                                        "reward": rewards[key][0],
                                         "versions": [step - 1], "turns": [{"role": "prompt", "text": f"query {key}"},
                                                                            {"role": "agent", "text": "an answer",
                                                                             "version": step - 1}]}) + "\n")

@@ -89,8 +89,8 @@ class Evaluator:
                     failed += 1
 
         await asyncio.gather(*(one(i) for i in range(e.episodes)))
-        kept = {a: [s for s in store.samples.values() if s.agent == a and s.status != "dropped"]
-                for a, c in self.cfg.agents.items() if not c.frozen}  # a frozen agent's are served, not measured
+        # A frozen agent's are served, not measured.
+        kept = {a: store.kept_views(a) for a, c in self.cfg.agents.items() if not c.frozen}
         versions = {a: sorted({v for s in samples for v in s.versions}) for a, samples in kept.items()}
         rows = [self.metrics.record_eval(step, agent, samples, failed, e.episodes, versions)
                 for agent, samples in kept.items()]

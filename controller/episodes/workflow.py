@@ -15,15 +15,16 @@
 `ctx.generate` / `ctx.chat` open one group in the experience store (n samples of one
 prompt; their advantages are relative to each other), send it through the rollout client
 as one request (the prompt once, n, the seed base: one future for the group) and return
-read-only views of its samples (store.SampleView) with their outputs. `ctx.continue_chat`
-(or `ctx.continue_ids`) adds another turn to a sample: the new messages' ids are appended
-(not trained), then the agent's next turn is generated (trained), by the instance that
-generated the turn before if it can (its prefix cache holds the conversation); every turn
-records the policy version that produced it and waits at the staleness gate first. Token
-ids are the source of truth: `sample.output_ids` are the engine's ids, `sample.text` only
-decodes them. A sample changes only through the context (`reward`, `continue_*`).
-Concurrency inside an episode (branches) and across episodes is plain asyncio; the
-episode runner bounds it.
+read-only views of its samples (store.SampleView, O(1) per access) with their outputs.
+`ctx.continue_chat` (or `ctx.continue_ids`) adds another turn to a sample: the new
+messages' ids are appended (not trained), then the agent's next turn is generated
+(trained), by the instance that generated the turn before if it can (its prefix cache
+holds the conversation); every turn records the policy version that produced it and waits
+at the staleness gate first. Token ids are the source of truth: `sample.output_ids` are the engine's ids, `sample.text` only
+decodes them. A sample changes only through the context (`reward`, `continue_*`), and the
+context exposes nothing else of the run: the store, the rollout client, the staleness gate
+and the endpoint it works with are its own. Concurrency inside an episode (branches) and
+across episodes is plain asyncio; the episode runner bounds it.
 
 `ctx.call(fn, ...)` runs a tool, environment or reward function off the event loop: on an
 environment worker (controller/environments/: `fn` by reference, its arguments and value
@@ -42,11 +43,11 @@ running are cancelled, any later `generate` in it raises `EpisodeClosed`, and ev
 it opened that is not yet trainable is dropped with the reason, counted and logged; the
 run goes on.
 
-Group ids (and with them the per-sample sampling seeds) follow from the episode, the
-agent, the prompt, the calling branch's place in the workflow and how many identical calls
-that branch made before, never from which branch happens to call or finish first, so the
-same episode draws the same tokens in sync and async mode, with any latency and any number
-of instances. A branch's place is its path of task creation from the episode: the episode
+Group keys (runtime/keys.py: the episode, the agent, the call's place; and with them the
+per-sample sampling seeds) follow from the episode, the agent, the prompt, the calling
+branch's place in the workflow and how many identical calls that branch made before,
+never from which branch happens to call or finish first, so the same episode draws the
+same tokens in sync and async mode, with any latency and any number of instances. A branch's place is its path of task creation from the episode: the episode
 is (), the i-th task it creates (asyncio.gather creates one per awaitable, in order) is
 (i,), that task's j-th is (i, j). `run_episode` installs the task factory that records it.
 """
@@ -68,11 +69,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey, TurnKey
 
 from ..environments.local import LocalSession, run_here
 from ..state.failures import RunFailed, user_frame, user_traceback
-from ..state.groups import GroupOutput
-from ..state.store import PENDING, ExperienceStore, SampleView
+from ..state.groups import GroupOutput, scored
+from ..state.store import PENDING, ExperienceStore, SampleView, TurnSampling
 from .tokens import PromptTooLong, text_size
 
 log = logging.getLogger("flexmarl.workflow")
@@ -98,7 +100,7 @@ def _branch_task_factory(loop: asyncio.AbstractEventLoop, coro: Any, *, context:
     """Creates tasks as asyncio does, each with its BRANCH: the parent's plus the number
     of tasks the parent created before it (program order, never timing)."""
     parent = asyncio.current_task(loop)
-    context = (context or contextvars.copy_context()).copy()
+    context = context.copy() if context is not None else contextvars.copy_context()  # the task's own
     if parent is not None:
         counter = _children.setdefault(parent, itertools.count())
         context.run(BRANCH.set, BRANCH.get() + (next(counter),))
@@ -149,18 +151,17 @@ class AgentDefaults:
                    list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher)
 
 
-def request_seed(run_seed: int, sample_id: str) -> int:
-    """Deterministic per-sample sampling seed: the same sample id draws the same tokens
-    under the same weights, whatever the batch it lands in (sync and async agree).
+def request_seed(run_seed: int, key: GroupKey, member: int = 0, turn: int = 0) -> int:
+    """Deterministic per-sample sampling seed: the same sample draws the same tokens under
+    the same weights, whatever the batch it lands in (sync and async agree).
 
-    A group's members (`GROUP/i`, the first turn of sample i) get consecutive seeds, base +
-    i with the base from the group id: a rollout worker then adds the group to its engine
-    as one request of n samples (vLLM seeds sample i with base + i), the tokens unchanged.
-    Any other request id (a later turn, `SAMPLE@k`) is hashed whole."""
-    group, _, member = sample_id.rpartition("/")
-    if group and member.isdigit() and len(member) < 9:
-        return (zlib.crc32(f"{run_seed}:{group}".encode()) & 0x3FFFFFFF) + int(member)
-    return zlib.crc32(f"{run_seed}:{sample_id}".encode()) & 0x7FFFFFFF
+    A group's members (the first turn of member i) get consecutive seeds, base + i with the
+    base from the group's key: a rollout worker then adds the group to its engine as one
+    request of n samples (vLLM seeds sample i with base + i), the tokens unchanged. A later
+    turn's seed is hashed from its turn key whole."""
+    if not turn:
+        return (zlib.crc32(f"{run_seed}:{key}".encode()) & 0x3FFFFFFF) + member
+    return zlib.crc32(f"{run_seed}:{TurnKey(key, member, turn)}".encode()) & 0x7FFFFFFF
 
 
 class EnvSessionHandle(Protocol):
@@ -193,20 +194,19 @@ class GroupPlace:
     branch: tuple[int, ...]
 
 
-def group_place(group_id: str, agent: str) -> GroupPlace | None:
-    """`agent`'s group `group_id` read back into its place: the inverse of
-    `EpisodeContext.group_id`, for readers of the event log (the web view); None for an id
-    that method did not make."""
-    episode, slash, rest = group_id.partition("/")
-    parts = rest.removeprefix(f"{agent}-").split("-")
-    if not slash or not rest.startswith(f"{agent}-") or len(parts) not in (2, 3) or not parts[-1].isdigit():
+def group_place(key: GroupKey) -> GroupPlace | None:
+    """The group `key` read back into its place: the branch is in the key's `call`, as
+    `EpisodeContext.group_key` made it (`CRC-OCCURRENCE` or `CRC-bBRANCH-OCCURRENCE`), for
+    readers of the event log (the web view); None for a key that method did not make."""
+    parts = key.call.split("-")
+    if not key.episode or len(parts) not in (2, 3) or not parts[-1].isdecimal():
         return None
     if len(parts) == 2:
-        return GroupPlace(episode, ())
+        return GroupPlace(key.episode, ())
     place = parts[1].removeprefix("b").split(".")
-    if not parts[1].startswith("b") or not all(p.isdigit() for p in place):
+    if not parts[1].startswith("b") or not all(p.isdecimal() for p in place):
         return None
-    return GroupPlace(episode, tuple(int(p) for p in place))
+    return GroupPlace(key.episode, tuple(int(p) for p in place))
 
 
 @dataclass
@@ -229,45 +229,54 @@ class _Calls:
     branches: set = field(default_factory=set)
 
 
-@dataclass
 class EpisodeContext:
-    episode_id: str
-    batch: int  # the global batch this episode belongs to
-    rng: random.Random
-    store: ExperienceStore
-    generator: Generator
-    agents: dict[str, AgentDefaults]
-    run_seed: int
-    env_latency_ms: float = 0.0
-    # Awaited before every turn: blocks until the agent's rollout weights are recent
-    # enough for this global batch (the staleness bound, checked per turn).
-    gate: Callable[[str, int], Awaitable[None]] | None = None
-    item: Any = None  # the episode's dataset row (None without a dataset)
-    tokenizers: dict[str, Any] = field(default_factory=dict)  # agent -> AgentTokenizer (tokens.py)
-    tools: ToolPool = field(default_factory=lambda: ToolPool())
-    # Evaluation: one greedy (or eval.temperature) sample per call, never trained.
-    eval_temperature: float | None = None
-    # Serving (`flexmarl serve`): calls of any n, at their own settings, never trained.
-    trains: bool = True
-    # The run's OpenAI endpoint (openai_api.py), when `openai.enabled`: this episode's
-    # calls through it are turns of this context (openai_turns.py).
-    endpoint: EpisodeEndpoint | None = None
-    groups: list[str] = field(default_factory=list)
-    closed: str = ""  # why the episode failed, once it has
-    failure: str = ""  # ... and, when it raised, the traceback of the user's code (state/failures.py)
-    _called: _Calls = field(default_factory=lambda: _Calls())
-    _openai: Any = None  # this episode's OpenAITurns, once its key was asked for
+    """What an episode's code is handed: the agents to call, its dataset row (`item`), a
+    random generator of its own (`rng`), tools, and nothing else of the run."""
 
-    def group_id(self, agent: str, prompt_ids: list[int]) -> str:
-        """The next group's id: the same call in the same place of the workflow (the same
-        branch, after as many identical calls of that branch) gets the same id in every
+    def __init__(self, episode_id: str, batch: int, rng: random.Random, store: ExperienceStore,
+                 generator: Generator, agents: dict[str, AgentDefaults], run_seed: int, env_latency_ms: float = 0.0,
+                 *, gate: Callable[[str, int], Awaitable[None]] | None = None, item: Any = None,
+                 tokenizers: dict[str, Any] | None = None, tools: ToolPool | None = None,
+                 eval_temperature: float | None = None, trains: bool = True,
+                 endpoint: EpisodeEndpoint | None = None) -> None:
+        self.episode_id = episode_id
+        self.batch = batch  # the global batch this episode belongs to
+        self.rng = rng
+        self.agents = agents
+        self.run_seed = run_seed
+        self.env_latency_ms = env_latency_ms
+        self.item = item  # the episode's dataset row (None without a dataset)
+        self.tokenizers = tokenizers if tokenizers is not None else {}  # agent -> AgentTokenizer (tokens.py)
+        self.tools = tools or ToolPool()
+        # Evaluation: one greedy (or eval.temperature) sample per call, never trained.
+        self.eval_temperature = eval_temperature
+        # Serving (`flexmarl serve`): calls of any n, at their own settings, never trained.
+        self.trains = trains
+        self.closed = ""  # why the episode failed, once it has
+        self.failure = ""  # ... and, when it raised, the traceback of the user's code (state/failures.py)
+        self._store = store
+        self._generator = generator
+        # Awaited before every turn: blocks until the agent's rollout weights are recent
+        # enough for this global batch (the staleness bound, checked per turn).
+        self._gate = gate
+        # The run's OpenAI endpoint (openai_api.py), when `openai.enabled`: this episode's
+        # calls through it are turns of this context (openai_turns.py).
+        self._endpoint = endpoint
+        self._opened: list[GroupKey] = []  # the groups this episode opened, in order
+        self._called = _Calls()
+        self._openai: Any = None  # this episode's OpenAITurns, once its key was asked for
+
+    def group_key(self, agent: str, prompt_ids: list[int]) -> GroupKey:
+        """The next group's key: the same call in the same place of the workflow (the same
+        branch, after as many identical calls of that branch) gets the same key in every
         run, whatever the timing."""
         branch = BRANCH.get()
-        key = (agent, zlib.crc32(repr(list(prompt_ids)).encode()), branch)
-        occurrence = self._called.counts[key]
-        self._called.counts[key] += 1
+        crc = zlib.crc32(repr(prompt_ids if type(prompt_ids) is list else list(prompt_ids)).encode())
+        counted, counts = (agent, crc, branch), self._called.counts
+        occurrence = counts.get(counted, 0)
+        counts[counted] = occurrence + 1
         place = f"b{'.'.join(map(str, branch))}-" if branch else ""
-        return f"{self.episode_id}/{agent}-{key[1]:08x}-{place}{occurrence}"  # read back by group_place
+        return GroupKey(self.episode_id, agent, f"{crc:08x}-{place}{occurrence}")  # read back by group_place
 
     async def generate(self, agent: str, prompt: str | list[int], n: int | None = None,
                        **sampling: Any) -> list[SampleView]:
@@ -296,23 +305,27 @@ class EpisodeContext:
         """Another turn of a `chat` sample: `messages` (other agents' words, tool results)
         are appended, then the agent replies. The trained sample stays one sequence whose
         loss covers only the agent's own turns."""
-        record = self._record(sample)
-        if record.messages is None:
-            raise ValueError(f"{record.sample_id} was not made by ctx.chat; use ctx.continue_ids")
-        tok = self.tokenizer(record.agent)
-        ended_with_eos = bool(record.output_ids) and record.output_ids[-1] == tok.eos_token_id
-        room = self.prompt_room(record.agent, sampling)
+        self._own(sample)
+        said = sample.messages
+        if said is None:
+            raise ValueError(f"{sample.sample_id} was not made by ctx.chat; use ctx.continue_ids")
+        tok = self.tokenizer(sample.agent)
+        ids = sample.output_ids
+        ended_with_eos = ids is not None and len(ids) > 0 and ids[-1] == tok.eos_token_id
+        before = [dict(m) for m in said]
+        after = before + [dict(m) for m in messages]
+        room = self.prompt_room(sample.agent, sampling)
         if room:  # what the conversation holds already takes room too
-            room = max(1, room - len(record.prompt_ids) - len(record.output_ids))
-        appended = await tok.sized(text_size(record.messages) + text_size(messages), room,
-                                   lambda: tok.chat_delta(record.messages, record.messages + list(messages),
-                                                          ended_with_eos, tools), "the appended messages")
-        self.store.annotate(record.sample_id, record.text, record.messages + list(messages))
-        return await self._turn(record.sample_id, appended, sampling)
+            room = max(1, room - len(sample.prompt_ids) - len(ids))
+        appended = await tok.sized(text_size(before) + text_size(messages), room,
+                                   lambda: tok.chat_delta(before, after, ended_with_eos, tools), "the appended messages")
+        self._store.annotate(sample.key, sample.member, sample.text, after)
+        return await self._turn(sample, appended, sampling)
 
     async def continue_ids(self, sample: SampleView, appended_ids: list[int], **sampling: Any) -> SampleView:
         """Another turn of any sample: `appended_ids` (not trained), then the agent's turn."""
-        return await self._turn(self._record(sample).sample_id, list(appended_ids), sampling)
+        self._own(sample)
+        return await self._turn(sample, list(appended_ids), sampling)
 
     def prompt_room(self, agent: str, sampling: dict) -> int:
         """The most tokens a prompt of `agent` may have in this call: its context less the
@@ -358,53 +371,52 @@ class EpisodeContext:
             raise ValueError(f"generate({agent!r}, n={n}): a group needs at least 2 samples, since "
                              f"advantages are rewards relative to the group's other samples")
         await self._wait_at_gate(agent)
-        group_id = self.group_id(agent, prompt_ids)
-        members = self.store.open_group(agent, group_id, prompt_ids, n, self.batch)
-        self.groups.append(group_id)
-        group, drawn = self._request(agent, group_id, members[0].prompt_ids, n, request_seed(self.run_seed, f"{group_id}/0"),
-                                     sampling)
-        self.store.record_group(group_id, await self.generator.generate(agent, group), drawn)
-        stop = group.stop
-        for s in members:
-            self._after_turn(s.sample_id, s.agent, None if messages is None else list(messages), stop)
-        return [SampleView(s) for s in members]
+        key = self.group_key(agent, prompt_ids)
+        self._store.open_group(key, prompt_ids, n, self.batch)
+        self._opened.append(key)
+        group, drawn = self._request(agent, key, prompt_ids, n, request_seed(self.run_seed, key), sampling)
+        self._store.record_group(key, await self._generator.generate(agent, group), drawn)
+        views = self._store.views(key)
+        if agent in self.tokenizers:
+            for view in views:
+                self._after_turn(view, None if messages is None else list(messages), group.stop)
+        return views
 
-    async def _turn(self, sample_id: str, appended: list[int], sampling: dict) -> SampleView:
+    async def _turn(self, sample: SampleView, appended: list[int], sampling: dict) -> SampleView:
         if self.closed:
             raise EpisodeClosed(self.closed)
-        record = self.store.samples[sample_id]
-        await self._wait_at_gate(record.agent)
-        if record.output_ids is None:  # its group is still generating its first turn
-            raise ValueError(f"sample {sample_id} cannot take another turn: its first turn has not returned yet")
-        request_id = f"{sample_id}@{len(record.versions)}"  # one request per turn
-        self._fits(record.agent, len(record.prompt_ids) + len(record.output_ids) + len(appended), sampling)
-        context = list(record.prompt_ids) + record.output_ids.tolist() + appended
-        group, drawn = self._request(record.agent, request_id, context, 1, request_seed(self.run_seed, request_id),
-                                     sampling)
-        output = await self.generator.generate(record.agent, group, record.served_by)
-        self.store.record_turn(sample_id, appended, output, drawn)
-        self._after_turn(sample_id, record.agent, record.messages, group.stop)
-        return SampleView(record)
+        key, member, agent = sample.key, sample.member, sample.agent
+        await self._wait_at_gate(agent)
+        context, after, turn = self._store.turn_context(key, member, appended)  # one request per turn
+        self._fits(agent, len(context), sampling)
+        group, drawn = self._request(agent, key, context, 1, request_seed(self.run_seed, key, member, turn), sampling,
+                                     member, turn)
+        output = await self._generator.generate(agent, group, after)
+        self._store.record_turn(key, member, appended, output, drawn)
+        view = self._store.view(key, member)
+        if agent in self.tokenizers:
+            said = view.messages
+            self._after_turn(view, None if said is None else [dict(m) for m in said], group.stop)
+        return view
 
-    def _record(self, sample: SampleView) -> Any:
-        record = self.store.samples.get(sample.sample_id)
-        if record is None or record.group_id not in self.groups:
+    def _own(self, sample: SampleView) -> None:
+        if sample.key.episode != self.episode_id or sample.key not in self._opened:
             raise ValueError(f"{sample.sample_id} belongs to another episode")
-        return record
 
     async def _wait_at_gate(self, agent: str) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._called.branches.add(task)
-        if self.gate is not None:
-            await self.gate(agent, self.batch)  # every turn: the staleness bound
+        if self._gate is not None:
+            await self._gate(agent, self.batch)  # every turn: the staleness bound
         if self.closed:  # failed while this branch waited at the gate
             raise EpisodeClosed(self.closed)
 
-    def _request(self, agent: str, key: str, context: list[int], n: int, seed: int,
-                 sampling: dict) -> tuple[protocol.GenGroup, protocol.TurnSampling]:
+    def _request(self, agent: str, key: GroupKey, context: list[int], n: int, seed: int, sampling: dict,
+                 member: int = 0, turn: int = 0) -> tuple[protocol.GenGroup, TurnSampling]:
         """The group to generate (`key` naming it, `context` its prompt, member j drawn with
-        seed + j) and the distribution it is sampled from (what the trainer will score it under)."""
+        seed + j; a later turn: of member `member`, at turn `turn`) and the distribution it
+        is sampled from (what the trainer will score it under)."""
         d = self.agents[agent]
         if sampling:  # the call's own settings over the agent's
             unknown = set(sampling) - SAMPLING_KEYS
@@ -413,27 +425,24 @@ class EpisodeContext:
                                 f"{', '.join(sorted(SAMPLING_KEYS))})")
             d = dataclasses.replace(d, **{k: v for k, v in sampling.items() if v is not None})
         temperature = self.eval_temperature if self.eval_temperature is not None else d.temperature
-        group = protocol.GenGroup(key, agent, n, context, d.max_tokens, temperature, seed, 0, d.top_p, d.top_k,
-                                  list(d.stop), list(d.stop_token_ids), d.ignore_eos)
-        return group, protocol.TurnSampling(0, temperature, d.top_p, d.top_k)
+        # The agent's stop lists are shared, not copied: nothing changes a group once made.
+        group = protocol.GenGroup(key, agent, n, context, d.max_tokens, temperature, seed, member, d.top_p, d.top_k,
+                                  d.stop, d.stop_token_ids, d.ignore_eos, turn=turn)
+        return group, TurnSampling(0, temperature, d.top_p, d.top_k)
 
-    def _after_turn(self, sample_id: str, agent: str, messages: list | None, stop: list[str]) -> None:
+    def _after_turn(self, sample: SampleView, messages: list | None, stop: list[str]) -> None:
         """The turn's text (decoded; a stop string's last token is in the ids, not the text)
         and the conversation with the reply appended."""
-        tok = self.tokenizers.get(agent)
-        if tok is None:
-            return
-        record = self.store.samples[sample_id]
-        assert record.output_ids is not None  # the turn's output was just recorded
-        turn = record.sampling[-1].start if len(record.sampling) > 1 else 0
-        text = tok.decode(record.output_ids[turn:].tolist())
-        if record.finish_reason == "stop" and stop:
+        tok = self.tokenizers[sample.agent]
+        ids, _ = sample.last_turn
+        text = tok.decode(ids.tolist())
+        if sample.finish_reason == "stop" and stop:
             cut = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
             if cut >= 0:
                 text = text[:cut]
         if messages is not None:
             messages = messages + [{"role": "assistant", "content": text}]
-        self.store.annotate(sample_id, text, messages)
+        self._store.annotate(sample.key, sample.member, text, messages)
 
     async def close(self, why: str) -> None:
         """Fails the episode: cancels its other branches and drops every group it opened
@@ -444,8 +453,8 @@ class EpisodeContext:
         for task in branches:
             task.cancel()
         await asyncio.gather(*branches, return_exceptions=True)
-        for group_id in self.groups:
-            self.store.drop_group(group_id, why)
+        for key in self._opened:
+            self._store.drop_group(key, why)
 
     async def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Runs a tool, environment or reward function off the event loop and returns its
@@ -496,18 +505,17 @@ class EpisodeContext:
                 raise ValueError(f"completion {sample} has {len(samples)} choices: give one reward per choice "
                                  f"(a list, by index), or reward them with ctx.reward_all")
             for s, v in zip(samples, values):
-                self.store.set_reward(s.sample_id, v)
+                self._store.set_reward(s.key, s.member, v)
             return
         if isinstance(value, (list, tuple)):
             raise TypeError(f"the reward of {sample.sample_id} is one number, not {value!r}")
-        self.store.set_reward(sample.sample_id, value)
+        self._store.set_reward(sample.key, sample.member, value)
 
     def samples(self, agent: str) -> list[SampleView]:
         """Every sample `agent` made in this episode so far (ctx.generate, ctx.chat, the
         OpenAI endpoint), in the order their groups opened."""
         self._check_agent(agent)
-        groups = [self.store.groups[g] for g in self.groups if g in self.store.groups]
-        return [SampleView(self.store.samples[sid]) for g in groups if g.agent == agent for sid in g.sample_ids]
+        return self._store.agent_views(self._opened, agent)
 
     def reward_all(self, agent: str, value: float | Callable[[SampleView], float]) -> None:
         """Rewards every sample of `agent` in this episode that has none yet: with `value`,
@@ -515,7 +523,7 @@ class EpisodeContext:
         text or conversation)."""
         for s in self.samples(agent):
             if s.reward is None and s.status == PENDING:
-                self.store.set_reward(s.sample_id, value(s) if callable(value) else value)
+                self._store.set_reward(s.key, s.member, value(s) if callable(value) else value)
 
     # ---------------------------------------------------------------- the OpenAI endpoint
 
@@ -537,16 +545,22 @@ class EpisodeContext:
 
     def _endpoint_turns(self) -> Any:
         if self._openai is None:
-            if self.endpoint is None:
+            if self._endpoint is None:
                 raise RuntimeError("the OpenAI endpoint is off: set openai.enabled = true in the job's config")
-            self._openai = self.endpoint.open_session(self)
+            self._openai = self._endpoint.open_session(self)
         return self._openai
 
-    def unrewarded(self) -> list[str]:
-        """The groups this episode opened that still wait for rewards (a frozen agent's need none)."""
-        groups = self.store.groups
-        return [g for g in self.groups if g in groups and groups[g].status == PENDING
-                and not self.agents[groups[g].agent].frozen]
+    # ---------------------------------------------------------------- for the endpoint's turns (openai_turns.py)
+
+    def _groups_opened(self) -> int:
+        return len(self._opened)
+
+    def _drop_since(self, count: int, why: str) -> None:
+        """Drops the groups opened after the first `count` (a call that failed alone)."""
+        for key in self._opened[count:]:
+            self._store.drop_group(key, why)
+
+    # ---------------------------------------------------------------- the episode's end
 
     async def score_by_teachers(self) -> None:
         """The episode's workflow ended: every sample of a distilled agent is final (no turn
@@ -555,29 +569,24 @@ class EpisodeContext:
         staleness gate; the store records which teacher version scored which member."""
         if not self.trains or self.eval_temperature is not None:
             return  # nothing of it is trained
-        groups = self.store.groups
-        scoring = [groups[g] for g in self.groups if g in groups and groups[g].status == PENDING
-                   and self.agents[groups[g].agent].teacher]
-        await asyncio.gather(*(self._score_group(group) for group in scoring))
+        await asyncio.gather(*(self._score_group(key) for key in self._store.to_score(self._opened)))
 
-    async def _score_group(self, group: Any) -> None:
-        teacher = self.agents[group.agent].teacher
+    async def _score_group(self, key: GroupKey) -> None:
+        teacher = self._store.teacher_of(key.agent)
         await self._wait_at_gate(teacher)
 
-        async def score(s: Any) -> GroupOutput:
-            ids = list(s.prompt_ids) + s.output_ids.tolist()
-            return await self.generator.generate(teacher, protocol.GenGroup(
-                f"{s.sample_id}@teacher", teacher, 1, ids, 1, 1.0, 0, score_from=len(s.prompt_ids)))
+        async def score(member: int, ids: list[int], start: int) -> tuple[list[float], int]:
+            # The student's group and member name the request; the teacher serves it.
+            return scored(await self._generator.generate(teacher, protocol.GenGroup(
+                key, teacher, 1, ids, 1, 1.0, 0, member, turn=SCORE_TURN, score_from=start)))
 
-        outputs = await asyncio.gather(*(score(s) for s in group.members))
-        self.store.record_teacher(group.group_id, [o.logprobs[0] for o in outputs], [o.versions[0] for o in outputs])
+        outputs = await asyncio.gather(*(score(j, ids, start)
+                                         for j, (ids, start) in enumerate(self._store.sequences(key))))
+        self._store.record_teacher(key, [lps for lps, _ in outputs], [version for _, version in outputs])
 
     def serve_frozen(self) -> None:
         """The episode ended well: its frozen agents' groups are served (generated, never trained)."""
-        groups = self.store.groups
-        for g in self.groups:
-            if g in groups and self.agents[groups[g].agent].frozen:
-                self.store.serve_group(g)
+        self._store.serve_groups(self._opened)
 
     async def end(self) -> None:
         """The episode is over: its key names no live episode from now on."""
@@ -619,9 +628,10 @@ async def _outcome(episode: Episode, ctx: EpisodeContext, timeout_s: float) -> s
         async with deadline:
             await episode(ctx)
             await ctx.score_by_teachers()
-        unfinished = ctx.unrewarded()
+        # A frozen agent's groups need no reward: they are served, never trained.
+        unfinished = [k for k in ctx._store.pending(ctx._opened) if not ctx.agents[k.agent].frozen]
         if unfinished:
-            named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else unfinished
+            named = ctx._openai.name_groups(unfinished) if ctx._openai is not None else list(map(str, unfinished))
             raise RuntimeError(f"episode ended without rewarding every sample of {named[:3]}")
         ctx.serve_frozen()
         return ""

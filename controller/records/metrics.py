@@ -62,18 +62,20 @@ class MetricsLog:
         self._durable = -1  # rows on disk as of the last make_durable
         self._durable_lock = asyncio.Lock()
 
-    def record(self, step: int, agent: str, version: int, samples: list[Any], times: Any, **extra: Any) -> None:
-        rewards = [s.reward for s in samples]
-        lags = [decisions.lag(version - 1, s.versions) for s in samples]
+    def record(self, step: int, agent: str, version: int, trained: list[Any], times: Any, **extra: Any) -> None:
+        """The step's row; `trained`: its micro-batches (store.MicroBatch: `rewards()`,
+        `oldest()`, `keys()`)."""
+        rewards = [r for mb in trained for r in mb.rewards()]
+        lags = [decisions.lag(version - 1, [v]) for mb in trained for v in mb.oldest()]
         row = {"step": step, "agent": agent, "version": version,
                "reward_mean": math.fsum(rewards) / len(rewards) if rewards else None,
-               "samples": len(samples), "time": round(self.clock() - self.started, 3),
+               "samples": len(rewards), "time": round(self.clock() - self.started, 3),
                "staleness_mean": round(sum(lags) / len(lags), 3) if lags else None,
                "staleness_max": max(lags) if lags else None,
                **{k: round(v, 4) for k, v in vars(times).items()}, **self._prefill(agent), **extra}
         self.write(row)
         if self.sample_log is not None:
-            self.sample_log.record(step, agent, [s.sample_id for s in samples])
+            self.sample_log.record(step, agent, [key for mb in trained for key in mb.keys()])
 
     def _prefill(self, agent: str) -> dict[str, Any]:
         """The agent's prompt tokens and prefix-cache hits since its last row."""

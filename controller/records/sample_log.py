@@ -4,21 +4,24 @@ With `run.samples_per_step = N`, every optimizer step of every agent writes N of
 samples it trained to RUN_DIR/samples.jsonl (and to the trackers: `log_samples`), the
 best and the worst reward first, the rest spread evenly between them. Each line:
 
-    {"step": 3, "agent": "solver", "sample_id": "...", "reward": 0.75, "versions": [2, 2],
+    {"step": 3, "agent": "solver", "sample_id": "...", "group": [EPISODE, AGENT, CALL],
+     "member": 1, "reward": 0.75, "versions": [2, 2],
      "turns": [{"role": "user", "text": "What is 7 + 5?"},
                {"role": "assistant", "text": "13", "version": 2}, ...]}
 
 A conversation (`ctx.chat`) is given by its messages; a sample made from text or token ids
 by its prompt and then each stretch of its output ids, decoded with the agent's tokenizer:
 the agent's own turns ("agent", with the policy version of each) and the ids appended
-between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`).
+between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`). `sample_id` is the sample's
+name for people; `group` (its group's key, runtime/keys.py, as a list) and `member` say
+which sample it is to a program (the web view).
 
 A frozen agent's samples (generated, never trained) are written the same way, marked
 `"trained": false`, once the step of their batch has ended (`record_served`).
 
-`SampleLog.group_ready` is an experience-store listener: it keeps a reference to each
-trainable sample's ids, which the store lets go once trained, until its step is recorded;
-`group_served` keeps a frozen agent's served samples the same way.
+`SampleLog.group_ready` is told each trainable group's samples (read-only views) and keeps
+what a row needs of them (the store lets the group go once trained) until its step is
+recorded; `group_served` keeps a frozen agent's served samples the same way.
 It does not know pipelines, trainers or how samples are made.
 """
 
@@ -55,6 +58,8 @@ class _Snapshot:
     versions: list[int]
     reward: float | None  # None: a frozen agent's sample the workflow gave no reward
     messages: list | None
+    group: list[str]  # the group's key (episode, agent, call)
+    member: int
 
 
 class SampleLog:
@@ -64,8 +69,9 @@ class SampleLog:
         self.tokenizers = tokenizers  # agent -> AgentTokenizer, filled at set-up
         self.trackers = list(trackers)
         self.path = Path(run_dir) / FILE
-        self._kept: dict[str, dict[str, _Snapshot]] = defaultdict(dict)  # agent -> sample id -> snapshot
-        self._served: dict[str, dict[str, _Snapshot]] = defaultdict(dict)  # frozen agent -> sample id -> snapshot
+        # agent -> group key -> (sample name, snapshot) per member
+        self._kept: dict[str, dict[Any, list[tuple[str, _Snapshot]]]] = defaultdict(dict)
+        self._served: dict[str, list[tuple[str, _Snapshot]]] = defaultdict(list)  # frozen agent -> its served samples
         if resumed_after is None:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():  # a resumed run writes the steps after its checkpoint again
@@ -73,33 +79,32 @@ class SampleLog:
                     if line.strip() and (step := _step_of(line)) is not None and step <= resumed_after]
             write_text_atomically(self.path, "".join(line + "\n" for line in kept))
 
-    def group_ready(self, agent: str, samples: list[Any]) -> None:
-        for s in samples:
-            self._kept[agent][s.sample_id] = _snapshot(s)
+    def group_ready(self, agent: str, key: Any, samples: list[Any]) -> None:
+        """The group `key` is trainable: its members' views."""
+        self._kept[agent][key] = [(s.sample_id, _snapshot(s)) for s in samples]
 
     def group_served(self, agent: str, samples: list[Any]) -> None:
-        for s in samples:
-            self._served[agent][s.sample_id] = _snapshot(s)
+        """A frozen agent's group was served: its members' views."""
+        self._served[agent] += [(s.sample_id, _snapshot(s)) for s in samples]
 
     def record_served(self, step: int) -> list[dict[str, Any]]:
         """Writes `per_step` of each frozen agent's samples of the batches up to `step`
         (marked not trained) and forgets the rest of them."""
         rows = []
         for agent, kept in self._served.items():
-            due = [(sid, snap) for sid, snap in kept.items() if snap.batch <= step]
-            for sid, _ in due:
-                del kept[sid]
+            due = [(sid, snap) for sid, snap in kept if snap.batch <= step]
+            kept[:] = [(sid, snap) for sid, snap in kept if snap.batch > step]
             rows += [{**self._row(step, agent, sid, snap), "trained": False} for sid, snap in pick(due, self.per_step)]
         self._write(step, rows)
         return rows
 
-    def record(self, step: int, agent: str, sample_ids: list[str]) -> list[dict[str, Any]]:
-        """Writes `per_step` of the samples `agent` trained at `step`; forgets the rest
-        of that step and every earlier one (dropped samples too)."""
+    def record(self, step: int, agent: str, keys: list[Any]) -> list[dict[str, Any]]:
+        """Writes `per_step` of the samples `agent` trained at `step` (the groups `keys`);
+        forgets the rest of that step and every earlier one (dropped samples too)."""
         kept = self._kept[agent]
-        trained = [(sid, kept[sid]) for sid in sample_ids if sid in kept]
-        for sid in [sid for sid, snap in kept.items() if snap.batch <= step]:
-            del kept[sid]
+        trained = [member for key in keys for member in kept.get(key, ())]
+        for key in [key for key, members in kept.items() if members and members[0][1].batch <= step]:
+            del kept[key]
         rows = [self._row(step, agent, sid, snap) for sid, snap in pick(trained, self.per_step)]
         self._write(step, rows)
         return rows
@@ -114,7 +119,8 @@ class SampleLog:
                         tracker.log_samples(step, agent, [row for row in rows if row["agent"] == agent])
 
     def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
-        return {"step": step, "agent": agent, "sample_id": sample_id, "reward": snap.reward,
+        return {"step": step, "agent": agent, "sample_id": sample_id, "group": snap.group, "member": snap.member,
+                "reward": snap.reward,
                 "versions": snap.versions, "turns": self._turns(agent, snap)}
 
     def _turns(self, agent: str, snap: _Snapshot) -> list[dict[str, Any]]:
@@ -148,8 +154,10 @@ class SampleLog:
 
 
 def _snapshot(s: Any) -> _Snapshot:
-    return _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), list(s.versions),
-                     s.reward, s.messages)
+    """What a row needs of a sample's view."""
+    return _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
+                     None if s.messages is None else [dict(m) for m in s.messages],
+                     [s.key.episode, s.key.agent, s.key.call], s.member)
 
 
 def _step_of(line: str) -> int | None:

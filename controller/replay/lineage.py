@@ -7,7 +7,7 @@ count no more: the same samples are trained again after the marker. And a resume
 restarts from the checkpoint of step t (`RunResumed`): whatever the crashed
 controller had done for the batches after t (groups opened, outputs received, micro-batches
 formed, steps taken) was undone with it, and those batches are generated and trained
-again, often under the same sample ids (they derive from the seed). `lineage(events)` cuts
+again, often under the same group keys (they derive from the seed). `lineage(events)` cuts
 those undone events out, so exactly-once accounting and `replay --check` judge the run
 that counts: every sample in it trained or dropped once.
 
@@ -34,6 +34,7 @@ from typing import Callable
 import msgspec
 
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.keys import GroupKey
 
 # Events of one version (= the batch that steps into it): undone when version > t.
 _BY_VERSION = (ev.MicroBatchFormed, ev.MicroBatchTrained, ev.OptimizerStep, ev.WeightSyncStarted,
@@ -56,15 +57,12 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
         return events
     lost, taints = _damage(events) if ev.EventsLost in kinds else ({}, {})
     kept: list[ev.Event] = []
-    batch_of_group: dict[str, int] = {}
-    batch_of_sample: dict[str, int] = {}
+    batch_of_group: dict[GroupKey, int] = {}
     epoch, tainted_from = 0, taints.get(0)
     cut_here = lost.get(0, set())
     for e in events:
         if isinstance(e, ev.GroupOpened):
-            batch_of_group[e.group_id] = e.batch
-            for sid in e.members():
-                batch_of_sample[sid] = e.batch
+            batch_of_group[e.key] = e.batch
         if isinstance(e, ev.EventsLost):
             if e.first_seq in _named(kept):
                 continue  # another record of damage already kept (the reader's and the resume's)
@@ -73,15 +71,13 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
             continue
         if isinstance(e, ev.RunResumed):
             step = e.step
-            kept = [c for x in kept if (c := _cut(x, lambda b: b is None or b <= step, batch_of_group,
-                                                  batch_of_sample)) is not None]
-            # Ids of undone batches may be opened again: forget what they were.
+            kept = [c for x in kept if (c := _cut(x, lambda b: b is None or b <= step, batch_of_group)) is not None]
+            # Keys of undone batches may be opened again: forget what they were.
             batch_of_group = {g: b for g, b in batch_of_group.items() if b <= e.step}
-            batch_of_sample = {s: b for s, b in batch_of_sample.items() if b <= e.step}
             epoch += 1
             tainted_from, cut_here = taints.get(epoch), lost.get(epoch, set())
         if cut_here:  # a group or sample of no known batch was opened in the damage: its batch is split
-            part = _cut(e, lambda b: b is not None and b not in cut_here, batch_of_group, batch_of_sample)
+            part = _cut(e, lambda b: b is not None and b not in cut_here, batch_of_group)
             if part is None:
                 continue
             e = part
@@ -149,14 +145,14 @@ def _split(members: list[ev.Event], gap: ev.EventsLost, agents: list[str], lo: i
     after it (started after it). With nothing after it (a lost tail), every batch up to
     `hi` not stepped before it."""
     before, after = gap.first_seq, gap.next_seq if gap.next_seq >= 0 else None
-    batch_of_group: dict[str, int] = {}
+    batch_of_group: dict[GroupKey, int] = {}
     earliest: dict[int, int] = {}
     stepped: dict[int, set[str]] = {}
     retrained: set[int] = set()
     started_after: set[int] = set()
     for e in members:
         if type(e) is ev.GroupOpened:
-            batch_of_group[e.group_id] = e.batch
+            batch_of_group[e.key] = e.batch
         for b in _batches_of(e, batch_of_group):
             earliest[b] = min(earliest.get(b, e.seq), e.seq)
         if type(e) is ev.OptimizerStep and e.seq < before:
@@ -173,57 +169,55 @@ def _split(members: list[ev.Event], gap: ev.EventsLost, agents: list[str], lo: i
     return {b for b in range(lo + 1, top + 1) if b not in whole_before and b not in whole_after}
 
 
-def _batches_of(e: ev.Event, batch_of_group: dict[str, int]) -> list[int]:
+def _batches_of(e: ev.Event, batch_of_group: dict[GroupKey, int]) -> list[int]:
     """The batches an event concerns (none: history, such as workers and placement)."""
     if isinstance(e, (ev.GroupOpened, ev.BatchStarted, ev.GroupTargets, ev.EpisodesDrawn, ev.TeacherScored)):
         return [e.batch]
     if isinstance(e, _BY_VERSION):
         return [e.version]
     if isinstance(e, (ev.GroupComplete, ev.GroupServed)):
-        return [batch_of_group[e.group_id]] if e.group_id in batch_of_group else []
+        return [batch_of_group[e.key]] if e.key in batch_of_group else []
     return []
 
 
-def _cut(e: ev.Event, keep: Callable[[int | None], bool], batch_of_group: dict[str, int],
-         batch_of_sample: dict[str, int]) -> ev.Event | None:
-    """`e` as far as it concerns batches `keep` keeps; None if nothing of it does (a
-    sample or group of no known batch is asked about as None; a later turn, `SAMPLE@k`,
-    belongs to its sample's batch)."""
-    def of_sample(sid: str) -> int | None:
-        return batch_of_sample.get(sid.partition("@")[0])
-
+def _cut(e: ev.Event, keep: Callable[[int | None], bool], batch_of_group: dict[GroupKey, int]) -> ev.Event | None:
+    """`e` as far as it concerns batches `keep` keeps; None if nothing of it does (a group
+    of no known batch is asked about as None; a later turn belongs to its group's batch)."""
     if isinstance(e, ev.GroupOpened):
         return e if keep(e.batch) else None
     if isinstance(e, (ev.GroupComplete, ev.GroupServed)):
-        return e if keep(batch_of_group.get(e.group_id)) else None
+        return e if keep(batch_of_group.get(e.key)) else None
     if isinstance(e, (ev.BatchStarted, ev.GroupTargets, ev.EpisodesDrawn, ev.TeacherScored)):
         return e if keep(e.batch) else None
     if isinstance(e, ev.EvaluationDone):
         return e if keep(e.step + 1) else None  # an evaluation of step t belongs to batch t + 1
     if isinstance(e, _BY_VERSION):
         return e if keep(e.version) else None
-    if isinstance(e, ev.RequestsCompleted):  # kept in the form that lists every sample
-        samples = e.samples()
-        kept_at = [i for i, sid in enumerate(samples) if keep(of_sample(sid))]
-        if len(kept_at) == len(samples):
+    if isinstance(e, ev.RequestsCompleted):
+        kept_at = _kept_parts(e.parts, keep, batch_of_group)
+        if len(kept_at) == len(e.parts.keys):
             return e
         if not kept_at:
             return None
-        versions = e.sample_versions()
-        return msgspec.structs.replace(e, sample_ids=[samples[i] for i in kept_at],
-                                       versions=[versions[i] for i in kept_at], parts=ev.Parts())
-    if isinstance(e, ev.RequestsDispatched):
-        samples = e.samples()
-        keep_ids = [sid for sid in samples if keep(of_sample(sid))]
-        if len(keep_ids) == len(samples):
+        return msgspec.structs.replace(e, versions=[e.versions[i] for i in kept_at], parts=_parts(e.parts, kept_at))
+    if isinstance(e, (ev.RequestsDispatched, ev.SamplesDropped)):
+        kept_at = _kept_parts(e.parts, keep, batch_of_group)
+        if len(kept_at) == len(e.parts.keys):
             return e
-        return msgspec.structs.replace(e, sample_ids=keep_ids, parts=ev.Parts()) if keep_ids else None
-    if isinstance(e, ev.SamplesDropped):
-        keep_ids = [sid for sid in e.sample_ids if keep(of_sample(sid))]
-        if len(keep_ids) == len(e.sample_ids):
-            return e
-        return msgspec.structs.replace(e, sample_ids=keep_ids) if keep_ids else None
+        return msgspec.structs.replace(e, parts=_parts(e.parts, kept_at)) if kept_at else None
     return e  # workers, placement, demand: history, not undone
+
+
+def _kept_parts(parts: ev.Parts, keep: Callable[[int | None], bool], batch_of_group: dict[GroupKey, int]) -> list[int]:
+    """The indices of the parts whose groups belong to batches `keep` keeps."""
+    return [i for i, key in enumerate(parts.keys) if keep(batch_of_group.get(key))]
+
+
+def _parts(parts: ev.Parts, at: list[int]) -> ev.Parts:
+    if len(at) == len(parts.keys):
+        return parts
+    return ev.Parts([parts.keys[i] for i in at], [parts.firsts[i] for i in at], [parts.sizes[i] for i in at],
+                    [parts.turns[i] for i in at] if parts.turns else [])
 
 
 def last_batch(log: list) -> int:

@@ -20,7 +20,7 @@ from flexmarl.runtime.config import RouterConfig
 
 from ..rollout.balance_rules import AgentDemand, RolloutBalancer
 from ..state import decisions
-from ..state.store import NO_LOGPROBS, NO_OUTPUT, ExperienceStore
+from ..state.store import ExperienceStore
 from .lineage import agent_roles, last_batch, lineage, lost_batches, open_steps
 
 # The events that feed a group to the store, each naming its agent.
@@ -71,39 +71,24 @@ def _refilled_store(log: list, agents: list[str], others: set[str], dynamic: Seq
     the order the controller saw them (and, for the agents with dynamic sampling, each
     batch's targets when the log set them); the run's `others` are left out."""
     store = ExperienceStore(agents, dynamic=[a for a in dynamic if a in agents])
-    groups = store.groups
     opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
     if others:  # a share of the run's agents: the others' groups are not refilled here
         log = [e for e in log if type(e) not in _GROUP_EVENTS or e.agent not in others]
     for e in log:
         kind = type(e)
         if kind is opened:
-            store.open_group(e.agent, e.group_id, [], e.size(), e.batch)  # open_group makes the ids
-        elif kind is completed:
-            if e.sample_ids:  # format 1: the samples by name
-                _record_samples(store, e.sample_ids, e.versions)
-                continue
-            parts = e.parts  # a part: members of one group, or a later turn (no group has its key)
-            for key, first, size, version in zip(parts.keys, parts.firsts, parts.sizes, e.versions):
-                if key in groups:
+            store.open_group(e.key, (), e.n, e.batch)
+        elif kind is completed:  # a part: members of one group, or a later turn (its group's versions are the first's)
+            for (key, first, size, turn), version in zip(e.parts, e.versions):
+                if not turn and store.holds(key):
                     store.record_versions(key, first, size, version)
-        elif kind is rewarded:
-            store.set_group_rewards(e.group_id, e.rewards)
-            groups[e.group_id].tokens = e.tokens  # the log has no token ids, only the count
+        elif kind is rewarded:  # the log has no token ids, only the count
+            store.set_group_rewards(e.key, e.rewards, size=e.tokens)
         elif kind is ev.GroupTargets:
             for agent, n in e.targets.items():
                 if agent in store.dynamic:
                     store.set_target(agent, e.batch, n)
     return store
-
-
-def _record_samples(store: ExperienceStore, sample_ids: list[str], versions: list[int]) -> None:
-    """Format 1's completions: per sample named, its version (the versions are what decide)."""
-    samples = store.samples
-    for sid, version in zip(sample_ids, versions):
-        sample = samples.get(sid)
-        if sample is not None and sample.output_ids is None:
-            store.record_output(sid, NO_OUTPUT, NO_LOGPROBS, [version])
 
 
 def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipeline: dict,
@@ -126,9 +111,8 @@ def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipe
         for agent in agents:
             trained = 0
             for mb in store.form_micro_batches(agent, batch, size, True, False, k):
-                trained += len(mb)
-                made[agent].append(ev.MicroBatchFormed(agent, "", batch, [s.sample_id for s in mb],
-                                                       [s.min_version for s in mb]))
+                trained += mb.samples
+                made[agent].append(ev.MicroBatchFormed(agent, "", batch, mb.parts(), mb.oldest()))
             assert decisions.step_due(True, store.ready_samples(agent, batch))
             if (agent, batch) not in unfinished:
                 made[agent].append(ev.OptimizerStep(agent, step_trainer.get((agent, batch), ""), batch, trained))

@@ -175,7 +175,7 @@ def _summarize(events: list[Event]) -> Summary:
     extra = 0
     for e in read["drops"]:
         if type(e) is SamplesDropped:
-            dropped[(e.agent, _reason(e.why))] += len(e.sample_ids)
+            dropped[(e.agent, _reason(e.why))] += e.parts.count
         else:
             extra += e.episodes
     agents = _agent_stats(read["agents"], run)
@@ -363,7 +363,7 @@ USAGE_EVENTS = frozenset({RequestsDispatched, RequestsCompleted, RunResumed, *_U
 
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
                   lost: bool = False) -> Span:
-    args = {"agent": d.agent, "request_id": d.request_id, "samples": len(d.sample_ids) or sum(d.parts.sizes),
+    args = {"agent": d.agent, "request_id": d.request_id, "samples": d.parts.count,
             "prompt_tokens": d.tokens}
     if tokens is not None:
         args["output_tokens"] = tokens

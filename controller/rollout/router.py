@@ -37,6 +37,7 @@ from typing import Any, Callable, Coroutine, Sequence
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.keys import GroupKey, TurnKey
 
 from ..control.interfaces import Emit
 from ..control.server import ControllerServer, RemoteError, WorkerDied
@@ -141,10 +142,10 @@ class _Part:
     owner: _Group
     after: str  # the instance of the sample's previous turn ("": a first turn)
     attempt: int = 1
+    cost: int = field(init=False)  # the tokens it may cost its engine: each member's prompt and max_tokens
 
-    @property
-    def cost(self) -> int:
-        return self.group.n * (len(self.group.prompt_ids) + self.group.max_tokens)
+    def __post_init__(self) -> None:
+        self.cost = self.group.n * (len(self.group.prompt_ids) + self.group.max_tokens)
 
 
 @dataclass
@@ -326,10 +327,10 @@ class RolloutClient:
         waiting = {}
         for part in parts:
             part.group.version = self.version_of(part.owner.agent)
-            waiting[(part.group.key, part.group.first)] = part
+            waiting[(part.group.key, part.group.first, part.group.turn)] = part
         msg = protocol.Generate(self.server.next_request_id(), [p.group for p in parts])
         for agent, mine in _by_agent(parts).items():
-            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, [], sum(len(p.group.prompt_ids) for p in mine),
+            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, sum(len(p.group.prompt_ids) for p in mine),
                                             _parts([p.group for p in mine])))
         future = self.server.stream(worker, msg, lambda reply, _: self._replied(worker, waiting, reply))
         future.add_done_callback(lambda f: self._message_ended(worker, waiting, f))
@@ -339,13 +340,14 @@ class RolloutClient:
         for worker, msg, _ in messages:
             await self.server.send_request(worker, msg)
 
-    def _replied(self, worker: str, waiting: dict[tuple[str, int], _Part], msg: protocol.Message) -> bool:
+    def _replied(self, worker: str, waiting: dict[tuple[GroupKey, int, int], _Part], msg: protocol.Message) -> bool:
         assert isinstance(msg, protocol.Generated)
         done = []
         for result in msg.results:
-            part = waiting.pop((result.key, result.first), None)
+            part = waiting.pop((result.key, result.first, result.turn), None)
             if part is None:
-                log.warning("%s returned an unknown or repeated group %s/%d", worker, result.key, result.first)
+                log.warning("%s returned an unknown or repeated group %s (from member %d, turn %d)", worker,
+                            result.key, result.first, result.turn)
                 continue
             self.owner.work_done(worker, part.cost)
             done.append((part, result))
@@ -356,13 +358,14 @@ class RolloutClient:
                 owner.future.set_result(assemble(owner.parts))
         self._log_completed(worker, msg.request_id, done)
         for refusal in msg.refused:  # fails its episode alone; never re-issued (same model, same refusal)
-            part = waiting.pop((refusal.key, refusal.first), None)
+            part = waiting.pop((refusal.key, refusal.first, refusal.turn), None)
             if part is None:
-                log.warning("%s refused an unknown or repeated group %s/%d", worker, refusal.key, refusal.first)
+                log.warning("%s refused an unknown or repeated group %s (from member %d, turn %d)", worker,
+                            refusal.key, refusal.first, refusal.turn)
                 continue
             self.owner.work_done(worker, part.cost)
             self.refused += 1
-            _fail(part.owner, RequestRefused(f"{part.owner.agent} on {worker} refused {refusal.key}: "
+            _fail(part.owner, RequestRefused(f"{part.owner.agent} on {worker} refused {_named(part.group)}: "
                                              f"{refusal.reason}"))
         return msg.done
 
@@ -377,14 +380,15 @@ class RolloutClient:
                 prompt[later] += n * len(p.group.prompt_ids)
                 cached[later] += r.cached_tokens * (n - 1 if n > 1 else 1)
             event = ev.RequestsCompleted(
-                worker, agent, request_id, [], [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
+                worker, agent, request_id, [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
                 prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]))
             self.emit(event)
             counts = self.prompt_counts[agent]
             for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):
                 counts[name] += value
 
-    def _message_ended(self, worker: str, waiting: dict[tuple[str, int], _Part], future: asyncio.Future) -> None:
+    def _message_ended(self, worker: str, waiting: dict[tuple[GroupKey, int, int], _Part],
+                       future: asyncio.Future) -> None:
         """The message's last reply came, or its instance died or failed it: what it left
         unfinished is routed again (the dead have left every agent), up to max_attempts."""
         if not waiting:
@@ -427,20 +431,27 @@ def _cut(part: _Part, sizes: list[int]) -> list[_Part]:
     for size in sizes:
         piece = protocol.GenGroup(g.key, g.agent, size, g.prompt_ids, g.max_tokens, g.temperature,
                                   g.seed + first - g.first, first, g.top_p, g.top_k, g.stop, g.stop_token_ids,
-                                  g.ignore_eos, g.version)
+                                  g.ignore_eos, g.version, g.turn, g.score_from)
         pieces.append(_Part(piece, part.owner, part.after, part.attempt))
         first += size
     return pieces
 
 
+def _named(group: protocol.GenGroup) -> str:
+    """The group, or the later turn, for people."""
+    return str(TurnKey(group.key, group.first, group.turn)) if group.turn else str(group.key)
+
+
 def _later(group: protocol.GenGroup) -> bool:
-    """A later turn of a sample (its request id is `SAMPLE@TURN`), not a group's first."""
-    return "@" in group.key
+    """A later turn of a sample, not a group's first."""
+    return group.turn > 0
 
 
 def _parts(groups: list[protocol.GenGroup]) -> ev.Parts:
     """How the event log names these groups' samples."""
-    return ev.Parts([g.key for g in groups], [g.first for g in groups], [g.n for g in groups])
+    turns = [g.turn for g in groups]
+    return ev.Parts([g.key for g in groups], [g.first for g in groups], [g.n for g in groups],
+                    turns if any(turns) else [])
 
 
 def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:

@@ -56,7 +56,7 @@ from ..state.schedule import BatchSchedule
 from ..state.store import ExperienceStore
 from ..state.versions import SyncedVersions
 from ..train.allocator import TrainerAllocator
-from ..train.checkpoints import Checkpointer, ResumePoint, continue_episodes, resume_counters, run_state
+from ..train.checkpoints import Checkpointer, ResumePoint, continue_episodes, controller_state, resume_counters
 from ..train.pipeline import AgentPipeline
 from ..train.trainer_lanes import TrainerLanes
 from ..weights.sync import WeightSync
@@ -283,7 +283,7 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     schedule = BatchSchedule(trained, cfg.run.steps, cfg.pipeline.queries_per_step,
                              overlap=cfg.pipeline.mode == "async", max_staleness=cfg.pipeline.max_staleness,
                              versions=versions, snapshots={a: every for a, (_, every) in snapshots.items()})
-    store.on_ready.append(lambda group: schedule.work_arrived(group.agent))
+    store.on_ready.append(lambda key: schedule.work_arrived(key.agent))
     instances = RolloutInstances(units, emit)
     pipelines: dict[str, AgentPipeline] = {}
     allocator = TrainerAllocator(server, [], cfg.cluster.trainer_capacity, {a: cfg.agents[a] for a in trained},
@@ -321,8 +321,8 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                                resolved.tokenizers, endpoint)
     checkpoints = Checkpointer(given.run_dir / "checkpoints", trained, every=cfg.run.checkpoint_every,
                                keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
-                               controller_state=lambda step: run_state(cfg, step, store, instances,
-                                                                       resolved.dataset, episodes, versions),
+                               controller_state=lambda step: _run_state(cfg, step, store, instances,
+                                                                        resolved.dataset, episodes, versions),
                                full_state=cfg.cluster.trainer_group_size == 1)
     if given.resume is not None:
         continue_episodes(given.resume, cfg, resolved.dataset, episodes)
@@ -341,6 +341,15 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                       load_message)
 
 
+def _run_state(cfg: ExperimentConfig, step: int, store: ExperienceStore, instances: RolloutInstances,
+               dataset: Dataset | None, episodes: EpisodeProducer, versions: SyncedVersions) -> dict[str, Any]:
+    """`controller_state` read off the run's components: the store's samples past the cut,
+    the rollout instances' assignment, the episode numbering, the synced versions."""
+    past = store.samples_past(step)
+    return controller_state(cfg, step, instances.assignment, {a: past[a] for a in cfg.agents}, dataset,
+                            episodes.episode_number(step + 1, 0), versions)
+
+
 def _metrics(cfg: ExperimentConfig, resolved: Resolved, given: Given, store: ExperienceStore,
              schedule: BatchSchedule, client: RolloutClient) -> MetricsLog:
     """The metrics log, its trackers and (run.samples_per_step > 0) the sample log it
@@ -351,9 +360,8 @@ def _metrics(cfg: ExperimentConfig, resolved: Resolved, given: Given, store: Exp
     if cfg.run.samples_per_step > 0:
         sample_log = SampleLog(given.run_dir, cfg.run.samples_per_step, resolved.tokenizers, trackers,
                                resumed_after=resume.step if resume is not None else None)
-        store.on_ready.append(lambda group: sample_log.group_ready(
-            group.agent, [store.samples[sid] for sid in group.sample_ids]))
-        store.on_served.append(lambda group: sample_log.group_served(group.agent, group.members))
+        store.on_ready.append(lambda key: sample_log.group_ready(key.agent, key, store.views(key)))
+        store.on_served.append(lambda key: sample_log.group_served(key.agent, store.views(key)))
     return MetricsLog(given.run_dir, schedule.agents, progress=cfg.run.progress, trackers=trackers,
                       resumed=resume is not None, first_step=schedule.first_batch, sample_log=sample_log,
                       prompt_counts=client.prompt_counts.__getitem__)

@@ -156,11 +156,10 @@ def canonical(message: dict) -> tuple:
 
 
 def last_turn(sample: Any) -> tuple[list[int], list[float]]:
-    """The ids and sampler's logprobs of the sample's last turn (its trailing trained ids)."""
-    start = len(sample.mask)
-    while start > 0 and sample.mask[start - 1]:
-        start -= 1
-    return list(sample.output_ids[start:]), list(sample.logprobs[start:])
+    """The ids and sampler's logprobs of the sample's last turn, as lists for a response
+    (the view gives them without a copy: `SampleView.last_turn`)."""
+    ids, logprobs = sample.last_turn
+    return ids.tolist(), logprobs.tolist()
 
 
 class TurnEndpoint(Protocol):
@@ -211,16 +210,16 @@ class OpenAITurns:
             raise KeyError(f"no completion {completion_id!r} in episode {self.ctx.episode_id}")
         return self.completions[completion_id]
 
-    def name_groups(self, group_ids: list[str]) -> list[str]:
+    def name_groups(self, keys: list[Any]) -> list[str]:
         """The completions (and choices) holding the unrewarded samples of these groups."""
-        wanted, named = set(group_ids), []
+        wanted, named = set(keys), []
         for cid, samples in self.completions.items():
-            unrewarded = [i for i, s in enumerate(samples) if s.group_id in wanted and s.reward is None]
+            unrewarded = [i for i, s in enumerate(samples) if s.key in wanted and s.reward is None]
             if unrewarded:
                 which = "" if len(samples) == 1 else f" (choices {', '.join(map(str, unrewarded))})"
                 named.append(f"{samples[0].agent} {cid}{which}")
-        covered = {s.group_id for samples in self.completions.values() for s in samples}
-        return named + [g for g in group_ids if g not in covered]
+        covered = {s.key for samples in self.completions.values() for s in samples}
+        return named + [str(k) for k in keys if k not in covered]
 
     async def end(self) -> None:
         self.endpoint.forget(self.api_key)
@@ -302,7 +301,7 @@ class OpenAITurns:
         choices, completion_tokens = [], 0
         for index, sample in enumerate(samples):
             ids, logprobs = last_turn(sample)
-            self.texts.append((agent, sample, list(sample.prompt_ids) + list(sample.output_ids)))
+            self.texts.append((agent, sample, sample.prompt_ids.tolist() + sample.output_ids.tolist()))
             choices.append(CompletionResponseChoice(
                 index=index, text=sample.text, finish_reason=self._finish(sample, ids, sampling),
                 logprobs=self._text_logprobs(agent, ids, logprobs) if request.logprobs else None,
@@ -321,14 +320,13 @@ class OpenAITurns:
         from ..episodes.workflow import EpisodeClosed
         from ..rollout.router import RequestRefused
 
-        opened = len(self.ctx.groups)
+        opened = self.ctx._groups_opened()
         try:
             return await call
         except EpisodeClosed as exc:
             raise CallError(409, f"the episode already failed: {exc}") from None
         except (ValueError, TypeError, RequestRefused) as exc:
-            for group_id in self.ctx.groups[opened:]:
-                self.ctx.store.drop_group(group_id, f"its call failed: {exc}")
+            self.ctx._drop_since(opened, f"its call failed: {exc}")
             raise CallError(400, str(exc)) from None
 
     def _continued(self, agent: str, said: list[tuple]) -> Conversation | None:
@@ -405,8 +403,9 @@ class OpenAITurns:
 def _context(sample: Any) -> list[int]:
     """The ids the sample's last turn was generated from: the prompt, every earlier turn
     and what was appended between turns."""
-    turn, _ = last_turn(sample)
-    return (list(sample.prompt_ids) + list(sample.output_ids))[:len(sample.prompt_ids) + len(sample.output_ids) - len(turn)]
+    turn, _ = sample.last_turn
+    output = sample.output_ids
+    return sample.prompt_ids.tolist() + output[:len(output) - len(turn)].tolist()
 
 
 def _open(sample: Any) -> bool:

@@ -158,9 +158,10 @@ class MicroBatchSize:
     def limit(self) -> int:
         return self.tokens or self.samples
 
-    def of_group(self, group: Any) -> int:
-        """A group's size in this measure (a store `Group`: `sample_ids`, `tokens`)."""
-        return group.tokens if self.tokens else len(group.sample_ids)
+    def of_group(self, samples: int, tokens: int) -> int:
+        """A group's size in this measure: its `samples`, or its `tokens` (its prompt once
+        plus every output)."""
+        return tokens if self.tokens else samples
 
 
 def cut_micro_batch(ready: int, limit: int, batch_complete: bool, overlap: bool) -> bool:
@@ -193,12 +194,15 @@ def step_due(batch_complete: bool, ready_samples: int) -> bool:
 
 
 def split_stale(taken: list, batch: int, max_staleness: int) -> tuple[list, list]:
-    """Samples taken for global batch `batch` (store `Sample`s: `group_id`, `versions`),
-    split into those that may train version batch - 1 and those of a group with any turn
-    older than the bound: a group is kept or dropped whole. Changes nothing it is given.
+    """Groups taken for global batch `batch` (store records: `oldest()`, each member's
+    oldest version), split into those that may train version batch - 1 and those with any
+    turn older than the bound: a group is kept or dropped whole. Changes nothing it is given.
 
     The staleness bound is enforced here, where samples meet the trainer: the gate
     (`may_generate`) makes a stale sample impossible in normal runs; this is the
     guarantee, the gate the mechanism."""
-    stale = {s.group_id for s in taken if too_stale(batch - 1, s.versions, max_staleness)}
-    return [s for s in taken if s.group_id not in stale], [s for s in taken if s.group_id in stale]
+    kept: list = []
+    stale: list = []
+    for group in taken:
+        (stale if too_stale(batch - 1, group.oldest(), max_staleness) else kept).append(group)
+    return kept, stale

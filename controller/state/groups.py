@@ -1,11 +1,9 @@
 """What a generated group comes back to the workflow as: `GroupOutput`, one value per group.
 
-A group may have been split over instances (contiguous parts, each answered by its own
-`GroupResult`); `assemble` puts the parts back in member order. Token ids and logprobs
-stay packed arrays (protocol.TOKEN_TYPECODE, LOGPROB_TYPECODE), one per member, copied out
-of the reply once; every member carries the version and the instance that generated it
-(a later turn of the sample goes back to that instance: its prefix cache holds the
-conversation).
+A group comes back as the rollout replies carried it: one `GroupResult` per part (a group
+split over instances came back in contiguous parts), each with the instance that sent it.
+Nothing is sliced per member here: the experience store keeps a part's packed arrays as
+they arrived (store.py), a group of several parts joined once, in member order.
 
 Plain data: no sockets, no asyncio.
 """
@@ -13,51 +11,50 @@ Plain data: no sockets, no asyncio.
 from __future__ import annotations
 
 import array
-import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 from flexmarl.runtime import protocol
+from flexmarl.runtime.keys import GroupKey
 
 
 @dataclass(slots=True)
 class GroupOutput:
-    token_ids: list[array.array]  # per member, in order
-    logprobs: list[array.array]  # per member: one per token
-    finish_reasons: list[str]
-    versions: list[int]  # per member: the policy version that generated it
-    served_by: list[str]  # per member: the instance that generated it
-    # Prompt tokens each member's engine found in its prefix cache (vLLM counts one per
-    # request: a part's first member is counted as having found nothing, never flattering).
-    cached_tokens: list[int]
+    # The parts' results in member order, each with the instance that generated it.
+    parts: list[tuple[protocol.GroupResult, str]]
 
     @property
     def n(self) -> int:
-        return len(self.token_ids)
+        return sum(len(result.lengths) for result, _ in self.parts)
+
+
+def scored(output: GroupOutput) -> tuple[list[float], int]:
+    """A scoring request's output (a group of one, `GenGroup.score_from`): the logprob of
+    each scored id, and the version that scored them."""
+    (result, _), = output.parts
+    logprobs = array.array(protocol.LOGPROB_TYPECODE, protocol.native(protocol.LOGPROB_TYPECODE, result.logprobs))
+    return cast(list[float], logprobs.tolist()), result.version
 
 
 def assemble(parts: Sequence[tuple[protocol.GroupResult, str]]) -> GroupOutput:
-    """One group's output from its parts' results (each with the instance that sent it)."""
-    out = GroupOutput([], [], [], [], [], [])
-    for result, worker in (parts if len(parts) == 1 else sorted(parts, key=lambda part: part[0].first)):
-        tokens = protocol.unpacked(protocol.TOKEN_TYPECODE, result.token_ids)
-        logprobs = protocol.unpacked(protocol.LOGPROB_TYPECODE, result.logprobs)
-        ends = list(itertools.accumulate(result.lengths))
-        starts = [0, *ends[:-1]]
-        out.token_ids += [tokens[a:b] for a, b in zip(starts, ends)]
-        out.logprobs += [logprobs[a:b] for a, b in zip(starts, ends)]
-        n = len(ends)
-        out.cached_tokens += [0 if n > 1 else result.cached_tokens] + [result.cached_tokens] * (n - 1)
-        out.finish_reasons += result.finish_reasons or [""] * n
-        out.versions += [result.version] * n
-        out.served_by += [worker] * n
-    return out
+    """One group's output from its parts' results (each with the instance that sent it), in member order."""
+    return GroupOutput(list(parts) if len(parts) == 1 else sorted(parts, key=lambda part: part[0].first))
 
 
-def output_of(token_ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], version: int = 0,
-              worker: str = "", finish_reason: str = "") -> GroupOutput:
-    """A GroupOutput from plain lists, as one part made by `worker` (fakes and tests)."""
-    return GroupOutput([array.array(protocol.TOKEN_TYPECODE, t) for t in token_ids],
-                       [array.array(protocol.LOGPROB_TYPECODE, lp) for lp in logprobs],
-                       [finish_reason] * len(token_ids), [version] * len(token_ids), [worker] * len(token_ids),
-                       [0] * len(token_ids))
+def output_of(token_ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
+              version: int | Sequence[int] = 0, worker: str = "", finish_reason: str = "",
+              key: GroupKey = GroupKey("", "", "")) -> GroupOutput:
+    """A GroupOutput from plain lists (fakes and tests): one part made by `worker`, or with
+    a version per member, a part of one member each."""
+    if isinstance(version, int):
+        return GroupOutput([(_result(key, 0, version, token_ids, logprobs, finish_reason), worker)])
+    return GroupOutput([(_result(key, j, v, token_ids[j:j + 1], logprobs[j:j + 1], finish_reason), worker)
+                        for j, v in enumerate(version)])
+
+
+def _result(key: GroupKey, first: int, version: int, token_ids: Sequence[Sequence[int]],
+            logprobs: Sequence[Sequence[float]], finish_reason: str) -> protocol.GroupResult:
+    return protocol.GroupResult(key, first, version, [len(t) for t in token_ids],
+                                protocol.packed(protocol.TOKEN_TYPECODE, [t for ids in token_ids for t in ids]),
+                                protocol.packed(protocol.LOGPROB_TYPECODE, [lp for lps in logprobs for lp in lps]),
+                                [finish_reason] * len(token_ids))

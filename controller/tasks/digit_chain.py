@@ -245,13 +245,13 @@ async def episode(ctx: EpisodeContext) -> None:
     for plan in plans:
         ctx.reward(plan, planner_reward(query, plan.output_ids))
 
-    async def solve(plan_ids: list[int]) -> None:
+    async def solve(plan_ids: Sequence[int]) -> None:
         answers = await ctx.generate(SOLVER, solver_prompt(plan_ids))
         for answer in answers:
             ctx.reward(answer, solver_reward(plan_ids, answer.output_ids))
         await asyncio.gather(*(check(plan_ids, a.output_ids) for a in answers))
 
-    async def check(plan_ids: list[int], answer_ids: list[int]) -> None:
+    async def check(plan_ids: Sequence[int], answer_ids: Sequence[int]) -> None:
         await ctx.env()  # e.g. running the answer in a sandbox before judging it
         verdicts = await ctx.generate(CHECKER, checker_prompt(plan_ids, answer_ids))
         for v in verdicts:

@@ -166,10 +166,10 @@ class FakeEngine(FakeWorker):
         if stranger is not None:
             await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}, not {stranger}")
             return
-        results = [protocol.GroupResult(
+        results = [_scored(g, self.version) if g.score_from >= 0 else protocol.GroupResult(
             g.key, g.first, self.version, [g.max_tokens] * g.n,
             protocol.packed(protocol.TOKEN_TYPECODE, [t for j in range(g.n) for t in fake_tokens(g.seed + j, g.max_tokens)]),
-            protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * (g.n * g.max_tokens)), ["length"] * g.n)
+            protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * (g.n * g.max_tokens)), ["length"] * g.n, turn=g.turn)
             for g in msg.groups]
         self.samples += sum(g.n for g in msg.groups)
         self.batches += 1
@@ -187,7 +187,7 @@ class FakeTrainer(FakeWorker):
         super().__init__(worker_id, costs)
         self.version: dict[str, int] = {}
         self.accumulated: collections.Counter[str] = collections.Counter()
-        self.trained: dict[str, set[str]] = collections.defaultdict(set)  # agent -> sample ids ever trained
+        self.trained: dict[str, set] = collections.defaultdict(set)  # agent -> samples ever trained (group key, member)
         self.tokens: collections.Counter[str] = collections.Counter()
         self.steps: collections.Counter[str] = collections.Counter()
         self.micro_batches = 0
@@ -198,7 +198,7 @@ class FakeTrainer(FakeWorker):
             case protocol.InitAgent():
                 self.serial.push(c["load_s"], lambda: self._init(msg))
             case protocol.TrainMicroBatch():
-                tokens = sum(len(s.output_ids) for s in msg.samples)
+                tokens = sum(len(g.output_ids) // 4 for g in msg.groups)
                 self.serial.push(c["mb_s"] + tokens / c["train_tokens_per_s"], lambda: self._micro_batch(msg, tokens))
             case protocol.OptimStep():
                 self.serial.push(c["step_s"], lambda: self._step(msg))
@@ -220,12 +220,13 @@ class FakeTrainer(FakeWorker):
                                               f"version {msg.version}")
             return
         seen = self.trained[msg.agent]
-        again = [s.sample_id for s in msg.samples if s.sample_id in seen]
+        samples = [(g.key, j) for g in msg.groups for j in range(len(g.lengths))]
+        again = [key.sample(j) for key, j in samples if (key, j) in seen]
         if again:
             await self.refuse(msg.request_id, f"samples trained before: {again[:3]}")
             return
-        seen.update(s.sample_id for s in msg.samples)
-        self.accumulated[msg.agent] += len(msg.samples)
+        seen.update(samples)
+        self.accumulated[msg.agent] += len(samples)
         self.tokens[msg.agent] += tokens
         self.micro_batches += 1
         await self.reply(protocol.MicroBatchDone(msg.request_id, msg.agent, 0.0, tokens, self.costs["mb_s"]))
@@ -363,5 +364,13 @@ async def wide_episode(ctx: Any) -> None:
 WORKFLOWS = {"chain": ("chain_episode", chain_agents), "wide": ("wide_episode", wide_agents)}
 
 
+def _scored(g: protocol.GenGroup, version: int) -> protocol.GroupResult:
+    """A scoring request's reply (a teacher's view of a member): -1.0 for each id scored."""
+    scored = g.prompt_ids[g.score_from:]
+    return protocol.GroupResult(g.key, g.first, version, [len(scored)], protocol.packed(protocol.TOKEN_TYPECODE, scored),
+                                protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * len(scored)), ["score"], turn=g.turn)
+
+
 if __name__ == "__main__":
     main()
+

@@ -227,7 +227,7 @@ def judge(outcome: Outcome, run_dir: Path, steps: int) -> Outcome:
     counted = replay.lineage(logged)
     stepped = {(e.agent, e.version) for e in counted if isinstance(e, ev.OptimizerStep)}
     formed = collections.Counter(s for e in counted if isinstance(e, ev.MicroBatchFormed)
-                                 and (e.agent, e.version) in stepped for s in e.sample_ids)
+                                 and (e.agent, e.version) in stepped for s in e.parts.samples())
     outcome.twice = sum(1 for n in formed.values() if n > 1)
     summary = replay.summarize(logged)
     totals = [r for r in summary.accounting if r.total]

@@ -32,7 +32,6 @@ it holds).
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -284,16 +283,6 @@ def frozen_sources(cfg: Any, versions: Any = None) -> dict[str, dict[str, Any]]:
             sources[name] = ({"base": cfg.bases[agent.base].model, "adapter": agent.adapter} if agent.base
                              else {"model": agent.model})
     return sources
-
-
-def run_state(cfg: Any, step: int, store: Any, instances: Any, dataset: Any, episodes: Any,
-              versions: Any = None) -> dict[str, Any]:
-    """`controller_state` read off the run's components: the store's samples past the cut,
-    the rollout instances' assignment, the episode numbering, the synced versions."""
-    past = collections.Counter(s.agent for s in store.samples.values() if s.batch > step)
-    after_cut = {a: past[a] for a in cfg.agents}  # one pass over the samples, not one per agent
-    return controller_state(cfg, step, instances.assignment, after_cut, dataset, episodes.episode_number(step + 1, 0),
-                            versions)
 
 
 def resume_placement(resume: ResumePoint | None, units: Any, workers: list[str]) -> dict[str, list[str]] | None:

@@ -31,7 +31,7 @@
   trains those micro-batches again, so every sample ends up in the weights exactly once;
 - produces: one metrics row per step (with the agent's swap-ins since the last row and
   the seconds its ready work waited on them), `MicroBatchFormed` / `MicroBatchTrained` /
-  `OptimizerStep` events, and the trained samples' token lists freed.
+  `OptimizerStep` events, and the trained groups let go.
 
 It does not know other agents, the workflow, or how rollout is routed.
 """
@@ -42,7 +42,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, cast
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
@@ -55,7 +55,7 @@ from ..control.server import WorkerDied
 from ..state import decisions
 from ..state.failures import RunFailed, too_many_failures
 from ..state.schedule import BatchSchedule
-from ..state.store import ExperienceStore, Sample
+from ..state.store import ExperienceStore, MicroBatch
 from ..weights.sync import WeightSync
 from .allocator import AgentLost, TrainerAllocator
 from .checkpoints import CheckpointError
@@ -87,7 +87,7 @@ class Recovery:
     limit: int
     saved_version: int
     earlier_version: int | None = None  # None: no earlier saved state to fall back to
-    kept: dict[int, list[list[Sample]]] = field(default_factory=dict)
+    kept: dict[int, list[MicroBatch]] = field(default_factory=dict)
     count: int = 0  # trainer losses recovered from so far
 
 
@@ -149,7 +149,7 @@ class AgentPipeline:
 
     def work(self) -> decisions.AgentWork:
         """What the agent has for a trainer now (see the module doc)."""
-        waiting = sum(len(self.store.groups[g].sample_ids) for q in self.store.ready[self.agent].values() for g in q)
+        waiting = self.store.waiting(self.agent)
         here = self.store.ready_samples(self.agent, self.batch)
         formable = here if decisions.cut_micro_batch(here, self.cfg.micro_batch,
                                                      self.schedule.rollout_complete(self.batch),
@@ -190,9 +190,9 @@ class AgentPipeline:
         and the extra episodes its batch drew."""
         if self.agent not in self.store.dynamic:
             return {}
-        drops = self.store.dynamic_drops
-        return {"groups_equal_dropped": drops[(self.agent, batch, decisions.EQUAL_REWARDS)],
-                "groups_surplus_dropped": drops[(self.agent, batch, decisions.SURPLUS)],
+        dropped = self.store.dynamic_dropped
+        return {"groups_equal_dropped": dropped(self.agent, batch, decisions.EQUAL_REWARDS),
+                "groups_surplus_dropped": dropped(self.agent, batch, decisions.SURPLUS),
                 "extra_episodes": self.schedule.batches[batch].extra_episodes}
 
     def _swaps_since_last_row(self) -> dict[str, float]:
@@ -257,7 +257,7 @@ class AgentPipeline:
         *_, stepping = await self._train_batch(batch)
         await stepping
 
-    async def _train_batch(self, batch: int) -> tuple[list[Sample], float, asyncio.Future]:
+    async def _train_batch(self, batch: int) -> tuple[list[MicroBatch], float, asyncio.Future]:
         """Sends every micro-batch of `batch` to the trainer (those sent before a recovery
         again, first); returns the samples, the trainer seconds and the step and sync under
         way (`_step_and_sync`), once every micro-batch has been trained. The step is sent
@@ -285,7 +285,7 @@ class AgentPipeline:
                     # its next micro-batch (an instance joining meanwhile loads the restored weights)
                     raise AgentLost(f"the training state of {self.agent} died with trainer "
                                     f"{self.allocator.lost[self.agent]}")
-            trained = [s for mb in self.recovery.kept[batch] for s in mb]
+            trained = list(self.recovery.kept[batch])
             if not trained:
                 self._no_samples(batch)
             outcomes = await asyncio.gather(*written, return_exceptions=True)
@@ -294,7 +294,7 @@ class AgentPipeline:
             raise
         if any(isinstance(o, BaseException) for o in outcomes):
             await _all(calls)  # a micro-batch never written: its call failed; that failure is raised
-        stepping = self._tracked(self._step_and_sync(batch, trained))
+        stepping = self._tracked(self._step_and_sync(batch, sum(mb.samples for mb in trained)))
         try:
             train_s = await _all(calls)
         except BaseException:
@@ -322,31 +322,29 @@ class AgentPipeline:
                         f"{first}Fix the workflow, or set pipeline.allow_empty_steps = true if {self.agent!r} "
                         f"is meant to sit some steps out.")
 
-    def _send(self, version: int, mb: list[Sample], written: list[asyncio.Future]) -> asyncio.Future:
+    def _send(self, version: int, mb: MicroBatch, written: list[asyncio.Future]) -> asyncio.Future:
         """Starts training `mb`; appends to `written` a future done once it is written to
         the trainer (cancelled if it never is)."""
         # The trainer is bound when the micro-batch is sent (see MicroBatchTrained).
-        self.emit(ev.MicroBatchFormed(self.agent, "", version, [s.sample_id for s in mb],
-                                      [s.min_version for s in mb]))
+        self.emit(ev.MicroBatchFormed(self.agent, "", version, mb.parts(), mb.oldest()))
         done = asyncio.get_running_loop().create_future()
         written.append(done)
         return self._tracked(self._train_micro_batch(version, mb, done))
 
-    async def _train_micro_batch(self, version: int, mb: list[Sample], written: asyncio.Future) -> float:
-        ready_first = min((s.ready_seq for s in mb), default=0)
+    async def _train_micro_batch(self, version: int, mb: MicroBatch, written: asyncio.Future) -> float:
         try:
             trainer = await self.allocator.acquire(self.agent, lost="raise")
             try:
-                async with self.lanes.slot(trainer, Priority.micro_batch(version, ready_first)):
+                async with self.lanes.slot(trainer, Priority.micro_batch(version, mb.ready_first)):
                     reply, _ = await self.server.call(trainer, protocol.TrainMicroBatch(
-                        self.server.next_request_id(), self.agent, version, [train_sample(s) for s in mb],
+                        self.server.next_request_id(), self.agent, version, mb.wire(),
                         self.cfg.max_staleness, self.cfg.clip_ratio, self.loss),
                         on_sent=lambda: _resolve(written))
             finally:
                 self.allocator.release(self.agent)
         finally:
             written.cancel()  # no-op once written
-        self.emit(ev.MicroBatchTrained(self.agent, trainer, version, len(mb), reply.seconds))
+        self.emit(ev.MicroBatchTrained(self.agent, trainer, version, mb.samples, reply.seconds))
         self.trained.tokens[version] = self.trained.tokens.get(version, 0) + reply.tokens
         return reply.seconds
 
@@ -382,14 +380,14 @@ class AgentPipeline:
                 f"{version - self.skipped.in_row}. Lower agents.{self.agent}.lr or max_grad_norm, train in "
                 f"float32 (agents.{self.agent}.dtype), or raise pipeline.max_skipped_steps")
 
-    async def _step_and_sync(self, batch: int, trained: list[Sample]) -> protocol.StepStats:
+    async def _step_and_sync(self, batch: int, samples: int) -> protocol.StepStats:
         version = batch
         trainer = await self.allocator.acquire(self.agent, lost="raise")
         try:
             # One slot from the step to the end of the sync: the publish follows the step at
             # once, instead of queueing again behind micro-batches that took the slot between.
             async with self.lanes.slot(trainer, Priority.critical(version)):
-                stats = await self._step_in_slot(trainer, version, len(trained))
+                stats = await self._step_in_slot(trainer, version, samples)
                 await self.flush_events()
                 await self.schedule.wait_to_sync(version)  # an evaluation of version - 1 first
                 await self.weights.sync(self.agent, trainer, version)
@@ -432,7 +430,7 @@ class AgentPipeline:
             await _all([self._send(b, mb, []) for mb in self.recovery.kept[b]])
             trainer = await self.allocator.acquire(self.agent, lost="raise")
             try:
-                await self._step(trainer, b, sum(map(len, self.recovery.kept[b])))
+                await self._step(trainer, b, sum(mb.samples for mb in self.recovery.kept[b]))
             finally:
                 self.allocator.release(self.agent)
         if batch - 1 > saved:  # an instance that joined meanwhile loaded the restored, older version
@@ -498,15 +496,6 @@ async def _cancelled(calls: list[asyncio.Future]) -> None:
     for call in calls:
         call.cancel()
     await asyncio.gather(*calls, return_exceptions=True)
-
-
-def train_sample(s: Sample) -> protocol.TrainSample:
-    assert s.output_ids is not None and s.logprobs is not None and s.mask is not None  # a finished sample
-    mask = [] if all(s.mask) else s.mask.tolist()  # all generated: the default, sent as nothing
-    first, *later = s.sampling or [protocol.TurnSampling(0)]
-    teacher = [] if s.teacher_logprobs is None else s.teacher_logprobs.tolist()
-    return protocol.TrainSample(s.sample_id, s.prompt_ids, s.output_ids.tolist(), cast(float, s.advantage), s.logprobs.tolist(),
-                                s.versions, first.temperature, mask, first.top_p, first.top_k, later, teacher)
 
 
 def step_signals(stats: protocol.StepStats) -> dict[str, float]:

@@ -2,19 +2,20 @@
 page's list of samples (filtered by agent, step, reward and what became of them) and its
 episodes (one opened as its tree of groups across agents).
 
-The log names a group when it opens (`GroupOpened`: agent, id, batch, members), which
+The log names a group when it opens (`GroupOpened`: its typed key, batch, members), which
 instance generated which members and under which policy version (`RequestsCompleted`,
-a later turn of a conversation by its own key), the members' rewards (`GroupComplete`),
+a later turn of a conversation by its turn number), the members' rewards (`GroupComplete`),
 the micro-batch each went into (`MicroBatchFormed`), whether that step was taken
 (`OptimizerStep`) and what was dropped and why (`SamplesDropped`). A group's place in its
 episode (which episode, which branch of its tree of tasks) is read back from the group's
-id by the rule that made it (`episodes.workflow.group_place`); advantages are computed by
+key by the rule that made it (`episodes.workflow.group_place`); advantages are computed by
 the store's own rule (`state.store.group_advantages`). What an agent said is in
 samples.jsonl for the samples a run recorded (`run.samples_per_step`): the index keeps
-where each recorded sample's line is and reads it when a page asks.
+where each recorded sample's line is (found by the line's group key and member) and reads
+it when a page asks.
 
 Per sample, the index keeps a few numbers in growing numpy columns (about 30 bytes a
-sample) and per group its id: a run of a million samples stays in tens of megabytes, and
+sample) and per group its key: a run of a million samples stays in tens of megabytes, and
 a filter over all of them is one vectorised pass. Events of types it does not read are
 passed over; it never trusts the log to be consistent (a member it cannot place is
 skipped).
@@ -23,7 +24,7 @@ skipped).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,11 +34,14 @@ from flexmarl.runtime.events import (
     GroupOpened,
     MicroBatchFormed,
     OptimizerStep,
+    Parts,
     RequestsCompleted,
     RunResumed,
     SamplesDropped,
     TrainingRestored,
 )
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey
+from flexmarl.runtime.legacy_events import LegacyReader
 
 from ..episodes.workflow import group_place
 from ..state.store import group_advantages
@@ -80,8 +84,8 @@ class EpisodeIndex:
         self._agent_index: dict[str, int] = {}
         self._worker_index: dict[str, int] = {}
         # per group
-        self.group_ids: list[str] = []
-        self.group_of: dict[str, int] = {}
+        self.group_keys: list[GroupKey] = []
+        self.group_of: dict[GroupKey, int] = {}
         self.g_agent, self.g_batch = Column(np.int32, -1), Column(np.int32, -1)
         self.g_first, self.g_n = Column(np.int64, 0), Column(np.int32, 0)
         self.g_episode = Column(np.int32, -1)
@@ -101,7 +105,7 @@ class EpisodeIndex:
         self.reasons: list[str] = []
         self._reason_index: dict[str, int] = {}
         self.stepped: set[tuple[int, int]] = set()  # (agent, version): that optimizer step is logged
-        self._waiting_texts: dict[str, list[tuple[int, int]]] = {}  # group -> (member, offset): lines ahead of the log
+        self._waiting_texts: dict[GroupKey, list[tuple[int, int]]] = {}  # group -> (member, offset): lines ahead of the log
 
     @property
     def samples(self) -> int:
@@ -123,16 +127,15 @@ class EpisodeIndex:
                 reader(self, e)
 
     def add_text(self, offset: int, row: dict[str, Any]) -> None:
-        sample_id = row.get("sample_id")
-        if not isinstance(sample_id, str):
+        named = _sample_of_row(row)
+        if named is None:
             return
-        s = self._sample(sample_id)
+        key, member = named
+        s = self._sample(key, member)
         if s is not None:
             self.s_text.data[s] = offset
             return
-        key, _, member = sample_id.rpartition("/")  # a line ahead of the log: kept until its group opens
-        if member.isdecimal():
-            self._waiting_texts.setdefault(key, []).append((int(member), offset))
+        self._waiting_texts.setdefault(key, []).append((member, offset))  # a line ahead of the log: kept until its group opens
 
     def forget_texts(self) -> None:
         """samples.jsonl started over (a resumed run rewrote it): its lines are added again."""
@@ -145,14 +148,14 @@ class EpisodeIndex:
     def _open(self, opened: list[GroupOpened]) -> None:
         new = []
         for e in opened:
-            g = self.group_of.get(e.group_id)
+            g = self.group_of.get(e.key)
             if g is None:
                 new.append(e)
             else:  # opened again: a resumed run generates the batches after its checkpoint anew
-                self._reopen(g, e.size())
+                self._reopen(g, max(e.n, 0))
         if not new:
             return
-        g0, first, sizes = len(self.group_ids), self.samples, [e.size() for e in new]
+        g0, first, sizes = len(self.group_keys), self.samples, [max(e.n, 0) for e in new]
         firsts = np.cumsum([first] + sizes[:-1])
         total = sum(sizes)
         for column in (self.g_agent, self.g_batch, self.g_first, self.g_n, self.g_episode):
@@ -167,10 +170,10 @@ class EpisodeIndex:
         self.s_group.data[first:first + total] = np.repeat(np.arange(g0, g0 + len(new)), sizes)
         episodes = []
         for g, e in enumerate(new, start=g0):
-            self.group_ids.append(e.group_id)
-            self.group_of[e.group_id] = g
-            place = group_place(e.group_id, e.agent)
-            episode = place.episode if place is not None else e.group_id
+            self.group_keys.append(e.key)
+            self.group_of[e.key] = g
+            place = group_place(e.key)
+            episode = place.episode if place is not None else str(e.key)
             ep = self.episode_of.get(episode)
             if ep is None:
                 ep = self.episode_of[episode] = len(self.episodes)
@@ -178,7 +181,7 @@ class EpisodeIndex:
                 self.episode_groups.append([])
             self.episode_groups[ep].append(g)
             episodes.append(ep)
-            waiting = self._waiting_texts.pop(e.group_id, None) if self._waiting_texts else None
+            waiting = self._waiting_texts.pop(e.key, None) if self._waiting_texts else None
             for member, offset in waiting or ():
                 if member < sizes[g - g0]:
                     self.s_text.data[firsts[g - g0] + member] = offset
@@ -208,38 +211,29 @@ class EpisodeIndex:
 
     def _completed(self, e: RequestsCompleted) -> None:
         w = self._index(e.worker, self.workers, self._worker_index)
-        parts = e.parts
-        named: Iterable[tuple[str, int | None, int, int]]
-        if parts.keys:
-            named = zip(parts.keys, parts.firsts, parts.sizes, e.versions)
-        else:  # format 1: one sample at a time
-            named = ((sid, None, 1, v) for sid, v in zip(e.samples(), e.sample_versions()))
-        for key, first, size, version in named:
-            if "@" in key:  # a later turn of a conversation (events.Parts)
-                s = self._sample(key.partition("@")[0])
+        for (key, first, size, turn), version in zip(e.parts, e.versions):
+            if turn == SCORE_TURN:  # a teacher scored member `first`: nothing generated
+                continue
+            if turn:  # a later turn of a conversation (events.Parts): member `first` alone
+                s = self._sample(key, first)
                 if s is not None:
                     self.later_turns.setdefault(s, []).append((version, w))
                 continue
-            if first is None:
-                s = self._sample(key)
-                span = slice(s, s + 1) if s is not None else None
-            else:
-                g = self.group_of.get(key)
-                start = int(self.g_first.data[g]) + first if g is not None else 0
-                span = slice(start, start + size) if g is not None and first + size <= self.g_n.data[g] else None
-            if span is not None:
-                self.s_version.data[span] = version
-                self.s_worker.data[span] = w
+            g = self.group_of.get(key)
+            if g is not None and first + size <= self.g_n.data[g]:
+                start = int(self.g_first.data[g]) + first
+                self.s_version.data[start:start + size] = version
+                self.s_worker.data[start:start + size] = w
 
     def _complete(self, e: GroupComplete) -> None:
-        g = self.group_of.get(e.group_id)
+        g = self.group_of.get(e.key)
         if g is not None and len(e.rewards) == self.g_n.data[g]:
             first = int(self.g_first.data[g])
             self.s_reward.data[first:first + len(e.rewards)] = e.rewards
 
     def _formed(self, e: MicroBatchFormed) -> None:
         formed = self.s_formed.data
-        for s in self._samples_of(e.sample_ids):
+        for s in self._samples_of(e.parts):
             formed[s] = e.version
 
     def _stepped(self, e: OptimizerStep) -> None:
@@ -247,7 +241,7 @@ class EpisodeIndex:
 
     def _dropped(self, e: SamplesDropped) -> None:
         reason = 1 + self._index(e.why, self.reasons, self._reason_index)
-        for s in self._samples_of(e.sample_ids):
+        for s in self._samples_of(e.parts):
             self.s_dropped.data[s] = reason
 
     def _restored(self, e: TrainingRestored) -> None:
@@ -267,28 +261,24 @@ class EpisodeIndex:
             names.append(name)
         return i
 
-    def _samples_of(self, sample_ids: list[str]) -> list[int]:
-        """The indices of the samples `GROUP/MEMBER` that were opened (a group's members come
-        together in the lists the log holds: its group is looked up once for them)."""
-        found, key, g, first, n = [], None, None, 0, 0
+    def _samples_of(self, parts: Parts) -> list[int]:
+        """The indices of the first-turn members `parts` names that were opened."""
+        found: list[int] = []
         group_of, g_first, g_n = self.group_of, self.g_first.data, self.g_n.data
-        for sample_id in sample_ids:
-            k, _, member = sample_id.rpartition("/")
-            if k != key:
-                key, g = k, group_of.get(k)
-                if g is not None:
-                    first, n = int(g_first[g]), int(g_n[g])
-            if g is not None and member.isdecimal() and int(member) < n:
-                found.append(first + int(member))
+        for key, first, size, turn in parts:
+            g = group_of.get(key)
+            if g is None or turn:
+                continue
+            start, n = int(g_first[g]), int(g_n[g])
+            found += range(start + first, start + min(first + size, n))
         return found
 
-    def _sample(self, sample_id: str) -> int | None:
-        """The index of the sample `GROUP/MEMBER`, or None where no such member was opened."""
-        key, _, member = sample_id.rpartition("/")
+    def _sample(self, key: GroupKey, member: int) -> int | None:
+        """The index of member `member` of the group `key`, or None where no such member was opened."""
         g = self.group_of.get(key)
-        if g is None or not member.isdecimal() or int(member) >= self.g_n.data[g]:
+        if g is None or not 0 <= member < self.g_n.data[g]:
             return None
-        return int(self.g_first.data[g]) + int(member)
+        return int(self.g_first.data[g]) + member
 
     # ------------------------------------------------------------ asking
 
@@ -363,7 +353,8 @@ class EpisodeIndex:
         groups = []
         for g in self.episode_groups[ep]:
             agent = self.agents[self.g_agent.data[g]]
-            place = group_place(self.group_ids[g], agent)
+            key = self.group_keys[g]
+            place = group_place(key)
             first, n = int(self.g_first.data[g]), int(self.g_n.data[g])
             advantages = self._advantages(g)
             members = []
@@ -376,7 +367,7 @@ class EpisodeIndex:
                     member["turns"] = text.get("turns", [])
                     member["versions"] = text.get("versions", member["versions"])
                 members.append(member)
-            groups.append({"group": self.group_ids[g], "agent": agent, "step": int(self.g_batch.data[g]),
+            groups.append({"group": str(key), "agent": agent, "step": int(self.g_batch.data[g]),
                            "branch": list(place.branch) if place is not None else [], "members": members})
         return {"episode": name, "groups": groups}
 
@@ -395,7 +386,7 @@ class EpisodeIndex:
             versions.append(version)
             instances.append(worker)
         formed, dropped = int(self.s_formed.data[s]), int(self.s_dropped.data[s])
-        return {"sample": f"{self.group_ids[g]}/{s - first}", "member": s - first,
+        return {"sample": self.group_keys[g].sample(s - first), "member": s - first,
                 "reward": None if math.isnan(reward) else reward,
                 "advantage": round(advantages[s - first], 4) if advantages is not None else None,
                 "versions": [v for v in versions if v >= 0],
@@ -412,3 +403,17 @@ _AFTER_OPENING: dict[type, Callable[[EpisodeIndex, Any], None]] = {
     SamplesDropped: EpisodeIndex._dropped, TrainingRestored: EpisodeIndex._restored,
     RunResumed: EpisodeIndex._resumed}
 _READERS: dict[type, Callable[[EpisodeIndex, Any], None]] = {GroupOpened: EpisodeIndex._opened, **_AFTER_OPENING}
+
+
+def _sample_of_row(row: dict[str, Any]) -> tuple[GroupKey, int] | None:
+    """The sample a line of samples.jsonl is of: its `group` key and `member`, or, in a line
+    written before those were (`sample_id` alone), the sample its id names."""
+    group, member = row.get("group"), row.get("member")
+    if isinstance(group, list) and len(group) == 3 and all(isinstance(x, str) for x in group) \
+            and type(member) is int and member >= 0:
+        return GroupKey(*group), member
+    sample_id, agent = row.get("sample_id"), row.get("agent")
+    if not isinstance(sample_id, str) or not isinstance(agent, str):
+        return None
+    key, member, turn = LegacyReader().sample(agent, sample_id)
+    return None if turn else (key, member)

@@ -64,11 +64,13 @@ def test_load_balance_simulates_every_configuration():
 async def test_agent_cycles_reads_each_agents_rollout_training_and_sync_from_an_event_log(tmp_path):
     from flexmarl.runtime import events as ev
     from flexmarl.runtime.eventlog import EventLog
+    from flexmarl.runtime.keys import GroupKey
 
     log = EventLog(tmp_path / "events.log")
     for v in (1, 2, 3):  # the samples of policy v - 1 train into v
-        log.emit(ev.RequestsDispatched("r0", "a", v, [f"s{v}"], 4))
-        log.emit(ev.RequestsCompleted("r0", "a", v, [f"s{v}"], [v - 1], 3))
+        part = ev.Parts([GroupKey("e", "a", f"g{v}")], [0], [1])
+        log.emit(ev.RequestsDispatched("r0", "a", v, 4, part))
+        log.emit(ev.RequestsCompleted("r0", "a", v, [v - 1], 3, parts=part))
         log.emit(ev.MicroBatchTrained("a", "t0", v, 1, 0.0))
         log.emit(ev.WeightSyncFinished("a", v, 0.0, 8))
     await log.close()
@@ -196,14 +198,16 @@ async def test_replay_parts_times_the_command_and_each_of_its_parts_on_a_log(tmp
     from flexmarl.runtime import events as ev
     from flexmarl.runtime.config import dump_toml, load_config
     from flexmarl.runtime.eventlog import EventLog
+    from flexmarl.runtime.keys import GroupKey
 
     config = load_config(None, ["pipeline.micro_batch=2", "pipeline.queries_per_step=1", "agents.a.model='m'"],
                          defaults={})
     log = EventLog(tmp_path / "events.log")
     log.emit(ev.RunStarted(dump_toml(config), ["a"], "async", 1, 0))
-    log.emit(ev.GroupOpened("a", "g", [], 1, 2))
-    log.emit(ev.RequestsCompleted("r0", "a", 1, [], [0], 3, parts=ev.Parts(["g"], [0], [2])))
-    log.emit(ev.MicroBatchFormed("a", "t0", 1, ["g/0", "g/1"], [0, 0]))
+    g = GroupKey("e", "a", "g")
+    log.emit(ev.GroupOpened(g, 1, 2))
+    log.emit(ev.RequestsCompleted("r0", "a", 1, [0], 3, parts=ev.Parts([g], [0], [2])))
+    log.emit(ev.MicroBatchFormed("a", "t0", 1, ev.Parts([g], [0], [2]), [0, 0]))
     log.emit(ev.OptimizerStep("a", "t0", 1, 2))
     await log.close()
     out = await asyncio.to_thread(run_bench, "replay_parts.py", str(tmp_path / "events.log"), "--check",
@@ -212,6 +216,19 @@ async def test_replay_parts_times_the_command_and_each_of_its_parts_on_a_log(tmp
     assert [r["repeat"] for r in rows] == [0, 1]
     assert all({"command_s", "import_s", "read_s", "summarize_s", "format_s", "check_s"} <= r.keys() for r in rows)
 
+
+def test_group_record_reports_training_wire_bytes_and_view_reads():
+    rows = json_rows(run_bench("group_record.py", "--smoke"))
+    wire = [r for r in rows if "wire" in r]
+    assert {(r["wire"], r["agent"]) for r in wire} == {("default", "planner"), ("default", "solver"),
+                                                       ("default", "checker"), ("group16", "agent")}
+    assert all(r["bytes_per_micro_batch"] > 0 and r["micro_batches"] > 0 for r in wire)
+    assert all(r["old_bytes_per_micro_batch"] > 0 for r in wire)  # the same samples in the earlier message shape
+    (group16,) = [r for r in wire if r["wire"] == "group16"]
+    assert group16["old_bytes_per_micro_batch"] > group16["bytes_per_micro_batch"]  # the prompt once, not 16 times
+    views = [r for r in rows if "view" in r]
+    assert [r["view"] for r in views] == [f"{n} tokens x 8 choices" for n in (256, 1024, 4096)]
+    assert all(r["last_turn_us"] > 0 and r["output_ids_us"] > 0 for r in views)
 
 @pytest.mark.slow
 def test_frozen_agents_compares_a_frozen_judge_with_one_trained_at_lr_0():

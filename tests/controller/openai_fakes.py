@@ -16,6 +16,7 @@ from flexmarl.controller.serving.openai_api import OpenAIEndpoint
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.runtime.config import OpenAIConfig
+from flexmarl.runtime.keys import TurnKey
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -66,7 +67,8 @@ class ScriptedEngine:
         return list(reply) if isinstance(reply, list) else self.tok.encode(reply) + [self.tok.eos_token_id]
 
     async def generate(self, agent, group, after=""):
-        members = [Asked(f"{group.key}/{group.first + j}", group.seed + j, group.prompt_ids, group.temperature)
+        name = (lambda j: str(TurnKey(group.key, group.first, group.turn))) if group.turn else group.key.sample
+        members = [Asked(name(group.first + j), group.seed + j, group.prompt_ids, group.temperature)
                    for j in range(group.n)]
         self.requests += members
         replies = []

@@ -65,9 +65,9 @@ async def play(tokenizers, scripts, item):
     store = ExperienceStore(["solver", "verifier"])
     generator = ScriptedAgents(tokenizers, scripts)
     episode = load_workflow(f"{JOB / 'workflow.py'}:episode")
-    assert await run_episode(episode, make_ctx(store, generator, tokenizers, item), 10.0) == ""
-    by_agent = {a: [s for s in store.samples.values() if s.agent == a] for a in ("solver", "verifier")}
-    return by_agent, generator
+    ctx = make_ctx(store, generator, tokenizers, item)
+    assert await run_episode(episode, ctx, 10.0) == ""
+    return {a: ctx.samples(a) for a in ("solver", "verifier")}, generator
 
 
 ITEM = {"question": "What is 7 + 5?", "answer": "12"}
@@ -93,8 +93,8 @@ async def test_the_solver_hears_the_review_and_its_revision_is_one_sample_traine
     for s in samples["solver"]:
         assert s.reward == 1 - task.FIRST_WEIGHT  # wrong first, right final
         assert s.versions == [0, 0] and s.text == "12"
-        trained = [i for i, m in zip(s.output_ids, s.mask) if m]
-        masked = [i for i, m in zip(s.output_ids, s.mask) if not m]
+        trained = [i for i, m in zip(s.output_ids.tolist(), s.mask) if m]
+        masked = [i for i, m in zip(s.output_ids.tolist(), s.mask) if not m]
         assert tok.tok.decode(trained, skip_special_tokens=False) == "13<eos>12<eos>"
         assert tok.tok.decode(masked, skip_special_tokens=False) == "<|user|>It is 12, wrong.<eos><|assistant|>"
     assert all(v.reward == 1.0 for v in samples["verifier"])  # "wrong" about 13 is right

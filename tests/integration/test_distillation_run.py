@@ -50,8 +50,8 @@ def test_equal_groups_are_dropped_and_replaced_so_each_step_keeps_its_batch(run)
 
 def test_every_trained_group_was_scored_by_the_teacher_and_replay_agrees(run, capsys):
     run_dir, rows, events = run
-    scored = {e.group_id for e in events if isinstance(e, ev.TeacherScored)}
-    trained = {sid.rpartition("/")[0] for e in events if isinstance(e, ev.MicroBatchFormed) for sid in e.sample_ids}
+    scored = {e.key for e in events if isinstance(e, ev.TeacherScored)}
+    trained = {key for e in events if isinstance(e, ev.MicroBatchFormed) for key, _ in e.parts.samples()}
     assert trained <= scored
     assert all(v == 0 for e in events if isinstance(e, ev.TeacherScored) for v in e.versions)  # a frozen teacher
     assert all(r["teacher_kl"] != 0 for r in rows)

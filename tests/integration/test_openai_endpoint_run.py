@@ -122,7 +122,7 @@ def test_a_conversation_continued_through_the_endpoint_trains_token_exactly_and_
     # n = 2 is one group, and a continuation adds no group: one group per episode.
     events, _ = read_events(run / "events.log")
     opened = [e for e in events if isinstance(e, ev.GroupOpened)]
-    assert [len(e.members()) for e in opened] == [2, 2]
+    assert [e.n for e in opened] == [2, 2]
     row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][0]
     # Sync mode: the weights that sampled are the ones trained, so the trainer's logprobs
     # of every sampled token (both turns) equal the sampler's to round-off.

@@ -69,7 +69,7 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
     back = next(e.seq for e in events if isinstance(e, ev.AllocationChanged) and e.why == f"{victim} rejoined")
     assert any(isinstance(e, ev.RequestsDispatched) and e.worker == victim and e.seq > back for e in events), \
         "the restarted instance served requests after it rejoined"
-    trained = [s for e in events if isinstance(e, ev.MicroBatchFormed) for s in e.sample_ids]
+    trained = [s for e in events if isinstance(e, ev.MicroBatchFormed) for s in e.parts.samples()]
     assert len(trained) == len(set(trained)), "a sample trained twice"
     steps = collections.Counter(e.agent for e in events if isinstance(e, ev.OptimizerStep))
     assert steps == {a: STEPS for a in AGENTS}

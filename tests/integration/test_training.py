@@ -133,8 +133,10 @@ def test_check_catches_a_deliberately_altered_decision(sync_run, tmp_path):
     with open(altered, "wb") as out:
         out.write(header)
         for e in events:
-            if isinstance(e, ev.MicroBatchFormed) and not tampered and len(e.sample_ids) > 1:
-                e = msgspec.structs.replace(e, sample_ids=e.sample_ids[1:] + e.sample_ids[:1])
+            if isinstance(e, ev.MicroBatchFormed) and not tampered and e.parts.count > 1:
+                swapped = e.parts.samples()[::-1]  # the same samples, in another order
+                e = msgspec.structs.replace(e, parts=ev.Parts([k for k, _ in swapped], [j for _, j in swapped],
+                                                              [1] * len(swapped)))
                 tampered = True
             out.write(encode_frame(body.encode(e)))
     again, problem = read_events(altered)

@@ -220,11 +220,11 @@ def test_micro_batches_cut_by_a_token_budget_train_whole_groups_and_replay_check
     assert proc.returncode == 0, err[-3000:]
     events, problem = read_events(tmp_path / "run" / "events.log")
     assert problem is None
-    tokens = {e.group_id: e.tokens for e in events if isinstance(e, ev.GroupComplete)}
+    tokens = {e.key: e.tokens for e in events if isinstance(e, ev.GroupComplete)}
     assert tokens and all(5 <= n <= 8 for n in tokens.values())  # two never fit in 8
     formed = [e for e in events if isinstance(e, ev.MicroBatchFormed)]
     assert len(formed) == 2 * 2  # 2 steps of 2 groups, one group each
-    assert all(len({s.rsplit("/", 1)[0] for s in e.sample_ids}) == 1 and len(e.sample_ids) == 2 for e in formed)
+    assert all(len(e.parts.keys) == 1 and e.parts.count == 2 for e in formed)
     proc = flexmarl("replay", str(tmp_path / "run" / "events.log"), "--check")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-2000:] + err[-2000:]

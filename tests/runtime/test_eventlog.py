@@ -7,9 +7,13 @@ import msgspec
 import pytest
 
 from flexmarl.runtime import events as ev
+from flexmarl.runtime import legacy_events as old
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey
 from flexmarl.runtime.eventlog import (HEADER_BYTES, MAGIC, MAX_EVENTS_PER_FRAME, EventLog, EventLogError,
                                        EventLogVersionError, encode_frame, read_events,
                                        segment_path, segment_paths)
+
+G1, G2 = GroupKey("s2q0", "solver", "1a2b3c4d-0"), GroupKey("s2q1", "solver", "1a2b3c4d-b0-1")
 
 EXAMPLES = [
     ev.RunStarted("[run]\nseed = 1\n", ["planner", "solver"], "async", 1, 7),
@@ -22,17 +26,17 @@ EXAMPLES = [
     ev.EventsLost("runs/x/events.log", 4096, 64, 120, 133, "damaged frame: checksum mismatch"),
     ev.BatchStarted(2, 16, 0, [3, 1, 4]),
     ev.EvaluationDone(4, 16, 1, {"planner": 0.5}),
-    ev.RequestsDispatched("r0", "solver", 3, ["s1", "s2"], 40),
-    ev.RequestsCompleted("r0", "solver", 3, ["s1", "s2"], [0, 1], 17),
-    ev.GroupOpened("solver", "g1", ["s1", "s2"], 2),
-    ev.GroupComplete("solver", "g1", [1.0, 0.0]),
-    ev.SamplesDropped("solver", ["s3"], "too stale"),
-    ev.GroupServed("judge", "g2", 2, [1.0]),
-    ev.TeacherScored("solver", "g1", 1, "teacher", [0, 0]),
+    ev.RequestsDispatched("r0", "solver", 3, 40, ev.Parts([G1, G1], [0, 1], [2, 1], [0, 1])),
+    ev.RequestsCompleted("r0", "solver", 3, [0, 1], 17, parts=ev.Parts([G1, G1], [0, 1], [2, 1], [0, 1])),
+    ev.GroupOpened(G1, 2, 2),
+    ev.GroupComplete(G1, [1.0, 0.0]),
+    ev.SamplesDropped("solver", ev.whole([(G2, 3)]), "too stale"),
+    ev.MicroBatchFormed("solver", "t0", 2, ev.whole([(G1, 2)]), [0, 1]),
+    ev.GroupServed(G2, 2, [1.0]),
+    ev.TeacherScored(G1, 1, "teacher", [0, 0]),
     ev.GroupTargets(1, {"solver": 8}),
     ev.EpisodesDrawn(1, 3, {"solver": 2}),
     ev.SnapshotRefreshed("past", "solver", 5),
-    ev.MicroBatchFormed("solver", "t0", 2, ["s1", "s2"], [0, 1]),
     ev.MicroBatchTrained("solver", "t0", 2, 2, 0.25),
     ev.OptimizerStep("solver", "t0", 2, 64),
     ev.StepSkipped("solver", "t0", 3, float("inf"), 1),
@@ -84,7 +88,7 @@ async def test_rotation_produces_several_segments_and_the_reader_returns_all_eve
     path = tmp_path / "events.log"
     log = EventLog(path, max_bytes_per_segment=400)
     for i in range(60):
-        log.emit(ev.SamplesDropped("a", [f"s{i}"], "test"))
+        log.emit(ev.SamplesDropped("a", ev.whole([(GroupKey("e", "a", f"s{i}"), 2)]), "test"))
         if i % 7 == 0:
             await log.flush()
     await log.close()
@@ -96,7 +100,7 @@ async def test_rotation_produces_several_segments_and_the_reader_returns_all_eve
         assert data.startswith(MAGIC) and HEADER_BYTES < len(data) <= 400
     events, problem = read_events(path)
     assert problem is None
-    assert [e.sample_ids[0] for e in events] == [f"s{i}" for i in range(60)]
+    assert [e.parts.keys[0].call for e in events] == [f"s{i}" for i in range(60)]
     assert [e.seq for e in events] == list(range(60))
 
 
@@ -409,3 +413,72 @@ async def test_a_log_of_format_2_is_read_and_a_resumed_run_goes_on_in_a_segment_
     events, problem = read_events(path)
     assert problem is None and events == old + more
     assert [e.seq for e in events] == list(range(7))
+
+
+def stamped(events):
+    for i, e in enumerate(events):
+        e.seq, e.t = i, float(i)
+    return events
+
+
+async def test_a_log_of_format_3_names_groups_and_turns_by_typed_keys_when_read(tmp_path):
+    """Before format 4 groups, samples and later turns were strings (`GROUP/INDEX`,
+    `SAMPLE@TURN`): read, every event names them by keys, the same string the same key."""
+    group = "s2q0/solver-1a2b3c4d-0"
+    written = stamped([
+        old.GroupOpened("solver", group, [], 2, 3),
+        old.RequestsDispatched("r0", "solver", 3, [], 40, old.Parts([group, f"{group}/1@1"], [0, 0], [3, 1])),
+        old.RequestsCompleted("r0", "solver", 3, [], [0, 1], 17, parts=old.Parts([group, f"{group}/1@1"], [0, 0], [3, 1])),
+        old.GroupComplete("solver", group, [1.0, 0.0, 0.5], 12),
+        old.MicroBatchFormed("solver", "", 3, [f"{group}/0", f"{group}/1", f"{group}/2"], [0, 0, 0]),
+        old.SamplesDropped("solver", ["hand-made"], "a name of no grammar"),
+        ev.OptimizerStep("solver", "t0", 3, 3)])
+    path = tmp_path / "events.log"
+    path.write_bytes(MAGIC + (3).to_bytes(4, "little") + encode_frame(*map(msgspec.msgpack.encode, written)))
+    events, problem = read_events(path)
+    assert problem is None and [e.seq for e in events] == list(range(7))
+    key = G1
+    assert events[:5] == stamped([
+        ev.GroupOpened(key, 2, 3),
+        ev.RequestsDispatched("r0", "solver", 3, 40, ev.Parts([key, key], [0, 1], [3, 1], [0, 1])),
+        ev.RequestsCompleted("r0", "solver", 3, [0, 1], 17, parts=ev.Parts([key, key], [0, 1], [3, 1], [0, 1])),
+        ev.GroupComplete(key, [1.0, 0.0, 0.5], 12),
+        ev.MicroBatchFormed("solver", "", 3, ev.whole([(key, 3)]), [0, 0, 0])])
+    assert events[5].parts == ev.Parts([GroupKey("", "solver", "hand-made")], [0], [1])
+    assert str(key) == group and key.sample(1) == f"{group}/1"
+
+
+async def test_a_log_of_format_3_reads_the_agents_menus_events_by_typed_keys(tmp_path):
+    """A frozen agent's GroupServed and a teacher's TeacherScored named groups by strings,
+    and a teacher's scoring of member j was the request `GROUP/j@teacher` of the teacher's:
+    read, they name the student's group by its key, the scoring as SCORE_TURN."""
+    group, judged = "s2q0/solver-1a2b3c4d-0", "s2q0/judge-99-0"
+    written = stamped([
+        old.GroupOpened("solver", group, [], 2, 3),
+        old.GroupOpened("judge", judged, [], 2, 2),
+        old.RequestsCompleted("r1", "teacher", 4, [], [5], 3, parts=old.Parts([f"{group}/1@teacher"], [0], [1])),
+        old.TeacherScored("solver", group, 2, "teacher", [5, 5, 5]),
+        old.GroupServed("judge", judged, 2, [1.0])])
+    path = tmp_path / "events.log"
+    path.write_bytes(MAGIC + (3).to_bytes(4, "little") + encode_frame(*map(msgspec.msgpack.encode, written)))
+    events, problem = read_events(path)
+    judge = GroupKey("s2q0", "judge", "99-0")
+    assert problem is None
+    assert events[2].parts == ev.Parts([G1], [1], [1], [SCORE_TURN])
+    assert ev.without_stamp(events[3]) == ev.without_stamp(ev.TeacherScored(G1, 2, "teacher", [5, 5, 5]))
+    assert ev.without_stamp(events[4]) == ev.without_stamp(ev.GroupServed(judge, 2, [1.0]))
+    assert [e.seq for e in events] == list(range(5)) and (events[3].agent, events[4].agent) == ("solver", "judge")
+
+
+async def test_a_log_of_format_1_finds_the_members_its_groups_listed(tmp_path):
+    written = stamped([old.GroupOpened("a", "g", ["first", "second"], 1),
+                       old.RequestsCompleted("r0", "a", 1, ["second", "first"], [2, 1], 4),
+                       old.MicroBatchFormed("a", "", 2, ["first", "second"], [1, 2])])
+    path = tmp_path / "events.log"
+    path.write_bytes(MAGIC + (1).to_bytes(4, "little")
+                     + b"".join(one_event_frame(msgspec.msgpack.encode(e)) for e in written))
+    events, problem = read_events(path)
+    g = GroupKey("", "a", "g")
+    assert problem is None and events[0] == stamped([ev.GroupOpened(g, 1, 2)])[0]
+    assert (events[1].parts, events[1].versions) == (ev.Parts([g, g], [1, 0], [1, 1]), [2, 1])
+    assert events[2].parts == ev.whole([(g, 2)])

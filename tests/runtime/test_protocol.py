@@ -3,11 +3,17 @@ import numpy as np
 import pytest
 
 from flexmarl.runtime import protocol as p
+from flexmarl.runtime.keys import SCORE_TURN, GroupKey
 from flexmarl.runtime.params.types import Location, ParamHandle, TensorSpec
 
 HANDLE = ParamHandle(transport="shm", agent="solver", version=1, key="solver-v1-42-abc", total_bytes=128,
                      layout=[TensorSpec("w", "bfloat16", (2, 3), 0, 12), TensorSpec("b", "float32", (), 64, 4)],
                      checksum=2**64 - 1, publisher=Location("host", 42), path="/dev/shm/flexmarl-param-42-abc")
+
+G1, G2 = GroupKey("s1q0", "solver", "00ab12cd-0"), GroupKey("s1q0", "solver", "00ab12cd-b0-1")
+# Two members, three output ids; member 1 took a second turn from its output id 1 on.
+GROUP = p.TrainGroup(G1, p.packed("i", [1]), [1, 2], p.packed("i", [2, 3, 4]), p.packed("f", [-0.3, -0.1, -0.2]),
+                     [0.5, -0.5], [0, 0], 0.7, loss_mask=bytes([1, 0, 1]), turns=[p.MemberTurn(1, 1, 0.5)])
 
 EXAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "w1", "rollout", "host", 123, ["cpu"], {"slots": 4.0}),
@@ -22,10 +28,12 @@ EXAMPLES = [
     p.EchoReply(2, b"", {"busy_s": 1.5, "queued_commands": 0.0}),
     p.LoadModel(2, "planner", "/tmp/m", 0, seed=3),
     p.ModelLoaded(2, "planner", 0, 1.5),
-    p.Generate(3, [p.GenGroup("g1", "solver", 8, [1, 2, 3], 6, 1.0, 42),
-                   p.GenGroup("g2", "solver", 4, [1, 2], 6, 1.0, 50, first=4, version=2)]),
-    p.Generated(3, [p.GroupResult("g1", 0, 0, [2, 1], p.packed("i", [4, 5, 6]), p.packed("f", [-0.5, -0.25, -1.0]),
-                                  ["length", "stop"], 16)], True, {"queued": 0.0}),
+    p.Generate(3, [p.GenGroup(G1, "solver", 8, [1, 2, 3], 6, 1.0, 42),
+                   p.GenGroup(G2, "solver", 4, [1, 2], 6, 1.0, 50, first=4, version=2),
+                   p.GenGroup(G2, "solver", 1, [1, 2, 7], 6, 1.0, 77, first=1, turn=2)]),  # member 1's third turn
+    p.Generated(3, [p.GroupResult(G1, 0, 0, [2, 1], p.packed("i", [4, 5, 6]), p.packed("f", [-0.5, -0.25, -1.0]),
+                                  ["length", "stop"], 16)], True, {"queued": 0.0},
+                [p.GroupRefused(G2, 1, "too long", turn=2)]),
     p.LoadWeights(4, "solver", 1, HANDLE),
     p.LoadWeights(4, "solver", 1, HANDLE, rank=2),  # nccl: the instance's rank in the agent's group
     p.WeightsLoaded(4, "solver", 1, 0.01),
@@ -35,7 +43,7 @@ EXAMPLES = [
                   {"adapter_model.safetensors": "ab" * 32}),
     p.InitAgent(5, "checker", "/tmp/c", 1e-3, 0),
     p.AgentReady(5, "checker", 0, 1000),
-    p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0])]),
+    p.TrainMicroBatch(6, "checker", 1, [GROUP]),
     p.MicroBatchDone(6, "checker", 0.1, 10, 0.2),
     p.OptimStep(7, "checker", 1, samples=64),
     p.StepDone(7, "checker", 1, 0.9, 0.01),
@@ -139,7 +147,7 @@ def test_an_optimizer_step_that_does_not_say_how_many_samples_it_covers_is_refus
 
 
 def test_loss_options_sample_temperatures_and_step_stats_round_trip():
-    batch = p.TrainMicroBatch(6, "checker", 1, [p.TrainSample("s1", [1], [2], 0.5, [-0.3], [0], 0.7)], 1, 1.2,
+    batch = p.TrainMicroBatch(6, "checker", 1, [GROUP], 1, 1.2,
                               p.LossOptions("token_mean", 8.0, "ppo_clip", 0.1))
     step = p.OptimStep(7, "checker", 1, samples=64)
     done = p.StepDone(7, "checker", 1, 0.9, 0.01, p.StepStats(0.1, 0.9, 2.3, 5.5, 8, 0.01, 0.001, 0.2, 0.0, 64, 352))
@@ -157,9 +165,10 @@ def test_the_agents_menus_fields_round_trip():
     """A frozen adapter's directory instead of a handle, a scoring group, a teacher's
     logprobs per output id, the teacher's KL in a step's stats."""
     msgs = [p.LoadWeights(3, "judge", 0, None, lora=p.LoraSettings(rank=8), adapter_dir="/runs/x/final/judge"),
-            p.Generate(4, [p.GenGroup("s@teacher", "t", 1, [1, 2, 3], 1, 1.0, 0, score_from=2)]),
-            p.TrainMicroBatch(5, "s", 1, [p.TrainSample("s1", [1], [2, 3], 0.5, [-0.3, -0.1], [0],
-                                                        teacher_logprobs=[-0.2, -0.4])],
+            p.Generate(4, [p.GenGroup(G1, "t", 1, [1, 2, 3], 1, 1.0, 0, 1, turn=SCORE_TURN, score_from=2)]),
+            p.TrainMicroBatch(5, "s", 1, [p.TrainGroup(G1, p.packed("i", [1]), [2], p.packed("i", [2, 3]),
+                                                       p.packed("f", [-0.3, -0.1]), [0.5], [0],
+                                                       teacher_logprobs=p.packed("f", [-0.2, -0.4]))],
                               loss=p.LossOptions(off_policy="decoupled", behav_weight_cap=3.0, teacher_coef=0.5)),
             p.StepDone(6, "s", 1, 0.9, 0.01, p.StepStats(teacher_kl=0.25))]
     for msg in msgs:

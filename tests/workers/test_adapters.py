@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from train_batches import TrainSample, micro_batch
+
 from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.workers import models
@@ -24,7 +26,7 @@ def base_dir(tmp_path_factory):
 
 def sample(i, rng, version):
     query = digit_chain.make_query(rng)
-    return p.TrainSample(f"s{i}", digit_chain.planner_prompt(query), digit_chain.make_query(rng),
+    return TrainSample(f"s{i}", digit_chain.planner_prompt(query), digit_chain.make_query(rng),
                          rng.uniform(-1, 1), [-1.0, -1.0, -1.0], [version])
 
 
@@ -38,7 +40,7 @@ def init(h, agent, base_dir, seed=0):
 
 
 def step(h, agent, version, seed):
-    h._execute(p.TrainMicroBatch(2, agent, version, batch(seed, version - 1)))
+    h._execute(micro_batch(2, agent, version, batch(seed, version - 1)))
     h._execute(p.OptimStep(3, agent, version, samples=4))
 
 
@@ -76,13 +78,13 @@ def test_interleaved_micro_batches_of_two_agents_train_each_exactly_as_alone(bas
     base_before = {k: v.clone() for k, v in both.bases[str(base_dir)]._base.state_dict().items()
                    if "lora_" not in k}
     for version in (1, 2):
-        both._execute(p.TrainMicroBatch(2, "writer", version, batch(version, version - 1)))
-        both._execute(p.TrainMicroBatch(2, "critic", version, batch(100 + version, version - 1)))
-        both._execute(p.TrainMicroBatch(2, "writer", version, batch(200 + version, version - 1)))
+        both._execute(micro_batch(2, "writer", version, batch(version, version - 1)))
+        both._execute(micro_batch(2, "critic", version, batch(100 + version, version - 1)))
+        both._execute(micro_batch(2, "writer", version, batch(200 + version, version - 1)))
         both._execute(p.OptimStep(3, "critic", version, samples=4))
         both._execute(p.OptimStep(3, "writer", version, samples=8))
-        alone._execute(p.TrainMicroBatch(2, "writer", version, batch(version, version - 1)))
-        alone._execute(p.TrainMicroBatch(2, "writer", version, batch(200 + version, version - 1)))
+        alone._execute(micro_batch(2, "writer", version, batch(version, version - 1)))
+        alone._execute(micro_batch(2, "writer", version, batch(200 + version, version - 1)))
         alone._execute(p.OptimStep(3, "writer", version, samples=8))
     got, want = adapter(both, "writer"), adapter(alone, "writer")
     assert got.keys() == want.keys()
@@ -120,7 +122,7 @@ def test_parking_and_restoring_an_adapter_with_its_optimizer_state_is_byte_exact
     h = TrainerHandler()
     init(h, "writer", base_dir), init(h, "critic", base_dir, seed=1)
     step(h, "writer", 1, 0)
-    h._execute(p.TrainMicroBatch(4, "writer", 2, batch(7, 1)))  # pending gradients travel too
+    h._execute(micro_batch(4, "writer", 2, batch(7, 1)))  # pending gradients travel too
     state = h.agents["writer"]
     before = {k: v.clone() for k, v in training_state(state.model, state.optimizer, state.sums).items()}
     assert any(k.startswith("grad/") for k in before) and any(k.startswith("optim/") for k in before)

@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from train_batches import TrainSample, micro_batch
+
 from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.workers import models, precision
@@ -113,7 +115,7 @@ def test_a_worker_without_cuda_trains_in_float32_on_the_cpu(monkeypatch):
 
 def batch(version, n=4):
     rng = random.Random(version)
-    return [p.TrainSample(f"s{i}", digit_chain.planner_prompt(digit_chain.make_query(rng)),
+    return [TrainSample(f"s{i}", digit_chain.planner_prompt(digit_chain.make_query(rng)),
                           digit_chain.make_query(rng), rng.uniform(-1, 1), [], [version - 1]) for i in range(n)]
 
 
@@ -123,7 +125,7 @@ def train_once(model_dir, settings):
     state = h.agents["planner"]
     seen = []
     hook = state.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    h._execute(p.TrainMicroBatch(2, "planner", 1, batch(1)))
+    h._execute(micro_batch(2, "planner", 1, batch(1)))
     h._execute(p.OptimStep(3, "planner", 1, samples=4))
     hook.remove()
     return h, state, seen

@@ -1,8 +1,8 @@
 """One vLLM inference engine, in-process, driven one step at a time.
 
 `VllmEngine` wraps `vllm.LLM`'s engine with the small surface a rollout worker needs:
-add token-id requests (each with its own sampling seed), `step()` the engine and collect
-finished completions with the sampled tokens' logprobs, abort, and replace the weights in
+add token-id requests (n samples of one prompt each, sample j seeded `seed + j`), `step()`
+the engine and collect finished requests whole, with the sampled tokens' logprobs, abort, and replace the weights in
 place without restarting. New requests may be added between steps and join the running
 batch (continuous batching).
 
@@ -136,14 +136,21 @@ def refusal_reason(prompt_ids: Sequence[int], max_tokens: int, max_model_len: in
 
 @dataclass(frozen=True)
 class Completion:
-    """One finished request: the generated tokens and their logprobs, one per token."""
+    """One finished request: its samples' generated tokens back to back (sample j's are
+    the `lengths[j]` after the samples before it) and their logprobs, one per token."""
 
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
-    # vLLM's reason: "stop" (end of sequence, a stop token or string) or "length" (max_tokens).
-    finish_reason: str | None
+    lengths: list[int]  # per sample, in order
+    # vLLM's reason per sample: "stop" (end of sequence, a stop token or string) or "length" (max_tokens).
+    finish_reasons: list[str]
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+
+    @property
+    def finish_reason(self) -> str:
+        """The first sample's reason (a request of one sample: its only one)."""
+        return self.finish_reasons[0] if self.finish_reasons else ""
 
 
 class VllmEngine:
@@ -202,13 +209,10 @@ class VllmEngine:
         self.has_tokenizer = has_tokenizer(model_path)
         self.eos_token_ids = eos_token_ids(model_path)
         self._weight_shapes = checkpoint_weight_shapes(model_path)
-        # request_id -> prompt tokens + max_tokens: the work it may still cost.
+        # request_id -> its samples' prompt tokens + max_tokens: the work it may still cost.
         self._outstanding: dict[str, int] = {}
-        # A group added as one vLLM request (see add_group): its id -> the member ids, in order.
-        self._groups: dict[str, list[str]] = {}
-        # A scoring request (add_group's `score_from`): its id -> the ids it scores.
+        # A scoring request (add's `score_from`): its id -> the ids it scores.
         self._scoring: dict[str, list[int]] = {}
-        self._group_of: dict[str, str] = {}
         # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
         self._inplace = inplace_reload
         self.last_reload = ""  # "in place" or "vllm": how the last load went
@@ -227,39 +231,9 @@ class VllmEngine:
         prompt_ids: Sequence[int],
         max_tokens: int,
         temperature: float,
-        seed: int,
-        *,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = True,
-        adapter: str = "",
-        adapter_version: int = -1,
-    ) -> int:
-        """Queue one request; it starts at the next `step()`. It writes at most max_tokens
-        tokens and ends early at the model's end-of-sequence token (unless `ignore_eos`,
-        then it writes exactly max_tokens), at any of `stop_token_ids` (both kept in the
-        output: the model learns to stop) or at any of the `stop` strings (the ids keep the
-        token that completed it; the text would not).
-
-        The same prompt, seed and weights give the same tokens, whatever else is batched.
-        Temperature 0 is greedy; its logprobs are then those of the unscaled distribution.
-        Raises `RequestRefused` (nothing queued, the engine unchanged) for a request that
-        cannot run here. See `add_group` for `adapter` and what is returned.
-        """
-        return self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, top_p=top_p, top_k=top_k,
-                              stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter,
-                              adapter_version=adapter_version)
-
-    def add_group(
-        self,
-        request_ids: Sequence[str],
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        temperature: float,
         seed: int | None,
         *,
+        n: int = 1,
         top_p: float = 1.0,
         top_k: int = 0,
         stop: Sequence[str] = (),
@@ -269,34 +243,41 @@ class VllmEngine:
         adapter_version: int = -1,
         score_from: int = -1,
     ) -> int:
-        """Queue requests that differ only in their seeds, request j with seed `seed + j`:
-        exactly `add(request_ids[j], ..., seed + j)` for every j, tokens and logprobs alike,
-        but added to vLLM as one request of n samples, so the prompt is checked, its
-        settings copied and its cache blocks filled once, not n times (most of what adding
-        a request costs). Its members finish and are returned together; aborting any of
-        them aborts the group. Raises `RequestRefused` for all of them, nothing queued.
+        """Queue one request of `n` samples of the prompt, sample j drawn with seed
+        `seed + j`; it starts at the next `step()` and comes back whole, every sample in
+        one `Completion`. The prompt is checked, its settings copied and its cache blocks
+        filled once, not n times (most of what adding a request costs). Each sample writes
+        at most max_tokens tokens and ends early at the model's end-of-sequence token
+        (unless `ignore_eos`, then it writes exactly max_tokens), at any of
+        `stop_token_ids` (both kept in the output: the model learns to stop) or at any of
+        the `stop` strings (the ids keep the token that completed it; the text would not).
 
-        With `adapter`, they run under that LoRA adapter at `adapter_version` (-1: its
-        newest; a version retired for a newer one: the newer), which stays loaded until
-        they finish; returns the adapter version they run under (-1 without an adapter).
+        The same prompt, seed and weights give the same tokens, whatever else is batched,
+        and sample j of a request draws what a request of one sample with seed `seed + j`
+        draws. Temperature 0 is greedy; its logprobs are then those of the unscaled
+        distribution. Raises `RequestRefused` (nothing queued, the engine unchanged) for a
+        request that cannot run here.
 
-        With `score_from` >= 1 (one request), nothing is generated: the prompt is prefilled
-        with vLLM's prompt logprobs, and the request's completion is `prompt_ids[score_from:]`
-        with the model's logprob of each (its unscaled distribution: a teacher's view of
-        a student's sample)."""
+        With `adapter`, the request runs under that LoRA adapter at `adapter_version` (-1:
+        its newest; a version retired for a newer one: the newer), which stays loaded until
+        it finishes; returns the adapter version it runs under (-1 without an adapter).
+
+        With `score_from` >= 1 (n is 1), nothing is generated: the prompt is prefilled with
+        vLLM's prompt logprobs, and the request's completion is `prompt_ids[score_from:]`
+        with the model's logprob of each (its unscaled distribution: a teacher's view of a
+        student's sample)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        ids = list(request_ids)
-        name = ids[0] if len(ids) == 1 else f"group:{ids[0]}:{len(ids)}"
-        taken = [rid for rid in ids if rid in self._outstanding] or ([name] if name in self._groups else [])
-        if taken or len(set(ids)) != len(ids):
-            raise RequestRefused(f"request {(taken or ids)[0]!r} is already in this engine")
+        if request_id in self._outstanding:
+            raise RequestRefused(f"request {request_id!r} is already in this engine")
         reason = refusal_reason(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
-        if reason is None and score_from >= 0 and not (len(ids) == 1 and 1 <= score_from < len(prompt_ids)):
-            reason = (f"a scoring request scores ids of one prompt from index 1 on; got {len(ids)} requests, "
+        if reason is None and n < 1:
+            reason = f"n is {n}; a request needs at least one sample"
+        if reason is None and score_from >= 0 and not (n == 1 and 1 <= score_from < len(prompt_ids)):
+            reason = (f"a scoring request scores ids of one prompt from index 1 on, one sample; got n {n}, "
                       f"score_from {score_from} of {len(prompt_ids)} ids")
         if reason is None and stop and not self.has_tokenizer:
             reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
@@ -311,7 +292,7 @@ class VllmEngine:
             # computed with an adapter. Agents of a base are its adapters, never the base.
             reason = "this engine serves adapters of its model; a request must name one (adapter=...)"
         if reason is not None:
-            raise RequestRefused(f"request {name!r} refused: {reason}")
+            raise RequestRefused(f"request {request_id!r} refused: {reason}")
         # The end-of-sequence ids are named explicitly: without a tokenizer vLLM knows none.
         ends = [] if ignore_eos else [t for t in self.eos_token_ids if t not in stop_token_ids]
         try:
@@ -321,8 +302,8 @@ class VllmEngine:
             else:
                 params = SamplingParams(
                     # vLLM gives sample j of an n-sample request the seed `seed + j` (its
-                    # ParentRequest), the very seed request_ids[j] would have alone.
-                    n=len(ids),
+                    # ParentRequest): what a request of one sample with that seed draws.
+                    n=n,
                     max_tokens=max_tokens,
                     temperature=temperature,
                     top_p=top_p,
@@ -337,59 +318,49 @@ class VllmEngine:
                 )
             # vLLM validates the request completely before registering any of it, so a
             # refusal here leaves nothing behind.
-            self._engine.add_request(name, tokens_input(list(prompt_ids)), params,
+            self._engine.add_request(request_id, tokens_input(list(prompt_ids)), params,
                                      lora_request=self._lora_request(resident) if resident else None)
         except (VLLMClientError, ValueError, TypeError) as exc:
-            raise RequestRefused(f"vLLM refused request {name!r}: {exc}") from exc
-        for rid in ids:
-            self._outstanding[rid] = len(prompt_ids) + max_tokens
+            raise RequestRefused(f"vLLM refused request {request_id!r}: {exc}") from exc
+        self._outstanding[request_id] = n * (len(prompt_ids) + max_tokens)
         if score_from >= 0:
-            self._scoring[name] = list(prompt_ids[score_from:])
-        if len(ids) > 1:
-            self._groups[name] = ids
-            self._group_of.update((rid, name) for rid in ids)
+            self._scoring[request_id] = list(prompt_ids[score_from:])
         if resident is None:
             return -1
         assert self.adapters is not None  # the resident adapter came from it
-        self.adapters.use(name, resident)
+        self.adapters.use(request_id, resident)
         return resident.version
 
     def step(self) -> list[Completion]:
-        """Run one engine step; return the requests that finished in it."""
+        """Run one engine step; return the requests that finished in it, each whole."""
         completions = []
-        finished = False
         for output in self._engine.step():
             if not output.finished:
                 continue
-            finished = True
             if self.adapters is not None:
                 self.adapters.release(output.request_id)
+            if self._outstanding.pop(output.request_id, None) is None:
+                self._scoring.pop(output.request_id, None)
+                continue  # aborted meanwhile
             scored = self._scoring.pop(output.request_id, None)
             if scored is not None:
-                if self._outstanding.pop(output.request_id, None) is not None:
-                    logprobs = output.prompt_logprobs[-len(scored):]
-                    completions.append(Completion(
-                        request_id=output.request_id, token_ids=scored,
-                        logprobs=[step[token].logprob for token, step in zip(scored, logprobs)],
-                        finish_reason="score", cached_tokens=output.num_cached_tokens or 0))
+                steps = output.prompt_logprobs[-len(scored):]
+                completions.append(Completion(output.request_id, scored,
+                                              [step[token].logprob for token, step in zip(scored, steps)],
+                                              [len(scored)], ["score"], output.num_cached_tokens or 0))
                 continue
-            members = self._groups.pop(output.request_id, None) or [output.request_id]
-            for sample in output.outputs:
-                rid = members[sample.index]
-                if self._outstanding.pop(rid, None) is None:
-                    continue
-                self._group_of.pop(rid, None)
-                completions.append(Completion(
-                    request_id=rid,
-                    token_ids=list(sample.token_ids),
-                    logprobs=[
-                        step_logprobs[token].logprob
-                        for token, step_logprobs in zip(sample.token_ids, sample.logprobs)
-                    ],
-                    finish_reason=sample.finish_reason,
-                    cached_tokens=output.num_cached_tokens or 0,
-                ))
-        if finished:
+            token_ids: list[int] = []
+            logprobs: list[float] = []
+            lengths, reasons = [], []
+            for sample in sorted(output.outputs, key=lambda o: o.index):
+                token_ids += sample.token_ids
+                logprobs += [step_logprobs[token].logprob
+                             for token, step_logprobs in zip(sample.token_ids, sample.logprobs)]
+                lengths.append(len(sample.token_ids))
+                reasons.append(sample.finish_reason or "")
+            completions.append(Completion(output.request_id, token_ids, logprobs, lengths, reasons,
+                                          output.num_cached_tokens or 0))
+        if completions:
             self._retire_adapters()
         return completions
 
@@ -398,7 +369,7 @@ class VllmEngine:
 
     @property
     def num_queued_requests(self) -> int:
-        """Requests added and neither finished nor aborted."""
+        """Requests added and neither finished nor aborted (a request of n samples counts once)."""
         return len(self._outstanding)
 
     @property
@@ -408,16 +379,14 @@ class VllmEngine:
         return sum(self._outstanding.values())
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Drop requests; they never come back from `step()`. Unknown ids are ignored. A
-        member of a group (add_group) takes its whole group with it."""
-        names = {self._group_of.get(rid, rid) for rid in request_ids if rid in self._outstanding}
+        """Drop requests, every sample of each; they never come back from `step()`.
+        Unknown ids are ignored."""
+        names = [rid for rid in dict.fromkeys(request_ids) if rid in self._outstanding]
         if names:
-            self._engine.abort_request(list(names))
+            self._engine.abort_request(names)
             for name in names:
+                del self._outstanding[name]
                 self._scoring.pop(name, None)
-                for rid in self._groups.pop(name, [name]):
-                    del self._outstanding[rid]
-                    self._group_of.pop(rid, None)
                 if self.adapters is not None:
                     self.adapters.release(name)
             self._retire_adapters()
@@ -582,9 +551,7 @@ class VllmEngine:
         engine, self._engine = self._engine, None
         self._llm = None
         self._outstanding.clear()
-        self._groups.clear()
         self._scoring.clear()
-        self._group_of.clear()
         if engine is not None:
             engine.engine_core.shutdown()
 

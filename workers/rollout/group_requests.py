@@ -1,10 +1,10 @@
 """The groups a rollout worker's engine is running, and their replies: pure bookkeeping.
 
 A GENERATE message carries groups (protocol.GenGroup); the worker adds each to its engine
-as one request of n samples, its members named `KEY/INDEX` (the engine's request ids, which
-stay inside this process). `RunningGroups` remembers which request and group each member
-belongs to, collects the members as the engine finishes them, and turns a group whose
-members have all finished into one `GroupResult`, its token ids and logprobs packed as
+as one request of n samples under an engine request id of its own (`RunningGroups.next_id`:
+a number, unique in this process, naming nothing else). `RunningGroups` remembers which
+GENERATE request and group each engine request is, and turns a finished one (the engine
+returns a request whole) into one `GroupResult`, its token ids and logprobs packed as
 arrays. A message is done once every group it carried came back or was refused.
 
 It does not touch the engine or the socket (worker.py does both), so it is tested alone.
@@ -12,54 +12,51 @@ It does not touch the engine or the socket (worker.py does both), so it is teste
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from flexmarl.runtime import protocol
 
 
-def member_ids(group: protocol.GenGroup) -> list[str]:
-    """The engine's request ids of the part's members (unique while it runs: a group's
-    id, or a later turn's, names nothing else in flight)."""
-    return [f"{group.key}/{group.first + j}" for j in range(group.n)]
-
-
-@dataclass
+@dataclass(slots=True)
 class _Running:
-    request_id: int
+    request_id: int  # the GENERATE message's
     group: protocol.GenGroup
     version: int
-    outputs: list[Any] = field(default_factory=list)  # engine Completions, by member
-    left: int = 0
 
 
 class RunningGroups:
     def __init__(self) -> None:
-        self._member: dict[str, tuple[_Running, int]] = {}  # engine request id -> (group, member)
+        self._running: dict[str, _Running] = {}  # engine request id -> its group
         self._open: dict[int, int] = defaultdict(int)  # request id -> its groups still running
         self._tokens: dict[int, int] = defaultdict(int)  # request id -> prompt + max tokens of those
+        self._ids = itertools.count()
+        self.samples = 0  # of the groups running
 
-    def started(self, request_id: int, group: protocol.GenGroup, version: int) -> None:
-        """The engine took `group` (its member ids from `member_ids`), running under `version`."""
-        running = _Running(request_id, group, version, [None] * group.n, group.n)
-        for j, rid in enumerate(member_ids(group)):
-            self._member[rid] = (running, j)
+    def next_id(self) -> str:
+        """The engine request id for the next group."""
+        return str(next(self._ids))
+
+    def started(self, engine_id: str, request_id: int, group: protocol.GenGroup, version: int) -> None:
+        """The engine took `group` (of GENERATE `request_id`) as `engine_id`, running under `version`."""
+        self._running[engine_id] = _Running(request_id, group, version)
         self._open[request_id] += 1
         self._tokens[request_id] += cost(group)
+        self.samples += group.n
 
     def finished(self, completions: Iterable[Any]) -> dict[int, list[protocol.GroupResult]]:
-        """The groups the engine's finished `completions` complete, per request."""
+        """The results of the groups the engine finished (`completions`, one per engine
+        request, every sample of it), per GENERATE request."""
         done: dict[int, list[protocol.GroupResult]] = defaultdict(list)
         for c in completions:
-            running, j = self._member.pop(c.request_id)
-            running.outputs[j] = c
-            running.left -= 1
-            if running.left == 0:
-                rid = running.request_id
-                done[rid].append(group_result(running.group, running.version, running.outputs))
-                self._open[rid] -= 1
-                self._tokens[rid] -= cost(running.group)
+            running = self._running.pop(c.request_id)
+            rid = running.request_id
+            done[rid].append(group_result(running.group, running.version, c))
+            self._open[rid] -= 1
+            self._tokens[rid] -= cost(running.group)
+            self.samples -= running.group.n
         return done
 
     def done(self, request_id: int) -> bool:
@@ -71,15 +68,11 @@ class RunningGroups:
         return True
 
     @property
-    def samples(self) -> int:
-        return len(self._member)
-
-    @property
     def tokens(self) -> int:
         return sum(self._tokens.values())
 
     def __bool__(self) -> bool:
-        return bool(self._member)
+        return bool(self._running)
 
 
 def cost(group: protocol.GenGroup) -> int:
@@ -87,14 +80,9 @@ def cost(group: protocol.GenGroup) -> int:
     return group.n * (len(group.prompt_ids) + group.max_tokens)
 
 
-def group_result(group: protocol.GenGroup, version: int, outputs: list[Any]) -> protocol.GroupResult:
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    for c in outputs:
-        tokens += c.token_ids
-        logprobs += c.logprobs
-    return protocol.GroupResult(group.key, group.first, version, [len(c.token_ids) for c in outputs],
-                                protocol.packed(protocol.TOKEN_TYPECODE, tokens),
-                                protocol.packed(protocol.LOGPROB_TYPECODE, logprobs),
-                                [c.finish_reason or "" for c in outputs],
-                                max((c.cached_tokens for c in outputs), default=0))
+def group_result(group: protocol.GenGroup, version: int, completion: Any) -> protocol.GroupResult:
+    """The reply for `group`, from the engine's `Completion` of it (its samples back to back)."""
+    return protocol.GroupResult(group.key, group.first, version, list(completion.lengths),
+                                protocol.packed(protocol.TOKEN_TYPECODE, completion.token_ids),
+                                protocol.packed(protocol.LOGPROB_TYPECODE, completion.logprobs),
+                                list(completion.finish_reasons), completion.cached_tokens, group.turn)

@@ -46,7 +46,7 @@ from flexmarl.runtime.checksums import verify_files
 
 from ..session import CommandHandler
 from .engine import RequestRefused
-from .group_requests import RunningGroups, cost, member_ids
+from .group_requests import RunningGroups, cost
 
 log = logging.getLogger("flexmarl.rollout")
 
@@ -248,16 +248,17 @@ class RolloutHandler(CommandHandler):
         for group in msg.groups:
             # An adapter agent's samples run under its adapter at the version asked for (or the newest).
             adapter = dict(adapter=group.agent, adapter_version=group.version) if self._serves_adapter(group.agent) else {}
+            engine_id = self._running.next_id()
             try:
-                used = self.engine.add_group(member_ids(group), group.prompt_ids, group.max_tokens, group.temperature,
-                                             group.seed, top_p=group.top_p, top_k=group.top_k, stop=group.stop,
-                                             stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos,
-                                             score_from=group.score_from, **adapter)
+                used = self.engine.add(engine_id, group.prompt_ids, group.max_tokens, group.temperature, group.seed,
+                                       n=group.n, top_p=group.top_p, top_k=group.top_k, stop=group.stop,
+                                       stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos,
+                                       score_from=group.score_from, **adapter)
             except RequestRefused as exc:
                 log.warning("%s: %s", group.agent, exc)
-                refused.append(protocol.GroupRefused(group.key, group.first, str(exc)))
+                refused.append(protocol.GroupRefused(group.key, group.first, str(exc), group.turn))
                 continue
-            self._running.started(msg.request_id, group, used if adapter else self.version)
+            self._running.started(engine_id, msg.request_id, group, used if adapter else self.version)
         if not refused:
             return None
         return protocol.Generated(msg.request_id, [], self._running.done(msg.request_id), self.load(), refused)

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from flexmarl.runtime import protocol
 
 from ..precision import TrainPlacement
+from .batch import Sample
 from .loss import StepSums
 from .worker import AgentState, TrainerHandler, model_skeleton, training_state
 
@@ -220,14 +221,12 @@ class TrainerGroupHandler(TrainerHandler):
                  placement: TrainPlacement) -> tuple[StepSums, None]:
         return receive_shard(self.channel(), ([msg.handle] + list(msg.shards))[self.rank], model, optimizer), None
 
-    def _share(self, msg: protocol.TrainMicroBatch) -> tuple[protocol.TrainMicroBatch, bool]:
+    def _share(self, samples: list[Sample], loss: protocol.LossOptions) -> tuple[list[Sample], protocol.LossOptions, bool]:
         """Rank r trains samples r, r + N, ...; a rank dealt none runs the zero-gradient stand-in."""
-        share = msg.samples[self.rank::self.world]
-        replace = msgspec.structs.replace
+        share = samples[self.rank::self.world]
         if share:
-            return replace(msg, samples=share), True
-        return replace(msg, samples=[replace(msg.samples[0], advantage=0.0)],
-                       loss=replace(msg.loss, kl_coef=0.0, teacher_coef=0.0)), False
+            return share, loss, True
+        return [samples[0].with_advantage(0.0)], msgspec.structs.replace(loss, kl_coef=0.0, teacher_coef=0.0), False
 
     def _reduce(self, sums: StepSums) -> StepSums:
         tensors = sums.to_tensors()

@@ -25,6 +25,7 @@ import torch
 
 from flexmarl.runtime import protocol
 
+from .batch import Sample
 from .sampling import turn_settings
 from .scoring import padded, token_scores
 
@@ -240,7 +241,7 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
 Proximal = Callable[[], contextlib.AbstractContextManager[Any]] | None
 
 
-def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protocol.LossOptions,
+def policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions,
                 off_policy: bool, clip_ratio: float, reference: Any = None,
                 proximal: Proximal = None) -> tuple[torch.Tensor, StepSums]:
     """The micro-batch's loss, a sum over its samples, and its share of the step's sums.
@@ -261,7 +262,7 @@ def policy_loss(model: Any, samples: list[protocol.TrainSample], options: protoc
         return _policy_loss(model, samples, options, off_policy, clip_ratio, reference, proximal)
 
 
-def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: protocol.LossOptions,
+def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions,
                  off_policy: bool, clip_ratio: float, reference: Any,
                  proximal: Proximal) -> tuple[torch.Tensor, StepSums]:
     aggregation = AGGREGATIONS[options.agg]
@@ -310,10 +311,10 @@ def _policy_loss(model: Any, samples: list[protocol.TrainSample], options: proto
     return loss, sums
 
 
-def teacher_logprobs(samples: list[protocol.TrainSample], width: int) -> torch.Tensor:
+def teacher_logprobs(samples: list[Sample], width: int) -> torch.Tensor:
     """The teacher's logprob of each output token, [n, W] (0 where the token is not the
     agent's own: appended between turns, never trained)."""
-    missing = [s.sample_id for s in samples if len(s.teacher_logprobs) != len(s.output_ids)]
+    missing = [s.name for s in samples if len(s.teacher_logprobs) != len(s.output_ids)]
     if missing:
         raise ValueError(f"samples {missing[:3]} came without their teacher's logprobs (one per output token); "
                          "a distilled agent's samples are scored by its teacher before they are trained")

@@ -1,8 +1,9 @@
-"""A micro-batch laid end to end in one row of tokens: no padding, each distinct prompt once.
+"""A micro-batch laid end to end in one row of tokens: no padding, each group's prompt once.
 
-The row: for each distinct prompt, in the order its first sample comes, the prompt, then
-each of its samples' output tokens but the last (an output's last token is only ever
-predicted, never an input). Positions restart at 0 with every prompt and an output's go
+The row: for each group, in the order its first sample comes, its prompt, then each of its
+samples' output tokens but the last (an output's last token is only ever predicted, never
+an input). A sample names its group (batch.Sample.group: the controller sends a
+micro-batch as groups), so the prompts are never compared. Positions restart at 0 with every prompt and an output's go
 on from its prompt's length, so each token sits where it would in its sample's own
 sequence, and the backward sums every sample's gradient into the one copy of its prompt.
 
@@ -14,8 +15,8 @@ packed_attention.py turns them into kernel calls.
 `predictor[i, j]` is the row whose hidden state predicts output token j of sample i: the
 prompt's last token for j = 0, the output's token j - 1 after that.
 
-It is bookkeeping over token ids and lengths (any sequences of ints: lists or arrays);
-nothing of models, kernels or losses.
+It is bookkeeping over token ids and lengths (any sequences of ints: lists, arrays or
+memoryviews); nothing of models, kernels or losses.
 """
 
 from __future__ import annotations
@@ -51,22 +52,24 @@ class PackedBatch:
 
     @classmethod
     def of(cls, samples: Sequence[Any]) -> PackedBatch:
-        """The row of `samples` (each with `prompt_ids` and `output_ids`; no empty prompt)."""
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        """The row of `samples` (each with `group`, `prompt_ids` and `output_ids`; no empty
+        prompt): a group's members share the prompt of its first."""
+        by_group: dict[int, list[int]] = {}
         for i, s in enumerate(samples):
-            by_prompt.setdefault(tuple(int(t) for t in s.prompt_ids), []).append(i)
+            by_group.setdefault(s.group, []).append(i)
         width = max(1, max(len(s.output_ids) for s in samples))
         ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
         predictor = [[0] * width for _ in samples]
-        for prompt, members in by_prompt.items():
+        for members in by_group.values():
+            prompt = list(samples[members[0]].prompt_ids)
             prompt_start = len(ids)
             segments.append(Segment(prompt_start, len(prompt)))
             ids += prompt
             positions += range(len(prompt))
             for i in members:
-                inputs = [int(t) for t in samples[i].output_ids[:-1]]
+                inputs = list(samples[i].output_ids[:-1])
                 start = len(ids)
                 row = predictor[i]
                 row[0] = prompt_start + len(prompt) - 1

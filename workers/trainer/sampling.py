@@ -21,16 +21,18 @@ import torch
 
 from flexmarl.runtime import protocol
 
+from .batch import Sample
+
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it samples greedily
 
 
-def turn_settings(samples: list[protocol.TrainSample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def turn_settings(samples: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature, top_k, top_p), each [n, width]: the settings of the turn that output
     position j of sample i belongs to (a sample's first turn is its own fields; `turns`
     take over from their `start`). Greedy turns read as temperature 1, no cut."""
     rows: list[list[tuple[float, int, float]]] = []
     for s in samples:
-        turns = [protocol.TurnSampling(0, s.temperature, s.top_p, s.top_k), *s.turns]
+        turns = [protocol.MemberTurn(0, 0, s.temperature, s.top_p, s.top_k), *s.turns]
         row: list[tuple[float, int, float]] = []
         for i, turn in enumerate(turns):
             end = turns[i + 1].start if i + 1 < len(turns) else width

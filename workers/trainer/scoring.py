@@ -31,9 +31,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from flexmarl.runtime import protocol
-
 from . import packed_attention
+from .batch import Sample
 from .packing import PackedBatch
 from .sampling import entropy, sampler_log_probs
 
@@ -49,7 +48,7 @@ def padded(rows: list[Any], width: int, fill: Any, dtype: torch.dtype) -> torch.
     return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
 
 
-def token_scores(model: Any, samples: list[protocol.TrainSample], scored: torch.Tensor, temperature: torch.Tensor,
+def token_scores(model: Any, samples: list[Sample], scored: torch.Tensor, temperature: torch.Tensor,
                  top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy), [n, W] each, of the output tokens where `scored` [n, W] is true,
     under the per-token sampling settings [n, W] (`sampling.turn_settings`)."""
@@ -76,7 +75,7 @@ def packs(model: Any) -> bool:
             and config is not None and not any(getattr(config, extra, None) for extra in HEAD_EXTRAS))
 
 
-def packed_states(model: Any, samples: list[protocol.TrainSample], rows: torch.Tensor,
+def packed_states(model: Any, samples: list[Sample], rows: torch.Tensor,
                   cols: torch.Tensor) -> torch.Tensor:
     """The decoder's final hidden states that predict output token cols[k] of sample rows[k].
 
@@ -96,7 +95,7 @@ def packed_states(model: Any, samples: list[protocol.TrainSample], rows: torch.T
     return final[0][0].index_select(0, batch.predictor[rows, cols])
 
 
-def padded_logits(model: Any, samples: list[protocol.TrainSample], width: int) -> torch.Tensor:
+def padded_logits(model: Any, samples: list[Sample], width: int) -> torch.Tensor:
     """Logits [n, width, V], output-aligned (column j predicts output token j), from one
     right-padded pass over prompt + output per sample."""
     seqs = [list(s.prompt_ids) + list(s.output_ids) for s in samples]

@@ -49,6 +49,7 @@ from flexmarl.runtime.staleness import too_stale
 
 from ..precision import TrainPlacement
 from ..session import CommandHandler
+from .batch import Sample, samples_of
 from .loss import STEP_SUM_FIELDS, StepSums, policy_loss
 from .proximal import PreviousWeights
 from .shared_state import SharedTrainingState
@@ -323,9 +324,10 @@ class TrainerHandler(CommandHandler):
         placement.move_state(optimizer)
         return sums, shared
 
-    def _share(self, msg: protocol.TrainMicroBatch) -> tuple[protocol.TrainMicroBatch, bool]:
-        """The part of a micro-batch this process trains, and whether it holds real samples."""
-        return msg, True
+    def _share(self, samples: list[Sample], loss: protocol.LossOptions) -> tuple[list[Sample], protocol.LossOptions, bool]:
+        """The part of a micro-batch's samples this process trains, under which loss
+        settings, and whether it holds real samples."""
+        return samples, loss, True
 
     def _reduce(self, sums: StepSums) -> StepSums:
         """Every process's sums of a micro-batch, added up."""
@@ -384,21 +386,21 @@ class TrainerHandler(CommandHandler):
         if msg.version != state.version + 1:
             raise ValueError(f"micro-batch for version {msg.version} but {state.name} is at "
                              f"{state.version}; it can only accumulate towards {state.version + 1}")
-        too_old = [s.sample_id for s in msg.samples if too_stale(state.version, s.versions, msg.max_staleness)]
+        too_old = [str(g.key) for g in msg.groups if too_stale(state.version, g.versions, msg.max_staleness)]
         if too_old:  # the controller guarantees this never happens; refuse rather than trust
-            raise ValueError(f"samples {too_old[:3]} are older than version {state.version} - "
+            raise ValueError(f"samples of groups {too_old[:3]} are older than version {state.version} - "
                              f"{msg.max_staleness}")
-        local, real = self._share(msg)
-        if local.loss.kl_coef > 0 and state.reference is None:
+        samples, loss_options, real = self._share(samples_of(msg.groups), msg.loss)
+        if loss_options.kl_coef > 0 and state.reference is None:
             state.reference = (state.model.reference() if hasattr(state.model, "reference")
                                else self._reference_model(state.model_path, state.placement))
         proximal = None
-        if msg.max_staleness > 0 and local.loss.off_policy == "decoupled":
+        if msg.max_staleness > 0 and loss_options.off_policy == "decoupled":
             state.keeps_previous = True  # from now on each step keeps the weights it changes
             if state.previous.tensors is not None:
                 proximal = lambda: state.previous.in_place(state.model)  # noqa: E731
         with state.placement.autocast():
-            loss, sums = policy_loss(state.model, local.samples, local.loss, off_policy=msg.max_staleness > 0,
+            loss, sums = policy_loss(state.model, samples, loss_options, off_policy=msg.max_staleness > 0,
                                      clip_ratio=msg.clip_ratio, reference=state.reference, proximal=proximal)
         (loss * self.loss_scale).backward()
         total = self._reduce(sums if real else StepSums())

@@ -200,7 +200,10 @@ async def test_a_peer_that_never_reads_cannot_stall_the_controller():
 
 async def test_a_flood_of_queued_garbage_does_not_starve_the_other_tasks():
     # Frames already queued make each receive complete at once; the receive loop must
-    # still let other tasks (heartbeats, the training driver) run between messages.
+    # still let other tasks (heartbeats, the training driver) run, after at most
+    # MESSAGES_PER_TURN messages (one turn of the event loop), not after each.
+    from flexmarl.controller.control.server import MESSAGES_PER_TURN
+
     server = ControllerServer(CFG)
     server.bind()
     ctx = zmq.Context()
@@ -220,7 +223,9 @@ async def test_a_flood_of_queued_garbage_does_not_starve_the_other_tasks():
     tasks = [asyncio.create_task(server.serve()), asyncio.create_task(ticker())]
     try:
         assert await wait_for(lambda: sum(server.rejected.values()) == 200)
-        assert len({n for n in seen if 0 < n < 200}) >= 100
+        counted = sorted({0, *seen, 200})
+        assert max(b - a for a, b in zip(counted, counted[1:])) <= MESSAGES_PER_TURN  # the ticker ran every turn
+        assert len([n for n in counted if 0 < n < 200]) >= 200 // MESSAGES_PER_TURN - 1
     finally:
         for t in tasks:
             t.cancel()

@@ -12,8 +12,15 @@ from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext
 from flexmarl.controller.state import decisions
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.store import DROPPED, ExperienceStore
-from flexmarl.controller.train.pipeline import train_sample
 from flexmarl.runtime import protocol
+
+
+def sent(ctx, store, sample):
+    """What the trainer is sent of `sample`'s group (every member rewarded, the group trained)."""
+    ctx.reward_all(sample.agent, 0.5)
+    (mb,) = store.form_micro_batches(sample.agent, ctx.batch, decisions.MicroBatchSize(8), True, False, 9)
+    (group,) = mb.wire()
+    return group
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
             "{% if add_generation_prompt %}<assistant> {% endif %}")
@@ -66,7 +73,7 @@ async def test_text_and_chat_prompts_use_the_agents_tokenizer_and_outputs_are_th
     expected = tok.tok.apply_chat_template([{"role": "user", "content": "what is two plus one"}],
                                            add_generation_prompt=True, tokenize=True)
     assert engine.requests[1].prompt_ids == list(expected["input_ids"] if "input_ids" in expected else expected)
-    assert [s.output_ids for s in texts + chats] == [[12, 2], [13, 2], [12, 2], [14, 2]]
+    assert [s.output_ids.tolist() for s in texts + chats] == [[12, 2], [13, 2], [12, 2], [14, 2]]
     assert [s.text for s in chats] == ["three", "wrong"]
     assert chats[0].messages[-1] == {"role": "assistant", "content": "three"}
 
@@ -80,14 +87,15 @@ async def test_a_conversation_is_one_sample_whose_mask_covers_only_the_agents_tu
     await ctx.continue_chat(first, [{"role": "user", "content": "wrong try again"}])
     tok = AgentTokenizer("solver", tokenizer_dir)
     appended = tok.encode("<user> wrong try again <eos> <assistant>")
-    assert first.output_ids == [13, 2] + appended + [12, 2]
-    assert first.mask == [1, 1] + [0] * len(appended) + [1, 1]
+    assert first.output_ids.tolist() == [13, 2] + appended + [12, 2]
+    assert first.mask.tolist() == [1, 1] + [0] * len(appended) + [1, 1]
     assert first.versions == [0, 1] and first.text == "three"
     # the next turn continued from exactly the ids so far, not a re-tokenized text
-    assert engine.requests[-1].prompt_ids == first.prompt_ids + [13, 2] + appended
-    assert engine.requests[-1].key.endswith("@1") and engine.requests[-1].n == 1
-    sent = train_sample(store.samples[first.sample_id])
-    assert sent.loss_mask == first.mask and sent.versions == [0, 1]
+    assert engine.requests[-1].prompt_ids == first.prompt_ids.tolist() + [13, 2] + appended
+    turn = engine.requests[-1]
+    assert (turn.key, turn.first, turn.turn, turn.n) == (first.key, first.member, 1, 1)
+    group = sent(ctx, store, first)
+    assert list(group.loss_mask[:len(first.mask)]) == first.mask.tolist() and group.versions == [0, 0]
 
 
 async def test_every_turn_waits_at_the_staleness_gate(tokenizer_dir):
@@ -118,7 +126,7 @@ async def test_a_conversation_with_a_turn_older_than_the_bound_is_dropped_not_tr
     assert [c.versions for c in convs] == [[0, 2], [0, 2]]
     assert store.form_micro_batches("solver", 3, decisions.MicroBatchSize(8), True, True,
                                         max_staleness=1) == []
-    assert all(store.samples[c.sample_id].status == DROPPED for c in convs)
+    assert all(c.status == DROPPED for c in convs)
     kept = ExperienceStore(["solver"])
     engine = ScriptedEngine([[12, 2], [13, 2], [14, 2], [12, 2]], version=1)
     ctx = ctx_for(kept, engine, tokenizer_dir, batch=3)
@@ -129,7 +137,7 @@ async def test_a_conversation_with_a_turn_older_than_the_bound_is_dropped_not_tr
         ctx.reward(c, float(c is convs[0]))
     (mb,) = kept.form_micro_batches("solver", 3, decisions.MicroBatchSize(8), True, True,
                                           max_staleness=1)
-    assert sorted(s.sample_id for s in mb) == sorted(c.sample_id for c in convs)
+    assert mb.keys() == [convs[0].key] and mb.samples == len(convs)
 
 
 async def test_a_rewarded_sample_takes_no_further_turn(tokenizer_dir):
@@ -147,10 +155,10 @@ async def test_a_conversation_keeps_each_turns_own_sampling_settings(tokenizer_d
     ctx = ctx_for(store, engine, tokenizer_dir)
     first, _ = await ctx.chat("solver", [{"role": "user", "content": "what is two plus one"}], top_p=0.9)
     await ctx.continue_chat(first, [{"role": "user", "content": "wrong try again"}], temperature=0.3, top_k=4)
-    sent = train_sample(store.samples[first.sample_id])
-    assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 0.9, 0)
-    (turn,) = sent.turns
-    assert (turn.temperature, turn.top_p, turn.top_k) == (0.3, 1.0, 4)
+    group = sent(ctx, store, first)
+    assert (group.temperature, group.top_p, group.top_k) == (1.0, 0.9, 0)
+    (turn,) = group.turns
+    assert (turn.member, turn.temperature, turn.top_p, turn.top_k) == (first.member, 0.3, 1.0, 4)
     # the second turn's settings start at its first generated id, after the appended message
-    assert sent.loss_mask[turn.start] == 1 and sent.loss_mask[turn.start - 1] == 0
-    assert sent.output_ids[turn.start:] == [14, 2]
+    assert group.loss_mask[turn.start] == 1 and group.loss_mask[turn.start - 1] == 0
+    assert protocol.unpacked("i", group.output_ids).tolist()[turn.start:group.lengths[0]] == [14, 2]

@@ -11,9 +11,10 @@ from flexmarl.controller.state import decisions
 from flexmarl.controller.state.failures import RunFailed
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.schedule import BatchSchedule
-from flexmarl.controller.state.store import DROPPED, READY, ExperienceStore
+from flexmarl.controller.state.store import DROPPED, READY, ExperienceStore, TurnSampling
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
+from flexmarl.runtime.keys import GroupKey
 
 
 def test_a_group_of_equal_rewards_or_beyond_the_target_is_dropped_and_any_other_kept():
@@ -34,15 +35,16 @@ def test_extra_episodes_come_in_waves_sized_to_refill_what_is_missing_and_never_
 def test_the_store_drops_an_equal_group_counts_it_and_queues_the_others():
     events = []
     store = ExperienceStore(["a"], emit=events.append, dynamic=["a"])
-    for g, rewards in (("g0", [1.0, 1.0]), ("g1", [0.0, 1.0])):
-        store.open_group("a", g, [1], 2, 1)
-        store.record_group(g, output_of([[3], [4]], [[-1.0], [-1.0]]), None)
+    g0, g1 = GroupKey("e0", "a", "g0"), GroupKey("e0", "a", "g1")
+    for g, rewards in ((g0, [1.0, 1.0]), (g1, [0.0, 1.0])):
+        store.open_group(g, [1], 2, 1)
+        store.record_group(g, output_of([[3], [4]], [[-1.0], [-1.0]], key=g), TurnSampling(0))
         store.set_group_rewards(g, rewards)
-    assert store.groups["g0"].status == DROPPED and store.groups["g1"].status == READY
+    assert store.view(g0, 0).status == DROPPED and store.view(g1, 0).status == READY
     assert store.ready_samples("a", 1) == 2 and store.groups_kept("a", 1) == 1 and store.groups_opened("a", 1) == 2
-    assert store.dynamic_drops[("a", 1, decisions.EQUAL_REWARDS)] == 1
+    assert store.dynamic_dropped("a", 1, decisions.EQUAL_REWARDS) == 1
     dropped = [e for e in events if isinstance(e, ev.SamplesDropped)]
-    assert [(e.sample_ids, e.why) for e in dropped] == [(["g0/0", "g0/1"], decisions.EQUAL_REWARDS)]
+    assert [(e.parts, e.why) for e in dropped] == [(ev.whole([(g0, 2)]), decisions.EQUAL_REWARDS)]
 
 
 class Generator:
@@ -73,7 +75,7 @@ async def test_a_third_of_the_groups_equal_draws_extra_episodes_until_the_batch_
     for batch in (1, 2):
         assert store.groups_kept("a", batch) == 6 and schedule.rollout_complete(batch)
         assert store.ready_samples("a", batch) == 12  # the step keeps its batch size: 6 groups of 2
-        assert store.dynamic_drops[("a", batch, decisions.EQUAL_REWARDS)] == 2
+        assert store.dynamic_dropped("a", batch, decisions.EQUAL_REWARDS) == 2
         assert schedule.batches[batch].extra_episodes == 2
     assert [e.targets for e in events if isinstance(e, ev.GroupTargets)] == [{"a": 6}, {"a": 6}]
     assert [(e.batch, e.episodes, e.missing) for e in events if isinstance(e, ev.EpisodesDrawn)] == [
@@ -91,7 +93,7 @@ async def test_an_extra_episodes_groups_beyond_the_target_are_dropped_as_surplus
     made.workflow = two_groups
     await asyncio.wait_for(made.run(), 10)
     assert store.groups_kept("a", 1) == 12 and schedule.batches[1].extra_episodes == 1  # 1 missing, 2 per episode
-    assert store.dynamic_drops[("a", 1, decisions.SURPLUS)] == 1 and store.ready_samples("a", 1) == 24
+    assert store.dynamic_dropped("a", 1, decisions.SURPLUS) == 1 and store.ready_samples("a", 1) == 24
 
 
 async def test_a_batch_that_cannot_refill_within_the_bound_stops_the_run_naming_the_agent():

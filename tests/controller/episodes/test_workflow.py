@@ -17,6 +17,12 @@ from flexmarl.controller.episodes.workflow import (
 )
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.store import DROPPED, READY, ExperienceStore
+from flexmarl.runtime.keys import GroupKey
+
+
+def every_sample(store):
+    """Every sample the store holds (the test looks inside it)."""
+    return [v for key in store._groups for v in store.views(key)]
 
 
 class FakeGenerator:
@@ -25,7 +31,7 @@ class FakeGenerator:
         self.batches = []
 
     async def generate(self, agent, group, after=""):
-        self.batches.append((agent, [f"{group.key}/{j}" for j in range(group.n)]))
+        self.batches.append((agent, [group.key.sample(j) for j in range(group.n)]))
         await asyncio.sleep(self.delay)
         return output_of([[(group.seed + j) % 10] * group.max_tokens for j in range(group.n)],
                          [[-1.0] * group.max_tokens] * group.n)
@@ -50,7 +56,7 @@ async def test_episode_chains_agents_and_makes_every_group_trainable():
     store, gen = ExperienceStore(["a", "b"]), FakeGenerator()
     assert await run_episode(chain, make_ctx(store, gen), 5.0) == ""
     assert store.ready_samples("a", 0) == 3 and store.ready_samples("b", 0) == 6
-    assert all(s.status == READY and s.versions == [0] for s in store.samples.values())
+    assert all(s.status == READY and s.versions == [0] for s in every_sample(store))
 
 
 async def test_a_reward_function_that_raises_drops_the_episode_and_the_run_goes_on():
@@ -62,7 +68,7 @@ async def test_a_reward_function_that_raises_drops_the_episode_and_the_run_goes_
 
     why = await run_episode(broken, make_ctx(store, gen), 5.0)
     assert "ZeroDivisionError: reward bug" in why
-    assert all(s.status == DROPPED for s in store.samples.values())
+    assert all(s.status == DROPPED for s in every_sample(store))
     assert await run_episode(chain, make_ctx(store, gen, "e1"), 5.0) == ""
 
 
@@ -70,7 +76,7 @@ async def test_an_episode_that_hangs_past_its_timeout_is_dropped():
     store, gen = ExperienceStore(["a", "b"]), FakeGenerator(delay=10.0)
     why = await run_episode(chain, make_ctx(store, gen), 0.2)
     assert "timed out" in why
-    assert store.counts[("a", DROPPED)] == 3
+    assert store.count("a", DROPPED) == 3
 
 
 async def test_asking_for_an_unconfigured_agent_names_it():
@@ -117,21 +123,34 @@ async def test_an_episode_that_forgets_a_reward_is_dropped_not_reported_as_succe
         await ctx.generate("a", [1])
 
     assert "without rewarding" in await run_episode(forgetful, make_ctx(store, gen), 5.0)
-    assert store.counts[("a", DROPPED)] == 3
+    assert store.count("a", DROPPED) == 3
 
 
-def test_request_seeds_depend_only_on_run_seed_and_sample_id():
-    assert request_seed(1, "e0/a0/1") == request_seed(1, "e0/a0/1")
-    assert request_seed(1, "e0/a0/1") != request_seed(2, "e0/a0/1")
-    assert request_seed(1, "e0/a0/1") != request_seed(1, "e0/a0/2")
+def test_request_seeds_depend_only_on_run_seed_and_the_samples_key():
+    g, h = GroupKey("e0", "a", "1f-0"), GroupKey("e0", "a", "1f-1")
+    assert request_seed(1, g, 1) == request_seed(1, GroupKey("e0", "a", "1f-0"), 1)
+    assert request_seed(1, g, 1) != request_seed(2, g, 1)
+    assert request_seed(1, g, 1) != request_seed(1, h, 1)
 
 
 def test_a_groups_members_get_consecutive_seeds_and_later_turns_their_own():
-    base = request_seed(3, "e0/a-1f/0")
-    assert [request_seed(3, f"e0/a-1f/{i}") for i in range(4)] == [base + i for i in range(4)]
-    assert request_seed(3, "e0/a-2f/0") != base  # another group, another base
-    later = request_seed(3, "e0/a-1f/1@1")  # a sample's second turn: hashed whole
+    g = GroupKey("e0", "a", "1f")
+    base = request_seed(3, g)
+    assert [request_seed(3, g, i) for i in range(4)] == [base + i for i in range(4)]
+    assert request_seed(3, GroupKey("e0", "a", "2f")) != base  # another group, another base
+    later = request_seed(3, g, 1, turn=1)  # a sample's second turn: hashed whole
     assert later not in {base + i for i in range(4)} and 0 <= later < 2**31
+
+
+def test_seeds_from_typed_keys_are_the_seeds_the_string_ids_drew():
+    """A run draws the same tokens as before keys were typed: a group's seeds come from the
+    name its string id was, a later turn's from `SAMPLE@TURN`."""
+    import zlib
+
+    g = GroupKey("s1q0", "solver", "1a2b3c4d-b0.1-2")
+    assert str(g) == "s1q0/solver-1a2b3c4d-b0.1-2"
+    assert request_seed(3, g, 5) == (zlib.crc32(b"3:s1q0/solver-1a2b3c4d-b0.1-2") & 0x3FFFFFFF) + 5
+    assert request_seed(3, g, 1, turn=2) == zlib.crc32(b"3:s1q0/solver-1a2b3c4d-b0.1-2/1@2") & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------- failures and determinism
@@ -159,8 +178,7 @@ async def test_a_failing_episode_cancels_its_other_branches_and_leaves_nothing_i
     assert "tool crashed" in why
     await asyncio.sleep(0.4)  # a surviving branch would open its group by now
     assert opened_after_failure == []
-    assert all(g.status == DROPPED for g in store.groups.values())
-    assert not [s for s in store.samples.values() if s.status not in (DROPPED,)]
+    assert all(s.status == DROPPED for s in every_sample(store)) and every_sample(store)
 
 
 async def test_a_closed_episode_refuses_to_generate():
@@ -191,24 +209,23 @@ async def test_group_ids_and_seeds_follow_the_call_not_which_branch_finishes_fir
     for delays in ((0.01, 0.05), (0.05, 0.01)):
         store, gen, episode = run(delays)
         assert await run_episode(episode, make_ctx(store, gen), 5.0) == ""
-        seen.append({(tuple(g_prompt), gid) for gid, g_prompt in
-                     ((g.group_id, store.samples[g.sample_ids[0]].prompt_ids) for g in store.groups.values())})
-        seeds = {sid: request_seed(7, sid) for sid in store.samples}
+        seen.append({(tuple(s.prompt_ids.tolist()), s.key) for s in every_sample(store)})
+        seeds = {(s.key, s.member): request_seed(7, s.key, s.member) for s in every_sample(store)}
         assert len(set(seeds.values())) == len(seeds)
     assert seen[0] == seen[1]
 
 
-def test_a_group_id_reads_back_into_its_episode_and_branch_whatever_the_agents_name():
+def test_a_group_key_reads_back_into_its_episode_and_branch_whatever_the_agents_name():
     ctx = make_ctx(ExperienceStore(["a"]), FakeGenerator(), "s3q7")
     for agent in ("a", "b-b1", "0000000a"):
         for branch in ((), (0,), (1, 0), (12, 3, 4)):
             for _ in range(2):  # the second identical call: another occurrence
                 token = BRANCH.set(branch)
-                group_id = ctx.group_id(agent, [5, 6])
+                key = ctx.group_key(agent, [5, 6])
                 BRANCH.reset(token)
-                assert group_place(group_id, agent) == GroupPlace("s3q7", branch), group_id
-    assert group_place("s3q7/a-0000000a-0", "b") is None and group_place("junk", "a") is None
-    assert group_place("e/a-0000000a-bx-0", "a") is None
+                assert group_place(key) == GroupPlace("s3q7", branch), key
+    assert group_place(GroupKey("", "a", "junk")) is None  # an old log's group of no known grammar
+    assert group_place(GroupKey("e", "a", "0000000a-bx-0")) is None
 
 
 async def test_a_group_of_one_is_refused():
@@ -278,7 +295,7 @@ async def test_identical_prompts_from_two_concurrent_branches_get_the_same_seeds
         async def branch(ctx, name):
             await released[name].wait()
             samples = await ctx.generate("a", [4, 2])
-            seeds[name] = [request_seed(7, s.sample_id) for s in samples]
+            seeds[name] = [request_seed(7, s.key, s.member) for s in samples]
             for s in samples:
                 ctx.reward(s, 0.0)
             if name == first:
@@ -316,7 +333,7 @@ async def test_a_frozen_agents_samples_need_no_reward_and_are_served_when_the_ep
 
     assert await run_episode(judged, ctx, 5.0) == ""
     assert store.ready_samples("a", 1) == 2 and store.ready_samples("judge", 1) == 0
-    assert store.counts[("judge", "served")] == 4 and not any(s.agent == "judge" for s in store.samples.values())
+    assert store.count("judge", "served") == 4 and store.kept_views("judge") == []
     served = [e for e in events if isinstance(e, ev.GroupServed)]
     assert [(e.agent, e.n, e.rewards) for e in served] == [("judge", 2, [1.0]), ("judge", 2, [1.0])]
 
@@ -331,7 +348,7 @@ async def test_a_failed_episode_drops_its_frozen_agents_groups_too():
         raise ValueError("bug")
 
     assert "bug" in await run_episode(broken, ctx, 5.0)
-    assert store.counts[("judge", "dropped")] == 2 and store.counts[("judge", "served")] == 0
+    assert store.count("judge", "dropped") == 2 and store.count("judge", "served") == 0
 
 
 class ScoringGenerator(FakeGenerator):
@@ -346,8 +363,9 @@ class ScoringGenerator(FakeGenerator):
 
 
 async def test_a_distilled_agents_samples_are_scored_by_its_teacher_before_they_are_trainable():
-    from flexmarl.controller.train.pipeline import train_sample
+    from flexmarl.controller.state.decisions import MicroBatchSize
     from flexmarl.runtime import events as ev
+    from flexmarl.runtime import protocol
 
     events, gen = [], ScoringGenerator()
     store = ExperienceStore(["s", "t"], emit=events.append, frozen=["t"], teachers={"s": "t"})
@@ -364,8 +382,10 @@ async def test_a_distilled_agents_samples_are_scored_by_its_teacher_before_they_
     assert store.ready_samples("s", 1) == 2
     scoring = [b for b in gen.batches if len(b) == 4]
     assert [(agent, prompt[:2], start) for agent, _, prompt, start in scoring] == [("t", [1, 2], 2)] * 2
-    samples = [s for s in store.samples.values() if s.agent == "s"]
-    assert all(train_sample(s).teacher_logprobs == [-0.25] * 3 for s in samples)
+    assert [key for _, key, _, _ in scoring] == [store.kept_views("s")[0].key] * 2  # the student's group names them
+    (mb,) = store.form_micro_batches("s", 1, MicroBatchSize(2), True, False, 0)
+    (group,) = mb.wire()  # the teacher's logprobs travel as a column of the group, packed as its outputs
+    assert group.teacher_logprobs == protocol.packed(protocol.LOGPROB_TYPECODE, [-0.25] * 6)
     scored = [e for e in events if isinstance(e, ev.TeacherScored)]
     assert [(e.agent, e.teacher, e.batch, e.versions) for e in scored] == [("s", "t", 1, [3, 3])]
     kinds = [type(e).__name__ for e in events]

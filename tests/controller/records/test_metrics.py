@@ -57,10 +57,11 @@ def test_a_steps_reward_mean_does_not_depend_on_the_order_its_samples_trained_in
     import types
 
     rewards = [0.1, 0.7, 0.3, 0.9, 0.2, 0.6, 0.4]
-    samples = [types.SimpleNamespace(reward=r, versions=[0]) for r in rewards]
+    micro_batches = [types.SimpleNamespace(rewards=lambda r=r: [r], oldest=lambda: [0], keys=lambda: [])
+                     for r in rewards]  # one sample each
     metrics = MetricsLog(tmp_path, ["a"], progress=False)
-    metrics.record(1, "a", 1, samples, types.SimpleNamespace())
-    metrics.record(1, "a", 1, samples[::-1], types.SimpleNamespace())
+    metrics.record(1, "a", 1, micro_batches, types.SimpleNamespace())
+    metrics.record(1, "a", 1, micro_batches[::-1], types.SimpleNamespace())
     metrics._fh.close()
     forward, backward = (r["reward_mean"] for r in metrics.rows)
     assert sum(rewards) != sum(rewards[::-1])  # plain summation would differ

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from flexmarl.controller.records.sample_log import SampleLog, format_samples, read_samples
+from flexmarl.runtime.keys import GroupKey
 
 
 class WordTokenizer:
@@ -17,8 +18,9 @@ class WordTokenizer:
 
 
 def sample(sid, reward, batch=1, **kw):
-    fields = dict(sample_id=sid, batch=batch, prompt_ids=[1, 2, 3], output_ids=[4], mask=[1], versions=[0],
-                  reward=reward, messages=None)
+    group, _, member = sid.rpartition("/")
+    fields = dict(sample_id=sid, key=GroupKey("e", "a", group), member=int(member), batch=batch, prompt_ids=[1, 2, 3],
+                  output_ids=[4], mask=[1], versions=[0], reward=reward, messages=None)
     fields.update(kw)
     return SimpleNamespace(**fields)
 
@@ -27,22 +29,24 @@ def test_each_step_writes_the_best_the_worst_and_samples_between_with_every_turn
     log = SampleLog(tmp_path, 3, {"a": WordTokenizer()})
     samples = [sample(f"g/{i}", float(i)) for i in range(5)]
     samples[4] = sample("g/4", 4.0, output_ids=[4, 5, 6, 2], mask=[1, 0, 0, 1], versions=[0, 1])
-    log.group_ready("a", samples)
-    rows = log.record(1, "a", [s.sample_id for s in samples])
+    log.group_ready("a", "g", samples)
+    rows = log.record(1, "a", ["g"])
     assert [r["reward"] for r in rows] == [4.0, 0.0, 2.0]
+    assert [(r["sample_id"], r["group"], r["member"]) for r in rows] == [  # its name, and which sample it is
+        ("g/4", ["e", "a", "g"], 4), ("g/0", ["e", "a", "g"], 0), ("g/2", ["e", "a", "g"], 2)]
     assert rows[0]["turns"] == [{"role": "prompt", "text": "sort 3 1"}, {"role": "agent", "text": "2", "version": 0},
                                 {"role": "appended", "text": "A reviewer says: wrong"},
                                 {"role": "agent", "text": "3", "version": 1}]
     assert read_samples(tmp_path) == rows
-    assert log.record(1, "a", ["g/0"]) == []  # a step's snapshots go once it is recorded
+    assert log.record(1, "a", ["g"]) == []  # a step's snapshots go once it is recorded
 
 
 def test_a_conversation_is_shown_by_its_messages_with_the_version_of_each_reply(tmp_path):
     log = SampleLog(tmp_path, 1, {})
     messages = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "13"},
                 {"role": "user", "content": "It is 12, wrong."}, {"role": "assistant", "content": "12"}]
-    log.group_ready("solver", [sample("c/0", 0.75, messages=messages, versions=[2, 3])])
-    (row,) = log.record(3, "solver", ["c/0"])
+    log.group_ready("solver", "c", [sample("c/0", 0.75, messages=messages, versions=[2, 3])])
+    (row,) = log.record(3, "solver", ["c"])
     assert [t.get("version") for t in row["turns"]] == [None, 2, None, 3]
     text = format_samples(read_samples(tmp_path))
     assert text.splitlines()[:4] == ["=== step 3  agent solver  (1 samples, reward 0.750 best, 0.750 worst)",

@@ -4,10 +4,12 @@ import types
 
 from flexmarl.controller.records.metrics import MetricsLog
 from flexmarl.controller.records.trackers import open_trackers
+from flexmarl.runtime.keys import GroupKey
 
 
 def rows():
-    sample = types.SimpleNamespace(reward=1.0, versions=[0])
+    """A micro-batch of one sample (what a step's row is made of), and the step's times."""
+    sample = types.SimpleNamespace(rewards=lambda: [1.0], oldest=lambda: [0], keys=lambda: [])
     times = types.SimpleNamespace(rollout_s=0.1, train_s=0.2, sync_s=0.01)
     return sample, times
 
@@ -52,11 +54,11 @@ def test_sample_texts_reach_tensorboard_and_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     trackers = open_trackers(["tensorboard", "wandb"], tmp_path, {"run": {"wandb_project": "t"}}, ["a"])
     log = SampleLog(tmp_path, 1, {}, trackers)
-    said = types.SimpleNamespace(sample_id="g/0", batch=1, prompt_ids=[], output_ids=[], mask=[], versions=[0],
+    said = types.SimpleNamespace(sample_id="g/0", key=GroupKey("e", "a", "g"), member=0, batch=1, prompt_ids=[], output_ids=[], mask=[], versions=[0],
                                  reward=1.0, messages=[{"role": "user", "content": "What is 7 + 5?"},
                                                        {"role": "assistant", "content": "twelve"}])
-    log.group_ready("a", [said])
-    log.record(1, "a", ["g/0"])
+    log.group_ready("a", "g", [said])
+    log.record(1, "a", ["g"])
     for tracker in trackers:
         tracker.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})

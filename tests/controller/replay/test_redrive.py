@@ -12,70 +12,65 @@ from flexmarl.controller.replay import checking
 from flexmarl.controller.replay import redrive
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import dump_toml, load_config
+from flexmarl.runtime.keys import GroupKey
 
 
-def split_group_run(named_by_parts: bool):
+def K(call, agent="a"):
+    return GroupKey("s1q0", agent, call)
+
+
+def split_group_run():
     """Agent a, K = 1, micro-batches of 4: group g1 (4 members) of batch 1 completes in two
     parts from two instances, g2 (2 members) whole, each member of g1's second part generated
-    by version 1 (a later sync); a later turn `g2/0@1` of g2's first member comes back too.
-    The same run names its samples one by one (format 1) or by parts (format 2 and 3)."""
+    by version 1 (a later sync); a later turn of g2's first member comes back too."""
     cfg = load_config(None, ["pipeline.micro_batch=4", "agents.a.model='m'"], defaults={})
 
-    def completed(worker, request, group, first, size, version):
-        ids = [f"{group}/{i}" for i in range(first, first + size)]
-        if named_by_parts:
-            return ev.RequestsCompleted(worker, "a", request, [], [version], size, parts=ev.Parts([group], [first], [size]))
-        return ev.RequestsCompleted(worker, "a", request, ids, [version] * size, size)
-
-    def later_turn(sample):
-        if named_by_parts:
-            return ev.RequestsCompleted("r0", "a", 9, [], [1], 1, parts=ev.Parts([f"{sample}@1"], [0], [1]))
-        return ev.RequestsCompleted("r0", "a", 9, [f"{sample}@1"], [1], 1)
+    def completed(worker, request, group, first, size, version, turn=0):
+        return ev.RequestsCompleted(worker, "a", request, [version], size,
+                                    parts=ev.Parts([K(group)], [first], [size], [turn] if turn else []))
 
     events = [ev.RunStarted(dump_toml(cfg), ["a"], "async", 1, 0),
-              ev.GroupOpened("a", "g1", [], 1, 4), ev.GroupOpened("a", "g2", [], 1, 2),
+              ev.GroupOpened(K("g1"), 1, 4), ev.GroupOpened(K("g2"), 1, 2),
               completed("r1", 2, "g1", 2, 2, 1), completed("r0", 1, "g1", 0, 2, 0), completed("r0", 3, "g2", 0, 2, 0),
               completed("r0", 4, "g9", 0, 2, 0),  # a group this lineage never opened: nothing to record
-              later_turn("g2/0"),
-              ev.GroupComplete("a", "g2", [1.0, 0.0], 6), ev.GroupComplete("a", "g1", [1.0, 0.0, 0.5, 0.5], 12)]
+              completed("r0", 9, "g2", 0, 1, 1, turn=1),  # g2's member 0, its second turn
+              ev.GroupComplete(K("g2"), [1.0, 0.0], 6), ev.GroupComplete(K("g1"), [1.0, 0.0, 0.5, 0.5], 12)]
     for seq, e in enumerate(events):
         e.seq, e.t = seq, float(seq)
     return events
 
 
 def test_a_group_completed_in_parts_by_two_versions_is_redriven_member_by_member():
-    by_parts = [e for e in redrive.redrive(split_group_run(True)) if type(e) is ev.MicroBatchFormed]
-    by_name = [e for e in redrive.redrive(split_group_run(False)) if type(e) is ev.MicroBatchFormed]
-    assert [(e.sample_ids, e.min_versions) for e in by_parts] == [
-        (["g2/0", "g2/1"], [0, 0]), (["g1/0", "g1/1", "g1/2", "g1/3"], [0, 0, 1, 1])]  # each member its part's version
-    assert [(e.sample_ids, e.min_versions) for e in by_name] == [(e.sample_ids, e.min_versions) for e in by_parts]
+    formed = [e for e in redrive.redrive(split_group_run()) if type(e) is ev.MicroBatchFormed]
+    assert [(e.parts, e.min_versions) for e in formed] == [
+        (ev.whole([(K("g2"), 2)]), [0, 0]), (ev.whole([(K("g1"), 4)]), [0, 0, 1, 1])]  # each member its part's version
 
 
 def test_the_store_records_a_part_once_and_keeps_a_members_first_turn():
     from flexmarl.controller.state.store import ExperienceStore
 
     store = ExperienceStore(["a"])
-    store.open_group("a", "g", [], 3, 1)
-    store.record_versions("g", 1, 5, 2)  # a part reaching past the group's end: its members only
-    store.record_versions("g", 0, 2, 7)  # member 1 already has its first turn: kept
-    assert [s.versions for s in store.groups["g"].members] == [[7], [2], [2]]
-    store.set_group_rewards("g", [1.0, 0.0, 0.5])
+    store.open_group(K("g"), [], 3, 1)
+    store.record_versions(K("g"), 1, 5, 2)  # a part reaching past the group's end: its members only
+    store.record_versions(K("g"), 0, 2, 7)  # member 1 already has its first turn: kept
+    assert [v.versions for v in store.views(K("g"))] == [[7], [2], [2]]
+    store.set_group_rewards(K("g"), [1.0, 0.0, 0.5], size=9)
     assert store.ready_samples("a", 1) == 3
 
 
 def test_the_forked_check_answers_as_the_check_in_this_process_does():
-    agreeing = split_group_run(True)
+    agreeing = split_group_run()
     for e in redrive.redrive(agreeing):
         e.seq, e.t = len(agreeing), agreeing[-1].t
         agreeing.append(e)
-    differing = agreeing[:-2] + [ev.MicroBatchFormed("a", "", 1, ["g1/0"], [0])] + agreeing[-1:]
+    differing = agreeing[:-2] + [ev.MicroBatchFormed("a", "", 1, ev.Parts([K("g1")], [0], [1]), [0])] + agreeing[-1:]
     for events in (agreeing, differing):
         assert replay.check_beside(events)() == replay.check(events)
     assert replay.check(agreeing) is None and "differs" in replay.check(differing)
 
 
 def test_the_check_runs_in_this_process_on_one_core_or_when_its_child_dies(monkeypatch):
-    events = split_group_run(True)
+    events = split_group_run()
     children = []
     monkeypatch.setattr(checking, "_decisions_into", lambda *args: os._exit(3))  # dies without answering
     real_start = __import__("multiprocessing").context.ForkProcess.start
@@ -98,7 +93,7 @@ def test_a_redrive_that_raises_in_the_child_raises_here_once_with_no_traceback_f
         return real(log, agents)
 
     monkeypatch.setattr(redrive, "training_decisions", broken)  # the forked child has it too
-    waiting = replay.check_beside(split_group_run(True))
+    waiting = replay.check_beside(split_group_run())
     with pytest.raises(RuntimeError, match="re-drive broke"):
         waiting()
     assert "Traceback" not in capfd.readouterr().err
@@ -113,9 +108,9 @@ def agents_run(agents, groups_each):
     for i in range(max(groups_each.values())):
         for a in agents:
             if i < groups_each[a]:
-                g = f"{a}{i}"
-                events += [ev.GroupOpened(a, g, [], 1, 2), ev.RequestsCompleted(
-                    "r0", a, i, [], [0], 4, parts=ev.Parts([g], [0], [2])), ev.GroupComplete(a, g, [1.0, 0.0], 6)]
+                g = K(f"{a}{i}", a)
+                events += [ev.GroupOpened(g, 1, 2), ev.RequestsCompleted(
+                    "r0", a, i, [0], 4, parts=ev.Parts([g], [0], [2])), ev.GroupComplete(g, [1.0, 0.0], 6)]
     events += redrive.redrive(events)
     for seq, e in enumerate(events):
         e.seq, e.t = seq, float(seq)
@@ -133,16 +128,16 @@ def test_the_agents_redriven_in_two_shares_and_joined_are_the_whole_redrive_and_
     assert joined == redrive.redrive(events)
     assert replay.check_beside(events)() is None
     for agent in (theirs[0], mine[0]):  # a decision of the child's share, one of this process's
-        wrong = with_first_micro_batch_of(events, agent, [f"{agent}0/1", f"{agent}0/0"])
+        wrong = with_first_micro_batch_of(events, agent, ev.Parts([K(f"{agent}0", agent)] * 2, [1, 0], [1, 1]))
         found = replay.check_beside(wrong)()
-        assert found == replay.check(wrong) and f"{agent}0/1" in found
+        assert found == replay.check(wrong) and f"Parts(s1q0/{agent}-{agent}0/1, s1q0/{agent}-{agent}0/0)" in found
 
 
-def with_first_micro_batch_of(events, agent, sample_ids):
-    """`events` with `agent`'s first logged micro-batch naming `sample_ids` instead."""
+def with_first_micro_batch_of(events, agent, parts):
+    """`events` with `agent`'s first logged micro-batch naming `parts` instead."""
     out, changed = [], False
     for e in events:
         if not changed and type(e) is ev.MicroBatchFormed and e.agent == agent:
-            e, changed = msgspec.structs.replace(e, sample_ids=sample_ids), True
+            e, changed = msgspec.structs.replace(e, parts=parts), True
         out.append(e)
     return out

@@ -8,6 +8,19 @@ import pytest
 from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.eventlog import EventLog
+from flexmarl.runtime.keys import GroupKey
+
+
+GA, GB = GroupKey("e", "a", "ga"), GroupKey("e", "b", "gb")
+
+
+def part(key, first, size):
+    return ev.Parts([key], [first], [size])
+
+
+def members(key, *indices):
+    """Members of a group one by one."""
+    return ev.Parts([key] * len(indices), list(indices), [1] * len(indices))
 
 
 def synthetic_run():
@@ -17,8 +30,6 @@ def synthetic_run():
     r1 serves agent b: one request busy 1..5. t0 trains a 6..8, publishes a 8..9,
     trains b 9..10. b: 2 trained, 1 dropped, 1 still in flight. The run ends at 12.
     """
-    a = [f"a{i}" for i in range(4)]
-    b = [f"b{i}" for i in range(4)]
     script = [
         (0, ev.RunStarted("", ["a", "b"], "async", 1, 0)),
         (0, ev.WorkerJoined("r0", "rollout", "h", 1)),
@@ -26,23 +37,23 @@ def synthetic_run():
         (0, ev.WorkerJoined("t0", "trainer", "h", 3)),
         (0, ev.AllocationChanged("rollout", "a", ["r0"], "start")),
         (0, ev.AllocationChanged("rollout", "b", ["r1"], "start")),
-        (0.5, ev.GroupOpened("a", "ga", a, 1)),
-        (0.5, ev.GroupOpened("b", "gb", b, 1)),
-        (1, ev.RequestsDispatched("r0", "a", 1, a[:2], 10)),
-        (1, ev.RequestsDispatched("r1", "b", 2, b, 20)),
-        (1.5, ev.RequestsDispatched("r0", "a", 3, a[2:], 10)),
-        (3, ev.RequestsCompleted("r0", "a", 1, a[:2], [0, 0], 5)),
-        (4, ev.RequestsCompleted("r0", "a", 3, a[2:], [0, 0], 5)),
-        (4, ev.GroupComplete("a", "ga", [1.0, 0.0, 1.0, 0.0])),
-        (5, ev.RequestsCompleted("r1", "b", 2, b, [0, 0, 0, 0], 9)),
-        (5, ev.GroupComplete("b", "gb", [1.0, 1.0, 0.0, 0.0])),
-        (6, ev.MicroBatchFormed("a", "t0", 1, a, [0, 0, 0, 0])),
+        (0.5, ev.GroupOpened(GA, 1, 4)),
+        (0.5, ev.GroupOpened(GB, 1, 4)),
+        (1, ev.RequestsDispatched("r0", "a", 1, 10, part(GA, 0, 2))),
+        (1, ev.RequestsDispatched("r1", "b", 2, 20, part(GB, 0, 4))),
+        (1.5, ev.RequestsDispatched("r0", "a", 3, 10, part(GA, 2, 2))),
+        (3, ev.RequestsCompleted("r0", "a", 1, [0], 5, 40, 10, parts=part(GA, 0, 2))),
+        (4, ev.RequestsCompleted("r0", "a", 3, [0], 5, 0, 0, 30, 15, parts=part(GA, 2, 2))),
+        (4, ev.GroupComplete(GA, [1.0, 0.0, 1.0, 0.0])),
+        (5, ev.RequestsCompleted("r1", "b", 2, [0], 9, parts=part(GB, 0, 4))),
+        (5, ev.GroupComplete(GB, [1.0, 1.0, 0.0, 0.0])),
+        (6, ev.MicroBatchFormed("a", "t0", 1, part(GA, 0, 4), [0, 0, 0, 0])),
         (8, ev.MicroBatchTrained("a", "t0", 1, 4, 2.0)),
         (8, ev.OptimizerStep("a", "t0", 1, 4)),
         (8, ev.WeightSyncStarted("a", 1, ["r0"])),
         (9, ev.WeightSyncFinished("a", 1, 1.0, 1000)),
-        (9, ev.MicroBatchFormed("b", "t0", 1, b[:2], [0, 0])),
-        (9.5, ev.SamplesDropped("b", [b[2]], "too stale")),
+        (9, ev.MicroBatchFormed("b", "t0", 1, part(GB, 0, 2), [0, 0])),
+        (9.5, ev.SamplesDropped("b", members(GB, 2), "too stale")),
         (10, ev.MicroBatchTrained("b", "t0", 1, 2, 1.0)),
         (10, ev.OptimizerStep("b", "t0", 1, 2)),
         (12, ev.RunFinished(1, 12.0)),
@@ -110,12 +121,13 @@ def test_accounting_reconciles_on_a_consistent_log():
 
 
 async def test_a_double_trained_sample_fails_loudly_naming_the_agent_and_counts(tmp_path, capsys):
-    events = stamped(synthetic_run(), ev.MicroBatchFormed("a", "t0", 2, ["a1"], [0]), ev.OptimizerStep("a", "t0", 2, 1))
+    events = stamped(synthetic_run(), ev.MicroBatchFormed("a", "t0", 2, members(GA, 1), [0]),
+                     ev.OptimizerStep("a", "t0", 2, 1))
     s = replay.summarize(events)
     assert len(s.errors) == 1
     assert "agent 'a'" in s.errors[0]
     assert "generated 4 != trained 5 + dropped 0 + in flight 0" in s.errors[0]
-    assert "1 sample(s) trained twice, e.g. a1" in s.errors[0]
+    assert "1 sample(s) trained twice, e.g. e/a-ga/1" in s.errors[0]
     log = await write_log(tmp_path / "events.log", events)
     assert replay.main(args(log)) == 1
     err = capsys.readouterr().err
@@ -123,9 +135,9 @@ async def test_a_double_trained_sample_fails_loudly_naming_the_agent_and_counts(
 
 
 def test_a_sample_sent_to_a_trainer_twice_is_caught_even_in_a_step_the_log_never_reached():
-    s = replay.summarize(stamped(synthetic_run(), ev.MicroBatchFormed("a", "t0", 2, ["a1"], [0])))
+    s = replay.summarize(stamped(synthetic_run(), ev.MicroBatchFormed("a", "t0", 2, members(GA, 1), [0])))
     assert s.errors == ["agent 'a': samples do not reconcile: generated 4 != trained 4 + dropped 0 + in flight 1 "
-                        "(1 sample(s) trained twice, e.g. a1)"]
+                        "(1 sample(s) trained twice, e.g. e/a-ga/1)"]
 
 
 def test_a_run_stopped_mid_step_counts_its_open_step_in_flight_in_the_table_and_the_accounting_alike():
@@ -142,9 +154,10 @@ def test_a_run_stopped_mid_step_counts_its_open_step_in_flight_in_the_table_and_
 
 
 @pytest.mark.parametrize("extra, why", [
-    (ev.SamplesDropped("a", ["a2"], "late"), "trained and dropped, e.g. a2"),
-    (ev.MicroBatchFormed("b", "t0", 2, ["zz"], [0]), "trained without being generated, e.g. zz"),
-    (ev.SamplesDropped("b", ["b2", "b2"], "twice"), "dropped twice, e.g. b2"),
+    (ev.SamplesDropped("a", members(GA, 2), "late"), "trained and dropped, e.g. e/a-ga/2"),
+    (ev.MicroBatchFormed("b", "t0", 2, members(GroupKey("e", "b", "zz"), 0), [0]),
+     "trained without being generated, e.g. e/b-zz/0"),
+    (ev.SamplesDropped("b", members(GB, 2, 2), "twice"), "dropped twice, e.g. e/b-gb/2"),
 ])
 def test_every_way_of_breaking_exactly_once_is_reported(extra, why):
     s = replay.summarize(stamped(synthetic_run(), extra))
@@ -153,7 +166,7 @@ def test_every_way_of_breaking_exactly_once_is_reported(extra, why):
 
 def test_a_sample_past_the_staleness_bound_is_an_error():
     # max_staleness is 1: b3 generated by version 0 must not train version 3 (lag 2).
-    s = replay.summarize(stamped(synthetic_run(), ev.MicroBatchFormed("b", "t0", 3, ["b3"], [0])))
+    s = replay.summarize(stamped(synthetic_run(), ev.MicroBatchFormed("b", "t0", 3, members(GB, 3), [0])))
     assert s.staleness["b"] == {0: 2, 2: 1}
     assert any("agent 'b': 1 trained sample(s) outside the staleness bound" in e for e in s.errors)
 
@@ -233,14 +246,13 @@ def test_check_reports_the_first_decision_the_redriven_code_makes_differently():
     assert check(lambda evs: [e for e in evs if isinstance(e, ev.MicroBatchFormed)]) is None
 
     def redrive_differently(evs):
-        formed = [ev.MicroBatchFormed(**{**_fields(e), "sample_ids": list(e.sample_ids)})
-                  for e in evs if isinstance(e, ev.MicroBatchFormed)]
-        formed[1].sample_ids = ["b0", "b3"]
+        formed = [ev.MicroBatchFormed(**_fields(e)) for e in evs if isinstance(e, ev.MicroBatchFormed)]
+        formed[1].parts = members(GB, 0, 3)
         return formed
 
     diff = check(redrive_differently)
     assert diff.startswith("decision 1 differs: the log has (seq 21, t 9.000 s)")
-    assert "'b3'" in diff
+    assert "Parts(e/b-gb/0, e/b-gb/3)" in diff
 
     assert check(lambda evs: []).startswith("the log has 2 decisions, re-driving made 0")
 
@@ -258,12 +270,11 @@ def run_with_a_restart():
             e.request_id = 4
         events.append(e)
         if isinstance(e, ev.RequestsDispatched) and e.request_id == 3:
-            b = [f"b{i}" for i in range(4)]
             for t, extra in ((2, ev.WorkerDied("r1", "its process (pid 2) exited with code -9")),
                              (2.5, ev.WorkerRestarted("r1", "rollout", -9, 1, 5)),
                              (3, ev.WorkerJoined("r1", "rollout", "h", 5)),
                              (3, ev.AllocationChanged("rollout", "b", ["r1"], "r1 rejoined")),
-                             (3.5, ev.RequestsDispatched("r1", "b", 4, b, 20))):
+                             (3.5, ev.RequestsDispatched("r1", "b", 4, 20, part(GB, 0, 4)))):
                 extra.t = float(t)
                 events.append(extra)
     for seq, e in enumerate(events):
@@ -291,13 +302,13 @@ def crashed_and_resumed_run():
         (0, ev.RunStarted("", ["a"], "sync", 0, 0)),
         (0, ev.WorkerJoined("r0", "rollout", "h", 1)),
         (2, ev.BatchStarted(1, 0)),
-        (3, ev.RequestsDispatched("r0", "a", 1, ["a0", "a1"], 10)),
-        (4, ev.GroupOpened("a", "ga", ["a2", "a3"], 1)),
+        (3, ev.RequestsDispatched("r0", "a", 1, 10, part(GA, 0, 2))),
+        (4, ev.GroupOpened(GA, 1, 2)),
         (100, ev.RunResumed(0, "", "")),
         (100, ev.WorkerJoined("r0", "rollout", "h", 2)),
         (110, ev.BatchStarted(1, 0)),
-        (111, ev.RequestsDispatched("r0", "a", 2, ["a4", "a5"], 10)),
-        (112, ev.RequestsCompleted("r0", "a", 2, ["a4", "a5"], [0, 0], 5)),
+        (111, ev.RequestsDispatched("r0", "a", 2, 10, part(GroupKey("e", "a", "gc"), 0, 2))),
+        (112, ev.RequestsCompleted("r0", "a", 2, [0], 5, parts=part(GroupKey("e", "a", "gc"), 0, 2))),
         (113, ev.RunFinished(1, 3.0)),
     ]
     for seq, (t, e) in enumerate(script):
@@ -316,46 +327,11 @@ def test_throughput_counts_training_time_only_not_set_up_or_the_time_a_crashed_r
     assert s.wall_s == 113 and s.training_s == (4 - 2) + (113 - 110)
 
 
-def test_a_log_naming_groups_compactly_summarises_as_one_listing_every_sample_and_shows_prefix_hits():
-    """Format 2 names a group's samples by the group and its size; format 1 listed them."""
-    listed = synthetic_run()
-    a = ev.Parts(["ga"], [0], [2])
-
-    def compact(e):
-        if isinstance(e, ev.GroupOpened):
-            return ev.GroupOpened(e.agent, e.group_id, [], e.batch, 4)
-        if isinstance(e, ev.RequestsDispatched):
-            first = 0 if e.request_id in (1, 2) else 2
-            return ev.RequestsDispatched(e.worker, e.agent, e.request_id, [], e.tokens,
-                                         ev.Parts([f"g{e.agent}"], [first], [len(e.sample_ids)]))
-        if isinstance(e, ev.RequestsCompleted):
-            first = 0 if e.request_id in (1, 2) else 2
-            return ev.RequestsCompleted(e.worker, e.agent, e.request_id, [], [0], e.tokens, 40, 10, 30, 15,
-                                        ev.Parts([f"g{e.agent}"], [first], [len(e.sample_ids)]))
-        return e
-
-    renamed = {"a": {f"a{i}": f"ga/{i}" for i in range(4)}, "b": {f"b{i}": f"gb/{i}" for i in range(4)}}
-    names = {**renamed["a"], **renamed["b"]}
-    rename = lambda e: (msgspec_replace(e, sample_ids=[names[s] for s in e.sample_ids])  # noqa: E731
-                        if isinstance(e, (ev.MicroBatchFormed, ev.SamplesDropped)) else e)
-    events = []
-    for e in listed:
-        c = rename(compact(e))
-        c.seq, c.t = e.seq, e.t
-        events.append(c)
-    s = replay.summarize(events)
-    assert s.errors == [] and [(r.agent, r.version, r.generated, r.trained, r.dropped, r.in_flight)
-                               for r in s.accounting if r.total] == [("a", None, 4, 4, 0, 0), ("b", None, 4, 2, 1, 1)]
+def test_prefix_cache_hits_are_shown_for_first_turns_and_later_turns():
+    s = replay.summarize(synthetic_run())
     assert s.agents["a"].hit_rate() == 0.25 and s.agents["a"].hit_rate(later=True) == 0.5
     text = replay.format_summary(s)
     assert "prefix hits" in text and "25.0%" in text and "50.0%" in text
-    assert a.sample_ids() == ["ga/0", "ga/1"]
-
-
-def msgspec_replace(event, **changes):
-    import msgspec
-
-    return msgspec.structs.replace(event, **changes)
 
 
 def run_stopped_mid_step(first_of_step_2="g3"):
@@ -364,14 +340,17 @@ def run_stopped_mid_step(first_of_step_2="g3"):
     from flexmarl.runtime.config import dump_toml, load_config
 
     cfg = load_config(None, ["pipeline.micro_batch=2", "agents.a.model='m'"], defaults={})
-    groups = {f"g{i}": [f"g{i}/0", f"g{i}/1"] for i in range(1, 6)}
+    groups = {f"g{i}": GroupKey("s1q0", "a", f"g{i}") for i in range(1, 6)}
     events = [ev.RunStarted(dump_toml(cfg), ["a"], "async", 0, 0)]
     for g, batch in (("g1", 1), ("g2", 1), ("g3", 2), ("g4", 2), ("g5", 2)):
-        made_by = [batch - 1] * 2  # on-policy: batch t is generated by version t - 1
-        events += [ev.GroupOpened("a", g, groups[g], batch), ev.RequestsCompleted("r0", "a", 1, groups[g], made_by, 2),
-                   ev.GroupComplete("a", g, [1.0, 0.0])]
-    events += [ev.MicroBatchFormed("a", "", 1, groups["g1"], [0, 0]), ev.MicroBatchFormed("a", "", 1, groups["g2"], [0, 0]),
-               ev.OptimizerStep("a", "t0", 1, 4), ev.MicroBatchFormed("a", "", 2, groups[first_of_step_2], [1, 1])]
+        # on-policy: batch t is generated by version t - 1
+        events += [ev.GroupOpened(groups[g], batch, 2), ev.RequestsCompleted("r0", "a", 1, [batch - 1], 2,
+                                                                            parts=part(groups[g], 0, 2)),
+                   ev.GroupComplete(groups[g], [1.0, 0.0], 3)]
+    events += [ev.MicroBatchFormed("a", "", 1, part(groups["g1"], 0, 2), [0, 0]),
+               ev.MicroBatchFormed("a", "", 1, part(groups["g2"], 0, 2), [0, 0]),
+               ev.OptimizerStep("a", "t0", 1, 4), ev.MicroBatchFormed("a", "", 2, part(groups[first_of_step_2], 0, 2),
+                                                                     [1, 1])]
     for seq, e in enumerate(events):
         e.seq, e.t = seq, float(seq)
     return events
@@ -408,3 +387,84 @@ async def test_replay_imports_no_torch_event_loop_or_worker_package_so_it_starts
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "sample accounting" in out.stdout and "exit 0" in out.stdout, out.stderr
     assert "loaded: []" in out.stdout
+
+
+# ---------------------------------------------------------------- logs of the formats before typed keys
+
+def in_an_old_format(events):
+    """`events` as the writer of format 3 wrote them: groups, samples and later turns named
+    by strings (`GROUP/INDEX`, `SAMPLE@TURN`), micro-batches and drops by their samples."""
+    from flexmarl.runtime import legacy_events as old
+
+    def names(parts):
+        return [f"{key}/{j}" if not turn else f"{key}/{first}@{turn}" for key, first, size, turn in parts
+                for j in range(first, first + size)]
+
+    def old_parts(parts):
+        keys = [str(key) if not turn else f"{key}/{first}@{turn}" for key, first, size, turn in parts]
+        return old.Parts(keys, [first if not turn else 0 for _, first, _, turn in parts], list(parts.sizes))
+
+    out = []
+    for e in events:
+        kind = type(e)
+        if kind is ev.GroupOpened:
+            o = old.GroupOpened(e.agent, str(e.key), [], e.batch, e.n)
+        elif kind is ev.GroupComplete:
+            o = old.GroupComplete(e.agent, str(e.key), e.rewards, e.tokens)
+        elif kind is ev.SamplesDropped:
+            o = old.SamplesDropped(e.agent, names(e.parts), e.why)
+        elif kind is ev.MicroBatchFormed:
+            o = old.MicroBatchFormed(e.agent, e.trainer, e.version, names(e.parts), e.min_versions)
+        elif kind is ev.RequestsDispatched:
+            o = old.RequestsDispatched(e.worker, e.agent, e.request_id, [], e.tokens, old_parts(e.parts))
+        elif kind is ev.RequestsCompleted:
+            o = old.RequestsCompleted(e.worker, e.agent, e.request_id, [], e.versions, e.tokens, e.prompt_tokens,
+                                      e.cached_tokens, e.turn_prompt_tokens, e.turn_cached_tokens, old_parts(e.parts))
+        else:
+            o = e
+        o.seq, o.t = e.seq, e.t
+        out.append(o)
+    return out
+
+
+def write_format_3(path, events):
+    import msgspec
+
+    from flexmarl.runtime.eventlog import MAGIC, encode_frame
+
+    path.write_bytes(MAGIC + (3).to_bytes(4, "little") + encode_frame(*map(msgspec.msgpack.encode, events)))
+    return path
+
+
+@pytest.mark.parametrize("run", [synthetic_run, run_with_a_restart, crashed_and_resumed_run, run_stopped_mid_step])
+def test_a_log_of_format_3_reads_as_format_4_and_replays_checks_and_accounts_alike(tmp_path, run):
+    from flexmarl.runtime.eventlog import read_events
+
+    events = run()
+    read, problem = read_events(write_format_3(tmp_path / "events.log", in_an_old_format(events)))
+    assert problem is None and read == events
+    old, new = replay.summarize(read), replay.summarize(events)
+    assert (old.accounting, old.errors, old.staleness, old.open_steps) == \
+        (new.accounting, new.errors, new.staleness, new.open_steps)
+    if run is run_stopped_mid_step:
+        assert replay.check(read) is None
+
+
+FIXTURE = __import__("pathlib").Path(__file__).parent / "format3_run"
+
+
+def test_a_real_run_logged_in_format_3_replays_checks_and_reconciles(tmp_path):
+    """A run of the controller as it was before keys were typed (bench/system/controller_scale.py's
+    chain on the fake cluster: 3 agents, 4 instances, async, K = 1, 2 steps of 3 queries),
+    its log as that writer wrote it: `flexmarl replay --check` reads it, re-drives its
+    decisions the same and reconciles every sample."""
+    from flexmarl.runtime.eventlog import read_events
+
+    events, problem = read_events(FIXTURE / "events.log")
+    assert problem is None and events
+    s = replay.summarize(events)
+    assert s.errors == [] and all(r.reconciles for r in s.accounting)
+    totals = [r for r in s.accounting if r.total]
+    assert sum(r.trained for r in totals) == sum(e.samples for e in events if isinstance(e, ev.OptimizerStep)) > 0
+    assert replay.check(events) is None
+    assert replay.main(args(FIXTURE / "events.log", check=True)) == 0

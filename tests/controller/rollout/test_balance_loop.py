@@ -18,6 +18,7 @@ from flexmarl.controller.state.versions import SyncedVersions
 from flexmarl.controller.weights.sync import Publication, WeightSync
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.keys import GroupKey
 from flexmarl.runtime.bases import whole_models
 from flexmarl.runtime.config import RouterConfig
 
@@ -174,12 +175,13 @@ async def test_an_in_place_swap_a_b_a_before_a_syncs_routes_as_requests_to_an_in
     assert run.sent()[-1] == ("r0", "LoadWeights", "a", 2)
     assert run.instances.holds("r0", "a") == 2 and run.instances.holds("r0", "b") is None
     run.instances.leave("r1", "a", "so that a's next group can only go to r0")
-    task = asyncio.ensure_future(run.client.generate("a", protocol.GenGroup("g", "a", 2, [1], 2, 1.0, 0)))
+    task = asyncio.ensure_future(run.client.generate("a", protocol.GenGroup(GroupKey("e", "a", "g"), "a", 2, [1], 2,
+                                                                            1.0, 0)))
     await until(lambda: run.server.sent)
     (worker, msg), = run.server.sent
     assert worker == "r0" and run.serving[worker] == "a"
     run.server.answer(msg.request_id)
-    assert (await task).served_by == ["r0", "r0"]
+    assert [worker for _, worker in (await task).parts] == ["r0"]
 
 
 async def test_the_engine_restarts_while_the_new_agent_syncs_but_joins_only_between_syncs(tmp_path):

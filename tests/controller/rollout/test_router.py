@@ -14,6 +14,7 @@ from flexmarl.controller.state.instances import RolloutInstances
 from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.runtime import protocol
 from flexmarl.runtime.bases import whole_models
+from flexmarl.runtime.keys import GroupKey
 from flexmarl.workers.rollout.worker import RolloutHandler
 
 
@@ -27,8 +28,14 @@ def client_over(server, assignment):
     return RolloutClient(server, instances)
 
 
-def group(key, n=4, prompt=(1, 2), max_tokens=4, agent="a", seed=0):
-    return protocol.GenGroup(key, agent, n, list(prompt), max_tokens, 1.0, seed)
+def group(call, n=4, prompt=(1, 2), max_tokens=4, agent="a", seed=0, member=0, turn=0):
+    return protocol.GenGroup(GroupKey("e", agent, call), agent, n, list(prompt), max_tokens, 1.0, seed, member,
+                             turn=turn)
+
+
+def made(output):
+    """Per part of a group's output, in member order: its first member, size, version and instance."""
+    return [(r.first, len(r.lengths), r.version, worker) for r, worker in output.parts]
 
 
 def ctx_over(client, agents=("a",), group_size=8):
@@ -73,20 +80,20 @@ async def test_a_group_of_8_over_2_instances_lands_on_one_and_reaches_the_engine
     assert worker == "r0" and (sent.n, sent.first, sent.prompt_ids) == (8, 0, [1, 2, 3])
     server.answer(msg.request_id)
     samples = await task
-    assert [s.output_ids for s in samples] == [[7]] * 8
+    assert [s.output_ids.tolist() for s in samples] == [[7]] * 8
 
     class GroupingEngine:  # the engine's side: how requests are added
         added = []
 
-        def add_group(self, ids, prompt_ids, max_tokens, temperature, seed, **_):
-            self.added.append((list(ids), list(prompt_ids), seed))
+        def add(self, request_id, prompt_ids, max_tokens, temperature, seed, n=1, **_):
+            self.added.append((n, list(prompt_ids), seed))
             return -1
 
     handler = RolloutHandler()
     handler.engine, handler.agent = GroupingEngine(), "a"
     assert handler._start(msg) is None
-    (ids, prompt, seed), = GroupingEngine.added  # one engine request of 8 samples
-    assert ids == [f"{sent.key}/{j}" for j in range(8)] and prompt == [1, 2, 3] and seed == sent.seed
+    (n, prompt, seed), = GroupingEngine.added  # one engine request of 8 samples
+    assert n == 8 and prompt == [1, 2, 3] and seed == sent.seed
 
 
 async def test_a_second_turn_of_an_episode_goes_to_the_instance_of_its_first():
@@ -102,15 +109,16 @@ async def test_a_second_turn_of_an_episode_goes_to_the_instance_of_its_first():
     turn = asyncio.ensure_future(ctx.continue_ids(first, [5]))
     await until(lambda: len(server.sent) == 2)
     worker, msg = server.sent[1]
-    assert worker == "r0" and msg.groups[0].key == f"{first.sample_id}@1"
+    sent = msg.groups[0]
+    assert worker == "r0" and (sent.key, sent.first, sent.turn) == (first.key, first.member, 1)
     server.answer(msg.request_id)
-    assert (await turn).output_ids == [7, 5, 7] and client.affinity == {"kept": 1, "moved": 0}
+    assert (await turn).output_ids.tolist() == [7, 5, 7] and client.affinity == {"kept": 1, "moved": 0}
 
 
 async def test_a_later_turn_leaves_an_instance_loaded_past_the_bound_or_no_longer_serving_the_agent():
     server = FakeServer(["r0", "r1"])
     client = client_over(server, {"a": ["r0", "r1"]})
-    turn = group("e/a/0@1", n=1)
+    turn = group("g0", n=1, turn=1)
     client.owner.add_work("r0", 500.0)
     task = asyncio.ensure_future(client.generate("a", turn, after="r0"))
     await until(lambda: len(server.sent) == 1)
@@ -119,7 +127,7 @@ async def test_a_later_turn_leaves_an_instance_loaded_past_the_bound_or_no_longe
     await task
     client.owner.work_done("r0", 500.0)
     client.owner.leave("r0", "a", "moved by the test")
-    task = asyncio.ensure_future(client.generate("a", group("e/a/1@1", n=1), after="r0"))
+    task = asyncio.ensure_future(client.generate("a", group("g0", n=1, member=1, turn=1), after="r0"))
     await until(lambda: len(server.sent) == 2)
     assert server.sent[1][0] == "r1" and client.affinity == {"kept": 0, "moved": 2}
     server.answer(server.sent[1][1].request_id)
@@ -135,7 +143,7 @@ async def test_everything_bound_for_one_instance_in_one_loop_turn_goes_in_one_me
     await until(lambda: server.sent)
     await asyncio.sleep(0)
     (worker, msg), = server.sent
-    assert [g.key for g in msg.groups] == ["g0", "g1", "g2"] and [g.agent for g in msg.groups] == ["a", "a", "b"]
+    assert [g.key.call for g in msg.groups] == ["g0", "g1", "g2"] and [g.agent for g in msg.groups] == ["a", "a", "b"]
     server.answer(msg.request_id)
     for task in tasks:
         assert (await task).n == 4
@@ -152,7 +160,7 @@ async def test_a_large_group_splits_into_contiguous_parts_that_keep_their_seeds_
     server.answer(server.sent[1][1].request_id, version=2)
     server.answer(server.sent[0][1].request_id, version=1)
     out = await task
-    assert out.n == 32 and out.versions == [1] * 16 + [2] * 16 and out.served_by == ["r0"] * 16 + ["r1"] * 16
+    assert out.n == 32 and made(out) == [(0, 16, 1, "r0"), (16, 16, 2, "r1")]
 
 
 async def test_groups_on_a_dead_instance_are_reissued_to_a_live_instance_of_the_agent():
@@ -164,9 +172,9 @@ async def test_groups_on_a_dead_instance_are_reissued_to_a_live_instance_of_the_
     server.kill("r0")
     await until(lambda: len(server.sent) == 2)
     worker, msg = server.sent[1]
-    assert worker == "r1" and [(g.key, g.n) for g in msg.groups] == [("g", 3)]
+    assert worker == "r1" and [(g.key.call, g.n) for g in msg.groups] == [("g", 3)]
     server.answer(msg.request_id)
-    assert (await task).served_by == ["r1"] * 3
+    assert made(await task) == [(0, 3, 0, "r1")]
     assert client.reissued == 3 and client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
 
 
@@ -196,7 +204,7 @@ async def test_a_refused_group_fails_alone_and_is_never_reissued():
     await until(lambda: len(server.sent) == 1)  # both in one message
     server.answer(server.sent[0][1].request_id, refuse=frozenset({"long"}))
     assert (await good).n == 4
-    with pytest.raises(RequestRefused, match="refused long: prompt too long"):
+    with pytest.raises(RequestRefused, match="refused e/a-long: prompt too long"):
         await bad
     await asyncio.sleep(0.01)
     assert len(server.sent) == 1 and client.refused == 1 and client.reissued == 0
@@ -223,14 +231,14 @@ async def test_a_group_waits_for_an_instance_to_serve_its_agent_then_goes_there(
     client.owner.serve("r0", "a", "joined")
     await asyncio.sleep(0.25)  # the waiting group looks every 0.1 s
     server.answer(server.sent[0][1].request_id)
-    assert (await task).served_by == ["r0"] * 4
+    assert made(await task) == [(0, 4, 0, "r0")]
 
 
 async def test_prompt_tokens_and_prefix_cache_hits_are_counted_per_agent_for_first_and_later_turns():
     server = FakeServer(["r0"])
     client = client_over(server, {"a": ["r0"]})
     first = asyncio.ensure_future(client.generate("a", group("g", n=4, prompt=[1] * 10)))
-    later = asyncio.ensure_future(client.generate("a", group("g/0@1", n=1, prompt=[1] * 30), after="r0"))
+    later = asyncio.ensure_future(client.generate("a", group("g", n=1, prompt=[1] * 30, turn=1), after="r0"))
     await until(lambda: server.sent)
     server.answer(server.sent[0][1].request_id, cached=8)
     await asyncio.gather(first, later)

@@ -20,6 +20,7 @@ from flexmarl.controller.state.instances import RolloutInstances
 from flexmarl.controller.state.versions import SyncedVersions
 from flexmarl.controller.weights.sync import WeightSync
 from flexmarl.runtime import protocol
+from flexmarl.runtime.keys import GroupKey
 from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
@@ -99,7 +100,7 @@ async def test_an_adapter_agents_requests_spread_over_every_instance_of_its_base
     instances.add_work("r1", 100.0)  # agent b's requests in flight on r1
     streaming = StreamingServer(["r0", "r1", "r2"])
     client = RolloutClient(streaming, instances)
-    tasks = [asyncio.ensure_future(client.generate(agent, protocol.GenGroup(f"g{i}", agent, 2, [1], 4, 1.0, 0)))
+    tasks = [asyncio.ensure_future(client.generate(agent, protocol.GenGroup(GroupKey("e", agent, f"g{i}"), agent, 2, [1], 4, 1.0, 0)))
              for i, agent in enumerate("ac")]
     await until(lambda: streaming.sent)
     await asyncio.sleep(0)
@@ -129,7 +130,7 @@ async def test_each_group_carries_the_agents_synced_version():
     versions = SyncedVersions(AGENTS)
     versions.set("a", 3)
     client = RolloutClient(server, instances, version_of=versions.__getitem__)
-    task = asyncio.ensure_future(client.generate("a", protocol.GenGroup("g", "a", 2, [1, 2], 4, 1.0, 0)))
+    task = asyncio.ensure_future(client.generate("a", protocol.GenGroup(GroupKey("e", "a", "g"), "a", 2, [1, 2], 4, 1.0, 0)))
     await until(lambda: len(server.sent) == 1)
     assert server.sent[0][1].groups[0].version == 3
     server.answer(server.sent[0][1].request_id)

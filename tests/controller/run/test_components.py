@@ -202,6 +202,6 @@ def test_frozen_agents_and_snapshots_get_no_pipeline_allocator_entry_or_checkpoi
     assert parts.checkpoints.agents == ["planner", "solver"] and parts.schedule.agents == ["planner", "solver"]
     assert parts.schedule.snapshots == {"past": 1} and parts.weights.snapshots == {"past": ("planner", 1)}
     assert parts.store.frozen == {"checker", "past"} and parts.store.dynamic == {"solver"}
-    assert parts.store.teachers == {"solver": "checker"}
+    assert parts.store.teacher_of("solver") == "checker" and parts.store.teacher_of("planner") == ""
     assert set(parts.resolved.units) == {"planner", "solver", "checker", "past"}  # every agent is served
     close(parts)

@@ -68,7 +68,7 @@ async def test_a_call_the_engine_refuses_fails_alone_and_a_continuation_takes_on
         client = ctx.openai_client()
         with pytest.raises(openai.BadRequestError, match="the prompt is too long"):
             await client.chat.completions.create(model="solver", messages=QUESTION)
-        assert ctx.store.groups[ctx.groups[0]].status == "dropped"  # the refused call's group: nothing to reward
+        assert [s.status for s in ctx.samples("solver")] == ["dropped"] * 2  # the refused call's group: nothing to reward
         first = await client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "Try again."}])
         follow = [{"role": "user", "content": "Try again."}, {"role": "assistant", "content": "It is 42."},
                   {"role": "user", "content": "Sure?"}]

@@ -21,11 +21,11 @@ async def test_a_call_without_n_is_one_group_of_the_agents_group_size_and_with_n
         second = await client.chat.completions.create(model="solver", messages=QUESTION, n=3)
         assert [c.index for c in first.choices] == [0, 1] and len(second.choices) == 3
         assert first.choices[0].message.content == "It is 42." and first.choices[0].finish_reason == "stop"
-        groups = [ctx.store.groups[g] for g in ctx.groups]
-        assert [len(g.sample_ids) for g in groups] == [2, 3]
+        samples = ctx.samples("solver")
+        assert [s.key for s in samples] == [samples[0].key] * 2 + [samples[2].key] * 3  # a group of 2, one of 3
         ctx.reward(first.id, [1.0, 0.0])
         ctx.reward_all("solver", 0.5)
-        assert all(g.status == "ready" for g in groups)
+        assert all(s.status == "ready" for s in samples)
         await ctx.end()
 
 
@@ -49,13 +49,13 @@ async def test_a_continued_conversation_keeps_the_engines_own_ids_for_the_earlie
         continued = samples[0]  # the two choices said the same: the first of them goes on
         appended = tok.chat_delta(QUESTION + [reply], QUESTION + [reply, {"role": "user", "content": "Try again."}],
                                   True)
-        assert continued.output_ids == own + appended + engine.ids("The answer is 12.")
-        assert continued.mask == [1] * len(own) + [0] * len(appended) + [1] * len(engine.ids("The answer is 12."))
-        assert later.prompt_token_ids == list(continued.prompt_ids) + own + appended
+        assert continued.output_ids.tolist() == own + appended + engine.ids("The answer is 12.")
+        assert continued.mask.tolist() == [1] * len(own) + [0] * len(appended) + [1] * len(engine.ids("The answer is 12."))
+        assert later.prompt_token_ids == continued.prompt_ids.tolist() + own + appended
         assert later.choices[0].token_ids == engine.ids("The answer is 12.")
         assert [t.logprob for t in later.choices[0].logprobs.content] == [-0.25] * len(later.choices[0].token_ids)
         assert engine.requests[-1].prompt_ids == later.prompt_token_ids  # what the engine was asked to continue
-        assert len(continued.versions) == 2 and samples[1].output_ids == own  # the other choice stays one turn
+        assert len(continued.versions) == 2 and samples[1].output_ids.tolist() == own  # the other choice stays one turn
         await ctx.end()
 
 
@@ -73,7 +73,7 @@ async def test_two_equal_choices_are_continued_one_each_even_at_once_and_a_call_
         assert len(s0.versions) == len(s1.versions) == 2 and s0.text == s1.text == "Try again."
         fresh = await client.chat.completions.create(
             model="solver", messages=QUESTION + [{"role": "assistant", "content": "It is 41."}])  # said by no sample
-        assert len(fresh.choices) == 2 and len(ctx.groups) == 2
+        assert len(fresh.choices) == 2 and len({s.key for s in ctx.samples("solver")}) == 2
         ctx.reward(a.id, 1.0)
         ctx.reward(b.id, 0.0)
         ctx.reward_all("solver", lambda s: float("42" in s.text))
@@ -95,7 +95,7 @@ async def test_an_episode_ending_with_unrewarded_samples_fails_naming_their_comp
         ctx = make_context(endpoint, engine, tok)
         why = await run_episode(episode, ctx, 30)
     assert "ended without rewarding every sample of ['solver chatcmpl-e0-0 (choices 0, 1, 2)']" in why
-    assert all(ctx.store.groups[g].status == "dropped" for g in ctx.groups)
+    assert all(s.status == "dropped" for s in ctx.samples("solver"))
 
 
 async def test_an_ended_episodes_key_names_nothing(tok):
@@ -162,8 +162,8 @@ async def test_tool_calls_are_parsed_by_the_agents_vllm_tool_parser_and_the_tool
         final = await client.chat.completions.create(model="solver", messages=QUESTION + [back, answer], tools=tools)
         assert final.choices[0].message.content == "The tool says 42." and len(final.choices) == 1
         sample = ctx.samples("solver")[0]
-        assert sample.output_ids[:len(engine.ids(call))] == engine.ids(call)  # the engine's ids, as drawn
-        assert tok.tok.decode(sample.output_ids).endswith("<|tool|>42<eos><|assistant|>The tool says 42.<eos>")
+        assert sample.output_ids[:len(engine.ids(call))].tolist() == engine.ids(call)  # the engine's ids, as drawn
+        assert tok.tok.decode(sample.output_ids.tolist()).endswith("<|tool|>42<eos><|assistant|>The tool says 42.<eos>")
         ctx.reward_all("solver", 1.0)
         await ctx.end()
 
@@ -179,7 +179,7 @@ async def test_text_completions_open_groups_and_continue_a_sample_with_the_engin
         more = await client.completions.create(model="solver", prompt=prompt, logprobs=1)
         assert more.choices[0].text == "Try again." and more.choices[0].logprobs.token_logprobs[0] == -0.25
         sample = ctx.samples("solver")[0]
-        assert sample.output_ids == engine.ids("It is 42.") + tok.encode(" Sure?") + engine.ids("Try again.")
+        assert sample.output_ids.tolist() == engine.ids("It is 42.") + tok.encode(" Sure?") + engine.ids("Try again.")
         ctx.reward(first.id, [1.0, 0.0])
         await ctx.end()
 

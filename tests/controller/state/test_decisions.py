@@ -6,10 +6,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexmarl.controller.state import decisions
-from flexmarl.controller.state.store import DROPPED, ExperienceStore
+from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.store import DROPPED, ExperienceStore, TurnSampling
+from flexmarl.runtime.keys import GroupKey
 
 BATCH = 6  # trains version 5 into 6
 MicroBatchSize = decisions.MicroBatchSize
+
+
+def key(i):
+    return GroupKey("e", "a", f"g{i}")
+
+
+def arrive(store, i, versions, lengths, rewards):
+    """Group i's outputs (member j: `lengths[j]` ids by `versions[j]`), then its rewards."""
+    store.record_group(key(i), output_of([[2] * n for n in lengths], [[-1.0] * n for n in lengths], list(versions)),
+                       TurnSampling(0))
+    store.set_group_rewards(key(i), rewards)
+
+
+def ready(store, sizes, versions=None, lengths=None):
+    """Groups of `sizes` members opened, generated and rewarded, in order."""
+    for i, n in enumerate(sizes):
+        store.open_group(key(i), [1, 1, 1], n, BATCH)
+        arrive(store, i, versions[i] if versions else [BATCH - 1] * n, lengths[i] if lengths else [1] * n, [0.0] * n)
+
+
+def calls(groups):
+    return [g.key.call for g in groups]
 
 
 @st.composite
@@ -30,12 +54,11 @@ def scenarios(draw):
 def drive(sizes, versions, order, wakeups, k, shape, overlap):
     lengths, size = shape
     store = ExperienceStore(["a"])
-    groups = [store.open_group("a", f"g{i}", [1], n, BATCH) for i, n in enumerate(sizes)]
+    for i, n in enumerate(sizes):
+        store.open_group(key(i), [1], n, BATCH)
     formed = []
     for i, wake in zip(order, wakeups):
-        for sample, v, length in zip(groups[i], versions[i], lengths[i]):
-            store.record_output(sample.sample_id, [2] * length, [-1.0] * length, [v])
-            store.set_reward(sample.sample_id, float(v % 2))
+        arrive(store, i, versions[i], lengths[i], [float(v % 2) for v in versions[i]])
         if wake:
             formed += store.form_micro_batches("a", BATCH, size, False, overlap, k)
     formed += store.form_micro_batches("a", BATCH, size, True, overlap, k)
@@ -47,25 +70,18 @@ def drive(sizes, versions, order, wakeups, k, shape, overlap):
 def test_no_sample_older_than_k_is_ever_trained_over_random_arrival_orders(scenario):
     sizes, versions, order, wakeups, k, shape = scenario
     store, formed = drive(sizes, versions, order, wakeups, k, shape, overlap=True)
-    trained = [s for mb in formed for s in mb]
-    assert all(decisions.lag(BATCH - 1, s.versions) <= k for s in trained)
-    ids = [s.sample_id for s in trained]
-    assert len(ids) == len(set(ids)), "a sample was trained twice"
-    # every group is either trained whole in one micro-batch, or dropped whole as stale
-    where = {}
-    for n, mb in enumerate(formed):
-        for s in mb:
-            where.setdefault(s.group_id, set()).add(n)
-    assert all(len(batches) == 1 for batches in where.values()), "a group was split"
+    assert all(decisions.lag(BATCH - 1, [v]) <= k for mb in formed for v in mb.oldest())
+    keys = [k for mb in formed for k in mb.keys()]
+    assert len(keys) == len(set(keys)), "a group was trained twice"
+    assert all(mb.samples == sum(g.n for g in mb._groups) for mb in formed)  # whole groups
     for i, vs in enumerate(versions):
         stale = any(decisions.too_stale(BATCH - 1, [v], k) for v in vs)
-        assert (f"g{i}" not in where) == stale
-        assert (store.groups[f"g{i}"].status == DROPPED) == stale
+        assert (key(i) not in keys) == stale
+        assert all(v.status == DROPPED for v in store.views(key(i))) == stale
     size = shape[1]
     # Within the budget, unless one group alone is larger: 1 prompt token + the outputs.
-    measured = [sum(len(s.output_ids) for s in mb) + len({s.group_id for s in mb}) if size.tokens else len(mb)
-                for mb in formed]
-    assert all(m <= size.limit or len({s.group_id for s in mb}) == 1 for m, mb in zip(measured, formed))
+    measured = [sum(g.size for g in mb._groups) if size.tokens else mb.samples for mb in formed]
+    assert all(m <= size.limit or len(mb._groups) == 1 for m, mb in zip(measured, formed))
 
 
 @settings(max_examples=200, deadline=None)
@@ -74,7 +90,7 @@ def test_async_micro_batches_equal_sync_ones_for_the_same_arrival_order(scenario
     sizes, versions, order, wakeups, k, shape = scenario
     _, overlapped = drive(sizes, versions, order, wakeups, k, shape, overlap=True)
     _, batched = drive(sizes, versions, order, wakeups, k, shape, overlap=False)
-    assert [[s.sample_id for s in mb] for mb in overlapped] == [[s.sample_id for s in mb] for mb in batched]
+    assert [mb.keys() for mb in overlapped] == [mb.keys() for mb in batched]
 
 
 def test_gate_rules():
@@ -95,41 +111,33 @@ def test_a_micro_batch_takes_consecutive_whole_groups_as_many_as_fit_and_at_leas
 
 def test_the_store_takes_what_the_micro_batch_rule_says():
     store = ExperienceStore(["a"])
-    for i, size in enumerate([4, 4, 4, 2, 8]):
-        for s in store.open_group("a", f"g{i}", [1], size, BATCH):
-            store.record_output(s.sample_id, [2], [-1.0], [BATCH - 1])
-            store.set_reward(s.sample_id, float(len(s.sample_id) % 2))
-    taken = [sorted({s.group_id for s in store.take("a", BATCH, MicroBatchSize(8))}) for _ in range(3)]
+    ready(store, [4, 4, 4, 2, 8])
+    taken = [calls(store.take("a", BATCH, MicroBatchSize(8))) for _ in range(3)]
     assert taken == [["g0", "g1"], ["g2", "g3"], ["g4"]]
 
 
 def test_a_token_budget_takes_whole_groups_by_their_prompt_once_and_every_output():
     store = ExperienceStore(["a"])
     # Group sizes in tokens: prompt 3 + outputs. g0: 3 + 2 + 2 = 7, g1: 3 + 5 = 8, g2: 3 + 20 = 23.
-    for i, outputs in enumerate([[2, 2], [5], [20]]):
-        for s, n in zip(store.open_group("a", f"g{i}", [1, 1, 1], len(outputs), BATCH), outputs):
-            store.record_output(s.sample_id, [2] * n, [-1.0] * n, [BATCH - 1])
-            store.set_reward(s.sample_id, 0.0)
-    assert [store.groups[f"g{i}"].tokens for i in range(3)] == [7, 8, 23]
+    ready(store, [2, 1, 1], lengths=[[2, 2], [5], [20]])
     budget = MicroBatchSize(samples=1, tokens=16)  # the sample count is then unused
     assert store.ready_size("a", BATCH, budget) == 38
-    taken = [sorted({s.group_id for s in store.take("a", BATCH, budget)}) for _ in range(2)]
+    taken = [store.take("a", BATCH, budget) for _ in range(2)]
+    assert [[g.size for g in groups] for groups in taken] == [[7, 8], [23]]
+    taken = [calls(groups) for groups in taken]
     assert taken == [["g0", "g1"], ["g2"]]  # 7 + 8 fit in 16; g2 alone is larger, and still whole
 
 
 def test_the_staleness_split_keeps_or_drops_whole_groups_and_changes_nothing_it_is_given():
     store = ExperienceStore(["a"])
-    for i, versions in enumerate([[BATCH - 1, BATCH - 1], [BATCH - 1, BATCH - 3], [BATCH - 2]]):
-        for s, v in zip(store.open_group("a", f"g{i}", [1], len(versions), BATCH), versions):
-            store.record_output(s.sample_id, [2], [-1.0], [v])
-            store.set_reward(s.sample_id, 0.0)
+    ready(store, [2, 2, 1], versions=[[BATCH - 1, BATCH - 1], [BATCH - 1, BATCH - 3], [BATCH - 2]])
     taken = store.take("a", BATCH, MicroBatchSize(8))
-    before = [(s.sample_id, s.status, list(s.versions)) for s in taken]
+    before = [(g.key, g.status, g.oldest()) for g in taken]
     kept, stale = decisions.split_stale(taken, BATCH, max_staleness=1)
-    assert [s.sample_id for s in kept] == ["g0/0", "g0/1", "g2/0"]
-    assert [s.sample_id for s in stale] == ["g1/0", "g1/1"]  # one turn two versions old: the whole group
-    assert [(s.sample_id, s.status, list(s.versions)) for s in taken] == before
-    assert store.counts[("a", DROPPED)] == 0
+    assert calls(kept) == ["g0", "g2"]
+    assert calls(stale) == ["g1"]  # one member two versions old: the whole group
+    assert [(g.key, g.status, g.oldest()) for g in taken] == before
+    assert store.count("a", DROPPED) == 0
     assert decisions.split_stale(taken, BATCH, max_staleness=2) == (taken, [])
 
 

@@ -1,28 +1,46 @@
 import pytest
 
 from flexmarl.controller.state.decisions import MicroBatchSize
-from flexmarl.controller.state.store import CONSUMED, DROPPED, DuplicateResult, ExperienceStore, group_advantages
+from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.store import (CONSUMED, DROPPED, READY, DuplicateResult, ExperienceStore, TurnSampling,
+                                             group_advantages)
+from flexmarl.runtime import events as ev
+from flexmarl.runtime import protocol
+from flexmarl.runtime.keys import GroupKey
 
 
-def fill(store, agent, group_id, rewards, version=0, batch=0):
-    samples = store.open_group(agent, group_id, [1, 2], len(rewards), batch)
-    for s, r in zip(samples, rewards):
-        store.record_output(s.sample_id, [3], [-0.5], [version])
-        store.set_reward(s.sample_id, r)
-    return samples
+def key(call, agent="a"):
+    return GroupKey("e", agent, call)
+
+
+def fill(store, agent, call, rewards, version=0, batch=0):
+    k = key(call, agent)
+    store.open_group(k, [1, 2], len(rewards), batch)
+    store.record_group(k, output_of([[3]] * len(rewards), [[-0.5]] * len(rewards), version), TurnSampling(0))
+    store.set_group_rewards(k, rewards)
+    return k
+
+
+def taken_calls(micro_batches):
+    return [[g.call for g in mb.keys()] for mb in micro_batches]
 
 
 def test_group_is_trainable_only_when_every_member_has_output_and_reward():
     store = ExperienceStore(["a"])
-    samples = store.open_group("a", "g", [1], 3, 0)
-    store.record_output(samples[0].sample_id, [2], [-1.0], [0])
-    store.set_reward(samples[0].sample_id, 1.0)
-    store.record_output(samples[1].sample_id, [2], [-1.0], [0])
-    store.set_reward(samples[1].sample_id, 0.0)
-    store.record_output(samples[2].sample_id, [2], [-1.0], [0])
+    g = key("g")
+    store.open_group(g, [1], 3, 0)
+    store.set_reward(g, 0, 1.0)
+    store.set_reward(g, 1, 0.0)
+    store.set_reward(g, 2, 0.5)
+    assert store.ready_samples("a", 0) == 0  # rewarded, but no outputs yet
+    store.record_group(g, output_of([[2]] * 3, [[-1.0]] * 3), TurnSampling(0))
+    h = key("h")
+    store.open_group(h, [1], 2, 0)
+    store.record_group(h, output_of([[2]] * 2, [[-1.0]] * 2), TurnSampling(0))
+    store.set_reward(h, 0, 1.0)
     assert store.ready_samples("a", 0) == 0
-    store.set_reward(samples[2].sample_id, 0.5)
-    assert store.ready_samples("a", 0) == 3
+    store.set_reward(h, 1, 0.0)
+    assert store.ready_samples("a", 0) == 2
 
 
 def test_advantages_are_group_normalised():
@@ -33,144 +51,191 @@ def test_advantages_are_group_normalised():
 
 def test_a_duplicated_result_is_refused_and_never_trained_twice():
     store = ExperienceStore(["a"])
-    samples = fill(store, "a", "g", [1.0, 0.0])
+    g = fill(store, "a", "g", [1.0, 0.0])
     with pytest.raises(DuplicateResult):
-        store.record_output(samples[0].sample_id, [9], [-0.1], [0])
-    taken = store.take("a", 0, MicroBatchSize(100))
-    assert [s.sample_id for s in taken] == [s.sample_id for s in samples]
-    assert all(s.status == CONSUMED for s in taken)
+        store.record_group(g, output_of([[9]] * 2, [[-0.1]] * 2), TurnSampling(0))
+    (mb,) = store.form_micro_batches("a", 0, MicroBatchSize(100), True, False, 0)
+    assert mb.keys() == [g] and mb.samples == 2 and [v.status for v in store.views(g)] == [CONSUMED] * 2
     assert store.take("a", 0, MicroBatchSize(100)) == []
     with pytest.raises(DuplicateResult):
-        store.record_output(samples[1].sample_id, [9], [-0.1], [0])
+        store.record_group(g, output_of([[9]] * 2, [[-0.1]] * 2), TurnSampling(0))
 
 
-def test_take_returns_whole_groups_oldest_first():
+def test_micro_batches_take_whole_groups_oldest_first():
     store = ExperienceStore(["a"])
-    fill(store, "a", "g1", [1.0, 0.0, 0.5])
-    fill(store, "a", "g2", [1.0, 0.0, 0.5])
-    fill(store, "a", "g3", [1.0, 0.0, 0.5])
-    first = store.take("a", 0, MicroBatchSize(4))  # a group is never split: 3 fit, the next 3 would not
-    assert {s.group_id for s in first} == {"g1"}
-    second = store.take("a", 0, MicroBatchSize(6))
-    assert [s.group_id for s in second] == ["g2"] * 3 + ["g3"] * 3
+    for call in ("g1", "g2", "g3"):
+        fill(store, "a", call, [1.0, 0.0, 0.5])
+    # a group is never split: 3 fit, the next 3 would not; the last 3 wait for a full micro-batch
+    assert taken_calls(store.form_micro_batches("a", 0, MicroBatchSize(4), False, True, 0)) == [["g1"], ["g2"]]
+    for call in ("g4", "g5"):
+        fill(store, "a", call, [1.0, 0.0, 0.5])
+    assert taken_calls(store.form_micro_batches("a", 0, MicroBatchSize(6), True, False, 0)) == [["g3", "g4"], ["g5"]]
 
 
 def test_dropped_group_is_never_trained_and_counted():
-    store = ExperienceStore(["a"])
-    samples = store.open_group("a", "g", [1], 2, 0)
-    store.record_output(samples[0].sample_id, [2], [-1.0], [0])
-    store.drop_group("g", "episode failed")
-    store.set_reward(samples[0].sample_id, 1.0)  # late reward for a dropped sample: ignored
+    events = []
+    store = ExperienceStore(["a"], emit=events.append)
+    g = key("g")
+    store.open_group(g, [1], 2, 0)
+    store.drop_group(g, "episode failed")
+    store.set_reward(g, 0, 1.0)  # late reward for a dropped sample: ignored
     assert store.ready_samples("a", 0) == 0
-    assert all(s.status == DROPPED for s in samples)
-    assert store.counts[("a", DROPPED)] == 2
+    assert all(v.status == DROPPED for v in store.views(g))
+    assert store.count("a", DROPPED) == 2
+    assert events[-1] == ev.SamplesDropped("a", ev.whole([(g, 2)]), "episode failed")
 
 
 def test_unknown_agent_and_non_finite_reward_are_clear_errors():
     store = ExperienceStore(["a"])
     with pytest.raises(KeyError, match="unknown agent 'b'"):
-        store.open_group("b", "g", [1], 1, 0)
-    s = store.open_group("a", "g", [1], 1, 0)[0]
-    store.record_output(s.sample_id, [2], [-1.0], [0])
+        store.open_group(key("g", "b"), [1], 1, 0)
+    store.open_group(key("g"), [1], 1, 0)
     with pytest.raises(ValueError, match="not finite"):
-        store.set_reward(s.sample_id, float("nan"))
+        store.set_reward(key("g"), 0, float("nan"))
 
 
-def test_take_only_hands_out_groups_of_the_requested_global_batch():
+def test_micro_batches_only_hold_groups_of_the_requested_global_batch():
     store = ExperienceStore(["a"])
     fill(store, "a", "old", [1.0, 0.0], batch=1)
     fill(store, "a", "new", [1.0, 0.0], batch=2)
-    assert {s.group_id for s in store.take("a", 2, MicroBatchSize(100))} == {"new"}
-    assert {s.group_id for s in store.take("a", 1, MicroBatchSize(100))} == {"old"}
+    assert taken_calls(store.form_micro_batches("a", 2, MicroBatchSize(100), True, False, 9)) == [["new"]]
+    assert taken_calls(store.form_micro_batches("a", 1, MicroBatchSize(100), True, False, 9)) == [["old"]]
 
 
 def test_a_reward_after_the_group_completed_is_a_clear_error_not_silently_ignored():
     store = ExperienceStore(["a"])
-    fill(store, "a", "g", [1.0, 0.0])
-    with pytest.raises(ValueError, match="after its group was complete"):
-        store.set_reward("g/0", 0.5)
+    g = fill(store, "a", "g", [1.0, 0.0])
+    with pytest.raises(ValueError, match="e/a-g/0 arrived after its group was complete"):
+        store.set_reward(g, 0, 0.5)
 
 
 def test_a_reward_set_twice_is_an_error():
     store = ExperienceStore(["a"])
-    samples = store.open_group("a", "g", [1], 2, 0)
-    store.record_output(samples[0].sample_id, [2], [-1.0], [0])
-    store.set_reward(samples[0].sample_id, 1.0)
+    g = key("g")
+    store.open_group(g, [1], 2, 0)
+    store.set_reward(g, 0, 1.0)
     with pytest.raises(ValueError, match="set twice"):
-        store.set_reward(samples[0].sample_id, 0.0)
+        store.set_reward(g, 0, 0.0)
 
 
 def test_advantages_skip_the_std_division_when_the_agent_asks_for_it():
     store = ExperienceStore(["a"], std_normalized={"a": False})
     fill(store, "a", "g", [1.0, 0.0, 0.5])
-    assert [store.samples[f"g/{i}"].advantage for i in range(3)] == [0.5, -0.5, 0.0]
     normalized = ExperienceStore(["a"])
     fill(normalized, "a", "g", [1.0, 0.0, 0.5])
-    assert normalized.samples["g/0"].advantage == pytest.approx(0.5 / (1 / 6) ** 0.5, rel=1e-5)
+    plain = store.form_micro_batches("a", 0, MicroBatchSize(9), True, False, 0)[0].wire()[0]
+    scaled = normalized.form_micro_batches("a", 0, MicroBatchSize(9), True, False, 0)[0].wire()[0]
+    assert plain.advantages == [0.5, -0.5, 0.0]
+    assert scaled.advantages[0] == pytest.approx(0.5 / (1 / 6) ** 0.5, rel=1e-5)
 
 
-def test_user_code_sees_a_read_only_view_whose_lists_are_copies_and_a_later_turn_shows_through():
-    import pytest
-
-    from flexmarl.controller.state.groups import output_of
-
+def test_user_code_sees_a_read_only_view_and_a_later_turn_shows_through():
     store = ExperienceStore(["a"])
-    store.open_group("a", "g", [1, 2], 2, 0)
-    store.record_output("g/0", [3, 4], [-0.5, -0.25], [0])
-    view = store.view("g/0")
+    g = key("g")
+    store.open_group(g, [1, 2], 2, 0)
+    store.record_group(g, output_of([[3, 4], [7]], [[-0.5, -0.25], [-1.0]], 0, worker="r0"), TurnSampling(0))
+    view = store.view(g, 0)
     with pytest.raises(AttributeError):
         view.text = "edited"
-    view.output_ids.append(99)  # a copy: the record is untouched
-    assert view.output_ids == [3, 4] and view.mask == [1, 1] and view.versions == [0]
-    store.record_turn("g/0", [5], output_of([[6]], [[-0.125]], 1))
-    assert view.output_ids == [3, 4, 5, 6] and view.mask == [1, 1, 0, 1] and view.versions == [0, 1]
-    assert view.logprobs == [-0.5, -0.25, 0.0, -0.125]  # held as float32 arrays, as vLLM computes them
+    with pytest.raises(TypeError):
+        view.output_ids[0] = 99  # read-only by type
+    before = view.output_ids
+    assert view.output_ids.tolist() == [3, 4] and view.mask.tolist() == [1, 1] and view.versions == [0]
+    context, instance, turn = store.turn_context(g, 0, [5])
+    assert (context, instance, turn) == ([1, 2, 3, 4, 5], "r0", 1)
+    store.record_turn(g, 0, [5], output_of([[6]], [[-0.125]], 1, worker="r1"), TurnSampling(0, 0.5))
+    assert view.output_ids.tolist() == [3, 4, 5, 6] and view.mask.tolist() == [1, 1, 0, 1] and view.versions == [0, 1]
+    assert view.logprobs.tolist() == [-0.5, -0.25, 0.0, -0.125]  # held as float32, as vLLM computes them
+    assert view.token_versions.tolist() == [0, 0, 1, 1]  # appended ids carry their turn's version
+    assert [x.tolist() for x in view.last_turn] == [[6], [-0.125]]
+    assert store.view(g, 1).output_ids.tolist() == [7] and store.view(g, 1).versions == [0]  # the other member unmoved
+    assert before.tolist() == [3, 4]  # a view taken earlier still reads what it read: buffers are never changed
+    assert store.turn_context(g, 0, [])[1:] == ("r1", 2)
 
 
-def _opened_with_outputs(rewards_per_group):
-    events = []
-    store = ExperienceStore(["a"], emit=events.append)
-    for g, rewards in enumerate(rewards_per_group):
-        for s in store.open_group("a", f"g{g}", [1, 2], len(rewards), 0):
-            store.record_output(s.sample_id, [3, 4], [-0.5, -0.25], [0])
-    return store, events
+def test_a_view_reads_the_stored_buffers_without_copying_them():
+    """`last_turn` of a 4,096-token, 8-choice reply: every property a slice of the record's
+    buffers, whatever the size (no copy; the timings are in bench/micro/group_record.py)."""
+    store = ExperienceStore(["a"])
+    g = key("g")
+    tokens = [[(7 * j + i) % 50 for i in range(4096)] for j in range(8)]
+    store.open_group(g, list(range(10)), 8, 0)
+    store.record_group(g, output_of(tokens, [[-0.5] * 4096] * 8), TurnSampling(0))
+    group = store._groups[g]  # the test looks inside the record it checks
+    for j, view in enumerate(store.views(g)):
+        ids, logprobs = view.last_turn
+        for got, buffer in ((ids, group.tokens), (logprobs, group.logprobs), (view.output_ids, group.tokens),
+                            (view.prompt_ids, group.prompt), (view.token_versions, group.versions)):
+            assert isinstance(got, memoryview) and got.readonly and got.obj is buffer
+        assert ids[-1] == tokens[j][-1] and len(ids) == 4096 and isinstance(view.mask, memoryview)
 
 
 def test_rewards_set_for_a_whole_group_do_what_setting_each_in_turn_does():
     rewards = [[1.0, 0.0, 0.5], [0.25, 0.25], [2.0, float("nan"), 1.0]]
-    one_by_one, logged_one_by_one = _opened_with_outputs(rewards)
-    whole, logged_whole = _opened_with_outputs(rewards)
+    stores = []
     errors = []
-    for g, values in enumerate(rewards):
-        try:
-            for sid, r in zip(one_by_one.groups[f"g{g}"].sample_ids, values):
-                one_by_one.set_reward(sid, r)
-        except ValueError as e:
-            errors.append(str(e))
-        try:
-            whole.set_group_rewards(f"g{g}", values)
-        except ValueError as e:
-            errors.append(str(e))
-    assert errors == ["reward for g2/1 is not finite: nan"] * 2
+    for whole in (False, True):
+        events = []
+        store = ExperienceStore(["a"], emit=events.append)
+        for g, values in enumerate(rewards):
+            k = key(f"g{g}")
+            store.open_group(k, [1, 2], len(values), 0)
+            store.record_group(k, output_of([[3, 4]] * len(values), [[-0.5, -0.25]] * len(values)), TurnSampling(0))
+            try:
+                if whole:
+                    store.set_group_rewards(k, values)
+                else:
+                    for j, r in enumerate(values):
+                        store.set_reward(k, j, r)
+            except ValueError as e:
+                errors.append(str(e))
+        stores.append((store, events))
+    assert errors == ["reward for e/a-g2/1 is not finite: nan"] * 2
+    (one_by_one, logged_one_by_one), (whole, logged_whole) = stores
     assert logged_whole == logged_one_by_one and len(logged_whole) == 3 + 2  # opened, then complete
-    fields = lambda s: (s.reward, s.advantage, s.status, s.ready_seq)  # noqa: E731
-    assert [fields(s) for s in whole.samples.values()] == [fields(s) for s in one_by_one.samples.values()]
-    assert whole.groups["g2"].rewarded == one_by_one.groups["g2"].rewarded == 1
+    fields = lambda v: (v.reward, v.status)  # noqa: E731
+    for g in range(3):
+        assert [fields(v) for v in whole.views(key(f"g{g}"))] == [fields(v) for v in one_by_one.views(key(f"g{g}"))]
 
 
 def test_ready_size_counts_what_is_ready_in_samples_or_tokens_as_groups_arrive_and_are_taken():
     store = ExperienceStore(["a"])
     by_samples, by_tokens = MicroBatchSize(4), MicroBatchSize(4, tokens=7)
-
-    def scanned(size):
-        return sum(size.of_group(store.groups[g]) for g in store.ready["a"].get(0, ()))
-
+    ready = {}  # group -> its size in samples, in tokens (its prompt of 2 once, each output of 1)
     for g, rewards in enumerate([[1.0, 0.0], [1.0, 0.0, 0.5], [0.0, 1.0]]):
-        fill(store, "a", f"g{g}", rewards)
-        assert store.ready_size("a", 0, by_samples) == scanned(by_samples)
-        assert store.ready_size("a", 0, by_tokens) == scanned(by_tokens)
+        ready[fill(store, "a", f"g{g}", rewards)] = (len(rewards), 2 + len(rewards))
+        assert store.ready_size("a", 0, by_samples) == sum(n for n, _ in ready.values())
+        assert store.ready_size("a", 0, by_tokens) == sum(t for _, t in ready.values())
     while store.ready_size("a", 0, by_samples):
-        store.take("a", 0, by_samples)
-        assert store.ready_size("a", 0, by_samples) == scanned(by_samples)
-        assert store.ready_size("a", 0, by_tokens) == scanned(by_tokens)
+        for taken in store.take("a", 0, by_samples):
+            del ready[taken.key]
+        assert store.ready_size("a", 0, by_samples) == sum(n for n, _ in ready.values())
+        assert store.ready_size("a", 0, by_tokens) == sum(t for _, t in ready.values())
     assert store.ready_size("a", 1, by_samples) == 0
+
+
+def test_a_micro_batch_goes_to_the_trainer_as_groups_the_prompt_once_and_packed():
+    store = ExperienceStore(["a"])
+    g = key("g")
+    store.open_group(g, [1, 2, 3], 2, 1)
+    store.record_group(g, output_of([[5, 6], [7]], [[-0.5, -0.25], [-1.0]], [0, 1]), TurnSampling(0, 0.7, 0.9, 5))
+    store.record_turn(g, 1, [8], output_of([[9]], [[-0.125]], 1), TurnSampling(0, 0.3, 1.0, 4))
+    store.set_group_rewards(g, [1.0, 0.0])
+    (mb,) = store.form_micro_batches("a", 1, MicroBatchSize(4), True, False, 1)
+    (sent,) = mb.wire()
+    assert (sent.key, sent.lengths, sent.versions) == (g, [2, 3], [0, 1])
+    assert protocol.unpacked("i", sent.prompt_ids).tolist() == [1, 2, 3]
+    assert protocol.unpacked("i", sent.output_ids).tolist() == [5, 6, 7, 8, 9]
+    assert protocol.unpacked("f", sent.rollout_logprobs).tolist() == [-0.5, -0.25, -1.0, 0.0, -0.125]
+    assert list(sent.loss_mask) == [1, 1, 1, 0, 1] and len(sent.advantages) == 2
+    assert (sent.temperature, sent.top_p, sent.top_k) == (0.7, 0.9, 5)
+    assert sent.turns == [protocol.MemberTurn(1, 2, 0.3, 1.0, 4)]  # member 1's second turn from its output id 2
+    assert mb.oldest() == [0, 1] and mb.parts() == ev.whole([(g, 2)])
+
+
+def test_what_a_checkpoint_leaves_out_is_asked_of_the_store():
+    store = ExperienceStore(["a", "b"])
+    fill(store, "a", "g", [1.0, 0.0], batch=2)
+    store.open_group(key("h", "b"), [1], 3, 3)
+    store.open_group(key("i", "b"), [1], 2, 1)
+    assert store.samples_past(1) == {"a": 2, "b": 3} and store.samples_past(3) == {}

@@ -280,7 +280,7 @@ class OneTrainer:
             return p.StateReleased(rid, agent), []
         assert agent in self.resident, f"{type(msg).__name__} for {agent}, which is not resident"
         if isinstance(msg, p.TrainMicroBatch):
-            return p.MicroBatchDone(rid, agent, 0.0, 3 * len(msg.samples), 0.01), []
+            return p.MicroBatchDone(rid, agent, 0.0, 3 * sum(len(g.lengths) for g in msg.groups), 0.01), []
         return p.StepDone(rid, agent, msg.version, 1.0, 0.01, p.StepStats(samples=msg.samples)), []
 
     def loads(self, agent):
@@ -313,7 +313,7 @@ def two_agents_on_one_trainer(mode="sync", turns=3):
     agents = ["a", "b"]
     store = ExperienceStore(agents)
     schedule = BatchSchedule(agents, 1, 2, overlap=mode == "async", max_staleness=0)
-    store.on_ready.append(lambda g: schedule.work_arrived(g.agent))
+    store.on_ready.append(lambda k: schedule.work_arrived(k.agent))
     server, events = OneTrainer(turns), []
     pipelines = {}
     alloc = TrainerAllocator(server, ["t0"], 1, {a: AgentConfig() for a in agents}, {a: f"/m/{a}" for a in agents},
@@ -353,10 +353,10 @@ def two_agents_on_one_trainer(mode="sync", turns=3):
 
 def episode(store, schedule, n):
     """One episode: a's group, then b's (as in a chain), then the episode ends."""
+    from store_fill import filled
+
     for agent in ("a", "b"):
-        for s in store.open_group(agent, f"{agent}{n}", [1], 2, 1):
-            store.record_output(s.sample_id, [2], [-0.5], [0])
-            store.set_reward(s.sample_id, 1.0)
+        filled(store, agent, f"{agent}{n}", [1.0, 1.0])
     schedule.episode_ended(1)
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from store_fill import filled, key
+
 from flexmarl.controller.state.failures import RunFailed
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.schedule import BatchSchedule
-from flexmarl.controller.state.store import ExperienceStore
+from flexmarl.controller.state.store import ExperienceStore, TurnSampling
 from flexmarl.controller.train.pipeline import AgentPipeline
 from flexmarl.runtime import protocol
 from flexmarl.runtime.checksums import DamagedFile
@@ -74,9 +76,10 @@ class FakeTrainer:
             self.allocator.lost["a"] = "t0"
             raise WorkerDied("t0", "killed")
         if isinstance(msg, protocol.TrainMicroBatch):
-            self.sent_samples = getattr(self, "sent_samples", []) + list(msg.samples)
-            self.log.append(("train", sorted(s.sample_id for s in msg.samples)))
-            return protocol.MicroBatchDone(msg.request_id, msg.agent, 0.0, 3 * len(msg.samples), 0.01), []
+            self.sent_groups = getattr(self, "sent_groups", []) + list(msg.groups)
+            samples = sorted(f"{g.key.call}/{j}" for g in msg.groups for j in range(len(g.lengths)))
+            self.log.append(("train", samples))
+            return protocol.MicroBatchDone(msg.request_id, msg.agent, 0.0, 3 * len(samples), 0.01), []
         self.log.append(("step", msg.version, msg.samples))
         self.step_samples = msg.samples
         stats = protocol.StepStats(loss=0.5, grad_norm=1.5, entropy=0.7, samples=msg.samples)
@@ -107,8 +110,8 @@ class FakeMetrics:
     def __init__(self):
         self.rows, self.ended = [], []
 
-    def record(self, step, agent, version, samples, times, **extra):
-        self.rows.append((step, len(samples)))
+    def record(self, step, agent, version, trained, times, **extra):
+        self.rows.append((step, sum(mb.samples for mb in trained)))
         self.extra = extra
 
     def end_step(self, step, total):
@@ -140,7 +143,7 @@ class FakeCheckpoints:
 def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None, allow_empty_steps=False):
     store = ExperienceStore(["a"])
     schedule = BatchSchedule(["a"], steps, episodes, overlap=mode == "async", max_staleness=0)
-    store.on_ready.append(lambda g: schedule.work_arrived(g.agent))
+    store.on_ready.append(lambda k: schedule.work_arrived(k.agent))
     trainer, metrics, events = FakeTrainer(), FakeMetrics(), []
     weights = FakeWeights(schedule)
 
@@ -154,10 +157,8 @@ def make(mode, micro_batch=4, steps=1, episodes=1, checkpoints=None, allow_empty
     return pipeline, store, schedule, trainer, weights, metrics, events
 
 
-def complete_group(store, gid, n=2, batch=1):
-    for s in store.open_group("a", gid, [1], n, batch):
-        store.record_output(s.sample_id, [2], [-0.5], [batch - 1])
-        store.set_reward(s.sample_id, float(s.sample_id.endswith("0")))
+def complete_group(store, call, n=2, batch=1):
+    return filled(store, "a", call, [1.0] + [0.0] * (n - 1), batch, version=batch - 1)
 
 
 async def test_async_micro_batches_train_while_rollout_runs_then_one_step_and_one_sync():
@@ -233,30 +234,17 @@ async def test_the_step_states_its_sample_count_and_the_trainers_signals_reach_t
     pipeline, store, schedule, trainer, weights, metrics, events = make("async")
     task = asyncio.ensure_future(pipeline.run())
     complete_group(store, "g0", n=3)
-    store.samples["g0/1"].sampling = [protocol.TurnSampling(0, 0.7, 0.9, 5)]
+    g1 = key("g1")
+    store.open_group(g1, [1], 2, 1)
+    store.record_group(g1, output_of([[2], [3]], [[-0.5], [-0.5]]), TurnSampling(0, 0.7, 0.9, 5))
+    store.set_group_rewards(g1, [1.0, 0.0])
     schedule.episode_ended(1)
     await asyncio.wait_for(task, 2)
-    assert trainer.step_samples == 3
-    sent = {s.sample_id: (s.temperature, s.top_p, s.top_k) for s in trainer.sent_samples}
-    assert sent["g0/1"] == (0.7, 0.9, 5) and sent["g0/0"] == (1.0, 1.0, 0)
-    assert all(s.loss_mask == [] for s in trainer.sent_samples)  # single-turn: every token trained
+    assert trainer.step_samples == 5
+    sent = {g.key.call: (g.temperature, g.top_p, g.top_k) for g in trainer.sent_groups}
+    assert sent == {"g0": (1.0, 1.0, 0), "g1": (0.7, 0.9, 5)}
+    assert all(g.loss_mask == b"" for g in trainer.sent_groups)  # single-turn: every token trained
     assert (metrics.extra["loss"], metrics.extra["grad_norm"], metrics.extra["entropy"]) == (0.5, 1.5, 0.7)
-
-
-def test_a_conversations_loss_mask_travels_with_it():
-    from flexmarl.controller.train.pipeline import train_sample
-
-    store = ExperienceStore(["a"])
-    (s, _) = store.open_group("a", "g", [1], 2, 1)
-    # logprobs are held as float32, as vLLM computes them: these are exact in it
-    store.record_output(s.sample_id, [5, 6], [-0.125, -0.25], [0], protocol.TurnSampling(0, 1.0, 0.8, 0))
-    store.record_turn(s.sample_id, [7, 8], output_of([[9]], [[-0.375]], 1), protocol.TurnSampling(0, 0.3, 1.0, 4))
-    sent = train_sample(s)
-    assert sent.output_ids == [5, 6, 7, 8, 9] and sent.loss_mask == [1, 1, 0, 0, 1]
-    assert sent.rollout_logprobs == [-0.125, -0.25, 0.0, 0.0, -0.375] and sent.versions == [0, 1]
-    # each turn keeps its own sampling settings; the second starts at its first generated id
-    assert (sent.temperature, sent.top_p, sent.top_k) == (1.0, 0.8, 0)
-    assert sent.turns == [protocol.TurnSampling(4, 0.3, 1.0, 4)]
 
 
 async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_sample_is_trained_once_more():
@@ -283,12 +271,13 @@ async def test_a_dead_trainer_is_mended_from_the_last_saved_state_and_every_samp
     assert pipeline.samples_trained == 2 + 2 + 4 and metrics.rows == [(1, 2), (2, 2), (3, 4)]
     # The checkpoint of step 2 is the first: what came before it (the initial weights) needs
     # nothing, so batches 1-3 are kept, should the state of step 2 be found damaged.
+    assert [store.holds(key(call)) for call in ("b1g0", "b2g0", "b3g0", "b3g1")] == [True, True, True, True]
     assert sorted(pipeline.recovery.kept) == [1, 2, 3]
     restored = [e for e in events if isinstance(e, ev.TrainingRestored)]
     assert [(e.agent, e.version, e.batch) for e in restored] == [("a", 2, 3)]
     for i, e in enumerate(x for x in events if isinstance(x, ev.Event)):
         e.seq = i
-    formed = [e.sample_ids for e in lineage([x for x in events if isinstance(x, ev.Event)])
+    formed = [e.parts.samples() for e in lineage([x for x in events if isinstance(x, ev.Event)])
               if isinstance(e, ev.MicroBatchFormed)]
     ids = [sid for mb in formed for sid in mb]
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 8  # each sample once in what counts
@@ -304,7 +293,8 @@ async def test_a_damaged_saved_state_is_passed_over_for_the_one_before_and_the_b
         schedule.episode_ended(batch)
         await asyncio.sleep(0.02)
     assert checkpoints.saved == [2, 4]
-    assert sorted(store.samples) == [f"b{b}g0/{i}" for b in (3, 4) for i in (0, 1)]  # since the state before the last
+    # Held: the groups of the batches since the state before the last.
+    assert [store.holds(key(f"b{b}g0")) for b in (1, 2, 3, 4)] == [False, False, True, True]
     trainer.dies_at = len(trainer.log) + 1  # in batch 5: its trainer is gone
     complete_group(store, "b5g0", batch=5)
     schedule.episode_ended(5)

@@ -11,6 +11,7 @@ from flexmarl.controller.replay import summarize
 from flexmarl.controller.replay.summary import Span, union
 from flexmarl.controller.view.cluster import ClusterView, WorkerBusy, busy_until
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.keys import GroupKey
 
 
 def a_log(seed=0, requests=400):
@@ -34,11 +35,12 @@ def a_log(seed=0, requests=400):
     open_requests = []
     for i in range(requests):
         worker = rng.choice(["r0", "r1"])
-        at(ev.RequestsDispatched(worker, "a", i, [f"g{i}/0"], 4), rng.random() * 0.05)
+        at(ev.RequestsDispatched(worker, "a", i, 4, ev.Parts([GroupKey("e", "a", f"g{i}")], [0], [1])), rng.random() * 0.05)
         open_requests.append((worker, i))
         if rng.random() < 0.6 and open_requests:
             w, j = open_requests.pop(rng.randrange(len(open_requests)))
-            at(ev.RequestsCompleted(w, "a", j, [f"g{j}/0"], [0], 3), rng.random() * 0.05)
+            at(ev.RequestsCompleted(w, "a", j, [0], 3, parts=ev.Parts([GroupKey("e", "a", f"g{j}")], [0], [1])),
+               rng.random() * 0.05)
         if i == requests // 3:
             at(ev.WorkerDied("r1", "killed"))
             at(ev.WorkerRestarted("r1", "rollout", -9, 1, 2, why="killed"))
@@ -53,7 +55,7 @@ def a_log(seed=0, requests=400):
     for w in ("r0", "r1"):
         at(ev.WorkerJoined(w, "rollout", "h", 3))
     at(ev.BatchStarted(3, 100))
-    at(ev.RequestsDispatched("r0", "a", 9999, ["x/0"], 4), 0.5)
+    at(ev.RequestsDispatched("r0", "a", 9999, 4, ev.Parts([GroupKey("e", "a", "x")], [0], [1])), 0.5)
     for i, e in enumerate(out):
         e.seq = i
     return out
@@ -93,9 +95,13 @@ def test_a_workers_busy_intervals_grow_by_merging_new_spans_into_the_end_of_the_
     assert busy.until(np.array([60.0]), under_way)[0] == pytest.approx(expected)
 
 
+G = GroupKey("e", "a", "g")
+
+
 def test_the_grid_is_each_workers_busy_share_of_each_stretch():
     events = [ev.RunStarted("", ["a"], "sync", 0, 0), ev.WorkerJoined("r0", "rollout", "h", 1),
-              ev.RequestsDispatched("r0", "a", 1, ["g/0"], 1), ev.RequestsCompleted("r0", "a", 1, ["g/0"], [0], 1),
+              ev.RequestsDispatched("r0", "a", 1, 1, ev.Parts([G], [0], [1])),
+              ev.RequestsCompleted("r0", "a", 1, [0], 1, parts=ev.Parts([G], [0], [1])),
               ev.RunFinished(1, 4.0)]
     for i, (e, t) in enumerate(zip(events, [0.0, 0.0, 1.0, 2.5, 4.0])):
         e.seq, e.t = i, t

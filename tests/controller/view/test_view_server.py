@@ -13,16 +13,18 @@ from flexmarl.controller.view.server import STATIC, ViewServer
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ConfigError, ViewConfig
 from flexmarl.runtime.eventlog import EventLog
+from flexmarl.runtime.keys import GroupKey
 
 
 async def a_run(run_dir: Path) -> None:
     log = EventLog(run_dir / "events.log")
     log.emit(ev.RunStarted("[run]\nsteps = 1\n", ["a"], "sync", 0, 1))
     log.emit(ev.WorkerJoined("r0", "rollout", "h", 1))
-    log.emit(ev.GroupOpened("a", "s1q0/a-0000000a-0", [], 1, 2))
-    log.emit(ev.RequestsDispatched("r0", "a", 1, [], 2, ev.Parts(["s1q0/a-0000000a-0"], [0], [2])))
-    log.emit(ev.RequestsCompleted("r0", "a", 1, [], [0], 2, parts=ev.Parts(["s1q0/a-0000000a-0"], [0], [2])))
-    log.emit(ev.GroupComplete("a", "s1q0/a-0000000a-0", [0.0, 1.0]))
+    group = GroupKey("s1q0", "a", "0000000a-0")
+    log.emit(ev.GroupOpened(group, 1, 2))
+    log.emit(ev.RequestsDispatched("r0", "a", 1, 2, ev.whole([(group, 2)])))
+    log.emit(ev.RequestsCompleted("r0", "a", 1, [0], 2, parts=ev.whole([(group, 2)])))
+    log.emit(ev.GroupComplete(group, [0.0, 1.0]))
     log.emit(ev.WeightSyncStarted("a", 1, ["r0"], "shm"))
     log.emit(ev.WeightSyncFinished("a", 1, 0.25, 1000))
     await log.close()

@@ -126,34 +126,35 @@ def test_adding_a_request_id_twice_is_refused(engine):
     run(engine, [])
 
 
-def test_a_group_draws_exactly_what_its_members_draw_one_by_one(engine):
+def samples_of(completion) -> list[list[int]]:
+    """A request's samples' token ids, one list each."""
+    out, start = [], 0
+    for n in completion.lengths:
+        out.append(completion.token_ids[start:start + n])
+        start += n
+    return out
+
+
+def test_a_request_of_n_samples_draws_exactly_what_n_requests_of_one_draw_and_comes_back_whole(engine):
     prompt = prompts(1, seed=4)[0]
     alone = run(engine, [(f"alone-{j}", prompt, 50 + j) for j in range(6)])
-    engine.add_group([f"member-{j}" for j in range(6)], prompt, MAX_TOKENS, 1.0, 50)
-    assert engine.num_queued_requests == 6
-    grouped = run(engine, [])
-    assert set(grouped) == {f"member-{j}" for j in range(6)}
-    for j in range(6):
-        assert grouped[f"member-{j}"].token_ids == alone[f"alone-{j}"].token_ids
-        assert grouped[f"member-{j}"].logprobs == pytest.approx(alone[f"alone-{j}"].logprobs, abs=1e-5)
+    engine.add("group", prompt, MAX_TOKENS, 1.0, 50, n=6)
+    assert engine.num_queued_requests == 1 and engine.queued_tokens == 6 * (len(prompt) + MAX_TOKENS)
+    (grouped,) = run(engine, []).values()
+    assert grouped.request_id == "group" and grouped.lengths == [MAX_TOKENS] * 6
+    assert samples_of(grouped) == [alone[f"alone-{j}"].token_ids for j in range(6)]
+    assert grouped.logprobs == pytest.approx([lp for j in range(6) for lp in alone[f"alone-{j}"].logprobs], abs=1e-5)
+    assert grouped.finish_reasons == ["length"] * 6
     assert engine.num_queued_requests == 0
 
 
-def test_aborting_one_member_aborts_its_whole_group_and_nothing_else(engine):
+def test_aborting_a_request_of_n_samples_aborts_every_sample_and_nothing_else(engine):
     prompt = prompts(1, seed=5)[0]
-    engine.add_group(["g-0", "g-1", "g-2"], prompt, MAX_TOKENS, 1.0, 0)
+    engine.add("g", prompt, MAX_TOKENS, 1.0, 0, n=3)
     engine.add("other", prompt, MAX_TOKENS, 1.0, 9)
-    engine.abort(["g-1"])
+    engine.abort(["g"])
     assert engine.num_queued_requests == 1
     assert set(run(engine, [])) == {"other"}
-
-
-def test_a_group_with_a_member_already_in_the_engine_is_refused_whole(engine):
-    prompt = prompts(1, seed=6)[0]
-    engine.add("dup", prompt, MAX_TOKENS, 1.0, 0)
-    with pytest.raises(ValueError, match="already"):
-        engine.add_group(["fresh", "dup"], prompt, MAX_TOKENS, 1.0, 0)
-    assert set(run(engine, [])) == {"dup"}
 
 
 def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float):
@@ -284,7 +285,7 @@ def test_a_scoring_request_returns_the_models_logprob_of_each_given_id_and_gener
     """A teacher's view of a student's sample: one prefill of prompt + output with vLLM's
     prompt logprobs, against transformers' log-softmax of the same weights."""
     prompt, output = prompts(1, seed=9)[0], [digit_chain.DIGIT_IDS[d] for d in (3, 4, 1, 2, 7, 8)]
-    engine.add_group(["score-0"], prompt + output, 1, 1.0, None, score_from=len(prompt))
+    engine.add("score-0", prompt + output, 1, 1.0, None, score_from=len(prompt))
     done = run(engine, [])["score-0"]
     assert done.token_ids == output and done.finish_reason == "score"
     with torch.no_grad():
@@ -293,5 +294,5 @@ def test_a_scoring_request_returns_the_models_logprob_of_each_given_id_and_gener
     want = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(output)]
     assert done.logprobs == pytest.approx(want, abs=1e-4)
     with pytest.raises(ValueError, match="a scoring request scores ids of one prompt from index 1 on"):
-        engine.add_group(["s-a", "s-b"], prompt, 1, 1.0, None, score_from=2)
+        engine.add("s-a", prompt, 1, 1.0, None, n=2, score_from=2)
     assert engine.num_queued_requests == 0

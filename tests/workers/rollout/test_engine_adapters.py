@@ -12,7 +12,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flexmarl.runtime import protocol as p  # noqa: E402
+from flexmarl.runtime import protocol as p
+from flexmarl.runtime.keys import GroupKey  # noqa: E402
 from flexmarl.workers.rollout.engine import RequestRefused, VllmEngine  # noqa: E402
 from flexmarl.workers.rollout.engine_adapters import AdapterSlotsFull  # noqa: E402
 
@@ -23,6 +24,11 @@ VOCAB = 64
 # vLLM's CPU backend caches prefixes in blocks of 128 tokens: a prompt must pass one.
 LONG = 160
 
+
+
+def K(call):
+    """A group's key, named by its call."""
+    return GroupKey("e", "agent", call)
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
@@ -197,10 +203,10 @@ def test_a_rollout_worker_takes_a_trainers_adapter_sync_and_stamps_each_sample_w
         published = trainer._execute(p.PublishWeights(3, "writer", 0, "shm", ["r"]))
         rollout._load_weights(p.LoadWeights(4, "writer", 0, published.handle, lora=LORA))
         assert rollout._serves_adapter("writer") and rollout.engine.adapters.resident() == [("writer", 0)]
-        groups = [p.GenGroup(f"s{i}", "writer", 2, prompt(i), 8, 1.0, i, version=0) for i in range(3)]
+        groups = [p.GenGroup(K(f"s{i}"), "writer", 2, prompt(i), 8, 1.0, i, version=0) for i in range(3)]
         assert rollout._start(p.Generate(5, groups)) is None
-        assert {run.version for run, _ in rollout._running._member.values()} == {0}
-        refused = rollout._start(p.Generate(6, [p.GenGroup("x", "writer", 1, prompt(0), 8, 1.0, 0, version=7)]))
+        assert {run.version for run in rollout._running._running.values()} == {0}
+        refused = rollout._start(p.Generate(6, [p.GenGroup(K("x"), "writer", 1, prompt(0), 8, 1.0, 0, version=7)]))
         assert "version 7 is not loaded" in refused.refused[0].reason
         drain(rollout.engine)
     finally:

@@ -11,6 +11,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from train_batches import as_trained, TrainSample, micro_batch
+
 from flexmarl.controller.tasks import digit_chain  # noqa: E402
 from flexmarl.runtime import protocol as p  # noqa: E402
 from flexmarl.runtime.model_specs import TinyModelSpec  # noqa: E402
@@ -48,7 +50,7 @@ def drawn(tmp_path_factory):
                 for c in engine.step():
                     done[c.request_id] = c
             out[(temperature, top_p, top_k)] = [
-                p.TrainSample(rid, prompts[i], done[rid].token_ids, 1.0 if i % 2 else -1.0, done[rid].logprobs,
+                TrainSample(rid, prompts[i], done[rid].token_ids, 1.0 if i % 2 else -1.0, done[rid].logprobs,
                               [0], temperature, [], top_p, top_k)
                 for i, rid in enumerate(f"{top_k}-{i}" for i in range(len(prompts)))]
     finally:
@@ -63,7 +65,7 @@ def trainer_logprobs(model_dir, samples):
     width = max(len(s.output_ids) for s in samples)
     valid = torch.tensor([[j < len(s.output_ids) for j in range(width)] for s in samples])
     with torch.no_grad():
-        logp, _ = token_scores(model, samples, valid, *turn_settings(samples, width))
+        logp, _ = token_scores(model, as_trained(samples), valid, *turn_settings(as_trained(samples), width))
     return logp, valid
 
 
@@ -76,7 +78,7 @@ def test_the_trainers_logprobs_equal_the_engines_under_top_p_and_top_k(drawn, se
     assert valid.all() and engine.shape == logp.shape
     assert (logp - engine).abs().max().item() < 1e-4
     # The cut matters: the full softmax at the same temperature is far from the engine's.
-    untruncated = [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs,
+    untruncated = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs,
                                  s.versions, s.temperature) for s in samples]
     full, _ = trainer_logprobs(model_dir, untruncated)
     assert (full - engine).abs().mean().item() > 0.05
@@ -88,7 +90,7 @@ def test_an_on_policy_step_under_top_p_and_top_k_clips_and_masks_nothing(drawn, 
     h = TrainerHandler()
     h._execute(p.InitAgent(1, "solver", str(model_dir), 1e-3, 0, 1.0))
     samples = [s for setting in SETTINGS for s in out[setting]]
-    h._execute(p.TrainMicroBatch(2, "solver", 1, samples, max_staleness=1, loss=p.LossOptions(off_policy=correction)))
+    h._execute(micro_batch(2, "solver", 1, samples, max_staleness=1, loss=p.LossOptions(off_policy=correction)))
     stats = h._execute(p.OptimStep(3, "solver", 1, samples=len(samples))).stats
     assert stats.clip_frac == 0 and stats.logprob_abs_diff < 1e-4 and stats.tokens == 8 * len(samples)
     h.close()

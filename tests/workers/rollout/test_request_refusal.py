@@ -6,11 +6,17 @@ import asyncio
 import pytest
 
 from flexmarl.runtime import protocol as p
+from flexmarl.runtime.keys import GroupKey
 from flexmarl.workers.rollout.engine import Completion, RequestRefused, refusal_reason
 from flexmarl.workers.rollout.worker import RolloutHandler
 
 MAX_MODEL_LEN, VOCAB = 16, 18
 
+
+
+def K(call):
+    """A group's key, named by its call."""
+    return GroupKey("e", "agent", call)
 
 @pytest.mark.parametrize("prompt, max_tokens, says", [
     ([], 4, "empty"),
@@ -35,20 +41,18 @@ class FakeEngine:
     def __init__(self):
         self.queued: dict[str, int] = {}
 
-    def add(self, request_id, prompt_ids, max_tokens, temperature, seed, **sampling):
-        self.add_group([request_id], prompt_ids, max_tokens, temperature, seed, **sampling)
-
-    def add_group(self, request_ids, prompt_ids, max_tokens, temperature, seed, **sampling):
+    def add(self, request_id, prompt_ids, max_tokens, temperature, seed, n=1, **sampling):
         reason = refusal_reason(prompt_ids, max_tokens, MAX_MODEL_LEN, VOCAB)
         if reason:
-            raise RequestRefused(f"request {request_ids[0]!r} refused: {reason}")
-        self.queued.update((rid, max_tokens) for rid in request_ids)
+            raise RequestRefused(f"request {request_id!r} refused: {reason}")
+        self.queued[request_id] = (n, max_tokens)
 
     def has_unfinished(self):
         return bool(self.queued)
 
     def step(self):
-        done = [Completion(rid, [3] * n, [-0.5] * n, "length") for rid, n in self.queued.items()]
+        done = [Completion(rid, [3] * (n * t), [-0.5] * (n * t), [t] * n, ["length"] * n)
+                for rid, (n, t) in self.queued.items()]
         self.queued.clear()
         return done
 
@@ -69,7 +73,7 @@ class Outbox:
 
 
 def item(key, prompt, max_tokens=4):
-    return p.GenGroup(key, "solver", 1, prompt, max_tokens, 1.0, 0)
+    return p.GenGroup(K(key), "solver", 1, prompt, max_tokens, 1.0, 0)
 
 
 async def replies_until_done(outbox, request_id):
@@ -90,8 +94,8 @@ async def test_a_refused_group_fails_alone_and_the_worker_keeps_serving():
             item("too-long", [1] * 15), item("oov", [1, 99])]), [])
         replies = await replies_until_done(outbox, 1)
         results = [r for m in replies for r in m.results]
-        refused = {r.key: r.reason for m in replies for r in m.refused}
-        assert sorted(r.key for r in results) == ["good-0", "good-1"]
+        refused = {r.key.call: r.reason for m in replies for r in m.refused}
+        assert sorted(r.key.call for r in results) == ["good-0", "good-1"]
         assert all(r.lengths == [4] and r.version == 3 for r in results)
         assert sorted(refused) == ["empty", "oov", "too-long"]
         assert "empty" in refused["empty"] and "max_model_len" in refused["too-long"]
@@ -102,7 +106,7 @@ async def test_a_refused_group_fails_alone_and_the_worker_keeps_serving():
         # the next message is served as usual
         await handler.handle(p.Generate(2, [item("later", [5, 6])]), [])
         replies = await replies_until_done(outbox, 2)
-        assert [r.key for m in replies for r in m.results] == ["later"]
+        assert [r.key.call for m in replies for r in m.results] == ["later"]
         assert not any(m.refused for m in replies)
         assert not loop.done()
     finally:
@@ -118,7 +122,7 @@ async def test_a_message_refused_entirely_is_answered_done_at_once():
     try:
         await handler.handle(p.Generate(7, [item("a", []), item("b", [1] * 20)]), [])
         [reply] = await replies_until_done(outbox, 7)
-        assert reply.results == [] and [r.key for r in reply.refused] == ["a", "b"]
+        assert reply.results == [] and [r.key.call for r in reply.refused] == ["a", "b"]
         assert not handler._running
     finally:
         loop.cancel()
@@ -126,8 +130,8 @@ async def test_a_message_refused_entirely_is_answered_done_at_once():
 
 
 def test_a_generated_message_with_refusals_round_trips_and_bodies_without_them_decode():
-    msg = p.Generated(4, [p.GroupResult("s", 0, 2, [1], p.packed("i", [1]), p.packed("f", [-0.5]))], True, {},
-                      [p.GroupRefused("t", 0, "the prompt is empty")])
+    msg = p.Generated(4, [p.GroupResult(K("s"), 0, 2, [1], p.packed("i", [1]), p.packed("f", [-0.5]))], True, {},
+                      [p.GroupRefused(K("t"), 0, "the prompt is empty")])
     assert p.decode(p.encode(msg))[0] == msg
     import msgspec
     old = msgspec.msgpack.encode([4, [], True, {}])  # a body without `refused`

@@ -11,11 +11,17 @@ import torch
 
 from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
+from flexmarl.runtime.keys import GroupKey
 from flexmarl.runtime.params.channel import ParamChannel
 from flexmarl.workers import models
 from flexmarl.workers.rollout.engine import Completion
 from flexmarl.workers.rollout.worker import RolloutHandler
 
+
+
+def K(call):
+    """A group's key, named by its call."""
+    return GroupKey("e", "agent", call)
 
 def greedy(handler, prompt):
     handler.engine.add("greedy", prompt, 6, 0.0, 0)
@@ -113,7 +119,7 @@ async def generate(handler, outbox, request_id, groups):
         outbox.arrived.clear()
         await asyncio.wait_for(outbox.arrived.wait(), 60)
     replies = [m for m in outbox.sent if isinstance(m, p.Generated) and m.request_id == request_id]
-    return ({r.key: r for m in replies for r in m.results}, {r.key: r.reason for m in replies for r in m.refused})
+    return ({r.key.call: r for m in replies for r in m.results}, {r.key.call: r.reason for m in replies for r in m.refused})
 
 
 def tokens(result):
@@ -133,26 +139,26 @@ async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path)
     handler._load_model(p.LoadModel(1, "planner", str(models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")), 0,
                                     max_model_len=64))
     rng = random.Random(5)
-    good = [p.GenGroup(f"good-{i}", "planner", 2, digit_chain.planner_prompt(digit_chain.make_query(rng)), 6, 1.0, i)
+    good = [p.GenGroup(K(f"good-{i}"), "planner", 2, digit_chain.planner_prompt(digit_chain.make_query(rng)), 6, 1.0, i)
             for i in range(4)]
     bad = [
-        p.GenGroup("empty", "planner", 2, [], 6, 1.0, 0),
-        p.GenGroup("too-long", "planner", 2, [digit_chain.BOS_ID] * 60, 6, 1.0, 0),  # 60 + 6 > max_model_len 64
-        p.GenGroup("oov", "planner", 2, [digit_chain.BOS_ID, len(digit_chain.VOCAB) + 7], 6, 1.0, 0),
-        p.GenGroup("bad-temperature", "planner", 2, good[0].prompt_ids, 6, -1.0, 0),  # refused by vLLM itself
+        p.GenGroup(K("empty"), "planner", 2, [], 6, 1.0, 0),
+        p.GenGroup(K("too-long"), "planner", 2, [digit_chain.BOS_ID] * 60, 6, 1.0, 0),  # 60 + 6 > max_model_len 64
+        p.GenGroup(K("oov"), "planner", 2, [digit_chain.BOS_ID, len(digit_chain.VOCAB) + 7], 6, 1.0, 0),
+        p.GenGroup(K("bad-temperature"), "planner", 2, good[0].prompt_ids, 6, -1.0, 0),  # refused by vLLM itself
     ]
     loop = asyncio.create_task(handler.run())
     try:
         results, refused = await generate(handler, outbox, 2, [good[0], bad[0], good[1], bad[1], good[2],
                                                                bad[2], bad[3], good[3]])
         assert sorted(results) == [f"good-{i}" for i in range(4)]
-        assert sorted(refused) == sorted(b.key for b in bad)
+        assert sorted(refused) == sorted(b.key.call for b in bad)
         assert "empty" in refused["empty"] and "max_model_len 64" in refused["too-long"]
         assert f"token id {len(digit_chain.VOCAB) + 7}" in refused["oov"]
         assert "vLLM refused" in refused["bad-temperature"]
         # the refusals changed nothing for the others: alone they sample the same tokens
         again, none = await generate(handler, outbox, 3, [
-            p.GenGroup(f"again-{i}", "planner", 2, r.prompt_ids, r.max_tokens, r.temperature, r.seed)
+            p.GenGroup(K(f"again-{i}"), "planner", 2, r.prompt_ids, r.max_tokens, r.temperature, r.seed)
             for i, r in enumerate(good)])
         assert not none and not loop.done()
         assert [tokens(again[f"again-{i}"]) for i in range(4)] == [tokens(results[f"good-{i}"]) for i in range(4)]
@@ -185,9 +191,10 @@ class GroupingEngine:
     def __init__(self):
         self.added, self._done = [], []
 
-    def add_group(self, ids, prompt_ids, max_tokens, temperature, seed, **_):
-        self.added.append((list(ids), seed))
-        self._done += [Completion(rid, [7] * max_tokens, [-0.5] * max_tokens, "length", cached_tokens=3) for rid in ids]
+    def add(self, request_id, prompt_ids, max_tokens, temperature, seed, n=1, **_):
+        self.added.append((request_id, n, seed))
+        self._done.append(Completion(request_id, [7] * (n * max_tokens), [-0.5] * (n * max_tokens), [max_tokens] * n,
+                                     ["length"] * n, cached_tokens=3))
         return -1
 
     def has_unfinished(self):
@@ -202,28 +209,29 @@ async def test_a_group_goes_to_the_engine_as_one_request_and_comes_back_whole_as
     handler = RolloutHandler()
     handler.session = outbox = Outbox()
     handler.engine, handler.agent, handler.version = GroupingEngine(), "solver", 3
-    groups = [p.GenGroup("g", "solver", 4, [1, 2], 4, 1.0, 10), p.GenGroup("h", "solver", 2, [1, 2], 4, 1.0, 20, 2),
-              p.GenGroup("x@1", "solver", 1, [5], 4, 1.0, 2)]
+    groups = [p.GenGroup(K("g"), "solver", 4, [1, 2], 4, 1.0, 10), p.GenGroup(K("h"), "solver", 2, [1, 2], 4, 1.0, 20, 2),
+              p.GenGroup(K("x"), "solver", 1, [5], 4, 1.0, 2, 1, turn=3)]  # member 1's fourth turn
     loop = asyncio.create_task(handler.run())
     try:
         results, refused = await generate(handler, outbox, 9, groups)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
-    assert handler.engine.added == [(["g/0", "g/1", "g/2", "g/3"], 10), (["h/2", "h/3"], 20), (["x@1/0"], 2)]
-    assert not refused and sorted(results) == ["g", "h", "x@1"]
+    # one engine request per group, under an id of the worker's own (a number, no grammar)
+    assert handler.engine.added == [("0", 4, 10), ("1", 2, 20), ("2", 1, 2)]
+    assert not refused and sorted(results) == ["g", "h", "x"] and (results["x"].first, results["x"].turn) == (1, 3)
     assert [(r.first, r.version, r.lengths, r.cached_tokens) for r in (results["g"], results["h"])] == [
         (0, 3, [4] * 4, 3), (2, 3, [4, 4], 3)]
     assert tokens(results["g"]) == [[7] * 4] * 4
-    assert p.unpacked(p.LOGPROB_TYPECODE, results["x@1"].logprobs).tolist() == [-0.5] * 4
+    assert p.unpacked(p.LOGPROB_TYPECODE, results["x"].logprobs).tolist() == [-0.5] * 4
 
 
 async def test_a_message_naming_an_agent_the_instance_does_not_serve_is_answered_with_an_error():
     handler = RolloutHandler()
     handler.session = outbox = Outbox()
     handler.engine, handler.agent = GroupingEngine(), "solver"
-    await handler.handle(p.Generate(4, [p.GenGroup("g", "solver", 2, [1], 2, 1.0, 0),
-                                        p.GenGroup("h", "planner", 2, [1], 2, 1.0, 0)]), [])
+    await handler.handle(p.Generate(4, [p.GenGroup(K("g"), "solver", 2, [1], 2, 1.0, 0),
+                                        p.GenGroup(K("h"), "planner", 2, [1], 2, 1.0, 0)]), [])
     (error,) = outbox.sent
     assert isinstance(error, p.Error) and "serves solver, not planner" in error.message
     assert handler.engine.added == [] and handler._admit == []

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from train_batches import as_trained, TrainSample, Turn
+
 from flexmarl.runtime import protocol as p
 from flexmarl.workers.trainer.loss import AGGREGATIONS, OFF_POLICY, StepSums, policy_loss
 
@@ -55,10 +57,10 @@ def make_samples(model, shift=(), temperature=1.0):
     rows = [([1], [2, 3], 1.0), ([4, 0], [1, 1, 2], -0.5), ([3], [0], 0.25)]
     out = []
     for i, (prompt, output, adv) in enumerate(rows):
-        s = p.TrainSample(f"s{i}", prompt, output, adv, [], [0], temperature)
+        s = TrainSample(f"s{i}", prompt, output, adv, [], [0], temperature)
         lps = [hand_logprob(model.table, x, y, temperature) - dict(shift).get((i, j), 0.0)
                for j, x, y in tokens(s)]
-        out.append(p.TrainSample(f"s{i}", prompt, output, adv, lps, [0], temperature))
+        out.append(TrainSample(f"s{i}", prompt, output, adv, lps, [0], temperature))
     return out
 
 
@@ -67,7 +69,7 @@ def step_gradient(model, batches, options, off_policy=False, clip_ratio=2.0, ref
     model.zero_grad()
     total = StepSums()
     for batch in batches:
-        loss, sums = policy_loss(model, batch, options, off_policy, clip_ratio, reference)
+        loss, sums = policy_loss(model, as_trained(batch), options, off_policy, clip_ratio, reference)
         loss.backward()
         total.add(sums)
     return model.table.grad.double() / total.denominator, total
@@ -170,7 +172,7 @@ def test_tokens_are_scored_at_the_temperature_they_were_sampled_at():
     coef = lambda i, j, lp: -samples[i].advantage / len(samples[i].output_ids) / len(samples)
     torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
     # Scored at temperature 1 instead, they would not match.
-    unscaled = [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs,
+    unscaled = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs,
                               s.versions) for s in samples]
     _, sums = step_gradient(model, [unscaled], p.LossOptions(), off_policy=True)
     assert sums.stats(0.0).logprob_abs_diff > 0.1
@@ -187,8 +189,8 @@ def test_step_stats_on_a_tiny_batch_are_what_they_say():
     model = Bigram()
     shift = {(0, 0): 0.6, (1, 1): -0.4}  # trainer minus sampler logprob, d, on two tokens
     samples = make_samples(model, shift)
-    samples[2] = p.TrainSample("s2", [3], [0], 0.25, [], [0])  # no sampler logprobs: not compared
-    loss, sums = policy_loss(model, samples, p.LossOptions(), True, 2.0)
+    samples[2] = TrainSample("s2", [3], [0], 0.25, [], [0])  # no sampler logprobs: not compared
+    loss, sums = policy_loss(model, as_trained(samples), p.LossOptions(), True, 2.0)
     stats = sums.stats(grad_norm=1.5)
     table = model.table.detach()
     ents = [-(torch.softmax(table[x], -1) * torch.log_softmax(table[x], -1)).sum().item()
@@ -213,7 +215,7 @@ def test_a_conversation_trains_only_the_agents_own_tokens_under_its_loss_mask():
     """Output [2, 3, 1, 4]: the agent wrote 2 and 4; 3, 1 were appended between its turns
     (another agent's message). Only the masked-in tokens carry gradient and count."""
     model = Bigram(seed=3)
-    full = p.TrainSample("c", [1], [2, 3, 1, 4], 1.0, [], [0, 0], 1.0, [1, 0, 0, 1])
+    full = TrainSample("c", [1], [2, 3, 1, 4], 1.0, [], [0, 0], 1.0, [1, 0, 0, 1])
     grad, sums = step_gradient(model, [[full]], p.LossOptions(agg="token_mean"))
     own = {0, 3}
     expected = hand_gradient(model.table, [full], lambda i, j, lp: -1.0 if j in own else 0.0) / len(own)
@@ -314,13 +316,13 @@ def test_each_turn_of_a_conversation_is_scored_under_its_own_distribution():
     output = [2, 3, a, b]
     lp = [hand_turn_logprob(table, 1, 2, 1.0), 0.0, hand_turn_logprob(table, 3, a, 0.3, top_k=3),
           hand_turn_logprob(table, a, b, 0.3, top_k=3)]
-    turn2 = p.TurnSampling(2, 0.3, 1.0, 3)
-    sample = p.TrainSample("c", [1], output, 1.0, lp, [0, 0], 1.0, [1, 0, 1, 1], turns=[turn2])
+    turn2 = Turn(2, 0.3, 1.0, 3)
+    sample = TrainSample("c", [1], output, 1.0, lp, [0, 0], 1.0, [1, 0, 1, 1], turns=[turn2])
     _, sums = step_gradient(model, [[sample]], p.LossOptions(off_policy="ppo_clip"), off_policy=True)
     stats = sums.stats(0.0)
     assert stats.logprob_abs_diff < 1e-6 and stats.clip_frac == 0 and sums.compared == 3
     # All scored at the last turn's settings instead (one temperature per sample), they would not match.
-    flat = p.TrainSample("c", [1], output, 1.0, lp, [0, 0], 0.3, [1, 0, 1, 1], top_k=3)
+    flat = TrainSample("c", [1], output, 1.0, lp, [0, 0], 0.3, [1, 0, 1, 1], top_k=3)
     _, sums = step_gradient(model, [[flat]], p.LossOptions(), off_policy=True)
     assert sums.stats(0.0).logprob_abs_diff > 0.1
 
@@ -335,9 +337,9 @@ def test_top_k_and_top_p_samples_are_scored_under_the_truncated_distribution(tem
         output = []  # the sampler only draws kept tokens: each the most likely after the last
         for _ in drawn:
             output.append(int(table[(prompt + output)[-1]].argmax()))
-        s = p.TrainSample(f"s{i}", prompt, output, 1.0 - i, [], [0], temperature, [], top_p, top_k)
+        s = TrainSample(f"s{i}", prompt, output, 1.0 - i, [], [0], temperature, [], top_p, top_k)
         lps = [hand_turn_logprob(table, x, y, temperature, top_k, top_p) for _, x, y in tokens(s)]
-        samples.append(p.TrainSample(f"s{i}", prompt, output, 1.0 - i, lps, [0], temperature, [], top_p, top_k))
+        samples.append(TrainSample(f"s{i}", prompt, output, 1.0 - i, lps, [0], temperature, [], top_p, top_k))
     _, sums = step_gradient(model, [samples], p.LossOptions(off_policy="ppo_clip"), off_policy=True)
     assert sums.stats(0.0).logprob_abs_diff < 1e-6 and sums.clipped == 0
 
@@ -357,7 +359,7 @@ def test_a_global_batch_cut_by_tokens_or_by_samples_gives_the_same_step_gradient
     groups = []
     for i, (prompt_len, outputs) in enumerate([(3, [2, 30, 5]), (12, [1, 1]), (2, [40, 3, 9, 8]), (7, [6])]):
         prompt = torch.randint(1, 50, (prompt_len,), generator=g).tolist()
-        groups.append([p.TrainSample(f"g{i}/{j}", prompt, torch.randint(1, 50, (n,), generator=g).tolist(),
+        groups.append([TrainSample(f"g{i}/{j}", prompt, torch.randint(1, 50, (n,), generator=g).tolist(),
                                      float(j % 2) - 0.5, [], [0]) for j, n in enumerate(outputs)])
 
     def cut(sizes, limit):
@@ -377,7 +379,7 @@ def test_a_global_batch_cut_by_tokens_or_by_samples_gives_the_same_step_gradient
         model.zero_grad()
         total = StepSums()
         for mb in micro_batches:
-            loss, sums = policy_loss(model, mb, options, False, 2.0)
+            loss, sums = policy_loss(model, as_trained(mb), options, False, 2.0)
             loss.backward()
             total.add(sums)
         grads.append([q.grad / total.denominator for q in model.parameters()])
@@ -409,9 +411,9 @@ def test_decoupled_ppo_clips_around_the_proximal_policy_and_masks_large_behaviou
     rows = [([1], [2, 3], 1.0), ([4, 0], [1, 1, 2], -0.5), ([3], [0], 0.25)]
     samples = []
     for i, (prompt, output, adv) in enumerate(rows):
-        s = p.TrainSample(f"s{i}", prompt, output, adv, [], [0])
+        s = TrainSample(f"s{i}", prompt, output, adv, [], [0])
         lps = [hand_logprob(prox_table, x, y) - behaviour.get((i, j), 0.0) for j, x, y in tokens(s)]
-        samples.append(p.TrainSample(f"s{i}", prompt, output, adv, lps, [0]))
+        samples.append(TrainSample(f"s{i}", prompt, output, adv, lps, [0]))
     eps, cap = 0.2, 5.0
     counted = {"clipped": 0}
 
@@ -426,7 +428,7 @@ def test_decoupled_ppo_clips_around_the_proximal_policy_and_masks_large_behaviou
 
     options = p.LossOptions(off_policy="decoupled", clip_eps=eps, behav_weight_cap=cap)
     model.zero_grad()
-    loss, sums = policy_loss(model, samples, options, True, 2.0, proximal=proximal_of(model, prox_table))
+    loss, sums = policy_loss(model, as_trained(samples), options, True, 2.0, proximal=proximal_of(model, prox_table))
     loss.backward()
     want = hand_gradient(model.table.detach(), samples, coef)
     torch.testing.assert_close(model.table.grad.double() / sums.denominator, want, rtol=1e-5, atol=1e-7)
@@ -467,8 +469,8 @@ def test_the_proximal_weights_are_in_place_only_inside_the_with():
 
 
 def with_teacher(samples, teacher_table):
-    return [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs, s.versions,
-                          s.temperature, teacher_logprobs=[hand_logprob(teacher_table, x, y) for _, x, y in tokens(s)])
+    return [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, s.rollout_logprobs, s.versions,
+                        s.temperature, teacher_logprobs=[hand_logprob(teacher_table, x, y) for _, x, y in tokens(s)])
             for s in samples]
 
 
@@ -510,4 +512,4 @@ def test_a_teachers_advantage_goes_through_the_off_policy_correction():
 def test_a_distilled_sample_without_its_teachers_logprobs_is_refused():
     model = Bigram()
     with pytest.raises(ValueError, match=r"came without their teacher's logprobs"):
-        policy_loss(model, make_samples(model), p.LossOptions(teacher_coef=1.0), False, 2.0)
+        policy_loss(model, as_trained(make_samples(model)), p.LossOptions(teacher_coef=1.0), False, 2.0)

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from train_batches import as_trained, TrainSample, Turn
+
 from flexmarl.runtime import protocol as p
 from flexmarl.workers.trainer.sampling import entropy, sampler_log_probs, truncated, turn_settings
 
@@ -37,9 +39,9 @@ def test_log_probs_are_renormalised_over_the_kept_set_and_the_sampled_token_alwa
 
 
 def test_each_turn_reads_its_own_settings_from_its_start_and_greedy_turns_are_uncut():
-    s = p.TrainSample("c", [1], [5, 6, 7, 8, 9], 1.0, [], [0, 0, 0], 0.9, [1, 1, 0, 1, 1], 0.7, 0,
-                      [p.TurnSampling(3, 0.3, 1.0, 5), p.TurnSampling(4, 0.0, 0.5, 2)])
-    temperature, top_k, top_p = turn_settings([s], 6)
+    s = TrainSample("c", [1], [5, 6, 7, 8, 9], 1.0, [], [0, 0, 0], 0.9, [1, 1, 0, 1, 1], 0.7, 0,
+                      [Turn(3, 0.3, 1.0, 5), Turn(4, 0.0, 0.5, 2)])
+    temperature, top_k, top_p = turn_settings(as_trained([s]), 6)
     assert temperature.tolist()[0] == pytest.approx([0.9, 0.9, 0.9, 0.3, 1.0, 1.0])
     assert top_k.tolist() == [[0, 0, 0, 5, 0, 0]]
     assert top_p.tolist()[0] == pytest.approx([0.7, 0.7, 0.7, 1.0, 1.0, 1.0])

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from train_batches import as_trained, TrainSample
+
 from flexmarl.runtime import protocol as p
 from flexmarl.workers.trainer.packing import PackedBatch
 from flexmarl.workers.trainer.sampling import entropy, sampler_log_probs, turn_settings
@@ -30,8 +32,8 @@ def tiny_model(kind: str, tied: bool = False):
 
 
 def spread_batch(seed=0, groups=5, group_size=3):
-    """Groups sharing a prompt (1-40 tokens), outputs of 1-90 tokens, every kind of
-    sampling setting, a conversation with appended (untrained) tokens."""
+    """Groups, each one prompt (1-40 tokens), outputs of 1-90 tokens, every kind of sampling
+    setting (a group's own), a conversation with appended (untrained) tokens."""
     rng = random.Random(seed)
     samples = []
     for g in range(groups):
@@ -39,9 +41,9 @@ def spread_batch(seed=0, groups=5, group_size=3):
         for i in range(group_size):
             n = rng.choice([1, 2, 5, 17, 60, 90])
             out = [rng.randrange(1, VOCAB) for _ in range(n)]
-            settings = [dict(), dict(temperature=0.7), dict(temperature=0.9, top_k=12), dict(top_p=0.8)][(g + i) % 4]
+            settings = [dict(), dict(temperature=0.7), dict(temperature=0.9, top_k=12), dict(top_p=0.8)][g % 4]
             mask = [int(j % 7 != 3) for j in range(n)] if (g, i) == (1, 1) else []
-            samples.append(p.TrainSample(f"g{g}/{i}", prompt, out, 1.0, [], [0], loss_mask=mask, **settings))
+            samples.append(TrainSample(f"g{g}/{i}", prompt, out, 1.0, [], [0], loss_mask=mask, **settings))
     return samples
 
 
@@ -67,7 +69,7 @@ def scored_mask(samples):
 
 def scores_and_grads(score, model, samples, params):
     scored = scored_mask(samples)
-    logp, ent = score(model, samples, scored, *turn_settings(samples, scored.shape[1]))
+    logp, ent = score(model, as_trained(samples), scored, *turn_settings(as_trained(samples), scored.shape[1]))
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     grads = torch.autograd.grad((logp * weights).sum(), params)
     return logp.detach(), ent, grads
@@ -165,7 +167,7 @@ def test_the_varlen_kernels_layout_gives_the_same_scores_and_gradients(monkeypat
     names, params = zip(*model.named_parameters())
     samples = spread_batch(seed=3)
     assert_same_as_plain(model, samples, params, names)
-    segments = len(PackedBatch.of(samples).segments)
+    segments = len(PackedBatch.of(as_trained(samples)).segments)
     assert calls and set(calls) == {segments}
 
 
@@ -191,8 +193,8 @@ def test_mixed_precision_attends_through_the_varlen_kernel_in_the_autocast_dtype
     samples = spread_batch(seed=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         scored = scored_mask(samples)
-        settings = turn_settings(samples, scored.shape[1])
-        logp, _ = scoring.token_scores(model, samples, scored, *settings)
+        settings = turn_settings(as_trained(samples), scored.shape[1])
+        logp, _ = scoring.token_scores(model, as_trained(samples), scored, *settings)
     assert seen and set(seen) == {(torch.bfloat16,) * 3}
     assert torch.isfinite(logp).all()
     monkeypatch.setattr(packed_attention, "varlen_parameters", lambda: frozenset({"scale", "is_causal"}))
@@ -221,8 +223,8 @@ def test_an_adapter_and_its_base_alone_score_as_the_plain_pass(tmp_path):
     assert scoring.packs(adapter) and scoring.packs(reference)
     with torch.no_grad():
         scored = scored_mask(samples)
-        settings = turn_settings(samples, scored.shape[1])
-        got = scoring.token_scores(reference, samples, scored, *settings)[0]
+        settings = turn_settings(as_trained(samples), scored.shape[1])
+        got = scoring.token_scores(reference, as_trained(samples), scored, *settings)[0]
         want = plain_scores(tiny_model("llama"), samples, scored, *settings)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
 
@@ -232,7 +234,7 @@ def test_the_decoder_runs_each_prompt_once_and_no_padding():
     lengths = []
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: lengths.append(tuple(args[0].shape)))
     scored = scored_mask(samples)
-    scoring.token_scores(model, samples, scored, *turn_settings(samples, scored.shape[1]))
+    scoring.token_scores(model, as_trained(samples), scored, *turn_settings(as_trained(samples), scored.shape[1]))
     prompts = {tuple(s.prompt_ids) for s in samples}
     assert lengths == [(1, sum(map(len, prompts)) + sum(len(s.output_ids) - 1 for s in samples))]
 
@@ -258,7 +260,7 @@ def test_no_tensor_of_the_micro_batchs_vocabulary_logits_is_made_forward_or_back
     model, samples = tiny_model("qwen2", tied=True), spread_batch()
     scored_tokens = int(scored_mask(samples).sum())
     with LargestVocabularyTensor() as seen:
-        loss, _ = policy_loss(model, samples, p.LossOptions(), off_policy=False, clip_ratio=2.0)
+        loss, _ = policy_loss(model, as_trained(samples), p.LossOptions(), off_policy=False, clip_ratio=2.0)
         loss.backward()
     # The embedding (and its gradient), or one chunk of logits: 3 rows here, of 610 scored.
     embedding = model.get_input_embeddings().weight.numel()
@@ -278,9 +280,9 @@ def test_a_model_without_a_decoder_and_head_apart_gets_one_padded_pass():
             return SimpleNamespace(logits=self.table[input_ids])
 
     model = Table()
-    samples = [p.TrainSample("a", [1, 4, 9], [3, 7], 1.0, [], [0]), p.TrainSample("b", [2], [5], 1.0, [], [0])]
+    samples = [TrainSample("a", [1, 4, 9], [3, 7], 1.0, [], [0]), TrainSample("b", [2], [5], 1.0, [], [0])]
     scored = scored_mask(samples)
-    logp, _ = scoring.token_scores(model, samples, scored, *turn_settings(samples, 2))
+    logp, _ = scoring.token_scores(model, as_trained(samples), scored, *turn_settings(as_trained(samples), 2))
     assert calls == [(2, 5)]  # one pass over prompt + output, the longest 3 + 2
     want = torch.log_softmax(model.table[9], -1)[3]  # output token 0 of "a" is predicted from 9
     torch.testing.assert_close(logp[0, 0], want)
@@ -288,10 +290,10 @@ def test_a_model_without_a_decoder_and_head_apart_gets_one_padded_pass():
 
 
 def test_a_sample_with_an_empty_prompt_is_refused():
-    sample = p.TrainSample("s", [], [3], 1.0, [], [0])
+    sample = TrainSample("s", [], [3], 1.0, [], [0])
     with pytest.raises(ValueError, match="empty prompt"):
-        scoring.token_scores(tiny_model("qwen2"), [sample], torch.ones(1, 1, dtype=torch.bool),
-                             *turn_settings([sample], 1))
+        scoring.token_scores(tiny_model("qwen2"), as_trained([sample]), torch.ones(1, 1, dtype=torch.bool),
+                             *turn_settings(as_trained([sample]), 1))
 
 
 @pytest.mark.parametrize("options,off_policy", [(p.LossOptions(), False),
@@ -305,13 +307,13 @@ def test_the_loss_and_its_gradient_equal_those_of_whole_logits_per_sample(monkey
         for q in reference.parameters():
             q.add_(0.02 * torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel())))
     rng = random.Random(7)  # sampler logprobs near the policy's: some ratios clip, most do not
-    samples = [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, rng.uniform(-1, 1),
+    samples = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, rng.uniform(-1, 1),
                              [-4.6 + rng.gauss(0, 0.3) for _ in s.output_ids], [0], s.temperature, s.loss_mask,
                              s.top_p, s.top_k) for s in spread_batch(seed=5)]
 
     def loss_sums_grads():
         model.zero_grad()
-        loss, sums = loss_module.policy_loss(model, samples, options, off_policy, 2.0, reference)
+        loss, sums = loss_module.policy_loss(model, as_trained(samples), options, off_policy, 2.0, reference)
         loss.backward()
         return loss.detach(), sums, [q.grad.clone() for q in model.parameters()]
 
@@ -331,8 +333,8 @@ def test_a_micro_batch_with_no_trained_token_still_backpropagates_a_zero_loss():
     from flexmarl.workers.trainer.loss import policy_loss
 
     model = tiny_model("qwen2")
-    sample = p.TrainSample("s", [1, 2], [3, 4], 1.0, [], [0], loss_mask=[0, 0])
-    loss, sums = policy_loss(model, [sample], p.LossOptions(), off_policy=False, clip_ratio=2.0)
+    sample = TrainSample("s", [1, 2], [3, 4], 1.0, [], [0], loss_mask=[0, 0])
+    loss, sums = policy_loss(model, as_trained([sample]), p.LossOptions(), off_policy=False, clip_ratio=2.0)
     loss.backward()
     assert loss.item() == 0 and sums.tokens == 0
     assert all(q.grad is not None and not q.grad.any() for q in model.get_decoder().layers.parameters())
@@ -406,18 +408,18 @@ def test_decoupled_ppo_with_a_teacher_equals_its_formula_on_whole_logits(kind, t
             q.add_(0.3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel() + 1)))
     rng = random.Random(3)
     base = [s for s in spread_batch(seed=6, groups=3) if not s.loss_mask][:6]
-    base = [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids[:12], rng.uniform(-1, 1), [], [0]) for s in base]
+    base = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids[:12], rng.uniform(-1, 1), [], [0]) for s in base]
     teacher_lp = plain_logprobs(teacher, base)
     with previous.in_place(model):
         proximal_lp = plain_logprobs(model, base)
-    samples = [p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage,
-                             (prox - torch.tensor([rng.gauss(0, 0.6) for _ in prox])).tolist(), [0],
-                             teacher_logprobs=t.tolist()) for s, prox, t in zip(base, proximal_lp, teacher_lp)]
+    samples = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage,
+                           (prox - torch.tensor([rng.gauss(0, 0.6) for _ in prox])).tolist(), [0],
+                           teacher_logprobs=t.tolist()) for s, prox, t in zip(base, proximal_lp, teacher_lp)]
     eps, cap, beta = 0.2, 2.0, 0.4
     options = p.LossOptions(off_policy="decoupled", clip_eps=eps, behav_weight_cap=cap, teacher_coef=beta)
     params = list(model.parameters())
 
-    loss, sums = policy_loss(model, samples, options, True, 2.0, proximal=lambda: previous.in_place(model))
+    loss, sums = policy_loss(model, as_trained(samples), options, True, 2.0, proximal=lambda: previous.in_place(model))
     got = torch.autograd.grad(loss, params)
     want_loss = hand_decoupled_distilled_loss(model, samples, proximal_lp, eps, cap, beta)
     want = torch.autograd.grad(want_loss, params)

@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from train_batches import TrainSample, micro_batch
+
 from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.params.types import ParamChannelConfig
@@ -36,7 +38,7 @@ def batch(version, seed, n=8):
     out = []
     for i in range(n):
         query = digit_chain.make_query(rng)
-        out.append(p.TrainSample(f"s{seed}-{i}", digit_chain.planner_prompt(query), digit_chain.make_query(rng),
+        out.append(TrainSample(f"s{seed}-{i}", digit_chain.planner_prompt(query), digit_chain.make_query(rng),
                                  rng.uniform(-1, 1), [-1.0, -1.0, -1.0], [version - 1]))
     return out
 
@@ -45,10 +47,10 @@ def trained(h, model_dir, steps=2, pending=True):
     """`steps` steps, then (pending) half a batch more: gradients and step sums in progress."""
     h._execute(p.InitAgent(1, "planner", str(model_dir), 1e-3, 0))
     for v in range(1, steps + 1):
-        h._execute(p.TrainMicroBatch(2, "planner", v, batch(v, v)))
+        h._execute(micro_batch(2, "planner", v, batch(v, v)))
         h._execute(p.OptimStep(3, "planner", v, samples=8))
     if pending:
-        h._execute(p.TrainMicroBatch(4, "planner", steps + 1, batch(steps + 1, 99, 4)))
+        h._execute(micro_batch(4, "planner", steps + 1, batch(steps + 1, 99, 4)))
     return h
 
 
@@ -70,7 +72,7 @@ def shm_bytes(directory: Path) -> int:
 def test_parking_an_agent_whose_state_is_in_shared_memory_allocates_no_second_copy(model_dir, tmp_path):
     h = trained(TrainerHandler(ParamChannelConfig(shm_dir=str(tmp_path))), model_dir, pending=False)
     h._execute(p.PublishWeights(4, "planner", 2, "shm", ["r"]))  # synced, as an agent is before it is parked
-    h._execute(p.TrainMicroBatch(5, "planner", 3, batch(3, 99, 4)))  # and half a batch in progress
+    h._execute(micro_batch(5, "planner", 3, batch(3, 99, 4)))  # and half a batch in progress
     live = h.agents["planner"]
     state_bytes = sum(t.numel() * t.element_size() for t in state_of(h).values())
     pointers = [q.data_ptr() for q in live.model.parameters()]
@@ -93,9 +95,9 @@ def test_a_parked_agent_taken_back_trains_on_exactly_like_one_that_was_never_par
     out = parked._execute(p.OffloadAgent(5, "planner"))
     parked._execute(p.LoadAgent(6, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
     for h in (parked, stayed):
-        h._execute(p.TrainMicroBatch(7, "planner", 3, batch(3, 100, 4)))
+        h._execute(micro_batch(7, "planner", 3, batch(3, 100, 4)))
         h._execute(p.OptimStep(8, "planner", 3, samples=8))
-        h._execute(p.TrainMicroBatch(9, "planner", 4, batch(4, 101)))
+        h._execute(micro_batch(9, "planner", 4, batch(4, 101)))
         h._execute(p.OptimStep(10, "planner", 4, samples=8))
     assert_same_state(parked, stayed)
     parked.close(), stayed.close()
@@ -171,7 +173,7 @@ def test_a_checkpoints_training_state_is_read_straight_into_a_new_shared_state_a
     resumed._execute(p.LoadAgent(6, "planner", str(model_dir), 1e-3, 1.0, saved.version, 0, saved))
     assert resumed.agents["planner"].shared is not None and resumed.channel().held_receive_buffers() == 0
     for t in (h, resumed):
-        t._execute(p.TrainMicroBatch(7, "planner", 3, batch(3, 7)))
+        t._execute(micro_batch(7, "planner", 3, batch(3, 7)))
         t._execute(p.OptimStep(8, "planner", 3, samples=8))
     assert_same_state(h, resumed)
     h.close(), resumed.close()
@@ -182,7 +184,7 @@ def test_a_backward_pass_adds_into_the_gradients_where_they_live(model_dir):
     h._execute(p.InitAgent(1, "planner", str(model_dir), 1e-3, 0))
     model = h.agents["planner"].model
     where = [q.grad.data_ptr() for q in model.parameters()]
-    h._execute(p.TrainMicroBatch(2, "planner", 1, batch(1, 1)))
+    h._execute(micro_batch(2, "planner", 1, batch(1, 1)))
     assert [q.grad.data_ptr() for q in model.parameters()] == where
     assert any(q.grad.any() for q in model.parameters())
     h.close()

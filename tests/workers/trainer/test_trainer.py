@@ -10,6 +10,8 @@ import msgspec
 import pytest
 import torch
 
+from train_batches import TrainSample, micro_batch
+
 from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.params.channel import ParamHandle, ParamTransferError
@@ -25,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 def sample(i, rng, version):
     query = digit_chain.make_query(rng)
-    return p.TrainSample(f"s{i}", digit_chain.planner_prompt(query), digit_chain.make_query(rng),
+    return TrainSample(f"s{i}", digit_chain.planner_prompt(query), digit_chain.make_query(rng),
                          rng.uniform(-1, 1), [-1.0, -1.0, -1.0], [version])
 
 
@@ -34,10 +36,10 @@ def trained_handler(model_dir, steps=2):
     h._execute(p.InitAgent(1, "planner", str(model_dir), 1e-3, 0))
     rng = random.Random(0)
     for v in range(1, steps + 1):
-        h._execute(p.TrainMicroBatch(2, "planner", v, [sample(i, rng, v - 1) for i in range(8)]))
+        h._execute(micro_batch(2, "planner", v, [sample(i, rng, v - 1) for i in range(8)]))
         h._execute(p.OptimStep(3, "planner", v, samples=8))
     # leave gradients pending, so the swap must carry them too
-    h._execute(p.TrainMicroBatch(4, "planner", steps + 1, [sample(i, rng, steps) for i in range(8)]))
+    h._execute(micro_batch(4, "planner", steps + 1, [sample(i, rng, steps) for i in range(8)]))
     return h
 
 
@@ -112,7 +114,7 @@ def test_a_corrupted_parked_copy_is_refused_and_nothing_is_trained_on_it(model_d
         other._execute(p.LoadAgent(6, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
     assert "planner" not in other.agents
     with pytest.raises(KeyError, match="not resident"):
-        other._execute(p.TrainMicroBatch(7, "planner", out.version + 1, []))
+        other._execute(micro_batch(7, "planner", out.version + 1, []))
     with open(segment, "r+b") as fh:  # repair: the parked copy was kept, a retry succeeds
         fh.seek(segment.stat().st_size - 100)
         fh.write(byte)
@@ -139,7 +141,7 @@ def test_weights_are_published_over_shm_where_they_live_and_the_next_step_ends_t
         del got
         receiver.release(v3)
         for h in (shm, plain):
-            h._execute(p.TrainMicroBatch(7, "planner", 4, batch))
+            h._execute(micro_batch(7, "planner", 4, batch))
             h._execute(p.OptimStep(8, "planner", 4, samples=8))
         with pytest.raises(ParamTransferError, match="no longer holds this publication"):
             receiver.receive(v3)  # the step ended it: the weights changed where it was
@@ -164,7 +166,7 @@ def grads(h):
 def test_a_step_covering_other_samples_than_the_controller_meant_is_refused_and_not_applied(model_dir):
     h = fresh_handler(model_dir)
     rng = random.Random(0)
-    h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(8)]))
+    h._execute(micro_batch(2, "planner", 1, [sample(i, rng, 0) for i in range(8)]))
     weights, pending = snapshot(h), grads(h)
     for wrong in (p.OptimStep(3, "planner", 1, samples=7), p.OptimStep(3, "planner", 1, samples=9),
                   p.OptimStep(3, "planner", 1, samples=0)):
@@ -186,20 +188,20 @@ def test_what_a_step_in_progress_covers_survives_a_swap(model_dir):
     rng = random.Random(3)
     batch = [sample(i, rng, 0) for i in range(8)]
     for i in range(0, 8, 2):  # outputs of different lengths, so token_mean differs from seq_mean
-        batch[i] = p.TrainSample(batch[i].sample_id, batch[i].prompt_ids, batch[i].output_ids[:1],
+        batch[i] = TrainSample(batch[i].sample_id, batch[i].prompt_ids, batch[i].output_ids[:1],
                                  batch[i].advantage, [-1.0], [0])
     token_mean = p.LossOptions("token_mean")
     whole = fresh_handler(model_dir)
-    whole._execute(p.TrainMicroBatch(2, "planner", 1, batch, loss=token_mean))
+    whole._execute(micro_batch(2, "planner", 1, batch, loss=token_mean))
     want = whole._execute(p.OptimStep(3, "planner", 1, samples=8))
 
     h = fresh_handler(model_dir)
-    h._execute(p.TrainMicroBatch(2, "planner", 1, batch[:4], loss=token_mean))
+    h._execute(micro_batch(2, "planner", 1, batch[:4], loss=token_mean))
     out = h._execute(p.OffloadAgent(5, "planner"))
     assert out.accumulated == 4
     other = TrainerHandler()
     other._execute(p.LoadAgent(6, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
-    other._execute(p.TrainMicroBatch(7, "planner", 1, batch[4:], loss=token_mean))
+    other._execute(micro_batch(7, "planner", 1, batch[4:], loss=token_mean))
     with pytest.raises(ValueError, match="should cover 4 samples, but 8"):
         other._execute(p.OptimStep(8, "planner", 1, samples=4))
     got = other._execute(p.OptimStep(8, "planner", 1, samples=8))
@@ -224,7 +226,7 @@ def test_what_a_step_in_progress_covers_survives_a_swap(model_dir):
 def test_step_stats_report_the_gradient_norm_before_clipping(model_dir):
     h = fresh_handler(model_dir, max_grad_norm=1e-4)
     rng = random.Random(1)
-    h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(8)]))
+    h._execute(micro_batch(2, "planner", 1, [sample(i, rng, 0) for i in range(8)]))
     want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g / 8) for g in grads(h).values()]))
     done = h._execute(p.OptimStep(3, "planner", 1, samples=8))
     assert done.stats.grad_norm == pytest.approx(float(want), rel=1e-5) and done.grad_norm == done.stats.grad_norm
@@ -244,16 +246,17 @@ def test_samples_are_scored_under_the_temperature_they_were_sampled_at(model_dir
             lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / 0.7, -1)
         start = len(s.prompt_ids) - 1
         sampler_lp = [lp[start + j, t].item() for j, t in enumerate(s.output_ids)]
-        batch.append(p.TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, sampler_lp, [0], 0.7))
-    h._execute(p.TrainMicroBatch(2, "planner", 1, batch, max_staleness=1))
+        batch.append(TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, sampler_lp, [0], 0.7))
+    h._execute(micro_batch(2, "planner", 1, batch, max_staleness=1))
     stats = h._execute(p.OptimStep(3, "planner", 1, samples=4)).stats
     assert stats.logprob_abs_diff < 1e-5 and abs(stats.rollout_kl) < 1e-5 and stats.clip_frac == 0
     h.close()
 
 
-def test_a_sample_from_a_sender_without_temperatures_is_scored_at_temperature_one():
-    old = msgspec.msgpack.encode(["s", [1], [2], 0.5, [-0.3], [0]])  # the six fields it knew
-    assert msgspec.msgpack.decode(old, type=p.TrainSample).temperature == 1.0
+def test_a_group_sent_without_its_sampling_settings_is_scored_at_temperature_one_every_token_trained():
+    bare = msgspec.msgpack.encode([["e", "a", "g"], p.packed("i", [1]), [1], p.packed("i", [2]), b"", [0.5], [0]])
+    group = msgspec.msgpack.decode(bare, type=p.TrainGroup)
+    assert (group.temperature, group.top_p, group.top_k, group.loss_mask, group.turns) == (1.0, 1.0, 0, b"", [])
 
 
 def test_the_kl_reference_is_the_initial_weights_even_after_a_swap(model_dir):
@@ -263,12 +266,12 @@ def test_the_kl_reference_is_the_initial_weights_even_after_a_swap(model_dir):
     h = fresh_handler(model_dir)
     rng = random.Random(4)
     kl = p.LossOptions(kl_coef=0.1)
-    h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(4)], loss=kl))
+    h._execute(micro_batch(2, "planner", 1, [sample(i, rng, 0) for i in range(4)], loss=kl))
     assert h._execute(p.OptimStep(3, "planner", 1, samples=4)).stats.ref_kl == 0.0  # policy = reference
     out = h._execute(p.OffloadAgent(4, "planner"))  # the reference is not parked ...
     other = TrainerHandler()
     other._execute(p.LoadAgent(5, "planner", str(model_dir), 1e-3, 1.0, out.version, out.accumulated, out.handle))
-    other._execute(p.TrainMicroBatch(6, "planner", 2, [sample(i, rng, 1) for i in range(4)], loss=kl))
+    other._execute(micro_batch(6, "planner", 2, [sample(i, rng, 1) for i in range(4)], loss=kl))
     assert other._execute(p.OptimStep(7, "planner", 2, samples=4)).stats.ref_kl > 0
     reference = other.agents["planner"].reference.state_dict()  # ... but rebuilt from the model path
     assert all(torch.equal(reference[k], v) for k, v in initial.items())
@@ -403,7 +406,7 @@ def test_a_step_or_publish_passes_other_agents_queued_micro_batches_but_never_it
     from flexmarl.workers.trainer.worker import CommandQueue
 
     def mb(agent):
-        return p.TrainMicroBatch(0, agent, 1, [], 0, 2.0, p.LossOptions())
+        return micro_batch(0, agent, 1, [], 0, 2.0, p.LossOptions())
 
     queue = CommandQueue()
     sent = [mb("a"), mb("b"), p.OptimStep(0, "c", 1, samples=0), p.OptimStep(0, "a", 1, samples=0),
@@ -433,7 +436,7 @@ def test_a_step_with_an_injected_inf_gradient_is_skipped_and_the_weights_stay_fi
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert not any(q.grad is not None and q.grad.any() for q in state.model.parameters())  # the bad gradient is gone
     # the next step starts clean and trains as usual
-    h._execute(p.TrainMicroBatch(6, "planner", 3, [sample(i, random.Random(9), 2) for i in range(8)]))
+    h._execute(micro_batch(6, "planner", 3, [sample(i, random.Random(9), 2) for i in range(8)]))
     done = h._execute(p.OptimStep(7, "planner", 3, samples=8))
     assert not done.stats.skipped
     assert all(torch.isfinite(q).all() for q in state.model.parameters())
@@ -472,8 +475,7 @@ def test_decoupled_ppo_keeps_the_previous_versions_weights_and_they_stay_through
     rng = random.Random(5)
     decoupled = p.LossOptions(off_policy="decoupled")
     initial = {k: v.detach().clone() for k, v in h.agents["planner"].model.named_parameters()}
-    h._execute(p.TrainMicroBatch(2, "planner", 1, [sample(i, rng, 0) for i in range(4)], max_staleness=1,
-                                 loss=decoupled))
+    h._execute(micro_batch(2, "planner", 1, [sample(i, rng, 0) for i in range(4)], max_staleness=1, loss=decoupled))
     assert h.agents["planner"].keeps_previous and h.agents["planner"].previous.tensors is None  # version 0: none yet
     h._execute(p.OptimStep(3, "planner", 1, samples=4))
     state = h.agents["planner"]
@@ -485,8 +487,7 @@ def test_decoupled_ppo_keeps_the_previous_versions_weights_and_they_stay_through
     state = h.agents["planner"]
     assert all(torch.equal(state.previous.tensors[k], initial[k]) for k in initial)
     version1 = {k: v.detach().clone() for k, v in state.model.named_parameters()}
-    h._execute(p.TrainMicroBatch(6, "planner", 2, [sample(i, rng, 1) for i in range(4)], max_staleness=1,
-                                 loss=decoupled))
+    h._execute(micro_batch(6, "planner", 2, [sample(i, rng, 1) for i in range(4)], max_staleness=1, loss=decoupled))
     assert all(torch.equal(v.detach(), version1[k]) for k, v in state.model.named_parameters())  # put back
     h._execute(p.OptimStep(7, "planner", 2, samples=4))
     assert all(torch.equal(state.previous.tensors[k], version1[k]) for k in version1)
@@ -497,8 +498,8 @@ def test_only_a_decoupled_off_policy_agent_keeps_a_previous_version(model_dir):
     h = fresh_handler(model_dir)
     rng = random.Random(6)
     for loss, staleness in ((p.LossOptions(off_policy="decoupled"), 0), (p.LossOptions(off_policy="ppo_clip"), 1)):
-        h._execute(p.TrainMicroBatch(2, "planner", h.agents["planner"].version + 1,
-                                     [sample(i, rng, 0) for i in range(2)], max_staleness=staleness, loss=loss))
+        h._execute(micro_batch(2, "planner", h.agents["planner"].version + 1,
+                               [sample(i, rng, 0) for i in range(2)], max_staleness=staleness, loss=loss))
         h._execute(p.OptimStep(3, "planner", h.agents["planner"].version + 1, samples=2))
     assert h.agents["planner"].previous.tensors is None
     h.close()

@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from train_batches import TrainSample, micro_batch
+
 from flexmarl.controller.tasks import digit_chain
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.params.channel import ParamChannel
@@ -48,13 +50,13 @@ def single():
 
 def batch(seed, n, version):
     rng = random.Random(seed)
-    return [p.TrainSample(f"s{seed}-{i}", digit_chain.planner_prompt(digit_chain.make_query(rng)),
+    return [TrainSample(f"s{seed}-{i}", digit_chain.planner_prompt(digit_chain.make_query(rng)),
                           digit_chain.make_query(rng), rng.uniform(-1, 1), [], [version - 1]) for i in range(n)]
 
 
 def train_step(h, agent, version, sizes=(5, 2, 1)):
     """One global batch in micro-batches of `sizes` (1: rank 1 has no sample of its own)."""
-    replies = [h._execute(p.TrainMicroBatch(2, agent, version, batch(100 * version + i, n, version)))
+    replies = [h._execute(micro_batch(2, agent, version, batch(100 * version + i, n, version)))
                for i, n in enumerate(sizes)]
     return replies, h._execute(p.OptimStep(3, agent, version, samples=sum(sizes)))
 
@@ -87,14 +89,14 @@ def test_a_group_parks_each_ranks_shard_and_trains_on_identically_after_restorin
     for h in (group, single):
         h._execute(p.InitAgent(1, "swapped", str(model_dir), LR, 0))
         train_step(h, "swapped", 1)
-        h._execute(p.TrainMicroBatch(2, "swapped", 2, batch(7, 3, 2)))  # gradients pending across the swap
+        h._execute(micro_batch(2, "swapped", 2, batch(7, 3, 2)))  # gradients pending across the swap
     parked = group._execute(p.OffloadAgent(5, "swapped"))
     assert "swapped" not in group.agents and len(parked.shards) == 1 and parked.accumulated == 3
     group._execute(p.LoadAgent(6, "swapped", str(model_dir), LR, 1.0, parked.version, parked.accumulated,
                                parked.handle, p.TrainerSettings(), parked.shards))
     assert group.parked == {}  # loaded by the group that parked it: its copy went with the load
     for h in (group, single):
-        h._execute(p.TrainMicroBatch(8, "swapped", 2, batch(8, 5, 2)))
+        h._execute(micro_batch(8, "swapped", 2, batch(8, 5, 2)))
         h._execute(p.OptimStep(9, "swapped", 2, samples=8))  # Adam's moments came back too
     grouped, alone = weights(group, "swapped", 2), weights(single, "swapped", 2)
     assert max((grouped[k] - alone[k]).abs().max().item() for k in alone) < WEIGHT_ROUND_OFF
