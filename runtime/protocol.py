@@ -29,9 +29,10 @@ from .params.types import ParamHandle
 
 # Bumped on every wire-format change, and when what a message means changes (8: a reply
 # carrying the worker's load stands in for its heartbeat; 9: groups named by typed keys, a
-# later turn by its turn number, and the training message carries groups): the controller
-# refuses workers of another version.
-PROTOCOL_VERSION = 9
+# later turn by its turn number, and the training message carries groups; 10: a load may
+# let the requests in flight continue, and a reply carries its tokens' versions): the
+# controller refuses workers of another version.
+PROTOCOL_VERSION = 10
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -331,6 +332,10 @@ class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
     # request (for a group of n, the count of a member after the first).
     cached_tokens: int = 0
     turn: int = 0  # the GenGroup's
+    # TOKEN_TYPECODE array, one per token: the policy version that produced it, where a
+    # weight load let the request continue (IN_FLIGHT "keep" or "recompute") so its tokens
+    # span versions; empty: every token is `version`'s (the version it was admitted under).
+    token_versions: bytes = b""
 
 
 class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -368,6 +373,14 @@ class LoadWeights(Message):
     rank: int = 0  # nccl: the instance's first rank in the handle's communicator (its engine's
     # worker r takes rank + r); 0 otherwise
     lora: LoraSettings | None = None
+    # What the load does to the requests in flight (IN_FLIGHT): "finish" ("" too) waits for
+    # them and holds new ones back; "keep" replaces the weights between two engine steps and
+    # they continue on their cache; "recompute" also rebuilds their cache under the new weights.
+    in_flight: str = ""
+
+
+# What a weight load does to the requests in flight on the instance (LoadWeights.in_flight).
+IN_FLIGHT = ("finish", "keep", "recompute")
 
 
 class CancelLoad(Message):

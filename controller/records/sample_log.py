@@ -11,7 +11,9 @@ best and the worst reward first, the rest spread evenly between them. Each line:
 A conversation (`ctx.chat`) is given by its messages; a sample made from text or token ids
 by its prompt and then each stretch of its output ids, decoded with the agent's tokenizer:
 the agent's own turns ("agent", with the policy version of each) and the ids appended
-between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`).
+between them ("appended"). A sample whose turn's weights changed under it (a sync that let
+its request continue) also has "token_versions": its output ids' versions as runs,
+[version, count] each, in order. `flexmarl samples RUN_DIR` prints the file (`format_samples`).
 
 `SampleLog.group_ready` is told each trainable group's samples (read-only views) and keeps
 what a row needs of them (the store lets the group go once trained) until its step is
@@ -51,6 +53,7 @@ class _Snapshot:
     versions: list[int]
     reward: float
     messages: list | None
+    token_versions: list[list[int]]  # runs of its output ids' versions: [version, count] each
 
 
 class SampleLog:
@@ -73,7 +76,8 @@ class SampleLog:
         """The group `key` is trainable: its members' views."""
         self._kept[agent][key] = [(s.sample_id, _Snapshot(
             s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
-            None if s.messages is None else [dict(m) for m in s.messages])) for s in samples]
+            None if s.messages is None else [dict(m) for m in s.messages], runs(s.token_versions)))
+            for s in samples]
 
     def record(self, step: int, agent: str, keys: list[Any]) -> list[dict[str, Any]]:
         """Writes `per_step` of the samples `agent` trained at `step` (the groups `keys`);
@@ -92,8 +96,11 @@ class SampleLog:
         return rows
 
     def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
-        return {"step": step, "agent": agent, "sample_id": sample_id, "reward": snap.reward,
-                "versions": snap.versions, "turns": self._turns(agent, snap)}
+        row = {"step": step, "agent": agent, "sample_id": sample_id, "reward": snap.reward,
+               "versions": snap.versions, "turns": self._turns(agent, snap)}
+        if len(snap.token_versions) > len(snap.versions):  # a turn's tokens span versions
+            row["token_versions"] = snap.token_versions
+        return row
 
     def _turns(self, agent: str, snap: _Snapshot) -> list[dict[str, Any]]:
         if snap.messages is not None:
@@ -123,6 +130,17 @@ class SampleLog:
     def _decoder(self, agent: str) -> Callable[[list[int]], str]:
         tok = self.tokenizers.get(agent)
         return tok.decode if tok is not None else (lambda ids: " ".join(map(str, ids)))
+
+
+def runs(versions: Any) -> list[list[int]]:
+    """A sequence of versions as runs, [version, count] each, in order."""
+    out: list[list[int]] = []
+    for v in versions:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
 
 
 def _step_of(line: str) -> int | None:
@@ -168,6 +186,8 @@ def format_samples(rows: list[dict[str, Any]], step: int | None = None, agent: s
         for r in mine:
             label = "best" if r["reward"] == max(rewards) else "worst" if r["reward"] == min(rewards) else ""
             lines.append(f"--- {r['sample_id']}  reward {r['reward']:.3f} {label}  versions {r['versions']}")
+            if r.get("token_versions"):  # weights changed under a turn: which tokens each version made
+                lines.append("  tokens by version: " + ", ".join(f"v{v} x{n}" for v, n in r["token_versions"]))
             for t in r["turns"]:
                 version = f" (v{t['version']})" if t.get("version") is not None else ""
                 text = t["text"].replace("\n", "\n    ")

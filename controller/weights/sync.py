@@ -113,8 +113,11 @@ class WeightSync:
                  versions: SyncedVersions, emit: Emit,
                  trainer_for: Callable[[str], AsyncContextManager[str]] | None = None,
                  lora: dict[str, protocol.LoraSettings | None] | None = None,
-                 ranks: dict[str, int] | None = None) -> None:
+                 ranks: dict[str, int] | None = None, in_flight: str = "finish") -> None:
         self.server = server
+        # What a load does to the requests in flight on an instance (LoadWeights.in_flight);
+        # an adapter's load never waits for them (its requests keep their version).
+        self.in_flight = in_flight
         # Per agent, the workers of each of its engines (tensor parallelism): each receives
         # the weights itself, so each is a receiving rank of its own. Default 1.
         self.ranks = ranks or {}
@@ -167,8 +170,8 @@ class WeightSync:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), agent, version, transport, instances, group, width))
             loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
-                self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent))))
-                for w in instances}
+                self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent),
+                self.in_flight))) for w in instances}
             cancelled = await self._cancel_if_a_rank_dies(agent, reply.handle, loads) if group else []
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
@@ -234,7 +237,7 @@ class WeightSync:
             pub = await self._republish(agent, worker)
         rank = 1 if pub.transport == "nccl" else 0
         await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, pub.version,
-                                                            pub.handle, rank, self.lora.get(agent)))
+                                                            pub.handle, rank, self.lora.get(agent), self.in_flight))
         return pub.version
 
     async def _republish(self, agent: str, worker: str) -> Publication:

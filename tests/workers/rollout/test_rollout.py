@@ -76,8 +76,8 @@ class PublishedLoadRecorder:
     def __init__(self):
         self.loads = []
 
-    def load_published(self, handle, *, rank=0, config=None):
-        self.loads.append((handle, rank, config))
+    def load_published(self, handle, *, rank=0, config=None, in_flight="finish", version=None):
+        self.loads.append((handle, rank, config, in_flight, version))
 
     def has_unfinished(self):
         return False
@@ -95,8 +95,8 @@ def test_whole_weights_go_to_the_engine_as_a_handle_with_the_rank_and_channel_se
     handler = RolloutHandler(config)
     handler.engine, handler.agent = PublishedLoadRecorder(), "planner"
     handler._load_weights(p.LoadWeights(1, "planner", 1, "nccl handle", rank=3))
-    handler._load_weights(p.LoadWeights(2, "planner", 2, "shm handle"))
-    assert handler.engine.loads == [("nccl handle", 3, config), ("shm handle", 0, config)]
+    handler._load_weights(p.LoadWeights(2, "planner", 2, "shm handle", in_flight="keep"))
+    assert handler.engine.loads == [("nccl handle", 3, config, "finish", 1), ("shm handle", 0, config, "keep", 2)]
     assert handler.version == 2 and handler._channel is None  # no channel of its own was needed
 
 
@@ -178,11 +178,14 @@ def test_load_model_hands_the_agents_engine_settings_to_the_engine(monkeypatch):
         def __init__(self, model_path, **kwargs):
             built.append((model_path, kwargs))
 
+        def label_weights(self, version):
+            built.append(version)
+
     monkeypatch.setattr(engine_module, "VllmEngine", RecordingEngine)
     settings = p.EngineSettings("bfloat16", 0.5, 2)
     RolloutHandler()._load_model(p.LoadModel(1, "solver", "/models/solver", 0, seed=3, max_model_len=0,
                                              engine=settings))
-    assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings})]
+    assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings}), 0]
 
 
 class GroupingEngine:
