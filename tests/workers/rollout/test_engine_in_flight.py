@@ -70,8 +70,10 @@ def finish(engine) -> dict:
 @pytest.mark.parametrize("in_flight", ["keep", "recompute"])
 def test_a_load_with_requests_in_flight_continues_them_and_each_token_carries_its_version(
         engine, model_dir, in_flight):
-    version = engine.weights_version + 1
-    old = engine.weights_version
+    old = engine.weights_version + 1
+    version = old + 1
+    before = new_weights(model_dir, old)
+    engine.load_weights(before.named_parameters(), version=old)  # nothing in flight: any setting loads
     engine.add(f"{in_flight}-0", prompt(), MAX_TOKENS, 1.0, 7, n=N)
     for _ in range(BEFORE):  # the first step prefills and samples one token, each later one one more
         assert not engine.step()
@@ -93,8 +95,24 @@ def test_a_load_with_requests_in_flight_continues_them_and_each_token_carries_it
             expected = logprobs_under(model, prompt(), ids)[BEFORE:]
             got = torch.tensor(spanning.logprobs[j * MAX_TOKENS + BEFORE:(j + 1) * MAX_TOKENS])
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        # A trainer holding the new weights compares each token with the logprob it was
+        # sampled at: the tokens after the load match exactly, those before differ by what
+        # the old weights gave them.
+        from flexmarl.workers.trainer.batch import samples_of, train_group
+        from flexmarl.workers.trainer.loss import policy_loss
+
+        outputs = [spanning.token_ids[j * MAX_TOKENS:(j + 1) * MAX_TOKENS] for j in range(N)]
+        group = train_group(p.GroupKey("e", "a", "c"), prompt(), outputs, [1.0] * N,
+                            [spanning.logprobs[j * MAX_TOKENS:(j + 1) * MAX_TOKENS] for j in range(N)],
+                            [old] * N)
+        _, sums = policy_loss(model, samples_of([group]), p.LossOptions(), off_policy=True, clip_ratio=2.0)
+        drift = sum(float((logprobs_under(model, prompt(), ids)[:BEFORE]
+                           - logprobs_under(before, prompt(), ids)[:BEFORE]).abs().sum()) for ids in outputs)
+        assert sums.compared == N * MAX_TOKENS and drift > 1e-3
+        assert sums.abs_diff == pytest.approx(drift, abs=N * MAX_TOKENS * 1e-4)
 
 
+@pytest.mark.slow
 def test_finish_refuses_a_load_while_requests_are_in_flight_and_bad_settings_are_refused(engine, model_dir):
     engine.add("finish-0", prompt(), MAX_TOKENS, 1.0, 1)
     engine.step()

@@ -279,3 +279,46 @@ def test_an_engine_is_not_started_on_checkpoint_files_that_fail_their_manifest(t
     with pytest.raises(DamagedFile, match="model.safetensors does not match its checksum"):
         handler._load_model(p.LoadModel(1, "planner", str(tmp_path), 4, checksums=digests))
     assert handler.engine is None and handler.version == -1  # vLLM never read a byte of it
+
+
+@pytest.mark.parametrize("in_flight", [pytest.param("finish", marks=pytest.mark.slow), "keep", "recompute"])
+async def test_a_load_under_keep_or_recompute_is_applied_while_a_group_runs_and_the_group_says_which_tokens_each_made(
+        tmp_path, in_flight):
+    from safetensors.torch import load_file
+
+    spec = digit_chain.AGENTS["planner"]
+    model_dir = models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler._load_model(p.LoadModel(1, "planner", str(model_dir), 0, max_model_len=64))
+    prompt = digit_chain.planner_prompt(digit_chain.make_query(random.Random(6)))
+    group = p.GenGroup(K("long"), "planner", 2, prompt, 64 - len(prompt), 1.0, 3, ignore_eos=True)
+    weights = {name: t + 0.01 for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+    loop = asyncio.create_task(handler.run())
+    with ParamChannel() as channel:
+        try:
+            handle = channel.publish(weights, agent="planner", version=1, transport="shm")
+            await handler.handle(p.Generate(2, [group]), [])
+            while not handler._running:  # admitted: the group is in flight from here on
+                await asyncio.sleep(0)
+            await handler.handle(p.LoadWeights(3, "planner", 1, handle, in_flight=in_flight), [])
+            while not any(isinstance(m, p.Generated) and m.done for m in outbox.sent) or \
+                    not any(isinstance(m, p.WeightsLoaded) for m in outbox.sent):
+                outbox.arrived.clear()
+                await asyncio.wait_for(outbox.arrived.wait(), 60)
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            handler.close()
+    order = [type(m).__name__ for m in outbox.sent if isinstance(m, (p.Generated, p.WeightsLoaded))]
+    (result,) = next(m for m in outbox.sent if isinstance(m, p.Generated)).results
+    versions = p.unpacked(p.TOKEN_TYPECODE, result.token_versions).tolist()
+    assert result.version == 0 and result.lengths == [group.max_tokens] * 2
+    if in_flight == "finish":  # the load waited for the group: one version throughout
+        assert order == ["Generated", "WeightsLoaded"] and versions == []
+    else:  # loaded between two steps; the group went on under version 1
+        assert order == ["WeightsLoaded", "Generated"]
+        for j in range(2):
+            own = versions[j * group.max_tokens:(j + 1) * group.max_tokens]
+            switch = own.index(1)
+            assert 0 < switch < group.max_tokens and own == [0] * switch + [1] * (group.max_tokens - switch)
