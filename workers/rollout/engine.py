@@ -326,6 +326,11 @@ class VllmEngine:
         return self._engine.has_unfinished_requests()
 
     @property
+    def running_sequences(self) -> int:
+        """Samples in the engine not finished yet (each of a request's n counts)."""
+        return self._engine.output_processor.get_num_unfinished_requests()
+
+    @property
     def num_queued_requests(self) -> int:
         """Requests added and neither finished nor aborted (a request of n samples counts once)."""
         return len(self._outstanding)

@@ -68,6 +68,14 @@ class RolloutHandler(CommandHandler):
         self._running = RunningGroups()
         self._wake = asyncio.Event()
         self.busy_s = 0.0
+        # Engine steps' seconds, and their seconds times the samples running in them: how
+        # full the engine's batch was (sequence_s / step_s: samples per step, time-weighted).
+        self.step_s = self.sequence_s = 0.0
+        # Weight loads of this agent applied, and the seconds they waited between arriving
+        # and being applied (for requests in flight, under "finish").
+        self.loads = 0
+        self.load_wait_s = 0.0
+        self._arrived: dict[int, float] = {}  # a queued control message's request id -> when it came
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
         self._channel: Any = None
         self._applying: protocol.LoadModel | protocol.LoadWeights | None = None  # the one running now
@@ -84,6 +92,7 @@ class RolloutHandler(CommandHandler):
                     return
                 self._admit.append(msg)
             case protocol.LoadModel() | protocol.LoadWeights():
+                self._arrived[msg.request_id] = time.perf_counter()
                 self._control.append(msg)
             case protocol.CancelLoad():  # at once, not behind the engine's work
                 await self._cancel_load(msg)
@@ -99,6 +108,7 @@ class RolloutHandler(CommandHandler):
         for queue in (self._control, self._adapter_loads):
             for load in [m for m in queue if isinstance(m, protocol.LoadWeights) and m.handle.key == msg.key]:
                 queue.remove(load)
+                self._arrived.pop(load.request_id, None)
                 await self.reply(protocol.Error(load.request_id, f"LoadWeights for {load.agent} version {load.version} "
                                                                  "cancelled: another rank of its broadcast died"))
         applying = self._applying
@@ -113,7 +123,9 @@ class RolloutHandler(CommandHandler):
         queued = sum(g.n for m in self._admit for g in m.groups)
         tokens = self._running.tokens + sum(cost(g) for m in self._admit for g in m.groups)
         return {"queued_requests": float(queued + self._running.samples), "queued_tokens": float(tokens),
-                "tokens_per_s": self._rate, "busy_s": self.busy_s, "version": float(self.version)}
+                "tokens_per_s": self._rate, "busy_s": self.busy_s, "version": float(self.version),
+                "step_s": self.step_s, "sequence_s": self.sequence_s, "loads": float(self.loads),
+                "load_wait_s": self.load_wait_s}
 
     async def run(self) -> None:
         while True:
@@ -146,6 +158,10 @@ class RolloutHandler(CommandHandler):
 
     async def _apply(self, msg: protocol.LoadModel | protocol.LoadWeights) -> None:
         t0 = time.perf_counter()
+        arrived = self._arrived.pop(msg.request_id, t0)
+        if isinstance(msg, protocol.LoadWeights):
+            self.loads += 1
+            self.load_wait_s += t0 - arrived
         self._applying = msg
         try:
             match msg:
@@ -248,9 +264,12 @@ class RolloutHandler(CommandHandler):
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
+        running = self.engine.running_sequences
         finished = await asyncio.to_thread(self.engine.step)
         dt = time.perf_counter() - t0
         self.busy_s += dt
+        self.step_s += dt
+        self.sequence_s += running * dt
         tokens = sum(len(c.token_ids) for c in finished)
         if dt > 0:
             self._rate = 0.9 * self._rate + 0.1 * (tokens / dt) if self._rate else tokens / dt
