@@ -203,6 +203,8 @@ class GroupingEngine:
     def has_unfinished(self):
         return bool(self._done)
 
+    running_sequences = 0
+
     def step(self):
         done, self._done = self._done, []
         return done
