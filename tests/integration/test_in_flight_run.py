@@ -4,8 +4,12 @@ initialised writer whose outputs run long), so syncs land while groups are runni
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
+
+import pytest
 
 from flexmarl.controller import Experiment, replay
 from flexmarl.runtime import events as ev
@@ -38,3 +42,44 @@ def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_an
     assert lags and max(lags) <= 1
     assert replay.summarize(events).errors == []
     assert replay.check(events) is None  # the re-drive gates by the same oldest tokens
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_killed_during_a_load_that_keeps_its_requests_loses_nothing_and_trains_nothing_twice(
+        tmp_path):
+    args = argparse.Namespace(steps=4, seed=1, chain=False, queries=4, group_size=4, max_tokens=48)
+    text = long_tail.job(args, "keep", 1) + "\n[transport]\nheartbeat_timeout_s = 3.0\n"
+    (tmp_path / "job.toml").write_text(text)
+    cfg = load_config(str(tmp_path / "job.toml"))
+    killed = {}
+
+    async def main():
+        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
+            train = asyncio.create_task(exp.train())
+            while exp.training is None or not exp.training.parts.ready.is_set():
+                await asyncio.sleep(0.05)
+            parts = exp.training.parts
+            # A sync to version 2 under way while the victim has groups in flight.
+            while not killed and not train.done():
+                victim = parts.instances.assignment["writer"][-1]
+                if parts.weights.locks["writer"].locked() and parts.instances.outstanding[victim] > 0 \
+                        and parts.versions["writer"] >= 1:
+                    pid = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
+                    os.kill(pid, signal.SIGKILL)
+                    killed["worker"] = victim
+                await asyncio.sleep(0.005)
+            return await train
+
+    summary = asyncio.run(main())
+    assert killed
+    events, problem = read_events(tmp_path / "run" / "events.log")
+    assert problem is None
+    assert any(isinstance(e, ev.WorkerDied) and e.worker == killed["worker"] for e in events)
+    result = replay.summarize(events)
+    assert result.errors == []
+    (total,) = [r for r in result.accounting if r.total and r.agent == "writer"]
+    assert total.generated == total.trained + total.dropped  # nothing lost
+    trained = [(key, j) for e in events if isinstance(e, ev.MicroBatchFormed) for key, j in e.parts.samples()]
+    assert len(trained) == len(set(trained))  # nothing trained twice
+    assert len(summary.rewards["writer"]) == 4
+    assert replay.check(events) is None

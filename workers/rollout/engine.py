@@ -14,7 +14,10 @@ the engine itself is broken.
 Weights are replaced in place: `load_published` has every worker of the engine (one per
 tensor-parallel rank) receive a publication of the parameter channel itself and load its
 part (engine_receive.py), so nothing but the handle passes through vLLM's calls;
-`load_weights` takes tensors this process already holds.
+`load_weights` takes tensors this process already holds. A load with requests in flight is
+refused, or (`in_flight` "keep" / "recompute") applied between two steps while they
+continue; the engine labels its weights with a version (`label_weights`) and a request whose
+tokens came from more than one label says which, per token (`Completion.token_versions`).
 
 Every call is synchronous and short (one engine step is milliseconds for the tiny models),
 except the constructor (seconds) and the two loads; a caller on an asyncio loop runs those
