@@ -1,7 +1,8 @@
 """The FlexMARL controller: one asyncio process that decides, and the pieces it wires.
 
 `Experiment` is imported when first asked for (PEP 562), so a command that needs one
-module (`flexmarl replay`, `flexmarl samples`) does not import the whole controller.
+module (`flexmarl replay`, `flexmarl samples`, `flexmarl view`) does not import the whole
+controller.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@
                  [--launcher local|ray]
     flexmarl run --resume RUN_DIR [--resume-from step-N] [--steps N] [--resume-anyway]
     flexmarl controller --config CONFIG [--bind ADDR]
-    flexmarl worker --role rollout|trainer --connect ADDR
+    flexmarl worker --role rollout|trainer|env --connect ADDR
     flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
     flexmarl samples RUN_DIR [--step N] [--agent NAME]
     flexmarl serve RUN_DIR|CHECKPOINT [--host H] [--port P]
+    flexmarl view RUN_DIR [--host H] [--port P]
     flexmarl keys DIR
 
 `run` puts everything on this host (workers are child processes), or with `--launcher ray`
@@ -19,8 +20,8 @@ any overrides given).
 """
 
 # (Not in the docstring above, which is `flexmarl --help`.) Each command imports what it
-# runs when it runs (the event loop, the config, the worker package): `replay` and
-# `samples` start in a fraction of the time `run` needs.
+# runs when it runs (the event loop, the config, the worker package): `replay`,
+# `samples` and `view` start in a fraction of the time `run` needs.
 
 from __future__ import annotations
 
@@ -267,6 +268,12 @@ def _parser(worker_options: bool = True) -> argparse.ArgumentParser:
     p_srv.add_argument("--log-level", default="INFO")
     p_srv.add_argument("--debug", action="store_true")
 
+    p_view = sub.add_parser("view", help="serve a web page of a run, finished or running")
+    p_view.add_argument("run_dir", metavar="RUN_DIR")
+    p_view.add_argument("--host", help="the address to listen on (default: loopback; any other needs a key in "
+                        "FLEXMARL_VIEW_KEY)")
+    p_view.add_argument("--port", type=int, help="the port (default: 0, a free one; the address is printed)")
+
     p_keys = sub.add_parser("keys", help="create CURVE keys for non-loopback controllers")
     p_keys.add_argument("dir")
 
@@ -310,6 +317,20 @@ def _serve_run(args: argparse.Namespace) -> None:
     sys.exit(_serve(args))
 
 
+def _view(args: argparse.Namespace) -> None:
+    from flexmarl.runtime.aio import run_async, setup_logging
+
+    from .view.command import view
+
+    setup_logging("WARNING", name="view")
+
+    async def main() -> int:
+        _cancel_on_signals()
+        return await view(args.run_dir, args.host, args.port)
+
+    sys.exit(run_async(main))
+
+
 def _run_controller(args: argparse.Namespace) -> None:
     """`run` (the workers as child processes or Ray actors) and `controller` (workers
     connect to it)."""
@@ -331,7 +352,7 @@ def _run_controller(args: argparse.Namespace) -> None:
 
 # What each subcommand runs.
 COMMANDS = {"run": _run_controller, "controller": _run_controller, "worker": _run_worker, "replay": _replay,
-            "samples": _print_samples, "serve": _serve_run, "keys": _create_keys}
+            "samples": _print_samples, "serve": _serve_run, "view": _view, "keys": _create_keys}
 
 
 if __name__ == "__main__":

@@ -76,6 +76,11 @@ class ClusterConfig:
     """Rollout worker processes, one inference engine each."""
     trainer_workers: int = 1
     """Trainer worker processes."""
+    env_workers: int = 0
+    """Environment worker processes: each runs the workflow's tool, environment and reward
+    functions (`ctx.call`, `ctx.env_session`) in a pool of processes of its own (`[env]`), off
+    the controller's interpreter. 0: they run in the controller's thread pool
+    (`pipeline.tool_threads`)."""
     trainer_capacity: int = 0
     """Agents resident at once per trainer; 0: no limit. Below the number of agents per trainer,
     idle agents' training states are parked in host memory and swapped back in when they have
@@ -375,6 +380,25 @@ class PipelineConfig:
 
 
 @dataclass
+class EnvConfig:
+    processes: int = 2
+    """Processes per environment worker that run stateless calls (`ctx.call`), one call at a time
+    each; a call waits in the worker's queue for a free one. Under Ray, the CPUs an environment
+    worker asks for."""
+    max_sessions: int = 16
+    """Sessions (`ctx.env_session`) one environment worker holds at once, each in a process of its
+    own; another waits for one to close."""
+    process_memory_mb: int = 0
+    """Each of an environment worker's processes may use this much address space (RLIMIT_AS): a call
+    that allocates past it fails alone (MemoryError, or its process dies and is replaced). 0: no
+    limit."""
+    retries: int = 0
+    """A stateless call whose environment worker died (or hung and was declared dead) is sent to
+    another this many times; 0: it fails, and with it its episode. A session's calls never are:
+    its state died with the worker."""
+
+
+@dataclass
 class RouterConfig:
     within_agent: str = "least_loaded"
     """Level 2 (within an agent): "least_loaded" sends each group (the n samples of one prompt)
@@ -495,6 +519,22 @@ class OpenAIConfig:
 
 
 @dataclass
+class ViewConfig:
+    enabled: bool = True
+    """Serve the run's web view from the controller (controller/view/): every agent's curves, each
+    worker's busy and idle time, the episodes as trees of turns; the pages `flexmarl view RUN_DIR`
+    serves. It reads the run's files, and only while a page is open."""
+    host: str = "127.0.0.1"
+    """Where the view listens; any host but loopback requires a key (`key_env`)."""
+    port: int = 0
+    """The view's port; 0 picks a free port (logged, and written to `RUN_DIR/view.url`)."""
+    key_env: str = "FLEXMARL_VIEW_KEY"
+    """The environment variable holding the view's key. Off loopback it is required: a browser opens
+    `URL/?key=KEY` once (a cookie keeps it for the session), a script sends `Authorization: Bearer
+    KEY`."""
+
+
+@dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     """`[run]`: what to train, for how long, and what the run writes."""
@@ -515,6 +555,10 @@ class ExperimentConfig:
     """`[eval]`: held-out episodes that never train."""
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     """`[openai]`: the run's OpenAI-compatible endpoint."""
+    view: ViewConfig = field(default_factory=ViewConfig)
+    """`[view]`: the run's web view, served by the controller while it runs."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """`[env]`: the environment workers' process pools (`cluster.env_workers`)."""
     bases: dict[str, BaseConfig] = field(default_factory=dict)
     """`[bases.NAME]`, one table per base model that adapter agents share."""
     agents: dict[str, AgentConfig] = field(default_factory=dict)
@@ -557,6 +601,14 @@ class ExperimentConfig:
                               f"episodes), got {self.pipeline.max_failed_share}")
         if self.cluster.rollout_workers < 1 or self.cluster.trainer_workers < 1:
             raise ConfigError("cluster needs at least one rollout and one trainer worker")
+        if self.cluster.env_workers < 0:
+            raise ConfigError(f"cluster.env_workers must be >= 0 (0: tools run in the controller), "
+                              f"got {self.cluster.env_workers}")
+        if self.env.processes < 1 or self.env.max_sessions < 1:
+            raise ConfigError(f"env.processes and env.max_sessions must be >= 1, got {self.env.processes} and "
+                              f"{self.env.max_sessions}")
+        if self.env.process_memory_mb < 0 or self.env.retries < 0:
+            raise ConfigError("env.process_memory_mb (0: no limit) and env.retries must be >= 0")
         for name, agent in self.agents.items():
             if agent.group_size < 2:
                 raise ConfigError(f"agents.{name}.group_size must be >= 2, got {agent.group_size}: advantages "
@@ -607,6 +659,8 @@ class ExperimentConfig:
                               "controller goes away)")
         if not 0 <= self.openai.port < 65536 or self.openai.max_request_bytes < 1:
             raise ConfigError("openai.port must be in [0, 65535] (0: a free port) and openai.max_request_bytes >= 1")
+        if not 0 <= self.view.port < 65536:
+            raise ConfigError(f"view.port must be in [0, 65535] (0: a free port), got {self.view.port}")
         if self.transport.heartbeat_timeout_s <= self.transport.heartbeat_interval_s:
             raise ConfigError("transport.heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self

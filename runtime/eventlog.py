@@ -404,25 +404,28 @@ def read_events(path: str | Path) -> tuple[list[Event], str | None]:
 class LogTail:
     """Follows a log that is being written: each `poll()` returns the events appended since
     the last one (whole frames only: a frame still being written is read next time). For
-    watching a live run without reading its whole log again and again."""
+    watching a live run without reading its whole log again and again. `poll(max_bytes)`
+    reads a slice of about that many bytes (at least one whole frame), so a long log can be
+    read a slice at a time; `bytes_read` says how far it got."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._segment = 0
         self._offset = 0
         self._reader = _SegmentReader()
+        self.bytes_read = 0  # over every segment: headers and whole frames read so far
 
-    def poll(self) -> list[Event]:
-        while True:
+    def poll(self, max_bytes: int | None = None) -> list[Event]:
+        left = max_bytes
+        while left is None or left > 0:
             seg = segment_path(self.path, self._segment)
             # Asked before reading: a segment is complete once the next one exists.
             has_next = segment_path(self.path, self._segment + 1).exists()
             try:
-                with open(seg, "rb") as fh:
-                    fh.seek(self._offset)
-                    data = memoryview(fh.read())
+                data, whole = self._slice(seg, left)
             except FileNotFoundError:
                 break
+            start = self._offset
             if self._offset == 0:
                 if len(data) < HEADER_BYTES:
                     break
@@ -434,15 +437,42 @@ class LogTail:
             while off < len(data):
                 nxt = self._reader._read_frame(data, off)
                 if isinstance(nxt, str):
-                    break  # not yet complete (or damaged): tried again on the next poll
+                    break  # not yet complete (or damaged, or past the slice): tried again on the next poll
                 off = nxt
             self._offset += off
-            if off == len(data) and has_next:
+            self.bytes_read += self._offset - start
+            if left is not None:
+                left -= self._offset - start
+            if whole and off == len(data) and has_next:
                 self._segment, self._offset = self._segment + 1, 0
                 continue
-            break
+            if whole or self._offset == start:
+                break
         new, self._reader.events = self._reader.events, []
         return new
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Events of kinds this version does not know, passed over so far: kind -> count."""
+        return self._reader.skipped
+
+    def _slice(self, seg: Path, left: int | None) -> tuple[memoryview, bool]:
+        """The bytes of `seg` after those read: all of them, or about `left` but never less
+        than the next frame; and whether they run to the end of the file."""
+        with open(seg, "rb") as fh:
+            fh.seek(self._offset)
+            if left is None:
+                return memoryview(fh.read()), True
+            want = max(left, HEADER_BYTES + _U32.size if self._offset == 0 else _U32.size)
+            data = fh.read(want)
+            at = HEADER_BYTES if self._offset == 0 else 0
+            if len(data) == want and len(data) >= at + _U32.size:
+                (length,) = _U32.unpack_from(data, at)
+                frame = at + _U32.size + length + _U32.size
+                if frame > want and length <= MAX_FRAME_BYTES:  # the next frame is larger than the slice
+                    data += fh.read(frame - want)
+                    want = frame
+            return memoryview(data), len(data) < want
 
 
 class _Decoders:

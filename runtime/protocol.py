@@ -28,11 +28,11 @@ from .keys import GroupKey
 from .params.types import ParamHandle
 
 # Bumped on every wire-format change, and when what a message means changes (8: a reply
-# carrying the worker's load stands in for its heartbeat; 9: groups named by typed keys, a
-# later turn by its turn number, and the training message carries groups; 10: a load may
-# let the requests in flight continue, and a reply carries its tokens' versions): the
-# controller refuses workers of another version.
-PROTOCOL_VERSION = 10
+# carrying the worker's load stands in for its heartbeat; 9: environment workers and their
+# calls; 10: groups named by typed keys, a later turn by its turn number, and the training
+# message carries groups; 11: a load may let the requests in flight continue, and a reply
+# carries its tokens' versions): the controller refuses workers of another version.
+PROTOCOL_VERSION = 11
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -83,6 +83,11 @@ class Kind(enum.IntEnum):
     LOAD_AGENT = 32
     RELEASE_STATE = 33
     STATE_RELEASED = 34
+    ENV_SETUP = 40
+    ENV_READY = 41
+    ENV_CALLS = 42
+    ENV_RESULTS = 43
+    ENV_CANCEL = 44
 
 
 class Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -101,7 +106,7 @@ class Hello(Message):
     KIND = Kind.HELLO
     protocol_version: int
     worker_id: str
-    role: str  # "rollout" | "trainer"
+    role: str  # "rollout" | "trainer" | "env"
     host: str
     pid: int
     devices: list[str] = []  # torch devices the worker computes on: ["cuda:0"], or ["cpu"]
@@ -703,6 +708,93 @@ class StateReleased(Message):
     KIND = Kind.STATE_RELEASED
     request_id: int
     agent: str
+
+
+# ---------------------------------------------------------------- environment
+
+
+class EnvSetup(Message):
+    # Controller -> Env: import the workflow's module in a pool of `processes` processes (and
+    # in every process started later, for a session or to replace one that died); the reply
+    # is EnvReady once each has, or an Error naming what failed.
+    KIND = Kind.ENV_SETUP
+    request_id: int
+    workflow: str  # run.workflow as the controller resolved it: "/abs/file.py:fn" or "pkg.module:fn"
+    processes: int = 2  # processes that run stateless calls, one call at a time each
+    max_sessions: int = 16  # sessions held at once (a process each); more wait for one to close
+    memory_mb: int = 0  # each process's address-space limit (RLIMIT_AS); 0: none
+
+
+class EnvReady(Message):
+    # Env -> Controller: the pool runs; `sandbox` says what the sandbox cannot do on this
+    # host ("" where it can do everything: runtime/sandbox.py).
+    KIND = Kind.ENV_READY
+    request_id: int
+    processes: int
+    seconds: float
+    sandbox: str = ""
+
+
+# What an EnvCall asks: "call" a function (or, with a session, one of its object's methods),
+# "open" a session (the function makes its object, in a process of its own), "close" it.
+EnvOp = Literal["call", "open", "close"]
+
+
+class EnvCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """One call of a tool, environment or reward function (part of EnvCalls). Its arguments
+    travel as the controller encoded them and are decoded only by the process that runs it."""
+
+    call_id: int  # unique in the run; its result names it
+    module: str  # the function's module, as its __module__
+    name: str  # its qualified name in the module; a session's call: the method's name
+    payload: bytes  # msgpack of [args, kwargs]
+    timeout_s: float  # from the start of its run; past it the process running it is stopped
+    op: EnvOp = "call"
+    session: str = ""  # the session it belongs to ("" a stateless call)
+    episode: str = ""  # the episode that called, for the worker's log lines
+
+
+class EnvCalls(Message):
+    # Controller -> Env: every call bound for this worker in one turn of the controller's loop.
+    KIND = Kind.ENV_CALLS
+    request_id: int
+    calls: list[EnvCall]
+
+
+# Why a call failed: it raised; it ran past its time limit; its process died under it (a
+# crash, a memory limit); its result cannot be sent; it was cancelled; its session is gone.
+EnvFailure = Literal["", "raised", "timeout", "crashed", "unsendable", "cancelled", "session_lost", "refused"]
+
+
+class EnvResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """A call's outcome: its value (msgpack), or why it failed in one line (`error`), the
+    traceback of the user's code that raised in `detail`."""
+
+    call_id: int
+    value: bytes = b""
+    failure: EnvFailure = ""
+    error: str = ""
+    detail: str = ""
+    seconds: float = 0.0  # it ran this long
+
+
+class EnvResults(Message):
+    # Env -> Controller: finished calls of an EnvCalls, and the worker's load. Every call of
+    # the request comes back exactly once, in some reply; `done`: the last for request_id.
+    KIND = Kind.ENV_RESULTS
+    request_id: int
+    results: list[EnvResult]
+    done: bool
+    load: dict[str, float] = {}
+
+
+class EnvCancel(Message):
+    # Controller -> Env: no one waits for these calls any more (their time ran out, their
+    # episode failed): one still queued is dropped, a running one has its process stopped.
+    # No reply of its own: each call's result comes back as "cancelled" in its EnvResults.
+    KIND = Kind.ENV_CANCEL
+    request_id: int
+    call_ids: list[int]
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

@@ -76,6 +76,17 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def listen_key(host: str, key_env: str, section: str) -> str:
+    """The key an HTTP server of the run (`[openai]`, `[view]`) takes from the environment
+    variable `key_env`: required when `host` is not loopback, as the ZeroMQ side requires
+    CURVE keys there."""
+    key = os.environ.get(key_env, "") if key_env else ""
+    if not key and not is_loopback_host(host):
+        raise ConfigError(f"{section}.host = {host!r} is not loopback: it needs a key there; put one in the "
+                          f"environment variable {key_env or 'FLEXMARL_' + section.upper() + '_KEY'} ({section}.key_env)")
+    return key
+
+
 def _is_loopback(address: str) -> bool:
     if address.startswith(("ipc://", "inproc://")):
         return True

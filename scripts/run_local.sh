@@ -11,9 +11,10 @@ port=${FLEXMARL_PORT:-5555}
 addr="tcp://127.0.0.1:$port"
 rollouts=$(.venv/bin/python -c "import sys,tomllib; c=tomllib.load(open(sys.argv[1],'rb')); print(c.get('cluster',{}).get('rollout_workers',3))" "$config")
 trainers=$(.venv/bin/python -c "import sys,tomllib; c=tomllib.load(open(sys.argv[1],'rb')); print(c.get('cluster',{}).get('trainer_workers',1))" "$config")
+envs=$(.venv/bin/python -c "import sys,tomllib; c=tomllib.load(open(sys.argv[1],'rb')); print(c.get('cluster',{}).get('env_workers',0))" "$config")
 export OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 .venv/bin/flexmarl controller --config "$config" --bind "$addr" "$@" & ctl=$!
-bash scripts/start_workers.sh "$addr" "$rollouts" "$trainers" & wrk=$!
+bash scripts/start_workers.sh "$addr" "$rollouts" "$trainers" "$envs" & wrk=$!
 stop() { kill -TERM "$ctl" "$wrk" 2>/dev/null || true; wait; }
 trap stop INT TERM
 wait "$ctl"; status=$?

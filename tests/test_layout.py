@@ -14,13 +14,14 @@ import cycle among the modules of each package.
 
     controller/                         workers/               runtime/
       cli (and __init__) | testing        main, models           bases, transport, eventlog, model_specs
-      replay                              rollout | trainer      config
-      run                                 session, precision,    protocol, events, keys
-      launch                              adapters,              params
-      tasks                               channel_config         aio, atomic, checksums, ...
+      run                                 rollout | trainer |    config
+      view                                  env                  protocol, events, keys
+      replay                              session, precision,    params
+      launch                              adapters,              aio, atomic, checksums,
+      tasks                               channel_config           sandbox, tracebacks, ...
       serving
       episodes
-      rollout | train
+      rollout | train | environments
       weights
       records
       state
@@ -44,18 +45,20 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
         [("controller.state",)],
         [("controller.records",)],
         [("controller.weights",)],
-        [("controller.rollout",), ("controller.train",)],
+        [("controller.rollout",), ("controller.train",), ("controller.environments",)],
         [("controller.episodes",)],
         [("controller.serving",)],
         [("controller.tasks",)],
         [("controller.launch",)],
-        [("controller.run",)],
         [("controller.replay",)],
+        [("controller.view",)],
+        [("controller.run",)],
         [("controller.cli", "controller"), ("controller.testing",)],
     ],
     "runtime": [
         [("runtime.aio", "runtime.atomic", "runtime.checksums", "runtime.collector", "runtime.parent_watch",
-          "runtime.progress_file", "runtime.staleness", "runtime.user_modules")],
+          "runtime.progress_file", "runtime.sandbox", "runtime.staleness", "runtime.tracebacks",
+          "runtime.user_modules")],
         [("runtime.params",)],
         [("runtime.protocol", "runtime.events", "runtime.keys", "runtime.legacy_events")],
         [("runtime.config",)],
@@ -65,7 +68,7 @@ LAYERS: dict[str, list[list[tuple[str, ...]]]] = {
     ],
     "workers": [
         [("workers.session", "workers.precision", "workers.adapters", "workers.channel_config")],
-        [("workers.rollout",), ("workers.trainer",)],
+        [("workers.rollout",), ("workers.trainer",), ("workers.env",)],
         [("workers.main", "workers.models", "workers"), ("controller.testing",)],
     ],
 }
@@ -273,7 +276,7 @@ def test_the_layer_test_fails_on_an_upward_import_in_a_copy_of_the_tree(tmp_path
     engine.write_text(engine.read_text() + "\nfrom ..trainer.loss import policy_loss\n")
     assert layer_violations("controller", tree) == [
         "controller.rollout.router imports controller.train.allocator, a room beside its own in layer 4",
-        "controller.state.store (layer 1) imports controller.run.components, a higher layer (9)"]
+        "controller.state.store (layer 1) imports controller.run.components, a higher layer (11)"]
     assert layer_violations("workers", tree) == [
         "workers.rollout.engine imports workers.trainer.loss, a room beside its own in layer 1"]
 

@@ -1,4 +1,4 @@
-"""`flexmarl worker`: one worker process (rollout or trainer) connected to a controller."""
+"""`flexmarl worker`: one worker process (rollout, trainer or env) connected to a controller."""
 
 from __future__ import annotations
 
@@ -33,11 +33,16 @@ def make_handler(role: str, group_size: int = 1, threads: int = 1,
     if role == "trainer":
         from .trainer.worker import TrainerHandler
         return TrainerHandler(channel)
-    raise SystemExit(f"unknown role {role!r}; use --role rollout or --role trainer")
+    if role == "env":
+        from .env.worker import EnvHandler
+        return EnvHandler()
+    raise SystemExit(f"unknown role {role!r}; use --role rollout, trainer or env")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", required=True, choices=["rollout", "trainer"])
+    parser.add_argument("--role", required=True, choices=["rollout", "trainer", "env"],
+                        help="rollout: an inference engine; trainer: training states; env: the workflow's "
+                             "tool, environment and reward functions")
     parser.add_argument("--connect", required=True, metavar="ADDR",
                         help="the controller's address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--worker-id", default="", help="unique name (default: role-host-pid)")
@@ -75,9 +80,12 @@ def run_worker(args: argparse.Namespace) -> int:
         # Before the session: a trainer group's ranks must all have joined first.
         channel = channel_config(args.connect, args.param_host)
         handler = make_handler(args.role, args.group_size, args.threads, channel)
-        from .precision import visible_devices  # torch: imported by a worker, not by every command's parser
+        devices: list[str] = ["cpu"]
+        pinned: list[str] = []
+        if args.role != "env":  # an environment worker never loads torch
+            from .precision import visible_devices  # torch: imported by a worker, not by every command's parser
 
-        devices, pinned = visible_devices()
+            devices, pinned = visible_devices()
         session = WorkerSession(cfg, args.connect, handler, worker_id=args.worker_id, devices=devices,
                                 visible_gpus=pinned,
                                 new_handler=lambda: make_handler(args.role, args.group_size, args.threads, channel))

@@ -4,7 +4,11 @@ and reading a sample through its read-only view.
 1. Wire: the TRAIN_MICROBATCH messages the pipeline sends for a global batch, made the way
    the controller makes them (a real `ExperienceStore`: groups opened, their replies
    recorded as the rollout packed them, rewarded, cut into micro-batches by the pipeline's
-   rule) and encoded by the protocol; bytes per micro-batch (all frames), for
+   rule) and encoded by the protocol; bytes per micro-batch (all frames), and the same
+   micro-batches in the message shape the protocol had before groups crossed the wire
+   (`--old`: a sample a struct, its group's prompt copied into each, ids, logprobs and the
+   mask as msgpack lists, its name as a string; the structs as protocol 8 declared them),
+   for
    - default: the embedded default job (the digit chain: planner, solver and checker
      groups of 4, 4 and 2, outputs of 3, 6 and 1 ids, its prompts; micro-batches of 32);
    - group16: groups of 16 samples of one 512-token prompt, outputs of --output-len ids,
@@ -20,10 +24,13 @@ and reading a sample through its read-only view.
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import random
 import statistics
 import time
+
+import msgspec
 
 from flexmarl.controller.serving.openai_turns import last_turn
 from flexmarl.controller.state.decisions import MicroBatchSize
@@ -34,8 +41,68 @@ from flexmarl.runtime import protocol
 from flexmarl.runtime.keys import GroupKey
 
 
-def wire_bytes(groups: list[tuple[str, list[int], list[list[int]]]], micro_batch: int) -> dict[str, list[int]]:
-    """Per agent, the bytes of each TRAIN_MICROBATCH of a batch of `groups` (agent, prompt, outputs)."""
+class OldTurnSampling(msgspec.Struct, array_like=True):
+    start: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class OldTrainSample(msgspec.Struct, array_like=True):
+    """protocol 8's TrainSample: one sample of a micro-batch."""
+
+    sample_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    advantage: float
+    rollout_logprobs: list[float]
+    versions: list[int]
+    temperature: float = 1.0
+    loss_mask: list[int] = []
+    top_p: float = 1.0
+    top_k: int = 0
+    turns: list[OldTurnSampling] = []
+
+
+class OldTrainMicroBatch(msgspec.Struct, array_like=True):
+    """protocol 8's TrainMicroBatch: the micro-batch as a list of samples."""
+
+    request_id: int
+    agent: str
+    version: int
+    samples: list[OldTrainSample]
+    max_staleness: int = 0
+    clip_ratio: float = 2.0
+    loss: protocol.LossOptions = msgspec.field(default_factory=protocol.LossOptions)
+
+
+def unpacked(typecode: str, data: bytes) -> list:
+    return array.array(typecode, protocol.native(typecode, data)).tolist()
+
+
+def old_message(msg: protocol.TrainMicroBatch) -> OldTrainMicroBatch:
+    """The micro-batch `msg` as protocol 8 sent it: the same samples, each whole."""
+    samples = []
+    for g in msg.groups:
+        prompt = unpacked(protocol.TOKEN_TYPECODE, g.prompt_ids)
+        ids = unpacked(protocol.TOKEN_TYPECODE, g.output_ids)
+        logprobs = unpacked(protocol.LOGPROB_TYPECODE, g.rollout_logprobs)
+        mask = list(g.loss_mask)
+        start = 0
+        for j, n in enumerate(g.lengths):
+            own = mask[start:start + n]
+            samples.append(OldTrainSample(g.key.sample(j), list(prompt), ids[start:start + n], g.advantages[j],
+                                          logprobs[start:start + n], [g.versions[j]], g.temperature,
+                                          [] if all(own) else own, g.top_p, g.top_k))
+            start += n
+    return OldTrainMicroBatch(msg.request_id, msg.agent, msg.version, samples, msg.max_staleness, msg.clip_ratio,
+                              msg.loss)
+
+
+def wire_bytes(groups: list[tuple[str, list[int], list[list[int]]]], micro_batch: int,
+               old: bool = False) -> dict[str, list[int]]:
+    """Per agent, the bytes of each TRAIN_MICROBATCH of a batch of `groups` (agent, prompt,
+    outputs): as sent now, or (`old`) in protocol 8's shape (the kind byte and the body)."""
     store = ExperienceStore(sorted({agent for agent, _, _ in groups}))
     for i, (agent, prompt, outputs) in enumerate(groups):
         key = GroupKey("s1q0", agent, f"{i:08x}-0")
@@ -46,7 +113,8 @@ def wire_bytes(groups: list[tuple[str, list[int], list[list[int]]]], micro_batch
     for agent in sorted({agent for agent, _, _ in groups}):
         for mb in store.form_micro_batches(agent, 1, MicroBatchSize(micro_batch), True, False, 0):
             msg = protocol.TrainMicroBatch(1, agent, 1, mb.wire())
-            sizes.setdefault(agent, []).append(protocol.frames_nbytes(protocol.encode(msg)))
+            nbytes = 1 + len(msgspec.msgpack.encode(old_message(msg))) if old else protocol.frames_nbytes(protocol.encode(msg))
+            sizes.setdefault(agent, []).append(nbytes)
     return sizes
 
 
@@ -101,10 +169,14 @@ def main() -> None:
     jobs = {"default": (default_job(2 if args.smoke else 16, rng), 32),
             "group16": (group16_job(4 if args.smoke else 16, 16 if args.smoke else args.output_len, rng), 64)}
     for name, (groups, micro_batch) in jobs.items():
+        old = wire_bytes(groups, micro_batch, old=True)
         for agent, sizes in wire_bytes(groups, micro_batch).items():
             print(json.dumps({"wire": name, "agent": agent, "micro_batches": len(sizes),
                               "samples": sum(len(o) for a, _, o in groups if a == agent),
-                              "bytes_per_micro_batch": round(statistics.mean(sizes)), "bytes_max": max(sizes)}))
+                              "bytes_per_micro_batch": round(statistics.mean(sizes)), "bytes_max": max(sizes),
+                              "old_bytes_per_micro_batch": round(statistics.mean(old[agent])),
+                              "old_bytes_max": max(old[agent]),
+                              "old_over_new": round(statistics.mean(old[agent]) / statistics.mean(sizes), 2)}))
     for tokens in (256, 1024, 4096):
         row = view_us(tokens, 8, 5 if args.smoke else args.reps)
         print(json.dumps({"view": f"{tokens} tokens x 8 choices", **row}))

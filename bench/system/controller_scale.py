@@ -35,6 +35,7 @@ one JSON row; the sweep prints the rows and a table. Per point:
     .venv/bin/python bench/system/controller_scale.py --smoke          # one tiny point
     .venv/bin/python bench/system/controller_scale.py --point '{"instances": 1024, "agents": 32, ...}' \
         [--replay] [--profile FILE.prof]
+    .venv/bin/python bench/system/controller_scale.py --by-module FILE.prof  # a profile's time by module
 
 A point with `"pin": true` (every point of a sweep with `--pin`) gives the controller a
 core of its own (its process, all threads, on the first core; the fake cluster on the
@@ -393,6 +394,35 @@ def sweep(points: list[dict[str, Any]], replay_last: bool) -> list[dict[str, Any
     return rows
 
 
+def by_module(path: str, top: int = 16) -> list[tuple[str, float]]:
+    """A profile's own time (cProfile's tottime) summed by where the code lives: our modules
+    by name (`controller.state.store`), a library by its package (`zmq`, `asyncio`, `msgspec`),
+    built-in functions as `built-ins`; each as a share of the whole, largest first."""
+    import pstats
+
+    stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+    spent: dict[str, float] = {}
+    for (filename, _, _), (_, _, tottime, _, _) in stats.items():
+        spent[module_of(filename)] = spent.get(module_of(filename), 0.0) + tottime
+    total = sum(spent.values()) or 1.0
+    return [(name, t / total) for name, t in sorted(spent.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def module_of(filename: str) -> str:
+    if filename == "~" or filename.startswith("<"):
+        return "built-ins"
+    path = Path(filename)
+    parts = path.with_suffix("").parts
+    if "flexmarl" in parts:
+        return ".".join(parts[parts.index("flexmarl") + 1:])
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return parts[parts.index(anchor) + 1]
+    if "bench" in parts:
+        return "bench." + path.stem
+    return path.stem if parts[-2].startswith("python3") else parts[-2]  # the standard library: selectors, asyncio, ...
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--point", help="run one point (JSON: instances, agents, trainers, shape, mode, k, ...)")
@@ -400,11 +430,17 @@ def main() -> None:
     parser.add_argument("--replay", action="store_true", help="time `replay --check` on the point's log")
     parser.add_argument("--profile", default="", help="cProfile the controller while it trains (the measured "
                         "window alone), to this file")
+    parser.add_argument("--by-module", default="", metavar="FILE.prof",
+                        help="print where a --profile file's time went, by module, and stop")
     parser.add_argument("--keep", default="", help="keep the point's run directory here")
     parser.add_argument("--only", default="", help="sweep points to run, by index (e.g. 0,5,7)")
     parser.add_argument("--pin", action="store_true", help="every point with a core of its own for the controller")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.by_module:
+        for name, share in by_module(args.by_module):
+            print(f"{100 * share:5.1f}%  {name}")
+        return
     if args.point or args.smoke:
         point = json.loads(args.point) if args.point else {"instances": 8, "agents": 4, "trainers": 2, "steps": 2,
                                                             "mode": "async", "k": 1}

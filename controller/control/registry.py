@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from flexmarl.runtime import protocol
 
-ROLES = ("rollout", "trainer")
+ROLES = ("rollout", "trainer", "env")
 # Worker ids name files, log lines and metrics; a longer one is a malformed HELLO.
 MAX_WORKER_ID_CHARS = 128
 

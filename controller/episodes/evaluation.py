@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from flexmarl.runtime import events as ev
@@ -31,7 +30,7 @@ from ..state.schedule import BatchSchedule
 from ..state.store import ExperienceStore
 from .data import Dataset
 from .producer import EpisodeContexts
-from .workflow import Episode, EpisodeEndpoint, run_episode
+from .workflow import Episode, EpisodeEndpoint, ToolPool, run_episode
 
 if TYPE_CHECKING:
     from ..records.metrics import MetricsLog
@@ -51,7 +50,7 @@ def evaluation_steps(every: int, steps: int, at_start: bool) -> list[int]:
 class Evaluator:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, client: RolloutClient, schedule: BatchSchedule,
                  metrics: MetricsLog, emit: Emit, dataset: Dataset | None,
-                 tools: Executor | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
+                 tools: ToolPool | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
                  endpoint: EpisodeEndpoint | None = None) -> None:
         self.cfg = cfg
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)

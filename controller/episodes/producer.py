@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from flexmarl.runtime import events as ev
@@ -51,13 +50,14 @@ EPISODES_PER_TURN = 4
 
 class EpisodeContexts:
     """What every episode of the run shares (the rollout client, the agents' sampling
-    defaults, the tool pool, tokenizers), and the contexts made from it."""
+    defaults, where tools run, tokenizers), and the contexts made from it."""
 
-    def __init__(self, cfg: ExperimentConfig, client: RolloutClient, tools: Executor | None,
+    def __init__(self, cfg: ExperimentConfig, client: RolloutClient, tools: ToolPool | None,
                  tokenizers: dict[str, AgentTokenizer], endpoint: EpisodeEndpoint | None = None) -> None:
         self.cfg = cfg
         self.client = client
-        self.tools = tools  # the pool ctx.call runs blocking functions in
+        # Where ctx.call runs functions: environment workers, or the controller's thread pool
+        self.tools = tools or ToolPool(None, cfg.pipeline.tool_timeout_s)
         self.tokenizers = tokenizers  # agent -> AgentTokenizer; filled once models are resolved
         self.endpoint = endpoint  # the run's OpenAI endpoint (openai_api.py), or None
         self.defaults = {a: AgentDefaults.of(c) for a, c in cfg.agents.items()}
@@ -67,14 +67,14 @@ class EpisodeContexts:
         run = self.cfg.run
         return EpisodeContext(episode_id, batch, rng, store, self.client, self.defaults, run.seed,
                               run.env_latency_ms, gate=gate, item=item,
-                              tools=ToolPool(self.tools, self.cfg.pipeline.tool_timeout_s), tokenizers=self.tokenizers,
+                              tools=self.tools, tokenizers=self.tokenizers,
                               eval_temperature=eval_temperature, trains=trains, endpoint=self.endpoint)
 
 
 class EpisodeProducer:
     def __init__(self, cfg: ExperimentConfig, workflow: Episode, store: ExperienceStore, client: RolloutClient,
                  schedule: BatchSchedule, emit: Emit, dataset: Dataset | None = None,
-                 tools: Executor | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
+                 tools: ToolPool | None = None, tokenizers: dict[str, AgentTokenizer] | None = None,
                  endpoint: EpisodeEndpoint | None = None) -> None:
         self.cfg = cfg
         self.contexts = EpisodeContexts(cfg, client, tools, tokenizers if tokenizers is not None else {}, endpoint)

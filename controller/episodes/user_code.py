@@ -35,8 +35,14 @@ class WorkflowError(ValueError):
     """`run.workflow` does not name a usable episode function."""
 
 
+def workflow_reference(spec: str) -> str:
+    """`run.workflow` as a reference any process can import: a built-in's short name as
+    its module's."""
+    return BUILT_IN.get(spec, spec)
+
+
 def load_workflow(spec: str) -> Callable:
-    spec = BUILT_IN.get(spec, spec)
+    spec = workflow_reference(spec)
     if ":" not in spec:
         raise WorkflowError(f"run.workflow = {spec!r} is not a built-in ({', '.join(BUILT_IN)}) and not of the "
                             f"form 'package.module:function' or 'path/to/file.py:function'")

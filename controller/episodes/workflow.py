@@ -9,6 +9,8 @@
             verdict = await ctx.generate("verifier", f"Q: ... A: {a.text} Verdict:")
             await ctx.continue_chat(a, [{"role": "user", "content": f"A reviewer says {verdict[0].text}"}])
             ctx.reward(a, await ctx.call(check, a.text, timeout=5))    # blocking code off the loop
+        async with ctx.env_session(Maze, seed=3) as env:               # a stateful environment
+            state = await env.step("left")
 
 `ctx.generate` / `ctx.chat` open one group in the experience store (n samples of one
 prompt; their advantages are relative to each other), send it through the rollout client
@@ -23,6 +25,12 @@ decodes them. A sample changes only through the context (`reward`, `continue_*`)
 context exposes nothing else of the run: the store, the rollout client, the staleness gate
 and the endpoint it works with are its own. Concurrency inside an episode (branches) and
 across episodes is plain asyncio; the episode runner bounds it.
+
+`ctx.call(fn, ...)` runs a tool, environment or reward function off the event loop: on an
+environment worker (controller/environments/: `fn` by reference, its arguments and value
+as msgpack) when the run has any, else in the controller's tool pool. `ctx.env_session`
+holds a stateful environment for the episode (on one worker, or here), closed when the
+`async with` ends, however it ends.
 
 Agent code written against the OpenAI API takes part through the run's endpoint
 (openai_api.py): `ctx.openai_client()` (or `ctx.openai_base_url` and `ctx.openai_api_key`)
@@ -47,9 +55,9 @@ is (), the i-th task it creates (asyncio.gather creates one per awaitable, in or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
-import functools
 import itertools
 import logging
 import random
@@ -58,11 +66,12 @@ import zlib
 from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.keys import GroupKey, TurnKey
 
+from ..environments.local import LocalSession, run_here
 from ..state.failures import RunFailed, user_frame, user_traceback
 from ..state.groups import GroupOutput
 from ..state.store import PENDING, ExperienceStore, SampleView, TurnSampling
@@ -149,13 +158,60 @@ def request_seed(run_seed: int, key: GroupKey, member: int = 0, turn: int = 0) -
     return zlib.crc32(f"{run_seed}:{TurnKey(key, member, turn)}".encode()) & 0x7FFFFFFF
 
 
+class EnvSessionHandle(Protocol):
+    """A session as an episode holds it: on a worker (environments/client.py, `EnvSession`)
+    or here (environments/local.py, `LocalSession`); `env.NAME(...)` is `env.call("NAME", ...)`."""
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any: ...
+
+    def close_soon(self) -> None: ...
+
+
+class EnvCaller(Protocol):
+    """Environment workers, as `ctx.call` and `ctx.env_session` use them
+    (environments/client.py, `EnvClient`)."""
+
+    async def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], timeout_s: float,
+                   episode: str = "") -> Any: ...
+
+    async def open_session(self, factory: Callable[..., Any], args: tuple, kwargs: dict[str, Any], timeout_s: float,
+                           episode: str = "") -> EnvSessionHandle: ...
+
+
+@dataclass(frozen=True)
+class GroupPlace:
+    """Where an episode opened a group: the episode, and the branch of its tree of tasks the
+    call came from (`BRANCH`: () the episode's own task, (2, 0) the first task the third
+    one made)."""
+
+    episode: str
+    branch: tuple[int, ...]
+
+
+def group_place(key: GroupKey) -> GroupPlace | None:
+    """The group `key` read back into its place: the branch is in the key's `call`, as
+    `EpisodeContext.group_key` made it (`CRC-OCCURRENCE` or `CRC-bBRANCH-OCCURRENCE`), for
+    readers of the event log (the web view); None for a key that method did not make."""
+    parts = key.call.split("-")
+    if not key.episode or len(parts) not in (2, 3) or not parts[-1].isdecimal():
+        return None
+    if len(parts) == 2:
+        return GroupPlace(key.episode, ())
+    place = parts[1].removeprefix("b").split(".")
+    if not parts[1].startswith("b") or not all(p.isdecimal() for p in place):
+        return None
+    return GroupPlace(key.episode, tuple(int(p) for p in place))
+
+
 @dataclass
 class ToolPool:
-    """Where `ctx.call` runs blocking functions (the bounded pool; None: asyncio's default)
-    and how long one call may take unless it says."""
+    """Where `ctx.call` runs functions: on environment workers (`remote`), or else in the
+    controller's bounded pool (`executor`; None: asyncio's default); and how long one
+    call may take unless it says."""
 
     executor: Executor | None = None
     timeout_s: float = 60.0
+    remote: EnvCaller | None = None
 
 
 @dataclass
@@ -214,7 +270,7 @@ class EpisodeContext:
         occurrence = counts.get(counted, 0)
         counts[counted] = occurrence + 1
         place = f"b{'.'.join(map(str, branch))}-" if branch else ""
-        return GroupKey(self.episode_id, agent, f"{crc:08x}-{place}{occurrence}")
+        return GroupKey(self.episode_id, agent, f"{crc:08x}-{place}{occurrence}")  # read back by group_place
 
     async def generate(self, agent: str, prompt: str | list[int], n: int | None = None,
                        **sampling: Any) -> list[SampleView]:
@@ -367,24 +423,41 @@ class EpisodeContext:
 
     async def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Runs a tool, environment or reward function off the event loop and returns its
-        result. A plain (blocking) function runs in the controller's bounded tool pool
-        (`pipeline.tool_threads` threads); an async one is awaited. Past `timeout` seconds
-        (default `pipeline.tool_timeout_s`) it raises TimeoutError, which fails this
-        episode only: other episodes never wait for it. (A thread cannot be stopped: a
-        timed-out blocking call keeps its pool thread until it returns.)"""
+        result. With environment workers (`cluster.env_workers`) it runs on the least loaded
+        one: `fn` must be a module-level function (sent by module and name) and its
+        arguments and value msgpack values (sent in the wire's encoding; tuples come back
+        as lists); a crash, a memory blow-up or a hang there costs this episode only.
+        Without them it runs in the controller's tool pool (`pipeline.tool_threads`
+        threads; an async one is awaited). Past `timeout` seconds (default
+        `pipeline.tool_timeout_s`) it raises TimeoutError, which fails this episode only."""
         if self.closed:
             raise EpisodeClosed(self.closed)
         limit = self.tools.timeout_s if timeout is None else timeout
-        if asyncio.iscoroutinefunction(fn):
-            work = fn(*args, **kwargs)
+        if self.tools.remote is not None:
+            return await self.tools.remote.call(fn, args, kwargs, limit, self.episode_id)
+        return await run_here(self.tools.executor, fn, args, kwargs, limit)
+
+    @contextlib.asynccontextmanager
+    async def env_session(self, factory: Callable[..., Any], *args: Any, timeout: float | None = None,
+                          **kwargs: Any) -> AsyncIterator[Any]:
+        """A stateful environment for this episode: `factory(*args, **kwargs)` makes its
+        object (on one environment worker, in a process of its own, or here without them),
+        `await env.step(...)` calls any of its methods there (each under `timeout`), and it
+        is closed (its `close()` runs) when the `async with` ends: at the end of the
+        episode's use, on its failure, on its cancellation. A session whose worker died is
+        lost: its calls raise."""
+        if self.closed:
+            raise EpisodeClosed(self.closed)
+        limit = self.tools.timeout_s if timeout is None else timeout
+        env: EnvSessionHandle
+        if self.tools.remote is not None:
+            env = await self.tools.remote.open_session(factory, args, kwargs, limit, self.episode_id)
         else:
-            loop = asyncio.get_running_loop()
-            work = loop.run_in_executor(self.tools.executor, functools.partial(fn, *args, **kwargs))
+            env = await LocalSession.open(factory, args, kwargs, self.tools.executor, limit)
         try:
-            return await asyncio.wait_for(work, limit)
-        except asyncio.TimeoutError:
-            name = getattr(fn, "__qualname__", repr(fn))
-            raise TimeoutError(f"{name} did not return within {limit:.1f}s") from None
+            yield env
+        finally:
+            env.close_soon()
 
     def reward(self, sample: SampleView | str, value: float | list[float]) -> None:
         """The reward of a sample; or, given the id of a completion the OpenAI endpoint

@@ -89,7 +89,7 @@ def import_ray() -> Any:
 class RayLauncher:
     def __init__(self, config: ExperimentConfig) -> None:
         # A job Ray cannot place fails here, before Ray is even asked.
-        self.plan = plan_placement(config.cluster, config.ray, config.widest_engine())
+        self.plan = plan_placement(config.cluster, config.ray, config.widest_engine(), config.env.processes)
         self.cluster = config.cluster
         self.ray = import_ray()
         self.joined = not self.ray.is_initialized()  # a Python caller may have joined a cluster already

@@ -2,7 +2,8 @@
 run's placement group it goes into. Plain decisions over the config; no Ray here.
 
 A worker asks for CPUs (`cluster.threads_per_worker` for each of its ranks: a trainer's
-group, a rollout engine's tensor-parallel ranks) and GPUs. Its GPUs come from the
+group, a rollout engine's tensor-parallel ranks, an environment worker's processes) and
+GPUs; an environment worker never asks for a GPU (and is shown none). Its GPUs come from the
 `cluster.rollout_gpus` / `cluster.trainer_gpus` lists where given; with Ray their numbers
 name GPUs within the run, not devices of a host (Ray picks the devices): workers whose
 lists share a number share that GPU, so they are one bundle, which Ray keeps on one node,
@@ -40,11 +41,12 @@ class PlacementPlan:
         return f"{describe_resources(total(self.bundles))} in {len(self.bundles)} bundles"
 
 
-def plan_placement(cluster: ClusterConfig, ray: RayConfig, widest_engine: int) -> PlacementPlan:
+def plan_placement(cluster: ClusterConfig, ray: RayConfig, widest_engine: int, env_processes: int = 1) -> PlacementPlan:
     """The placement of every worker of `cluster`; ConfigError for GPUs Ray cannot share."""
-    ranks = {"rollout": widest_engine, "trainer": cluster.trainer_group_size}
+    ranks = {"rollout": widest_engine, "trainer": cluster.trainer_group_size, "env": env_processes}
     roles = {f"{role}-{i}": role for role, n in (("rollout", cluster.rollout_workers),
-                                                  ("trainer", cluster.trainer_workers)) for i in range(n)}
+                                                  ("trainer", cluster.trainer_workers),
+                                                  ("env", cluster.env_workers)) for i in range(n)}
     cpus = {w: float(cluster.threads_per_worker * ranks[role]) for w, role in roles.items()}
     labels = {w: _gpu_labels(cluster, ray, w, ranks[role]) for w, role in roles.items()}
     holders: dict[str, list[str]] = defaultdict(list)
@@ -70,6 +72,8 @@ def plan_placement(cluster: ClusterConfig, ray: RayConfig, widest_engine: int) -
 
 def _gpu_labels(cluster: ClusterConfig, ray: RayConfig, worker_id: str, ranks: int) -> list[str]:
     role, i = worker_id.rsplit("-", 1)
+    if role == "env":  # CPU work only
+        return []
     lists = cluster.rollout_gpus if role == "rollout" else cluster.trainer_gpus
     if lists:
         return [f"GPU {g}" for g in lists[int(i)]]

@@ -4,7 +4,8 @@ With `run.samples_per_step = N`, every optimizer step of every agent writes N of
 samples it trained to RUN_DIR/samples.jsonl (and to the trackers: `log_samples`), the
 best and the worst reward first, the rest spread evenly between them. Each line:
 
-    {"step": 3, "agent": "solver", "sample_id": "...", "reward": 0.75, "versions": [2, 2],
+    {"step": 3, "agent": "solver", "sample_id": "...", "group": [EPISODE, AGENT, CALL],
+     "member": 1, "reward": 0.75, "versions": [2, 2],
      "turns": [{"role": "user", "text": "What is 7 + 5?"},
                {"role": "assistant", "text": "13", "version": 2}, ...]}
 
@@ -13,7 +14,9 @@ by its prompt and then each stretch of its output ids, decoded with the agent's 
 the agent's own turns ("agent", with the policy version of each) and the ids appended
 between them ("appended"). A sample whose turn's weights changed under it (a sync that let
 its request continue) also has "token_versions": its output ids' versions as runs,
-[version, count] each, in order. `flexmarl samples RUN_DIR` prints the file (`format_samples`).
+[version, count] each, in order. `flexmarl samples RUN_DIR` prints the file
+(`format_samples`). `sample_id` is the sample's name for people; `group` (its group's key,
+runtime/keys.py, as a list) and `member` say which sample it is to a program (the web view).
 
 `SampleLog.group_ready` is told each trainable group's samples (read-only views) and keeps
 what a row needs of them (the store lets the group go once trained) until its step is
@@ -53,6 +56,8 @@ class _Snapshot:
     versions: list[int]
     reward: float
     messages: list | None
+    group: list[str]  # the group's key (episode, agent, call)
+    member: int
     token_versions: list[list[int]]  # runs of its output ids' versions: [version, count] each
 
 
@@ -76,8 +81,8 @@ class SampleLog:
         """The group `key` is trainable: its members' views."""
         self._kept[agent][key] = [(s.sample_id, _Snapshot(
             s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
-            None if s.messages is None else [dict(m) for m in s.messages], runs(s.token_versions)))
-            for s in samples]
+            None if s.messages is None else [dict(m) for m in s.messages],
+            [s.key.episode, s.key.agent, s.key.call], s.member, runs(s.token_versions))) for s in samples]
 
     def record(self, step: int, agent: str, keys: list[Any]) -> list[dict[str, Any]]:
         """Writes `per_step` of the samples `agent` trained at `step` (the groups `keys`);
@@ -96,8 +101,8 @@ class SampleLog:
         return rows
 
     def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
-        row = {"step": step, "agent": agent, "sample_id": sample_id, "reward": snap.reward,
-               "versions": snap.versions, "turns": self._turns(agent, snap)}
+        row = {"step": step, "agent": agent, "sample_id": sample_id, "group": snap.group, "member": snap.member,
+               "reward": snap.reward, "versions": snap.versions, "turns": self._turns(agent, snap)}
         if len(snap.token_versions) > len(snap.versions):  # a turn's tokens span versions
             row["token_versions"] = snap.token_versions
         return row

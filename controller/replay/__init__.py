@@ -8,8 +8,10 @@
     checking.py     `--check`: the re-drive compared with the log
     command.py      the command itself
 
-Used by the command line and the benches; a running controller never imports it. The
-names below are the package's API for scripts and tests.
+Used by the command line, the benches and the web view (view/cluster.py reads the
+summary's usage rules a part of the log at a time, also in a running controller's own
+view); the controller's training code never imports it. The names below are the
+package's API for scripts and tests.
 """
 
 from .checking import check, check_beside

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from flexmarl.runtime import collector
 from flexmarl.runtime.events import (
@@ -71,10 +72,12 @@ class WorkerUsage:
     spans: list[Span] = field(default_factory=list)
     restarts: int = 0  # times the launcher started its process again
 
-    def times(self) -> tuple[float, float, float]:
-        """(busy_s, idle_s, utilization), from one union of the spans."""
-        busy = sum(b - a for a, b in _union(self.spans, self.start, self.end))
-        life = self.end - self.start
+    def times(self, now: float = math.inf) -> tuple[float, float, float]:
+        """(busy_s, idle_s, utilization), from one union of the spans; of a log still being
+        written, up to `now` (its last event's time)."""
+        end = min(self.end, now)
+        busy = sum(b - a for a, b in union(((sp.start, sp.end) for sp in self.spans), self.start, end))
+        life = end - self.start
         return busy, max(0.0, life - busy), busy / life if life > 0 else 0.0
 
     @property
@@ -157,7 +160,7 @@ def _summarize(events: list[Event]) -> Summary:
     t_end = events[-1].t if events else t_start  # RunFinished, unless the run crashed
     read = _route(events, tuple(_READS))
     resumed_at = [e.step for e in read["marks"] if type(e) is RunResumed]
-    crashed_at = _crash_times(events, t_start) if resumed_at else []
+    crashed_at = crash_times(events, t_start) if resumed_at else []
     workers = _worker_usage(read["usage"], t_start, t_end, iter(crashed_at))
     if read["undoing"]:
         read.update(_route(lineage(events), ("agents", "accounting", "steps")))  # without what a resume undid
@@ -166,7 +169,7 @@ def _summarize(events: list[Event]) -> Summary:
     unfinished: dict[str, list[int]] = {}
     for agent, batch in sorted(open_steps(read["steps"])):
         unfinished.setdefault(agent, []).append(batch)
-    training_s = _training_seconds(read["marks"], iter(crashed_at), t_end if events else 0.0)
+    training_s = training_time(read["marks"], iter(crashed_at), t_end if events else 0.0)
     return Summary(run, t_start, t_end, len(events), workers, agents, staleness, rows, errors, resumed_at,
                    training_s, unfinished)
 
@@ -186,22 +189,23 @@ def _route(events: list[Event], parts: tuple[str, ...]) -> dict[str, list]:
     return read
 
 
-def _crash_times(events: list[Event], t_start: float) -> list[float]:
+def crash_times(events: list[Event], before: float) -> list[float]:
     """Per `RunResumed`, in order: when the controller before it crashed (the time of the
-    event before it; `t_start` for a log that begins with one)."""
-    return [events[i - 1].t if i else t_start for i, e in enumerate(events) if type(e) is RunResumed]
+    event before it; `before` for one that comes first: the start of the run, or the time
+    of the last event of the part of the log read before these)."""
+    return [events[i - 1].t if i else before for i, e in enumerate(events) if type(e) is RunResumed]
 
 
 def training_seconds(events: list[Event]) -> float:
     """Seconds spent training: from each controller process's first `BatchStarted` to its
     last event (the next `RunResumed` ends a crashed one), so model builds, engine starts
     and the time a crashed run lay dead are not counted."""
-    marks = [e for e in events if type(e) in _TRAINING_MARKS]
-    return _training_seconds(marks, iter(_crash_times(events, 0.0)), events[-1].t if events else 0.0)
+    marks = [e for e in events if type(e) in TRAINING_MARKS]
+    return training_time(marks, iter(crash_times(events, 0.0)), events[-1].t if events else 0.0)
 
 
-def _training_seconds(marks: list[Event], crashed_at: Iterator[float], last_t: float) -> float:
-    """`training_seconds` from the log's `_TRAINING_MARKS`, when the controller before each
+def training_time(marks: list[Event], crashed_at: Iterator[float], last_t: float) -> float:
+    """`training_seconds` from the log's `TRAINING_MARKS`, when the controller before each
     `RunResumed` crashed, and the time of the log's last event."""
     total, began = 0.0, None
     for e in marks:
@@ -215,47 +219,63 @@ def _training_seconds(marks: list[Event], crashed_at: Iterator[float], last_t: f
     return total + (last_t - began if began is not None else 0.0)
 
 
-_TRAINING_MARKS = frozenset({RunResumed, BatchStarted})
+TRAINING_MARKS = frozenset({RunResumed, BatchStarted})
 
 
 def _worker_usage(events: list[Event], t_start: float, t_end: float,
                   crashed_at: Iterator[float]) -> dict[str, WorkerUsage]:
-    """From the log's `_USAGE_EVENTS`, and when the controller before each `RunResumed` crashed."""
-    usage = _UsageReader(t_start, t_end)
-    workers, outstanding, worker = usage.workers, usage.outstanding, usage.worker
-    for e in events:
-        # Requests sent and answered, most of a long log, are read here rather than by a
-        # method call each.
-        if type(e) is RequestsDispatched:
-            if e.worker not in workers:
-                worker(e.worker, "rollout", e.t)
-            outstanding[(e.worker, e.request_id, e.agent)] = e
-        elif type(e) is RequestsCompleted:
-            d = outstanding.pop((e.worker, e.request_id, e.agent), None)
-            if d is not None:
-                w = workers.get(e.worker) or worker(e.worker, "rollout", d.t)
-                w.spans.append(_request_span(d, e.t, e.tokens))
-        elif type(e) is RunResumed:
-            usage.resumed(next(crashed_at))
-        else:
-            _USAGE_READERS[type(e)](usage, e)
-    for (name, _, _), d in usage.outstanding.items():  # still generating when the log ends
-        usage.workers[name].spans.append(_request_span(d, t_end))
+    """From the log's `USAGE_EVENTS`, and when the controller before each `RunResumed` crashed."""
+    usage = UsageReader(t_start, t_end)
+    usage.read(events, crashed_at)
+    usage.finish()
     return usage.workers
 
 
-class _UsageReader:
-    """What `_worker_usage` keeps while it reads the log: each worker's spans, and what is
-    under way (requests, weight syncs). One method per event type it reads besides
-    requests sent and answered (`_USAGE_READERS`)."""
+class UsageReader:
+    """Each worker's spans, read from the log's `USAGE_EVENTS` in order, a part of the log at
+    a time (`read`), and what is under way (requests, weight syncs). `finish` ends what is
+    still under way at `t_end`: the summary's last event, or, for a log still being written,
+    left at infinity (then `WorkerUsage.times(now)` counts up to now). One method per event
+    type it reads besides requests sent and answered (`_USAGE_READERS`)."""
 
-    def __init__(self, t_start: float, t_end: float) -> None:
+    def __init__(self, t_start: float, t_end: float = math.inf) -> None:
         self.t_start, self.t_end = t_start, t_end
         self.workers: dict[str, WorkerUsage] = {}
         # (worker, request, agent): a message's groups of an agent
         self.outstanding: dict[tuple[str, int, str], RequestsDispatched] = {}
         self.sync_started: dict[tuple[str, int], WeightSyncStarted] = {}
         self.trainer_of: dict[str, str] = {}  # agent -> the trainer that last stepped it (publishes its weights)
+
+    def read(self, events: list[Event], crashed_at: Iterator[float]) -> None:
+        """`events` (of `USAGE_EVENTS`, in log order, after those read before); `crashed_at`:
+        when the controller before each of their `RunResumed` crashed (`crash_times`)."""
+        workers, outstanding, worker = self.workers, self.outstanding, self.worker
+        for e in events:
+            # Requests sent and answered, most of a long log, are read here rather than by a
+            # method call each.
+            if type(e) is RequestsDispatched:
+                if e.worker not in workers:
+                    worker(e.worker, "rollout", e.t)
+                outstanding[(e.worker, e.request_id, e.agent)] = e
+            elif type(e) is RequestsCompleted:
+                d = outstanding.pop((e.worker, e.request_id, e.agent), None)
+                if d is not None:
+                    w = workers.get(e.worker) or worker(e.worker, "rollout", d.t)
+                    w.spans.append(_request_span(d, e.t, e.tokens))
+            elif type(e) is RunResumed:
+                self.resumed(next(crashed_at))
+            else:
+                _USAGE_READERS[type(e)](self, e)
+
+    def finish(self) -> None:
+        """Requests still generating when the log ends end with it (at `t_end`)."""
+        for name, span in self.under_way(self.t_end):
+            self.workers[name].spans.append(span)
+        self.outstanding.clear()
+
+    def under_way(self, now: float) -> list[tuple[str, Span]]:
+        """The requests still generating, each as its worker's span up to `now`."""
+        return [(name, _request_span(d, now)) for (name, _, _), d in self.outstanding.items()]
 
     def worker(self, name: str, role: str, t: float) -> WorkerUsage:
         w = self.workers.get(name)
@@ -309,13 +329,13 @@ class _UsageReader:
             self.worker(name, "trainer" if name in publishers else "rollout", start).spans.append(span)
 
 
-# What _worker_usage does with each event type it reads besides requests sent and answered
+# What UsageReader does with each event type it reads besides requests sent and answered
 # (and a RunResumed, which ends what was under way); every other type only moves the clock.
-_USAGE_READERS: dict[type, Callable[[_UsageReader, Any], None]] = {
-    WorkerJoined: _UsageReader.joined, WorkerDied: _UsageReader.died, WorkerRestarted: _UsageReader.restarted,
-    MicroBatchTrained: _UsageReader.trained, OptimizerStep: _UsageReader.stepped,
-    WeightSyncStarted: _UsageReader.sync_began, WeightSyncFinished: _UsageReader.synced}
-_USAGE_EVENTS = frozenset({RequestsDispatched, RequestsCompleted, RunResumed, *_USAGE_READERS})
+_USAGE_READERS: dict[type, Callable[[UsageReader, Any], None]] = {
+    WorkerJoined: UsageReader.joined, WorkerDied: UsageReader.died, WorkerRestarted: UsageReader.restarted,
+    MicroBatchTrained: UsageReader.trained, OptimizerStep: UsageReader.stepped,
+    WeightSyncStarted: UsageReader.sync_began, WeightSyncFinished: UsageReader.synced}
+USAGE_EVENTS = frozenset({RequestsDispatched, RequestsCompleted, RunResumed, *_USAGE_READERS})
 
 
 def _request_span(d: RequestsDispatched, end: float, tokens: int | None = None,
@@ -401,8 +421,8 @@ _AGENT_EVENTS = frozenset({GroupComplete, RequestsCompleted, *_AGENT_READERS})
 # The event types each part of the summary reads (`_route`): a worker's spans, an agent's
 # statistics, the sample accounting, the steps left open (what `open_steps` reads),
 # training time, and whether the lineage differs from the log.
-_READS = {"usage": _USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTED_EVENTS,
-          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep}), "marks": _TRAINING_MARKS,
+_READS = {"usage": USAGE_EVENTS, "agents": _AGENT_EVENTS, "accounting": ACCOUNTED_EVENTS,
+          "steps": frozenset({RunStarted, GroupOpened, OptimizerStep}), "marks": TRAINING_MARKS,
           "undoing": UNDOING}
 
 
@@ -542,7 +562,7 @@ def write_plot(s: Summary, path: str | Path) -> None:
                                       gridspec_kw={"width_ratios": [4, 1]}, sharey=True)
     for row, w in enumerate(workers):
         for kind, color in colors.items():
-            busy = _union([sp for sp in w.spans if sp.kind == kind], w.start, w.end)
+            busy = union(((sp.start, sp.end) for sp in w.spans if sp.kind == kind), w.start, w.end)
             bars = [(a - s.t_start, b - a) for a, b in busy]
             ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, label=kind if row == 0 else None)
         ax.hlines(row, w.start - s.t_start, w.end - s.t_start, colors="lightgrey", linewidth=0.5,
@@ -566,10 +586,11 @@ def write_plot(s: Summary, path: str | Path) -> None:
     plt.close(fig)
 
 
-def _union(spans: list[Span], lo: float, hi: float) -> list[tuple[float, float]]:
-    """The union of the spans' intervals, clipped to [lo, hi], as sorted disjoint pairs."""
+def union(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals (a worker's spans': what counts as busy), clipped
+    to [lo, hi], as sorted disjoint pairs."""
     out: list[tuple[float, float]] = []
-    for a, b in sorted((max(sp.start, lo), min(sp.end, hi)) for sp in spans):
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
         if b <= a:
             continue
         if out and a <= out[-1][1]:

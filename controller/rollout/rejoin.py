@@ -76,7 +76,7 @@ class Rejoin:
         if info.role == "trainer":
             log.info("trainer %s joined; it is in the trainer pool again", info.worker_id)
             self.trainer_joined(info.worker_id)
-        else:
+        elif info.role == "rollout":  # an environment worker is the environment client's (environments/)
             self.queue.put_nowait(info.worker_id)
 
     async def run(self) -> None:

@@ -37,7 +37,9 @@ from ..episodes.data import DataError, Dataset
 from ..episodes.evaluation import Evaluator
 from ..episodes.producer import EpisodeProducer
 from ..episodes.tokens import AgentTokenizer
-from ..episodes.user_code import load_workflow
+from ..episodes.user_code import load_workflow, workflow_reference
+from ..episodes.workflow import ToolPool
+from ..environments.client import EnvClient
 from ..records.metrics import MetricsLog
 from ..records.progress import SetupProgress
 from ..records.sample_log import SampleLog
@@ -113,7 +115,8 @@ class Components:
     client: RolloutClient
     metrics: MetricsLog
     checkpoints: Checkpointer
-    tools: ThreadPoolExecutor  # workflows' tool calls
+    tools: ThreadPoolExecutor  # workflows' tool calls, where there is no environment worker
+    environments: EnvClient  # workflows' tool calls on environment workers (cluster.env_workers)
     endpoint: OpenAIEndpoint | None  # only with openai.enabled (never made later)
     episodes: EpisodeProducer
     evaluator: Evaluator  # its loop runs when eval.every > 0
@@ -218,9 +221,13 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
         resume_counters(given.resume, given.run_dir, schedule, versions)
     metrics = _metrics(cfg, resolved, given, store, schedule, client)
     tools = ThreadPoolExecutor(max_workers=cfg.pipeline.tool_threads, thread_name_prefix="tool")
+    environments = EnvClient(server, workflow_reference(cfg.run.workflow), cfg.env,
+                             expected=lambda: given.restarting("env"), finished=lambda: schedule.finished)
+    # ctx.call runs on environment workers when the run has any, else in the thread pool
+    tool_pool = ToolPool(tools, cfg.pipeline.tool_timeout_s, environments if cfg.cluster.env_workers else None)
     endpoint = (OpenAIEndpoint(cfg.openai, {a: bases.model_of(cfg, a) for a in agents},
                                {a: c.tool_parser for a, c in cfg.agents.items()}) if cfg.openai.enabled else None)
-    episodes = EpisodeProducer(cfg, resolved.workflow, store, client, schedule, emit, resolved.dataset, tools,
+    episodes = EpisodeProducer(cfg, resolved.workflow, store, client, schedule, emit, resolved.dataset, tool_pool,
                                resolved.tokenizers, endpoint)
     checkpoints = Checkpointer(given.run_dir / "checkpoints", agents, every=cfg.run.checkpoint_every,
                                keep=cfg.run.keep_checkpoints, steps=cfg.run.steps, server=server, emit=emit,
@@ -229,7 +236,7 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                                full_state=cfg.cluster.trainer_group_size == 1)
     if given.resume is not None:
         continue_episodes(given.resume, cfg, resolved.dataset, episodes)
-    evaluator = Evaluator(cfg, resolved.workflow, client, schedule, metrics, emit, resolved.eval_data, tools,
+    evaluator = Evaluator(cfg, resolved.workflow, client, schedule, metrics, emit, resolved.eval_data, tool_pool,
                           resolved.tokenizers, endpoint)
     lanes = TrainerLanes()  # the order of every trainer's commands, for every agent
     pipelines.update({a: AgentPipeline(a, cfg.pipeline, store, schedule, allocator, weights, server, metrics, emit,
@@ -239,7 +246,8 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                             {name: resolved.model_path[u.agents[0]] for name, u in units.items()}, emit,
                             lambda: schedule.finished)
     return Components(resolved, store, versions, schedule, instances, allocator, weights, admission, ready, rejoin,
-                      client, metrics, checkpoints, tools, endpoint, episodes, evaluator, pipelines, rebalancer,
+                      client, metrics, checkpoints, tools, environments, endpoint, episodes, evaluator, pipelines,
+                      rebalancer,
                       load_message)
 
 

@@ -9,8 +9,10 @@
 Entering makes the launcher `cluster.launcher` names (launcher.py; Ray's joins its cluster
 and reserves room for the workers, so a missing cluster fails before anything starts),
 checks the run directory can be written, binds the controller socket where the launcher
-says, starts its named background tasks (receive loop, heartbeats) and either starts the
-workers through the launcher or waits for remote ones to connect.
+says, starts its named background tasks (receive loop, heartbeats, the event log's writer
+and, with `view.enabled`, the run's web view: view/server.py, its address in
+`RUN_DIR/view.url`) and either starts the workers through the launcher or waits for remote
+ones to connect.
 Workers that exit later (or whose Ray actor or node is lost) are started again by a
 "launcher" task, up to `cluster.max_restarts` each; past that its failure stops the run.
 `train()` runs the training driver next to those tasks: the first task to fail or end
@@ -40,6 +42,7 @@ from ..control.server import ControllerServer
 from ..launch.launcher import LaunchedWorker, Launcher, RestartPolicy, WorkerFailed, WorkerRestarter, Workers
 from ..launch.launchers import LAUNCHERS
 from ..train.checkpoints import CheckpointError, check_writable, resume_point
+from ..view.server import ViewServer
 from .training import TrainingRun
 
 log = logging.getLogger("flexmarl.controller")
@@ -67,6 +70,8 @@ class Experiment:
         self.resume_anyway = resume_anyway
         self.spawn_workers = spawn_workers
         self.server = ControllerServer(config.transport)
+        # The run's web view (`[view]`): it reads this run's files, and only while a page is open.
+        self.view = ViewServer(self.run_dir, config.view, always=False) if config.view.enabled else None
         self.launcher: Launcher | None = None  # while open, when it starts its workers
         self.local: Workers[Any] | None = None  # the workers the launcher started
         self.restarter: WorkerRestarter | None = None  # with started workers, once they registered
@@ -142,6 +147,12 @@ class Experiment:
         if self.events is not None:
             self._tasks.append(asyncio.create_task(self.events.run(), name="event-log"))
         try:
+            if self.view is not None:
+                url = await self.view.start()
+                write_text_atomically(self.run_dir / "view.url", url + "\n")
+                log.info("the run's web view: %s", url)
+                assert self.view.task is not None  # start() made it
+                self._tasks.append(self.view.task)
             await self._start_workers()
         except BaseException:
             await self._teardown()
@@ -165,8 +176,8 @@ class Experiment:
 
     async def _start_workers(self) -> None:
         cluster = self.config.cluster
-        counts = {"rollout": cluster.rollout_workers, "trainer": cluster.trainer_workers}
-        gpus = {"rollout": cluster.rollout_gpus, "trainer": cluster.trainer_gpus}  # [] or one list per worker
+        counts = {"rollout": cluster.rollout_workers, "trainer": cluster.trainer_workers, "env": cluster.env_workers}
+        gpus = {"rollout": cluster.rollout_gpus, "trainer": cluster.trainer_gpus, "env": []}  # [] or one list per worker
         if self.launcher is not None:
             self.local = self.launcher.workers(self.address, self.run_dir / "logs")
             for role, n in counts.items():
@@ -226,6 +237,8 @@ class Experiment:
         timeout = self.config.cluster.shutdown_timeout_s
         started = time.monotonic()
         await self.server.shut_down_workers("experiment finished", timeout)
+        if self.view is not None:
+            await self.view.stop()
         if self.events is not None:
             try:
                 await asyncio.wait_for(self.events.close(), timeout)

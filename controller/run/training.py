@@ -15,6 +15,9 @@ one supervisor (the first to fail stops the others), and writes the final checkp
 - balance (rollout/balance_loop.py, `Rebalancer.run`, with `router.across_agents`): consumes the
   rollout client's demand counters; produces instance moves between agents; waits for
   its observation interval; ends once every batch is trained.
+- environments, with `cluster.env_workers` (environments/client.py, `EnvClient.run`):
+  consumes environment workers that register after set-up (a restarted one); produces
+  them set up (the workflow's module imported in their pools) and routed to.
 - rejoin (rollout/rejoin.py, `Rejoin.run`): consumes rollout workers that register after set-up
   (a restarted one, say); produces them serving an agent at its current version; waits
   for a worker to join; ends once every batch is trained. A trainer that joins is handed
@@ -116,6 +119,7 @@ class TrainingRun:
         self._loads_at_start: dict[str, float] = {}
         server.on_died.append(self._on_worker_died)
         server.on_joined.append(self.parts.rejoin.joined)
+        server.on_joined.append(self.parts.environments.joined)
 
     @property
     def reassignments(self) -> list:
@@ -147,6 +151,7 @@ class TrainingRun:
             if parts.endpoint is not None:
                 await parts.endpoint.stop()
             await parts.client.close()
+            await parts.environments.close()
             parts.tools.shutdown(wait=False, cancel_futures=True)
             parts.metrics.close()
             await parts.allocator.close()
@@ -164,6 +169,8 @@ class TrainingRun:
                  *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in parts.pipelines.items())]
         if self.cfg.router.across_agents:
             loops.append(asyncio.create_task(parts.rebalancer.run(), name="balance"))
+        if self.cfg.cluster.env_workers:
+            loops.append(asyncio.create_task(parts.environments.run(), name="environments"))
         if self.cfg.eval.every > 0:
             loops.append(asyncio.create_task(parts.evaluator.run(), name="eval"))
         return loops
@@ -181,7 +188,9 @@ class TrainingRun:
     async def setup(self) -> None:
         """Once the workers registered: the trainers join the allocator's pool (a resumed
         run's agents restored from the checkpoint), the rollout instances are placed, their
-        engines started and the agents' training states initialised."""
+        engines started, the agents' training states initialised and the environment
+        workers' pools started (a worker that cannot import the workflow's module stops the
+        run here, in one line)."""
         parts, agents = self.parts, list(self.cfg.agents)
         for trainer in self.worker_ids("trainer"):
             parts.allocator.trainer_joined(trainer)
@@ -195,7 +204,7 @@ class TrainingRun:
         engines = [(u, w) for u, ws in placement.items() for w in ws]
         display = SetupProgress(self.cfg.run.progress)
         with display.stage(f"starting {len(engines)} rollout engines and {len(agents)} training states") as stage:
-            stage.update(0, len(engines) + 1)
+            stage.update(0, len(engines) + 2)
 
             async def counted(work: Awaitable[Any]) -> Any:
                 result = await work
@@ -203,8 +212,9 @@ class TrainingRun:
                 return result
 
             admitted = await asyncio.gather(*(counted(self._place(a, w)) for a, w in engines),
+                                            counted(parts.environments.start(self.worker_ids("env"))),
                                             counted(self._init_agents()))
-        if not all(admitted[:-1]):
+        if not all(admitted[:-2]):
             raise RuntimeError("a rollout worker died or failed while starting its engine at set-up; see its log "
                                "in the run directory's logs/ folder")
         parts.ready.set()
@@ -233,6 +243,7 @@ class TrainingRun:
         if self.server.closing:  # workers leaving after SHUTDOWN
             return
         self.parts.instances.died(info.worker_id)
+        self.parts.environments.died(info)
         if info.worker_id in self.parts.allocator.trainers:
             lost = self.parts.allocator.trainer_died(info.worker_id)
             if lost:

@@ -36,13 +36,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import secrets
 import socket
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 from flexmarl.runtime.config import ConfigError, OpenAIConfig
-from flexmarl.runtime.transport import is_loopback_host
+from flexmarl.runtime.transport import listen_key
 
 from .openai_turns import CallError, OpenAITurns
 
@@ -58,11 +57,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 
 def endpoint_key(cfg: OpenAIConfig) -> str:
     """The endpoint's key: from `openai.key_env`; required off loopback."""
-    key = os.environ.get(cfg.key_env, "") if cfg.key_env else ""
-    if not key and not is_loopback_host(cfg.host):
-        raise ConfigError(f"openai.host = {cfg.host!r} is not loopback: the endpoint needs a key there; put one "
-                          f"in the environment variable {cfg.key_env or 'FLEXMARL_OPENAI_KEY'} (openai.key_env)")
-    return key
+    return listen_key(cfg.host, cfg.key_env, "openai")
 
 
 def import_protocol() -> None:

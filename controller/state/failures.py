@@ -1,11 +1,9 @@
 """What a user is shown when their code fails: the frame of theirs that raised, and the
 error that stops a run that cannot learn.
 
-`user_frame(exc)` is "FILE:LINE in FUNCTION" of the innermost frame of the traceback that
-is the user's: not FlexMARL's own source, not the standard library and, where any frame
-qualifies, not an installed package (a library the workflow called). `user_traceback(exc)`
-is the traceback with FlexMARL's and the standard library's frames left out, ending with
-the exception line, as Python prints it.
+`user_frame(exc)` and `user_traceback(exc)` (from runtime/tracebacks.py, which an
+environment worker shares) are the user's frame that raised and their part of the
+traceback.
 
 `RunFailed` is the error that ends a run which cannot learn (too many failed episodes in a
 step, or an agent with no sample in a step); its message carries the first failure's
@@ -20,60 +18,13 @@ It does not know the workflow, the store or how failures are counted.
 
 from __future__ import annotations
 
-import sysconfig
-import traceback
-from pathlib import Path
+from flexmarl.runtime.tracebacks import calling_user_frame, user_frame, user_traceback
 
-# FlexMARL's own folders (controller/, runtime/, workers/), resolved through any symlink.
-_OWN = tuple(str(Path(__file__).resolve().parents[2] / p) + "/" for p in ("controller", "runtime", "workers"))
-_STDLIB = tuple(str(Path(sysconfig.get_paths()[k]).resolve()) + "/" for k in ("stdlib", "platstdlib"))
-_INSTALLED = tuple(str(Path(sysconfig.get_paths()[k]).resolve()) + "/" for k in ("purelib", "platlib"))
+__all__ = ["RunFailed", "calling_user_frame", "too_many_failures", "user_frame", "user_traceback"]
 
 
 class RunFailed(RuntimeError):
     """The run cannot learn and was stopped; the message says why and what to do."""
-
-
-def _resolved(filename: str) -> str:
-    try:
-        return str(Path(filename).resolve())
-    except OSError:
-        return filename
-
-
-def _ours_or_stdlib(filename: str) -> bool:
-    path = _resolved(filename)
-    return path.startswith(_OWN) or (path.startswith(_STDLIB) and not path.startswith(_INSTALLED))
-
-
-def _frames(exc: BaseException) -> list[traceback.FrameSummary]:
-    return [f for f in traceback.extract_tb(exc.__traceback__) if not _ours_or_stdlib(f.filename)]
-
-
-def user_frame(exc: BaseException) -> str:
-    """'FILE:LINE in FUNCTION' of the innermost frame of the user's, or '' if none."""
-    return _innermost(_frames(exc))
-
-
-def calling_user_frame() -> str:
-    """The same for the code running now: the user's frame that called into FlexMARL."""
-    return _innermost([f for f in traceback.extract_stack() if not _ours_or_stdlib(f.filename)])
-
-
-def _innermost(frames: list[traceback.FrameSummary]) -> str:
-    own = [f for f in frames if not _resolved(f.filename).startswith(_INSTALLED)]
-    shown = own or frames
-    if not shown:
-        return ""
-    frame = shown[-1]
-    return f"{frame.filename}:{frame.lineno} in {frame.name}"
-
-
-def user_traceback(exc: BaseException) -> str:
-    """The traceback without FlexMARL's and the standard library's frames, then the error."""
-    lines = traceback.format_list(_frames(exc))
-    error = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
-    return ("Traceback (your code):\n" + "".join(lines) if lines else "") + error
 
 
 def too_many_failures(step: int, failed: int, episodes: int, max_share: float, first: str) -> RunFailed | None:

@@ -211,6 +211,34 @@ def test_group_record_reports_training_wire_bytes_and_view_reads():
     assert {(r["wire"], r["agent"]) for r in wire} == {("default", "planner"), ("default", "solver"),
                                                        ("default", "checker"), ("group16", "agent")}
     assert all(r["bytes_per_micro_batch"] > 0 and r["micro_batches"] > 0 for r in wire)
+    assert all(r["old_bytes_per_micro_batch"] > 0 for r in wire)  # the same samples in the earlier message shape
+    (group16,) = [r for r in wire if r["wire"] == "group16"]
+    assert group16["old_bytes_per_micro_batch"] > group16["bytes_per_micro_batch"]  # the prompt once, not 16 times
     views = [r for r in rows if "view" in r]
     assert [r["view"] for r in views] == [f"{n} tokens x 8 choices" for n in (256, 1024, 4096)]
     assert all(r["last_turn_us"] > 0 and r["output_ids_us"] > 0 for r in views)
+
+
+def test_view_load_opens_a_small_synthetic_run_in_a_real_browser():
+    from flexmarl.controller.testing.browser import BrowserMissing, headless_chromium
+
+    try:
+        headless_chromium()
+    except BrowserMissing as exc:
+        pytest.skip(f"no headless browser here: {exc}")
+    (row,) = json_rows(run_bench("view_load.py", "--synthetic", "3,2,4,16"))
+    assert (row["steps"], row["agents"], row["workers"], row["samples"]) == (3, 2, 5, 48)  # 4 instances, 1 trainer
+    assert row["page_errors"] == []
+    assert 0 < row["listening_s"] <= row["header_s"] <= row["episode_s"] and row["rss_mb"] > 0
+
+
+def test_view_load_measures_what_an_unwatched_view_costs_an_idle_loop(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    (row,) = json_rows(run_bench("view_load.py", str(tmp_path), "--idle", "0.3"))
+    assert row["idle_ms_per_s"] >= 0 and row["view_ms_per_s"] >= 0 and row["events_read"] == 0  # never read
+
+
+def test_env_scaling_reports_every_cost_for_the_controller_and_for_environment_workers():
+    rows = json_rows(run_bench("env_scaling.py", "--costs", "1", "--workers", "0,1", "--seconds", "0.2"))
+    assert [(r["ms"], r["workers"]) for r in rows] == [(1.0, 0), (1.0, 1)]
+    assert all(r["samples"] >= 128 and r["samples_s"] > 0 and r["ctl_cpu_frac"] > 0 for r in rows)

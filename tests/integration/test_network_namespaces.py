@@ -1,5 +1,5 @@
 """A run across network namespaces on this machine: the controller on one "host", the
-trainer on a second, the rollout workers on a third, each with its own address and
+trainer and an environment worker on a second, the rollout workers on a third, each with its own address and
 hostname, over TCP with CURVE on (a worker without the keys never registers), the run's
 processes started by the scripts in scripts/. Weights travel trainer to rollout over the
 parameter channel's tcp transport (the hosts differ), on the addresses facing the
@@ -68,10 +68,11 @@ def test_a_run_across_network_namespaces_with_curve_finishes_and_replays(tmp_pat
             procs.append(start(nodes.command("ctl", [
                 "bash", "scripts/start_controller.sh", "examples/default.toml", address, "--steps", "2",
                 "--out", str(run_dir), "--no-progress", "--set", f"transport.curve_dir='{keys}'",
-                "--set", "pipeline.queries_per_step=4", "--set", "cluster.worker_start_timeout_s=120"]),
+                "--set", "pipeline.queries_per_step=4", "--set", "cluster.worker_start_timeout_s=120",
+                "--set", "cluster.env_workers=1"]),
                 tmp_path / "controller.log"))
             procs.append(start(nodes.command("trn", [
-                "bash", "scripts/start_workers.sh", address, "0", "1", "--curve-dir", str(keys)],
+                "bash", "scripts/start_workers.sh", address, "0", "1", "1", "--curve-dir", str(keys)],
                 hostname="fm-trainer-host"), tmp_path / "trainer-host.log"))
             procs.append(start(nodes.command("rol", [
                 "bash", "scripts/start_workers.sh", address, "3", "0", "--curve-dir", str(keys)],
@@ -98,7 +99,7 @@ def test_a_run_across_network_namespaces_with_curve_finishes_and_replays(tmp_pat
     events, damage = read_events(run_dir / "events.log")
     assert damage is None
     joined = {e.worker: e.host for e in events if isinstance(e, ev.WorkerJoined)}
-    assert joined == {"trainer-fm-trainer-host-0": "fm-trainer-host",
+    assert joined == {"trainer-fm-trainer-host-0": "fm-trainer-host", "env-fm-trainer-host-0": "fm-trainer-host",
                       **{f"rollout-fm-rollout-host-{i}": "fm-rollout-host" for i in range(3)}}
     syncs = [e for e in events if isinstance(e, ev.WeightSyncStarted)]
     assert syncs and {e.transport for e in syncs} == {"tcp"}  # another host: parameters over tcp

@@ -303,6 +303,29 @@ async def test_a_tail_returns_each_event_once_as_the_log_grows_across_segments_a
     assert len(segment_paths(path)) > 3
 
 
+async def test_a_tail_read_in_small_slices_returns_every_event_once_and_says_how_far_it_read(tmp_path):
+    """A slice smaller than a frame still reads that whole frame; the slices end where the
+    log does, across segments, and the bytes read add up to the files' sizes."""
+    from flexmarl.runtime.eventlog import LogTail
+
+    path = tmp_path / "events.log"
+    log = EventLog(path, max_bytes_per_segment=2000)
+    for i in range(300):
+        log.emit(ev.WorkerDied(f"w{i}", "x" * (i % 7)))
+        if i % 9 == 0:
+            await log.flush()
+    await log.close()
+    assert len(segment_paths(path)) > 3
+    for size in (1, 50, 700, 10**9):
+        tail, seen, polls = LogTail(path), [], 0
+        while batch := tail.poll(max_bytes=size):
+            seen += batch
+            polls += 1
+        assert [e.seq for e in seen] == list(range(300))
+        assert tail.bytes_read == sum(p.stat().st_size for p in segment_paths(path))
+        assert polls > 10 if size < 1000 else polls == 1
+
+
 def one_event_frame(body):
     """A frame of formats 1 and 2: one event, no array around it."""
     length = len(body).to_bytes(4, "little")

@@ -62,6 +62,18 @@ EXAMPLES = [
     p.AgentOffloaded(15, "solver", 3, 0, HANDLE, 1000, 0.01, [HANDLE, HANDLE]),
     p.LoadAgent(16, "solver", "/tmp/m", 1e-3, 1.0, 3, 0, HANDLE, p.TrainerSettings(), [HANDLE]),
     p.ReleaseState(17, "solver", HANDLE, [HANDLE]),
+    # environment workers
+    p.Hello(p.PROTOCOL_VERSION, "env-0", "env", "host", 125, ["cpu"]),
+    p.EnvSetup(18, "/jobs/flow.py:episode", processes=4, max_sessions=8, memory_mb=512),
+    p.EnvReady(18, 4, 0.8, "drop the network"),
+    p.EnvCalls(19, [p.EnvCall(1, "flexmarl_workflow_flow_ab12cd34", "score", b"\x92\x91\xa1x\x80", 5.0,
+                              episode="s1q0"),
+                    p.EnvCall(2, "tasks", "Maze", b"\x92\x90\x80", 5.0, op="open", session="s1q0#1"),
+                    p.EnvCall(3, "", "step", b"\x92\x91\x01\x80", 5.0, session="s1q0#1")]),
+    p.EnvResults(19, [p.EnvResult(1, b"\xcb?\xf0\x00\x00\x00\x00\x00\x00", seconds=0.01),
+                      p.EnvResult(2, failure="raised", error="ValueError: bad (at flow.py:3 in Maze)",
+                                  detail="Traceback (your code): ...")], False, {"running": 1.0}),
+    p.EnvCancel(20, [3]),
 ]
 
 

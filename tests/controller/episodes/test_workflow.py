@@ -5,7 +5,16 @@ import random
 
 import pytest
 
-from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext, ToolPool, request_seed, run_episode
+from flexmarl.controller.episodes.workflow import (
+    BRANCH,
+    AgentDefaults,
+    EpisodeContext,
+    GroupPlace,
+    ToolPool,
+    group_place,
+    request_seed,
+    run_episode,
+)
 from flexmarl.controller.state.groups import output_of
 from flexmarl.controller.state.store import DROPPED, READY, ExperienceStore
 from flexmarl.runtime.keys import GroupKey
@@ -204,6 +213,19 @@ async def test_group_ids_and_seeds_follow_the_call_not_which_branch_finishes_fir
         seeds = {(s.key, s.member): request_seed(7, s.key, s.member) for s in every_sample(store)}
         assert len(set(seeds.values())) == len(seeds)
     assert seen[0] == seen[1]
+
+
+def test_a_group_key_reads_back_into_its_episode_and_branch_whatever_the_agents_name():
+    ctx = make_ctx(ExperienceStore(["a"]), FakeGenerator(), "s3q7")
+    for agent in ("a", "b-b1", "0000000a"):
+        for branch in ((), (0,), (1, 0), (12, 3, 4)):
+            for _ in range(2):  # the second identical call: another occurrence
+                token = BRANCH.set(branch)
+                key = ctx.group_key(agent, [5, 6])
+                BRANCH.reset(token)
+                assert group_place(key) == GroupPlace("s3q7", branch), key
+    assert group_place(GroupKey("", "a", "junk")) is None  # an old log's group of no known grammar
+    assert group_place(GroupKey("e", "a", "0000000a-bx-0")) is None
 
 
 async def test_a_group_of_one_is_refused():

@@ -49,3 +49,12 @@ def test_a_gpu_shared_with_a_worker_of_several_gpus_is_refused_naming_them():
 def test_resources_read_as_cpus_and_gpus():
     assert describe_resources({"CPU": 4.0, "GPU": 1.0, "memory": 1e9}) == "4 CPUs, 1 GPU"
     assert describe_resources({"CPU": 1.0}) == "1 CPU"
+
+
+def test_an_environment_worker_asks_for_a_cpu_per_process_and_never_for_a_gpu():
+    cfg = load_config(None, ["cluster.rollout_workers=1", "cluster.trainer_workers=1", "cluster.env_workers=2",
+                             "env.processes=3", "ray.use_gpus=true"])
+    p = plan_placement(cfg.cluster, cfg.ray, 1, cfg.env.processes)
+    assert {w: (r.cpus, r.gpus) for w, r in p.workers.items() if w.startswith("env")} == {
+        "env-0": (3.0, 0.0), "env-1": (3.0, 0.0)}
+    assert p.bundles[-2:] == [{"CPU": 3.0}, {"CPU": 3.0}]

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from flexmarl.controller.records.sample_log import SampleLog, format_samples, read_samples
+from flexmarl.runtime.keys import GroupKey
 
 
 class WordTokenizer:
@@ -17,8 +18,9 @@ class WordTokenizer:
 
 
 def sample(sid, reward, batch=1, **kw):
-    fields = dict(sample_id=sid, batch=batch, prompt_ids=[1, 2, 3], output_ids=[4], mask=[1], versions=[0],
-                  reward=reward, messages=None)
+    group, _, member = sid.rpartition("/")
+    fields = dict(sample_id=sid, key=GroupKey("e", "a", group), member=int(member), batch=batch, prompt_ids=[1, 2, 3],
+                  output_ids=[4], mask=[1], versions=[0], reward=reward, messages=None)
     fields.update(kw)
     fields.setdefault("token_versions", [fields["versions"][0]] * len(fields["output_ids"]))
     return SimpleNamespace(**fields)
@@ -32,6 +34,8 @@ def test_each_step_writes_the_best_the_worst_and_samples_between_with_every_turn
     log.group_ready("a", "g", samples)
     rows = log.record(1, "a", ["g"])
     assert [r["reward"] for r in rows] == [4.0, 0.0, 2.0]
+    assert [(r["sample_id"], r["group"], r["member"]) for r in rows] == [  # its name, and which sample it is
+        ("g/4", ["e", "a", "g"], 4), ("g/0", ["e", "a", "g"], 0), ("g/2", ["e", "a", "g"], 2)]
     assert rows[0]["turns"] == [{"role": "prompt", "text": "sort 3 1"}, {"role": "agent", "text": "2", "version": 0},
                                 {"role": "appended", "text": "A reviewer says: wrong"},
                                 {"role": "agent", "text": "3", "version": 1}]

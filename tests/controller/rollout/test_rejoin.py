@@ -122,8 +122,9 @@ async def test_joins_during_set_up_are_ignored_and_a_trainer_goes_back_to_the_al
 
     _, _, _, rejoin, _, trainers = setup()
     rejoin.joined(types.SimpleNamespace(worker_id="t0", role="trainer"))
+    rejoin.joined(types.SimpleNamespace(worker_id="env-0", role="env"))  # the environment client's, not ours
     rejoin.joined(types.SimpleNamespace(worker_id="r1", role="rollout"))
-    assert trainers == ["t0"] and rejoin.queue.get_nowait() == "r1"
+    assert trainers == ["t0"] and rejoin.queue.get_nowait() == "r1" and rejoin.queue.empty()
 
 
 async def test_the_loop_serves_queued_workers_and_ends_once_every_batch_is_trained():

@@ -155,7 +155,7 @@ def test_user_code_sees_a_read_only_view_and_a_later_turn_shows_through():
 
 def test_a_view_reads_the_stored_buffers_without_copying_them():
     """`last_turn` of a 4,096-token, 8-choice reply: every property a slice of the record's
-    buffers, whatever the size (no copy; the timings are in bench/micro/openai_overhead.py)."""
+    buffers, whatever the size (no copy; the timings are in bench/micro/group_record.py)."""
     store = ExperienceStore(["a"])
     g = key("g")
     tokens = [[(7 * j + i) % 50 for i in range(4096)] for j in range(8)]
