@@ -66,3 +66,28 @@ def test_the_bench_smoke_run_prints_a_row_that_parses(tmp_path):
     assert row["samples"] == row["generated"] > 0
     assert row["accounting"] is True
     assert "| inst |" in out.stdout  # and the table
+
+
+def test_a_profile_reads_back_as_shares_by_module(tmp_path):
+    """--by-module sums a cProfile file's own time by where the code lives: our modules by
+    name, a library by its package, the standard library by its module or package."""
+    import cProfile
+    import json as json_module
+
+    def work():
+        for _ in range(200):
+            json_module.dumps({"a": list(range(50))})
+            replay.summarize([])
+
+    profile = tmp_path / "p.prof"
+    cProfile.runctx("work()", {"work": work}, {}, str(profile))
+    bench = load_bench()
+    shares = dict(bench.by_module(str(profile), top=100))
+    assert abs(sum(shares.values()) - 1.0) < 1e-9
+    assert "controller.replay.summary" in shares and "json" in shares and "built-ins" in shares
+    assert bench.module_of("/x/site-packages/zmq/sugar/socket.py") == "zmq"
+    assert bench.module_of("/usr/lib/python3.11/selectors.py") == "selectors"
+    assert bench.module_of("/usr/lib/python3.11/asyncio/base_events.py") == "asyncio"
+    out = subprocess.run([sys.executable, str(BENCH), "--by-module", str(profile)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "% " in out.stdout.splitlines()[0], out.stderr[-2000:]
