@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from .protocol import (
+    IN_FLIGHT,
     EngineSettings,
     LossAggregation,
     LossOptions,
@@ -422,6 +423,16 @@ class PipelineConfig:
         """The bound on a batch's extra episodes (`max_extra_episodes`, 0 read as its default)."""
         return self.max_extra_episodes or 3 * self.queries_per_step
 
+    in_flight: str = "finish"
+    """What a weight sync does to the requests in flight on an instance, in async mode with
+    max_staleness >= 1: "finish" (the load waits for them and holds new ones back), "keep" (the
+    weights are replaced between two engine steps and they continue on the keys and values the old
+    weights computed) or "recompute" (they continue after vLLM rebuilds their cache from prompt
+    plus tokens so far under the new weights). Every token records the version that produced it
+    and staleness counts a sample's oldest token. With max_staleness 0 and in sync mode a sync
+    always finishes them (nothing spans a version). Adapter agents' requests keep the adapter
+    version they were admitted under whatever this says."""
+
 
 @dataclass
 class EnvConfig:
@@ -620,6 +631,12 @@ class ExperimentConfig:
         return max([a.tensor_parallel_size for a in self.agents.values()]
                    + [b.tensor_parallel_size for b in self.bases.values()], default=1)
 
+    def in_flight(self) -> str:
+        """What a weight sync does to the requests in flight (`pipeline.in_flight`, where it
+        applies: async mode, max_staleness >= 1; "finish" otherwise)."""
+        pipeline = self.pipeline
+        return pipeline.in_flight if pipeline.mode == "async" and pipeline.max_staleness > 0 else "finish"
+
     def validate(self) -> "ExperimentConfig":
         if self.run.steps < 1:
             raise ConfigError(f"run.steps must be >= 1, got {self.run.steps}: a run of no optimizer step "
@@ -628,6 +645,9 @@ class ExperimentConfig:
             raise ConfigError(f"pipeline.mode must be 'sync' or 'async', got {self.pipeline.mode!r}")
         if self.pipeline.max_staleness < 0:
             raise ConfigError("pipeline.max_staleness must be >= 0")
+        if self.pipeline.in_flight not in IN_FLIGHT:
+            raise ConfigError(f"pipeline.in_flight must be one of {', '.join(map(repr, IN_FLIGHT))}, "
+                              f"got {self.pipeline.in_flight!r}")
         if self.pipeline.max_skipped_steps < 1:
             raise ConfigError(f"pipeline.max_skipped_steps must be >= 1, got {self.pipeline.max_skipped_steps}")
         if self.pipeline.clip_ratio <= 1:

@@ -218,6 +218,11 @@ class RequestsCompleted(Event):
     turn_prompt_tokens: int = 0
     turn_cached_tokens: int = 0
     parts: Parts = msgspec.field(default_factory=Parts)
+    # Per part, where a load let its request continue under new weights so its tokens span
+    # versions: per member, the oldest version of its tokens (staleness.UNSPANNED for a member
+    # whose tokens are all the part's version); [] for a part whose tokens do not span, and
+    # no list at all when no part's do.
+    oldest: list[list[int]] = []
 
     def prompt_counts(self) -> tuple[int, int, int, int]:
         """The PROMPT_FIELDS, in order."""

@@ -31,8 +31,9 @@ from .params.types import ParamHandle
 # carrying the worker's load stands in for its heartbeat; 9: environment workers and their
 # calls; 10: LoadAdapter; 11: teachers' logprobs, decoupled PPO; 12: groups named by typed
 # keys, a later turn by its turn number, the training message carries groups, a teacher's
-# logprobs packed per group): the controller refuses workers of another version.
-PROTOCOL_VERSION = 12
+# logprobs packed per group; 13: a load may let the requests in flight continue, and a reply
+# carries its tokens' versions): the controller refuses workers of another version.
+PROTOCOL_VERSION = 13
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -344,6 +345,10 @@ class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
     # request (for a group of n, the count of a member after the first).
     cached_tokens: int = 0
     turn: int = 0  # the GenGroup's
+    # TOKEN_TYPECODE array, one per token: the policy version that produced it, where a
+    # weight load let the request continue (IN_FLIGHT "keep" or "recompute") so its tokens
+    # span versions; empty: every token is `version`'s (the version it was admitted under).
+    token_versions: bytes = b""
 
 
 class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -384,6 +389,14 @@ class LoadWeights(Message):
     # worker r takes rank + r); 0 otherwise
     lora: LoraSettings | None = None
     adapter_dir: str = ""  # a PEFT adapter directory (adapter_model.safetensors) on the worker's host
+    # What the load does to the requests in flight (IN_FLIGHT): "finish" ("" too) waits for
+    # them and holds new ones back; "keep" replaces the weights between two engine steps and
+    # they continue on their cache; "recompute" also rebuilds their cache under the new weights.
+    in_flight: str = ""
+
+
+# What a weight load does to the requests in flight on the instance (LoadWeights.in_flight).
+IN_FLIGHT = ("finish", "keep", "recompute")
 
 
 class CancelLoad(Message):

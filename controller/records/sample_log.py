@@ -12,9 +12,11 @@ best and the worst reward first, the rest spread evenly between them. Each line:
 A conversation (`ctx.chat`) is given by its messages; a sample made from text or token ids
 by its prompt and then each stretch of its output ids, decoded with the agent's tokenizer:
 the agent's own turns ("agent", with the policy version of each) and the ids appended
-between them ("appended"). `flexmarl samples RUN_DIR` prints the file (`format_samples`). `sample_id` is the sample's
-name for people; `group` (its group's key, runtime/keys.py, as a list) and `member` say
-which sample it is to a program (the web view).
+between them ("appended"). A sample whose turn's weights changed under it (a sync that let
+its request continue) also has "token_versions": its output ids' versions as runs,
+[version, count] each, in order. `flexmarl samples RUN_DIR` prints the file
+(`format_samples`). `sample_id` is the sample's name for people; `group` (its group's key,
+runtime/keys.py, as a list) and `member` say which sample it is to a program (the web view).
 
 A frozen agent's samples (generated, never trained) are written the same way, marked
 `"trained": false`, once the step of their batch has ended (`record_served`).
@@ -60,6 +62,7 @@ class _Snapshot:
     messages: list | None
     group: list[str]  # the group's key (episode, agent, call)
     member: int
+    token_versions: list[list[int]]  # runs of its output ids' versions: [version, count] each
 
 
 class SampleLog:
@@ -119,9 +122,11 @@ class SampleLog:
                         tracker.log_samples(step, agent, [row for row in rows if row["agent"] == agent])
 
     def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
-        return {"step": step, "agent": agent, "sample_id": sample_id, "group": snap.group, "member": snap.member,
-                "reward": snap.reward,
-                "versions": snap.versions, "turns": self._turns(agent, snap)}
+        row = {"step": step, "agent": agent, "sample_id": sample_id, "group": snap.group, "member": snap.member,
+               "reward": snap.reward, "versions": snap.versions, "turns": self._turns(agent, snap)}
+        if len(snap.token_versions) > len(snap.versions):  # a turn's tokens span versions
+            row["token_versions"] = snap.token_versions
+        return row
 
     def _turns(self, agent: str, snap: _Snapshot) -> list[dict[str, Any]]:
         if snap.messages is not None:
@@ -157,7 +162,18 @@ def _snapshot(s: Any) -> _Snapshot:
     """What a row needs of a sample's view."""
     return _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
                      None if s.messages is None else [dict(m) for m in s.messages],
-                     [s.key.episode, s.key.agent, s.key.call], s.member)
+                     [s.key.episode, s.key.agent, s.key.call], s.member, runs(s.token_versions))
+
+
+def runs(versions: Any) -> list[list[int]]:
+    """A sequence of versions as runs, [version, count] each, in order."""
+    out: list[list[int]] = []
+    for v in versions:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
 
 
 def _step_of(line: str) -> int | None:
@@ -205,6 +221,8 @@ def format_samples(rows: list[dict[str, Any]], step: int | None = None, agent: s
             served = "  (served: generated, not trained)" if r.get("trained") is False else ""
             reward = "none" if r["reward"] is None else f"{r['reward']:.3f}"
             lines.append(f"--- {r['sample_id']}  reward {reward} {label}  versions {r['versions']}{served}")
+            if r.get("token_versions"):  # weights changed under a turn: which tokens each version made
+                lines.append("  tokens by version: " + ", ".join(f"v{v} x{n}" for v, n in r["token_versions"]))
             for t in r["turns"]:
                 version = f" (v{t['version']})" if t.get("version") is not None else ""
                 text = t["text"].replace("\n", "\n    ")

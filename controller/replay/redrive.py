@@ -11,6 +11,7 @@ It does not read files or know how decisions are carried out.
 
 from __future__ import annotations
 
+import itertools
 import tomllib
 from typing import Sequence
 
@@ -79,9 +80,10 @@ def _refilled_store(log: list, agents: list[str], others: set[str], dynamic: Seq
         if kind is opened:
             store.open_group(e.key, (), e.n, e.batch)
         elif kind is completed:  # a part: members of one group, or a later turn (its group's versions are the first's)
-            for (key, first, size, turn), version in zip(e.parts, e.versions):
+            spans = e.oldest or itertools.repeat(())
+            for (key, first, size, turn), version, oldest in zip(e.parts, e.versions, spans):
                 if not turn and store.holds(key):
-                    store.record_versions(key, first, size, version)
+                    store.record_versions(key, first, size, version, oldest)
         elif kind is rewarded:  # the log has no token ids, only the count
             store.set_group_rewards(e.key, e.rewards, size=e.tokens)
         elif kind is ev.GroupTargets:

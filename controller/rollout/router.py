@@ -38,6 +38,7 @@ from typing import Any, Callable, Coroutine, Sequence
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.keys import GroupKey, TurnKey
+from flexmarl.runtime.staleness import spanned_oldest
 
 from ..control.interfaces import Emit
 from ..control.server import ControllerServer, RemoteError, WorkerDied
@@ -379,9 +380,13 @@ class RolloutClient:
                 later, n = _later(p.group), p.group.n
                 prompt[later] += n * len(p.group.prompt_ids)
                 cached[later] += r.cached_tokens * (n - 1 if n > 1 else 1)
+            spans = [spanned_oldest(r.lengths, r.version, memoryview(protocol.native(protocol.TOKEN_TYPECODE,
+                                                                                         r.token_versions)).cast("i"))
+                     if r.token_versions else [] for _, r in results]
             event = ev.RequestsCompleted(
                 worker, agent, request_id, [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
-                prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]))
+                prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]),
+                spans if any(spans) else [])
             self.emit(event)
             counts = self.prompt_counts[agent]
             for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):

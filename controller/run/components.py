@@ -293,7 +293,8 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                                  saves_parked=cfg.cluster.trainer_group_size == 1)
     weights = WeightSync(agents, server, instances, versions, emit, trainer_for=_trainer_for(allocator),
                          lora={a: units.lora(a) for a in agents}, ranks={a: units.of(a).ranks for a in agents},
-                         snapshots=snapshots, adapter_dirs={a: c.adapter for a, c in cfg.agents.items() if c.adapter})
+                         snapshots=snapshots, adapter_dirs={a: c.adapter for a, c in cfg.agents.items() if c.adapter},
+                         in_flight=cfg.in_flight())
     allocator.on_parked.append(weights.forget)
     def load_message(unit: str) -> protocol.LoadModel:
         return resolved.load_message(unit, server.next_request_id(), cfg.run.seed)

@@ -14,7 +14,11 @@ A reply is kept as it arrived: a part's packed arrays are the buffers (several p
 joined once, in member order). A later turn of member j makes new buffers with the turn's
 ids in place (they are never changed in place, so a view handed out before keeps reading
 what it read); every token carries its version, so a turn whose weights changed under it
-is an addition here, not a reshape.
+(a load that let its request continue: the reply's `token_versions`) is kept as it came.
+A member's staleness counts its oldest token: `oldest()` reads the members' turn versions,
+and, once some member's first-turn tokens span versions, `token_oldest` (per member, the
+oldest version of those tokens; what a re-drive of the event log refills, which keeps no
+tokens). A later turn counts the version it was admitted under (its tokens are no older).
 
 `SampleView` is one member as user code sees it: read-only, current (a later turn shows
 through), and O(1) per access: token ids, logprobs, mask and versions are memoryviews of
@@ -36,6 +40,7 @@ import msgspec
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.keys import GroupKey
+from flexmarl.runtime.staleness import UNSPANNED, spanned_oldest
 
 from .groups import GroupOutput
 
@@ -43,8 +48,9 @@ PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 SERVED = "served"  # a frozen agent's: generated, never to be trained
 
 TOKEN, LOGPROB = protocol.TOKEN_TYPECODE, protocol.LOGPROB_TYPECODE
-# A member whose first turn has not come back yet (its version, until then).
-NOT_YET = -(2 ** 31)
+# A member whose first turn has not come back yet (its version, until then); in
+# `token_oldest`, one whose first turn's tokens do not span versions.
+NOT_YET = UNSPANNED
 
 
 class DuplicateResult(Exception):
@@ -102,6 +108,9 @@ class GroupRecord(msgspec.Struct, gc=False):
     ready_seq: int = 0  # the order in which it became trainable, across every agent
     texts: list[str] | None = None  # per member: the last turn's text (agents with a tokenizer)
     messages: list[Any] | None = None  # per member: the conversation so far (ctx.chat), a snapshot
+    # Per member, once some member's first-turn tokens span versions: the oldest version of
+    # them (NOT_YET: its do not; its first turn's version says it).
+    token_oldest: array.array | None = None
 
     @classmethod
     def opened(cls, key: GroupKey, prompt_ids: Sequence[int], n: int, batch: int) -> GroupRecord:
@@ -131,10 +140,35 @@ class GroupRecord(msgspec.Struct, gc=False):
         return [first] if not turns else [first, *(t.version for t in turns)]
 
     def oldest(self) -> list[int]:
-        """Per member: the oldest version of any of its turns."""
+        """Per member: the oldest version of any of its tokens, where its first turn's tokens
+        span versions (`token_oldest`), else of any of its turns (a later turn counts the
+        version it was admitted under: the oldest its tokens can be)."""
+        spans = self.token_oldest
+        firsts = self.first.tolist() if spans is None else [f if s == NOT_YET else s
+                                                            for f, s in zip(self.first, spans)]
         if not self.later:
-            return self.first.tolist()
-        return [min(self.turn_versions(j)) for j in range(self.n)]
+            return firsts
+        later = self.later
+        return [min(f, *(t.version for t in later[j])) if j in later else f for j, f in enumerate(firsts)]
+
+    def spanned(self) -> list[int]:
+        """Per member: the oldest version of its first turn's tokens where they span versions
+        (a load let their request continue), NOT_YET where not; empty: no member's do."""
+        return self.token_oldest.tolist() if self.token_oldest is not None else []
+
+    def _note_spans(self, first: int, lengths: Sequence[int], admitted: int, token_versions: bytes) -> None:
+        """A part's members (from `first`), admitted under `admitted`, whose first turn's
+        tokens (packed `token_versions`) span versions."""
+        self.note_oldest(first, spanned_oldest(lengths, admitted, _ids(token_versions)))
+
+    def note_oldest(self, first: int, oldest: Sequence[int]) -> None:
+        """Members `first` on: `oldest`, per member, its first turn's oldest token's version
+        where they span versions (NOT_YET where not)."""
+        for j, version in enumerate(oldest, first):
+            if version != NOT_YET and 0 <= j < self.n:
+                if self.token_oldest is None:
+                    self.token_oldest = array.array("i", [NOT_YET]) * self.n
+                self.token_oldest[j] = version
 
     def turns_of(self, member: int) -> list[TurnSampling]:
         """What each of the member's turns was sampled at, the first's start 0."""
@@ -158,7 +192,8 @@ class GroupRecord(msgspec.Struct, gc=False):
         if len(parts) == 1:
             (result, worker), = parts
             tokens, logprobs = protocol.native(TOKEN, result.token_ids), protocol.native(LOGPROB, result.logprobs)
-            versions = _repeated(result.version, len(tokens) // 4)
+            versions = (protocol.native(TOKEN, result.token_versions) if result.token_versions
+                        else _repeated(result.version, len(tokens) // 4))
             self.first = array.array("i", [result.version]) * self.n
             self.finish_reasons = result.finish_reasons or [""] * self.n
             self.served_by = [worker] * self.n
@@ -166,7 +201,8 @@ class GroupRecord(msgspec.Struct, gc=False):
         else:
             tokens = b"".join(protocol.native(TOKEN, r.token_ids) for r, _ in parts)
             logprobs = b"".join(protocol.native(LOGPROB, r.logprobs) for r, _ in parts)
-            versions = b"".join(_repeated(r.version, sum(r.lengths)) for r, _ in parts)
+            versions = b"".join(protocol.native(TOKEN, r.token_versions) if r.token_versions
+                                else _repeated(r.version, sum(r.lengths)) for r, _ in parts)
             self.first = array.array("i", [r.version for r, _ in parts for _ in r.lengths])
             self.finish_reasons = [f for r, _ in parts for f in (r.finish_reasons or [""] * len(r.lengths))]
             self.served_by = [w for r, w in parts for _ in r.lengths]
@@ -174,13 +210,21 @@ class GroupRecord(msgspec.Struct, gc=False):
         self.tokens, self.logprobs, self.versions = tokens, logprobs, versions
         self.offsets = array.array("q", itertools.accumulate(lengths, initial=0))
         self.sampling = sampling
+        member = 0
+        for r, _ in parts:
+            if r.token_versions:
+                self._note_spans(member, r.lengths, r.version, protocol.native(TOKEN, r.token_versions))
+            member += len(r.lengths)
 
-    def record_versions(self, first: int, size: int, version: int) -> None:
+    def record_versions(self, first: int, size: int, version: int, oldest: Sequence[int] = ()) -> None:
         """Members `first` to `first + size - 1` without a first turn get an empty one from
-        `version` (a re-drive from the event log, which keeps versions, not tokens)."""
+        `version` (a re-drive from the event log, which keeps versions, not tokens); `oldest`,
+        per member of the part, its tokens' oldest version where they spanned versions
+        (NOT_YET where not; empty: none did)."""
         for j in range(max(first, 0), min(first + size, self.n)):
             if self.first[j] == NOT_YET:
                 self.first[j] = version
+        self.note_oldest(first, oldest[:size])
         if not self.offsets:
             self.offsets = array.array("q", [0]) * (self.n + 1)
             self.finish_reasons, self.served_by = [""] * self.n, [""] * self.n
@@ -198,7 +242,9 @@ class GroupRecord(msgspec.Struct, gc=False):
         self.tokens = self.tokens[:at] + appended + generated + self.tokens[at:]
         self.logprobs = (self.logprobs[:at] + bytes(4 * added) + protocol.native(LOGPROB, result.logprobs)
                          + self.logprobs[at:])
-        self.versions = self.versions[:at] + _repeated(result.version, added + gen) + self.versions[at:]
+        spanning = protocol.native(TOKEN, result.token_versions) if result.token_versions else b""
+        self.versions = (self.versions[:at] + _repeated(result.version, added)
+                         + (spanning or _repeated(result.version, gen)) + self.versions[at:])
         mask = self.mask if self.mask is not None else b"\x01" * total
         self.mask = mask[:b] + b"\x00" * added + b"\x01" * gen + mask[b:]
         offsets = self.offsets

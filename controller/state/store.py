@@ -126,11 +126,13 @@ class ExperienceStore:
             raise DuplicateResult(f"group {key} already has its outputs ({group.status})")
         group.record_outputs(output, sampling)
 
-    def record_versions(self, key: GroupKey, first: int, size: int, version: int) -> None:
+    def record_versions(self, key: GroupKey, first: int, size: int, version: int,
+                        oldest: Sequence[int] = ()) -> None:
         """Members `first` to `first + size - 1` of the group, those without an output yet,
         get an empty one from `version`: a re-drive from the event log, where a completed
-        part of a group is its members and the version that generated them."""
-        self._groups[key].record_versions(first, size, version)
+        part of a group is its members and the version that generated them (and, where
+        their tokens spanned versions, `oldest`: per member the oldest, UNSPANNED where not)."""
+        self._groups[key].record_versions(first, size, version, oldest)
 
     def turn_context(self, key: GroupKey, member: int, appended_ids: Sequence[int]) -> tuple[list[int], str, int]:
         """For another turn of member `member`: the ids to generate it from (its prompt,

@@ -131,11 +131,14 @@ class WeightSync:
                  trainer_for: Callable[[str], AsyncContextManager[str]] | None = None,
                  lora: dict[str, protocol.LoraSettings | None] | None = None,
                  ranks: dict[str, int] | None = None, snapshots: dict[str, tuple[str, int]] | None = None,
-                 adapter_dirs: dict[str, str] | None = None) -> None:
+                 adapter_dirs: dict[str, str] | None = None, in_flight: str = "finish") -> None:
         self.server = server
         # Snapshot agent -> (the agent it copies, its refresh interval in that agent's steps).
         self.snapshots = snapshots or {}
         self.adapter_dirs = adapter_dirs or {}  # frozen adapter agent -> its PEFT directory
+        # What a load does to the requests in flight on an instance (LoadWeights.in_flight);
+        # an adapter's load never waits for them (its requests keep their version).
+        self.in_flight = in_flight
         # Per agent, the workers of each of its engines (tensor parallelism): each receives
         # the weights itself, so each is a receiving rank of its own. Default 1.
         self.ranks = ranks or {}
@@ -240,8 +243,8 @@ class WeightSync:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), source, version, transport, instances, group, width))
             loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
-                self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent))))
-                for w in instances}
+                self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent),
+                self.in_flight))) for w in instances}
             cancelled = await self._cancel_if_a_rank_dies(agent, reply.handle, loads) if group else []
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
@@ -331,7 +334,7 @@ class WeightSync:
                         worker, agent, source, pub.version, self.versions[agent])
         rank = 1 if pub.transport == "nccl" else 0
         await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, pub.version,
-                                                            pub.handle, rank, self.lora.get(agent)))
+                                                            pub.handle, rank, self.lora.get(agent), self.in_flight))
         return pub.version
 
     async def _republish(self, agent: str, worker: str) -> Publication:

@@ -288,3 +288,14 @@ def test_env_scaling_reports_every_cost_for_the_controller_and_for_environment_w
     rows = json_rows(run_bench("env_scaling.py", "--costs", "1", "--workers", "0,1", "--seconds", "0.2"))
     assert [(r["ms"], r["workers"]) for r in rows] == [(1.0, 0), (1.0, 1)]
     assert all(r["samples"] >= 128 and r["samples_s"] > 0 and r["ctl_cpu_frac"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_long_tail_reports_each_in_flight_setting_against_finish():
+    rows = json_rows(run_bench("long_tail.py", "--steps", "3", "--warmup", "1", "--settings", "finish,keep",
+                               "--ks", "1", "--max-tokens", "48", "--queries", "4", "--group-size", "4"))
+    runs, ratios = rows[:2], rows[2:]
+    assert [(r["in_flight"], r["max_staleness"]) for r in runs] == [("finish", 1), ("keep", 1)]
+    assert all(r["failed_episodes"] == 0 and r["samples_per_s"] > 0 and len(r["reward"]) == 3 for r in runs)
+    assert runs[0]["spanned_parts"] == 0 and runs[1]["sync_wait_s"] >= 0 and len(runs[0]["occupancy"]) == 2
+    assert [(r["in_flight"], "samples_per_s_vs_finish" in r) for r in ratios] == [("keep", True)]

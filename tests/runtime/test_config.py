@@ -143,3 +143,12 @@ def test_built_in_and_module_workflows_are_not_paths(tmp_path):
     (tmp_path / "c.toml").write_text('[run]\nworkflow = "mypkg.flows:episode"\n')
     assert load_config(tmp_path / "c.toml").run.workflow == "mypkg.flows:episode"
     assert load_config(None, ["run.workflow=digit_chain"]).run.workflow == "digit_chain"
+
+
+def test_the_in_flight_setting_is_checked_and_applies_only_where_a_sample_may_span_versions():
+    with pytest.raises(ConfigError, match="pipeline.in_flight must be one of 'finish', 'keep', 'recompute', got 'wait'"):
+        load_config(None, ["pipeline.in_flight=wait"])
+    for overrides, applied in ((["pipeline.mode=async", "pipeline.max_staleness=1"], "keep"),
+                               (["pipeline.mode=async", "pipeline.max_staleness=0"], "finish"),  # K = 0: exactly sync
+                               (["pipeline.mode=sync", "pipeline.max_staleness=1"], "finish")):
+        assert load_config(None, ["pipeline.in_flight=keep", *overrides]).in_flight() == applied

@@ -14,7 +14,10 @@ the engine itself is broken.
 Weights are replaced in place: `load_published` has every worker of the engine (one per
 tensor-parallel rank) receive a publication of the parameter channel itself and load its
 part (engine_receive.py), so nothing but the handle passes through vLLM's calls;
-`load_weights` takes tensors this process already holds.
+`load_weights` takes tensors this process already holds. A load with requests in flight is
+refused, or (`in_flight` "keep" / "recompute") applied between two steps while they
+continue; the engine labels its weights with a version (`label_weights`) and a request whose
+tokens came from more than one label says which, per token (`Completion.token_versions`).
 
 Every call is synchronous and short (one engine step is milliseconds for the tiny models),
 except the constructor (seconds) and the two loads; a caller on an asyncio loop runs those
@@ -54,7 +57,7 @@ import torch
 
 from flexmarl.runtime.model_specs import has_tokenizer
 from flexmarl.runtime.params.shm_segments import CANCEL_PREFIX, LORA_PREFIX, memory_dir
-from flexmarl.runtime.protocol import EngineSettings
+from flexmarl.runtime.protocol import IN_FLIGHT, EngineSettings
 
 from ..precision import DTYPES, engine_args, engine_env, gpu_total_bytes, resolve_dtype, worker_device
 from .engine_adapters import AdapterRegistry, ResidentAdapter
@@ -146,6 +149,10 @@ class Completion:
     # vLLM's reason per sample: "stop" (end of sequence, a stop token or string) or "length" (max_tokens).
     finish_reasons: list[str]
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    # Per token, the weights version that produced it (`weights_version` when it was
+    # sampled), where a load with the request in flight let it continue under new weights;
+    # None: every token is the version the request was added under.
+    token_versions: list[int] | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -200,6 +207,7 @@ class VllmEngine:
             **engine_args(self.device, settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes),
         )
         self._engine = self._llm.llm_engine
+        self._engine.set_weight_version("0")  # labels are versions (`label_weights`)
         model_config = self._engine.model_config
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
@@ -213,6 +221,12 @@ class VllmEngine:
         self._outstanding: dict[str, int] = {}
         # A scoring request (add's `score_from`): its id -> the ids it scores.
         self._scoring: dict[str, list[int]] = {}
+        # request_id -> the weights version it was added under (requests of whole weights).
+        self._added_under: dict[str, int] = {}
+        self._weights_version = 0
+        # The prefix cache may hold keys and values of replaced weights (a load kept the
+        # requests in flight, whose blocks could not be dropped): reset once they are done.
+        self._stale_prefixes = False
         # CPU engines reload by copying and repacking where the layout allows (engine_reload.py).
         self._inplace = inplace_reload
         self.last_reload = ""  # "in place" or "vllm": how the last load went
@@ -326,6 +340,7 @@ class VllmEngine:
         if score_from >= 0:
             self._scoring[request_id] = list(prompt_ids[score_from:])
         if resident is None:
+            self._added_under[request_id] = self._weights_version
             return -1
         assert self.adapters is not None  # the resident adapter came from it
         self.adapters.use(request_id, resident)
@@ -341,7 +356,9 @@ class VllmEngine:
                 self.adapters.release(output.request_id)
             if self._outstanding.pop(output.request_id, None) is None:
                 self._scoring.pop(output.request_id, None)
+                self._added_under.pop(output.request_id, None)
                 continue  # aborted meanwhile
+            added_under = self._added_under.pop(output.request_id, None)
             scored = self._scoring.pop(output.request_id, None)
             if scored is not None:
                 steps = output.prompt_logprobs[-len(scored):]
@@ -352,20 +369,32 @@ class VllmEngine:
             token_ids: list[int] = []
             logprobs: list[float] = []
             lengths, reasons = [], []
-            for sample in sorted(output.outputs, key=lambda o: o.index):
+            versions: list[int] | None = None
+            samples = sorted(output.outputs, key=lambda o: o.index)
+            for sample in samples:
                 token_ids += sample.token_ids
                 logprobs += [step_logprobs[token].logprob
                              for token, step_logprobs in zip(sample.token_ids, sample.logprobs)]
                 lengths.append(len(sample.token_ids))
                 reasons.append(sample.finish_reason or "")
+            if added_under is not None and any(_spans_other(s.weight_versions, added_under) for s in samples):
+                versions = [v for s in samples for v in _token_versions(s.weight_versions, len(s.token_ids),
+                                                                         added_under)]
             completions.append(Completion(output.request_id, token_ids, logprobs, lengths, reasons,
-                                          output.num_cached_tokens or 0))
+                                          output.num_cached_tokens or 0, versions))
         if completions:
             self._retire_adapters()
+        if self._stale_prefixes and not self._engine.has_unfinished_requests():
+            self._stale_prefixes = not self._engine.reset_prefix_cache()
         return completions
 
     def has_unfinished(self) -> bool:
         return self._engine.has_unfinished_requests()
+
+    @property
+    def running_sequences(self) -> int:
+        """Samples in the engine not finished yet (each of a request's n counts)."""
+        return self._engine.output_processor.get_num_unfinished_requests()
 
     @property
     def num_queued_requests(self) -> int:
@@ -387,6 +416,7 @@ class VllmEngine:
             for name in names:
                 del self._outstanding[name]
                 self._scoring.pop(name, None)
+                self._added_under.pop(name, None)
                 if self.adapters is not None:
                     self.adapters.release(name)
             self._retire_adapters()
@@ -442,7 +472,19 @@ class VllmEngine:
 
     # ---- weights ---------------------------------------------------------------------
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    @property
+    def weights_version(self) -> int:
+        """The version the engine's weights are labelled with (0 until `label_weights`)."""
+        return self._weights_version
+
+    def label_weights(self, version: int) -> None:
+        """Label the weights the engine holds now `version`: each token sampled from here on
+        carries it (`Completion.token_versions`, where a request spans two labels)."""
+        self._weights_version = version
+        self._engine.set_weight_version(str(version))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, in_flight: str = "finish",
+                     version: int | None = None) -> float:
         """Replace every weight in place from Hugging Face checkpoint names and tensors
         this process holds (e.g. `model.named_parameters()` of the trainer's
         LlamaForCausalLM); returns the seconds it took. An engine of several workers gets
@@ -451,22 +493,29 @@ class VllmEngine:
 
         The set must be complete: vLLM reloads layer by layer, and a layer given only part
         of its weights computes NaNs from then on, so a partial set is refused up front.
-        Requests in flight would finish on a mix of old and new weights, so finish or abort
-        them first.
+
+        `in_flight` says what becomes of the requests in flight: "finish" refuses the load
+        while there are any (finish or abort them first); "keep" replaces the weights between
+        two steps and they continue, their keys and values of the old weights kept; "recompute"
+        drops their cache, which vLLM rebuilds from prompt plus tokens so far under the new
+        weights before they continue (each sample's random stream goes on where it was).
+        With `version`, the weights are labelled it (`label_weights`) as they load.
 
         With tied embeddings, `lm_head.weight` may be given or not (a `state_dict()` has
         it, `named_parameters()` and the checkpoint usually do not): it is the embedding
         matrix under a second name, so it is checked equal to it and dropped.
         """
         weights = list(named_tensors)
-        self._check_loadable([(name, tuple(t.shape)) for name, t in weights])
+        self._check_loadable([(name, tuple(t.shape)) for name, t in weights], in_flight)
         start = time.perf_counter()
         outcomes = self._engine.collective_rpc("flexmarl_load_tensors",
                                                args=(weights, self.tied_embeddings, self._inplace))
-        self._loaded(raise_failures(outcomes, "load_weights failed; the engine keeps its previous weights"))
+        self._loaded(raise_failures(outcomes, "load_weights failed; the engine keeps its previous weights"),
+                     in_flight, version)
         return time.perf_counter() - start
 
-    def load_published(self, handle: Any, *, rank: int = 0, config: Any = None) -> float:
+    def load_published(self, handle: Any, *, rank: int = 0, config: Any = None, in_flight: str = "finish",
+                       version: int | None = None) -> float:
         """Replace every weight in place from a publication of the parameter channel
         (`handle`, a ParamHandle; `rank`: the engine's first rank of an nccl broadcast,
         its worker r taking rank + r; `config`: the channel settings). Each worker of the
@@ -476,7 +525,7 @@ class VllmEngine:
         they were. Otherwise as `load_weights`; returns the seconds it took."""
         from flexmarl.runtime.params.types import ParamChannelConfig
 
-        self._check_loadable([(spec.name, tuple(spec.shape)) for spec in handle.layout])
+        self._check_loadable([(spec.name, tuple(spec.shape)) for spec in handle.layout], in_flight)
         start = time.perf_counter()
         request = msgspec.msgpack.encode(PublishedLoad(
             handle=handle, rank=rank, config=config or ParamChannelConfig(), cancel_dir=self._cancel_dir,
@@ -489,7 +538,7 @@ class VllmEngine:
             self._engine.collective_rpc("flexmarl_drop", args=(handle.key,))
             raise_failures(received, "receiving the weights failed; the engine keeps its previous weights")
         outcomes = self._engine.collective_rpc("flexmarl_apply", args=(handle.key,))
-        self._loaded(raise_failures(outcomes, "loading the received weights failed"))
+        self._loaded(raise_failures(outcomes, "loading the received weights failed"), in_flight, version)
         return time.perf_counter() - start
 
     def cancel_receive(self, key: str) -> None:
@@ -499,11 +548,13 @@ class VllmEngine:
         if self._engine is not None:
             Path(cancel_mark(self._cancel_dir, key)).touch()
 
-    def _check_loadable(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+    def _check_loadable(self, shapes: list[tuple[str, tuple[int, ...]]], in_flight: str = "finish") -> None:
         """Refuse, before any worker is touched, a set that is not exactly this model's
-        weights (a tied head aside), or that has the wrong shapes, or any load while
-        requests are in flight."""
-        if self._outstanding:
+        weights (a tied head aside), or that has the wrong shapes, or (`in_flight`
+        "finish") any load while requests are in flight."""
+        if in_flight not in IN_FLIGHT:
+            raise ValueError(f"in_flight is {in_flight!r}; it must be one of {', '.join(IN_FLIGHT)}")
+        if self._outstanding and in_flight == "finish":
             raise RuntimeError(
                 f"{len(self._outstanding)} requests are in flight; finish or abort them "
                 "before loading weights so no sample mixes two policy versions"
@@ -529,13 +580,19 @@ class VllmEngine:
             raise ValueError(f"load_weights got tensors of the wrong shape for {wrong[:5]} "
                              "(another architecture?); the engine keeps its previous weights")
 
-    def _loaded(self, outcomes: list[Any]) -> None:
+    def _loaded(self, outcomes: list[Any], in_flight: str, version: int | None) -> None:
         how, why = outcomes[0].value, outcomes[0].detail
         if how == "vllm" and why and self.last_reload != "vllm":
             log.info("weights reload through vLLM's reload: %s", why)
         self.last_reload = how
-        # Cached prefixes hold keys and values computed by the old weights.
-        self._engine.reset_prefix_cache()
+        if version is not None:
+            self.label_weights(version)
+        # Cached prefixes hold keys and values computed by the old weights. "recompute"
+        # preempts the requests in flight (vLLM puts them back in its queue, their blocks
+        # freed, to be prefilled again); "keep" leaves their blocks, and what they share
+        # with the cache is dropped once they are done (`step`).
+        recompute = in_flight == "recompute" and self._engine.has_unfinished_requests()
+        self._stale_prefixes = not self._engine.reset_prefix_cache(reset_running_requests=recompute)
 
     def close(self) -> None:
         """Release the engine; the object is unusable afterwards."""
@@ -552,6 +609,7 @@ class VllmEngine:
         self._llm = None
         self._outstanding.clear()
         self._scoring.clear()
+        self._added_under.clear()
         if engine is not None:
             engine.engine_core.shutdown()
 
@@ -580,6 +638,20 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _spans_other(spans: Any, version: int) -> bool:
+    """vLLM's weight-version spans of a sample name any version but `version`."""
+    return bool(spans) and any(int(span.version) != version for span in spans)
+
+
+def _token_versions(spans: Any, count: int, version: int) -> list[int]:
+    """Per token of a sample of `count` tokens, the version of vLLM's span holding it
+    (`version` where none was reported)."""
+    out = [version] * count
+    for span in spans or ():
+        out[span.start:span.end] = [int(span.version)] * (min(span.end, count) - span.start)
+    return out
 
 
 def eos_token_ids(model_path: str | os.PathLike) -> list[int]:

@@ -81,8 +81,11 @@ def cost(group: protocol.GenGroup) -> int:
 
 
 def group_result(group: protocol.GenGroup, version: int, completion: Any) -> protocol.GroupResult:
-    """The reply for `group`, from the engine's `Completion` of it (its samples back to back)."""
+    """The reply for `group`, from the engine's `Completion` of it (its samples back to back;
+    each token's version where a load let it continue under new weights)."""
+    versions = completion.token_versions
     return protocol.GroupResult(group.key, group.first, version, list(completion.lengths),
                                 protocol.packed(protocol.TOKEN_TYPECODE, completion.token_ids),
                                 protocol.packed(protocol.LOGPROB_TYPECODE, completion.logprobs),
-                                list(completion.finish_reasons), completion.cached_tokens, group.turn)
+                                list(completion.finish_reasons), completion.cached_tokens, group.turn,
+                                protocol.packed(protocol.TOKEN_TYPECODE, versions) if versions else b"")

@@ -22,13 +22,15 @@ def sample(sid, reward, batch=1, **kw):
     fields = dict(sample_id=sid, key=GroupKey("e", "a", group), member=int(member), batch=batch, prompt_ids=[1, 2, 3],
                   output_ids=[4], mask=[1], versions=[0], reward=reward, messages=None)
     fields.update(kw)
+    fields.setdefault("token_versions", [fields["versions"][0]] * len(fields["output_ids"]))
     return SimpleNamespace(**fields)
 
 
 def test_each_step_writes_the_best_the_worst_and_samples_between_with_every_turn_and_version(tmp_path):
     log = SampleLog(tmp_path, 3, {"a": WordTokenizer()})
     samples = [sample(f"g/{i}", float(i)) for i in range(5)]
-    samples[4] = sample("g/4", 4.0, output_ids=[4, 5, 6, 2], mask=[1, 0, 0, 1], versions=[0, 1])
+    samples[4] = sample("g/4", 4.0, output_ids=[4, 5, 6, 2], mask=[1, 0, 0, 1], versions=[0, 1],
+                        token_versions=[0, 1, 1, 1])
     log.group_ready("a", "g", samples)
     rows = log.record(1, "a", ["g"])
     assert [r["reward"] for r in rows] == [4.0, 0.0, 2.0]
@@ -39,6 +41,17 @@ def test_each_step_writes_the_best_the_worst_and_samples_between_with_every_turn
                                 {"role": "agent", "text": "3", "version": 1}]
     assert read_samples(tmp_path) == rows
     assert log.record(1, "a", ["g"]) == []  # a step's snapshots go once it is recorded
+
+
+def test_a_turn_whose_weights_changed_under_it_shows_which_tokens_each_version_made(tmp_path):
+    log = SampleLog(tmp_path, 1, {"a": WordTokenizer()})
+    log.group_ready("a", "g", [sample("g/0", 1.0, output_ids=[4, 2, 3, 4], versions=[3],
+                                      token_versions=[3, 3, 4, 4])])
+    (row,) = log.record(1, "a", ["g"])
+    assert row["versions"] == [3] and row["token_versions"] == [[3, 2], [4, 2]]
+    assert "  tokens by version: v3 x2, v4 x2" in format_samples(read_samples(tmp_path)).splitlines()
+    log.group_ready("a", "h", [sample("h/0", 1.0, output_ids=[4, 2], versions=[3])])
+    assert "token_versions" not in log.record(2, "a", ["h"])[0]  # one version throughout: nothing more said
 
 
 def test_a_conversation_is_shown_by_its_messages_with_the_version_of_each_reply(tmp_path):

@@ -55,7 +55,7 @@ def test_sample_texts_reach_tensorboard_and_wandb(tmp_path, monkeypatch):
     trackers = open_trackers(["tensorboard", "wandb"], tmp_path, {"run": {"wandb_project": "t"}}, ["a"])
     log = SampleLog(tmp_path, 1, {}, trackers)
     said = types.SimpleNamespace(sample_id="g/0", key=GroupKey("e", "a", "g"), member=0, batch=1, prompt_ids=[], output_ids=[], mask=[], versions=[0],
-                                 reward=1.0, messages=[{"role": "user", "content": "What is 7 + 5?"},
+                                 token_versions=[], reward=1.0, messages=[{"role": "user", "content": "What is 7 + 5?"},
                                                        {"role": "assistant", "content": "twelve"}])
     log.group_ready("a", "g", [said])
     log.record(1, "a", ["g"])

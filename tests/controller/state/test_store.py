@@ -1,7 +1,7 @@
 import pytest
 
 from flexmarl.controller.state.decisions import MicroBatchSize
-from flexmarl.controller.state.groups import output_of
+from flexmarl.controller.state.groups import GroupOutput, output_of
 from flexmarl.controller.state.store import (CONSUMED, DROPPED, READY, DuplicateResult, ExperienceStore, TurnSampling,
                                              group_advantages)
 from flexmarl.runtime import events as ev
@@ -239,3 +239,56 @@ def test_what_a_checkpoint_leaves_out_is_asked_of_the_store():
     store.open_group(key("h", "b"), [1], 3, 3)
     store.open_group(key("i", "b"), [1], 2, 1)
     assert store.samples_past(1) == {"a": 2, "b": 3} and store.samples_past(3) == {}
+
+
+def spanning_output(key_, lengths, version, token_versions):
+    """One part whose members' tokens carry `token_versions` (a load let the request continue)."""
+    ids = [[5] * n for n in lengths]
+    result = protocol.GroupResult(key_, 0, version, list(lengths),
+                                  protocol.packed(protocol.TOKEN_TYPECODE, [t for i in ids for t in i]),
+                                  protocol.packed(protocol.LOGPROB_TYPECODE, [-0.5] * sum(lengths)),
+                                  ["length"] * len(lengths),
+                                  token_versions=protocol.packed(protocol.TOKEN_TYPECODE, token_versions))
+    return GroupOutput([(result, "r0")])
+
+
+def test_a_sample_whose_tokens_span_two_versions_records_both_and_is_gated_by_its_oldest():
+    from flexmarl.controller.state import decisions
+
+    store = ExperienceStore(["a"])
+    g = key("g")
+    store.open_group(g, [1, 2], 3, 0)
+    # Admitted under 4; a sync to 5 came after member 0's second token and member 1's first;
+    # member 2 had not started (all its tokens are 5's).
+    store.record_group(g, spanning_output(g, [4, 3, 2], 4, [4, 4, 5, 5, 4, 5, 5, 5, 5]), TurnSampling(0))
+    views = store.views(g)
+    assert [v.token_versions.tolist() for v in views] == [[4, 4, 5, 5], [4, 5, 5], [5, 5]]
+    assert [v.versions for v in views] == [[4], [4], [4]]  # the turn: the version it was admitted under
+    store.set_group_rewards(g, [1.0, 0.0, 0.5])
+    (group,) = store.take("a", 0, MicroBatchSize(8))
+    assert group.oldest() == [4, 4, 5] and group.train_group().versions == [4, 4, 5]
+    assert decisions.split_stale([group], 6, max_staleness=1) == ([group], [])  # trains 5 - 4 = 1: kept
+    assert decisions.split_stale([group], 7, max_staleness=1) == ([], [group])  # trains 6: its oldest is 2 old
+
+
+def test_a_member_whose_tokens_all_came_after_the_sync_counts_their_version_not_its_admission():
+    store = ExperienceStore(["a"])
+    g = key("g")
+    store.open_group(g, [1], 2, 0)
+    store.record_group(g, spanning_output(g, [2, 2], 3, [3, 4, 4, 4]), TurnSampling(0))
+    store.set_group_rewards(g, [1.0, 0.0])
+    (group,) = store.take("a", 0, MicroBatchSize(8))
+    assert group.oldest() == [3, 4] and group.spanned() == [3, 4]
+
+
+def test_the_event_logs_oldest_tokens_refill_a_store_that_gates_the_same():
+    live, again = ExperienceStore(["a"]), ExperienceStore(["a"])
+    g = key("g")
+    for store in (live, again):
+        store.open_group(g, [1], 2, 0)
+    live.record_group(g, spanning_output(g, [2, 2], 3, [3, 4, 4, 4]), TurnSampling(0))
+    again.record_versions(g, 0, 2, 3, [3, 4])  # what RequestsCompleted.oldest says of the part
+    for store in (live, again):
+        store.set_group_rewards(g, [1.0, 0.0], size=5)
+    assert [gr.oldest() for gr in live.take("a", 0, MicroBatchSize(8))] == \
+        [gr.oldest() for gr in again.take("a", 0, MicroBatchSize(8))] == [[3, 4]]

@@ -50,6 +50,8 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.queued)
 
+    running_sequences = 0
+
     def step(self):
         done = [Completion(rid, [3] * (n * t), [-0.5] * (n * t), [t] * n, ["length"] * n)
                 for rid, (n, t) in self.queued.items()]

@@ -76,8 +76,8 @@ class PublishedLoadRecorder:
     def __init__(self):
         self.loads = []
 
-    def load_published(self, handle, *, rank=0, config=None):
-        self.loads.append((handle, rank, config))
+    def load_published(self, handle, *, rank=0, config=None, in_flight="finish", version=None):
+        self.loads.append((handle, rank, config, in_flight, version))
 
     def has_unfinished(self):
         return False
@@ -95,8 +95,8 @@ def test_whole_weights_go_to_the_engine_as_a_handle_with_the_rank_and_channel_se
     handler = RolloutHandler(config)
     handler.engine, handler.agent = PublishedLoadRecorder(), "planner"
     handler._load_weights(p.LoadWeights(1, "planner", 1, "nccl handle", rank=3))
-    handler._load_weights(p.LoadWeights(2, "planner", 2, "shm handle"))
-    assert handler.engine.loads == [("nccl handle", 3, config), ("shm handle", 0, config)]
+    handler._load_weights(p.LoadWeights(2, "planner", 2, "shm handle", in_flight="keep"))
+    assert handler.engine.loads == [("nccl handle", 3, config, "finish", 1), ("shm handle", 0, config, "keep", 2)]
     assert handler.version == 2 and handler._channel is None  # no channel of its own was needed
 
 
@@ -178,11 +178,14 @@ def test_load_model_hands_the_agents_engine_settings_to_the_engine(monkeypatch):
         def __init__(self, model_path, **kwargs):
             built.append((model_path, kwargs))
 
+        def label_weights(self, version):
+            built.append(version)
+
     monkeypatch.setattr(engine_module, "VllmEngine", RecordingEngine)
     settings = p.EngineSettings("bfloat16", 0.5, 2)
     RolloutHandler()._load_model(p.LoadModel(1, "solver", "/models/solver", 0, seed=3, max_model_len=0,
                                              engine=settings))
-    assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings})]
+    assert built == [("/models/solver", {"seed": 3, "max_model_len": 0, "settings": settings}), 0]
 
 
 class GroupingEngine:
@@ -199,6 +202,8 @@ class GroupingEngine:
 
     def has_unfinished(self):
         return bool(self._done)
+
+    running_sequences = 0
 
     def step(self):
         done, self._done = self._done, []
@@ -276,3 +281,46 @@ def test_an_engine_is_not_started_on_checkpoint_files_that_fail_their_manifest(t
     with pytest.raises(DamagedFile, match="model.safetensors does not match its checksum"):
         handler._load_model(p.LoadModel(1, "planner", str(tmp_path), 4, checksums=digests))
     assert handler.engine is None and handler.version == -1  # vLLM never read a byte of it
+
+
+@pytest.mark.parametrize("in_flight", [pytest.param("finish", marks=pytest.mark.slow), "keep", "recompute"])
+async def test_a_load_under_keep_or_recompute_is_applied_while_a_group_runs_and_the_group_says_which_tokens_each_made(
+        tmp_path, in_flight):
+    from safetensors.torch import load_file
+
+    spec = digit_chain.AGENTS["planner"]
+    model_dir = models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler._load_model(p.LoadModel(1, "planner", str(model_dir), 0, max_model_len=64))
+    prompt = digit_chain.planner_prompt(digit_chain.make_query(random.Random(6)))
+    group = p.GenGroup(K("long"), "planner", 2, prompt, 64 - len(prompt), 1.0, 3, ignore_eos=True)
+    weights = {name: t + 0.01 for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+    loop = asyncio.create_task(handler.run())
+    with ParamChannel() as channel:
+        try:
+            handle = channel.publish(weights, agent="planner", version=1, transport="shm")
+            await handler.handle(p.Generate(2, [group]), [])
+            while not handler._running:  # admitted: the group is in flight from here on
+                await asyncio.sleep(0)
+            await handler.handle(p.LoadWeights(3, "planner", 1, handle, in_flight=in_flight), [])
+            while not any(isinstance(m, p.Generated) and m.done for m in outbox.sent) or \
+                    not any(isinstance(m, p.WeightsLoaded) for m in outbox.sent):
+                outbox.arrived.clear()
+                await asyncio.wait_for(outbox.arrived.wait(), 60)
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            handler.close()
+    order = [type(m).__name__ for m in outbox.sent if isinstance(m, (p.Generated, p.WeightsLoaded))]
+    (result,) = next(m for m in outbox.sent if isinstance(m, p.Generated)).results
+    versions = p.unpacked(p.TOKEN_TYPECODE, result.token_versions).tolist()
+    assert result.version == 0 and result.lengths == [group.max_tokens] * 2
+    if in_flight == "finish":  # the load waited for the group: one version throughout
+        assert order == ["Generated", "WeightsLoaded"] and versions == []
+    else:  # loaded between two steps; the group went on under version 1
+        assert order == ["WeightsLoaded", "Generated"]
+        for j in range(2):
+            own = versions[j * group.max_tokens:(j + 1) * group.max_tokens]
+            switch = own.index(1)
+            assert 0 < switch < group.max_tokens and own == [0] * switch + [1] * (group.max_tokens - switch)
