@@ -244,7 +244,7 @@ class WeightSync:
                 self.server.next_request_id(), source, version, transport, instances, group, width))
             loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
                 self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent),
-                self.in_flight))) for w in instances}
+                in_flight=self.in_flight))) for w in instances}
             cancelled = await self._cancel_if_a_rank_dies(agent, reply.handle, loads) if group else []
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
@@ -334,7 +334,7 @@ class WeightSync:
                         worker, agent, source, pub.version, self.versions[agent])
         rank = 1 if pub.transport == "nccl" else 0
         await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, pub.version,
-                                                            pub.handle, rank, self.lora.get(agent), self.in_flight))
+                                                            pub.handle, rank, self.lora.get(agent), in_flight=self.in_flight))
         return pub.version
 
     async def _republish(self, agent: str, worker: str) -> Publication:

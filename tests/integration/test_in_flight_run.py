@@ -22,7 +22,7 @@ import long_tail  # noqa: E402
 
 
 def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_and_replays(tmp_path):
-    args = argparse.Namespace(steps=3, seed=0, chain=False, queries=4, group_size=4, max_tokens=48)
+    args = argparse.Namespace(steps=5, seed=0, chain=False, queries=4, group_size=4, max_tokens=96)
     (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
     cfg = load_config(str(tmp_path / "job.toml"))
 
