@@ -408,6 +408,10 @@ def by_module(path: str, top: int = 16) -> list[tuple[str, float]]:
     return [(name, t / total) for name, t in sorted(spent.items(), key=lambda kv: -kv[1])[:top]]
 
 
+# The project's packages in this checkout: their files are named by module, whatever the path.
+PACKAGES = [Path(__file__).resolve().parents[2] / name for name in ("controller", "runtime", "workers")]
+
+
 def module_of(filename: str) -> str:
     if filename == "~" or filename.startswith("<"):
         return "built-ins"
@@ -415,6 +419,9 @@ def module_of(filename: str) -> str:
     parts = path.with_suffix("").parts
     if "flexmarl" in parts:
         return ".".join(parts[parts.index("flexmarl") + 1:])
+    for package in PACKAGES:  # the project's own packages where they sit in a checkout (an editable install)
+        if path.is_relative_to(package):
+            return ".".join(path.with_suffix("").relative_to(package.parent).parts)
     for anchor in ("site-packages", "dist-packages"):
         if anchor in parts:
             return parts[parts.index(anchor) + 1]
