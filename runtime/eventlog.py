@@ -419,7 +419,6 @@ def read_events(path: str | Path) -> tuple[list[Event], str | None]:
     if not paths:
         raise FileNotFoundError(f"no event log at {path}")
     reader = _SegmentReader()
-    problems = []
     with collector.paused():  # decoding makes no cycles, only many lists
         for index, seg in enumerate(paths):
             torn = reader.read(seg, last=index == len(paths) - 1)
@@ -427,10 +426,7 @@ def read_events(path: str | Path) -> tuple[list[Event], str | None]:
                     for lost in reader.lost]
         if torn is not None:
             problems.append(torn)
-        if reader._open_gap is not None:  # damage no intact frame followed: in its place, at the end
-            gap = reader._open_gap
-            gap.seq, gap.t = gap.first_seq, reader.events[-1].t if reader.events else 0.0
-            reader.events.append(gap)
+        reader.place_gap(-1)  # damage no intact frame followed: in its place, at the end
         return reader.events, reader.with_skipped_note("; ".join(problems) or None)
 
 
@@ -515,8 +511,13 @@ class LogTail:
             return memoryview(data), len(data) < want
 
 
+def _first_seq(items: list) -> int:
+    """The seq of a frame's first event (one of a kind this version does not know: (kind, seq))."""
+    return items[0][1] if type(items[0]) is tuple else items[0].seq
+
+
 class _Decoders:
-    """The decoders of one format's events: one at a time, an array, raw."""
+    """The decoders of one format's events: one at a time, an array."""
 
     def __init__(self, union: object) -> None:
         self.one = msgspec.msgpack.Decoder(union)
@@ -585,6 +586,16 @@ class _SegmentReader:
         self.lost.append(gap)
         self._open_gap = gap
 
+    def place_gap(self, next_seq: int) -> None:
+        """The open damage's EventsLost, its events ending before `next_seq` (-1: the log
+        ended in it), put among the events where it was; nothing if none is open."""
+        gap, self._open_gap = self._open_gap, None
+        if gap is None:
+            return
+        gap.next_seq = next_seq
+        gap.seq, gap.t = gap.first_seq, self.events[-1].t if self.events else 0.0
+        self.events.append(gap)
+
     def _resync(self, data: memoryview, start: int) -> int | None:
         """The offset of the first intact frame at or after `start` (its length plausible,
         its checksum right, its events decodable and numbered on from the last read), or
@@ -602,7 +613,7 @@ class _SegmentReader:
             items = self._decode(data[off + _U32.size:end - _U32.size])
             if isinstance(items, str) or not items:
                 continue
-            first = items[0][1] if type(items[0]) is tuple else items[0].seq
+            first = _first_seq(items)
             if first >= self.next_seq:
                 self.next_seq = first  # what the damage held is counted from here on
                 return off
@@ -651,7 +662,7 @@ class _SegmentReader:
             return items
         seq, skipped = self.next_seq, []
         if self._open_gap is not None and items:  # after damage that ran to a segment's end: numbered on from here
-            seq = max(seq, items[0][1] if type(items[0]) is tuple else items[0].seq)
+            seq = max(seq, _first_seq(items))
         for item in items:
             if type(item) is tuple:  # an event of a kind this version does not know
                 skipped.append(item[0])
@@ -663,10 +674,7 @@ class _SegmentReader:
         for kind in skipped:
             self.skipped[kind] = self.skipped.get(kind, 0) + 1
         if self._open_gap is not None:  # the first frame after damage: what it held, in its place
-            gap, self._open_gap = self._open_gap, None
-            gap.next_seq = items[0][1] if type(items[0]) is tuple else items[0].seq
-            gap.seq, gap.t = gap.first_seq, self.events[-1].t if self.events else 0.0
-            self.events.append(gap)
+            self.place_gap(_first_seq(items))
         if skipped:
             items = [e for e in items if type(e) is not tuple]
         if self.decoders is not _TYPED and self.legacy is not None:

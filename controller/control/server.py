@@ -336,11 +336,7 @@ class ControllerServer:
                 self._declare_dead(info, f"left: {msg.reason}")
             case protocol.Hello():
                 self._reject(inbound.identity, "duplicate HELLO", "duplicate HELLO on a registered connection")
-            case _ if hasattr(msg, "request_id"):
-                if load := getattr(msg, "load", None):  # a busy worker's replies stand in for its heartbeats
-                    info.load = load
-                self._deliver(info, msg, inbound.buffers)
-            case _:
+            case _:  # what a worker never sends (its replies to requests went to `_dispatch_reply`)
                 self._reject(inbound.identity, "unexpected kind",
                              f"unexpected {type(msg).__name__} from worker {info.worker_id}")
 

@@ -35,7 +35,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from flexmarl.runtime.atomic import write_text_atomically
 
@@ -53,16 +53,21 @@ class Decoder(Protocol):
 
 @dataclass
 class _Snapshot:
+    """What a row needs of a sample, as its view gave it when its group was ready. The
+    sequences are the view's own (read-only memoryviews of buffers the store never changes
+    in place, or lists made for it), turned into lists only for the samples a row is
+    written of: most of them are never written."""
+
     batch: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    mask: list[int]
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    mask: Sequence[int]
     versions: list[int]
     reward: float | None  # None: a frozen agent's sample the workflow gave no reward
-    messages: list | None
+    messages: Sequence[Mapping[str, Any]] | None
     group: list[str]  # the group's key (episode, agent, call)
     member: int
-    token_versions: list[list[int]]  # runs of its output ids' versions: [version, count] each
+    token_versions: Sequence[int]  # its output ids' versions
 
 
 class SampleLog:
@@ -124,17 +129,19 @@ class SampleLog:
     def _row(self, step: int, agent: str, sample_id: str, snap: _Snapshot) -> dict[str, Any]:
         row = {"step": step, "agent": agent, "sample_id": sample_id, "group": snap.group, "member": snap.member,
                "reward": snap.reward, "versions": snap.versions, "turns": self._turns(agent, snap)}
-        if len(snap.token_versions) > len(snap.versions):  # a turn's tokens span versions
-            row["token_versions"] = snap.token_versions
+        token_versions = runs(snap.token_versions)
+        if len(token_versions) > len(snap.versions):  # a turn's tokens span versions
+            row["token_versions"] = token_versions
         return row
 
     def _turns(self, agent: str, snap: _Snapshot) -> list[dict[str, Any]]:
         if snap.messages is not None:
+            messages = [dict(m) for m in snap.messages]
             versions = iter(snap.versions)
             turns = []
-            replies = sum(1 for m in snap.messages if m.get("role") == "assistant")
+            replies = sum(1 for m in messages if m.get("role") == "assistant")
             prompt_replies = replies - len(snap.versions)  # assistant turns given in the prompt
-            for m in snap.messages:
+            for m in messages:
                 turn = {"role": m.get("role", "?"), "text": str(m.get("content", ""))}
                 if m.get("role") == "assistant":
                     if prompt_replies > 0:
@@ -144,9 +151,9 @@ class SampleLog:
                 turns.append(turn)
             return turns
         decode = self._decoder(agent)
-        turns = [{"role": "prompt", "text": decode(snap.prompt_ids)}]
+        turns = [{"role": "prompt", "text": decode(list(snap.prompt_ids))}]
         versions = iter(snap.versions)
-        for generated, ids in _stretches(snap.output_ids, snap.mask):
+        for generated, ids in _stretches(list(snap.output_ids), list(snap.mask)):
             turn = {"role": "agent" if generated else "appended", "text": decode(ids)}
             if generated:
                 turn["version"] = next(versions, None)
@@ -159,10 +166,9 @@ class SampleLog:
 
 
 def _snapshot(s: Any) -> _Snapshot:
-    """What a row needs of a sample's view."""
-    return _Snapshot(s.batch, list(s.prompt_ids), list(s.output_ids), list(s.mask), s.versions, s.reward,
-                     None if s.messages is None else [dict(m) for m in s.messages],
-                     [s.key.episode, s.key.agent, s.key.call], s.member, runs(s.token_versions))
+    """What a row needs of a sample's view, without a copy of its tokens (O(1) a sample)."""
+    return _Snapshot(s.batch, s.prompt_ids, s.output_ids, s.mask, s.versions, s.reward, s.messages,
+                     [s.key.episode, s.key.agent, s.key.call], s.member, s.token_versions)
 
 
 def runs(versions: Any) -> list[list[int]]:

@@ -413,10 +413,9 @@ def _account_rows(t: _Tally) -> dict[tuple, AccountRow]:
 
 
 def _rows_from(generated: collections.Counter, trained: collections.Counter, dropped: collections.Counter,
-               in_flight: collections.Counter, served: collections.Counter | None = None) -> dict[tuple, AccountRow]:
+               in_flight: collections.Counter, served: collections.Counter) -> dict[tuple, AccountRow]:
     """The rows from the samples counted per (agent, version), each column a Counter of
     positive counts: a row per key found in any of them."""
-    served = served or collections.Counter()
     return {(agent, version): AccountRow(agent, version, generated[agent, version], trained[agent, version],
                                          dropped[agent, version], in_flight[agent, version],
                                          served=served[agent, version])

@@ -271,7 +271,7 @@ class OpenAIEndpoint:
 
         try:
             session = self._session(headers.get("authorization"))
-            call = await self._request(model, headers, raw)
+            call = await self._request(model, raw)
             branch = headers.get(BRANCH_HEADER, "")
             BRANCH.set(tuple(int(i) for i in branch.split(".")) if branch.replace(".", "").isdigit() else ())
             cap = PROMPT_CAP.set(self.cfg.max_request_tokens)
@@ -294,7 +294,7 @@ class OpenAIEndpoint:
             return _stream(response, bool(call.stream_options and call.stream_options.include_usage))
         return _json(response)
 
-    async def _request(self, model: type[pydantic.BaseModel], headers: Any, raw: bytes) -> Any:
+    async def _request(self, model: type[pydantic.BaseModel], raw: bytes) -> Any:
         """The body parsed and validated as `model`: in a thread when it is large."""
         if len(raw) > self.cfg.max_request_bytes:
             raise _too_large("the request body", self.cfg.max_request_bytes)

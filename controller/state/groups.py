@@ -10,7 +10,6 @@ Plain data: no sockets, no asyncio.
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
 from typing import Sequence, cast
 
@@ -32,8 +31,7 @@ def scored(output: GroupOutput) -> tuple[list[float], int]:
     """A scoring request's output (a group of one, `GenGroup.score_from`): the logprob of
     each scored id, and the version that scored them."""
     (result, _), = output.parts
-    logprobs = array.array(protocol.LOGPROB_TYPECODE, protocol.native(protocol.LOGPROB_TYPECODE, result.logprobs))
-    return cast(list[float], logprobs.tolist()), result.version
+    return cast(list[float], protocol.unpacked(protocol.LOGPROB_TYPECODE, result.logprobs).tolist()), result.version
 
 
 def assemble(parts: Sequence[tuple[protocol.GroupResult, str]]) -> GroupOutput:

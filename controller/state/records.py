@@ -156,11 +156,6 @@ class GroupRecord(msgspec.Struct, gc=False):
         (a load let their request continue), NOT_YET where not; empty: no member's do."""
         return self.token_oldest.tolist() if self.token_oldest is not None else []
 
-    def _note_spans(self, first: int, lengths: Sequence[int], admitted: int, token_versions: bytes) -> None:
-        """A part's members (from `first`), admitted under `admitted`, whose first turn's
-        tokens (packed `token_versions`) span versions."""
-        self.note_oldest(first, spanned_oldest(lengths, admitted, _ids(token_versions)))
-
     def note_oldest(self, first: int, oldest: Sequence[int]) -> None:
         """Members `first` on: `oldest`, per member, its first turn's oldest token's version
         where they span versions (NOT_YET where not)."""
@@ -212,8 +207,9 @@ class GroupRecord(msgspec.Struct, gc=False):
         self.sampling = sampling
         member = 0
         for r, _ in parts:
-            if r.token_versions:
-                self._note_spans(member, r.lengths, r.version, protocol.native(TOKEN, r.token_versions))
+            if r.token_versions:  # the part's members whose first turn's tokens span versions
+                token_versions = _ids(protocol.native(TOKEN, r.token_versions))
+                self.note_oldest(member, spanned_oldest(r.lengths, r.version, token_versions))
             member += len(r.lengths)
 
     def record_versions(self, first: int, size: int, version: int, oldest: Sequence[int] = ()) -> None:

@@ -236,11 +236,7 @@ class ExperienceStore:
             del self._groups[key]
 
     def set_reward(self, key: GroupKey, member: int, reward: float) -> None:
-        group = self._group(key)
-        if self._accept_reward(group, member, reward):
-            group.rewarded += 1
-            if group.rewarded == group.n:
-                self._maybe_ready(group)
+        self._reward(self._group(key), member, reward)
 
     def set_group_rewards(self, key: GroupKey, rewards: Sequence[float], size: int | None = None) -> None:
         """The rewards of the group's members, in order (as many as given): what
@@ -250,16 +246,13 @@ class ExperienceStore:
         if size is not None:
             group.size = size
         for member, reward in enumerate(rewards):
-            if self._accept_reward(group, member, reward):
-                group.rewarded += 1
-                if group.rewarded == group.n:
-                    self._maybe_ready(group)
+            self._reward(group, member, reward)
 
-    @staticmethod
-    def _accept_reward(group: GroupRecord, member: int, reward: float) -> bool:
-        """Sets a pending sample's reward; False (nothing set) if its group was dropped."""
+    def _reward(self, group: GroupRecord, member: int, reward: float) -> None:
+        """Sets a pending sample's reward (nothing if its group was dropped); the group's
+        last one makes it trainable if it can be."""
         if group.status == DROPPED:
-            return False  # its group was dropped meanwhile (its episode failed)
+            return  # its group was dropped meanwhile (its episode failed)
         if group.status != PENDING:
             raise ValueError(f"reward for {group.key.sample(member)} arrived after its group was complete "
                              f"({group.status}): its advantages are already fixed, so this reward would be "
@@ -270,7 +263,9 @@ class ExperienceStore:
         if not math.isfinite(reward):
             raise ValueError(f"reward for {group.key.sample(member)} is not finite: {reward}")
         group.rewards[member] = float(reward)
-        return True
+        group.rewarded += 1
+        if group.rewarded == group.n:
+            self._maybe_ready(group)
 
     def drop_group(self, key: GroupKey, why: str) -> None:
         group = self._groups[key]
