@@ -285,7 +285,7 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
             proximal_lp = token_scores(model, samples, out_mask > 0, *settings)[0]
     logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
-    teacher_kl = torch.zeros_like(logp)
+    teacher_kl = None  # no teacher: no tensor of zeros made, summed and read back per micro-batch
     if options.teacher_coef > 0:
         teacher_kl = (logp.detach() - teacher_logprobs(samples, width)) * out_mask
         adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * teacher_kl
@@ -307,7 +307,7 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
             length_max=int(out_mask.sum(-1).max().item()),
             compared=float(compared.sum()), abs_diff=float(d.abs().sum()),
             rollout_kl=float((k3(d) * compared).sum()), clipped=float((clipped.float() * out_mask).sum()),
-            ref_kl=float(ref_kl.sum()), teacher_kl=float(teacher_kl.sum()))
+            ref_kl=float(ref_kl.sum()), teacher_kl=float(teacher_kl.sum()) if teacher_kl is not None else 0.0)
     return loss, sums
 
 
