@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from flexmarl.runtime import bases, protocol
 from flexmarl.runtime.config import ConfigError, ExperimentConfig, to_dict, trained_agents
-from flexmarl.runtime.model_specs import has_tokenizer
+from flexmarl.runtime.model_specs import default_model_cache, has_tokenizer
 
 from ..control.interfaces import Emit
 from ..control.server import ControllerServer
@@ -61,7 +61,7 @@ from ..train.pipeline import AgentPipeline
 from ..train.trainer_lanes import TrainerLanes
 from ..weights.sync import WeightSync
 from .lora_targets import check_lora_targets
-from .model_resolution import TINY_PREFIX, check_model, model_cache, resolve_model, tensor_names
+from .model_resolution import TINY_PREFIX, check_model, resolve_model, tensor_names
 from .run_bases import keep_base, kept_base
 
 log = logging.getLogger("flexmarl.components")
@@ -218,7 +218,7 @@ def _difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
 def _model_paths(cfg: ExperimentConfig, kept: dict[str, Path], run_dir: Path | None) -> dict[str, str]:
     """Each agent's model directory, each model resolved once (a base once for all its
     agents) and its build shown under the name of what uses it."""
-    display, cache = SetupProgress(cfg.run.progress), _shown(model_cache())
+    display, cache = SetupProgress(cfg.run.progress), _shown(default_model_cache())
     users: dict[str, list[str]] = {}  # model name -> the agents that use it
     for agent in cfg.agents:
         users.setdefault(bases.model_of(cfg, agent), []).append(agent)

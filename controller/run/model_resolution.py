@@ -31,11 +31,6 @@ from flexmarl.runtime.progress_file import PROGRESS_FILE_ENV, read_progress
 from ..tasks import digit_chain
 from .lora_targets import model_tensor_names
 
-def model_cache() -> Path:
-    """Where built tiny models are cached: FLEXMARL_MODEL_CACHE, else the machine's per-user
-    cache directory (~/.cache/flexmarl/models on Linux)."""
-    return default_model_cache()
-
 
 TINY_PREFIX = "tiny:"
 # The largest model the shipped jobs build (a team's base, warm-up included) takes 3-4
@@ -56,11 +51,11 @@ class ModelError(ValueError):
 
 def resolve_model(name: str, cache_root: Path | None = None,
                   on_build: Callable[[str], ContextManager[Any]] | None = None) -> str:
-    """`tiny:AGENT` / `tiny:JOB:AGENT` builds (once, cached under `model_cache()` unless
+    """`tiny:AGENT` / `tiny:JOB:AGENT` builds (once, cached under `default_model_cache()` unless
     `cache_root` is given) a job's tiny model; anything else is a path to a Hugging Face
     model directory. A build runs inside `on_build(name)`, a context whose value's
     `update(done, total)` is given the builder's warm-up steps as they go."""
-    cache_root = model_cache() if cache_root is None else cache_root
+    cache_root = default_model_cache() if cache_root is None else cache_root
     if name.startswith(TINY_PREFIX):
         job, agent = tiny_model_name(name)
         cached = _job_model(name, job, agent).cached(cache_root)

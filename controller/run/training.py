@@ -54,7 +54,7 @@ from flexmarl.runtime import bases, protocol
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.aio import supervise
 from flexmarl.runtime.atomic import write_text_atomically
-from flexmarl.runtime.config import ExperimentConfig, dump_toml
+from flexmarl.runtime.config import ExperimentConfig, dump_toml, trained_agents
 
 from ..control.interfaces import Emit
 from ..control.server import ControllerServer
@@ -191,7 +191,7 @@ class TrainingRun:
         engines started, the agents' training states initialised and the environment
         workers' pools started (a worker that cannot import the workflow's module stops the
         run here, in one line)."""
-        parts, agents = self.parts, parts_trained(self.parts)
+        parts, agents = self.parts, trained_agents(self.cfg)
         for trainer in self.worker_ids("trainer"):
             parts.allocator.trainer_joined(trainer)
         if self.resume is not None:
@@ -231,7 +231,7 @@ class TrainingRun:
         return decisions.place_agents(list(units), workers, weight)
 
     async def _init_agents(self) -> None:
-        for agent in parts_trained(self.parts):  # in order: with limited capacity, later ones park earlier ones
+        for agent in trained_agents(self.cfg):  # in order: with limited capacity, later ones park earlier ones
             await self.parts.allocator.acquire(agent)
             self.parts.allocator.release(agent)
 
@@ -270,11 +270,6 @@ class TrainingRun:
         end = await self._worker_loads()
         return {w: round((end[w] - self._loads_at_start.get(w, 0.0)) / self.wall_s, 3)
                 for w in end if self.wall_s > 0 and w in self._loads_at_start}
-
-
-def parts_trained(parts: Components) -> list[str]:
-    """The agents that train (a frozen agent has no training state), in config order."""
-    return list(parts.pipelines)
 
 
 def whole_model_message(cfg: ExperimentConfig, agent: str, request_id: int, path: str,

@@ -215,12 +215,24 @@ class WeightSync:
 
     async def _load_each(self, agent: str, version: int, handle: ParamHandle, ranks: dict[str, int]) -> None:
         """Every instance of `ranks` loads `handle` as `agent` at `version`; one that dies leaves the agent."""
-        results = await asyncio.gather(*(self.server.call(w, protocol.LoadWeights(
-            self.server.next_request_id(), agent, version, handle, rank, self.lora.get(agent)))
-            for w, rank in ranks.items()), return_exceptions=True)
-        for worker, result in zip(ranks, results):
+        results = await asyncio.gather(*(self._load(w, agent, version, handle, rank=rank) for w, rank in ranks.items()),
+                                       return_exceptions=True)
+        self._loaded(agent, version, list(ranks), results, f"while loading {agent} version {version}")
+
+    def _load(self, worker: str, agent: str, version: int, handle: ParamHandle | None, *, rank: int = 0,
+              adapter_dir: str = "", in_flight: str = "") -> Any:
+        """The call that has `worker` load `agent`'s weights at `version` (every field of
+        LoadWeights named: its optional ones are easily given in the wrong place)."""
+        return self.server.call(worker, protocol.LoadWeights(
+            request_id=self.server.next_request_id(), agent=agent, version=version, handle=handle, rank=rank,
+            lora=self.lora.get(agent), adapter_dir=adapter_dir, in_flight=in_flight))
+
+    def _loaded(self, agent: str, version: int, workers: list[str], results: list[Any], during: str) -> None:
+        """Each worker's load result: loaded, or dead (it leaves the agent; said `during` what);
+        any other failure is raised."""
+        for worker, result in zip(workers, results):
             if isinstance(result, WorkerDied):
-                log.warning("%s died while loading %s version %d; it leaves the agent", worker, agent, version)
+                log.warning("%s died %s; it leaves the agent", worker, during)
             elif isinstance(result, BaseException):
                 raise result
             else:
@@ -242,9 +254,8 @@ class WeightSync:
         try:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), source, version, transport, instances, group, width))
-            loads = {w: asyncio.ensure_future(self.server.call(w, protocol.LoadWeights(
-                self.server.next_request_id(), agent, version, reply.handle, ranks[w], self.lora.get(agent),
-                in_flight=self.in_flight))) for w in instances}
+            loads = {w: asyncio.ensure_future(self._load(w, agent, version, reply.handle, rank=ranks[w],
+                                                         in_flight=self.in_flight)) for w in instances}
             cancelled = await self._cancel_if_a_rank_dies(agent, reply.handle, loads) if group else []
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:
@@ -258,13 +269,7 @@ class WeightSync:
         dead = [w for w, r in zip(instances, results) if isinstance(r, WorkerDied)]
         if group and dead and any(isinstance(r, BaseException) and not isinstance(r, WorkerDied) for r in results):
             raise _BroadcastLostARank(dead, cancelled)
-        for worker, result in zip(instances, results):
-            if isinstance(result, WorkerDied):
-                log.warning("%s died during the weight sync of %s; it leaves the agent", worker, agent)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                self.instances.loaded(worker, agent, version)
+        self._loaded(agent, version, instances, results, f"during the weight sync of {agent}")
         self.published[source] = Publication(version, reply.handle, transport,  # the trainer's one live publication of it
                                              self._identity(trainer))
         self.emit(ev.WeightSyncFinished(agent, version, time.monotonic() - t0, reply.nbytes))
@@ -320,8 +325,7 @@ class WeightSync:
         synced version where that can still be read, else its source's version now, newer
         (the source's trainer holds no older weights); a frozen adapter its directory."""
         if agent in self.adapter_dirs:
-            await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, 0, None, 0,
-                                                                self.lora.get(agent), self.adapter_dirs[agent]))
+            await self._load(worker, agent, 0, None, adapter_dir=self.adapter_dirs[agent])
             return 0
         source = self.source_of(agent)
         pub = self.published.get(source)
@@ -333,8 +337,7 @@ class WeightSync:
             log.warning("%s joins snapshot %s at %s version %d, not its synced %d (no older weights are held)",
                         worker, agent, source, pub.version, self.versions[agent])
         rank = 1 if pub.transport == "nccl" else 0
-        await self.server.call(worker, protocol.LoadWeights(self.server.next_request_id(), agent, pub.version,
-                                                            pub.handle, rank, self.lora.get(agent), in_flight=self.in_flight))
+        await self._load(worker, agent, pub.version, pub.handle, rank=rank, in_flight=self.in_flight)
         return pub.version
 
     async def _republish(self, agent: str, worker: str) -> Publication:

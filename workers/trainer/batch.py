@@ -26,7 +26,8 @@ class Sample:
     """One member of a micro-batch's group, as the loss reads it."""
 
     group: int  # its group's index in the micro-batch: members of one group share their prompt
-    name: str  # for people (error messages)
+    key: GroupKey  # its group's key, and its index in the group: who it is (`name`)
+    member: int
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     advantage: float
@@ -40,6 +41,11 @@ class Sample:
     turns: Sequence[protocol.MemberTurn] = ()  # its later turns, each with its own settings
     # On-policy distillation: the teacher's logprob of each output id (empty: no teacher).
     teacher_logprobs: Sequence[float] = ()
+
+    @property
+    def name(self) -> str:
+        """The sample's name, for people (error messages): made when one is written, not per sample read."""
+        return self.key.sample(self.member)
 
     def with_advantage(self, advantage: float) -> Sample:
         return dataclasses.replace(self, advantage=advantage)
@@ -60,7 +66,7 @@ def samples_of(groups: Sequence[protocol.TrainGroup]) -> list[Sample]:
         start = 0
         for j, (length, advantage, version) in enumerate(zip(g.lengths, g.advantages, g.versions)):
             end = start + length
-            out.append(Sample(index, g.key.sample(j), prompt, ids[start:end], advantage,
+            out.append(Sample(index, g.key, j, prompt, ids[start:end], advantage,
                               logprobs[start:end] if len(logprobs) else (), [version], g.temperature,
                               mask[start:end] if len(mask) else (), g.top_p, g.top_k, turns.get(j, ()),
                               teacher[start:end] if len(teacher) else ()))

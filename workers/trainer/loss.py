@@ -26,8 +26,9 @@ import torch
 from flexmarl.runtime import protocol
 
 from .batch import Sample
+from .packing import PackedBatch
 from .sampling import turn_settings
-from .scoring import padded, token_scores
+from .scoring import packs, padded, token_scores
 
 # ---------------------------------------------------------------- options as tables
 
@@ -279,13 +280,16 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
     # Each token under the distribution its turn was sampled from (temperature, top_k,
     # top_p), the one the sampler's logprobs are of.
     settings = turn_settings(samples, width)
+    # The row the samples are packed in, made once for every pass that scores them
+    # (proximal, trained, reference).
+    packed = PackedBatch.of(samples) if packs(model) else None
     proximal_lp = None
     if rule is decoupled_ppo and proximal is not None:  # before the trained pass: its graph holds the weights
         with torch.no_grad(), proximal():
-            proximal_lp = token_scores(model, samples, out_mask > 0, *settings)[0]
-    logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings)
+            proximal_lp = token_scores(model, samples, out_mask > 0, *settings, packed)[0]
+    logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings, packed)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
-    teacher_kl = torch.zeros_like(logp)
+    teacher_kl = None  # no teacher: no tensor of zeros made, summed and read back per micro-batch
     if options.teacher_coef > 0:
         teacher_kl = (logp.detach() - teacher_logprobs(samples, width)) * out_mask
         adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * teacher_kl
@@ -294,7 +298,7 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
     ref_kl = torch.zeros_like(logp)
     if options.kl_coef > 0:
         with torch.no_grad():
-            ref_lp = token_scores(reference, samples, out_mask > 0, *settings)[0]
+            ref_lp = token_scores(reference, samples, out_mask > 0, *settings, packed)[0]
         ref_kl = k3(ref_lp - logp) * out_mask  # gradient flows through logp
         terms = terms + options.kl_coef * ref_kl
     loss = aggregation.reduce(terms, out_mask, options).sum()
@@ -307,7 +311,7 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
             length_max=int(out_mask.sum(-1).max().item()),
             compared=float(compared.sum()), abs_diff=float(d.abs().sum()),
             rollout_kl=float((k3(d) * compared).sum()), clipped=float((clipped.float() * out_mask).sum()),
-            ref_kl=float(ref_kl.sum()), teacher_kl=float(teacher_kl.sum()))
+            ref_kl=float(ref_kl.sum()), teacher_kl=float(teacher_kl.sum()) if teacher_kl is not None else 0.0)
     return loss, sums
 
 

@@ -49,15 +49,17 @@ def padded(rows: list[Any], width: int, fill: Any, dtype: torch.dtype) -> torch.
 
 
 def token_scores(model: Any, samples: list[Sample], scored: torch.Tensor, temperature: torch.Tensor,
-                 top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 top_k: torch.Tensor, top_p: torch.Tensor,
+                 packed: PackedBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy), [n, W] each, of the output tokens where `scored` [n, W] is true,
-    under the per-token sampling settings [n, W] (`sampling.turn_settings`)."""
+    under the per-token sampling settings [n, W] (`sampling.turn_settings`). `packed`: the
+    samples' `PackedBatch.of`, from a caller that scores them more than once (else made here)."""
     if any(len(s.prompt_ids) == 0 for s in samples):
         raise ValueError("a sample with an empty prompt cannot be scored: its first output token has no context")
     rows, cols = scored.nonzero(as_tuple=True)
     targets = padded([s.output_ids for s in samples], scored.shape[1], 0, torch.long)[rows, cols]
     if packs(model):
-        states, head, vocab = packed_states(model, samples, rows, cols), model.get_output_embeddings(), None
+        states, head, vocab = packed_states(model, samples, rows, cols, packed), model.get_output_embeddings(), None
     else:
         states, head = padded_logits(model, samples, scored.shape[1])[rows, cols], None
         vocab = states.shape[-1]
@@ -76,14 +78,14 @@ def packs(model: Any) -> bool:
 
 
 def packed_states(model: Any, samples: list[Sample], rows: torch.Tensor,
-                  cols: torch.Tensor) -> torch.Tensor:
+                  cols: torch.Tensor, packed: PackedBatch | None = None) -> torch.Tensor:
     """The decoder's final hidden states that predict output token cols[k] of sample rows[k].
 
     The model is called as a whole, so that what wraps it runs (FSDP gathers its shards);
     its decoder's output is taken on the way, and its head is given no position to project
     (`logits_to_keep` empty): `chunked_scores` projects the ones needed."""
     packed_attention.install(model)
-    batch = PackedBatch.of(samples).to(rows.device)
+    batch = (packed or PackedBatch.of(samples)).to(rows.device)
     final: list[torch.Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda module, args, out: final.append(out.last_hidden_state))
     try:

@@ -469,3 +469,14 @@ def test_a_frozen_adapter_agent_is_loaded_from_its_directory():
     assert asyncio.run(ws.load_newest("i", "j")) == 0
     (_, load), = server.calls
     assert (load.handle, load.adapter_dir, load.lora) == (None, "/runs/old/checkpoints/final/j", lora)
+
+
+async def test_the_in_flight_setting_rides_on_the_loads_of_a_sync_and_of_a_join_in_its_own_field():
+    """pipeline.in_flight reaches every instance's LoadWeights as `in_flight`, never in
+    another field (a frozen adapter's directory, `adapter_dir`, stays empty)."""
+    server = FakeServer({"t0": "h1", "r0": "h1", "r1": "h1"})
+    ws, _ = weight_sync(server, ["r0"], in_flight="keep")
+    await ws.sync("a", "t0", 1)
+    assert await ws.load_newest("r1", "a") == 1
+    loads = [(w, m.version, m.rank, m.lora, m.adapter_dir, m.in_flight) for w, m in calls_of(server, protocol.LoadWeights)]
+    assert loads == [("r0", 1, 0, None, "", "keep"), ("r1", 1, 0, None, "", "keep")]

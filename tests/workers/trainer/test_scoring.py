@@ -47,8 +47,9 @@ def spread_batch(seed=0, groups=5, group_size=3):
     return samples
 
 
-def plain_scores(model, samples, scored, temperature, top_k, top_p):
-    """Each sample alone, its whole logits, today's arithmetic: (logp, entropy) [n, W]."""
+def plain_scores(model, samples, scored, temperature, top_k, top_p, packed=None):
+    """Each sample alone, its whole logits, today's arithmetic: (logp, entropy) [n, W]
+    (`packed`, the row a packing scorer may be handed, is not used)."""
     logp = torch.zeros(scored.shape)
     ent = torch.zeros(scored.shape)
     for i, s in enumerate(samples):
