@@ -33,13 +33,14 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from flexmarl.controller.testing import faults as fm
 
 ROOT = Path(__file__).resolve().parents[2]
 CRITIC = f"tiny:{ROOT}/examples/review_chain/models.py:verifier"
@@ -116,14 +117,6 @@ def flexmarl(*args: str, stderr, extra: dict[str, str] | None = None) -> subproc
                             env={**env(), **(extra or {})}, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
 
-def rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
-    except (FileNotFoundError, StopIteration, ProcessLookupError):
-        return None
-
-
 @dataclass
 class Load:
     latencies_ms: list[float] = field(default_factory=list)  # answers as meant
@@ -140,7 +133,7 @@ class Memory:
 
     def sample(self, processes: dict[str, int], t: float) -> None:
         for name, pid in processes.items():
-            mib = rss_mib(pid)
+            mib = fm.rss_mib(pid)
             if mib is not None:
                 self.series.setdefault((name, pid), []).append((t, mib))
 
@@ -223,11 +216,7 @@ async def serve_soak(args: argparse.Namespace) -> tuple[Load, Memory, float]:
         memory.sample(processes, time.monotonic() - t0)
         return load, memory, time.monotonic() - t0
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        fm.interrupt(proc, timeout=120)
 
 
 # ---------------------------------------------------------------- train
@@ -267,11 +256,7 @@ def train_soak(args: argparse.Namespace) -> tuple[Load, Memory, float]:
         memory.sample(processes, time.monotonic() - t0)
         elapsed = time.monotonic() - t0
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        fm.interrupt(proc, timeout=180)
     load = Load()
     for line in calls.read_text().splitlines():
         call = json.loads(line)

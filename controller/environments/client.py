@@ -303,10 +303,13 @@ class EnvClient:
         bound: dict[str, list[_Pending]] = collections.defaultdict(list)
         load = {w: s.outstanding for w, s in self.ready.items()}  # counted as calls are routed
         capacity = {w: s.processes for w, s in self.ready.items()}
+        held: collections.Counter[str] | None = None  # live sessions per worker, counted once a turn if needed
         for pending in queued:
             if pending.future.done() and pending.call.op != "close":
                 continue  # timed out or cancelled before it went
-            worker = self._route(pending, load, capacity)
+            if held is None and pending.call.session:
+                held = collections.Counter(p.worker for p in self.sessions.values() if not p.lost)
+            worker = self._route(pending, load, capacity, held)
             if worker is None:
                 continue
             pending.worker = worker
@@ -317,14 +320,17 @@ class EnvClient:
         for worker, pendings in bound.items():
             self._send(worker, pendings)
 
-    def _route(self, pending: _Pending, load: dict[str, int], capacity: dict[str, int]) -> str | None:
-        """The worker for this call, or None (it waits for one, or has failed)."""
+    def _route(self, pending: _Pending, load: dict[str, int], capacity: dict[str, int],
+               held: collections.Counter[str] | None) -> str | None:
+        """The worker for this call, or None (it waits for one, or has failed); `held`: the
+        live sessions per worker (given for a session's call), kept as sessions open and close."""
         call = pending.call
         if call.op == "open":
-            held = collections.Counter(p.worker for p in self.sessions.values() if not p.lost)
+            assert held is not None
             worker = routing.place_session(held, load, capacity)
             if worker is not None:
                 self.sessions[call.session] = _Place(worker, pending.label)
+                held[worker] += 1
         elif call.session:
             place = self.sessions.get(call.session)
             if place is None or place.lost or place.worker not in self.ready:
@@ -334,6 +340,8 @@ class EnvClient:
             worker = place.worker
             if call.op == "close":
                 self._forget_session(call.session)
+                assert held is not None
+                held[worker] -= 1
         else:
             worker = routing.least_loaded(load, capacity)
         if worker is None:

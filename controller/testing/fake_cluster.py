@@ -198,7 +198,7 @@ class FakeTrainer(FakeWorker):
             case protocol.InitAgent():
                 self.serial.push(c["load_s"], lambda: self._init(msg))
             case protocol.TrainMicroBatch():
-                tokens = sum(len(g.output_ids) // 4 for g in msg.groups)
+                tokens = sum(sum(g.lengths) for g in msg.groups)
                 self.serial.push(c["mb_s"] + tokens / c["train_tokens_per_s"], lambda: self._micro_batch(msg, tokens))
             case protocol.OptimStep():
                 self.serial.push(c["step_s"], lambda: self._step(msg))
@@ -373,4 +373,3 @@ def _scored(g: protocol.GenGroup, version: int) -> protocol.GroupResult:
 
 if __name__ == "__main__":
     main()
-

@@ -177,6 +177,25 @@ def signal_pid(pid: int, sig: int) -> None:
         pass
 
 
+def interrupt(proc: subprocess.Popen, timeout: float) -> None:
+    """Stops a `flexmarl` process as Ctrl-C does (a normal stop); kills it if it has not
+    exited within `timeout` seconds."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def rss_mib(pid: int) -> float | None:
+    """The process's resident memory (VmRSS) in MiB; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+    except (FileNotFoundError, StopIteration, ProcessLookupError):
+        return None
+
+
 def stop_orphans(pids: dict[str, int]) -> None:
     """A killed controller's workers exit on their own within seconds; whatever is left of
     exactly those processes is stopped by pid, as an operator would before resuming."""

@@ -7,30 +7,10 @@ each and carry the `slow` mark. signals.py, gpu_check.py, controller_scale.py an
 runs of their own (test_signals.py, test_gpu_check.py, test_controller_scale.py, test_real_size.py)."""
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
-
-
-def run_bench(script: str, *args: str, timeout: float = 600.0) -> str:
-    """The bench's standard output; fails the test with its error output if it fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    (path,) = BENCH.glob(f"*/{script}")  # bench/KIND/NAME.py
-    done = subprocess.run([sys.executable, str(path), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stderr[-4000:]}"
-    return done.stdout
-
-
-def json_rows(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+from bench_runs import json_rows, run_bench
 
 
 def test_control_plane_reports_round_trips_pipelining_batches_and_tensor_frames():

@@ -3,26 +3,18 @@ trainer's scoring of top_p- and top_k-cut samples equals the engine's and no cor
 flags a token, while the plain temperature-scaled softmax beside it does not; the short
 K=2 run reports every agent. Not timed."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_runs import json_rows, run_bench
 
 pytestmark = pytest.mark.slow  # starts a vLLM engine and a real job's processes
 
 
 def test_the_smoke_run_shows_the_cut_scored_exactly_after_and_not_before_and_a_k2_run_per_agent():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "bench/system/signals.py", "--smoke"], capture_output=True, text=True,
-                         timeout=900, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    out = run_bench("signals.py", "--smoke", timeout=900)
+    rows = json_rows(out)
 
     mismatch = [r for r in rows if r["part"] == "mismatch" and r["agent"] == "all"]
     assert {(r["temperature"], r["top_p"], r["top_k"]) for r in mismatch} == {(0.8, 0.7, 0), (0.8, 1.0, 5)}
@@ -33,7 +25,7 @@ def test_the_smoke_run_shows_the_cut_scored_exactly_after_and_not_before_and_a_k
             assert set(r["flagged"].values()) == {0}
         else:  # the full softmax gives every kept token less than the cut distribution did
             assert r["logprob_abs_diff"] > 1e-3 and r["ratio_mean"] < 1
-    assert "| T | top_p | top_k | trainer scoring |" in out.stdout
+    assert "| T | top_p | top_k | trainer scoring |" in out
 
     runs = [r for r in rows if r["part"] == "run"]
     assert {r["agent"] for r in runs} == {"planner", "solver", "checker"}
@@ -41,4 +33,4 @@ def test_the_smoke_run_shows_the_cut_scored_exactly_after_and_not_before_and_a_k
         assert r["setting"] == "async K=2 ppo_clip" and r["skipped_steps"] == 0
         assert 0 <= r["last_reward_mean"] <= 1 and math.isfinite(r["mean_logprob_abs_diff"])
         assert 0 <= r["mean_clip_frac"] <= 1
-    assert "| setting | agent | reward first -> last |" in out.stdout
+    assert "| setting | agent | reward first -> last |" in out

@@ -99,7 +99,9 @@ def test_adapters_load_with_peft_after_the_cache_is_gone_from_anywhere_and_from_
         base = AutoModelForCausalLM.from_pretrained(copy / "bases" / "team")
         model = PeftModel.from_pretrained(base, copy / "checkpoints" / "final" / agent)
         assert torch.equal(model(input_ids=ids).logits, logits[agent])
-    assert AutoModelForCausalLM.from_pretrained(copy / "checkpoints" / "final" / "maxer") is not None
+    _, loading = AutoModelForCausalLM.from_pretrained(copy / "checkpoints" / "final" / "maxer",
+                                                      output_loading_info=True)
+    assert not any(loading.values()), loading  # every weight from the checkpoint: none missing, left over or bad
 
 
 def test_flexmarl_serve_serves_adapter_and_whole_model_agents_of_a_copied_run_to_a_plain_openai_client(

@@ -8,7 +8,6 @@ anything loads it."""
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -58,11 +57,6 @@ def flexmarl(*args, env=None):
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def rss_mib(pid):
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile")
@@ -89,11 +83,7 @@ def served(trained, tmp_path_factory):
         assert " at http" in line, stderr.read_text()[-3000:]
         yield proc, line.rsplit(" at ", 1)[1].strip(), stderr
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        fm.interrupt(proc, timeout=120)
 
 
 def test_flexmarl_serve_answers_hostile_requests_with_4xx_and_goes_on_serving_with_its_worker(served, trained):
@@ -103,7 +93,7 @@ def test_flexmarl_serve_answers_hostile_requests_with_4xx_and_goes_on_serving_wi
     headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
     with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
         assert client.post("/chat/completions", json={"model": "critic", "messages": ASK}).status_code == 200
-        memory = rss_mib(proc.pid), rss_mib(worker)
+        memory = fm.rss_mib(proc.pid), fm.rss_mib(worker)
         huge = "7 " * fm.LARGE_PROMPT_CHARS  # 6 MiB of text: under openai.max_request_bytes
         answers = {
             "a 6 MiB message": client.post("/chat/completions", json={"model": "critic", "messages": [
@@ -129,7 +119,7 @@ def test_flexmarl_serve_answers_hostile_requests_with_4xx_and_goes_on_serving_wi
         after = client.post("/chat/completions", json={"model": "critic", "messages": ASK, "n": 2})
         assert after.status_code == 200 and len(after.json()["choices"]) == 2  # the same worker serves on
     assert proc.poll() is None
-    grown = rss_mib(proc.pid) - memory[0], rss_mib(worker) - memory[1]
+    grown = fm.rss_mib(proc.pid) - memory[0], fm.rss_mib(worker) - memory[1]
     assert grown[0] < 200 and grown[1] < 200, grown  # a prompt never made is no memory
     err = stderr.read_text()
     for marker in (*fm.UNEXPECTED, "declared dead", "is gone"):
