@@ -52,7 +52,9 @@ log = logging.getLogger("flexmarl.controller")
 # At Python's default thresholds (700, 10, 10) the collector walked that heap about a
 # quarter of the time at 1,024 instances (bench/RESULTS.md, the controller at scale), in
 # pauses of tens of milliseconds; these make its passes rare. Set while an Experiment is
-# open, restored when it closes.
+# open, restored when it closes. What rare passes leave to cycles (the episodes' HTTP
+# clients, each holding its certificate store) is bounded by `collector.Sweeps`: the
+# start-up heap set apart, a full collection of the rest every few seconds.
 GC_THRESHOLDS = collector.RARE_THRESHOLDS
 
 
@@ -80,6 +82,7 @@ class Experiment:
         self.training: TrainingRun | None = None  # while train() runs
         self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
         self.stall_watch = StallWatch("controller")  # a loop held over a second is logged with what held it
+        self.sweeps = collector.Sweeps()  # full collections of what the run makes, every few seconds
 
     def emit(self, event: ev.Event) -> None:
         # Once a write failed, the log's task stops the run with that error; what is emitted
@@ -161,6 +164,9 @@ class Experiment:
         except BaseException:
             await self._teardown()
             raise
+        # Started: what is tracked now (the imports, the run's set-up) lives to the end.
+        self.sweeps.start()
+        self._tasks.append(asyncio.create_task(self.sweeps.run(), name="collector"))
         return self
 
     def _open_run_dir(self, point: Any) -> None:
@@ -279,6 +285,7 @@ class Experiment:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.stall_watch.stop()
         self.server.close()
+        self.sweeps.stop()
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)
             self._gc_thresholds = None
