@@ -9,8 +9,8 @@ collector walks that heap again and again for nothing: a quarter of the controll
 ``set_apart`` is for a command that holds such a heap to its end.
 
 Rare passes have a price: a cycle that dies after it has aged into the oldest generation
-waits for a full collection, and at these thresholds, beside the hundreds of thousands of
-objects the imports leave (torch, vLLM), that is minutes away. The collector counts
+waits for a full collection, and at these thresholds, beside the million and more objects
+the imports leave (torch, vLLM), that is minutes away, and seconds long. The collector counts
 objects, not bytes: a cycle of a few hundred objects can hold a megabyte the C side
 allocated (an HTTP client's TLS context with its certificate store, which every new
 `openai.AsyncOpenAI` loads, is about 0.8 MiB). ``Sweeps`` bounds that for a long-running

@@ -12,7 +12,8 @@ checks the run directory can be written, binds the controller socket where the l
 says, starts its named background tasks (receive loop, heartbeats, the event log's writer
 and, with `view.enabled`, the run's web view: view/server.py, its address in
 `RUN_DIR/view.url`) and either starts the workers through the launcher or waits for remote
-ones to connect.
+ones to connect; once they have, a "collector" task sweeps what the run makes
+(runtime/collector.py: `Sweeps`).
 Workers that exit later (or whose Ray actor or node is lost) are started again by a
 "launcher" task, up to `cluster.max_restarts` each; past that its failure stops the run.
 `train()` runs the training driver next to those tasks: the first task to fail or end
