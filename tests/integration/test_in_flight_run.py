@@ -44,6 +44,27 @@ def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_an
     assert replay.check(events) is None  # the re-drive gates by the same oldest tokens
 
 
+def test_an_adapter_agents_keep_run_moves_its_requests_to_each_new_version_and_replays(tmp_path):
+    args = argparse.Namespace(steps=4, seed=0, chain=False, adapter=True, queries=4, group_size=4, max_tokens=96)
+    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
+    cfg = load_config(str(tmp_path / "job.toml"))
+
+    async def main():
+        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
+            return await exp.train()
+
+    summary = asyncio.run(main())
+    assert summary.episodes_failed == 0 and len(summary.rewards["writer"]) == 4
+    events, problem = read_events(tmp_path / "run" / "events.log")
+    assert problem is None
+    spanned = [e for e in events if isinstance(e, ev.RequestsCompleted) for part in e.oldest if part]
+    assert spanned, "with outputs this long, some adapter load should have landed while a group ran"
+    lags = [e.version - 1 - m for e in events if isinstance(e, ev.MicroBatchFormed) for m in e.min_versions]
+    assert lags and max(lags) <= 1
+    assert replay.summarize(events).errors == []
+    assert replay.check(events) is None
+
+
 @pytest.mark.slow
 def test_a_rollout_worker_killed_during_a_load_that_keeps_its_requests_loses_nothing_and_trains_nothing_twice(
         tmp_path):
