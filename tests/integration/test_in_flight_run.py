@@ -131,8 +131,7 @@ def test_a_trainer_killed_during_a_sync_that_keeps_the_requests_in_flight_loses_
     args = argparse.Namespace(steps=5, seed=2, chain=False, queries=4, group_size=4, max_tokens=48)
     (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
     # Restarted at once, its agent restored from the checkpoint of step 2 (or 4).
-    cfg = load_config(str(tmp_path / "job.toml"), ["run.checkpoint_every=2", "transport.heartbeat_timeout_s=3.0",
-                                                    "cluster.restart_backoff_s=0.0"])
+    cfg = load_config(str(tmp_path / "job.toml"), ["run.checkpoint_every=2", "cluster.restart_backoff_s=0.0"])
     killed = {}
 
     async def main():
