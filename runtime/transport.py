@@ -142,22 +142,55 @@ class _Socket:
         # Its frame send below pyzmq's Python wrapper (which only adds DRAFT sockets'
         # routing ids and groups): a third of a frame's cost, four frames a message.
         self._send_frame = super(zmq.Socket, self._plain).send
+        self._rearm_pending = False
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
         if len(frames) > 2 + MAX_BUFFERS:
             return Inbound(identity, None, [], f"too many frames: {len(frames)} > limit {2 + MAX_BUFFERS} "
                                                f"(kind, body and {MAX_BUFFERS} buffers)", "too many frames")
-        size = protocol.frames_nbytes(frames)
+        # The frames as received (zmq.Frame, or bytes): len is a frame's size in bytes, and
+        # the decoder reads a frame's buffer as it is (a memoryview made of each costs more
+        # than the decode); only the buffers after kind and body are handed on as views.
+        size = sum(map(len, frames))
         if size > self.cfg.max_message_bytes:
             return Inbound(identity, None, [], f"oversized message: {size} bytes > limit "
                                                f"{self.cfg.max_message_bytes}", "oversized")
         try:
-            msg, buffers = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
+            msg, buffers = protocol.decode(frames)
+            if buffers:
+                buffers = [f.buffer if isinstance(f, zmq.Frame) else f for f in buffers]
         except protocol.ProtocolError as exc:
             return Inbound(identity, None, [], str(exc), exc.reason)
         except Exception as exc:  # a decoder surprise is still the peer's garbage, not our crash
             return Inbound(identity, None, [], f"undecodable message: {exc!r}", "undecodable")
         return Inbound(identity, msg, buffers)
+
+    def _queued_frames(self) -> list[zmq.Frame]:
+        """The frames of a message already queued (zmq.Again if none is), each frame's own
+        flag saying whether another follows: pyzmq's recv_multipart asks the socket for
+        that flag after every frame, at twice the cost of the whole receive. A message's
+        frames are delivered together, so none after the first has to be waited for."""
+        recv = self._plain.recv
+        frame = recv(_DONTWAIT, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = recv(_DONTWAIT, copy=False)
+            frames.append(frame)
+        return frames
+
+    def _rearm_soon(self) -> None:
+        """A send or receive on the plain socket can consume the edge of the descriptor that
+        wakes a receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
+        re-arms it (what pyzmq itself does after sending without a future), once after
+        every such call of this loop turn: one read covers them all."""
+        if not self._rearm_pending:
+            self._rearm_pending = True
+            asyncio.get_running_loop().call_soon(self._rearm)
+
+    def _rearm(self) -> None:
+        self._rearm_pending = False
+        if not self.sock.closed:
+            self.sock.get(_EVENTS)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -172,7 +205,6 @@ class RouterSocket(_Socket):
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.authenticator: AsyncioAuthenticator | None = None
         self.address = ""
-        self._rearm_pending = False
 
     def bind(self, address: str = "", curve_dir: str = "") -> str:
         """Binds `address` with the keys in `curve_dir` (by default the configured ones)."""
@@ -226,19 +258,6 @@ class RouterSocket(_Socket):
             received.append(check(frames[0].bytes, frames[1:]))
         return received
 
-    def _queued_frames(self) -> list[zmq.Frame]:
-        """The frames of a message already queued (zmq.Again if none is), each frame's own
-        flag saying whether another follows: pyzmq's recv_multipart asks the socket for
-        that flag after every frame, at twice the cost of the whole receive. A message's
-        frames are delivered together, so none after the first has to be waited for."""
-        recv = self._plain.recv
-        frame = recv(_DONTWAIT, copy=False)
-        frames = [frame]
-        while frame.more:
-            frame = recv(_DONTWAIT, copy=False)
-            frames.append(frame)
-        return frames
-
     async def send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         """Queues `msg` for one peer without waiting: raises zmq.Again when that peer's
         queue is full (it is not reading) and EHOSTUNREACH when it is not connected.
@@ -251,18 +270,7 @@ class RouterSocket(_Socket):
         last = len(frames) - 1
         for i, frame in enumerate(frames):
             send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
-        # A send on the plain socket can consume the edge of the descriptor that wakes a
-        # receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
-        # re-arms it (what pyzmq itself does after sending without a future), once after
-        # every send of this loop turn: one read covers them all.
-        if not self._rearm_pending:
-            self._rearm_pending = True
-            asyncio.get_running_loop().call_soon(self._rearm)
-
-    def _rearm(self) -> None:
-        self._rearm_pending = False
-        if not self.sock.closed:
-            self.sock.get(_EVENTS)
+        self._rearm_soon()
 
     def close(self) -> None:
         if self.authenticator is not None:
@@ -279,6 +287,7 @@ class DealerSocket(_Socket):
         if immediate:  # a send waits for a live connection instead of queueing for one
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.identity = identity
+        self._parked = 0  # sends waiting in pyzmq's asyncio socket (a later one may not pass them)
         self.set_send_timeout(cfg.heartbeat_timeout_s)
 
     def set_send_timeout(self, seconds: float) -> None:
@@ -296,8 +305,36 @@ class DealerSocket(_Socket):
         self.sock.connect(address)
 
     async def recv(self) -> Inbound:
-        frames = await self.sock.recv_multipart(copy=False)
+        """The next message: one already queued is taken at once from the plain socket (no
+        future, no callback, as the controller's socket does); only an empty queue waits
+        through pyzmq's asyncio socket."""
+        try:
+            frames = self._queued_frames()
+        except zmq.Again:
+            frames = await self.sock.recv_multipart(copy=False)
+        else:
+            self._rearm_soon()
         return self._check(b"", frames)
 
     async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
-        await self.sock.send_multipart(protocol.encode(msg, buffers), copy=False)
+        """Sends `msg`, waiting (at most the send timeout, then zmq.Again) while the
+        controller's queue is full or, with `immediate`, while there is no connection. A
+        message the socket takes at once goes straight to the plain socket (no future,
+        pyzmq's wrapper skipped), unless sends are parked waiting: those go first."""
+        frames = protocol.encode(msg, buffers)
+        if not self._parked:
+            send, last = self._send_frame, len(frames) - 1
+            try:
+                send(frames[0], _DONTWAIT | _SNDMORE if last else _DONTWAIT, copy=True)
+            except zmq.Again:
+                pass  # full, or not connected: wait below, as a parked send
+            else:  # the first frame taken, the rest of the message is (libzmq queues it whole)
+                for i in range(1, last + 1):
+                    send(frames[i], _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
+                self._rearm_soon()
+                return
+        self._parked += 1
+        try:
+            await self.sock.send_multipart(frames, copy=False)
+        finally:
+            self._parked -= 1

@@ -16,6 +16,9 @@ one JSON row; the sweep prints the rows and a table. Per point:
     loop_runq_frac   the seconds the loop's thread was ready to run but waited for a core
                      (Linux schedstat), over the wall seconds: what the machine's other
                      processes (here the fake cluster on the same 2 cores) take from it
+    cluster_cpu_frac the fake cluster's helper processes' CPU seconds over the wall seconds,
+                     per core they may run on (1.0 = their cores saturated: the fakes, not
+                     the controller, set the pace)
     lag_p50/p99_ms   event-loop lag: how late a 10 ms sleep wakes up
     log_mb_s         event-log bytes written per second
     rss_mb           the controller's peak resident memory
@@ -166,6 +169,20 @@ def runq_seconds() -> float:
         return 0.0
 
 
+def process_cpu(pids: list[int]) -> float:
+    """The CPU seconds (user and system, all threads) the processes have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -178,8 +195,11 @@ class Watch:
     first step's start and the moment every batch is trained and synced (and profiles that
     window alone when given a profiler: no set-up, no teardown)."""
 
-    def __init__(self, exp: Experiment, period: float = 0.01, profiler: Any = None) -> None:
+    def __init__(self, exp: Experiment, period: float = 0.01, profiler: Any = None,
+                 helpers: list[int] = ()) -> None:
         self.exp = exp
+        self.helpers = list(helpers)
+        self.cluster_cpu = 0.0  # the helper processes' CPU seconds in the window
         self.period = period
         self.profiler = profiler
         self.lags: list[float] = []
@@ -210,7 +230,7 @@ class Watch:
             await asyncio.sleep(0.005)
         log = self.exp.run_dir / "events.log"
         self.t0, self.cpu0, self.log0 = time.monotonic(), time.process_time(), log_bytes(log)
-        thread_cpu0, runq0 = time.thread_time(), runq_seconds()
+        thread_cpu0, runq0, cluster0 = time.thread_time(), runq_seconds(), process_cpu(self.helpers)
         if self.profiler is not None:
             self.profiler.enable()
         while not training.parts.schedule.finished:
@@ -221,6 +241,7 @@ class Watch:
             self.profiler.disable()
         self.t1, self.cpu1 = time.monotonic(), time.process_time()
         self.loop_cpu, self.loop_runq = time.thread_time() - thread_cpu0, runq_seconds() - runq0
+        self.cluster_cpu = process_cpu(self.helpers) - cluster0
         await self.exp.flush_events()
         self.log1 = log_bytes(log)
 
@@ -243,7 +264,7 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
     began = time.perf_counter()
     try:
         async with Experiment(cfg, run_dir=root / "run", spawn_workers=False) as exp:
-            watch = Watch(exp, profiler=profiler)
+            watch = Watch(exp, profiler=profiler, helpers=[proc.pid for proc, _ in helpers])
             watcher = asyncio.create_task(watch.run(), name="watch")
             summary = await exp.train()
             await watcher
@@ -253,11 +274,12 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
         run_s = time.perf_counter() - began
     finally:
         reports = stop_helpers(helpers)
-    return {**measure(p, cfg, training, summary, watch, reports), "run_s": round(run_s, 3)}
+    cores = len(cluster_cores) if cluster_cores else len(os.sched_getaffinity(0))
+    return {**measure(p, cfg, training, summary, watch, reports, cores), "run_s": round(run_s, 3)}
 
 
 def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Watch,
-            reports: list[dict[str, Any]]) -> dict[str, Any]:
+            reports: list[dict[str, Any]], cluster_cores: int = 1) -> dict[str, Any]:
     wall = watch.t1 - watch.t0
     samples = summary.samples
     cpu = watch.cpu1 - watch.cpu0
@@ -291,6 +313,7 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
         "cpu_frac": round(cpu_frac, 2),
         "loop_cpu_frac": round(watch.loop_cpu / wall, 2) if wall else 0.0,
         "loop_runq_frac": round(watch.loop_runq / wall, 2) if wall else 0.0,
+        "cluster_cpu_frac": round(watch.cluster_cpu / wall / cluster_cores, 2) if wall else 0.0,
         "lag_p50_ms": round(1e3 * percentile(watch.lags, 0.5), 2),
         "lag_p99_ms": round(1e3 * percentile(watch.lags, 0.99), 2),
         "gc_s": round(watch.gc_s, 2),
@@ -364,6 +387,7 @@ def one_point(point: dict[str, Any], keep: str = "", replay: bool = False, profi
 COLUMNS = [("instances", "inst"), ("agents", "agents"), ("trainers", "trn"), ("shape", "shape"), ("mode", "mode"),
            ("k", "K"), ("samples", "samples"), ("samples_s", "samples/s"), ("cpu_us_sample", "cpu us/smp"),
            ("cpu_frac", "cpu"), ("loop_cpu_frac", "loop cpu"), ("loop_runq_frac", "loop runq"),
+           ("cluster_cpu_frac", "fakes cpu"),
            ("generate_per_sample", "GENERATE/smp"), ("lag_p50_ms", "lag p50 ms"),
            ("lag_p99_ms", "lag p99 ms"),
            ("log_mb_s", "log MB/s"), ("rss_mb", "RSS MB"), ("rollout_busy", "eng busy"),
