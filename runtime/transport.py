@@ -27,9 +27,10 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 from urllib.parse import urlsplit
 
 import zmq
@@ -53,6 +54,8 @@ MAX_BUFFERS = 256
 _DONTWAIT = int(zmq.DONTWAIT)
 _SNDMORE = int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
+_FD = int(zmq.FD)
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass
@@ -142,7 +145,6 @@ class _Socket:
         # Its frame send below pyzmq's Python wrapper (which only adds DRAFT sockets'
         # routing ids and groups): a third of a frame's cost, four frames a message.
         self._send_frame = super(zmq.Socket, self._plain).send
-        self._rearm_pending = False
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
         if len(frames) > 2 + MAX_BUFFERS:
@@ -178,20 +180,6 @@ class _Socket:
             frames.append(frame)
         return frames
 
-    def _rearm_soon(self) -> None:
-        """A send or receive on the plain socket can consume the edge of the descriptor that
-        wakes a receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
-        re-arms it (what pyzmq itself does after sending without a future), once after
-        every such call of this loop turn: one read covers them all."""
-        if not self._rearm_pending:
-            self._rearm_pending = True
-            asyncio.get_running_loop().call_soon(self._rearm)
-
-    def _rearm(self) -> None:
-        self._rearm_pending = False
-        if not self.sock.closed:
-            self.sock.get(_EVENTS)
-
     def close(self) -> None:
         self.sock.close(linger=0)
 
@@ -205,6 +193,7 @@ class RouterSocket(_Socket):
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.authenticator: AsyncioAuthenticator | None = None
         self.address = ""
+        self._rearm_pending = False
 
     def bind(self, address: str = "", curve_dir: str = "") -> str:
         """Binds `address` with the keys in `curve_dir` (by default the configured ones)."""
@@ -270,7 +259,18 @@ class RouterSocket(_Socket):
         last = len(frames) - 1
         for i, frame in enumerate(frames):
             send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
-        self._rearm_soon()
+        # A send on the plain socket can consume the edge of the descriptor that wakes a
+        # receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
+        # re-arms it (what pyzmq itself does after sending without a future), once after
+        # every send of this loop turn: one read covers them all.
+        if not self._rearm_pending:
+            self._rearm_pending = True
+            asyncio.get_running_loop().call_soon(self._rearm)
+
+    def _rearm(self) -> None:
+        self._rearm_pending = False
+        if not self.sock.closed:
+            self.sock.get(_EVENTS)
 
     def close(self) -> None:
         if self.authenticator is not None:
@@ -279,7 +279,18 @@ class RouterSocket(_Socket):
 
 
 class DealerSocket(_Socket):
-    """A worker's socket to the controller; its identity is unique per connection."""
+    """A worker's socket to the controller; its identity is unique per connection.
+
+    It sends and receives on the plain libzmq socket, waiting in the event loop itself, not
+    through pyzmq's asyncio socket (a future, callbacks and flag enums per message: at a
+    few hundred workers to a process, most of what a worker spends per message). A receive
+    with nothing queued waits for the socket's descriptor, which libzmq signals on a change
+    of the socket's events, edge-triggered: reading EVENTS (as every send and receive does)
+    consumes the signal, so a receive reads EVENTS before it waits, and every send made
+    while a receive waits looks for a message it may have taken the signal of. A send the
+    socket cannot take (the controller's queue is full; with `immediate`, no connection)
+    waits, retrying, at most the send timeout (then zmq.Again); later sends wait behind it,
+    in order."""
 
     def __init__(self, cfg: TransportConfig, identity: bytes, *, immediate: bool = False) -> None:
         super().__init__(cfg, zmq.DEALER)
@@ -287,12 +298,17 @@ class DealerSocket(_Socket):
         if immediate:  # a send waits for a live connection instead of queueing for one
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.identity = identity
-        self._parked = 0  # sends waiting in pyzmq's asyncio socket (a later one may not pass them)
+        self._fd: int = self._plain.get(_FD)  # type: ignore[assignment]
+        self._reader: asyncio.Future | None = None  # the receive waiting for the descriptor
+        self._parked = 0  # sends waiting for room (a later one may not pass them)
+        self._parked_order = asyncio.Lock()  # ... and among themselves, first come first sent
+        self._send_timeout_s = 0.0
         self.set_send_timeout(cfg.heartbeat_timeout_s)
 
     def set_send_timeout(self, seconds: float) -> None:
         """A send waits at most this long for the controller to read (then zmq.Again):
         a controller that stops reading is as lost as one that stops talking."""
+        self._send_timeout_s = max(1, int(seconds * 1000)) / 1000
         self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(seconds * 1000)))
 
     def connect(self, address: str) -> None:
@@ -305,36 +321,72 @@ class DealerSocket(_Socket):
         self.sock.connect(address)
 
     async def recv(self) -> Inbound:
-        """The next message: one already queued is taken at once from the plain socket (no
-        future, no callback, as the controller's socket does); only an empty queue waits
-        through pyzmq's asyncio socket."""
+        """The next message (waits while none is queued)."""
+        while True:
+            try:
+                frames = self._queued_frames()
+            except zmq.Again:
+                await self._readable()
+                continue
+            return self._check(b"", frames)
+
+    async def _readable(self) -> None:
+        """Returns when a message may be queued (the caller tries again)."""
+        if self._pollin():
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._reader = loop.create_future()
+        loop.add_reader(self._fd, _settle, waiter)
         try:
-            frames = self._queued_frames()
-        except zmq.Again:
-            frames = await self.sock.recv_multipart(copy=False)
-        else:
-            self._rearm_soon()
-        return self._check(b"", frames)
+            await waiter
+        finally:
+            self._reader = None
+            loop.remove_reader(self._fd)
+
+    def _pollin(self) -> bool:
+        """Whether a message is queued (reading EVENTS: the descriptor's signal is consumed)."""
+        return bool(cast(int, self._plain.get(_EVENTS)) & _POLLIN)
+
+    def close(self) -> None:
+        if self._reader is not None:  # a receive waits: the descriptor leaves the loop before it closes
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._reader.cancel()
+        super().close()
 
     async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
-        """Sends `msg`, waiting (at most the send timeout, then zmq.Again) while the
-        controller's queue is full or, with `immediate`, while there is no connection. A
-        message the socket takes at once goes straight to the plain socket (no future,
-        pyzmq's wrapper skipped), unless sends are parked waiting: those go first."""
+        """Sends `msg`, waiting (at most the send timeout, then zmq.Again) while the socket
+        cannot take it."""
         frames = protocol.encode(msg, buffers)
-        if not self._parked:
-            send, last = self._send_frame, len(frames) - 1
-            try:
-                send(frames[0], _DONTWAIT | _SNDMORE if last else _DONTWAIT, copy=True)
-            except zmq.Again:
-                pass  # full, or not connected: wait below, as a parked send
-            else:  # the first frame taken, the rest of the message is (libzmq queues it whole)
-                for i in range(1, last + 1):
-                    send(frames[i], _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
-                self._rearm_soon()
-                return
+        if not self._parked and self._send_now(frames):
+            return
+        deadline = time.monotonic() + self._send_timeout_s
         self._parked += 1
         try:
-            await self.sock.send_multipart(frames, copy=False)
+            async with self._parked_order:
+                pause = 0.001
+                while not self._send_now(frames):
+                    if time.monotonic() >= deadline:
+                        raise zmq.Again()
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 0.05)
         finally:
             self._parked -= 1
+
+    def _send_now(self, frames: list[Any]) -> bool:
+        """Queues the message's frames if the socket takes them now (False: it does not), as
+        send_multipart would, the first frame being the one libzmq may refuse."""
+        send, last = self._send_frame, len(frames) - 1
+        try:
+            send(frames[0], _DONTWAIT | _SNDMORE if last else _DONTWAIT, copy=True)
+        except zmq.Again:
+            return False
+        for i in range(1, last + 1):  # the rest of a message whose first frame was taken is taken too
+            send(frames[i], _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
+        if self._reader is not None and self._pollin():
+            _settle(self._reader)  # the send took the signal of a message the receive waits for
+        return True
+
+
+def _settle(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

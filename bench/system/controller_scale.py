@@ -128,7 +128,11 @@ def start_helpers(p: dict[str, Any], address: str, root: Path,
                   cluster_cores: set[int] | None = None) -> list[tuple[subprocess.Popen, Path]]:
     rollout = [("rollout", f"rollout-{i:04d}") for i in range(p["instances"])]
     trainers = [("trainer", f"trainer-{i:02d}") for i in range(p["trainers"])]
-    chunks = [rollout[i:i + WORKERS_PER_HELPER] for i in range(0, len(rollout), WORKERS_PER_HELPER)] + [trainers]
+    if cluster_cores:  # one helper per core of the cluster's: more would only take turns on it
+        workers = rollout + trainers
+        chunks = [workers[i::len(cluster_cores)] for i in range(len(cluster_cores))]
+    else:
+        chunks = [rollout[i:i + WORKERS_PER_HELPER] for i in range(0, len(rollout), WORKERS_PER_HELPER)] + [trainers]
     helpers = []
     for n, workers in enumerate(chunks):
         out = root / f"helper-{n}.json"

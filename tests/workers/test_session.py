@@ -311,3 +311,28 @@ async def test_sends_that_find_the_controllers_queue_full_wait_and_no_later_send
     finally:
         dealer.close()
         router.close()
+
+
+async def test_a_receive_waiting_wakes_for_a_message_whose_signal_a_send_took():
+    import time
+
+    from flexmarl.runtime.transport import DealerSocket
+
+    cfg = TransportConfig(address="inproc://wake", heartbeat_timeout_s=10.0)
+    router = RouterSocket(cfg)
+    router.bind()
+    dealer = DealerSocket(cfg, b"d")
+    dealer.connect(router.address)
+    try:
+        await dealer.send(p.Heartbeat(1))
+        identity = (await asyncio.wait_for(router.recv(), 5)).identity
+        receiving = asyncio.ensure_future(dealer.recv())
+        await asyncio.sleep(0.05)  # it waits for the socket's descriptor
+        assert not receiving.done()
+        await router.send(identity, p.Heartbeat(2))
+        time.sleep(0.05)  # the message is there, its signal raised, the loop not turning
+        await dealer.send(p.Heartbeat(3))  # a send goes at once, reading the socket's events
+        assert (await asyncio.wait_for(receiving, 5)).msg.seq == 2
+    finally:
+        dealer.close()
+        router.close()
