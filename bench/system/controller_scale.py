@@ -19,6 +19,8 @@ one JSON row; the sweep prints the rows and a table. Per point:
     cluster_cpu_frac the fake cluster's helper processes' CPU seconds over the wall seconds,
                      per core they may run on (1.0 = their cores saturated: the fakes, not
                      the controller, set the pace)
+    cluster_runq_frac  the seconds their threads were ready to run but waited for a core,
+                     over the wall seconds, per core: what other processes took from them
     lag_p50/p99_ms   event-loop lag: how late a 10 ms sleep wakes up
     log_mb_s         event-log bytes written per second
     rss_mb           the controller's peak resident memory
@@ -42,7 +44,17 @@ one JSON row; the sweep prints the rows and a table. Per point:
 
 A point with `"pin": true` (every point of a sweep with `--pin`) gives the controller a
 core of its own (its process, all threads, on the first core; the fake cluster on the
-others), as a controller on a host of its own would have.
+others, in one helper process per core, each with its share of the rollout and trainer
+workers: more helpers than cores only take turns on them), as a controller on a host of
+its own would have. Unpinned, the helpers hold WORKERS_PER_HELPER rollout workers each,
+and the trainers one more.
+
+The fake cluster must not be what sets the pace: `cluster_cpu_frac` says how much of its
+cores it used. Its per-message cost is the real worker session's (workers/session.py) and
+socket's (runtime/transport.py) plus the fakes' own replies (fake_cluster.py): a watch of
+the loop per process, not per session, and a socket that reads and writes the plain libzmq
+socket brought it from about 86 to 40-50 us of CPU per sample (wide, 1,024 x 32), which
+changes nothing the controller receives.
 
 The machine here has 2 cores: the controller gets about one, the helpers share the other,
 so absolute figures are this machine's; compare points within one sweep.
@@ -187,6 +199,19 @@ def process_cpu(pids: list[int]) -> float:
     return total
 
 
+def process_runq(pids: list[int]) -> float:
+    """The seconds the processes' threads have waited, ready to run, for a core (Linux schedstat)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -203,7 +228,7 @@ class Watch:
                  helpers: list[int] = ()) -> None:
         self.exp = exp
         self.helpers = list(helpers)
-        self.cluster_cpu = 0.0  # the helper processes' CPU seconds in the window
+        self.cluster_cpu = self.cluster_runq = 0.0  # the helper processes' CPU and run-queue seconds in the window
         self.period = period
         self.profiler = profiler
         self.lags: list[float] = []
@@ -235,6 +260,7 @@ class Watch:
         log = self.exp.run_dir / "events.log"
         self.t0, self.cpu0, self.log0 = time.monotonic(), time.process_time(), log_bytes(log)
         thread_cpu0, runq0, cluster0 = time.thread_time(), runq_seconds(), process_cpu(self.helpers)
+        cluster_runq0 = process_runq(self.helpers)
         if self.profiler is not None:
             self.profiler.enable()
         while not training.parts.schedule.finished:
@@ -246,6 +272,7 @@ class Watch:
         self.t1, self.cpu1 = time.monotonic(), time.process_time()
         self.loop_cpu, self.loop_runq = time.thread_time() - thread_cpu0, runq_seconds() - runq0
         self.cluster_cpu = process_cpu(self.helpers) - cluster0
+        self.cluster_runq = process_runq(self.helpers) - cluster_runq0
         await self.exp.flush_events()
         self.log1 = log_bytes(log)
 
@@ -318,6 +345,7 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
         "loop_cpu_frac": round(watch.loop_cpu / wall, 2) if wall else 0.0,
         "loop_runq_frac": round(watch.loop_runq / wall, 2) if wall else 0.0,
         "cluster_cpu_frac": round(watch.cluster_cpu / wall / cluster_cores, 2) if wall else 0.0,
+        "cluster_runq_frac": round(watch.cluster_runq / wall / cluster_cores, 2) if wall else 0.0,
         "lag_p50_ms": round(1e3 * percentile(watch.lags, 0.5), 2),
         "lag_p99_ms": round(1e3 * percentile(watch.lags, 0.99), 2),
         "gc_s": round(watch.gc_s, 2),
@@ -391,7 +419,7 @@ def one_point(point: dict[str, Any], keep: str = "", replay: bool = False, profi
 COLUMNS = [("instances", "inst"), ("agents", "agents"), ("trainers", "trn"), ("shape", "shape"), ("mode", "mode"),
            ("k", "K"), ("samples", "samples"), ("samples_s", "samples/s"), ("cpu_us_sample", "cpu us/smp"),
            ("cpu_frac", "cpu"), ("loop_cpu_frac", "loop cpu"), ("loop_runq_frac", "loop runq"),
-           ("cluster_cpu_frac", "fakes cpu"),
+           ("cluster_cpu_frac", "fakes cpu"), ("cluster_runq_frac", "fakes runq"),
            ("generate_per_sample", "GENERATE/smp"), ("lag_p50_ms", "lag p50 ms"),
            ("lag_p99_ms", "lag p99 ms"),
            ("log_mb_s", "log MB/s"), ("rss_mb", "RSS MB"), ("rollout_busy", "eng busy"),
