@@ -348,8 +348,8 @@ class DealerSocket(_Socket):
         return bool(cast(int, self._plain.get(_EVENTS)) & _POLLIN)
 
     def close(self) -> None:
-        if self._reader is not None:  # a receive waits: the descriptor leaves the loop before it closes
-            asyncio.get_running_loop().remove_reader(self._fd)
+        if self._reader is not None:  # a receive waits: the descriptor leaves its loop before it closes
+            self._reader.get_loop().remove_reader(self._fd)
             self._reader.cancel()
         super().close()
 

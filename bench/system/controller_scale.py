@@ -53,8 +53,8 @@ The fake cluster must not be what sets the pace: `cluster_cpu_frac` says how muc
 cores it used. Its per-message cost is the real worker session's (workers/session.py) and
 socket's (runtime/transport.py) plus the fakes' own replies (fake_cluster.py): a watch of
 the loop per process, not per session, and a socket that reads and writes the plain libzmq
-socket brought it from about 86 to 40-50 us of CPU per sample (wide, 1,024 x 32), which
-changes nothing the controller receives.
+socket took it from 86 us of CPU per sample (wide, 1,024 x 32, pinned; one run, load 9)
+to 40-44 (two runs, load 16-19), changing nothing the controller receives.
 
 The machine here has 2 cores: the controller gets about one, the helpers share the other,
 so absolute figures are this machine's; compare points within one sweep.
@@ -136,17 +136,23 @@ def split_cores() -> tuple[set[int], set[int]]:
     return {cores[0]}, set(cores[1:])
 
 
-def start_helpers(p: dict[str, Any], address: str, root: Path,
-                  cluster_cores: set[int] | None = None) -> list[tuple[subprocess.Popen, Path]]:
+def helper_workers(p: dict[str, Any], cluster_cores: set[int] | None = None) -> list[list[tuple[str, str]]]:
+    """The fake workers each helper process runs: pinned, one helper per core of the
+    cluster's, each with its share of every worker (more helpers than cores would only take
+    turns on them); unpinned, WORKERS_PER_HELPER rollout workers to a helper and one more
+    helper for the trainers."""
     rollout = [("rollout", f"rollout-{i:04d}") for i in range(p["instances"])]
     trainers = [("trainer", f"trainer-{i:02d}") for i in range(p["trainers"])]
-    if cluster_cores:  # one helper per core of the cluster's: more would only take turns on it
+    if cluster_cores:
         workers = rollout + trainers
-        chunks = [workers[i::len(cluster_cores)] for i in range(len(cluster_cores))]
-    else:
-        chunks = [rollout[i:i + WORKERS_PER_HELPER] for i in range(0, len(rollout), WORKERS_PER_HELPER)] + [trainers]
+        return [workers[i::len(cluster_cores)] for i in range(len(cluster_cores))]
+    return [rollout[i:i + WORKERS_PER_HELPER] for i in range(0, len(rollout), WORKERS_PER_HELPER)] + [trainers]
+
+
+def start_helpers(p: dict[str, Any], address: str, root: Path,
+                  cluster_cores: set[int] | None = None) -> list[tuple[subprocess.Popen, Path]]:
     helpers = []
-    for n, workers in enumerate(chunks):
+    for n, workers in enumerate(helper_workers(p, cluster_cores)):
         out = root / f"helper-{n}.json"
         spec = {"address": address, "workers": workers, "out": str(out), "costs": p.get("costs", {}),
                 "transport": {"heartbeat_timeout_s": 30.0, "handshake_timeout_s": 120.0, "reconnect_timeout_s": 0.0}}
@@ -291,7 +297,9 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
     profiler = None
     if profile:
         import cProfile
-        profiler = cProfile.Profile()
+        # The loop thread's CPU clock: on a shared machine a wall clock counts a call that
+        # lost its core as the call's own time.
+        profiler = cProfile.Profile(time.thread_time)
     began = time.perf_counter()
     try:
         async with Experiment(cfg, run_dir=root / "run", spawn_workers=False) as exp:
@@ -492,7 +500,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one tiny point, printed as a row and a table")
     parser.add_argument("--replay", action="store_true", help="time `replay --check` on the point's log")
     parser.add_argument("--profile", default="", help="cProfile the controller while it trains (the measured "
-                        "window alone), to this file")
+                        "window alone, the loop thread's CPU time), to this file")
     parser.add_argument("--by-module", default="", metavar="FILE.prof",
                         help="print where a --profile file's time went, by module, and stop")
     parser.add_argument("--keep", default="", help="keep the point's run directory here")

@@ -336,3 +336,22 @@ async def test_a_receive_waiting_wakes_for_a_message_whose_signal_a_send_took():
     finally:
         dealer.close()
         router.close()
+
+
+async def test_closing_a_socket_a_receive_waits_on_ends_that_receive():
+    from flexmarl.runtime.transport import DealerSocket
+
+    cfg = TransportConfig(address="inproc://closing", heartbeat_timeout_s=10.0)
+    router = RouterSocket(cfg)
+    router.bind()
+    dealer = DealerSocket(cfg, b"d")
+    dealer.connect(router.address)
+    try:
+        receiving = asyncio.ensure_future(dealer.recv())
+        await asyncio.sleep(0.05)
+        assert not receiving.done()
+        dealer.close()  # its descriptor leaves the loop; the receive does not wait forever
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(receiving, 5)
+    finally:
+        router.close()
