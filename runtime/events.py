@@ -123,6 +123,16 @@ class BatchStarted(Event):
     data_rows: list[int] = []  # the dataset row of each episode of the batch, in order
 
 
+class EpisodeAssigned(Event):
+    # Continuous admission (pipeline.admission): episode `episode`, started as one of batch
+    # `started`'s, ended; global batch `batch` trains its groups (the earliest batch with
+    # fewer than queries_per_step episodes ended: a later one than `started` when it
+    # carried over, an earlier one when it ended before a slower episode of that batch).
+    episode: str
+    started: int
+    batch: int
+
+
 class GroupTargets(Event):
     # Dynamic sampling: batch `batch`'s regular episodes ended; each dynamic-sampling agent
     # trains this many groups of it (those they opened), groups beyond them are surplus.

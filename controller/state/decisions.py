@@ -35,6 +35,30 @@ def may_generate(batch: int, rollout_version: int, max_staleness: int) -> bool:
     return rollout_version >= min_generation_version(batch, max_staleness)
 
 
+def may_admit(running: int, ended: Mapping[int, int], first: int, newest: int, last: int, quota: int,
+              spares: int) -> bool:
+    """Continuous admission: whether another episode may start generating now, its agent's
+    version allowing batches up to `newest`: while the episodes `running` and those `ended`
+    in batches `first` to `newest` (per batch) number fewer than those batches train
+    (`quota` each) plus `spares`, each running episode can still be trained within the
+    staleness bound if it ends in turn. The last batch trains whatever is left: always."""
+    if newest >= last:
+        return True
+    done = sum(n for b, n in ended.items() if first <= b <= newest)
+    return running + done < quota * (newest - first + 1) + spares
+
+
+def assigned_batch(ended: Mapping[int, int], first: int, last: int, quota: int) -> int:
+    """Continuous admission: the global batch that trains an episode ending now, the
+    earliest from `first` with fewer than `quota` episodes ended in it (`ended`), `last`
+    when every one before it is full. A batch trains the first `quota` of its episodes to
+    end; an episode slower than that carries over into a later batch."""
+    for batch in range(first, last):
+        if ended.get(batch, 0) < quota:
+            return batch
+    return last
+
+
 def snapshot_version(batch: int, every: int) -> int:
     """The version of its source a snapshot refreshed every `every` steps plays at in
     global batch `batch`: the last multiple of `every` its source had reached when the
