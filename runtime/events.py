@@ -123,6 +123,15 @@ class BatchStarted(Event):
     data_rows: list[int] = []  # the dataset row of each episode of the batch, in order
 
 
+class EpisodeAdmitted(Event):
+    # Continuous admission (pipeline.admission): the first turn of episode `episode`, started
+    # as one of batch `started`'s, was admitted while its agent's version allowed batches up
+    # to `newest` (the last batch that may train it within the staleness bound).
+    episode: str
+    started: int
+    newest: int
+
+
 class EpisodeAssigned(Event):
     # Continuous admission (pipeline.admission): episode `episode`, started as one of batch
     # `started`'s, ended; global batch `batch` trains its groups (the earliest batch with

@@ -23,7 +23,7 @@ process, same seed. Per configuration it prints one JSON line:
     the agents' mean)
 
     .venv/bin/python bench/system/long_tail.py [--steps 10] [--settings finish,keep,recompute] [--ks 1,2]
-        [--admission step,continuous] [--partial-rollout N]
+        [--admission step,continuous,continuous:4] [--partial-rollout N]
 
 `--admission step,continuous` runs each keep / recompute configuration under both
 pipeline.admission settings (finish only under step: continuous admission refuses it),
@@ -83,8 +83,11 @@ async def chain_episode(ctx) -> None:
 
 
 def job(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step") -> str:
+    """The job's config; `admission` "step", "continuous" or "continuous:N" (N spare
+    episodes: pipeline.partial_rollout; "continuous" alone: `args.partial_rollout`)."""
     agents = ["writer", "reader"] if args.chain else ["writer"]
-    spares = getattr(args, "partial_rollout", 0) if admission == "continuous" else 0
+    admission, _, n = admission.partition(":")
+    spares = (int(n) if n else getattr(args, "partial_rollout", 0)) if admission == "continuous" else 0
     text = f"""
 [run]
 workflow = "{HERE}:{'chain_episode' if args.chain else 'episode'}"
@@ -175,7 +178,6 @@ def run(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step
                 if isinstance(e, ev.SamplesDropped) and e.why.startswith("lag above"))
     carried = sum(1 for e in events if isinstance(e, ev.EpisodeAssigned) and e.batch > e.started)
     return {"in_flight": in_flight, "admission": admission,
-            "partial_rollout": args.partial_rollout if admission == "continuous" else 0,
             "max_staleness": k, "chain": args.chain, "steps": args.steps,
             "warmup_steps": args.warmup, "samples_per_s": round(steady_samples / steady_s, 1),
             "occupancy": occupancy, "occupancy_mean": round(statistics.mean(occupancy.values()), 3),
@@ -201,7 +203,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--chain", action="store_true", help="two agents in a chain")
     parser.add_argument("--admission", default="step",
-                        help="pipeline.admission settings to run (step,continuous); continuous skips finish")
+                        help="pipeline.admission settings to run: step, continuous, continuous:N (N spare "
+                        "episodes, pipeline.partial_rollout); continuous skips finish")
     parser.add_argument("--partial-rollout", type=int, default=0, help="spare episodes under continuous admission")
     args = parser.parse_args()
     limit_threads(1)
@@ -210,7 +213,7 @@ def main() -> None:
     for k in (int(x) for x in args.ks.split(",")):
         for setting in args.settings.split(","):
             for admission in args.admission.split(","):
-                if admission == "continuous" and setting == "finish":
+                if admission.startswith("continuous") and setting == "finish":
                     continue  # refused: a carried-over episode continues across the sync
                 results.append(run(args, setting, k, admission))
                 print(json.dumps(results[-1]), flush=True)

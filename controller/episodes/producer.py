@@ -28,7 +28,7 @@ seeded by its name, and takes its data row after every regular episode's rows.
 
 With continuous admission (`pipeline.admission`), each episode's turns wait at the gate
 the schedule gives its `EpisodeSlot`, and when it ends the schedule names the batch that
-trains it (`EpisodeAssigned`; the store moves its groups there) before that batch counts
+trains it (`EpisodeAdmitted`, `EpisodeAssigned`; the store moves its groups there) before that batch counts
 it; `pipeline.partial_rollout` spare episodes (`s{first}p{j}`, rows after every regular
 and extra one) start with the first batch.
 
@@ -146,7 +146,8 @@ class EpisodeProducer:
                      else self.episode_number(batch, i))
                 ctx = self.contexts.make(name, batch, random.Random(f"{seed}-{batch}-{'' if kind == 'q' else kind}{i}"),
                                          self.store, self.dataset.item(g) if self.dataset else None,
-                                         gate=self.schedule.gate_of(slot))
+                                         gate=self.schedule.gate_of(slot, lambda slot: self.emit(
+                                             ev.EpisodeAdmitted(name, slot.started, slot.admitted or 0))))
                 why = await run_episode(self.workflow, ctx, p.episode_timeout_s)
                 if why:
                     self.failed += 1

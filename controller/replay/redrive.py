@@ -11,6 +11,7 @@ It does not read files or know how decisions are carried out.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import tomllib
 from typing import Sequence
@@ -64,16 +65,26 @@ def training_decisions(log: list, agents: Sequence[str]) -> dict[str, list]:
 
 
 def episode_assignments(log: list) -> list:
-    """Continuous admission: the batch that trains each episode, in the order the episodes
-    ended (`decisions.assigned_batch`), as `EpisodeAssigned` events (`log` a lineage)."""
+    """Continuous admission: the batch that trains each episode, from the order the
+    episodes were admitted (with the newest batch each was admitted for) and ended
+    (`decisions.assigned_batch`), as `EpisodeAssigned` events (`log` a lineage)."""
     run = tomllib.loads(run_of(log).config_toml)
-    quota, last = run["pipeline"]["queries_per_step"], run["run"]["steps"]
-    ended: dict[int, int] = {}
+    pipeline = run["pipeline"]
+    quota, last, spares = pipeline["queries_per_step"], run["run"]["steps"], pipeline.get("partial_rollout", 0)
+    ended: collections.Counter[int] = collections.Counter()
+    due: collections.Counter[int] = collections.Counter()
+    newest: dict[str, int] = {}
     made = []
     for e in log:
-        if type(e) is ev.EpisodeAssigned:
-            batch = decisions.assigned_batch(ended, 1, last, quota)
-            ended[batch] = ended.get(batch, 0) + 1
+        kind = type(e)
+        if kind is ev.EpisodeAdmitted:
+            newest[e.episode] = e.newest
+            due[e.newest] += 1
+        elif kind is ev.EpisodeAssigned:
+            if e.episode in newest:
+                due[newest.pop(e.episode)] -= 1
+            batch = decisions.assigned_batch(ended, +due, 1, last, quota, spares)
+            ended[batch] += 1
             made.append(ev.EpisodeAssigned(e.episode, e.started, batch))
     return made
 

@@ -48,15 +48,35 @@ def may_admit(running: int, ended: Mapping[int, int], first: int, newest: int, l
     return running + done < quota * (newest - first + 1) + spares
 
 
-def assigned_batch(ended: Mapping[int, int], first: int, last: int, quota: int) -> int:
-    """Continuous admission: the global batch that trains an episode ending now, the
-    earliest from `first` with fewer than `quota` episodes ended in it (`ended`), `last`
-    when every one before it is full. A batch trains the first `quota` of its episodes to
-    end; an episode slower than that carries over into a later batch."""
-    for batch in range(first, last):
-        if ended.get(batch, 0) < quota:
+def assigned_batch(ended: Mapping[int, int], due: Mapping[int, int], first: int, last: int, quota: int,
+                   spares: int = 0) -> int:
+    """Continuous admission: the global batch that trains an episode ending now. `ended`:
+    per batch, the episodes it trains that ended; `due`: per batch, the episodes still
+    running whose staleness bound lets them train no later than it (the newest batch their
+    version allowed when admitted). The earliest batch from `first` with fewer than
+    `quota` ended, unless taking its place would leave the running episodes due by some
+    later batch B more than fit in batches `first` to B (`quota` each, `spares` over): then
+    the next such batch. So the first `quota` episodes to end fill a batch and a slow one
+    carries over, but a newer episode never takes the place an older one needs within its
+    bound (with spares, at most that many may miss it, and are then dropped as too stale).
+    `last` when every batch before it is full: the last batch trains whatever is left."""
+    free = [b for b in range(first, last) if ended.get(b, 0) < quota]
+    for batch in free:
+        if _leaves_room(ended, due, batch, first, last, quota, spares):
             return batch
-    return last
+    return free[0] if free else last
+
+
+def _leaves_room(ended: Mapping[int, int], due: Mapping[int, int], batch: int, first: int, last: int, quota: int,
+                 spares: int) -> bool:
+    taken = 1 + sum(ended.get(b, 0) for b in range(first, batch))  # the one ending now, in `batch`
+    waiting = sum(n for d, n in due.items() if d < batch)
+    for b in range(batch, min(last, max(due, default=batch) + 1)):
+        taken += ended.get(b, 0)
+        waiting += due.get(b, 0)
+        if taken + waiting > quota * (b - first + 1) + spares:
+            return False
+    return True
 
 
 def snapshot_version(batch: int, every: int) -> int:

@@ -23,7 +23,8 @@ version from `SyncedVersions` (versions.py), which it does not write:
   for fit in those batches, plus `spares` (`decisions.may_admit`), waiting for a version
   change otherwise; when it ends, `assign` names the batch that trains it
   (`decisions.assigned_batch`: the first queries_per_step episodes to end fill a batch, a
-  slower one carries over), and that batch's `episode_ended` counts it. The last batch takes every episode left;
+  slower one carries over, but no newer episode takes the place an older one needs within
+  its staleness bound), and that batch's `episode_ended` counts it. The last batch takes every episode left;
 - an evaluation after step t (evaluation.py) holds every agent's sync to version t + 1
   (`wait_to_sync`) until it has run (`evaluated(t)`), so it measures version t.
 
@@ -97,7 +98,7 @@ class BatchSchedule:
         self.continuous = continuous
         self.quota, self.spares = episodes_per_batch, spares if continuous else 0
         self.batches[steps].episodes_left += self.spares  # the last batch trains the spares left
-        self._running = 0  # episodes admitted, not ended
+        self._due: collections.Counter[int] = collections.Counter()  # batch -> running episodes admitted with it newest
         self._ended: collections.Counter[int] = collections.Counter()  # batch -> episodes assigned to it
         self._freed = asyncio.Event()  # a slot was freed: admission waiters look again
         self.versions = versions if versions is not None else SyncedVersions(agents)  # read only
@@ -185,26 +186,30 @@ class BatchSchedule:
         """The place of an episode starting as one of `batch`'s."""
         return EpisodeSlot(batch)
 
-    def gate_of(self, slot: EpisodeSlot) -> Callable[[str, int], Awaitable[None]]:
+    def gate_of(self, slot: EpisodeSlot, on_admitted: Callable[[EpisodeSlot], None] | None = None
+                ) -> Callable[[str, int], Awaitable[None]]:
         """The staleness gate an episode's turns wait at: `gate` at its own batch, or with
-        continuous admission at the batch its first turn is admitted to."""
+        continuous admission at the newest batch its agent's version allowed when its first
+        turn was admitted (`on_admitted` told then)."""
         if not self.continuous:
             return self.gate
 
         async def gate(agent: str, batch: int) -> None:
             if slot.admitted is None:
-                await self._admit(slot, agent)
+                await self._admit(slot, agent, on_admitted)
             assert slot.admitted is not None
             await self.gate(agent, slot.admitted)
         return gate
 
-    async def _admit(self, slot: EpisodeSlot, agent: str) -> None:
+    async def _admit(self, slot: EpisodeSlot, agent: str, on_admitted: Callable[[EpisodeSlot], None] | None) -> None:
         while True:
             newest = self._newest_batch(agent)
-            if decisions.may_admit(self._running, self._ended, self.first_batch, newest, self.steps, self.quota,
+            if decisions.may_admit(sum(self._due.values()), self._ended, self.first_batch, newest, self.steps, self.quota,
                                    self.spares):
                 slot.admitted = newest
-                self._running += 1
+                self._due[newest] += 1
+                if on_admitted is not None:
+                    on_admitted(slot)
                 return
             freed = self._freed
             waits = [asyncio.ensure_future(self.versions.changed(agent)), asyncio.ensure_future(freed.wait())]
@@ -224,10 +229,10 @@ class BatchSchedule:
     def assign(self, slot: EpisodeSlot) -> int:
         """An episode under continuous admission ended: the batch that trains it (the
         caller moves its groups there, then calls `episode_ended` of that batch)."""
-        batch = decisions.assigned_batch(self._ended, self.first_batch, self.steps, self.quota)
-        self._ended[batch] += 1
         if slot.admitted is not None:
-            self._running -= 1
+            self._due[slot.admitted] -= 1
+        batch = decisions.assigned_batch(self._ended, +self._due, self.first_batch, self.steps, self.quota, self.spares)
+        self._ended[batch] += 1
         self._freed.set()
         self._freed = asyncio.Event()
         return batch

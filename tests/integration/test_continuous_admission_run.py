@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import collections
 import sys
+
+import msgspec
 from pathlib import Path
 
 from flexmarl.controller import Experiment, replay
@@ -48,3 +50,7 @@ def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once
     assert lags and max(lags) <= 1  # the bound on the oldest token, carried groups included
     assert replay.summarize(events).errors == []
     assert replay.check(events) is None  # the batches re-driven from the order episodes ended
+    first = next(i for i, e in enumerate(events) if isinstance(e, ev.EpisodeAssigned))
+    tampered = list(events)
+    tampered[first] = msgspec.structs.replace(events[first], batch=events[first].batch + 1)
+    assert "EpisodeAssigned" in (replay.check(tampered) or "")  # a batch the rules would not name

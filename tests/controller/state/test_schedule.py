@@ -151,6 +151,15 @@ async def test_continuous_admission_fills_a_batch_by_the_first_episodes_to_end_a
     assert s.assign(slots[0]) == 2 and s.assign(slots[2]) == 2
     # The last batch trains every episode left: its two and the spare.
     assert s.batches[3].episodes_left == 3
-    assert decisions.assigned_batch({1: 2, 2: 2}, 1, 3, 2) == 3 == decisions.assigned_batch({1: 2, 2: 2, 3: 5}, 1, 3, 2)
+    assert decisions.assigned_batch({1: 2, 2: 2}, {}, 1, 3, 2) == 3 == decisions.assigned_batch({1: 2, 2: 2, 3: 5}, {}, 1, 3, 2)
     assert decisions.may_admit(4, {1: 1}, 1, 2, 3, 2, 1) is False  # 4 running + 1 ended fill 2 x 2 + 1
     assert decisions.may_admit(3, {1: 1}, 1, 2, 3, 2, 1) is True
+
+
+def test_a_newer_episode_ending_first_never_takes_the_place_an_older_one_needs_within_its_bound():
+    # Two a batch, K = 1: batch 1 trained two. Two episodes admitted under version 0 (due by
+    # batch 2) still run; one admitted under version 1 (due by 3) ends first.
+    assert decisions.assigned_batch({1: 2}, {2: 2}, 1, 5, 2) == 3  # batch 2 is theirs
+    assert decisions.assigned_batch({1: 2}, {2: 1}, 1, 5, 2) == 2  # room for both
+    assert decisions.assigned_batch({1: 2}, {2: 2}, 1, 5, 2, spares=1) == 2  # a spare may take it
+    assert decisions.assigned_batch({}, {1: 1, 2: 2}, 1, 5, 2) == 1  # one of batch 1's own, the others fit
