@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step
     for r in rows:
         if r.get("reward_mean") is not None:
             per_step.setdefault(r["step"], []).append(r["reward_mean"])
-    stale = sum(e.parts.count() for e in events
+    stale = sum(e.parts.count for e in events
                 if isinstance(e, ev.SamplesDropped) and e.why.startswith("lag above"))
     carried = sum(1 for e in events if isinstance(e, ev.EpisodeAssigned) and e.batch > e.started)
     return {"in_flight": in_flight, "admission": admission,
