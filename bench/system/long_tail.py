@@ -215,7 +215,12 @@ def main() -> None:
             for admission in args.admission.split(","):
                 if admission.startswith("continuous") and setting == "finish":
                     continue  # refused: a carried-over episode continues across the sync
-                results.append(run(args, setting, k, admission))
+                try:
+                    results.append(run(args, setting, k, admission))
+                except Exception as exc:  # a run that stopped (e.g. every sample of a step too stale): its row says why
+                    print(json.dumps({"in_flight": setting, "admission": admission, "max_staleness": k,
+                                      "error": f"{type(exc).__name__}: {exc}"[:300]}), flush=True)
+                    continue
                 print(json.dumps(results[-1]), flush=True)
     for k in {r["max_staleness"] for r in results}:
         base = next((r for r in results if r["max_staleness"] == k and r["in_flight"] == "finish"), None)

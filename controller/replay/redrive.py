@@ -81,9 +81,10 @@ def episode_assignments(log: list) -> list:
             newest[e.episode] = e.newest
             due[e.newest] += 1
         elif kind is ev.EpisodeAssigned:
-            if e.episode in newest:
-                due[newest.pop(e.episode)] -= 1
-            batch = decisions.assigned_batch(ended, +due, 1, last, quota, spares)
+            admitted = newest.pop(e.episode, None)
+            if admitted is not None:
+                due[admitted] -= 1
+            batch = decisions.assigned_batch(ended, +due, 1, last, quota, spares, admitted)
             ended[batch] += 1
             made.append(ev.EpisodeAssigned(e.episode, e.started, batch))
     return made

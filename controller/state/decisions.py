@@ -39,17 +39,19 @@ def may_admit(running: int, ended: Mapping[int, int], first: int, newest: int, l
               spares: int) -> bool:
     """Continuous admission: whether another episode may start generating now, its agent's
     version allowing batches up to `newest`: while the episodes `running` and those `ended`
-    in batches `first` to `newest` (per batch) number fewer than those batches train
-    (`quota` each) plus `spares`, each running episode can still be trained within the
-    staleness bound if it ends in turn. The last batch trains whatever is left: always."""
+    (per batch, from `first`) number fewer than batches `first` to `newest` train (`quota`
+    each) plus `spares`, each running episode can still be trained within the staleness
+    bound if it ends in turn. The spares are over-provisioned once for the run: one that
+    ended past its bound still counts, so it is not replaced. The last batch trains
+    whatever is left: always."""
     if newest >= last:
         return True
-    done = sum(n for b, n in ended.items() if first <= b <= newest)
+    done = sum(n for b, n in ended.items() if b >= first)  # a carried one too: the spares are never renewed
     return running + done < quota * (newest - first + 1) + spares
 
 
 def assigned_batch(ended: Mapping[int, int], due: Mapping[int, int], first: int, last: int, quota: int,
-                   spares: int = 0) -> int:
+                   spares: int = 0, newest: int | None = None) -> int:
     """Continuous admission: the global batch that trains an episode ending now. `ended`:
     per batch, the episodes it trains that ended; `due`: per batch, the episodes still
     running whose staleness bound lets them train no later than it (the newest batch their
@@ -58,11 +60,15 @@ def assigned_batch(ended: Mapping[int, int], due: Mapping[int, int], first: int,
     later batch B more than fit in batches `first` to B (`quota` each, `spares` over): then
     the next such batch. So the first `quota` episodes to end fill a batch and a slow one
     carries over, but a newer episode never takes the place an older one needs within its
-    bound (with spares, at most that many may miss it, and are then dropped as too stale).
-    `last` when every batch before it is full: the last batch trains whatever is left."""
+    bound (with spares, those over-provisioned may, and the one pushed past its bound is
+    then dropped as too stale). An episode that already missed its own bound (`newest`, the
+    last batch its admission allowed, is full) takes no place a running one needs, spares
+    or not: it goes after them. `last` when every batch before it is full: the last batch
+    trains whatever is left."""
     free = [b for b in range(first, last) if ended.get(b, 0) < quota]
+    missed = newest is not None and newest < last and not any(b <= newest for b in free)
     for batch in free:
-        if _leaves_room(ended, due, batch, first, last, quota, spares):
+        if _leaves_room(ended, due, batch, first, last, quota, 0 if missed else spares):
             return batch
     return free[0] if free else last
 

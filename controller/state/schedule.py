@@ -231,7 +231,8 @@ class BatchSchedule:
         caller moves its groups there, then calls `episode_ended` of that batch)."""
         if slot.admitted is not None:
             self._due[slot.admitted] -= 1
-        batch = decisions.assigned_batch(self._ended, +self._due, self.first_batch, self.steps, self.quota, self.spares)
+        batch = decisions.assigned_batch(self._ended, +self._due, self.first_batch, self.steps, self.quota, self.spares,
+                                         slot.admitted)
         self._ended[batch] += 1
         self._freed.set()
         self._freed = asyncio.Event()

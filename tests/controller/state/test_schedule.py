@@ -163,3 +163,6 @@ def test_a_newer_episode_ending_first_never_takes_the_place_an_older_one_needs_w
     assert decisions.assigned_batch({1: 2}, {2: 1}, 1, 5, 2) == 2  # room for both
     assert decisions.assigned_batch({1: 2}, {2: 2}, 1, 5, 2, spares=1) == 2  # a spare may take it
     assert decisions.assigned_batch({}, {1: 1, 2: 2}, 1, 5, 2) == 1  # one of batch 1's own, the others fit
+    # One that already missed its bound (batches up to 2 full) takes no spare's room: it goes after them.
+    assert decisions.assigned_batch({1: 2, 2: 2}, {3: 2}, 1, 6, 2, spares=1, newest=2) == 4
+    assert decisions.assigned_batch({1: 2, 2: 2}, {3: 2}, 1, 6, 2, spares=1, newest=3) == 3
