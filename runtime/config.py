@@ -449,7 +449,7 @@ class PipelineConfig:
     """With `admission = "continuous"`: episodes over-provisioned beyond what the staleness bound
     admits, so an instance is given this many more groups before the version moves; they start
     with the first batch and the unfinished ones carry over. Since the last N to end are always
-    too many for the batches their bound allows, about N samples' groups a step are dropped as too
+    too many for the batches their bound allows, about N episodes' groups a step are dropped as too
     stale (counted); the last batch trains every episode left (nothing lost, nothing trained
     twice). 0: none."""
 
