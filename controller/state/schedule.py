@@ -19,9 +19,9 @@ version from `SyncedVersions` (versions.py), which it does not write:
   turns waiting at the gate for that agent (no other agent's);
 - with continuous admission (`pipeline.admission`), an episode is not its starting batch's:
   its first turn (through `gate_of` its `EpisodeSlot`) is admitted while the episodes
-  running plus those ended in batches up to the newest its agent's version may generate
-  for fit in those batches, plus `spares` (`decisions.may_admit`), waiting for a version
-  change otherwise; when it ends, `assign` names the batch that trains it
+  running and ended fit in the batches up to the newest every trained agent's version may
+  generate for, plus `spares` (`decisions.may_admit`), waiting for a version change
+  otherwise; when it ends, `assign` names the batch that trains it
   (`decisions.assigned_batch`: the first queries_per_step episodes to end fill a batch, a
   slower one carries over, but no newer episode takes the place an older one needs within
   its staleness bound), and that batch's `episode_ended` counts it. The last batch takes every episode left;
@@ -196,14 +196,14 @@ class BatchSchedule:
 
         async def gate(agent: str, batch: int) -> None:
             if slot.admitted is None:
-                await self._admit(slot, agent, on_admitted)
+                await self._admit(slot, on_admitted)
             assert slot.admitted is not None
             await self.gate(agent, slot.admitted)
         return gate
 
-    async def _admit(self, slot: EpisodeSlot, agent: str, on_admitted: Callable[[EpisodeSlot], None] | None) -> None:
+    async def _admit(self, slot: EpisodeSlot, on_admitted: Callable[[EpisodeSlot], None] | None) -> None:
         while True:
-            newest = self._newest_batch(agent)
+            newest = self._newest_batch()
             if decisions.may_admit(sum(self._due.values()), self._ended, self.first_batch, newest, self.steps, self.quota,
                                    self.spares):
                 slot.admitted = newest
@@ -212,19 +212,20 @@ class BatchSchedule:
                     on_admitted(slot)
                 return
             freed = self._freed
-            waits = [asyncio.ensure_future(self.versions.changed(agent)), asyncio.ensure_future(freed.wait())]
+            waits = [asyncio.ensure_future(self.versions.changed()), asyncio.ensure_future(freed.wait())]
             try:
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for w in waits:
                     w.cancel()
 
-    def _newest_batch(self, agent: str) -> int:
-        """The newest batch `agent`'s version may generate for now (the last for a frozen
-        agent or a snapshot: their turns wait at their own gate)."""
-        if agent not in self.agents:
+    def _newest_batch(self) -> int:
+        """The newest batch every trained agent's version may generate for now: an
+        episode's groups may be any of theirs (a frozen agent or a snapshot, whatever turn
+        comes first, waits at its own gate after)."""
+        if not self.agents:
             return self.steps
-        return min(self.steps, self.versions[agent] + 1 + self.max_staleness)
+        return min(self.steps, min(self.versions[a] for a in self.agents) + 1 + self.max_staleness)
 
     def assign(self, slot: EpisodeSlot) -> int:
         """An episode under continuous admission ended: the batch that trains it (the
