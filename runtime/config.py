@@ -433,8 +433,10 @@ class PipelineConfig:
     weights computed) or "recompute" (they continue after vLLM rebuilds their cache from prompt
     plus tokens so far under the new weights). Every token records the version that produced it
     and staleness counts a sample's oldest token. With max_staleness 0 and in sync mode a sync
-    always finishes them (nothing spans a version). Adapter agents' requests keep the adapter
-    version they were admitted under whatever this says."""
+    always finishes them (nothing spans a version). Adapter agents alike: under "keep" and
+    "recompute" the new adapter version takes the old one's slot and the agent's requests in flight
+    move to it; under "finish" they end under the version they were admitted with (an adapter load
+    never waits)."""
     admission: str = "step"
     """How episodes are admitted and which global batch trains them: "step" (episode i of batch t
     is batch t's; its turns wait at the staleness gate until the version allows batch t, and the
@@ -442,9 +444,10 @@ class PipelineConfig:
     episodes to end, whichever batch started them, so the step waits for no slow episode: the
     slowest carry over into the next batch, their tokens so far kept and continued under the new
     weights; an episode's first turn is admitted while the episodes running and ended fit in the
-    batches the agent's version may generate for, plus `partial_rollout` spares; a sample whose
-    oldest token is then too stale is dropped and counted). "continuous" needs async mode, max_staleness >= 1 and
-    `in_flight` "keep" or "recompute"; not with dynamic sampling nor a resumed run."""
+    batches every trained agent's version may generate for, plus `partial_rollout` spares; a
+    sample whose oldest token is then too stale is dropped and counted). "continuous" needs async
+    mode, max_staleness >= 1 and `in_flight` "keep" or "recompute"; not with dynamic sampling nor
+    a resumed run."""
     partial_rollout: int = 0
     """With `admission = "continuous"`: episodes over-provisioned beyond what the staleness bound
     admits, so an instance is given this many more groups before the version moves; they start
