@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
+    parser.add_argument("--kl-cap", type=float, default=0.0, help="agents.student.teacher_kl_cap (0: not clipped)")
     parser.add_argument("--modes", default="rl,distill",
                         help="the student's runs per seed: rl (reward alone), distill (reward and reverse KL), "
                              "only (reverse KL alone)")
@@ -168,7 +169,7 @@ def main() -> None:
         for seed in seeds:
             for mode in modes:
                 student = (["agents.student.teacher=''"] if mode == "rl" else
-                           [f"agents.student.teacher_coef={args.coef}",
+                           [f"agents.student.teacher_coef={args.coef}", f"agents.student.teacher_kl_cap={args.kl_cap}",
                             f"agents.student.teacher_only={str(mode == 'only').lower()}"])
                 start = time.perf_counter()
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
