@@ -80,7 +80,13 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
     return (run_dir / "checkpoints" / "final" / "sorter").resolve(), rewards[max(rewards)]
 
 
-def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
+def student_model(args: argparse.Namespace) -> str:
+    """The student's model: the digit chain's planner, or a recipe of examples/distill/models.py."""
+    return "tiny:planner" if args.student_model == "planner" else \
+        f"tiny:{EXAMPLES / 'distill' / 'models.py'}:{args.student_model}"
+
+
+def advantage_profile(teacher_dir: Path, student_path: str, samples: int = 8) -> dict:
     """What the reverse KL tells the student at its start: `samples` outputs per held-out
     query drawn from the untrained student (temperature 1, with transformers), and per
     sampled token its advantage -(log p_student - log p_teacher), split by whether the
@@ -96,7 +102,7 @@ def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     student, teach = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-                      for path in (resolve_model("tiny:planner"), teacher_dir))
+                      for path in (resolve_model(student_path), teacher_dir))
     right: list[float] = []
     wrong: list[float] = []
     clean_prefix: list[float] = []  # right tokens after a right prefix
@@ -140,6 +146,8 @@ def main() -> None:
     parser.add_argument("--teacher", default="", help="a teacher run directory to reuse")
     parser.add_argument("--teacher-model", default="teacher", choices=("teacher", "strong_teacher", "clean_teacher"),
                         help="the teacher's recipe in examples/distill/models.py (before its RL)")
+    parser.add_argument("--student-model", default="planner", choices=("planner", "weak_student"),
+                        help="the student: the digit chain's planner, or the weaker one of examples/distill/models.py")
     parser.add_argument("--queries", type=int, default=16, help="episodes per step")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
@@ -161,7 +169,8 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         teacher_dir, target = teacher(args, work)
         print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4),
-                          "reverse_kl_at_the_students_start": advantage_profile(teacher_dir)}), flush=True)
+                          "reverse_kl_at_the_students_start": advantage_profile(teacher_dir, student_model(args))}),
+              flush=True)
         modes = [mode for mode in args.modes.split(",") if mode]
         if not set(modes) <= {"rl", "distill", "only"}:
             parser.error(f"--modes {args.modes!r}: each mode is one of rl, distill, only")
@@ -175,7 +184,8 @@ def main() -> None:
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
                               f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
-                              f'agents.teacher.model="{teacher_dir}"', workflow(args), *student])
+                              f'agents.teacher.model="{teacher_dir}"', f'agents.student.model="{student_model(args)}"',
+                              workflow(args), *student])
                 curves[mode][seed] = curve = held_out(rows, "student")
                 kl = [r["teacher_kl"] for r in rows if r["agent"] == "student" and "kind" not in r]
                 print(json.dumps({"mode": mode, "seed": seed, "held_out": {str(k): round(v, 4) for k, v in curve.items()},
