@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=16, help="episodes per step")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
+    parser.add_argument("--lr", type=float, default=0.0, help="agents.student.lr (0: examples/distill.toml's)")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
     parser.add_argument("--kl-cap", type=float, default=0.0, help="agents.student.teacher_kl_cap (0: not clipped)")
     parser.add_argument("--modes", default="rl,distill",
@@ -185,7 +186,7 @@ def main() -> None:
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
                               f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
                               f'agents.teacher.model="{teacher_dir}"', f'agents.student.model="{student_model(args)}"',
-                              workflow(args), *student])
+                              workflow(args), *student, *([f"agents.student.lr={args.lr}"] if args.lr else [])])
                 curves[mode][seed] = curve = held_out(rows, "student")
                 kl = [r["teacher_kl"] for r in rows if r["agent"] == "student" and "kind" not in r]
                 print(json.dumps({"mode": mode, "seed": seed, "held_out": {str(k): round(v, 4) for k, v in curve.items()},
