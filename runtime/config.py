@@ -435,8 +435,10 @@ class PipelineConfig:
     weights computed) or "recompute" (they continue after vLLM rebuilds their cache from prompt
     plus tokens so far under the new weights). Every token records the version that produced it
     and staleness counts a sample's oldest token. With max_staleness 0 and in sync mode a sync
-    always finishes them (nothing spans a version). Adapter agents' requests keep the adapter
-    version they were admitted under whatever this says."""
+    always finishes them (nothing spans a version). Adapter agents alike: under "keep" and
+    "recompute" the new adapter version takes the old one's slot and the agent's requests in flight
+    move to it; under "finish" they end under the version they were admitted with (an adapter load
+    never waits)."""
 
 
 @dataclass

@@ -378,7 +378,8 @@ class Generated(Message):
 class LoadWeights(Message):
     # Controller -> Rollout: replace the engine's weights in place from a published handle;
     # with `lora`, add the agent's adapter at `version` instead (the handle holds the
-    # adapter's tensors under PEFT's names), its older versions kept while requests use them.
+    # adapter's tensors under PEFT's names), its older versions kept while requests use them
+    # ("finish") or its requests moved to the new one ("keep", "recompute": `in_flight`).
     KIND = Kind.LOAD_WEIGHTS
     request_id: int
     agent: str

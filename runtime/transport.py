@@ -27,9 +27,10 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 from urllib.parse import urlsplit
 
 import zmq
@@ -53,6 +54,8 @@ MAX_BUFFERS = 256
 _DONTWAIT = int(zmq.DONTWAIT)
 _SNDMORE = int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
+_FD = int(zmq.FD)
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass
@@ -147,17 +150,35 @@ class _Socket:
         if len(frames) > 2 + MAX_BUFFERS:
             return Inbound(identity, None, [], f"too many frames: {len(frames)} > limit {2 + MAX_BUFFERS} "
                                                f"(kind, body and {MAX_BUFFERS} buffers)", "too many frames")
-        size = protocol.frames_nbytes(frames)
+        # The frames as received (zmq.Frame, or bytes): len is a frame's size in bytes, and
+        # the decoder reads a frame's buffer as it is (a memoryview made of each costs more
+        # than the decode); only the buffers after kind and body are handed on as views.
+        size = sum(map(len, frames))
         if size > self.cfg.max_message_bytes:
             return Inbound(identity, None, [], f"oversized message: {size} bytes > limit "
                                                f"{self.cfg.max_message_bytes}", "oversized")
         try:
-            msg, buffers = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
+            msg, buffers = protocol.decode(frames)
+            if buffers:
+                buffers = [f.buffer if isinstance(f, zmq.Frame) else f for f in buffers]
         except protocol.ProtocolError as exc:
             return Inbound(identity, None, [], str(exc), exc.reason)
         except Exception as exc:  # a decoder surprise is still the peer's garbage, not our crash
             return Inbound(identity, None, [], f"undecodable message: {exc!r}", "undecodable")
         return Inbound(identity, msg, buffers)
+
+    def _queued_frames(self) -> list[zmq.Frame]:
+        """The frames of a message already queued (zmq.Again if none is), each frame's own
+        flag saying whether another follows: pyzmq's recv_multipart asks the socket for
+        that flag after every frame, at twice the cost of the whole receive. A message's
+        frames are delivered together, so none after the first has to be waited for."""
+        recv = self._plain.recv
+        frame = recv(_DONTWAIT, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = recv(_DONTWAIT, copy=False)
+            frames.append(frame)
+        return frames
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -226,19 +247,6 @@ class RouterSocket(_Socket):
             received.append(check(frames[0].bytes, frames[1:]))
         return received
 
-    def _queued_frames(self) -> list[zmq.Frame]:
-        """The frames of a message already queued (zmq.Again if none is), each frame's own
-        flag saying whether another follows: pyzmq's recv_multipart asks the socket for
-        that flag after every frame, at twice the cost of the whole receive. A message's
-        frames are delivered together, so none after the first has to be waited for."""
-        recv = self._plain.recv
-        frame = recv(_DONTWAIT, copy=False)
-        frames = [frame]
-        while frame.more:
-            frame = recv(_DONTWAIT, copy=False)
-            frames.append(frame)
-        return frames
-
     async def send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         """Queues `msg` for one peer without waiting: raises zmq.Again when that peer's
         queue is full (it is not reading) and EHOSTUNREACH when it is not connected.
@@ -271,7 +279,18 @@ class RouterSocket(_Socket):
 
 
 class DealerSocket(_Socket):
-    """A worker's socket to the controller; its identity is unique per connection."""
+    """A worker's socket to the controller; its identity is unique per connection.
+
+    It sends and receives on the plain libzmq socket, waiting in the event loop itself, not
+    through pyzmq's asyncio socket (a future, callbacks and flag enums per message: at a
+    few hundred workers to a process, most of what a worker spends per message). A receive
+    with nothing queued waits for the socket's descriptor, which libzmq signals on a change
+    of the socket's events, edge-triggered: reading EVENTS (as every send and receive does)
+    consumes the signal, so a receive reads EVENTS before it waits, and every send made
+    while a receive waits looks for a message it may have taken the signal of. A send the
+    socket cannot take (the controller's queue is full; with `immediate`, no connection)
+    waits, retrying, at most the send timeout (then zmq.Again); later sends wait behind it,
+    in order."""
 
     def __init__(self, cfg: TransportConfig, identity: bytes, *, immediate: bool = False) -> None:
         super().__init__(cfg, zmq.DEALER)
@@ -279,11 +298,17 @@ class DealerSocket(_Socket):
         if immediate:  # a send waits for a live connection instead of queueing for one
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.identity = identity
+        self._fd: int = self._plain.get(_FD)  # type: ignore[assignment]
+        self._reader: asyncio.Future | None = None  # the receive waiting for the descriptor
+        self._parked = 0  # sends waiting for room (a later one may not pass them)
+        self._parked_order = asyncio.Lock()  # ... and among themselves, first come first sent
+        self._send_timeout_s = 0.0
         self.set_send_timeout(cfg.heartbeat_timeout_s)
 
     def set_send_timeout(self, seconds: float) -> None:
         """A send waits at most this long for the controller to read (then zmq.Again):
         a controller that stops reading is as lost as one that stops talking."""
+        self._send_timeout_s = max(1, int(seconds * 1000)) / 1000
         self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(seconds * 1000)))
 
     def connect(self, address: str) -> None:
@@ -296,8 +321,72 @@ class DealerSocket(_Socket):
         self.sock.connect(address)
 
     async def recv(self) -> Inbound:
-        frames = await self.sock.recv_multipart(copy=False)
-        return self._check(b"", frames)
+        """The next message (waits while none is queued)."""
+        while True:
+            try:
+                frames = self._queued_frames()
+            except zmq.Again:
+                await self._readable()
+                continue
+            return self._check(b"", frames)
+
+    async def _readable(self) -> None:
+        """Returns when a message may be queued (the caller tries again)."""
+        if self._pollin():
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._reader = loop.create_future()
+        loop.add_reader(self._fd, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            self._reader = None
+            loop.remove_reader(self._fd)
+
+    def _pollin(self) -> bool:
+        """Whether a message is queued (reading EVENTS: the descriptor's signal is consumed)."""
+        return bool(cast(int, self._plain.get(_EVENTS)) & _POLLIN)
+
+    def close(self) -> None:
+        if self._reader is not None:  # a receive waits: the descriptor leaves its loop before it closes
+            self._reader.get_loop().remove_reader(self._fd)
+            self._reader.cancel()
+        super().close()
 
     async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
-        await self.sock.send_multipart(protocol.encode(msg, buffers), copy=False)
+        """Sends `msg`, waiting (at most the send timeout, then zmq.Again) while the socket
+        cannot take it."""
+        frames = protocol.encode(msg, buffers)
+        if not self._parked and self._send_now(frames):
+            return
+        deadline = time.monotonic() + self._send_timeout_s
+        self._parked += 1
+        try:
+            async with self._parked_order:
+                pause = 0.001
+                while not self._send_now(frames):
+                    if time.monotonic() >= deadline:
+                        raise zmq.Again()
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 0.05)
+        finally:
+            self._parked -= 1
+
+    def _send_now(self, frames: list[Any]) -> bool:
+        """Queues the message's frames if the socket takes them now (False: it does not), as
+        send_multipart would, the first frame being the one libzmq may refuse."""
+        send, last = self._send_frame, len(frames) - 1
+        try:
+            send(frames[0], _DONTWAIT | _SNDMORE if last else _DONTWAIT, copy=True)
+        except zmq.Again:
+            return False
+        for i in range(1, last + 1):  # the rest of a message whose first frame was taken is taken too
+            send(frames[i], _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
+        if self._reader is not None and self._pollin():
+            _settle(self._reader)  # the send took the signal of a message the receive waits for
+        return True
+
+
+def _settle(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

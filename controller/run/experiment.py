@@ -12,7 +12,8 @@ checks the run directory can be written, binds the controller socket where the l
 says, starts its named background tasks (receive loop, heartbeats, the event log's writer
 and, with `view.enabled`, the run's web view: view/server.py, its address in
 `RUN_DIR/view.url`) and either starts the workers through the launcher or waits for remote
-ones to connect.
+ones to connect; once they have, a "collector" task sweeps what the run makes
+(runtime/collector.py: `Sweeps`).
 Workers that exit later (or whose Ray actor or node is lost) are started again by a
 "launcher" task, up to `cluster.max_restarts` each; past that its failure stops the run.
 `train()` runs the training driver next to those tasks: the first task to fail or end
@@ -52,7 +53,9 @@ log = logging.getLogger("flexmarl.controller")
 # At Python's default thresholds (700, 10, 10) the collector walked that heap about a
 # quarter of the time at 1,024 instances (bench/RESULTS.md, the controller at scale), in
 # pauses of tens of milliseconds; these make its passes rare. Set while an Experiment is
-# open, restored when it closes.
+# open, restored when it closes. What rare passes leave to cycles (the episodes' HTTP
+# clients, each holding its certificate store) is bounded by `collector.Sweeps`: the
+# start-up heap set apart, a full collection of the rest every few seconds.
 GC_THRESHOLDS = collector.RARE_THRESHOLDS
 
 
@@ -80,6 +83,7 @@ class Experiment:
         self.training: TrainingRun | None = None  # while train() runs
         self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
         self.stall_watch = StallWatch("controller")  # a loop held over a second is logged with what held it
+        self.sweeps = collector.Sweeps()  # full collections of what the run makes, every few seconds
 
     def emit(self, event: ev.Event) -> None:
         # Once a write failed, the log's task stops the run with that error; what is emitted
@@ -161,6 +165,9 @@ class Experiment:
         except BaseException:
             await self._teardown()
             raise
+        # Started: what is tracked now (the imports, the run's set-up) lives to the end.
+        self.sweeps.start()
+        self._tasks.append(asyncio.create_task(self.sweeps.run(), name="collector"))
         return self
 
     def _open_run_dir(self, point: Any) -> None:
@@ -279,6 +286,7 @@ class Experiment:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.stall_watch.stop()
         self.server.close()
+        self.sweeps.stop()
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)
             self._gc_thresholds = None

@@ -257,8 +257,8 @@ class ExperienceStore:
             raise ValueError(f"reward for {group.key.sample(member)} arrived after its group was complete "
                              f"({group.status}): its advantages are already fixed, so this reward would be "
                              f"ignored. Set every sample's reward before the last one of its group")
-        before = group.reward(member)
-        if before is not None:
+        before = group.rewards[member]
+        if before == before:  # set (NaN: not yet; GroupRecord.reward)
             raise ValueError(f"reward for {group.key.sample(member)} set twice ({before} then {reward})")
         if not math.isfinite(reward):
             raise ValueError(f"reward for {group.key.sample(member)} is not finite: {reward}")

@@ -137,7 +137,8 @@ class WeightSync:
         self.snapshots = snapshots or {}
         self.adapter_dirs = adapter_dirs or {}  # frozen adapter agent -> its PEFT directory
         # What a load does to the requests in flight on an instance (LoadWeights.in_flight);
-        # an adapter's load never waits for them (its requests keep their version).
+        # an adapter's load never waits for them ("finish": they keep their version; "keep"
+        # and "recompute": they move to the new one).
         self.in_flight = in_flight
         # Per agent, the workers of each of its engines (tensor parallelism): each receives
         # the weights itself, so each is a receiving rank of its own. Default 1.

@@ -62,6 +62,7 @@ def test_the_bench_smoke_run_prints_a_row_that_parses(tmp_path):
     for key in ("samples_s", "cpu_us_sample", "lag_p50_ms", "lag_p99_ms", "log_mb_s", "rss_mb", "waited",
                 "loop_runq_frac"):
         assert key in row
+    assert row["cluster_cpu_frac"] > 0 and row["cluster_runq_frac"] >= 0  # the fake cluster's share, measured
     assert 0 < row["loop_cpu_frac"] <= row["cpu_frac"] + 0.01  # the loop's thread is part of the process
     assert row["samples"] == row["generated"] > 0
     assert row["accounting"] is True
@@ -91,3 +92,15 @@ def test_a_profile_reads_back_as_shares_by_module(tmp_path):
     out = subprocess.run([sys.executable, str(BENCH), "--by-module", str(profile)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "% " in out.stdout.splitlines()[0], out.stderr[-2000:]
+
+
+def test_pinned_the_fake_cluster_runs_one_helper_per_core_it_has_and_unpinned_256_instances_to_a_helper():
+    bench = load_bench()
+    point = {"instances": 1024, "trainers": 64}
+    pinned = bench.helper_workers(point, {1})
+    assert len(pinned) == 1 and len(pinned[0]) == 1024 + 64
+    shared = bench.helper_workers(point, {1, 2, 3})
+    assert len(shared) == 3 and sorted(w for h in shared for w in h) == sorted(pinned[0])
+    unpinned = bench.helper_workers(point)
+    assert [len(h) for h in unpinned] == [256, 256, 256, 256, 64]
+    assert {role for role, _ in unpinned[-1]} == {"trainer"}

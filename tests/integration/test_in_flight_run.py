@@ -44,6 +44,27 @@ def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_an
     assert replay.check(events) is None  # the re-drive gates by the same oldest tokens
 
 
+def test_an_adapter_agents_keep_run_moves_its_requests_to_each_new_version_and_replays(tmp_path):
+    args = argparse.Namespace(steps=4, seed=0, chain=False, adapter=True, queries=4, group_size=4, max_tokens=96)
+    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
+    cfg = load_config(str(tmp_path / "job.toml"))
+
+    async def main():
+        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
+            return await exp.train()
+
+    summary = asyncio.run(main())
+    assert summary.episodes_failed == 0 and len(summary.rewards["writer"]) == 4
+    events, problem = read_events(tmp_path / "run" / "events.log")
+    assert problem is None
+    spanned = [e for e in events if isinstance(e, ev.RequestsCompleted) for part in e.oldest if part]
+    assert spanned, "with outputs this long, some adapter load should have landed while a group ran"
+    lags = [e.version - 1 - m for e in events if isinstance(e, ev.MicroBatchFormed) for m in e.min_versions]
+    assert lags and max(lags) <= 1
+    assert replay.summarize(events).errors == []
+    assert replay.check(events) is None
+
+
 @pytest.mark.slow
 def test_a_rollout_worker_killed_during_a_load_that_keeps_its_requests_loses_nothing_and_trains_nothing_twice(
         tmp_path):
@@ -83,3 +104,115 @@ def test_a_rollout_worker_killed_during_a_load_that_keeps_its_requests_loses_not
     assert len(trained) == len(set(trained))  # nothing trained twice
     assert len(summary.rewards["writer"]) == 4
     assert replay.check(events) is None
+
+
+def killed_mid_update(exp) -> bool:
+    """A sync of the writer is under way (past version 1) while an instance of it has groups in flight."""
+    parts = exp.training.parts
+    return (parts.weights.locks["writer"].locked() and parts.versions["writer"] >= 1
+            and any(parts.instances.outstanding[w] > 0 for w in parts.instances.assignment["writer"]))
+
+
+def lost_and_twice(events) -> None:
+    """Every sample of the final lineage trained or dropped exactly once, and replay agrees."""
+    result = replay.summarize(events)
+    assert result.errors == []
+    (total,) = [r for r in result.accounting if r.total and r.agent == "writer"]
+    assert total.generated == total.trained + total.dropped  # nothing lost
+    trained = [(key, j) for e in replay.lineage(events) if isinstance(e, ev.MicroBatchFormed)
+               for key, j in e.parts.samples()]
+    assert len(trained) == len(set(trained))  # nothing trained twice
+    assert replay.check(events) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", [False, True], ids=["whole-model", "adapter"])
+def test_a_trainer_killed_during_a_sync_that_keeps_the_requests_in_flight_loses_nothing_and_trains_nothing_twice(
+        tmp_path, adapter):
+    args = argparse.Namespace(steps=5, seed=2, chain=False, adapter=adapter, queries=4, group_size=4, max_tokens=48)
+    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
+    # Restarted at once, its agent restored from the checkpoint of step 2 (or 4).
+    cfg = load_config(str(tmp_path / "job.toml"), ["run.checkpoint_every=2", "cluster.restart_backoff_s=0.0"])
+    killed = {}
+
+    async def main():
+        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
+            train = asyncio.create_task(exp.train())
+            while exp.training is None or not exp.training.parts.ready.is_set():
+                await asyncio.sleep(0.05)
+            while not killed and not train.done():
+                if killed_mid_update(exp) and exp.training.parts.versions["writer"] >= 2:
+                    victim = exp.training.parts.allocator.resident["writer"]
+                    os.kill(next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim), signal.SIGKILL)
+                    killed["worker"] = victim
+                await asyncio.sleep(0.005)
+            return await train
+
+    summary = asyncio.run(main())
+    assert killed, "the run ended before a sync with groups in flight"
+    assert len(summary.rewards["writer"]) == 5
+    events, problem = read_events(tmp_path / "run" / "events.log")
+    assert problem is None
+    assert any(isinstance(e, ev.WorkerDied) and e.worker == killed["worker"] for e in events)
+    assert any(isinstance(e, ev.TrainingRestored) and e.agent == "writer" for e in events)
+    steps = [e.version for e in replay.lineage(events) if isinstance(e, ev.OptimizerStep)]
+    assert sorted(steps) == list(range(1, 6))  # no optimizer step applied twice
+    lost_and_twice(events)
+
+
+# The controller of the next test, in a process of its own: it kills itself (SIGKILL) once a
+# sync is under way with groups in flight, the moment a crash there can land on.
+KILLED_CONTROLLER = '''
+import asyncio, os, signal, sys
+sys.path.insert(0, sys.argv[3])
+from flexmarl.controller import Experiment
+from flexmarl.runtime.config import load_config
+from test_in_flight_run import killed_mid_update
+
+cfg = load_config(sys.argv[1], ["run.checkpoint_every=1"])
+
+async def main():
+    async with Experiment(cfg, run_dir=sys.argv[2]) as exp:
+        train = asyncio.create_task(exp.train())
+        while exp.training is None or not exp.training.parts.ready.is_set():
+            await asyncio.sleep(0.05)
+        while not train.done():
+            if killed_mid_update(exp) and exp.training.parts.versions["writer"] >= 2:
+                print("killed during the sync after version", exp.training.parts.versions["writer"], flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            await asyncio.sleep(0.005)
+        await train
+
+asyncio.run(main())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", [False, True], ids=["whole-model", "adapter"])
+def test_a_controller_killed_during_a_sync_that_keeps_the_requests_in_flight_resumes_losing_nothing(
+        tmp_path, adapter):
+    import subprocess
+
+    from killed_runs import kill_workers_of
+
+    args = argparse.Namespace(steps=5, seed=3, chain=False, adapter=adapter, queries=4, group_size=4, max_tokens=48)
+    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
+    (tmp_path / "controller.py").write_text(KILLED_CONTROLLER)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(tmp_path / "controller.py"), str(tmp_path / "job.toml"), str(run_dir),
+                           str(Path(__file__).parent)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
+    assert "killed during the sync" in proc.stdout  # mid-update, not after the run
+    kill_workers_of(run_dir)
+    assert not (run_dir / "checkpoints" / "final").exists()
+
+    resumed = subprocess.run([sys.executable, "-m", "flexmarl.controller.cli", "run", "--resume", str(run_dir)],
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    events, problem = read_events(run_dir / "events.log")
+    assert problem is None
+    resumed = [e for e in events if isinstance(e, ev.RunResumed)]
+    assert len(resumed) == 1
+    steps = [e.version for e in replay.lineage(events) if isinstance(e, ev.OptimizerStep)]
+    assert sorted(steps) == list(range(1, 6))  # no optimizer step applied twice
+    lost_and_twice(events)

@@ -1,9 +1,11 @@
 """A real controller and real worker processes over real ZeroMQ."""
 
 import asyncio
+import gc
 import os
 import signal
 import time
+import weakref
 
 import pytest
 
@@ -100,3 +102,30 @@ async def test_a_killed_worker_is_started_again_under_its_id_and_past_the_limit_
         ("rollout-0", -signal.SIGKILL, 1, second.proc.pid)]
     log_text = (tmp_path / "logs" / "rollout-0.log").read_text()
     assert f"pid {first.proc.pid} exited with code -9; restarting" in log_text
+
+
+class Held:
+    """Stands for an episode's HTTP client: a cycle whose memory (its certificate store,
+    allocated by OpenSSL) the collector does not count."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+async def test_an_open_experiment_frees_within_seconds_a_cycle_that_died_old_and_hands_back_its_start_up_heap(tmp_path):
+    cfg = load_config(None, ["cluster.rollout_workers=1", "cluster.trainer_workers=1",
+                             "cluster.worker_start_timeout_s=60"], defaults=default_config())
+    async with Experiment(cfg, run_dir=tmp_path):
+        assert gc.get_freeze_count() > 0  # the start-up heap, walked by no collection
+        held = Held()
+        gone = weakref.ref(held)
+        gc.collect(1)  # alive through the younger passes: it ages into the oldest generation
+        del held
+        gc.collect(1)
+        assert gone() is not None  # where only a full collection reaches it
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while gone() is not None:
+            assert loop.time() < deadline, "a cycle that died old outlived 30 s of an open experiment"
+            await asyncio.sleep(0.1)
+    assert gc.get_freeze_count() == 0

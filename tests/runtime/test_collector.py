@@ -1,4 +1,6 @@
+import asyncio
 import gc
+import weakref
 
 from flexmarl.runtime import collector
 
@@ -20,6 +22,61 @@ def test_objects_frozen_before_the_block_are_left_to_whoever_froze_them():
         with collector.set_apart() as keep:
             keep()
             assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+class Held:
+    """Stands for an HTTP client: a cycle whose memory the collector does not count."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def died_old() -> weakref.ref:
+    """A cycle that aged into the oldest generation while in use, then died there."""
+    held = Held()
+    gone = weakref.ref(held)
+    gc.collect(1)  # it survives the younger passes
+    del held
+    gc.collect(1)  # which then leave it where it is
+    return gone
+
+
+async def test_sweeps_free_a_cycle_that_died_in_the_oldest_generation_which_rare_passes_leave():
+    with collector.rare_collections():
+        sweeps = collector.Sweeps(every_s=0.05)
+        sweeps.start()
+        try:
+            gone = died_old()
+            assert gone() is not None
+            running = asyncio.create_task(sweeps.run())
+            for _ in range(200):
+                if gone() is None:
+                    break
+                await asyncio.sleep(0.05)
+            running.cancel()
+            assert gone() is None and sweeps.count >= 1
+        finally:
+            sweeps.stop()
+
+
+def test_sweeps_set_the_start_up_heap_apart_and_hand_it_back_but_leave_what_another_froze():
+    held = [[] for _ in range(1000)]
+    sweeps = collector.Sweeps()
+    sweeps.start()
+    assert gc.get_freeze_count() >= len(held)
+    sweeps.sweep()
+    assert gc.get_freeze_count() >= len(held)  # never walked again while set apart
+    sweeps.stop()
+    assert gc.get_freeze_count() == 0
+    later = collector.Sweeps()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        later.start()
+        later.stop()
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()

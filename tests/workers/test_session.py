@@ -245,3 +245,113 @@ async def test_a_worker_whose_replies_carry_its_load_sends_no_heartbeat_until_th
         assert kinds.count(p.Generated) >= 4 and p.Heartbeat not in kinds
         handler.replying.clear()
         assert (await next_of(router, p.Heartbeat)).load == {"busy_s": 1.5}  # replies stopped: heartbeats again
+
+
+async def test_a_session_watches_its_loop_unless_its_process_watches_it_for_all_its_sessions():
+    import threading
+
+    def watchers():
+        return sum(t.name == "stall-watch" for t in threading.enumerate())
+
+    before = watchers()
+    async with session_with(Loop()) as (router, identity, task):
+        await router.send(identity, p.Echo(1, b"x"))
+        await next_of(router, p.EchoReply)
+        assert watchers() == before + 1  # its own watch: a thread (and a ticker task)
+    router = RouterSocket(CFG)
+    router.bind()
+    unwatched = WorkerSession(CFG, router.address, Loop(), worker_id="many", watch_loop=False)
+    task = asyncio.create_task(unwatched.run())
+    try:
+        hello = await asyncio.wait_for(router.recv(), 5)
+        await router.send(hello.identity, p.Welcome(p.PROTOCOL_VERSION, 0.05, 0.5))
+        await router.send(hello.identity, p.Echo(2, b"y"))
+        await next_of(router, p.EchoReply)  # it serves as the watched one does
+        assert watchers() <= before and not any(t.get_name() == "stall-watch" for t in asyncio.all_tasks())
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        router.close()
+
+
+async def test_sends_that_find_the_controllers_queue_full_wait_and_no_later_send_passes_them():
+    import time
+
+    from flexmarl.runtime.transport import DealerSocket
+
+    cfg = TransportConfig(address="inproc://full-queue", heartbeat_timeout_s=10.0)
+    router = RouterSocket(cfg)
+    router.sock.setsockopt(zmq.RCVHWM, 1)
+    router.bind()
+    dealer = DealerSocket(cfg, b"d")
+    dealer.sock.setsockopt(zmq.SNDHWM, 1)
+    dealer.connect(router.address)
+    sent, parked = [], None
+    try:
+        for i in range(100):  # fill the queue until a send has to wait
+            task = asyncio.ensure_future(dealer.send(p.Heartbeat(i)))
+            await asyncio.sleep(0)
+            sent.append(i)
+            if not task.done():
+                parked = task
+                break
+        assert parked is not None
+        while True:  # the controller reads everything queued, while the loop does not turn
+            try:
+                router._plain.recv_multipart(zmq.DONTWAIT)
+            except zmq.Again:
+                break
+        time.sleep(0.05)
+        later = dealer.send(p.Heartbeat(1000))  # room now: it would go at once, ahead of the parked one
+        await asyncio.wait_for(asyncio.gather(parked, later), 5)
+        got = []
+        while len(got) < 2:
+            got.append((await asyncio.wait_for(router.recv(), 5)).msg.seq)
+        assert got == [sent[-1], 1000]
+    finally:
+        dealer.close()
+        router.close()
+
+
+async def test_a_receive_waiting_wakes_for_a_message_whose_signal_a_send_took():
+    import time
+
+    from flexmarl.runtime.transport import DealerSocket
+
+    cfg = TransportConfig(address="inproc://wake", heartbeat_timeout_s=10.0)
+    router = RouterSocket(cfg)
+    router.bind()
+    dealer = DealerSocket(cfg, b"d")
+    dealer.connect(router.address)
+    try:
+        await dealer.send(p.Heartbeat(1))
+        identity = (await asyncio.wait_for(router.recv(), 5)).identity
+        receiving = asyncio.ensure_future(dealer.recv())
+        await asyncio.sleep(0.05)  # it waits for the socket's descriptor
+        assert not receiving.done()
+        await router.send(identity, p.Heartbeat(2))
+        time.sleep(0.05)  # the message is there, its signal raised, the loop not turning
+        await dealer.send(p.Heartbeat(3))  # a send goes at once, reading the socket's events
+        assert (await asyncio.wait_for(receiving, 5)).msg.seq == 2
+    finally:
+        dealer.close()
+        router.close()
+
+
+async def test_closing_a_socket_a_receive_waits_on_ends_that_receive():
+    from flexmarl.runtime.transport import DealerSocket
+
+    cfg = TransportConfig(address="inproc://closing", heartbeat_timeout_s=10.0)
+    router = RouterSocket(cfg)
+    router.bind()
+    dealer = DealerSocket(cfg, b"d")
+    dealer.connect(router.address)
+    try:
+        receiving = asyncio.ensure_future(dealer.recv())
+        await asyncio.sleep(0.05)
+        assert not receiving.done()
+        dealer.close()  # its descriptor leaves the loop; the receive does not wait forever
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(receiving, 5)
+    finally:
+        router.close()

@@ -30,7 +30,8 @@ An engine started with LoRA slots (`EngineSettings.max_loras`) also serves adapt
 model: `load_adapter(name, version, tensors, lora)` writes a PEFT directory into memory
 (/dev/shm where there is one; vLLM insists on a path, the run's disk is never touched) and
 registers it; a request names the adapter and version it runs under, and a version stays
-loaded while any request in flight uses it (engine_adapters.py).
+loaded while any request in flight uses it (engine_adapters.py), or (`in_flight` "keep" /
+"recompute") the new version takes the old one's place and its requests move to it.
 
 This module knows nothing about agents, tasks or policy versions beyond adapter names. What differs between
 devices (dtype, context length, KV-cache sizing, tensor parallelism) is the table in
@@ -352,8 +353,7 @@ class VllmEngine:
         for output in self._engine.step():
             if not output.finished:
                 continue
-            if self.adapters is not None:
-                self.adapters.release(output.request_id)
+            moves = self.adapters.release(output.request_id) if self.adapters is not None else None
             if self._outstanding.pop(output.request_id, None) is None:
                 self._scoring.pop(output.request_id, None)
                 self._added_under.pop(output.request_id, None)
@@ -380,6 +380,9 @@ class VllmEngine:
             if added_under is not None and any(_spans_other(s.weight_versions, added_under) for s in samples):
                 versions = [v for s in samples for v in _token_versions(s.weight_versions, len(s.token_ids),
                                                                          added_under)]
+            elif moves is not None:  # an adapter's request that a load moved to a newer version
+                versions = moves.token_versions(lengths)
+                versions = versions if any(v != moves.first for v in versions) else None
             completions.append(Completion(output.request_id, token_ids, logprobs, lengths, reasons,
                                           output.num_cached_tokens or 0, versions))
         if completions:
@@ -423,12 +426,21 @@ class VllmEngine:
 
     # ---- adapters --------------------------------------------------------------------
 
-    def load_adapter(self, name: str, version: int, tensors: dict[str, torch.Tensor], lora: Any) -> float:
+    def load_adapter(self, name: str, version: int, tensors: dict[str, torch.Tensor], lora: Any, *,
+                     in_flight: str = "finish") -> float:
         """Add LoRA adapter `name` at `version` (tensors under PEFT's file names, `lora` a
-        protocol.LoraSettings); returns the seconds it took. Requests in flight keep the
-        version they run under; new ones default to this one; an older version no request
-        uses is unloaded. Raises, the engine unchanged, when the engine has no LoRA slots,
-        the version is not newer than the one held, or there is no room for it."""
+        protocol.LoraSettings); returns the seconds it took. New requests default to this
+        version. `in_flight` says what becomes of the requests running under the agent's
+        newest version: "finish" lets them end under it (it stays loaded beside the new one
+        until they do; an older version no request uses is unloaded); "keep" and
+        "recompute" move them, between two steps, to the new version, loaded into the old
+        one's LoRA slot in place: "keep" keeps their keys and values of the old adapter,
+        "recompute" drops the engine's cache, which vLLM rebuilds for every request in flight
+        (vLLM resets the cache of all of them or none; another agent's requests are rebuilt
+        under their unchanged adapters) before they continue. A moved request's tokens say
+        which version produced each (`Completion.token_versions`). Raises, the engine
+        unchanged, when the engine has no LoRA slots, the version is not newer than the one
+        held, or (finish) there is no room for it."""
         from vllm.lora.request import LoRARequest
 
         from ..adapters import write_adapter
@@ -436,21 +448,43 @@ class VllmEngine:
         if self.adapters is None:
             raise ValueError(f"this engine was started without LoRA slots; it cannot serve the adapter {name!r} "
                              "(start it with EngineSettings.max_loras > 0)")
+        if in_flight not in IN_FLIGHT:
+            raise ValueError(f"in_flight is {in_flight!r}; it must be one of {', '.join(IN_FLIGHT)}")
         start = time.perf_counter()
         self._retire_adapters()
-        self.adapters.check_room(name, version)
+        moving = in_flight != "finish" and self.adapters.serves(name)
+        if moving:
+            self.adapters.check_newer(name, version)
+        else:
+            self.adapters.check_room(name, version)
         directory = tempfile.mkdtemp(prefix=f"{LORA_PREFIX}{os.getpid()}-", dir=memory_dir())
-        resident = ResidentAdapter(name, version, self.adapters.reserve_id(), directory)
+        lora_id = self.adapters.resolve(name).lora_id if moving else self.adapters.reserve_id()
+        resident = ResidentAdapter(name, version, lora_id, directory)
         try:
             write_adapter(directory, tensors, lora, self.model_path)
-            if not self._engine.add_lora(LoRARequest(resident.name, resident.lora_id, directory)):
+            # In place, vLLM reads the new adapter before it drops the old one: a failure
+            # leaves the old one serving.
+            if not self._engine.add_lora(LoRARequest(resident.name, lora_id, directory, load_inplace=moving)):
                 raise RuntimeError(f"vLLM did not load the adapter {resident.name}")
         except Exception:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        self.adapters.add(resident)
+        if moving:
+            moved, old = self.adapters.move(name, version, directory, self._tokens_so_far)
+            shutil.rmtree(old, ignore_errors=True)
+            if in_flight == "recompute" and moved.users:
+                self._engine.reset_prefix_cache(reset_running_requests=True)
+        else:
+            self.adapters.add(resident)
         self._retire_adapters()
         return time.perf_counter() - start
+
+    def _tokens_so_far(self, request_id: str) -> dict[int, int]:
+        """Per sample index of a request in flight, the tokens it has generated; a finished
+        sample is left out. vLLM runs a request of n samples as n requests named after it."""
+        processor = self._engine.output_processor
+        states = (processor.request_states.get(i) for i in processor.external_req_ids.get(request_id, ()))
+        return {s.request_index: s.detokenizer.num_output_tokens() for s in states if s is not None}
 
     def _adapter(self, name: str, version: int) -> ResidentAdapter:
         if self.adapters is None:

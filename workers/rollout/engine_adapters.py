@@ -7,6 +7,12 @@ version that is neither the newest nor in use is retired at once (the engine unl
 and deletes its directory). The engine holds at most `capacity` adapters (its
 max_cpu_loras); a new version that would pass it is refused before anything changes.
 
+Or a new version moves the requests along (`move`, a load "keep" or "recompute"): it
+takes the newest version's LoRA id, so the requests running under that id run under the
+new weights from their next token on. Each such request's moves are noted (the version
+from then on and each sample's tokens so far), so its tokens' versions can be told
+(`token_versions`).
+
 Each version gets a name `agent@version` and a LoRA id of its own, never reused: vLLM's
 prefix cache keys blocks on the adapter's name and path, so two versions (or two agents)
 never share cached keys and values.
@@ -16,7 +22,34 @@ Plain bookkeeping: no vLLM, no files. `VllmEngine` does the loading and unloadin
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+# A sample missing from a move's counts had finished: every token of it came before.
+FINISHED = sys.maxsize
+
+
+@dataclass
+class Moves:
+    """A request's adapter versions: `first` from its first token, then each `(version,
+    tokens so far per sample index)` of a move, in order."""
+
+    first: int
+    then: list[tuple[int, dict[int, int]]] = field(default_factory=list)
+
+    def token_versions(self, lengths: list[int]) -> list[int]:
+        """Per token of samples `lengths` long, back to back, the version that produced it."""
+        out: list[int] = []
+        for j, length in enumerate(lengths):
+            version, start = self.first, 0
+            for later, starts in self.then:
+                end = max(start, min(starts.get(j, FINISHED), length))
+                out += [version] * (end - start)
+                version, start = later, end
+            out += [version] * (length - start)
+        return out
 
 
 class AdapterSlotsFull(RuntimeError):
@@ -43,6 +76,7 @@ class AdapterRegistry:
         self._newest: dict[str, int] = {}
         self._user_of: dict[str, ResidentAdapter] = {}
         self._next_id = 1
+        self._moves: dict[str, Moves] = {}  # a request moved to newer versions -> its moves
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -79,9 +113,7 @@ class AdapterRegistry:
     def check_room(self, agent: str, version: int) -> None:
         """Raises unless `agent` at `version` can be added now (a newer version than held,
         and room for it once the versions it retires are gone)."""
-        newest = self._newest.get(agent, -1)
-        if version <= newest:
-            raise ValueError(f"adapter {agent}@{version} is not newer than the loaded {agent}@{newest}")
+        self.check_newer(agent, version)
         freed = sum(1 for r in self._resident.values() if r.agent == agent and not r.users)
         if len(self._resident) - freed + 1 > self.capacity:
             raise AdapterSlotsFull(
@@ -99,15 +131,39 @@ class AdapterRegistry:
         self._resident[(adapter.agent, adapter.version)] = adapter
         self._newest[adapter.agent] = adapter.version
 
+    def check_newer(self, agent: str, version: int) -> None:
+        """Raises unless `version` is newer than `agent`'s newest (what `move` needs)."""
+        newest = self._newest.get(agent, -1)
+        if version <= newest:
+            raise ValueError(f"adapter {agent}@{version} is not newer than the loaded {agent}@{newest}")
+
+    def move(self, agent: str, version: int, path: str,
+             tokens_so_far: Callable[[str], dict[int, int]]) -> tuple[ResidentAdapter, str]:
+        """`agent`'s newest adapter becomes `version`, now loaded from `path` under the same
+        LoRA id: its requests run under `version` from their next token. `tokens_so_far`
+        gives a request's tokens per sample index (a sample it leaves out has finished).
+        Returns the adapter and the directory it was loaded from before (the caller deletes it)."""
+        self.check_newer(agent, version)
+        adapter = self._resident.pop((agent, self._newest[agent]))
+        for request in adapter.users:
+            moves = self._moves.setdefault(request, Moves(adapter.version))
+            moves.then.append((version, tokens_so_far(request)))
+        old, adapter.version, adapter.path = adapter.path, version, path
+        self._resident[(agent, version)] = adapter
+        self._newest[agent] = version
+        return adapter, old
+
     def use(self, request: str, adapter: ResidentAdapter) -> None:
         adapter.users.add(request)
         self._user_of[request] = adapter
 
-    def release(self, request: str) -> None:
-        """The request finished or was aborted; its adapter may become retirable."""
+    def release(self, request: str) -> Moves | None:
+        """The request finished or was aborted; its adapter may become retirable. Returns
+        its moves (None: it ran under the version it was admitted with throughout)."""
         adapter = self._user_of.pop(request, None)
         if adapter is not None:
             adapter.users.discard(request)
+        return self._moves.pop(request, None)
 
     def retire(self) -> list[ResidentAdapter]:
         """Takes out and returns every adapter neither newest nor in use."""
@@ -121,6 +177,7 @@ class AdapterRegistry:
         self._resident.clear()
         self._newest.clear()
         self._user_of.clear()
+        self._moves.clear()
         return gone
 
     def _held(self) -> str:

@@ -21,8 +21,10 @@ state.
 
 An engine started with LoRA slots serves every agent whose adapter it was sent (LOAD_WEIGHTS
 with `lora`, or LOAD_ADAPTER with a checkpoint's adapter directory): such a load waits for
-nothing, since requests in flight keep the adapter version they were admitted under (the
-engine unloads it after them); each sample carries that version.
+nothing. Under `in_flight` "finish" requests in flight keep the adapter version they were
+admitted under (the engine unloads it after them) and each sample carries that version;
+under "keep" or "recompute" they move to the new version between two steps, each token
+labelled with the version that made it, as with whole weights.
 
 Whole weights (LOAD_WEIGHTS without `lora`) are received by the engine's own workers, one
 per tensor-parallel rank, each through a parameter channel of its own (engine_receive.py):
@@ -239,7 +241,8 @@ class RolloutHandler(CommandHandler):
         self.agent, self.version = msg.agent, msg.version
 
     def _load_adapter(self, msg: protocol.LoadWeights) -> None:
-        """An adapter agent's new version joins the engine beside the versions in use."""
+        """An adapter agent's new version joins the engine beside the versions in use, or
+        ("keep", "recompute") takes the newest one's place, its requests moved to it."""
         if self.engine is None:
             raise RuntimeError(f"no engine is loaded here to take the adapter of {msg.agent}; load its base first")
         if msg.handle is None:  # a frozen adapter agent: its adapter as a PEFT directory wrote it
@@ -251,7 +254,7 @@ class RolloutHandler(CommandHandler):
             return
         tensors = self.channel().receive(msg.handle, rank=msg.rank or None)
         try:
-            self.engine.load_adapter(msg.agent, msg.version, tensors, msg.lora)
+            self.engine.load_adapter(msg.agent, msg.version, tensors, msg.lora, in_flight=msg.in_flight or "finish")
         finally:
             del tensors
             self.channel().release(msg.handle)

@@ -63,3 +63,22 @@ def test_a_request_issued_under_a_retired_version_runs_under_the_newer_one_never
     assert reg.serving("a", 2).version == 2 and reg.serving("a").version == 2
     with pytest.raises(KeyError, match="version 3 is not loaded"):
         reg.serving("a", 3)  # behind what the request was issued under: refused
+
+
+def test_a_move_puts_a_new_version_in_the_newest_ones_slot_and_notes_where_each_request_moved():
+    reg = AdapterRegistry(capacity=2)
+    load(reg, "a", 0), load(reg, "b", 0)
+    slot = reg.resolve("a").lora_id
+    reg.use("r", reg.resolve("a")), reg.use("q", reg.resolve("b"))
+    so_far = {"r": {0: 5, 2: 4}}  # sample 1 finished before the move
+    moved, old = reg.move("a", 1, "/mem/a1", lambda request: so_far[request])
+    assert (moved.name, moved.lora_id, moved.path, old) == ("a@1", slot, "/mem/a1", "/mem/a0")
+    assert reg.resident() == [("a", 1), ("b", 0)] and reg.retire() == []  # no room needed, nothing to retire
+    so_far["r"] = {0: 7}
+    reg.move("a", 3, "/mem/a3", lambda request: so_far[request])
+    with pytest.raises(ValueError, match="not newer"):
+        reg.move("a", 3, "/mem/again", lambda request: {})
+    moves = reg.release("r")
+    assert moves.token_versions([8, 3, 6]) == [0] * 5 + [1] * 2 + [3] + [0] * 3 + [0] * 4 + [1] * 2
+    assert reg.release("q") is None  # never moved: its version throughout
+    assert reg.release("r") is None
