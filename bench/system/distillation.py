@@ -27,6 +27,7 @@ the teacher's (null: not within the run), and the mean curve over the seeds.
     python bench/system/distillation.py --coef 0.1 ...       # the reverse KL at a tenth (teacher_coef)
     python bench/system/distillation.py --kl-cap 1 ...       # each token's KL clipped to [-1, 1] (teacher_kl_cap)
     python bench/system/distillation.py --student-model weak_student --reward exact ...   # a weaker student
+    python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...  # five digits
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
 
