@@ -27,7 +27,7 @@ the teacher's (null: not within the run), and the mean curve over the seeds.
     python bench/system/distillation.py --coef 0.1 ...       # the reverse KL at a tenth (teacher_coef)
     python bench/system/distillation.py --kl-cap 1 ...       # each token's KL clipped to [-1, 1] (teacher_kl_cap)
     python bench/system/distillation.py --student-model weak_student --reward exact ...   # a weaker student
-    python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...  # five digits
+    python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
 
@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="the student's steps per run")
     parser.add_argument("--teacher-steps", type=int, default=30)
     parser.add_argument("--teacher", default="", help="a teacher run directory to reuse")
-    parser.add_argument("--teacher-model", default="teacher", choices=("teacher", "strong_teacher", "clean_teacher", "long_teacher"),
+    parser.add_argument("--teacher-model", default="teacher",
+                        choices=("teacher", "strong_teacher", "clean_teacher", "long_teacher"),
                         help="the teacher's recipe in examples/distill/models.py (before its RL)")
     parser.add_argument("--student-model", default="planner", choices=("planner", "weak_student", "long_student"),
                         help="the student: the digit chain's planner, or the weaker one of examples/distill/models.py")
@@ -187,7 +188,8 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         teacher_dir, target = teacher(args, work)
         print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4),
-                          "reverse_kl_at_the_students_start": advantage_profile(teacher_dir, student_model(args), eval_file(args))}),
+                          "reverse_kl_at_the_students_start":
+                              advantage_profile(teacher_dir, student_model(args), eval_file(args))}),
               flush=True)
         modes = [mode for mode in args.modes.split(",") if mode]
         if not set(modes) <= {"rl", "distill", "only"}:
@@ -203,7 +205,8 @@ def main() -> None:
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
                               f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
                               f'agents.teacher.model="{teacher_dir}"', f'agents.student.model="{student_model(args)}"',
-                              *workflow(args, ("student", "teacher")), *student, *([f"agents.student.lr={args.lr}"] if args.lr else [])])
+                              *workflow(args, ("student", "teacher")), *student,
+                              *([f"agents.student.lr={args.lr}"] if args.lr else [])])
                 curves[mode][seed] = curve = held_out(rows, "student")
                 kl = [r["teacher_kl"] for r in rows if r["agent"] == "student" and "kind" not in r]
                 print(json.dumps({"mode": mode, "seed": seed, "held_out": {str(k): round(v, 4) for k, v in curve.items()},
