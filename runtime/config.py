@@ -303,6 +303,10 @@ class AgentConfig:
     teacher_only: bool = False
     """With `teacher`: the reward's advantage is left out, the reverse KL alone trains the agent
     (rewards are still recorded)."""
+    teacher_kl_cap: float = 0.0
+    """With `teacher`: > 0 clips each token's (student logprob - teacher logprob) to [-cap, cap]
+    nats before it enters the advantage, so that the tokens the teacher finds nearly impossible
+    (a wrong answer's -5 to -9 nats) do not outweigh the reward's advantage; 0: not clipped."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose rewards are all equal (no advantage, no gradient) is
     dropped before it reaches a micro-batch, and more episodes are drawn so that the step keeps
@@ -354,7 +358,8 @@ class AgentConfig:
         return LossOptions(self.loss_agg, self.loss_constant or float(self.max_tokens), self.off_policy,
                            self.kl_coef, self.clip_eps, self.dual_clip, self.is_low, self.is_high,
                            self.gspo_eps_low, self.gspo_eps_high, self.cispo_eps_high, self.behav_weight_cap,
-                           self.teacher_coef if self.teacher else 0.0, self.teacher_only)
+                           self.teacher_coef if self.teacher else 0.0, self.teacher_only,
+                           self.teacher_kl_cap)
 
     @property
     def frozen(self) -> bool:
@@ -994,6 +999,9 @@ def check_roles(cfg: ExperimentConfig) -> None:
                                      f"no [agents.{agent.teacher}] is declared (declared: {declared})"))
             if agent.teacher_coef <= 0:
                 raise ConfigError(f"agents.{name}.teacher_coef must be > 0, got {agent.teacher_coef}")
+            if agent.teacher_kl_cap < 0:
+                raise ConfigError(f"agents.{name}.teacher_kl_cap must be >= 0 (0: not clipped), "
+                                  f"got {agent.teacher_kl_cap}")
     for name in cfg.agents:  # a cycle of teachers: each would wait for the other's version
         seen = [name]
         while cfg.agents[seen[-1]].teacher:
