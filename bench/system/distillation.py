@@ -5,7 +5,10 @@ One invocation:
 1. trains the teacher (examples/distill_teacher.toml: a sorter four times the planner's
    size) with RL for --teacher-steps, and reads its held-out reward (the evaluation of its
    final weights, sampled at temperature 1, on examples/distill/eval.jsonl). With
-   --teacher DIR, an earlier run's teacher (and its reward, from its metrics) is reused;
+   --teacher DIR, an earlier run's teacher (and its reward, from its metrics) is reused.
+   With --eval-queries N the held-out set is larger (the committed queries first, then more
+   drawn as training draws its own), and the teacher's reward is measured on it: the mean of
+   --teacher-evals evaluations of its unchanged weights;
 2. for each seed, trains the student (the digit chain's planner, `tiny:planner`) from the
    same start in each of --modes: "rl" (its reward alone), "distill" (the same, plus the
    teacher's per-token reverse KL, `agents.student.teacher`) and "only" (the reverse KL
