@@ -239,7 +239,8 @@ def test_distillation_measures_the_teacher_and_the_student_on_a_larger_held_out_
                                "--teacher-evals", "2", "--out", str(tmp_path), timeout=1200))
     committed = (ROOT / "examples" / "distill" / "eval.jsonl").read_text().splitlines()
     queries = (tmp_path / "held_out.jsonl").read_text().splitlines()
-    assert queries[:64] == committed and len(queries) == len(set(queries)) == 70  # 6 more, none repeated
+    assert queries[:64] == committed and len(queries) == 70  # the committed ones, then 6 more
+    assert len(set(queries[64:])) == 6 and not set(queries[64:]) & set(committed)  # none repeating an earlier one
     assert all(len(json.loads(q)["digits"]) == 3 for q in queries)
     measured, teacher = rows[0]["teacher_on_held_out"], rows[1]
     assert len(measured) == 2 and teacher["teacher_held_out_reward"] == pytest.approx(sum(measured) / 2, abs=1e-4)
