@@ -129,8 +129,9 @@ def teacher_on_held_out(args: argparse.Namespace, work: Path, checkpoint: Path) 
     run_dir = work / "teacher-held-out"
     rows = train(EXAMPLES / "distill_teacher.toml", run_dir,
                  [f'agents.sorter.model="{checkpoint}"', "agents.sorter.lr=0",
-                  f"run.steps={max(1, args.teacher_evals - 1)}", "eval.every=1", "eval.at_start=true", f"eval.episodes={args.episodes}",
-                  f"pipeline.queries_per_step={args.queries}", *workflow(args, ("sorter",))])
+                  f"run.steps={max(1, args.teacher_evals - 1)}", "eval.every=1", "eval.at_start=true",
+                  f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
+                  *workflow(args, ("sorter",))])
     rewards = [r for t, r in sorted(held_out(rows, "sorter").items())][:args.teacher_evals]
     print(json.dumps({"teacher_on_held_out": [round(r, 4) for r in rewards], "episodes": args.episodes}), flush=True)
     return statistics.mean(rewards)
