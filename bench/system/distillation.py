@@ -5,7 +5,10 @@ One invocation:
 1. trains the teacher (examples/distill_teacher.toml: a sorter four times the planner's
    size) with RL for --teacher-steps, and reads its held-out reward (the evaluation of its
    final weights, sampled at temperature 1, on examples/distill/eval.jsonl). With
-   --teacher DIR, an earlier run's teacher (and its reward, from its metrics) is reused;
+   --teacher DIR, an earlier run's teacher (and its reward, from its metrics) is reused.
+   With --eval-queries N the held-out set is larger (the committed queries first, then more
+   drawn as training draws its own), and the teacher's reward is measured on it: the mean of
+   --teacher-evals evaluations of its unchanged weights;
 2. for each seed, trains the student (the digit chain's planner, `tiny:planner`) from the
    same start in each of --modes: "rl" (its reward alone), "distill" (the same, plus the
    teacher's per-token reverse KL, `agents.student.teacher`) and "only" (the reverse KL
@@ -28,6 +31,7 @@ the teacher's (null: not within the run), and the mean curve over the seeds.
     python bench/system/distillation.py --kl-cap 1 ...       # each token's KL clipped to [-1, 1] (teacher_kl_cap)
     python bench/system/distillation.py --student-model weak_student --reward exact ...   # a weaker student
     python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...
+    python bench/system/distillation.py --long --eval-queries 256 --teacher RUN ...   # a larger held-out set
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
 
@@ -66,16 +70,36 @@ def train(toml: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
 
 def workflow(args: argparse.Namespace, agents: tuple[str, ...]) -> list[str]:
     """The task's overrides: its episode, and with --long the five-digit sort's."""
+    held_out = f'data.eval="{eval_file(args)}"'
     if not args.long:
-        return [f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:{WORKFLOW[args.reward]}"']
+        return [f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:{WORKFLOW[args.reward]}"', held_out]
     if args.reward != "fraction":
         raise SystemExit("--long takes the fraction reward only")
-    return [f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:episode_long"', f'data.eval="{eval_file(args)}"',
+    return [f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:episode_long"', held_out,
             *(f"agents.{a}.max_tokens={LONG}" for a in agents)]
 
 
 def eval_file(args: argparse.Namespace) -> Path:
-    return EXAMPLES / "distill" / ("eval_long.jsonl" if args.long else "eval.jsonl")
+    """The held-out queries: the committed file, or with --eval-queries the larger set
+    `held_out_queries` wrote into the work directory."""
+    return args.eval_path or EXAMPLES / "distill" / ("eval_long.jsonl" if args.long else "eval.jsonl")
+
+
+def held_out_queries(committed: Path, n: int, digits: int) -> list[dict]:
+    """`n` held-out queries: the committed file's rows first, then more drawn as a training
+    episode draws its query (each digit uniform: `make_query` for three, examples/distill/
+    workflow.py for five) from a fixed seed, none repeating an earlier row."""
+    import random
+
+    rows = [json.loads(line) for line in committed.read_text().splitlines()][:n]
+    seen = {tuple(r["digits"]) for r in rows}
+    rng = random.Random(f"held-out-{digits}")
+    while len(rows) < n:
+        query = [rng.randrange(10) for _ in range(digits)]
+        if tuple(query) not in seen:
+            seen.add(tuple(query))
+            rows.append({"digits": query})
+    return rows
 
 
 def held_out(rows: list[dict], agent: str) -> dict[int, float]:
@@ -92,7 +116,25 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
                f"pipeline.queries_per_step={args.queries}", *workflow(args, ("sorter",))])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = held_out(rows, "sorter")
-    return (run_dir / "checkpoints" / "final" / "sorter").resolve(), rewards[max(rewards)]
+    checkpoint = (run_dir / "checkpoints" / "final" / "sorter").resolve()
+    if not args.eval_path:
+        return checkpoint, rewards[max(rewards)]
+    return checkpoint, teacher_on_held_out(args, work, checkpoint)
+
+
+def teacher_on_held_out(args: argparse.Namespace, work: Path, checkpoint: Path) -> float:
+    """The trained teacher's held-out reward on the --eval-queries set, measured as the
+    students' is (one sample per query, temperature 1): `--teacher-evals` evaluations of its
+    weights, unchanged between them (lr 0), with sampling seeds of their own; their mean."""
+    run_dir = work / "teacher-held-out"
+    rows = train(EXAMPLES / "distill_teacher.toml", run_dir,
+                 [f'agents.sorter.model="{checkpoint}"', "agents.sorter.lr=0",
+                  f"run.steps={max(1, args.teacher_evals - 1)}", "eval.every=1", "eval.at_start=true",
+                  f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
+                  *workflow(args, ("sorter",))])
+    rewards = [r for t, r in sorted(held_out(rows, "sorter").items())][:args.teacher_evals]
+    print(json.dumps({"teacher_on_held_out": [round(r, 4) for r in rewards], "episodes": args.episodes}), flush=True)
+    return statistics.mean(rewards)
 
 
 def student_model(args: argparse.Namespace) -> str:
@@ -166,7 +208,13 @@ def main() -> None:
                         help="the student: the digit chain's planner, or the weaker one of examples/distill/models.py")
     parser.add_argument("--queries", type=int, default=16, help="episodes per step")
     parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
+    parser.add_argument("--episodes", type=int, default=0,
+                        help="held-out episodes per evaluation (0: one per held-out query)")
+    parser.add_argument("--eval-queries", type=int, default=0,
+                        help="held-out queries (0: the committed file's 64); more are drawn as training's are, "
+                             "and the teacher's reward is then measured on them")
+    parser.add_argument("--teacher-evals", type=int, default=1,
+                        help="with --eval-queries: evaluations of the teacher's weights averaged for its reward")
     parser.add_argument("--lr", type=float, default=0.0, help="agents.student.lr (0: examples/distill.toml's)")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
     parser.add_argument("--kl-cap", type=float, default=0.0, help="agents.student.teacher_kl_cap (0: not clipped)")
@@ -186,6 +234,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="distill-") as tmp:
         work = Path(args.out) if args.out else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        args.eval_path = None
+        if args.eval_queries:
+            queries = held_out_queries(eval_file(args), args.eval_queries, LONG if args.long else 3)
+            args.eval_path = work / "held_out.jsonl"
+            args.eval_path.write_text("".join(json.dumps(q) + "\n" for q in queries))
+        args.episodes = args.episodes or len(eval_file(args).read_text().splitlines())
         teacher_dir, target = teacher(args, work)
         print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4),
                           "reverse_kl_at_the_students_start":

@@ -7,10 +7,11 @@ each and carry the `slow` mark. signals.py, gpu_check.py, controller_scale.py an
 runs of their own (test_signals.py, test_gpu_check.py, test_controller_scale.py, test_real_size.py)."""
 
 import asyncio
+import json
 
 import pytest
 
-from bench_runs import json_rows, run_bench
+from bench_runs import ROOT, json_rows, run_bench
 
 
 def test_control_plane_reports_round_trips_pipelining_batches_and_tensor_frames():
@@ -230,6 +231,21 @@ def test_distillation_trains_a_teacher_then_the_student_with_and_without_it():
     assert rows[1]["teacher_kl_first_last"] == [0.0, 0.0] and rows[2]["teacher_kl_first_last"][0] > 0
     assert rows[3]["teacher_kl_first_last"][0] > 0
     assert [r["mode"] for r in rows[4:]] == ["rl", "distill", "only"] and "steps_to_teacher_reward" in rows[4]
+
+
+@pytest.mark.slow
+def test_distillation_measures_the_teacher_and_the_student_on_a_larger_held_out_set(tmp_path):
+    rows = json_rows(run_bench("distillation.py", "--smoke", "--modes", "rl", "--eval-queries", "70",
+                               "--teacher-evals", "2", "--out", str(tmp_path), timeout=1200))
+    committed = (ROOT / "examples" / "distill" / "eval.jsonl").read_text().splitlines()
+    queries = (tmp_path / "held_out.jsonl").read_text().splitlines()
+    assert queries[:64] == committed and len(queries) == 70  # the committed ones, then 6 more
+    assert len(set(queries[64:])) == 6 and not set(queries[64:]) & set(committed)  # none repeating an earlier one
+    assert all(len(json.loads(q)["digits"]) == 3 for q in queries)
+    measured, teacher = rows[0]["teacher_on_held_out"], rows[1]
+    assert len(measured) == 2 and teacher["teacher_held_out_reward"] == pytest.approx(sum(measured) / 2, abs=1e-4)
+    assert teacher["teacher"] == str((tmp_path / "teacher" / "checkpoints" / "final" / "sorter").resolve())
+    assert [(r["mode"], r["seed"]) for r in rows[2:3]] == [("rl", 0)]
 
 
 @pytest.mark.slow
