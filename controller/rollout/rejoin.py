@@ -104,7 +104,8 @@ class Rejoin:
                 self._take(info)
 
     def _current(self, info: Any) -> bool:
-        return self.server.registry.workers.get(info.worker_id) is info and info.alive
+        current = self.server.registry.workers.get(info.worker_id)
+        return current is not None and current is info and current.alive
 
     def _take(self, info: Any) -> None:
         if info.role == "trainer":

@@ -57,6 +57,7 @@ from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, trained_agents
 
 from ..control.interfaces import Emit
+from ..control.registry import WorkerInfo
 from ..control.server import ControllerServer
 from ..records.progress import SetupProgress
 from ..state import decisions
@@ -234,7 +235,7 @@ class TrainingRun:
         parts.ready.set()
         parts.rejoin.open(placed, "rollout")  # a replacement registered meanwhile is admitted now
 
-    def _same_process(self, worker: str, placed: dict[str, Any]) -> bool:
+    def _same_process(self, worker: str, placed: dict[str, WorkerInfo]) -> bool:
         """Whether `worker` is still, alive, the registration set-up took (`placed`)."""
         info = self.server.registry.workers.get(worker)
         return info is not None and info is placed.get(worker) and info.alive
