@@ -19,7 +19,6 @@ loop: it sets the start-up heap apart once and collects the rest on a schedule.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import logging
@@ -116,6 +115,8 @@ class Sweeps:
         return took
 
     async def run(self) -> None:
+        import asyncio  # here, not above: `flexmarl replay` uses this module and starts without an event loop
+
         wait = self.every_s
         while True:
             await asyncio.sleep(wait)

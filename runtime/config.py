@@ -303,6 +303,10 @@ class AgentConfig:
     teacher_only: bool = False
     """With `teacher`: the reward's advantage is left out, the reverse KL alone trains the agent
     (rewards are still recorded)."""
+    teacher_kl_cap: float = 0.0
+    """With `teacher`: > 0 clips each token's (student logprob - teacher logprob) to [-cap, cap]
+    nats before it enters the advantage, so that the tokens the teacher finds nearly impossible
+    (a wrong answer's -5 to -9 nats) do not outweigh the reward's advantage; 0: not clipped."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose rewards are all equal (no advantage, no gradient) is
     dropped before it reaches a micro-batch, and more episodes are drawn so that the step keeps
@@ -354,7 +358,8 @@ class AgentConfig:
         return LossOptions(self.loss_agg, self.loss_constant or float(self.max_tokens), self.off_policy,
                            self.kl_coef, self.clip_eps, self.dual_clip, self.is_low, self.is_high,
                            self.gspo_eps_low, self.gspo_eps_high, self.cispo_eps_high, self.behav_weight_cap,
-                           self.teacher_coef if self.teacher else 0.0, self.teacher_only)
+                           self.teacher_coef if self.teacher else 0.0, self.teacher_only,
+                           self.teacher_kl_cap)
 
     @property
     def frozen(self) -> bool:
@@ -376,6 +381,9 @@ class AgentConfig:
                     f"behaviour weight exceeds it; a weight of 1 is on-policy)")
         return ""
 
+
+# How episodes are admitted and assigned to global batches (PipelineConfig.admission).
+ADMISSION = ("step", "continuous")
 
 @dataclass
 class PipelineConfig:
@@ -434,6 +442,24 @@ class PipelineConfig:
     "recompute" the new adapter version takes the old one's slot and the agent's requests in flight
     move to it; under "finish" they end under the version they were admitted with (an adapter load
     never waits)."""
+    admission: str = "step"
+    """How episodes are admitted and which global batch trains them: "step" (episode i of batch t
+    is batch t's; its turns wait at the staleness gate until the version allows batch t, and the
+    step waits for its slowest episode) or "continuous" (a batch trains the first `queries_per_step`
+    episodes to end, whichever batch started them, so the step waits for no slow episode: the
+    slowest carry over into the next batch, their tokens so far kept and continued under the new
+    weights; an episode's first turn is admitted while the episodes running and ended fit in the
+    batches every trained agent's version may generate for, plus `partial_rollout` spares; a
+    sample whose oldest token is then too stale is dropped and counted). "continuous" needs async
+    mode, max_staleness >= 1 and `in_flight` "keep" or "recompute"; not with dynamic sampling nor
+    a resumed run."""
+    partial_rollout: int = 0
+    """With `admission = "continuous"`: episodes over-provisioned beyond what the staleness bound
+    admits, so an instance is given this many more groups before the version moves; they start
+    with the first batch and the unfinished ones carry over. Since the last N to end are always
+    too many for the batches their bound allows, about N episodes' groups a step are dropped as too
+    stale (counted); the last batch trains every episode left (nothing lost, nothing trained
+    twice). 0: none."""
 
 
 @dataclass
@@ -639,6 +665,29 @@ class ExperimentConfig:
         pipeline = self.pipeline
         return pipeline.in_flight if pipeline.mode == "async" and pipeline.max_staleness > 0 else "finish"
 
+    def _check_admission(self) -> None:
+        p = self.pipeline
+        if p.admission not in ADMISSION:
+            raise ConfigError(f"pipeline.admission must be one of {', '.join(map(repr, ADMISSION))}, "
+                              f"got {p.admission!r}")
+        if p.partial_rollout < 0:
+            raise ConfigError(f"pipeline.partial_rollout must be >= 0 (0: no spare episodes), got {p.partial_rollout}")
+        if p.partial_rollout and p.admission != "continuous":
+            raise ConfigError("pipeline.partial_rollout needs pipeline.admission = \"continuous\" (spare episodes "
+                              "carry over only when a batch trains the first episodes to end)")
+        if p.admission != "continuous":
+            return
+        if p.mode != "async" or p.max_staleness < 1:
+            raise ConfigError("pipeline.admission = \"continuous\" needs mode = \"async\" and max_staleness >= 1 "
+                              "(sync mode and max_staleness 0 train each batch on its own episodes, exactly on-policy)")
+        if p.in_flight == "finish":
+            raise ConfigError("pipeline.admission = \"continuous\" needs in_flight = \"keep\" or \"recompute\" "
+                              "(an episode carried over continues across the sync)")
+        dynamic = [name for name, a in self.agents.items() if a.dynamic_sampling]
+        if dynamic:
+            raise ConfigError(f"pipeline.admission = \"continuous\" cannot be used with dynamic sampling "
+                              f"(agents.{dynamic[0]}.dynamic_sampling): its top-ups count a batch's own episodes")
+
     def validate(self) -> "ExperimentConfig":
         if self.run.steps < 1:
             raise ConfigError(f"run.steps must be >= 1, got {self.run.steps}: a run of no optimizer step "
@@ -650,6 +699,7 @@ class ExperimentConfig:
         if self.pipeline.in_flight not in IN_FLIGHT:
             raise ConfigError(f"pipeline.in_flight must be one of {', '.join(map(repr, IN_FLIGHT))}, "
                               f"got {self.pipeline.in_flight!r}")
+        self._check_admission()
         if self.pipeline.max_skipped_steps < 1:
             raise ConfigError(f"pipeline.max_skipped_steps must be >= 1, got {self.pipeline.max_skipped_steps}")
         if self.pipeline.clip_ratio <= 1:
@@ -949,6 +999,9 @@ def check_roles(cfg: ExperimentConfig) -> None:
                                      f"no [agents.{agent.teacher}] is declared (declared: {declared})"))
             if agent.teacher_coef <= 0:
                 raise ConfigError(f"agents.{name}.teacher_coef must be > 0, got {agent.teacher_coef}")
+            if agent.teacher_kl_cap < 0:
+                raise ConfigError(f"agents.{name}.teacher_kl_cap must be >= 0 (0: not clipped), "
+                                  f"got {agent.teacher_kl_cap}")
     for name in cfg.agents:  # a cycle of teachers: each would wait for the other's version
         seen = [name]
         while cfg.agents[seen[-1]].teacher:

@@ -123,6 +123,25 @@ class BatchStarted(Event):
     data_rows: list[int] = []  # the dataset row of each episode of the batch, in order
 
 
+class EpisodeAdmitted(Event):
+    # Continuous admission (pipeline.admission): the first turn of episode `episode`, started
+    # as one of batch `started`'s, was admitted while its agent's version allowed batches up
+    # to `newest` (the last batch that may train it within the staleness bound).
+    episode: str
+    started: int
+    newest: int
+
+
+class EpisodeAssigned(Event):
+    # Continuous admission (pipeline.admission): episode `episode`, started as one of batch
+    # `started`'s, ended; global batch `batch` trains its groups (the earliest batch with
+    # fewer than queries_per_step episodes ended: a later one than `started` when it
+    # carried over, an earlier one when it ended before a slower episode of that batch).
+    episode: str
+    started: int
+    batch: int
+
+
 class GroupTargets(Event):
     # Dynamic sampling: batch `batch`'s regular episodes ended; each dynamic-sampling agent
     # trains this many groups of it (those they opened), groups beyond them are surplus.

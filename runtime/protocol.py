@@ -32,8 +32,9 @@ from .params.types import ParamHandle
 # calls; 10: LoadAdapter; 11: teachers' logprobs, decoupled PPO; 12: groups named by typed
 # keys, a later turn by its turn number, the training message carries groups, a teacher's
 # logprobs packed per group; 13: a load may let the requests in flight continue, and a reply
-# carries its tokens' versions): the controller refuses workers of another version.
-PROTOCOL_VERSION = 13
+# carries its tokens' versions; 14: the teacher's per-token KL capped in the advantage): the
+# controller refuses workers of another version.
+PROTOCOL_VERSION = 14
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -490,6 +491,7 @@ class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, f
     # teacher_only) minus teacher_coef * (the student's logprob - the teacher's), detached.
     teacher_coef: float = 0.0
     teacher_only: bool = False
+    teacher_kl_cap: float = 0.0  # > 0: each token's difference clipped to [-cap, cap] in the advantage
 
 
 class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

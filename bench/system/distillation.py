@@ -24,6 +24,10 @@ the teacher's (null: not within the run), and the mean curve over the seeds.
     python bench/system/distillation.py --teacher-model clean_teacher --teacher-steps 100 ...
     python bench/system/distillation.py --teacher RUN_DIR --modes ''   # a trained teacher's profile alone
     python bench/system/distillation.py --reward exact ...   # a sparse reward: 1 only when all three are right
+    python bench/system/distillation.py --coef 0.1 ...       # the reverse KL at a tenth (teacher_coef)
+    python bench/system/distillation.py --kl-cap 1 ...       # each token's KL clipped to [-1, 1] (teacher_kl_cap)
+    python bench/system/distillation.py --student-model weak_student --reward exact ...   # a weaker student
+    python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
 
@@ -42,6 +46,7 @@ EXAMPLES = ROOT / "examples"
 
 
 WORKFLOW = {"fraction": "episode", "exact": "episode_exact"}
+LONG = 5  # --long: the digits of the longer sort (examples/distill/workflow.py: episode_long)
 
 
 def train(toml: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
@@ -59,8 +64,18 @@ def train(toml: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def workflow(args: argparse.Namespace) -> str:
-    return f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:{WORKFLOW[args.reward]}"'
+def workflow(args: argparse.Namespace, agents: tuple[str, ...]) -> list[str]:
+    """The task's overrides: its episode, and with --long the five-digit sort's."""
+    if not args.long:
+        return [f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:{WORKFLOW[args.reward]}"']
+    if args.reward != "fraction":
+        raise SystemExit("--long takes the fraction reward only")
+    return [f'run.workflow="{EXAMPLES / "distill" / "workflow.py"}:episode_long"', f'data.eval="{eval_file(args)}"',
+            *(f"agents.{a}.max_tokens={LONG}" for a in agents)]
+
+
+def eval_file(args: argparse.Namespace) -> Path:
+    return EXAMPLES / "distill" / ("eval_long.jsonl" if args.long else "eval.jsonl")
 
 
 def held_out(rows: list[dict], agent: str) -> dict[int, float]:
@@ -74,13 +89,19 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
         train(EXAMPLES / "distill_teacher.toml", run_dir,
               [f'agents.sorter.model="tiny:{EXAMPLES / "distill" / "models.py"}:{args.teacher_model}"',
                f"run.steps={args.teacher_steps}", f"eval.every={args.teacher_steps}", f"eval.episodes={args.episodes}",
-               f"pipeline.queries_per_step={args.queries}", workflow(args)])
+               f"pipeline.queries_per_step={args.queries}", *workflow(args, ("sorter",))])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = held_out(rows, "sorter")
     return (run_dir / "checkpoints" / "final" / "sorter").resolve(), rewards[max(rewards)]
 
 
-def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
+def student_model(args: argparse.Namespace) -> str:
+    """The student's model: the digit chain's planner, or a recipe of examples/distill/models.py."""
+    return "tiny:planner" if args.student_model == "planner" else \
+        f"tiny:{EXAMPLES / 'distill' / 'models.py'}:{args.student_model}"
+
+
+def advantage_profile(teacher_dir: Path, student_path: str, queries: Path, samples: int = 8) -> dict:
     """What the reverse KL tells the student at its start: `samples` outputs per held-out
     query drawn from the untrained student (temperature 1, with transformers), and per
     sampled token its advantage -(log p_student - log p_teacher), split by whether the
@@ -96,14 +117,14 @@ def advantage_profile(teacher_dir: Path, samples: int = 8) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     student, teach = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-                      for path in (resolve_model("tiny:planner"), teacher_dir))
+                      for path in (resolve_model(student_path), teacher_dir))
     right: list[float] = []
     wrong: list[float] = []
     clean_prefix: list[float] = []  # right tokens after a right prefix
     after_mistake: list[float] = []  # right tokens (for the position's reward) after a wrong one
     greedy = []
     with torch.no_grad():
-        for line in (EXAMPLES / "distill" / "eval.jsonl").read_text().splitlines():
+        for line in queries.read_text().splitlines():
             query = [DIGIT_IDS[d] for d in json.loads(line)["digits"]]
             prompt, want = planner_prompt(query), expected_plan(query)
             ids = torch.tensor([prompt] * samples)
@@ -138,17 +159,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="the student's steps per run")
     parser.add_argument("--teacher-steps", type=int, default=30)
     parser.add_argument("--teacher", default="", help="a teacher run directory to reuse")
-    parser.add_argument("--teacher-model", default="teacher", choices=("teacher", "strong_teacher", "clean_teacher"),
+    parser.add_argument("--teacher-model", default="teacher",
+                        choices=("teacher", "strong_teacher", "clean_teacher", "long_teacher"),
                         help="the teacher's recipe in examples/distill/models.py (before its RL)")
+    parser.add_argument("--student-model", default="planner", choices=("planner", "weak_student", "long_student"),
+                        help="the student: the digit chain's planner, or the weaker one of examples/distill/models.py")
     parser.add_argument("--queries", type=int, default=16, help="episodes per step")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=64, help="held-out episodes per evaluation")
+    parser.add_argument("--lr", type=float, default=0.0, help="agents.student.lr (0: examples/distill.toml's)")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
+    parser.add_argument("--kl-cap", type=float, default=0.0, help="agents.student.teacher_kl_cap (0: not clipped)")
     parser.add_argument("--modes", default="rl,distill",
                         help="the student's runs per seed: rl (reward alone), distill (reward and reverse KL), "
                              "only (reverse KL alone)")
     parser.add_argument("--reward", choices=("fraction", "exact"), default="fraction",
                         help="the task's reward: the fraction of positions right, or 1 only when all are")
+    parser.add_argument("--long", action="store_true",
+                        help="the five-digit sort (with --teacher-model long_teacher --student-model long_student)")
     parser.add_argument("--out", default="", help="keep the run directories here")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -160,7 +188,9 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         teacher_dir, target = teacher(args, work)
         print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4),
-                          "reverse_kl_at_the_students_start": advantage_profile(teacher_dir)}), flush=True)
+                          "reverse_kl_at_the_students_start":
+                              advantage_profile(teacher_dir, student_model(args), eval_file(args))}),
+              flush=True)
         modes = [mode for mode in args.modes.split(",") if mode]
         if not set(modes) <= {"rl", "distill", "only"}:
             parser.error(f"--modes {args.modes!r}: each mode is one of rl, distill, only")
@@ -168,13 +198,15 @@ def main() -> None:
         for seed in seeds:
             for mode in modes:
                 student = (["agents.student.teacher=''"] if mode == "rl" else
-                           [f"agents.student.teacher_coef={args.coef}",
+                           [f"agents.student.teacher_coef={args.coef}", f"agents.student.teacher_kl_cap={args.kl_cap}",
                             f"agents.student.teacher_only={str(mode == 'only').lower()}"])
                 start = time.perf_counter()
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
                               f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
-                              f'agents.teacher.model="{teacher_dir}"', workflow(args), *student])
+                              f'agents.teacher.model="{teacher_dir}"', f'agents.student.model="{student_model(args)}"',
+                              *workflow(args, ("student", "teacher")), *student,
+                              *([f"agents.student.lr={args.lr}"] if args.lr else [])])
                 curves[mode][seed] = curve = held_out(rows, "student")
                 kl = [r["teacher_kl"] for r in rows if r["agent"] == "student" and "kind" not in r]
                 print(json.dumps({"mode": mode, "seed": seed, "held_out": {str(k): round(v, 4) for k, v in curve.items()},

@@ -26,6 +26,12 @@ process, same seed. Per configuration it prints one JSON line:
 
     .venv/bin/python bench/system/long_tail.py [--steps 10] [--settings finish,keep,recompute] [--ks 1,2]
                                               [--chain] [--adapter]
+        [--admission step,continuous,continuous:4] [--partial-rollout N]
+
+`--admission step,continuous` runs each keep / recompute configuration under both
+pipeline.admission settings (finish only under step: continuous admission refuses it),
+adding stale_samples_dropped (samples the staleness bound dropped at training time) and
+episodes_carried_over (episodes a later batch than their own trained).
 
 The model is built on first use and cached like the built-in models (`tiny:` names).
 """
@@ -79,8 +85,12 @@ async def chain_episode(ctx) -> None:
         ctx.reward(sample, _reward(target, sample.output_ids))
 
 
-def job(args: argparse.Namespace, in_flight: str, k: int) -> str:
+def job(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step") -> str:
+    """The job's config; `admission` "step", "continuous" or "continuous:N" (N spare
+    episodes: pipeline.partial_rollout; "continuous" alone: `args.partial_rollout`)."""
     agents = ["writer", "reader"] if args.chain else ["writer"]
+    admission, _, n = admission.partition(":")
+    spares = (int(n) if n else getattr(args, "partial_rollout", 0)) if admission == "continuous" else 0
     text = f"""
 [run]
 workflow = "{HERE}:{'chain_episode' if args.chain else 'episode'}"
@@ -98,6 +108,8 @@ max_staleness = {k}
 queries_per_step = {args.queries}
 micro_batch = {args.queries * args.group_size}
 in_flight = "{in_flight}"
+admission = "{admission}"
+partial_rollout = {spares}
 """
     adapter = getattr(args, "adapter", False)  # a caller's Namespace may leave the flag out
     if adapter:
@@ -127,14 +139,14 @@ async def _loads(exp, workers: list[str]) -> dict[str, dict]:
     return {w: dict(r[0].load) for w, r in zip(workers, replies)}
 
 
-def run(args: argparse.Namespace, in_flight: str, k: int) -> dict:
+def run(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step") -> dict:
     from flexmarl.controller import Experiment
     from flexmarl.runtime.config import load_config
     from flexmarl.runtime.eventlog import read_events
 
     with tempfile.TemporaryDirectory() as run_dir:
         path = Path(run_dir) / "job.toml"
-        path.write_text(job(args, in_flight, k))
+        path.write_text(job(args, in_flight, k, admission))
         cfg = load_config(str(path))
 
         async def main():
@@ -173,13 +185,16 @@ def run(args: argparse.Namespace, in_flight: str, k: int) -> dict:
     for r in rows:
         if r.get("reward_mean") is not None:
             per_step.setdefault(r["step"], []).append(r["reward_mean"])
-    return {"in_flight": in_flight, "max_staleness": k, "chain": args.chain, "adapter": args.adapter,
-            "steps": args.steps,
+    stale = sum(e.parts.count for e in events
+                if isinstance(e, ev.SamplesDropped) and e.why.startswith("lag above"))
+    carried = sum(1 for e in events if isinstance(e, ev.EpisodeAssigned) and e.batch > e.started)
+    return {"in_flight": in_flight, "admission": admission, "max_staleness": k, "chain": args.chain,
+            "adapter": args.adapter, "steps": args.steps,
             "warmup_steps": args.warmup, "samples_per_s": round(steady_samples / steady_s, 1),
             "occupancy": occupancy, "occupancy_mean": round(statistics.mean(occupancy.values()), 3),
             "idle_share": idle, "idle_share_mean": round(statistics.mean(idle.values()), 3),
             "sync_wait_s": round(sum(waits) / max(1, loads), 4), "loads": loads,
-            "spanned_parts": spanned,
+            "spanned_parts": spanned, "stale_samples_dropped": stale, "episodes_carried_over": carried,
             "logprob_abs_diff": round(statistics.mean(diffs), 6) if diffs else None,
             "reward": [round(statistics.mean(v), 4) for _, v in sorted(per_step.items())],
             "failed_episodes": summary.episodes_failed}
@@ -199,19 +214,31 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--chain", action="store_true", help="two agents in a chain")
     parser.add_argument("--adapter", action="store_true", help="each agent a LoRA adapter of one base")
+    parser.add_argument("--admission", default="step",
+                        help="pipeline.admission settings to run: step, continuous, continuous:N (N spare "
+                        "episodes, pipeline.partial_rollout); continuous skips finish")
+    parser.add_argument("--partial-rollout", type=int, default=0, help="spare episodes under continuous admission")
     args = parser.parse_args()
     limit_threads(1)
     setup_logging("WARNING")
     results = []
     for k in (int(x) for x in args.ks.split(",")):
         for setting in args.settings.split(","):
-            results.append(run(args, setting, k))
-            print(json.dumps(results[-1]), flush=True)
+            for admission in args.admission.split(","):
+                if admission.startswith("continuous") and setting == "finish":
+                    continue  # refused: a carried-over episode continues across the sync
+                try:
+                    results.append(run(args, setting, k, admission))
+                except Exception as exc:  # a run that stopped (e.g. every sample of a step too stale): its row says why
+                    print(json.dumps({"in_flight": setting, "admission": admission, "max_staleness": k,
+                                      "error": f"{type(exc).__name__}: {exc}"[:300]}), flush=True)
+                    continue
+                print(json.dumps(results[-1]), flush=True)
     for k in {r["max_staleness"] for r in results}:
         base = next((r for r in results if r["max_staleness"] == k and r["in_flight"] == "finish"), None)
         for r in results:
             if base is not None and r["max_staleness"] == k and r is not base:
-                print(json.dumps({"in_flight": r["in_flight"], "max_staleness": k,
+                print(json.dumps({"in_flight": r["in_flight"], "admission": r["admission"], "max_staleness": k,
                                   "samples_per_s_vs_finish": round(r["samples_per_s"] / base["samples_per_s"], 3),
                                   "occupancy_vs_finish": round(r["occupancy_mean"] / base["occupancy_mean"], 3)}),
                       flush=True)

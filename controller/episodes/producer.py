@@ -26,6 +26,12 @@ whose rewards were all equal), more episodes of the batch are drawn, in waves si
 which the run stops with an error naming the agent. An extra episode is `s{batch}x{j}`,
 seeded by its name, and takes its data row after every regular episode's rows.
 
+With continuous admission (`pipeline.admission`), each episode's turns wait at the gate
+the schedule gives its `EpisodeSlot`, and when it ends the schedule names the batch that
+trains it (`EpisodeAdmitted`, `EpisodeAssigned`; the store moves its groups there) before that batch counts
+it; `pipeline.partial_rollout` spare episodes (`s{first}p{j}`, rows after every regular
+and extra one) start with the first batch.
+
 It does not know trainers, weight syncs or how micro-batches are formed.
 """
 
@@ -130,13 +136,18 @@ class EpisodeProducer:
             running.add(task)
             task.add_done_callback(finished)
 
-        async def one(batch: int, i: int, extra: bool = False) -> None:
+        async def one(batch: int, i: int, extra: bool = False, spare: bool = False) -> None:
             failure, stopped = "", False
+            slot, ctx = self.schedule.slot(batch), None
+            kind = "x" if extra else "p" if spare else "q"
+            name = f"s{batch}{kind}{i}"
             try:
-                g = self.extra_episode_number(batch, i) if extra else self.episode_number(batch, i)
-                name = f"s{batch}{'x' if extra else 'q'}{i}"
-                ctx = self.contexts.make(name, batch, random.Random(f"{seed}-{batch}-{'x' * extra}{i}"), self.store,
-                                         self.dataset.item(g) if self.dataset else None, gate=self.schedule.gate)
+                g = (self.extra_episode_number(batch, i) if extra else self.spare_episode_number(i) if spare
+                     else self.episode_number(batch, i))
+                ctx = self.contexts.make(name, batch, random.Random(f"{seed}-{batch}-{'' if kind == 'q' else kind}{i}"),
+                                         self.store, self.dataset.item(g) if self.dataset else None,
+                                         gate=self.schedule.gate_of(slot, lambda slot: self.emit(
+                                             ev.EpisodeAdmitted(name, slot.started, slot.admitted or 0))))
                 why = await run_episode(self.workflow, ctx, p.episode_timeout_s)
                 if why:
                     self.failed += 1
@@ -150,13 +161,17 @@ class EpisodeProducer:
             finally:
                 limit.release()
                 if not stopped:
+                    if self.schedule.continuous:  # the batch that trains it: named now
+                        started, batch = batch, self.schedule.assign(slot)
+                        self.emit(ev.EpisodeAssigned(name, started, batch))
+                        self.store.assign(ctx.opened if ctx is not None else (), batch)
                     self.schedule.episode_ended(batch, failure)
             if failure:
                 self._check_failures(batch)
 
-        async def start(batch: int, i: int, extra: bool = False) -> None:
+        async def start(batch: int, i: int, extra: bool = False, spare: bool = False) -> None:
             await limit.acquire()
-            spawn(one(batch, i, extra), f"episode-s{batch}{'x' if extra else 'q'}{i}")
+            spawn(one(batch, i, extra, spare), f"episode-s{batch}{'x' if extra else 'p' if spare else 'q'}{i}")
             if i % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
                 await asyncio.sleep(0)  # the rest start in later loop turns
 
@@ -169,6 +184,9 @@ class EpisodeProducer:
                     spawn(self._top_up(batch, start), f"top-up-s{batch}")
                 for i in range(p.queries_per_step):
                     await start(batch, i)
+                if batch == self.schedule.first_batch:  # partial rollout's spares: over-provisioned once
+                    for j in range(self.schedule.spares):
+                        await start(batch, j, spare=True)
             while running and not failed:  # top-ups add episodes meanwhile
                 await asyncio.gather(*running)
             for task in failed:
@@ -238,6 +256,11 @@ class EpisodeProducer:
         after every regular one, each batch its own `pipeline.extra_episodes()` of them."""
         return (self.episode_number(self.schedule.steps + 1, 0)
                 + (batch - 1) * self.cfg.pipeline.extra_episodes() + j)
+
+    def spare_episode_number(self, j: int) -> int:
+        """Which episode of the run (and row of the data) spare episode j (partial
+        rollout's over-provisioning) is: after every regular and extra one."""
+        return self.extra_episode_number(self.schedule.steps + 1, 0) + j
 
     def batch_started(self, batch: int) -> ev.BatchStarted:
         q = self.cfg.pipeline.queries_per_step

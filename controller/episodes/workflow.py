@@ -552,6 +552,11 @@ class EpisodeContext:
 
     # ---------------------------------------------------------------- for the endpoint's turns (openai_turns.py)
 
+    @property
+    def opened(self) -> list[GroupKey]:
+        """The groups this episode opened, in order."""
+        return list(self._opened)
+
     def _groups_opened(self) -> int:
         return len(self._opened)
 

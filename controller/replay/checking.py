@@ -92,7 +92,8 @@ def check_beside(events: list[Event]) -> Callable[[], str | None]:
         finally:
             answers.close()
             child.join()
-        joined = redriving.in_log_order(counted, {a: made[a] for a in run.agents if a in made}, redriving.balancer_moves(counted))
+        joined = redriving.in_log_order(counted, {a: made[a] for a in run.agents if a in made},
+                                        redriving.balancer_moves(counted), redriving.episode_assignments(counted))
         return check(events, lambda _: joined)
     return answered
 

@@ -11,6 +11,7 @@ It does not read files or know how decisions are carried out.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import tomllib
 from typing import Sequence
@@ -28,7 +29,7 @@ from .lineage import agent_roles, last_batch, lineage, lost_batches, open_steps
 _GROUP_EVENTS = frozenset({ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete})
 
 # The decision events the re-drive derives; replay compares these, in order.
-REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided)
+REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided, ev.EpisodeAssigned)
 
 
 def redrive(log: list) -> list:
@@ -41,7 +42,8 @@ def redrive(log: list) -> list:
     recorded; ordering across agents is taken from the log, since it depends on timing,
     not on the rules."""
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
-    return in_log_order(log, training_decisions(log, agent_roles(run_of(log)).trained), balancer_moves(log))
+    return in_log_order(log, training_decisions(log, agent_roles(run_of(log)).trained), balancer_moves(log),
+                        episode_assignments(log))
 
 
 def run_of(log: list) -> ev.RunStarted:
@@ -57,8 +59,35 @@ def training_decisions(log: list, agents: Sequence[str]) -> dict[str, list]:
     start = run_of(log)
     pipeline = tomllib.loads(start.config_toml)["pipeline"]
     with collector.rare_collections():  # a refilled store is a heap of records, as the controller's
-        store = _refilled_store(log, list(agents), set(start.agents) - set(agents), agent_roles(start).dynamic)
+        store = _refilled_store(log, list(agents), set(start.agents) - set(agents), agent_roles(start).dynamic,
+                                pipeline.get("admission") == "continuous")
         return _redrive_training(log, store, list(agents), pipeline, start.max_staleness)
+
+
+def episode_assignments(log: list) -> list:
+    """Continuous admission: the batch that trains each episode, from the order the
+    episodes were admitted (with the newest batch each was admitted for) and ended
+    (`decisions.assigned_batch`), as `EpisodeAssigned` events (`log` a lineage)."""
+    run = tomllib.loads(run_of(log).config_toml)
+    pipeline = run["pipeline"]
+    quota, last, spares = pipeline["queries_per_step"], run["run"]["steps"], pipeline.get("partial_rollout", 0)
+    ended: collections.Counter[int] = collections.Counter()
+    due: collections.Counter[int] = collections.Counter()
+    newest: dict[str, int] = {}
+    made = []
+    for e in log:
+        kind = type(e)
+        if kind is ev.EpisodeAdmitted:
+            newest[e.episode] = e.newest
+            due[e.newest] += 1
+        elif kind is ev.EpisodeAssigned:
+            admitted = newest.pop(e.episode, None)
+            if admitted is not None:
+                due[admitted] -= 1
+            batch = decisions.assigned_batch(ended, +due, 1, last, quota, spares, admitted)
+            ended[batch] += 1
+            made.append(ev.EpisodeAssigned(e.episode, e.started, batch))
+    return made
 
 
 def balancer_moves(log: list) -> list:
@@ -67,18 +96,25 @@ def balancer_moves(log: list) -> list:
     return _redrive_balancer(log, tomllib.loads(run_of(log).config_toml)["router"])
 
 
-def _refilled_store(log: list, agents: list[str], others: set[str], dynamic: Sequence[str] = ()) -> ExperienceStore:
+def _refilled_store(log: list, agents: list[str], others: set[str], dynamic: Sequence[str] = (),
+                    continuous: bool = False) -> ExperienceStore:
     """An `ExperienceStore` of `agents` fed their logged groups, versions and rewards, in
     the order the controller saw them (and, for the agents with dynamic sampling, each
-    batch's targets when the log set them); the run's `others` are left out."""
-    store = ExperienceStore(agents, dynamic=[a for a in dynamic if a in agents])
+    batch's targets when the log set them; with continuous admission, each episode's
+    groups moved to the batch the rules assign it); the run's `others` are left out."""
+    store = ExperienceStore(agents, dynamic=[a for a in dynamic if a in agents], assigned_at_end=continuous)
     opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
     if others:  # a share of the run's agents: the others' groups are not refilled here
         log = [e for e in log if type(e) not in _GROUP_EVENTS or e.agent not in others]
+    assigned = iter(episode_assignments(log) if continuous else ())
+    groups_of: dict[str, list] = {}  # episode -> its groups
     for e in log:
         kind = type(e)
-        if kind is opened:
+        if kind is ev.EpisodeAssigned:
+            store.assign(groups_of.pop(e.episode, ()), next(assigned).batch)
+        elif kind is opened:
             store.open_group(e.key, (), e.n, e.batch)
+            groups_of.setdefault(e.key.episode, []).append(e.key)
         elif kind is completed:  # a part: members of one group, or a later turn (its group's versions are the first's)
             spans = e.oldest or itertools.repeat(())
             for (key, first, size, turn), version, oldest in zip(e.parts, e.versions, spans):
@@ -121,18 +157,18 @@ def _redrive_training(log: list, store: ExperienceStore, agents: list[str], pipe
     return made
 
 
-def in_log_order(log: list, made: dict[str, list], moves: list) -> list:
-    """The agents' decisions and the balancer's moves interleaved in the order the log
-    shows (timing), each one's own order kept."""
+def in_log_order(log: list, made: dict[str, list], moves: list, assignments: Sequence = ()) -> list:
+    """The agents' decisions, the balancer's moves and the episodes' batches interleaved in
+    the order the log shows (timing), each one's own order kept."""
     cursor = {a: 0 for a in made}
-    result, next_move = [], iter(moves)
+    result, next_move, next_assigned = [], iter(moves), iter(assignments)
     redriven = frozenset(REDRIVEN_TYPES)
     for e in log:
         kind = type(e)
         if kind not in redriven:
             continue
-        if kind is ev.RebalanceDecided:
-            move = next(next_move, None)
+        if kind is ev.RebalanceDecided or kind is ev.EpisodeAssigned:
+            move = next(next_move if kind is ev.RebalanceDecided else next_assigned, None)
             if move is not None:
                 result.append(move)
         elif cursor.get(e.agent, 0) < len(made.get(e.agent, [])):
@@ -140,7 +176,7 @@ def in_log_order(log: list, made: dict[str, list], moves: list) -> list:
             cursor[e.agent] += 1
     for agent, items in made.items():
         result += items[cursor[agent]:]
-    return result + list(next_move)
+    return result + list(next_move) + list(next_assigned)
 
 
 def _redrive_balancer(log: list, router: dict) -> list:

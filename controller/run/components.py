@@ -278,11 +278,13 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     store = ExperienceStore(agents, emit=emit, std_normalized={a: c.normalize_adv_std for a, c in cfg.agents.items()},
                             frozen=[a for a in agents if a not in trained],
                             dynamic=[a for a, c in cfg.agents.items() if c.dynamic_sampling],
-                            teachers={a: c.teacher for a, c in cfg.agents.items() if c.teacher})
+                            teachers={a: c.teacher for a, c in cfg.agents.items() if c.teacher},
+                            assigned_at_end=cfg.pipeline.admission == "continuous")
     versions = SyncedVersions(agents)
     schedule = BatchSchedule(trained, cfg.run.steps, cfg.pipeline.queries_per_step,
                              overlap=cfg.pipeline.mode == "async", max_staleness=cfg.pipeline.max_staleness,
-                             versions=versions, snapshots={a: every for a, (_, every) in snapshots.items()})
+                             versions=versions, snapshots={a: every for a, (_, every) in snapshots.items()},
+                             continuous=cfg.pipeline.admission == "continuous", spares=cfg.pipeline.partial_rollout)
     store.on_ready.append(lambda key: schedule.work_arrived(key.agent))
     instances = RolloutInstances(units, emit)
     pipelines: dict[str, AgentPipeline] = {}

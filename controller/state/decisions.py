@@ -35,6 +35,56 @@ def may_generate(batch: int, rollout_version: int, max_staleness: int) -> bool:
     return rollout_version >= min_generation_version(batch, max_staleness)
 
 
+def may_admit(running: int, ended: Mapping[int, int], first: int, newest: int, last: int, quota: int,
+              spares: int) -> bool:
+    """Continuous admission: whether another episode may start generating now, its agent's
+    version allowing batches up to `newest`: while the episodes `running` and those `ended`
+    (per batch, from `first`) number fewer than batches `first` to `newest` train (`quota`
+    each) plus `spares`, each running episode can still be trained within the staleness
+    bound if it ends in turn. The spares are over-provisioned once for the run: one that
+    ended past its bound still counts, so it is not replaced. The last batch trains
+    whatever is left: always."""
+    if newest >= last:
+        return True
+    done = sum(n for b, n in ended.items() if b >= first)  # a carried one too: the spares are never renewed
+    return running + done < quota * (newest - first + 1) + spares
+
+
+def assigned_batch(ended: Mapping[int, int], due: Mapping[int, int], first: int, last: int, quota: int,
+                   spares: int = 0, newest: int | None = None) -> int:
+    """Continuous admission: the global batch that trains an episode ending now. `ended`:
+    per batch, the episodes it trains that ended; `due`: per batch, the episodes still
+    running whose staleness bound lets them train no later than it (the newest batch their
+    version allowed when admitted). The earliest batch from `first` with fewer than
+    `quota` ended, unless taking its place would leave the running episodes due by some
+    later batch B more than fit in batches `first` to B (`quota` each, `spares` over): then
+    the next such batch. So the first `quota` episodes to end fill a batch and a slow one
+    carries over, but a newer episode never takes the place an older one needs within its
+    bound (with spares, those over-provisioned may, and the one pushed past its bound is
+    then dropped as too stale). An episode that already missed its own bound (`newest`, the
+    last batch its admission allowed, is full) takes no place a running one needs, spares
+    or not: it goes after them. `last` when every batch before it is full: the last batch
+    trains whatever is left."""
+    free = [b for b in range(first, last) if ended.get(b, 0) < quota]
+    missed = newest is not None and newest < last and not any(b <= newest for b in free)
+    for batch in free:
+        if _leaves_room(ended, due, batch, first, last, quota, 0 if missed else spares):
+            return batch
+    return free[0] if free else last
+
+
+def _leaves_room(ended: Mapping[int, int], due: Mapping[int, int], batch: int, first: int, last: int, quota: int,
+                 spares: int) -> bool:
+    taken = 1 + sum(ended.get(b, 0) for b in range(first, batch))  # the one ending now, in `batch`
+    waiting = sum(n for d, n in due.items() if d < batch)
+    for b in range(batch, min(last, max(due, default=batch) + 1)):
+        taken += ended.get(b, 0)
+        waiting += due.get(b, 0)
+        if taken + waiting > quota * (b - first + 1) + spares:
+            return False
+    return True
+
+
 def snapshot_version(batch: int, every: int) -> int:
     """The version of its source a snapshot refreshed every `every` steps plays at in
     global batch `batch`: the last multiple of `every` its source had reached when the

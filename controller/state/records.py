@@ -85,7 +85,7 @@ class GroupRecord(msgspec.Struct, gc=False):
 
     key: GroupKey
     n: int
-    batch: int  # the global batch (iteration) that started it
+    batch: int  # the global batch that started it (continuous admission: that trains it, set at its episode's end)
     prompt: bytes  # TOKEN, native order
     # Outputs, every member's back to back (empty until they arrive); native order.
     tokens: bytes = b""

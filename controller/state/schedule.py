@@ -17,6 +17,14 @@ version from `SyncedVersions` (versions.py), which it does not write:
   `agent_stepped(batch)`;
 - a change of a synced version (the weight sync sets it) unblocks the producer and the
   turns waiting at the gate for that agent (no other agent's);
+- with continuous admission (`pipeline.admission`), an episode is not its starting batch's:
+  its first turn (through `gate_of` its `EpisodeSlot`) is admitted while the episodes
+  running and ended fit in the batches up to the newest every trained agent's version may
+  generate for, plus `spares` (`decisions.may_admit`), waiting for a version change
+  otherwise; when it ends, `assign` names the batch that trains it
+  (`decisions.assigned_batch`: the first queries_per_step episodes to end fill a batch, a
+  slower one carries over, but no newer episode takes the place an older one needs within
+  its staleness bound), and that batch's `episode_ended` counts it. The last batch takes every episode left;
 - an evaluation after step t (evaluation.py) holds every agent's sync to version t + 1
   (`wait_to_sync`) until it has run (`evaluated(t)`), so it measures version t.
 
@@ -27,12 +35,22 @@ trainers, only counts, versions and times.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from . import decisions
 from .versions import SyncedVersions
+
+
+@dataclass
+class EpisodeSlot:
+    """One episode's place under continuous admission: the batch it started as one of,
+    the batch its first turn was admitted to (None until then)."""
+
+    started: int
+    admitted: int | None = None  # the newest batch its version allowed when its first turn was admitted
 
 
 @dataclass
@@ -65,7 +83,8 @@ class BatchProgress:
 class BatchSchedule:
     def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
                  max_staleness: int, versions: SyncedVersions | None = None,
-                 clock: Callable[[], float] = time.monotonic, snapshots: dict[str, int] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, snapshots: dict[str, int] | None = None,
+                 continuous: bool = False, spares: int = 0) -> None:
         self.agents = list(agents)  # the trained agents: each steps every batch
         # Snapshot agents and their refresh intervals: their turns wait for their refresh.
         # Any other agent not in `agents` is frozen: no gate.
@@ -75,6 +94,13 @@ class BatchSchedule:
         self.max_staleness = max_staleness
         self.clock = clock
         self.batches = {t: BatchProgress(t, episodes_per_batch) for t in range(1, steps + 1)}
+        # Continuous admission: batches fill by the order episodes end (see the module doc).
+        self.continuous = continuous
+        self.quota, self.spares = episodes_per_batch, spares if continuous else 0
+        self.batches[steps].episodes_left += self.spares  # the last batch trains the spares left
+        self._due: collections.Counter[int] = collections.Counter()  # batch -> running episodes admitted with it newest
+        self._ended: collections.Counter[int] = collections.Counter()  # batch -> episodes assigned to it
+        self._freed = asyncio.Event()  # a slot was freed: admission waiters look again
         self.versions = versions if versions is not None else SyncedVersions(agents)  # read only
         self._work = {a: asyncio.Event() for a in agents}
         self.first_batch = 1  # later after a resume
@@ -143,15 +169,75 @@ class BatchSchedule:
         await self.batches[batch].settled.wait()
 
     async def gate(self, agent: str, batch: int) -> None:
+        while not self._may_generate(agent, batch):
+            await self.versions.changed(agent)  # its own agent's syncs (a snapshot's refreshes) only
+
+    def _may_generate(self, agent: str, batch: int) -> bool:
         every = self.snapshots.get(agent)
         if every is not None:
-            while not decisions.may_play_snapshot(batch, self.versions[agent], every, self.max_staleness):
-                await self.versions.changed(agent)  # its refreshes only
-            return
+            return decisions.may_play_snapshot(batch, self.versions[agent], every, self.max_staleness)
         if agent not in self.agents:  # frozen: its weights never change, nothing to wait for
-            return
-        while not decisions.may_generate(batch, self.versions[agent], self.max_staleness):
-            await self.versions.changed(agent)  # its own agent's syncs only
+            return True
+        return decisions.may_generate(batch, self.versions[agent], self.max_staleness)
+
+    # -- continuous admission
+
+    def slot(self, batch: int) -> EpisodeSlot:
+        """The place of an episode starting as one of `batch`'s."""
+        return EpisodeSlot(batch)
+
+    def gate_of(self, slot: EpisodeSlot, on_admitted: Callable[[EpisodeSlot], None] | None = None
+                ) -> Callable[[str, int], Awaitable[None]]:
+        """The staleness gate an episode's turns wait at: `gate` at its own batch, or with
+        continuous admission at the newest batch its agent's version allowed when its first
+        turn was admitted (`on_admitted` told then)."""
+        if not self.continuous:
+            return self.gate
+
+        async def gate(agent: str, batch: int) -> None:
+            if slot.admitted is None:
+                await self._admit(slot, on_admitted)
+            assert slot.admitted is not None
+            await self.gate(agent, slot.admitted)
+        return gate
+
+    async def _admit(self, slot: EpisodeSlot, on_admitted: Callable[[EpisodeSlot], None] | None) -> None:
+        while True:
+            newest = self._newest_batch()
+            if decisions.may_admit(sum(self._due.values()), self._ended, self.first_batch, newest, self.steps, self.quota,
+                                   self.spares):
+                slot.admitted = newest
+                self._due[newest] += 1
+                if on_admitted is not None:
+                    on_admitted(slot)
+                return
+            freed = self._freed
+            waits = [asyncio.ensure_future(self.versions.changed()), asyncio.ensure_future(freed.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    def _newest_batch(self) -> int:
+        """The newest batch every trained agent's version may generate for now: an
+        episode's groups may be any of theirs (a frozen agent or a snapshot, whatever turn
+        comes first, waits at its own gate after)."""
+        if not self.agents:
+            return self.steps
+        return min(self.steps, min(self.versions[a] for a in self.agents) + 1 + self.max_staleness)
+
+    def assign(self, slot: EpisodeSlot) -> int:
+        """An episode under continuous admission ended: the batch that trains it (the
+        caller moves its groups there, then calls `episode_ended` of that batch)."""
+        if slot.admitted is not None:
+            self._due[slot.admitted] -= 1
+        batch = decisions.assigned_batch(self._ended, +self._due, self.first_batch, self.steps, self.quota, self.spares,
+                                         slot.admitted)
+        self._ended[batch] += 1
+        self._freed.set()
+        self._freed = asyncio.Event()
+        return batch
 
     # -- the per-agent pipelines
 

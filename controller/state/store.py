@@ -80,7 +80,8 @@ class MicroBatch:
 class ExperienceStore:
     def __init__(self, agents: Iterable[str], emit: Emit | None = None,
                  std_normalized: dict[str, bool] | None = None, frozen: Iterable[str] = (),
-                 dynamic: Iterable[str] = (), teachers: dict[str, str] | None = None) -> None:
+                 dynamic: Iterable[str] = (), teachers: dict[str, str] | None = None,
+                 assigned_at_end: bool = False) -> None:
         self.emit = emit or (lambda event: None)  # the event log (every transition is recorded)
         # Per agent: advantages divided by the group's std (GRPO) or not (Dr. GRPO).
         self._by_std = std_normalized or {}
@@ -98,6 +99,11 @@ class ExperienceStore:
         self._targets: dict[tuple[str, int], int] = {}
         self._dynamic_drops: collections.Counter[tuple[str, int, str]] = collections.Counter()  # (agent, batch, why) -> groups
         self._groups: dict[GroupKey, GroupRecord] = {}
+        # Continuous admission: a group's batch is its episode's, named when the episode ends
+        # (`assign`); until then a trainable one is held here, in no batch's queue.
+        self.assigned_at_end = assigned_at_end
+        self._unassigned: set[GroupKey] = set()
+        self._held: dict[GroupKey, GroupRecord] = {}
         self._ready: dict[str, dict[int, collections.deque[GroupRecord]]] = {a: {} for a in agents}
         # Told the key of each group that becomes trainable, as it does.
         self.on_ready: list[Callable[[GroupKey], None]] = []
@@ -117,6 +123,8 @@ class ExperienceStore:
         self.emit(ev.GroupOpened(key, batch, n))
         self._opened_of[(agent, batch)] += 1
         self._groups[key] = GroupRecord.opened(key, prompt_ids, n, batch)
+        if self.assigned_at_end:
+            self._unassigned.add(key)
         self._counts[(agent, "generated")] += n
 
     def record_group(self, key: GroupKey, output: GroupOutput, sampling: TurnSampling) -> None:
@@ -296,6 +304,25 @@ class ExperienceStore:
             self._kept[(agent, batch)] += 1
         group.advantages = array.array("d", group_advantages(rewards, by_std=self._by_std.get(agent, True)))
         group.status, group.ready_seq = READY, next(self._ready_seq)
+        if group.key in self._unassigned:  # queued once its episode's batch is named
+            self._held[group.key] = group
+            return
+        self._queue(group)
+
+    def assign(self, keys: Iterable[GroupKey], batch: int) -> None:
+        """Continuous admission: the groups of an episode that ended (those of `keys` the
+        store holds) belong to global batch `batch`; the trainable ones join its queue."""
+        for key in keys:
+            group = self._groups.get(key)
+            if group is None or key not in self._unassigned:
+                continue
+            self._unassigned.discard(key)
+            group.batch = batch
+            if self._held.pop(key, None) is not None:
+                self._queue(group)
+
+    def _queue(self, group: GroupRecord) -> None:
+        agent, batch = group.agent, group.batch
         queues = self._ready[agent]
         queue = queues.get(batch)
         if queue is None:

@@ -48,7 +48,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.atomic import sync_dir, write_text_atomically
 from flexmarl.runtime.checksums import MANIFEST, DamagedFile, entries_under, read_manifest, verify_files, write_manifest
-from flexmarl.runtime.config import dump_toml
+from flexmarl.runtime.config import ConfigError, dump_toml
 from flexmarl.runtime.params.types import ParamHandle
 
 from ..control.interfaces import Emit, WorkerCalls
@@ -309,6 +309,9 @@ def at_checkpoint(message: protocol.LoadModel, resume: ResumePoint | None, unit:
 def resume_counters(resume: ResumePoint, run_dir: Path, schedule: Any, versions: Any) -> None:
     """A resumed run continues after the checkpoint: the metrics rows of later batches are
     dropped (made again), the schedule starts at the next batch, every agent at its step."""
+    if schedule.continuous:
+        raise ConfigError("pipeline.admission = \"continuous\" cannot resume a run: the episodes carried over "
+                          "past the checkpoint are not in it; resume with admission = \"step\"")
     truncate_metrics(run_dir / "metrics.jsonl", resume.step)
     schedule.resume_after(resume.step)
     versions.resume_at(resume.step, schedule.agents + list(schedule.snapshots))  # a frozen agent stays at 0

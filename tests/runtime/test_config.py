@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from flexmarl.runtime import protocol as p
@@ -152,3 +154,19 @@ def test_the_in_flight_setting_is_checked_and_applies_only_where_a_sample_may_sp
                                (["pipeline.mode=async", "pipeline.max_staleness=0"], "finish"),  # K = 0: exactly sync
                                (["pipeline.mode=sync", "pipeline.max_staleness=1"], "finish")):
         assert load_config(None, ["pipeline.in_flight=keep", *overrides]).in_flight() == applied
+
+
+def test_continuous_admission_and_partial_rollout_are_refused_where_they_cannot_apply():
+    ok = ["pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.in_flight=keep"]
+    cfg = load_config(None, [*ok, "pipeline.admission=continuous", "pipeline.partial_rollout=2"])
+    assert cfg.pipeline.admission == "continuous" and cfg.pipeline.partial_rollout == 2
+    for overrides, message in [
+            (["pipeline.admission=eager"], "pipeline.admission must be one of 'step', 'continuous', got 'eager'"),
+            ([*ok[:2], "pipeline.admission=continuous"], "needs in_flight"),
+            (["pipeline.admission=continuous"], "needs mode = \"async\" and max_staleness >= 1"),  # sync mode
+            (["pipeline.mode=async", "pipeline.in_flight=keep", "pipeline.admission=continuous"],
+             "needs mode = \"async\" and max_staleness >= 1"),  # K = 0
+            ([*ok, "pipeline.partial_rollout=2"], "pipeline.partial_rollout needs pipeline.admission"),
+            ([*ok, "pipeline.admission=continuous", "pipeline.partial_rollout=-1"], "partial_rollout must be >= 0")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, overrides)

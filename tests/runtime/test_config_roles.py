@@ -40,9 +40,10 @@ def test_a_resolved_config_with_a_snapshot_loads_back_unchanged(tmp_path):
 
 def test_a_teacher_and_decoupled_ppo_reach_the_trainer_as_loss_options():
     cfg = load("agents.player.teacher=\"judge\"", "agents.player.teacher_coef=0.5", "agents.player.teacher_only=true",
-               "agents.player.off_policy=\"decoupled\"", "agents.player.behav_weight_cap=3.0")
+               "agents.player.off_policy=\"decoupled\"", "agents.player.behav_weight_cap=3.0",
+               "agents.player.teacher_kl_cap=2.5")
     options = cfg.agents["player"].loss_options()
-    assert (options.teacher_coef, options.teacher_only) == (0.5, True)
+    assert (options.teacher_coef, options.teacher_only, options.teacher_kl_cap) == (0.5, True, 2.5)
     assert (options.off_policy, options.behav_weight_cap) == ("decoupled", 3.0)
     assert cfg.agents["judge"].loss_options().teacher_coef == 0.0  # no teacher: no term
 
@@ -58,6 +59,7 @@ def test_the_bound_on_extra_episodes_defaults_to_three_batches():
     (["agents.player.teacher=\"judge\"", "agents.judge.teacher=\"player\""],
      r"agents.player.teacher: the teachers form a cycle \(player -> judge -> player\)"),
     (["agents.player.teacher=\"judge\"", "agents.player.teacher_coef=0.0"], r"teacher_coef must be > 0"),
+    (["agents.player.teacher=\"judge\"", "agents.player.teacher_kl_cap=-1"], r"teacher_kl_cap must be >= 0"),
     (["agents.judge.train=false", "agents.past.snapshot_of=\"judge\""],
      r"agents.past.snapshot_of = 'judge', a frozen agent"),
     (["agents.past.snapshot_of=\"nobody\""], r"agents.past.snapshot_of = 'nobody': no \[agents.nobody\]"),

@@ -36,6 +36,8 @@ EXAMPLES = [
     ev.TeacherScored(G1, 1, "teacher", [0, 0]),
     ev.GroupTargets(1, {"solver": 8}),
     ev.EpisodesDrawn(1, 3, {"solver": 2}),
+    ev.EpisodeAdmitted("s1q2", 1, 2),
+    ev.EpisodeAssigned("s1q2", 1, 2),
     ev.SnapshotRefreshed("past", "solver", 5),
     ev.MicroBatchTrained("solver", "t0", 2, 2, 0.25),
     ev.OptimizerStep("solver", "t0", 2, 64),

@@ -253,8 +253,10 @@ def policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions
     teacher_coef > 0 the advantage is per token: the reward's (none with teacher_only)
     minus teacher_coef * (logp - the teacher's logprob), detached, whose policy gradient
     is the reverse KL's to the teacher on the student's own tokens (on-policy
-    distillation). Decoupled PPO scores the tokens under `proximal` first. Every tensor
-    is made where the model is (its device is the default inside)."""
+    distillation); with teacher_kl_cap > 0 the difference is clipped to [-cap, cap] there
+    (the step's teacher_kl stays the unclipped one). Decoupled PPO scores the tokens
+    under `proximal` first. Every tensor is made where the model is (its device is the
+    default inside)."""
     device = next(model.parameters()).device
     # A device context is a torch function mode: every op of the forward then passes
     # through Python (3.5 of the peer bench's 50.8 ms forward/backward, bench/HISTORY.md).
@@ -292,7 +294,9 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
     teacher_kl = None  # no teacher: no tensor of zeros made, summed and read back per micro-batch
     if options.teacher_coef > 0:
         teacher_kl = (logp.detach() - teacher_logprobs(samples, width)) * out_mask
-        adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * teacher_kl
+        cap = options.teacher_kl_cap
+        shaped = teacher_kl.clamp(-cap, cap) if cap > 0 else teacher_kl
+        adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * shaped
     terms, clipped = rule(Tokens(logp, rollout_lp, adv, out_mask, proximal_lp), options, clip_ratio)
     terms = terms * out_mask
     ref_kl = torch.zeros_like(logp)

@@ -114,3 +114,55 @@ async def test_sync_mode_starts_a_batch_once_the_trained_agents_synced_whatever_
     s.versions.set("a", 1)
     await asyncio.wait_for(s.wait_to_start(2), 1)  # the snapshot is still at 0, the frozen agent always
     assert s.agent_stepped(1)  # one trained agent: its step ends the batch
+
+
+
+async def test_continuous_admission_gives_an_instance_more_work_before_the_version_moves():
+    """Two episodes a batch, K = 1, version 0: batches 1 and 2 may generate, batch 3 needs
+    version 1. Under step admission an episode of batch 3 waits for the sync; under
+    continuous admission with one spare it is admitted at once (five running for the four
+    batches 1 and 2 train), and a sixth waits for the version to move."""
+    for continuous in (False, True):
+        s = BatchSchedule(["a"], 4, 2, overlap=True, max_staleness=1, continuous=continuous, spares=1)
+        running = [s.slot(b) for b in (1, 1, 2, 2)]
+        for slot in running:
+            await asyncio.wait_for(s.gate_of(slot)("a", slot.started), 1)
+        fifth = asyncio.ensure_future(s.gate_of(s.slot(3))("a", 3))
+        await asyncio.sleep(0.01)
+        assert fifth.done() is continuous and s.versions["a"] == 0
+        fifth.cancel()
+    sixth = asyncio.ensure_future(s.gate_of(s.slot(3))("a", 3))
+    await asyncio.sleep(0.01)
+    assert not sixth.done()
+    s.versions.set("a", 1)  # batch 3 opens: two more slots
+    await asyncio.wait_for(sixth, 1)
+
+
+async def test_continuous_admission_fills_a_batch_by_the_first_episodes_to_end_and_carries_the_slowest():
+    s = BatchSchedule(["a"], 3, 2, overlap=True, max_staleness=1, continuous=True, spares=1)
+    slots = [s.slot(1) for _ in range(3)] + [s.slot(2) for _ in range(2)]
+    for slot in slots:
+        await asyncio.wait_for(s.gate_of(slot)("a", slot.started), 1)
+    ended = [s.assign(slots[i]) for i in (3, 1)]  # a batch-2 one and one of batch 1 end first
+    assert ended == [1, 1]
+    for batch in ended:
+        s.episode_ended(batch)
+    assert s.rollout_complete(1)  # it does not wait for slots 0 and 2: they carry over
+    assert s.assign(slots[0]) == 2 and s.assign(slots[2]) == 2
+    # The last batch trains every episode left: its two and the spare.
+    assert s.batches[3].episodes_left == 3
+    assert decisions.assigned_batch({1: 2, 2: 2}, {}, 1, 3, 2) == 3 == decisions.assigned_batch({1: 2, 2: 2, 3: 5}, {}, 1, 3, 2)
+    assert decisions.may_admit(4, {1: 1}, 1, 2, 3, 2, 1) is False  # 4 running + 1 ended fill 2 x 2 + 1
+    assert decisions.may_admit(3, {1: 1}, 1, 2, 3, 2, 1) is True
+
+
+def test_a_newer_episode_ending_first_never_takes_the_place_an_older_one_needs_within_its_bound():
+    # Two a batch, K = 1: batch 1 trained two. Two episodes admitted under version 0 (due by
+    # batch 2) still run; one admitted under version 1 (due by 3) ends first.
+    assert decisions.assigned_batch({1: 2}, {2: 2}, 1, 5, 2) == 3  # batch 2 is theirs
+    assert decisions.assigned_batch({1: 2}, {2: 1}, 1, 5, 2) == 2  # room for both
+    assert decisions.assigned_batch({1: 2}, {2: 2}, 1, 5, 2, spares=1) == 2  # a spare may take it
+    assert decisions.assigned_batch({}, {1: 1, 2: 2}, 1, 5, 2) == 1  # one of batch 1's own, the others fit
+    # One that already missed its bound (batches up to 2 full) takes no spare's room: it goes after them.
+    assert decisions.assigned_batch({1: 2, 2: 2}, {3: 2}, 1, 6, 2, spares=1, newest=2) == 4
+    assert decisions.assigned_batch({1: 2, 2: 2}, {3: 2}, 1, 6, 2, spares=1, newest=3) == 3

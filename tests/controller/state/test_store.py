@@ -292,3 +292,37 @@ def test_the_event_logs_oldest_tokens_refill_a_store_that_gates_the_same():
         store.set_group_rewards(g, [1.0, 0.0], size=5)
     assert [gr.oldest() for gr in live.take("a", 0, MicroBatchSize(8))] == \
         [gr.oldest() for gr in again.take("a", 0, MicroBatchSize(8))] == [[3, 4]]
+
+
+def test_a_carried_over_group_trains_once_in_the_batch_its_episode_ends_in_its_tokens_spanning_two_versions():
+    store = ExperienceStore(["a"], assigned_at_end=True)
+    fast, slow = GroupKey("s1q0", "a", "g"), GroupKey("s1q1", "a", "g")
+    for k in (fast, slow):
+        store.open_group(k, [1], 2, 1)  # both started as batch 1's, under version 0
+    store.record_group(fast, spanning_output(fast, [2, 2], 0, [0, 0, 0, 0]), TurnSampling(0))
+    store.set_group_rewards(fast, [1.0, 0.0])
+    assert store.ready_samples("a", 1) == 0  # held until its episode's batch is named
+    store.assign([fast], 1)
+    # The slow one ran on across the sync to version 1: its tokens are 0's then 1's.
+    store.record_group(slow, spanning_output(slow, [3, 2], 0, [0, 1, 1, 0, 1]), TurnSampling(0))
+    store.set_group_rewards(slow, [0.5, 0.0])
+    store.assign([slow], 2)  # batch 1 was full when it ended: it carries over
+    size = MicroBatchSize(8)
+    (first,) = store.form_micro_batches("a", 1, size, True, True, max_staleness=1)
+    assert first.keys() == [fast]
+    (second,) = store.form_micro_batches("a", 2, size, True, True, max_staleness=1)
+    assert second.keys() == [slow] and second.oldest() == [0, 0]  # trains version 1: lag 1, kept
+    assert store.views(slow)[0].token_versions.tolist() == [0, 1, 1]
+    assert store.form_micro_batches("a", 2, size, True, True, max_staleness=1) == []
+    assert store.count("a", "consumed") == 4 and store.count("a", "dropped") == 0
+
+
+def test_a_carried_over_group_too_stale_by_its_oldest_token_is_dropped_and_counted():
+    store = ExperienceStore(["a"], assigned_at_end=True)
+    slow = GroupKey("s2q0", "a", "g")
+    store.open_group(slow, [1], 2, 2)  # admitted under version 0 (batch 2 allows it with K = 1)
+    store.record_group(slow, spanning_output(slow, [2, 2], 0, [0, 1, 1, 2]), TurnSampling(0))
+    store.set_group_rewards(slow, [1.0, 0.0])
+    store.assign([slow], 3)  # carried into batch 3, which trains version 2: its oldest token is 2 old
+    assert store.form_micro_batches("a", 3, MicroBatchSize(8), True, True, max_staleness=1) == []
+    assert store.count("a", "dropped") == 2 and store.count("a", "consumed") == 0

@@ -495,6 +495,25 @@ def test_a_teachers_reverse_kl_is_a_per_token_advantage_on_the_students_own_toke
     assert teacher.table.grad is None
 
 
+def test_a_capped_teachers_difference_is_clipped_in_the_advantage_only():
+    """teacher_kl_cap c: the advantage A - beta * clip(d, -c, c) per token; a clipped token
+    still has its gradient through log p, and the step's teacher_kl is the unclipped sum."""
+    model, teacher = Bigram(seed=0), Bigram(seed=4)
+    samples = with_teacher(make_samples(model), teacher.table.detach())
+    beta, cap = 0.7, 1.0  # d per token: -2.826, 0.805, -1.947, 2.2, -2.826, 0.429
+    d = lambda i, j: (hand_logprob(model.table, *tokens(samples[i])[j][1:])  # noqa: E731
+                      - hand_logprob(teacher.table, *tokens(samples[i])[j][1:]))
+    ds = [d(i, j) for i, s in enumerate(samples) for j in range(len(s.output_ids))]
+    assert min(ds) < -cap and max(ds) > cap and any(abs(x) < cap for x in ds)  # clipped both ways, and not
+
+    def coef(i, j, lp):
+        return -(samples[i].advantage - beta * min(max(d(i, j), -cap), cap)) / len(samples[i].output_ids) / len(samples)
+
+    got, sums = step_gradient(model, [samples], p.LossOptions(teacher_coef=beta, teacher_kl_cap=cap))
+    torch.testing.assert_close(got, hand_gradient(model.table.detach(), samples, coef), rtol=1e-5, atol=1e-7)
+    assert sums.teacher_kl == pytest.approx(sum(ds), rel=1e-5)
+
+
 def test_a_teachers_advantage_goes_through_the_off_policy_correction():
     model, teacher = Bigram(seed=0), Bigram(seed=4)
     shift = {(0, 0): 1.0, (1, 1): 0.3}  # TIS: weight min(e^shift, 2)
