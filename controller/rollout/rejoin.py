@@ -83,7 +83,7 @@ class Rejoin:
         return self.serving is not None or not self.queue.empty() or bool(self.retrying)
 
     def joined(self, info: Any) -> None:
-        if self.closing():
+        if self.closing() or info.role not in ("trainer", "rollout"):  # an environment worker: environments/
             return
         if info.role not in self.opened and not self.accepting():
             self.early.append(info)  # set-up's own, or a replacement registered while it ran: see open()
@@ -111,7 +111,7 @@ class Rejoin:
         if info.role == "trainer":
             log.info("trainer %s joined; it is in the trainer pool again", info.worker_id)
             self.trainer_joined(info.worker_id)
-        elif info.role == "rollout":  # an environment worker is the environment client's (environments/)
+        else:
             self.attempts[info.worker_id] = 0
             self.queue.put_nowait(info.worker_id)
 
