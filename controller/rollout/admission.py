@@ -10,7 +10,8 @@ broadcast, at the version the trainer holds then: a step that raced the join is 
 never refused), and only then lets the agent's requests reach it. For a unit of adapters,
 the base's engine starts once and each agent's adapter is loaded from its trainer (version 0
 included: the base alone is no agent's weights). A worker that dies or refuses fails its
-own admission (False), never the run.
+own admission (False), never the run; so does one that died and registered again while
+being admitted (its calls may have reached the new process, which is admitted on its own).
 
 What each instance serves and holds is recorded with the instances' owner
 (state/instances.py); this module does not decide which unit an instance should serve
@@ -57,6 +58,7 @@ class Admission:
         weights are swapped in place, and the engine restarts if the instance refuses or
         if the agent is still at version 0 (its weights are the model directory's)."""
         u = self.units[unit]
+        registration = self.server.registry.workers.get(worker)  # a process registered again is not this one
         try:
             if restart:
                 await self._start_engine(worker, unit, engine)
@@ -68,7 +70,7 @@ class Admission:
                             self.instances.loaded(worker, agent, await self.weights.load_newest(worker, agent))
                         else:
                             await self._load(worker, unit, agent, restarted=restart)
-                    if not self._alive(worker):
+                    if not self._alive(worker, registration):
                         raise WorkerDied(worker, "it died while being admitted")
                     self.instances.serve(worker, agent, f"{worker} {why}")
         except WorkerDied as exc:
@@ -107,6 +109,8 @@ class Admission:
             version = await self.weights.load_newest(worker, agent)
         self.instances.loaded(worker, agent, version)
 
-    def _alive(self, worker: str) -> bool:
+    def _alive(self, worker: str, registration: object) -> bool:
+        """Whether `worker` is still the live process registered as `registration` (one that
+        died and registered again holds none of what was loaded into the old one)."""
         info = self.server.registry.workers.get(worker)
-        return info is not None and info.alive
+        return info is not None and info is registration and info.alive

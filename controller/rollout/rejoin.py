@@ -1,8 +1,11 @@
 """Rejoining: a worker that registers again after the agents were placed gets work.
 
-`Rejoin.joined(info)` listens to the server's joins. Workers that join before the agents
-are placed are set-up's business and ignored here (`accepting()` is false then, and
-again once shutdown began). After that:
+`Rejoin.joined(info)` listens to the server's joins. The workers set-up takes are its
+business; nothing is taken once shutdown began (`closing()`). A worker that registers
+while set-up runs (a process restarted after dying at set-up) is kept until set-up opens
+its role (`open(placed, role)`: trainers once set-up handed its own to the allocator,
+rollout workers once the agents are placed, `accepting()`), and then taken unless it is
+the very registration set-up took, or was replaced or died since. Taken:
 - a trainer is handed to the allocator (`trainer_joined`), which binds agents to it as
   they need one;
 - a rollout worker is queued for `run()`.
@@ -56,14 +59,15 @@ class Rejoin:
     def __init__(self, units: Mapping[str, EngineUnit], instances: RolloutInstances, admission: Admission,
                  server: WorkerDirectory, *,
                  accepting: Callable[[], bool], finished: Callable[[], bool],
-                 trainer_joined: Callable[[str], None]) -> None:
+                 trainer_joined: Callable[[str], None], closing: Callable[[], bool] = lambda: False) -> None:
         # Engine units (runtime/bases.engine_units): a worker joins a whole-model agent or
         # every adapter agent of a base.
         self.units = units
         self.instances = instances  # instances(agent), served_before(worker): read only
         self.admission = admission
         self.server = server
-        self.accepting = accepting
+        self.accepting = accepting  # rollout workers are taken from then on (the agents are placed)
+        self.closing = closing  # shutdown began: nothing is taken
         self.finished = finished
         self.trainer_joined = trainer_joined
         self.queue: asyncio.Queue[str] = asyncio.Queue()  # rollout workers waiting for an agent
@@ -71,18 +75,43 @@ class Rejoin:
         self.rejoined: list[tuple[str, str, float]] = []  # (worker, unit, seconds to serve)
         self.attempts: dict[str, int] = {}  # worker -> admissions tried for its live incarnation
         self.retrying: set[str] = set()  # workers waiting RETRY_S for their next admission
+        self.opened: set[str] = set()  # roles set-up opened: their joins are taken at once
+        self.early: list[Any] = []  # registrations while set-up ran, kept until their role opens
 
     def pending(self) -> bool:
         """Whether a rollout worker that joined is waiting for, or going through, admission."""
         return self.serving is not None or not self.queue.empty() or bool(self.retrying)
 
     def joined(self, info: Any) -> None:
-        if not self.accepting():
+        if self.closing() or info.role not in ("trainer", "rollout"):  # an environment worker: environments/
             return
+        if info.role not in self.opened and not self.accepting():
+            self.early.append(info)  # set-up's own, or a replacement registered while it ran: see open()
+            return
+        self._take(info)
+
+    def open(self, placed: Mapping[str, Any], role: str) -> None:
+        """Set-up is done with `role`'s workers: from now on they are taken as they join,
+        and so is each that registered meanwhile and is still the live registration of its
+        id, unless it is one set-up took itself (`placed`: worker id -> its registration)."""
+        self.opened.add(role)
+        kept, self.early = self.early, []
+        for info in kept:
+            if info.role != role:
+                self.early.append(info)
+            elif placed.get(info.worker_id) is not info and self._current(info) and not self.closing():
+                log.info("%s registered again while set-up ran; it is taken now", info.worker_id)
+                self._take(info)
+
+    def _current(self, info: Any) -> bool:
+        current = self.server.registry.workers.get(info.worker_id)
+        return current is not None and current is info and current.alive
+
+    def _take(self, info: Any) -> None:
         if info.role == "trainer":
             log.info("trainer %s joined; it is in the trainer pool again", info.worker_id)
             self.trainer_joined(info.worker_id)
-        elif info.role == "rollout":  # an environment worker is the environment client's (environments/)
+        else:
             self.attempts[info.worker_id] = 0
             self.queue.put_nowait(info.worker_id)
 

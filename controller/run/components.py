@@ -303,7 +303,8 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     admission = Admission(instances, weights, versions, server, load_message)
     ready = asyncio.Event()
     rejoin = Rejoin(units, instances, admission, server, accepting=lambda: ready.is_set() and not server.closing,
-                    finished=lambda: schedule.finished, trainer_joined=allocator.trainer_joined)
+                    finished=lambda: schedule.finished, trainer_joined=allocator.trainer_joined,
+                    closing=lambda: server.closing)
     # Requests wait for an instance while one is on its way back: a rollout worker being
     # restarted by the launcher (`restarting`), or registered again and being admitted.
     client = RolloutClient(server, instances, emit=emit, within_agent=cfg.router.within_agent,

@@ -19,7 +19,7 @@ one supervisor (the first to fail stops the others), and writes the final checkp
   consumes environment workers that register after set-up (a restarted one); produces
   them set up (the workflow's module imported in their pools) and routed to.
 - rejoin (rollout/rejoin.py, `Rejoin.run`): consumes rollout workers that register after set-up
-  (a restarted one, say); produces them serving an agent at its current version; waits
+  (a restarted one, say), or during it in place of one that died there; produces them serving an agent at its current version; waits
   for a worker to join; ends once every batch is trained. A trainer that joins is handed
   to the allocator.
 - eval, when `eval.every` > 0 (episodes/evaluation.py, `Evaluator.run`): consumes held-out rows;
@@ -57,9 +57,11 @@ from flexmarl.runtime.atomic import write_text_atomically
 from flexmarl.runtime.config import ExperimentConfig, dump_toml, trained_agents
 
 from ..control.interfaces import Emit
+from ..control.registry import WorkerInfo
 from ..control.server import ControllerServer
 from ..records.progress import SetupProgress
 from ..state import decisions
+from ..state.failures import RunFailed
 from ..train.checkpoints import ResumePoint, at_checkpoint, resume_placement
 from .components import Components, Given, build, resolve
 
@@ -190,14 +192,22 @@ class TrainingRun:
         run's agents restored from the checkpoint), the rollout instances are placed, their
         engines started, the agents' training states initialised and the environment
         workers' pools started (a worker that cannot import the workflow's module stops the
-        run here, in one line)."""
+        run here, in one line).
+
+        A rollout worker that dies while its engine starts does not stop the run: set-up
+        goes on without it and its next process (restarted, or registered again already
+        while set-up ran) is admitted like any worker that rejoins (rejoin.py). One that
+        refuses its engine (alive, but it cannot load the model) stops the run in one line
+        naming it. A trainer registered again while set-up runs joins the pool at once."""
         parts, agents = self.parts, trained_agents(self.cfg)
+        placed = {w.worker_id: w for w in self.server.registry.alive()}  # the registrations set up here
         for trainer in self.worker_ids("trainer"):
             parts.allocator.trainer_joined(trainer)
         if self.resume is not None:
             for agent in agents:
                 parts.allocator.recover(agent, self.resume.training_state(agent), self.resume.step,
                                         self.resume.training_state_checksum(agent))
+        parts.rejoin.open(placed, "trainer")
         placement = self._placement()
         log.info("rollout placement: %s", placement)
         parts.instances.place(placement)
@@ -214,10 +224,21 @@ class TrainingRun:
             admitted = await asyncio.gather(*(counted(self._place(a, w)) for a, w in engines),
                                             counted(parts.environments.start(self.worker_ids("env"))),
                                             counted(self._init_agents()))
-        if not all(admitted[:-2]):
-            raise RuntimeError("a rollout worker died or failed while starting its engine at set-up; see its log "
-                               "in the run directory's logs/ folder")
+        failed = [(unit, worker) for (unit, worker), ok in zip(engines, admitted[:-2]) if not ok]
+        refused = [f"{worker} ({unit})" for unit, worker in failed if self._same_process(worker, placed)]
+        if refused:
+            raise RunFailed(f"the run stopped at set-up: rollout worker {', '.join(refused)} could not start its "
+                            f"engine; its log in {self.run_dir / 'logs'} says why. Fix that and run again")
+        for unit, worker in failed:
+            log.warning("%s died while starting %s's engine at set-up; the run goes on without it, and its next "
+                        "process serves an agent once it registers", worker, unit)
         parts.ready.set()
+        parts.rejoin.open(placed, "rollout")  # a replacement registered meanwhile is admitted now
+
+    def _same_process(self, worker: str, placed: dict[str, WorkerInfo]) -> bool:
+        """Whether `worker` is still, alive, the registration set-up took (`placed`)."""
+        info = self.server.registry.workers.get(worker)
+        return info is not None and info is placed.get(worker) and info.alive
 
     def _placement(self) -> dict[str, list[str]]:
         """Engine units over the rollout workers (a base's instances serve all its agents;

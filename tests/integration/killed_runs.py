@@ -1,6 +1,8 @@
 """What the tests of a controller killed mid-run share: whether training reached a version
-(read from the event log as it is written), and stopping the orphaned workers by PID."""
+(read from the event log as it is written), and stopping the orphaned workers by PID; and
+what the tests that act on a run in their own process share: waiting for its set-up."""
 
+import asyncio
 import os
 import signal
 
@@ -26,3 +28,13 @@ def kill_workers_of(run_dir):
                 os.kill(e.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+async def set_up(exp, train):
+    """Returns once the run's agents are placed and loaded; a run that stopped before that
+    (`train`, its task, ended) raises its error here rather than leaving the wait endless."""
+    while exp.training is None or not exp.training.parts.ready.is_set():
+        if train.done():
+            await train  # raises what stopped it
+            raise AssertionError("the run ended before its set-up did")
+        await asyncio.sleep(0.05)

@@ -9,6 +9,9 @@ what to do; and the log replays.
   falls back to the checkpoint before it (slow);
 - a rollout worker stopped (SIGSTOP) for longer than the wait for an instance: killed,
   restarted, and the run finishes (slow);
+- a rollout worker killed (SIGKILL), or stopped (SIGSTOP) past the heartbeat timeout, while
+  its engine starts at set-up: the run goes on with the other, and the restarted process
+  is admitted once it registers (slow);
 - a full disk under the run directory (a small tmpfs mounted here), met by the event log or
   the metrics: one line with what to free and the resume command; once freed, the resume
   finishes (slow);
@@ -157,6 +160,34 @@ def test_a_rollout_worker_stopped_longer_than_the_instance_wait_is_replaced_and_
     restarted = next(e for e in mine if isinstance(e, ev.WorkerRestarted))
     assert "no heartbeat" in died.why and restarted.exit_code in (-signal.SIGTERM, -signal.SIGKILL)
     assert restarted.pid != stopped
+    summary = replay.summarize(events)
+    assert summary.errors == [] and replay.check(events) is None
+    assert {e.version for e in events if isinstance(e, ev.OptimizerStep)} == set(range(1, steps + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_rollout_worker_lost_while_its_engine_starts_at_set_up_is_replaced_and_the_run_finishes(tmp_path, sig):
+    steps = 10
+    controller, run_dir = run_job(tmp_path, steps, "--set", "cluster.rollout_workers=2")
+    lost = None
+    try:
+        # Set-up begins right after RunStarted: the engines take seconds to start.
+        fm.wait_for(lambda: any(isinstance(e, ev.RunStarted) for e in fm.events(run_dir)), controller,
+                    what="set-up began")
+        lost = fm.workers(run_dir)["rollout-1"]
+        os.kill(lost, sig)
+        assert controller.wait() == 0, controller.stderr()[-3000:]
+    finally:
+        if lost is not None:
+            fm.signal_pid(lost, signal.SIGKILL)
+    assert_no_stray_tracebacks(controller.stderr())
+    events = fm.events(run_dir)
+    placed = [e for e in events if isinstance(e, ev.AllocationChanged) and e.kind == "rollout"]
+    assert not any(e.why == "rollout-1 joins: initial placement" for e in placed), "lost after set-up"
+    restarted = next(e for e in events if isinstance(e, ev.WorkerRestarted) and e.worker == "rollout-1")
+    assert restarted.pid != lost
+    assert any(e.why == "rollout-1 rejoined" and "rollout-1" in e.workers for e in placed)
     summary = replay.summarize(events)
     assert summary.errors == [] and replay.check(events) is None
     assert {e.version for e in events if isinstance(e, ev.OptimizerStep)} == set(range(1, steps + 1))

@@ -19,6 +19,7 @@ from flexmarl.runtime.staleness import UNSPANNED
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "system"))
 import long_tail  # noqa: E402
+from killed_runs import set_up  # noqa: E402
 
 
 def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_and_replays(tmp_path):
@@ -77,8 +78,7 @@ def test_a_rollout_worker_killed_during_a_load_that_keeps_its_requests_loses_not
     async def main():
         async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
             train = asyncio.create_task(exp.train())
-            while exp.training is None or not exp.training.parts.ready.is_set():
-                await asyncio.sleep(0.05)
+            await set_up(exp, train)
             parts = exp.training.parts
             # A sync to version 2 under way while the victim has groups in flight.
             while not killed and not train.done():
@@ -138,8 +138,7 @@ def test_a_trainer_killed_during_a_sync_that_keeps_the_requests_in_flight_loses_
     async def main():
         async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
             train = asyncio.create_task(exp.train())
-            while exp.training is None or not exp.training.parts.ready.is_set():
-                await asyncio.sleep(0.05)
+            await set_up(exp, train)
             while not killed and not train.done():
                 if killed_mid_update(exp) and exp.training.parts.versions["writer"] >= 2:
                     victim = exp.training.parts.allocator.resident["writer"]
@@ -167,6 +166,7 @@ import asyncio, os, signal, sys
 sys.path.insert(0, sys.argv[3])
 from flexmarl.controller import Experiment
 from flexmarl.runtime.config import load_config
+from killed_runs import set_up
 from test_in_flight_run import killed_mid_update
 
 cfg = load_config(sys.argv[1], ["run.checkpoint_every=1"])
@@ -174,8 +174,7 @@ cfg = load_config(sys.argv[1], ["run.checkpoint_every=1"])
 async def main():
     async with Experiment(cfg, run_dir=sys.argv[2]) as exp:
         train = asyncio.create_task(exp.train())
-        while exp.training is None or not exp.training.parts.ready.is_set():
-            await asyncio.sleep(0.05)
+        await set_up(exp, train)
         while not train.done():
             if killed_mid_update(exp) and exp.training.parts.versions["writer"] >= 2:
                 print("killed during the sync after version", exp.training.parts.versions["writer"], flush=True)

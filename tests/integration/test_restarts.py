@@ -20,6 +20,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig, load_config
 from flexmarl.runtime.eventlog import read_events
+from killed_runs import set_up
 
 AGENTS = ("planner", "solver", "checker")
 STEPS = 3
@@ -34,9 +35,8 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
                       defaults=default_config())
     killed = {}
 
-    async def kill_the_solver_instance_mid_batch(exp):
-        while exp.training is None or not exp.training.parts.ready.is_set():
-            await asyncio.sleep(0.05)
+    async def kill_the_solver_instance_mid_batch(exp, train):
+        await set_up(exp, train)
         instances = exp.training.parts.instances
         victim = instances.assignment["solver"][0]
         while instances.outstanding[victim] <= 0:  # requests in flight on it: mid-run
@@ -48,7 +48,7 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
     async def main():
         async with Experiment(cfg, run_dir=tmp_path) as exp:
             train = asyncio.create_task(exp.train())
-            await kill_the_solver_instance_mid_batch(exp)
+            await kill_the_solver_instance_mid_batch(exp, train)
             summary = await train
             now = next(wp for wp in exp.local.procs if wp.worker_id == killed["worker"])
             return summary, now.proc.pid, exp.training.parts.instances.assignment, exp.training.parts.rejoin.rejoined

@@ -23,6 +23,7 @@ from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import HEADER_BYTES, encode_frame, read_events
+from killed_runs import set_up
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def run_training(cfg, run_dir, during=None, out=None):
         async with Experiment(cfg, run_dir=run_dir) as exp:
             train = asyncio.create_task(exp.train())
             if during is not None:
-                await during(exp)
+                await during(exp, train)
             summary = await train
             if out is not None:
                 out["training"] = exp.training
@@ -240,9 +241,8 @@ def test_a_killed_rollout_worker_loses_nothing(tmp_path):
     cfg = small_config("cluster.rollout_workers=4", "run.steps=4", "pipeline.mode='async'",
                        "transport.heartbeat_timeout_s=3.0")
 
-    async def kill_a_solver_instance(exp):
-        while exp.training is None or not exp.training.parts.ready.is_set():
-            await asyncio.sleep(0.1)
+    async def kill_a_solver_instance(exp, train):
+        await set_up(exp, train)
         await asyncio.sleep(1.0)
         victim = exp.training.parts.instances.assignment["solver"][-1]
         pid = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)

@@ -1,6 +1,7 @@
 """Rejoining with a fake server: a rollout worker back after dying gets an agent, its
 engine and the agent's current weights before any request is routed to it; a trainer
-back goes to the allocator; workers joining during set-up are left alone."""
+back goes to the allocator; workers joining during set-up are kept until set-up opens their
+role, and then only those set-up did not take itself (a process registered again while it ran)."""
 
 import asyncio
 import types
@@ -188,3 +189,49 @@ async def test_a_live_worker_that_fails_every_admission_is_left_idle_after_the_l
         await asyncio.sleep(0.01)
     assert rejoin.attempts["r1"] == rejoining.ADMISSION_ATTEMPTS and not rejoin.pending()
     assert client.instances("solver") == []
+
+
+async def test_joins_during_set_up_are_taken_once_their_role_opens_unless_set_up_took_them_itself():
+    server, _, _, rejoin, _, trainers = setup(accepting=False)
+    placed = dict(server.registry.workers)  # the registrations set-up takes
+    for info in placed.values():
+        rejoin.joined(info)
+    again = {w: types.SimpleNamespace(**{**vars(placed[w]), "pid": 99}) for w in ("r1", "t0")}
+    for worker, info in again.items():  # died at set-up, and the next process registered
+        placed[worker].alive = False
+        server.registry.workers[worker] = info
+        rejoin.joined(info)
+    assert rejoin.queue.empty() and trainers == []
+    rejoin.open(placed, "trainer")
+    assert trainers == ["t0"] and rejoin.queue.empty()
+    rejoin.open(placed, "rollout")
+    assert rejoin.queue.get_nowait() == "r1" and rejoin.queue.empty() and trainers == ["t0"]
+
+
+async def test_a_replacement_that_died_again_before_set_up_ended_is_not_taken():
+    server, _, _, rejoin, _, _ = setup(accepting=False)
+    placed = dict(server.registry.workers)
+    placed["r1"].alive = False
+    gone = types.SimpleNamespace(**{**vars(placed["r1"]), "pid": 99, "alive": True})
+    server.registry.workers["r1"] = gone
+    rejoin.joined(gone)
+    gone.alive = False  # its next registration will be taken when it comes
+    rejoin.open(placed, "rollout")
+    assert rejoin.queue.empty()
+
+
+async def test_an_admission_whose_worker_registered_again_meanwhile_fails():
+    server, client, _, rejoin, _, _ = setup()
+    client.died("r1")
+    answer = server.call
+
+    async def call(worker, msg, buffers=(), timeout=None):
+        reply = await answer(worker, msg, buffers, timeout)
+        if isinstance(msg, protocol.LoadModel):  # the engine started, then the process died and came back
+            server.registry.workers[worker] = types.SimpleNamespace(**{**vars(server.registry.workers[worker]),
+                                                                       "pid": 99})
+        return reply
+
+    server.call = call
+    assert await rejoin.admission.admit("r1", "solver") is False
+    assert client.instances("solver") == [], "routed to a process that holds no engine"

@@ -189,3 +189,78 @@ async def test_a_worker_dying_while_a_timed_out_move_puts_it_back_fails_only_tha
     server.trainer_at[src] = 3
     await run.parts.weights.sync(src, "t0", 3)
     assert server.sent_to(stays)[-1] == (stays, "LoadWeights", src, 3)
+
+
+def register_again(server: FakeCluster, worker: str) -> None:
+    """Its process died (declared dead) and the next one registered under its id."""
+    old = server.registry.workers[worker]
+    server.kill(worker)
+    new = WorkerInfo(worker, worker.encode() + b"-again", old.role, old.host, old.pid + 100, [], {}, 0.0)
+    server.registry.workers[worker] = new
+    for callback in server.on_joined:
+        callback(new)
+
+
+class DiesStartingItsEngine(FakeCluster):
+    """`victim` dies while its engine starts at set-up; with `back`, its next process
+    registers before the call fails (the launcher restarted it at once)."""
+
+    def __init__(self, rollout: int, victim: str, back: bool) -> None:
+        super().__init__(rollout)
+        self.victim, self.back, self.died = victim, back, False
+
+    async def call(self, worker, msg, buffers=(), timeout=None, on_sent=None):
+        if worker == self.victim and isinstance(msg, protocol.LoadModel) and not self.died:
+            self.died = True
+            await asyncio.sleep(0.01)
+            if self.back:
+                register_again(self, worker)
+            else:
+                self.kill(worker)
+            raise WorkerDied(worker, "killed by the test while its engine started")
+        return await super().call(worker, msg, buffers, timeout, on_sent)
+
+
+@pytest.mark.parametrize("back", [True, False], ids=["back-during-set-up", "back-after-set-up"])
+async def test_a_rollout_worker_dying_while_its_engine_starts_at_set_up_is_replaced_and_the_run_goes_on(
+        make_run, back):
+    server = DiesStartingItsEngine(rollout=3, victim="r1", back=back)
+    run = await make_run(server)  # set-up does not stop the run
+    assert run.parts.ready.is_set()
+    assert all("r1" not in ws for ws in placed(run).values())
+    if not back:
+        register_again(server, "r1")  # after set-up: an ordinary rejoin
+    assert run.parts.rejoin.queue.get_nowait() == "r1" and run.parts.rejoin.queue.empty()
+    unit = await run.parts.rejoin.serve("r1")
+    assert unit is not None and "r1" in placed(run)[unit]
+    assert server.sent_to("r1")[-1][1] == "LoadModel"  # the new process started its engine
+
+
+async def test_a_rollout_worker_refusing_its_engine_at_set_up_stops_the_run_in_one_line_naming_it(make_run):
+    from flexmarl.controller.state.failures import RunFailed
+
+    class Refuses(FakeCluster):
+        async def call(self, worker, msg, buffers=(), timeout=None, on_sent=None):
+            if worker == "r1" and isinstance(msg, protocol.LoadModel):
+                raise RemoteError("r1: LoadModel failed: out of memory")
+            return await super().call(worker, msg, buffers, timeout, on_sent)
+
+    with pytest.raises(RunFailed, match=r"rollout worker r1 \(\w+\) could not start its engine") as failure:
+        await make_run(Refuses(rollout=3))
+    assert "\n" not in str(failure.value)
+
+
+async def test_a_trainer_registered_again_during_set_up_joins_the_pool_at_once(make_run):
+    registered = False
+
+    class TrainerBack(FakeCluster):
+        async def call(self, worker, msg, buffers=(), timeout=None, on_sent=None):
+            nonlocal registered
+            if isinstance(msg, protocol.InitAgent) and not registered:  # the pool's trainer died, came back
+                registered = True
+                register_again(self, "t0")
+            return await super().call(worker, msg, buffers, timeout, on_sent)
+
+    server = TrainerBack(rollout=3)
+    run = await make_run(server)
+    assert registered and run.parts.allocator.trainers == ["t0"]
