@@ -309,7 +309,8 @@ class EpisodeProducer:
     def redraw(self, record: dict[str, Any]) -> None:
         """A resume from a checkpoint whose `in_flight` record is `record`: its episodes are
         begun again, with the names, seeds and rows they had, before the episodes after them."""
-        self._redrawn = [BegunEpisode(**{**b, "assigned": None}) for b in record["in_flight"]]
+        self._redrawn = [BegunEpisode(b["name"], b["started"], b["kind"], b["index"], b["number"])
+                         for b in record["in_flight"]]
         first, query = record["next"]
         self._next = (first, query)
         self.spares_begun = record["spares_begun"]
