@@ -7,7 +7,11 @@ count no more: the same samples are trained again after the marker. And a resume
 restarts from the checkpoint of step t (`RunResumed`): whatever the crashed
 controller had done for the batches after t (groups opened, outputs received, micro-batches
 formed, steps taken) was undone with it, and those batches are generated and trained
-again, often under the same group keys (they derive from the seed). `lineage(events)` cuts
+again, often under the same group keys (they derive from the seed). Under continuous
+admission a group belongs to the batch its episode's `EpisodeAssigned` names, not the one
+it started in: one trained by a batch up to t stays, however late it started, and one whose
+episode had not ended by the resume is undone (the resumed run begins it again, carried
+over or not). `lineage(events)` cuts
 those undone events out, so exactly-once accounting and `replay --check` judge the run
 that counts: every sample in it trained or dropped once.
 
