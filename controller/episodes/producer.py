@@ -126,6 +126,9 @@ class EpisodeProducer:
         self._next: tuple[int, int] | None = None  # None: the first batch, query 0
         self.spares_begun = 0
         self._redrawn: list[BegunEpisode] = []
+        # A resume's: the spares begun before its checkpoint, those still over (each batch up
+        # to the checkpoint trained queries_per_step; the last one every spare) and still owed.
+        self._spares_begun_before = self._spares_over = self._spares_owed_before = 0
 
     async def run(self) -> None:
         """Produces every batch; the first batch with too many failed episodes stops it."""
@@ -228,8 +231,8 @@ class EpisodeProducer:
                 for i in range(query if batch == first else 0, p.queries_per_step):
                     await start(batch, i)
                 if batch == first:  # partial rollout's spares: over-provisioned once for the run
-                    for j in range(self.spares_begun, self.schedule.spares):
-                        await start(batch, j, spare=True)
+                    await self._start_spares(batch, start)
+            await self._start_spares(min(first, self.schedule.steps), start)  # owed past the end: a resume's
             while running and not failed:  # top-ups add episodes meanwhile
                 await asyncio.gather(*running)
             for task in failed:
@@ -286,6 +289,18 @@ class EpisodeProducer:
         if not self._stop.done():
             self._stop.set_exception(error)
 
+    def _spares_owed(self) -> int:
+        """The spares still to begin: those the schedule counts beyond the ones over at a
+        resume's checkpoint (`_spares_over`), those that checkpoint's run still owed, less
+        those begun since."""
+        return (self.schedule.spares - self._spares_over + self._spares_owed_before
+                - (self.spares_begun - self._spares_begun_before))
+
+    async def _start_spares(self, batch: int, start: Any) -> None:
+        """Begins the spares owed, numbered after every spare begun before."""
+        while self._spares_owed() > 0:
+            await start(batch, self.spares_begun, spare=True)
+
     def _ended(self, begun: BegunEpisode, batch: int) -> None:
         """`begun` ended and batch `batch` trains it; the episodes of batches trained since
         leave the record (one look per ended episode)."""
@@ -300,10 +315,13 @@ class EpisodeProducer:
     def in_flight(self, step: int) -> dict[str, Any]:
         """What a checkpoint of `step` records of the episodes: those begun that no batch up
         to `step` trains (running, or ended and taken by a later batch), in the order they
-        began; the next regular episode to begin, as [batch, query]; the spares begun. A
-        resume begins exactly those again (`redraw`), and then the rest."""
+        began; the next regular episode to begin, as [batch, query]; the spares begun, and
+        how many episodes beyond queries_per_step a batch are still to train (the spares
+        over). A resume begins exactly those again (`redraw`), and then the rest."""
         first, query = self._next or (self.schedule.first_batch, 0)
-        return {"next": [first, query], "spares_begun": self.spares_begun,
+        over = self.schedule.spares if step < self.schedule.steps else 0  # the last batch trained them
+        return {"next": [first, query], "spares_begun": self.spares_begun, "spares_over": over,
+                "spares_owed": self._spares_owed() if over else 0,
                 "in_flight": [asdict(b) for b in self._begun.values() if b.assigned is None or b.assigned > step]}
 
     def redraw(self, record: dict[str, Any]) -> None:
@@ -313,7 +331,8 @@ class EpisodeProducer:
                          for b in record["in_flight"]]
         first, query = record["next"]
         self._next = (first, query)
-        self.spares_begun = record["spares_begun"]
+        self.spares_begun = self._spares_begun_before = record["spares_begun"]
+        self._spares_over, self._spares_owed_before = record["spares_over"], record["spares_owed"]
 
     def continue_data(self, batch: int, episode: int) -> None:
         """Batch `batch` starts at episode number `episode` (a resume's saved position)."""

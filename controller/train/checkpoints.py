@@ -354,7 +354,7 @@ def resume_counters(resume: ResumePoint, run_dir: Path, schedule: Any, versions:
                               "\"continuous\" (its batches train the first episodes to end, not the ones they "
                               "started): resume it with --set pipeline.admission=continuous")
     truncate_metrics(run_dir / "metrics.jsonl", resume.step)
-    schedule.resume_after(resume.step, resume.state.get("episodes", {}).get("spares_begun", 0))
+    schedule.resume_after(resume.step, resume.state.get("episodes", {}).get("spares_over", 0))
     versions.resume_at(resume.step, schedule.agents + list(schedule.snapshots))  # a frozen agent stays at 0
 
 

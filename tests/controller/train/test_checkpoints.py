@@ -389,3 +389,20 @@ def test_a_continuous_checkpoint_resumed_under_step_admission_is_refused_naming_
     step = training_run(tmp_path).parts.checkpoints.controller_state(1)  # a step checkpoint: continues either way
     assert "episodes" not in step
     assert training_run(tmp_path, *CONTINUOUS, resume=ResumePoint(tmp_path, 1, step)).parts.schedule.first_batch == 2
+
+
+async def test_a_continuous_runs_final_checkpoint_resumed_for_more_steps_over_provisions_its_spare_again(
+        tmp_path, models_named):
+    from flexmarl.controller.train.checkpoints import ResumePoint
+
+    first = training_run(tmp_path, *CONTINUOUS)
+    first.parts.episodes.workflow = HeldEpisodes(hold=False)
+    await first.parts.episodes.run()
+    state = first.parts.checkpoints.controller_state(4)
+    assert state["episodes"]["in_flight"] == [] and state["episodes"]["spares_over"] == 0  # the last batch took all
+
+    longer = training_run(tmp_path, *CONTINUOUS, "run.steps=6", resume=ResumePoint(tmp_path, 4, state))
+    longer.parts.episodes.workflow = again = HeldEpisodes(hold=False)
+    await longer.parts.episodes.run()
+    assert sorted(n for n, _ in again.begun) == sorted([f"s{b}q{i}" for b in (5, 6) for i in range(3)] + ["s5p1"])
+    assert all(longer.parts.schedule.rollout_complete(b) for b in (5, 6))
