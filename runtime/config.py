@@ -451,8 +451,9 @@ class PipelineConfig:
     weights; an episode's first turn is admitted while the episodes running and ended fit in the
     batches every trained agent's version may generate for, plus `partial_rollout` spares; a
     sample whose oldest token is then too stale is dropped and counted). "continuous" needs async
-    mode, max_staleness >= 1 and `in_flight` "keep" or "recompute"; not with dynamic sampling nor
-    a resumed run."""
+    mode, max_staleness >= 1 and `in_flight` "keep" or "recompute"; not with dynamic sampling. A
+    checkpoint of a "continuous" run records its episodes in flight and resumes under "continuous"
+    only (a "step" one under either)."""
     partial_rollout: int = 0
     """With `admission = "continuous"`: episodes over-provisioned beyond what the staleness bound
     admits, so an instance is given this many more groups before the version moves; they start

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from flexmarl.runtime import events as ev
@@ -61,6 +62,19 @@ if TYPE_CHECKING:
 # workflow at cluster scale) would hold the loop for a third of a second, every timer and
 # reply waiting behind them. Started a few at a time, they cost nothing in order or seeds.
 EPISODES_PER_TURN = 4
+
+
+@dataclass
+class BegunEpisode:
+    """An episode the producer started that no trained batch has taken yet: what a
+    checkpoint records of it, and what a resume starts again (same name, seed and row)."""
+
+    name: str
+    started: int  # the batch it started as one of
+    kind: str  # "q" regular, "p" a spare (partial rollout)
+    index: int
+    number: int  # its episode number over the run, so its dataset row
+    assigned: int | None = None  # the batch that trains it, once it ended
 
 
 class EpisodeContexts:
@@ -103,6 +117,18 @@ class EpisodeProducer:
         self.schedule = schedule
         self.failed = 0
         self.dynamic = [a for a, c in cfg.agents.items() if c.dynamic_sampling]
+        # The episodes begun and not yet taken by a trained batch, in the order they began
+        # (`in_flight`); the next regular episode to begin, (batch, query); the spares begun.
+        # A resume starts `_redrawn` again first (`redraw`), then goes on from `_next`.
+        self._begun: dict[str, BegunEpisode] = {}
+        self._ended_in: dict[int, list[str]] = {}  # batch -> the begun episodes it trains
+        self._pruned = 0  # the batches up to this one are trained: their episodes left `_begun`
+        self._next: tuple[int, int] | None = None  # None: the first batch, query 0
+        self.spares_begun = 0
+        self._redrawn: list[BegunEpisode] = []
+        # A resume's: the spares begun before its checkpoint, those still over (each batch up
+        # to the checkpoint trained queries_per_step; the last one every spare) and still owed.
+        self._spares_begun_before = self._spares_over = self._spares_owed_before = 0
 
     async def run(self) -> None:
         """Produces every batch; the first batch with too many failed episodes stops it."""
@@ -120,6 +146,7 @@ class EpisodeProducer:
     async def _produce(self) -> None:
         p, seed = self.cfg.pipeline, self.cfg.run.seed
         limit = asyncio.Semaphore(p.max_concurrent_episodes)
+        redrawn = {b.name for b in self._redrawn}
         # The episodes (and top-ups) under way. A finished one leaves at once: a run starts
         # millions, and a finished task keeps its context (and what that reaches) alive. One
         # that ended with an error escaping `one` is kept, to be raised at the end.
@@ -136,18 +163,16 @@ class EpisodeProducer:
             running.add(task)
             task.add_done_callback(finished)
 
-        async def one(batch: int, i: int, extra: bool = False, spare: bool = False) -> None:
+        async def one(begun: BegunEpisode) -> None:
             failure, stopped = "", False
+            batch, name = begun.started, begun.name
             slot, ctx = self.schedule.slot(batch), None
-            kind = "x" if extra else "p" if spare else "q"
-            name = f"s{batch}{kind}{i}"
             try:
-                g = (self.extra_episode_number(batch, i) if extra else self.spare_episode_number(i) if spare
-                     else self.episode_number(batch, i))
-                ctx = self.contexts.make(name, batch, random.Random(f"{seed}-{batch}-{'' if kind == 'q' else kind}{i}"),
-                                         self.store, self.dataset.item(g) if self.dataset else None,
-                                         gate=self.schedule.gate_of(slot, lambda slot: self.emit(
-                                             ev.EpisodeAdmitted(name, slot.started, slot.admitted or 0))))
+                ctx = self.contexts.make(name, batch, random.Random(
+                    f"{seed}-{batch}-{'' if begun.kind == 'q' else begun.kind}{begun.index}"),
+                    self.store, self.dataset.item(begun.number) if self.dataset else None,
+                    gate=self.schedule.gate_of(slot, lambda slot: self.emit(
+                        ev.EpisodeAdmitted(name, slot.started, slot.admitted or 0))))
                 why = await run_episode(self.workflow, ctx, p.episode_timeout_s)
                 if why:
                     self.failed += 1
@@ -162,31 +187,52 @@ class EpisodeProducer:
                 limit.release()
                 if not stopped:
                     if self.schedule.continuous:  # the batch that trains it: named now
-                        started, batch = batch, self.schedule.assign(slot)
-                        self.emit(ev.EpisodeAssigned(name, started, batch))
+                        batch = self.schedule.assign(slot)
+                        self.emit(ev.EpisodeAssigned(name, begun.started, batch))
                         self.store.assign(ctx.opened if ctx is not None else (), batch)
+                    self._ended(begun, batch)
                     self.schedule.episode_ended(batch, failure)
             if failure:
                 self._check_failures(batch)
 
-        async def start(batch: int, i: int, extra: bool = False, spare: bool = False) -> None:
+        async def begin(begun: BegunEpisode) -> None:
             await limit.acquire()
-            spawn(one(batch, i, extra, spare), f"episode-s{batch}{'x' if extra else 'p' if spare else 'q'}{i}")
+            self._begun[begun.name] = begun  # with `_next` and the spares' count, in the same loop turn
+            if begun.name in redrawn:
+                pass
+            elif begun.kind == "q":
+                last = begun.index + 1 == p.queries_per_step
+                self._next = (begun.started + 1, 0) if last else (begun.started, begun.index + 1)
+            elif begun.kind == "p":
+                self.spares_begun += 1
+            spawn(one(begun), f"episode-{begun.name}")
+
+        async def start(batch: int, i: int, extra: bool = False, spare: bool = False) -> None:
+            kind = "x" if extra else "p" if spare else "q"
+            number = (self.extra_episode_number(batch, i) if extra else self.spare_episode_number(i) if spare
+                      else self.episode_number(batch, i))
+            await begin(BegunEpisode(f"s{batch}{kind}{i}", batch, kind, i, number))
             if i % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
                 await asyncio.sleep(0)  # the rest start in later loop turns
 
         try:
-            for batch in range(self.schedule.first_batch, self.schedule.steps + 1):
-                await self.schedule.wait_to_start(batch)
-                self.emit(self.batch_started(batch))
+            for n, begun in enumerate(self._redrawn):  # a resume's episodes in flight at its checkpoint, first
+                await begin(begun)
+                if n % EPISODES_PER_TURN == EPISODES_PER_TURN - 1:
+                    await asyncio.sleep(0)
+            first, query = self._next or (self.schedule.first_batch, 0)
+            for batch in range(first, self.schedule.steps + 1):
+                if batch >= self.schedule.first_batch:  # not a batch a resume's checkpoint trained
+                    await self.schedule.wait_to_start(batch)
+                    self.emit(self.batch_started(batch))
                 if self.dynamic:
                     self.schedule.hold(batch)
                     spawn(self._top_up(batch, start), f"top-up-s{batch}")
-                for i in range(p.queries_per_step):
+                for i in range(query if batch == first else 0, p.queries_per_step):
                     await start(batch, i)
-                if batch == self.schedule.first_batch:  # partial rollout's spares: over-provisioned once
-                    for j in range(self.schedule.spares):
-                        await start(batch, j, spare=True)
+                if batch == first:  # partial rollout's spares: over-provisioned once for the run
+                    await self._start_spares(batch, start)
+            await self._start_spares(min(first, self.schedule.steps), start)  # owed past the end: a resume's
             while running and not failed:  # top-ups add episodes meanwhile
                 await asyncio.gather(*running)
             for task in failed:
@@ -242,6 +288,51 @@ class EpisodeProducer:
         """The first error that stops the run ends `run()`; later ones are dropped."""
         if not self._stop.done():
             self._stop.set_exception(error)
+
+    def _spares_owed(self) -> int:
+        """The spares still to begin: those the schedule counts beyond the ones over at a
+        resume's checkpoint (`_spares_over`), those that checkpoint's run still owed, less
+        those begun since."""
+        return (self.schedule.spares - self._spares_over + self._spares_owed_before
+                - (self.spares_begun - self._spares_begun_before))
+
+    async def _start_spares(self, batch: int, start: Any) -> None:
+        """Begins the spares owed, numbered after every spare begun before."""
+        while self._spares_owed() > 0:
+            await start(batch, self.spares_begun, spare=True)
+
+    def _ended(self, begun: BegunEpisode, batch: int) -> None:
+        """`begun` ended and batch `batch` trains it; the episodes of batches trained since
+        leave the record (one look per ended episode)."""
+        begun.assigned = batch
+        self._ended_in.setdefault(batch, []).append(begun.name)
+        batches = self.schedule.batches
+        while self._pruned + 1 in batches and batches[self._pruned + 1].trained_done.is_set():
+            self._pruned += 1
+            for name in self._ended_in.pop(self._pruned, ()):
+                self._begun.pop(name, None)
+
+    def in_flight(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of `step` records of the episodes: those begun that no batch up
+        to `step` trains (running, or ended and taken by a later batch), in the order they
+        began; the next regular episode to begin, as [batch, query]; the spares begun, and
+        how many episodes beyond queries_per_step a batch are still to train (the spares
+        over). A resume begins exactly those again (`redraw`), and then the rest."""
+        first, query = self._next or (self.schedule.first_batch, 0)
+        over = self.schedule.spares if step < self.schedule.steps else 0  # the last batch trained them
+        return {"next": [first, query], "spares_begun": self.spares_begun, "spares_over": over,
+                "spares_owed": self._spares_owed() if over else 0,
+                "in_flight": [asdict(b) for b in self._begun.values() if b.assigned is None or b.assigned > step]}
+
+    def redraw(self, record: dict[str, Any]) -> None:
+        """A resume from a checkpoint whose `in_flight` record is `record`: its episodes are
+        begun again, with the names, seeds and rows they had, before the episodes after them."""
+        self._redrawn = [BegunEpisode(b["name"], b["started"], b["kind"], b["index"], b["number"])
+                         for b in record["in_flight"]]
+        first, query = record["next"]
+        self._next = (first, query)
+        self.spares_begun = self._spares_begun_before = record["spares_begun"]
+        self._spares_over, self._spares_owed_before = record["spares_over"], record["spares_owed"]
 
     def continue_data(self, batch: int, episode: int) -> None:
         """Batch `batch` starts at episode number `episode` (a resume's saved position)."""

@@ -7,7 +7,11 @@ count no more: the same samples are trained again after the marker. And a resume
 restarts from the checkpoint of step t (`RunResumed`): whatever the crashed
 controller had done for the batches after t (groups opened, outputs received, micro-batches
 formed, steps taken) was undone with it, and those batches are generated and trained
-again, often under the same group keys (they derive from the seed). `lineage(events)` cuts
+again, often under the same group keys (they derive from the seed). Under continuous
+admission a group belongs to the batch its episode's `EpisodeAssigned` names, not the one
+it started in: one trained by a batch up to t stays, however late it started, and one whose
+episode had not ended by the resume is undone (the resumed run begins it again, carried
+over or not). `lineage(events)` cuts
 those undone events out, so exactly-once accounting and `replay --check` judge the run
 that counts: every sample in it trained or dropped once.
 
@@ -58,11 +62,22 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
     lost, taints = _damage(events) if ev.EventsLost in kinds else ({}, {})
     kept: list[ev.Event] = []
     batch_of_group: dict[GroupKey, int] = {}
+    # Continuous admission: a group trains in its episode's batch, named when the episode
+    # ends (`EpisodeAssigned`); one whose episode had not ended at a resume is begun again.
+    continuous, groups_of, batch_of_episode = False, _EpisodeGroups(), {}
     epoch, tainted_from = 0, taints.get(0)
     cut_here = lost.get(0, set())
     for e in events:
+        if isinstance(e, (ev.RunStarted, ev.RunResumed)):
+            continuous = _continuous(e.config_toml)
         if isinstance(e, ev.GroupOpened):
             batch_of_group[e.key] = e.batch
+            if continuous:
+                groups_of.opened(e.key)
+        if isinstance(e, ev.EpisodeAssigned):
+            batch_of_episode[e.episode] = e.batch
+            for key in groups_of.ended(e.episode):
+                batch_of_group[key] = e.batch
         if isinstance(e, ev.EventsLost):
             if e.first_seq in _named(kept):
                 continue  # another record of damage already kept (the reader's and the resume's)
@@ -71,7 +86,13 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
             continue
         if isinstance(e, ev.RunResumed):
             step = e.step
-            kept = [c for x in kept if (c := _cut(x, lambda b: b is None or b <= step, batch_of_group)) is not None]
+            for key in groups_of.running():  # begun again after the resume
+                batch_of_group[key] = step + 1
+            groups_of = _EpisodeGroups()
+            kept = [c for x in kept
+                    if (c := _cut(x, lambda b: b is None or b <= step, batch_of_group, batch_of_episode, step + 1))
+                    is not None]
+            batch_of_episode = {name: b for name, b in batch_of_episode.items() if b <= step}
             # Keys of undone batches may be opened again: forget what they were.
             batch_of_group = {g: b for g, b in batch_of_group.items() if b <= e.step}
             epoch += 1
@@ -180,11 +201,39 @@ def _batches_of(e: ev.Event, batch_of_group: dict[GroupKey, int]) -> list[int]:
     return []
 
 
-def _cut(e: ev.Event, keep: Callable[[int | None], bool], batch_of_group: dict[GroupKey, int]) -> ev.Event | None:
+class _EpisodeGroups:
+    """Continuous admission: the groups of each episode that has not ended yet."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, list[GroupKey]] = {}
+
+    def opened(self, key: GroupKey) -> None:
+        self._of.setdefault(key.episode, []).append(key)
+
+    def ended(self, episode: str) -> list[GroupKey]:
+        return self._of.pop(episode, [])
+
+    def running(self) -> list[GroupKey]:
+        return [key for keys in self._of.values() for key in keys]
+
+
+def _continuous(config_toml: str) -> bool:
+    try:
+        return tomllib.loads(config_toml).get("pipeline", {}).get("admission") == "continuous"
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def _cut(e: ev.Event, keep: Callable[[int | None], bool], batch_of_group: dict[GroupKey, int],
+         batch_of_episode: dict[str, int] | None = None, running: int | None = None) -> ev.Event | None:
     """`e` as far as it concerns batches `keep` keeps; None if nothing of it does (a group
-    of no known batch is asked about as None; a later turn belongs to its group's batch)."""
+    of no known batch is asked about as None; a later turn belongs to its group's batch;
+    under continuous admission a group belongs to its episode's batch, and an episode
+    that had not ended to batch `running`)."""
     if isinstance(e, ev.GroupOpened):
-        return e if keep(e.batch) else None
+        return e if keep(batch_of_group.get(e.key, e.batch)) else None
+    if batch_of_episode is not None and isinstance(e, (ev.EpisodeAdmitted, ev.EpisodeAssigned)):
+        return e if keep(batch_of_episode.get(e.episode, running)) else None
     if isinstance(e, (ev.GroupComplete, ev.GroupServed)):
         return e if keep(batch_of_group.get(e.key)) else None
     if isinstance(e, (ev.BatchStarted, ev.GroupTargets, ev.EpisodesDrawn, ev.TeacherScored)):

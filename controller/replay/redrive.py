@@ -68,26 +68,39 @@ def episode_assignments(log: list) -> list:
     """Continuous admission: the batch that trains each episode, from the order the
     episodes were admitted (with the newest batch each was admitted for) and ended
     (`decisions.assigned_batch`), as `EpisodeAssigned` events (`log` a lineage)."""
-    run = tomllib.loads(run_of(log).config_toml)
-    pipeline = run["pipeline"]
-    quota, last, spares = pipeline["queries_per_step"], run["run"]["steps"], pipeline.get("partial_rollout", 0)
+    quota, last, spares = _admission_settings(run_of(log).config_toml, (0, 0, 0))
+    first = 1  # a resumed run's schedule starts after its checkpoint
     ended: collections.Counter[int] = collections.Counter()
     due: collections.Counter[int] = collections.Counter()
     newest: dict[str, int] = {}
     made = []
     for e in log:
         kind = type(e)
-        if kind is ev.EpisodeAdmitted:
+        if kind is ev.RunResumed:
+            quota, last, spares = _admission_settings(e.config_toml, (quota, last, spares))
+            first = e.step + 1
+        elif kind is ev.EpisodeAdmitted:
             newest[e.episode] = e.newest
             due[e.newest] += 1
         elif kind is ev.EpisodeAssigned:
             admitted = newest.pop(e.episode, None)
             if admitted is not None:
                 due[admitted] -= 1
-            batch = decisions.assigned_batch(ended, +due, 1, last, quota, spares, admitted)
+            batch = decisions.assigned_batch(ended, +due, first, last, quota, spares, admitted)
             ended[batch] += 1
             made.append(ev.EpisodeAssigned(e.episode, e.started, batch))
     return made
+
+
+def _admission_settings(config_toml: str, otherwise: tuple[int, int, int]) -> tuple[int, int, int]:
+    """queries_per_step, run.steps and partial_rollout of a logged config (`otherwise`
+    where it does not say: a config of a test, or none)."""
+    try:
+        run = tomllib.loads(config_toml)
+        pipeline = run["pipeline"]
+        return pipeline["queries_per_step"], run["run"]["steps"], pipeline.get("partial_rollout", 0)
+    except (tomllib.TOMLDecodeError, KeyError):
+        return otherwise
 
 
 def balancer_moves(log: list) -> list:

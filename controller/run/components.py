@@ -348,10 +348,12 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
 def _run_state(cfg: ExperimentConfig, step: int, store: ExperienceStore, instances: RolloutInstances,
                dataset: Dataset | None, episodes: EpisodeProducer, versions: SyncedVersions) -> dict[str, Any]:
     """`controller_state` read off the run's components: the store's samples past the cut,
-    the rollout instances' assignment, the episode numbering, the synced versions."""
+    the rollout instances' assignment, the episode numbering, the synced versions, and
+    under continuous admission the episodes in flight."""
     past = store.samples_past(step)
     return controller_state(cfg, step, instances.assignment, {a: past[a] for a in cfg.agents}, dataset,
-                            episodes.episode_number(step + 1, 0), versions)
+                            episodes.episode_number(step + 1, 0), versions,
+                            episodes.in_flight(step) if cfg.pipeline.admission == "continuous" else None)
 
 
 def _metrics(cfg: ExperimentConfig, resolved: Resolved, given: Given, store: ExperienceStore,

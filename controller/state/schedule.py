@@ -106,10 +106,16 @@ class BatchSchedule:
         self.first_batch = 1  # later after a resume
         self._evaluations: dict[int, asyncio.Event] = {}  # step -> set once its evaluation ran
 
-    def resume_after(self, step: int) -> None:
+    def resume_after(self, step: int, spares_over: int = 0) -> None:
         """A run resumed from the checkpoint of `step`: batches up to it are done, every
         agent's instances hold version `step` (set in `SyncedVersions.resume_at`), and
-        the loops start at batch step + 1."""
+        the loops start at batch step + 1. With continuous admission, `spares_over`
+        episodes over-provisioned before the checkpoint are still over (begun, or begun
+        again, by the producer): the spares count at least those, whatever
+        `partial_rollout` says now (more are begun only if it asks for more)."""
+        if self.continuous and spares_over > self.spares:
+            self.batches[self.steps].episodes_left += spares_over - self.spares
+            self.spares = spares_over
         for t in range(1, step + 1):
             progress = self.batches[t]
             progress.episodes_left, progress.agents_stepped = 0, len(self.agents)

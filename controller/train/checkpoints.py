@@ -23,7 +23,11 @@ stay whole. A checkpoint is checked against its manifest before a resume uses it
 (`resume_point`): one whose files changed since is named and passed over for the newest
 intact one; the trainer and the rollout engine check the files they load again.
 What the store held past the cut (samples of batches after t, in async mode) is not kept:
-a resumed run generates those batches again, from the same per-episode seeds.
+a resumed run generates those batches again, from the same per-episode seeds. Under
+continuous admission an episode is not its starting batch's, so the cut names them
+(`controller_state`'s "episodes"): every episode begun that no batch up to t trains (still
+running, or ended and taken by a later batch), with its dataset row, and where the
+episodes not begun yet start; a resume begins exactly those again, then the rest.
 
 It does not know how agents are trained or placed: it is handed a `call` to reach a
 trainer and a function that gives the controller's state (`controller_state` says what
@@ -38,6 +42,7 @@ import os
 import re
 import shutil
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -244,14 +249,17 @@ def check_writable(run_dir: Path, need_bytes: int = MIN_FREE_BYTES) -> None:
 
 
 def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], store_after_cut: dict[str, int],
-                     dataset: Any, next_episode: int, versions: Any = None) -> dict[str, Any]:
+                     dataset: Any, next_episode: int, versions: Any = None,
+                     episodes: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the controller adds to a checkpoint of `step`: enough to continue the run from
     it and to say where it stood. Episodes draw their randomness from seeds made of
     (run.seed, batch, episode), so the seed and the step are the random state; the
     settings exactness depends on are recorded for the resume to compare.
     `store_after_cut`: samples of later batches the store held per agent (a resumed run
     makes them again); `dataset`: the training data, or None; `next_episode`: the number
-    of the first episode after the cut; `versions`: the synced versions (a snapshot's).
+    of the first episode after the cut; `versions`: the synced versions (a snapshot's);
+    `episodes`: under continuous admission, the producer's `in_flight` record (the episodes
+    no batch up to `step` trains, each given its dataset row here as [epoch, row]).
     Frozen agents are named by their source, never copied (`frozen_sources`)."""
     frozen = frozen_sources(cfg, versions)
     state = {"steps": cfg.run.steps,
@@ -261,12 +269,25 @@ def controller_state(cfg: Any, step: int, assignment: dict[str, list[str]], stor
              "episodes_done": next_episode,
              "rollout_assignment": {a: list(ws) for a, ws in assignment.items()},
              "store_after_cut": dict(store_after_cut),
+             "admission": cfg.pipeline.admission,
              "config_toml": dump_toml(cfg)}
+    if episodes is not None:
+        state["episodes"] = {**episodes, "in_flight": [
+            {**b, "row": _row(dataset, b["number"])}
+            for b in episodes["in_flight"]]}
     state["data"] = {"next_episode": next_episode}
     if dataset is not None and step < cfg.run.steps:  # after the last step the data may be used up
         position = dataset.position(next_episode)
         state["data"].update(epoch=position.epoch, next_row=position.index)
     return state
+
+
+def _row(dataset: Any, number: int) -> list[int] | None:
+    """Episode `number`'s dataset row as [epoch, row index], or None without a dataset."""
+    if dataset is None:
+        return None
+    position = dataset.position(number)
+    return [position.epoch, position.index]
 
 
 def frozen_sources(cfg: Any, versions: Any = None) -> dict[str, dict[str, Any]]:
@@ -306,24 +327,47 @@ def at_checkpoint(message: protocol.LoadModel, resume: ResumePoint | None, unit:
                                    checksums=resume.agent_checksums(first))
 
 
+def saved_admission(resume: ResumePoint) -> str:
+    """The admission the checkpoint's run used ("step" for one written before it was recorded,
+    unless its config says otherwise)."""
+    if "admission" in resume.state:
+        return str(resume.state["admission"])
+    try:
+        return str(tomllib.loads(resume.state.get("config_toml", "")).get("pipeline", {}).get("admission", "step"))
+    except tomllib.TOMLDecodeError:
+        return "step"
+
+
 def resume_counters(resume: ResumePoint, run_dir: Path, schedule: Any, versions: Any) -> None:
     """A resumed run continues after the checkpoint: the metrics rows of later batches are
-    dropped (made again), the schedule starts at the next batch, every agent at its step."""
-    if schedule.continuous:
-        raise ConfigError("pipeline.admission = \"continuous\" cannot resume a run: the episodes carried over "
-                          "past the checkpoint are not in it; resume with admission = \"step\"")
+    dropped (made again), the schedule starts at the next batch, every agent at its step.
+    A checkpoint of a continuous-admission run resumes only under continuous admission
+    (under step admission, each batch trains the episodes it started: those taken early by
+    an earlier batch would train twice) and only with its episodes in flight recorded."""
+    if saved_admission(resume) == "continuous":
+        if "episodes" not in resume.state:
+            raise ConfigError(f"the checkpoint of step {resume.step} was written under pipeline.admission = "
+                              "\"continuous\" without its episodes in flight, so a resume would lose or repeat "
+                              "some; start the run again, or resume from a checkpoint this version wrote")
+        if not schedule.continuous:
+            raise ConfigError(f"the checkpoint of step {resume.step} was written under pipeline.admission = "
+                              "\"continuous\" (its batches train the first episodes to end, not the ones they "
+                              "started): resume it with --set pipeline.admission=continuous")
     truncate_metrics(run_dir / "metrics.jsonl", resume.step)
-    schedule.resume_after(resume.step)
+    schedule.resume_after(resume.step, resume.state.get("episodes", {}).get("spares_over", 0))
     versions.resume_at(resume.step, schedule.agents + list(schedule.snapshots))  # a frozen agent stays at 0
 
 
 def continue_episodes(resume: ResumePoint, cfg: Any, dataset: Any, episodes: Any) -> None:
-    """The episodes continue at the saved data position, whatever the batch size now;
-    settings changed since the checkpoint (accepted) are logged."""
+    """The episodes continue at the saved data position, whatever the batch size now (under
+    continuous admission, after the episodes in flight at the cut, begun again); settings
+    changed since the checkpoint (accepted) are logged."""
     for change in check_resume(resume, exactness_settings(cfg, dataset)):
         log.warning("resuming with a changed setting, as asked: %s", change)
     saved = resume.state.get("data", {}).get("next_episode", resume.step * cfg.pipeline.queries_per_step)
     episodes.continue_data(resume.step + 1, saved)
+    if "episodes" in resume.state:  # continuous admission: those in flight at the cut are begun again
+        episodes.redraw(resume.state["episodes"])
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -1,6 +1,7 @@
 """Checkpoints as consistent cuts: staged, renamed once complete, the last N kept, a failed
 one leaving the previous whole. The trainer's side is a fake that writes a directory."""
 
+import collections
 import json
 import os
 
@@ -298,3 +299,110 @@ def test_a_checkpoint_names_frozen_agents_by_their_source_and_snapshots_by_their
                              "agents.s.snapshot_of='p'", "agents.s.snapshot_every=3"])
     assert frozen_sources(cfg, {"s": 6}) == {"j": {"model": "tiny:checker"},
                                              "s": {"snapshot_of": "p", "every": 3, "version": 6}}
+
+
+CONTINUOUS = ["pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.in_flight=keep",
+              "pipeline.admission=continuous", "pipeline.partial_rollout=1", "pipeline.max_concurrent_episodes=6",
+              "run.steps=4"]
+
+
+class HeldEpisodes:
+    """A workflow whose episodes end when the test says (the name of each begun, and its
+    row, recorded in the order they begin)."""
+
+    def __init__(self, hold=True):
+        import asyncio
+
+        self.hold = hold
+        self.begun = []  # (episode, row index)
+        self.release = collections.defaultdict(asyncio.Event)
+
+    async def __call__(self, ctx):
+        self.begun.append((ctx.episode_id, ctx.item.index))
+        if self.hold:
+            await self.release[ctx.episode_id].wait()
+
+
+async def settle():
+    import asyncio
+
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_a_continuous_checkpoint_records_its_episodes_in_flight_and_a_resume_begins_exactly_those_again(
+        tmp_path, models_named):
+    import asyncio
+
+    from flexmarl.controller.train.checkpoints import ResumePoint
+
+    first = training_run(tmp_path, *CONTINUOUS)
+    episodes, schedule = first.parts.episodes, first.parts.schedule
+    episodes.workflow = held = HeldEpisodes()
+    producing = asyncio.ensure_future(episodes.run())
+    await settle()
+    assert [name for name, _ in held.begun] == ["s1q0", "s1q1", "s1q2", "s1p0", "s2q0", "s2q1"]
+    for name in ("s1q0", "s2q0", "s1p0"):  # the first three to end fill batch 1; s1q1 and s1q2 carry over
+        held.release[name].set()
+        await settle()
+    schedule.agent_stepped(1)  # batch 1 trained (the one agent stepped and synced)
+    held.release["s1q1"].set()  # ends after: batch 2 takes it
+    await settle()
+    state = first.parts.checkpoints.controller_state(1)
+    producing.cancel()
+    await asyncio.gather(producing, return_exceptions=True)
+
+    dataset = first.parts.resolved.dataset
+    trained = {"s1q0", "s2q0", "s1p0"}
+    begun = [name for name, _ in held.begun]
+    record = state["episodes"]
+    assert state["admission"] == "continuous"
+    assert [b["name"] for b in record["in_flight"]] == [n for n in begun if n not in trained]
+    assert {b["name"]: b["assigned"] for b in record["in_flight"]}["s1q1"] == 2
+    assert all(b["assigned"] is None for b in record["in_flight"] if b["name"] != "s1q1")
+    for b in record["in_flight"]:  # each by its dataset row
+        assert b["row"] == [dataset.position(b["number"]).epoch, dataset.item(b["number"]).index]
+    assert begun[-1] == "s3q2" and record["next"] == [4, 0] and record["spares_begun"] == 1
+
+    resumed = training_run(tmp_path, *CONTINUOUS, resume=ResumePoint(tmp_path, 1, state))
+    resumed.parts.episodes.workflow = again = HeldEpisodes(hold=False)
+    await resumed.parts.episodes.run()  # every episode ends at once: each batch's count is met
+    assert [n for n, _ in again.begun][:len(record["in_flight"])] == [b["name"] for b in record["in_flight"]]
+    rows_before = dict(held.begun)
+    assert all(rows_before[n] == row for n, row in again.begun if n in rows_before)  # the same rows, redrawn
+    everything = [n for n in begun if n in trained] + [n for n, _ in again.begun]
+    assert sorted(everything) == sorted([f"s{b}q{i}" for b in range(1, 5) for i in range(3)] + ["s1p0"])
+    assert all(resumed.parts.schedule.rollout_complete(b) for b in range(2, 5))  # the last took the spare's place
+
+
+def test_a_continuous_checkpoint_resumed_under_step_admission_is_refused_naming_the_fix(tmp_path, models_named):
+    from flexmarl.controller.train.checkpoints import ResumePoint
+    from flexmarl.runtime.config import ConfigError
+
+    state = training_run(tmp_path, *CONTINUOUS).parts.checkpoints.controller_state(1)
+    with pytest.raises(ConfigError, match=r"resume it with --set pipeline.admission=continuous"):
+        training_run(tmp_path, *[o for o in CONTINUOUS if "admission" not in o and "partial" not in o],
+                     resume=ResumePoint(tmp_path, 1, state))
+    del state["episodes"]  # written before the episodes in flight were recorded
+    with pytest.raises(ConfigError, match=r"without its episodes in flight"):
+        training_run(tmp_path, *CONTINUOUS, resume=ResumePoint(tmp_path, 1, state))
+    step = training_run(tmp_path).parts.checkpoints.controller_state(1)  # a step checkpoint: continues either way
+    assert "episodes" not in step
+    assert training_run(tmp_path, *CONTINUOUS, resume=ResumePoint(tmp_path, 1, step)).parts.schedule.first_batch == 2
+
+
+async def test_a_continuous_runs_final_checkpoint_resumed_for_more_steps_over_provisions_its_spare_again(
+        tmp_path, models_named):
+    from flexmarl.controller.train.checkpoints import ResumePoint
+
+    first = training_run(tmp_path, *CONTINUOUS)
+    first.parts.episodes.workflow = HeldEpisodes(hold=False)
+    await first.parts.episodes.run()
+    state = first.parts.checkpoints.controller_state(4)
+    assert state["episodes"]["in_flight"] == [] and state["episodes"]["spares_over"] == 0  # the last batch took all
+
+    longer = training_run(tmp_path, *CONTINUOUS, "run.steps=6", resume=ResumePoint(tmp_path, 4, state))
+    longer.parts.episodes.workflow = again = HeldEpisodes(hold=False)
+    await longer.parts.episodes.run()
+    assert sorted(n for n, _ in again.begun) == sorted([f"s{b}q{i}" for b in (5, 6) for i in range(3)] + ["s5p1"])
+    assert all(longer.parts.schedule.rollout_complete(b) for b in (5, 6))

