@@ -87,7 +87,8 @@ def test_the_controllers_own_view_of_a_live_run_gains_a_step_while_the_page_watc
                            f"+document.querySelector('#step').textContent.match(/step (\\d+)/)[1] > {first}",
                            timeout=SETUP_S * 1000)
     assert shown_step(page) > first
-    assert page.evaluate("window.flexmarlView.trainRows") > 0  # the curves got the step's rows
+    # the step's header and the curves' rows come by separate requests: wait for the rows
+    page.wait_for_function("window.flexmarlView.trainRows > 0", timeout=60_000)
     shot(page, root, "live-agents")
     page.goto(url + "#cluster")
     page.wait_for_function("window.flexmarlView.timeline && window.flexmarlView.timeline.workers.length >= 4",
