@@ -22,8 +22,9 @@ import long_tail  # noqa: E402
 from killed_runs import set_up  # noqa: E402
 
 
-def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_and_replays(tmp_path):
-    args = argparse.Namespace(steps=5, seed=0, chain=False, queries=4, group_size=4, max_tokens=96)
+def keep_run(tmp_path, **job):
+    """The long-tail job under in_flight = keep at K = 1, trained in this process; its summary."""
+    args = argparse.Namespace(seed=0, chain=False, queries=4, group_size=4, max_tokens=96, **job)
     (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
     cfg = load_config(str(tmp_path / "job.toml"))
 
@@ -31,7 +32,11 @@ def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_an
         async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
             return await exp.train()
 
-    summary = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_and_replays(tmp_path):
+    summary = keep_run(tmp_path, steps=5)
     assert summary.episodes_failed == 0
     events, problem = read_events(tmp_path / "run" / "events.log")
     assert problem is None
@@ -46,15 +51,7 @@ def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_an
 
 
 def test_an_adapter_agents_keep_run_moves_its_requests_to_each_new_version_and_replays(tmp_path):
-    args = argparse.Namespace(steps=4, seed=0, chain=False, adapter=True, queries=4, group_size=4, max_tokens=96)
-    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
-    cfg = load_config(str(tmp_path / "job.toml"))
-
-    async def main():
-        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
-            return await exp.train()
-
-    summary = asyncio.run(main())
+    summary = keep_run(tmp_path, steps=4, adapter=True)
     assert summary.episodes_failed == 0 and len(summary.rewards["writer"]) == 4
     events, problem = read_events(tmp_path / "run" / "events.log")
     assert problem is None
