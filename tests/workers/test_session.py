@@ -42,11 +42,11 @@ class Loop(CommandHandler):
 
 
 @contextlib.asynccontextmanager
-async def session_with(handler, interval=0.05, timeout=0.5, cfg=CFG):
+async def session_with(handler, interval=0.05, timeout=0.5, cfg=CFG, watch_loop=True):
     """A session registered with a bare ROUTER; yields (router, identity, session task)."""
     router = RouterSocket(cfg)
     router.bind()
-    session = WorkerSession(cfg, router.address, handler, worker_id="w")
+    session = WorkerSession(cfg, router.address, handler, worker_id="w", watch_loop=watch_loop)
     handler.test_session = session
     task = asyncio.create_task(session.run())
     try:
@@ -74,18 +74,15 @@ async def test_heartbeats_follow_the_interval_and_timeout_welcome_gives():
         assert await asyncio.wait_for(task, 10) == 3
 
 
-async def test_shutdown_ends_the_session_with_exit_code_0_and_closes_the_handler():
+@pytest.mark.parametrize(("ending", "code"), [(p.Shutdown("done"), 0), (p.Reject("replaced"), 2)],
+                         ids=["shutdown-exits-0", "reject-exits-2"])
+async def test_shutdown_or_reject_after_registration_ends_the_session_with_its_exit_code_and_closes_the_handler(
+        ending, code):
     handler = Loop()
     async with session_with(handler) as (router, identity, task):
-        await router.send(identity, p.Shutdown("done"))
-        assert await asyncio.wait_for(task, 5) == 0
+        await router.send(identity, ending)
+        assert await asyncio.wait_for(task, 5) == code
     assert handler.closed
-
-
-async def test_reject_after_registration_ends_the_session_with_exit_code_2():
-    async with session_with(Loop()) as (router, identity, task):
-        await router.send(identity, p.Reject("replaced"))
-        assert await asyncio.wait_for(task, 5) == 2
 
 
 async def test_a_failing_handler_loop_ends_the_session_with_a_bye_naming_it():
@@ -152,6 +149,19 @@ async def next_of_with_identity(router, kind):
             return inbound
 
 
+@contextlib.asynccontextmanager
+async def controller_back(router):
+    """The controller goes (its socket closed) and a new bare one binds its address; yields
+    (the new ROUTER, the worker's HELLO to it: the old connection's heartbeats may come first)."""
+    address = router.address
+    router.close()
+    again = await bind_again(address)
+    try:
+        yield again, await next_of_with_identity(again, p.Hello)
+    finally:
+        again.close()
+
+
 async def test_a_controller_that_no_longer_knows_the_connection_is_registered_with_again():
     # A controller restarted (or that declared the worker dead) answers it with REJECT.
     async with session_with(Loop(), cfg=RECONNECTING) as (router, identity, task):
@@ -167,11 +177,8 @@ async def test_a_worker_registers_again_with_a_fresh_handler_when_its_controller
     first_handler = Loop()
     async with session_with(first_handler, cfg=RECONNECTING) as (router, _, task):
         session = first_handler.test_session
-        address = router.address
-        router.close()  # the controller is gone: the worker hears nothing more
-        again = await bind_again(address)
-        try:
-            hello = await next_of_with_identity(again, p.Hello)  # the old connection's heartbeats may come first
+        # the controller is gone: the worker hears nothing more, until one binds its address again
+        async with controller_back(router) as (again, hello):
             assert hello.msg.worker_id == "w"
             await again.send(hello.identity, p.Welcome(p.PROTOCOL_VERSION, 0.05, 0.5))
             await again.send(hello.identity, p.Echo(9, b"back"))
@@ -181,21 +188,13 @@ async def test_a_worker_registers_again_with_a_fresh_handler_when_its_controller
             # its engines or training states were dropped: the controller commands it afresh
             assert first_handler.closed and session.handler is not first_handler
             assert isinstance(session.handler, Loop) and session.handler.session is session
-        finally:
-            again.close()
 
 
 async def test_a_worker_refused_when_it_registers_again_exits_at_once_with_code_2():
     async with session_with(Loop(), cfg=RECONNECTING) as (router, _, task):
-        address = router.address
-        router.close()
-        again = await bind_again(address)
-        try:
-            hello = await next_of_with_identity(again, p.Hello)
+        async with controller_back(router) as (again, hello):
             await again.send(hello.identity, p.Reject("worker id 'w' is already registered"))
             assert await asyncio.wait_for(task, 20) == 2
-        finally:
-            again.close()
 
 
 async def test_a_controller_that_does_not_come_back_ends_the_session_with_code_3_after_backing_off(
@@ -258,36 +257,41 @@ async def test_a_session_watches_its_loop_unless_its_process_watches_it_for_all_
         await router.send(identity, p.Echo(1, b"x"))
         await next_of(router, p.EchoReply)
         assert watchers() == before + 1  # its own watch: a thread (and a ticker task)
-    router = RouterSocket(CFG)
-    router.bind()
-    unwatched = WorkerSession(CFG, router.address, Loop(), worker_id="many", watch_loop=False)
-    task = asyncio.create_task(unwatched.run())
-    try:
-        hello = await asyncio.wait_for(router.recv(), 5)
-        await router.send(hello.identity, p.Welcome(p.PROTOCOL_VERSION, 0.05, 0.5))
-        await router.send(hello.identity, p.Echo(2, b"y"))
+    async with session_with(Loop(), watch_loop=False) as (router, identity, task):
+        await router.send(identity, p.Echo(2, b"y"))
         await next_of(router, p.EchoReply)  # it serves as the watched one does
         assert watchers() <= before and not any(t.get_name() == "stall-watch" for t in asyncio.all_tasks())
+
+
+# --------------------------------------------------------------- a worker's socket itself
+
+
+@contextlib.contextmanager
+def dealer_to(address, queue=None):
+    """A bare ROUTER bound on `address` and a worker's DEALER connected to it (each queue
+    `queue` messages long, if given); yields (router, dealer) and closes both."""
+    from flexmarl.runtime.transport import DealerSocket
+
+    cfg = TransportConfig(address=address, heartbeat_timeout_s=10.0)
+    router = RouterSocket(cfg)
+    dealer = DealerSocket(cfg, b"d")
+    if queue is not None:
+        router.sock.setsockopt(zmq.RCVHWM, queue)
+        dealer.sock.setsockopt(zmq.SNDHWM, queue)
+    try:
+        router.bind()
+        dealer.connect(router.address)
+        yield router, dealer
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        dealer.close()
         router.close()
 
 
 async def test_sends_that_find_the_controllers_queue_full_wait_and_no_later_send_passes_them():
     import time
 
-    from flexmarl.runtime.transport import DealerSocket
-
-    cfg = TransportConfig(address="inproc://full-queue", heartbeat_timeout_s=10.0)
-    router = RouterSocket(cfg)
-    router.sock.setsockopt(zmq.RCVHWM, 1)
-    router.bind()
-    dealer = DealerSocket(cfg, b"d")
-    dealer.sock.setsockopt(zmq.SNDHWM, 1)
-    dealer.connect(router.address)
-    sent, parked = [], None
-    try:
+    with dealer_to("inproc://full-queue", queue=1) as (router, dealer):
+        sent, parked = [], None
         for i in range(100):  # fill the queue until a send has to wait
             task = asyncio.ensure_future(dealer.send(p.Heartbeat(i)))
             await asyncio.sleep(0)
@@ -308,22 +312,12 @@ async def test_sends_that_find_the_controllers_queue_full_wait_and_no_later_send
         while len(got) < 2:
             got.append((await asyncio.wait_for(router.recv(), 5)).msg.seq)
         assert got == [sent[-1], 1000]
-    finally:
-        dealer.close()
-        router.close()
 
 
 async def test_a_receive_waiting_wakes_for_a_message_whose_signal_a_send_took():
     import time
 
-    from flexmarl.runtime.transport import DealerSocket
-
-    cfg = TransportConfig(address="inproc://wake", heartbeat_timeout_s=10.0)
-    router = RouterSocket(cfg)
-    router.bind()
-    dealer = DealerSocket(cfg, b"d")
-    dealer.connect(router.address)
-    try:
+    with dealer_to("inproc://wake") as (router, dealer):
         await dealer.send(p.Heartbeat(1))
         identity = (await asyncio.wait_for(router.recv(), 5)).identity
         receiving = asyncio.ensure_future(dealer.recv())
@@ -333,25 +327,13 @@ async def test_a_receive_waiting_wakes_for_a_message_whose_signal_a_send_took():
         time.sleep(0.05)  # the message is there, its signal raised, the loop not turning
         await dealer.send(p.Heartbeat(3))  # a send goes at once, reading the socket's events
         assert (await asyncio.wait_for(receiving, 5)).msg.seq == 2
-    finally:
-        dealer.close()
-        router.close()
 
 
 async def test_closing_a_socket_a_receive_waits_on_ends_that_receive():
-    from flexmarl.runtime.transport import DealerSocket
-
-    cfg = TransportConfig(address="inproc://closing", heartbeat_timeout_s=10.0)
-    router = RouterSocket(cfg)
-    router.bind()
-    dealer = DealerSocket(cfg, b"d")
-    dealer.connect(router.address)
-    try:
+    with dealer_to("inproc://closing") as (_, dealer):
         receiving = asyncio.ensure_future(dealer.recv())
         await asyncio.sleep(0.05)
         assert not receiving.done()
         dealer.close()  # its descriptor leaves the loop; the receive does not wait forever
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(receiving, 5)
-    finally:
-        router.close()
