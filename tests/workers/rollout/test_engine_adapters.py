@@ -11,6 +11,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from lora_base import LORA, VOCAB, adapter  # noqa: E402
 
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.keys import GroupKey  # noqa: E402
@@ -19,8 +20,6 @@ from flexmarl.workers.rollout.engine_adapters import AdapterSlotsFull  # noqa: E
 
 pytestmark = pytest.mark.slow
 
-LORA = p.LoraSettings(rank=8, alpha=16.0)
-VOCAB = 64
 # vLLM's CPU backend caches prefixes in blocks of 128 tokens: a prompt must pass one.
 LONG = 160
 
@@ -29,34 +28,6 @@ LONG = 160
 def K(call):
     """A group's key, named by its call."""
     return GroupKey("e", "agent", call)
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         use_sliding_window=False, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
-    out = tmp_path_factory.mktemp("base")
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out
-
-
-def adapter_tensors(base_dir, seed):
-    """A random adapter (B not zero, so it changes the model) under PEFT's file names."""
-    from peft import get_peft_model, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    from flexmarl.workers.adapters import lora_config
-
-    torch.manual_seed(seed)
-    config = lora_config(LORA, str(base_dir))
-    config.init_lora_weights = False
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), config)
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-
 
 def engine(base_dir, slots):
     settings = p.EngineSettings(max_loras=slots, max_lora_rank=8, max_cpu_loras=slots)
@@ -76,7 +47,7 @@ def drain(e):
 
 @pytest.fixture(scope="module")
 def adapters(base_dir):
-    return {"a0": adapter_tensors(base_dir, 1), "a1": adapter_tensors(base_dir, 2), "b0": adapter_tensors(base_dir, 3)}
+    return {"a0": adapter(base_dir, 1)[1], "a1": adapter(base_dir, 2)[1], "b0": adapter(base_dir, 3)[1]}
 
 
 @pytest.fixture(scope="module")

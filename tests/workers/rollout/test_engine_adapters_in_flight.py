@@ -11,42 +11,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from lora_base import LORA, VOCAB, adapter  # noqa: E402
 
 from flexmarl.runtime import protocol as p  # noqa: E402
 
-LORA = p.LoraSettings(rank=8, alpha=16.0)
-VOCAB = 64
 MAX_TOKENS, BEFORE, N = 16, 5, 3  # tokens per sample, engine steps before the load, samples per request
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         use_sliding_window=False, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
-    out = tmp_path_factory.mktemp("base")
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out
-
-
-def adapter(base_dir, seed):
-    """A random adapter (B not zero, so it changes the model): the PEFT model and its
-    tensors under PEFT's file names."""
-    from peft import get_peft_model, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    from flexmarl.workers.adapters import lora_config
-
-    torch.manual_seed(seed)
-    config = lora_config(LORA, str(base_dir))
-    config.init_lora_weights = False
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), config).eval()
-    return model, {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
 @pytest.fixture(scope="module")
