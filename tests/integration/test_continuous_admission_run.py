@@ -3,34 +3,21 @@
 torch, on the long-tail bench's job. Batches fill by the order episodes end; the slowest
 carry over into a later batch and are trained there, once; replay re-drives the batches."""
 
-import argparse
-import asyncio
 import collections
-import sys
 
 import msgspec
-from pathlib import Path
+from killed_runs import run_training
+from long_tail_jobs import write_job
 
-from flexmarl.controller import Experiment, replay
+from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "system"))
-import long_tail  # noqa: E402
-
 
 def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once_and_replays(tmp_path):
-    args = argparse.Namespace(steps=4, seed=0, chain=False, queries=4, group_size=4, max_tokens=96,
-                              partial_rollout=1)
-    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1, "continuous"))
-    cfg = load_config(str(tmp_path / "job.toml"))
-
-    async def main():
-        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
-            return await exp.train()
-
-    summary = asyncio.run(main())
+    job = write_job(tmp_path, steps=4, seed=0, max_tokens=96, admission="continuous", partial_rollout=1)
+    summary, _ = run_training(load_config(str(job)), tmp_path / "run")
     assert summary.episodes_failed == 0
     events, problem = read_events(tmp_path / "run" / "events.log")
     assert problem is None

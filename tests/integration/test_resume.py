@@ -1,14 +1,10 @@
 """A controller killed mid-run, resumed from its checkpoint: real processes, real SIGKILL."""
 
 import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
-from killed_runs import kill_workers_of, trained_into
+from killed_runs import finish, flexmarl_run, kill_past_checkpoint
 from safetensors.torch import load_file
 
 from flexmarl.controller import replay
@@ -22,39 +18,17 @@ RUN = ["--steps", "6", "--seed", "5", "--mode", "async", "--max-staleness", "0",
        "--set", "pipeline.queries_per_step=4", "--set", "run.checkpoint_every=2"]
 
 
-def flexmarl(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    return subprocess.Popen([sys.executable, "-m", "flexmarl.controller.cli", "run", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc, timeout=600):
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
 def rewards(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {(r["step"], r["agent"]): r["reward_mean"] for r in rows if "kind" not in r}
 
+
 def test_a_controller_killed_mid_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    finish(flexmarl(*RUN, "--out", str(whole)))
+    finish(flexmarl_run(*RUN, "--out", str(whole)), 600)
 
-    proc = flexmarl(*RUN, "--out", str(broken))
-    checkpoint = broken / "checkpoints" / "step-000002" / "controller.json"
-    deadline = time.monotonic() + 600
-    while not (checkpoint.exists() and trained_into(broken, 3)):  # mid-batch 3, past the checkpoint
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint of step 2 appeared"
-        time.sleep(0.02)
-    proc.kill()  # SIGKILL: no shutdown, no final flush
-    proc.communicate()
-    kill_workers_of(broken)
-    assert not (broken / "checkpoints" / "final").exists(), "the run finished before it was killed"
-
-    out = finish(flexmarl("--resume", str(broken)))
+    kill_past_checkpoint(flexmarl_run(*RUN, "--out", str(broken)), broken, 600)  # mid-batch 3
+    out = finish(flexmarl_run("--resume", str(broken)), 600)
     assert "resuming" in out
 
     for agent in AGENTS:  # K = 0: the same samples at every step, so the same updates

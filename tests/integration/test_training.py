@@ -8,8 +8,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import signal
 from pathlib import Path
 
 import msgspec
@@ -17,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexmarl.controller import Experiment, replay
+from flexmarl.controller import replay
 from flexmarl.controller.run.model_resolution import resolve_model
 from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import HEADER_BYTES, encode_frame, read_events
-from killed_runs import set_up
+from killed_runs import kill_worker, run_training, set_up
 
 pytestmark = pytest.mark.slow
 
@@ -33,21 +31,6 @@ AGENTS = ("planner", "solver", "checker")
 def small_config(*overrides):
     return load_config(None, ["run.steps=3", "pipeline.queries_per_step=4", "run.progress=false",
                               *overrides], defaults=default_config())
-
-
-def run_training(cfg, run_dir, during=None, out=None):
-    """(summary, worker pids); `out`, a dict, also receives the TrainingRun as "training"."""
-    async def main():
-        async with Experiment(cfg, run_dir=run_dir) as exp:
-            train = asyncio.create_task(exp.train())
-            if during is not None:
-                await during(exp, train)
-            summary = await train
-            if out is not None:
-                out["training"] = exp.training
-            return summary, exp.local.pids()
-
-    return asyncio.run(main())
 
 
 def weights(path):
@@ -244,9 +227,7 @@ def test_a_killed_rollout_worker_loses_nothing(tmp_path):
     async def kill_a_solver_instance(exp, train):
         await set_up(exp, train)
         await asyncio.sleep(1.0)
-        victim = exp.training.parts.instances.assignment["solver"][-1]
-        pid = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
-        os.kill(pid, signal.SIGKILL)
+        kill_worker(exp, exp.training.parts.instances.assignment["solver"][-1])
 
     summary, _ = run_training(cfg, tmp_path, during=kill_a_solver_instance)
     events, problem = read_events(tmp_path / "events.log")
