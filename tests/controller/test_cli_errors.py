@@ -37,26 +37,23 @@ def run(tmp_path, capsys, *extra, job=JOB, flow="async def episode(ctx):\n    pa
     return [line for line in err.splitlines() if line.startswith("flexmarl:")], err
 
 
-def test_a_missing_workflow_file_is_one_line_naming_it(tmp_path, capsys):
-    lines, err = run(tmp_path, capsys, job=JOB.replace("flow.py:", "flwo.py:"))
-    assert lines == [f"flexmarl: run.workflow = '{tmp_path}/flwo.py:episode': no file {tmp_path}/flwo.py"]
+@pytest.mark.parametrize(("typo", "line"), [
+    (("flow.py:", "flwo.py:"), "flexmarl: run.workflow = 'TMP/flwo.py:episode': no file TMP/flwo.py"),
+    (('"train.jsonl"', '"trian.jsonl"'), "flexmarl: data.train: dataset 'TMP/trian.jsonl' does not exist"),
+], ids=["workflow-file", "data-file"])
+def test_a_missing_file_of_the_job_is_one_line_naming_the_key_and_the_file(tmp_path, capsys, typo, line):
+    lines, err = run(tmp_path, capsys, job=JOB.replace(*typo))
+    assert lines == [line.replace("TMP", str(tmp_path))]
     assert "Traceback" not in err
 
 
-def test_a_missing_workflow_function_names_the_file_and_what_it_defines(tmp_path, capsys):
-    lines, _ = run(tmp_path, capsys, flow="async def episdoe(ctx):\n    pass\n")
-    assert len(lines) == 1 and f"{tmp_path}/flow.py has no 'episode' (its async functions: episdoe)" in lines[0]
-
-
-def test_a_workflow_file_that_raises_on_import_names_its_line(tmp_path, capsys):
-    lines, _ = run(tmp_path, capsys, flow="import json\nCONFIG = json.loads('{')\n")
-    assert len(lines) == 1 and f"(at {tmp_path}/flow.py:2 in <module>)" in lines[0]
-
-
-def test_a_missing_data_file_is_one_line_naming_the_key_and_the_file(tmp_path, capsys):
-    lines, err = run(tmp_path, capsys, job=JOB.replace('"train.jsonl"', '"trian.jsonl"'))
-    assert lines == [f"flexmarl: data.train: dataset '{tmp_path}/trian.jsonl' does not exist"]
-    assert "Traceback" not in err
+@pytest.mark.parametrize(("flow", "named"), [
+    ("async def episdoe(ctx):\n    pass\n", "TMP/flow.py has no 'episode' (its async functions: episdoe)"),
+    ("import json\nCONFIG = json.loads('{')\n", "(at TMP/flow.py:2 in <module>)"),
+], ids=["missing-function-names-what-it-defines", "raising-on-import-names-its-line"])
+def test_a_workflow_file_that_does_not_give_the_workflow_is_one_line_naming_the_file(tmp_path, capsys, flow, named):
+    lines, _ = run(tmp_path, capsys, flow=flow)
+    assert len(lines) == 1 and named.replace("TMP", str(tmp_path)) in lines[0]
 
 
 def test_a_malformed_jsonl_names_the_row_and_the_reason(tmp_path, capsys):
