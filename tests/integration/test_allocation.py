@@ -5,9 +5,10 @@ import asyncio
 
 import pytest
 import torch
+from killed_runs import kill_worker, run_training
 from safetensors.torch import load_file
 
-from flexmarl.controller import Experiment, replay
+from flexmarl.controller import replay
 from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
@@ -21,13 +22,9 @@ AGENTS = ("planner", "solver", "checker")
 def run(run_dir, *overrides):
     cfg = load_config(None, ["run.steps=3", "pipeline.queries_per_step=4", "run.progress=false",
                              "pipeline.mode='sync'", *overrides], defaults=default_config())
-
-    async def main():
-        async with Experiment(cfg, run_dir=run_dir) as exp:
-            summary = await exp.train()
-            return summary, exp.training.parts.allocator.swaps
-
-    return asyncio.run(main())
+    out = {}
+    summary, _ = run_training(cfg, run_dir, out=out)
+    return summary, out["training"].parts.allocator.swaps
 
 
 def test_three_agents_swapping_on_one_trainer_match_three_dedicated_trainers(tmp_path):
@@ -74,7 +71,6 @@ def test_a_trainer_killed_mid_batch_is_restarted_its_agents_restored_and_every_s
     what was trained since is trained again, and the run ends with the weights of a run
     never interrupted (sync mode: the same samples), each sample counted once."""
     import os
-    import signal
 
     shared = ["run.steps=5", "pipeline.queries_per_step=4", "run.progress=false", "pipeline.mode='sync'",
               "cluster.trainer_workers=2", "run.checkpoint_every=2", "transport.heartbeat_timeout_s=3.0",
@@ -83,21 +79,17 @@ def test_a_trainer_killed_mid_batch_is_restarted_its_agents_restored_and_every_s
     cfg = load_config(None, shared, defaults=default_config())
     killed = {}
 
-    async def main():
-        async with Experiment(cfg, run_dir=tmp_path / "killed") as exp:
-            train = asyncio.create_task(exp.train())
-            victim = "trainer-1"
-            # Mid-global-batch 4 (past the checkpoint of step 2): trainer-1 has trained a
-            # micro-batch of it, and not yet stepped; batch 3 is redone as well.
-            while not trained_on(tmp_path / "killed", victim, 4):
-                await asyncio.sleep(0.05)
-                assert not train.done(), train.exception()
-            killed["agents"] = sorted(a for a, t in exp.training.parts.allocator.resident.items() if t == victim)
-            killed["pid"] = next(wp.proc.pid for wp in exp.local.procs if wp.worker_id == victim)
-            os.kill(killed["pid"], signal.SIGKILL)
-            return await train
+    async def kill_trainer_1_mid_batch_4(exp, train):
+        victim = "trainer-1"
+        # Mid-global-batch 4 (past the checkpoint of step 2): trainer-1 has trained a
+        # micro-batch of it, and not yet stepped; batch 3 is redone as well.
+        while not trained_on(tmp_path / "killed", victim, 4):
+            await asyncio.sleep(0.05)
+            assert not train.done(), train.exception()
+        killed["agents"] = sorted(a for a, t in exp.training.parts.allocator.resident.items() if t == victim)
+        killed["pid"] = kill_worker(exp, victim)
 
-    summary = asyncio.run(main())
+    summary, _ = run_training(cfg, tmp_path / "killed", during=kill_trainer_1_mid_batch_4)
     assert summary.steps == 5 and killed["agents"]
     # The killed trainer could not unlink its shared-memory segments; the launcher did.
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"flexmarl-param-{killed['pid']}-")]
@@ -113,14 +105,7 @@ def test_a_trainer_killed_mid_batch_is_restarted_its_agents_restored_and_every_s
     steps = [(e.agent, e.version) for e in replay.lineage(events) if isinstance(e, ev.OptimizerStep)]
     assert sorted(steps) == sorted((a, v) for a in AGENTS for v in range(1, 6))
 
-    whole = load_config(None, shared, defaults=default_config())
-    run_whole = Experiment(whole, run_dir=tmp_path / "whole")
-
-    async def uninterrupted():
-        async with run_whole as exp:
-            return await exp.train()
-
-    asyncio.run(uninterrupted())
+    run_training(load_config(None, shared, defaults=default_config()), tmp_path / "whole")  # never interrupted
     for agent in AGENTS:
         a = load_file(str(tmp_path / "whole" / "checkpoints" / "final" / agent / "model.safetensors"))
         b = load_file(str(tmp_path / "killed" / "checkpoints" / "final" / agent / "model.safetensors"))

@@ -20,7 +20,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.config import TransportConfig, load_config
 from flexmarl.runtime.eventlog import read_events
-from killed_runs import set_up
+from killed_runs import kill_worker, set_up
 
 AGENTS = ("planner", "solver", "checker")
 STEPS = 3
@@ -41,9 +41,7 @@ def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_b
         victim = instances.assignment["solver"][0]
         while instances.outstanding[victim] <= 0:  # requests in flight on it: mid-run
             await asyncio.sleep(0.005)
-        wp = next(wp for wp in exp.local.procs if wp.worker_id == victim)
-        killed.update(worker=victim, pid=wp.proc.pid)
-        os.kill(wp.proc.pid, signal.SIGKILL)  # exactly that process, which the launcher started
+        killed.update(worker=victim, pid=kill_worker(exp, victim))  # exactly the process the launcher started
 
     async def main():
         async with Experiment(cfg, run_dir=tmp_path) as exp:
