@@ -60,11 +60,16 @@ async def session_with(handler, interval=0.05, timeout=0.5, cfg=CFG, watch_loop=
         router.close()
 
 
-async def next_of(router, kind):
+async def next_inbound(router, kind, timeout=5):
+    """The next message of `kind` to `router`, with its sender's identity (others passed over)."""
     while True:
-        inbound = await asyncio.wait_for(router.recv(), 5)
+        inbound = await asyncio.wait_for(router.recv(), timeout)
         if isinstance(inbound.msg, kind):
-            return inbound.msg
+            return inbound
+
+
+async def next_of(router, kind):
+    return (await next_inbound(router, kind)).msg
 
 
 async def test_heartbeats_follow_the_interval_and_timeout_welcome_gives():
@@ -142,13 +147,6 @@ async def bind_again(address):
     router.bind()
 
 
-async def next_of_with_identity(router, kind):
-    while True:
-        inbound = await asyncio.wait_for(router.recv(), 20)
-        if isinstance(inbound.msg, kind):
-            return inbound
-
-
 @contextlib.asynccontextmanager
 async def controller_back(router):
     """The controller goes (its socket closed) and a new bare one binds its address; yields
@@ -157,7 +155,7 @@ async def controller_back(router):
     router.close()
     again = await bind_again(address)
     try:
-        yield again, await next_of_with_identity(again, p.Hello)
+        yield again, await next_inbound(again, p.Hello, 20)
     finally:
         again.close()
 
@@ -166,7 +164,7 @@ async def test_a_controller_that_no_longer_knows_the_connection_is_registered_wi
     # A controller restarted (or that declared the worker dead) answers it with REJECT.
     async with session_with(Loop(), cfg=RECONNECTING) as (router, identity, task):
         await router.send(identity, p.Reject("not registered: send HELLO first"))
-        hello = await next_of_with_identity(router, p.Hello)
+        hello = await next_inbound(router, p.Hello, 20)
         assert hello.identity != identity and hello.msg.worker_id == "w"
         await router.send(hello.identity, p.Welcome(p.PROTOCOL_VERSION, 0.05, 0.5))
         await router.send(hello.identity, p.Echo(3, b"again"))
