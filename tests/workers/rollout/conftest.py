@@ -1,7 +1,7 @@
-"""The rollout engine's adapter tests share their base model (tests/workers/lora_base.py)."""
+"""The rollout engine's adapter tests share their base model (tests/workers/rollout_engines.py)."""
 
 import pytest
-from lora_base import write_base
+from rollout_engines import write_base
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from lora_base import LORA, VOCAB, adapter  # noqa: E402
+from rollout_engines import LORA, VOCAB, adapter, drain  # noqa: E402
 
 from flexmarl.runtime import protocol as p
 from flexmarl.runtime.keys import GroupKey  # noqa: E402
@@ -36,13 +36,6 @@ def engine(base_dir, slots):
 
 def prompt(i, length=12):
     return [3 + (i * 7 + j * 5) % (VOCAB - 3) for j in range(length)]
-
-
-def drain(e):
-    done = {}
-    while e.has_unfinished():
-        done.update((c.request_id, c) for c in e.step())
-    return done
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from lora_base import LORA, VOCAB, adapter  # noqa: E402
+from rollout_engines import LORA, VOCAB, adapter, drain, logprobs_under  # noqa: E402
 
 from flexmarl.runtime import protocol as p  # noqa: E402
 
@@ -28,21 +28,7 @@ def engine(base_dir):
     engine.close()
 
 
-def logprobs_under(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
-
-
 PROMPT = [3 + (j * 5) % (VOCAB - 3) for j in range(12)]
-
-
-def finish(engine) -> dict:
-    done = {}
-    while engine.has_unfinished():
-        done.update((c.request_id, c) for c in engine.step())
-    return done
 
 
 def samples(completion) -> list[list[int]]:
@@ -66,7 +52,7 @@ def test_an_adapter_load_moves_its_agents_requests_in_flight_and_each_token_carr
     # What the requests draw with no load meanwhile: the same seeds, the same engine.
     engine.add("alone", PROMPT, MAX_TOKENS, 1.0, 7, n=N, ignore_eos=True, adapter=agent)
     engine.add("b-alone", PROMPT, MAX_TOKENS, 1.0, 3, ignore_eos=True, adapter="b")
-    alone = finish(engine)
+    alone = drain(engine)
 
     assert engine.add("spans", PROMPT, MAX_TOKENS, 1.0, 7, n=N, ignore_eos=True, adapter=agent) == old
     engine.add("b", PROMPT, MAX_TOKENS, 1.0, 3, ignore_eos=True, adapter="b")
@@ -78,7 +64,7 @@ def test_an_adapter_load_moves_its_agents_requests_in_flight_and_each_token_carr
     assert engine.adapters.resolve(agent).lora_id == slot  # the same slot, in place
     assert engine.add("later", PROMPT, MAX_TOKENS, 1.0, 8, ignore_eos=True, adapter=agent, adapter_version=old) \
         == old + 1  # a group issued under the version just replaced runs under the new one
-    done = finish(engine)
+    done = drain(engine)
 
     spanning = done["spans"]
     assert spanning.lengths == [MAX_TOKENS] * N
@@ -110,7 +96,7 @@ def test_finish_leaves_an_adapters_requests_under_the_version_they_were_admitted
     engine.step()
     engine.load_adapter("c", 1, second, LORA, in_flight="finish")
     assert ("c", 0) in engine.adapters.resident() and ("c", 1) in engine.adapters.resident()
-    assert finish(engine)["c0"].token_versions is None
+    assert drain(engine)["c0"].token_versions is None
     assert ("c", 0) not in engine.adapters.resident()
     with pytest.raises(ValueError, match="in_flight is 'later'"):
         engine.load_adapter("c", 2, second, LORA, in_flight="later")

@@ -9,6 +9,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from rollout_engines import drain, logprobs_under  # noqa: E402
 
 from flexmarl.controller.tasks import digit_chain  # noqa: E402
 from flexmarl.runtime import protocol as p  # noqa: E402
@@ -49,22 +50,8 @@ def new_weights(model_dir, seed: int):
     return model
 
 
-def logprobs_under(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
-
-
 def prompt() -> list[int]:
     return digit_chain.solver_prompt(digit_chain.make_query(random.Random(4)))
-
-
-def finish(engine) -> dict:
-    done = {}
-    while engine.has_unfinished():
-        done.update((c.request_id, c) for c in engine.step())
-    return done
 
 
 @pytest.mark.parametrize("in_flight", ["keep", "recompute"])
@@ -80,7 +67,7 @@ def test_a_load_with_requests_in_flight_continues_them_and_each_token_carries_it
     model = new_weights(model_dir, version)
     engine.load_weights(model.named_parameters(), in_flight=in_flight, version=version)
     engine.add(f"{in_flight}-1", prompt(), MAX_TOKENS, 1.0, 8)  # admitted under the new weights
-    done = finish(engine)
+    done = drain(engine)
 
     spanning, after = done[f"{in_flight}-0"], done[f"{in_flight}-1"]
     assert spanning.lengths == [MAX_TOKENS] * N
@@ -121,4 +108,4 @@ def test_finish_refuses_a_load_while_requests_are_in_flight_and_bad_settings_are
         engine.load_weights(model.named_parameters(), in_flight="finish")
     with pytest.raises(ValueError, match="in_flight is 'later'"):
         engine.load_weights(model.named_parameters(), in_flight="later")
-    assert finish(engine)["finish-0"].token_versions is None
+    assert drain(engine)["finish-0"].token_versions is None

@@ -1,5 +1,6 @@
-"""What the rollout engine's adapter tests share: a small randomly initialised Qwen2 base
-(written once per module by the `base_dir` fixture of tests/workers/rollout/conftest.py)
+"""What the rollout engine's tests share: running an engine's requests to their end and
+scoring an output under a model; for the adapter tests, a small randomly initialised Qwen2
+base (written once per module by the `base_dir` fixture of tests/workers/rollout/conftest.py)
 and random LoRA adapters of it."""
 
 import torch
@@ -8,6 +9,22 @@ from flexmarl.runtime import protocol as p
 
 LORA = p.LoraSettings(rank=8, alpha=16.0)
 VOCAB = 64
+
+
+def drain(engine) -> dict:
+    """Steps `engine` until nothing is left unfinished: its completions by request id."""
+    done = {}
+    while engine.has_unfinished():
+        done.update((c.request_id, c) for c in engine.step())
+    return done
+
+
+def logprobs_under(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Each output token's logprob under `model` (a transformers model), given all before it."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
 def write_base(out):
