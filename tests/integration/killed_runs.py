@@ -1,8 +1,8 @@
 """What the tests of a controller killed mid-run share: starting `flexmarl run` in a process
 of its own, killing it past a checkpoint, whether training reached a version (read from the
 event log as it is written), and stopping the orphaned workers by PID; and what the tests
-that act on a run in their own process share: training it here, waiting for its set-up,
-and killing one of its workers."""
+that act on a run in their own process share: a small job, training it here, waiting for
+its set-up, and killing one of its workers."""
 
 import asyncio
 import os
@@ -12,7 +12,9 @@ import sys
 import time
 
 from flexmarl.controller import Experiment
+from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events
 
 
@@ -64,6 +66,12 @@ def kill_past_checkpoint(proc, run_dir, timeout, tail=3000):
     proc.communicate()
     kill_workers_of(run_dir)
     assert not (run_dir / "checkpoints" / "final").exists(), "the run finished before it was killed"
+
+
+def small_config(*overrides):
+    """The built-in digit-chain job, small (3 steps of 4 queries, no progress line), with `overrides` after."""
+    return load_config(None, ["run.steps=3", "pipeline.queries_per_step=4", "run.progress=false", *overrides],
+                       defaults=default_config())
 
 
 def run_training(cfg, run_dir, during=None, out=None):

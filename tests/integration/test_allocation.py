@@ -5,13 +5,11 @@ import asyncio
 
 import pytest
 import torch
-from killed_runs import kill_worker, run_training
+from killed_runs import kill_worker, run_training, small_config
 from safetensors.torch import load_file
 
 from flexmarl.controller import replay
-from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events
 
 pytestmark = pytest.mark.slow
@@ -20,8 +18,7 @@ AGENTS = ("planner", "solver", "checker")
 
 
 def run(run_dir, *overrides):
-    cfg = load_config(None, ["run.steps=3", "pipeline.queries_per_step=4", "run.progress=false",
-                             "pipeline.mode='sync'", *overrides], defaults=default_config())
+    cfg = small_config("pipeline.mode='sync'", *overrides)
     out = {}
     summary, _ = run_training(cfg, run_dir, out=out)
     return summary, out["training"].parts.allocator.swaps
@@ -72,11 +69,11 @@ def test_a_trainer_killed_mid_batch_is_restarted_its_agents_restored_and_every_s
     never interrupted (sync mode: the same samples), each sample counted once."""
     import os
 
-    shared = ["run.steps=5", "pipeline.queries_per_step=4", "run.progress=false", "pipeline.mode='sync'",
-              "cluster.trainer_workers=2", "run.checkpoint_every=2", "transport.heartbeat_timeout_s=3.0",
+    shared = ["run.steps=5", "pipeline.mode='sync'", "cluster.trainer_workers=2", "run.checkpoint_every=2",
+              "transport.heartbeat_timeout_s=3.0",
               # Restarted at once: with a backoff the run can finish on the live trainer first.
               "cluster.restart_backoff_s=0.0"]
-    cfg = load_config(None, shared, defaults=default_config())
+    cfg = small_config(*shared)
     killed = {}
 
     async def kill_trainer_1_mid_batch_4(exp, train):
@@ -105,7 +102,7 @@ def test_a_trainer_killed_mid_batch_is_restarted_its_agents_restored_and_every_s
     steps = [(e.agent, e.version) for e in replay.lineage(events) if isinstance(e, ev.OptimizerStep)]
     assert sorted(steps) == sorted((a, v) for a in AGENTS for v in range(1, 6))
 
-    run_training(load_config(None, shared, defaults=default_config()), tmp_path / "whole")  # never interrupted
+    run_training(small_config(*shared), tmp_path / "whole")  # never interrupted
     for agent in AGENTS:
         a = load_file(str(tmp_path / "whole" / "checkpoints" / "final" / agent / "model.safetensors"))
         b = load_file(str(tmp_path / "killed" / "checkpoints" / "final" / agent / "model.safetensors"))

@@ -15,12 +15,11 @@ import zmq
 
 from flexmarl.controller import Experiment, replay
 from flexmarl.controller.control.server import ControllerServer
-from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.config import TransportConfig, load_config
+from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.eventlog import read_events
-from killed_runs import kill_worker, set_up
+from killed_runs import kill_worker, set_up, small_config
 
 AGENTS = ("planner", "solver", "checker")
 STEPS = 3
@@ -30,9 +29,7 @@ STEPS = 3
 def test_a_killed_rollout_worker_is_restarted_rejoins_and_the_run_trains_every_batch(tmp_path):
     # Three rollout workers for three agents: the victim is its agent's only instance, so
     # the run can only finish if the restarted process rejoins and serves that agent.
-    cfg = load_config(None, [f"run.steps={STEPS}", "pipeline.queries_per_step=4", "run.progress=false",
-                             "pipeline.mode='async'", "cluster.restart_backoff_s=0.2"],
-                      defaults=default_config())
+    cfg = small_config(f"run.steps={STEPS}", "pipeline.mode='async'", "cluster.restart_backoff_s=0.2")
     killed = {}
 
     async def kill_the_solver_instance_mid_batch(exp, train):

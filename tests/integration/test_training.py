@@ -17,20 +17,13 @@ from safetensors.torch import load_file
 
 from flexmarl.controller import replay
 from flexmarl.controller.run.model_resolution import resolve_model
-from flexmarl.controller.tasks.digit_chain import default_config
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import HEADER_BYTES, encode_frame, read_events
-from killed_runs import kill_worker, run_training, set_up
+from killed_runs import kill_worker, run_training, set_up, small_config
 
 pytestmark = pytest.mark.slow
 
 AGENTS = ("planner", "solver", "checker")
-
-
-def small_config(*overrides):
-    return load_config(None, ["run.steps=3", "pipeline.queries_per_step=4", "run.progress=false",
-                              *overrides], defaults=default_config())
 
 
 def weights(path):
