@@ -14,8 +14,8 @@ One invocation:
 2. for each seed, trains the student (the digit chain's planner, `tiny:planner`) from the
    same start in each of --modes: "rl" (its reward alone), "distill" (the same, plus the
    teacher's per-token reverse KL, `agents.student.teacher`) and "only" (the reverse KL
-   alone, `teacher_only`), evaluating it every --eval-every steps (1: every step); the frozen teacher is
-   placed on its own engine in every mode, so all use the same workers.
+   alone, `teacher_only`), evaluating it every --eval-every steps (1: every step); the frozen
+   teacher is placed on its own engine in every mode, so all use the same workers.
 
 --teacher-model picks the teacher's recipe (examples/distill/models.py): they differ in
 how clean their warm-up targets are. Before the students, it prints what the reverse KL
@@ -141,8 +141,9 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
 
 def teacher_on_held_out(args: argparse.Namespace, work: Path, checkpoint: Path) -> float:
     """The trained teacher's held-out reward on the students' held-out set (the --eval-queries
-    set, or the committed file), measured as the students' is (`evaluation`): `--teacher-evals` evaluations of its weights, unchanged
-    between them (lr 0), with sampling seeds of their own; their mean."""
+    set, or the committed file), measured as the students' is (`evaluation`): `--teacher-evals`
+    evaluations of its weights, unchanged between them (lr 0), with sampling seeds of their
+    own; their mean."""
     run_dir = work / "teacher-held-out"
     rows = train(EXAMPLES / "distill_teacher.toml", run_dir,
                  [f'agents.sorter.model="{checkpoint}"', "agents.sorter.lr=0",
