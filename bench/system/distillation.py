@@ -35,7 +35,7 @@ at which the mean curve reached it.
     python bench/system/distillation.py --student-model weak_student --reward exact ...   # a weaker student
     python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...
     python bench/system/distillation.py --long --eval-queries 256 --teacher RUN ...   # a larger held-out set
-    python bench/system/distillation.py ... --eval-every 1 --eval-samples 4 --teacher-evals 4   # a finer, less noisy read
+    python bench/system/distillation.py ... --eval-every 1 --eval-samples 4 --teacher-evals 4   # finer, less noisy
     python bench/system/distillation.py ... --eval-temperature 0   # greedy evaluation (students and teacher)
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
