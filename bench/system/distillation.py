@@ -8,12 +8,14 @@ One invocation:
    --teacher DIR, an earlier run's teacher (and its reward, from its metrics) is reused.
    With --eval-queries N the held-out set is larger (the committed queries first, then more
    drawn as training draws its own), and the teacher's reward is measured on it: the mean of
-   --teacher-evals evaluations of its unchanged weights;
+   --teacher-evals evaluations of its unchanged weights. --eval-samples N (N samples of each
+   held-out query per evaluation) and --eval-temperature T (0: greedy) change how every
+   evaluation is made, the teacher's measured the same way;
 2. for each seed, trains the student (the digit chain's planner, `tiny:planner`) from the
    same start in each of --modes: "rl" (its reward alone), "distill" (the same, plus the
    teacher's per-token reverse KL, `agents.student.teacher`) and "only" (the reverse KL
-   alone, `teacher_only`), evaluating it every --eval-every steps; the frozen teacher is
-   placed on its own engine in every mode, so all use the same workers.
+   alone, `teacher_only`), evaluating it every --eval-every steps (1: every step); the frozen
+   teacher is placed on its own engine in every mode, so all use the same workers.
 
 --teacher-model picks the teacher's recipe (examples/distill/models.py): they differ in
 how clean their warm-up targets are. Before the students, it prints what the reverse KL
@@ -21,7 +23,8 @@ tells the untrained student (`advantage_profile`).
 
 It prints a JSON row per run (the student's held-out reward per evaluated step) and then,
 per mode and seed, the first evaluated step at which the student's held-out reward reached
-the teacher's (null: not within the run), and the mean curve over the seeds.
+the teacher's (null: not within the run), the mean curve over the seeds and the first step
+at which the mean curve reached it.
 
     python bench/system/distillation.py --seeds 0,1,2 --steps 60 --teacher-steps 200 --modes rl,distill,only
     python bench/system/distillation.py --teacher-model clean_teacher --teacher-steps 100 ...
@@ -32,6 +35,8 @@ the teacher's (null: not within the run), and the mean curve over the seeds.
     python bench/system/distillation.py --student-model weak_student --reward exact ...   # a weaker student
     python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...
     python bench/system/distillation.py --long --eval-queries 256 --teacher RUN ...   # a larger held-out set
+    python bench/system/distillation.py ... --eval-every 1 --eval-samples 4 --teacher-evals 4   # finer, less noisy
+    python bench/system/distillation.py ... --eval-temperature 0   # greedy evaluation (students and teacher)
     python bench/system/distillation.py --smoke      # 1 seed, 2 steps each, a 2-step teacher
 """
 
@@ -102,6 +107,18 @@ def held_out_queries(committed: Path, n: int, digits: int) -> list[dict]:
     return rows
 
 
+def evaluation(args: argparse.Namespace) -> list[str]:
+    """How every evaluation is made, the teacher's and the students' alike: `args.episodes`
+    episodes (the held-out queries in file order, cycled: --eval-samples of each, every one
+    with a sampling seed of its own) at --eval-temperature."""
+    return [f"eval.episodes={args.episodes}", f"eval.temperature={args.eval_temperature}"]
+
+
+def first_at(curve: dict[int, float], target: float) -> int | None:
+    """The first evaluated step at which `curve` reached `target`; None: never."""
+    return next((t for t, r in sorted(curve.items()) if r >= target), None)
+
+
 def held_out(rows: list[dict], agent: str) -> dict[int, float]:
     return {r["step"]: r["reward_mean"] for r in rows if r.get("kind") == "eval" and r["agent"] == agent}
 
@@ -112,28 +129,30 @@ def teacher(args: argparse.Namespace, work: Path) -> tuple[Path, float]:
     if not args.teacher:
         train(EXAMPLES / "distill_teacher.toml", run_dir,
               [f'agents.sorter.model="tiny:{EXAMPLES / "distill" / "models.py"}:{args.teacher_model}"',
-               f"run.steps={args.teacher_steps}", f"eval.every={args.teacher_steps}", f"eval.episodes={args.episodes}",
+               f"run.steps={args.teacher_steps}", f"eval.every={args.teacher_steps}", *evaluation(args),
                f"pipeline.queries_per_step={args.queries}", *workflow(args, ("sorter",))])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = held_out(rows, "sorter")
     checkpoint = (run_dir / "checkpoints" / "final" / "sorter").resolve()
-    if not args.eval_path:
+    if not (args.eval_path or args.eval_samples > 1 or args.eval_temperature != 1.0 or args.teacher_evals > 1):
         return checkpoint, rewards[max(rewards)]
     return checkpoint, teacher_on_held_out(args, work, checkpoint)
 
 
 def teacher_on_held_out(args: argparse.Namespace, work: Path, checkpoint: Path) -> float:
-    """The trained teacher's held-out reward on the --eval-queries set, measured as the
-    students' is (one sample per query, temperature 1): `--teacher-evals` evaluations of its
-    weights, unchanged between them (lr 0), with sampling seeds of their own; their mean."""
+    """The trained teacher's held-out reward on the students' held-out set (the --eval-queries
+    set, or the committed file), measured as the students' is (`evaluation`): `--teacher-evals`
+    evaluations of its weights, unchanged between them (lr 0), with sampling seeds of their
+    own; their mean."""
     run_dir = work / "teacher-held-out"
     rows = train(EXAMPLES / "distill_teacher.toml", run_dir,
                  [f'agents.sorter.model="{checkpoint}"', "agents.sorter.lr=0",
                   f"run.steps={max(1, args.teacher_evals - 1)}", "eval.every=1", "eval.at_start=true",
-                  f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
+                  *evaluation(args), f"pipeline.queries_per_step={args.queries}",
                   *workflow(args, ("sorter",))])
     rewards = [r for t, r in sorted(held_out(rows, "sorter").items())][:args.teacher_evals]
-    print(json.dumps({"teacher_on_held_out": [round(r, 4) for r in rewards], "episodes": args.episodes}), flush=True)
+    print(json.dumps({"teacher_on_held_out": [round(r, 4) for r in rewards], "episodes": args.episodes,
+                      "temperature": args.eval_temperature}), flush=True)
     return statistics.mean(rewards)
 
 
@@ -195,7 +214,7 @@ def advantage_profile(teacher_dir: Path, student_path: str, queries: Path, sampl
             "teacher_greedy_right": round(sum(greedy) / len(greedy), 3)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=30, help="the student's steps per run")
@@ -209,12 +228,17 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=16, help="episodes per step")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=0,
-                        help="held-out episodes per evaluation (0: one per held-out query)")
+                        help="held-out episodes per evaluation (0: --eval-samples per held-out query)")
+    parser.add_argument("--eval-samples", type=int, default=1,
+                        help="samples of each held-out query per evaluation (each with its own sampling seed)")
+    parser.add_argument("--eval-temperature", type=float, default=1.0,
+                        help="the evaluations' sampling temperature, the teacher's and the students' (0: greedy)")
     parser.add_argument("--eval-queries", type=int, default=0,
                         help="held-out queries (0: the committed file's 64); more are drawn as training's are, "
                              "and the teacher's reward is then measured on them")
     parser.add_argument("--teacher-evals", type=int, default=1,
-                        help="with --eval-queries: evaluations of the teacher's weights averaged for its reward")
+                        help="evaluations of the teacher's weights averaged for its reward (more than 1: "
+                             "measured as the students are, on their held-out set)")
     parser.add_argument("--lr", type=float, default=0.0, help="agents.student.lr (0: examples/distill.toml's)")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
     parser.add_argument("--kl-cap", type=float, default=0.0, help="agents.student.teacher_kl_cap (0: not clipped)")
@@ -227,9 +251,21 @@ def main() -> None:
                         help="the five-digit sort (with --teacher-model long_teacher --student-model long_student)")
     parser.add_argument("--out", default="", help="keep the run directories here")
     parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
-    if args.smoke:
-        args.seeds, args.steps, args.teacher_steps, args.queries, args.eval_every, args.episodes = "0", 2, 2, 2, 1, 4
+    args = parser.parse_args(argv)
+    if args.eval_samples < 1:
+        parser.error(f"--eval-samples {args.eval_samples}: at least 1")
+    if args.episodes and args.eval_samples > 1:
+        parser.error("--episodes and --eval-samples: give one of them")
+    if not set(mode for mode in args.modes.split(",") if mode) <= {"rl", "distill", "only"}:
+        parser.error(f"--modes {args.modes!r}: each mode is one of rl, distill, only")
+    if args.smoke:  # 4 held-out episodes, unless --eval-samples asks for N of each held-out query
+        args.seeds, args.steps, args.teacher_steps, args.queries, args.eval_every = "0", 2, 2, 2, 1
+        args.episodes = 0 if args.eval_samples > 1 else 4
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     with tempfile.TemporaryDirectory(prefix="distill-") as tmp:
         work = Path(args.out) if args.out else Path(tmp)
@@ -239,15 +275,13 @@ def main() -> None:
             queries = held_out_queries(eval_file(args), args.eval_queries, LONG if args.long else 3)
             args.eval_path = work / "held_out.jsonl"
             args.eval_path.write_text("".join(json.dumps(q) + "\n" for q in queries))
-        args.episodes = args.episodes or len(eval_file(args).read_text().splitlines())
+        args.episodes = args.episodes or args.eval_samples * len(eval_file(args).read_text().splitlines())
         teacher_dir, target = teacher(args, work)
         print(json.dumps({"teacher": str(teacher_dir), "teacher_held_out_reward": round(target, 4),
                           "reverse_kl_at_the_students_start":
                               advantage_profile(teacher_dir, student_model(args), eval_file(args))}),
               flush=True)
         modes = [mode for mode in args.modes.split(",") if mode]
-        if not set(modes) <= {"rl", "distill", "only"}:
-            parser.error(f"--modes {args.modes!r}: each mode is one of rl, distill, only")
         curves: dict[str, dict[int, dict[int, float]]] = {mode: {} for mode in modes}
         for seed in seeds:
             for mode in modes:
@@ -257,7 +291,7 @@ def main() -> None:
                 start = time.perf_counter()
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
-                              f"eval.episodes={args.episodes}", f"pipeline.queries_per_step={args.queries}",
+                              *evaluation(args), f"pipeline.queries_per_step={args.queries}",
                               f'agents.teacher.model="{teacher_dir}"', f'agents.student.model="{student_model(args)}"',
                               *workflow(args, ("student", "teacher")), *student,
                               *([f"agents.student.lr={args.lr}"] if args.lr else [])])
@@ -268,13 +302,14 @@ def main() -> None:
                                   "seconds": round(time.perf_counter() - start)}),
                       flush=True)
         for mode, per_seed in curves.items():
-            reached = {seed: next((t for t, r in sorted(c.items()) if r >= target), None) for seed, c in per_seed.items()}
-            steps = sorted(set.intersection(*(set(c) for c in per_seed.values())))
-            mean = {str(t): round(statistics.mean(c[t] for c in per_seed.values()), 4) for t in steps}
             if not per_seed:
                 continue
+            reached = {seed: first_at(c, target) for seed, c in per_seed.items()}
+            steps = sorted(set.intersection(*(set(c) for c in per_seed.values())))
+            mean = {t: statistics.mean(c[t] for c in per_seed.values()) for t in steps}
             print(json.dumps({"mode": mode, "steps_to_teacher_reward": {str(s): r for s, r in reached.items()},
-                              "mean_held_out": mean}), flush=True)
+                              "mean_steps_to_teacher_reward": first_at(mean, target),
+                              "mean_held_out": {str(t): round(r, 4) for t, r in mean.items()}}), flush=True)
 
 
 if __name__ == "__main__":

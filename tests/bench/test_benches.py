@@ -7,6 +7,7 @@ each and carry the `slow` mark. signals.py, gpu_check.py, controller_scale.py an
 runs of their own (test_signals.py, test_gpu_check.py, test_controller_scale.py, test_real_size.py)."""
 
 import asyncio
+import importlib.util
 import json
 
 import pytest
@@ -246,6 +247,48 @@ def test_distillation_measures_the_teacher_and_the_student_on_a_larger_held_out_
     assert len(measured) == 2 and teacher["teacher_held_out_reward"] == pytest.approx(sum(measured) / 2, abs=1e-4)
     assert teacher["teacher"] == str((tmp_path / "teacher" / "checkpoints" / "final" / "sorter").resolve())
     assert [(r["mode"], r["seed"]) for r in rows[2:3]] == [("rl", 0)]
+
+
+def distillation_bench():
+    spec = importlib.util.spec_from_file_location("distillation_bench", ROOT / "bench" / "system" / "distillation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_distillation_evaluates_the_teacher_and_the_students_the_same_way_with_n_samples_per_query():
+    bench = distillation_bench()
+    default = bench.parse_args([])
+    assert (default.eval_samples, default.eval_temperature, default.episodes) == (1, 1.0, 0)
+    args = bench.parse_args(["--eval-samples", "4", "--eval-temperature", "0"])
+    args.episodes = args.eval_samples * 256  # main's: N of each of the 256 held-out queries
+    assert bench.evaluation(args) == ["eval.episodes=1024", "eval.temperature=0.0"]
+    assert bench.parse_args(["--smoke", "--eval-samples", "2"]).episodes == 0  # N per query, not smoke's 4
+    assert bench.parse_args(["--smoke"]).episodes == 4
+    for wrong in (["--eval-samples", "0"], ["--episodes", "8", "--eval-samples", "2"], ["--modes", "rl,kl"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(wrong)
+
+
+def test_distillation_reads_the_first_step_at_the_teachers_reward():
+    bench = distillation_bench()
+    assert bench.first_at({2: 0.95, 0: 0.5, 1: 0.9083}, 0.9084) == 2  # in step order; below by 0.0001 is below
+    assert bench.first_at({0: 0.5, 1: 0.9084}, 0.9084) == 1
+    assert bench.first_at({0: 0.5}, 0.9084) is None
+
+
+@pytest.mark.slow
+def test_distillation_evaluates_n_samples_of_each_held_out_query_greedy(tmp_path):
+    rows = json_rows(run_bench("distillation.py", "--smoke", "--modes", "rl", "--eval-queries", "3", "--eval-samples",
+                               "2", "--eval-temperature", "0", "--out", str(tmp_path), timeout=1200))
+    assert rows[0] == {"teacher_on_held_out": rows[0]["teacher_on_held_out"], "episodes": 6, "temperature": 0.0}
+    assert len(rows[0]["teacher_on_held_out"]) == 1  # --teacher-evals' default
+    for run in ("teacher-held-out", "rl-0"):
+        evals = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                 if '"kind": "eval"' in line]
+        assert evals and all(r["samples"] == r["episodes"] == 6 for r in evals)  # 2 of each of the 3 queries
+    assert [(r["mode"], r["seed"]) for r in rows[2:3]] == [("rl", 0)]
+    assert rows[3]["mean_steps_to_teacher_reward"] in (None, 0, 1, 2)
 
 
 @pytest.mark.slow
