@@ -80,7 +80,7 @@ def episode_assignments(log: list) -> list:
     # What the admitting process's schedule counted: a resumed one starts with none.
     running: set[str] = set()
     ended_here: collections.Counter[int] = collections.Counter()
-    made = []
+    made: list[ev.EpisodeAdmitted | ev.EpisodeAssigned] = []
     for e in log:
         kind = type(e)
         if kind is ev.RunResumed:
