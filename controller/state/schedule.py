@@ -45,7 +45,8 @@ version moves is always bought with a dropped episode. So capacity admission spe
 price only where it buys engine time that would otherwise be idle: past the bound it
 counts at most `partial_rollout` spares, and only as many as the first turn's agent has
 instances with no group left (`decisions.spare_room`); the router then sends the group to
-the least loaded instance, the drained one. An instance busy with its own groups never
+the least loaded instance, the drained one (with two instances always; with more, the less
+loaded of two drawn at random, as for any group). An instance busy with its own groups never
 draws a spare, so a spare is not over while every engine has work (continuous admission's
 are, from the first batch on). The router counts work by group, which comes back whole,
 so an instance counts as drained when its last group has (a group whose last sample runs
