@@ -186,8 +186,9 @@ class BaseConfig:
     """As `agents.*.block_size`."""
     max_loras: int = 0
     """Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this base
-    times (`pipeline.max_staleness` + 1) versions resident at once; a number below that (what a
-    GPU's memory allows, say) refuses the job at start."""
+    times (`pipeline.max_staleness` + 1) versions resident at once, or one version of a trained
+    agent under `pipeline.in_flight` "keep" or "recompute" (each new version takes the old one's
+    slot); a number below that (what a GPU's memory allows, say) refuses the job at start."""
     max_cpu_loras: int = 0
     """Adapters an engine holds; 0: `max_loras`."""
     max_lora_rank: int = 0
@@ -1075,18 +1076,26 @@ def adapter_agents(cfg: ExperimentConfig, base: str) -> list[str]:
     return [name for name, agent in cfg.agents.items() if agent.base == base]
 
 
-def versions_resident(cfg: ExperimentConfig) -> int:
+def versions_resident(cfg: ExperimentConfig, agent: str = "") -> int:
     """How many versions of one agent an engine may hold at once: the newest and the K
     older ones requests in flight may still use (K = 0 in sync mode: no request outlives
-    a sync)."""
-    return 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
+    a sync). With `agent` named: one for a trained agent whose requests move to each new
+    version as it loads (`in_flight` "keep" or "recompute": the new version is loaded into
+    the old one's slot, vLLM removing the old before adding the new); a snapshot's
+    refreshes let its requests finish under the version they began with, so it keeps
+    K + 1."""
+    lagging = 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
+    if agent and not cfg.agents[agent].frozen and cfg.in_flight() in ("keep", "recompute"):
+        return 1
+    return lagging
 
 
 def required_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
     """The slots the job needs on an engine of `base`: every version of every adapter
     agent that may be resident at once, and a rank covering every agent's."""
-    agents = [cfg.agents[name] for name in adapter_agents(cfg, base)]
-    loras = len(agents) * versions_resident(cfg)
+    names = adapter_agents(cfg, base)
+    agents = [cfg.agents[name] for name in names]
+    loras = sum(versions_resident(cfg, name) for name in names)
     top = max((a.lora_rank for a in agents), default=1)
     rank = next((r for r in VLLM_LORA_RANKS if r >= top), 0)
     return LoraSlots(loras, rank, loras)
@@ -1142,7 +1151,8 @@ def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> 
         raise error(
             f"bases.{base}.max_loras = {b.max_loras} cannot run this job: its {len(agents)} adapter agents "
             f"({', '.join(agents)}) may each have {versions_resident(cfg)} versions in use at once "
-            f"(pipeline.max_staleness + 1), so an engine must hold {need.max_loras} adapters. Raise "
+            f"(pipeline.max_staleness + 1; one where pipeline.in_flight moves a trained agent's requests to "
+            f"each new version), so an engine must hold {need.max_loras} adapters. Raise "
             f"max_loras to {need.max_loras} (or leave it 0 to have it computed), lower "
             f"pipeline.max_staleness, or move some agents to another base")
     if b.max_lora_rank and (b.max_lora_rank not in VLLM_LORA_RANKS or b.max_lora_rank < need.max_lora_rank):
