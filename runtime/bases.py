@@ -5,8 +5,10 @@ agents that are adapters of one (`agents.X.base = "NAME"` with their LoRA shape)
 rollout engine loads a base once and serves every adapter agent of it; each request names
 its agent's adapter at the version it was issued under, and a version stays loaded while a
 request uses it, so an engine holds up to K + 1 versions of each agent (K the staleness
-bound; 0 in sync mode). That product is the engine's `max_loras`, computed here; a base
-whose `max_loras` is set lower cannot run the job and is refused at start.
+bound; 0 in sync mode), or one of a trained agent whose requests move to each new version
+(`pipeline.in_flight` "keep" or "recompute"). That sum is the engine's `max_loras`,
+computed here; a base whose `max_loras` is set lower cannot run the job and is refused at
+start.
 
 Plain arithmetic over the configuration (no torch, no vLLM), above config.py: what a job
 needs of a base (`required_slots`, the LoRA ranks vLLM accepts, which keys an adapter

@@ -186,8 +186,9 @@ class BaseConfig:
     """As `agents.*.block_size`."""
     max_loras: int = 0
     """Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this base
-    times (`pipeline.max_staleness` + 1) versions resident at once; a number below that (what a
-    GPU's memory allows, say) refuses the job at start."""
+    times (`pipeline.max_staleness` + 1) versions resident at once, or one version of a trained
+    agent under `pipeline.in_flight` "keep" or "recompute" (each new version takes the old one's
+    slot); a number below that (what a GPU's memory allows, say) refuses the job at start."""
     max_cpu_loras: int = 0
     """Adapters an engine holds; 0: `max_loras`."""
     max_lora_rank: int = 0
@@ -383,7 +384,15 @@ class AgentConfig:
 
 
 # How episodes are admitted and assigned to global batches (PipelineConfig.admission).
-ADMISSION = ("step", "continuous")
+ADMISSION = ("step", "continuous", "capacity")
+# The settings under which a batch trains the first episodes to end (the rest: "step").
+CONTINUOUS_ADMISSION = frozenset({"continuous", "capacity"})
+
+
+def admits_continuously(admission: str | None) -> bool:
+    """Whether a `pipeline.admission` setting (as a config or a logged one says it) fills
+    batches by the order episodes end."""
+    return admission in CONTINUOUS_ADMISSION
 
 @dataclass
 class PipelineConfig:
@@ -445,22 +454,27 @@ class PipelineConfig:
     admission: str = "step"
     """How episodes are admitted and which global batch trains them: "step" (episode i of batch t
     is batch t's; its turns wait at the staleness gate until the version allows batch t, and the
-    step waits for its slowest episode) or "continuous" (a batch trains the first `queries_per_step`
+    step waits for its slowest episode), "continuous" (a batch trains the first `queries_per_step`
     episodes to end, whichever batch started them, so the step waits for no slow episode: the
     slowest carry over into the next batch, their tokens so far kept and continued under the new
     weights; an episode's first turn is admitted while the episodes running and ended fit in the
     batches every trained agent's version may generate for, plus `partial_rollout` spares; a
-    sample whose oldest token is then too stale is dropped and counted). "continuous" needs async
-    mode, max_staleness >= 1 and `in_flight` "keep" or "recompute"; not with dynamic sampling. A
-    checkpoint of a "continuous" run records its episodes in flight and resumes under "continuous"
-    only (a "step" one under either)."""
+    sample whose oldest token is then too stale is dropped and counted) or "capacity" (as
+    "continuous", but a spare is spent only on an instance that has drained: beyond what the
+    bound admits, an episode's first turn is admitted only while one of its agent's instances has
+    no group left, at most one such episode per drained instance). "continuous" and "capacity"
+    need async mode, max_staleness >= 1 and `in_flight` "keep" or "recompute"; not with dynamic
+    sampling. A checkpoint of either records its episodes in flight and resumes under "continuous"
+    or "capacity" only (a "step" one under any)."""
     partial_rollout: int = 0
-    """With `admission = "continuous"`: episodes over-provisioned beyond what the staleness bound
-    admits, so an instance is given this many more groups before the version moves; they start
-    with the first batch and the unfinished ones carry over. Since the last N to end are always
-    too many for the batches their bound allows, about N episodes' groups a step are dropped as too
-    stale (counted); the last batch trains every episode left (nothing lost, nothing trained
-    twice). 0: none."""
+    """With `admission = "continuous"` or `"capacity"`: episodes over-provisioned beyond what the
+    staleness bound admits, so an instance is given more groups before the version moves; the
+    unfinished ones carry over. Under "continuous" they start with the first batch and, since the
+    last N to end are always too many for the batches their bound allows, about N episodes' groups
+    a step are dropped as too stale (counted); under "capacity" at most this many are over at once,
+    and only while an instance of the agent has drained, so a spare is spent (and a drop risked)
+    only where an engine would otherwise idle. The last batch trains every episode left (nothing
+    lost, nothing trained twice). 0: none."""
 
 
 @dataclass
@@ -673,20 +687,20 @@ class ExperimentConfig:
                               f"got {p.admission!r}")
         if p.partial_rollout < 0:
             raise ConfigError(f"pipeline.partial_rollout must be >= 0 (0: no spare episodes), got {p.partial_rollout}")
-        if p.partial_rollout and p.admission != "continuous":
-            raise ConfigError("pipeline.partial_rollout needs pipeline.admission = \"continuous\" (spare episodes "
-                              "carry over only when a batch trains the first episodes to end)")
-        if p.admission != "continuous":
+        if p.partial_rollout and not admits_continuously(p.admission):
+            raise ConfigError("pipeline.partial_rollout needs pipeline.admission = \"continuous\" or \"capacity\" "
+                              "(spare episodes carry over only when a batch trains the first episodes to end)")
+        if not admits_continuously(p.admission):
             return
         if p.mode != "async" or p.max_staleness < 1:
-            raise ConfigError("pipeline.admission = \"continuous\" needs mode = \"async\" and max_staleness >= 1 "
+            raise ConfigError(f"pipeline.admission = {p.admission!r} needs mode = \"async\" and max_staleness >= 1 "
                               "(sync mode and max_staleness 0 train each batch on its own episodes, exactly on-policy)")
         if p.in_flight == "finish":
-            raise ConfigError("pipeline.admission = \"continuous\" needs in_flight = \"keep\" or \"recompute\" "
+            raise ConfigError(f"pipeline.admission = {p.admission!r} needs in_flight = \"keep\" or \"recompute\" "
                               "(an episode carried over continues across the sync)")
         dynamic = [name for name, a in self.agents.items() if a.dynamic_sampling]
         if dynamic:
-            raise ConfigError(f"pipeline.admission = \"continuous\" cannot be used with dynamic sampling "
+            raise ConfigError(f"pipeline.admission = {p.admission!r} cannot be used with dynamic sampling "
                               f"(agents.{dynamic[0]}.dynamic_sampling): its top-ups count a batch's own episodes")
 
     def validate(self) -> "ExperimentConfig":
@@ -1062,18 +1076,26 @@ def adapter_agents(cfg: ExperimentConfig, base: str) -> list[str]:
     return [name for name, agent in cfg.agents.items() if agent.base == base]
 
 
-def versions_resident(cfg: ExperimentConfig) -> int:
+def versions_resident(cfg: ExperimentConfig, agent: str = "") -> int:
     """How many versions of one agent an engine may hold at once: the newest and the K
     older ones requests in flight may still use (K = 0 in sync mode: no request outlives
-    a sync)."""
-    return 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
+    a sync). With `agent` named: one for a trained agent whose requests move to each new
+    version as it loads (`in_flight` "keep" or "recompute": the new version is loaded into
+    the old one's slot, vLLM removing the old before adding the new); a snapshot's
+    refreshes let its requests finish under the version they began with, so it keeps
+    K + 1."""
+    lagging = 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
+    if agent and not cfg.agents[agent].frozen and cfg.in_flight() in ("keep", "recompute"):
+        return 1
+    return lagging
 
 
 def required_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
     """The slots the job needs on an engine of `base`: every version of every adapter
     agent that may be resident at once, and a rank covering every agent's."""
-    agents = [cfg.agents[name] for name in adapter_agents(cfg, base)]
-    loras = len(agents) * versions_resident(cfg)
+    names = adapter_agents(cfg, base)
+    agents = [cfg.agents[name] for name in names]
+    loras = sum(versions_resident(cfg, name) for name in names)
     top = max((a.lora_rank for a in agents), default=1)
     rank = next((r for r in VLLM_LORA_RANKS if r >= top), 0)
     return LoraSlots(loras, rank, loras)
@@ -1129,7 +1151,8 @@ def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> 
         raise error(
             f"bases.{base}.max_loras = {b.max_loras} cannot run this job: its {len(agents)} adapter agents "
             f"({', '.join(agents)}) may each have {versions_resident(cfg)} versions in use at once "
-            f"(pipeline.max_staleness + 1), so an engine must hold {need.max_loras} adapters. Raise "
+            f"(pipeline.max_staleness + 1; one where pipeline.in_flight moves a trained agent's requests to "
+            f"each new version), so an engine must hold {need.max_loras} adapters. Raise "
             f"max_loras to {need.max_loras} (or leave it 0 to have it computed), lower "
             f"pipeline.max_staleness, or move some agents to another base")
     if b.max_lora_rank and (b.max_lora_rank not in VLLM_LORA_RANKS or b.max_lora_rank < need.max_lora_rank):

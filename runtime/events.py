@@ -130,6 +130,10 @@ class EpisodeAdmitted(Event):
     episode: str
     started: int
     newest: int
+    # Capacity admission: how many of its agent's instances had drained (no group left on
+    # them) when it was admitted, which bounds the spares it could count on
+    # (`decisions.spare_room`); -1 under continuous admission (every spare).
+    drained: int = -1
 
 
 class EpisodeAssigned(Event):

@@ -20,16 +20,17 @@ process, same seed. Per configuration it prints one JSON line:
     the steady window, over its share of a step's samples, queries x group size /
     instances), idle_share (per instance: the steady window's share with no engine step
     running), sync_wait_s (a load's mean seconds between reaching an instance and being
-    applied), spanned_parts (replies whose tokens span versions), logprob_abs_diff (the
-    trainer's per-token mismatch with the sampler, mean over steps), reward (per step,
-    the agents' mean)
+    applied; sync_wait_max_s the longest one, on any instance), spanned_parts (replies whose
+    tokens span versions), logprob_abs_diff (the trainer's per-token mismatch with the
+    sampler, mean over steps), reward (per step, the agents' mean)
 
     .venv/bin/python bench/system/long_tail.py [--steps 10] [--settings finish,keep,recompute] [--ks 1,2]
                                               [--chain] [--adapter]
-        [--admission step,continuous,continuous:4] [--partial-rollout N]
+        [--admission step,continuous,continuous:4,capacity:2] [--partial-rollout N]
 
-`--admission step,continuous` runs each keep / recompute configuration under both
-pipeline.admission settings (finish only under step: continuous admission refuses it),
+`--admission step,continuous,capacity:2` runs each keep / recompute configuration under
+each pipeline.admission setting listed (finish only under step: continuous and capacity
+admission refuse it; ":N" sets pipeline.partial_rollout),
 adding stale_samples_dropped (samples the staleness bound dropped at training time) and
 episodes_carried_over (episodes a later batch than their own trained).
 
@@ -86,11 +87,11 @@ async def chain_episode(ctx) -> None:
 
 
 def job(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step") -> str:
-    """The job's config; `admission` "step", "continuous" or "continuous:N" (N spare
-    episodes: pipeline.partial_rollout; "continuous" alone: `args.partial_rollout`)."""
+    """The job's config; `admission` "step", "continuous", "capacity", or either of the last
+    two with ":N" (N spare episodes: pipeline.partial_rollout; without it `args.partial_rollout`)."""
     agents = ["writer", "reader"] if args.chain else ["writer"]
     admission, _, n = admission.partition(":")
-    spares = (int(n) if n else getattr(args, "partial_rollout", 0)) if admission == "continuous" else 0
+    spares = (int(n) if n else getattr(args, "partial_rollout", 0)) if admission != "step" else 0
     text = f"""
 [run]
 workflow = "{HERE}:{'chain_episode' if args.chain else 'episode'}"
@@ -172,13 +173,14 @@ def run(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step
     rows = [r for r in rows if "kind" not in r]
     steady_samples = sum(r["samples"] for r in rows if r["step"] > args.warmup)
     share = args.queries * args.group_size / 2  # each agent has two instances
-    occupancy, idle, waits, loads = {}, {}, [], 0
+    occupancy, idle, waits, loads, longest = {}, {}, [], 0, 0.0
     for w in end:
         d = {key: end[w].get(key, 0.0) - start[w].get(key, 0.0) for key in end[w]}
         occupancy[w] = round(d["sequence_s"] / steady_s / share, 3)
         idle[w] = round(1 - d["step_s"] / steady_s, 3)
         loads += int(end[w].get("loads", 0))
         waits.append(end[w].get("load_wait_s", 0.0))
+        longest = max(longest, end[w].get("load_wait_max_s", 0.0))
     spanned = sum(1 for e in events if isinstance(e, ev.RequestsCompleted) for part in e.oldest if part)
     diffs = [r["logprob_abs_diff"] for r in rows if "logprob_abs_diff" in r and r["step"] > args.warmup]
     per_step: dict[int, list[float]] = {}
@@ -193,7 +195,7 @@ def run(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step
             "warmup_steps": args.warmup, "samples_per_s": round(steady_samples / steady_s, 1),
             "occupancy": occupancy, "occupancy_mean": round(statistics.mean(occupancy.values()), 3),
             "idle_share": idle, "idle_share_mean": round(statistics.mean(idle.values()), 3),
-            "sync_wait_s": round(sum(waits) / max(1, loads), 4), "loads": loads,
+            "sync_wait_s": round(sum(waits) / max(1, loads), 4), "sync_wait_max_s": round(longest, 4), "loads": loads,
             "spanned_parts": spanned, "stale_samples_dropped": stale, "episodes_carried_over": carried,
             "logprob_abs_diff": round(statistics.mean(diffs), 6) if diffs else None,
             "reward": [round(statistics.mean(v), 4) for _, v in sorted(per_step.items())],
@@ -215,9 +217,10 @@ def main() -> None:
     parser.add_argument("--chain", action="store_true", help="two agents in a chain")
     parser.add_argument("--adapter", action="store_true", help="each agent a LoRA adapter of one base")
     parser.add_argument("--admission", default="step",
-                        help="pipeline.admission settings to run: step, continuous, continuous:N (N spare "
-                        "episodes, pipeline.partial_rollout); continuous skips finish")
-    parser.add_argument("--partial-rollout", type=int, default=0, help="spare episodes under continuous admission")
+                        help="pipeline.admission settings to run: step, continuous, continuous:N, capacity, "
+                        "capacity:N (N spare episodes, pipeline.partial_rollout); continuous and capacity skip finish")
+    parser.add_argument("--partial-rollout", type=int, default=0,
+                        help="spare episodes under continuous and capacity admission")
     args = parser.parse_args()
     limit_threads(1)
     setup_logging("WARNING")
@@ -225,7 +228,7 @@ def main() -> None:
     for k in (int(x) for x in args.ks.split(",")):
         for setting in args.settings.split(","):
             for admission in args.admission.split(","):
-                if admission.startswith("continuous") and setting == "finish":
+                if admission != "step" and setting == "finish":
                     continue  # refused: a carried-over episode continues across the sync
                 try:
                     results.append(run(args, setting, k, admission))

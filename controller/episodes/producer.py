@@ -172,7 +172,7 @@ class EpisodeProducer:
                     f"{seed}-{batch}-{'' if begun.kind == 'q' else begun.kind}{begun.index}"),
                     self.store, self.dataset.item(begun.number) if self.dataset else None,
                     gate=self.schedule.gate_of(slot, lambda slot: self.emit(
-                        ev.EpisodeAdmitted(name, slot.started, slot.admitted or 0))))
+                        ev.EpisodeAdmitted(name, slot.started, slot.admitted or 0, slot.drained))))
                 why = await run_episode(self.workflow, ctx, p.episode_timeout_s)
                 if why:
                     self.failed += 1

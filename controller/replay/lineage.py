@@ -38,6 +38,7 @@ from typing import Callable
 import msgspec
 
 from flexmarl.runtime import events as ev
+from flexmarl.runtime.config import admits_continuously
 from flexmarl.runtime.keys import GroupKey
 
 # Events of one version (= the batch that steps into it): undone when version > t.
@@ -219,7 +220,7 @@ class _EpisodeGroups:
 
 def _continuous(config_toml: str) -> bool:
     try:
-        return tomllib.loads(config_toml).get("pipeline", {}).get("admission") == "continuous"
+        return admits_continuously(tomllib.loads(config_toml).get("pipeline", {}).get("admission"))
     except tomllib.TOMLDecodeError:
         return False
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from flexmarl.runtime import collector
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.config import RouterConfig
+from flexmarl.runtime.config import RouterConfig, admits_continuously
 
 from ..rollout.balance_rules import AgentDemand, RolloutBalancer
 from ..state import decisions
@@ -29,7 +29,7 @@ from .lineage import agent_roles, last_batch, lineage, lost_batches, open_steps
 _GROUP_EVENTS = frozenset({ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete})
 
 # The decision events the re-drive derives; replay compares these, in order.
-REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided, ev.EpisodeAssigned)
+REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided, ev.EpisodeAdmitted, ev.EpisodeAssigned)
 
 
 def redrive(log: list) -> list:
@@ -60,26 +60,38 @@ def training_decisions(log: list, agents: Sequence[str]) -> dict[str, list]:
     pipeline = tomllib.loads(start.config_toml)["pipeline"]
     with collector.rare_collections():  # a refilled store is a heap of records, as the controller's
         store = _refilled_store(log, list(agents), set(start.agents) - set(agents), agent_roles(start).dynamic,
-                                pipeline.get("admission") == "continuous")
+                                admits_continuously(pipeline.get("admission")))
         return _redrive_training(log, store, list(agents), pipeline, start.max_staleness)
 
 
 def episode_assignments(log: list) -> list:
-    """Continuous admission: the batch that trains each episode, from the order the
-    episodes were admitted (with the newest batch each was admitted for) and ended
-    (`decisions.assigned_batch`), as `EpisodeAssigned` events (`log` a lineage)."""
+    """Continuous and capacity admission: each episode's admission and the batch that
+    trains it, in log order (`log` a lineage). An `EpisodeAdmitted` comes back as logged
+    when `decisions.may_admit` allows it from the episodes then running and ended, the
+    newest batch it was admitted for and the spares it could count on
+    (`decisions.spare_room`, from the drained instances it logged), and with `newest` -1
+    when the rules would have held it back; an `EpisodeAssigned` names the batch
+    `decisions.assigned_batch` gives from the order the episodes were admitted and ended."""
     quota, last, spares = _admission_settings(run_of(log).config_toml, (0, 0, 0))
     first = 1  # a resumed run's schedule starts after its checkpoint
     ended: collections.Counter[int] = collections.Counter()
     due: collections.Counter[int] = collections.Counter()
     newest: dict[str, int] = {}
-    made = []
+    # What the admitting process's schedule counted: a resumed one starts with none.
+    running: set[str] = set()
+    ended_here: collections.Counter[int] = collections.Counter()
+    made: list[ev.EpisodeAdmitted | ev.EpisodeAssigned] = []
     for e in log:
         kind = type(e)
         if kind is ev.RunResumed:
             quota, last, spares = _admission_settings(e.config_toml, (quota, last, spares))
             first = e.step + 1
+            running, ended_here = set(), collections.Counter()
         elif kind is ev.EpisodeAdmitted:
+            room = decisions.spare_room(spares, None if e.drained < 0 else e.drained)
+            allowed = decisions.may_admit(len(running), ended_here, first, e.newest, last, quota, room)
+            made.append(ev.EpisodeAdmitted(e.episode, e.started, e.newest if allowed else -1, e.drained))
+            running.add(e.episode)
             newest[e.episode] = e.newest
             due[e.newest] += 1
         elif kind is ev.EpisodeAssigned:
@@ -88,6 +100,8 @@ def episode_assignments(log: list) -> list:
                 due[admitted] -= 1
             batch = decisions.assigned_batch(ended, +due, first, last, quota, spares, admitted)
             ended[batch] += 1
+            running.discard(e.episode)
+            ended_here[batch] += 1
             made.append(ev.EpisodeAssigned(e.episode, e.started, batch))
     return made
 
@@ -119,7 +133,7 @@ def _refilled_store(log: list, agents: list[str], others: set[str], dynamic: Seq
     opened, completed, rewarded = ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete
     if others:  # a share of the run's agents: the others' groups are not refilled here
         log = [e for e in log if type(e) not in _GROUP_EVENTS or e.agent not in others]
-    assigned = iter(episode_assignments(log) if continuous else ())
+    assigned = iter([e for e in episode_assignments(log) if type(e) is ev.EpisodeAssigned] if continuous else ())
     groups_of: dict[str, list] = {}  # episode -> its groups
     for e in log:
         kind = type(e)
@@ -180,7 +194,7 @@ def in_log_order(log: list, made: dict[str, list], moves: list, assignments: Seq
         kind = type(e)
         if kind not in redriven:
             continue
-        if kind is ev.RebalanceDecided or kind is ev.EpisodeAssigned:
+        if kind is ev.RebalanceDecided or kind is ev.EpisodeAssigned or kind is ev.EpisodeAdmitted:
             move = next(next_move if kind is ev.RebalanceDecided else next_assigned, None)
             if move is not None:
                 result.append(move)

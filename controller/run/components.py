@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from flexmarl.runtime import bases, protocol
-from flexmarl.runtime.config import ConfigError, ExperimentConfig, to_dict, trained_agents
+from flexmarl.runtime.config import ConfigError, ExperimentConfig, admits_continuously, to_dict, trained_agents
 from flexmarl.runtime.model_specs import default_model_cache, has_tokenizer
 
 from ..control.interfaces import Emit
@@ -279,14 +279,16 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                             frozen=[a for a in agents if a not in trained],
                             dynamic=[a for a, c in cfg.agents.items() if c.dynamic_sampling],
                             teachers={a: c.teacher for a, c in cfg.agents.items() if c.teacher},
-                            assigned_at_end=cfg.pipeline.admission == "continuous")
+                            assigned_at_end=admits_continuously(cfg.pipeline.admission))
     versions = SyncedVersions(agents)
+    instances = RolloutInstances(units, emit)
     schedule = BatchSchedule(trained, cfg.run.steps, cfg.pipeline.queries_per_step,
                              overlap=cfg.pipeline.mode == "async", max_staleness=cfg.pipeline.max_staleness,
                              versions=versions, snapshots={a: every for a, (_, every) in snapshots.items()},
-                             continuous=cfg.pipeline.admission == "continuous", spares=cfg.pipeline.partial_rollout)
+                             continuous=admits_continuously(cfg.pipeline.admission), spares=cfg.pipeline.partial_rollout,
+                             drained=instances.drained if cfg.pipeline.admission == "capacity" else None)
     store.on_ready.append(lambda key: schedule.work_arrived(key.agent))
-    instances = RolloutInstances(units, emit)
+    instances.on_drained.append(schedule.instance_drained)
     pipelines: dict[str, AgentPipeline] = {}
     allocator = TrainerAllocator(server, [], cfg.cluster.trainer_capacity, {a: cfg.agents[a] for a in trained},
                                  resolved.model_path, cfg.run.seed, lambda agent: pipelines[agent].work(), emit,
@@ -353,7 +355,7 @@ def _run_state(cfg: ExperimentConfig, step: int, store: ExperienceStore, instanc
     past = store.samples_past(step)
     return controller_state(cfg, step, instances.assignment, {a: past[a] for a in cfg.agents}, dataset,
                             episodes.episode_number(step + 1, 0), versions,
-                            episodes.in_flight(step) if cfg.pipeline.admission == "continuous" else None)
+                            episodes.in_flight(step) if admits_continuously(cfg.pipeline.admission) else None)
 
 
 def _metrics(cfg: ExperimentConfig, resolved: Resolved, given: Given, store: ExperienceStore,

@@ -50,6 +50,16 @@ def may_admit(running: int, ended: Mapping[int, int], first: int, newest: int, l
     return running + done < quota * (newest - first + 1) + spares
 
 
+def spare_room(spares: int, drained: int | None) -> int:
+    """The spares an admission may count on (`may_admit`'s `spares`): under continuous
+    admission (`drained` None) every one of `partial_rollout`; under capacity admission only
+    as many as the first turn's agent has instances that have drained (no group left on
+    them), so episodes beyond what the staleness bound admits go only where an engine would
+    otherwise idle, one per drained instance. Within the bound nothing changes: an episode
+    that can be trained if it ends in turn is never held back."""
+    return spares if drained is None else min(spares, drained)
+
+
 def assigned_batch(ended: Mapping[int, int], due: Mapping[int, int], first: int, last: int, quota: int,
                    spares: int = 0, newest: int | None = None) -> int:
     """Continuous admission: the global batch that trains an episode ending now. `ended`:

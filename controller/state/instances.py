@@ -24,6 +24,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.bases import EngineUnit, Units
@@ -48,6 +49,7 @@ class RolloutInstances:
         self._live: dict[str, list[str]] = defaultdict(list)  # agent -> instances serving it, in routing order
         self._placed: dict[str, int] = {}  # worker -> its position in set-up's placement
         self.outstanding: dict[str, float] = defaultdict(float)  # worker -> tokens in flight (read-only outside)
+        self.on_drained: list[Callable[[str], None]] = []  # told when an instance's last group came back
 
     def _get(self, worker: str) -> Instance:
         if worker not in self._instances:
@@ -149,3 +151,12 @@ class RolloutInstances:
 
     def work_done(self, worker: str, tokens: float) -> None:
         self.outstanding[worker] -= tokens
+        if self.outstanding[worker] <= 0:
+            for hook in self.on_drained:
+                hook(worker)
+
+    def drained(self, agent: str) -> int:
+        """How many of the live instances serving `agent` have no group outstanding (capacity
+        admission's measure of an engine about to idle: a group comes back whole, so the
+        router sees an instance's batch drain group by group)."""
+        return sum(1 for w in self._live.get(agent, ()) if self.outstanding.get(w, 0.0) <= 0)

@@ -25,8 +25,33 @@ version from `SyncedVersions` (versions.py), which it does not write:
   (`decisions.assigned_batch`: the first queries_per_step episodes to end fill a batch, a
   slower one carries over, but no newer episode takes the place an older one needs within
   its staleness bound), and that batch's `episode_ended` counts it. The last batch takes every episode left;
+- with capacity admission, the same, except that the spares are counted only as far as
+  the first turn's agent has instances with no group left (`drained`, read from the
+  instances' owner, which calls `instance_drained` when an instance's last group comes
+  back): see "Capacity admission" below;
 - an evaluation after step t (evaluation.py) holds every agent's sync to version t + 1
   (`wait_to_sync`) until it has run (`evaluated(t)`), so it measures version t.
+
+Capacity admission (`pipeline.admission = "capacity"`), and why its rule is this one. An
+episode admitted while the agents' versions allow batches up to `newest` can be trained
+only by a batch up to `newest` (the bound applies to its oldest token, drawn now), and
+those batches hold queries_per_step each. Continuous admission already admits up to that
+count: within it every running episode can be trained if it ends in turn, so no first
+turn waits while such room is left, whatever the instances' capacity (an engine's
+max_num_seqs, 1024 by default, is never what binds; the staleness bound is). Past it, an
+episode admitted before the version moves takes a place some running episode needs, and
+whichever of them ends last is then too stale: more work for an instance before the
+version moves is always bought with a dropped episode. So capacity admission spends that
+price only where it buys engine time that would otherwise be idle: past the bound it
+counts at most `partial_rollout` spares, and only as many as the first turn's agent has
+instances with no group left (`decisions.spare_room`); the router then sends the group to
+the least loaded instance, the drained one (with two instances always; with more, the less
+loaded of two drawn at random, as for any group). An instance busy with its own groups never
+draws a spare, so a spare is not over while every engine has work (continuous admission's
+are, from the first batch on). The router counts work by group, which comes back whole,
+so an instance counts as drained when its last group has (a group whose last sample runs
+alone is not yet drained); the count is the instances' owner's, which calls
+`instance_drained` when an instance's last group comes back.
 
 The rules themselves are in decisions.py. It does not know the store, workers or
 trainers, only counts, versions and times.
@@ -51,6 +76,7 @@ class EpisodeSlot:
 
     started: int
     admitted: int | None = None  # the newest batch its version allowed when its first turn was admitted
+    drained: int = -1  # capacity admission: its agent's drained instances then (-1: continuous admission)
 
 
 @dataclass
@@ -84,7 +110,8 @@ class BatchSchedule:
     def __init__(self, agents: list[str], steps: int, episodes_per_batch: int, *, overlap: bool,
                  max_staleness: int, versions: SyncedVersions | None = None,
                  clock: Callable[[], float] = time.monotonic, snapshots: dict[str, int] | None = None,
-                 continuous: bool = False, spares: int = 0) -> None:
+                 continuous: bool = False, spares: int = 0,
+                 drained: Callable[[str], int] | None = None) -> None:
         self.agents = list(agents)  # the trained agents: each steps every batch
         # Snapshot agents and their refresh intervals: their turns wait for their refresh.
         # Any other agent not in `agents` is frozen: no gate.
@@ -101,6 +128,9 @@ class BatchSchedule:
         self._due: collections.Counter[int] = collections.Counter()  # batch -> running episodes admitted with it newest
         self._ended: collections.Counter[int] = collections.Counter()  # batch -> episodes assigned to it
         self._freed = asyncio.Event()  # a slot was freed: admission waiters look again
+        # Capacity admission: agent -> its instances with no group left (the instances'
+        # owner's count); `instance_drained` wakes the admission waiters. None: continuous.
+        self.drained = drained if continuous else None
         self.versions = versions if versions is not None else SyncedVersions(agents)  # read only
         self._work = {a: asyncio.Event() for a in agents}
         self.first_batch = 1  # later after a resume
@@ -202,17 +232,19 @@ class BatchSchedule:
 
         async def gate(agent: str, batch: int) -> None:
             if slot.admitted is None:
-                await self._admit(slot, on_admitted)
+                await self._admit(slot, on_admitted, agent)
             assert slot.admitted is not None
             await self.gate(agent, slot.admitted)
         return gate
 
-    async def _admit(self, slot: EpisodeSlot, on_admitted: Callable[[EpisodeSlot], None] | None) -> None:
+    async def _admit(self, slot: EpisodeSlot, on_admitted: Callable[[EpisodeSlot], None] | None, agent: str) -> None:
         while True:
             newest = self._newest_batch()
+            drained = None if self.drained is None else self.drained(agent)
             if decisions.may_admit(sum(self._due.values()), self._ended, self.first_batch, newest, self.steps, self.quota,
-                                   self.spares):
+                                   decisions.spare_room(self.spares, drained)):
                 slot.admitted = newest
+                slot.drained = -1 if drained is None else drained
                 self._due[newest] += 1
                 if on_admitted is not None:
                     on_admitted(slot)
@@ -224,6 +256,16 @@ class BatchSchedule:
             finally:
                 for w in waits:
                     w.cancel()
+
+    def instance_drained(self, worker: str) -> None:
+        """An instance's last group came back (the instances' owner tells): under capacity
+        admission a waiting first turn may now count on a spare."""
+        if self.drained is not None:
+            self._wake_admissions()
+
+    def _wake_admissions(self) -> None:
+        self._freed.set()
+        self._freed = asyncio.Event()
 
     def _newest_batch(self) -> int:
         """The newest batch every trained agent's version may generate for now: an
@@ -241,8 +283,7 @@ class BatchSchedule:
         batch = decisions.assigned_batch(self._ended, +self._due, self.first_batch, self.steps, self.quota, self.spares,
                                          slot.admitted)
         self._ended[batch] += 1
-        self._freed.set()
-        self._freed = asyncio.Event()
+        self._wake_admissions()
         return batch
 
     # -- the per-agent pipelines

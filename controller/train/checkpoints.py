@@ -53,7 +53,7 @@ from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
 from flexmarl.runtime.atomic import sync_dir, write_text_atomically
 from flexmarl.runtime.checksums import MANIFEST, DamagedFile, entries_under, read_manifest, verify_files, write_manifest
-from flexmarl.runtime.config import ConfigError, dump_toml
+from flexmarl.runtime.config import ConfigError, admits_continuously, dump_toml
 from flexmarl.runtime.params.types import ParamHandle
 
 from ..control.interfaces import Emit, WorkerCalls
@@ -344,15 +344,16 @@ def resume_counters(resume: ResumePoint, run_dir: Path, schedule: Any, versions:
     A checkpoint of a continuous-admission run resumes only under continuous admission
     (under step admission, each batch trains the episodes it started: those taken early by
     an earlier batch would train twice) and only with its episodes in flight recorded."""
-    if saved_admission(resume) == "continuous":
+    saved = saved_admission(resume)
+    if admits_continuously(saved):
         if "episodes" not in resume.state:
             raise ConfigError(f"the checkpoint of step {resume.step} was written under pipeline.admission = "
-                              "\"continuous\" without its episodes in flight, so a resume would lose or repeat "
+                              f"{saved!r} without its episodes in flight, so a resume would lose or repeat "
                               "some; start the run again, or resume from a checkpoint this version wrote")
         if not schedule.continuous:
             raise ConfigError(f"the checkpoint of step {resume.step} was written under pipeline.admission = "
-                              "\"continuous\" (its batches train the first episodes to end, not the ones they "
-                              "started): resume it with --set pipeline.admission=continuous")
+                              f"{saved!r} (its batches train the first episodes to end, not the ones they "
+                              f"started): resume it with --set pipeline.admission={saved}")
     truncate_metrics(run_dir / "metrics.jsonl", resume.step)
     schedule.resume_after(resume.step, resume.state.get("episodes", {}).get("spares_over", 0))
     versions.resume_at(resume.step, schedule.agents + list(schedule.snapshots))  # a frozen agent stays at 0

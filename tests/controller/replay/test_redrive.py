@@ -141,3 +141,28 @@ def with_first_micro_batch_of(events, agent, parts):
             e, changed = msgspec.structs.replace(e, parts=parts), True
         out.append(e)
     return out
+
+
+def test_capacity_admissions_are_redriven_from_the_drained_instances_each_logged():
+    """Two episodes a batch, K = 1, two spares, version 0 (batches 1 and 2 may train what is
+    admitted): four fit the bound; a fifth beside one drained instance may count on a spare;
+    a sixth logged with no instance drained is one the rules would have held back."""
+    overrides = ["pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.in_flight=keep",
+                 "pipeline.admission=capacity", "pipeline.partial_rollout=2", "pipeline.queries_per_step=2",
+                 "run.steps=4", "agents.a.model='m'"]
+    cfg = load_config(None, overrides, defaults={})
+    admitted = [ev.EpisodeAdmitted(f"s{b}q{i}", b, 2, 0) for b in (1, 2) for i in (0, 1)]
+    events = [ev.RunStarted(dump_toml(cfg), ["a"], "async", 1, 0), *admitted,
+              ev.EpisodeAdmitted("s1p0", 1, 2, 1), ev.EpisodeAssigned("s1q0", 1, 1),
+              ev.EpisodeAdmitted("s3q0", 3, 2, 0)]
+    for seq, e in enumerate(events):
+        e.seq, e.t = seq, float(seq)
+    made = [msgspec.structs.replace(e, seq=-1, t=0.0) for e in redrive.episode_assignments(events)]
+    logged = [msgspec.structs.replace(e, seq=-1, t=0.0) for e in events[1:]]
+    assert made[:-1] == logged[:-1]  # within the bound, and the spare beside a drained instance
+    assert made[-1] == ev.EpisodeAdmitted("s3q0", 3, -1, 0)  # 5 running + 1 ended: no spare without a drained one
+    assert "EpisodeAdmitted" in (replay.check(events) or "")
+    events[-1].drained = 1  # one drained instance: the spare over already is its one
+    assert "EpisodeAdmitted" in (replay.check(events) or "")
+    events[-1].drained = 2
+    assert replay.check(events) is None

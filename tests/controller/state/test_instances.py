@@ -68,3 +68,18 @@ def test_outstanding_work_is_counted_per_instance_by_what_is_added_and_done():
     instances.add_work("r0", 2.0)
     instances.work_done("r0", 40.0)
     assert instances.outstanding["r0"] == 2.0 and instances.outstanding["r1"] == 0.0
+
+
+def test_an_instance_whose_last_group_came_back_counts_as_drained_and_tells_who_asked():
+    instances, _ = owner()
+    told = []
+    instances.on_drained.append(told.append)
+    for worker in ("r0", "r1"):
+        instances.serve(worker, "a", f"{worker} joins")
+    instances.add_work("r0", 40.0)
+    instances.add_work("r0", 2.0)
+    assert instances.drained("a") == 1 and instances.drained("b") == 0  # r1 has nothing; b no instance
+    instances.work_done("r0", 40.0)
+    assert told == [] and instances.drained("a") == 1  # one group still out on r0
+    instances.work_done("r0", 2.0)
+    assert told == ["r0"] and instances.drained("a") == 2

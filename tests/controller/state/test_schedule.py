@@ -166,3 +166,34 @@ def test_a_newer_episode_ending_first_never_takes_the_place_an_older_one_needs_w
     # One that already missed its bound (batches up to 2 full) takes no spare's room: it goes after them.
     assert decisions.assigned_batch({1: 2, 2: 2}, {3: 2}, 1, 6, 2, spares=1, newest=2) == 4
     assert decisions.assigned_batch({1: 2, 2: 2}, {3: 2}, 1, 6, 2, spares=1, newest=3) == 3
+
+
+async def test_capacity_admission_spends_a_spare_only_on_a_drained_instance_one_per_instance():
+    """Two episodes a batch, K = 1, two spares, version 0: batches 1 and 2 hold four. Past
+    them continuous admission admits both spares at once; capacity admission admits one
+    only while an instance of the agent has no group left, one per such instance."""
+    drained = {"a": 0}
+    s = BatchSchedule(["a"], 4, 2, overlap=True, max_staleness=1, continuous=True, spares=2,
+                      drained=drained.__getitem__)
+    admitted = []
+    for b in (1, 1, 2, 2):  # within the bound: never held back, whatever the instances hold
+        slot = s.slot(b)
+        await asyncio.wait_for(s.gate_of(slot, admitted.append)("a", b), 1)
+    assert [slot.drained for slot in admitted] == [0, 0, 0, 0]
+    fifth, sixth = s.slot(3), s.slot(3)
+    waiting = [asyncio.ensure_future(s.gate_of(slot, admitted.append)("a", 3)) for slot in (fifth, sixth)]
+    await asyncio.sleep(0.01)
+    assert not any(w.done() for w in waiting)  # every instance busy: no spare spent
+    drained["a"] = 1
+    s.instance_drained("r0")
+    await asyncio.sleep(0.01)
+    assert sum(w.done() for w in waiting) == 1 and admitted[-1].drained == 1  # one, for the drained one
+    drained["a"] = 2
+    s.instance_drained("r1")
+    await asyncio.wait_for(asyncio.gather(*waiting), 1)
+    assert [slot.drained for slot in admitted[4:]] == [1, 2]
+    assert [decisions.spare_room(2, d) for d in (None, 0, 1, 5)] == [2, 0, 1, 2]
+    # The rule's count: four running fill batches 1 and 2; a spare only with room for it.
+    assert decisions.may_admit(4, {}, 1, 2, 4, 2, decisions.spare_room(2, 0)) is False
+    assert decisions.may_admit(4, {}, 1, 2, 4, 2, decisions.spare_room(2, 1)) is True
+    assert decisions.may_admit(5, {}, 1, 2, 4, 2, decisions.spare_room(2, 1)) is False

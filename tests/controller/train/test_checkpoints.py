@@ -391,6 +391,23 @@ def test_a_continuous_checkpoint_resumed_under_step_admission_is_refused_naming_
     assert training_run(tmp_path, *CONTINUOUS, resume=ResumePoint(tmp_path, 1, step)).parts.schedule.first_batch == 2
 
 
+def test_a_capacity_checkpoint_records_its_episodes_and_resumes_under_continuous_or_capacity_only(
+        tmp_path, models_named):
+    from flexmarl.controller.train.checkpoints import ResumePoint
+    from flexmarl.runtime.config import ConfigError
+
+    capacity = [o.replace("=continuous", "=capacity") for o in CONTINUOUS]
+    run = training_run(tmp_path, *capacity)
+    assert run.parts.schedule.drained is not None  # the instances' owner counts its drained instances
+    assert training_run(tmp_path, *CONTINUOUS).parts.schedule.drained is None
+    state = run.parts.checkpoints.controller_state(1)
+    assert state["admission"] == "capacity" and "episodes" in state
+    with pytest.raises(ConfigError, match=r"resume it with --set pipeline.admission=capacity"):
+        training_run(tmp_path, *[o for o in capacity if "admission" not in o and "partial" not in o],
+                     resume=ResumePoint(tmp_path, 1, state))
+    assert training_run(tmp_path, *CONTINUOUS, resume=ResumePoint(tmp_path, 1, state)).parts.schedule.first_batch == 2
+
+
 async def test_a_continuous_runs_final_checkpoint_resumed_for_more_steps_over_provisions_its_spare_again(
         tmp_path, models_named):
     from flexmarl.controller.train.checkpoints import ResumePoint
