@@ -58,7 +58,7 @@ _FD = int(zmq.FD)
 _POLLIN = int(zmq.POLLIN)
 
 
-@dataclass
+@dataclass(slots=True)
 class Inbound:
     """One received message. When it was malformed, `msg` is None, `reason` is a short
     fixed category to count by ("oversized", "bad body", ...) and `error` the details."""

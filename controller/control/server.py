@@ -62,7 +62,7 @@ MESSAGES_PER_TURN = 8
 ReplyHandler = Callable[[protocol.Message, list[Any]], bool]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     worker_id: str
     future: asyncio.Future
@@ -324,15 +324,21 @@ class ControllerServer:
         log.warning("dropped message from %r: %s", identity, protocol.shorten(detail, 300))
 
     def _dispatch_reply(self, inbound: Inbound, now: float) -> bool:
-        """A registered worker's reply to a request, handled at once (most of what
-        arrives); False for anything else, which `_dispatch` handles."""
+        """A registered worker's reply to a request, or its heartbeat, handled at once
+        (most of what arrives); False for anything else, which `_dispatch` handles."""
         msg = inbound.msg
-        if msg is None or type(msg) in _NOT_REPLIES:
+        if msg is None:
+            return False
+        kind = type(msg)
+        if kind in _NOT_REPLIES and kind is not protocol.Heartbeat:
             return False
         info = self.registry.by_identity(inbound.identity)
         if info is None:
             return False
         info.last_seen = now  # the registry's `seen`
+        if kind is protocol.Heartbeat:
+            info.load = dict(msg.load)
+            return True
         if load := getattr(msg, "load", None):  # a busy worker's replies stand in for its heartbeats
             info.load = load
         self._deliver(info, msg, inbound.buffers)

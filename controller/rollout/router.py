@@ -221,10 +221,14 @@ class RolloutClient:
     async def generate(self, agent: str, group: protocol.GenGroup, after: str = "") -> GroupOutput:
         """The group's output, every member in order; `after`: the instance that generated
         the sample's previous turn (a later turn goes back to it if it can)."""
-        owner = _Group(agent, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        owner = _Group(agent, loop.create_future())
         part = _Part(group, owner, after)
         self.dispatched_tokens[agent] += part.cost
-        self._queue([part])
+        self._queued.append(part)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
         return await owner.future
 
     # ------------------------------------------------------------ routing, once per loop turn
@@ -259,7 +263,10 @@ class RolloutClient:
     def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
         agent, load = part.owner.agent, self.outstanding.__getitem__
         if part.owner.left == 0:  # a new group: parts are counted once
-            pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
+            if part.group.n < 2 * self.policy.min_part:  # too small to split (`RoutingPolicy.sizes`)
+                pieces = [part]
+            else:
+                pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
             part.owner.left = len(pieces)
         else:  # a part routed again: as it was
             pieces = [part]
