@@ -336,7 +336,7 @@ class ControllerServer:
         if info is None:
             return False
         info.last_seen = now  # the registry's `seen`
-        if kind is protocol.Heartbeat:
+        if isinstance(msg, protocol.Heartbeat):
             info.load = dict(msg.load)
             return True
         if load := getattr(msg, "load", None):  # a busy worker's replies stand in for its heartbeats

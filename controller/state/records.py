@@ -360,7 +360,7 @@ class SampleView(msgspec.Struct, frozen=True, gc=False):
         until its first turn came back)."""
         r, j = self._record, self.member
         offsets = r.offsets  # `span`, inline: read per sample by most workflows
-        return memoryview(r.tokens).cast(TOKEN)[offsets[j]:offsets[j + 1]] if offsets else _ids(b"")
+        return memoryview(r.tokens).cast("i")[offsets[j]:offsets[j + 1]] if offsets else _ids(b"")  # TOKEN
 
     @property
     def logprobs(self) -> memoryview[float]:
