@@ -58,7 +58,7 @@ _FD = int(zmq.FD)
 _POLLIN = int(zmq.POLLIN)
 
 
-@dataclass
+@dataclass(slots=True)
 class Inbound:
     """One received message. When it was malformed, `msg` is None, `reason` is a short
     fixed category to count by ("oversized", "bad body", ...) and `error` the details."""
@@ -248,17 +248,26 @@ class RouterSocket(_Socket):
         return received
 
     async def send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
-        """Queues `msg` for one peer without waiting: raises zmq.Again when that peer's
-        queue is full (it is not reading) and EHOSTUNREACH when it is not connected.
-        Every send is DONTWAIT so none is ever parked, which would hold back the sends
-        to every other peer behind it; so it goes straight to the plain socket, frame by
-        frame as send_multipart would (the first frame is the one libzmq may refuse)."""
+        """Queues `msg` for one peer without waiting (`send_nowait`)."""
+        self.send_nowait(identity, msg, buffers)
+
+    def send_nowait(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
+        """Queues `msg` for one peer: raises zmq.Again when that peer's queue is full (it
+        is not reading) and EHOSTUNREACH when it is not connected. Every send is DONTWAIT
+        so none is ever parked, which would hold back the sends to every other peer behind
+        it; so it goes straight to the plain socket, frame by frame as send_multipart would
+        (the first frame is the one libzmq may refuse)."""
         send = self._send_frame
         send(identity, _DONTWAIT | _SNDMORE)
-        frames = protocol.encode(msg, buffers)
-        last = len(frames) - 1
-        for i, frame in enumerate(frames):
-            send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
+        if buffers:
+            frames = protocol.encode(msg, buffers)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
+        else:  # kind and body, the common case
+            kind, body = protocol.encode(msg)
+            send(kind, _DONTWAIT | _SNDMORE)
+            send(body, _DONTWAIT)
         # A send on the plain socket can consume the edge of the descriptor that wakes a
         # receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
         # re-arms it (what pyzmq itself does after sending without a future), once after

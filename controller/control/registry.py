@@ -7,6 +7,7 @@ is tested without sockets and replayed without processes. It never sends anythin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from flexmarl.runtime import protocol
 
@@ -40,6 +41,8 @@ class WorkerRegistry:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerInfo] = {}
         self._by_identity: dict[bytes, WorkerInfo] = {}  # a live worker's connection -> the worker
+        # The live worker on a connection (None: none), asked per inbound message: the dict's own lookup.
+        self.by_identity: Callable[[bytes], WorkerInfo | None] = self._by_identity.get
 
     def register(self, hello: protocol.Hello, identity: bytes, now: float) -> WorkerInfo:
         if hello.protocol_version != protocol.PROTOCOL_VERSION:
@@ -67,9 +70,6 @@ class WorkerRegistry:
         self.workers[hello.worker_id] = info
         self._by_identity[identity] = info
         return info
-
-    def by_identity(self, identity: bytes) -> WorkerInfo | None:
-        return self._by_identity.get(identity)
 
     def seen(self, info: WorkerInfo, now: float) -> None:
         info.last_seen = now

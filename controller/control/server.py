@@ -62,7 +62,7 @@ MESSAGES_PER_TURN = 8
 ReplyHandler = Callable[[protocol.Message, list[Any]], bool]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     worker_id: str
     future: asyncio.Future
@@ -193,21 +193,43 @@ class ControllerServer:
                            buffers: Sequence[Any] = ()) -> None:
         await self._send_request(worker_id, msg, buffers)
 
+    def send_now(self, requests: Sequence[tuple[str, protocol.Message]]) -> int:
+        """Sends registered requests (`stream`), in order, while each worker's queue takes
+        one now; returns how many it handled: the first whose worker's queue is full and
+        those after it are the caller's to send with `send_request` (which waits for room)."""
+        workers, send = self.registry.workers, self.socket.send_nowait
+        now = time.monotonic()
+        for i, (worker_id, msg) in enumerate(requests):
+            info = workers.get(worker_id)
+            if info is None or not info.alive:
+                continue  # its future already carries WorkerDied
+            try:
+                send(info.identity, msg)
+            except zmq.Again:
+                return i
+            except zmq.ZMQError as exc:
+                self._send_failed(info.identity, msg, exc)
+                continue
+            info.last_sent = now
+        return len(requests)
+
     async def _send_request(self, worker_id: str, msg: protocol.Message, buffers: Sequence[Any]) -> None:
         info = self.registry.workers.get(worker_id)
         if info is None or not info.alive:
             return  # the future already carries WorkerDied
         # Its queue is full only if it has not read SEND_HWM messages: wait for it, bounded
         # like silence is, then treat it as dead (which fails this request's future).
-        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+        deadline = 0.0
         pause = 0.001
         while info.alive:
             try:
-                await self.socket.send(info.identity, msg, buffers)
+                self.socket.send_nowait(info.identity, msg, buffers)
                 info.last_sent = time.monotonic()
                 return
             except zmq.Again:
-                if time.monotonic() > deadline:
+                if not deadline:
+                    deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+                elif time.monotonic() > deadline:
                     self._declare_dead(info, f"not reading: its queue stayed full for "
                                              f"{self.cfg.heartbeat_timeout_s}s")
                     return
@@ -268,7 +290,7 @@ class ControllerServer:
     async def _send(self, identity: bytes, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         """A notice (heartbeat, error, welcome, reject): sent now or dropped, never awaited."""
         try:
-            await self.socket.send(identity, msg, buffers)
+            self.socket.send_nowait(identity, msg, buffers)
         except zmq.ZMQError as exc:
             self._send_failed(identity, msg, exc)
         else:
@@ -302,15 +324,21 @@ class ControllerServer:
         log.warning("dropped message from %r: %s", identity, protocol.shorten(detail, 300))
 
     def _dispatch_reply(self, inbound: Inbound, now: float) -> bool:
-        """A registered worker's reply to a request, handled at once (most of what
-        arrives); False for anything else, which `_dispatch` handles."""
+        """A registered worker's reply to a request, or its heartbeat, handled at once
+        (most of what arrives); False for anything else, which `_dispatch` handles."""
         msg = inbound.msg
-        if msg is None or type(msg) in _NOT_REPLIES:
+        if msg is None:
+            return False
+        kind = type(msg)
+        if kind in _NOT_REPLIES and kind is not protocol.Heartbeat:
             return False
         info = self.registry.by_identity(inbound.identity)
         if info is None:
             return False
-        self.registry.seen(info, now)
+        info.last_seen = now  # the registry's `seen`
+        if isinstance(msg, protocol.Heartbeat):
+            info.load = dict(msg.load)
+            return True
         if load := getattr(msg, "load", None):  # a busy worker's replies stand in for its heartbeats
             info.load = load
         self._deliver(info, msg, inbound.buffers)

@@ -61,12 +61,11 @@ import dataclasses
 import itertools
 import logging
 import random
-import weakref
 import zlib
 from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Protocol
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.keys import SCORE_TURN, GroupKey, TurnKey
@@ -92,19 +91,34 @@ BRANCH: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("flexma
 # The most tokens the prompt of the call being made may have, besides the agent's context
 # (0: no cap of its own): set by the OpenAI endpoint around each call it hands over.
 PROMPT_CAP: contextvars.ContextVar[int] = contextvars.ContextVar("flexmarl_prompt_cap", default=0)
-_children: "weakref.WeakKeyDictionary[asyncio.Task, itertools.count]" = weakref.WeakKeyDictionary()
+# The running task's count of the tasks it created so far, kept in its own context beside
+# BRANCH: (the task's id, the count). A context copied from a task's (a callback's, or a task
+# made without the factory) holds another task's id, and so no count of its own.
+_CHILDREN: contextvars.ContextVar[tuple[int, Iterator[int]]] = contextvars.ContextVar("flexmarl_children")
+_current_task = asyncio.current_task
 
 
 def _branch_task_factory(loop: asyncio.AbstractEventLoop, coro: Any, *, context: Any = None,
                          **kwargs: Any) -> asyncio.Task:
     """Creates tasks as asyncio does, each with its BRANCH: the parent's plus the number
     of tasks the parent created before it (program order, never timing)."""
-    parent = asyncio.current_task(loop)
+    parent = _current_task(loop)
     context = context.copy() if context is not None else contextvars.copy_context()  # the task's own
-    if parent is not None:
-        counter = _children.setdefault(parent, itertools.count())
-        context.run(BRANCH.set, BRANCH.get() + (next(counter),))
-    return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+    if parent is None:
+        return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+    children = _CHILDREN.get(None)  # the parent's, in its context (the one running)
+    if children is None or children[0] != id(parent):
+        children = (id(parent), itertools.count())
+        _CHILDREN.set(children)
+    task = asyncio.Task(coro, loop=loop, context=context, **kwargs)
+    context.run(_enter, BRANCH.get() + (next(children[1]),), id(task))
+    return task
+
+
+def _enter(branch: tuple[int, ...], task: int) -> None:
+    """In a new task's context: its BRANCH, and no task made by it yet."""
+    BRANCH.set(branch)
+    _CHILDREN.set((task, itertools.count()))
 
 
 def track_branches() -> None:
@@ -330,12 +344,13 @@ class EpisodeContext:
     def prompt_room(self, agent: str, sampling: dict) -> int:
         """The most tokens a prompt of `agent` may have in this call: its context less the
         turn's max_tokens, and the call's own cap (PROMPT_CAP); 0: no limit known."""
+        cap = PROMPT_CAP.get()
         tok = self.tokenizers.get(agent)
-        max_tokens = sampling.get("max_tokens") or self.agents[agent].max_tokens
-        context = getattr(tok, "context", 0) or 0  # 0 (or no tokenizer): unknown, the engine alone checks
-        rooms = [max(1, context - max_tokens)] if context else []
-        rooms += [PROMPT_CAP.get()] if PROMPT_CAP.get() else []
-        return min(rooms, default=0)
+        context = getattr(tok, "context", 0) or 0 if tok is not None else 0  # 0: unknown, the engine alone checks
+        if not context:
+            return cap
+        room = max(1, context - (sampling.get("max_tokens") or self.agents[agent].max_tokens))
+        return min(room, cap) if cap else room
 
     def _fits(self, agent: str, tokens: int, sampling: dict) -> None:
         room = self.prompt_room(agent, sampling)
@@ -509,7 +524,7 @@ class EpisodeContext:
             return
         if isinstance(value, (list, tuple)):
             raise TypeError(f"the reward of {sample.sample_id} is one number, not {value!r}")
-        self._store.set_reward(sample.key, sample.member, value)
+        self._store.set_view_reward(sample, value)
 
     def samples(self, agent: str) -> list[SampleView]:
         """Every sample `agent` made in this episode so far (ctx.generate, ctx.chat, the
@@ -616,7 +631,7 @@ async def run_episode(episode: Episode, ctx: EpisodeContext, timeout_s: float) -
     BRANCH.set(())
     task = asyncio.current_task()
     assert task is not None  # called from a coroutine
-    _children.pop(task, None)
+    _CHILDREN.set((id(task), itertools.count()))  # its branches are numbered from 0
     try:
         why = await _outcome(episode, ctx, timeout_s)
     finally:

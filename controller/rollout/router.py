@@ -221,10 +221,14 @@ class RolloutClient:
     async def generate(self, agent: str, group: protocol.GenGroup, after: str = "") -> GroupOutput:
         """The group's output, every member in order; `after`: the instance that generated
         the sample's previous turn (a later turn goes back to it if it can)."""
-        owner = _Group(agent, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        owner = _Group(agent, loop.create_future())
         part = _Part(group, owner, after)
         self.dispatched_tokens[agent] += part.cost
-        self._queue([part])
+        self._queued.append(part)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
         return await owner.future
 
     # ------------------------------------------------------------ routing, once per loop turn
@@ -250,12 +254,19 @@ class RolloutClient:
                 bound.setdefault(worker, []).append(piece)
         if bound:
             messages = [self._message(worker, parts) for worker, parts in bound.items()]
-            self._start(self._send_all(messages))
+            # Sent here, in order, while the sockets take them (none waits); from the first
+            # whose worker's queue is full on, by a task that waits its turn.
+            sent = self.server.send_now(messages)
+            if sent < len(messages):
+                self._start(self._send_all(messages[sent:]))
 
     def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
         agent, load = part.owner.agent, self.outstanding.__getitem__
         if part.owner.left == 0:  # a new group: parts are counted once
-            pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
+            if part.group.n < 2 * self.policy.min_part:  # too small to split (`RoutingPolicy.sizes`)
+                pieces = [part]
+            else:
+                pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
             part.owner.left = len(pieces)
         else:  # a part routed again: as it was
             pieces = [part]
@@ -324,40 +335,55 @@ class RolloutClient:
 
     # ------------------------------------------------------------ messages
 
-    def _message(self, worker: str, parts: list[_Part]) -> tuple[str, protocol.Generate, dict]:
+    def _message(self, worker: str, parts: list[_Part]) -> tuple[str, protocol.Generate]:
         waiting = {}
+        groups = []
+        versions: dict[str, int] = {}  # the agent's synced version, read once per message
         for part in parts:
-            part.group.version = self.version_of(part.owner.agent)
-            waiting[(part.group.key, part.group.first, part.group.turn)] = part
-        msg = protocol.Generate(self.server.next_request_id(), [p.group for p in parts])
-        for agent, mine in _by_agent(parts).items():
-            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, sum(len(p.group.prompt_ids) for p in mine),
-                                            _parts([p.group for p in mine])))
+            group, agent = part.group, part.owner.agent
+            version = versions.get(agent)
+            if version is None:
+                version = versions[agent] = self.version_of(agent)
+            group.version = version
+            waiting[(group.key, group.first, group.turn)] = part
+            groups.append(group)
+        msg = protocol.Generate(self.server.next_request_id(), groups)
+        if len(versions) == 1:  # one agent's groups (an instance serves one agent, most often)
+            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, sum([len(g.prompt_ids) for g in groups]),
+                                            _parts(groups)))
+        else:
+            for agent, mine in _by_agent(parts).items():
+                self.emit(ev.RequestsDispatched(worker, agent, msg.request_id,
+                                                sum([len(p.group.prompt_ids) for p in mine]),
+                                                _parts([p.group for p in mine])))
         future = self.server.stream(worker, msg, lambda reply, _: self._replied(worker, waiting, reply))
         future.add_done_callback(lambda f: self._message_ended(worker, waiting, f))
-        return worker, msg, waiting
+        return worker, msg
 
-    async def _send_all(self, messages: list[tuple[str, protocol.Generate, dict]]) -> None:
-        for worker, msg, _ in messages:
+    async def _send_all(self, messages: list[tuple[str, protocol.Generate]]) -> None:
+        for worker, msg in messages:
             await self.server.send_request(worker, msg)
 
     def _replied(self, worker: str, waiting: dict[tuple[GroupKey, int, int], _Part], msg: protocol.Message) -> bool:
         assert isinstance(msg, protocol.Generated)
         done = []
+        cost = 0
         for result in msg.results:
             part = waiting.pop((result.key, result.first, result.turn), None)
             if part is None:
                 log.warning("%s returned an unknown or repeated group %s (from member %d, turn %d)", worker,
                             result.key, result.first, result.turn)
                 continue
-            self.owner.work_done(worker, part.cost)
+            cost += part.cost
             done.append((part, result))
             owner = part.owner
             owner.parts.append((result, worker))
             owner.left -= 1
             if owner.left == 0 and not owner.future.done():
                 owner.future.set_result(assemble(owner.parts))
-        self._log_completed(worker, msg.request_id, done)
+        if done:
+            self.owner.work_done(worker, cost)  # the reply's parts' work, at once
+            self._log_completed(worker, msg.request_id, done)
         for refusal in msg.refused:  # fails its episode alone; never re-issued (same model, same refusal)
             part = waiting.pop((refusal.key, refusal.first, refusal.turn), None)
             if part is None:
@@ -371,26 +397,39 @@ class RolloutClient:
         return msg.done
 
     def _log_completed(self, worker: str, request_id: int, done: list[tuple[_Part, protocol.GroupResult]]) -> None:
-        by_agent: dict[str, list[tuple[_Part, protocol.GroupResult]]] = {}
-        for p, r in done:
-            by_agent.setdefault(p.owner.agent, []).append((p, r))
-        for agent, results in by_agent.items():
-            prompt, cached = [0, 0], [0, 0]  # first turns, later turns
-            for p, r in results:
-                later, n = _later(p.group), p.group.n
-                prompt[later] += n * len(p.group.prompt_ids)
-                cached[later] += r.cached_tokens * (n - 1 if n > 1 else 1)
-            spans = [spanned_oldest(r.lengths, r.version, memoryview(protocol.native(protocol.TOKEN_TYPECODE,
-                                                                                         r.token_versions)).cast("i"))
-                     if r.token_versions else [] for _, r in results]
-            event = ev.RequestsCompleted(
-                worker, agent, request_id, [r.version for _, r in results], sum(sum(r.lengths) for _, r in results),
-                prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]),
-                spans if any(spans) else [])
-            self.emit(event)
-            counts = self.prompt_counts[agent]
-            for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):
-                counts[name] += value
+        agent = done[0][0].owner.agent
+        if any(p.owner.agent != agent for p, _ in done):
+            by_agent: dict[str, list[tuple[_Part, protocol.GroupResult]]] = {}
+            for p, r in done:
+                by_agent.setdefault(p.owner.agent, []).append((p, r))
+            for agent, results in by_agent.items():
+                self._log_agent_completed(worker, agent, request_id, results)
+        else:  # one agent's (an instance serves one agent, most often)
+            self._log_agent_completed(worker, agent, request_id, done)
+
+    def _log_agent_completed(self, worker: str, agent: str, request_id: int,
+                             results: list[tuple[_Part, protocol.GroupResult]]) -> None:
+        prompt, cached = [0, 0], [0, 0]  # first turns, later turns
+        tokens, spanning = 0, False
+        for p, r in results:
+            group = p.group
+            later, n = group.turn > 0, group.n  # a later turn of a sample, not a group's first
+            prompt[later] += n * len(group.prompt_ids)
+            cached[later] += r.cached_tokens * (n - 1 if n > 1 else 1)
+            tokens += sum(r.lengths)
+            spanning = spanning or bool(r.token_versions)
+        spans = [spanned_oldest(r.lengths, r.version, memoryview(protocol.native(protocol.TOKEN_TYPECODE,
+                                                                                     r.token_versions)).cast("i"))
+                 if r.token_versions else [] for _, r in results] if spanning else []
+        self.emit(ev.RequestsCompleted(
+            worker, agent, request_id, [r.version for _, r in results], tokens,
+            prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]),
+            spans if any(spans) else []))
+        counts = self.prompt_counts[agent]
+        counts["prompt_tokens"] += prompt[0]
+        counts["cached_tokens"] += cached[0]
+        counts["turn_prompt_tokens"] += prompt[1]
+        counts["turn_cached_tokens"] += cached[1]
 
     def _message_ended(self, worker: str, waiting: dict[tuple[GroupKey, int, int], _Part],
                        future: asyncio.Future) -> None:
@@ -445,11 +484,6 @@ def _cut(part: _Part, sizes: list[int]) -> list[_Part]:
 def _named(group: protocol.GenGroup) -> str:
     """The group, or the later turn, for people."""
     return str(TurnKey(group.key, group.first, group.turn)) if group.turn else str(group.key)
-
-
-def _later(group: protocol.GenGroup) -> bool:
-    """A later turn of a sample, not a group's first."""
-    return group.turn > 0
 
 
 def _parts(groups: list[protocol.GenGroup]) -> ev.Parts:

@@ -89,8 +89,8 @@ class Experiment:
         # Once a write failed, the log's task stops the run with that error; what is emitted
         # meanwhile (by anything reacting as the run stops) is dropped instead of raising
         # the same error again in each of those places.
-        if self.events is not None and not self.events.failed:
-            self.events.emit(event)
+        if self.events is not None:
+            self.events.emit_unless_failed(event)
 
     async def flush_events(self) -> None:
         if self.events is not None:

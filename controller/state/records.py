@@ -205,6 +205,8 @@ class GroupRecord(msgspec.Struct, gc=False):
         self.tokens, self.logprobs, self.versions = tokens, logprobs, versions
         self.offsets = array.array("q", itertools.accumulate(lengths, initial=0))
         self.sampling = sampling
+        if not any(r.token_versions for r, _ in parts):
+            return
         member = 0
         for r, _ in parts:
             if r.token_versions:  # the part's members whose first turn's tokens span versions
@@ -356,8 +358,9 @@ class SampleView(msgspec.Struct, frozen=True, gc=False):
     def output_ids(self) -> memoryview:
         """Every turn's generated ids and the ids appended between turns, in order (empty
         until its first turn came back)."""
-        a, b = self._record.span(self.member)
-        return _ids(self._record.tokens)[a:b]
+        r, j = self._record, self.member
+        offsets = r.offsets  # `span`, inline: read per sample by most workflows
+        return memoryview(r.tokens).cast("i")[offsets[j]:offsets[j + 1]] if offsets else _ids(b"")  # TOKEN
 
     @property
     def logprobs(self) -> memoryview[float]:

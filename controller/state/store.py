@@ -246,6 +246,14 @@ class ExperienceStore:
     def set_reward(self, key: GroupKey, member: int, reward: float) -> None:
         self._reward(self._group(key), member, reward)
 
+    def set_view_reward(self, sample: SampleView, reward: float) -> None:
+        """`set_reward` of the sample a view shows (its record at hand: no lookup by key
+        where the store still holds it)."""
+        record = sample._record
+        if self._groups.get(record.key) is not record:
+            record = self._group(record.key)  # let go (or never the store's): as set_reward says
+        self._reward(record, sample.member, reward)
+
     def set_group_rewards(self, key: GroupKey, rewards: Sequence[float], size: int | None = None) -> None:
         """The rewards of the group's members, in order (as many as given): what
         `set_reward` of each in turn does, in one call. `size`: the group's size in tokens

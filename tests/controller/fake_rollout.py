@@ -33,6 +33,10 @@ class FakeServer:
     async def send_request(self, worker, msg):
         self.sent.append((worker, msg))
 
+    def send_now(self, requests):
+        self.sent.extend(requests)
+        return len(requests)
+
     def kill(self, worker: str) -> None:
         """As the server declares a worker dead: its requests fail, then the listeners
         (the instances' owner among them) hear of it."""

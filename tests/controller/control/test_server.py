@@ -397,3 +397,35 @@ async def test_a_controller_held_past_the_timeout_keeps_its_workers_and_they_kee
             await echo(server, "healthy")
             await asyncio.sleep(CFG.heartbeat_timeout_s / 2)
         assert server.registry.workers["healthy"].alive and not task.done()
+
+
+async def test_requests_are_sent_at_once_in_order_up_to_the_first_worker_whose_queue_is_full():
+    # The rollout client's GENERATE messages of one routing turn go out without a task
+    # (`send_now`); the first whose worker does not read, and all after it, are left for
+    # `send_request`, which waits for room: none passes one before it.
+    async with controller(dataclasses.replace(CFG, heartbeat_timeout_s=60.0)) as server, healthy_worker(server):
+        deaf = raw_dealer(server, b"deaf", [(zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)])
+        try:
+            await deaf.send_multipart(hello("deaf"))
+            await asyncio.wait_for(deaf.recv_multipart(), PATIENCE)  # WELCOME
+            info = server.registry.workers["deaf"]
+            for sent in range(100_000):  # until its queue is full
+                try:
+                    server.socket.send_nowait(info.identity, p.Heartbeat(sent), [b"x" * 2000])
+                except zmq.Again:
+                    break
+            else:
+                raise AssertionError("the deaf peer's queue never filled")
+            requests = [("healthy", p.Echo(server.next_request_id(), b"first")),
+                        ("deaf", p.Echo(server.next_request_id(), b"held")),
+                        ("healthy", p.Echo(server.next_request_id(), b"after"))]
+            futures = [server.stream(w, msg, None) for w, msg in requests]
+            assert server.send_now(requests) == 1
+            reply, _ = await asyncio.wait_for(futures[0], PATIENCE)
+            assert reply.payload == b"first"
+            await asyncio.sleep(0.1)
+            assert not futures[2].done()  # not sent: it waits behind the held one
+            for f in futures[1:]:
+                f.cancel()
+        finally:
+            deaf.close()
