@@ -19,6 +19,10 @@ from flexmarl.workers import models
 pytestmark = pytest.mark.slow
 
 
+def key(call):
+    return p.GroupKey("e", "planner", call)
+
+
 async def until(router, request_id, kind, timeout=120):
     """Messages for request_id up to the first of `kind` that ends it; fails on an Error."""
     replies = []
@@ -50,21 +54,21 @@ async def test_a_worker_process_refuses_bad_prompts_alone_and_keeps_serving(tmp_
         await until(router, 1, p.ModelLoaded)
 
         rng = random.Random(1)
-        good = [p.GenGroup(f"good-{i}", "planner", 2, tasks.planner_prompt(tasks.make_query(rng)), 6, 1.0, i,
+        good = [p.GenGroup(key(f"good-{i}"), "planner", 2, tasks.planner_prompt(tasks.make_query(rng)), 6, 1.0, i,
                            ignore_eos=True) for i in range(3)]
-        bad = [p.GenGroup("empty", "planner", 2, [], 6, 1.0, 0),
-               p.GenGroup("oov", "planner", 2, [tasks.BOS_ID, 10_000], 6, 1.0, 0)]
+        bad = [p.GenGroup(key("empty"), "planner", 2, [], 6, 1.0, 0),
+               p.GenGroup(key("oov"), "planner", 2, [tasks.BOS_ID, 10_000], 6, 1.0, 0)]
         await router.send(identity, p.Generate(2, [bad[0], *good, bad[1]]))
         replies = await until(router, 2, p.Generated)
         results = {r.key: r for m in replies for r in m.results}
         refused = {r.key: r.reason for m in replies for r in m.refused}
-        assert sorted(results) == ["good-0", "good-1", "good-2"]
+        assert sorted(results) == [key("good-0"), key("good-1"), key("good-2")]
         assert all(r.lengths == [6, 6] for r in results.values())
-        assert sorted(refused) == ["empty", "oov"] and "vocabulary" in refused["oov"]
+        assert sorted(refused) == [key("empty"), key("oov")] and "vocabulary" in refused[key("oov")]
 
-        await router.send(identity, p.Generate(3, [p.GenGroup("later", "planner", 1, good[0].prompt_ids, 6, 1.0, 0)]))
+        await router.send(identity, p.Generate(3, [p.GenGroup(key("later"), "planner", 1, good[0].prompt_ids, 6, 1.0, 0)]))
         replies = await until(router, 3, p.Generated)
-        assert [r.key for m in replies for r in m.results] == ["later"]
+        assert [r.key for m in replies for r in m.results] == [key("later")]
         assert worker.poll() is None
 
         await router.send(identity, p.Shutdown("test over"))
