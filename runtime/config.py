@@ -440,12 +440,13 @@ class PipelineConfig:
         """The bound on a batch's extra episodes (`max_extra_episodes`, 0 read as its default)."""
         return self.max_extra_episodes or 3 * self.queries_per_step
 
-    in_flight: str = "finish"
+    in_flight: str = "keep"
     """What a weight sync does to the requests in flight on an instance, in async mode with
-    max_staleness >= 1: "finish" (the load waits for them and holds new ones back), "keep" (the
-    weights are replaced between two engine steps and they continue on the keys and values the old
-    weights computed) or "recompute" (they continue after vLLM rebuilds their cache from prompt
-    plus tokens so far under the new weights). Every token records the version that produced it
+    max_staleness >= 1: "keep" (the default: the weights are replaced between two engine steps
+    and they continue on the keys and values the old weights computed), "recompute" (they
+    continue after vLLM rebuilds their cache from prompt plus tokens so far under the new
+    weights) or "finish" (the load waits for them and holds new ones back, so every sample is
+    one version's). Every token records the version that produced it
     and staleness counts a sample's oldest token. With max_staleness 0 and in sync mode a sync
     always finishes them (nothing spans a version). Adapter agents alike: under "keep" and
     "recompute" the new adapter version takes the old one's slot and the agent's requests in flight

@@ -11,6 +11,7 @@ JOB = """
 [pipeline]
 mode = "async"
 max_staleness = 2
+in_flight = "finish"  # an agent's requests end under the version they began with: K + 1 of each
 [bases.shared]
 model = "tiny:base"
 [agents.whole]

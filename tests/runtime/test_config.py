@@ -154,6 +154,9 @@ def test_the_in_flight_setting_is_checked_and_applies_only_where_a_sample_may_sp
                                (["pipeline.mode=async", "pipeline.max_staleness=0"], "finish"),  # K = 0: exactly sync
                                (["pipeline.mode=sync", "pipeline.max_staleness=1"], "finish")):
         assert load_config(None, ["pipeline.in_flight=keep", *overrides]).in_flight() == applied
+    # The default where it applies: a sync never waits for the longest generation.
+    assert load_config(None, ["pipeline.mode=async", "pipeline.max_staleness=1"]).in_flight() == "keep"
+    assert load_config(None, ["pipeline.mode=async", "pipeline.max_staleness=0"]).in_flight() == "finish"
 
 
 def test_continuous_admission_and_partial_rollout_are_refused_where_they_cannot_apply():
@@ -163,7 +166,7 @@ def test_continuous_admission_and_partial_rollout_are_refused_where_they_cannot_
     for overrides, message in [
             (["pipeline.admission=eager"],
              "pipeline.admission must be one of 'step', 'continuous', 'capacity', got 'eager'"),
-            ([*ok[:2], "pipeline.admission=continuous"], "needs in_flight"),
+            ([*ok[:2], "pipeline.in_flight=finish", "pipeline.admission=continuous"], "needs in_flight"),
             (["pipeline.admission=continuous"], "needs mode = \"async\" and max_staleness >= 1"),  # sync mode
             (["pipeline.mode=async", "pipeline.in_flight=keep", "pipeline.admission=continuous"],
              "needs mode = \"async\" and max_staleness >= 1"),  # K = 0
@@ -178,7 +181,8 @@ def test_capacity_admission_is_refused_where_continuous_admission_is():
     cfg = load_config(None, [*ok, "pipeline.admission=capacity", "pipeline.partial_rollout=2"])
     assert cfg.pipeline.admission == "capacity" and cfg.pipeline.partial_rollout == 2
     for overrides, message in [
-            ([*ok[:2], "pipeline.admission=capacity"], "pipeline.admission = 'capacity' needs in_flight"),
+            ([*ok[:2], "pipeline.in_flight=finish", "pipeline.admission=capacity"],
+             "pipeline.admission = 'capacity' needs in_flight"),
             (["pipeline.admission=capacity"], "'capacity' needs mode = \"async\" and max_staleness >= 1"),  # sync
             (["pipeline.mode=async", "pipeline.in_flight=keep", "pipeline.admission=capacity"],
              "'capacity' needs mode = \"async\" and max_staleness >= 1")]:  # K = 0
