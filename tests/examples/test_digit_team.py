@@ -17,7 +17,10 @@ def test_the_example_loads_with_four_adapter_agents_of_one_base_and_its_lora_slo
     assert config.adapter_agents(cfg, "team") == ["sorter", "expander", "copier", "reverser"]
     assert {n: u.agents for n, u in bases.engine_units(cfg).items()} == {
         "bases.team": ("sorter", "expander", "copier", "reverser")}
-    assert bases.lora_slots(cfg, "team") == config.LoraSlots(max_loras=4 * 2, max_lora_rank=8, max_cpu_loras=8)
+    assert bases.lora_slots(cfg, "team") == config.LoraSlots(max_loras=4, max_lora_rank=8, max_cpu_loras=4)
+    # Under in_flight "finish" each agent's older version stays loaded while requests use it.
+    finish = load_config(ROOT / "examples" / "digit_team.toml", ["pipeline.in_flight=finish"])
+    assert bases.lora_slots(finish, "team") == config.LoraSlots(max_loras=4 * 2, max_lora_rank=8, max_cpu_loras=8)
     assert cfg.bases["team"].model.endswith("examples/digit_team/models.py:base")
 
 
