@@ -335,7 +335,7 @@ class ControllerServer:
         info = self.registry.by_identity(inbound.identity)
         if info is None:
             return False
-        info.last_seen = now  # the registry's `seen`
+        self.registry.seen(info, now)
         if isinstance(msg, protocol.Heartbeat):
             info.load = dict(msg.load)
             return True

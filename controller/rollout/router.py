@@ -263,10 +263,7 @@ class RolloutClient:
     def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
         agent, load = part.owner.agent, self.outstanding.__getitem__
         if part.owner.left == 0:  # a new group: parts are counted once
-            if part.group.n < 2 * self.policy.min_part:  # too small to split (`RoutingPolicy.sizes`)
-                pieces = [part]
-            else:
-                pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
+            pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
             part.owner.left = len(pieces)
         else:  # a part routed again: as it was
             pieces = [part]
@@ -421,15 +418,14 @@ class RolloutClient:
         spans = [spanned_oldest(r.lengths, r.version, memoryview(protocol.native(protocol.TOKEN_TYPECODE,
                                                                                      r.token_versions)).cast("i"))
                  if r.token_versions else [] for _, r in results] if spanning else []
-        self.emit(ev.RequestsCompleted(
+        event = ev.RequestsCompleted(
             worker, agent, request_id, [r.version for _, r in results], tokens,
             prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]),
-            spans if any(spans) else []))
+            spans if any(spans) else [])
+        self.emit(event)
         counts = self.prompt_counts[agent]
-        counts["prompt_tokens"] += prompt[0]
-        counts["cached_tokens"] += cached[0]
-        counts["turn_prompt_tokens"] += prompt[1]
-        counts["turn_cached_tokens"] += cached[1]
+        for name, value in zip(ev.PROMPT_FIELDS, event.prompt_counts()):
+            counts[name] += value
 
     def _message_ended(self, worker: str, waiting: dict[tuple[GroupKey, int, int], _Part],
                        future: asyncio.Future) -> None:

@@ -50,8 +50,7 @@ loaded of two drawn at random, as for any group). An instance busy with its own 
 draws a spare, so a spare is not over while every engine has work (continuous admission's
 are, from the first batch on). The router counts work by group, which comes back whole,
 so an instance counts as drained when its last group has (a group whose last sample runs
-alone is not yet drained); the count is the instances' owner's, which calls
-`instance_drained` when an instance's last group comes back.
+alone is not yet drained).
 
 The rules themselves are in decisions.py. It does not know the store, workers or
 trainers, only counts, versions and times.
