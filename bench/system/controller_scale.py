@@ -19,6 +19,7 @@ one JSON row; the sweep prints the rows and a table. Per point:
     cluster_cpu_frac the fake cluster's helper processes' CPU seconds over the wall seconds,
                      per core they may run on (1.0 = their cores saturated: the fakes, not
                      the controller, set the pace)
+    cluster_cpu_s    the same CPU seconds, unscaled
     cluster_runq_frac  the seconds their threads were ready to run but waited for a core,
                      over the wall seconds, per core: what other processes took from them
     lag_p50/p99_ms   event-loop lag: how late a 10 ms sleep wakes up
@@ -353,6 +354,7 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
         "loop_cpu_frac": round(watch.loop_cpu / wall, 2) if wall else 0.0,
         "loop_runq_frac": round(watch.loop_runq / wall, 2) if wall else 0.0,
         "cluster_cpu_frac": round(watch.cluster_cpu / wall / cluster_cores, 2) if wall else 0.0,
+        "cluster_cpu_s": round(watch.cluster_cpu, 3),
         "cluster_runq_frac": round(watch.cluster_runq / wall / cluster_cores, 2) if wall else 0.0,
         "lag_p50_ms": round(1e3 * percentile(watch.lags, 0.5), 2),
         "lag_p99_ms": round(1e3 * percentile(watch.lags, 0.99), 2),
