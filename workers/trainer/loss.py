@@ -295,8 +295,12 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
         with torch.no_grad(), proximal():
             proximal_lp = token_scores(model, samples, out_mask > 0, *settings, packed)[0]
     dense = options.teacher_coef > 0 and options.teacher_top_k > 0
-    top_ids, top_lp = teacher_top(samples, width, options.teacher_top_k) if dense else (None, None)
-    logp, token_entropy, student_top_lp = token_scores_at(model, samples, out_mask > 0, *settings, packed, top_ids)
+    top_lp = student_top_lp = None
+    if dense:  # the student's logprobs of the teacher's top-k ids too
+        top_ids, top_lp = teacher_top(samples, width, options.teacher_top_k)
+        logp, token_entropy, student_top_lp = token_scores_at(model, samples, out_mask > 0, *settings, packed, top_ids)
+    else:
+        logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings, packed)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
     teacher_kl = top_kl = None  # no teacher: no tensor of zeros made, summed and read back per micro-batch
     if options.teacher_coef > 0:
@@ -309,7 +313,7 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
             adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * shaped
     terms, clipped = rule(Tokens(logp, rollout_lp, adv, out_mask, proximal_lp), options, clip_ratio)
     terms = terms * out_mask
-    if top_lp is not None:
+    if top_lp is not None and student_top_lp is not None:
         top_kl = top_k_kl(top_lp, student_top_lp) * out_mask
         terms = terms + options.teacher_coef * top_kl
     ref_kl = torch.zeros_like(logp)
