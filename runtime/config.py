@@ -188,7 +188,7 @@ class BaseConfig:
     """Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this base
     times (`pipeline.max_staleness` + 1) versions resident at once, or one version of a trained
     agent under `pipeline.in_flight` "keep" or "recompute" (each new version takes the old one's
-    slot); a number below that (what a GPU's memory allows, say) refuses the job at start."""
+    slot), and one of a frozen agent (`train = false`: one version ever); a number below that (what a GPU's memory allows, say) refuses the job at start."""
     max_cpu_loras: int = 0
     """Adapters an engine holds; 0: `max_loras`."""
     max_lora_rank: int = 0
