@@ -67,11 +67,12 @@ class Generator:
         if agent == "teacher":
             assert group.n == 1 and group.score_from >= 1
             self.scored.append(group)
-            self.engine.add_group([group.key], group.prompt_ids, 1, 1.0, None, score_from=group.score_from)
+            request = f"{group.key.sample(group.first)}/score"
+            self.engine.add(request, group.prompt_ids, 1, 1.0, None, score_from=group.score_from)
             done = {}
             while self.engine.has_unfinished():
                 done.update((c.request_id, c) for c in self.engine.step())
-            c = done[group.key]
+            c = done[request]
             return output_of([c.token_ids], [c.logprobs], finish_reason=c.finish_reason)
         rng = torch.Generator().manual_seed(group.seed)
         outputs, logprobs = [], []
@@ -90,12 +91,13 @@ class Generator:
 
 @pytest.fixture(scope="module")
 def scored(paths):
-    """The trainer's samples of QUERIES episodes of the student (GROUP samples each), with
-    the rewards each group was given."""
+    """The trainer's samples of QUERIES episodes of the student (GROUP samples each), as
+    the trainer reads the groups the store sends it, with the rewards each group was given."""
     import asyncio
 
-    from flexmarl.controller.train.pipeline import train_sample
+    from flexmarl.controller.state.decisions import MicroBatchSize
     from flexmarl.workers.rollout.engine import VllmEngine
+    from flexmarl.workers.trainer.batch import samples_of
 
     student_path, teacher_path = paths
     engine = VllmEngine(teacher_path, seed=0, max_model_len=0, settings=p.EngineSettings())
@@ -109,7 +111,7 @@ def scored(paths):
         query = make_query(ctx.rng)
         for s in await ctx.generate("student", planner_prompt(query)):
             ctx.reward(s, planner_reward(query, s.output_ids))
-            rewards.setdefault(s.sample_id.rpartition("/")[0], []).append(planner_reward(query, s.output_ids))
+            rewards.setdefault(s.key, []).append(planner_reward(query, s.output_ids))
 
     async def episodes():
         for e in range(QUERIES):
@@ -121,7 +123,8 @@ def scored(paths):
     finally:
         engine.close()
     assert len(gen.scored) == QUERIES * GROUP  # one prefill per sample, nothing generated
-    samples = [train_sample(s) for s in store.samples.values() if s.agent == "student"]
+    micro_batches = store.form_micro_batches("student", 0, MicroBatchSize(QUERIES * GROUP), True, False, 0)
+    samples = samples_of([group for mb in micro_batches for group in mb.wire()])
     assert len(samples) == QUERIES * GROUP
     return samples, rewards
 
@@ -133,7 +136,7 @@ def test_the_teachers_logprobs_are_those_of_the_students_own_tokens_at_their_pos
     with torch.no_grad():
         for s in samples:
             want = direct_logprobs(teacher, list(s.prompt_ids), list(s.output_ids))
-            assert s.teacher_logprobs == pytest.approx(want.tolist(), abs=1e-4)
+            assert list(s.teacher_logprobs) == pytest.approx(want.tolist(), abs=1e-4)
             # The same logits one position later (the classic off-by-one) give other values:
             # the comparison above tells the two apart.
             ids = torch.tensor([list(s.prompt_ids) + list(s.output_ids)])
@@ -151,8 +154,8 @@ def reference_loss(model, samples, beta, only, per_token=True):
     total, kl = torch.zeros(()), 0.0
     for s in samples:
         logp = direct_logprobs(model, list(s.prompt_ids), list(s.output_ids))
-        assert logp.tolist() == pytest.approx(s.rollout_logprobs, abs=1e-4)  # the sampler's: the same weights
-        teacher = torch.tensor(s.teacher_logprobs)
+        assert logp.tolist() == pytest.approx(list(s.rollout_logprobs), abs=1e-4)  # the sampler's: the same weights
+        teacher = torch.tensor(list(s.teacher_logprobs))
         a = (0.0 if only else s.advantage) - beta * (logp.detach() - teacher)
         if not per_token:
             a = a.mean().expand_as(a)
@@ -172,7 +175,7 @@ def test_each_token_is_pushed_by_the_teachers_minus_the_students_logprob_of_it(p
 
     samples, rewards = scored
     for group, rs in rewards.items():  # the reward's advantage: the group's normalisation alone
-        got = [s.advantage for s in samples if s.sample_id.rpartition("/")[0] == group]
+        got = [s.advantage for s in samples if s.key == group]
         assert got == pytest.approx(group_advantages(rs), abs=1e-6)
     beta = 0.5
 
