@@ -335,3 +335,27 @@ async def test_closing_a_socket_a_receive_waits_on_ends_that_receive():
         dealer.close()  # its descriptor leaves the loop; the receive does not wait forever
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(receiving, 5)
+
+
+async def test_the_descriptor_stays_watched_between_receives_and_a_signal_with_none_waiting_loses_no_message():
+    import time
+
+    loop = asyncio.get_running_loop()
+    with dealer_to("inproc://watched") as (router, dealer):
+        await dealer.send(p.Heartbeat(1))
+        identity = (await asyncio.wait_for(router.recv(), 5)).identity
+        await router.send(identity, p.Heartbeat(2))
+        assert (await asyncio.wait_for(dealer.recv(), 5)).msg.seq == 2
+        receiving = asyncio.ensure_future(dealer.recv())  # waits: the descriptor is watched from here on
+        await asyncio.sleep(0.05)
+        await router.send(identity, p.Heartbeat(3))
+        assert (await asyncio.wait_for(receiving, 5)).msg.seq == 3
+        assert dealer._watched is loop  # still watched, with no receive waiting
+        await router.send(identity, p.Heartbeat(4))
+        time.sleep(0.05)
+        await asyncio.sleep(0.05)  # its signal comes while none waits, and is consumed there
+        await router.send(identity, p.Heartbeat(5))
+        got = [(await asyncio.wait_for(dealer.recv(), 5)).msg.seq for _ in range(2)]
+        assert got == [4, 5]
+        dealer.close()
+        assert dealer._watched is None
