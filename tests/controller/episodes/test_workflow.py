@@ -390,3 +390,21 @@ async def test_a_distilled_agents_samples_are_scored_by_its_teacher_before_they_
     assert [(e.agent, e.teacher, e.batch, e.versions) for e in scored] == [("s", "t", 1, [3, 3])]
     kinds = [type(e).__name__ for e in events]
     assert kinds.index("TeacherScored") < kinds.index("GroupComplete")
+
+
+async def test_the_running_task_is_read_as_asyncio_reads_it_in_a_task_and_in_a_callback():
+    from flexmarl.controller.episodes.workflow import _current_task
+
+    loop = asyncio.get_running_loop()
+    seen = []
+
+    async def branch():
+        seen.append((_current_task(loop), asyncio.current_task()))
+        loop.call_soon(lambda: seen.append((_current_task(loop), None)))  # a callback: no task runs it
+        await asyncio.sleep(0.01)
+
+    await asyncio.gather(branch(), branch())
+    assert len(seen) == 4
+    for mine, asyncios in seen:
+        assert mine is asyncios
+    assert seen[0][0] is not seen[1][0]
