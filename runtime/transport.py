@@ -314,6 +314,7 @@ class DealerSocket(_Socket):
         self._fd: int = self._plain.get(_FD)  # type: ignore[assignment]
         self._reader: asyncio.Future | None = None  # the receive waiting for the descriptor
         self._watched: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
+        self.waited = False  # whether the last receive waited (False: its message was queued; it did not suspend)
         self._parked = 0  # sends waiting for room (a later one may not pass them)
         self._parked_order = asyncio.Lock()  # ... and among themselves, first come first sent
         self._send_timeout_s = 0.0
@@ -337,6 +338,7 @@ class DealerSocket(_Socket):
     async def recv(self) -> Inbound:
         """The next message (waits while none is queued). The socket's events say whether
         one is: an empty receive would raise zmq.Again, which costs several times more."""
+        self.waited = False
         while True:
             if self._pollin():
                 try:
@@ -345,6 +347,7 @@ class DealerSocket(_Socket):
                     pass
                 else:
                     return self._check(b"", frames)
+            self.waited = True
             await self._readable()
 
     async def _readable(self) -> None:
