@@ -350,12 +350,13 @@ async def test_the_descriptor_stays_watched_between_receives_and_a_signal_with_n
         await asyncio.sleep(0.05)
         await router.send(identity, p.Heartbeat(3))
         assert (await asyncio.wait_for(receiving, 5)).msg.seq == 3
+        assert dealer.waited  # it suspended: its session needs no yield of its own after it
         assert dealer._watched is loop  # still watched, with no receive waiting
         await router.send(identity, p.Heartbeat(4))
         time.sleep(0.05)
         await asyncio.sleep(0.05)  # its signal comes while none waits, and is consumed there
         await router.send(identity, p.Heartbeat(5))
         got = [(await asyncio.wait_for(dealer.recv(), 5)).msg.seq for _ in range(2)]
-        assert got == [4, 5]
+        assert got == [4, 5] and not dealer.waited  # both were queued: taken without suspending
         dealer.close()
         assert dealer._watched is None
