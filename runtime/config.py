@@ -188,7 +188,7 @@ class BaseConfig:
     """Adapters one engine batch may mix. 0: what the job needs, each adapter agent of this base
     times (`pipeline.max_staleness` + 1) versions resident at once, or one version of a trained
     agent under `pipeline.in_flight` "keep" or "recompute" (each new version takes the old one's
-    slot); a number below that (what a GPU's memory allows, say) refuses the job at start."""
+    slot), and one of a frozen agent (`train = false`: one version ever); a number below that (what a GPU's memory allows, say) refuses the job at start."""
     max_cpu_loras: int = 0
     """Adapters an engine holds; 0: `max_loras`."""
     max_lora_rank: int = 0
@@ -1084,11 +1084,25 @@ def versions_resident(cfg: ExperimentConfig, agent: str = "") -> int:
     version as it loads (`in_flight` "keep" or "recompute": the new version is loaded into
     the old one's slot, vLLM removing the old before adding the new); a snapshot's
     refreshes let its requests finish under the version they began with, so it keeps
-    K + 1."""
+    K + 1; a frozen agent that is no snapshot (`train = false`) never loads a second version:
+    one."""
     lagging = 1 + (cfg.pipeline.max_staleness if cfg.pipeline.mode == "async" else 0)
-    if agent and not cfg.agents[agent].frozen and cfg.in_flight() in ("keep", "recompute"):
+    if not agent:
+        return lagging
+    a = cfg.agents[agent]
+    if not a.train and not a.snapshot_of:
+        return 1
+    if not a.frozen and cfg.in_flight() in ("keep", "recompute"):
         return 1
     return lagging
+
+
+def _versions_in_use(cfg: ExperimentConfig, agents: list[str]) -> str:
+    """'each have 3 versions', or 'have 3, 3 and 1 versions' where they differ."""
+    counts = [versions_resident(cfg, name) for name in agents]
+    if len(set(counts)) == 1:
+        return f"each have {counts[0]} versions"
+    return f"have {', '.join(map(str, counts[:-1]))} and {counts[-1]} versions"
 
 
 def required_slots(cfg: ExperimentConfig, base: str) -> LoraSlots:
@@ -1151,9 +1165,9 @@ def _check_base(cfg: ExperimentConfig, base: str, b, error: type[Exception]) -> 
     if b.max_loras and b.max_loras < need.max_loras:
         raise error(
             f"bases.{base}.max_loras = {b.max_loras} cannot run this job: its {len(agents)} adapter agents "
-            f"({', '.join(agents)}) may each have {versions_resident(cfg)} versions in use at once "
+            f"({', '.join(agents)}) may {_versions_in_use(cfg, agents)} in use at once "
             f"(pipeline.max_staleness + 1; one where pipeline.in_flight moves a trained agent's requests to "
-            f"each new version), so an engine must hold {need.max_loras} adapters. Raise "
+            f"each new version, and for an agent with train = false), so an engine must hold {need.max_loras} adapters. Raise "
             f"max_loras to {need.max_loras} (or leave it 0 to have it computed), lower "
             f"pipeline.max_staleness, or move some agents to another base")
     if b.max_lora_rank and (b.max_lora_rank not in VLLM_LORA_RANKS or b.max_lora_rank < need.max_lora_rank):

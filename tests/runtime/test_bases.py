@@ -120,3 +120,12 @@ def test_keep_and_recompute_need_one_slot_per_trained_agent_a_snapshot_still_k_p
     # A snapshot's refreshes let its requests finish under the old version: K + 1 for it.
     cfg = job(tmp_path, JOB + '[agents.past]\nsnapshot_of = "a"\n', overrides=["pipeline.in_flight=keep"])
     assert bases.lora_slots(cfg, "shared").max_loras == 3 + (2 + 1)
+    # A frozen adapter agent (no snapshot) never loads a second version: one slot, whatever
+    # the setting.
+    for in_flight in ("keep", "finish"):
+        cfg = job(tmp_path, JOB + '[agents.judge]\nbase = "shared"\nlora_rank = 16\ntrain = false\nadapter = "judge_adapter"\n',
+                  overrides=[f"pipeline.in_flight={in_flight}"])
+        assert bases.lora_slots(cfg, "shared").max_loras == (3 if in_flight == "keep" else 9) + 1
+    with pytest.raises(ConfigError, match=r"may have 3, 3, 3 and 1 versions in use at once"):
+        job(tmp_path, JOB + '[agents.judge]\nbase = "shared"\nlora_rank = 16\ntrain = false\nadapter = "judge_adapter"\n',
+            overrides=["bases.shared.max_loras=8"])
