@@ -250,6 +250,10 @@ async def test_a_session_watches_its_loop_unless_its_process_watches_it_for_all_
     def watchers():
         return sum(t.name == "stall-watch" for t in threading.enumerate())
 
+    for _ in range(100):  # an earlier test's watch thread ends within its period of being stopped (not joined)
+        if not watchers():
+            break
+        await asyncio.sleep(0.05)
     before = watchers()
     async with session_with(Loop()) as (router, identity, task):
         await router.send(identity, p.Echo(1, b"x"))
