@@ -19,6 +19,7 @@ from typing import Any, Literal, Sequence
 
 from .protocol import (
     IN_FLIGHT,
+    MAX_SCORE_TOP_K,
     EngineSettings,
     LossAggregation,
     LossOptions,
@@ -308,6 +309,16 @@ class AgentConfig:
     """With `teacher`: > 0 clips each token's (student logprob - teacher logprob) to [-cap, cap]
     nats before it enters the advantage, so that the tokens the teacher finds nearly impossible
     (a wrong answer's -5 to -9 nats) do not outweigh the reward's advantage; 0: not clipped."""
+    teacher_top_k: int = 0
+    """With `teacher`: k > 0 distils from the teacher's whole next-token distribution, not the one
+    sampled token: its prefill of each sample also returns its k most likely ids and their
+    logprobs at every output position, and the loss adds teacher_coef x the forward KL from the
+    teacher's distribution restricted to those k ids (renormalised) to the student's (its own,
+    unscaled, probability of each, not renormalised: mass outside the k ids is pulled down too),
+    at each trained token, averaged as the policy loss's tokens; the advantage is then the
+    reward's alone (none with `teacher_only`). k the vocabulary's size: the whole distribution,
+    exactly. 0: the sampled token's reverse KL in the advantage. At most 20 (the rollout
+    engine's max_logprobs)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose rewards are all equal (no advantage, no gradient) is
     dropped before it reaches a micro-batch, and more episodes are drawn so that the step keeps
@@ -360,7 +371,7 @@ class AgentConfig:
                            self.kl_coef, self.clip_eps, self.dual_clip, self.is_low, self.is_high,
                            self.gspo_eps_low, self.gspo_eps_high, self.cispo_eps_high, self.behav_weight_cap,
                            self.teacher_coef if self.teacher else 0.0, self.teacher_only,
-                           self.teacher_kl_cap)
+                           self.teacher_kl_cap, self.teacher_top_k if self.teacher else 0)
 
     @property
     def frozen(self) -> bool:
@@ -1018,6 +1029,15 @@ def check_roles(cfg: ExperimentConfig) -> None:
             if agent.teacher_kl_cap < 0:
                 raise ConfigError(f"agents.{name}.teacher_kl_cap must be >= 0 (0: not clipped), "
                                   f"got {agent.teacher_kl_cap}")
+            if not 0 <= agent.teacher_top_k <= MAX_SCORE_TOP_K:
+                raise ConfigError(f"agents.{name}.teacher_top_k = {agent.teacher_top_k}: must be 0 (the sampled "
+                                  f"token's reverse KL) to {MAX_SCORE_TOP_K} (the rollout engine's max_logprobs)")
+            if agent.teacher_top_k and agent.teacher_kl_cap:
+                raise ConfigError(f"agents.{name}.teacher_kl_cap clips the sampled token's reverse KL, which "
+                                  f"teacher_top_k = {agent.teacher_top_k} replaces; set one of them")
+        elif agent.teacher_top_k:
+            raise ConfigError(f"agents.{name}.teacher_top_k = {agent.teacher_top_k} needs a teacher "
+                              f"(agents.{name}.teacher)")
     for name in cfg.agents:  # a cycle of teachers: each would wait for the other's version
         seen = [name]
         while cfg.agents[seen[-1]].teacher:

@@ -32,9 +32,14 @@ from .params.types import ParamHandle
 # calls; 10: LoadAdapter; 11: teachers' logprobs, decoupled PPO; 12: groups named by typed
 # keys, a later turn by its turn number, the training message carries groups, a teacher's
 # logprobs packed per group; 13: a load may let the requests in flight continue, and a reply
-# carries its tokens' versions; 14: the teacher's per-token KL capped in the advantage): the
-# controller refuses workers of another version.
-PROTOCOL_VERSION = 14
+# carries its tokens' versions; 14: the teacher's per-token KL capped in the advantage; 15: a
+# teacher's scoring returns its top-k next-token ids and logprobs at each scored position, and
+# the training message carries them): the controller refuses workers of another version.
+PROTOCOL_VERSION = 15
+
+# The most next-token ids and logprobs a scoring request may ask for per position
+# (GenGroup.score_top_k): the rollout engine is started with this cap (vLLM's max_logprobs).
+MAX_SCORE_TOP_K = 20
 
 # Default cap on one message (all frames together). Parameters never travel over this
 # socket (they use the parameter channel), so control messages stay far below it.
@@ -283,6 +288,10 @@ class GenGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=F
     # from this index on, in one prefill (a teacher scoring member `first` of the student's
     # group `key`); they come back as the member's ids and logprobs. -1: generate.
     score_from: int = -1
+    # With score_from: > 0 also returns, at each scored position, the model's score_top_k
+    # most likely next-token ids and their logprobs (GroupResult.top_ids / top_logprobs), at
+    # most MAX_SCORE_TOP_K; 0: the scored ids' logprobs only.
+    score_top_k: int = 0
 
 
 class Generate(Message):
@@ -350,6 +359,11 @@ class GroupResult(msgspec.Struct, array_like=True, forbid_unknown_fields=True, g
     # weight load let the request continue (IN_FLIGHT "keep" or "recompute") so its tokens
     # span versions; empty: every token is `version`'s (the version it was admitted under).
     token_versions: bytes = b""
+    # A scoring request with score_top_k = k: per scored position, the model's k most likely
+    # next-token ids (TOKEN_TYPECODE) and their logprobs (LOGPROB_TYPECODE), most likely first,
+    # k per position back to back; empty otherwise.
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
 
 
 class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -492,6 +506,11 @@ class LossOptions(msgspec.Struct, array_like=True, forbid_unknown_fields=True, f
     teacher_coef: float = 0.0
     teacher_only: bool = False
     teacher_kl_cap: float = 0.0  # > 0: each token's difference clipped to [-cap, cap] in the advantage
+    # > 0: the teacher's top-k next-token distribution comes with each output id
+    # (TrainGroup.teacher_top_ids / teacher_top_logprobs) and the loss adds teacher_coef x the
+    # forward KL from it to the student's at each trained token (the advantage is then the
+    # reward's alone; loss.py `top_k_kl`); 0: the sampled-token reverse KL in the advantage.
+    teacher_top_k: int = 0
 
 
 class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -519,6 +538,9 @@ class StepStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # On-policy distillation: the student's logprob minus its teacher's, per trained token
     # (an estimate of the reverse KL on the student's own samples); 0 without a teacher.
     teacher_kl: float = 0.0
+    # With teacher_top_k: the forward KL from the teacher's top-k distribution to the
+    # student's, per trained token (the dense distillation term before teacher_coef).
+    teacher_top_kl: float = 0.0
 
 
 class InitAgent(Message):
@@ -584,6 +606,11 @@ class TrainGroup(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc
     # id (0.0 for ids appended between turns), packed as output_ids, from a prefill of
     # prompt + output on the teacher; empty for an agent without a teacher.
     teacher_logprobs: bytes = b""
+    # With the agent's teacher_top_k = k: per output id, the teacher's k most likely ids at
+    # that position (TOKEN_TYPECODE) and their logprobs (LOGPROB_TYPECODE), k per id, packed as
+    # output_ids (an appended id's: never read); empty otherwise.
+    teacher_top_ids: bytes = b""
+    teacher_top_logprobs: bytes = b""
 
 
 class TrainMicroBatch(Message):

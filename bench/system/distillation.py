@@ -32,6 +32,8 @@ at which the mean curve reached it.
     python bench/system/distillation.py --reward exact ...   # a sparse reward: 1 only when all three are right
     python bench/system/distillation.py --coef 0.1 ...       # the reverse KL at a tenth (teacher_coef)
     python bench/system/distillation.py --kl-cap 1 ...       # each token's KL clipped to [-1, 1] (teacher_kl_cap)
+    python bench/system/distillation.py --top-k 18 ...       # the forward KL from the teacher's top 18 next tokens
+                                                             # (teacher_top_k; 18: the digit tasks' whole vocabulary)
     python bench/system/distillation.py --student-model weak_student --reward exact ...   # a weaker student
     python bench/system/distillation.py --long --teacher-model long_teacher --student-model long_student ...
     python bench/system/distillation.py --long --eval-queries 256 --teacher RUN ...   # a larger held-out set
@@ -242,6 +244,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.0, help="agents.student.lr (0: examples/distill.toml's)")
     parser.add_argument("--coef", type=float, default=1.0, help="agents.student.teacher_coef")
     parser.add_argument("--kl-cap", type=float, default=0.0, help="agents.student.teacher_kl_cap (0: not clipped)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="agents.student.teacher_top_k: the forward KL from the teacher's top-k next-token "
+                             "distribution at each token, added to the loss (0: the sampled token's reverse KL)")
     parser.add_argument("--modes", default="rl,distill",
                         help="the student's runs per seed: rl (reward alone), distill (reward and reverse KL), "
                              "only (reverse KL alone)")
@@ -287,7 +292,8 @@ def main() -> None:
             for mode in modes:
                 student = (["agents.student.teacher=''"] if mode == "rl" else
                            [f"agents.student.teacher_coef={args.coef}", f"agents.student.teacher_kl_cap={args.kl_cap}",
-                            f"agents.student.teacher_only={str(mode == 'only').lower()}"])
+                            f"agents.student.teacher_only={str(mode == 'only').lower()}",
+                            f"agents.student.teacher_top_k={args.top_k}"])
                 start = time.perf_counter()
                 rows = train(EXAMPLES / "distill.toml", work / f"{mode}-{seed}",
                              [f"run.steps={args.steps}", f"run.seed={seed}", f"eval.every={args.eval_every}",
@@ -296,9 +302,13 @@ def main() -> None:
                               *workflow(args, ("student", "teacher")), *student,
                               *([f"agents.student.lr={args.lr}"] if args.lr else [])])
                 curves[mode][seed] = curve = held_out(rows, "student")
-                kl = [r["teacher_kl"] for r in rows if r["agent"] == "student" and "kind" not in r]
+                trained = [r for r in rows if r["agent"] == "student" and "kind" not in r]
+                kl = [r["teacher_kl"] for r in trained]
+                top_kl = [r.get("teacher_top_kl", 0.0) for r in trained]
                 print(json.dumps({"mode": mode, "seed": seed, "held_out": {str(k): round(v, 4) for k, v in curve.items()},
                                   "teacher_kl_first_last": [round(kl[0], 4), round(kl[-1], 4)] if kl else None,
+                                  "teacher_top_kl_first_last": [round(top_kl[0], 4), round(top_kl[-1], 4)]
+                                  if top_kl and args.top_k and mode != "rl" else None,
                                   "seconds": round(time.perf_counter() - start)}),
                       flush=True)
         for mode, per_seed in curves.items():

@@ -73,7 +73,7 @@ from flexmarl.runtime.keys import SCORE_TURN, GroupKey, TurnKey
 
 from ..environments.local import LocalSession, run_here
 from ..state.failures import RunFailed, user_frame, user_traceback
-from ..state.groups import GroupOutput, scored
+from ..state.groups import GroupOutput, Scored, scored
 from ..state.store import PENDING, ExperienceStore, SampleView, TurnSampling
 from .tokens import PromptTooLong, text_size
 
@@ -166,11 +166,13 @@ class AgentDefaults:
     ignore_eos: bool = False
     frozen: bool = False  # served, never trained: its samples need no reward
     teacher: str = ""  # on-policy distillation: the agent that scores its samples
+    teacher_top_k: int = 0  # > 0: the teacher's top-k next tokens at each scored position too
 
     @classmethod
     def of(cls, c: Any) -> "AgentDefaults":
         return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
-                   list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher)
+                   list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher,
+                   c.teacher_top_k if c.teacher else 0)
 
 
 def request_seed(run_seed: int, key: GroupKey, member: int = 0, turn: int = 0) -> int:
@@ -601,16 +603,18 @@ class EpisodeContext:
 
     async def _score_group(self, key: GroupKey) -> None:
         teacher = self._store.teacher_of(key.agent)
+        top_k = self.agents[key.agent].teacher_top_k
         await self._wait_at_gate(teacher)
 
-        async def score(member: int, ids: list[int], start: int) -> tuple[list[float], int]:
+        async def score(member: int, ids: list[int], start: int) -> Scored:
             # The student's group and member name the request; the teacher serves it.
             return scored(await self._generator.generate(teacher, protocol.GenGroup(
-                key, teacher, 1, ids, 1, 1.0, 0, member, turn=SCORE_TURN, score_from=start)))
+                key, teacher, 1, ids, 1, 1.0, 0, member, turn=SCORE_TURN, score_from=start, score_top_k=top_k)))
 
         outputs = await asyncio.gather(*(score(j, ids, start)
                                          for j, (ids, start) in enumerate(self._store.sequences(key))))
-        self._store.record_teacher(key, [lps for lps, _ in outputs], [version for _, version in outputs])
+        self._store.record_teacher(key, [s.logprobs for s in outputs], [s.version for s in outputs],
+                                   [(s.top_ids, s.top_logprobs) for s in outputs] if top_k else None, top_k)
 
     def serve_frozen(self) -> None:
         """The episode ended well: its frozen agents' groups are served (generated, never trained)."""

@@ -5,7 +5,7 @@ metrics.jsonl holds one JSON object per agent per optimizer step with at least `
 plus the signals a researcher reads to trust a run: the trained samples' staleness (mean,
 max), the stage times, and the trainer's step statistics (loss, grad_norm, entropy,
 response lengths, logprob_abs_diff and rollout_kl between sampler and trainer, clip_frac,
-ref_kl, teacher_kl) and the step's failed episodes (`episodes_failed`). With the rollout's prompt
+ref_kl, teacher_kl, teacher_top_kl) and the step's failed episodes (`episodes_failed`). With the rollout's prompt
 counts, each row also says what the agent's engines prefilled since its last row:
 `prompt_tokens`, `cached_prompt_tokens` (found in the prefix cache) and the hit rates of
 first turns (`prefix_hit_rate`) and of later turns of conversations (`turn_prefix_hit_rate`). Evaluations add rows with

@@ -471,7 +471,7 @@ def _cut(part: _Part, sizes: list[int]) -> list[_Part]:
     for size in sizes:
         piece = protocol.GenGroup(g.key, g.agent, size, g.prompt_ids, g.max_tokens, g.temperature,
                                   g.seed + first - g.first, first, g.top_p, g.top_k, g.stop, g.stop_token_ids,
-                                  g.ignore_eos, g.version, g.turn, g.score_from)
+                                  g.ignore_eos, g.version, g.turn, g.score_from, g.score_top_k)
         pieces.append(_Part(piece, part.owner, part.after, part.attempt))
         first += size
     return pieces

@@ -27,11 +27,23 @@ class GroupOutput:
         return sum(len(result.lengths) for result, _ in self.parts)
 
 
-def scored(output: GroupOutput) -> tuple[list[float], int]:
-    """A scoring request's output (a group of one, `GenGroup.score_from`): the logprob of
-    each scored id, and the version that scored them."""
+@dataclass(slots=True)
+class Scored:
+    """A scoring request's output (a group of one, `GenGroup.score_from`)."""
+    logprobs: list[float]  # of each scored id
+    version: int  # the scoring model's
+    # With score_top_k k: per scored id, the k most likely ids at its position and their
+    # logprobs, packed as the reply carried them (empty otherwise).
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+
+
+def scored(output: GroupOutput) -> Scored:
+    """A scoring request's output: the logprob of each scored id, the version that scored
+    them and, where asked, the top-k ids and logprobs at each position."""
     (result, _), = output.parts
-    return cast(list[float], protocol.unpacked(protocol.LOGPROB_TYPECODE, result.logprobs).tolist()), result.version
+    return Scored(cast(list[float], protocol.unpacked(protocol.LOGPROB_TYPECODE, result.logprobs).tolist()),
+                  result.version, result.top_ids, result.top_logprobs)
 
 
 def assemble(parts: Sequence[tuple[protocol.GroupResult, str]]) -> GroupOutput:

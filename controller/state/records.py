@@ -48,6 +48,7 @@ PENDING, READY, CONSUMED, DROPPED = "pending", "ready", "consumed", "dropped"
 SERVED = "served"  # a frozen agent's: generated, never to be trained
 
 TOKEN, LOGPROB = protocol.TOKEN_TYPECODE, protocol.LOGPROB_TYPECODE
+_ITEM = {code: array.array(code).itemsize for code in (TOKEN, LOGPROB)}
 # A member whose first turn has not come back yet (its version, until then); in
 # `token_oldest`, one whose first turn's tokens do not span versions.
 NOT_YET = UNSPANNED
@@ -94,6 +95,10 @@ class GroupRecord(msgspec.Struct, gc=False):
     mask: bytes | None = None  # int8 per token: 1 generated (trained), 0 appended; None: all generated
     # On-policy distillation: LOGPROB per token, the teacher's (once scored; None: not yet, or no teacher).
     teacher_logprobs: bytes | None = None
+    # With the agent's teacher_top_k k: per token, the teacher's k most likely ids (TOKEN) and
+    # their logprobs (LOGPROB) at its position, k per token; native order; empty otherwise.
+    teacher_top_ids: bytes = b""
+    teacher_top_logprobs: bytes = b""
     offsets: array.array = msgspec.field(default_factory=lambda: array.array("q"))  # n + 1 once outputs arrive
     first: array.array = msgspec.field(default_factory=lambda: array.array("i"))  # per member: its first turn's version
     sampling: TurnSampling = DEFAULT_SAMPLING  # the members' first turn
@@ -262,16 +267,26 @@ class GroupRecord(msgspec.Struct, gc=False):
         a, b = self.span(member)
         return prompt.tolist() + _ids(self.tokens)[a:b].tolist(), len(prompt)
 
-    def record_teacher(self, logprobs: Sequence[Sequence[float]]) -> None:
+    def record_teacher(self, logprobs: Sequence[Sequence[float]],
+                       top: Sequence[tuple[bytes, bytes]] | None = None, top_k: int = 0) -> None:
         """Every member's teacher logprobs (one per output id, member order), one column
-        beside the sampler's."""
-        if len(logprobs) != self.n:
+        beside the sampler's; with `top` (per member, its packed top-k ids and logprobs as the
+        reply carried them, `top_k` per output id), those beside them."""
+        if len(logprobs) != self.n or (top is not None and len(top) != self.n):
             raise ValueError(f"group {self.key}: teacher logprobs for {len(logprobs)} of its {self.n} members")
         for j, lps in enumerate(logprobs):
             a, b = self.span(j)
             if len(lps) != b - a:
                 raise ValueError(f"{self.key.sample(j)}: {len(lps)} teacher logprobs for {b - a} output ids")
+            if top is not None and not (len(top[j][0]) // _ITEM[TOKEN] == len(top[j][1]) // _ITEM[LOGPROB]
+                                        == top_k * (b - a)):
+                raise ValueError(f"{self.key.sample(j)}: the teacher's top-{top_k} arrays hold "
+                                 f"{len(top[j][0]) // _ITEM[TOKEN]} ids and {len(top[j][1]) // _ITEM[LOGPROB]} "
+                                 f"logprobs for {b - a} output ids")
         self.teacher_logprobs = b"".join(array.array(LOGPROB, lps).tobytes() for lps in logprobs)
+        if top is not None:
+            self.teacher_top_ids = b"".join(protocol.native(TOKEN, ids) for ids, _ in top)
+            self.teacher_top_logprobs = b"".join(protocol.native(LOGPROB, lps) for _, lps in top)
 
     def annotate(self, member: int, text: str, messages: list[dict] | None) -> None:
         if self.texts is None:
@@ -299,7 +314,8 @@ class GroupRecord(msgspec.Struct, gc=False):
             self.key, protocol.native(TOKEN, self.prompt), lengths, protocol.native(TOKEN, self.tokens),
             protocol.native(LOGPROB, self.logprobs), self.advantages.tolist(), self.oldest(),
             s.temperature, s.top_p, s.top_k, self.mask or b"", turns,
-            protocol.native(LOGPROB, self.teacher_logprobs) if self.teacher_logprobs is not None else b"")
+            protocol.native(LOGPROB, self.teacher_logprobs) if self.teacher_logprobs is not None else b"",
+            protocol.native(TOKEN, self.teacher_top_ids), protocol.native(LOGPROB, self.teacher_top_logprobs))
 
 
 class SampleView(msgspec.Struct, frozen=True, gc=False):

@@ -215,14 +215,16 @@ class ExperienceStore:
         group = self._group(key)
         return [group.sequence(j) for j in range(group.n)]
 
-    def record_teacher(self, key: GroupKey, logprobs: Sequence[Sequence[float]], versions: list[int]) -> None:
+    def record_teacher(self, key: GroupKey, logprobs: Sequence[Sequence[float]], versions: list[int],
+                       top: Sequence[tuple[bytes, bytes]] | None = None, top_k: int = 0) -> None:
         """A distilled agent's group scored by its teacher: member j's teacher logprobs (one
-        per output id) from the teacher's policy version `versions[j]`; the group becomes
+        per output id) from the teacher's policy version `versions[j]`, and with `top` its
+        packed top-`top_k` ids and logprobs at each output position; the group becomes
         trainable now if every member has its reward."""
         group = self._group(key)
         if group.status != PENDING:
             return  # dropped meanwhile (its episode failed)
-        group.record_teacher(logprobs)
+        group.record_teacher(logprobs, top, top_k)
         self.emit(ev.TeacherScored(key, group.batch, self._teachers.get(group.agent, ""), list(versions)))
         if group.rewarded == group.n:
             self._maybe_ready(group)

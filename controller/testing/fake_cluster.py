@@ -371,10 +371,13 @@ WORKFLOWS = {"chain": ("chain_episode", chain_agents), "wide": ("wide_episode", 
 
 
 def _scored(g: protocol.GenGroup, version: int) -> protocol.GroupResult:
-    """A scoring request's reply (a teacher's view of a member): -1.0 for each id scored."""
-    scored = g.prompt_ids[g.score_from:]
+    """A scoring request's reply (a teacher's view of a member): -1.0 for each id scored;
+    with score_top_k k, ids 0 to k - 1 at each position, each of logprob -1.0."""
+    scored, k = g.prompt_ids[g.score_from:], g.score_top_k
     return protocol.GroupResult(g.key, g.first, version, [len(scored)], protocol.packed(protocol.TOKEN_TYPECODE, scored),
-                                protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * len(scored)), ["score"], turn=g.turn)
+                                protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * len(scored)), ["score"], turn=g.turn,
+                                top_ids=protocol.packed(protocol.TOKEN_TYPECODE, list(range(k)) * len(scored)),
+                                top_logprobs=protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0] * (k * len(scored))))
 
 
 if __name__ == "__main__":

@@ -505,4 +505,5 @@ def step_signals(stats: protocol.StepStats) -> dict[str, float]:
             "response_len_mean": stats.response_len_mean, "response_len_max": stats.response_len_max,
             "logprob_abs_diff": stats.logprob_abs_diff, "rollout_kl": stats.rollout_kl,
             "clip_frac": stats.clip_frac, "ref_kl": stats.ref_kl, "teacher_kl": stats.teacher_kl,
+            "teacher_top_kl": stats.teacher_top_kl,
             "tokens": stats.tokens, "skipped": int(stats.skipped)}

@@ -235,6 +235,13 @@ def test_distillation_trains_a_teacher_then_the_student_with_and_without_it():
 
 
 @pytest.mark.slow
+def test_distillation_with_the_teachers_top_k_prints_the_dense_term():
+    rows = json_rows(run_bench("distillation.py", "--smoke", "--modes", "distill", "--top-k", "18", timeout=1200))
+    assert rows[1]["mode"] == "distill" and rows[1]["teacher_top_kl_first_last"][0] > 0
+    assert rows[1]["teacher_kl_first_last"][0] > 0  # the sampled token's estimate still read
+
+
+@pytest.mark.slow
 def test_distillation_measures_the_teacher_and_the_student_on_a_larger_held_out_set(tmp_path):
     rows = json_rows(run_bench("distillation.py", "--smoke", "--modes", "rl", "--eval-queries", "70",
                                "--teacher-evals", "2", "--out", str(tmp_path), timeout=1200))

@@ -46,6 +46,9 @@ def test_a_teacher_and_decoupled_ppo_reach_the_trainer_as_loss_options():
     assert (options.teacher_coef, options.teacher_only, options.teacher_kl_cap) == (0.5, True, 2.5)
     assert (options.off_policy, options.behav_weight_cap) == ("decoupled", 3.0)
     assert cfg.agents["judge"].loss_options().teacher_coef == 0.0  # no teacher: no term
+    assert options.teacher_top_k == 0
+    assert load("agents.player.teacher=\"judge\"", "agents.player.teacher_top_k=18").agents["player"] \
+        .loss_options().teacher_top_k == 18
 
 
 def test_the_bound_on_extra_episodes_defaults_to_three_batches():
@@ -60,6 +63,12 @@ def test_the_bound_on_extra_episodes_defaults_to_three_batches():
      r"agents.player.teacher: the teachers form a cycle \(player -> judge -> player\)"),
     (["agents.player.teacher=\"judge\"", "agents.player.teacher_coef=0.0"], r"teacher_coef must be > 0"),
     (["agents.player.teacher=\"judge\"", "agents.player.teacher_kl_cap=-1"], r"teacher_kl_cap must be >= 0"),
+    (["agents.player.teacher_top_k=4"], r"agents.player.teacher_top_k = 4 needs a teacher"),
+    (["agents.player.teacher=\"judge\"", "agents.player.teacher_top_k=21"],
+     r"agents.player.teacher_top_k = 21: must be 0 .* to 20 \(the rollout engine's max_logprobs\)"),
+    (["agents.player.teacher=\"judge\"", "agents.player.teacher_top_k=-1"], r"teacher_top_k = -1: must be 0"),
+    (["agents.player.teacher=\"judge\"", "agents.player.teacher_top_k=4", "agents.player.teacher_kl_cap=1"],
+     r"agents.player.teacher_kl_cap clips the sampled token's reverse KL, which teacher_top_k = 4 replaces"),
     (["agents.judge.train=false", "agents.past.snapshot_of=\"judge\""],
      r"agents.past.snapshot_of = 'judge', a frozen agent"),
     (["agents.past.snapshot_of=\"nobody\""], r"agents.past.snapshot_of = 'nobody': no \[agents.nobody\]"),

@@ -207,3 +207,20 @@ def test_the_protocol_and_its_handles_import_without_torch():
             "assert protocol.LoadAgent.__annotations__['handle'] in ('ParamHandle', param_types.ParamHandle)\n"
             "assert protocol.LoadWeights.__annotations__['handle'] == 'ParamHandle | None'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_teachers_top_k_round_trips_in_the_scoring_request_its_reply_and_the_training_message():
+    msgs = [p.Generate(4, [p.GenGroup(G1, "t", 1, [1, 2, 3], 1, 1.0, 0, 1, turn=SCORE_TURN, score_from=2,
+                                      score_top_k=2)]),
+            p.Generated(4, [p.GroupResult(G1, 1, 0, [1], p.packed("i", [3]), p.packed("f", [-0.5]), ["score"],
+                                          turn=SCORE_TURN, top_ids=p.packed("i", [3, 1]),
+                                          top_logprobs=p.packed("f", [-0.5, -1.2]))], True),
+            p.TrainMicroBatch(5, "s", 1, [p.TrainGroup(G1, p.packed("i", [1]), [1], p.packed("i", [3]),
+                                                       p.packed("f", [-0.3]), [0.5], [0],
+                                                       teacher_logprobs=p.packed("f", [-0.5]),
+                                                       teacher_top_ids=p.packed("i", [3, 1]),
+                                                       teacher_top_logprobs=p.packed("f", [-0.5, -1.2]))],
+                              loss=p.LossOptions(teacher_coef=1.0, teacher_top_k=2)),
+            p.StepDone(6, "s", 1, 0.9, 0.01, p.StepStats(teacher_kl=0.25, teacher_top_kl=0.1))]
+    for msg in msgs:
+        assert p.decode(p.encode(msg))[0] == msg

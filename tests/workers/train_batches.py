@@ -39,6 +39,9 @@ class TrainSample:
     top_k: int = 0
     turns: list = field(default_factory=list)
     teacher_logprobs: list = field(default_factory=list)  # empty: no teacher
+    # The teacher's top-k ids and their logprobs, k per output id (empty: none).
+    teacher_top_ids: list = field(default_factory=list)
+    teacher_top_logprobs: list = field(default_factory=list)
 
 
 def _group_name(s: TrainSample) -> str:
@@ -54,7 +57,8 @@ def groups_of(samples: list[TrainSample]) -> list[p.TrainGroup]:
                 and list(last.prompt_ids) == list(s.prompt_ids)
                 and (last.temperature, last.top_p, last.top_k) == (s.temperature, s.top_p, s.top_k)
                 and bool(last.rollout_logprobs) == bool(s.rollout_logprobs)
-                and bool(last.teacher_logprobs) == bool(s.teacher_logprobs)):
+                and bool(last.teacher_logprobs) == bool(s.teacher_logprobs)
+                and bool(last.teacher_top_ids) == bool(s.teacher_top_ids)):
             runs[-1].append(s)
         else:
             runs.append([s])
@@ -64,7 +68,8 @@ def groups_of(samples: list[TrainSample]) -> list[p.TrainGroup]:
                         [list(s.loss_mask) or [1] * len(s.output_ids) for s in run],
                         [p.MemberTurn(j, t.start, t.temperature, t.top_p, t.top_k) for j, s in enumerate(run)
                          for t in s.turns],
-                        [s.teacher_logprobs for s in run] if run[0].teacher_logprobs else None)
+                        [s.teacher_logprobs for s in run] if run[0].teacher_logprobs else None,
+                        [(s.teacher_top_ids, s.teacher_top_logprobs) for s in run] if run[0].teacher_top_ids else None)
             for run in runs]
 
 

@@ -58,7 +58,7 @@ import torch
 
 from flexmarl.runtime.model_specs import has_tokenizer
 from flexmarl.runtime.params.shm_segments import CANCEL_PREFIX, LORA_PREFIX, memory_dir
-from flexmarl.runtime.protocol import IN_FLIGHT, EngineSettings
+from flexmarl.runtime.protocol import IN_FLIGHT, MAX_SCORE_TOP_K, EngineSettings
 
 from ..precision import DTYPES, engine_args, engine_env, gpu_total_bytes, resolve_dtype, worker_device
 from .engine_adapters import AdapterRegistry, ResidentAdapter
@@ -154,6 +154,10 @@ class Completion:
     # sampled), where a load with the request in flight let it continue under new weights;
     # None: every token is the version the request was added under.
     token_versions: list[int] | None = None
+    # A scoring request with score_top_k = k: per scored position, the model's k most likely
+    # next-token ids and their logprobs, most likely first, k per position back to back.
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -204,6 +208,8 @@ class VllmEngine:
             # is what an importance ratio against the trainer's policy needs.
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            # A scoring request's top-k next tokens per position (add's score_top_k).
+            max_logprobs=MAX_SCORE_TOP_K,
             # dtype, context length, memory and parallelism: by device type.
             **engine_args(self.device, settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes),
         )
@@ -220,8 +226,8 @@ class VllmEngine:
         self._weight_shapes = checkpoint_weight_shapes(model_path)
         # request_id -> its samples' prompt tokens + max_tokens: the work it may still cost.
         self._outstanding: dict[str, int] = {}
-        # A scoring request (add's `score_from`): its id -> the ids it scores.
-        self._scoring: dict[str, list[int]] = {}
+        # A scoring request (add's `score_from`): its id -> the ids it scores, and the top-k asked.
+        self._scoring: dict[str, tuple[list[int], int]] = {}
         # request_id -> the weights version it was added under (requests of whole weights).
         self._added_under: dict[str, int] = {}
         self._weights_version = 0
@@ -257,6 +263,7 @@ class VllmEngine:
         adapter: str = "",
         adapter_version: int = -1,
         score_from: int = -1,
+        score_top_k: int = 0,
     ) -> int:
         """Queue one request of `n` samples of the prompt, sample j drawn with seed
         `seed + j`; it starts at the next `step()` and comes back whole, every sample in
@@ -280,7 +287,8 @@ class VllmEngine:
         With `score_from` >= 1 (n is 1), nothing is generated: the prompt is prefilled with
         vLLM's prompt logprobs, and the request's completion is `prompt_ids[score_from:]`
         with the model's logprob of each (its unscaled distribution: a teacher's view of a
-        student's sample)."""
+        student's sample); with `score_top_k` k > 0 (at most protocol.MAX_SCORE_TOP_K), also
+        the k most likely next-token ids at each scored position and their logprobs."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input
@@ -294,6 +302,9 @@ class VllmEngine:
         if reason is None and score_from >= 0 and not (n == 1 and 1 <= score_from < len(prompt_ids)):
             reason = (f"a scoring request scores ids of one prompt from index 1 on, one sample; got n {n}, "
                       f"score_from {score_from} of {len(prompt_ids)} ids")
+        if reason is None and score_top_k and not (score_from >= 0 and 0 < score_top_k <= MAX_SCORE_TOP_K):
+            reason = (f"score_top_k {score_top_k}: a scoring request's top-k is 1 to {MAX_SCORE_TOP_K} "
+                      f"(the engine's max_logprobs), with score_from")
         if reason is None and stop and not self.has_tokenizer:
             reason = "stop strings need the model's tokenizer, and its directory has none; use stop_token_ids"
         resident = None
@@ -312,7 +323,7 @@ class VllmEngine:
         ends = [] if ignore_eos else [t for t in self.eos_token_ids if t not in stop_token_ids]
         try:
             if score_from >= 0:  # a prefill: the prompt's own logprobs, one token written and dropped
-                params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, logprobs=0,
+                params = SamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=score_top_k, logprobs=0,
                                         ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
             else:
                 params = SamplingParams(
@@ -339,7 +350,7 @@ class VllmEngine:
             raise RequestRefused(f"vLLM refused request {request_id!r}: {exc}") from exc
         self._outstanding[request_id] = n * (len(prompt_ids) + max_tokens)
         if score_from >= 0:
-            self._scoring[request_id] = list(prompt_ids[score_from:])
+            self._scoring[request_id] = (list(prompt_ids[score_from:]), score_top_k)
         if resident is None:
             self._added_under[request_id] = self._weights_version
             return -1
@@ -359,12 +370,9 @@ class VllmEngine:
                 self._added_under.pop(output.request_id, None)
                 continue  # aborted meanwhile
             added_under = self._added_under.pop(output.request_id, None)
-            scored = self._scoring.pop(output.request_id, None)
-            if scored is not None:
-                steps = output.prompt_logprobs[-len(scored):]
-                completions.append(Completion(output.request_id, scored,
-                                              [step[token].logprob for token, step in zip(scored, steps)],
-                                              [len(scored)], ["score"], output.num_cached_tokens or 0))
+            scoring = self._scoring.pop(output.request_id, None)
+            if scoring is not None:
+                completions.append(_scored(output, *scoring))
                 continue
             token_ids: list[int] = []
             logprobs: list[float] = []
@@ -650,6 +658,25 @@ class VllmEngine:
 
 # What the process's own environment set: a user's choice there is never overridden.
 _USER_ENV = frozenset(os.environ)
+
+
+def _scored(output: Any, scored: list[int], top_k: int) -> Completion:
+    """A scoring request's completion: each scored id's prompt logprob and, with top_k, the
+    k most likely ids at its position (the k of least rank: vLLM adds the scored id, ranked,
+    to its top k when it is not among them)."""
+    steps = output.prompt_logprobs[-len(scored):]
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+    if top_k:
+        top_ids, top_logprobs = [], []
+        for step in steps:
+            best = sorted((lp.rank, -lp.logprob, token) for token, lp in step.items())[:top_k]
+            if len(best) != top_k:
+                raise RuntimeError(f"vLLM returned {len(best)} of the {top_k} most likely ids of a scored position")
+            top_ids += [token for _, _, token in best]
+            top_logprobs += [-negative for _, negative, _ in best]
+    return Completion(output.request_id, scored, [step[token].logprob for token, step in zip(scored, steps)],
+                      [len(scored)], ["score"], output.num_cached_tokens or 0, None, top_ids, top_logprobs)
 
 
 def _set_engine_env(env: dict[str, str]) -> None:

@@ -88,4 +88,6 @@ def group_result(group: protocol.GenGroup, version: int, completion: Any) -> pro
                                 protocol.packed(protocol.TOKEN_TYPECODE, completion.token_ids),
                                 protocol.packed(protocol.LOGPROB_TYPECODE, completion.logprobs),
                                 list(completion.finish_reasons), completion.cached_tokens, group.turn,
-                                protocol.packed(protocol.TOKEN_TYPECODE, versions) if versions else b"")
+                                protocol.packed(protocol.TOKEN_TYPECODE, versions) if versions else b"",
+                                protocol.packed(protocol.TOKEN_TYPECODE, completion.top_ids or ()),
+                                protocol.packed(protocol.LOGPROB_TYPECODE, completion.top_logprobs or ()))

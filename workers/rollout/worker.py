@@ -286,7 +286,7 @@ class RolloutHandler(CommandHandler):
                 used = self.engine.add(engine_id, group.prompt_ids, group.max_tokens, group.temperature, group.seed,
                                        n=group.n, top_p=group.top_p, top_k=group.top_k, stop=group.stop,
                                        stop_token_ids=group.stop_token_ids, ignore_eos=group.ignore_eos,
-                                       score_from=group.score_from, **adapter)
+                                       score_from=group.score_from, score_top_k=group.score_top_k, **adapter)
             except RequestRefused as exc:
                 log.warning("%s: %s", group.agent, exc)
                 refused.append(protocol.GroupRefused(group.key, group.first, str(exc), group.turn))

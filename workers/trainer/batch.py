@@ -41,6 +41,10 @@ class Sample:
     turns: Sequence[protocol.MemberTurn] = ()  # its later turns, each with its own settings
     # On-policy distillation: the teacher's logprob of each output id (empty: no teacher).
     teacher_logprobs: Sequence[float] = ()
+    # With teacher_top_k k: the teacher's k most likely ids at each output position and their
+    # logprobs, k per output id back to back (empty otherwise).
+    teacher_top_ids: Sequence[int] = ()
+    teacher_top_logprobs: Sequence[float] = ()
 
     @property
     def name(self) -> str:
@@ -60,6 +64,9 @@ def samples_of(groups: Sequence[protocol.TrainGroup]) -> list[Sample]:
         logprobs = memoryview(protocol.native(protocol.LOGPROB_TYPECODE, g.rollout_logprobs)).cast("f")
         mask = memoryview(g.loss_mask).cast("b")
         teacher = memoryview(protocol.native(protocol.LOGPROB_TYPECODE, g.teacher_logprobs)).cast("f")
+        top_ids = _ids(g.teacher_top_ids)
+        top_lps = memoryview(protocol.native(protocol.LOGPROB_TYPECODE, g.teacher_top_logprobs)).cast("f")
+        k = len(top_ids) // max(1, len(ids))  # ids per output id
         turns: dict[int, list[protocol.MemberTurn]] = {}
         for turn in g.turns:
             turns.setdefault(turn.member, []).append(turn)
@@ -69,7 +76,8 @@ def samples_of(groups: Sequence[protocol.TrainGroup]) -> list[Sample]:
             out.append(Sample(index, g.key, j, prompt, ids[start:end], advantage,
                               logprobs[start:end] if len(logprobs) else (), [version], g.temperature,
                               mask[start:end] if len(mask) else (), g.top_p, g.top_k, turns.get(j, ()),
-                              teacher[start:end] if len(teacher) else ()))
+                              teacher[start:end] if len(teacher) else (),
+                              top_ids[k * start:k * end] if k else (), top_lps[k * start:k * end] if k else ()))
             start = end
     return out
 
@@ -83,10 +91,12 @@ def train_group(key: GroupKey, prompt_ids: Sequence[int], outputs: Sequence[Sequ
                 versions: Sequence[int] | None = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 masks: Sequence[Sequence[int]] | None = None,
                 turns: Sequence[protocol.MemberTurn] = (),
-                teacher_logprobs: Sequence[Sequence[float]] | None = None) -> protocol.TrainGroup:
+                teacher_logprobs: Sequence[Sequence[float]] | None = None,
+                teacher_top: Sequence[tuple[Sequence[int], Sequence[float]]] | None = None) -> protocol.TrainGroup:
     """A group from plain lists, one entry per member (benches and tests; the controller
     sends its store's records): no `logprobs`, none compared; no `versions`, all 0; no
-    `masks`, every output id trained; no `teacher_logprobs`, no teacher."""
+    `masks`, every output id trained; no `teacher_logprobs`, no teacher; no `teacher_top`
+    (per member, its teacher's top-k ids and logprobs, k per output id), no top-k."""
     trained = masks is None or all(all(m) for m in masks)
     return protocol.TrainGroup(
         key, protocol.packed(protocol.TOKEN_TYPECODE, prompt_ids), [len(o) for o in outputs],
@@ -95,4 +105,6 @@ def train_group(key: GroupKey, prompt_ids: Sequence[int], outputs: Sequence[Sequ
         list(advantages), list(versions) if versions is not None else [0] * len(outputs), temperature, top_p, top_k,
         b"" if trained else bytes(m for mask in masks or () for m in mask), list(turns),
         protocol.packed(protocol.LOGPROB_TYPECODE, [lp for lps in teacher_logprobs for lp in lps])
-        if teacher_logprobs else b"")
+        if teacher_logprobs else b"",
+        protocol.packed(protocol.TOKEN_TYPECODE, [t for ids, _ in teacher_top or () for t in ids]),
+        protocol.packed(protocol.LOGPROB_TYPECODE, [lp for _, lps in teacher_top or () for lp in lps]))

@@ -28,7 +28,7 @@ from flexmarl.runtime import protocol
 from .batch import Sample
 from .packing import PackedBatch
 from .sampling import turn_settings
-from .scoring import packs, padded, token_scores
+from .scoring import packs, padded, token_scores, token_scores_at
 
 # ---------------------------------------------------------------- options as tables
 
@@ -197,6 +197,7 @@ class StepSums:
     clipped: float = 0.0
     ref_kl: float = 0.0
     teacher_kl: float = 0.0  # the student's logprob minus its teacher's, summed over trained tokens
+    teacher_top_kl: float = 0.0  # teacher_top_k: the top-k forward KL (`top_k_kl`), summed over trained tokens
 
     def add(self, other: StepSums) -> None:
         for f in dataclasses.fields(self):
@@ -222,7 +223,8 @@ class StepSums:
             rollout_kl=per_token(self.rollout_kl, self.compared),
             clip_frac=per_token(self.clipped, self.tokens), ref_kl=per_token(self.ref_kl, self.tokens),
             samples=int(self.samples), tokens=int(self.tokens), skipped=skipped,
-            teacher_kl=per_token(self.teacher_kl, self.tokens))
+            teacher_kl=per_token(self.teacher_kl, self.tokens),
+            teacher_top_kl=per_token(self.teacher_top_kl, self.tokens))
 
 
 STEP_SUM_FIELDS = frozenset(f.name for f in dataclasses.fields(StepSums))
@@ -254,8 +256,11 @@ def policy_loss(model: Any, samples: list[Sample], options: protocol.LossOptions
     minus teacher_coef * (logp - the teacher's logprob), detached, whose policy gradient
     is the reverse KL's to the teacher on the student's own tokens (on-policy
     distillation); with teacher_kl_cap > 0 the difference is clipped to [-cap, cap] there
-    (the step's teacher_kl stays the unclipped one). Decoupled PPO scores the tokens
-    under `proximal` first. Every tensor is made where the model is (its device is the
+    (the step's teacher_kl stays the unclipped one). With teacher_top_k > 0 the advantage
+    is the reward's alone (none with teacher_only) and each trained token's term adds
+    teacher_coef * `top_k_kl`, the forward KL from the teacher's top-k next-token
+    distribution to the student's at that position, with gradient (dense distillation).
+    Decoupled PPO scores the tokens under `proximal` first. Every tensor is made where the model is (its device is the
     default inside)."""
     device = next(model.parameters()).device
     # A device context is a torch function mode: every op of the forward then passes
@@ -289,16 +294,28 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
     if rule is decoupled_ppo and proximal is not None:  # before the trained pass: its graph holds the weights
         with torch.no_grad(), proximal():
             proximal_lp = token_scores(model, samples, out_mask > 0, *settings, packed)[0]
-    logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings, packed)
+    dense = options.teacher_coef > 0 and options.teacher_top_k > 0
+    top_lp = student_top_lp = None
+    if dense:  # the student's logprobs of the teacher's top-k ids too
+        top_ids, top_lp = teacher_top(samples, width, options.teacher_top_k)
+        logp, token_entropy, student_top_lp = token_scores_at(model, samples, out_mask > 0, *settings, packed, top_ids)
+    else:
+        logp, token_entropy = token_scores(model, samples, out_mask > 0, *settings, packed)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32).unsqueeze(-1)
-    teacher_kl = None  # no teacher: no tensor of zeros made, summed and read back per micro-batch
+    teacher_kl = top_kl = None  # no teacher: no tensor of zeros made, summed and read back per micro-batch
     if options.teacher_coef > 0:
         teacher_kl = (logp.detach() - teacher_logprobs(samples, width)) * out_mask
-        cap = options.teacher_kl_cap
-        shaped = teacher_kl.clamp(-cap, cap) if cap > 0 else teacher_kl
-        adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * shaped
+        if dense:  # the reward's advantage alone; the teacher's term is added below
+            adv = torch.zeros_like(adv) if options.teacher_only else adv
+        else:
+            cap = options.teacher_kl_cap
+            shaped = teacher_kl.clamp(-cap, cap) if cap > 0 else teacher_kl
+            adv = (0.0 if options.teacher_only else adv) - options.teacher_coef * shaped
     terms, clipped = rule(Tokens(logp, rollout_lp, adv, out_mask, proximal_lp), options, clip_ratio)
     terms = terms * out_mask
+    if top_lp is not None and student_top_lp is not None:
+        top_kl = top_k_kl(top_lp, student_top_lp) * out_mask
+        terms = terms + options.teacher_coef * top_kl
     ref_kl = torch.zeros_like(logp)
     if options.kl_coef > 0:
         with torch.no_grad():
@@ -315,8 +332,37 @@ def _policy_loss(model: Any, samples: list[Sample], options: protocol.LossOption
             length_max=int(out_mask.sum(-1).max().item()),
             compared=float(compared.sum()), abs_diff=float(d.abs().sum()),
             rollout_kl=float((k3(d) * compared).sum()), clipped=float((clipped.float() * out_mask).sum()),
-            ref_kl=float(ref_kl.sum()), teacher_kl=float(teacher_kl.sum()) if teacher_kl is not None else 0.0)
+            ref_kl=float(ref_kl.sum()), teacher_kl=float(teacher_kl.sum()) if teacher_kl is not None else 0.0,
+            teacher_top_kl=float(top_kl.sum()) if top_kl is not None else 0.0)
     return loss, sums
+
+
+def top_k_kl(teacher_lp: torch.Tensor, student_lp: torch.Tensor) -> torch.Tensor:
+    """Per position, sum_j pT_j (log pT_j - log pS_j) over the teacher's top-k ids j [..., k]:
+    pT the teacher's distribution restricted to its k ids and renormalised there (its logprobs
+    log-softmaxed over them), pS the student's own probability of each id, not renormalised.
+    Leaving pS whole makes the term the cross-entropy from the truncated teacher less that
+    teacher's entropy, whose gradient in the student's logits is pS - pT over the whole
+    vocabulary: it also pulls down the student's mass outside the teacher's k ids (renormalising
+    pS over them would leave that mass free). It is >= 0 (KL to pS renormalised, plus
+    -log of pS's mass on the k ids), 0 only where the student puts exactly pT on them; with k
+    the vocabulary's size it is the forward KL between the two whole distributions.
+    Gradient through `student_lp` only."""
+    log_pt = torch.log_softmax(teacher_lp.float(), -1)
+    return (log_pt.exp() * (log_pt - student_lp)).sum(-1)
+
+
+def teacher_top(samples: list[Sample], width: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's k most likely ids at each output position and their logprobs, [n, W, k]
+    each (id 0 and logprob 0 where there is no output token)."""
+    missing = [s.name for s in samples
+               if len(s.teacher_top_ids) != k * len(s.output_ids) or len(s.teacher_top_logprobs) != len(s.teacher_top_ids)]
+    if missing:
+        raise ValueError(f"samples {missing[:3]} came without their teacher's top-{k} ids and logprobs ({k} per "
+                         "output token); a distilled agent with teacher_top_k is scored with them")
+    ids = padded([s.teacher_top_ids for s in samples], width * k, 0, torch.long).view(len(samples), width, k)
+    lps = padded([s.teacher_top_logprobs for s in samples], width * k, 0.0, torch.float32).view(len(samples), width, k)
+    return ids, lps
 
 
 def teacher_logprobs(samples: list[Sample], width: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ vocabulary in chunks.
 `token_scores(model, samples, scored, temperature, top_k, top_p)` gives, for each output
 token marked in `scored` [n, W], its log-probability under the distribution it was sampled
 from (sampling.py; with gradient) and that distribution's entropy (detached), both [n, W]
-with zeros where nothing was scored.
+with zeros where nothing was scored. `token_scores_at` gives besides, for given ids at each
+scored position (a teacher's top k), the model's unscaled logprob of each (with gradient).
 
 A model with a transformers decoder and output head (`get_decoder()`,
 `get_output_embeddings()`: Hugging Face causal LMs, and workers/adapters.py's views):
@@ -54,6 +55,17 @@ def token_scores(model: Any, samples: list[Sample], scored: torch.Tensor, temper
     """(logp, entropy), [n, W] each, of the output tokens where `scored` [n, W] is true,
     under the per-token sampling settings [n, W] (`sampling.turn_settings`). `packed`: the
     samples' `PackedBatch.of`, from a caller that scores them more than once (else made here)."""
+    logp, ent, _ = token_scores_at(model, samples, scored, temperature, top_k, top_p, packed)
+    return logp, ent
+
+
+def token_scores_at(model: Any, samples: list[Sample], scored: torch.Tensor, temperature: torch.Tensor,
+                    top_k: torch.Tensor, top_p: torch.Tensor, packed: PackedBatch | None = None,
+                    at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_scores`'s (logp, entropy), and with `at` [n, W, k] (token ids at each output
+    position) the model's logprob of each under its unscaled distribution (temperature 1, no
+    cut: log_softmax of the logits), [n, W, k] with gradient, zeros where nothing was scored;
+    without `at`, [n, W, 0]."""
     if any(len(s.prompt_ids) == 0 for s in samples):
         raise ValueError("a sample with an empty prompt cannot be scored: its first output token has no context")
     rows, cols = scored.nonzero(as_tuple=True)
@@ -63,11 +75,13 @@ def token_scores(model: Any, samples: list[Sample], scored: torch.Tensor, temper
     else:
         states, head = padded_logits(model, samples, scored.shape[1])[rows, cols], None
         vocab = states.shape[-1]
-    logp, ent = chunked_scores(head, vocab or model.config.vocab_size, states, targets, temperature[rows, cols],
-                               top_k[rows, cols], top_p[rows, cols])
+    ids = (at if at is not None else torch.zeros((*scored.shape, 0), dtype=torch.long))[rows, cols]
+    logp, ent, at_lp = chunked_scores(head, vocab or model.config.vocab_size, states, targets, temperature[rows, cols],
+                                      top_k[rows, cols], top_p[rows, cols], ids)
     shape = tuple(scored.shape)
     return (torch.zeros(shape, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp),
-            torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent))
+            torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent),
+            torch.zeros((*shape, ids.shape[-1]), dtype=at_lp.dtype, device=at_lp.device).index_put((rows, cols), at_lp))
 
 
 def packs(model: Any) -> bool:
@@ -112,32 +126,39 @@ def padded_logits(model: Any, samples: list[Sample], width: int) -> torch.Tensor
 
 
 def chunked_scores(head: Any, vocab: int, states: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                   top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   top_k: torch.Tensor, top_p: torch.Tensor,
+                   ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy) [N] of rows `states` [N, ...]: hidden states through `head`, or logits
-    already (head None), CHUNK_ELEMENTS logits at a time."""
+    already (head None), CHUNK_ELEMENTS logits at a time; and the unscaled logprobs of `ids`
+    [N, k] in each row, [N, k]."""
     step = max(1, CHUNK_ELEMENTS.get(states.device.type, CHUNK_ELEMENTS["cpu"]) // vocab)
     # One chunk holds all of them: its logits are no bigger than a chunk, nothing to recompute.
     recompute = head is not None and torch.is_grad_enabled() and states.requires_grad and targets.shape[0] > step
-    logps, entropies = [], []
+    logps, entropies, at = [], [], []
     for a in range(0, targets.shape[0], step):
         part = (states[a:a + step], targets[a:a + step], temperature[a:a + step], top_k[a:a + step],
-                top_p[a:a + step])
+                top_p[a:a + step], ids[a:a + step])
         if recompute:
-            logp, ent = checkpoint(_chunk_scores, head, *part, use_reentrant=False)
+            logp, ent, at_lp = checkpoint(_chunk_scores, head, *part, use_reentrant=False)
         else:
-            logp, ent = _chunk_scores(head, *part)
+            logp, ent, at_lp = _chunk_scores(head, *part)
         logps.append(logp)
         entropies.append(ent)
+        at.append(at_lp)
     if not logps:  # nothing scored: still part of the graph, so a backward (FSDP's hooks) runs
         empty = states[:, 0].float()
-        return empty, empty.detach()
-    return torch.cat(logps), torch.cat(entropies)
+        return empty, empty.detach(), empty[:, None].expand(-1, ids.shape[-1])
+    return torch.cat(logps), torch.cat(entropies), torch.cat(at)
 
 
 def _chunk_scores(head: Any, states: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                  top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_k: torch.Tensor, top_p: torch.Tensor,
+                  ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = states if head is None else head(states)
     log_probs = sampler_log_probs(logits, targets, temperature, top_k, top_p)
     with torch.no_grad():
         ent = entropy(log_probs)
-    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), ent
+    # The unscaled distribution's at `ids` (none asked: an empty column, nothing computed).
+    at_lp = (torch.log_softmax(logits.float(), -1).gather(-1, ids) if ids.shape[-1]
+             else log_probs.new_zeros((ids.shape[0], 0)))
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), ent, at_lp

@@ -392,6 +392,57 @@ async def test_a_distilled_agents_samples_are_scored_by_its_teacher_before_they_
     assert kinds.index("TeacherScored") < kinds.index("GroupComplete")
 
 
+class TopKScoringGenerator(FakeGenerator):
+    """A teacher's engine that also answers a scoring group's top k: at each scored position
+    ids 0..k-1 (`short`: one position fewer), logprob -(rank + 1)."""
+
+    def __init__(self, short=False):
+        super().__init__()
+        self.asked, self.short = [], short
+
+    async def generate(self, agent, group, after=""):
+        from flexmarl.controller.state.groups import GroupOutput
+        from flexmarl.runtime import protocol
+
+        if group.score_from < 0:
+            return await super().generate(agent, group, after)
+        self.asked.append(group.score_top_k)
+        scored, k = group.prompt_ids[group.score_from:], group.score_top_k
+        positions = len(scored) - self.short
+        return GroupOutput([(protocol.GroupResult(
+            group.key, group.first, 0, [len(scored)], protocol.packed("i", scored),
+            protocol.packed("f", [-0.25] * len(scored)), ["score"], turn=group.turn,
+            top_ids=protocol.packed("i", list(range(k)) * positions),
+            top_logprobs=protocol.packed("f", [-(r + 1.0) for r in range(k)] * positions)), "w")])
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["whole", "a-position-short"])
+async def test_a_teachers_top_k_travels_with_the_group_to_the_trainer(short):
+    from flexmarl.controller.state.decisions import MicroBatchSize
+    from flexmarl.runtime import protocol
+
+    gen = TopKScoringGenerator(short)
+    store = ExperienceStore(["s", "t"], frozen=["t"], teachers={"s": "t"})
+    ctx = EpisodeContext("e0", 1, random.Random(0), store, gen,
+                         {"s": AgentDefaults(3, 1.0, 2, teacher="t", teacher_top_k=2),
+                          "t": AgentDefaults(1, 1.0, 2, frozen=True)}, run_seed=7)
+
+    async def student(ctx):
+        for s in await ctx.generate("s", [1, 2]):
+            ctx.reward(s, 1.0)
+
+    why = await run_episode(student, ctx, 5.0)
+    assert gen.asked == [2, 2]  # each member's scoring asks for the agent's top k
+    if short:
+        assert "the teacher's top-2 arrays hold 4 ids and 4 logprobs for 3 output ids" in why
+        return
+    assert why == ""
+    (mb,) = store.form_micro_batches("s", 1, MicroBatchSize(2), True, False, 0)
+    (group,) = mb.wire()  # k per output id, packed as the outputs, member after member
+    assert group.teacher_top_ids == protocol.packed(protocol.TOKEN_TYPECODE, [0, 1] * 6)
+    assert group.teacher_top_logprobs == protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0, -2.0] * 6)
+
+
 async def test_the_running_task_is_read_as_asyncio_reads_it_in_a_task_and_in_a_callback():
     from flexmarl.controller.episodes.workflow import _current_task
 

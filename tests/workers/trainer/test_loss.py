@@ -2,6 +2,7 @@
 gradients worked out by hand: d(-A logp(y | x)) / d row_x = -A (onehot(y) - softmax(row_x / T)) / T.
 Each option's hand gradient only needs d(term) / d(logp) per token, written below as `coef`."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -532,3 +533,72 @@ def test_a_distilled_sample_without_its_teachers_logprobs_is_refused():
     model = Bigram()
     with pytest.raises(ValueError, match=r"came without their teacher's logprobs"):
         policy_loss(model, as_trained(make_samples(model)), p.LossOptions(teacher_coef=1.0), False, 2.0)
+
+
+def with_teacher_top(samples, teacher_table, k):
+    """The samples with their teacher's logprobs and, at each output position, its k most
+    likely ids and their logprobs over the whole vocabulary (what its prefill returns)."""
+    out = []
+    for s in with_teacher(samples, teacher_table):
+        ids, lps = [], []
+        for _, x, _ in tokens(s):
+            row = [hand_logprob(teacher_table, x, y) for y in range(V)]
+            best = sorted(range(V), key=lambda y: -row[y])[:k]
+            ids += best
+            lps += [row[y] for y in best]
+        out.append(dataclasses.replace(s, teacher_top_ids=ids, teacher_top_logprobs=lps))
+    return out
+
+
+@pytest.mark.parametrize("k", [3, V], ids=["top-3", "whole-vocabulary"])
+@pytest.mark.parametrize("only", [False, True], ids=["added-to-the-reward", "alone"])
+def test_a_teachers_top_k_forward_kl_is_a_dense_term_of_the_loss(k, only):
+    """teacher_top_k k: per token, beta * sum_j pT_j (log pT_j - log pS_j) over the teacher's
+    k ids, pT renormalised over them, pS the student's own; its gradient in the student's
+    logits beta * (pS - pT) over the whole vocabulary; the advantage the reward's alone (none
+    when alone); averaged over each sample's tokens like the policy term (seq_mean)."""
+    model, teacher = Bigram(seed=0), Bigram(seed=4)
+    samples = with_teacher_top(make_samples(model), teacher.table.detach(), k)
+    beta, table = 0.7, model.table.detach()
+    reward = lambda i: 0.0 if only else samples[i].advantage  # noqa: E731
+
+    want_grad = hand_gradient(table, samples, lambda i, j, lp: -reward(i) / len(samples[i].output_ids) / len(samples))
+    want_loss = want_kl = 0.0
+    for i, s in enumerate(samples):
+        for j, x, y in tokens(s):
+            ids, lt = s.teacher_top_ids[k * j:k * (j + 1)], s.teacher_top_logprobs[k * j:k * (j + 1)]
+            pt = [math.exp(v) / sum(math.exp(u) for u in lt) for v in lt]
+            kl = sum(q * (math.log(q) - hand_logprob(table, x, t)) for q, t in zip(pt, ids))
+            want_kl += kl
+            want_loss += (-reward(i) * hand_logprob(table, x, y) + beta * kl) / len(s.output_ids)
+            ps = torch.softmax(table[x].double(), -1)
+            pt_vec = torch.zeros(V, dtype=torch.float64).index_put((torch.tensor(ids),), torch.tensor(pt).double())
+            want_grad[x] += beta * (ps - pt_vec) / len(s.output_ids) / len(samples)
+
+    options = p.LossOptions(teacher_coef=beta, teacher_only=only, teacher_top_k=k)
+    model.zero_grad()
+    loss, sums = policy_loss(model, as_trained(samples), options, False, 2.0)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(model.table.grad.double() / sums.denominator, want_grad, rtol=1e-5, atol=1e-7)
+    assert sums.teacher_top_kl == pytest.approx(want_kl, rel=1e-5) and want_kl > 0
+    assert sums.stats(0.0).teacher_top_kl == pytest.approx(want_kl / 6, rel=1e-5)
+    kl = sum(hand_logprob(table, x, y) - hand_logprob(teacher.table, x, y) for s in samples for _, x, y in tokens(s))
+    assert sums.teacher_kl == pytest.approx(kl, rel=1e-5)  # the sampled token's estimate still reported
+
+
+def test_the_top_k_term_is_zero_where_the_student_is_the_teacher():
+    """A student equal to its teacher over the whole vocabulary: no KL and no gradient from it."""
+    model = Bigram(seed=0)
+    samples = [dataclasses.replace(s, advantage=0.0) for s in with_teacher_top(make_samples(model), model.table.detach(), V)]
+    loss, sums = policy_loss(model, as_trained(samples), p.LossOptions(teacher_coef=1.0, teacher_top_k=V), False, 2.0)
+    loss.backward()
+    assert sums.teacher_top_kl == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(model.table.grad, torch.zeros(V, V), rtol=0, atol=1e-6)
+
+
+def test_a_distilled_sample_without_its_teachers_top_k_is_refused():
+    model, teacher = Bigram(seed=0), Bigram(seed=4)
+    samples = with_teacher(make_samples(model), teacher.table.detach())
+    with pytest.raises(ValueError, match=r"came without their teacher's top-3 ids and logprobs"):
+        policy_loss(model, as_trained(samples), p.LossOptions(teacher_coef=1.0, teacher_top_k=3), False, 2.0)

@@ -428,3 +428,63 @@ def test_decoupled_ppo_with_a_teacher_equals_its_formula_on_whole_logits(kind, t
     for (name, _), a, b in zip(model.named_parameters(), got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
     assert 0 < sums.clipped < sums.tokens  # some tokens clipped or masked, not all
+
+
+def top_k_of(teacher, samples, k):
+    """Per sample, its teacher's k most likely ids at each output position and their logprobs, flat."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([list(s.prompt_ids) + list(s.output_ids)])
+            logits = teacher(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(s.prompt_ids) - 1:-1]
+            lps, top = torch.log_softmax(logits.float(), -1).topk(k, -1)
+            out.append((top.flatten().tolist(), lps.flatten().tolist()))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen2-tied", "llama-untied", "adapter", "chunked"])
+def test_a_teachers_top_k_kl_equals_its_formula_on_whole_logits(kind, tmp_path, monkeypatch):
+    """The packed, chunked loss with teacher_top_k (the policy term on the reward's advantage
+    plus beta * the forward KL from the teacher's top-k distribution, renormalised, to the
+    student's log_softmax at those ids) against the formula written out per sample from its
+    whole logits: values and gradients ("chunked": the head's logits 7 rows at a time, made
+    again in the backward)."""
+    from flexmarl.workers.trainer.loss import policy_loss
+
+    if kind == "chunked":
+        monkeypatch.setattr(scoring, "CHUNK_ELEMENTS", {"cpu": 7 * VOCAB})
+
+    model = {"qwen2-tied": lambda: tiny_model("qwen2", tied=True), "llama-untied": lambda: tiny_model("llama"),
+             "adapter": lambda: adapter_model(tmp_path), "chunked": lambda: tiny_model("llama")}[kind]()
+    teacher = tiny_model("qwen2", tied=True)
+    with torch.no_grad():
+        for q in teacher.parameters():
+            q.add_(0.3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel() + 1)))
+    rng, k, beta = random.Random(4), 5, 0.6
+    base = [s for s in spread_batch(seed=8, groups=3) if not s.loss_mask][:6]
+    base = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids[:12], rng.uniform(-1, 1), [], [0]) for s in base]
+    teacher_lp = plain_logprobs(teacher, base)
+    samples = [TrainSample(s.sample_id, s.prompt_ids, s.output_ids, s.advantage, [], [0], teacher_logprobs=t.tolist(),
+                           teacher_top_ids=ids, teacher_top_logprobs=lps)
+               for s, t, (ids, lps) in zip(base, teacher_lp, top_k_of(teacher, base, k))]
+    params = list(model.parameters())
+
+    loss, sums = policy_loss(model, as_trained(samples), p.LossOptions(teacher_coef=beta, teacher_top_k=k), False, 2.0)
+    got = torch.autograd.grad(loss, params)
+    want_loss = torch.zeros(())
+    want_kl = 0.0
+    for s in samples:
+        ids = torch.tensor([list(s.prompt_ids) + list(s.output_ids)])
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(s.prompt_ids) - 1:-1]
+        log_ps = torch.log_softmax(logits.float(), -1)
+        lp = log_ps.gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        top = torch.tensor(s.teacher_top_ids).view(-1, k)
+        log_pt = torch.log_softmax(torch.tensor(s.teacher_top_logprobs).view(-1, k), -1)
+        kl = (log_pt.exp() * (log_pt - log_ps.gather(-1, top))).sum(-1)
+        want_kl += float(kl.detach().sum())
+        want_loss = want_loss + (-s.advantage * lp + beta * kl).mean()
+    want = torch.autograd.grad(want_loss, params)
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, _), a, b in zip(model.named_parameters(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    assert sums.teacher_top_kl == pytest.approx(want_kl, rel=1e-4) and want_kl > 0
