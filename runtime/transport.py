@@ -296,7 +296,11 @@ class DealerSocket(_Socket):
     with nothing queued waits for the socket's descriptor, which libzmq signals on a change
     of the socket's events, edge-triggered: reading EVENTS (as every send and receive does)
     consumes the signal, so a receive reads EVENTS before it waits, and every send made
-    while a receive waits looks for a message it may have taken the signal of. A send the
+    while a receive waits looks for a message it may have taken the signal of. The
+    descriptor is watched by the loop from the first wait to the socket's close (adding and
+    removing the watch at every wait was two system calls a message); a signal that comes
+    while no receive waits is consumed where it comes, and the next receive finds the
+    message queued. A send the
     socket cannot take (the controller's queue is full; with `immediate`, no connection)
     waits, retrying, at most the send timeout (then zmq.Again); later sends wait behind it,
     in order."""
@@ -309,6 +313,8 @@ class DealerSocket(_Socket):
         self.identity = identity
         self._fd: int = self._plain.get(_FD)  # type: ignore[assignment]
         self._reader: asyncio.Future | None = None  # the receive waiting for the descriptor
+        self._watched: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
+        self.waited = False  # whether the last receive waited (False: its message was queued; it did not suspend)
         self._parked = 0  # sends waiting for room (a later one may not pass them)
         self._parked_order = asyncio.Lock()  # ... and among themselves, first come first sent
         self._send_timeout_s = 0.0
@@ -330,35 +336,58 @@ class DealerSocket(_Socket):
         self.sock.connect(address)
 
     async def recv(self) -> Inbound:
-        """The next message (waits while none is queued)."""
+        """The next message (waits while none is queued). The socket's events say whether
+        one is: an empty receive would raise zmq.Again, which costs several times more."""
+        self.waited = False
         while True:
-            try:
-                frames = self._queued_frames()
-            except zmq.Again:
-                await self._readable()
-                continue
-            return self._check(b"", frames)
+            if self._pollin():
+                try:
+                    frames = self._queued_frames()
+                except zmq.Again:  # not expected after POLLIN; waited for like an empty queue
+                    pass
+                else:
+                    return self._check(b"", frames)
+            self.waited = True
+            await self._readable()
 
     async def _readable(self) -> None:
-        """Returns when a message may be queued (the caller tries again)."""
-        if self._pollin():
-            return
+        """Returns when a message may be queued (the caller looks again), the socket's
+        events having just been read and found without one."""
         loop = asyncio.get_running_loop()
+        if self._watched is not loop:
+            self._watch(loop)
         waiter = self._reader = loop.create_future()
-        loop.add_reader(self._fd, _settle, waiter)
         try:
             await waiter
         finally:
             self._reader = None
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._unwatch()  # another loop's watch (a socket used from a second loop)
+        loop.add_reader(self._fd, self._signalled)
+        self._watched = loop
+
+    def _unwatch(self) -> None:
+        loop, self._watched = self._watched, None
+        if loop is not None and not loop.is_closed():
             loop.remove_reader(self._fd)
+
+    def _signalled(self) -> None:
+        """The descriptor's signal: it wakes the waiting receive; with none waiting it is
+        consumed here (unread, the loop would call this again at every turn)."""
+        waiter = self._reader
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        elif not self._plain.closed:
+            self._plain.get(_EVENTS)
 
     def _pollin(self) -> bool:
         """Whether a message is queued (reading EVENTS: the descriptor's signal is consumed)."""
         return bool(cast(int, self._plain.get(_EVENTS)) & _POLLIN)
 
     def close(self) -> None:
-        if self._reader is not None:  # a receive waits: the descriptor leaves its loop before it closes
-            self._reader.get_loop().remove_reader(self._fd)
+        self._unwatch()  # the descriptor leaves its loop before it closes
+        if self._reader is not None:  # a receive waits
             self._reader.cancel()
         super().close()
 

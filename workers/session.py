@@ -238,8 +238,9 @@ class WorkerSession:
 
     async def _receive(self) -> None:
         while True:
-            await asyncio.sleep(0)  # a queued message is received without suspending: yield
             inbound = await self.sock.recv()
+            if not self.sock.waited:  # a queued message is received without suspending: yield
+                await asyncio.sleep(0)
             self._last_heard = time.monotonic()
             if inbound.error:
                 self.rejected[inbound.reason] += 1

@@ -61,6 +61,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import types
 import zlib
 from collections import Counter
 from concurrent.futures import Executor
@@ -95,7 +96,14 @@ PROMPT_CAP: contextvars.ContextVar[int] = contextvars.ContextVar("flexmarl_promp
 # BRANCH: (the task's id, the count). A context copied from a task's (a callback's, or a task
 # made without the factory) holds another task's id, and so no count of its own.
 _CHILDREN: contextvars.ContextVar[tuple[int, Iterator[int]]] = contextvars.ContextVar("flexmarl_children")
-_current_task = asyncio.current_task
+# The task running on a loop. Where `asyncio.current_task` is a Python function (3.11), it
+# is a lookup in asyncio's table of running tasks, made here directly: a task's creation
+# and every turn of an episode paid a Python frame for it. Elsewhere (implemented in C) it
+# is called as it is.
+_current_task: Callable[[asyncio.AbstractEventLoop], asyncio.Task | None] = (
+    asyncio.tasks._current_tasks.get
+    if isinstance(asyncio.current_task, types.FunctionType) and hasattr(asyncio.tasks, "_current_tasks")
+    else asyncio.current_task)
 
 
 def _branch_task_factory(loop: asyncio.AbstractEventLoop, coro: Any, *, context: Any = None,
@@ -421,7 +429,7 @@ class EpisodeContext:
             raise ValueError(f"{sample.sample_id} belongs to another episode")
 
     async def _wait_at_gate(self, agent: str) -> None:
-        task = asyncio.current_task()
+        task = _current_task(asyncio.get_running_loop())
         if task is not None:
             self._called.branches.add(task)
         if self._gate is not None:

@@ -250,6 +250,10 @@ async def test_a_session_watches_its_loop_unless_its_process_watches_it_for_all_
     def watchers():
         return sum(t.name == "stall-watch" for t in threading.enumerate())
 
+    for _ in range(100):  # an earlier test's watch thread ends within its period of being stopped (not joined)
+        if not watchers():
+            break
+        await asyncio.sleep(0.05)
     before = watchers()
     async with session_with(Loop()) as (router, identity, task):
         await router.send(identity, p.Echo(1, b"x"))
@@ -335,3 +339,28 @@ async def test_closing_a_socket_a_receive_waits_on_ends_that_receive():
         dealer.close()  # its descriptor leaves the loop; the receive does not wait forever
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(receiving, 5)
+
+
+async def test_the_descriptor_stays_watched_between_receives_and_a_signal_with_none_waiting_loses_no_message():
+    import time
+
+    loop = asyncio.get_running_loop()
+    with dealer_to("inproc://watched") as (router, dealer):
+        await dealer.send(p.Heartbeat(1))
+        identity = (await asyncio.wait_for(router.recv(), 5)).identity
+        await router.send(identity, p.Heartbeat(2))
+        assert (await asyncio.wait_for(dealer.recv(), 5)).msg.seq == 2
+        receiving = asyncio.ensure_future(dealer.recv())  # waits: the descriptor is watched from here on
+        await asyncio.sleep(0.05)
+        await router.send(identity, p.Heartbeat(3))
+        assert (await asyncio.wait_for(receiving, 5)).msg.seq == 3
+        assert dealer.waited  # it suspended: its session needs no yield of its own after it
+        assert dealer._watched is loop  # still watched, with no receive waiting
+        await router.send(identity, p.Heartbeat(4))
+        time.sleep(0.05)
+        await asyncio.sleep(0.05)  # its signal comes while none waits, and is consumed there
+        await router.send(identity, p.Heartbeat(5))
+        got = [(await asyncio.wait_for(dealer.recv(), 5)).msg.seq for _ in range(2)]
+        assert got == [4, 5] and not dealer.waited  # both were queued: taken without suspending
+        dealer.close()
+        assert dealer._watched is None

@@ -441,3 +441,21 @@ async def test_a_teachers_top_k_travels_with_the_group_to_the_trainer(short):
     (group,) = mb.wire()  # k per output id, packed as the outputs, member after member
     assert group.teacher_top_ids == protocol.packed(protocol.TOKEN_TYPECODE, [0, 1] * 6)
     assert group.teacher_top_logprobs == protocol.packed(protocol.LOGPROB_TYPECODE, [-1.0, -2.0] * 6)
+
+
+async def test_the_running_task_is_read_as_asyncio_reads_it_in_a_task_and_in_a_callback():
+    from flexmarl.controller.episodes.workflow import _current_task
+
+    loop = asyncio.get_running_loop()
+    seen = []
+
+    async def branch():
+        seen.append((_current_task(loop), asyncio.current_task()))
+        loop.call_soon(lambda: seen.append((_current_task(loop), None)))  # a callback: no task runs it
+        await asyncio.sleep(0.01)
+
+    await asyncio.gather(branch(), branch())
+    assert len(seen) == 4
+    for mine, asyncios in seen:
+        assert mine is asyncios
+    assert seen[0][0] is not seen[1][0]
