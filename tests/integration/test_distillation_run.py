@@ -4,38 +4,24 @@ replaced so every step keeps its batch size, every trained group scored by the f
 teacher on its engine first, and replay's re-drive making the same decisions."""
 
 import argparse
-import asyncio
-import json
-from pathlib import Path
 
 import pytest
 
-from flexmarl.controller import Experiment, replay
+from flexmarl.controller import replay
 from flexmarl.controller.state import decisions
 from flexmarl.runtime import events as ev
-from flexmarl.runtime.config import load_config
-from flexmarl.runtime.eventlog import read_events
 
-ROOT = Path(__file__).resolve().parents[2]
+from distill_runs import run_distilled
 STEPS, QUERIES, GROUP = 3, 3, 4
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("distill")
-    cfg = load_config(ROOT / "examples" / "dynamic_sampling.toml", [
-        f"run.steps={STEPS}", f"pipeline.queries_per_step={QUERIES}", "run.progress=false", "eval.every=0",
-        "pipeline.mode='async'", "pipeline.max_staleness=1", "cluster.rollout_workers=2",
-        "agents.sorter.off_policy='decoupled'", "agents.sorter.teacher='teacher'", "agents.sorter.teacher_coef=0.5",
-        "agents.teacher.model='tiny:checker'", "agents.teacher.train=false", "agents.teacher.max_tokens=1"])
-
-    async def main():
-        async with Experiment(cfg, run_dir=run_dir) as exp:
-            return await exp.train()
-
-    asyncio.run(main())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_dir, [r for r in rows if "kind" not in r], read_events(run_dir / "events.log")[0]
+    rows, events = run_distilled(run_dir, STEPS, QUERIES, [
+        "pipeline.mode='async'", "pipeline.max_staleness=1", "agents.sorter.off_policy='decoupled'",
+        "agents.sorter.teacher_coef=0.5"])
+    return run_dir, rows, events
 
 
 def test_equal_groups_are_dropped_and_replaced_so_each_step_keeps_its_batch(run):

