@@ -129,6 +129,11 @@ class WorkerSession:
         try:
             await self.sock.send(msg, buffers)
         except zmq.Again:
+            if not self.heartbeat_timeout_s:  # not registered yet: HELLO found no connection to queue on
+                raise SessionEnded(f"no WELCOME from {self.address}: no connection to it took this worker's "
+                                   f"first message within {self.cfg.heartbeat_timeout_s:.1f}s; is the controller "
+                                   f"running, and does this worker hold its keys (transport CURVE)?",
+                                   EXIT_LOST) from None
             raise SessionEnded(f"the controller has not read for {self.heartbeat_timeout_s:.1f}s "
                                f"(the send queue stayed full)", EXIT_LOST) from None
         if getattr(msg, "load", None):  # a reply carrying the load says what a heartbeat would

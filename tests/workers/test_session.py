@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket as socket_module
 
 import pytest
 import zmq
@@ -364,3 +365,23 @@ async def test_the_descriptor_stays_watched_between_receives_and_a_signal_with_n
         assert got == [4, 5] and not dealer.waited  # both were queued: taken without suspending
         dealer.close()
         assert dealer._watched is None
+
+
+async def test_a_hello_no_connection_takes_ends_the_session_saying_no_welcome_came_not_that_a_queue_filled(caplog):
+    """Before WELCOME nothing has been read or timed: a HELLO that no connection takes (no
+    controller listening, or one whose CURVE handshake this worker failed) is told as the
+    missing WELCOME, exit code 3, not as a full send queue after 0.0 s."""
+    with socket_module.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    handler = Loop()
+    cfg = dataclasses.replace(CFG, heartbeat_timeout_s=0.3)  # how long a send waits before WELCOME
+    session = WorkerSession(cfg, address, handler, worker_id="w", watch_loop=False)
+    session.sock.close()
+    session.sock = session._new_socket(immediate=True)  # no connection: a send finds no queue
+    with caplog.at_level(logging.ERROR):
+        assert await asyncio.wait_for(session.run(), 10) == 3
+    said = caplog.text
+    assert f"no WELCOME from {address}" in said and "within 0.3s" in said and "CURVE" in said
+    assert "send queue" not in said
+    assert handler.closed
