@@ -77,6 +77,8 @@ def test_sweeps_set_the_start_up_heap_apart_and_hand_it_back_but_leave_what_anot
         frozen = gc.get_freeze_count()
         later.start()
         later.stop()
-        assert gc.get_freeze_count() == frozen
+        # Not handed back (an unfreeze leaves none). Equality would be fragile: a frozen object
+        # that another thread frees meanwhile leaves the count too.
+        assert gc.get_freeze_count() >= frozen * 0.9
     finally:
         gc.unfreeze()
