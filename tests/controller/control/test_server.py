@@ -399,6 +399,28 @@ async def test_a_controller_held_past_the_timeout_keeps_its_workers_and_they_kee
         assert server.registry.workers["healthy"].alive and not task.done()
 
 
+async def fill_until_it_stays_full(server, identity, rounds=50):
+    """Sends to a peer that does not read until its queue is full and stays full: ZeroMQ's
+    I/O thread drains the queue into the kernel's buffers until those fill too, so a queue
+    found full once may take more a moment later."""
+    sent = 0
+    for _ in range(rounds):
+        taken = 0
+        for _ in range(100_000):
+            try:
+                server.socket.send_nowait(identity, p.Heartbeat(sent), [b"x" * 2000])
+            except zmq.Again:
+                break
+            sent += 1
+            taken += 1
+        else:
+            raise AssertionError("the deaf peer's queue never filled")
+        if not taken and sent:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the deaf peer's queue kept taking messages ({sent} sent)")
+
+
 async def test_requests_are_sent_at_once_in_order_up_to_the_first_worker_whose_queue_is_full():
     # The rollout client's GENERATE messages of one routing turn go out without a task
     # (`send_now`); the first whose worker does not read, and all after it, are left for
@@ -409,13 +431,7 @@ async def test_requests_are_sent_at_once_in_order_up_to_the_first_worker_whose_q
             await deaf.send_multipart(hello("deaf"))
             await asyncio.wait_for(deaf.recv_multipart(), PATIENCE)  # WELCOME
             info = server.registry.workers["deaf"]
-            for sent in range(100_000):  # until its queue is full
-                try:
-                    server.socket.send_nowait(info.identity, p.Heartbeat(sent), [b"x" * 2000])
-                except zmq.Again:
-                    break
-            else:
-                raise AssertionError("the deaf peer's queue never filled")
+            await fill_until_it_stays_full(server, info.identity)
             requests = [("healthy", p.Echo(server.next_request_id(), b"first")),
                         ("deaf", p.Echo(server.next_request_id(), b"held")),
                         ("healthy", p.Echo(server.next_request_id(), b"after"))]
