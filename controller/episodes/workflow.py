@@ -171,8 +171,7 @@ class AgentDefaults:
     @classmethod
     def of(cls, c: Any) -> "AgentDefaults":
         return cls(c.max_tokens, c.temperature, c.group_size, c.top_p, c.top_k, list(c.stop),
-                   list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher,
-                   c.teacher_top_k if c.teacher else 0)
+                   list(c.stop_token_ids), c.ignore_eos, c.frozen, c.teacher, c.teacher_top_k)
 
 
 def request_seed(run_seed: int, key: GroupKey, member: int = 0, turn: int = 0) -> int:
