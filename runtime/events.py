@@ -146,6 +146,16 @@ class EpisodeAssigned(Event):
     batch: int
 
 
+class EpisodeAbandoned(Event):
+    # Continuous admission (pipeline.admission): episode `episode`, started as one of batch
+    # `started`'s and admitted while its version allowed batches up to `newest`, was still
+    # running when every batch up to `newest` had its episodes ended: no batch could train
+    # it, so it was abandoned (its requests aborted, its groups dropped, its slot freed).
+    episode: str
+    started: int
+    newest: int
+
+
 class GroupTargets(Event):
     # Dynamic sampling: batch `batch`'s regular episodes ended; each dynamic-sampling agent
     # trains this many groups of it (those they opened), groups beyond them are surplus.

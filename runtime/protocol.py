@@ -34,8 +34,9 @@ from .params.types import ParamHandle
 # logprobs packed per group; 13: a load may let the requests in flight continue, and a reply
 # carries its tokens' versions; 14: the teacher's per-token KL capped in the advantage; 15: a
 # teacher's scoring returns its top-k next-token ids and logprobs at each scored position, and
-# the training message carries them): the controller refuses workers of another version.
-PROTOCOL_VERSION = 15
+# the training message carries them; 16: AbortGroups, and a group comes back refused as
+# aborted): the controller refuses workers of another version.
+PROTOCOL_VERSION = 16
 
 # The most next-token ids and logprobs a scoring request may ask for per position
 # (GenGroup.score_top_k): the rollout engine is started with this cap (vLLM's max_logprobs).
@@ -71,6 +72,7 @@ class Kind(enum.IntEnum):
     MODEL_LOADED = 11
     GENERATE = 12
     GENERATED = 13
+    ABORT_GROUPS = 19
     LOAD_WEIGHTS = 14
     WEIGHTS_LOADED = 15
     CANCEL_LOAD = 16
@@ -376,11 +378,26 @@ class GroupRefused(msgspec.Struct, array_like=True, forbid_unknown_fields=True, 
     first: int
     reason: str
     turn: int = 0  # the GenGroup's
+    aborted: bool = False  # not refused: an AbortGroups named it (its episode was abandoned)
+
+
+class AbortGroups(Message):
+    # Controller -> Rollout: nobody waits for these groups (or parts) any more, each named
+    # by (key, first, turn) as in its Generate (their episode was abandoned): one still
+    # queued is dropped, one running is aborted in the engine. No reply of its own: each
+    # comes back once, in its Generate's reply, as a GroupRefused with `aborted`; one that
+    # had already finished came back as it would, and the name is ignored.
+    KIND = Kind.ABORT_GROUPS
+    request_id: int
+    keys: list[GroupKey]
+    firsts: list[int]
+    turns: list[int]
 
 
 class Generated(Message):
     # Rollout -> Controller: finished groups of a Generate, plus current load. Every group
-    # of the request comes back exactly once, whole, in `results` or in `refused`.
+    # of the request comes back exactly once, whole, in `results` or in `refused` (an
+    # aborted one there too).
     KIND = Kind.GENERATED
     request_id: int
     results: list[GroupResult]

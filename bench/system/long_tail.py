@@ -31,7 +31,8 @@ process, same seed. Per configuration it prints one JSON line:
 `--admission step,continuous,capacity:2` runs each keep / recompute configuration under
 each pipeline.admission setting listed (finish only under step: continuous and capacity
 admission refuse it; ":N" sets pipeline.partial_rollout),
-adding stale_samples_dropped (samples the staleness bound dropped at training time) and
+adding stale_samples_dropped (samples the staleness bound dropped: at training time, or
+with their episode abandoned once no batch could train it), episodes_abandoned and
 episodes_carried_over (episodes a later batch than their own trained).
 
 The model is built on first use and cached like the built-in models (`tiny:` names).
@@ -46,6 +47,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from flexmarl.controller.state.decisions import ABANDONED
 from flexmarl.controller.tasks.digit_chain import VOCAB, make_query, solver_prompt
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.model_specs import TinyModelRecipe, TinyModelSpec
@@ -188,7 +190,8 @@ def run(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step
         if r.get("reward_mean") is not None:
             per_step.setdefault(r["step"], []).append(r["reward_mean"])
     stale = sum(e.parts.count for e in events
-                if isinstance(e, ev.SamplesDropped) and e.why.startswith("lag above"))
+                if isinstance(e, ev.SamplesDropped) and (e.why.startswith("lag above") or e.why == ABANDONED))
+    abandoned = sum(1 for e in events if isinstance(e, ev.EpisodeAbandoned))
     carried = sum(1 for e in events if isinstance(e, ev.EpisodeAssigned) and e.batch > e.started)
     return {"in_flight": in_flight, "admission": admission, "max_staleness": k, "chain": args.chain,
             "adapter": args.adapter, "steps": args.steps,
@@ -196,7 +199,8 @@ def run(args: argparse.Namespace, in_flight: str, k: int, admission: str = "step
             "occupancy": occupancy, "occupancy_mean": round(statistics.mean(occupancy.values()), 3),
             "idle_share": idle, "idle_share_mean": round(statistics.mean(idle.values()), 3),
             "sync_wait_s": round(sum(waits) / max(1, loads), 4), "sync_wait_max_s": round(longest, 4), "loads": loads,
-            "spanned_parts": spanned, "stale_samples_dropped": stale, "episodes_carried_over": carried,
+            "spanned_parts": spanned, "stale_samples_dropped": stale, "episodes_abandoned": abandoned,
+            "episodes_carried_over": carried,
             "logprob_abs_diff": round(statistics.mean(diffs), 6) if diffs else None,
             "reward": [round(statistics.mean(v), 4) for _, v in sorted(per_step.items())],
             "failed_episodes": summary.episodes_failed}

@@ -30,7 +30,10 @@ With continuous admission (`pipeline.admission`), each episode's turns wait at t
 the schedule gives its `EpisodeSlot`, and when it ends the schedule names the batch that
 trains it (`EpisodeAdmitted`, `EpisodeAssigned`; the store moves its groups there) before that batch counts
 it; `pipeline.partial_rollout` spare episodes (`s{first}p{j}`, rows after every regular
-and extra one) start with the first batch.
+and extra one) start with the first batch. A running episode that no batch can train any
+more (every batch its bound allows is full: `BatchSchedule.doomed`) is abandoned at once
+(`EpisodeAbandoned`): its task is cancelled, which aborts its requests in the engines, its
+groups are dropped, it is in no batch, and a fresh spare is begun in its place.
 
 It does not know trainers, weight syncs or how micro-batches are formed.
 """
@@ -40,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import ExperimentConfig
@@ -48,7 +51,7 @@ from flexmarl.runtime.config import ExperimentConfig
 from ..control.interfaces import Emit
 from ..state import decisions
 from ..state.failures import RunFailed, too_many_failures
-from ..state.schedule import BatchSchedule
+from ..state.schedule import BatchSchedule, EpisodeSlot
 from ..state.store import ExperienceStore
 from .data import Dataset
 from .workflow import AgentDefaults, Episode, EpisodeContext, EpisodeEndpoint, ToolPool, run_episode
@@ -129,6 +132,12 @@ class EpisodeProducer:
         # A resume's: the spares begun before its checkpoint, those still over (each batch up
         # to the checkpoint trained queries_per_step; the last one every spare) and still owed.
         self._spares_begun_before = self._spares_over = self._spares_owed_before = 0
+        # Continuous admission: the running episodes by slot, for abandoning a doomed one;
+        # how many were abandoned (each renewed by a spare); what begins that spare.
+        self._live: dict[EpisodeSlot, tuple[BegunEpisode, asyncio.Task]] = {}
+        self.abandoned = 0
+        self._renew: Callable[[int], None] = lambda batch: None
+        self._spares_lock = asyncio.Lock()
 
     async def run(self) -> None:
         """Produces every batch; the first batch with too many failed episodes stops it."""
@@ -164,9 +173,12 @@ class EpisodeProducer:
             task.add_done_callback(finished)
 
         async def one(begun: BegunEpisode) -> None:
-            failure, stopped = "", False
+            failure, stopped, abandoned = "", False, False
             batch, name = begun.started, begun.name
             slot, ctx = self.schedule.slot(batch), None
+            task = asyncio.current_task()
+            assert task is not None
+            self._live[slot] = (begun, task)
             try:
                 ctx = self.contexts.make(name, batch, random.Random(
                     f"{seed}-{batch}-{'' if begun.kind == 'q' else begun.kind}{begun.index}"),
@@ -181,17 +193,25 @@ class EpisodeProducer:
                 stopped = True  # and the episode never ends: the batch is not trained on what it lacks
                 self._stop_with(exc)
             except asyncio.CancelledError:  # the run is stopping: nor does an episode cut short
-                stopped = True
-                raise
+                if not slot.doomed:
+                    stopped = True
+                    raise
+                abandoned = True  # no batch could train it (`_abandon_doomed`): it ends here, in no batch
             finally:
                 limit.release()
-                if not stopped:
+                del self._live[slot]
+                abandoned = abandoned or (slot.doomed and not stopped)  # ended as the cancel came
+                if not stopped and not abandoned:
                     if self.schedule.continuous:  # the batch that trains it: named now
                         batch = self.schedule.assign(slot)
                         self.emit(ev.EpisodeAssigned(name, begun.started, batch))
                         self.store.assign(ctx.opened if ctx is not None else (), batch)
+                        self._abandon_doomed()
                     self._ended(begun, batch)
                     self.schedule.episode_ended(batch, failure)
+            if abandoned and ctx is not None:
+                await ctx.close(decisions.ABANDONED)  # its branches stop; what they opened is dropped
+                self.store.abandon(ctx.opened, decisions.ABANDONED)
             if failure:
                 self._check_failures(batch)
 
@@ -206,6 +226,12 @@ class EpisodeProducer:
             elif begun.kind == "p":
                 self.spares_begun += 1
             spawn(one(begun), f"episode-{begun.name}")
+
+        def renew(batch: int) -> None:
+            """A spare in place of an abandoned episode, begun as soon as the bound lets it."""
+            spawn(self._start_spares(batch, start), f"spare-after-abandoned-{self.abandoned}")
+
+        self._renew = renew
 
         async def start(batch: int, i: int, extra: bool = False, spare: bool = False) -> None:
             kind = "x" if extra else "p" if spare else "q"
@@ -293,13 +319,28 @@ class EpisodeProducer:
         """The spares still to begin: those the schedule counts beyond the ones over at a
         resume's checkpoint (`_spares_over`), those that checkpoint's run still owed, less
         those begun since."""
-        return (self.schedule.spares - self._spares_over + self._spares_owed_before
+        return (self.schedule.spares + self.abandoned - self._spares_over + self._spares_owed_before
                 - (self.spares_begun - self._spares_begun_before))
 
     async def _start_spares(self, batch: int, start: Any) -> None:
-        """Begins the spares owed, numbered after every spare begun before."""
-        while self._spares_owed() > 0:
-            await start(batch, self.spares_begun, spare=True)
+        """Begins the spares owed, numbered after every spare begun before (one at a time:
+        an abandoned episode's renewal may ask while the first batch's are beginning)."""
+        async with self._spares_lock:
+            while self._spares_owed() > 0:
+                await start(batch, self.spares_begun, spare=True)
+
+    def _abandon_doomed(self) -> None:
+        """The running episodes no batch can train any more (`BatchSchedule.doomed`) are
+        abandoned: logged, cancelled (their requests aborted in the engines, their groups
+        dropped as `decisions.ABANDONED` when the cancel reaches them), out of what a
+        checkpoint records, and each renewed by a fresh spare."""
+        for slot in self.schedule.doomed():
+            begun, task = self._live[slot]
+            self.emit(ev.EpisodeAbandoned(begun.name, begun.started, slot.admitted or 0))
+            self._begun.pop(begun.name, None)
+            self.abandoned += 1
+            task.cancel()
+            self._renew(begun.started)
 
     def _ended(self, begun: BegunEpisode, batch: int) -> None:
         """`begun` ended and batch `batch` trains it; the episodes of batches trained since

@@ -79,6 +79,10 @@ def lineage(events: list[ev.Event]) -> list[ev.Event]:
             batch_of_episode[e.episode] = e.batch
             for key in groups_of.ended(e.episode):
                 batch_of_group[key] = e.batch
+        if isinstance(e, ev.EpisodeAbandoned):  # in no batch; abandoned before batch `newest` trained
+            batch_of_episode[e.episode] = e.newest
+            for key in groups_of.ended(e.episode):
+                batch_of_group[key] = e.newest
         if isinstance(e, ev.EventsLost):
             if e.first_seq in _named(kept):
                 continue  # another record of damage already kept (the reader's and the resume's)
@@ -233,7 +237,7 @@ def _cut(e: ev.Event, keep: Callable[[int | None], bool], batch_of_group: dict[G
     that had not ended to batch `running`)."""
     if isinstance(e, ev.GroupOpened):
         return e if keep(batch_of_group.get(e.key, e.batch)) else None
-    if batch_of_episode is not None and isinstance(e, (ev.EpisodeAdmitted, ev.EpisodeAssigned)):
+    if batch_of_episode is not None and isinstance(e, (ev.EpisodeAdmitted, ev.EpisodeAssigned, ev.EpisodeAbandoned)):
         return e if keep(batch_of_episode.get(e.episode, running)) else None
     if isinstance(e, (ev.GroupComplete, ev.GroupServed)):
         return e if keep(batch_of_group.get(e.key)) else None

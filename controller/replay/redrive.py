@@ -29,7 +29,8 @@ from .lineage import agent_roles, last_batch, lineage, lost_batches, open_steps
 _GROUP_EVENTS = frozenset({ev.GroupOpened, ev.RequestsCompleted, ev.GroupComplete})
 
 # The decision events the re-drive derives; replay compares these, in order.
-REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided, ev.EpisodeAdmitted, ev.EpisodeAssigned)
+REDRIVEN_TYPES = (ev.MicroBatchFormed, ev.OptimizerStep, ev.RebalanceDecided, ev.EpisodeAdmitted, ev.EpisodeAssigned,
+                  ev.EpisodeAbandoned)
 
 
 def redrive(log: list) -> list:
@@ -71,7 +72,11 @@ def episode_assignments(log: list) -> list:
     newest batch it was admitted for and the spares it could count on
     (`decisions.spare_room`, from the drained instances it logged), and with `newest` -1
     when the rules would have held it back; an `EpisodeAssigned` names the batch
-    `decisions.assigned_batch` gives from the order the episodes were admitted and ended."""
+    `decisions.assigned_batch` gives from the order the episodes were admitted and ended;
+    an `EpisodeAbandoned` as logged when `decisions.doomed_through` says every batch its
+    bound allowed was full then, with `newest` -1 when it was not. (That every doomed
+    episode was abandoned shows in the assignments: one that was not would have ended in a
+    later batch, which the rules, abandoning it, no longer count.)"""
     quota, last, spares = _admission_settings(run_of(log).config_toml, (0, 0, 0))
     first = 1  # a resumed run's schedule starts after its checkpoint
     ended: collections.Counter[int] = collections.Counter()
@@ -80,7 +85,7 @@ def episode_assignments(log: list) -> list:
     # What the admitting process's schedule counted: a resumed one starts with none.
     running: set[str] = set()
     ended_here: collections.Counter[int] = collections.Counter()
-    made: list[ev.EpisodeAdmitted | ev.EpisodeAssigned] = []
+    made: list[ev.EpisodeAdmitted | ev.EpisodeAssigned | ev.EpisodeAbandoned] = []
     for e in log:
         kind = type(e)
         if kind is ev.RunResumed:
@@ -103,6 +108,13 @@ def episode_assignments(log: list) -> list:
             running.discard(e.episode)
             ended_here[batch] += 1
             made.append(ev.EpisodeAssigned(e.episode, e.started, batch))
+        elif kind is ev.EpisodeAbandoned:
+            admitted = newest.pop(e.episode, None)
+            if admitted is not None:
+                due[admitted] -= 1
+            running.discard(e.episode)
+            doomed = admitted is not None and admitted <= decisions.doomed_through(ended_here, first, last, quota)
+            made.append(ev.EpisodeAbandoned(e.episode, e.started, e.newest if doomed else -1))
     return made
 
 
@@ -139,6 +151,8 @@ def _refilled_store(log: list, agents: list[str], others: set[str], dynamic: Seq
         kind = type(e)
         if kind is ev.EpisodeAssigned:
             store.assign(groups_of.pop(e.episode, ()), next(assigned).batch)
+        elif kind is ev.EpisodeAbandoned:
+            store.abandon(groups_of.pop(e.episode, ()), decisions.ABANDONED)
         elif kind is opened:
             store.open_group(e.key, (), e.n, e.batch)
             groups_of.setdefault(e.key.episode, []).append(e.key)
@@ -194,7 +208,8 @@ def in_log_order(log: list, made: dict[str, list], moves: list, assignments: Seq
         kind = type(e)
         if kind not in redriven:
             continue
-        if kind is ev.RebalanceDecided or kind is ev.EpisodeAssigned or kind is ev.EpisodeAdmitted:
+        if kind is ev.RebalanceDecided or kind is ev.EpisodeAssigned or kind is ev.EpisodeAdmitted \
+                or kind is ev.EpisodeAbandoned:
             move = next(next_move if kind is ev.RebalanceDecided else next_assigned, None)
             if move is not None:
                 result.append(move)

@@ -15,7 +15,9 @@ Two parts, kept apart on purpose:
   group, whole; a group resolves when its last part has. If an instance dies or fails a
   message, its unfinished parts are routed again (to another instance, since a dead one
   has left every agent); the experience store refuses a second result for a sample, so a
-  re-issue can never add a sample twice.
+  re-issue can never add a sample twice. A call cancelled (its episode abandoned) aborts
+  its parts on their instances (AbortGroups): each comes back once, as aborted or as its
+  result, and is never routed again.
 
 Routing is O(1) per group: the live instances of an agent are the instances' owner's list
 (state/instances.py keeps it by join, death and leave events), the least loaded of two drawn at
@@ -133,6 +135,7 @@ class _Group:
     future: asyncio.Future
     left: int = 0
     parts: list = field(default_factory=list)  # (GroupResult, worker)
+    sent: list = field(default_factory=list)  # its parts as sent, each to its `worker`, while unanswered
 
 
 @dataclass(slots=True)
@@ -143,6 +146,7 @@ class _Part:
     owner: _Group
     after: str  # the instance of the sample's previous turn ("": a first turn)
     attempt: int = 1
+    worker: str = ""  # the instance it was last sent to
     cost: int = field(init=False)  # the tokens it may cost its engine: each member's prompt and max_tokens
 
     def __post_init__(self) -> None:
@@ -206,6 +210,7 @@ class RolloutClient:
         self.closed = False  # the run is over: nothing is routed or re-issued
         self.reissued = 0  # samples
         self.refused = 0  # groups
+        self.aborted = 0  # group parts aborted on their instances (their episodes abandoned)
         self.affinity = {"kept": 0, "moved": 0}  # later turns: on their previous instance, or not
         # Per agent, so far: prompt tokens of the samples generated and how many the engines
         # found in their prefix cache, for first turns and later turns (ev.PROMPT_FIELDS).
@@ -229,7 +234,31 @@ class RolloutClient:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
-        return await owner.future
+        try:
+            return await owner.future
+        except asyncio.CancelledError:  # its episode was abandoned (or the run stops)
+            self._abort(owner)
+            raise
+
+    def _abort(self, owner: _Group) -> None:
+        """Nobody waits for the group any more: its parts on instances are aborted there
+        (AbortGroups; each comes back once, as aborted, or as its result if it had finished,
+        and its work is counted done then); one queued, waiting for an instance or to be
+        routed again is skipped, its future being done."""
+        if self.closed or self.server.closing:
+            return
+        by_worker: dict[str, list[protocol.GenGroup]] = {}
+        for part in owner.sent:
+            by_worker.setdefault(part.worker, []).append(part.group)
+        owner.sent.clear()
+        messages: list[tuple[str, protocol.Message]] = [
+            (worker, protocol.AbortGroups(self.server.next_request_id(), [g.key for g in groups],
+                                          [g.first for g in groups], [g.turn for g in groups]))
+            for worker, groups in by_worker.items()]
+        self.aborted += sum(len(groups) for groups in by_worker.values())
+        sent = self.server.send_now(messages)
+        if sent < len(messages):
+            self._start(self._send_all(messages[sent:]))
 
     # ------------------------------------------------------------ routing, once per loop turn
 
@@ -343,6 +372,8 @@ class RolloutClient:
                 version = versions[agent] = self.version_of(agent)
             group.version = version
             waiting[(group.key, group.first, group.turn)] = part
+            part.worker = worker
+            part.owner.sent.append(part)
             groups.append(group)
         msg = protocol.Generate(self.server.next_request_id(), groups)
         if len(versions) == 1:  # one agent's groups (an instance serves one agent, most often)
@@ -357,7 +388,7 @@ class RolloutClient:
         future.add_done_callback(lambda f: self._message_ended(worker, waiting, f))
         return worker, msg
 
-    async def _send_all(self, messages: list[tuple[str, protocol.Generate]]) -> None:
+    async def _send_all(self, messages: Sequence[tuple[str, protocol.Message]]) -> None:
         for worker, msg in messages:
             await self.server.send_request(worker, msg)
 
@@ -374,6 +405,7 @@ class RolloutClient:
             cost += part.cost
             done.append((part, result))
             owner = part.owner
+            _answered(part)
             owner.parts.append((result, worker))
             owner.left -= 1
             if owner.left == 0 and not owner.future.done():
@@ -388,6 +420,9 @@ class RolloutClient:
                             refusal.key, refusal.first, refusal.turn)
                 continue
             self.owner.work_done(worker, part.cost)
+            _answered(part)
+            if refusal.aborted:  # no one waits for it: its episode was abandoned
+                continue
             self.refused += 1
             _fail(part.owner, RequestRefused(f"{part.owner.agent} on {worker} refused {_named(part.group)}: "
                                              f"{refusal.reason}"))
@@ -437,6 +472,7 @@ class RolloutClient:
         waiting.clear()
         for part in parts:
             self.owner.work_done(worker, part.cost)
+            _answered(part)
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
         # Shutting down, the workers leave: nothing to re-issue.
         if not isinstance(exc, (WorkerDied, RemoteError)) or self.closed or self.server.closing:
@@ -494,6 +530,12 @@ def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:
     for p in parts:
         out.setdefault(p.owner.agent, []).append(p)
     return out
+
+
+def _answered(part: _Part) -> None:
+    """The part is no longer on its instance: nothing there to abort."""
+    if part in part.owner.sent:
+        part.owner.sent.remove(part)
 
 
 def _fail(owner: _Group, exc: BaseException) -> None:

@@ -42,12 +42,36 @@ def may_admit(running: int, ended: Mapping[int, int], first: int, newest: int, l
     (per batch, from `first`) number fewer than batches `first` to `newest` train (`quota`
     each) plus `spares`, each running episode can still be trained within the staleness
     bound if it ends in turn. The spares are over-provisioned once for the run: one that
-    ended past its bound still counts, so it is not replaced. The last batch trains
-    whatever is left: always."""
+    ended past its bound still counts, so it is not replaced (one abandoned as doomed,
+    `doomed_through`, is: by a fresh spare). Never an episode whose bound is already full:
+    it would be doomed at once. The last batch trains whatever is left: always."""
     if newest >= last:
         return True
-    done = sum(n for b, n in ended.items() if b >= first)  # a carried one too: the spares are never renewed
+    if newest <= doomed_through(ended, first, last, quota):
+        return False  # every batch that could train it is full: it would be abandoned at once
+    done = sum(n for b, n in ended.items() if b >= first)  # a carried one too: only an abandoned one is renewed
     return running + done < quota * (newest - first + 1) + spares
+
+
+# Why an abandoned episode's samples are dropped (`doomed_through`).
+ABANDONED = "abandoned: every batch its staleness bound allows is full"
+
+
+def doomed_through(ended: Mapping[int, int], first: int, last: int, quota: int) -> int:
+    """Continuous admission: the newest batch B before the last such that every batch from
+    `first` to B has its `quota` of episodes ended (`first` - 1 when `first` has not). A
+    running episode admitted while its version allowed batches up to B at most
+    (`EpisodeSlot.admitted` <= B) is doomed: `assigned_batch` can only give it a later
+    batch, which its oldest token (drawn by the version that admitted it) is too stale for,
+    so it would run on in its engine only to be dropped there, taking that batch's place.
+    It is abandoned instead: its requests aborted, its samples dropped, its slot freed for a
+    fresh episode. The last batch trains every episode left: one it may train is never
+    doomed. Step admission has no slots, and with no spares no episode is ever doomed
+    (`may_admit` then admits only what fits and `assigned_batch` keeps each one's place)."""
+    batch = first - 1
+    while batch + 1 < last and ended.get(batch + 1, 0) >= quota:
+        batch += 1
+    return batch
 
 
 def spare_room(spares: int, drained: int | None) -> int:

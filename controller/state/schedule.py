@@ -25,6 +25,12 @@ version from `SyncedVersions` (versions.py), which it does not write:
   (`decisions.assigned_batch`: the first queries_per_step episodes to end fill a batch, a
   slower one carries over, but no newer episode takes the place an older one needs within
   its staleness bound), and that batch's `episode_ended` counts it. The last batch takes every episode left;
+  once every batch a running episode's bound allows is full (`doomed`,
+  `decisions.doomed_through`), no batch could train it: it leaves its slot at once (the
+  producer abandons it: its requests are aborted in the engines, its samples dropped as
+  `decisions.ABANDONED`, a fresh spare begun in its place), and no first turn is admitted
+  into a bound already full. Only spares make this happen (without them every admitted
+  episode keeps the place it needs), so abandoning stops only work that would be dropped;
 - with capacity admission, the same, except that the spares are counted only as far as
   the first turn's agent has instances with no group left (`drained`, read from the
   instances' owner, which calls `instance_drained` when an instance's last group comes
@@ -68,7 +74,7 @@ from . import decisions
 from .versions import SyncedVersions
 
 
-@dataclass
+@dataclass(eq=False)
 class EpisodeSlot:
     """One episode's place under continuous admission: the batch it started as one of,
     the batch its first turn was admitted to (None until then)."""
@@ -76,6 +82,7 @@ class EpisodeSlot:
     started: int
     admitted: int | None = None  # the newest batch its version allowed when its first turn was admitted
     drained: int = -1  # capacity admission: its agent's drained instances then (-1: continuous admission)
+    doomed: bool = False  # abandoned: every batch its bound allows was full (`BatchSchedule.doomed`)
 
 
 @dataclass
@@ -125,6 +132,7 @@ class BatchSchedule:
         self.quota, self.spares = episodes_per_batch, spares if continuous else 0
         self.batches[steps].episodes_left += self.spares  # the last batch trains the spares left
         self._due: collections.Counter[int] = collections.Counter()  # batch -> running episodes admitted with it newest
+        self._admitted: list[EpisodeSlot] = []  # the running episodes' slots, in the order they were admitted
         self._ended: collections.Counter[int] = collections.Counter()  # batch -> episodes assigned to it
         self._freed = asyncio.Event()  # a slot was freed: admission waiters look again
         # Capacity admission: agent -> its instances with no group left (the instances'
@@ -245,6 +253,7 @@ class BatchSchedule:
                 slot.admitted = newest
                 slot.drained = -1 if drained is None else drained
                 self._due[newest] += 1
+                self._admitted.append(slot)
                 if on_admitted is not None:
                     on_admitted(slot)
                 return
@@ -279,11 +288,28 @@ class BatchSchedule:
         caller moves its groups there, then calls `episode_ended` of that batch)."""
         if slot.admitted is not None:
             self._due[slot.admitted] -= 1
+            self._admitted.remove(slot)
         batch = decisions.assigned_batch(self._ended, +self._due, self.first_batch, self.steps, self.quota, self.spares,
                                          slot.admitted)
         self._ended[batch] += 1
         self._wake_admissions()
         return batch
+
+    def doomed(self) -> list[EpisodeSlot]:
+        """The running episodes no batch can train any more (`decisions.doomed_through`:
+        every batch their bound allows is full), in the order they were admitted: each
+        leaves the schedule here (marked `doomed`; it is never assigned) and its place
+        frees at once, so a fresh episode may be admitted. The caller abandons them."""
+        through = decisions.doomed_through(self._ended, self.first_batch, self.steps, self.quota)
+        doomed = [s for s in self._admitted if s.admitted is not None and s.admitted <= through]
+        for slot in doomed:
+            assert slot.admitted is not None
+            slot.doomed = True
+            self._due[slot.admitted] -= 1
+            self._admitted.remove(slot)
+        if doomed:
+            self._wake_admissions()
+        return doomed
 
     # -- the per-agent pipelines
 

@@ -331,6 +331,19 @@ class ExperienceStore:
             if self._held.pop(key, None) is not None:
                 self._queue(group)
 
+    def abandon(self, keys: Iterable[GroupKey], why: str) -> None:
+        """Continuous admission: the episode that opened `keys` was abandoned (no batch can
+        train it): those of its groups the store holds and no batch took are dropped,
+        whether still generating or trainable and held."""
+        for key in keys:
+            group = self._groups.get(key)
+            if group is None or key not in self._unassigned:
+                continue
+            self._unassigned.discard(key)
+            if self._held.pop(key, None) is not None:
+                group.status = PENDING  # trainable, never queued: dropped as any group not yet trained
+            self.drop_group(key, why)
+
     def _queue(self, group: GroupRecord) -> None:
         agent, batch = group.agent, group.batch
         queues = self._ready[agent]

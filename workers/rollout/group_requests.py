@@ -59,6 +59,18 @@ class RunningGroups:
             self.samples -= running.group.n
         return done
 
+    def aborted(self, names: set[tuple[Any, int, int]]) -> dict[str, tuple[int, protocol.GenGroup]]:
+        """The running groups named (key, first, turn) in `names`, by engine request id, each
+        with its GENERATE request: they leave the bookkeeping (the caller aborts them in the
+        engine and says so in their request's reply)."""
+        found = {eid: r for eid, r in self._running.items() if (r.group.key, r.group.first, r.group.turn) in names}
+        for eid, r in found.items():
+            del self._running[eid]
+            self._open[r.request_id] -= 1
+            self._tokens[r.request_id] -= cost(r.group)
+            self.samples -= r.group.n
+        return {eid: (r.request_id, r.group) for eid, r in found.items()}
+
     def done(self, request_id: int) -> bool:
         """Every group of the request came back (or was never started)."""
         if self._open.get(request_id, 0) > 0:

@@ -47,6 +47,7 @@ from typing import Any
 
 from flexmarl.runtime import protocol
 from flexmarl.runtime.checksums import verify_files
+from flexmarl.runtime.keys import GroupKey
 
 from ..session import CommandHandler
 from .engine import RequestRefused
@@ -67,6 +68,7 @@ class RolloutHandler(CommandHandler):
         self._control: list[protocol.LoadModel | protocol.LoadWeights] = []
         self._adapter_loads: list[protocol.LoadWeights | protocol.LoadAdapter] = []  # between steps, in flight or not
         self._admit: list[protocol.Generate] = []
+        self._aborts: set[tuple[GroupKey, int, int]] = set()  # groups to abort between two steps
         self._running = RunningGroups()
         self._wake = asyncio.Event()
         self.busy_s = 0.0
@@ -99,6 +101,8 @@ class RolloutHandler(CommandHandler):
             case protocol.LoadModel() | protocol.LoadWeights():
                 self._arrived[msg.request_id] = time.perf_counter()
                 self._control.append(msg)
+            case protocol.AbortGroups():  # between two engine steps: the engine is the engine loop's
+                self._aborts.update(zip(msg.keys, msg.firsts, msg.turns))
             case protocol.CancelLoad():  # at once, not behind the engine's work
                 await self._cancel_load(msg)
                 return
@@ -135,9 +139,11 @@ class RolloutHandler(CommandHandler):
 
     async def run(self) -> None:
         while True:
-            if not (self._control or self._admit or self._running or self._adapter_loads):
+            if not (self._control or self._admit or self._running or self._adapter_loads or self._aborts):
                 self._wake.clear()
                 await self._wake.wait()
+            if self._aborts:
+                await self._abort()
             while self._adapter_loads:
                 await self._apply(self._adapter_loads.pop(0))
             busy = self.engine is not None and self.engine.has_unfinished()
@@ -155,6 +161,30 @@ class RolloutHandler(CommandHandler):
                         await self.reply(reply)
             if self.engine is not None and self.engine.has_unfinished():
                 await self._step()
+
+    async def _abort(self) -> None:
+        """Drops the groups an AbortGroups named: those still queued leave their message,
+        those running are aborted in the engine; each comes back refused as aborted, once.
+        A name matching nothing (its group finished and came back) is forgotten."""
+        names, self._aborts = self._aborts, set()
+        replies: dict[int, list[protocol.GroupRefused]] = {}
+        for msg in self._admit:
+            kept = [g for g in msg.groups if (g.key, g.first, g.turn) not in names]
+            if len(kept) < len(msg.groups):
+                replies[msg.request_id] = [protocol.GroupRefused(g.key, g.first, "aborted", g.turn, aborted=True)
+                                           for g in msg.groups if (g.key, g.first, g.turn) in names]
+                msg.groups = kept
+        running = self._running.aborted(names)
+        if running:
+            self.engine.abort(list(running))
+        for engine_id, (request_id, group) in running.items():
+            replies.setdefault(request_id, []).append(
+                protocol.GroupRefused(group.key, group.first, "aborted", group.turn, aborted=True))
+        self._admit = [m for m in self._admit if m.groups or m.request_id not in replies]
+        queued = {m.request_id for m in self._admit}
+        for request_id, refused in replies.items():
+            done = request_id not in queued and self._running.done(request_id)
+            await self.reply(protocol.Generated(request_id, [], done, self.load(), refused))
 
     def _continues(self, msg: protocol.LoadModel | protocol.LoadWeights) -> bool:
         """A load that lets the requests in flight continue: new weights of the agent served

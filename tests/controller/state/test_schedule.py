@@ -197,3 +197,52 @@ async def test_capacity_admission_spends_a_spare_only_on_a_drained_instance_one_
     assert decisions.may_admit(4, {}, 1, 2, 4, 2, decisions.spare_room(2, 0)) is False
     assert decisions.may_admit(4, {}, 1, 2, 4, 2, decisions.spare_room(2, 1)) is True
     assert decisions.may_admit(5, {}, 1, 2, 4, 2, decisions.spare_room(2, 1)) is False
+
+
+def test_an_episode_is_doomed_once_every_batch_before_the_last_that_its_bound_allows_is_full():
+    # Two a batch, five batches: the newest batch B before the last whose batches from the
+    # first on are all full.
+    assert decisions.doomed_through({}, 1, 5, 2) == 0
+    assert decisions.doomed_through({1: 2, 2: 1}, 1, 5, 2) == 1
+    assert decisions.doomed_through({1: 2, 2: 1, 3: 2}, 1, 5, 2) == 1  # a later full batch does not count past a gap
+    assert decisions.doomed_through({1: 2, 2: 2, 3: 2, 4: 2, 5: 9}, 1, 5, 2) == 4  # never the last
+    assert decisions.doomed_through({3: 2}, 3, 6, 2) == 3 and decisions.doomed_through({}, 3, 6, 2) == 2  # resumed
+    # No first turn is admitted into a bound already full (spares or not); one batch on, it is.
+    assert decisions.may_admit(0, {1: 2, 2: 2}, 1, 2, 4, 2, 5) is False
+    assert decisions.may_admit(0, {1: 2, 2: 2}, 1, 3, 4, 2, 5) is True
+
+
+async def test_a_running_episode_leaves_its_slot_exactly_when_the_batches_its_bound_allows_are_full():
+    """Two a batch, K = 1, one spare, version 0: five admitted, each may train in batches 1
+    or 2. Only once both are full is the one still running doomed; its place frees, but a
+    first turn waiting for it is held until the version moves (its bound would be full)."""
+    s = BatchSchedule(["a"], 4, 2, overlap=True, max_staleness=1, continuous=True, spares=1)
+    slots = [s.slot(b) for b in (1, 1, 2, 2, 1)]
+    for slot in slots:
+        await asyncio.wait_for(s.gate_of(slot)("a", slot.started), 1)
+    assert [slot.admitted for slot in slots] == [2] * 5
+    waiting = asyncio.ensure_future(s.gate_of(s.slot(3))("a", 3))
+    for i, batch in zip((0, 1, 2), (1, 1, 2)):
+        assert s.assign(slots[i]) == batch
+        assert s.doomed() == []  # a batch its bound allows still has room
+    assert s.assign(slots[3]) == 2
+    assert s.doomed() == [slots[4]] and slots[4].doomed  # batches 1 and 2 full: it can only be dropped
+    assert s.doomed() == []  # once
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # batches up to 2 full: admitting it would doom it at once
+    s.versions.set("a", 1)
+    await asyncio.wait_for(waiting, 1)
+    assert s.batches[4].episodes_left == 3  # the last batch still counts the spare: a fresh one replaces it
+
+
+async def test_no_episode_is_doomed_under_step_admission_nor_one_the_last_batch_may_train():
+    step = BatchSchedule(["a"], 3, 2, overlap=True, max_staleness=1)
+    await asyncio.wait_for(step.gate_of(step.slot(1))("a", 1), 1)
+    assert step.doomed() == []
+    # Two batches, K = 1: every episode's bound reaches the last batch, which trains all that is left.
+    s = BatchSchedule(["a"], 2, 2, overlap=True, max_staleness=1, continuous=True, spares=2)
+    slots = [s.slot(1) for _ in range(6)]
+    for slot in slots:
+        await asyncio.wait_for(s.gate_of(slot)("a", 1), 1)
+    assert [s.assign(slot) for slot in slots[:4]] == [1, 1, 2, 2]
+    assert s.doomed() == [] and not any(slot.doomed for slot in slots)

@@ -1,5 +1,6 @@
 import pytest
 
+from flexmarl.controller.state import decisions
 from flexmarl.controller.state.decisions import MicroBatchSize
 from flexmarl.controller.state.groups import GroupOutput, output_of
 from flexmarl.controller.state.store import (CONSUMED, DROPPED, READY, DuplicateResult, ExperienceStore, TurnSampling,
@@ -326,3 +327,19 @@ def test_a_carried_over_group_too_stale_by_its_oldest_token_is_dropped_and_count
     store.assign([slow], 3)  # carried into batch 3, which trains version 2: its oldest token is 2 old
     assert store.form_micro_batches("a", 3, MicroBatchSize(8), True, True, max_staleness=1) == []
     assert store.count("a", "dropped") == 2 and store.count("a", "consumed") == 0
+
+
+def test_an_abandoned_episodes_groups_are_dropped_whether_trainable_or_still_generating():
+    events = []
+    store = ExperienceStore(["a"], emit=events.append, assigned_at_end=True)
+    done = fill(store, "a", "done", [1.0, 0.0], batch=1)  # trainable, held until its episode's batch is named
+    running = key("running")
+    store.open_group(running, [1], 2, 1)
+    store.abandon([done, running, key("never-opened")], decisions.ABANDONED)
+    assert store.count("a", DROPPED) == 4
+    assert [e for e in events if isinstance(e, ev.SamplesDropped)] == [
+        ev.SamplesDropped("a", ev.whole([(done, 2)]), decisions.ABANDONED),
+        ev.SamplesDropped("a", ev.whole([(running, 2)]), decisions.ABANDONED)]
+    store.assign([done, running], 1)  # too late: no batch takes them
+    assert store.ready_samples("a", 1) == 0
+    assert store.form_micro_batches("a", 1, MicroBatchSize(2), True, True, 1) == []
