@@ -471,7 +471,9 @@ class PipelineConfig:
     slowest carry over into the next batch, their tokens so far kept and continued under the new
     weights; an episode's first turn is admitted while the episodes running and ended fit in the
     batches every trained agent's version may generate for, plus `partial_rollout` spares; a
-    sample whose oldest token is then too stale is dropped and counted) or "capacity" (as
+    sample whose oldest token is then too stale is dropped and counted, and an episode still
+    running once every batch its bound allows is full is abandoned at once: its requests aborted
+    in the engines, its samples dropped and counted, its place given to a fresh spare) or "capacity" (as
     "continuous", but a spare is spent only on an instance that has drained: beyond what the
     bound admits, an episode's first turn is admitted only while one of its agent's instances has
     no group left, at most one such episode per drained instance). "continuous" and "capacity"
@@ -482,8 +484,10 @@ class PipelineConfig:
     """With `admission = "continuous"` or `"capacity"`: episodes over-provisioned beyond what the
     staleness bound admits, so an instance is given more groups before the version moves; the
     unfinished ones carry over. Under "continuous" they start with the first batch and, since the
-    last N to end are always too many for the batches their bound allows, about N episodes' groups
-    a step are dropped as too stale (counted); under "capacity" at most this many are over at once,
+    last N to end are always too many for the batches their bound allows, about N episodes a step
+    are too stale: each is abandoned as soon as every batch its bound allows is full (its requests
+    aborted, its samples dropped and counted, so it takes no later batch's place and no more engine
+    time), and a fresh spare takes its place; under "capacity" at most this many are over at once,
     and only while an instance of the agent has drained, so a spare is spent (and a drop risked)
     only where an engine would otherwise idle. The last batch trains every episode left (nothing
     lost, nothing trained twice). 0: none."""

@@ -114,7 +114,7 @@ def episode_assignments(log: list) -> list:
                 due[admitted] -= 1
             running.discard(e.episode)
             doomed = admitted is not None and admitted <= decisions.doomed_through(ended_here, first, last, quota)
-            made.append(ev.EpisodeAbandoned(e.episode, e.started, e.newest if doomed else -1))
+            made.append(ev.EpisodeAbandoned(e.episode, e.started, admitted if doomed and admitted is not None else -1))
     return made
 
 

@@ -48,16 +48,20 @@ class FakeServer:
         for listener in self.on_died:
             listener(info)
 
-    def answer(self, request_id: int, refuse: frozenset = frozenset(), version: int = 0, cached: int = 0) -> None:
+    def answer(self, request_id: int, refuse: frozenset = frozenset(), version: int = 0, cached: int = 0,
+               aborted: frozenset = frozenset()) -> None:
         """Every group of the request comes back (token 7, logprob -0.1 per member; `cached`
-        prompt tokens found in the prefix cache), but those whose key's call is in `refuse`."""
+        prompt tokens found in the prefix cache), but those whose key's call is in `refuse`
+        (refused) or `aborted` (refused as aborted)."""
         worker, on_reply, future = self.streams[request_id]
-        msg = next(m for w, m in self.sent if m.request_id == request_id)
+        msg = next(m for w, m in self.sent if m.request_id == request_id and isinstance(m, protocol.Generate))
         results = [protocol.GroupResult(g.key, g.first, version, [1] * g.n, protocol.packed("i", [7] * g.n),
                                         protocol.packed("f", [-0.1] * g.n), ["length"] * g.n, cached, g.turn)
-                   for g in msg.groups if g.key.call not in refuse]
+                   for g in msg.groups if g.key.call not in refuse | aborted]
         refused = [protocol.GroupRefused(g.key, g.first, "prompt too long", g.turn) for g in msg.groups
                    if g.key.call in refuse]
+        refused += [protocol.GroupRefused(g.key, g.first, "aborted", g.turn, aborted=True) for g in msg.groups
+                    if g.key.call in aborted]
         if on_reply(protocol.Generated(request_id, results, True, {}, refused), []):
             future.set_result((None, []))
 

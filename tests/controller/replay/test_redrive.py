@@ -166,3 +166,28 @@ def test_capacity_admissions_are_redriven_from_the_drained_instances_each_logged
     assert "EpisodeAdmitted" in (replay.check(events) or "")
     events[-1].drained = 2
     assert replay.check(events) is None
+
+
+def test_an_abandoned_episode_is_redriven_only_once_the_batches_its_bound_allows_are_full():
+    """Two episodes a batch, K = 1, one spare, version 0: five admitted for batches 1 and 2.
+    The fifth is abandoned once four have ended into them; one abandoned a turn earlier (a
+    batch its bound allows still had room), or a first turn admitted into the full bound,
+    is a decision the rules would not make."""
+    overrides = ["pipeline.mode=async", "pipeline.max_staleness=1", "pipeline.in_flight=keep",
+                 "pipeline.admission=continuous", "pipeline.partial_rollout=1", "pipeline.queries_per_step=2",
+                 "run.steps=4", "agents.a.model='m'"]
+    cfg = load_config(None, overrides, defaults={})
+    names = ["s1q0", "s1q1", "s2q0", "s2q1", "s1p0"]
+    ended = [ev.EpisodeAssigned(name, int(name[1]), batch) for name, batch in zip(names, (1, 1, 2, 2))]
+    events = [ev.RunStarted(dump_toml(cfg), ["a"], "async", 1, 0),
+              *[ev.EpisodeAdmitted(name, int(name[1]), 2) for name in names], *ended,
+              ev.EpisodeAbandoned("s1p0", 1, 2)]
+    for seq, e in enumerate(events):
+        e.seq, e.t = seq, float(seq)
+    made = [msgspec.structs.replace(e, seq=-1, t=0.0) for e in redrive.episode_assignments(events)]
+    assert made == [msgspec.structs.replace(e, seq=-1, t=0.0) for e in events[1:]]
+    assert replay.check(events) is None
+    early = events[:-2] + [events[-1], events[-2]]  # abandoned before batch 2 was full
+    assert "EpisodeAbandoned" in (replay.check(early) or "")
+    late = events + [ev.EpisodeAdmitted("s1p1", 1, 2, seq=99, t=99.0)]  # into batches 1 and 2, full
+    assert "EpisodeAdmitted" in (replay.check(late) or "")

@@ -211,6 +211,34 @@ async def test_a_refused_group_fails_alone_and_is_never_reissued():
     assert client.outstanding["r0"] == 0
 
 
+async def test_a_cancelled_group_is_aborted_on_its_instance_comes_back_once_and_is_never_reissued():
+    server = FakeServer(["r0", "r1"])
+    client = client_over(server, {"a": ["r0"]})
+    doomed = asyncio.ensure_future(client.generate("a", group("doomed", n=3)))
+    kept = asyncio.ensure_future(client.generate("a", group("kept")))
+    await until(lambda: len(server.sent) == 1)
+    request = server.sent[0][1].request_id
+    doomed.cancel()  # its episode was abandoned
+    await until(lambda: len(server.sent) == 2)
+    worker, abort = server.sent[1]
+    assert worker == "r0" and isinstance(abort, protocol.AbortGroups)
+    assert [(k.call, f, t) for k, f, t in zip(abort.keys, abort.firsts, abort.turns)] == [("doomed", 0, 0)]
+    assert client.outstanding["r0"] > 0  # its work counts until it comes back
+    server.answer(request, aborted=frozenset({"doomed"}))
+    assert (await kept).n == 4 and doomed.cancelled()
+    assert client.refused == 0 and client.aborted == 1 and client.outstanding["r0"] == 0
+    # Its instance dies with the abort in flight: what it held is never routed again.
+    client.owner.serve("r1", "a", "placed by the test")
+    lost = asyncio.ensure_future(client.generate("a", group("lost")))
+    await until(lambda: len(server.sent) == 3)
+    lost.cancel()
+    await until(lambda: len(server.sent) == 4 and isinstance(server.sent[3][1], protocol.AbortGroups))
+    server.kill("r0")
+    await asyncio.sleep(0.01)
+    assert len(server.sent) == 4 and client.reissued == 0
+    assert client.outstanding["r0"] == 0 and client.outstanding["r1"] == 0
+
+
 async def test_an_instance_removed_from_the_assignment_gets_no_new_groups():
     server = FakeServer(["r0", "r1"])
     client = client_over(server, {"a": ["r1"]})  # r0 is draining for a move

@@ -324,3 +324,46 @@ async def test_a_load_under_keep_or_recompute_is_applied_while_a_group_runs_and_
             own = versions[j * group.max_tokens:(j + 1) * group.max_tokens]
             switch = own.index(1)
             assert 0 < switch < group.max_tokens and own == [0] * switch + [1] * (group.max_tokens - switch)
+
+
+async def test_an_aborted_group_comes_back_once_as_aborted_queued_or_running_and_the_engine_serves_the_rest(tmp_path):
+    spec = digit_chain.AGENTS["planner"]
+    handler = RolloutHandler()
+    handler.session = outbox = Outbox()
+    handler._load_model(p.LoadModel(1, "planner", str(models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")), 0,
+                                    max_model_len=64))
+    prompt = digit_chain.planner_prompt(digit_chain.make_query(random.Random(7)))
+
+    def group(call, max_tokens):
+        return p.GenGroup(K(call), "planner", 2, prompt, max_tokens, 1.0, 1, ignore_eos=True)
+
+    def abort(*groups):
+        return p.AbortGroups(9, [g.key for g in groups], [g.first for g in groups], [g.turn for g in groups])
+
+    queued, served, long, short = group("queued", 8), group("served", 8), group("long", 64 - len(prompt)), group("short", 4)
+    # Named before the engine loop ever looks: it leaves its message, the rest of which runs.
+    await handler.handle(p.Generate(2, [queued, served]), [])
+    await handler.handle(abort(queued), [])
+    loop = asyncio.create_task(handler.run())
+    try:
+        results, refused = await generate(handler, outbox, 2, [])
+        assert sorted(results) == ["served"] and refused == {"queued": "aborted"}
+        # Running: the long one is aborted in the engine between two steps; the short one finishes.
+        await handler.handle(p.Generate(3, [long, short]), [])
+        while not handler._running:
+            await asyncio.sleep(0)
+        await handler.handle(abort(long), [])
+        results, refused = await generate(handler, outbox, 3, [])
+        assert sorted(results) == ["short"] and refused == {"long": "aborted"}
+        replies = [m for m in outbox.sent if isinstance(m, p.Generated) and m.request_id == 3]
+        assert [r.aborted for m in replies for r in m.refused] == [True]  # once
+        # A group that already came back: the name matches nothing, nothing comes back again.
+        await handler.handle(abort(short), [])
+        again, none = await generate(handler, outbox, 4, [group("after", 4)])
+        assert sorted(again) == ["after"] and not none and not loop.done()
+        assert sum(1 for m in outbox.sent if isinstance(m, p.Generated) and m.request_id == 3) == len(replies)
+        assert handler.engine.num_queued_requests == 0 and not handler._running
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        handler.close()
