@@ -16,7 +16,10 @@ A message naming an agent this instance does not serve is answered with an error
 controller sends it elsewhere). A group the engine refuses to run (empty prompt, too long
 for the model, a token id outside the vocabulary) fails alone: it comes back at once in the
 GENERATED message's `refused` list with the reason, and the rest of its message, and the
-worker, carry on. Any other engine failure ends the worker: the engine is then in no known
+worker, carry on. ABORT_GROUPS names groups nobody waits for any more (their episode was
+abandoned): between two engine steps one still queued leaves its message and one running
+is aborted in the engine, and each comes back once, in `refused` marked `aborted`; a name
+matching nothing (its group already came back) is forgotten. Any other engine failure ends the worker: the engine is then in no known
 state.
 
 An engine started with LoRA slots serves every agent whose adapter it was sent (LOAD_WEIGHTS
