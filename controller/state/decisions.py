@@ -64,6 +64,9 @@ def doomed_through(ended: Mapping[int, int], first: int, last: int, quota: int) 
     (`EpisodeSlot.admitted` <= B) is doomed: `assigned_batch` can only give it a later
     batch, which its oldest token (drawn by the version that admitted it) is too stale for,
     so it would run on in its engine only to be dropped there, taking that batch's place.
+    (The rule judges by the admission: where a sync reached its instance between the
+    admission and the first token, that token is one version newer and the next batch could
+    have trained it; such an episode is abandoned all the same.)
     It is abandoned instead: its requests aborted, its samples dropped, its slot freed for a
     fresh episode. The last batch trains every episode left: one it may train is never
     doomed. Step admission has no slots, and with no spares no episode is ever doomed

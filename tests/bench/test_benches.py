@@ -347,4 +347,5 @@ def test_long_tail_reports_each_in_flight_setting_against_finish():
     assert all(r["failed_episodes"] == 0 and r["samples_per_s"] > 0 and len(r["reward"]) == 3 for r in runs)
     assert runs[0]["spanned_parts"] == 0 and runs[1]["sync_wait_s"] >= 0 and len(runs[0]["occupancy"]) == 2
     assert all(r["sync_wait_max_s"] >= 0 for r in runs)
+    assert [r["episodes_abandoned"] for r in runs[:2]] == [0, 0] and runs[2]["episodes_abandoned"] >= 0  # step: none
     assert [(r["in_flight"], "samples_per_s_vs_finish" in r) for r in ratios] == [("keep", True), ("keep", True)]
