@@ -326,3 +326,26 @@ def test_a_carried_over_group_too_stale_by_its_oldest_token_is_dropped_and_count
     store.assign([slow], 3)  # carried into batch 3, which trains version 2: its oldest token is 2 old
     assert store.form_micro_batches("a", 3, MicroBatchSize(8), True, True, max_staleness=1) == []
     assert store.count("a", "dropped") == 2 and store.count("a", "consumed") == 0
+
+
+def test_a_groups_columns_are_untracked_by_the_collector():
+    """What a group in flight keeps (its columns, per member) is not walked by every young
+    pass of the collector: bytes and tuples of strings, no array.array or lists."""
+    import gc
+
+    store = ExperienceStore(["a"])
+    g = key("g")
+    store.open_group(g, [1, 2], 2, 0)
+    store.record_group(g, output_of([[3, 4], [5]], [[-0.5, -0.1], [-0.2]], 1), TurnSampling(0))
+    store.set_reward(g, 0, 1.0)
+    record = store._group(g)
+    assert [record.reward(0), record.reward(1)] == [1.0, None] and record.firsts() == [1, 1]
+    assert record.span(1) == (2, 3) and record.lengths() == [2, 1] and record.output_size() == 3
+    store.set_reward(g, 1, 0.0)
+    assert record.advantages_list() == pytest.approx([1.0, -1.0], abs=1e-5)
+    gc.collect()  # a tuple of untracked items is untracked by the first pass that sees it
+    columns = [record.offsets, record.first, record.rewards, record.advantages, record.finish_reasons,
+               record.served_by, record.prompt, record.tokens, record.logprobs, record.versions]
+    assert [name for name, c in zip("offsets first rewards advantages finish_reasons served_by prompt tokens "
+                                    "logprobs versions".split(), columns) if gc.is_tracked(c)] == []
+    assert not gc.is_tracked(record)
