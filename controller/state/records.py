@@ -125,6 +125,9 @@ class GroupRecord(msgspec.Struct, gc=False):
     # Per member, once some member's first-turn tokens span versions: the oldest version of
     # them (NOT_YET: its do not; its first turn's version says it).
     token_oldest: bytes | None = None  # TOKEN per member
+    # `oldest()` as it was when the group became trainable (then it no longer changes; read
+    # by the staleness check, the micro-batch's event, its wire message and the metrics).
+    settled_oldest: tuple[int, ...] | None = None
 
     @classmethod
     def opened(cls, key: GroupKey, prompt_ids: Sequence[int], n: int, batch: int) -> GroupRecord:
@@ -180,6 +183,8 @@ class GroupRecord(msgspec.Struct, gc=False):
         """Per member: the oldest version of any of its tokens, where its first turn's tokens
         span versions (`token_oldest`), else of any of its turns (a later turn counts the
         version it was admitted under: the oldest its tokens can be)."""
+        if self.settled_oldest is not None:
+            return list(self.settled_oldest)
         spans = self.token_oldest
         firsts = (_ids(self.first).tolist() if spans is None
                   else [f if s == NOT_YET else s for f, s in zip(_ids(self.first).tolist(), _ids(spans).tolist())])
@@ -187,6 +192,11 @@ class GroupRecord(msgspec.Struct, gc=False):
             return firsts
         later = self.later
         return [min(f, *(t.version for t in later[j])) if j in later else f for j, f in enumerate(firsts)]
+
+    def settle(self) -> None:
+        """The group became trainable: `oldest()` is kept as it is now (writing a turn or a
+        version after this forgets it)."""
+        self.settled_oldest = tuple(self.oldest())
 
     def spanned(self) -> list[int]:
         """Per member: the oldest version of its first turn's tokens where they span versions
@@ -197,6 +207,7 @@ class GroupRecord(msgspec.Struct, gc=False):
         """Members `first` on: `oldest`, per member, its first turn's oldest token's version
         where they span versions (NOT_YET where not)."""
         spans = None
+        self.settled_oldest = None
         for j, version in enumerate(oldest, first):
             if version != NOT_YET and 0 <= j < self.n:
                 if spans is None:
@@ -262,6 +273,7 @@ class GroupRecord(msgspec.Struct, gc=False):
         `version` (a re-drive from the event log, which keeps versions, not tokens); `oldest`,
         per member of the part, its tokens' oldest version where they spanned versions
         (NOT_YET where not; empty: none did)."""
+        self.settled_oldest = None
         firsts = array.array(TOKEN, self.first)
         for j in range(max(first, 0), min(first + size, self.n)):
             if firsts[j] == NOT_YET:
@@ -277,6 +289,7 @@ class GroupRecord(msgspec.Struct, gc=False):
         """A later turn of `member`: `appended_ids` (not trained) then the turn's generated
         ids (`output`, a group of one), in new buffers with every other member's unmoved."""
         (result, worker), = output.parts
+        self.settled_oldest = None
         a, b = self.span(member)
         appended = _packed(appended_ids)
         generated = protocol.native(TOKEN, result.token_ids)

@@ -314,6 +314,7 @@ class ExperienceStore:
         advantages = group_advantages(rewards, by_std=self._by_std.get(agent, True))
         group.advantages = array.array(REWARD, advantages).tobytes()
         group.status, group.ready_seq = READY, next(self._ready_seq)
+        group.settle()
         if group.key in self._unassigned:  # queued once its episode's batch is named
             self._held[group.key] = group
             return
