@@ -150,8 +150,10 @@ class GroupRecord(msgspec.Struct, gc=False):
 
     def lengths(self) -> list[int]:
         """Per member: how many output ids it has."""
-        offsets = memoryview(self.offsets).cast("q")  # OFFSET
-        return [b - a for a, b in zip(offsets[:-1], offsets[1:])] if offsets else [0] * self.n
+        if not self.offsets:
+            return [0] * self.n
+        offsets = memoryview(self.offsets).cast("q").tolist()  # OFFSET
+        return [b - a for a, b in zip(offsets, offsets[1:])]
 
     def firsts(self) -> list[int]:
         """Per member: its first turn's version (NOT_YET: not back yet)."""
@@ -244,8 +246,8 @@ class GroupRecord(msgspec.Struct, gc=False):
             versions = (protocol.native(TOKEN, result.token_versions) if result.token_versions
                         else _repeated(result.version, len(tokens) // 4))
             self.first = _repeated(result.version, self.n)
-            self.finish_reasons = tuple(result.finish_reasons) if result.finish_reasons else ("",) * self.n
-            self.served_by = (worker,) * self.n
+            self.finish_reasons = _same(result.finish_reasons, self.n)
+            self.served_by = _repeat(worker, self.n)
             lengths = result.lengths
         else:
             tokens = b"".join(protocol.native(TOKEN, r.token_ids) for r, _ in parts)
@@ -491,6 +493,28 @@ def _floats(data: bytes) -> memoryview[float]:
 
 def _repeated(version: int, count: int) -> bytes:
     return _TOKEN.pack(version) * count
+
+
+# Tuples of one string repeated, made once and shared by every group that has one (most
+# groups' instances and finish reasons): no new object per group.
+_REPEATS: dict[tuple[str, int], tuple[str, ...]] = {}
+
+
+def _repeat(value: str, n: int) -> tuple[str, ...]:
+    repeated = _REPEATS.get((value, n))
+    if repeated is None:
+        if len(_REPEATS) >= 65536:  # bounded: instance names come and go in a long run
+            _REPEATS.clear()
+        repeated = _REPEATS[(value, n)] = (value,) * n
+    return repeated
+
+
+def _same(values: Sequence[str], n: int) -> tuple[str, ...]:
+    """`values` (n of them; none: n empty ones) as a tuple, a shared one where they are all equal."""
+    if not values:
+        return _repeat("", n)
+    first = values[0]
+    return _repeat(first, n) if values.count(first) == n else tuple(values)
 
 
 def _replaced(values: tuple[str, ...], member: int, value: str) -> tuple[str, ...]:

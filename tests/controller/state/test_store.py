@@ -350,3 +350,9 @@ def test_a_groups_columns_are_untracked_by_the_collector():
     assert [name for name, c in zip("offsets first rewards advantages finish_reasons served_by prompt tokens "
                                     "logprobs versions settled_oldest".split(), columns) if gc.is_tracked(c)] == []
     assert not gc.is_tracked(record)
+    h = key("h")
+    store.open_group(h, [1, 2], 2, 0)
+    store.record_group(h, output_of([[3], [5]], [[-0.5], [-0.2]], 1), TurnSampling(0))
+    other = store._group(h)
+    # One instance's, and equal finish reasons: tuples shared by the groups, none made per group.
+    assert other.served_by is record.served_by and other.finish_reasons is record.finish_reasons
