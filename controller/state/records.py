@@ -227,8 +227,14 @@ class GroupRecord(msgspec.Struct, gc=False):
         r = _REWARD.unpack_from(self.rewards, 8 * member)[0]
         return None if r != r else r  # NaN: not set
 
-    def set_reward(self, member: int, reward: float) -> None:
-        _REWARD.pack_into(self.rewards, 8 * member, reward)
+    def set_reward(self, member: int, reward: float) -> float | None:
+        """Sets the member's reward unless it has one; returns the one it had (None: none)."""
+        at = 8 * member
+        before = _REWARD.unpack_from(self.rewards, at)[0]
+        if before != before:  # NaN: not set
+            _REWARD.pack_into(self.rewards, at, reward)
+            return None
+        return before
 
     # ---------------------------------------------------------------- writing (the store's)
 

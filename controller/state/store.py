@@ -274,12 +274,11 @@ class ExperienceStore:
             raise ValueError(f"reward for {group.key.sample(member)} arrived after its group was complete "
                              f"({group.status}): its advantages are already fixed, so this reward would be "
                              f"ignored. Set every sample's reward before the last one of its group")
-        before = group.reward(member)
-        if before is not None:
-            raise ValueError(f"reward for {group.key.sample(member)} set twice ({before} then {reward})")
         if not math.isfinite(reward):
             raise ValueError(f"reward for {group.key.sample(member)} is not finite: {reward}")
-        group.set_reward(member, float(reward))
+        before = group.set_reward(member, float(reward))
+        if before is not None:
+            raise ValueError(f"reward for {group.key.sample(member)} set twice ({before} then {reward})")
         group.rewarded += 1
         if group.rewarded == group.n:
             self._maybe_ready(group)
