@@ -127,7 +127,7 @@ class GroupRecord(msgspec.Struct, gc=False):
     token_oldest: bytes | None = None  # TOKEN per member
     # `oldest()` as it was when the group became trainable (then it no longer changes; read
     # by the staleness check, the micro-batch's event, its wire message and the metrics).
-    settled_oldest: tuple[int, ...] | None = None
+    settled_oldest: bytes | None = None  # TOKEN per member
 
     @classmethod
     def opened(cls, key: GroupKey, prompt_ids: Sequence[int], n: int, batch: int) -> GroupRecord:
@@ -186,7 +186,7 @@ class GroupRecord(msgspec.Struct, gc=False):
         span versions (`token_oldest`), else of any of its turns (a later turn counts the
         version it was admitted under: the oldest its tokens can be)."""
         if self.settled_oldest is not None:
-            return list(self.settled_oldest)
+            return _ids(self.settled_oldest).tolist()
         spans = self.token_oldest
         firsts = (_ids(self.first).tolist() if spans is None
                   else [f if s == NOT_YET else s for f, s in zip(_ids(self.first).tolist(), _ids(spans).tolist())])
@@ -198,7 +198,7 @@ class GroupRecord(msgspec.Struct, gc=False):
     def settle(self) -> None:
         """The group became trainable: `oldest()` is kept as it is now (writing a turn or a
         version after this forgets it)."""
-        self.settled_oldest = tuple(self.oldest())
+        self.settled_oldest = array.array(TOKEN, self.oldest()).tobytes()
 
     def spanned(self) -> list[int]:
         """Per member: the oldest version of its first turn's tokens where they span versions
