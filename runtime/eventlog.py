@@ -181,6 +181,7 @@ class EventLog:
         self._pending: list[bytes] = []  # encoded events not yet written (framed by _write)
         self._pending_bytes = 0
         self._wake = asyncio.Event()
+        self._woken = False  # emit set _wake since run() last cleared it (one call to set per write, not per event)
         self._disk = asyncio.Lock()  # one write at a time keeps frames in emit order
         self._inflight: asyncio.Future | None = None
         self._error: BaseException | None = None
@@ -243,7 +244,9 @@ class EventLog:
         self._seq += 1
         self._pending.append(body)
         self._pending_bytes += len(body)
-        self._wake.set()  # a no-op while already set: the writer wakes once per write
+        if not self._woken:  # the writer wakes once per write
+            self._woken = True
+            self._wake.set()
         if self._pending_bytes > self.max_buffered_bytes:
             raise EventLogError(
                 f"event log {self.path}: {self._pending_bytes} bytes emitted but not written; "
@@ -260,6 +263,7 @@ class EventLog:
             if not self._closed and self._error is None:
                 await asyncio.sleep(self.write_interval_s)  # what the interval brings goes in the same write
             self._wake.clear()
+            self._woken = False
             if self._error is not None:
                 raise self._failed()
             if self._closed:

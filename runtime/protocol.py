@@ -2,9 +2,12 @@
 
 A message on the wire is a ZeroMQ multipart message:
 
-    frame 0   one byte, the message kind (``Kind``)
-    frame 1   the body, a msgspec Struct encoded as MessagePack
-    frame 2.. raw buffers (tensor bytes), sent and received without copies
+    frame 0   one byte, the message kind (``Kind``), then the body: a msgspec Struct
+              encoded as MessagePack
+    frame 1.. raw buffers (tensor bytes), sent and received without copies
+
+Kind and body share a frame: a frame costs a call into libzmq on each side, and most
+messages are that frame alone.
 
 Each Struct names its direction in a comment (sender -> receiver). Decoding is typed:
 the kind byte picks the Struct, and msgspec validates field types, so a body that does
@@ -34,9 +37,9 @@ from .params.types import ParamHandle
 # logprobs packed per group; 13: a load may let the requests in flight continue, and a reply
 # carries its tokens' versions; 14: the teacher's per-token KL capped in the advantage; 15: a
 # teacher's scoring returns its top-k next-token ids and logprobs at each scored position, and
-# the training message carries them; 16: AbortGroups, and a group comes back refused as
-# aborted): the controller refuses workers of another version.
-PROTOCOL_VERSION = 16
+# the training message carries them; 16: kind and body in one frame; 17: AbortGroups, and a
+# group comes back refused as aborted): the controller refuses workers of another version.
+PROTOCOL_VERSION = 17
 
 # The most next-token ids and logprobs a scoring request may ask for per position
 # (GenGroup.score_top_k): the rollout engine is started with this cap (vLLM's max_logprobs).
@@ -897,29 +900,36 @@ _decoders = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in MESSAGE_TYPES.i
 
 
 def encode(msg: Message, buffers: Sequence[Any] = ()) -> list[Any]:
-    """Frames for `msg`; `buffers` (bytes, memoryview, numpy arrays) are appended as-is."""
-    return [bytes((int(msg.KIND),)), _encoder.encode(msg), *buffers]
+    """Frames for `msg`: its kind and body (`encode_one`), then `buffers` (bytes,
+    memoryview, numpy arrays) as they are."""
+    return [encode_one(msg), *buffers]
+
+
+def encode_one(msg: Message) -> bytearray:
+    """The first frame of `msg`: its kind byte, then its body (encoded in place after it: no copy)."""
+    frame = bytearray((msg.KIND,))
+    _encoder.encode_into(msg, frame, 1)
+    return frame
 
 
 def decode(frames: Sequence[Any]) -> tuple[Message, list[Any]]:
     """Inverse of `encode`. Raises ProtocolError naming what was wrong."""
-    if len(frames) < 2:
-        raise ProtocolError(f"expected at least 2 frames (kind, body), got {len(frames)}",
-                            "too few frames")
-    kind_frame = memoryview(frames[0])
-    if kind_frame.nbytes != 1:
-        raise ProtocolError(f"frame 0 must be one byte (the kind), got {kind_frame.nbytes} bytes",
+    if not frames:
+        raise ProtocolError("expected at least 1 frame (kind and body), got none", "too few frames")
+    first = memoryview(frames[0])
+    if first.nbytes < 2:
+        raise ProtocolError(f"frame 0 must hold the kind byte and a body, got {first.nbytes} bytes",
                             "bad kind frame")
-    kind = kind_frame[0]
+    kind = first[0]
     decoder = _decoders.get(kind)
     if decoder is None:
         raise ProtocolError(f"unknown message kind {kind}", "unknown kind")
     try:
-        msg = decoder.decode(frames[1])
+        msg = decoder.decode(first[1:])
     # msgspec reports a string that is not UTF-8 as UnicodeDecodeError, not DecodeError.
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"bad {Kind(kind).name} body: {shorten(str(exc))}", "bad body") from None
-    return msg, list(frames[2:])
+    return msg, list(frames[1:])
 
 
 def shorten(text: str, limit: int = 200) -> str:

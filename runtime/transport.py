@@ -47,7 +47,7 @@ log = logging.getLogger("flexmarl.transport")
 # Whole messages per peer that may wait in libzmq's queues (see the module docstring).
 RECV_HWM = 100
 SEND_HWM = 1000
-# Frames in one message: kind, body and up to this many buffers. Control messages carry
+# Frames in one message: kind and body, then up to this many buffers. Control messages carry
 # a few buffers at most (parameters use the parameter channel).
 MAX_BUFFERS = 256
 # Flags as plain ints: pyzmq's flag enums cost a Python-level enum operation per frame.
@@ -147,12 +147,12 @@ class _Socket:
         self._send_frame = super(zmq.Socket, self._plain).send
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
-        if len(frames) > 2 + MAX_BUFFERS:
-            return Inbound(identity, None, [], f"too many frames: {len(frames)} > limit {2 + MAX_BUFFERS} "
-                                               f"(kind, body and {MAX_BUFFERS} buffers)", "too many frames")
+        if len(frames) > 1 + MAX_BUFFERS:
+            return Inbound(identity, None, [], f"too many frames: {len(frames)} > limit {1 + MAX_BUFFERS} "
+                                               f"(kind and body, and {MAX_BUFFERS} buffers)", "too many frames")
         # The frames as received (zmq.Frame, or bytes): len is a frame's size in bytes, and
-        # the decoder reads a frame's buffer as it is (a memoryview made of each costs more
-        # than the decode); only the buffers after kind and body are handed on as views.
+        # the decoder reads a frame's buffer as it is; only the buffers after kind and body
+        # are handed on as views.
         size = sum(map(len, frames))
         if size > self.cfg.max_message_bytes:
             return Inbound(identity, None, [], f"oversized message: {size} bytes > limit "
@@ -263,11 +263,9 @@ class RouterSocket(_Socket):
             frames = protocol.encode(msg, buffers)
             last = len(frames) - 1
             for i, frame in enumerate(frames):
-                send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
-        else:  # kind and body, the common case
-            kind, body = protocol.encode(msg)
-            send(kind, _DONTWAIT | _SNDMORE)
-            send(body, _DONTWAIT)
+                send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i == 0)
+        else:  # kind and body alone, the common case
+            send(protocol.encode_one(msg), _DONTWAIT)
         # A send on the plain socket can consume the edge of the descriptor that wakes a
         # receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
         # re-arms it (what pyzmq itself does after sending without a future), once after
@@ -419,7 +417,7 @@ class DealerSocket(_Socket):
         except zmq.Again:
             return False
         for i in range(1, last + 1):  # the rest of a message whose first frame was taken is taken too
-            send(frames[i], _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i < 2)
+            send(frames[i], _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=False)
         if self._reader is not None and self._pollin():
             _settle(self._reader)  # the send took the signal of a message the receive waits for
         return True

@@ -154,6 +154,11 @@ class MetricsLog:
                                 else f"{r['agent']} -" for r in rows)
             print(f"eval after step {step}: reward {rewards}", file=sys.stderr, flush=True)
 
+    async def aclose(self) -> None:
+        """`close` off the event loop: drawing the reward plot takes about a second with
+        many agents, and a tracker's close may wait on the network."""
+        await asyncio.to_thread(self.close)
+
     def close(self) -> None:
         self._fh.close()
         for tracker in self.trackers:
@@ -168,13 +173,14 @@ class MetricsLog:
                 log.warning("could not draw the reward plot (%s); the previous one, if any, is kept", exc)
 
 
+LEGEND_INSIDE = 8  # legend entries drawn inside the axes; more go beside them
+
+
 def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: its figure registry is global state, and this may run in a thread
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for agent in agents:
         mine = [r for r in rows if r["agent"] == agent and r["reward_mean"] is not None]
         pts = [(r["step"], r["reward_mean"]) for r in mine if "kind" not in r]
@@ -188,10 +194,12 @@ def plot_rewards(rows: list[dict[str, Any]], agents: list[str], path: Path) -> N
     ax.set_ylabel("mean reward")
     ax.set_title("reward per agent")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
+    entries = len(ax.get_legend_handles_labels()[0])
+    if entries > LEGEND_INSIDE:  # many agents: the legend beside the axes, in columns, the figure wider for it
+        columns = math.ceil(entries / 2 / LEGEND_INSIDE)
+        fig.set_size_inches(7 + 1.5 * columns, 4)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), ncol=columns, fontsize="x-small")
+    elif entries:
         ax.legend()
     fig.tight_layout()
-    try:
-        replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    finally:
-        plt.close(fig)
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))

@@ -155,7 +155,7 @@ class TrainingRun:
             await parts.client.close()
             await parts.environments.close()
             parts.tools.shutdown(wait=False, cancel_futures=True)
-            parts.metrics.close()
+            await parts.metrics.aclose()
             await parts.allocator.close()
         self.wall_s = time.monotonic() - self.started
         self.emit(ev.RunFinished(self.cfg.run.steps, self.wall_s))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import array
 import itertools
 import math
+import struct
 from types import MappingProxyType
 from typing import Any, Sequence
 
@@ -49,6 +50,13 @@ SERVED = "served"  # a frozen agent's: generated, never to be trained
 
 TOKEN, LOGPROB = protocol.TOKEN_TYPECODE, protocol.LOGPROB_TYPECODE
 _ITEM = {code: array.array(code).itemsize for code in (TOKEN, LOGPROB)}
+# The per-member columns' codes: offsets (OFFSET, n + 1), first-turn versions (TOKEN),
+# rewards and advantages (REWARD). Kept as bytes (bytearray where written per member), not
+# array.array: the collector tracks an array, not bytes, and a run holds a few per group in
+# flight, which every young pass of the collector walked.
+OFFSET, REWARD = "q", "d"
+_SPAN = struct.Struct(2 * OFFSET)  # member j's (from, to): offsets j and j + 1
+_OFFSET = struct.Struct(OFFSET)
 # A member whose first turn has not come back yet (its version, until then); in
 # `token_oldest`, one whose first turn's tokens do not span versions.
 NOT_YET = UNSPANNED
@@ -99,15 +107,16 @@ class GroupRecord(msgspec.Struct, gc=False):
     # their logprobs (LOGPROB) at its position, k per token; native order; empty otherwise.
     teacher_top_ids: bytes = b""
     teacher_top_logprobs: bytes = b""
-    offsets: array.array = msgspec.field(default_factory=lambda: array.array("q"))  # n + 1 once outputs arrive
-    first: array.array = msgspec.field(default_factory=lambda: array.array("i"))  # per member: its first turn's version
+    # The per-member columns are bytes (see OFFSET): read through `span`, `firsts`, `reward`, ...
+    offsets: bytes = b""  # OFFSET, n + 1 once outputs arrive
+    first: bytes = b""  # TOKEN per member: its first turn's version (NOT_YET: not back yet)
     sampling: TurnSampling = DEFAULT_SAMPLING  # the members' first turn
     later: dict[int, list[Turn]] | None = None  # member -> its later turns, in order
-    finish_reasons: list[str] = []  # per member: why its last turn ended
-    served_by: list[str] = []  # per member: the instance of its last turn (its prefix cache has it)
-    rewards: array.array = msgspec.field(default_factory=lambda: array.array("d"))  # NaN: not yet
+    finish_reasons: tuple[str, ...] = ()  # per member: why its last turn ended
+    served_by: tuple[str, ...] = ()  # per member: the instance of its last turn (its prefix cache has it)
+    rewards: bytearray = msgspec.field(default_factory=bytearray)  # REWARD per member; NaN: not yet
     rewarded: int = 0
-    advantages: array.array | None = None  # once trainable
+    advantages: bytes | None = None  # REWARD per member, once trainable
     status: str = PENDING
     size: int = 0  # once trainable: its prompt once plus every output (what a token budget counts)
     ready_seq: int = 0  # the order in which it became trainable, across every agent
@@ -115,12 +124,14 @@ class GroupRecord(msgspec.Struct, gc=False):
     messages: list[Any] | None = None  # per member: the conversation so far (ctx.chat), a snapshot
     # Per member, once some member's first-turn tokens span versions: the oldest version of
     # them (NOT_YET: its do not; its first turn's version says it).
-    token_oldest: array.array | None = None
+    token_oldest: bytes | None = None  # TOKEN per member
+    # `oldest()` as it was when the group became trainable (then it no longer changes; read
+    # by the staleness check, the micro-batch's event, its wire message and the metrics).
+    settled_oldest: bytes | None = None  # TOKEN per member
 
     @classmethod
     def opened(cls, key: GroupKey, prompt_ids: Sequence[int], n: int, batch: int) -> GroupRecord:
-        return cls(key, n, batch, _packed(prompt_ids), first=array.array("i", [NOT_YET]) * n,
-                   rewards=array.array("d", [math.nan]) * n)
+        return cls(key, n, batch, _packed(prompt_ids), first=_NOT_YET * n, rewards=bytearray(_NAN * n))
 
     # ---------------------------------------------------------------- reading
 
@@ -131,14 +142,40 @@ class GroupRecord(msgspec.Struct, gc=False):
     def span(self, member: int) -> tuple[int, int]:
         """Member's output: from, to (token positions in the buffers)."""
         offsets = self.offsets
-        return (offsets[member], offsets[member + 1]) if offsets else (0, 0)
+        return _SPAN.unpack_from(offsets, 8 * member) if offsets else (0, 0)
+
+    def output_size(self) -> int:
+        """Every member's output ids together (0 before they arrived)."""
+        return _OFFSET.unpack_from(self.offsets, 8 * self.n)[0] if self.offsets else 0
+
+    def lengths(self) -> list[int]:
+        """Per member: how many output ids it has."""
+        if not self.offsets:
+            return [0] * self.n
+        offsets = memoryview(self.offsets).cast("q").tolist()  # OFFSET
+        return [b - a for a, b in zip(offsets, offsets[1:])]
+
+    def firsts(self) -> list[int]:
+        """Per member: its first turn's version (NOT_YET: not back yet)."""
+        return _ids(self.first).tolist()
 
     def has_output(self, member: int) -> bool:
-        return self.first[member] != NOT_YET
+        return _ids(self.first)[member] != NOT_YET
+
+    def has_outputs(self) -> bool:
+        """Every member's first turn came back."""
+        return NOT_YET not in _ids(self.first).tolist()
+
+    def rewards_list(self) -> list[float]:
+        """Per member: its reward (NaN: not yet)."""
+        return array.array("d", self.rewards).tolist()  # REWARD
+
+    def advantages_list(self) -> list[float]:
+        return array.array("d", self.advantages).tolist() if self.advantages is not None else []  # REWARD
 
     def turn_versions(self, member: int) -> list[int]:
         """The version of each of the member's turns ([] before its first came back)."""
-        first = self.first[member]
+        first = _ids(self.first)[member]
         if first == NOT_YET:
             return []
         turns = self.later.get(member) if self.later else None
@@ -148,27 +185,38 @@ class GroupRecord(msgspec.Struct, gc=False):
         """Per member: the oldest version of any of its tokens, where its first turn's tokens
         span versions (`token_oldest`), else of any of its turns (a later turn counts the
         version it was admitted under: the oldest its tokens can be)."""
+        if self.settled_oldest is not None:
+            return _ids(self.settled_oldest).tolist()
         spans = self.token_oldest
-        firsts = self.first.tolist() if spans is None else [f if s == NOT_YET else s
-                                                            for f, s in zip(self.first, spans)]
+        firsts = (_ids(self.first).tolist() if spans is None
+                  else [f if s == NOT_YET else s for f, s in zip(_ids(self.first).tolist(), _ids(spans).tolist())])
         if not self.later:
             return firsts
         later = self.later
         return [min(f, *(t.version for t in later[j])) if j in later else f for j, f in enumerate(firsts)]
 
+    def settle(self) -> None:
+        """The group became trainable: `oldest()` is kept as it is now (writing a turn or a
+        version after this forgets it)."""
+        self.settled_oldest = array.array(TOKEN, self.oldest()).tobytes()
+
     def spanned(self) -> list[int]:
         """Per member: the oldest version of its first turn's tokens where they span versions
         (a load let their request continue), NOT_YET where not; empty: no member's do."""
-        return self.token_oldest.tolist() if self.token_oldest is not None else []
+        return _ids(self.token_oldest).tolist() if self.token_oldest is not None else []
 
     def note_oldest(self, first: int, oldest: Sequence[int]) -> None:
         """Members `first` on: `oldest`, per member, its first turn's oldest token's version
         where they span versions (NOT_YET where not)."""
+        spans = None
+        self.settled_oldest = None
         for j, version in enumerate(oldest, first):
             if version != NOT_YET and 0 <= j < self.n:
-                if self.token_oldest is None:
-                    self.token_oldest = array.array("i", [NOT_YET]) * self.n
-                self.token_oldest[j] = version
+                if spans is None:
+                    spans = bytearray(self.token_oldest if self.token_oldest is not None else _NOT_YET * self.n)
+                _TOKEN.pack_into(spans, 4 * j, version)
+        if spans is not None:
+            self.token_oldest = bytes(spans)
 
     def turns_of(self, member: int) -> list[TurnSampling]:
         """What each of the member's turns was sampled at, the first's start 0."""
@@ -176,8 +224,17 @@ class GroupRecord(msgspec.Struct, gc=False):
         return [self.sampling] if not turns else [self.sampling, *(t.sampling for t in turns)]
 
     def reward(self, member: int) -> float | None:
-        r = self.rewards[member]
+        r = _REWARD.unpack_from(self.rewards, 8 * member)[0]
         return None if r != r else r  # NaN: not set
+
+    def set_reward(self, member: int, reward: float) -> float | None:
+        """Sets the member's reward unless it has one; returns the one it had (None: none)."""
+        at = 8 * member
+        before = _REWARD.unpack_from(self.rewards, at)[0]
+        if before != before:  # NaN: not set
+            _REWARD.pack_into(self.rewards, at, reward)
+            return None
+        return before
 
     # ---------------------------------------------------------------- writing (the store's)
 
@@ -194,21 +251,21 @@ class GroupRecord(msgspec.Struct, gc=False):
             tokens, logprobs = protocol.native(TOKEN, result.token_ids), protocol.native(LOGPROB, result.logprobs)
             versions = (protocol.native(TOKEN, result.token_versions) if result.token_versions
                         else _repeated(result.version, len(tokens) // 4))
-            self.first = array.array("i", [result.version]) * self.n
-            self.finish_reasons = result.finish_reasons or [""] * self.n
-            self.served_by = [worker] * self.n
+            self.first = _repeated(result.version, self.n)
+            self.finish_reasons = _same(result.finish_reasons, self.n)
+            self.served_by = _repeat(worker, self.n)
             lengths = result.lengths
         else:
             tokens = b"".join(protocol.native(TOKEN, r.token_ids) for r, _ in parts)
             logprobs = b"".join(protocol.native(LOGPROB, r.logprobs) for r, _ in parts)
             versions = b"".join(protocol.native(TOKEN, r.token_versions) if r.token_versions
                                 else _repeated(r.version, sum(r.lengths)) for r, _ in parts)
-            self.first = array.array("i", [r.version for r, _ in parts for _ in r.lengths])
-            self.finish_reasons = [f for r, _ in parts for f in (r.finish_reasons or [""] * len(r.lengths))]
-            self.served_by = [w for r, w in parts for _ in r.lengths]
+            self.first = array.array(TOKEN, [r.version for r, _ in parts for _ in r.lengths]).tobytes()
+            self.finish_reasons = tuple(f for r, _ in parts for f in (r.finish_reasons or [""] * len(r.lengths)))
+            self.served_by = tuple(w for r, w in parts for _ in r.lengths)
             lengths = [length for r, _ in parts for length in r.lengths]
         self.tokens, self.logprobs, self.versions = tokens, logprobs, versions
-        self.offsets = array.array("q", itertools.accumulate(lengths, initial=0))
+        self.offsets = array.array(OFFSET, itertools.accumulate(lengths, initial=0)).tobytes()
         self.sampling = sampling
         if not any(r.token_versions for r, _ in parts):
             return
@@ -224,19 +281,23 @@ class GroupRecord(msgspec.Struct, gc=False):
         `version` (a re-drive from the event log, which keeps versions, not tokens); `oldest`,
         per member of the part, its tokens' oldest version where they spanned versions
         (NOT_YET where not; empty: none did)."""
+        self.settled_oldest = None
+        firsts = array.array(TOKEN, self.first)
         for j in range(max(first, 0), min(first + size, self.n)):
-            if self.first[j] == NOT_YET:
-                self.first[j] = version
+            if firsts[j] == NOT_YET:
+                firsts[j] = version
+        self.first = firsts.tobytes()
         self.note_oldest(first, oldest[:size])
         if not self.offsets:
-            self.offsets = array.array("q", [0]) * (self.n + 1)
-            self.finish_reasons, self.served_by = [""] * self.n, [""] * self.n
+            self.offsets = bytes(8 * (self.n + 1))
+            self.finish_reasons, self.served_by = ("",) * self.n, ("",) * self.n
 
     def record_turn(self, member: int, appended_ids: Sequence[int], output: GroupOutput,
                     sampling: TurnSampling) -> None:
         """A later turn of `member`: `appended_ids` (not trained) then the turn's generated
         ids (`output`, a group of one), in new buffers with every other member's unmoved."""
         (result, worker), = output.parts
+        self.settled_oldest = None
         a, b = self.span(member)
         appended = _packed(appended_ids)
         generated = protocol.native(TOKEN, result.token_ids)
@@ -250,16 +311,17 @@ class GroupRecord(msgspec.Struct, gc=False):
                          + (spanning or _repeated(result.version, gen)) + self.versions[at:])
         mask = self.mask if self.mask is not None else b"\x01" * total
         self.mask = mask[:b] + b"\x00" * added + b"\x01" * gen + mask[b:]
-        offsets = self.offsets
+        offsets = array.array(OFFSET, self.offsets)
         for k in range(member + 1, self.n + 1):
             offsets[k] += added + gen
+        self.offsets = offsets.tobytes()
         start = b - a + added
         turn = Turn(result.version, TurnSampling(start, sampling.temperature, sampling.top_p, sampling.top_k))
         if self.later is None:
             self.later = {}
         self.later.setdefault(member, []).append(turn)
-        self.finish_reasons[member] = (result.finish_reasons or [""])[0]
-        self.served_by[member] = worker
+        self.finish_reasons = _replaced(self.finish_reasons, member, (result.finish_reasons or [""])[0])
+        self.served_by = _replaced(self.served_by, member, worker)
 
     def sequence(self, member: int) -> tuple[list[int], int]:
         """The member's prompt and output ids, one list, and where its output begins (what a teacher scores)."""
@@ -306,13 +368,13 @@ class GroupRecord(msgspec.Struct, gc=False):
     def train_group(self) -> protocol.TrainGroup:
         """What the trainer is sent of the group (one trainable record: outputs and advantages set)."""
         assert self.advantages is not None
-        lengths = [self.offsets[j + 1] - self.offsets[j] for j in range(self.n)]
+        lengths = self.lengths()
         turns = [protocol.MemberTurn(j, t.sampling.start, t.sampling.temperature, t.sampling.top_p, t.sampling.top_k)
                  for j, later in sorted((self.later or {}).items()) for t in later]
         s = self.sampling
         return protocol.TrainGroup(
             self.key, protocol.native(TOKEN, self.prompt), lengths, protocol.native(TOKEN, self.tokens),
-            protocol.native(LOGPROB, self.logprobs), self.advantages.tolist(), self.oldest(),
+            protocol.native(LOGPROB, self.logprobs), self.advantages_list(), self.oldest(),
             s.temperature, s.top_p, s.top_k, self.mask or b"", turns,
             protocol.native(LOGPROB, self.teacher_logprobs) if self.teacher_logprobs is not None else b"",
             protocol.native(TOKEN, self.teacher_top_ids), protocol.native(LOGPROB, self.teacher_top_logprobs))
@@ -374,9 +436,12 @@ class SampleView(msgspec.Struct, frozen=True, gc=False):
     def output_ids(self) -> memoryview:
         """Every turn's generated ids and the ids appended between turns, in order (empty
         until its first turn came back)."""
-        r, j = self._record, self.member
+        r = self._record
         offsets = r.offsets  # `span`, inline: read per sample by most workflows
-        return memoryview(r.tokens).cast("i")[offsets[j]:offsets[j + 1]] if offsets else _ids(b"")  # TOKEN
+        if not offsets:
+            return _ids(b"")
+        a, b = _SPAN.unpack_from(offsets, 8 * self.member)
+        return memoryview(r.tokens).cast("i")[a:b]  # TOKEN
 
     @property
     def logprobs(self) -> memoryview[float]:
@@ -433,7 +498,37 @@ def _floats(data: bytes) -> memoryview[float]:
 
 
 def _repeated(version: int, count: int) -> bytes:
-    return array.array(TOKEN, [version]).tobytes() * count
+    return _TOKEN.pack(version) * count
+
+
+# Tuples of one string repeated, made once and shared by every group that has one (most
+# groups' instances and finish reasons): no new object per group.
+_REPEATS: dict[tuple[str, int], tuple[str, ...]] = {}
+
+
+def _repeat(value: str, n: int) -> tuple[str, ...]:
+    repeated = _REPEATS.get((value, n))
+    if repeated is None:
+        if len(_REPEATS) >= 65536:  # bounded: instance names come and go in a long run
+            _REPEATS.clear()
+        repeated = _REPEATS[(value, n)] = (value,) * n
+    return repeated
+
+
+def _same(values: Sequence[str], n: int) -> tuple[str, ...]:
+    """`values` (n of them; none: n empty ones) as a tuple, a shared one where they are all equal."""
+    if not values:
+        return _repeat("", n)
+    first = values[0]
+    return _repeat(first, n) if values.count(first) == n else tuple(values)
+
+
+def _replaced(values: tuple[str, ...], member: int, value: str) -> tuple[str, ...]:
+    return (*values[:member], value, *values[member + 1:])
+
+
+_TOKEN, _REWARD = struct.Struct(TOKEN), struct.Struct(REWARD)
+_NOT_YET, _NAN = _TOKEN.pack(NOT_YET), _REWARD.pack(math.nan)
 
 
 _ONES = b"\x01" * 4096

@@ -36,8 +36,8 @@ from flexmarl.runtime.keys import GroupKey
 from ..control.interfaces import Emit
 from . import decisions
 from .groups import GroupOutput
-from .records import (CONSUMED, DROPPED, NOT_YET, PENDING, READY, SERVED, DuplicateResult, GroupRecord,
-                      SampleView, TurnSampling)
+from .records import (CONSUMED, DROPPED, PENDING, READY, REWARD, SERVED, DuplicateResult, GroupRecord, SampleView,
+                      TurnSampling)
 
 log = logging.getLogger("flexmarl.store")
 
@@ -71,7 +71,7 @@ class MicroBatch:
         return [v for g in self._groups for v in g.oldest()]
 
     def rewards(self) -> list[float]:
-        return [r for g in self._groups for r in g.rewards]
+        return [r for g in self._groups for r in g.rewards_list()]
 
     def wire(self) -> list[protocol.TrainGroup]:
         return [g.train_group() for g in self._groups]
@@ -235,10 +235,9 @@ class ExperienceStore:
         then let go."""
         for key in keys:
             group = self._groups.get(key)
-            if (group is None or group.agent not in self.frozen or group.status != PENDING
-                    or NOT_YET in group.first):
+            if group is None or group.agent not in self.frozen or group.status != PENDING or not group.has_outputs():
                 continue
-            self.emit(ev.GroupServed(key, group.n, [r for r in group.rewards if r == r]))
+            self.emit(ev.GroupServed(key, group.n, [r for r in group.rewards_list() if r == r]))
             group.status = SERVED
             self._counts[(group.agent, SERVED)] += group.n
             for listener in self.on_served:
@@ -275,12 +274,11 @@ class ExperienceStore:
             raise ValueError(f"reward for {group.key.sample(member)} arrived after its group was complete "
                              f"({group.status}): its advantages are already fixed, so this reward would be "
                              f"ignored. Set every sample's reward before the last one of its group")
-        before = group.rewards[member]
-        if before == before:  # set (NaN: not yet; GroupRecord.reward)
-            raise ValueError(f"reward for {group.key.sample(member)} set twice ({before} then {reward})")
         if not math.isfinite(reward):
             raise ValueError(f"reward for {group.key.sample(member)} is not finite: {reward}")
-        group.rewards[member] = float(reward)
+        before = group.set_reward(member, float(reward))
+        if before is not None:
+            raise ValueError(f"reward for {group.key.sample(member)} set twice ({before} then {reward})")
         group.rewarded += 1
         if group.rewarded == group.n:
             self._maybe_ready(group)
@@ -294,16 +292,16 @@ class ExperienceStore:
         self._counts[(group.agent, DROPPED)] += group.n
 
     def _maybe_ready(self, group: GroupRecord) -> None:
-        if group.status != PENDING or NOT_YET in group.first:  # a member without its first turn
+        if group.status != PENDING or not group.has_outputs():  # a member without its first turn
             return
         agent, batch = group.agent, group.batch
         if agent in self.frozen:  # a frozen agent's: served at its episode's end
             return
         if agent in self._teachers and group.teacher_logprobs is None and not group.size:
             return  # not scored by its teacher yet (a re-drive's groups keep no outputs to score)
-        rewards = group.rewards.tolist()
+        rewards = group.rewards_list()
         if not group.size:  # set beforehand only where the outputs are not kept (a re-drive)
-            group.size = len(group.prompt) // 4 + group.offsets[-1]
+            group.size = len(group.prompt) // 4 + group.output_size()
         self.emit(ev.GroupComplete(group.key, rewards, group.size))  # the event keeps the list
         if agent in self.dynamic:
             why = decisions.dynamic_drop(rewards, self._kept[(agent, batch)], self._targets.get((agent, batch)))
@@ -312,8 +310,10 @@ class ExperienceStore:
                 self.drop_group(group.key, why)
                 return
             self._kept[(agent, batch)] += 1
-        group.advantages = array.array("d", group_advantages(rewards, by_std=self._by_std.get(agent, True)))
+        advantages = group_advantages(rewards, by_std=self._by_std.get(agent, True))
+        group.advantages = array.array(REWARD, advantages).tobytes()
         group.status, group.ready_seq = READY, next(self._ready_seq)
+        group.settle()
         if group.key in self._unassigned:  # queued once its episode's batch is named
             self._held[group.key] = group
             return

@@ -5,8 +5,8 @@ named by the case that made it. The cases are tables, one per kind of sender:
 
 - MALFORMED: frames no receiver may accept, whoever sends them (random bytes, truncated
   or mutated bodies, every kind byte with garbage, wrong structs, oversized, too many
-  frames, empty frames). Each candidate is checked against the decoder and the transport's
-  caps and remade if it happens to be a well-formed message.
+  frames, empty frames, kind and body in two frames). Each candidate is checked against
+  the decoder and the transport's caps and remade if it happens to be a well-formed message.
 - BEFORE_HELLO: well-formed messages an unregistered peer may not send the controller
   (HELLO with a wrong version or a bad role or id, any other kind before HELLO).
 - REGISTERED: well-formed messages a registered worker may not send (a second HELLO,
@@ -34,6 +34,12 @@ from flexmarl.runtime.transport import MAX_BUFFERS
 
 Frames = list[bytes]
 _encode = msgspec.msgpack.encode
+
+
+def _body(msg: protocol.Message) -> bytes:
+    """`msg`'s body alone (its first frame after the kind byte)."""
+    return bytes(protocol.encode_one(msg)[1:])
+
 _WITH_REQUEST_ID = [cls for cls in protocol.MESSAGE_TYPES.values()
                     if "request_id" in cls.__struct_fields__ and cls is not protocol.Hello]
 # Only the controller sends these and they carry no request id. Heartbeat and Bye are
@@ -89,7 +95,7 @@ class FrameFuzzer:
         return self.message(self.rng.choice(kinds))
 
     def is_rejected_by_any_receiver(self, frames: Frames) -> bool:
-        if len(frames) > 2 + MAX_BUFFERS or protocol.frames_nbytes(frames) > self.limit:
+        if len(frames) > 1 + MAX_BUFFERS or protocol.frames_nbytes(frames) > self.limit:
             return True
         try:
             protocol.decode(frames)
@@ -108,24 +114,25 @@ class FrameFuzzer:
     def kind_only(self) -> Frames:
         return [bytes([self.rng.randrange(256)])]
 
-    def bad_kind_frame(self) -> Frames:
-        kind = self.rng.randbytes(self.rng.choice([0, 2, 3, 8]))
-        return [kind, protocol.encode(self.any_message())[1]]
+    def split_kind(self) -> Frames:
+        """Kind and body in two frames, as an older peer sends them."""
+        frame = protocol.encode_one(self.any_message())
+        return [bytes(frame[:1]), bytes(frame[1:])]
 
     def unknown_kind(self) -> Frames:
         kind = self.rng.choice([k for k in range(256) if k not in protocol.MESSAGE_TYPES])
-        return [bytes([kind]), protocol.encode(self.any_message())[1]]
+        return [bytes([kind]) + _body(self.any_message())]
 
     def garbage_body(self) -> Frames:
-        return [bytes([self.rng.choice(list(protocol.MESSAGE_TYPES))]), self.blob(self.rng.choice([4, 64, 1024]))]
+        return [bytes([self.rng.choice(list(protocol.MESSAGE_TYPES))]) + self.blob(self.rng.choice([4, 64, 1024]))]
 
     def truncated_body(self) -> Frames:
-        kind, body, *_ = protocol.encode(self.any_message())
-        return [kind, body[:self.rng.randrange(len(body))]]
+        frame = protocol.encode_one(self.any_message())
+        return [bytes(frame[:1 + self.rng.randrange(len(frame) - 1)])]
 
     def mutated_body(self) -> Frames:
-        kind, body, *_ = protocol.encode(self.any_message())
-        body = bytearray(body)
+        frame = protocol.encode_one(self.any_message())
+        kind, body = bytes(frame[:1]), bytearray(frame[1:])
         for _ in range(self.rng.randint(1, 4)):
             at = self.rng.randrange(len(body) + 1)
             op = self.rng.choice(("flip", "insert", "delete"))
@@ -136,29 +143,29 @@ class FrameFuzzer:
                     body[at] = self.rng.randrange(256)
                 else:
                     del body[at]
-        return [kind, bytes(body)]
+        return [kind + bytes(body)]
 
     def wrong_struct(self) -> Frames:
         kind = self.rng.choice(list(protocol.MESSAGE_TYPES))
         other = self.any_message(exclude=(protocol.MESSAGE_TYPES[kind],))
-        return [bytes([kind]), protocol.encode(other)[1]]
+        return [bytes([kind]) + _body(other)]
 
     def wrong_field_type(self) -> Frames:
         msg = self.any_message()
         fields = list(msgspec.structs.astuple(msg))
         at = self.rng.randrange(len(fields))
         fields[at] = self.rng.choice(["text", 3.5, -7, None, [1, "x"], {"k": b"v"}, True, b"\x00"])
-        return [bytes([int(msg.KIND)]), _encode(fields)]
+        return [bytes([int(msg.KIND)]) + _encode(fields)]
 
     def extra_fields(self) -> Frames:
         msg = self.any_message()
         fields = list(msgspec.structs.astuple(msg)) + [self.rng.randint(0, 9)] * self.rng.randint(1, 3)
-        return [bytes([int(msg.KIND)]), _encode(fields)]
+        return [bytes([int(msg.KIND)]) + _encode(fields)]
 
     def oversized_body(self) -> Frames:
         # Up to twice the cap: above it, but under libzmq's own 4x cutoff (a silent disconnect).
         size = self.rng.randint(self.limit + 1, 2 * self.limit)
-        return [bytes([protocol.Kind.ECHO]), _encode(protocol.Echo(1, bytes(size)))]
+        return [bytes([protocol.Kind.ECHO]) + _encode(protocol.Echo(1, bytes(size)))]
 
     def oversized_buffers(self) -> Frames:
         n = self.rng.randint(2, 8)
@@ -204,7 +211,7 @@ MALFORMED: dict[str, tuple[Callable[[FrameFuzzer], Frames], int]] = {
     "random bytes": (FrameFuzzer.random_frames, 10),
     "empty frames": (FrameFuzzer.empty_frames, 3),
     "kind frame only": (FrameFuzzer.kind_only, 3),
-    "bad kind frame": (FrameFuzzer.bad_kind_frame, 3),
+    "kind and body split": (FrameFuzzer.split_kind, 3),
     "unknown kind": (FrameFuzzer.unknown_kind, 4),
     "garbage body": (FrameFuzzer.garbage_body, 10),
     "truncated body": (FrameFuzzer.truncated_body, 8),
@@ -239,7 +246,7 @@ def malformed(fuzzer: FrameFuzzer) -> tuple[str, Frames]:
         name, frames = _pick(fuzzer, MALFORMED)
         if fuzzer.is_rejected_by_any_receiver(frames):
             return name, frames
-    return "unknown kind", [b"\x00", b""]  # kind 0 is never assigned
+    return "unknown kind", [b"\x00\x90"]  # kind 0 is never assigned
 
 
 def controller_plan(seed: int, n: int, max_message_bytes: int) -> Iterator[tuple[str, str, Frames]]:

@@ -19,10 +19,13 @@ def test_objects_frozen_before_the_block_are_left_to_whoever_froze_them():
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        made = [[] for _ in range(10_000)]  # tracked, not frozen: a `keep` that froze would add them
         with collector.set_apart() as keep:
             keep()
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            # Only a freeze adds to the count; another thread may free frozen objects meanwhile.
+            assert gc.get_freeze_count() <= frozen
+        assert gc.get_freeze_count() >= 0.9 * frozen  # an unfreeze at the block's end leaves none
+        assert len(made) == 10_000
     finally:
         gc.unfreeze()
 

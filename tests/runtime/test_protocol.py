@@ -81,10 +81,10 @@ EXAMPLES = [
 
 
 def test_a_settings_value_outside_its_options_is_a_bad_body():
-    frames = p.encode(p.LoadModel(1, "a", "/m", 0))
-    bad = frames[1].replace(b"auto", b"fp8!")
+    (frame,) = p.encode(p.LoadModel(1, "a", "/m", 0))
+    bad = bytes(frame).replace(b"auto", b"fp8!")
     with pytest.raises(p.ProtocolError, match="bad LOAD_MODEL body"):
-        p.decode([frames[0], bad])
+        p.decode([bad])
 
 
 def test_examples_cover_every_message_kind():
@@ -95,7 +95,7 @@ def test_examples_cover_every_message_kind():
 def test_every_message_kind_round_trips(msg):
     buf = np.arange(10, dtype=np.float32)
     frames = p.encode(msg, [buf])
-    assert frames[0] == bytes([int(msg.KIND)])
+    assert len(frames) == 2 and frames[0][0] == int(msg.KIND)  # kind and body in one frame, then the buffer
     decoded, buffers = p.decode(frames)
     assert decoded == msg
     assert np.frombuffer(buffers[0], dtype=np.float32).tolist() == buf.tolist()
@@ -103,47 +103,61 @@ def test_every_message_kind_round_trips(msg):
 
 def test_unknown_kind_is_a_protocol_error():
     with pytest.raises(p.ProtocolError, match="unknown message kind 200"):
-        p.decode([bytes([200]), b"\x90"])
+        p.decode([bytes([200]) + b"\x90"])
 
 
 def test_body_that_does_not_match_its_kind_is_a_protocol_error():
     wrong = msgspec.msgpack.encode(p.Shutdown("x"))
     with pytest.raises(p.ProtocolError, match="bad HELLO body"):
-        p.decode([bytes([p.Kind.HELLO]), wrong])
+        p.decode([bytes([p.Kind.HELLO]) + wrong])
+
+
+def test_a_message_without_buffers_is_one_frame():
+    msg = p.Echo(7, b"ping")
+    frames = p.encode(msg)
+    assert len(frames) == 1 and bytes(frames[0]) == bytes([p.Kind.ECHO]) + msgspec.msgpack.encode(msg)
+    assert p.decode(frames) == (msg, [])
+    assert p.decode([bytes(frames[0])]) == (msg, [])  # as received: bytes, not the bytearray sent
 
 
 def test_garbage_and_missing_frames_are_protocol_errors():
-    with pytest.raises(p.ProtocolError, match="at least 2 frames"):
-        p.decode([b"\x01"])
-    with pytest.raises(p.ProtocolError, match="one byte"):
-        p.decode([b"\x01\x02", b""])
+    with pytest.raises(p.ProtocolError, match="at least 1 frame") as caught:
+        p.decode([])
+    assert caught.value.reason == "too few frames"
+    for first in (b"", b"\x01"):
+        with pytest.raises(p.ProtocolError, match="kind byte and a body") as caught:
+            p.decode([first])
+        assert caught.value.reason == "bad kind frame"
+    # Kind and body in two frames (the format before): the kind alone is refused as such.
+    with pytest.raises(p.ProtocolError, match="kind byte and a body"):
+        p.decode([bytes([p.Kind.ECHO]), msgspec.msgpack.encode(p.Echo(1))])
     with pytest.raises(p.ProtocolError, match="bad HEARTBEAT body"):
-        p.decode([bytes([p.Kind.HEARTBEAT]), b"\xc1\xff\x00garbage"])
+        p.decode([bytes([p.Kind.HEARTBEAT]) + b"\xc1\xff\x00garbage"])
 
 
 def test_a_string_that_is_not_utf8_is_a_protocol_error():
     with pytest.raises(p.ProtocolError, match="bad BYE body") as caught:
-        p.decode([bytes([p.Kind.BYE]), b"\x91\xa1\xff"])  # ["\xff"]
+        p.decode([bytes([p.Kind.BYE]) + b"\x91\xa1\xff"])  # ["\xff"]
     assert caught.value.reason == "bad body"
 
 
 def test_peer_text_in_an_error_is_cut_short():
     with pytest.raises(p.ProtocolError) as caught:
-        p.decode([bytes([p.Kind.HELLO]), msgspec.msgpack.encode(["x" * 100_000])])
+        p.decode([bytes([p.Kind.HELLO]) + msgspec.msgpack.encode(["x" * 100_000])])
     assert len(str(caught.value)) < 400
 
 
 def test_no_pickle_on_the_wire():
     import pickle
     with pytest.raises(p.ProtocolError):
-        p.decode([bytes([p.Kind.ECHO]), pickle.dumps({"x": 1})])
+        p.decode([bytes([p.Kind.ECHO]) + pickle.dumps({"x": 1})])
 
 
 def test_an_optimizer_step_that_does_not_say_how_many_samples_it_covers_is_refused():
-    frames = [bytes([p.Kind.OPTIM_STEP]), msgspec.msgpack.encode([7, "checker", 1])]
+    frames = [bytes([p.Kind.OPTIM_STEP]) + msgspec.msgpack.encode([7, "checker", 1])]
     with pytest.raises(p.ProtocolError, match="bad OPTIM_STEP body"):
         p.decode(frames)
-    frames = [bytes([p.Kind.OPTIM_STEP]), msgspec.msgpack.encode([7, "checker", 1, 64])]
+    frames = [bytes([p.Kind.OPTIM_STEP]) + msgspec.msgpack.encode([7, "checker", 1, 64])]
     assert p.decode(frames)[0] == p.OptimStep(7, "checker", 1, samples=64)
 
 
@@ -194,7 +208,7 @@ def test_every_message_that_names_a_parameter_handle_carries_it_typed():
 def test_a_malformed_handle_is_a_protocol_error_not_a_half_filled_message():
     body = msgspec.msgpack.encode([4, "solver", 1, {"transport": "shm", "agent": "solver"}])
     with pytest.raises(p.ProtocolError, match="bad LOAD_WEIGHTS body"):
-        p.decode([bytes([p.Kind.LOAD_WEIGHTS]), body])
+        p.decode([bytes([p.Kind.LOAD_WEIGHTS]) + body])
 
 
 def test_the_protocol_and_its_handles_import_without_torch():

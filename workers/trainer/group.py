@@ -153,8 +153,7 @@ class TrainerGroupHandler(TrainerHandler):
 
     def _execute(self, msg: protocol.Message) -> protocol.Message:
         """Rank 0: relay the command, run it here, and fail if any rank failed."""
-        kind, body = protocol.encode(msg)
-        self._broadcast_bytes(kind + body, 0)
+        self._broadcast_bytes(bytes(protocol.encode_one(msg)), 0)
         return self._run_everywhere(msg)
 
     def _run_everywhere(self, msg: protocol.Message) -> Any:
@@ -179,7 +178,7 @@ class TrainerGroupHandler(TrainerHandler):
             payload = self._broadcast_bytes(b"", 0)
             if payload == STOP:
                 return
-            msg, _ = protocol.decode([payload[:1], payload[1:]])
+            msg, _ = protocol.decode([payload])
             try:
                 self._run_everywhere(msg)
             except Exception:

@@ -116,11 +116,13 @@ async def test_hello_reports_the_workers_devices_and_pinned_gpus_and_the_registr
 
 BAD_INPUTS = {
     "garbage frames": [b"\x00\x01\x02"],
-    "unknown kind": [bytes([250]), b"\x90"],
-    "undecodable body": [bytes([p.Kind.HELLO]), b"\xc1not msgpack"],
-    "wrong body for kind": [bytes([p.Kind.HELLO]), msgspec.msgpack.encode(p.Shutdown("x"))],
-    "oversized message": [bytes([p.Kind.ECHO]), b"x" * (CFG.max_message_bytes + 1)],
-    "string that is not UTF-8": [bytes([p.Kind.BYE]), b"\x91\xa1\xff"],
+    "kind alone": [bytes([p.Kind.ECHO])],
+    "kind and body in two frames": [bytes([p.Kind.ECHO]), msgspec.msgpack.encode(p.Echo(1))],
+    "unknown kind": [bytes([250]) + b"\x90"],
+    "undecodable body": [bytes([p.Kind.HELLO]) + b"\xc1not msgpack"],
+    "wrong body for kind": [bytes([p.Kind.HELLO]) + msgspec.msgpack.encode(p.Shutdown("x"))],
+    "oversized message": [bytes([p.Kind.ECHO]) + b"x" * (CFG.max_message_bytes + 1)],
+    "string that is not UTF-8": [bytes([p.Kind.BYE]) + b"\x91\xa1\xff"],
     "too many frames": [*p.encode(p.Echo(1)), *[b""] * (MAX_BUFFERS + 1)],
 }
 
@@ -148,7 +150,7 @@ async def test_rejections_are_counted_by_category_so_distinct_garbage_cannot_gro
             for rid in range(1000, 1050):
                 await intruder.send_multipart(p.encode(p.EchoReply(rid)))
             for kind in range(200, 220):
-                await intruder.send_multipart([bytes([kind]), b"\x90"])
+                await intruder.send_multipart([bytes([kind]) + b"\x90"])
             assert await wait_for(lambda: sum(server.rejected.values()) == 70)
             assert server.rejected == {"unknown request": 50, "unknown kind": 20}
             await echo(server, "healthy")
@@ -184,7 +186,7 @@ async def test_a_peer_that_never_reads_cannot_stall_the_controller():
             while not server.undelivered["peer not reading"]:
                 await deaf.send_multipart(p.encode(p.Heartbeat(sent)))  # alive, only deaf
                 for _ in range(500):
-                    await asyncio.wait_for(deaf.send_multipart([bytes([p.Kind.ECHO_REPLY]), b"x" * 2000]), PATIENCE)
+                    await asyncio.wait_for(deaf.send_multipart([bytes([p.Kind.ECHO_REPLY]) + b"x" * 2000]), PATIENCE)
                 sent += 500
                 assert sent < 100_000, "the controller never found the deaf peer's queue full"
                 await asyncio.sleep(0.01)

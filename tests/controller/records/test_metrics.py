@@ -1,5 +1,8 @@
 """The progress line: its time and ETA count training, not set-up (model builds, engine starts)."""
 
+import pytest
+
+from flexmarl.controller.records import metrics as metrics_module
 from flexmarl.controller.records.metrics import MetricsLog
 
 
@@ -66,3 +69,33 @@ def test_a_steps_reward_mean_does_not_depend_on_the_order_its_samples_trained_in
     forward, backward = (r["reward_mean"] for r in metrics.rows)
     assert sum(rewards) != sum(rewards[::-1])  # plain summation would differ
     assert forward == backward
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # e.g. "Tight layout not applied": 32 agents' legend did not fit
+def test_closing_at_the_end_of_a_run_draws_the_plot_off_the_event_loop(tmp_path, monkeypatch):
+    """The reward plot of a run with many agents takes about a second to draw: the run's
+    end closes the log in a worker thread, so the loop still answers its workers; the
+    legend of 32 agents goes beside the axes, where it fits."""
+    import asyncio
+    import threading
+    import types
+
+    drawn_in: list[int] = []
+    real = metrics_module.plot_rewards
+    monkeypatch.setattr(metrics_module, "plot_rewards",
+                        lambda *a: (drawn_in.append(threading.get_ident()), real(*a)))
+    agents = [f"agent{i}" for i in range(32)]
+    log = MetricsLog(tmp_path, agents, progress=False)
+    sample = types.SimpleNamespace(rewards=lambda: [1.0], oldest=lambda: [0], keys=lambda: [])
+    times = types.SimpleNamespace(rollout_s=0.1, train_s=0.2, sync_s=0.01)
+    for step in (1, 2):
+        for agent in agents:
+            log.record(step, agent, step, [sample], times)
+
+    async def end_of_run() -> int:
+        await log.aclose()
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(end_of_run())
+    assert drawn_in and drawn_in[0] != loop_thread
+    assert (tmp_path / "rewards.png").read_bytes().startswith(b"\x89PNG")

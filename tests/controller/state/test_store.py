@@ -343,3 +343,33 @@ def test_an_abandoned_episodes_groups_are_dropped_whether_trainable_or_still_gen
     store.assign([done, running], 1)  # too late: no batch takes them
     assert store.ready_samples("a", 1) == 0
     assert store.form_micro_batches("a", 1, MicroBatchSize(2), True, True, 1) == []
+
+
+def test_a_groups_columns_are_untracked_by_the_collector():
+    """What a group in flight keeps (its columns, per member) is not walked by every young
+    pass of the collector: bytes and tuples of strings, no array.array or lists."""
+    import gc
+
+    store = ExperienceStore(["a"])
+    g = key("g")
+    store.open_group(g, [1, 2], 2, 0)
+    store.record_group(g, output_of([[3, 4], [5]], [[-0.5, -0.1], [-0.2]], 1), TurnSampling(0))
+    store.set_reward(g, 0, 1.0)
+    record = store._group(g)
+    assert [record.reward(0), record.reward(1)] == [1.0, None] and record.firsts() == [1, 1]
+    assert record.span(1) == (2, 3) and record.lengths() == [2, 1] and record.output_size() == 3
+    store.set_reward(g, 1, 0.0)
+    assert record.advantages_list() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert record.settled_oldest is not None and record.oldest() == [1, 1]  # kept once trainable
+    gc.collect()  # a tuple of untracked items is untracked by the first pass that sees it
+    columns = [record.offsets, record.first, record.rewards, record.advantages, record.finish_reasons,
+               record.served_by, record.prompt, record.tokens, record.logprobs, record.versions, record.settled_oldest]
+    assert [name for name, c in zip("offsets first rewards advantages finish_reasons served_by prompt tokens "
+                                    "logprobs versions settled_oldest".split(), columns) if gc.is_tracked(c)] == []
+    assert not gc.is_tracked(record)
+    h = key("h")
+    store.open_group(h, [1, 2], 2, 0)
+    store.record_group(h, output_of([[3], [5]], [[-0.5], [-0.2]], 1), TurnSampling(0))
+    other = store._group(h)
+    # One instance's, and equal finish reasons: tuples shared by the groups, none made per group.
+    assert other.served_by is record.served_by and other.finish_reasons is record.finish_reasons

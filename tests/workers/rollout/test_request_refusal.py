@@ -137,4 +137,4 @@ def test_a_generated_message_with_refusals_round_trips_and_bodies_without_them_d
     assert p.decode(p.encode(msg))[0] == msg
     import msgspec
     old = msgspec.msgpack.encode([4, [], True, {}])  # a body without `refused`
-    assert p.decode([bytes((p.Kind.GENERATED,)), old])[0].refused == []
+    assert p.decode([bytes((p.Kind.GENERATED,)) + old])[0].refused == []
