@@ -473,10 +473,11 @@ class RolloutClient:
         for part in parts:
             self.owner.work_done(worker, part.cost)
             _answered(part)
+        # Read before anything else: a failure nobody reads is reported as never retrieved.
+        exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
         parts = [part for part in parts if not part.owner.future.done()]  # an aborted one: no one waits for it
         if not parts:
             return
-        exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
         # Shutting down, the workers leave: nothing to re-issue.
         if not isinstance(exc, (WorkerDied, RemoteError)) or self.closed or self.server.closing:
             for part in parts:
