@@ -538,8 +538,11 @@ def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:
 
 def _answered(part: _Part) -> None:
     """The part is no longer on its instance: nothing there to abort."""
-    if part in part.owner.sent:
-        part.owner.sent.remove(part)
+    sent = part.owner.sent
+    for i, other in enumerate(sent):  # one or a few: a group's parts, by identity
+        if other is part:
+            del sent[i]
+            return
 
 
 def _fail(owner: _Group, exc: BaseException) -> None:

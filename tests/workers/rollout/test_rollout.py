@@ -131,13 +131,19 @@ def tokens(result):
     return out
 
 
-@pytest.mark.slow
-async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path):
-    spec = digit_chain.AGENTS["planner"]
+def planner_handler(tmp_path):
+    """A rollout handler serving a fresh planner model (64 tokens of context), its replies
+    kept in an Outbox."""
     handler = RolloutHandler()
     handler.session = outbox = Outbox()
-    handler._load_model(p.LoadModel(1, "planner", str(models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")), 0,
-                                    max_model_len=64))
+    model = models.build_model(digit_chain.AGENTS["planner"], digit_chain.VOCAB, tmp_path / "m")
+    handler._load_model(p.LoadModel(1, "planner", str(model), 0, max_model_len=64))
+    return handler, outbox
+
+
+@pytest.mark.slow
+async def test_refused_prompts_fail_alone_and_the_engine_keeps_serving(tmp_path):
+    handler, outbox = planner_handler(tmp_path)
     rng = random.Random(5)
     good = [p.GenGroup(K(f"good-{i}"), "planner", 2, digit_chain.planner_prompt(digit_chain.make_query(rng)), 6, 1.0, i)
             for i in range(4)]
@@ -327,11 +333,7 @@ async def test_a_load_under_keep_or_recompute_is_applied_while_a_group_runs_and_
 
 
 async def test_an_aborted_group_comes_back_once_as_aborted_queued_or_running_and_the_engine_serves_the_rest(tmp_path):
-    spec = digit_chain.AGENTS["planner"]
-    handler = RolloutHandler()
-    handler.session = outbox = Outbox()
-    handler._load_model(p.LoadModel(1, "planner", str(models.build_model(spec, digit_chain.VOCAB, tmp_path / "m")), 0,
-                                    max_model_len=64))
+    handler, outbox = planner_handler(tmp_path)
     prompt = digit_chain.planner_prompt(digit_chain.make_query(random.Random(7)))
 
     def group(call, max_tokens):
