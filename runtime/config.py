@@ -59,6 +59,12 @@ class TransportConfig:
     curve_dir: str = ""
     """The folder of CURVE keys `flexmarl keys DIR` writes: `server.key(_secret)` and
     `client.key(_secret)`; copy it to every host."""
+    io_threads: Literal["batch", "normal"] = "batch"
+    """How the operating system schedules ZeroMQ's I/O thread in each process (Linux). "batch"
+    (SCHED_BATCH): it does not preempt the process's event loop each time a message wakes it,
+    so it takes what arrived meanwhile together at the loop's next pause; the controller's loop,
+    on a core of its own, then spends less of that core switching between the two. "normal":
+    the system's default. Elsewhere than Linux it is left as it is."""
 
 
 # Who starts the workers of `flexmarl run`: "local" makes them child processes of the

@@ -128,11 +128,56 @@ def create_curve_keys(curve_dir: str) -> None:
             zmq.auth.create_certificates(curve_dir, name)
 
 
+# Whether this process's ZeroMQ I/O threads were scheduled (`TransportConfig.io_threads`).
+_io_threads_scheduled = False
+
+
+def _threads() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        return set()
+
+
+def schedule_io_threads(how: str, threads: set[int] | None = None) -> list[int]:
+    """Schedules this process's ZeroMQ threads as `how` says (`TransportConfig.io_threads`):
+    "batch" is SCHED_BATCH. `threads`: those the context's start made; None: found by the
+    names libzmq gives them (ZMQbg/...), which a thread takes only once it runs. Set on the
+    threads themselves, not through libzmq's context option, which aborts the process if the
+    system refuses; here a refusal is logged and the thread is left as it was. Returns the
+    threads it set (none on other systems than Linux, or for "normal")."""
+    if how != "batch" or not hasattr(os, "SCHED_BATCH"):
+        return []
+    if threads is None:
+        threads = set()
+        for tid in _threads():
+            try:
+                if Path(f"/proc/self/task/{tid}/comm").read_text().startswith("ZMQbg/"):
+                    threads.add(tid)
+            except OSError:  # ended meanwhile
+                continue
+    done = []
+    for tid in sorted(threads):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as exc:  # ended meanwhile, or not allowed here
+            log.debug("ZeroMQ thread %d left as it was scheduled: %s", tid, exc)
+            continue
+        done.append(tid)
+    return done
+
+
 class _Socket:
     def __init__(self, cfg: TransportConfig, sock_type: int) -> None:
+        global _io_threads_scheduled
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(sock_type)
+        before = None if _io_threads_scheduled else _threads()
+        self.sock = self.ctx.socket(sock_type)  # the context's first socket starts its threads
+        if before is not None:
+            _io_threads_scheduled = True
+            made = _threads() - before
+            schedule_io_threads(cfg.io_threads, made or None)  # none made: started before, found by name
         self.sock.setsockopt(zmq.LINGER, 0)
         # zmq's own cap is a backstop against memory exhaustion (it silently disconnects);
         # the logged rejection happens in `_check` at `max_message_bytes`.

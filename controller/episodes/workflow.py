@@ -522,6 +522,9 @@ class EpisodeContext:
         """The reward of a sample; or, given the id of a completion the OpenAI endpoint
         returned, of its samples: one value, or one per choice (by index). A frozen agent's
         samples need none; one given is recorded with them, never trained on."""
+        if type(sample) is SampleView and type(value) is float:  # the common case, one check
+            self._store.set_view_reward(sample, value)
+            return
         if isinstance(sample, str):
             samples = self._endpoint_turns().completion(sample)
             values = list(value) if isinstance(value, (list, tuple)) else [value] * (len(samples) == 1)

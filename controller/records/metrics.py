@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flexmarl.runtime.atomic import replace_atomically
 
-from ..state import decisions
 
 if TYPE_CHECKING:
     from .sample_log import SampleLog
@@ -66,7 +65,8 @@ class MetricsLog:
         """The step's row; `trained`: its micro-batches (store.MicroBatch: `rewards()`,
         `oldest()`, `keys()`)."""
         rewards = [r for mb in trained for r in mb.rewards()]
-        lags = [decisions.lag(version - 1, [v]) for mb in trained for v in mb.oldest()]
+        trained_version = version - 1  # a sample's lag (`decisions.lag`): that less its oldest version
+        lags = [trained_version - v for mb in trained for v in mb.oldest()]
         row = {"step": step, "agent": agent, "version": version,
                "reward_mean": math.fsum(rewards) / len(rewards) if rewards else None,
                "samples": len(rewards), "time": round(self.clock() - self.started, 3),

@@ -164,7 +164,7 @@ class GroupRecord(msgspec.Struct, gc=False):
 
     def has_outputs(self) -> bool:
         """Every member's first turn came back."""
-        return NOT_YET not in _ids(self.first).tolist()
+        return NOT_YET not in array.array(TOKEN, self.first)
 
     def rewards_list(self) -> list[float]:
         """Per member: its reward (NaN: not yet)."""
@@ -197,8 +197,10 @@ class GroupRecord(msgspec.Struct, gc=False):
 
     def settle(self) -> None:
         """The group became trainable: `oldest()` is kept as it is now (writing a turn or a
-        version after this forgets it)."""
-        self.settled_oldest = array.array(TOKEN, self.oldest()).tobytes()
+        version after this forgets it), where it reads more than the first turns' versions
+        (most groups': then reading those costs what reading a kept copy would)."""
+        if self.later or self.token_oldest is not None:
+            self.settled_oldest = array.array(TOKEN, self.oldest()).tobytes()
 
     def spanned(self) -> list[int]:
         """Per member: the oldest version of its first turn's tokens where they span versions
@@ -368,14 +370,13 @@ class GroupRecord(msgspec.Struct, gc=False):
     def train_group(self) -> protocol.TrainGroup:
         """What the trainer is sent of the group (one trainable record: outputs and advantages set)."""
         assert self.advantages is not None
-        lengths = self.lengths()
-        turns = [protocol.MemberTurn(j, t.sampling.start, t.sampling.temperature, t.sampling.top_p, t.sampling.top_k)
-                 for j, later in sorted((self.later or {}).items()) for t in later]
+        turns = ([protocol.MemberTurn(j, t.sampling.start, t.sampling.temperature, t.sampling.top_p, t.sampling.top_k)
+                  for j, later in sorted(self.later.items()) for t in later] if self.later else [])
         s = self.sampling
         return protocol.TrainGroup(
-            self.key, protocol.native(TOKEN, self.prompt), lengths, protocol.native(TOKEN, self.tokens),
-            protocol.native(LOGPROB, self.logprobs), self.advantages_list(), self.oldest(),
-            s.temperature, s.top_p, s.top_k, self.mask or b"", turns,
+            self.key, protocol.native(TOKEN, self.prompt), self.lengths(),
+            protocol.native(TOKEN, self.tokens), protocol.native(LOGPROB, self.logprobs), self.advantages_list(),
+            self.oldest(), s.temperature, s.top_p, s.top_k, self.mask or b"", turns,
             protocol.native(LOGPROB, self.teacher_logprobs) if self.teacher_logprobs is not None else b"",
             protocol.native(TOKEN, self.teacher_top_ids), protocol.native(LOGPROB, self.teacher_top_logprobs))
 

@@ -360,7 +360,7 @@ def test_a_groups_columns_are_untracked_by_the_collector():
     assert record.span(1) == (2, 3) and record.lengths() == [2, 1] and record.output_size() == 3
     store.set_reward(g, 1, 0.0)
     assert record.advantages_list() == pytest.approx([1.0, -1.0], abs=1e-5)
-    assert record.settled_oldest is not None and record.oldest() == [1, 1]  # kept once trainable
+    assert record.settled_oldest is None and record.oldest() == [1, 1]  # first turns only: read from them
     gc.collect()  # a tuple of untracked items is untracked by the first pass that sees it
     columns = [record.offsets, record.first, record.rewards, record.advantages, record.finish_reasons,
                record.served_by, record.prompt, record.tokens, record.logprobs, record.versions, record.settled_oldest]
