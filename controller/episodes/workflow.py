@@ -288,6 +288,7 @@ class EpisodeContext:
         self._opened: list[GroupKey] = []  # the groups this episode opened, in order
         self._called = _Calls()
         self._openai: Any = None  # this episode's OpenAITurns, once its key was asked for
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop its turns run on, once one has
 
     def group_key(self, agent: str, prompt_ids: list[int]) -> GroupKey:
         """The next group's key: the same call in the same place of the workflow (the same
@@ -428,7 +429,10 @@ class EpisodeContext:
             raise ValueError(f"{sample.sample_id} belongs to another episode")
 
     async def _wait_at_gate(self, agent: str) -> None:
-        task = _current_task(asyncio.get_running_loop())
+        loop = self._loop
+        if loop is None:  # asked once: asyncio's asking costs a system call (its fork check)
+            loop = self._loop = asyncio.get_running_loop()
+        task = _current_task(loop)
         if task is not None:
             self._called.branches.add(task)
         if self._gate is not None:
