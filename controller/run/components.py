@@ -287,7 +287,7 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
                              versions=versions, snapshots={a: every for a, (_, every) in snapshots.items()},
                              continuous=admits_continuously(cfg.pipeline.admission), spares=cfg.pipeline.partial_rollout,
                              drained=instances.drained if cfg.pipeline.admission == "capacity" else None)
-    store.on_ready.append(lambda key: schedule.work_arrived(key.agent))
+    store.on_ready.append(lambda key: pipelines[key.agent].group_ready())  # only trained agents' become ready
     instances.on_drained.append(schedule.instance_drained)
     pipelines: dict[str, AgentPipeline] = {}
     allocator = TrainerAllocator(server, [], cfg.cluster.trainer_capacity, {a: cfg.agents[a] for a in trained},

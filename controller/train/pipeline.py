@@ -156,6 +156,21 @@ class AgentPipeline:
                                                      self.overlap) else 0
         return decisions.AgentWork(self._pending + formable, waiting - formable)
 
+    def group_ready(self) -> None:
+        """A group of the agent's became trainable (the store's `on_ready`): the pipeline is
+        woken where it has something to do now: a micro-batch of the batch it trains can be
+        cut (`decisions.cut_micro_batch`), or its agent is not on a trainer (a swap-in may
+        start while rollout runs). Otherwise the group waits for the one that completes a
+        micro-batch, or for the batch's end (which wakes every pipeline); one of a later
+        batch is formed when the pipeline comes to that batch, before it waits. Each wake is
+        a task switch of the controller's loop: one per group was the most frequent of them."""
+        batch = self.batch
+        ready = self.store.ready_size(self.agent, batch, self.micro_batch_size)
+        if ready and (self.agent not in self.allocator.resident
+                      or decisions.cut_micro_batch(ready, self.micro_batch_size.limit,
+                                                   self.schedule.rollout_complete(batch), self.overlap)):
+            self.schedule.work_arrived(self.agent)
+
     def _tracked(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future:
         """`work` as a task counted in `work()` until it ends. The count drops inside the
         task, right after the trainer is released and before anything woken by that runs

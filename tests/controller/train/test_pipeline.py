@@ -24,6 +24,7 @@ class FakeAllocator:
     def __init__(self):
         self.held = 0
         self.lost, self.recovered = {}, []
+        self.resident = {}  # agent -> trainer: none on a trainer, so every group wakes the pipeline
 
     async def acquire(self, agent, lost="wait"):
         assert lost == "raise" or agent not in self.lost
@@ -176,6 +177,31 @@ async def test_async_micro_batches_train_while_rollout_runs_then_one_step_and_on
     assert metrics.rows == [(1, 6)] and metrics.ended == [1] and pipeline.samples_trained == 6
     assert pipeline.tokens_trained == 18 and "flushed" in events
     assert store.ready_samples("a", 1) == 0
+
+
+async def test_a_group_wakes_its_resident_agents_pipeline_only_where_a_micro_batch_can_be_cut():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async", micro_batch=6)
+    store.on_ready[:] = [lambda k: pipeline.group_ready()]  # as the run wires it
+    pipeline.allocator.resident["a"] = "t0"
+    wakes = []
+    woken = schedule.work_arrived
+    schedule.work_arrived = lambda agent: (wakes.append(store.ready_samples(agent, 1)), woken(agent))
+    task = asyncio.ensure_future(pipeline.run())
+    await asyncio.sleep(0)
+    for call in ("g0", "g1", "g2"):  # 2 samples each: the third makes a micro-batch of 6
+        complete_group(store, call)
+    assert wakes == [6]  # not at 2, 4 (nothing to cut): one task switch instead of three
+    await asyncio.sleep(0.05)
+    assert trainer.log == [("train", ["g0/0", "g0/1", "g1/0", "g1/1", "g2/0", "g2/1"])]
+    complete_group(store, "g3")
+    assert wakes == [6]
+    schedule.episode_ended(1)  # the batch's end wakes it for the rest
+    await asyncio.wait_for(task, 2)
+    assert trainer.log[1:] == [("train", ["g3/0", "g3/1"]), ("step", 1, 8)]
+    pipeline.allocator.resident.clear()  # not on a trainer: every group wakes it (a swap-in may start)
+    assert pipeline.batch == 1
+    complete_group(store, "h0", batch=1)
+    assert wakes[-1] == 2
 
 
 async def test_sync_mode_forms_micro_batches_only_after_the_batch_rollout_ended():
