@@ -238,10 +238,10 @@ class RouterSocket(_Socket):
         """The next message and those queued behind it, at most `limit`: what one turn of
         the event loop takes (waits only while none is queued)."""
         received = [await self.recv()]
-        check = self._check
-        while len(received) < limit:
+        check, queued = self._check, self._queued_frames
+        for _ in range(limit - 1):
             try:
-                frames = self._queued_frames()
+                frames = queued()
             except zmq.Again:
                 break
             received.append(check(frames[0].bytes, frames[1:]))
