@@ -461,8 +461,11 @@ class RolloutClient:
                              results: list[tuple[_Part, protocol.GroupResult]]) -> None:
         prompt, cached = [0, 0], [0, 0]  # first turns, later turns
         tokens, spanning = 0, False
+        groups, versions = [], []
         for p, r in results:
             group = p.group
+            groups.append(group)
+            versions.append(r.version)
             later, n = group.turn > 0, group.n  # a later turn of a sample, not a group's first
             prompt[later] += n * len(group.prompt_ids)
             cached[later] += r.cached_tokens * (n - 1 if n > 1 else 1)
@@ -472,8 +475,8 @@ class RolloutClient:
                                                                                      r.token_versions)).cast("i"))
                  if r.token_versions else [] for _, r in results] if spanning else []
         event = ev.RequestsCompleted(
-            worker, agent, request_id, [r.version for _, r in results], tokens,
-            prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]),
+            worker, agent, request_id, versions, tokens,
+            prompt[0], cached[0], prompt[1], cached[1], _parts(groups),
             spans if any(spans) else [])
         self.emit(event)
         counts = self.prompt_counts[agent]
@@ -542,9 +545,14 @@ def _named(group: protocol.GenGroup) -> str:
 
 def _parts(groups: list[protocol.GenGroup]) -> ev.Parts:
     """How the event log names these groups' samples."""
-    turns = [g.turn for g in groups]
-    return ev.Parts([g.key for g in groups], [g.first for g in groups], [g.n for g in groups],
-                    turns if any(turns) else [])
+    # One loop (most messages carry a group or two: four list comprehensions cost twice as much).
+    keys, firsts, ns, turns = [], [], [], []
+    for g in groups:
+        keys.append(g.key)
+        firsts.append(g.first)
+        ns.append(g.n)
+        turns.append(g.turn)
+    return ev.Parts(keys, firsts, ns, turns if any(turns) else [])
 
 
 def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:
