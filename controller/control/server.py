@@ -187,7 +187,8 @@ class ControllerServer:
         if info is None or not info.alive:
             future.set_exception(WorkerDied(worker_id, "not registered or already dead"))
             return future
-        request_id: int = msg.request_id  # type: ignore[attr-defined]  # every request carries one (runtime/protocol.py)
+        # Every request carries one (runtime/protocol.py); read without typing.cast's call.
+        request_id: int = msg.request_id  # type: ignore[attr-defined]
         self._pending[request_id] = _Pending(worker_id, future, on_reply)
         return future
 
