@@ -227,15 +227,14 @@ class EventLog:
         """Stamps ``event`` with the next ``seq`` and the time, buffers it, returns it."""
         if self._error is not None:
             raise self._failed()
-        return self._emit(event)
+        self.emit_unless_failed(event)
+        return event
 
     def emit_unless_failed(self, event: Event) -> None:
         """``emit``, or nothing once a write failed (``failed``): for what keeps emitting
-        while the run stops with that failure."""
-        if self._error is None:
-            self._emit(event)
-
-    def _emit(self, event: Event) -> Event:
+        while the run stops with that failure. The controller's emit: one call per event."""
+        if self._error is not None:
+            return
         if self._closed:
             raise EventLogError(f"event log {self.path} is closed; {type(event).__name__} not logged")
         event.seq = self._seq
@@ -251,7 +250,6 @@ class EventLog:
             raise EventLogError(
                 f"event log {self.path}: {self._pending_bytes} bytes emitted but not written; "
                 f"the disk is stalled or the log's run() task is not running")
-        return event
 
     async def run(self) -> None:
         """Writes buffered events as they come. Returns after ``close()``; raises

@@ -921,9 +921,10 @@ def decode(frames: Sequence[Any]) -> tuple[Message, list[Any]]:
         raise ProtocolError(f"frame 0 must hold the kind byte and a body, got {first.nbytes} bytes",
                             "bad kind frame")
     kind = first[0]
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        raise ProtocolError(f"unknown message kind {kind}", "unknown kind")
+    try:
+        decoder = _decoders[kind]
+    except KeyError:
+        raise ProtocolError(f"unknown message kind {kind}", "unknown kind") from None
     try:
         msg = decoder.decode(first[1:])
     # msgspec reports a string that is not UTF-8 as UnicodeDecodeError, not DecodeError.

@@ -184,12 +184,16 @@ class _Socket:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_message_bytes)
         self.sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        # The same libzmq socket without the asyncio layer, for sends and receives that
-        # cannot wait (see RouterSocket).
+        # The same libzmq socket without the asyncio layer: every send and receive goes
+        # through it (the asyncio socket is kept for options, bind and connect).
         self._plain: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
         # Its frame send below pyzmq's Python wrapper (which only adds DRAFT sockets'
         # routing ids and groups): a third of a frame's cost, four frames a message.
         self._send_frame = super(zmq.Socket, self._plain).send
+        # A receive with nothing queued waits for the socket's descriptor (DealerSocket says how).
+        self._fd: int = self._plain.get(_FD)  # type: ignore[assignment]
+        self._reader: asyncio.Future | None = None  # the receive waiting for the descriptor
+        self._watched: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
         if len(frames) > 1 + MAX_BUFFERS:
@@ -225,7 +229,45 @@ class _Socket:
             frames.append(frame)
         return frames
 
+    async def _readable(self) -> None:
+        """Returns when a message may be queued (the caller looks again), the socket's
+        events having just been read and found without one."""
+        loop = asyncio.get_running_loop()
+        if self._watched is not loop:
+            self._watch(loop)
+        waiter = self._reader = loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._reader = None
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._unwatch()  # another loop's watch (a socket used from a second loop)
+        loop.add_reader(self._fd, self._signalled)
+        self._watched = loop
+
+    def _unwatch(self) -> None:
+        loop, self._watched = self._watched, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+
+    def _signalled(self) -> None:
+        """The descriptor's signal: it wakes the waiting receive; with none waiting it is
+        consumed here (unread, the loop would call this again at every turn)."""
+        waiter = self._reader
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        elif not self._plain.closed:
+            self._plain.get(_EVENTS)
+
+    def _pollin(self) -> bool:
+        """Whether a message is queued (reading EVENTS: the descriptor's signal is consumed)."""
+        return bool(cast(int, self._plain.get(_EVENTS)) & _POLLIN)
+
     def close(self) -> None:
+        self._unwatch()  # the descriptor leaves its loop before it closes
+        if self._reader is not None:  # a receive waits
+            self._reader.cancel()
         self.sock.close(linger=0)
 
 
@@ -270,23 +312,27 @@ class RouterSocket(_Socket):
         self.sock.curve_server = True
 
     async def recv(self) -> Inbound:
-        """The next message. One already queued is taken at once from the plain socket
-        (no future, no callback); only an empty queue waits through pyzmq's asyncio socket."""
-        try:
-            frames = self._queued_frames()
-        except zmq.Again:
-            frames = await self.sock.recv_multipart(copy=False)
-        identity = frames[0].bytes
-        return self._check(identity, frames[1:])
+        """The next message, from the plain socket: one already queued is taken at once;
+        with none, the receive waits for the socket's descriptor as a DealerSocket's does
+        (not through pyzmq's asyncio socket: a future, callbacks and flag enums a wait)."""
+        while True:
+            if self._pollin():
+                try:
+                    frames = self._queued_frames()
+                except zmq.Again:  # not expected after POLLIN; waited for like an empty queue
+                    pass
+                else:
+                    return self._check(frames[0].bytes, frames[1:])
+            await self._readable()
 
     async def recv_queued(self, limit: int) -> list[Inbound]:
         """The next message and those queued behind it, at most `limit`: what one turn of
         the event loop takes (waits only while none is queued)."""
         received = [await self.recv()]
-        check = self._check
-        while len(received) < limit:
+        check, queued = self._check, self._queued_frames
+        for _ in range(limit - 1):
             try:
-                frames = self._queued_frames()
+                frames = queued()
             except zmq.Again:
                 break
             received.append(check(frames[0].bytes, frames[1:]))
@@ -311,18 +357,17 @@ class RouterSocket(_Socket):
                 send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=i == 0)
         else:  # kind and body alone, the common case
             send(protocol.encode_one(msg), _DONTWAIT)
-        # A send on the plain socket can consume the edge of the descriptor that wakes a
-        # receive parked in pyzmq's asyncio socket; reading EVENTS through that socket
-        # re-arms it (what pyzmq itself does after sending without a future), once after
-        # every send of this loop turn: one read covers them all.
+        # A send can take the descriptor's signal of a message a waiting receive is owed
+        # (`_readable`): once after every send of this loop turn, a receive that waits is
+        # woken if a message is queued (one read of the socket's events covers them all).
         if not self._rearm_pending:
             self._rearm_pending = True
             asyncio.get_running_loop().call_soon(self._rearm)
 
     def _rearm(self) -> None:
         self._rearm_pending = False
-        if not self.sock.closed:
-            self.sock.get(_EVENTS)
+        if self._reader is not None and not self._plain.closed and self._pollin():
+            _settle(self._reader)
 
     def close(self) -> None:
         if self.authenticator is not None:
@@ -354,9 +399,6 @@ class DealerSocket(_Socket):
         if immediate:  # a send waits for a live connection instead of queueing for one
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.identity = identity
-        self._fd: int = self._plain.get(_FD)  # type: ignore[assignment]
-        self._reader: asyncio.Future | None = None  # the receive waiting for the descriptor
-        self._watched: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
         self.waited = False  # whether the last receive waited (False: its message was queued; it did not suspend)
         self._parked = 0  # sends waiting for room (a later one may not pass them)
         self._parked_order = asyncio.Lock()  # ... and among themselves, first come first sent
@@ -392,47 +434,6 @@ class DealerSocket(_Socket):
                     return self._check(b"", frames)
             self.waited = True
             await self._readable()
-
-    async def _readable(self) -> None:
-        """Returns when a message may be queued (the caller looks again), the socket's
-        events having just been read and found without one."""
-        loop = asyncio.get_running_loop()
-        if self._watched is not loop:
-            self._watch(loop)
-        waiter = self._reader = loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._reader = None
-
-    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._unwatch()  # another loop's watch (a socket used from a second loop)
-        loop.add_reader(self._fd, self._signalled)
-        self._watched = loop
-
-    def _unwatch(self) -> None:
-        loop, self._watched = self._watched, None
-        if loop is not None and not loop.is_closed():
-            loop.remove_reader(self._fd)
-
-    def _signalled(self) -> None:
-        """The descriptor's signal: it wakes the waiting receive; with none waiting it is
-        consumed here (unread, the loop would call this again at every turn)."""
-        waiter = self._reader
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        elif not self._plain.closed:
-            self._plain.get(_EVENTS)
-
-    def _pollin(self) -> bool:
-        """Whether a message is queued (reading EVENTS: the descriptor's signal is consumed)."""
-        return bool(cast(int, self._plain.get(_EVENTS)) & _POLLIN)
-
-    def close(self) -> None:
-        self._unwatch()  # the descriptor leaves its loop before it closes
-        if self._reader is not None:  # a receive waits
-            self._reader.cancel()
-        super().close()
 
     async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         """Sends `msg`, waiting (at most the send timeout, then zmq.Again) while the socket

@@ -29,7 +29,7 @@ class WorkerInfo:
     pid: int
     devices: list[str]
     capacity: dict[str, float]
-    last_seen: float
+    last_seen: float  # when a message last came from it (the server sets it per message)
     alive: bool = True
     why_gone: str = ""
     visible_gpus: list[str] = field(default_factory=list)  # the GPUs it was pinned to; empty: not pinned
@@ -70,9 +70,6 @@ class WorkerRegistry:
         self.workers[hello.worker_id] = info
         self._by_identity[identity] = info
         return info
-
-    def seen(self, info: WorkerInfo, now: float) -> None:
-        info.last_seen = now
 
     def heard_all(self, at: float) -> None:
         """Every live worker counts as heard from at `at` or later: the controller itself

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -71,6 +71,8 @@ class _Pending:
 
 # What a worker sends that is not a reply to a request (no request_id).
 _NOT_REPLIES = frozenset(cls for cls in protocol.MESSAGE_TYPES.values() if "request_id" not in cls.__struct_fields__)
+# Replies that carry the worker's load.
+_WITH_LOAD = frozenset(cls for cls in protocol.MESSAGE_TYPES.values() if "load" in cls.__struct_fields__)
 
 
 class ControllerServer:
@@ -185,7 +187,8 @@ class ControllerServer:
         if info is None or not info.alive:
             future.set_exception(WorkerDied(worker_id, "not registered or already dead"))
             return future
-        request_id: int = cast(Any, msg).request_id  # every request carries one (runtime/protocol.py)
+        # Every request carries one (runtime/protocol.py); read without typing.cast's call.
+        request_id: int = msg.request_id  # type: ignore[attr-defined]
         self._pending[request_id] = _Pending(worker_id, future, on_reply)
         return future
 
@@ -326,7 +329,7 @@ class ControllerServer:
     def _dispatch_reply(self, inbound: Inbound, now: float) -> bool:
         """A registered worker's reply to a request, or its heartbeat, handled at once
         (most of what arrives); False for anything else, which `_dispatch` handles."""
-        msg = inbound.msg
+        msg: Any = inbound.msg  # read by its kind (`type`: no isinstance or getattr per message)
         if msg is None:
             return False
         kind = type(msg)
@@ -335,12 +338,12 @@ class ControllerServer:
         info = self.registry.by_identity(inbound.identity)
         if info is None:
             return False
-        self.registry.seen(info, now)
-        if isinstance(msg, protocol.Heartbeat):
+        info.last_seen = now
+        if kind is protocol.Heartbeat:
             info.load = dict(msg.load)
             return True
-        if load := getattr(msg, "load", None):  # a busy worker's replies stand in for its heartbeats
-            info.load = load
+        if kind in _WITH_LOAD and msg.load:  # a busy worker's replies stand in for its heartbeats
+            info.load = msg.load
         self._deliver(info, msg, inbound.buffers)
         return True
 
@@ -356,7 +359,7 @@ class ControllerServer:
         if info is None:
             await self._handle_unregistered(inbound, now)
             return
-        self.registry.seen(info, now)
+        info.last_seen = now
         match msg:
             case protocol.Heartbeat():
                 info.load = dict(msg.load)
@@ -407,7 +410,7 @@ class ControllerServer:
         if pending.future.done():  # cancelled by the caller
             del self._pending[msg.request_id]
             return
-        if isinstance(msg, protocol.Error):
+        if type(msg) is protocol.Error:
             del self._pending[msg.request_id]
             pending.future.set_exception(RemoteError(f"{info.worker_id}: {msg.message}"))
             return

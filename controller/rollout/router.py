@@ -30,6 +30,7 @@ load is counted with its base's other agents' on each.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -62,12 +63,16 @@ Load = Callable[[str], float]
 
 def _least_loaded(instances: Sequence[str], load: Load, turn: int, rng: random.Random) -> str:
     """The less loaded of two instances drawn at random (of both, when there are two)."""
-    if len(instances) <= 2:
+    n = len(instances)
+    if n <= 2:
         return min(instances, key=load)  # ties: the first in routing order
-    a = rng.randrange(len(instances))
-    b = rng.randrange(len(instances) - 1)
+    # Two distinct positions, each uniform: int(random() * n) is one call where randrange(n)
+    # is four (its bias, n / 2**53, is nothing at any number of instances).
+    a = int(rng.random() * n)
+    b = int(rng.random() * (n - 1))
     b += b >= a
-    a, b = min(a, b), max(a, b)  # ties: the first in routing order
+    if b < a:  # ties: the first in routing order
+        a, b = b, a
     return instances[b] if load(instances[b]) < load(instances[a]) else instances[a]
 
 
@@ -88,11 +93,14 @@ def route_group(policy: str, instances: Sequence[str], load: Load, turn: int, rn
     earlier groups (round robin uses it). The live client and the simulator route here."""
     if not instances:
         raise ValueError("no instance to route to")
+    return _rule(policy)(instances, load, turn, rng)
+
+
+def _rule(policy: str) -> Callable[[Sequence[str], Load, int, random.Random], str]:
     try:
-        rule = ROUTING_POLICIES[policy]
+        return ROUTING_POLICIES[policy]
     except KeyError:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(ROUTING_POLICIES)})") from None
-    return rule(instances, load, turn, rng)
 
 
 def split_sizes(n: int, cost: float, share: float, instances: int, min_part: int = MIN_PART) -> list[int]:
@@ -138,19 +146,19 @@ class _Group:
     sent: list = field(default_factory=list)  # its parts as sent, each to its `worker`, while unanswered
 
 
-@dataclass(slots=True)
 class _Part:
     """A group, or a contiguous part of one, on its way to an instance."""
 
-    group: protocol.GenGroup
-    owner: _Group
-    after: str  # the instance of the sample's previous turn ("": a first turn)
-    attempt: int = 1
-    worker: str = ""  # the instance it was last sent to
-    cost: int = field(init=False)  # the tokens it may cost its engine: each member's prompt and max_tokens
+    __slots__ = ("group", "owner", "after", "attempt", "worker", "cost")
 
-    def __post_init__(self) -> None:
-        self.cost = self.group.n * (len(self.group.prompt_ids) + self.group.max_tokens)
+    def __init__(self, group: protocol.GenGroup, owner: _Group, after: str, attempt: int = 1) -> None:
+        self.group = group
+        self.owner = owner
+        self.after = after  # the instance of the sample's previous turn ("": a first turn)
+        self.attempt = attempt
+        self.worker = ""  # the instance it was last sent to
+        # The tokens it may cost its engine: each member's prompt and max_tokens.
+        self.cost = group.n * (len(group.prompt_ids) + group.max_tokens)
 
 
 @dataclass
@@ -165,6 +173,10 @@ class RoutingPolicy:
     affinity_bound: float
     rng: random.Random
     turn: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    rule: Callable[[Sequence[str], Load, int, random.Random], str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rule = _rule(self.within_agent)  # an unknown name fails here, not at the first group
 
     def sizes(self, n: int, cost: float, instances: Sequence[str], load: Load) -> list[int]:
         """The parts a new group of n samples is cut into (`split_sizes`): [n] unless it can split."""
@@ -174,10 +186,10 @@ class RoutingPolicy:
         return split_sizes(n, cost, share, len(instances), self.min_part)
 
     def choose(self, agent: str, instances: Sequence[str], load: Load) -> str:
-        """The instance the rule picks for the agent's next group or part."""
-        worker = route_group(self.within_agent, instances, load, self.turn[agent], self.rng)
-        self.turn[agent] += 1
-        return worker
+        """The instance the rule picks (`route_group`, `instances` not empty) for the agent's next group or part."""
+        turn = self.turn[agent]
+        self.turn[agent] = turn + 1
+        return self.rule(instances, load, turn, self.rng)
 
     def keeps_turn(self, previous: str, chosen: str, load: Load, cost: float) -> bool:
         """Whether a later turn goes back to `previous` (still serving its agent) rather than `chosen`."""
@@ -290,12 +302,12 @@ class RolloutClient:
                 self._start(self._send_all(messages[sent:]))
 
     def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
-        agent, load = part.owner.agent, self.outstanding.__getitem__
+        agent, load = part.owner.agent, self.owner.outstanding.__getitem__
+        pieces = [part]  # whole, or a part routed again: as it was
         if part.owner.left == 0:  # a new group: parts are counted once
-            pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
+            if part.group.n >= 2 * self.policy.min_part:  # a smaller one is never split
+                pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
             part.owner.left = len(pieces)
-        else:  # a part routed again: as it was
-            pieces = [part]
         routed = []
         for piece in pieces:
             worker = self.policy.choose(agent, instances, load)
@@ -362,9 +374,10 @@ class RolloutClient:
     # ------------------------------------------------------------ messages
 
     def _message(self, worker: str, parts: list[_Part]) -> tuple[str, protocol.Generate]:
-        waiting = {}
+        waiting: dict[tuple[GroupKey, int, int], _Part] = {}
         groups = []
         versions: dict[str, int] = {}  # the agent's synced version, read once per message
+        prompt_tokens = 0
         for part in parts:
             group, agent = part.group, part.owner.agent
             version = versions.get(agent)
@@ -375,25 +388,27 @@ class RolloutClient:
             part.worker = worker
             part.owner.sent.append(part)
             groups.append(group)
+            prompt_tokens += len(group.prompt_ids)
         msg = protocol.Generate(self.server.next_request_id(), groups)
         if len(versions) == 1:  # one agent's groups (an instance serves one agent, most often)
-            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, sum([len(g.prompt_ids) for g in groups]),
-                                            _parts(groups)))
+            self.emit(ev.RequestsDispatched(worker, agent, msg.request_id, prompt_tokens, _parts(groups)))
         else:
             for agent, mine in _by_agent(parts).items():
                 self.emit(ev.RequestsDispatched(worker, agent, msg.request_id,
                                                 sum([len(p.group.prompt_ids) for p in mine]),
                                                 _parts([p.group for p in mine])))
-        future = self.server.stream(worker, msg, lambda reply, _: self._replied(worker, waiting, reply))
-        future.add_done_callback(lambda f: self._message_ended(worker, waiting, f))
+        # Bound with partial, not a lambda: a reply reaches `_replied` in one call.
+        future = self.server.stream(worker, msg, functools.partial(self._replied, worker, waiting))
+        future.add_done_callback(functools.partial(self._message_ended, worker, waiting))
         return worker, msg
 
     async def _send_all(self, messages: Sequence[tuple[str, protocol.Message]]) -> None:
         for worker, msg in messages:
             await self.server.send_request(worker, msg)
 
-    def _replied(self, worker: str, waiting: dict[tuple[GroupKey, int, int], _Part], msg: protocol.Message) -> bool:
-        assert isinstance(msg, protocol.Generated)
+    def _replied(self, worker: str, waiting: dict[tuple[GroupKey, int, int], _Part], msg: protocol.Message,
+                 buffers: list[Any]) -> bool:
+        assert type(msg) is protocol.Generated
         done = []
         cost = 0
         for result in msg.results:
@@ -430,21 +445,27 @@ class RolloutClient:
 
     def _log_completed(self, worker: str, request_id: int, done: list[tuple[_Part, protocol.GroupResult]]) -> None:
         agent = done[0][0].owner.agent
-        if any(p.owner.agent != agent for p, _ in done):
-            by_agent: dict[str, list[tuple[_Part, protocol.GroupResult]]] = {}
-            for p, r in done:
-                by_agent.setdefault(p.owner.agent, []).append((p, r))
-            for agent, results in by_agent.items():
-                self._log_agent_completed(worker, agent, request_id, results)
+        for p, _ in done:  # a loop, not any(): most replies carry a group or two
+            if p.owner.agent != agent:
+                break
         else:  # one agent's (an instance serves one agent, most often)
             self._log_agent_completed(worker, agent, request_id, done)
+            return
+        by_agent: dict[str, list[tuple[_Part, protocol.GroupResult]]] = {}
+        for p, r in done:
+            by_agent.setdefault(p.owner.agent, []).append((p, r))
+        for agent, results in by_agent.items():
+            self._log_agent_completed(worker, agent, request_id, results)
 
     def _log_agent_completed(self, worker: str, agent: str, request_id: int,
                              results: list[tuple[_Part, protocol.GroupResult]]) -> None:
         prompt, cached = [0, 0], [0, 0]  # first turns, later turns
         tokens, spanning = 0, False
+        groups, versions = [], []
         for p, r in results:
             group = p.group
+            groups.append(group)
+            versions.append(r.version)
             later, n = group.turn > 0, group.n  # a later turn of a sample, not a group's first
             prompt[later] += n * len(group.prompt_ids)
             cached[later] += r.cached_tokens * (n - 1 if n > 1 else 1)
@@ -454,8 +475,8 @@ class RolloutClient:
                                                                                      r.token_versions)).cast("i"))
                  if r.token_versions else [] for _, r in results] if spanning else []
         event = ev.RequestsCompleted(
-            worker, agent, request_id, [r.version for _, r in results], tokens,
-            prompt[0], cached[0], prompt[1], cached[1], _parts([p.group for p, _ in results]),
+            worker, agent, request_id, versions, tokens,
+            prompt[0], cached[0], prompt[1], cached[1], _parts(groups),
             spans if any(spans) else [])
         self.emit(event)
         counts = self.prompt_counts[agent]
@@ -524,9 +545,14 @@ def _named(group: protocol.GenGroup) -> str:
 
 def _parts(groups: list[protocol.GenGroup]) -> ev.Parts:
     """How the event log names these groups' samples."""
-    turns = [g.turn for g in groups]
-    return ev.Parts([g.key for g in groups], [g.first for g in groups], [g.n for g in groups],
-                    turns if any(turns) else [])
+    # One loop (most messages carry a group or two: four list comprehensions cost twice as much).
+    keys, firsts, ns, turns = [], [], [], []
+    for g in groups:
+        keys.append(g.key)
+        firsts.append(g.first)
+        ns.append(g.n)
+        turns.append(g.turn)
+    return ev.Parts(keys, firsts, ns, turns if any(turns) else [])
 
 
 def _by_agent(parts: list[_Part]) -> dict[str, list[_Part]]:

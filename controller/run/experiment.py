@@ -143,10 +143,6 @@ class Experiment:
             self._close_launcher()
             raise
         write_text_atomically(self.run_dir / "controller.address", address + "\n")
-        if self.config.run.event_log:
-            self.events = EventLog(self.run_dir / "events.log", append=point is not None)
-            if point is not None:
-                self._record_damage(self.events, point.step)
         self._gc_thresholds = gc.get_threshold()  # restored by _teardown, which every exit from here runs
         gc.set_threshold(*GC_THRESHOLDS)
         self.stall_watch.start()
@@ -174,11 +170,18 @@ class Experiment:
         # A run directory that cannot be written fails here, before any worker starts.
         check_writable(self.run_dir)
         write_text_atomically(self.run_dir / "config.toml", dump_toml(self.config))
+        if self.config.run.event_log:  # nothing is written to it before its first event is
+            self.events = EventLog(self.run_dir / "events.log", append=point is not None)
+            if point is not None:
+                self._record_damage(self.events, point.step)
         # The log says a worker died before anything reacts to it.
         self.server.on_joined.append(lambda w: self.emit(ev.WorkerJoined(w.worker_id, w.role, w.host, w.pid)))
         self.server.on_died.append(lambda w: self.emit(ev.WorkerDied(w.worker_id, w.why_gone)))
         # Built before any worker starts: a bad workflow path, dataset or model name fails here, at once.
-        self.training = TrainingRun(self.config, self.server, self.run_dir, emit=self.emit,
+        # The run's parts emit straight into the log (one call per event: the store, the
+        # router and the pipelines emit a few events per group); `emit` is for the rest.
+        emit = self.events.emit_unless_failed if self.events is not None else _dropped
+        self.training = TrainingRun(self.config, self.server, self.run_dir, emit=emit,
                                     flush_events=self.flush_events, worker_ids=self.worker_ids, resume=point,
                                     restarting=self.restarting)
 
@@ -312,6 +315,10 @@ def _reaches(events: list[ev.Event], step: int) -> bool:
     since = events[resumes[-1]:] if resumes else events
     stepped = {e.agent for e in since if type(e) is ev.OptimizerStep and e.version == step}
     return set(start.agents) <= stepped
+
+
+def _dropped(event: ev.Event) -> None:
+    """Where events go in a run without an event log (`run.event_log = false`)."""
 
 
 def _default_run_dir() -> str:

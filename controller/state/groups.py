@@ -24,7 +24,10 @@ class GroupOutput:
 
     @property
     def n(self) -> int:
-        return sum(len(result.lengths) for result, _ in self.parts)
+        n = 0
+        for result, _ in self.parts:  # most often one: a loop, not sum() over a generator
+            n += len(result.lengths)
+        return n
 
 
 @dataclass(slots=True)

@@ -332,6 +332,33 @@ async def test_a_receive_waiting_wakes_for_a_message_whose_signal_a_send_took():
         assert (await asyncio.wait_for(receiving, 5)).msg.seq == 2
 
 
+async def test_the_controllers_receive_waiting_wakes_for_a_message_whose_signal_its_send_took():
+    import time
+
+    with dealer_to("inproc://router-wake") as (router, dealer):
+        await dealer.send(p.Heartbeat(1))
+        identity = (await asyncio.wait_for(router.recv(), 5)).identity
+        receiving = asyncio.ensure_future(router.recv())
+        await asyncio.sleep(0.05)  # it waits for the socket's descriptor
+        assert not receiving.done() and router._watched is asyncio.get_running_loop()
+        await dealer.send(p.Heartbeat(2))
+        time.sleep(0.05)  # the message is there, its signal raised, the loop not turning
+        router.send_nowait(identity, p.Heartbeat(3))  # a send reads the socket's events
+        assert (await asyncio.wait_for(receiving, 5)).msg.seq == 2
+        assert (await asyncio.wait_for(dealer.recv(), 5)).msg.seq == 3
+
+
+async def test_closing_the_controllers_socket_ends_a_receive_waiting_on_it():
+    with dealer_to("inproc://router-closing") as (router, _):
+        receiving = asyncio.ensure_future(router.recv())
+        await asyncio.sleep(0.05)
+        assert not receiving.done()
+        router.close()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(receiving, 5)
+        assert router._watched is None
+
+
 async def test_closing_a_socket_a_receive_waits_on_ends_that_receive():
     with dealer_to("inproc://closing") as (_, dealer):
         receiving = asyncio.ensure_future(dealer.recv())

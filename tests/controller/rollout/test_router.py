@@ -57,6 +57,23 @@ def test_a_group_goes_to_the_less_loaded_of_two_instances_and_ties_to_the_first_
         route_group("least_loaded", [], load, 0, rng)
 
 
+def test_least_loaded_draws_two_distinct_instances_each_pair_alike():
+    # Loads alike: the first in routing order of the two drawn takes the group, so instance i
+    # of n takes 2 (n - 1 - i) / (n (n - 1)) of them, and the last none (the two are distinct).
+    rng, n, draws = random.Random(3), 5, 40_000
+    names = [f"r{i}" for i in range(n)]
+    picks = [route_group("least_loaded", names, lambda w: 1.0, 0, rng) for _ in range(draws)]
+    shares = [picks.count(w) / draws for w in names]
+    expected = [2 * (n - 1 - i) / (n * (n - 1)) for i in range(n)]
+    assert shares[-1] == 0
+    assert all(abs(got - want) < 0.01 for got, want in zip(shares, expected)), (shares, expected)
+
+
+def test_an_unknown_routing_policy_fails_the_client_at_once():
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        RolloutClient(FakeServer([]), RolloutInstances(whole_models(["a"])), within_agent="fastest")
+
+
 def test_a_group_is_split_only_above_an_instances_fair_share_into_contiguous_parts_of_at_least_min_part():
     assert split_sizes(8, 80, 40, 2, min_part=16) == [8]  # small groups stay whole, whatever the load
     assert split_sizes(64, 640, 1000, 4, min_part=16) == [64]  # within the fair share
