@@ -175,7 +175,9 @@ class ControllerServer:
         await self._send_request(worker_id, msg, buffers)
         if on_sent is not None:
             on_sent()
-        return await asyncio.wait_for(future, timeout)
+        # No timeout: the future itself (asyncio.wait_for's own steps cost a loop lookup, a
+        # system call, per call; a cancelled caller cancels the future either way).
+        return await (future if timeout is None else asyncio.wait_for(future, timeout))
 
     def stream(self, worker_id: str, msg: protocol.Message, on_reply: ReplyHandler | None,
                buffers: Sequence[Any] = ()) -> asyncio.Future:
