@@ -92,6 +92,7 @@ class ControllerServer:
         self._hb_seq = 0
         self.address = ""
         self.closing = False  # after SHUTDOWN, a vanishing worker is expected, not an alarm
+        self._loop: asyncio.AbstractEventLoop | None = None  # where `serve` runs, once it does
 
     # ------------------------------------------------------------ lifecycle
 
@@ -106,6 +107,7 @@ class ControllerServer:
         turn of the event loop it takes the messages queued (up to MESSAGES_PER_TURN),
         dispatches them, then yields once: a reply is handled where it arrives, without a
         coroutine or a loop turn of its own."""
+        self._loop = asyncio.get_running_loop()
         while True:
             batch = await self.socket.recv_queued(MESSAGES_PER_TURN)
             now = time.monotonic()
@@ -162,6 +164,12 @@ class ControllerServer:
 
     # ------------------------------------------------------------ requests
 
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the server runs on: known once `serve` started, asked of asyncio
+        before (asking costs a system call, its fork check: the router asks per group)."""
+        loop = self._loop
+        return loop if loop is not None and not loop.is_closed() else asyncio.get_running_loop()
+
     def next_request_id(self) -> int:
         return next(self._ids)
 
@@ -185,7 +193,7 @@ class ControllerServer:
         with `send_request`. The future resolves at the last reply or fails with
         WorkerDied/RemoteError."""
         info = self.registry.workers.get(worker_id)
-        future = asyncio.get_running_loop().create_future()
+        future = self.loop().create_future()
         if info is None or not info.alive:
             future.set_exception(WorkerDied(worker_id, "not registered or already dead"))
             return future

@@ -238,7 +238,7 @@ class RolloutClient:
     async def generate(self, agent: str, group: protocol.GenGroup, after: str = "") -> GroupOutput:
         """The group's output, every member in order; `after`: the instance that generated
         the sample's previous turn (a later turn goes back to it if it can)."""
-        loop = asyncio.get_running_loop()
+        loop = self.server.loop()
         owner = _Group(agent, loop.create_future())
         part = _Part(group, owner, after)
         self.dispatched_tokens[agent] += part.cost
@@ -278,7 +278,7 @@ class RolloutClient:
         self._queued += parts
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.server.loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False

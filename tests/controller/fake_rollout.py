@@ -22,6 +22,9 @@ class FakeServer:
         self._ids = itertools.count(1)
         self.closing = False
 
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
     def next_request_id(self) -> int:
         return next(self._ids)
 

@@ -30,6 +30,9 @@ class FakeServer:
         self.routable_at_call = []  # was the worker in the rollout assignment when commanded?
         self.client = None
 
+    def loop(self):
+        return asyncio.get_running_loop()
+
     def next_request_id(self):
         self._id += 1
         return self._id

@@ -40,6 +40,9 @@ class FakeServer:
             workers=infos, alive=lambda role=None: [i for i in infos.values() if i.alive and role in (None, i.role)])
         self.calls, self._id = [], 0
 
+    def loop(self):
+        return asyncio.get_running_loop()
+
     def next_request_id(self):
         self._id += 1
         return self._id
