@@ -194,6 +194,7 @@ class _Socket:
         self._fd: int = self._plain.get(_FD)  # type: ignore[assignment]
         self._reader: asyncio.Future | None = None  # the receive waiting for the descriptor
         self._watched: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
+        self.waited = False  # whether the last receive waited (False: its message was queued; it did not suspend)
 
     def _check(self, identity: bytes, frames: Sequence[Any]) -> Inbound:
         if len(frames) > 1 + MAX_BUFFERS:
@@ -228,6 +229,20 @@ class _Socket:
             frame = recv(_DONTWAIT, copy=False)
             frames.append(frame)
         return frames
+
+    async def _next_frames(self) -> list[zmq.Frame]:
+        """The frames of the next message (waits while none is queued; `waited` says
+        whether it did). The socket's events say whether one is: an empty receive would
+        raise zmq.Again, which costs several times more."""
+        self.waited = False
+        while True:
+            if self._pollin():
+                try:
+                    return self._queued_frames()
+                except zmq.Again:  # not expected after POLLIN; waited for like an empty queue
+                    pass
+            self.waited = True
+            await self._readable()
 
     async def _readable(self) -> None:
         """Returns when a message may be queued (the caller looks again), the socket's
@@ -315,15 +330,8 @@ class RouterSocket(_Socket):
         """The next message, from the plain socket: one already queued is taken at once;
         with none, the receive waits for the socket's descriptor as a DealerSocket's does
         (not through pyzmq's asyncio socket: a future, callbacks and flag enums a wait)."""
-        while True:
-            if self._pollin():
-                try:
-                    frames = self._queued_frames()
-                except zmq.Again:  # not expected after POLLIN; waited for like an empty queue
-                    pass
-                else:
-                    return self._check(frames[0].bytes, frames[1:])
-            await self._readable()
+        frames = await self._next_frames()
+        return self._check(frames[0].bytes, frames[1:])
 
     async def recv_queued(self, limit: int) -> list[Inbound]:
         """The next message and those queued behind it, at most `limit`: what one turn of
@@ -399,7 +407,6 @@ class DealerSocket(_Socket):
         if immediate:  # a send waits for a live connection instead of queueing for one
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.identity = identity
-        self.waited = False  # whether the last receive waited (False: its message was queued; it did not suspend)
         self._parked = 0  # sends waiting for room (a later one may not pass them)
         self._parked_order = asyncio.Lock()  # ... and among themselves, first come first sent
         self._send_timeout_s = 0.0
@@ -421,19 +428,8 @@ class DealerSocket(_Socket):
         self.sock.connect(address)
 
     async def recv(self) -> Inbound:
-        """The next message (waits while none is queued). The socket's events say whether
-        one is: an empty receive would raise zmq.Again, which costs several times more."""
-        self.waited = False
-        while True:
-            if self._pollin():
-                try:
-                    frames = self._queued_frames()
-                except zmq.Again:  # not expected after POLLIN; waited for like an empty queue
-                    pass
-                else:
-                    return self._check(b"", frames)
-            self.waited = True
-            await self._readable()
+        """The next message (waits while none is queued)."""
+        return self._check(b"", await self._next_frames())
 
     async def send(self, msg: protocol.Message, buffers: Sequence[Any] = ()) -> None:
         """Sends `msg`, waiting (at most the send timeout, then zmq.Again) while the socket
