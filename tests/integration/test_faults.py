@@ -169,7 +169,11 @@ def test_a_rollout_worker_stopped_longer_than_the_instance_wait_is_replaced_and_
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_rollout_worker_lost_while_its_engine_starts_at_set_up_is_replaced_and_the_run_finishes(tmp_path, sig):
     steps = 10
-    controller, run_dir = run_job(tmp_path, steps, "--set", "cluster.rollout_workers=2")
+    # Each episode waits 1 s (an environment's latency): the run outlasts the replacement,
+    # which rejoins seconds after the lost worker is found dead; without it the ten steps
+    # of this job take well under a second once set-up ends.
+    controller, run_dir = run_job(tmp_path, steps, "--set", "cluster.rollout_workers=2",
+                                  extra_env={"FAULT_SLEEP_S": "1.0"})
     lost = None
     try:
         # Set-up begins right after RunStarted: the engines take seconds to start.
