@@ -5,7 +5,9 @@ Both wrap zmq.asyncio sockets and speak `protocol` frames. What they add:
   dropped with a reason),
 - decoding that turns garbage into an `Inbound` carrying the reason instead of raising,
 - bounded queues (below), and sends from the controller that never wait on one peer,
-- CURVE authentication, mandatory for any bind address other than loopback.
+- CURVE authentication, mandatory for any bind address other than loopback,
+- ZeroMQ's I/O thread scheduled so that it does not preempt the process's event loop at
+  each message (`schedule_io_threads`, `TransportConfig.io_threads`).
 
 Backpressure: a receiver holds one message at a time in Python (no Python-side queue);
 at most RECV_HWM whole messages per peer wait inside libzmq, after which libzmq stops
@@ -128,8 +130,9 @@ def create_curve_keys(curve_dir: str) -> None:
             zmq.auth.create_certificates(curve_dir, name)
 
 
-# Whether this process's ZeroMQ I/O threads were scheduled (`TransportConfig.io_threads`).
-_io_threads_scheduled = False
+# The process whose ZeroMQ threads were scheduled (`TransportConfig.io_threads`): a forked
+# child's context starts threads of its own.
+_io_threads_scheduled = 0
 
 
 def _threads() -> set[int]:
@@ -172,10 +175,10 @@ class _Socket:
         global _io_threads_scheduled
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context.instance()
-        before = None if _io_threads_scheduled else _threads()
+        before = None if _io_threads_scheduled == os.getpid() else _threads()
         self.sock = self.ctx.socket(sock_type)  # the context's first socket starts its threads
         if before is not None:
-            _io_threads_scheduled = True
+            _io_threads_scheduled = os.getpid()
             made = _threads() - before
             schedule_io_threads(cfg.io_threads, made or None)  # none made: started before, found by name
         self.sock.setsockopt(zmq.LINGER, 0)

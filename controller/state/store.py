@@ -253,14 +253,7 @@ class ExperienceStore:
         record = sample._record
         if self._groups.get(record.key) is not record:
             record = self._group(record.key)  # let go (or never the store's): as set_reward says
-        elif record.status == PENDING and math.isfinite(reward) and record.set_reward(sample.member, float(reward)) is None:
-            # `_reward`'s checks passed (pending, finite, none before): set, one call fewer
-            # per sample on the path every workflow's rewards take.
-            record.rewarded += 1
-            if record.rewarded == record.n:
-                self._maybe_ready(record)
-            return
-        self._reward(record, sample.member, reward)  # `_reward`'s errors and drops
+        self._reward(record, sample.member, reward)
 
     def set_group_rewards(self, key: GroupKey, rewards: Sequence[float], size: int | None = None) -> None:
         """The rewards of the group's members, in order (as many as given): what
