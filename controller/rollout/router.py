@@ -303,11 +303,11 @@ class RolloutClient:
 
     def _route(self, part: _Part, instances: list[str]) -> list[tuple[_Part, str]]:
         agent, load = part.owner.agent, self.owner.outstanding.__getitem__
-        pieces = [part]  # whole, or a part routed again: as it was
         if part.owner.left == 0:  # a new group: parts are counted once
-            if part.group.n >= 2 * self.policy.min_part:  # a smaller one is never split
-                pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
+            pieces = _cut(part, self.policy.sizes(part.group.n, part.cost, instances, load))
             part.owner.left = len(pieces)
+        else:  # a part routed again: as it was
+            pieces = [part]
         routed = []
         for piece in pieces:
             worker = self.policy.choose(agent, instances, load)
