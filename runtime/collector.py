@@ -8,6 +8,13 @@ collector walks that heap again and again for nothing: a quarter of the controll
 (also decorators) say what a piece of work needs, and restore what was set before it;
 ``set_apart`` is for a command that holds such a heap to its end.
 
+``swept`` is the same policy for a loop that is not an experiment's: the bench's helper
+process of fake workers (controller/testing/fake_cluster.py), a thousand sessions in one heap
+and a message every few microseconds, spent a sixth of its samples in the collector at the
+default thresholds. A real worker keeps them: one session, tens of messages a second, and a
+heap its engine or model makes after start-up (vLLM, torch), which a sweep every few seconds
+would walk where the default passes rarely reach it.
+
 Rare passes have a price: a cycle that dies after it has aged into the oldest generation
 waits for a full collection, and at these thresholds, beside the million and more objects
 the imports leave (torch, vLLM), that is minutes away, and seconds long. The collector counts
@@ -23,7 +30,7 @@ import contextlib
 import gc
 import logging
 import time
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 log = logging.getLogger("flexmarl.collector")
 
@@ -129,3 +136,22 @@ class Sweeps:
         if self.count:
             log.info("%d scheduled full collections: %.0f ms of CPU each on average, the longest %.0f ms", self.count,
                      1000 * self.cpu_s / self.count, 1000 * self.worst_s)
+
+
+@contextlib.asynccontextmanager
+async def swept(every_s: float = 5.0, share: float = 0.02) -> AsyncIterator[Sweeps]:
+    """A long-running loop's policy, for as long as the block runs on it: passes at
+    RARE_THRESHOLDS, what is tracked now set apart, a full collection of the rest every
+    `every_s` seconds (at most `share` of the loop's CPU) by a task of its own. The block's
+    end stops the task, hands the set-apart heap back and restores the thresholds."""
+    import asyncio  # as in `Sweeps.run`
+
+    sweeps = Sweeps(every_s, share)
+    with rare_collections():
+        sweeps.start()
+        task = asyncio.get_running_loop().create_task(sweeps.run(), name="collector")
+        try:
+            yield sweeps
+        finally:
+            task.cancel()
+            sweeps.stop()

@@ -55,7 +55,9 @@ cores it used. Its per-message cost is the real worker session's (workers/sessio
 socket's (runtime/transport.py) plus the fakes' own replies (fake_cluster.py): a watch of
 the loop per process, not per session, and a socket that reads and writes the plain libzmq
 socket took it from 86 us of CPU per sample (wide, 1,024 x 32, pinned; one run, load 9)
-to 40-44 (two runs, load 16-19), changing nothing the controller receives.
+to 40-44 (two runs, load 16-19), changing nothing the controller receives; the
+controller's collector policy in the helper (`collector.swept`) from 25.7-32.2 to 22.9-27.6
+(means of three runs, chain and wide; RESULTS run V), where the wide point had been paced by it.
 
 The machine here has 2 cores: the controller gets about one, the helpers share the other,
 so absolute figures are this machine's; compare points within one sweep.

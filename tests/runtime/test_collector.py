@@ -85,3 +85,20 @@ def test_sweeps_set_the_start_up_heap_apart_and_hand_it_back_but_leave_what_anot
         assert gc.get_freeze_count() >= frozen * 0.9
     finally:
         gc.unfreeze()
+
+
+async def test_swept_runs_the_loops_policy_for_the_blocks_length_and_restores_what_was_before():
+    before = gc.get_threshold()
+    held = [[] for _ in range(1000)]
+    async with collector.swept(every_s=0.02) as sweeps:
+        assert gc.get_threshold() == collector.RARE_THRESHOLDS
+        assert gc.get_freeze_count() >= len(held)  # the heap so far set apart
+        for _ in range(200):
+            if sweeps.count >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert sweeps.count >= 2  # its task sweeps on the schedule
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    counted = sweeps.count
+    await asyncio.sleep(0.1)
+    assert sweeps.count == counted  # the task ended with the block
