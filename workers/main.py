@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+from flexmarl.runtime import collector
 from flexmarl.runtime.aio import limit_threads, run_async, setup_logging
 from flexmarl.runtime.config import TransportConfig
 from flexmarl.runtime.params.shm_segments import remove_abandoned_segments, remove_orphan_engine_dirs
@@ -67,6 +68,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.parent_pid:
         watch_parent(args.parent_pid)
     limit_threads(args.threads)
+    collector.own_heap()  # an engine's start sets its heap apart from the collector (collector.building)
     setup_logging(args.log_level, name=args.worker_id or f"{args.role}:{os.getpid()}")
     removed = remove_abandoned_segments(ParamChannelConfig().shm_dir)
     if args.role == "rollout":

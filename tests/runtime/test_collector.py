@@ -102,3 +102,30 @@ async def test_swept_runs_the_loops_policy_for_the_blocks_length_and_restores_wh
     counted = sweeps.count
     await asyncio.sleep(0.1)
     assert sweeps.count == counted  # the task ended with the block
+
+
+def test_building_in_a_process_that_owns_its_heap_sets_the_imports_then_the_build_apart(monkeypatch):
+    monkeypatch.setattr(collector, "_OWNS_HEAP", True)
+    before = gc.get_threshold()
+    earlier = [[] for _ in range(1000)]
+    gc.freeze()  # what an earlier build set apart: handed back on entry
+    try:
+        with collector.building() as keep:
+            assert gc.get_freeze_count() == 0 and gc.get_threshold() == collector.RARE_THRESHOLDS
+            imported = [[] for _ in range(1000)]
+            keep()
+            assert gc.get_freeze_count() >= len(earlier) + len(imported)
+            built = [[] for _ in range(1000)]
+        assert gc.get_freeze_count() >= len(earlier) + len(imported) + len(built)  # the build too, at its end
+        assert gc.get_threshold() == before
+    finally:
+        gc.unfreeze()
+
+
+def test_building_elsewhere_makes_the_passes_rare_and_sets_nothing_apart():
+    before = gc.get_threshold()
+    with collector.building() as keep:
+        assert gc.get_threshold() == collector.RARE_THRESHOLDS
+        keep()
+        assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before

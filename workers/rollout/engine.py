@@ -56,6 +56,7 @@ from typing import Any
 import msgspec
 import torch
 
+from flexmarl.runtime import collector
 from flexmarl.runtime.model_specs import has_tokenizer
 from flexmarl.runtime.params.shm_segments import CANCEL_PREFIX, LORA_PREFIX, memory_dir
 from flexmarl.runtime.protocol import IN_FLIGHT, MAX_SCORE_TOP_K, EngineSettings
@@ -187,33 +188,37 @@ class VllmEngine:
         start = time.perf_counter()
         self.device = device or worker_device()
         quiet_notes()
-        from vllm import LLM
+        # The collector: rare passes while vLLM is imported and starts; in a worker process its
+        # modules, then the engine, set apart (runtime/collector.py: a third of a start was its passes).
+        with collector.building() as keep:
+            from vllm import LLM
+            keep()  # vLLM's modules: the engine's own full collections while it starts skip them
 
-        receive_bytes = gpu_bytes = 0
-        if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
-            receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
-            gpu_bytes = gpu_total_bytes(torch.device(self.device).index or 0)
-        _set_engine_env(engine_env(self.device, settings))
-        self._llm = LLM(
-            model=str(model_path),
-            # Every worker of the engine receives published weights itself (engine_receive.py).
-            worker_extension_cls="flexmarl.workers.rollout.engine_receive.WeightReceiver",
-            seed=seed,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=enforce_eager,
-            # Prompts arrive as token ids and outputs leave as token ids; the tokenizer is
-            # only loaded (when the model has one) to detokenize for stop strings.
-            skip_tokenizer_init=not has_tokenizer(model_path),
-            # Logprobs of the distribution actually sampled from (after temperature), which
-            # is what an importance ratio against the trainer's policy needs.
-            logprobs_mode="processed_logprobs",
-            disable_log_stats=True,
-            # A scoring request's top-k next tokens per position (add's score_top_k).
-            max_logprobs=MAX_SCORE_TOP_K,
-            # dtype, context length, memory and parallelism: by device type.
-            **engine_args(self.device, settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes),
-        )
-        self._engine = self._llm.llm_engine
+            receive_bytes = gpu_bytes = 0
+            if self.device.startswith("cuda"):  # leave room beside the engine for a weight receive
+                receive_bytes = weight_bytes(model_path, DTYPES[resolve_dtype(settings.dtype, self.device)])
+                gpu_bytes = gpu_total_bytes(torch.device(self.device).index or 0)
+            _set_engine_env(engine_env(self.device, settings))
+            self._llm = LLM(
+                model=str(model_path),
+                # Every worker of the engine receives published weights itself (engine_receive.py).
+                worker_extension_cls="flexmarl.workers.rollout.engine_receive.WeightReceiver",
+                seed=seed,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=enforce_eager,
+                # Prompts arrive as token ids and outputs leave as token ids; the tokenizer is
+                # only loaded (when the model has one) to detokenize for stop strings.
+                skip_tokenizer_init=not has_tokenizer(model_path),
+                # Logprobs of the distribution actually sampled from (after temperature), which
+                # is what an importance ratio against the trainer's policy needs.
+                logprobs_mode="processed_logprobs",
+                disable_log_stats=True,
+                # A scoring request's top-k next tokens per position (add's score_top_k).
+                max_logprobs=MAX_SCORE_TOP_K,
+                # dtype, context length, memory and parallelism: by device type.
+                **engine_args(self.device, settings, max_model_len, kv_cache_bytes, receive_bytes, gpu_bytes),
+            )
+            self._engine = self._llm.llm_engine
         self._engine.set_weight_version("0")  # labels are versions (`label_weights`)
         model_config = self._engine.model_config
         self.max_model_len: int = model_config.max_model_len
