@@ -10,13 +10,18 @@ import pytest
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 
 _SCHEDULERS = """
-import asyncio, json, os, sys
+import asyncio, json, os, sys, time
 from flexmarl.runtime import transport
 from flexmarl.runtime.config import TransportConfig
 
 async def main():
     sock = transport.RouterSocket(TransportConfig(io_threads=sys.argv[1]))
-    names = {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+    deadline = time.monotonic() + 10  # a thread takes its name (ZMQbg/IO/0) once it runs
+    while True:
+        names = {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+        if "ZMQbg/IO/0" in names.values() or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     print(json.dumps({name: os.sched_getscheduler(int(t)) for t, name in names.items()
                       if name.startswith("ZMQbg/") or int(t) == os.getpid()}))
     sock.close()
