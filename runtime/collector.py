@@ -11,9 +11,10 @@ collector walks that heap again and again for nothing: a quarter of the controll
 ``swept`` is the same policy for a loop that is not an experiment's: the bench's helper
 process of fake workers (controller/testing/fake_cluster.py), a thousand sessions in one heap
 and a message every few microseconds, spent a sixth of its samples in the collector at the
-default thresholds. A real worker keeps them: one session, tens of messages a second, and a
-heap its engine or model makes after start-up (vLLM, torch), which a sweep every few seconds
-would walk where the default passes rarely reach it.
+default thresholds. A real worker keeps them once running: one session, tens of messages a
+second, and a heap its engine or model makes after start-up (vLLM, torch), which a sweep
+every few seconds would walk where the default passes rarely reach it; its engine's start
+is ``building``'s.
 
 Rare passes have a price: a cycle that dies after it has aged into the oldest generation
 waits for a full collection, and at these thresholds, beside the million and more objects
