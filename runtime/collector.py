@@ -38,12 +38,24 @@ log = logging.getLogger("flexmarl.collector")
 # Passes rare enough not to matter, frequent enough to bound what real cycles keep alive.
 RARE_THRESHOLDS = (50_000, 20, 10)
 
+# A loop that runs `Sweeps` (an experiment's; `swept`'s): young passes only as a backstop.
+# Its young generation is what it has in flight (episodes' coroutines, tasks, contexts and
+# futures, the router's parts), alive, not garbage, and it swells at every step as the
+# step's episodes start. At RARE_THRESHOLDS the controller at 1,024 x 32 (chain, a 14 s
+# window) made a young pass every 0.3-0.5 s, each walking 100,000-250,000 such objects in
+# 30-77 ms and collecting nothing: a tenth of its CPU, its loop's lag p99 past 50 ms. The
+# young count is allocations less deallocations (never below zero), so a heap that only
+# swells and drains comes back near where it was and reaches this rarely; the cycles a run
+# makes are the sweeps' to collect, every few seconds, whatever this says.
+SWEPT_THRESHOLDS = (1_000_000, 20, 10)
+
 
 @contextlib.contextmanager
-def rare_collections() -> Iterator[None]:
-    """The collector at RARE_THRESHOLDS meanwhile: for long work that may make cycles."""
+def rare_collections(thresholds: tuple[int, int, int] = RARE_THRESHOLDS) -> Iterator[None]:
+    """The collector at `thresholds` (RARE_THRESHOLDS) meanwhile: for long work that may
+    make cycles."""
     before = gc.get_threshold()
-    gc.set_threshold(*RARE_THRESHOLDS)
+    gc.set_threshold(*thresholds)
     try:
         yield
     finally:
@@ -119,7 +131,7 @@ def building() -> Iterator[Callable[[], None]]:
 
 
 class Sweeps:
-    """Full collections on a schedule, for a loop that runs for hours at RARE_THRESHOLDS
+    """Full collections on a schedule, for a loop that runs for hours at SWEPT_THRESHOLDS
     beside code that makes cycles (episodes' HTTP clients, their requests' exceptions).
 
     `start()` (from the loop, once start-up is done) sets apart everything tracked so far
@@ -178,13 +190,13 @@ class Sweeps:
 @contextlib.asynccontextmanager
 async def swept(every_s: float = 5.0, share: float = 0.02) -> AsyncIterator[Sweeps]:
     """A long-running loop's policy, for as long as the block runs on it: passes at
-    RARE_THRESHOLDS, what is tracked now set apart, a full collection of the rest every
+    SWEPT_THRESHOLDS, what is tracked now set apart, a full collection of the rest every
     `every_s` seconds (at most `share` of the loop's CPU) by a task of its own. The block's
     end stops the task, hands the set-apart heap back and restores the thresholds."""
     import asyncio  # as in `Sweeps.run`
 
     sweeps = Sweeps(every_s, share)
-    with rare_collections():
+    with rare_collections(SWEPT_THRESHOLDS):
         sweeps.start()
         task = asyncio.get_running_loop().create_task(sweeps.run(), name="collector")
         try:

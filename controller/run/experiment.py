@@ -52,11 +52,12 @@ log = logging.getLogger("flexmarl.controller")
 # small long-lived objects, nearly all freed by reference counting, not by the collector.
 # At Python's default thresholds (700, 10, 10) the collector walked that heap about a
 # quarter of the time at 1,024 instances (bench/RESULTS.md, the controller at scale), in
-# pauses of tens of milliseconds; these make its passes rare. Set while an Experiment is
-# open, restored when it closes. What rare passes leave to cycles (the episodes' HTTP
-# clients, each holding its certificate store) is bounded by `collector.Sweeps`: the
-# start-up heap set apart, a full collection of the rest every few seconds.
-GC_THRESHOLDS = collector.RARE_THRESHOLDS
+# pauses of tens of milliseconds, and at (50,000, 20, 10) still a tenth in a long window;
+# these leave young passes as a backstop (collector.SWEPT_THRESHOLDS says why). Set while
+# an Experiment is open, restored when it closes. The cycles a run makes (the episodes'
+# HTTP clients, each holding its certificate store) are `collector.Sweeps`'s: the start-up
+# heap set apart, a full collection of the rest every few seconds.
+GC_THRESHOLDS = collector.SWEPT_THRESHOLDS
 
 
 class Experiment:
