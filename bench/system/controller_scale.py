@@ -61,6 +61,10 @@ controller's collector policy in the helper (`collector.swept`) from 25.7-32.2 t
 
 The machine here has 2 cores: the controller gets about one, the helpers share the other,
 so absolute figures are this machine's; compare points within one sweep.
+
+A point's window at the default 4 steps lasts 1-3 s at 1,024 instances: it ends before a
+long run's steady state (the collector's passes over what is in flight, its sweeps every
+5 s). Add `"steps": 30` to a point for a window of 10-25 s (RESULTS, run W).
 """
 
 from __future__ import annotations
