@@ -38,24 +38,32 @@ log = logging.getLogger("flexmarl.collector")
 # Passes rare enough not to matter, frequent enough to bound what real cycles keep alive.
 RARE_THRESHOLDS = (50_000, 20, 10)
 
-# A loop that runs `Sweeps` (an experiment's; `swept`'s): young passes only as a backstop.
-# Its young generation is what it has in flight (episodes' coroutines, tasks, contexts and
-# futures, the router's parts), alive, not garbage, and it swells at every step as the
-# step's episodes start. At RARE_THRESHOLDS the controller at 1,024 x 32 (chain, a 14 s
-# window) made a young pass every 0.3-0.5 s, each walking 100,000-250,000 such objects in
-# 30-77 ms and collecting nothing: a tenth of its CPU, its loop's lag p99 past 50 ms. The
-# young count is allocations less deallocations (never below zero), so a heap that only
-# swells and drains comes back near where it was and reaches this rarely; the cycles a run
-# makes are the sweeps' to collect, every few seconds, whatever this says.
-SWEPT_THRESHOLDS = (1_000_000, 20, 10)
+# Young passes as a backstop only, for a loop whose sweeps find it makes next to no cycles
+# (`Sweeps` with `adapt`: an experiment's, `swept`'s). Its young generation is then what it
+# has in flight (episodes' coroutines, tasks, contexts and futures, the router's parts),
+# alive, not garbage, and it swells at every step as the step's episodes start: at
+# RARE_THRESHOLDS the controller at 1,024 x 32 (chain, a 14 s window) made a young pass
+# every 0.3-0.5 s, each walking 100,000-250,000 such objects in 30-77 ms and collecting
+# nothing, a tenth of its CPU, its loop's lag p99 past 50 ms. The young count is
+# allocations less deallocations (never below zero): a heap that swells and drains comes
+# back near where it was and reaches this rarely; garbage that waits for the collector
+# counts towards it.
+BACKSTOP_THRESHOLDS = (1_000_000, 20, 10)
+
+# A sweep that finds at least this many unreachable objects says the run makes cycles
+# (episodes that open an HTTP client each: a finished one is a cycle of a few hundred
+# objects holding about 0.8 MiB of its TLS store): young passes at RARE_THRESHOLDS again,
+# which find most of them between sweeps. With the sweeps alone, a 64-client OpenAI-API
+# job's controller grew 820 MiB a minute: each sweep found more and took longer, and the
+# sweeps' CPU share spaced them further apart.
+CYCLES_FOUND = 5_000
 
 
 @contextlib.contextmanager
-def rare_collections(thresholds: tuple[int, int, int] = RARE_THRESHOLDS) -> Iterator[None]:
-    """The collector at `thresholds` (RARE_THRESHOLDS) meanwhile: for long work that may
-    make cycles."""
+def rare_collections() -> Iterator[None]:
+    """The collector at RARE_THRESHOLDS meanwhile: for long work that may make cycles."""
     before = gc.get_threshold()
-    gc.set_threshold(*thresholds)
+    gc.set_threshold(*RARE_THRESHOLDS)
     try:
         yield
     finally:
@@ -131,28 +139,37 @@ def building() -> Iterator[Callable[[], None]]:
 
 
 class Sweeps:
-    """Full collections on a schedule, for a loop that runs for hours at SWEPT_THRESHOLDS
+    """Full collections on a schedule, for a loop that runs for hours at RARE_THRESHOLDS
     beside code that makes cycles (episodes' HTTP clients, their requests' exceptions).
 
     `start()` (from the loop, once start-up is done) sets apart everything tracked so far
     (``gc.freeze``: the imports' objects, the run's set-up), so that a full collection
-    walks only what the run made since; `run()` then collects every `every_s` seconds,
-    or less often where a collection's CPU time is more than `share` of the time between
-    two (a heap that has grown large is walked less often, never more than that share of
-    the loop's CPU). What cycles keep alive is then bounded by `every_s` seconds of their making,
-    not by when the collector's own counts come round. `stop()` hands the set-apart
-    objects back (where `start()` set them apart: objects frozen by someone else before
-    are left as they were).
+    walks only what the run made since; `run()` then collects after `first_s` seconds and
+    every `every_s` seconds from then on, or less often where a collection's CPU time is
+    more than `share` of the time between two (a heap that has grown large is walked less
+    often, never more than that share of the loop's CPU). What cycles keep alive is then
+    bounded by `every_s` seconds of their making, not by when the collector's own counts
+    come round. With `adapt`, each sweep also sets the thresholds by what it found: at
+    RARE_THRESHOLDS where it found CYCLES_FOUND unreachable objects or more, at
+    BACKSTOP_THRESHOLDS where it found fewer (the young passes would walk what is in
+    flight and find nothing). `stop()` hands the set-apart objects back (where `start()`
+    set them apart: objects frozen by someone else before are left as they were); the
+    thresholds are the caller's to restore.
 
     Consumes: nothing. Produces: `count`, `cpu_s`, `worst_s` (the collections' CPU time
-    and the longest one's wall time, for benches). Waits for: its timer."""
+    and the longest one's wall time, for benches), `found` (what the last one found
+    unreachable). Waits for: its timer."""
 
-    def __init__(self, every_s: float = 5.0, share: float = 0.02) -> None:
+    def __init__(self, every_s: float = 5.0, share: float = 0.02, *, first_s: float = 1.0,
+                 adapt: bool = False) -> None:
         self.every_s = every_s
         self.share = share
+        self.first_s = min(first_s, every_s)
+        self.adapt = adapt
         self.count = 0
         self.cpu_s = 0.0
         self.worst_s = 0.0
+        self.found = 0
         self._owned = False
 
     def start(self) -> None:
@@ -163,17 +180,22 @@ class Sweeps:
     def sweep(self) -> float:
         """One full collection now; returns its CPU time (this thread's)."""
         started, cpu = time.perf_counter(), time.thread_time()
-        gc.collect()
+        self.found = gc.collect()
         took = time.thread_time() - cpu
         self.count += 1
         self.cpu_s += took
         self.worst_s = max(self.worst_s, time.perf_counter() - started)
+        if self.adapt:
+            young = RARE_THRESHOLDS if self.found >= CYCLES_FOUND else BACKSTOP_THRESHOLDS
+            if gc.get_threshold() != young:
+                log.debug("a full collection found %d unreachable objects: young passes at %d", self.found, young[0])
+                gc.set_threshold(*young)
         return took
 
     async def run(self) -> None:
         import asyncio  # here, not above: `flexmarl replay` uses this module and starts without an event loop
 
-        wait = self.every_s
+        wait = self.first_s
         while True:
             await asyncio.sleep(wait)
             wait = max(self.every_s, self.sweep() / self.share)
@@ -189,14 +211,15 @@ class Sweeps:
 
 @contextlib.asynccontextmanager
 async def swept(every_s: float = 5.0, share: float = 0.02) -> AsyncIterator[Sweeps]:
-    """A long-running loop's policy, for as long as the block runs on it: passes at
-    SWEPT_THRESHOLDS, what is tracked now set apart, a full collection of the rest every
-    `every_s` seconds (at most `share` of the loop's CPU) by a task of its own. The block's
-    end stops the task, hands the set-apart heap back and restores the thresholds."""
+    """A long-running loop's policy, for as long as the block runs on it: what is tracked
+    now set apart, a full collection of the rest every `every_s` seconds (at most `share`
+    of the loop's CPU) by a task of its own, and young passes at RARE_THRESHOLDS or, while
+    the sweeps find next to no cycles, BACKSTOP_THRESHOLDS (`Sweeps` with `adapt`). The
+    block's end stops the task, hands the set-apart heap back and restores the thresholds."""
     import asyncio  # as in `Sweeps.run`
 
-    sweeps = Sweeps(every_s, share)
-    with rare_collections(SWEPT_THRESHOLDS):
+    sweeps = Sweeps(every_s, share, adapt=True)
+    with rare_collections():
         sweeps.start()
         task = asyncio.get_running_loop().create_task(sweeps.run(), name="collector")
         try:

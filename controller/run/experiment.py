@@ -52,12 +52,13 @@ log = logging.getLogger("flexmarl.controller")
 # small long-lived objects, nearly all freed by reference counting, not by the collector.
 # At Python's default thresholds (700, 10, 10) the collector walked that heap about a
 # quarter of the time at 1,024 instances (bench/RESULTS.md, the controller at scale), in
-# pauses of tens of milliseconds, and at (50,000, 20, 10) still a tenth in a long window;
-# these leave young passes as a backstop (collector.SWEPT_THRESHOLDS says why). Set while
-# an Experiment is open, restored when it closes. The cycles a run makes (the episodes'
-# HTTP clients, each holding its certificate store) are `collector.Sweeps`'s: the start-up
-# heap set apart, a full collection of the rest every few seconds.
-GC_THRESHOLDS = collector.SWEPT_THRESHOLDS
+# pauses of tens of milliseconds; these make its passes rare. Set while an Experiment is
+# open, restored when it closes. The cycles a run makes (the episodes' HTTP clients, each
+# holding its certificate store) are bounded by `collector.Sweeps`: the start-up heap set
+# apart, a full collection of the rest every few seconds, each setting the young passes
+# by what it found (where the run makes next to no cycles, a backstop only:
+# collector.BACKSTOP_THRESHOLDS says why).
+GC_THRESHOLDS = collector.RARE_THRESHOLDS
 
 
 class Experiment:
@@ -84,7 +85,7 @@ class Experiment:
         self.training: TrainingRun | None = None  # while train() runs
         self._gc_thresholds: tuple[int, ...] | None = None  # the process's, while we are open
         self.stall_watch = StallWatch("controller")  # a loop held over a second is logged with what held it
-        self.sweeps = collector.Sweeps()  # full collections of what the run makes, every few seconds
+        self.sweeps = collector.Sweeps(adapt=True)  # full collections of what the run makes, every few seconds
 
     def emit(self, event: ev.Event) -> None:
         # Once a write failed, the log's task stops the run with that error; what is emitted

@@ -91,13 +91,14 @@ async def test_swept_runs_the_loops_policy_for_the_blocks_length_and_restores_wh
     before = gc.get_threshold()
     held = [[] for _ in range(1000)]
     async with collector.swept(every_s=0.02) as sweeps:
-        assert gc.get_threshold() == collector.SWEPT_THRESHOLDS
+        assert gc.get_threshold() == collector.RARE_THRESHOLDS  # until a sweep has looked
         assert gc.get_freeze_count() >= len(held)  # the heap so far set apart
         for _ in range(200):
             if sweeps.count >= 2:
                 break
             await asyncio.sleep(0.02)
         assert sweeps.count >= 2  # its task sweeps on the schedule
+        assert gc.get_threshold() == collector.BACKSTOP_THRESHOLDS  # they found no cycles
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
     counted = sweeps.count
     await asyncio.sleep(0.1)
@@ -131,9 +132,39 @@ async def test_swept_leaves_a_swelling_and_draining_in_flight_heap_to_the_sweeps
         gc.collect()
         rare = _young_passes_over_steps()
     assert rare >= 10  # about two a step, each walking what is in flight, collecting nothing
-    async with collector.swept(every_s=3600):  # no sweep comes in this test
+    async with collector.swept(every_s=3600) as sweeps:  # its own sweeps come too late for this test
+        sweeps.sweep()  # a sweep that finds no cycles
         swept = _young_passes_over_steps()
     assert swept == 0
+
+
+def _cycles(n: int) -> None:
+    """n objects in reference cycles, dropped (found only by the collector)."""
+    for _ in range(n // 2):
+        a: list = []
+        b = [a]
+        a.append(b)
+
+
+async def test_a_sweep_that_finds_cycles_brings_the_young_passes_back_and_one_that_finds_none_leaves_a_backstop():
+    async with collector.swept(every_s=3600) as sweeps:
+        sweeps.sweep()
+        assert sweeps.found < collector.CYCLES_FOUND and gc.get_threshold() == collector.BACKSTOP_THRESHOLDS
+        _cycles(2 * collector.CYCLES_FOUND)
+        sweeps.sweep()
+        assert sweeps.found >= collector.CYCLES_FOUND and gc.get_threshold() == collector.RARE_THRESHOLDS
+        _cycles(collector.CYCLES_FOUND // 10)  # a few: young passes would find little of what is in flight
+        sweeps.sweep()
+        assert gc.get_threshold() == collector.BACKSTOP_THRESHOLDS
+
+
+def test_sweeps_without_adapt_leave_the_thresholds_to_their_caller():
+    before = gc.get_threshold()
+    sweeps = collector.Sweeps()
+    _cycles(2 * collector.CYCLES_FOUND)
+    sweeps.sweep()
+    sweeps.sweep()
+    assert sweeps.found == 0 and gc.get_threshold() == before
 
 
 def test_building_in_a_process_that_owns_its_heap_sets_the_imports_then_the_build_apart(monkeypatch):
