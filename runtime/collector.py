@@ -144,12 +144,11 @@ class Sweeps:
 
     `start()` (from the loop, once start-up is done) sets apart everything tracked so far
     (``gc.freeze``: the imports' objects, the run's set-up), so that a full collection
-    walks only what the run made since; `run()` then collects after `first_s` seconds and
-    every `every_s` seconds from then on, or less often where a collection's CPU time is
-    more than `share` of the time between two (a heap that has grown large is walked less
-    often, never more than that share of the loop's CPU). What cycles keep alive is then
-    bounded by `every_s` seconds of their making, not by when the collector's own counts
-    come round. With `adapt`, each sweep also sets the thresholds by what it found: at
+    walks only what the run made since; `run()` then collects every `every_s` seconds,
+    or less often where a collection's CPU time is more than `share` of the time between
+    two (a heap that has grown large is walked less often, never more than that share of
+    the loop's CPU). What cycles keep alive is then bounded by `every_s` seconds of their
+    making, not by when the collector's own counts come round. With `adapt`, each sweep also sets the thresholds by what it found: at
     RARE_THRESHOLDS where it found CYCLES_FOUND unreachable objects or more, at
     BACKSTOP_THRESHOLDS where it found fewer (the young passes would walk what is in
     flight and find nothing). `stop()` hands the set-apart objects back (where `start()`
@@ -160,11 +159,9 @@ class Sweeps:
     and the longest one's wall time, for benches), `found` (what the last one found
     unreachable). Waits for: its timer."""
 
-    def __init__(self, every_s: float = 5.0, share: float = 0.02, *, first_s: float = 1.0,
-                 adapt: bool = False) -> None:
+    def __init__(self, every_s: float = 5.0, share: float = 0.02, *, adapt: bool = False) -> None:
         self.every_s = every_s
         self.share = share
-        self.first_s = min(first_s, every_s)
         self.adapt = adapt
         self.count = 0
         self.cpu_s = 0.0
@@ -195,7 +192,7 @@ class Sweeps:
     async def run(self) -> None:
         import asyncio  # here, not above: `flexmarl replay` uses this module and starts without an event loop
 
-        wait = self.first_s
+        wait = self.every_s
         while True:
             await asyncio.sleep(wait)
             wait = max(self.every_s, self.sweep() / self.share)
