@@ -148,10 +148,10 @@ class Sweeps:
     or less often where a collection's CPU time is more than `share` of the time between
     two (a heap that has grown large is walked less often, never more than that share of
     the loop's CPU). What cycles keep alive is then bounded by `every_s` seconds of their
-    making, not by when the collector's own counts come round. With `adapt`, each sweep also sets the thresholds by what it found: at
-    RARE_THRESHOLDS where it found CYCLES_FOUND unreachable objects or more, at
-    BACKSTOP_THRESHOLDS where it found fewer (the young passes would walk what is in
-    flight and find nothing). `stop()` hands the set-apart objects back (where `start()`
+    making, not by when the collector's own counts come round. With `adapt`, each sweep
+    also sets the thresholds by what it found: RARE_THRESHOLDS where it found CYCLES_FOUND
+    unreachable objects or more, BACKSTOP_THRESHOLDS where it found fewer (the young
+    passes would walk what is in flight and find nothing). `stop()` hands the set-apart objects back (where `start()`
     set them apart: objects frozen by someone else before are left as they were); the
     thresholds are the caller's to restore.
 
