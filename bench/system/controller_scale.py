@@ -63,8 +63,8 @@ The machine here has 2 cores: the controller gets about one, the helpers share t
 so absolute figures are this machine's; compare points within one sweep.
 
 A point's window at the default 4 steps lasts 1-3 s at 1,024 instances: it ends before a
-long run's steady state (the collector's passes over what is in flight, its sweeps every
-5 s). Add `"steps": 30` to a point for a window of 10-25 s (RESULTS, run W).
+long run's steady state (the collector's first sweep, 5 s after the workers joined, which
+sets its young passes). Add `"steps": 60` to a point for a window of 20-45 s (RESULTS, run W).
 """
 
 from __future__ import annotations
