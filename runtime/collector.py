@@ -151,9 +151,9 @@ class Sweeps:
     making, not by when the collector's own counts come round. With `adapt`, each sweep
     also sets the thresholds by what it found: RARE_THRESHOLDS where it found CYCLES_FOUND
     unreachable objects or more, BACKSTOP_THRESHOLDS where it found fewer (the young
-    passes would walk what is in flight and find nothing). `stop()` hands the set-apart objects back (where `start()`
-    set them apart: objects frozen by someone else before are left as they were); the
-    thresholds are the caller's to restore.
+    passes would walk what is in flight and find nothing). `stop()` hands the set-apart
+    objects back (where `start()` set them apart: objects frozen by someone else before
+    are left as they were); the thresholds are the caller's to restore.
 
     Consumes: nothing. Produces: `count`, `cpu_s`, `worst_s` (the collections' CPU time
     and the longest one's wall time, for benches), `found` (what the last one found
