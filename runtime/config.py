@@ -531,6 +531,13 @@ class RouterConfig:
     """A later turn of a conversation goes back to the instance of the turn before (its prefix
     cache holds the conversation) while that instance's outstanding work is at most this many
     times the alternative's; 0: by load alone."""
+    placement: str = "chain"
+    """How the rollout instances are first shared among the agents, before any demand is measured:
+    "chain" weighs each agent by group_size x max_tokens x its position in [agents] (in a pipeline
+    a later agent is asked more often: each plan makes several answers, each answer several
+    checks); "parallel" by group_size x max_tokens alone (every agent asked as often as any
+    other: agents answering side by side, a debate, a vote). With across_agents, measured demand
+    moves instances from there."""
     across_agents: bool = False
     """Level 1 (across agents): move rollout instances between agents from measured demand."""
     disparity_threshold: float = 5.0
@@ -805,6 +812,8 @@ class ExperimentConfig:
         if self.router.min_part < 1 or self.router.affinity_bound < 0:
             raise ConfigError(f"router.min_part must be >= 1 and router.affinity_bound >= 0 (0: no affinity), got "
                               f"{self.router.min_part} and {self.router.affinity_bound}")
+        if self.router.placement not in ("chain", "parallel"):
+            raise ConfigError(f"router.placement must be 'chain' or 'parallel', got {self.router.placement!r}")
         if self.router.within_agent not in ("least_loaded", "round_robin"):
             raise ConfigError("router.within_agent must be 'least_loaded' or 'round_robin', "
                               f"got {self.router.within_agent!r}")

@@ -99,21 +99,21 @@ Demand = Callable[[dict[str, Any], str], float]
 class TrainingRun:
     """One training run: its components (components.py) built at once, before any worker
     starts, so a bad name in the config fails before anything runs. `demand` weighs each
-    agent for the initial placement of rollout instances (decisions.expected_tokens, or a
-    caller's rule: decisions.equal_demand gives every agent alike)."""
+    agent for the initial placement of rollout instances (the rule `router.placement` names,
+    decisions.PLACEMENT_DEMAND, or a caller's: decisions.equal_demand gives every agent alike)."""
 
     def __init__(self, cfg: ExperimentConfig, server: ControllerServer, run_dir: str | Path, *,
                  emit: Emit, flush_events: Callable[[], Awaitable[None]],
                  worker_ids: Callable[[str], list[str]], resume: ResumePoint | None = None,
                  restarting: Callable[[str], bool] = lambda role: False,
-                 demand: Demand = decisions.expected_tokens) -> None:
+                 demand: Demand | None = None) -> None:
         self.cfg = cfg
         self.server = server
         self.run_dir = Path(run_dir)
         self.emit = emit
         self.worker_ids = worker_ids  # the registered workers of a role, at set-up
         self.resume = resume
-        self.demand = demand
+        self.demand = demand or decisions.PLACEMENT_DEMAND[cfg.router.placement]
         self.parts: Components = build(cfg, resolve(cfg, self.run_dir),
                                        Given(server, self.run_dir, emit, flush_events, resume, restarting))
         self.started = self.wall_s = 0.0

@@ -176,6 +176,17 @@ def expected_tokens(agents: dict[str, Any], agent: str) -> float:
     return a.group_size * a.max_tokens * (1 + list(agents).index(agent))
 
 
+def parallel_demand(agents: dict[str, Any], agent: str) -> float:
+    """An agent's rough demand where every agent is asked as often as any other
+    (`router.placement = "parallel"`): its group size x output length."""
+    a = agents[agent]
+    return a.group_size * a.max_tokens
+
+
+# router.placement -> the demand rule of the initial placement
+PLACEMENT_DEMAND = {"chain": expected_tokens, "parallel": parallel_demand}
+
+
 def equal_demand(agents: dict[str, Any], agent: str) -> float:
     """Every agent expected to ask alike: spare instances go round the units in turn."""
     return 1.0

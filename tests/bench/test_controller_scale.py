@@ -106,3 +106,18 @@ def test_pinned_the_fake_cluster_runs_one_helper_per_core_it_has_and_unpinned_25
     unpinned = bench.helper_workers(point)
     assert [len(h) for h in unpinned] == [256, 256, 256, 256, 64]
     assert {role for role, _ in unpinned[-1]} == {"trainer"}
+
+
+def test_the_wide_shape_placed_in_parallel_gives_every_agent_its_share_and_by_chain_the_last_the_most(tmp_path):
+    # The real controller over real sockets: `router.placement` decides how many of the 64
+    # instances each of the 4 agents gets (every wide episode asks each agent alike).
+    bench = load_bench()
+    point = {"instances": 64, "agents": 4, "trainers": 8, "shape": "wide", "mode": "async", "k": 1, "steps": 2,
+             "queries": 8}
+    parallel = bench.one_point({**point, "placement": "parallel"})
+    assert (parallel["instances_min"], parallel["instances_max"]) == (16, 16)
+    chain = bench.one_point(point)  # the default: weighed by position, 1 : 2 : 3 : 4 (7, 13, 19, 25)
+    assert (chain["placement"], chain["instances_min"], chain["instances_max"]) == ("chain", 7, 25)
+    for row in (parallel, chain):
+        assert row["accounting"] is True and row["episodes_failed"] == 0
+        assert 0.0 < row["rollout_busy"] <= row["rollout_busy_max"] <= 1.0

@@ -32,3 +32,9 @@ def test_the_cli_names_a_mistyped_key_and_exits(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["run", "--set", "pipeline.mdoe=async"])
     assert "unknown key 'pipeline.mdoe'" in str(exit_info.value.code)
+
+
+def test_an_unknown_initial_placement_is_named():
+    from flexmarl.runtime.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="router.placement must be 'chain' or 'parallel', got 'even'"):
+        load_config(None, ["router.placement='even'"])

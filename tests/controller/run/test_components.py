@@ -111,6 +111,13 @@ def test_the_demand_rule_weighs_group_size_output_length_and_config_position():
     weights = decisions.unit_weights(bases.engine_units(cfg), lambda a: decisions.expected_tokens(cfg.agents, a))
     assert decisions.place_agents(list(weights), [f"r{i}" for i in range(6)], weights) == {
         "planner": ["r0"], "solver": ["r1", "r3", "r4", "r5"], "checker": ["r2"]}
+    # router.placement = "parallel": every agent asked alike, by group size x output length alone
+    parallel = decisions.unit_weights(bases.engine_units(cfg), lambda a: decisions.PLACEMENT_DEMAND["parallel"](
+        cfg.agents, a))
+    assert parallel == {"planner": 12, "solver": 24, "checker": 2}
+    assert decisions.place_agents(list(parallel), [f"r{i}" for i in range(6)], parallel) == {
+        "planner": ["r0", "r5"], "solver": ["r1", "r3", "r4"], "checker": ["r2"]}
+    assert decisions.PLACEMENT_DEMAND["chain"] is decisions.expected_tokens  # the default's rule
     equal = decisions.unit_weights(bases.engine_units(cfg), lambda a: decisions.equal_demand(cfg.agents, a))
     assert decisions.place_agents(list(equal), [f"r{i}" for i in range(6)], equal) == {
         "planner": ["r0", "r4"], "solver": ["r1", "r3"], "checker": ["r2", "r5"]}  # ties: the later name
