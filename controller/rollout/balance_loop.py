@@ -43,7 +43,7 @@ from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
 from ..control.interfaces import Emit, WorkerDirectory
-from .balance_rules import AgentDemand, RolloutBalancer
+from .balance_rules import AgentDemand, RolloutBalancer, nearest_rule, uneven_placement
 
 if TYPE_CHECKING:
     from ..state.instances import RolloutInstances
@@ -100,6 +100,29 @@ class Rebalancer:
                 dispatched_tokens=sum(self.client.dispatched_tokens[a] for a in u.agents),
                 busy_s={w: workers[w].load["busy_s"] for w in instances if "busy_s" in workers[w].load})
         return snapshot
+
+    def placement_hint(self, step: int, rules: Mapping[str, Mapping[str, float]]) -> str:
+        """One line for the run's log where the instances' shares of the tokens sent so far
+        (through `step`) differ by `router.disparity_threshold` or more per instance, and an
+        instance could move (`balance_rules.uneven_placement`): the two units, and the
+        placement rule (`rules`: router.placement's choices, each unit's weight) whose shares
+        the tokens sent fit within that threshold, where it is not the one in use; "" where
+        they do not differ."""
+        snapshot = self.demand_snapshot()
+        found = uneven_placement(snapshot, self.cfg.disparity_threshold)
+        if found is None:
+            return ""
+        most, fewest, ratio = found
+        n_most, n_fewest = len(snapshot[most].outstanding), len(snapshot[fewest].outstanding)
+        fit, off = nearest_rule({u: d.dispatched_tokens for u, d in snapshot.items()},
+                                {name: dict(w) for name, w in rules.items()})
+        advice = (f"the tokens sent fit router.placement = {fit!r} (every unit's share within {off:.1f}x): set it, "
+                  f"or router.across_agents = true to move instances by measured demand"
+                  if fit and fit != self.cfg.placement and off < self.cfg.disparity_threshold
+                  else "router.across_agents = true moves instances by measured demand")
+        return (f"rollout instances are unevenly loaded: through step {step}, each of {most}'s {n_most} "
+                f"instances was sent {ratio:.1f}x the tokens of each of {fewest}'s {n_fewest} "
+                f"(router.placement = {self.cfg.placement!r}); {advice}")
 
     async def run(self) -> None:
         """Observes demand every interval and carries out the balancer's moves (see module doc)."""

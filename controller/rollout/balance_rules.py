@@ -189,6 +189,40 @@ class RolloutBalancer:
         return (dst, src, count, disparity) if count > 0 else None
 
 
+def uneven_placement(snapshot: dict[str, AgentDemand], threshold: float) -> tuple[str, str, float] | None:
+    """Whether the instances' shares of the work so far are uneven where another placement
+    exists: the unit each of whose instances was sent the most tokens, the one each of whose
+    were sent the fewest (with two or more instances, one of which it could give up), and the
+    ratio of the two, where it reaches `threshold`; None where it does not. Units sent
+    nothing yet are left out (a workflow may call an agent later, or seldom)."""
+    per = {unit: d.dispatched_tokens / len(d.outstanding) for unit, d in snapshot.items()
+           if d.outstanding and d.dispatched_tokens > 0}
+    donors = [u for u in per if len(snapshot[u].outstanding) >= 2]
+    if len(per) < 2 or not donors:
+        return None
+    most = max(per, key=lambda u: (per[u], u))
+    fewest = min(donors, key=lambda u: (per[u], u))
+    ratio = per[most] / per[fewest]
+    return (most, fewest, ratio) if most != fewest and ratio >= threshold else None
+
+
+def nearest_rule(sent: dict[str, float], rules: dict[str, dict[str, float]]) -> tuple[str, float]:
+    """Of placement rules (name -> each unit's weight), the one whose shares are nearest the
+    tokens each unit was sent (units sent something), and how near: the largest ratio, either
+    way, between a unit's share of the tokens and its share of the rule's weight."""
+    asked = {u: t for u, t in sent.items() if t > 0}
+    total = sum(asked.values())
+    best = ("", math.inf)
+    for name, weights in rules.items():
+        weight = sum(weights[u] for u in asked)
+        if total <= 0 or weight <= 0 or any(weights[u] <= 0 for u in asked):
+            continue
+        worst = max(max(r, 1 / r) for r in ((asked[u] / total) / (weights[u] / weight) for u in asked))
+        if worst < best[1]:
+            best = (name, worst)
+    return best
+
+
 def _per_instance(work: float, n: int) -> float:
     if n == 0:
         return math.inf if work > 0 else 0.0

@@ -4,6 +4,7 @@ instances over real sockets; the accounting reconciles and the log replays. Not 
 import collections
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -108,16 +109,24 @@ def test_pinned_the_fake_cluster_runs_one_helper_per_core_it_has_and_unpinned_25
     assert {role for role, _ in unpinned[-1]} == {"trainer"}
 
 
-def test_the_wide_shape_placed_in_parallel_gives_every_agent_its_share_and_by_chain_the_last_the_most(tmp_path):
+def test_the_wide_shape_placed_in_parallel_gives_every_agent_its_share_and_by_chain_the_run_says_it_is_uneven(
+        tmp_path, caplog):
     # The real controller over real sockets: `router.placement` decides how many of the 64
-    # instances each of the 4 agents gets (every wide episode asks each agent alike).
+    # instances each of the 8 agents gets (every wide episode asks each agent alike).
     bench = load_bench()
-    point = {"instances": 64, "agents": 4, "trainers": 8, "shape": "wide", "mode": "async", "k": 1, "steps": 2,
+    point = {"instances": 64, "agents": 8, "trainers": 8, "shape": "wide", "mode": "async", "k": 1, "steps": 2,
              "queries": 8}
-    parallel = bench.one_point({**point, "placement": "parallel"})
-    assert (parallel["instances_min"], parallel["instances_max"]) == (16, 16)
-    chain = bench.one_point(point)  # the default: weighed by position, 1 : 2 : 3 : 4 (7, 13, 19, 25)
-    assert (chain["placement"], chain["instances_min"], chain["instances_max"]) == ("chain", 7, 25)
+    with caplog.at_level(logging.WARNING, logger="flexmarl"):
+        parallel = bench.one_point({**point, "placement": "parallel"})
+    assert (parallel["instances_min"], parallel["instances_max"]) == (8, 8)
+    assert "unevenly loaded" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flexmarl"):
+        chain = bench.one_point(point)  # the default: weighed by position, 1 : 2 : ... : 8
+    assert (chain["placement"], chain["instances_min"], chain["instances_max"]) == ("chain", 2, 14)
+    hint = [r.getMessage() for r in caplog.records if "unevenly loaded" in r.getMessage()]
+    assert len(hint) == 1 and "each of agent00's 2 instances was sent 7.0x the tokens of each of agent07's 14" in hint[0]
+    assert "the tokens sent fit router.placement = 'parallel' (every unit's share within 1.0x): set it" in hint[0]
     for row in (parallel, chain):
         assert row["accounting"] is True and row["episodes_failed"] == 0
         assert 0.0 < row["rollout_busy"] <= row["rollout_busy_max"] <= 1.0

@@ -5,7 +5,8 @@ import itertools
 
 import pytest
 
-from flexmarl.controller.rollout.balance_rules import AgentDemand, Move, RolloutBalancer, instances_to_move
+from flexmarl.controller.rollout.balance_rules import (AgentDemand, Move, RolloutBalancer, instances_to_move,
+                                                       nearest_rule, uneven_placement)
 
 
 def demand(**per_agent: list[float]) -> dict[str, AgentDemand]:
@@ -117,3 +118,36 @@ def test_an_agent_that_lost_every_instance_gets_one_back():
     balancer.observe({"a": AgentDemand({}, 0.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 0.0)
     move = balancer.observe({"a": AgentDemand({}, 800.0), "b": AgentDemand({"b0": 5, "b1": 0, "b2": 7})}, 1.0)
     assert move is not None and move.dst == "a" and move.instances[0] == "b1"  # the least outstanding
+
+
+def sent(**per_agent: tuple[float, int]) -> dict[str, AgentDemand]:
+    """agent=(tokens dispatched so far, instances)."""
+    return {a: AgentDemand({f"{a}{i}": 0.0 for i in range(n)}, tokens) for a, (tokens, n) in per_agent.items()}
+
+
+def test_uneven_placement_names_the_most_and_least_asked_instances_past_the_threshold():
+    # agent00: 2 instances sent 1,536 tokens (768 each); agent31: 62 sent 1,536 (24.8 each)
+    found = uneven_placement(sent(agent00=(1536, 2), agent15=(1536, 32), agent31=(1536, 62)), 5.0)
+    assert found is not None and found[:2] == ("agent00", "agent31") and found[2] == pytest.approx(31.0)
+    assert uneven_placement(sent(a=(400, 4), b=(90, 1)), 5.0) is None  # 100 vs 90 per instance
+    assert uneven_placement(sent(a=(500, 1), b=(200, 2)), 5.0)[2] == 5.0  # the threshold itself counts
+
+
+def test_uneven_placement_says_nothing_where_no_instance_could_move():
+    # one instance per agent (three agents, three workers): no other placement exists
+    assert uneven_placement(sent(planner=(120, 1), solver=(900, 1), checker=(1500, 1)), 5.0) is None
+    # the fewest-asked could give one up: named, past one that could not
+    assert uneven_placement(sent(a=(1000, 1), b=(10, 1), c=(40, 2)), 5.0)[:2] == ("a", "c")
+
+
+def test_the_nearest_placement_rule_is_the_one_whose_shares_the_tokens_sent_fit():
+    rules = {"chain": {"a": 1.0, "b": 2.0, "c": 3.0}, "parallel": {"a": 1.0, "b": 1.0, "c": 1.0}}
+    name, off = nearest_rule({"a": 100, "b": 110, "c": 95}, rules)
+    assert name == "parallel" and off == pytest.approx(110 / 305 * 3)
+    assert nearest_rule({"a": 100, "b": 210, "c": 290}, rules)[0] == "chain"
+    assert nearest_rule({"a": 0, "b": 0, "c": 0}, rules) == ("", float("inf"))  # nothing sent
+
+
+def test_uneven_placement_leaves_out_units_sent_nothing_yet():
+    assert uneven_placement(sent(a=(1000, 1), b=(0, 10)), 5.0) is None  # b may be asked later
+    assert uneven_placement(sent(a=(1000, 1)), 5.0) is None  # one unit: nothing to compare
