@@ -47,6 +47,7 @@ module.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -190,7 +191,7 @@ class TrainingRun:
             return
         await self.parts.schedule.batches[first].rollout_done.wait()
         units = self.parts.resolved.units
-        rules = {name: decisions.unit_weights(units, lambda agent, rule=rule: rule(self.cfg.agents, agent))
+        rules = {name: decisions.unit_weights(units, functools.partial(rule, self.cfg.agents))
                  for name, rule in decisions.PLACEMENT_DEMAND.items()}
         hint = self.parts.rebalancer.placement_hint(first, rules)
         if hint:
