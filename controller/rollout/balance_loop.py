@@ -120,8 +120,8 @@ class Rebalancer:
                   f"or router.across_agents = true to move instances by measured demand"
                   if fit and fit != self.cfg.placement and off < self.cfg.disparity_threshold
                   else "router.across_agents = true moves instances by measured demand")
-        return (f"rollout instances are unevenly loaded: through step {step}, each of {most}'s {n_most} "
-                f"instances was sent {ratio:.1f}x the tokens of each of {fewest}'s {n_fewest} "
+        return (f"rollout instances are unevenly loaded: through step {step}, {most} ({_instances(n_most)}) was "
+                f"sent {ratio:.1f}x the tokens per instance of {fewest} ({_instances(n_fewest)}) "
                 f"(router.placement = {self.cfg.placement!r}); {advice}")
 
     async def run(self) -> None:
@@ -172,6 +172,10 @@ class Rebalancer:
         log.info("%s now serves %s (from %s) after %.2fs (drain %.2fs, %s %.2fs)", worker, dst, src, done.seconds,
                  done.drain_s, "engine restart" if restarted else "weights in place", done.load_s)
         return done
+
+
+def _instances(n: int) -> str:
+    return f"{n} instance" if n == 1 else f"{n} instances"
 
 
 async def _drained(instances: Any, worker: str, timeout_s: float) -> bool:

@@ -125,7 +125,7 @@ def test_the_wide_shape_placed_in_parallel_gives_every_agent_its_share_and_by_ch
         chain = bench.one_point(point)  # the default: weighed by position, 1 : 2 : ... : 8
     assert (chain["placement"], chain["instances_min"], chain["instances_max"]) == ("chain", 2, 14)
     hint = [r.getMessage() for r in caplog.records if "unevenly loaded" in r.getMessage()]
-    assert len(hint) == 1 and "each of agent00's 2 instances was sent 7.0x the tokens of each of agent07's 14" in hint[0]
+    assert len(hint) == 1 and "through step 1, agent00 (2 instances) was sent 7.0x the tokens per instance of agent07 (14 instances)" in hint[0]
     assert "the tokens sent fit router.placement = 'parallel' (every unit's share within 1.0x): set it" in hint[0]
     for row in (parallel, chain):
         assert row["accounting"] is True and row["episodes_failed"] == 0
