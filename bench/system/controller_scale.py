@@ -215,19 +215,7 @@ def process_cpu(pids: list[int]) -> float:
     where the kernel keeps no schedstat."""
     if not os.path.exists("/proc/self/schedstat"):
         return sum(_ticks(pid) for pid in pids)
-    total = 0.0
-    for pid in pids:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:  # ended
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                    total += int(f.read().split()[0]) / 1e9
-            except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
-                continue
-    return total
+    return _schedstat(pids, 0)
 
 
 def _ticks(pid: int) -> float:
@@ -241,14 +229,24 @@ def _ticks(pid: int) -> float:
 
 def process_runq(pids: list[int]) -> float:
     """The seconds the processes' threads have waited, ready to run, for a core (Linux schedstat)."""
+    return _schedstat(pids, 1)
+
+
+def _schedstat(pids: list[int], field: int) -> float:
+    """A schedstat field (0: time on a core, 1: time waiting for one), in seconds, summed
+    over every thread of the processes; an ended process or thread counts nothing."""
     total = 0.0
     for pid in pids:
         try:
-            for task in os.listdir(f"/proc/{pid}/task"):
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
                 with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                    total += int(f.read().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            pass
+                    total += int(f.read().split()[field]) / 1e9
+            except (OSError, IndexError, ValueError):
+                continue
     return total
 
 

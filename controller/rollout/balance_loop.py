@@ -114,8 +114,7 @@ class Rebalancer:
             return ""
         most, fewest, ratio = found
         n_most, n_fewest = len(snapshot[most].outstanding), len(snapshot[fewest].outstanding)
-        fit, off = nearest_rule({u: d.dispatched_tokens for u, d in snapshot.items()},
-                                {name: dict(w) for name, w in rules.items()})
+        fit, off = nearest_rule({u: d.dispatched_tokens for u, d in snapshot.items()}, rules)
         advice = (f"the tokens sent fit router.placement = {fit!r} (every unit's share within {off:.1f}x): set it, "
                   f"or router.across_agents = true to move instances by measured demand"
                   if fit and fit != self.cfg.placement and off < self.cfg.disparity_threshold

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from flexmarl.runtime.config import RouterConfig
 
@@ -195,7 +196,7 @@ def uneven_placement(snapshot: dict[str, AgentDemand], threshold: float) -> tupl
     were sent the fewest (with two or more instances, one of which it could give up), and the
     ratio of the two, where it reaches `threshold`; None where it does not. Units sent
     nothing yet are left out (a workflow may call an agent later, or seldom)."""
-    per = {unit: d.dispatched_tokens / len(d.outstanding) for unit, d in snapshot.items()
+    per = {unit: _per_instance(d.dispatched_tokens, len(d.outstanding)) for unit, d in snapshot.items()
            if d.outstanding and d.dispatched_tokens > 0}
     donors = [u for u in per if len(snapshot[u].outstanding) >= 2]
     if len(per) < 2 or not donors:
@@ -206,16 +207,19 @@ def uneven_placement(snapshot: dict[str, AgentDemand], threshold: float) -> tupl
     return (most, fewest, ratio) if most != fewest and ratio >= threshold else None
 
 
-def nearest_rule(sent: dict[str, float], rules: dict[str, dict[str, float]]) -> tuple[str, float]:
+def nearest_rule(sent: Mapping[str, float], rules: Mapping[str, Mapping[str, float]]) -> tuple[str, float]:
     """Of placement rules (name -> each unit's weight), the one whose shares are nearest the
     tokens each unit was sent (units sent something), and how near: the largest ratio, either
-    way, between a unit's share of the tokens and its share of the rule's weight."""
+    way, between a unit's share of the tokens and its share of the rule's weight; ("", inf)
+    where nothing was sent."""
     asked = {u: t for u, t in sent.items() if t > 0}
     total = sum(asked.values())
     best = ("", math.inf)
+    if total <= 0:
+        return best
     for name, weights in rules.items():
         weight = sum(weights[u] for u in asked)
-        if total <= 0 or weight <= 0 or any(weights[u] <= 0 for u in asked):
+        if weight <= 0 or any(weights[u] <= 0 for u in asked):
             continue
         worst = max(max(r, 1 / r) for r in ((asked[u] / total) / (weights[u] / weight) for u in asked))
         if worst < best[1]:
