@@ -44,7 +44,7 @@ RARE_THRESHOLDS = (50_000, 20, 10)
 # alive, not garbage, and it swells at every step as the step's episodes start: at
 # RARE_THRESHOLDS the controller at 1,024 x 32 (chain, a 14 s window) made a young pass
 # about every half second, each of 30-77 ms (counted in a shorter run: 67,000-141,000
-# objects a pass), collecting nothing: a tenth of its CPU, its loop's lag p99 past 50 ms. The young count is
+# objects a pass), collecting nothing: a tenth of its CPU, its loop's lag p99 39-57 ms. The young count is
 # allocations less deallocations (never below zero): a heap that swells and drains comes
 # back near where it was and reaches this rarely; garbage that waits for the collector
 # counts towards it.
