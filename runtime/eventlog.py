@@ -142,6 +142,12 @@ def frames_of(bodies: list[bytes], room: int = FRAME_BYTES) -> list[bytes]:
 # ---------------------------------------------------------------- writer
 
 
+def _retrieved(fut: asyncio.Future) -> None:
+    """Marks a failed write's error as seen: `EventLog.failed` keeps it, and raises it again."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class EventLog:
     """Append-only event log writer. Use from one event loop::
 
@@ -184,6 +190,10 @@ class EventLog:
         self._woken = False  # emit set _wake since run() last cleared it (one call to set per write, not per event)
         self._disk = asyncio.Lock()  # one write at a time keeps frames in emit order
         self._inflight: asyncio.Future | None = None
+        # flush(): the fsynced write under way (every flush called before it starts shares
+        # it), and how many events had been emitted when the last one that ended began.
+        self._syncing: asyncio.Future | None = None
+        self._synced_seq = -1
         self._error: BaseException | None = None
         self._closed = False
         # Touched only inside the writer thread (under _thread_lock):
@@ -269,8 +279,28 @@ class EventLog:
             await self._drain(fsync=False)
 
     async def flush(self) -> None:
-        """Everything emitted so far is written and fsynced when this returns."""
-        await self._drain(fsync=True)
+        """Everything emitted so far is written and fsynced when this returns.
+
+        Calls made while one is under way share the next write-and-fsync (a group commit):
+        every agent's optimizer step flushes, and with dozens of agents stepping together
+        one each, in turn, would keep the last of them waiting for all the others' (each a
+        hand-off to the writer thread, which waits for the interpreter lock while the loop
+        is busy)."""
+        import asyncio
+
+        wanted = self._seq
+        while self._synced_seq < wanted:
+            if self._syncing is None:
+                self._syncing = asyncio.ensure_future(self._sync(self._seq))
+                self._syncing.add_done_callback(_retrieved)  # its callers may all have been cancelled
+            await asyncio.shield(self._syncing)
+
+    async def _sync(self, seq: int) -> None:
+        try:
+            await self._drain(fsync=True)
+            self._synced_seq = max(self._synced_seq, seq)
+        finally:
+            self._syncing = None
 
     async def close(self) -> None:
         import asyncio

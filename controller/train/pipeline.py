@@ -9,10 +9,10 @@
 - waits for: ready groups or the batch's end (`schedule.wait_for_work`), a trainer
   (`allocator.acquire`), a command slot on it (`lanes.slot`: micro-batches in their lane,
   the step and sync in the critical one), the trainer's replies;
-- once `decisions.step_due` says the batch is done, sends ONE optimizer step, flushes the
-  event log (a crash loses nothing that led to a step), and has the weight sync bring the
-  agent's instances to the new version, which unblocks the gate (the agent's synced
-  version, versions.py); then writes the step's metrics row and, where a checkpoint is
+- once `decisions.step_due` says the batch is done, sends ONE optimizer step, and has the
+  weight sync bring the agent's instances to the new version, which unblocks the gate (the
+  agent's synced version, versions.py), while the event log is flushed (a crash loses
+  nothing that led to a step once the step is done); then writes the step's metrics row and, where a checkpoint is
   due, makes the metrics durable and has the agent's state saved (before anything of the
   next batch reaches the trainer, so the saved state has no pending gradients; after the
   row, so a checkpoint never outlives its step's row);
@@ -403,11 +403,19 @@ class AgentPipeline:
             # once, instead of queueing again behind micro-batches that took the slot between.
             async with self.lanes.slot(trainer, Priority.critical(version)):
                 stats = await self._step_in_slot(trainer, version, samples)
-                await self.flush_events()
-                await self.schedule.wait_to_sync(version)  # an evaluation of version - 1 first
-                await self.weights.sync(self.agent, trainer, version)
+                # The log is made durable while the weights go out (the step is done once
+                # both are): the sync waits for no disk, nor, with every agent stepping at
+                # once, for the other agents' flushes.
+                flushed = asyncio.ensure_future(self.flush_events())
+                try:
+                    await self.schedule.wait_to_sync(version)  # an evaluation of version - 1 first
+                    await self.weights.sync(self.agent, trainer, version)
+                except BaseException:
+                    flushed.add_done_callback(_seen)  # a write that failed stops the run through the log's task
+                    raise
         finally:
             self.allocator.release(self.agent)
+        await flushed
         return stats
 
     def _committed(self, version: int) -> None:
@@ -499,6 +507,11 @@ async def _all(calls: list[asyncio.Future]) -> float:
     except BaseException:
         await _cancelled(calls)
         raise
+
+
+def _seen(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _resolve(future: asyncio.Future) -> None:

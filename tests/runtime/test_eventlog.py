@@ -485,3 +485,67 @@ async def test_a_log_of_format_1_finds_the_members_its_groups_listed(tmp_path):
     assert problem is None and events[0] == stamped([ev.GroupOpened(g, 1, 2)])[0]
     assert (events[1].parts, events[1].versions) == (ev.Parts([g, g], [1, 0], [1, 1]), [2, 1])
     assert events[2].parts == ev.whole([(g, 2)])
+
+
+async def test_flushes_called_together_share_one_fsync_and_each_returns_with_its_events_on_disk(tmp_path, monkeypatch):
+    """A group commit: every agent's optimizer step flushes, and dozens step together."""
+    path = tmp_path / "events.log"
+    log = EventLog(path)
+    real_write, fsyncs = log._write, []
+
+    def slow_write(frames, fsync):
+        if fsync:
+            fsyncs.append(len(frames))
+            time.sleep(0.05)
+        real_write(frames, fsync)
+
+    monkeypatch.setattr(log, "_write", slow_write)
+
+    async def step(i):
+        log.emit(ev.WorkerDied(f"w{i}", "step"))
+        wanted = log.next_seq
+        await log.flush()
+        on_disk, problem = read_events(path)
+        assert problem is None and len(on_disk) >= wanted  # its own event and every one before it
+
+    await asyncio.gather(*(step(i) for i in range(32)))
+    assert len(fsyncs) <= 2 and sum(fsyncs) == 32
+    log.emit(ev.WorkerDied("late", "after the others"))  # emitted during no flush: a flush of its own
+    await log.flush()
+    await log.flush()  # nothing emitted since: nothing to write
+    assert len(fsyncs) <= 3
+    await log.close()
+    events, problem = read_events(path)
+    assert problem is None and [e.seq for e in events] == list(range(33))
+
+
+async def test_a_flush_called_while_another_writes_waits_for_a_write_of_its_own_events(tmp_path, monkeypatch):
+    path = tmp_path / "events.log"
+    log = EventLog(path)
+    real_write = log._write
+
+    def slow_write(frames, fsync):
+        time.sleep(0.1)
+        real_write(frames, fsync)
+
+    monkeypatch.setattr(log, "_write", slow_write)
+    log.emit(EXAMPLES[0])
+    first = asyncio.create_task(log.flush())
+    await asyncio.sleep(0.03)  # the first flush's write is under way, without EXAMPLES[1]
+    log.emit(EXAMPLES[1])
+    await log.flush()
+    assert read_events(path) == (EXAMPLES[:2], None)
+    await first
+    await log.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+async def test_flushes_sharing_a_write_that_fails_each_raise_its_error():
+    log = EventLog("/dev/full")
+    log.emit(EXAMPLES[0])
+    results = await asyncio.gather(*(log.flush() for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, EventLogError) and "No space left" in str(r) for r in results)
+    with pytest.raises(EventLogError, match="failed earlier"):
+        await log.flush()
+    with pytest.raises(EventLogError):
+        await log.close()

@@ -179,6 +179,31 @@ async def test_async_micro_batches_train_while_rollout_runs_then_one_step_and_on
     assert store.ready_samples("a", 1) == 0
 
 
+async def test_the_weight_sync_goes_out_while_the_log_is_flushed_and_the_step_ends_after_both():
+    pipeline, store, schedule, trainer, weights, metrics, events = make("async")
+    disk = asyncio.Event()
+
+    async def slow_flush():  # a slow disk, or the other agents' flushes ahead of this one
+        events.append("flush started")
+        await disk.wait()
+        events.append("flushed")
+
+    pipeline.flush_events = slow_flush
+    task = asyncio.ensure_future(pipeline.run())
+    complete_group(store, "g0")
+    schedule.episode_ended(1)
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if weights.synced:
+            break
+    assert weights.synced == [1] and schedule.versions["a"] == 1  # the gate opens without the disk
+    assert "flush started" in events and "flushed" not in events
+    assert metrics.rows == [] and not task.done()  # the step is not done: nothing that led to it is durable yet
+    disk.set()
+    await asyncio.wait_for(task, 2)
+    assert events.index("flushed") > events.index("flush started") and metrics.rows == [(1, 2)]
+
+
 async def test_a_group_wakes_its_resident_agents_pipeline_only_where_a_micro_batch_can_be_cut():
     pipeline, store, schedule, trainer, weights, metrics, events = make("async", micro_batch=6)
     store.on_ready[:] = [lambda k: pipeline.group_ready()]  # as the run wires it
