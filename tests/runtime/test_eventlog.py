@@ -254,16 +254,25 @@ async def test_emit_is_synchronous_and_only_flush_or_run_touches_the_disk(tmp_pa
     await log.close()
 
 
+def slow_disk(monkeypatch, log, seconds, fsyncs=None):
+    """Each of `log`'s writes takes `seconds` longer; with `fsyncs` (a list) only those that
+    fsync do, and each appends to it how many events it writes."""
+    real_write = log._write
+
+    def slow_write(bodies, fsync):
+        if fsyncs is None or fsync:
+            if fsyncs is not None:
+                fsyncs.append(len(bodies))
+            time.sleep(seconds)
+        real_write(bodies, fsync)
+
+    monkeypatch.setattr(log, "_write", slow_write)
+
+
 async def test_the_writer_never_blocks_the_loop_while_the_disk_is_slow(tmp_path, monkeypatch):
     path = tmp_path / "events.log"
     log = EventLog(path)
-    real_write = log._write
-
-    def slow_write(frames, fsync):
-        time.sleep(0.3)
-        real_write(frames, fsync)
-
-    monkeypatch.setattr(log, "_write", slow_write)
+    slow_disk(monkeypatch, log, 0.3)
     writer = asyncio.create_task(log.run(), name="event-log")
     gaps, last = [], time.monotonic()
     started = last
@@ -490,16 +499,8 @@ async def test_a_log_of_format_1_finds_the_members_its_groups_listed(tmp_path):
 async def test_flushes_called_together_share_one_fsync_and_each_returns_with_its_events_on_disk(tmp_path, monkeypatch):
     """A group commit: every agent's optimizer step flushes, and dozens step together."""
     path = tmp_path / "events.log"
-    log = EventLog(path)
-    real_write, fsyncs = log._write, []
-
-    def slow_write(frames, fsync):
-        if fsync:
-            fsyncs.append(len(frames))
-            time.sleep(0.05)
-        real_write(frames, fsync)
-
-    monkeypatch.setattr(log, "_write", slow_write)
+    log, fsyncs = EventLog(path), []
+    slow_disk(monkeypatch, log, 0.05, fsyncs)
 
     async def step(i):
         log.emit(ev.WorkerDied(f"w{i}", "step"))
@@ -522,13 +523,7 @@ async def test_flushes_called_together_share_one_fsync_and_each_returns_with_its
 async def test_a_flush_called_while_another_writes_waits_for_a_write_of_its_own_events(tmp_path, monkeypatch):
     path = tmp_path / "events.log"
     log = EventLog(path)
-    real_write = log._write
-
-    def slow_write(frames, fsync):
-        time.sleep(0.1)
-        real_write(frames, fsync)
-
-    monkeypatch.setattr(log, "_write", slow_write)
+    slow_disk(monkeypatch, log, 0.1)
     log.emit(EXAMPLES[0])
     first = asyncio.create_task(log.flush())
     await asyncio.sleep(0.03)  # the first flush's write is under way, without EXAMPLES[1]
