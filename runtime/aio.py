@@ -83,8 +83,14 @@ async def supervise(tasks: Sequence[asyncio.Task], *, watch: Sequence[asyncio.Ta
         if live:
             await asyncio.gather(*live, return_exceptions=True)
         for task in tasks:  # a failure behind the one raised (or behind our cancellation) is seen, not reported
-            if not task.cancelled():
-                task.exception()
+            retrieved(task)
+
+
+def retrieved(future: asyncio.Future) -> None:
+    """Marks a done future's failure as seen, for one nobody may await (asyncio would log
+    it as never retrieved); whoever needs to know learns of it another way."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _exception_of(task: asyncio.Task) -> BaseException:

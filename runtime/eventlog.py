@@ -142,12 +142,6 @@ def frames_of(bodies: list[bytes], room: int = FRAME_BYTES) -> list[bytes]:
 # ---------------------------------------------------------------- writer
 
 
-def _retrieved(fut: asyncio.Future) -> None:
-    """Marks a failed write's error as seen: `EventLog.failed` keeps it, and raises it again."""
-    if not fut.cancelled():
-        fut.exception()
-
-
 class EventLog:
     """Append-only event log writer. Use from one event loop::
 
@@ -288,11 +282,14 @@ class EventLog:
         is busy)."""
         import asyncio
 
+        from .aio import retrieved
+
         wanted = self._seq
         while self._synced_seq < wanted:
             if self._syncing is None:
                 self._syncing = asyncio.ensure_future(self._sync(self._seq))
-                self._syncing.add_done_callback(_retrieved)  # its callers may all have been cancelled
+                # Its callers may all be cancelled: a failure is kept (`failed`) and raised again.
+                self._syncing.add_done_callback(retrieved)
             await asyncio.shield(self._syncing)
 
     async def _sync(self, seq: int) -> None:

@@ -12,10 +12,10 @@
 - once `decisions.step_due` says the batch is done, sends ONE optimizer step, and has the
   weight sync bring the agent's instances to the new version, which unblocks the gate (the
   agent's synced version, versions.py), while the event log is flushed (a crash loses
-  nothing that led to a step once the step is done); then writes the step's metrics row and, where a checkpoint is
-  due, makes the metrics durable and has the agent's state saved (before anything of the
-  next batch reaches the trainer, so the saved state has no pending gradients; after the
-  row, so a checkpoint never outlives its step's row);
+  nothing that led to a step once the step is done); then writes the step's metrics row
+  and, where a checkpoint is due, makes the metrics durable and has the agent's state
+  saved (before anything of the next batch reaches the trainer, so the saved state has no
+  pending gradients; after the row, so a checkpoint never outlives its step's row);
 - counts steps the trainer skipped for a non-finite gradient (`StepStats.skipped`): the
   version still advances, with the last version's (finite) weights, so the sync, the
   staleness gate and checkpoints keep one version per global batch; each is logged
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine
 
 from flexmarl.runtime import events as ev
 from flexmarl.runtime import protocol
+from flexmarl.runtime.aio import retrieved
 from flexmarl.runtime.checksums import DamagedFile
 from flexmarl.runtime.config import PipelineConfig
 from flexmarl.runtime.params.types import ParamHandle
@@ -411,7 +412,7 @@ class AgentPipeline:
                     await self.schedule.wait_to_sync(version)  # an evaluation of version - 1 first
                     await self.weights.sync(self.agent, trainer, version)
                 except BaseException:
-                    flushed.add_done_callback(_seen)  # a write that failed stops the run through the log's task
+                    flushed.add_done_callback(retrieved)  # a write that failed stops the run through the log's task
                     raise
         finally:
             self.allocator.release(self.agent)
@@ -507,11 +508,6 @@ async def _all(calls: list[asyncio.Future]) -> float:
     except BaseException:
         await _cancelled(calls)
         raise
-
-
-def _seen(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _resolve(future: asyncio.Future) -> None:
