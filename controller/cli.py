@@ -250,7 +250,7 @@ def _parser(worker_options: bool = True) -> argparse.ArgumentParser:
         add_worker_arguments(p_wrk)
 
     p_rep = sub.add_parser("replay", help="summarise, trace, plot or check a run's event log")
-    p_rep.add_argument("log", help="RUN_DIR/events.log")
+    p_rep.add_argument("log", metavar="RUN_DIR", help="a run directory, or its events.log")
     p_rep.add_argument("--trace", metavar="FILE.json")
     p_rep.add_argument("--plot", metavar="FILE.png")
     p_rep.add_argument("--check", action="store_true")

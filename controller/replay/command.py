@@ -1,13 +1,15 @@
 """The `flexmarl replay` command: read the log, print the summary, write the trace and the
 plot, and check the decisions when asked.
 
-    flexmarl replay RUN_DIR/events.log [--trace FILE.json] [--plot FILE.png] [--check]
+    flexmarl replay RUN_DIR [--trace FILE.json] [--plot FILE.png] [--check]
+    flexmarl replay RUN_DIR/events.log ...
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from flexmarl.runtime import collector
 from flexmarl.runtime.eventlog import EventLogVersionError, read_events
@@ -22,9 +24,16 @@ def main(args: argparse.Namespace) -> int:
     difference. The events and then the summary are set apart from the collector once
     made (`collector.set_apart`): they are held to the end, and the check's collections
     need not walk them."""
+    path = Path(args.log)
+    if path.is_dir():  # a run directory: its log
+        if not (path / "events.log").exists():
+            print(f"flexmarl replay: {path} holds no events.log (is it a run directory? a run with "
+                  f"run.event_log = false writes none)", file=sys.stderr)
+            return 1
+        path = path / "events.log"
     with collector.set_apart() as keep:
         try:
-            events, problem = read_events(args.log)
+            events, problem = read_events(path)
         except (OSError, EventLogVersionError) as exc:
             print(f"flexmarl replay: {exc}", file=sys.stderr)
             return 1

@@ -370,6 +370,14 @@ async def test_a_run_stopped_mid_step_replays_with_check_its_open_step_reported_
     assert "(the steps left open agree as far as the log goes)" in out
 
 
+async def test_replay_takes_a_run_directory_for_its_log_and_says_when_it_holds_none(tmp_path, capsys):
+    await write_log(tmp_path / "run" / "events.log", synthetic_run())
+    assert replay.main(args(tmp_path / "run")) == 0
+    assert "mode async, max_staleness 1" in capsys.readouterr().out
+    assert replay.main(args(tmp_path)) == 1
+    assert f"flexmarl replay: {tmp_path} holds no events.log" in capsys.readouterr().err
+
+
 async def test_replay_imports_no_torch_event_loop_or_worker_package_so_it_starts_in_a_fraction_of_a_second(
         tmp_path):
     log = await write_log(tmp_path / "events.log", synthetic_run())
