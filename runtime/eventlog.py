@@ -295,7 +295,7 @@ class EventLog:
     async def _sync(self, seq: int) -> None:
         try:
             await self._drain(fsync=True)
-            self._synced_seq = max(self._synced_seq, seq)
+            self._synced_seq = seq  # one at a time: each began after the last
         finally:
             self._syncing = None
 
