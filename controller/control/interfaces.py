@@ -9,6 +9,7 @@ live beside it instead (weight_sync.ServedInstances, openai_turns.TurnEndpoint, 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable, Protocol, Sequence
 
 from flexmarl.runtime import events as ev
@@ -29,6 +30,9 @@ class WorkerCalls(Protocol):
                    timeout: float | None = None,
                    on_sent: Callable[[], None] | None = None) -> tuple[Any, list[Any]]:
         """The reply (its type follows the request's: protocol.py pairs them) and its buffers."""
+
+    def request(self, worker_id: str, msg: protocol.Message) -> asyncio.Future:
+        """`call` sent at once, without a task: the future of the reply and its buffers."""
 
 
 class WorkerDirectory(Protocol):

@@ -87,6 +87,7 @@ class ControllerServer:
         # A worker died while the run goes on: not called once closing (the run is stopping its workers).
         self.on_died: list[Callable[[WorkerInfo], None]] = []
         self._pending: dict[int, _Pending] = {}
+        self._sending: set[asyncio.Future] = set()  # `request`s waiting for room in a worker's queue
         self._ids = itertools.count(1)
         self._changed = asyncio.Event()
         self._hb_seq = 0
@@ -160,6 +161,8 @@ class ControllerServer:
             if not pending.future.done():
                 pending.future.set_exception(WorkerDied(pending.worker_id, "controller closed"))
         self._pending.clear()
+        for sending in self._sending:
+            sending.cancel()
         self.socket.close()
 
     # ------------------------------------------------------------ requests
@@ -186,6 +189,19 @@ class ControllerServer:
         # No timeout: the future itself (asyncio.wait_for's own steps cost a loop lookup, a
         # system call, per call; a cancelled caller cancels the future either way).
         return await (future if timeout is None else asyncio.wait_for(future, timeout))
+
+    def request(self, worker_id: str, msg: protocol.Message) -> asyncio.Future:
+        """`call` without a coroutine of its own: the request is registered and written now
+        (where the worker's queue is full, by a task that waits for room, as `call` does),
+        and the future of its single reply returned. For a fan-out, a weight sync's load to
+        each of an agent's instances: there a task per request cost more than the request."""
+        future = self.stream(worker_id, msg, None)
+        if not future.done() and self.send_now([(worker_id, msg)]) == 0:
+            sending = asyncio.ensure_future(self._send_request(worker_id, msg, ()))
+            self._sending.add(sending)
+            sending.add_done_callback(self._sending.discard)
+            future.add_done_callback(lambda f: sending.cancel() if f.cancelled() else None)
+        return future
 
     def stream(self, worker_id: str, msg: protocol.Message, on_reply: ReplyHandler | None,
                buffers: Sequence[Any] = ()) -> asyncio.Future:

@@ -221,10 +221,11 @@ class WeightSync:
         self._loaded(agent, version, list(ranks), results, f"while loading {agent} version {version}")
 
     def _load(self, worker: str, agent: str, version: int, handle: ParamHandle | None, *, rank: int = 0,
-              adapter_dir: str = "", in_flight: str = "") -> Any:
-        """The call that has `worker` load `agent`'s weights at `version` (every field of
-        LoadWeights named: its optional ones are easily given in the wrong place)."""
-        return self.server.call(worker, protocol.LoadWeights(
+              adapter_dir: str = "", in_flight: str = "") -> asyncio.Future:
+        """Has `worker` load `agent`'s weights at `version` (every field of LoadWeights named:
+        its optional ones are easily given in the wrong place): sent now, the future of its
+        reply. A sync sends one to every instance of the agent, each without a task of its own."""
+        return self.server.request(worker, protocol.LoadWeights(
             request_id=self.server.next_request_id(), agent=agent, version=version, handle=handle, rank=rank,
             lora=self.lora.get(agent), adapter_dir=adapter_dir, in_flight=in_flight))
 
@@ -255,8 +256,8 @@ class WeightSync:
         try:
             reply, _ = await self.server.call(trainer, protocol.PublishWeights(
                 self.server.next_request_id(), source, version, transport, instances, group, width))
-            loads = {w: asyncio.ensure_future(self._load(w, agent, version, reply.handle, rank=ranks[w],
-                                                         in_flight=self.in_flight)) for w in instances}
+            loads = {w: self._load(w, agent, version, reply.handle, rank=ranks[w], in_flight=self.in_flight)
+                     for w in instances}
             cancelled = await self._cancel_if_a_rank_dies(agent, reply.handle, loads) if group else []
             results = await asyncio.gather(*loads.values(), return_exceptions=True)
         except BaseException:

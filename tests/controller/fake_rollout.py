@@ -36,6 +36,9 @@ class FakeServer:
     async def send_request(self, worker, msg):
         self.sent.append((worker, msg))
 
+    def request(self, worker, msg):  # through the `call` a test gives it
+        return asyncio.ensure_future(self.call(worker, msg))
+
     def send_now(self, requests):
         self.sent.extend(requests)
         return len(requests)

@@ -447,3 +447,28 @@ async def test_requests_are_sent_at_once_in_order_up_to_the_first_worker_whose_q
                 f.cancel()
         finally:
             deaf.close()
+
+
+async def test_a_request_is_sent_at_once_and_one_held_by_a_full_queue_waits_until_cancelled():
+    # `request` is `call` without a task (a weight sync's load to each instance): written in
+    # the caller's turn; where the worker's queue is full, a task waits for room, and goes
+    # when its request's future is cancelled; to a worker not there, the future has failed.
+    async with controller(dataclasses.replace(CFG, heartbeat_timeout_s=60.0)) as server, healthy_worker(server):
+        reply, _ = await asyncio.wait_for(server.request("healthy", p.Echo(server.next_request_id(), b"now")), PATIENCE)
+        assert reply.payload == b"now" and not server._sending
+        gone = server.request("nobody", p.Echo(server.next_request_id()))
+        assert gone.done() and isinstance(gone.exception(), WorkerDied)
+        deaf = raw_dealer(server, b"deaf", [(zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)])
+        try:
+            await deaf.send_multipart(hello("deaf"))
+            await asyncio.wait_for(deaf.recv_multipart(), PATIENCE)  # WELCOME
+            await fill_until_it_stays_full(server, server.registry.workers["deaf"].identity)
+            held = server.request("deaf", p.Echo(server.next_request_id(), b"held"))
+            assert len(server._sending) == 1 and not held.done()
+            await asyncio.sleep(0.05)
+            assert not held.done()
+            held.cancel()
+            assert await wait_for(lambda: not server._sending)
+            await echo(server, "healthy")  # the server goes on serving the others
+        finally:
+            deaf.close()

@@ -37,6 +37,9 @@ class FakeServer:
         self._id += 1
         return self._id
 
+    def request(self, worker, msg):  # sent at once, as the server's: the call's task started now
+        return asyncio.ensure_future(self.call(worker, msg))
+
     async def call(self, worker, msg, buffers=(), timeout=None):
         self.calls.append((worker, type(msg).__name__, getattr(msg, "version", None)))
         if self.client is not None:

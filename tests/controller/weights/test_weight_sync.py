@@ -26,6 +26,9 @@ class FakeServer:
         self._id += 1
         return self._id
 
+    def request(self, worker, msg):  # sent at once, as the server's: the call's task started now
+        return asyncio.ensure_future(self.call(worker, msg))
+
     async def call(self, worker, msg, buffers=(), timeout=None):
         self.calls.append((worker, msg))
         if worker in self.dies:
@@ -89,6 +92,36 @@ async def test_a_sync_publishes_once_loads_every_instance_and_then_reports_the_v
     assert server.calls[0][1].transport == "shm"
     assert versions["a"] == 3
     assert ws.instances.held == {"r0": ("a", 3), "r1": ("a", 3)}
+
+
+async def test_a_sync_sends_every_load_at_once_without_a_task_per_instance():
+    # At 1,024 instances a task per LoadWeights cost the controller more than the message:
+    # each load is a request's future, all of them sent in the sync's own turn.
+    class AtOnce(FakeServer):
+        def request(self, worker, msg):
+            self.calls.append((worker, msg))
+            answered = asyncio.get_running_loop().create_future()
+            answered.set_result((protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version, 0.0), []))
+            return answered
+
+    instances = [f"r{i}" for i in range(16)]
+    server = AtOnce({"t0": "h", **{w: "h" for w in instances}})
+    ws, versions = weight_sync(server, instances)
+    loop, tasks = asyncio.get_running_loop(), []
+    factory = loop.get_task_factory()
+
+    def counted(loop, coro, **kw):
+        tasks.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    loop.set_task_factory(counted)
+    try:
+        await ws.sync("a", "t0", 1)
+    finally:
+        loop.set_task_factory(factory)
+    assert [w for w, m in server.calls if isinstance(m, protocol.LoadWeights)] == instances
+    assert tasks == []
+    assert versions["a"] == 1 and ws.instances.held == {w: ("a", 1) for w in instances}
 
 
 async def test_an_instance_that_dies_during_a_sync_is_left_out_and_the_sync_completes():
