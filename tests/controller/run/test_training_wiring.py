@@ -40,6 +40,9 @@ class FakeCluster:
         self._id += 1
         return self._id
 
+    def request(self, worker, msg):  # sent at once, as the server's: the call's task started now
+        return asyncio.ensure_future(self.call(worker, msg))
+
     async def call(self, worker, msg, buffers=(), timeout=None, on_sent=None):
         agent = getattr(msg, "agent", "")
         self.calls.append((worker, type(msg).__name__, agent, getattr(msg, "version", None)))
