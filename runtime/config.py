@@ -536,8 +536,13 @@ class RouterConfig:
     "chain" weighs each agent by group_size x max_tokens x its position in [agents] (in a pipeline
     a later agent is asked more often: each plan makes several answers, each answer several
     checks); "parallel" by group_size x max_tokens alone (every agent asked as often as any
-    other: agents answering side by side, a debate, a vote). With across_agents, measured demand
-    moves instances from there."""
+    other: agents answering side by side, a debate, a vote). With measured_placement, the first
+    batch's tokens correct it; with across_agents, measured demand moves instances from there."""
+    measured_placement: bool = True
+    """Once the first batch's rollout ended: where each instance of one agent was sent
+    disparity_threshold times the tokens of each of another's, share the instances out again
+    in proportion to the tokens each agent was sent (instances move as across_agents moves
+    them); false: only say so in the log."""
     across_agents: bool = False
     """Level 1 (across agents): move rollout instances between agents from measured demand."""
     disparity_threshold: float = 5.0

@@ -420,6 +420,15 @@ class RebalanceDecided(Event):
     why: str
 
 
+class PlacementMeasured(Event):
+    # The input of the placement by measured demand, once after a run's first batch
+    # (`router.measured_placement`): every unit's instances and the tokens it was sent.
+    # The moves it made follow as RebalanceDecided events.
+    step: int  # the batch whose rollout it measured
+    outstanding: dict[str, dict[str, float]]  # unit -> instance -> tokens queued or in flight
+    dispatched_tokens: dict[str, float]  # unit -> tokens sent so far
+
+
 # Every event type, in declaration order; a new subclass above is picked up here.
 EVENT_TYPES: tuple[type[Event], ...] = tuple(Event.__subclasses__())
 EVENT_NAMES: frozenset[str] = frozenset(cls.__name__ for cls in EVENT_TYPES)

@@ -27,8 +27,11 @@ one JSON row; the sweep prints the rows and a table. Per point:
     rss_mb           the controller's peak resident memory
     rollout_busy     mean busy fraction of the fake engines (their modelled seconds)
     rollout_busy_max the busiest engine's: near 1.0, an agent with too few instances sets the pace
-    instances_min/max  the fewest and most instances an agent has (the initial placement,
-                     `router.placement`: a point's "placement", "chain" unless given)
+    instances_min/max  the fewest and most instances an agent has at the end (the initial
+                     placement, `router.placement`: a point's "placement", "chain" unless
+                     given; then, after the first step, `router.measured_placement`: a
+                     point's "measured", true unless given)
+    instances_moved  instances moved between agents (by `router.measured_placement`)
     capacity_s       samples/s the fake engines could produce at their modelled rate
     generate_per_sample  (with --replay) GENERATE messages sent per sample trained
     replay_*         (with --replay) `flexmarl replay --check` on the point's log: read,
@@ -71,9 +74,11 @@ sets its young passes). Add `"steps": 60` to a point for a window of 20-45 s (RE
 
 The wide shape asks every agent alike, but a point places instances as `flexmarl run` does
 by default (`router.placement = "chain"`, weighing later agents more): at 1,024 x 32 agent00
-gets 2 instances and agent31 62, and once the controller keeps up, agent00's two
-(`rollout_busy_max`) set the pace, not the controller. Add `"placement": "parallel"` to
-give every agent its share (32 each) and measure the controller (RESULTS, run X).
+gets 2 instances and agent31 62, and while that lasts agent00's two (`rollout_busy_max`) set
+the pace, not the controller (RESULTS, run X). After the first step the run places them
+again by the tokens each agent was sent (`router.measured_placement`, 32 each); add
+`"measured": false` to keep the first placement, `"placement": "parallel"` to start from
+every agent's share.
 """
 
 from __future__ import annotations
@@ -102,7 +107,8 @@ WORKERS_PER_HELPER = 256
 # The controller's loop counts as what the fake cluster waits on when it keeps this much of
 # a core busy while the engines idle (on 2 shared cores it never quite reaches 1.0).
 WAITED_CPU = 0.75
-DEFAULTS = {"steps": 4, "micro_batch": 64, "mode": "sync", "k": 0, "shape": "chain", "placement": "chain"}
+DEFAULTS = {"steps": 4, "micro_batch": 64, "mode": "sync", "k": 0, "shape": "chain", "placement": "chain",
+            "measured": True}
 
 # instances, agents, trainers, shape, mode, K
 SWEEP = [
@@ -140,7 +146,7 @@ def config_for(p: dict[str, Any], run_dir: Path, address: str, model_dir: Path) 
                      "micro_batch": p["micro_batch"], "max_concurrent_episodes": p["queries"],
                      # a step's episodes reach only some of many agents: the others step on nothing
                      "allow_empty_steps": True},
-        "router": {"placement": p["placement"]},
+        "router": {"placement": p["placement"], "measured_placement": p["measured"]},
         "agents": agents,
     })
 
@@ -377,7 +383,8 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
     mean_busy = sum(rollout_busy) / len(rollout_busy) if rollout_busy else 0.0
     served = [len(training.parts.instances.instances(a)) for a in agents]
     return {
-        **{k: p[k] for k in ("instances", "agents", "trainers", "shape", "mode", "k", "queries", "steps", "placement")},
+        **{k: p[k] for k in ("instances", "agents", "trainers", "shape", "mode", "k", "queries", "steps", "placement",
+                                  "measured")},
         "samples": samples,
         "wall_s": round(wall, 3),
         "samples_s": round(samples / wall) if wall else 0,
@@ -398,6 +405,7 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
         "rollout_busy": round(mean_busy, 3),
         "rollout_busy_max": round(max(rollout_busy, default=0.0), 3),
         "instances_min": min(served), "instances_max": max(served),
+        "instances_moved": sum(r is not None for r in training.reassignments),
         "trainer_busy": round(sum(trainer_busy) / len(trainer_busy), 3) if trainer_busy else 0.0,
         "capacity_s": round(p["instances"] * costs["tokens_per_s"] / tokens_per_sample),
         "waited": "yes" if cpu_frac >= WAITED_CPU and mean_busy < 0.9 else "no",

@@ -121,7 +121,7 @@ def lost_batches(log: list) -> set[int]:
 
 
 # What the level 1 balancer saw and decided: its state after lost events is not known.
-_BALANCER = (ev.DemandObserved, ev.RebalanceDecided)
+_BALANCER = (ev.DemandObserved, ev.PlacementMeasured, ev.RebalanceDecided)
 
 
 def _named(kept: list[ev.Event]) -> set[int]:

@@ -3,7 +3,8 @@
 `redrive(events)` feeds the logged inputs (groups opened, the versions that generated
 each sample, rewards, demand observations) to the very code the controller ran: a fresh
 `ExperienceStore` cut by its `form_micro_batches` and `decisions.step_due`, and a
-`RolloutBalancer` observing the logged demand. It returns the decision events that code
+`RolloutBalancer` observing the logged demand (and `measured_placement` the logged
+measurement of a run's first batch). It returns the decision events that code
 makes, for replay to compare with the ones the log recorded.
 
 It does not read files or know how decisions are carried out.
@@ -20,7 +21,7 @@ from flexmarl.runtime import collector
 from flexmarl.runtime import events as ev
 from flexmarl.runtime.config import RouterConfig, admits_continuously
 
-from ..rollout.balance_rules import AgentDemand, RolloutBalancer
+from ..rollout.balance_rules import AgentDemand, RolloutBalancer, measured_placement
 from ..state import decisions
 from ..state.store import ExperienceStore
 from .lineage import agent_roles, last_batch, lineage, lost_batches, open_steps
@@ -39,7 +40,7 @@ def redrive(log: list) -> list:
     moves from the logged inputs, by calling the same code the controller ran: an
     `ExperienceStore` is refilled from the logged groups, versions and rewards, and
     `form_micro_batches` / `step_due` cut it; `RolloutBalancer.observe` sees the logged
-    demand. `flexmarl replay --check` compares the result with the decisions the log
+    demand, `measured_placement` the logged first batch. `flexmarl replay --check` compares the result with the decisions the log
     recorded; ordering across agents is taken from the log, since it depends on timing,
     not on the rules."""
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
@@ -222,12 +223,18 @@ def in_log_order(log: list, made: dict[str, list], moves: list, assignments: Seq
 
 
 def _redrive_balancer(log: list, router: dict) -> list:
-    """The level 1 balancer's moves for the logged demand observations, in order."""
+    """The level 1 balancer's moves for the logged demand observations, and the placement
+    by measured demand's for its measurement, in log order."""
     balancer, moves = None, []
     for e in log:
         kind = type(e)
         if kind is ev.RunResumed:
             balancer = None  # the resumed controller's balancer starts afresh
+        if kind is ev.PlacementMeasured:
+            measured = {u: AgentDemand(e.outstanding[u], e.dispatched_tokens.get(u, 0.0)) for u in e.outstanding}
+            moves += [ev.RebalanceDecided(list(m.instances), m.src, m.dst, m.why)
+                      for m in measured_placement(measured, RouterConfig(**router).disparity_threshold)]
+            continue
         if kind is not ev.DemandObserved:
             continue
         if balancer is None:  # built as the rebalancer builds it, from the logged config

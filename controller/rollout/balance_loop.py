@@ -43,7 +43,7 @@ from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
 from ..control.interfaces import Emit, WorkerDirectory
-from .balance_rules import AgentDemand, RolloutBalancer, nearest_rule, uneven_placement
+from .balance_rules import AgentDemand, RolloutBalancer, measured_placement, nearest_rule, uneven_placement
 
 if TYPE_CHECKING:
     from ..state.instances import RolloutInstances
@@ -122,6 +122,30 @@ class Rebalancer:
         return (f"rollout instances are unevenly loaded: through step {step}, {most} ({_instances(n_most)}) was "
                 f"sent {ratio:.1f}x the tokens per instance of {fewest} ({_instances(n_fewest)}) "
                 f"(router.placement = {self.cfg.placement!r}); {advice}")
+
+    async def place_by_measure(self, step: int) -> list[Reassignment | None]:
+        """Once `step`'s rollout ended (`router.measured_placement`): where the instances'
+        shares of the tokens sent so far are uneven, moves instances so that each unit's
+        share follows them (`balance_rules.measured_placement`), every move at once; logs
+        the measurement (PlacementMeasured) and each move (RebalanceDecided) first. What
+        each instance's move came to, in order (None: it did not move)."""
+        snapshot = self.demand_snapshot()
+        moves = measured_placement(snapshot, self.cfg.disparity_threshold)
+        if not moves:
+            return []
+        self.emit(ev.PlacementMeasured(step, {u: dict(d.outstanding) for u, d in snapshot.items()},
+                                       {u: d.dispatched_tokens for u, d in snapshot.items()}))
+        for move in moves:
+            self.emit(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
+        before = {u: len(d.outstanding) for u, d in snapshot.items()}
+        after = dict(before)
+        for move in moves:
+            after[move.src] -= len(move.instances)
+            after[move.dst] += len(move.instances)
+        changed = ", ".join(f"{u} {before[u]} -> {after[u]}" for u in before if after[u] != before[u])
+        log.info("rollout instances %s through step %d (router.placement = %r; router.measured_placement = "
+                 "false keeps the first placement): %s", moves[0].why, step, self.cfg.placement, changed)
+        return list(await asyncio.gather(*(self.reassign(w, m.src, m.dst, m.why) for m in moves for w in m.instances)))
 
     async def run(self) -> None:
         """Observes demand every interval and carries out the balancer's moves (see module doc)."""

@@ -207,6 +207,45 @@ def uneven_placement(snapshot: dict[str, AgentDemand], threshold: float) -> tupl
     return (most, fewest, ratio) if most != fewest and ratio >= threshold else None
 
 
+def measured_placement(snapshot: dict[str, AgentDemand], threshold: float) -> list[Move]:
+    """Once, after a run's first batch: where the instances' shares of what was sent are
+    uneven (`uneven_placement` at `threshold`), the moves that share the instances of the
+    units sent something out again in proportion to the tokens each was sent (as set-up's
+    placement shares them by expected work: one each, then the rest to the unit with the
+    most tokens per instance); [] where they are not uneven. Units sent nothing yet neither
+    give nor take (a workflow may call an agent later). A giver gives its least loaded
+    instances; givers and takers are paired in name order, the most over or under first.
+
+    Unlike `RolloutBalancer.observe`, this weighs no move cost: it answers a placement that
+    misjudged the workflow's shape (a whole batch's tokens, not a moment's backlog), which
+    every later batch would pay for, once."""
+    found = uneven_placement(snapshot, threshold)
+    if found is None:
+        return []
+    sent = {u: d.dispatched_tokens for u, d in snapshot.items() if d.outstanding and d.dispatched_tokens > 0}
+    have = {u: len(snapshot[u].outstanding) for u in sent}
+    want = dict.fromkeys(sent, 1)
+    for _ in range(sum(have.values()) - len(sent)):
+        most = max(sent, key=lambda u: (sent[u] / want[u], u))
+        want[most] += 1
+    spare = {u: sorted(snapshot[u].outstanding, key=lambda w: (snapshot[u].outstanding[w], w))[:have[u] - want[u]]
+             for u in sorted(sent, key=lambda u: (want[u] - have[u], u)) if have[u] > want[u]}
+    short = {u: want[u] - have[u] for u in sorted(sent, key=lambda u: (have[u] - want[u], u)) if want[u] > have[u]}
+    most, fewest, ratio = found
+    why = f"placed by the tokens sent: each instance of {most} was sent {ratio:.1f}x the tokens of each of {fewest}'s"
+    moves: list[Move] = []
+    givers = iter(spare.items())
+    src, pool = next(givers, ("", []))
+    for dst, need in short.items():
+        while need > 0 and pool:
+            take, pool = pool[:need], pool[need:]
+            moves.append(Move(tuple(take), src, dst, why))
+            need -= len(take)
+            if not pool:
+                src, pool = next(givers, ("", []))
+    return moves
+
+
 def nearest_rule(sent: Mapping[str, float], rules: Mapping[str, Mapping[str, float]]) -> tuple[str, float]:
     """Of placement rules (name -> each unit's weight), the one whose shares are nearest the
     tokens each unit was sent (units sent something), and how near: the largest ratio, either

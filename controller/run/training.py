@@ -15,9 +15,11 @@ one supervisor (the first to fail stops the others), and writes the final checkp
 - balance (rollout/balance_loop.py, `Rebalancer.run`, with `router.across_agents`): consumes the
   rollout client's demand counters; produces instance moves between agents; waits for
   its observation interval; ends once every batch is trained.
-- placement-hint, without `router.across_agents`: waits for the first batch's rollout to
-  end; says in the log where the instances' shares of its work were uneven
-  (`Rebalancer.placement_hint`) and what to set instead.
+- placement, with `router.measured_placement` (the default) or without
+  `router.across_agents`: waits for the first batch's rollout to end; where the
+  instances' shares of its work were uneven, moves instances so that each agent's share
+  follows it (`Rebalancer.place_by_measure`), or without `router.measured_placement`
+  says so in the log and what to set instead (`Rebalancer.placement_hint`).
 - environments, with `cluster.env_workers` (environments/client.py, `EnvClient.run`):
   consumes environment workers that register after set-up (a restarted one); produces
   them set up (the workflow's module imported in their pools) and routed to.
@@ -175,21 +177,27 @@ class TrainingRun:
                  *(asyncio.create_task(pl.run(), name=f"train-{a}") for a, pl in parts.pipelines.items())]
         if self.cfg.router.across_agents:
             loops.append(asyncio.create_task(parts.rebalancer.run(), name="balance"))
-        else:
-            loops.append(asyncio.create_task(self._hint_placement(), name="placement-hint"))
+        if self.cfg.router.measured_placement or not self.cfg.router.across_agents:
+            loops.append(asyncio.create_task(self._measure_placement(), name="placement"))
         if self.cfg.cluster.env_workers:
             loops.append(asyncio.create_task(parts.environments.run(), name="environments"))
         if self.cfg.eval.every > 0:
             loops.append(asyncio.create_task(parts.evaluator.run(), name="eval"))
         return loops
 
-    async def _hint_placement(self) -> None:
-        """Once the first batch's rollout ended, says in the log where the instances' shares
-        of its work were uneven and how to place them instead (`Rebalancer.placement_hint`)."""
+    async def _measure_placement(self) -> None:
+        """Once the first batch's rollout ended, where the instances' shares of its work were
+        uneven: with `router.measured_placement`, places them again by that work
+        (`Rebalancer.place_by_measure`); without, says so in the log and how to place them
+        instead (`Rebalancer.placement_hint`)."""
         first = self.parts.schedule.first_batch
         if first > self.cfg.run.steps:
             return
         await self.parts.schedule.batches[first].rollout_done.wait()
+        if self.cfg.router.measured_placement:
+            if first < self.cfg.run.steps:  # a batch is left to gain from it
+                await self.parts.rebalancer.place_by_measure(first)
+            return
         units = self.parts.resolved.units
         rules = {name: decisions.unit_weights(units, functools.partial(rule, self.cfg.agents))
                  for name, rule in decisions.PLACEMENT_DEMAND.items()}

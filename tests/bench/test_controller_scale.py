@@ -109,24 +109,34 @@ def test_pinned_the_fake_cluster_runs_one_helper_per_core_it_has_and_unpinned_25
     assert {role for role, _ in unpinned[-1]} == {"trainer"}
 
 
-def test_the_wide_shape_placed_in_parallel_gives_every_agent_its_share_and_by_chain_the_run_says_it_is_uneven(
-        tmp_path, caplog):
+def test_the_wide_shape_placed_by_chain_is_placed_again_by_the_tokens_sent_and_the_log_replays(tmp_path, caplog):
     # The real controller over real sockets: `router.placement` decides how many of the 64
-    # instances each of the 8 agents gets (every wide episode asks each agent alike).
+    # instances each of the 8 agents gets first (every wide episode asks each agent alike);
+    # after the first step `router.measured_placement` shares them out by the tokens sent.
     bench = load_bench()
-    point = {"instances": 64, "agents": 8, "trainers": 8, "shape": "wide", "mode": "async", "k": 1, "steps": 2,
+    point = {"instances": 64, "agents": 8, "trainers": 8, "shape": "wide", "mode": "async", "k": 1, "steps": 3,
              "queries": 8}
-    with caplog.at_level(logging.WARNING, logger="flexmarl"):
+    with caplog.at_level(logging.INFO, logger="flexmarl"):
         parallel = bench.one_point({**point, "placement": "parallel"})
-    assert (parallel["instances_min"], parallel["instances_max"]) == (8, 8)
+    assert (parallel["instances_min"], parallel["instances_max"], parallel["instances_moved"]) == (8, 8, 0)
+    assert "unevenly loaded" not in caplog.text and "placed by the tokens sent" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flexmarl"):
+        measured = bench.one_point(point, replay=True)  # the default: weighed by position, 1 : 2 : ... : 8, then measured
+    assert (measured["placement"], measured["instances_min"], measured["instances_max"]) == ("chain", 8, 8)
+    assert measured["instances_moved"] == 6 + 4 + 3 + 1  # agent00 .. agent03 had 2, 4, 5 and 7
+    placed = [r.getMessage() for r in caplog.records if "placed by the tokens sent" in r.getMessage()]
+    assert len(placed) == 1 and "each instance of agent00 was sent 7.0x the tokens of each of agent07's through " \
+                                "step 1" in placed[0] and "agent00 2 -> 8" in placed[0], placed
     assert "unevenly loaded" not in caplog.text
+    assert measured["replay_ok"] is True, measured["replay_problem"]  # the moves re-derived from the measurement
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flexmarl"):
-        chain = bench.one_point(point)  # the default: weighed by position, 1 : 2 : ... : 8
-    assert (chain["placement"], chain["instances_min"], chain["instances_max"]) == ("chain", 2, 14)
+        kept = bench.one_point({**point, "measured": False})
+    assert (kept["instances_min"], kept["instances_max"], kept["instances_moved"]) == (2, 14, 0)
     hint = [r.getMessage() for r in caplog.records if "unevenly loaded" in r.getMessage()]
     assert len(hint) == 1 and "through step 1, agent00 (2 instances) was sent 7.0x the tokens per instance of agent07 (14 instances)" in hint[0]
     assert "the tokens sent fit router.placement = 'parallel' (every unit's share within 1.0x): set it" in hint[0]
-    for row in (parallel, chain):
+    for row in (parallel, measured, kept):
         assert row["accounting"] is True and row["episodes_failed"] == 0
         assert 0.0 < row["rollout_busy"] <= row["rollout_busy_max"] <= 1.0

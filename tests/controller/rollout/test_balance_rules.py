@@ -1,12 +1,14 @@
 """Level 1 balancing rules on plain demand snapshots: when instances move between agents,
-how many, and never an oscillation, a move within the cooldown or an agent left without one."""
+how many, and never an oscillation, a move within the cooldown or an agent left without one;
+the placement by a first batch's measured tokens."""
 
 import itertools
 
 import pytest
 
 from flexmarl.controller.rollout.balance_rules import (AgentDemand, Move, RolloutBalancer, instances_to_move,
-                                                       nearest_rule, uneven_placement)
+                                                       measured_placement, nearest_rule, uneven_placement)
+from flexmarl.controller.state.decisions import place_agents
 
 
 def demand(**per_agent: list[float]) -> dict[str, AgentDemand]:
@@ -151,3 +153,42 @@ def test_the_nearest_placement_rule_is_the_one_whose_shares_the_tokens_sent_fit(
 def test_uneven_placement_leaves_out_units_sent_nothing_yet():
     assert uneven_placement(sent(a=(1000, 1), b=(0, 10)), 5.0) is None  # b may be asked later
     assert uneven_placement(sent(a=(1000, 1)), 5.0) is None  # one unit: nothing to compare
+
+
+def placed_after(snapshot: dict[str, AgentDemand], moves) -> dict[str, int]:
+    count = {a: len(d.outstanding) for a, d in snapshot.items()}
+    for m in moves:
+        assert len(set(m.instances)) == len(m.instances) and set(m.instances) <= set(snapshot[m.src].outstanding)
+        count[m.src] -= len(m.instances)
+        count[m.dst] += len(m.instances)
+    return count
+
+
+def test_the_measured_placement_shares_the_instances_out_by_the_tokens_each_unit_was_sent():
+    # the wide point at 1,024 x 32 as the chain rule places it: 2 .. 62 instances, every agent sent alike
+    have = [len(p) for p in place_agents([f"agent{i:02d}" for i in range(32)], [f"w{i}" for i in range(1024)],
+                                         {f"agent{i:02d}": 16.0 * (i + 1) for i in range(32)}).values()]
+    assert (have[0], have[-1]) == (2, 62)
+    wide = sent(**{f"agent{i:02d}": (1536.0, n) for i, n in enumerate(have)})
+    moves = measured_placement(wide, 5.0)
+    assert set(placed_after(wide, moves).values()) == {32}
+    assert sum(len(m.instances) for m in moves) == sum(n - 32 for n in have if n > 32)
+    assert all(len(wide[m.src].outstanding) > 32 > len(wide[m.dst].outstanding) for m in moves)
+    assert "agent00 was sent 31.0x the tokens of each of agent31's" in moves[0].why
+    # shares that are not equal: 1 : 3 : 4 of 16 instances, from 8 / 4 / 4
+    uneven = sent(a=(100, 8), b=(300, 4), c=(400, 4))
+    assert placed_after(uneven, measured_placement(uneven, 5.0)) == {"a": 2, "b": 6, "c": 8}
+
+
+def test_the_measured_placement_moves_nothing_where_the_shares_are_even_enough_or_nothing_could_move():
+    assert measured_placement(sent(a=(400, 4), b=(90, 1)), 5.0) == []  # 100 vs 90 per instance
+    assert measured_placement(sent(planner=(120, 1), solver=(900, 1), checker=(1500, 1)), 5.0) == []
+    assert measured_placement(sent(a=(1000, 2)), 5.0) == []
+
+
+def test_the_measured_placement_leaves_units_sent_nothing_as_they_are_and_gives_the_least_loaded_first():
+    snapshot = sent(a=(1000, 1), b=(100, 5), idle=(0, 6))
+    snapshot["b"].outstanding.update(b0=40.0, b1=0.0, b2=10.0, b3=0.0, b4=5.0)
+    moves = measured_placement(snapshot, 5.0)
+    assert placed_after(snapshot, moves) == {"a": 5, "b": 1, "idle": 6}  # idle may be asked later
+    assert [m.instances for m in moves] == [("b1", "b3", "b4", "b2")]  # b0, the busiest, stays
