@@ -12,6 +12,9 @@ the base's engine starts once and each agent's adapter is loaded from its traine
 included: the base alone is no agent's weights). A worker that dies or refuses fails its
 own admission (False), never the run; so does one that died and registered again while
 being admitted (its calls may have reached the new process, which is admitted on its own).
+`Admission.admit_together(workers, unit)` admits several at once (instances moved together),
+each agent's lock held once for all of them and their loads side by side where they read one
+publication: held once per instance, the last of n instances would wait n loads.
 
 What each instance serves and holds is recorded with the instances' owner
 (state/instances.py); this module does not decide which unit an instance should serve
@@ -20,8 +23,10 @@ What each instance serves and holds is recorded with the instances' owner
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 import msgspec
 
@@ -57,30 +62,52 @@ class Admission:
         instead of the model directory's, as set-up of a resumed run does). Without it the
         weights are swapped in place, and the engine restarts if the instance refuses or
         if the agent is still at version 0 (its weights are the model directory's)."""
+        return (await self.admit_together([worker], unit, restart=restart, why=why, engine=engine))[worker]
+
+    async def admit_together(self, workers: list[str], unit: str, *, restart: bool = True, why: str = "joins",
+                             engine: protocol.LoadModel | None = None) -> dict[str, bool]:
+        """`admit` for several workers joining one unit at once (instances moved together):
+        their engines started side by side, and under one hold of each agent's sync lock
+        their loads made side by side where the agent's publication can be read by all
+        (`WeightSync.readable`) or where the load is an engine start (a whole model at
+        version 0), else one after another. A lock held once per instance would
+        make the last of n instances wait n loads. Each worker's outcome is its own."""
         u = self.units[unit]
-        registration = self.server.registry.workers.get(worker)  # a process registered again is not this one
-        try:
-            if restart:
-                await self._start_engine(worker, unit, engine)
-            for agent in u.agents:  # one agent at a time: each agent's syncs wait only for its own load
-                async with self.weights.locks_of(agent):  # a snapshot's: its source's too
-                    held = self.instances.holds(worker, agent)
-                    if held is None or held < self.versions[agent]:
-                        if u.lora:  # an adapter comes from its trainer, version 0 included
-                            self.instances.loaded(worker, agent, await self.weights.load_newest(worker, agent))
-                        else:
-                            await self._load(worker, unit, agent, restarted=restart)
-                    if not self._alive(worker, registration):
-                        raise WorkerDied(worker, "it died while being admitted")
-                    self.instances.serve(worker, agent, f"{worker} {why}")
-        except WorkerDied as exc:
-            log.warning("%s died while joining %s: %s", worker, unit, exc)
-            return False
-        except RemoteError as exc:
-            log.error("%s could not serve %s (%s); it serves no new agent. Check its log in the run "
-                      "directory's logs/ folder.", worker, unit, exc)
-            return False
-        return True
+        registration = {w: self.server.registry.workers.get(w) for w in workers}  # a process registered again is not this one
+        admitted = dict.fromkeys(workers, True)
+
+        async def each(worker: str, work: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await work()
+            except WorkerDied as exc:
+                log.warning("%s died while joining %s: %s", worker, unit, exc)
+                admitted[worker] = False
+            except RemoteError as exc:
+                log.error("%s could not serve %s (%s); it serves no new agent. Check its log in the run "
+                          "directory's logs/ folder.", worker, unit, exc)
+                admitted[worker] = False
+
+        if restart:
+            await asyncio.gather(*(each(w, functools.partial(self._start_engine, w, unit, engine)) for w in workers))
+        for agent in u.agents:  # one agent at a time: each agent's syncs wait only for its own loads
+            async with self.weights.locks_of(agent):  # a snapshot's: its source's too
+                joining = [w for w in workers if admitted[w]]
+                stale = [w for w in joining if (held := self.instances.holds(w, agent)) is None
+                         or held < self.versions[agent]]
+                loads = [functools.partial(self._load, w, unit, agent, restart) for w in stale]
+                # At version 0 a whole model's load is its engine's start (the model directory's
+                # weights): nothing is read from a publication.
+                if len(loads) > 1 and (self.weights.readable(agent) or (self.versions[agent] == 0 and not u.lora)):
+                    await asyncio.gather(*(each(w, load) for w, load in zip(stale, loads)))
+                else:
+                    for w, load in zip(stale, loads):
+                        await each(w, load)
+                for w in joining:
+                    if admitted[w] and not self._alive(w, registration[w]):
+                        await each(w, functools.partial(_died, w))
+                    if admitted[w]:
+                        self.instances.serve(w, agent, f"{w} {why}")
+        return admitted
 
     async def _start_engine(self, worker: str, unit: str, engine: protocol.LoadModel | None = None) -> None:
         message = engine or self.engine_message(unit)
@@ -94,6 +121,9 @@ class Admission:
                  getattr(reply, "seconds", 0.0))
 
     async def _load(self, worker: str, unit: str, agent: str, restarted: bool) -> None:
+        if self.units[unit].lora:  # an adapter comes from its trainer, version 0 included
+            self.instances.loaded(worker, agent, await self.weights.load_newest(worker, agent))
+            return
         if self.versions[agent] == 0 and not restarted:  # version 0 is the model directory's weights
             await self._start_engine(worker, unit)
             return
@@ -114,3 +144,7 @@ class Admission:
         died and registered again holds none of what was loaded into the old one)."""
         info = self.server.registry.workers.get(worker)
         return info is not None and info is registration and info.alive
+
+
+async def _died(worker: str) -> None:
+    raise WorkerDied(worker, "it died while being admitted")

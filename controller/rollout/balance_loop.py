@@ -8,9 +8,9 @@ moves, each carried out by `reassign`, and `DemandObserved` / `RebalanceDecided`
 observations, and for a move to finish before the next observation. Ends by itself once
 the schedule says every global batch is trained.
 
-`reassign(worker, src, dst)` moves one instance: it leaves `src` (no new requests), its
-outstanding work drains (bounded wait), and the admission (admission.py) makes it serve
-`dst`: an engine restart on `dst`'s model where the architectures differ, else the weights
+`reassign(worker, src, dst)` moves one instance (`reassign_together` several, admitted at
+once): it leaves `src` (no new requests), its outstanding work drains (bounded wait), and
+the admission (admission.py) makes it serve `dst`: an engine restart on `dst`'s model where the architectures differ, else the weights
 swapped in place, then `dst`'s synced weights under `dst`'s sync lock. If the work does
 not drain in time the instance goes back to `src` through the admission (which loads
 nothing unless `src` synced while it was out). A worker that dies or refuses on the way fails its move
@@ -145,7 +145,8 @@ class Rebalancer:
         changed = ", ".join(f"{u} {before[u]} -> {after[u]}" for u in before if after[u] != before[u])
         log.info("rollout instances %s through step %d (router.placement = %r; router.measured_placement = "
                  "false keeps the first placement): %s", moves[0].why, step, self.cfg.placement, changed)
-        return list(await asyncio.gather(*(self.reassign(w, m.src, m.dst, m.why) for m in moves for w in m.instances)))
+        done = await asyncio.gather(*(self.reassign_together(m.instances, m.src, m.dst, m.why) for m in moves))
+        return [r for rs in done for r in rs]
 
     async def run(self) -> None:
         """Observes demand every interval and carries out the balancer's moves (see module doc)."""
@@ -161,40 +162,62 @@ class Rebalancer:
                 continue
             self.emit(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
             log.info("moving %s from %s to %s: %s", ", ".join(move.instances), move.src, move.dst, move.why)
-            await asyncio.gather(*(self.reassign(w, move.src, move.dst, move.why) for w in move.instances))
+            await self.reassign_together(move.instances, move.src, move.dst, move.why)
             if self.reassignments:  # the balancer weighs the next move by what moves really cost
                 balancer.move_cost_s = sum(r.seconds for r in self.reassignments) / len(self.reassignments)
 
     async def reassign(self, worker: str, src: str, dst: str, why: str = "",
                        drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Reassignment | None:
         """Moves `worker` from unit `src` to unit `dst` (see module doc); None if it did not."""
-        owner = self.instances
+        return (await self.reassign_together([worker], src, dst, why, drain_timeout_s))[0]
+
+    async def reassign_together(self, workers: list[str] | tuple[str, ...], src: str, dst: str, why: str = "",
+                                drain_timeout_s: float = DRAIN_TIMEOUT_S) -> list[Reassignment | None]:
+        """Moves `workers` from unit `src` to unit `dst` together: each leaves and drains on
+        its own, those drained are admitted to `dst` at once (`Admission.admit_together`:
+        their loads side by side, not one after another under `dst`'s sync lock). Per
+        worker, in order, what its move came to (None: it did not move)."""
+        owner, first = self.instances, self.units[src].agents[0]
         t0 = time.monotonic()
-        first = self.units[src].agents[0]
-        if worker not in owner.instances(first) or len(owner.instances(first)) < 2:
-            log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
-            return None
-        for agent in self.units[src].agents:
-            async with self.weights.locks[agent]:  # no weight sync of it is addressing this instance now
-                owner.leave(worker, agent, f"{worker} leaves for {dst}: {why}")
-        if not await _drained(owner, worker, drain_timeout_s):
+        leaving = []
+        for worker in workers:
+            if worker not in owner.instances(first) or len(owner.instances(first)) < 2:
+                log.info("not moving %s from %s: it is not there or is the agent's last instance", worker, src)
+                continue
+            for agent in self.units[src].agents:
+                async with self.weights.locks[agent]:  # no weight sync of it is addressing this instance now
+                    owner.leave(worker, agent, f"{worker} leaves for {dst}: {why}")
+            leaving.append(worker)
+        drained_at: dict[str, float] = {}
+
+        async def drain(worker: str) -> None:
+            if await _drained(owner, worker, drain_timeout_s):
+                drained_at[worker] = time.monotonic()
+
+        await asyncio.gather(*(drain(w) for w in leaving))
+        stuck = [w for w in leaving if w not in drained_at]
+        for worker in stuck:
             log.warning("%s did not drain within %.0fs; it keeps serving %s", worker, drain_timeout_s, src)
-            stays = f"stays: its work did not drain within {drain_timeout_s:.0f}s"
-            # Through the admission: nothing to load unless src synced while it was out.
-            await self.admission.admit(worker, src, restart=False, why=stays)
-            return None
-        t_drained = time.monotonic()
-        starts = owner.starts(worker)
+        if stuck:  # through the admission: nothing to load unless src synced while they were out
+            await self.admission.admit_together(stuck, src, restart=False,
+                                                why=f"stays: its work did not drain within {drain_timeout_s:.0f}s")
+        moving = [w for w in leaving if w in drained_at]
+        starts = {w: owner.starts(w) for w in moving}
         restart = (self.units[src].lora or self.units[dst].lora
                    or not same_architecture(self.model_path[src], self.model_path[dst]))
-        if not await self.admission.admit(worker, dst, restart=restart, why=f"joins from {src}"):
-            return None
-        restarted = owner.starts(worker) > starts
-        done = Reassignment(worker, src, dst, t_drained - t0, time.monotonic() - t_drained, restarted)
-        self.reassignments.append(done)
-        log.info("%s now serves %s (from %s) after %.2fs (drain %.2fs, %s %.2fs)", worker, dst, src, done.seconds,
-                 done.drain_s, "engine restart" if restarted else "weights in place", done.load_s)
-        return done
+        admitted = await self.admission.admit_together(moving, dst, restart=restart, why=f"joins from {src}") \
+            if moving else {}
+        t1 = time.monotonic()
+        done: dict[str, Reassignment] = {}
+        for worker in moving:
+            if not admitted[worker]:
+                continue
+            done[worker] = r = Reassignment(worker, src, dst, drained_at[worker] - t0, t1 - drained_at[worker],
+                                            owner.starts(worker) > starts[worker])
+            self.reassignments.append(r)
+            log.info("%s now serves %s (from %s) after %.2fs (drain %.2fs, %s %.2fs)", worker, dst, src, r.seconds,
+                     r.drain_s, "engine restart" if r.restarted else "weights in place", r.load_s)
+        return [done.get(w) for w in workers]
 
 
 def _instances(n: int) -> str:

@@ -319,6 +319,16 @@ class WeightSync:
             self.forget(agent)
             yield
 
+    def readable(self, agent: str) -> bool:
+        """Whether `load_newest` of `agent` reads the last publication as it is (no publishing
+        again), for any number of instances at once: one from a live trainer, not an NCCL
+        broadcast, at the synced version or newer; or a frozen adapter's directory."""
+        if agent in self.adapter_dirs:
+            return True
+        pub = self.published.get(self.source_of(agent))
+        return (pub is not None and pub.transport != "nccl" and pub.version >= self.versions[agent]
+                and self._live(pub))
+
     async def load_newest(self, worker: str, agent: str) -> int:
         """Loads `agent`'s newest weights into `worker`, publishing them again where the last
         publication cannot be read (see the module doc); the version loaded, never older

@@ -119,6 +119,68 @@ async def test_a_moved_instance_restarts_on_the_new_agents_model_and_loads_its_s
     assert "joins from a" in run.events[-1].why and run.reassignments == [done]
 
 
+def slow_loads(run: FakeRun, seconds: float, kind: type = protocol.LoadWeights) -> dict[str, int]:
+    """Each message of `kind` answered after `seconds`; how many were in flight at most."""
+    answer, seen = run.server.call, {"now": 0, "most": 0}
+
+    async def call(worker, msg, buffers=(), timeout=None):
+        if not isinstance(msg, kind):
+            return await answer(worker, msg, buffers, timeout)
+        seen["now"] += 1
+        seen["most"] = max(seen["most"], seen["now"])
+        try:
+            await asyncio.sleep(seconds)
+            return await answer(worker, msg, buffers, timeout)
+        finally:
+            seen["now"] -= 1
+
+    run.server.call = call
+    return seen
+
+
+async def test_instances_moved_together_load_the_new_agents_weights_side_by_side_under_one_hold_of_its_lock(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1", "r2", "r3"], "b": ["r4"]})
+    run.synced("b", 3, b"handle-b3")
+    seen = slow_loads(run, 0.2)
+    done = await run.rebalancer.reassign_together(["r0", "r1", "r2"], "a", "b", "a test")
+    assert seen["most"] == 3  # all three loading at once (one after another: one at a time)
+    assert [d.worker for d in done] == ["r0", "r1", "r2"] and all(d.restarted for d in done)
+    assert run.instances.assignment == {"a": ["r3"], "b": ["r4", "r0", "r1", "r2"]}
+    assert all(run.instances.holds(w, "b") == 3 for w in ("r0", "r1", "r2"))
+    assert sorted(run.sent()) == sorted([(w, k, "b", v) for w in ("r0", "r1", "r2")
+                                         for k, v in (("LoadModel", 0), ("LoadWeights", 3))])
+
+
+async def test_instances_moved_together_to_an_agent_at_version_zero_start_their_engines_side_by_side(tmp_path):
+    # the same architecture: no restart asked, but version 0 is the model directory's weights
+    run = FakeRun(tmp_path, {"a": ["r0", "r1", "r2", "r3"], "b": ["r4"]}, same_model=True)
+    seen = slow_loads(run, 0.2, protocol.LoadModel)
+    done = await run.rebalancer.reassign_together(["r0", "r1", "r2"], "a", "b")
+    assert seen["most"] == 3 and all(d is not None for d in done)
+    assert sorted(run.sent()) == [(w, "LoadModel", "b", 0) for w in ("r0", "r1", "r2")]
+
+
+async def test_instances_moved_together_load_one_after_another_where_each_needs_a_publication_of_its_own(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1", "r2"], "b": ["r3"]})
+    run.synced("b", 2, b"handle-b2")
+    run.weights.published["b"] = Publication(2, b"handle-b2", "nccl")  # a broadcast: read once, by its ranks
+    seen = slow_loads(run, 0.05)
+    done = await run.rebalancer.reassign_together(["r0", "r1"], "a", "b")
+    assert seen["most"] == 1 and all(d is not None for d in done)
+    republished = [w for w, m in run.server.calls if isinstance(m, protocol.PublishWeights)]
+    assert republished == ["t0", "t0"]  # one one-shot broadcast for each joining instance
+
+
+async def test_of_instances_moved_together_one_that_dies_fails_its_move_alone(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1", "r2"], "b": ["r3"]})
+    run.synced("b", 1, b"h1")
+    run.dies.add("r1")
+    done = await run.rebalancer.reassign_together(["r0", "r1"], "a", "b")
+    assert done[0] is not None and done[1] is None
+    assert run.instances.assignment["b"] == ["r3", "r0"] and "r1" not in run.instances.assignment["b"]
+    assert [r.worker for r in run.reassignments] == ["r0"]
+
+
 async def test_an_instance_joining_an_agent_still_at_version_zero_only_loads_the_model(tmp_path):
     run = FakeRun(tmp_path, {"a": ["r0", "r1"], "b": ["r2"]})
     await reassign(run, "r1", "a", "b")
@@ -225,12 +287,14 @@ async def test_balance_loop_logs_its_inputs_and_replay_check_re_drives_its_moves
     balancer = rebalance.Rebalancer(cfg.router, whole_models(agents), client, admission=None, client=client, server=server,
                                     weights=None, model_path={}, emit=log.emit, finished=lambda: done["trained"])
 
-    async def fake_reassign(worker, src, dst, why=""):  # the move itself is not under test
-        assignment[src].remove(worker)
-        assignment[dst].append(worker)
-        balancer.reassignments.append(rebalance.Reassignment(worker, src, dst, 0.01, 0.02, False))
+    async def fake_reassign(workers, src, dst, why=""):  # the moves themselves are not under test
+        for worker in workers:
+            assignment[src].remove(worker)
+            assignment[dst].append(worker)
+            balancer.reassignments.append(rebalance.Reassignment(worker, src, dst, 0.01, 0.02, False))
+        return balancer.reassignments[-len(workers):]
 
-    balancer.reassign = fake_reassign
+    balancer.reassign_together = fake_reassign
 
     async def skewed_demand():
         """The solver's instances stay busy with a deep queue; the others idle."""
