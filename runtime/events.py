@@ -427,6 +427,7 @@ class PlacementMeasured(Event):
     step: int  # the batch whose rollout it measured
     outstanding: dict[str, dict[str, float]]  # unit -> instance -> tokens queued or in flight
     dispatched_tokens: dict[str, float]  # unit -> tokens sent so far
+    busy: dict[str, float] = msgspec.field(default_factory=dict)  # unit -> its instances' mean busy share so far
 
 
 # Every event type, in declaration order; a new subclass above is picked up here.

@@ -233,7 +233,8 @@ def _redrive_balancer(log: list, router: dict) -> list:
         if kind is ev.PlacementMeasured:
             measured = {u: AgentDemand(e.outstanding[u], e.dispatched_tokens.get(u, 0.0)) for u in e.outstanding}
             moves += [ev.RebalanceDecided(list(m.instances), m.src, m.dst, m.why)
-                      for m in measured_placement(measured, RouterConfig(**router).disparity_threshold)]
+                      for m in measured_placement(measured, RouterConfig(**router).disparity_threshold,
+                                                  e.busy or None)]
             continue
         if kind is not ev.DemandObserved:
             continue

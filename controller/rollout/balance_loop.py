@@ -43,7 +43,7 @@ from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
 from ..control.interfaces import Emit, WorkerDirectory
-from .balance_rules import AgentDemand, RolloutBalancer, measured_placement, nearest_rule, uneven_placement
+from .balance_rules import BUSY_ENOUGH, AgentDemand, RolloutBalancer, measured_placement, nearest_rule, uneven_placement
 
 if TYPE_CHECKING:
     from ..state.instances import RolloutInstances
@@ -123,18 +123,28 @@ class Rebalancer:
                 f"sent {ratio:.1f}x the tokens per instance of {fewest} ({_instances(n_fewest)}) "
                 f"(router.placement = {self.cfg.placement!r}); {advice}")
 
-    async def place_by_measure(self, step: int) -> list[Reassignment | None]:
+    async def place_by_measure(self, step: int, busy_s: Mapping[str, float], seconds: float) -> list[Reassignment | None]:
         """Once `step`'s rollout ended (`router.measured_placement`): where the instances'
-        shares of the tokens sent so far are uneven, moves instances so that each unit's
-        share follows them (`balance_rules.measured_placement`), every move at once; logs
-        the measurement (PlacementMeasured) and each move (RebalanceDecided) first. What
-        each instance's move came to, in order (None: it did not move)."""
+        shares of the tokens sent so far are uneven and the most-asked unit's instances were
+        busy (`busy_s`: each instance's busy seconds over the `seconds` so far), moves
+        instances so that each unit's share follows the tokens (`balance_rules.measured_placement`),
+        every move at once. Logs the measurement (PlacementMeasured) and each move
+        (RebalanceDecided) first. What each instance's move came to, in order (None: it did
+        not move)."""
         snapshot = self.demand_snapshot()
-        moves = measured_placement(snapshot, self.cfg.disparity_threshold)
-        if not moves:
-            return []
+        busy = {u: round(sum(busy_s.get(w, 0.0) for w in d.outstanding) / len(d.outstanding) / seconds, 4)
+                for u, d in snapshot.items() if d.outstanding and seconds > 0}
         self.emit(ev.PlacementMeasured(step, {u: dict(d.outstanding) for u, d in snapshot.items()},
-                                       {u: d.dispatched_tokens for u, d in snapshot.items()}))
+                                       {u: d.dispatched_tokens for u, d in snapshot.items()}, busy))
+        moves = measured_placement(snapshot, self.cfg.disparity_threshold, busy)
+        found = uneven_placement(snapshot, self.cfg.disparity_threshold)
+        if not moves:
+            if found is not None:
+                log.info("rollout instances unevenly asked through step %d (each instance of %s was sent %.1fx the "
+                         "tokens of each of %s's), but %s's were busy %.0f%% of the time (under %.0f%%): the first "
+                         "placement is kept", step, found[0], found[2], found[1], found[0],
+                         100 * busy.get(found[0], 0.0), 100 * BUSY_ENOUGH)
+            return []
         for move in moves:
             self.emit(ev.RebalanceDecided(list(move.instances), move.src, move.dst, move.why))
         before = {u: len(d.outstanding) for u, d in snapshot.items()}
@@ -143,8 +153,10 @@ class Rebalancer:
             after[move.src] -= len(move.instances)
             after[move.dst] += len(move.instances)
         changed = ", ".join(f"{u} {before[u]} -> {after[u]}" for u in before if after[u] != before[u])
-        log.info("rollout instances %s through step %d (router.placement = %r; router.measured_placement = "
-                 "false keeps the first placement): %s", moves[0].why, step, self.cfg.placement, changed)
+        most = found[0] if found is not None else ""
+        log.info("rollout instances %s through step %d, %s's busy %.0f%% of the time (router.placement = %r; "
+                 "router.measured_placement = false keeps the first placement): %s", moves[0].why, step, most,
+                 100 * busy.get(most, 0.0), self.cfg.placement, changed)
         done = await asyncio.gather(*(self.reassign_together(m.instances, m.src, m.dst, m.why) for m in moves))
         return [r for rs in done for r in rs]
 

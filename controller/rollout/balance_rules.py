@@ -207,20 +207,29 @@ def uneven_placement(snapshot: dict[str, AgentDemand], threshold: float) -> tupl
     return (most, fewest, ratio) if most != fewest and ratio >= threshold else None
 
 
-def measured_placement(snapshot: dict[str, AgentDemand], threshold: float) -> list[Move]:
+# The measured placement moves instances only where the most-asked unit's were busy at
+# least this share of the first batch: below it nothing waited on them, and spreading an
+# agent's groups over more instances only sends more, smaller messages.
+BUSY_ENOUGH = 0.5
+
+
+def measured_placement(snapshot: dict[str, AgentDemand], threshold: float,
+                       busy: Mapping[str, float] | None = None) -> list[Move]:
     """Once, after a run's first batch: where the instances' shares of what was sent are
-    uneven (`uneven_placement` at `threshold`), the moves that share the instances of the
-    units sent something out again in proportion to the tokens each was sent (as set-up's
-    placement shares them by expected work: one each, then the rest to the unit with the
-    most tokens per instance); [] where they are not uneven. Units sent nothing yet neither
-    give nor take (a workflow may call an agent later). A giver gives its least loaded
-    instances; givers and takers are paired in name order, the most over or under first.
+    uneven (`uneven_placement` at `threshold`) and the most-asked unit's instances were busy
+    (`busy`: each unit's instances' mean busy share of the batch, BUSY_ENOUGH or more; None:
+    not known, taken as busy), the moves that share the instances of the units sent
+    something out again in proportion to the tokens each was sent (as set-up's placement
+    shares them by expected work: one each, then the rest to the unit with the most tokens
+    per instance); [] otherwise. Units sent nothing yet neither give nor take (a workflow
+    may call an agent later). A giver gives its least loaded instances; givers and takers
+    are paired in name order, the most over or under first.
 
     Unlike `RolloutBalancer.observe`, this weighs no move cost: it answers a placement that
     misjudged the workflow's shape (a whole batch's tokens, not a moment's backlog), which
     every later batch would pay for, once."""
     found = uneven_placement(snapshot, threshold)
-    if found is None:
+    if found is None or (busy is not None and busy.get(found[0], 1.0) < BUSY_ENOUGH):
         return []
     sent = {u: d.dispatched_tokens for u, d in snapshot.items() if d.outstanding and d.dispatched_tokens > 0}
     have = {u: len(snapshot[u].outstanding) for u in sent}

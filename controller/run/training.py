@@ -196,7 +196,9 @@ class TrainingRun:
         await self.parts.schedule.batches[first].rollout_done.wait()
         if self.cfg.router.measured_placement:
             if first < self.cfg.run.steps:  # a batch is left to gain from it
-                await self.parts.rebalancer.place_by_measure(first)
+                busy_s = await self._worker_loads()
+                since = {w: b - self._loads_at_start.get(w, 0.0) for w, b in busy_s.items()}
+                await self.parts.rebalancer.place_by_measure(first, since, time.monotonic() - self.started)
             return
         units = self.parts.resolved.units
         rules = {name: decisions.unit_weights(units, functools.partial(rule, self.cfg.agents))

@@ -20,7 +20,9 @@ core with one each, 0.03-0.04 with one for all). What they execute is a cost mod
 
 Weights are handles only: PUBLISH_WEIGHTS returns a `ParamHandle` with no layout and no
 bytes behind it (transport as the controller asked), and LOAD_WEIGHTS checks that the
-handle is the agent's and the version's it names, then acknowledges. Nothing is copied.
+handle is the version's it names, then acknowledges; another agent's weights (an instance
+moved between agents of one model) only with no GENERATE of its own agent left, as the real
+worker swaps them in place. Nothing is copied.
 
 A helper process (`python -m flexmarl.controller.testing.fake_cluster SPEC_JSON`) runs the workers SPEC lists
 until every one was told to shut down, then writes what each did to SPEC["out"] (JSON):
@@ -136,6 +138,7 @@ class FakeEngine(FakeWorker):
         self.version = -1
         self.samples = 0
         self.batches = 0
+        self.queued = 0  # GENERATE messages received and not yet answered
 
     async def handle(self, msg: protocol.Message, buffers: list[Any]) -> None:
         c = self.costs
@@ -145,6 +148,7 @@ class FakeEngine(FakeWorker):
             case protocol.LoadWeights():
                 self.serial.push(c["load_s"], lambda: self._weights(msg))
             case protocol.Generate():
+                self.queued += 1
                 tokens = sum(g.n * g.max_tokens for g in msg.groups)
                 self.serial.push(c["batch_s"] + tokens / c["tokens_per_s"], lambda: self._generated(msg))
             case protocol.AbortGroups():
@@ -158,14 +162,18 @@ class FakeEngine(FakeWorker):
 
     async def _weights(self, msg: protocol.LoadWeights) -> None:
         h = msg.handle  # a snapshot's is its source's: the version alone must match
-        if h is None or msg.agent != self.agent or h.version != msg.version:
-            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}; handle {h} for {msg.agent} "
-                                              f"v{msg.version}")
+        if h is None or h.version != msg.version or (msg.agent != self.agent and self.queued):
+            await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}"
+                                              f"{f' ({self.queued} GENERATEs queued)' if self.queued else ''}; "
+                                              f"handle {h} for {msg.agent} v{msg.version}")
             return
-        self.version = msg.version
+        # As the real worker: another agent's weights swap in place once nothing of its
+        # own agent is left to generate (an instance moved between agents of one model).
+        self.agent, self.version = msg.agent, msg.version
         await self.reply(protocol.WeightsLoaded(msg.request_id, msg.agent, msg.version, self.costs["load_s"]))
 
     async def _generated(self, msg: protocol.Generate) -> None:
+        self.queued -= 1
         stranger = next((g.agent for g in msg.groups if g.agent != self.agent), None)
         if stranger is not None:
             await self.refuse(msg.request_id, f"{self.worker_id} serves {self.agent}, not {stranger}")

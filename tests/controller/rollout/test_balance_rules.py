@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from flexmarl.controller.rollout.balance_rules import (AgentDemand, Move, RolloutBalancer, instances_to_move,
-                                                       measured_placement, nearest_rule, uneven_placement)
+from flexmarl.controller.rollout.balance_rules import (BUSY_ENOUGH, AgentDemand, Move, RolloutBalancer,
+                                                       instances_to_move, measured_placement, nearest_rule,
+                                                       uneven_placement)
 from flexmarl.controller.state.decisions import place_agents
 
 
@@ -192,3 +193,11 @@ def test_the_measured_placement_leaves_units_sent_nothing_as_they_are_and_gives_
     moves = measured_placement(snapshot, 5.0)
     assert placed_after(snapshot, moves) == {"a": 5, "b": 1, "idle": 6}  # idle may be asked later
     assert [m.instances for m in moves] == [("b1", "b3", "b4", "b2")]  # b0, the busiest, stays
+
+
+def test_the_measured_placement_keeps_the_first_where_the_most_asked_instances_were_not_busy():
+    uneven = sent(a=(100, 8), b=(300, 4), c=(400, 4))  # c's instances: 8x the tokens of a's each
+    assert measured_placement(uneven, 5.0, {"a": 0.1, "b": 0.3, "c": BUSY_ENOUGH - 0.01}) == []
+    assert placed_after(uneven, measured_placement(uneven, 5.0, {"a": 0.1, "b": 0.3, "c": BUSY_ENOUGH})) == \
+        {"a": 2, "b": 6, "c": 8}
+    assert measured_placement(uneven, 5.0, None) == measured_placement(uneven, 5.0, {"c": 0.9})  # unknown: busy
