@@ -540,9 +540,9 @@ class RouterConfig:
     batch's tokens correct it; with across_agents, measured demand moves instances from there."""
     measured_placement: bool = True
     """Once the first batch's rollout ended: where each instance of one agent was sent
-    disparity_threshold times the tokens of each of another's, share the instances out again
-    in proportion to the tokens each agent was sent (instances move as across_agents moves
-    them); false: only say so in the log."""
+    disparity_threshold times the tokens of each of another's and that agent's instances were
+    busy half the time or more, share the instances out again in proportion to the tokens each
+    agent was sent (instances move as across_agents moves them); false: only say so in the log."""
     across_agents: bool = False
     """Level 1 (across agents): move rollout instances between agents from measured demand."""
     disparity_threshold: float = 5.0

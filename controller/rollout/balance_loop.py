@@ -8,6 +8,11 @@ moves, each carried out by `reassign`, and `DemandObserved` / `RebalanceDecided`
 observations, and for a move to finish before the next observation. Ends by itself once
 the schedule says every global batch is trained.
 
+`place_by_measure(step, ...)` runs once after the first batch (`router.measured_placement`):
+where that batch's tokens per instance were uneven and the most-asked unit's instances busy,
+it moves instances so that each unit's share follows the tokens sent
+(`balance_rules.measured_placement`), logging `PlacementMeasured` and the moves.
+
 `reassign(worker, src, dst)` moves one instance (`reassign_together` several, admitted at
 once): it leaves `src` (no new requests), its outstanding work drains (bounded wait), and
 the admission (admission.py) makes it serve `dst`: an engine restart on `dst`'s model where the architectures differ, else the weights
