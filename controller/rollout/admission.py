@@ -71,7 +71,10 @@ class Admission:
         their loads made side by side where the agent's publication can be read by all
         (`WeightSync.readable`) or where the load is an engine start (a whole model at
         version 0), else one after another. A lock held once per instance would
-        make the last of n instances wait n loads. Each worker's outcome is its own."""
+        make the last of n instances wait n loads. Each worker's outcome is its own.
+        `engine` (one message, one request id) is for one worker only."""
+        if engine is not None and len(workers) > 1:
+            raise ValueError(f"one engine message for {len(workers)} workers: each start needs its own request")
         u = self.units[unit]
         registration = {w: self.server.registry.workers.get(w) for w in workers}  # a process registered again is not this one
         admitted = dict.fromkeys(workers, True)
