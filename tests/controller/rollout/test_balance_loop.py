@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import types
 
+import pytest
+
 from fake_rollout import FakeServer, until
 
 from flexmarl.controller.control.registry import WorkerInfo
@@ -179,6 +181,13 @@ async def test_of_instances_moved_together_one_that_dies_fails_its_move_alone(tm
     assert done[0] is not None and done[1] is None
     assert run.instances.assignment["b"] == ["r3", "r0"] and "r1" not in run.instances.assignment["b"]
     assert [r.worker for r in run.reassignments] == ["r0"]
+
+
+async def test_one_engine_message_is_not_sent_to_several_workers(tmp_path):
+    run = FakeRun(tmp_path, {"a": ["r0", "r1", "r2"], "b": ["r3"]})
+    with pytest.raises(ValueError, match="each start needs its own request"):
+        await run.admission.admit_together(["r0", "r1"], "b", engine=protocol.LoadModel(7, "b", run.model_path["b"], 0))
+    assert run.sent() == []
 
 
 async def test_an_instance_joining_an_agent_still_at_version_zero_only_loads_the_model(tmp_path):
