@@ -76,7 +76,8 @@ class Admission:
         if engine is not None and len(workers) > 1:
             raise ValueError(f"one engine message for {len(workers)} workers: each start needs its own request")
         u = self.units[unit]
-        registration = {w: self.server.registry.workers.get(w) for w in workers}  # a process registered again is not this one
+        # a process registered again is not the one admitted
+        registration = {w: self.server.registry.workers.get(w) for w in workers}
         admitted = dict.fromkeys(workers, True)
 
         async def each(worker: str, work: Callable[[], Awaitable[None]]) -> None:

@@ -15,8 +15,8 @@ it moves instances so that each unit's share follows the tokens sent
 
 `reassign(worker, src, dst)` moves one instance (`reassign_together` several, admitted at
 once): it leaves `src` (no new requests), its outstanding work drains (bounded wait), and
-the admission (admission.py) makes it serve `dst`: an engine restart on `dst`'s model where the architectures differ, else the weights
-swapped in place, then `dst`'s synced weights under `dst`'s sync lock. If the work does
+the admission (admission.py) makes it serve `dst`: an engine restart on `dst`'s model
+where the architectures differ, else the weights swapped in place, then `dst`'s synced weights under `dst`'s sync lock. If the work does
 not drain in time the instance goes back to `src` through the admission (which loads
 nothing unless `src` synced while it was out). A worker that dies or refuses on the way fails its move
 alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
@@ -128,7 +128,8 @@ class Rebalancer:
                 f"sent {ratio:.1f}x the tokens per instance of {fewest} ({_instances(n_fewest)}) "
                 f"(router.placement = {self.cfg.placement!r}); {advice}")
 
-    async def place_by_measure(self, step: int, busy_s: Mapping[str, float], seconds: float) -> list[Reassignment | None]:
+    async def place_by_measure(self, step: int, busy_s: Mapping[str, float],
+                               seconds: float) -> list[Reassignment | None]:
         """Once `step`'s rollout ended (`router.measured_placement`): where the instances'
         shares of the tokens sent so far are uneven and the most-asked unit's instances were
         busy (`busy_s`: each instance's busy seconds over the `seconds` so far), moves

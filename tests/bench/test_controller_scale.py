@@ -122,7 +122,7 @@ def test_the_wide_shape_placed_by_chain_is_placed_again_by_the_tokens_sent_and_t
     assert "unevenly loaded" not in caplog.text and "placed by the tokens sent" not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="flexmarl"):
-        measured = bench.one_point(point, replay=True)  # the default: weighed by position, 1 : 2 : ... : 8, then measured
+        measured = bench.one_point(point, replay=True)  # the default: by position, 1 : 2 : ... : 8, then measured
     assert (measured["placement"], measured["instances_min"], measured["instances_max"]) == ("chain", 8, 8)
     assert measured["instances_moved"] == 6 + 4 + 3 + 1  # agent00 .. agent03 had 2, 4, 5 and 7
     placed = [r.getMessage() for r in caplog.records if "placed by the tokens sent" in r.getMessage()]

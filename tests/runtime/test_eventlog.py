@@ -50,7 +50,8 @@ EXAMPLES = [
     ev.DemandObserved(812.25, 5.0, {"solver": {"r0": 900.0}, "planner": {"r1": 0.0, "r2": 12.5}},
                       {"solver": 4000.0, "planner": 80.0}, {"solver": {"r0": 3.5}, "planner": {}}),
     ev.RebalanceDecided(["r1"], "planner", "solver", "disparity 7.2 >= 5"),
-    ev.PlacementMeasured(1, {"solver": {"r0": 0.0}, "planner": {"r1": 0.0, "r2": 12.5}}, {"solver": 9000.0, "planner": 600.0}),
+    ev.PlacementMeasured(1, {"solver": {"r0": 0.0}, "planner": {"r1": 0.0, "r2": 12.5}},
+                         {"solver": 9000.0, "planner": 600.0}, {"solver": 0.9, "planner": 0.1}),
 ]
 
 
