@@ -208,8 +208,8 @@ def uneven_placement(snapshot: dict[str, AgentDemand], threshold: float) -> tupl
 
 
 # The measured placement moves instances only where the most-asked unit's were busy at
-# least this share of the first batch: below it nothing waited on them, and spreading an
-# agent's groups over more instances only sends more, smaller messages.
+# least this share of the first batch: below it little waited on them, and spreading an
+# agent's groups over more instances sends more, smaller messages (RESULTS run AA).
 BUSY_ENOUGH = 0.5
 
 
