@@ -41,8 +41,8 @@ def redrive(log: list) -> list:
     `ExperienceStore` is refilled from the logged groups, versions and rewards, and
     `form_micro_batches` / `step_due` cut it; `RolloutBalancer.observe` sees the logged
     demand, `measured_placement` the logged first batch. `flexmarl replay --check`
-    compares the result with the decisions the log recorded; ordering across agents is taken from the log, since it depends on timing,
-    not on the rules."""
+    compares the result with the decisions the log recorded; ordering across agents is
+    taken from the log, since it depends on timing, not on the rules."""
     log = lineage(log)  # a resumed run: what the crashed controller did past its checkpoint is undone
     return in_log_order(log, training_decisions(log, agent_roles(run_of(log)).trained), balancer_moves(log),
                         episode_assignments(log))

@@ -16,10 +16,10 @@ it moves instances so that each unit's share follows the tokens sent
 `reassign(worker, src, dst)` moves one instance (`reassign_together` several, admitted at
 once): it leaves `src` (no new requests), its outstanding work drains (bounded wait), and
 the admission (admission.py) makes it serve `dst`: an engine restart on `dst`'s model
-where the architectures differ, else the weights swapped in place, then `dst`'s synced weights under `dst`'s sync lock. If the work does
-not drain in time the instance goes back to `src` through the admission (which loads
-nothing unless `src` synced while it was out). A worker that dies or refuses on the way fails its move
-alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
+where the architectures differ, else the weights swapped in place, then `dst`'s synced
+weights under `dst`'s sync lock. If the work does not drain in time the instance goes back
+to `src` through the admission (which loads nothing unless `src` synced while it was out).
+A worker that dies or refuses on the way fails its move alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
 the moves with what each cost. An agent is never left without an instance.
 
 It balances engine units (runtime/bases.engine_units): a whole-model agent, or every
@@ -48,7 +48,8 @@ from flexmarl.runtime.bases import EngineUnit
 from flexmarl.runtime.config import RouterConfig
 
 from ..control.interfaces import Emit, WorkerDirectory
-from .balance_rules import BUSY_ENOUGH, AgentDemand, RolloutBalancer, measured_placement, nearest_rule, uneven_placement
+from .balance_rules import (BUSY_ENOUGH, AgentDemand, RolloutBalancer, measured_placement, nearest_rule,
+                            uneven_placement)
 
 if TYPE_CHECKING:
     from ..state.instances import RolloutInstances

@@ -34,6 +34,8 @@ from typing import Mapping
 
 from flexmarl.runtime.config import RouterConfig
 
+from ..state.decisions import place_agents
+
 
 @dataclass(frozen=True)
 class AgentDemand:
@@ -219,9 +221,8 @@ def measured_placement(snapshot: dict[str, AgentDemand], threshold: float,
     uneven (`uneven_placement` at `threshold`) and the most-asked unit's instances were busy
     (`busy`: each unit's instances' mean busy share of the batch, BUSY_ENOUGH or more; None:
     not known, taken as busy), the moves that share the instances of the units sent
-    something out again in proportion to the tokens each was sent (as set-up's placement
-    shares them by expected work: one each, then the rest to the unit with the most tokens
-    per instance); [] otherwise. Units sent nothing yet neither give nor take (a workflow
+    something out again in proportion to the tokens each was sent (`decisions.place_agents`,
+    set-up's rule, with the tokens for its weights); [] otherwise. Units sent nothing yet neither give nor take (a workflow
     may call an agent later). A giver gives its least loaded instances; givers and takers
     are paired in name order, the most over or under first.
 
@@ -233,10 +234,8 @@ def measured_placement(snapshot: dict[str, AgentDemand], threshold: float,
         return []
     sent = {u: d.dispatched_tokens for u, d in snapshot.items() if d.outstanding and d.dispatched_tokens > 0}
     have = {u: len(snapshot[u].outstanding) for u in sent}
-    want = dict.fromkeys(sent, 1)
-    for _ in range(sum(have.values()) - len(sent)):
-        most = max(sent, key=lambda u: (sent[u] / want[u], u))
-        want[most] += 1
+    theirs = [w for u in sent for w in snapshot[u].outstanding]  # only how many each gets is used
+    want = {u: len(ws) for u, ws in place_agents(list(sent), theirs, sent).items()}
     spare = {u: sorted(snapshot[u].outstanding, key=lambda w: (snapshot[u].outstanding[w], w))[:have[u] - want[u]]
              for u in sorted(sent, key=lambda u: (want[u] - have[u], u)) if have[u] > want[u]}
     short = {u: want[u] - have[u] for u in sorted(sent, key=lambda u: (have[u] - want[u], u)) if want[u] > have[u]}

@@ -19,8 +19,8 @@ one supervisor (the first to fail stops the others), and writes the final checkp
   `router.across_agents`: waits for the first batch's rollout to end; where the
   instances' shares of its work were uneven and the most-asked agent's instances busy,
   moves instances so that each agent's share follows it (`Rebalancer.place_by_measure`),
-  or without `router.measured_placement`
-  says so in the log and what to set instead (`Rebalancer.placement_hint`).
+  or without `router.measured_placement` says so in the log and what to set instead
+  (`Rebalancer.placement_hint`).
 - environments, with `cluster.env_workers` (environments/client.py, `EnvClient.run`):
   consumes environment workers that register after set-up (a restarted one); produces
   them set up (the workflow's module imported in their pools) and routed to.

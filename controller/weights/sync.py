@@ -322,7 +322,9 @@ class WeightSync:
     def readable(self, agent: str) -> bool:
         """Whether `load_newest` of `agent` reads the last publication as it is (no publishing
         again), for any number of instances at once: one from a live trainer, not an NCCL
-        broadcast, at the synced version or newer; or a frozen adapter's directory."""
+        broadcast, at the synced version or newer; or a frozen adapter's directory. (An NCCL
+        publication was a broadcast to the ranks of its time: it cannot be read again; one
+        whose trainer died went with its process, a restarted trainer holds nothing of it.)"""
         if agent in self.adapter_dirs:
             return True
         pub = self.published.get(self.source_of(agent))
@@ -340,11 +342,7 @@ class WeightSync:
             await self._load(worker, agent, 0, None, adapter_dir=self.adapter_dirs[agent])
             return 0
         source = self.source_of(agent)
-        pub = self.published.get(source)
-        # An NCCL publication was a broadcast to the ranks of its time: it cannot be read again;
-        # one whose trainer died went with its process (a restarted trainer holds nothing of it).
-        if pub is None or pub.transport == "nccl" or pub.version < self.versions[agent] or not self._live(pub):
-            pub = await self._republish(source, worker)
+        pub = self.published[source] if self.readable(agent) else await self._republish(source, worker)
         if source != agent and pub.version != self.versions[agent]:
             log.warning("%s joins snapshot %s at %s version %d, not its synced %d (no older weights are held)",
                         worker, agent, source, pub.version, self.versions[agent])
