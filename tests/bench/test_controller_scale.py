@@ -140,3 +140,44 @@ def test_the_wide_shape_placed_by_chain_is_placed_again_by_the_tokens_sent_and_t
     for row in (parallel, measured, kept):
         assert row["accounting"] is True and row["episodes_failed"] == 0
         assert 0.0 < row["rollout_busy"] <= row["rollout_busy_max"] <= 1.0
+
+
+class _Replies:
+    """Stands in for a fake worker's session: keeps what it sends."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    async def send(self, msg, buffers=()):
+        self.sent.append(msg)
+
+
+async def test_a_fake_engine_swaps_another_agents_weights_in_place_only_with_nothing_of_its_own_queued():
+    from flexmarl.controller.testing.fake_cluster import DEFAULT_COSTS, FakeEngine
+    from flexmarl.runtime import protocol
+    from flexmarl.runtime.params.types import Location, ParamHandle
+
+    def handle(agent, version):
+        return ParamHandle(transport="shm", agent=agent, version=version, key=f"t/{agent}/{version}", layout=[],
+                           total_bytes=0, checksum=None, publisher=Location("host", 1))
+
+    engine = FakeEngine("rollout-0", dict(DEFAULT_COSTS))
+    engine.session = _Replies()
+    engine.agent, engine.version = "agent00", 3  # serving agent00 after a sync
+
+    engine.queued = 1  # one GENERATE of agent00 still queued: agent01's weights are refused
+    await engine._weights(protocol.LoadWeights(1, "agent01", 2, handle("agent01", 2)))
+    assert isinstance(engine.session.sent[-1], protocol.Error)
+    assert "GENERATEs queued" in engine.session.sent[-1].message
+    assert (engine.agent, engine.version) == ("agent00", 3)
+
+    engine.queued = 0  # drained: the same load swaps the instance to agent01 at its version
+    await engine._weights(protocol.LoadWeights(2, "agent01", 2, handle("agent01", 2)))
+    reply = engine.session.sent[-1]
+    assert isinstance(reply, protocol.WeightsLoaded) and (reply.agent, reply.version) == ("agent01", 2)
+    assert (engine.agent, engine.version) == ("agent01", 2)
+
+    # A handle of another version than the one named is refused whatever is queued.
+    await engine._weights(protocol.LoadWeights(3, "agent01", 3, handle("agent01", 2)))
+    assert isinstance(engine.session.sent[-1], protocol.Error)
+    assert (engine.agent, engine.version) == ("agent01", 2)
