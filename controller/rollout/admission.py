@@ -108,7 +108,8 @@ class Admission:
                         await each(w, load)
                 for w in joining:
                     if admitted[w] and not self._alive(w, registration[w]):
-                        await each(w, functools.partial(_died, w))
+                        log.warning("%s died while joining %s (while being admitted)", w, unit)
+                        admitted[w] = False
                     if admitted[w]:
                         self.instances.serve(w, agent, f"{w} {why}")
         return admitted
@@ -148,7 +149,3 @@ class Admission:
         died and registered again holds none of what was loaded into the old one)."""
         info = self.server.registry.workers.get(worker)
         return info is not None and info is registration and info.alive
-
-
-async def _died(worker: str) -> None:
-    raise WorkerDied(worker, "it died while being admitted")
