@@ -11,6 +11,7 @@ This module knows the shape of the configuration, not what any component does wi
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -531,6 +532,11 @@ class RouterConfig:
     """A later turn of a conversation goes back to the instance of the turn before (its prefix
     cache holds the conversation) while that instance's outstanding work is at most this many
     times the alternative's; 0: by load alone."""
+    coalesce_tokens: float = 256.0
+    """Groups of one agent routed in the same event-loop turn share an instance, and so one
+    message, while that instance's outstanding work is at most this many tokens over the
+    least-loaded rule's own pick's (a group costs its members' prompts and max_tokens: small
+    groups share, large ones spread); 0: every group by the rule alone. Not with round_robin."""
     placement: str = "chain"
     """How the rollout instances are first shared among the agents, before any demand is measured:
     "chain" weighs each agent by group_size x max_tokens x its position in [agents] (in a pipeline
@@ -814,6 +820,9 @@ class ExperimentConfig:
         for name in self.run.trackers:
             if name not in TRACKERS:
                 raise ConfigError(f"run.trackers: unknown tracker {name!r} (known: {', '.join(TRACKERS)})")
+        if self.router.coalesce_tokens < 0 or not math.isfinite(self.router.coalesce_tokens):
+            raise ConfigError(f"router.coalesce_tokens must be a finite number >= 0 (0: no coalescing), got "
+                              f"{self.router.coalesce_tokens}")
         if self.router.min_part < 1 or self.router.affinity_bound < 0:
             raise ConfigError(f"router.min_part must be >= 1 and router.affinity_bound >= 0 (0: no affinity), got "
                               f"{self.router.min_part} and {self.router.affinity_bound}")

@@ -79,6 +79,10 @@ the pace, not the controller (RESULTS, run X). After the first step the run plac
 again by the tokens each agent was sent (`router.measured_placement`, 32 each); add
 `"measured": false` to keep the first placement, `"placement": "parallel"` to start from
 every agent's share.
+
+A point's groups are tiny (1-6 output tokens, 2-4 samples): the groups of one agent routed
+in one loop turn share an instance and a message while within `router.coalesce_tokens`
+(256) of the least-loaded pick; add `"coalesce": 0` to route every group by the rule alone.
 """
 
 from __future__ import annotations
@@ -146,7 +150,8 @@ def config_for(p: dict[str, Any], run_dir: Path, address: str, model_dir: Path) 
                      "micro_batch": p["micro_batch"], "max_concurrent_episodes": p["queries"],
                      # a step's episodes reach only some of many agents: the others step on nothing
                      "allow_empty_steps": True},
-        "router": {"placement": p["placement"], "measured_placement": p["measured"]},
+        "router": {"placement": p["placement"], "measured_placement": p["measured"],
+                   **({"coalesce_tokens": p["coalesce"]} if "coalesce" in p else {})},
         "agents": agents,
     })
 
@@ -385,6 +390,7 @@ def measure(p: dict[str, Any], cfg: Any, training: Any, summary: Any, watch: Wat
     return {
         **{k: p[k] for k in ("instances", "agents", "trainers", "shape", "mode", "k", "queries", "steps", "placement",
                                   "measured")},
+        **({"coalesce": p["coalesce"]} if "coalesce" in p else {}),
         "samples": samples,
         "wall_s": round(wall, 3),
         "samples_s": round(samples / wall) if wall else 0,

@@ -10,8 +10,11 @@ Two parts, kept apart on purpose:
   agent's work, and never into parts under `min_part` samples); a later turn of a sample
   goes back to the instance that generated its previous turn (its prefix cache holds the
   conversation) while that instance still serves the agent and its load is within
-  `affinity_bound` of the alternative's. Everything bound for one instance in that turn
-  goes in one GENERATE message, of any agent the instance serves. Replies come back per
+  `affinity_bound` of the alternative's. A whole group joins the instance its agent's
+  group before it took in the same turn while that instance is at most `coalesce_tokens`
+  more loaded than the rule's pick (small groups share a message: a message costs the
+  controller and the engine alike, a few tokens each cost little). Everything bound for
+  one instance in that turn goes in one GENERATE message, of any agent the instance serves. Replies come back per
   group, whole; a group resolves when its last part has. If an instance dies or fails a
   message, its unfinished parts are routed again (to another instance, since a dead one
   has left every agent); the experience store refuses a second result for a sample, so a
@@ -57,6 +60,11 @@ MIN_PART = 16
 # A later turn stays on the instance of the turn before while that instance's outstanding
 # work is at most this many times the alternative's (plus the turn's own cost).
 AFFINITY_BOUND = 2.0
+# A group joins the instance its agent's group before it took in the same routing turn (one
+# GENERATE message for both) while that instance's outstanding work is at most this many
+# tokens over the rule's own pick's: small groups (a few tokens each) share a message, a
+# group of real size (prompt and max_tokens of every member) never does.
+COALESCE_TOKENS = 256.0
 
 Load = Callable[[str], float]
 
@@ -115,6 +123,13 @@ def split_sizes(n: int, cost: float, share: float, instances: int, min_part: int
     return [base + (i < extra) for i in range(parts)]
 
 
+def coalesces(taken_load: float, chosen_load: float, slack: float = COALESCE_TOKENS) -> bool:
+    """Whether a new group goes to the instance its agent's previous group of the same
+    routing turn took (load `taken_load`, the group before counted) rather than to the
+    rule's choice (load `chosen_load`): one message for both, within `slack` tokens."""
+    return slack > 0 and taken_load <= chosen_load + slack
+
+
 def stays(previous_load: float, other_load: float, cost: float, bound: float = AFFINITY_BOUND) -> bool:
     """Whether a later turn goes back to the instance of its previous turn (load
     `previous_load`) rather than to the routing policy's choice (load `other_load`)."""
@@ -165,18 +180,41 @@ class _Part:
 class RoutingPolicy:
     """How a group picks among its agent's instances: the rule (`route_group`) with its
     round-robin position per agent and its random draws, the smallest part a group is
-    split into, and how much more loaded a later turn's previous instance may be and still
-    take the turn (`stays`)."""
+    split into, how much more loaded a later turn's previous instance may be and still
+    take the turn (`stays`), and how many tokens more loaded the instance an agent's group
+    took in this routing turn may be and still take the next whole group (`coalesces`;
+    the least-loaded rule only: round robin is the static baseline)."""
 
     within_agent: str
     min_part: int
     affinity_bound: float
     rng: random.Random
+    coalesce_tokens: float = COALESCE_TOKENS
     turn: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     rule: Callable[[Sequence[str], Load, int, random.Random], str] = field(init=False)
+    # Per agent, the instance its last whole group took in this routing turn (`new_turn` forgets).
+    taken: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rule = _rule(self.within_agent)  # an unknown name fails here, not at the first group
+        if self.within_agent != "least_loaded":
+            self.coalesce_tokens = 0.0
+
+    def new_turn(self) -> None:
+        """A routing turn begins: no group of it was routed yet."""
+        if self.taken:
+            self.taken.clear()
+
+    def choose_whole(self, agent: str, instances: Sequence[str], load: Load) -> str:
+        """`choose` for a whole first-turn group: the instance the agent's group before it
+        took in this routing turn where that one `coalesces`, else the rule's pick."""
+        worker = self.choose(agent, instances, load)
+        if self.coalesce_tokens > 0:
+            taken = self.taken.get(agent)
+            if taken is not None and taken != worker and coalesces(load(taken), load(worker), self.coalesce_tokens):
+                worker = taken
+            self.taken[agent] = worker
+        return worker
 
     def sizes(self, n: int, cost: float, instances: Sequence[str], load: Load) -> list[int]:
         """The parts a new group of n samples is cut into (`split_sizes`): [n] unless it can split."""
@@ -200,7 +238,7 @@ class RolloutClient:
     def __init__(self, server: ControllerServer, instances: RolloutInstances, *, instance_wait_s: float = 60.0,
                  emit: Emit | None = None, within_agent: str = "least_loaded",
                  version_of: Callable[[str], int] | None = None, min_part: int = MIN_PART,
-                 affinity_bound: float = AFFINITY_BOUND, seed: int = 0,
+                 affinity_bound: float = AFFINITY_BOUND, seed: int = 0, coalesce_tokens: float = COALESCE_TOKENS,
                  instance_expected: Callable[[], bool] = lambda: False) -> None:
         self.server = server
         # The agent's synced version, sent with each group: an adapter agent's group runs
@@ -213,7 +251,7 @@ class RolloutClient:
         self.instance_wait_s = instance_wait_s
         self.instance_expected = instance_expected
         self.max_attempts = 3  # a part that fails on this many instances fails its episode
-        self.policy = RoutingPolicy(within_agent, min_part, affinity_bound, random.Random(seed))
+        self.policy = RoutingPolicy(within_agent, min_part, affinity_bound, random.Random(seed), coalesce_tokens)
         self.dispatched_tokens: dict[str, float] = defaultdict(float)  # per agent, for demand
         self._queued: list[_Part] = []
         self._flush_scheduled = False
@@ -283,6 +321,7 @@ class RolloutClient:
     def _flush(self) -> None:
         self._flush_scheduled = False
         queued, self._queued = self._queued, []
+        self.policy.new_turn()
         bound: dict[str, list[_Part]] = {}
         for part in queued:
             if part.owner.future.done():
@@ -309,8 +348,9 @@ class RolloutClient:
         else:  # a part routed again: as it was
             pieces = [part]
         routed = []
+        whole = len(pieces) == 1 and not part.after and part.attempt == 1  # a part of a split group never shares
         for piece in pieces:
-            worker = self.policy.choose(agent, instances, load)
+            worker = self.policy.choose_whole(agent, instances, load) if whole else self.policy.choose(agent, instances, load)
             if (piece.after and piece.after != worker and self.owner.serving(piece.after, agent)
                     and self.policy.keeps_turn(piece.after, worker, load, piece.cost)):
                 worker = piece.after

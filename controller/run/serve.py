@@ -91,6 +91,7 @@ class ServedAgents:
         self.server = ControllerServer(self.cfg.transport)
         self.instances = RolloutInstances(self.units)
         self.client = RolloutClient(self.server, self.instances, within_agent=self.cfg.router.within_agent,
+                                    coalesce_tokens=self.cfg.router.coalesce_tokens,
                                     version_of=lambda agent: self.point.step)
         self.tokenizers: dict[str, AgentTokenizer] = {}
         self.endpoint = OpenAIEndpoint(self.cfg.openai, self.models, {a: c.tool_parser for a, c in self.cfg.agents.items()},

@@ -10,7 +10,7 @@ import pytest
 from fake_rollout import FakeServer, until
 
 from flexmarl.controller.episodes.workflow import AgentDefaults, EpisodeContext
-from flexmarl.controller.rollout.router import RolloutClient, route_group, split_sizes, stays
+from flexmarl.controller.rollout.router import RolloutClient, coalesces, route_group, split_sizes, stays
 from flexmarl.controller.state.instances import RolloutInstances
 from flexmarl.controller.state.store import ExperienceStore
 from flexmarl.runtime import protocol
@@ -19,14 +19,14 @@ from flexmarl.runtime.keys import GroupKey
 from flexmarl.workers.rollout.worker import RolloutHandler
 
 
-def client_over(server, assignment):
+def client_over(server, assignment, **options):
     """A rollout client whose instances serve `assignment` (agent -> workers, in order)."""
     instances = RolloutInstances(whole_models(list(assignment)))
     for agent, workers in assignment.items():
         for w in workers:
             instances.serve(w, agent, "placed by the test")
     server.on_died.append(lambda info: instances.died(info.worker_id))
-    return RolloutClient(server, instances)
+    return RolloutClient(server, instances, **options)
 
 
 def group(call, n=4, prompt=(1, 2), max_tokens=4, agent="a", seed=0, member=0, turn=0):
@@ -166,6 +166,40 @@ async def test_everything_bound_for_one_instance_in_one_loop_turn_goes_in_one_me
     for task in tasks:
         assert (await task).n == 4
     assert client.outstanding["r0"] == 0
+
+
+def test_a_group_shares_its_agents_instance_of_the_same_turn_only_within_the_slack():
+    assert coalesces(100.0, 0.0, 256.0) and coalesces(356.0, 100.0, 256.0)
+    assert not coalesces(357.0, 100.0, 256.0)
+    assert not coalesces(0.0, 0.0, 0.0)  # 0: the rule alone
+
+
+async def sent_for(groups, workers=4, **options):
+    """The messages (instance, call names) the groups, all queued in one loop turn, went out in."""
+    names = [f"r{i}" for i in range(workers)]
+    server = FakeServer(names)
+    client = client_over(server, {"a": names}, **options)
+    tasks = [asyncio.ensure_future(client.generate("a", g)) for g in groups]
+    await until(lambda: server.sent)
+    await asyncio.sleep(0)
+    sent = [(w, [g.key.call for g in m.groups]) for w, m in server.sent]
+    for _, m in server.sent:
+        server.answer(m.request_id)
+    assert [(await t).n for t in tasks] == [g.n for g in groups]
+    assert sum(client.outstanding.values()) == 0
+    return sent
+
+
+async def test_small_groups_of_one_turn_share_a_message_large_ones_and_round_robin_spread():
+    small = [group(f"s{i}", n=4, prompt=(1, 2), max_tokens=4) for i in range(8)]  # 24 tokens each
+    (worker, calls), = await sent_for(small)
+    assert calls == [f"s{i}" for i in range(8)]  # 8 x 24 = 192 tokens: within 256 of an idle instance
+    spread = await sent_for(small, coalesce_tokens=0)
+    assert len(spread) > 1 and sorted(c for _, calls in spread for c in calls) == sorted(f"s{i}" for i in range(8))
+    assert len(await sent_for(small, coalesce_tokens=48)) >= 3  # at most three groups to an instance (72 over 0)
+    large = [group(f"l{i}", n=4, prompt=range(1, 101), max_tokens=100) for i in range(4)]  # 800 tokens each
+    assert await sent_for(large[:2], workers=2) == [("r0", ["l0"]), ("r1", ["l1"])]  # 800 over 0: the idle one
+    assert len(await sent_for(small, within_agent="round_robin")) == 4  # the static baseline, untouched
 
 
 async def test_a_large_group_splits_into_contiguous_parts_that_keep_their_seeds_and_come_back_in_order():
