@@ -144,7 +144,10 @@ class Sweeps:
 
     `start()` (from the loop, once start-up is done) sets apart everything tracked so far
     (``gc.freeze``: the imports' objects, the run's set-up), so that a full collection
-    walks only what the run made since; `run()` then collects every `every_s` seconds,
+    walks only what the run made since; `run()` then collects `first_s` seconds later (so
+    that `adapt` sets the young passes by what the run makes early: until a sweep has, a
+    run at RARE_THRESHOLDS walks its in-flight heap about twice a second, 30-36 ms a pass
+    at 1,024 x 32, the wide point's loop lag p99), then every `every_s` seconds,
     or less often where a collection's CPU time is more than `share` of the time between
     two (a heap that has grown large is walked less often, never more than that share of
     the loop's CPU). What cycles keep alive is then bounded by `every_s` seconds of their
@@ -159,8 +162,10 @@ class Sweeps:
     and the longest one's wall time, for benches), `found` (what the last one found
     unreachable). Waits for: its timer."""
 
-    def __init__(self, every_s: float = 5.0, share: float = 0.02, *, adapt: bool = False) -> None:
+    def __init__(self, every_s: float = 5.0, share: float = 0.02, *, adapt: bool = False,
+                 first_s: float = 1.0) -> None:
         self.every_s = every_s
+        self.first_s = first_s
         self.share = share
         self.adapt = adapt
         self.count = 0
@@ -192,7 +197,7 @@ class Sweeps:
     async def run(self) -> None:
         import asyncio  # here, not above: `flexmarl replay` uses this module and starts without an event loop
 
-        wait = self.every_s
+        wait = self.first_s
         while True:
             await asyncio.sleep(wait)
             wait = max(self.every_s, self.sweep() / self.share)
@@ -207,15 +212,15 @@ class Sweeps:
 
 
 @contextlib.asynccontextmanager
-async def swept(every_s: float = 5.0, share: float = 0.02) -> AsyncIterator[Sweeps]:
+async def swept(every_s: float = 5.0, share: float = 0.02, first_s: float = 1.0) -> AsyncIterator[Sweeps]:
     """A long-running loop's policy, for as long as the block runs on it: what is tracked
-    now set apart, a full collection of the rest every `every_s` seconds (at most `share`
+    now set apart, a full collection of the rest after `first_s` seconds, then every `every_s` (at most `share`
     of the loop's CPU) by a task of its own, and young passes at RARE_THRESHOLDS or, while
     the sweeps find next to no cycles, BACKSTOP_THRESHOLDS (`Sweeps` with `adapt`). The
     block's end stops the task, hands the set-apart heap back and restores the thresholds."""
     import asyncio  # as in `Sweeps.run`
 
-    sweeps = Sweeps(every_s, share, adapt=True)
+    sweeps = Sweeps(every_s, share, adapt=True, first_s=first_s)
     with rare_collections():
         sweeps.start()
         task = asyncio.get_running_loop().create_task(sweeps.run(), name="collector")

@@ -90,7 +90,7 @@ def test_sweeps_set_the_start_up_heap_apart_and_hand_it_back_but_leave_what_anot
 async def test_swept_runs_the_loops_policy_for_the_blocks_length_and_restores_what_was_before():
     before = gc.get_threshold()
     held = [[] for _ in range(1000)]
-    async with collector.swept(every_s=0.02) as sweeps:
+    async with collector.swept(every_s=0.02, first_s=0.02) as sweeps:
         assert gc.get_threshold() == collector.RARE_THRESHOLDS  # until a sweep has looked
         assert gc.get_freeze_count() >= len(held)  # the heap so far set apart
         for _ in range(200):
@@ -132,7 +132,7 @@ async def test_swept_leaves_a_swelling_and_draining_in_flight_heap_to_the_sweeps
         gc.collect()
         rare = _young_passes_over_steps()
     assert rare >= 10  # about two a step, each walking what is in flight, collecting nothing
-    async with collector.swept(every_s=3600) as sweeps:  # its own sweeps come too late for this test
+    async with collector.swept(every_s=3600, first_s=3600) as sweeps:  # its own sweeps come too late for this test
         sweeps.sweep()  # a sweep that finds no cycles
         swept = _young_passes_over_steps()
     assert swept == 0
@@ -147,7 +147,7 @@ def _cycles(n: int) -> None:
 
 
 async def test_a_sweep_that_finds_cycles_brings_the_young_passes_back_and_one_that_finds_none_leaves_a_backstop():
-    async with collector.swept(every_s=3600) as sweeps:
+    async with collector.swept(every_s=3600, first_s=3600) as sweeps:
         sweeps.sweep()
         assert sweeps.found < collector.CYCLES_FOUND and gc.get_threshold() == collector.BACKSTOP_THRESHOLDS
         _cycles(2 * collector.CYCLES_FOUND)
@@ -156,6 +156,23 @@ async def test_a_sweep_that_finds_cycles_brings_the_young_passes_back_and_one_th
         _cycles(collector.CYCLES_FOUND // 10)  # a few: young passes would find little of what is in flight
         sweeps.sweep()
         assert gc.get_threshold() == collector.BACKSTOP_THRESHOLDS
+
+
+async def test_the_first_sweep_comes_soon_after_the_start_so_the_young_passes_are_set_early():
+    with collector.rare_collections():
+        sweeps = collector.Sweeps(every_s=3600, adapt=True, first_s=0.05)  # then none for an hour
+        sweeps.start()
+        running = asyncio.create_task(sweeps.run())
+        try:
+            for _ in range(100):
+                if sweeps.count:
+                    break
+                await asyncio.sleep(0.02)
+            assert sweeps.count == 1 and gc.get_threshold() == collector.BACKSTOP_THRESHOLDS
+            assert collector.Sweeps().first_s < collector.Sweeps().every_s  # by default too
+        finally:
+            running.cancel()
+            sweeps.stop()
 
 
 def test_sweeps_without_adapt_leave_the_thresholds_to_their_caller():
