@@ -146,7 +146,7 @@ class Sweeps:
     (``gc.freeze``: the imports' objects, the run's set-up), so that a full collection
     walks only what the run made since; `run()` then collects `first_s` seconds later (so
     that `adapt` sets the young passes by what the run makes early: until a sweep has, a
-    run at RARE_THRESHOLDS walks its in-flight heap about twice a second, 30-36 ms a pass
+    run at RARE_THRESHOLDS walks its in-flight heap about twice a second, 28-36 ms a pass
     at 1,024 x 32, the wide point's loop lag p99), then every `every_s` seconds,
     or less often where a collection's CPU time is more than `share` of the time between
     two (a heap that has grown large is walked less often, never more than that share of
@@ -214,8 +214,8 @@ class Sweeps:
 @contextlib.asynccontextmanager
 async def swept(every_s: float = 5.0, share: float = 0.02, first_s: float = 1.0) -> AsyncIterator[Sweeps]:
     """A long-running loop's policy, for as long as the block runs on it: what is tracked
-    now set apart, a full collection of the rest after `first_s` seconds, then every `every_s` (at most `share`
-    of the loop's CPU) by a task of its own, and young passes at RARE_THRESHOLDS or, while
+    now set apart, a full collection of the rest after `first_s` seconds, then every
+    `every_s` (at most `share` of the loop's CPU) by a task of its own, and young passes at RARE_THRESHOLDS or, while
     the sweeps find next to no cycles, BACKSTOP_THRESHOLDS (`Sweeps` with `adapt`). The
     block's end stops the task, hands the set-apart heap back and restores the thresholds."""
     import asyncio  # as in `Sweeps.run`

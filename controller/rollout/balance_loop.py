@@ -19,8 +19,9 @@ the admission (admission.py) makes it serve `dst`: an engine restart on `dst`'s 
 where the architectures differ, else the weights swapped in place, then `dst`'s synced
 weights under `dst`'s sync lock. If the work does not drain in time the instance goes back
 to `src` through the admission (which loads nothing unless `src` synced while it was out).
-A worker that dies or refuses on the way fails its move alone, never the run. Every change is an AllocationChanged event; `reassignments` lists
-the moves with what each cost. An agent is never left without an instance.
+A worker that dies or refuses on the way fails its move alone, never the run. Every change
+is an AllocationChanged event; `reassignments` lists the moves with what each cost. An
+agent is never left without an instance.
 
 It balances engine units (runtime/bases.engine_units): a whole-model agent, or every
 adapter agent of one base, whose instances serve all of them at once. A base's agents

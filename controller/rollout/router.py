@@ -14,8 +14,8 @@ Two parts, kept apart on purpose:
   group before it took in the same turn while that instance is at most `coalesce_tokens`
   more loaded than the rule's pick (small groups share a message: a message costs the
   controller and the engine alike, a few tokens each cost little). Everything bound for
-  one instance in that turn goes in one GENERATE message, of any agent the instance serves. Replies come back per
-  group, whole; a group resolves when its last part has. If an instance dies or fails a
+  one instance in that turn goes in one GENERATE message, of any agent the instance
+  serves. Replies come back per group, whole; a group resolves when its last part has. If an instance dies or fails a
   message, its unfinished parts are routed again (to another instance, since a dead one
   has left every agent); the experience store refuses a second result for a sample, so a
   re-issue can never add a sample twice. A call cancelled (its episode abandoned) aborts
@@ -348,9 +348,12 @@ class RolloutClient:
         else:  # a part routed again: as it was
             pieces = [part]
         routed = []
-        whole = len(pieces) == 1 and not part.after and part.attempt == 1  # a part of a split group never shares
+        # A new first-turn group, whole, may share its agent's instance of this turn; a part
+        # of a split group, a later turn or a part routed again takes the rule's pick.
+        whole = len(pieces) == 1 and not part.after and part.attempt == 1
+        choose = self.policy.choose_whole if whole else self.policy.choose
         for piece in pieces:
-            worker = self.policy.choose_whole(agent, instances, load) if whole else self.policy.choose(agent, instances, load)
+            worker = choose(agent, instances, load)
             if (piece.after and piece.after != worker and self.owner.serving(piece.after, agent)
                     and self.policy.keeps_turn(piece.after, worker, load, piece.cost)):
                 worker = piece.after

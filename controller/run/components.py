@@ -312,7 +312,8 @@ def build(cfg: ExperimentConfig, resolved: Resolved, given: Given) -> Components
     client = RolloutClient(server, instances, emit=emit, within_agent=cfg.router.within_agent,
                            version_of=versions.__getitem__, min_part=cfg.router.min_part,
                            affinity_bound=cfg.router.affinity_bound, seed=cfg.run.seed,
-                           coalesce_tokens=cfg.router.coalesce_tokens, instance_expected=lambda: given.restarting("rollout") or rejoin.pending())
+                           coalesce_tokens=cfg.router.coalesce_tokens,
+                           instance_expected=lambda: given.restarting("rollout") or rejoin.pending())
     if given.resume is not None:  # before the metrics log opens: it continues after the checkpoint
         resume_counters(given.resume, given.run_dir, schedule, versions)
     metrics = _metrics(cfg, resolved, given, store, schedule, client)
